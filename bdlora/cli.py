@@ -1,0 +1,295 @@
+"""The ``bdlora`` command line (typer + rich). Commands are thin: parse, build a config, call one library
+function, print a rich table or JSON. Errors become one red line on stderr (exit 2 bad usage, 1 failure)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from bdlora.config import field_help
+from bdlora.errors import BdloraError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Budgeted LoRA: distil a causal LM into a mixed dense/low-rank student that is faster.")
+out = Console()
+err = Console(stderr=True)
+H = field_help()
+
+
+def handle_errors(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except BdloraError as e:
+            err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:
+            err.print("[bold red]interrupted[/]")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+class RichReporter:
+    """Progress bar with loss, ppl, tokens/s and ETA; stage lines for the slow set-up steps."""
+
+    def __init__(self, console: Console):
+        self.c = console
+        self.progress: Progress | None = None
+        self.task = None
+        self.tprogress: Progress | None = None
+
+    def stage(self, message: str) -> None:
+        self._close_teacher()
+        self.c.print(f"[cyan]>[/] {message}")
+
+    def teacher_step(self, step, total, loss):
+        if self.tprogress is None:
+            self.tprogress = Progress(TextColumn("  teacher"), BarColumn(), MofNCompleteColumn(),
+                                      TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(),
+                                      TimeRemainingColumn(), console=self.c)
+            self.tprogress.start()
+            self.ttask = self.tprogress.add_task("teacher", total=total, loss=loss)
+        self.tprogress.update(self.ttask, completed=step, loss=loss)
+
+    def _close_teacher(self):
+        if self.tprogress is not None:
+            self.tprogress.stop()
+            self.tprogress = None
+
+    def start(self, total_steps, start_step):
+        self._close_teacher()
+        self.progress = Progress(
+            TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
+            TextColumn("ppl {task.fields[ppl]}"), TextColumn("{task.fields[extra]}"),
+            TextColumn("{task.fields[tps]} tok/s"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+            console=self.c)
+        self.progress.start()
+        self.task = self.progress.add_task("train", total=total_steps, completed=start_step, loss="-", ppl="-",
+                                           tps="-", extra="")
+
+    def step(self, step, m):
+        extra = f"dense {m['retained']:.2f}" if "retained" in m else ""
+        fields = {"loss": f"{m['loss']:.3f}", "tps": f"{m['tokens_per_s']:.0f}", "extra": extra}
+        if "val_ppl" in m:
+            fields["ppl"] = f"{m['val_ppl']:.2f}"
+        self.progress.update(self.task, completed=step, **fields)
+
+    def evaluated(self, step, m):
+        self.c.print(f"  step {step}: val ppl {m['val_ppl']:.3f}"
+                     + (f", retained dense {m['retained']:.3f}" if "retained" in m else ""))
+
+    def finish(self):
+        if self.progress is not None:
+            self.progress.stop()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# teacher
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@app.command()
+@handle_errors
+def teacher(
+    cache_dir: Annotated[Optional[str], typer.Option(help=H["cache_dir"])] = None,
+    force: Annotated[bool, typer.Option(help="Rebuild even if a cached teacher exists.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the teacher report as JSON.")] = False,
+):
+    """Build (or show) the embedded default teacher: a BPE tokenizer and a small Mistral-style model pretrained on
+    the Python standard library, cached for later runs."""
+    from bdlora.teacher import build_builtin_teacher
+
+    rep = RichReporter(err if json_out else out)
+    path = build_builtin_teacher(Path(cache_dir) if cache_dir else None, force=force, on_stage=rep.stage,
+                                 on_step=rep.teacher_step)
+    rep._close_teacher()
+    info = json.loads((path / "teacher.json").read_text())
+    info["path"] = str(path)
+    if json_out:
+        print(json.dumps(info, indent=2))
+        return
+    t = Table(title="embedded default teacher")
+    t.add_column("")
+    t.add_column("value", justify="right")
+    t.add_row("path", str(path))
+    t.add_row("parameters", f"{info['parameters']:,}")
+    t.add_row("corpus tokens (train / val)", f"{info['corpus_tokens']['train']:,} / {info['corpus_tokens']['val']:,}")
+    t.add_row("pretraining tokens seen", f"{info['train_tokens_seen']:,}")
+    t.add_row("validation perplexity", f"{info['val_ppl']:.2f}")
+    t.add_row("unigram baseline perplexity", f"{info['unigram_ppl']:.2f}")
+    t.add_row("build time", f"{info['build_seconds']:.0f} s")
+    out.print(t)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# train
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@app.command()
+@handle_errors
+def train(
+    method: Annotated[Optional[str], typer.Option(help=H["method"])] = None,
+    teacher: Annotated[Optional[str], typer.Option(help=H["teacher"])] = None,
+    data: Annotated[Optional[str], typer.Option(help=H["data"])] = None,
+    student_layers: Annotated[Optional[int], typer.Option(help=H["student_layers"])] = None,
+    layer_selection: Annotated[Optional[str], typer.Option(help=H["layer_selection"])] = None,
+    student_init: Annotated[Optional[str], typer.Option(help=H["student_init"])] = None,
+    seq_len: Annotated[Optional[int], typer.Option(help=H["seq_len"])] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help=H["batch_size"])] = None,
+    grad_accum: Annotated[Optional[int], typer.Option(help=H["grad_accum"])] = None,
+    max_steps: Annotated[Optional[int], typer.Option(help=H["max_steps"])] = None,
+    tokens: Annotated[Optional[int], typer.Option(help=H["tokens"])] = None,
+    lr: Annotated[Optional[float], typer.Option(help=H["lr"])] = None,
+    weight_decay: Annotated[Optional[float], typer.Option(help=H["weight_decay"])] = None,
+    temperature: Annotated[Optional[float], typer.Option(help=H["temperature"])] = None,
+    kd_weight: Annotated[Optional[float], typer.Option(help=H["kd_weight"])] = None,
+    lora_rank: Annotated[Optional[int], typer.Option(help=H["lora_rank"])] = None,
+    lora_alpha: Annotated[Optional[float], typer.Option(help=H["lora_alpha"])] = None,
+    budget: Annotated[Optional[float], typer.Option(help=H["budget"])] = None,
+    decay_start: Annotated[Optional[float], typer.Option(help=H["decay_start"])] = None,
+    decay_end: Annotated[Optional[float], typer.Option(help=H["decay_end"])] = None,
+    retention_ema: Annotated[Optional[float], typer.Option(help=H["retention_ema"])] = None,
+    gate_init: Annotated[Optional[float], typer.Option(help=H["gate_init"])] = None,
+    eval_every: Annotated[Optional[int], typer.Option(help=H["eval_every"])] = None,
+    eval_tokens: Annotated[Optional[int], typer.Option(help=H["eval_tokens"])] = None,
+    heldout_fraction: Annotated[Optional[float], typer.Option(help=H["heldout_fraction"])] = None,
+    save_every: Annotated[Optional[int], typer.Option(help=H["save_every"])] = None,
+    keep_last: Annotated[Optional[int], typer.Option(help=H["keep_last"])] = None,
+    measure_step_time: Annotated[Optional[bool], typer.Option(help=H["measure_step_time"])] = None,
+    seed: Annotated[Optional[int], typer.Option(help=H["seed"])] = None,
+    device: Annotated[Optional[str], typer.Option(help=H["device"])] = None,
+    out_dir: Annotated[Optional[str], typer.Option("--out", help=H["out"])] = None,
+    runs_dir: Annotated[Optional[str], typer.Option(help=H["runs_dir"])] = None,
+    cache_dir: Annotated[Optional[str], typer.Option(help=H["cache_dir"])] = None,
+    config: Annotated[Optional[str], typer.Option(help="YAML file holding any of these options; flags override.")]
+    = None,
+    resume: Annotated[Optional[str], typer.Option(help="Continue an unfinished run directory from its latest "
+                                                        "checkpoint (its stored options are used).")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+):
+    """Distil a student from the teacher: kd-full, kd-lora or budgeted (Budgeted LoRA)."""
+    cli_values = dict(locals())
+    from bdlora.config import load_yaml, merge
+    from bdlora.errors import RunDirError
+    from bdlora.train import train as run_train
+
+    for k in ("config", "resume", "json_out"):
+        cli_values.pop(k)
+    cli_values["out"] = cli_values.pop("out_dir")
+    cfg = merge(load_yaml(config) if config else {}, cli_values)
+    if resume is not None and not Path(resume).is_dir():
+        raise RunDirError(f"--resume {resume}: no such run directory")
+    console = err if json_out else out
+    summary = run_train(cfg, RichReporter(console), resume=resume)
+    if json_out:
+        print(json.dumps(summary, indent=2))
+        return
+    _print_summary(summary)
+
+
+def _print_summary(s: dict) -> None:
+    t = Table(title=f"{s['method']} run: {s['run_dir']}")
+    t.add_column("")
+    t.add_column("value", justify="right")
+    t.add_row("teacher val ppl", f"{s['teacher_val_ppl']:.3f}")
+    if s.get("initial_student_val_ppl") is not None:
+        t.add_row("student val ppl before training", f"{s['initial_student_val_ppl']:.3f}")
+    t.add_row("student val ppl", f"{s['student_val_ppl']:.3f}")
+    t.add_row("steps / tokens", f"{s['steps']:,} / {s['tokens']:,}")
+    t.add_row("train time", f"{s['train_seconds']:.1f} s ({s['tokens_per_s']:.0f} tok/s)")
+    p = s["compute_proxy"]
+    t.add_row("dense MACs/token D, LoRA L", f"{p['D']:,} / {p['L']:,}")
+    t.add_row("mean retained dense d_bar", f"{p['d_bar']:.3f}")
+    t.add_row("train compute proxy vs kd-full", f"lora {p['lora_vs_full']:.3f}x, budgeted {p['bud_vs_full']:.3f}x")
+    if "step_time_ms" in s:
+        st = s["step_time_ms"]
+        t.add_row("measured step time (ms)", f"full {st['kd-full']:.1f}, lora {st['kd-lora']:.1f}, "
+                  f"budgeted d=0 {st['budgeted']:.1f}")
+        t.add_row("measured step ratio vs kd-full", f"lora {st['lora_vs_full']:.3f}x, budgeted "
+                  f"{st['budgeted_vs_full']:.3f}x")
+    if "final_retained" in s:
+        zero = sum(1 for m in s["modules"] if m["d"] == 0)
+        t.add_row("final retained dense / modules at zero", f"{s['final_retained']:.3f} / {zero}/{len(s['modules'])}")
+    out.print(t)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# plan
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@app.command()
+@handle_errors
+def plan(
+    model_config: Annotated[str, typer.Option(help="Hugging Face config.json (or a folder holding one).")],
+    budget: Annotated[float, typer.Option(help=H["budget"])] = 0.4,
+    layers: Annotated[Optional[int], typer.Option(help="Student decoder layers (default: the config's).")] = None,
+    lora_rank: Annotated[int, typer.Option(help="LoRA r_max of every gated module.")] = 128,
+    eps_lr: Annotated[float, typer.Option(help="d below this (and >= eps-zero) is SVD-approximated.")] = 0.7,
+    eps_zero: Annotated[float, typer.Option(help="d below this drops the dense path.")] = 1e-3,
+    svd_max_rank: Annotated[int, typer.Option(help="r_dense_max, the largest SVD rank of case 2.")] = 128,
+    decay_start: Annotated[float, typer.Option(help=H["decay_start"])] = 0.1,
+    decay_end: Annotated[float, typer.Option(help=H["decay_end"])] = 0.3,
+    retention_ema: Annotated[float, typer.Option(help=H["retention_ema"])] = 0.9,
+    steps: Annotated[int, typer.Option(help="Optimiser steps the schedule is simulated over.")] = 10_000,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+):
+    """Predict what `compress` would produce for a budget F from a model config alone: per-module case and rank,
+    MAC speed-ups vs dense and vs LoRA, parameter reduction and the training-compute proxy."""
+    from bdlora.plan import plan as run_plan
+    from bdlora.plan import read_model_config
+
+    report = run_plan(read_model_config(model_config), budget, layers=layers, rank=lora_rank, eps_lr=eps_lr,
+                      eps_zero=eps_zero, svd_max_rank=svd_max_rank, decay_start=decay_start, decay_end=decay_end,
+                      ema=retention_ema, steps=steps)
+    if json_out:
+        print(json.dumps(report, indent=2))
+        return
+    print_compression_report(report, title=f"plan: F = {budget}")
+    p = report["compute_proxy"]
+    out.print(f"training-compute proxy vs kd-full: budgeted {p['bud_vs_full']:.3f}x, kd-lora "
+              f"{p['lora_vs_full']:.3f}x (D = {p['D']:,}, L = {p['L']:,}, d_bar = {p['d_bar']:.3f})")
+
+
+def print_compression_report(report: dict, title: str) -> None:
+    """The SPEC 6.4 table: one row per module, then the totals (shared by plan and compress)."""
+    t = Table(title=title)
+    for col, j in (("module", "left"), ("d", "right"), ("case", "left"), ("LoRA r", "right"), ("SVD k", "right"),
+                   ("MACs before", "right"), ("MACs after", "right"), ("params after", "right")):
+        t.add_column(col, justify=j)
+    for m in report["modules"]:
+        t.add_row(m["name"].replace("model.layers.", "L"), f"{m['d']:.3f}", m["case"], str(m["lora_rank"]),
+                  str(m["svd_rank"] or "-"), f"{m['macs_before']:,}", f"{m['macs_after']:,}",
+                  f"{m['params_after']:,}")
+    out.print(t)
+    n = report["modules_total"]
+    s = Table(title="totals over the replaced modules")
+    s.add_column("")
+    s.add_column("value", justify="right")
+    s.add_row("dense kept / SVD / dropped", f"{report['dense_kept']}/{n} / {report['dense_svd']}/{n} / "
+              f"{report['dense_dropped']}/{n}" + (f" ({report['merged_cheaper']} merged-cheaper)"
+                                                  if report["merged_cheaper"] else ""))
+    s.add_row("average LoRA rank kept", f"{report['avg_lora_rank']:.1f}")
+    s.add_row("MAC speed-up vs dense", f"{report['speedup_vs_dense']:.2f}x")
+    s.add_row("MAC speed-up vs LoRA", f"{report['speedup_vs_lora']:.2f}x")
+    s.add_row("parameter reduction", f"{100 * report['param_reduction']:.1f}%")
+    out.print(s)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""Shapes, MAC costs, the training-compute proxy (SPEC 5, paper Appendix E) and the compression rules with their
+report (SPEC 6). Pure arithmetic on module shapes: ``plan`` runs it from a config alone, ``train`` from the actual
+controller log, and ``compress`` must use the very same report code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from bdlora.errors import ModelError
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+DEFAULT_EPS_LR = 0.7
+DEFAULT_GATE_THRESHOLD = 0.3
+DEFAULT_SVD_MAX_RANK = 128
+
+
+@dataclass(frozen=True)
+class ModuleShape:
+    name: str
+    in_features: int
+    out_features: int
+
+    @property
+    def dense_cost(self) -> int:
+        return self.in_features * self.out_features
+
+    def lora_cost(self, rank: int) -> int:
+        return rank * (self.in_features + self.out_features)
+
+
+def shapes_from_config(config: dict, layers: int | None = None) -> list[ModuleShape]:
+    """The seven projections of each decoder layer, in the ``named_modules()`` order of HF Llama/Mistral/Qwen2
+    (self_attn q, k, v, o; mlp gate, up, down)."""
+    try:
+        hidden = int(config["hidden_size"])
+        inter = int(config["intermediate_size"])
+        heads = int(config["num_attention_heads"])
+        kv = int(config.get("num_key_value_heads") or heads)
+        n_layers = int(layers if layers is not None else config["num_hidden_layers"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelError(f"model config lacks the projection shapes ({e}); need hidden_size, intermediate_size, "
+                         "num_attention_heads, num_hidden_layers (and num_key_value_heads for GQA)") from None
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    dims = {
+        "q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv * head_dim), "v_proj": (hidden, kv * head_dim),
+        "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+    out = []
+    for i in range(n_layers):
+        for p in PROJECTIONS:
+            part = "self_attn" if p in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            out.append(ModuleShape(f"model.layers.{i}.{part}.{p}", *dims[p]))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Training-compute proxy (SPEC 5; paper Appendix E)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def training_compute_proxy(shapes: list[ModuleShape], rank: int, mean_retained: float) -> dict:
+    """C_full = 3D, C_lora = 2D + 3L, C_bud = 2 d_bar D + 3L, each also relative to C_full."""
+    D = sum(s.dense_cost for s in shapes)
+    L = sum(s.lora_cost(rank) for s in shapes)
+    c_full, c_lora, c_bud = 3 * D, 2 * D + 3 * L, 2 * mean_retained * D + 3 * L
+    return {"D": D, "L": L, "d_bar": mean_retained, "C_full": c_full, "C_lora": c_lora, "C_bud": c_bud,
+            "lora_vs_full": c_lora / c_full, "bud_vs_full": c_bud / c_full}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Compression rules (SPEC 6)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def svd_rank(d: float, eps_lr: float, svd_max_rank: int, in_features: int, out_features: int) -> int:
+    """k = max(1, round(r_dense_max * d / eps_lr)), clipped to min(d_out, d_in) (paper Sec. 3.3, case 2)."""
+    return min(max(1, round(svd_max_rank * d / eps_lr)), min(in_features, out_features))
+
+
+@dataclass
+class ModuleDecision:
+    name: str
+    in_features: int
+    out_features: int
+    d: float
+    case: str  # dropped | svd | kept | merged-cheaper
+    lora_rank: int  # LoRA ranks kept after gate hardening
+    svd_rank: int  # 0 unless case == svd
+    rank: int  # rank of the deployed low-rank pair (0 when dense)
+    macs_before: int  # dense + LoRA path of the gated training module, per token
+    macs_after: int
+    params_before: int
+    params_after: int
+
+    @property
+    def form(self) -> str:
+        return "lowrank" if self.rank else "dense"
+
+
+def decide_module(shape: ModuleShape, d: float, lora_rank_kept: int, lora_rank_max: int, eps_zero: float,
+                  eps_lr: float, svd_max_rank: int, has_bias: bool = False) -> ModuleDecision:
+    """Deployment form of one gated module by its final retention d (SPEC 6.2) and the "never slower than dense"
+    rule (SPEC 6.3: a factorised module whose rank r has r (d_in + d_out) >= d_in d_out is merged instead)."""
+    i, o = shape.in_features, shape.out_features
+    bias = o if has_bias else 0
+    before = shape.dense_cost + shape.lora_cost(lora_rank_max)
+    k = 0
+    if d < eps_zero:
+        case, rank = "dropped", lora_rank_kept
+    elif d < eps_lr:
+        k = svd_rank(d, eps_lr, svd_max_rank, i, o)
+        case, rank = "svd", k + lora_rank_kept
+    else:
+        case, rank = "kept", 0
+    if rank and rank * (i + o) >= i * o:
+        case, rank = "merged-cheaper", 0
+    after = rank * (i + o) if rank else i * o
+    return ModuleDecision(shape.name, i, o, float(d), case, lora_rank_kept, k if case == "svd" else 0, rank,
+                          before, after, before + bias, after + bias)
+
+
+def compression_report(decisions: list[ModuleDecision], lora_rank_max: int, budget: float | None = None,
+                       thresholds: dict | None = None) -> dict:
+    """SPEC 6.4 totals over the replaced modules, plus the per-module rows. The same keys serve ``plan --json`` and
+    ``compress``'s ``compression.json``."""
+    D = sum(m.in_features * m.out_features for m in decisions)
+    L = sum(lora_rank_max * (m.in_features + m.out_features) for m in decisions)
+    c_comp = sum(m.macs_after for m in decisions)
+    p_before = sum(m.params_before for m in decisions)
+    p_after = sum(m.params_after for m in decisions)
+    n = len(decisions)
+    kept = sum(m.case in ("kept", "merged-cheaper") for m in decisions)
+    return {
+        "budget": budget,
+        "thresholds": thresholds or {},
+        "modules_total": n,
+        "dense_kept": kept,
+        "dense_svd": sum(m.case == "svd" for m in decisions),
+        "dense_dropped": sum(m.case == "dropped" for m in decisions),
+        "merged_cheaper": sum(m.case == "merged-cheaper" for m in decisions),
+        "avg_lora_rank": sum(m.lora_rank for m in decisions) / n,
+        "dense_macs": D,
+        "lora_macs": L,
+        "compressed_macs": c_comp,
+        "speedup_vs_dense": D / c_comp,
+        "speedup_vs_lora": (D + L) / c_comp,
+        "params_before": p_before,
+        "params_after": p_after,
+        "param_reduction": 1.0 - p_after / p_before,
+        "modules": [{**asdict(m), "form": m.form} for m in decisions],
+    }

@@ -1,0 +1,332 @@
+"""Corpora: the builtin (Python standard library) corpus and user corpora, tokenised once into on-disk token files
+that training reads through ``numpy.memmap``, so a corpus larger than RAM streams.
+
+Layout of a tokenised corpus (a cache directory, keyed by a hash of corpus content + tokenizer + split):
+    train.bin, val.bin   flat token streams (uint16 when the vocabulary fits, else uint32); each document is
+                         followed by the tokenizer's EOS token, so packed blocks may cross document boundaries
+                         (as in nanoGPT / the paper's packed 1024-token sequences).
+    meta.json            dtype, token and document counts per split, the fingerprint; written last, so a
+                         directory without it is an interrupted build and is rebuilt.
+
+Held-out split (SPEC 7): a document is validation when MD5(document id), read as a 128-bit integer, falls below
+``fraction * 2**128``. The decision is taken document by document while streaming, so it never needs the whole
+corpus in memory and is stable across machines, orders and runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from bdlora.errors import DataError
+from bdlora.io import atomic_dir
+
+FORMAT_VERSION = 1
+BUILTIN = "builtin"
+# The builtin corpus has ~1.8k documents; 0.2% of them would leave a handful of files for validation. 2% keeps
+# ~70k held-out tokens (enough for a stable perplexity) while training on the other 98%. (ours)
+BUILTIN_HELDOUT_FRACTION = 0.02
+DEFAULT_HELDOUT_FRACTION = 0.002
+_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+_TEXT_SUFFIXES = {".txt", ".jsonl", ".parquet"}
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str  # stable id: relative path, or path:record-index
+    text: str
+
+
+def is_heldout(doc_id: str, fraction: float) -> bool:
+    """SPEC 7: MD5 of the stable document id, as an integer, below ``fraction`` of the hash space."""
+    h = int(hashlib.md5(doc_id.encode("utf-8")).hexdigest(), 16)
+    return h < int(fraction * (1 << 128))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Corpus sources
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def builtin_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def builtin_files() -> list[Path]:
+    """The running interpreter's standard-library ``.py`` files, minus test suites and site-packages."""
+    root = builtin_root()
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                files.append(Path(dirpath) / name)
+    return files
+
+
+def _corpus_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    files = [p for p in sorted(path.rglob("*")) if p.is_file() and p.suffix in _TEXT_SUFFIXES]
+    return [p for p in files if not any(part.startswith(".") for part in p.relative_to(path).parts)]
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists())
+
+
+class Corpus:
+    """A named source of documents: ``builtin`` or a path (file, directory, or ``datasets.save_to_disk`` folder)."""
+
+    def __init__(self, spec: str | os.PathLike):
+        self.spec = str(spec)
+        self.is_builtin = self.spec == BUILTIN
+        if self.is_builtin:
+            self.root = builtin_root()
+            self.files = builtin_files()
+            self.kind = "builtin"
+        else:
+            path = Path(spec).expanduser()
+            if not path.exists():
+                raise DataError(f"--data {spec}: no such file or directory (use 'builtin' or a path to .txt, "
+                                ".jsonl, .parquet files or a datasets.save_to_disk folder)")
+            self.root = path if path.is_dir() else path.parent
+            if _is_saved_dataset(path):
+                self.kind = "saved_dataset"
+                self.files = sorted(p for p in path.rglob("*") if p.is_file())
+            else:
+                self.kind = "files"
+                self.files = _corpus_files(path)
+                bad = [p for p in self.files if p.suffix not in _TEXT_SUFFIXES]
+                if bad:
+                    raise DataError(f"--data {bad[0]}: unsupported file type '{bad[0].suffix}' "
+                                    "(allowed: .txt, .jsonl with a 'text' field, .parquet with a 'text' column, "
+                                    "or a datasets.save_to_disk folder)")
+            if not self.files:
+                raise DataError(f"--data {spec}: no .txt, .jsonl or .parquet files found")
+        self.default_heldout_fraction = BUILTIN_HELDOUT_FRACTION if self.is_builtin else DEFAULT_HELDOUT_FRACTION
+
+    def fingerprint(self) -> str:
+        """SHA-256 over every file's relative path and bytes, streamed (content-addressed cache key)."""
+        h = hashlib.sha256(f"{self.kind}\n".encode())
+        for f in self.files:
+            h.update(str(f.relative_to(self.root)).encode() + b"\0")
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+        return h.hexdigest()
+
+    def documents(self) -> Iterator[Document]:
+        if self.kind == "saved_dataset":
+            yield from _saved_dataset_documents(Path(self.spec))
+            return
+        for f in self.files:
+            rel = str(f.relative_to(self.root)) if f != self.root else f.name
+            if self.is_builtin or f.suffix == ".txt":
+                text = f.read_text(encoding="utf-8", errors="replace")
+                if text.strip():
+                    yield Document(rel, text)
+            elif f.suffix == ".jsonl":
+                yield from _jsonl_documents(f, rel)
+            elif f.suffix == ".parquet":
+                yield from _parquet_documents(f, rel)
+
+
+def _jsonl_documents(path: Path, rel: str) -> Iterator[Document]:
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"--data {path}:{lineno + 1}: not valid JSON ({e.msg})") from None
+            if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+                raise DataError(f"--data {path}:{lineno + 1}: each JSONL record needs a string 'text' field")
+            if rec["text"].strip():
+                yield Document(str(rec.get("id", f"{rel}:{lineno}")), rec["text"])
+
+
+def _parquet_documents(path: Path, rel: str) -> Iterator[Document]:
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    if "text" not in pf.schema_arrow.names:
+        raise DataError(f"--data {path}: parquet file has no 'text' column (columns: {pf.schema_arrow.names})")
+    has_id = "id" in pf.schema_arrow.names
+    row = 0
+    for batch in pf.iter_batches(batch_size=1024, columns=["text", "id"] if has_id else ["text"]):
+        texts = batch.column("text").to_pylist()
+        ids = batch.column("id").to_pylist() if has_id else [None] * len(texts)
+        for text, doc_id in zip(texts, ids):
+            if isinstance(text, str) and text.strip():
+                yield Document(str(doc_id) if doc_id is not None else f"{rel}:{row}", text)
+            row += 1
+
+
+def _saved_dataset_documents(path: Path) -> Iterator[Document]:
+    import datasets
+
+    ds = datasets.load_from_disk(str(path))
+    splits = list(ds.items()) if isinstance(ds, datasets.DatasetDict) else [("", ds)]
+    for split, d in splits:
+        if "text" not in d.column_names:
+            raise DataError(f"--data {path}: dataset has no 'text' column (columns: {d.column_names})")
+        has_id = "id" in d.column_names
+        for i, rec in enumerate(d):  # Arrow-backed, memory-mapped: rows stream from disk
+            text = rec["text"]
+            if isinstance(text, str) and text.strip():
+                doc_id = str(rec["id"]) if has_id else (f"{split}:{i}" if split else str(i))
+                yield Document(doc_id, text)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Tokenisation to an on-disk token stream
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    blob = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+@dataclass
+class TokenizedCorpus:
+    path: Path
+    meta: dict
+
+    def tokens(self, split: str) -> np.ndarray:
+        n = self.meta["tokens"][split]
+        if n == 0:
+            return np.zeros(0, dtype=self.meta["dtype"])
+        return np.memmap(self.path / f"{split}.bin", dtype=self.meta["dtype"], mode="r", shape=(n,))
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("BDLORA_CACHE", Path.home() / ".cache" / "bdlora")).expanduser()
+
+
+def tokenize_corpus(
+    corpus: Corpus,
+    tokenizer,
+    heldout_fraction: float,
+    cache_dir: Path | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+    batch_docs: int = 256,
+) -> TokenizedCorpus:
+    """Tokenise ``corpus`` into train/val token files, reusing the cache when corpus, tokenizer and split match.
+
+    Documents are encoded in batches with the fast (Rust, multi-threaded) tokenizer and appended to the files as
+    they stream, so memory stays bounded by one batch whatever the corpus size.
+    """
+    cache_dir = Path(cache_dir or default_cache_dir()) / "data"
+    if tokenizer.eos_token_id is None:
+        raise DataError("the tokenizer has no EOS token; bdlora separates packed documents with it")
+    key = hashlib.sha256(
+        f"{FORMAT_VERSION}|{corpus.fingerprint()}|{tokenizer_fingerprint(tokenizer)}|{heldout_fraction!r}".encode()
+    ).hexdigest()[:20]
+    out = cache_dir / f"tokens-{key}"
+    if (out / "meta.json").exists():
+        return TokenizedCorpus(out, json.loads((out / "meta.json").read_text()))
+
+    vocab = len(tokenizer)
+    dtype = np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.uint32
+    eos = tokenizer.eos_token_id
+    counts = {"train": 0, "val": 0}
+    docs = {"train": 0, "val": 0}
+    total_files = len(corpus.files)
+    with atomic_dir(out) as tmp:
+        handles = {s: open(tmp / f"{s}.bin", "wb") for s in ("train", "val")}
+        try:
+            batch: list[Document] = []
+
+            def flush():
+                enc = tokenizer([d.text for d in batch], add_special_tokens=False)["input_ids"]
+                for d, ids in zip(batch, enc):
+                    split = "val" if is_heldout(d.id, heldout_fraction) else "train"
+                    arr = np.asarray(ids + [eos], dtype=dtype)
+                    handles[split].write(arr.tobytes())
+                    counts[split] += len(arr)
+                    docs[split] += 1
+                batch.clear()
+
+            for i, doc in enumerate(corpus.documents()):
+                batch.append(doc)
+                if len(batch) >= batch_docs:
+                    flush()
+                if on_progress and corpus.kind != "saved_dataset":
+                    on_progress(min(i + 1, total_files), total_files)
+            if batch:
+                flush()
+        finally:
+            for h in handles.values():
+                h.close()
+        if counts["train"] + counts["val"] == 0:
+            raise DataError(f"--data {corpus.spec}: the corpus is empty (no non-blank documents)")
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "corpus": corpus.spec,
+            "corpus_kind": corpus.kind,
+            "heldout_fraction": heldout_fraction,
+            "dtype": np.dtype(dtype).name,
+            "tokens": counts,
+            "documents": docs,
+            "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+    return TokenizedCorpus(out, meta)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Packing and batch order
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class PackedBlocks:
+    """A token stream viewed as consecutive ``seq_len`` blocks (the tail that does not fill a block is dropped)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, max_tokens: int | None = None):
+        if max_tokens is not None:
+            tokens = tokens[: max(seq_len, (max_tokens // seq_len) * seq_len)]
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.num_blocks = len(tokens) // seq_len
+
+    def __len__(self) -> int:
+        return self.num_blocks
+
+    def get(self, indices) -> np.ndarray:
+        """(len(indices), seq_len) int64 array of the selected blocks."""
+        s = self.seq_len
+        return np.stack([np.asarray(self.tokens[i * s : (i + 1) * s], dtype=np.int64) for i in indices])
+
+
+class BlockSampler:
+    """Deterministic batch order: sample ``k`` of the run is position ``k`` of an endless sequence of per-epoch
+    permutations seeded by (seed, epoch). A batch is therefore a pure function of (seed, step), which is what lets
+    ``--resume`` continue the data stream exactly without storing a data cursor beyond the step."""
+
+    def __init__(self, num_blocks: int, seed: int):
+        self.num_blocks = num_blocks
+        self.seed = seed
+        self._perm_cache: dict[int, np.ndarray] = {}
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perm_cache:
+            self._perm_cache = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.num_blocks)}
+        return self._perm_cache[epoch]
+
+    def indices(self, start: int, count: int) -> list[int]:
+        out = []
+        for k in range(start, start + count):
+            epoch, pos = divmod(k, self.num_blocks)
+            out.append(int(self._perm(epoch)[pos]))
+        return out

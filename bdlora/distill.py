@@ -1,0 +1,83 @@
+"""Distillation objective (SPEC 3, paper Appendix C):
+
+    L_KD = tau^2 / |Omega| * sum_{t in Omega} KL(softmax(zT_t / tau) || softmax(zS_t / tau))
+    L_CE = -1 / |Omega| * sum_{t in Omega} log p_S(x_{t+1})
+    L    = lambda * L_KD + (1 - lambda) * L_CE
+
+Omega is the set of positions t whose token and next token are both non-padding. As in torchtune's chunked KD
+loss, the LM heads run over chunks of positions; in addition each student chunk runs under activation
+checkpointing, so neither the forward nor the saved-for-backward state ever holds full-vocabulary logits of more
+than one chunk (the head is recomputed in backward: one extra (chunk, H) x (H, V) matmul per chunk).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def hidden_and_head(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+    """Final-norm hidden states (B, T, H) of a Llama/Mistral/Qwen2 causal LM (plain, PEFT-wrapped, or with bdlora
+    gated modules) and its LM head, without computing full-vocabulary logits."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    out = base.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    return out.last_hidden_state, base.lm_head
+
+
+def next_token_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """(B, T-1) bool: position t is in Omega when t and t+1 are both real tokens."""
+    if attention_mask is None:
+        return torch.ones_like(input_ids[:, 1:], dtype=torch.bool)
+    m = attention_mask.bool()
+    return m[:, :-1] & m[:, 1:]
+
+
+class DistillationLoss(nn.Module):
+    """Chunked KD + CE loss over hidden states.
+
+    Args:
+        temperature: tau (default 3.0, the paper's ablation optimum).
+        kd_weight: lambda, the weight of the KD term (default 0.8).
+        chunk_size: positions per LM-head chunk.
+    """
+
+    def __init__(self, temperature: float = 3.0, kd_weight: float = 0.8, chunk_size: int = 1024):
+        super().__init__()
+        self.temperature = temperature
+        self.kd_weight = kd_weight
+        self.chunk_size = chunk_size
+
+    def _chunk_sums(self, student_head, teacher_head, hs, ht, y):
+        """Sums over one chunk of positions: (KL(pT || pS) at temperature tau, CE of the student)."""
+        zs = student_head(hs).float()  # (n, V)
+        with torch.no_grad():
+            zt = teacher_head(ht).float()  # (n, V)
+            log_pt = F.log_softmax(zt / self.temperature, dim=-1)
+        log_ps = F.log_softmax(zs / self.temperature, dim=-1)
+        kd = (log_pt.exp() * (log_pt - log_ps)).sum()
+        ce = F.cross_entropy(zs, y, reduction="sum")
+        return torch.stack([kd, ce])
+
+    def forward(self, student_hidden, student_head, teacher_hidden, teacher_head, input_ids,
+                attention_mask=None) -> tuple[torch.Tensor, dict[str, float]]:
+        omega = next_token_positions(input_ids, attention_mask)  # (B, T-1)
+        hs = student_hidden[:, :-1][omega]  # (N, H)
+        ht = teacher_hidden[:, :-1][omega].to(hs.dtype)  # (N, H)
+        y = input_ids[:, 1:][omega]  # (N,)
+        n = y.numel()
+        if n == 0:
+            raise ValueError("no non-padding position with a next token in the batch")
+        sums = torch.zeros(2, device=hs.device)
+        for i in range(0, n, self.chunk_size):
+            args = (student_head, teacher_head, hs[i : i + self.chunk_size], ht[i : i + self.chunk_size],
+                    y[i : i + self.chunk_size])
+            if torch.is_grad_enabled() and hs.requires_grad:
+                sums = sums + checkpoint(self._chunk_sums, *args, use_reentrant=False)
+            else:
+                sums = sums + self._chunk_sums(*args)
+        kd = self.temperature**2 * sums[0] / n
+        ce = sums[1] / n
+        loss = self.kd_weight * kd + (1 - self.kd_weight) * ce
+        return loss, {"kd": float(kd.detach()), "ce": float(ce.detach()), "positions": n}

@@ -1,0 +1,89 @@
+"""Atomic, self-describing file output: every artefact is written to a temp file and renamed into place, so an
+interrupted command never leaves a half file that looks whole."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temp path beside ``path``; on success rename it onto ``path``, on error delete it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        os.replace(tmp_path, path)
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def save_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None):
+    """safetensors, atomically; tensors are made contiguous and detached (shared storage is not allowed)."""
+    clean = {k: v.detach().contiguous().clone() if _shares(v, tensors) else v.detach().contiguous()
+             for k, v in tensors.items()}
+    with atomic_path(path) as tmp:
+        save_file(clean, str(tmp), metadata=metadata)
+
+
+def load_tensors(path: str | os.PathLike, device: str = "cpu") -> dict[str, torch.Tensor]:
+    return load_file(str(path), device=device)
+
+
+@contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Build a directory under a temp name and rename it into place when complete."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _shares(t: torch.Tensor, all_tensors: dict[str, torch.Tensor]) -> bool:
+    ptr = t.untyped_storage().data_ptr()
+    return sum(1 for v in all_tensors.values() if v.untyped_storage().data_ptr() == ptr) > 1
+
+
+def _json_default(o: Any):
+    if isinstance(o, Path):
+        return str(o)
+    if isinstance(o, torch.Tensor):
+        return o.tolist()
+    if hasattr(o, "item"):
+        return o.item()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")

@@ -1,0 +1,213 @@
+"""Teachers: any local Hugging Face causal LM of the Llama/Mistral/Qwen2 family, or the embedded default.
+
+The embedded default (``--teacher builtin``) is built on first use and cached: a byte-level BPE tokenizer trained
+with ``tokenizers`` on the builtin corpus (Python's standard library) and a small Mistral-style model (GQA, SwiGLU,
+RoPE) pretrained on it. Everything is seeded, so two machines with the same Python build the same teacher.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bdlora.costs import PROJECTIONS
+from bdlora.data import BUILTIN, BlockSampler, Corpus, PackedBlocks, default_cache_dir, tokenize_corpus
+from bdlora.errors import ModelError
+from bdlora.io import atomic_dir
+
+SUPPORTED_FAMILIES = ("mistral", "llama", "qwen2")
+EOS = "<|endoftext|>"
+
+
+@dataclass(frozen=True)
+class BuiltinTeacherSpec:
+    """Shape and pretraining recipe of the embedded default teacher (sized for ~3 minutes on 2 CPU cores)."""
+
+    vocab_size: int = 4096
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2  # GQA: 2 KV heads shared by 4 query heads
+    max_position_embeddings: int = 512
+    seq_len: int = 256
+    batch_size: int = 16
+    steps: int = 600
+    lr: float = 3e-3
+    warmup_steps: int = 30
+    seed: int = 0
+    eval_tokens: int = 65536
+
+    def key(self, corpus_fingerprint: str) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True) + corpus_fingerprint + torch.__version__.split("+")[0]
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def builtin_teacher_dir(cache_dir: Path | None = None) -> Path:
+    spec = BuiltinTeacherSpec()
+    corpus = Corpus(BUILTIN)
+    return Path(cache_dir or default_cache_dir()) / f"teacher-builtin-{spec.key(corpus.fingerprint())}"
+
+
+def train_builtin_tokenizer(corpus: Corpus, vocab_size: int, heldout_fraction: float):
+    """Byte-level BPE trained on the training documents only (the held-out slice stays unseen)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from bdlora.data import is_heldout
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    docs = (d.text for d in corpus.documents() if not is_heldout(d.id, heldout_fraction))
+    tok.train_from_iterator(docs, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, pad_token=EOS,
+                                   unk_token=None, model_max_length=BuiltinTeacherSpec.max_position_embeddings)
+
+
+def unigram_perplexity(train_tokens: np.ndarray, val_tokens: np.ndarray, vocab_size: int) -> float:
+    """Perplexity of the add-one-smoothed unigram distribution of the training tokens on the validation tokens: the
+    baseline a language model must beat by a wide margin."""
+    counts = np.bincount(np.asarray(train_tokens, dtype=np.int64), minlength=vocab_size).astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum())
+    return float(math.exp(-logp[np.asarray(val_tokens, dtype=np.int64)].mean()))
+
+
+def build_builtin_teacher(
+    cache_dir: Path | None = None,
+    force: bool = False,
+    on_stage: Callable[[str], None] | None = None,
+    on_step: Callable[[int, int, float], None] | None = None,
+) -> Path:
+    """Build (or reuse) the embedded default teacher; returns its directory (HF model + tokenizer + teacher.json)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from bdlora.evaluate import perplexity
+
+    spec = BuiltinTeacherSpec()
+    out = builtin_teacher_dir(cache_dir)
+    if (out / "teacher.json").exists() and not force:
+        return out
+    stage = on_stage or (lambda s: None)
+    t_start = time.time()
+    corpus = Corpus(BUILTIN)
+    stage("training the byte-level BPE tokenizer on the standard library")
+    tokenizer = train_builtin_tokenizer(corpus, spec.vocab_size, corpus.default_heldout_fraction)
+    stage("tokenising the builtin corpus")
+    data = tokenize_corpus(corpus, tokenizer, corpus.default_heldout_fraction, cache_dir)
+    train_blocks = PackedBlocks(data.tokens("train"), spec.seq_len)
+    val_blocks = PackedBlocks(data.tokens("val"), spec.seq_len, max_tokens=spec.eval_tokens)
+
+    torch.manual_seed(spec.seed)
+    config = MistralConfig(
+        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads, max_position_embeddings=spec.max_position_embeddings,
+        sliding_window=None, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    model = MistralForCausalLM(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+    def lr_at(step: int) -> float:
+        if step < spec.warmup_steps:
+            return (step + 1) / spec.warmup_steps
+        p = (step - spec.warmup_steps) / max(1, spec.steps - spec.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    sampler = BlockSampler(len(train_blocks), spec.seed)
+    stage(f"pretraining the teacher ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+          f"{spec.steps} steps of {spec.batch_size}x{spec.seq_len} tokens)")
+    model.train()
+    for step in range(spec.steps):
+        x = torch.from_numpy(train_blocks.get(sampler.indices(step * spec.batch_size, spec.batch_size)))
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if on_step:
+            on_step(step + 1, spec.steps, float(loss.detach()))
+    stage("evaluating the teacher")
+    val_ppl = perplexity(model, val_blocks)
+    uni_ppl = unigram_perplexity(data.tokens("train"), val_blocks.tokens[: len(val_blocks) * spec.seq_len],
+                                 len(tokenizer))
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        info = {
+            "schema_version": 1,
+            "kind": "builtin",
+            "spec": asdict(spec),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "train_tokens_seen": spec.steps * spec.batch_size * spec.seq_len,
+            "corpus_tokens": data.meta["tokens"],
+            "val_ppl": val_ppl,
+            "unigram_ppl": uni_ppl,
+            "build_seconds": time.time() - t_start,
+        }
+        (tmp / "teacher.json").write_text(json.dumps(info, indent=2))
+    return out
+
+
+def load_teacher(spec: str, cache_dir: Path | None = None, device: str = "cpu", on_stage=None, on_step=None):
+    """Return (model, tokenizer, path) for ``--teacher`` (``builtin`` or a local/hub HF causal LM)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if spec == BUILTIN:
+        path = build_builtin_teacher(cache_dir, on_stage=on_stage, on_step=on_step)
+    else:
+        path = Path(spec).expanduser()
+        if not path.exists() and not _looks_like_hub_id(spec):
+            raise ModelError(f"--teacher {spec}: no such directory (use 'builtin' or a Hugging Face model folder)")
+        if path.exists() and not (path / "config.json").exists():
+            raise ModelError(f"--teacher {spec}: not a Hugging Face model folder (no config.json)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad checkpoint
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"--teacher {spec}: could not load the model or tokenizer ({msg[:200]})") from None
+    check_architecture(model, f"--teacher {spec}")
+    if tokenizer.eos_token_id is None:
+        raise ModelError(f"--teacher {spec}: the tokenizer defines no EOS token")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.to(device).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model, tokenizer, path
+
+
+def _looks_like_hub_id(spec: str) -> bool:
+    parts = spec.split("/")
+    return len(parts) == 2 and all(parts) and not spec.startswith((".", "/", "~"))
+
+
+def check_architecture(model, what: str) -> None:
+    """Refuse a model without the decoder layout bdlora adapts: ``model.layers[i].self_attn.{q,k,v,o}_proj`` and
+    ``mlp.{gate,up,down}_proj`` as ``nn.Linear`` (the Llama/Mistral/Qwen2 family)."""
+    core = getattr(model, "model", None)
+    layers = getattr(core, "layers", None)
+    if layers is None or not hasattr(model, "lm_head"):
+        raise ModelError(f"{what}: not a Llama/Mistral/Qwen2-style decoder (no model.layers / lm_head); "
+                         f"supported families: {', '.join(SUPPORTED_FAMILIES)}")
+    for i, layer in enumerate(layers):
+        for name in PROJECTIONS:
+            parent = layer.self_attn if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else layer.mlp
+            mod = getattr(parent, name, None)
+            if not isinstance(mod, torch.nn.Linear):
+                raise ModelError(f"{what}: layer {i} has no nn.Linear '{name}' (expected the seven projections "
+                                 f"{', '.join(PROJECTIONS)})")

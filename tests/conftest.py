@@ -1,0 +1,90 @@
+"""Tiny, seeded fixtures: a synthetic corpus, a byte-level BPE tokenizer and a 4-layer Mistral-style teacher
+(hidden 32, GQA 4/2) pretrained for a few seconds, all built in a temp dir (no network)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
+         "upsilon phi chi psi omega red green blue cyan magenta yellow black white one two three four five six "
+         "seven eight nine ten monday tuesday wednesday thursday friday saturday sunday").split()
+
+
+def make_corpus(root, n_docs: int = 120, seed: int = 0):
+    """Documents with learnable structure: counting sequences and repeated phrases."""
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n_docs):
+        lines = []
+        for _ in range(rng.randint(8, 16)):
+            start = rng.randrange(len(WORDS) - 6)
+            lines.append(" ".join(WORDS[start : start + rng.randint(3, 6)]) + ".")
+        (root / f"doc{i:03d}.txt").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def tiny_config(vocab_size: int, layers: int = 4, hidden: int = 32, **kw):
+    from transformers import MistralConfig
+
+    base = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, sliding_window=None,
+                tie_word_embeddings=False)
+    base.update(kw)
+    return MistralConfig(**base)
+
+
+def train_tokenizer(corpus_dir, vocab_size: int = 320):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator((p.read_text() for p in sorted(corpus_dir.glob("*.txt"))), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>")
+
+
+@pytest.fixture(scope="session")
+def tiny_env(tmp_path_factory):
+    from transformers import MistralForCausalLM
+
+    root = tmp_path_factory.mktemp("tiny")
+    corpus = make_corpus(root / "corpus")
+    tok = train_tokenizer(corpus)
+    torch.manual_seed(0)
+    model = MistralForCausalLM(tiny_config(len(tok), eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id))
+    # a few seconds of pretraining so the teacher is better than chance and KD has something to transfer
+    ids = tok("\n".join(p.read_text() for p in sorted(corpus.glob("*.txt"))))["input_ids"]
+    data = torch.tensor(ids[: (len(ids) // 64) * 64]).view(-1, 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(80):
+        x = data[torch.randint(0, len(data), (16,), generator=g)]
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    teacher_dir = root / "teacher"
+    model.save_pretrained(teacher_dir)
+    tok.save_pretrained(teacher_dir)
+    return {"root": root, "corpus": corpus, "teacher": teacher_dir, "cache": root / "cache", "tokenizer": tok}
+
+
+@pytest.fixture
+def tiny_model(tiny_env):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_env["teacher"], dtype=torch.float32).eval()
+
+
+def train_args(env, out, *extra):
+    """CLI arguments of a short, fast training run on the tiny fixtures."""
+    return ["train", "--teacher", str(env["teacher"]), "--data", str(env["corpus"]), "--cache-dir",
+            str(env["cache"]), "--seq-len", "32", "--batch-size", "4", "--eval-tokens", "512",
+            "--heldout-fraction", "0.1", "--lora-rank", "4", "--lora-alpha", "8", "--out", str(out),
+            "--lr", "3e-3", "--no-measure-step-time", *extra]

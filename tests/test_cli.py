@@ -1,0 +1,133 @@
+"""Every bad input of `bdlora train`: one clear line naming the value and what is allowed, exit code 2, no
+traceback, and no run directory left behind."""
+
+import pytest
+from conftest import train_args
+from typer.testing import CliRunner
+
+from bdlora.cli import app
+
+
+def _run(args):
+    return CliRunner().invoke(app, args)
+
+
+def _assert_usage_error(res, needle, out):
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in res.output
+    text = res.stderr.strip()  # progress lines go to stdout; the error is one line on stderr
+    assert needle in text, text
+    assert len(text.splitlines()) == 1, text
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--method", "kd-magic"], "--method 'kd-magic': unknown (allowed: kd-full, kd-lora, budgeted)"),
+    (["--layer-selection", "random"], "--layer-selection 'random': unknown (allowed: first, middle, last, mixed"),
+    (["--student-layers", "0"], "--student-layers 0: must be >= 1"),
+    (["--student-layers", "5"], "--student-layers 5: must be between 1 and the teacher's 4"),
+    (["--seq-len", "256"], "--seq-len 256: above the model's max_position_embeddings (128)"),
+    (["--max-steps", "0"], "--max-steps 0: must be a positive integer"),
+    (["--max-steps", "-3"], "--max-steps -3: must be a positive integer"),
+    (["--batch-size", "0"], "--batch-size 0: must be a positive integer"),
+    (["--budget", "1.5"], "--budget 1.5: must be in [0, 1]"),
+    (["--decay-start", "0.5", "--decay-end", "0.2"], "--decay-start 0.5 > --decay-end 0.2"),
+    (["--lora-rank", "0"], "--lora-rank 0: must be >= 1"),
+    (["--lora-alpha", "0"], "--lora-alpha 0.0: must be > 0"),
+    (["--retention-ema", "1"], "--retention-ema 1.0: must be in [0, 1)"),
+    (["--device", "tpu"], "--device 'tpu': unknown (allowed: auto, cpu, cuda)"),
+])
+def test_bad_options(tiny_env, tmp_path, extra, needle):
+    out = tmp_path / "run"
+    _assert_usage_error(_run([*train_args(tiny_env, out), *extra]), needle, out)
+
+
+def _args_with(env, out, **swap):
+    args = train_args(env, out)
+    for flag, value in swap.items():
+        args[args.index(flag) + 1] = value
+    return args
+
+
+def test_missing_teacher(tiny_env, tmp_path):
+    out = tmp_path / "run"
+    res = _run(_args_with(tiny_env, out, **{"--teacher": str(tmp_path / "nope")}))
+    _assert_usage_error(res, "--teacher", out)
+    assert "no such directory" in res.output
+
+
+def test_corrupt_teacher(tiny_env, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{ not json")
+    out = tmp_path / "run"
+    _assert_usage_error(_run(_args_with(tiny_env, out, **{"--teacher": str(bad)})), "could not load", out)
+
+
+def test_teacher_without_projections(tiny_env, tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    d = tmp_path / "gpt2"
+    cfg = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=len(tiny_env["tokenizer"]))
+    GPT2LMHeadModel(cfg).save_pretrained(d)
+    tiny_env["tokenizer"].save_pretrained(d)
+    out = tmp_path / "run"
+    _assert_usage_error(_run(_args_with(tiny_env, out, **{"--teacher": str(d)})), "not a Llama/Mistral/Qwen2", out)
+
+
+def test_mismatched_vocabularies(tiny_env, tmp_path):
+    from conftest import tiny_config, train_tokenizer
+    from transformers import MistralForCausalLM
+
+    tok = train_tokenizer(tiny_env["corpus"], vocab_size=300)
+    d = tmp_path / "other"
+    MistralForCausalLM(tiny_config(len(tok))).save_pretrained(d)
+    tok.save_pretrained(d)
+    out = tmp_path / "run"
+    _assert_usage_error(_run([*train_args(tiny_env, out), "--student-init", str(d)]), "vocabulary differs", out)
+
+
+def test_empty_corpus(tiny_env, tmp_path):
+    c = tmp_path / "empty"
+    c.mkdir()
+    (c / "a.txt").write_text("   \n")
+    out = tmp_path / "run"
+    _assert_usage_error(_run(_args_with(tiny_env, out, **{"--data": str(c)})), "the corpus is empty", out)
+
+
+def test_corpus_shorter_than_one_block(tiny_env, tmp_path):
+    c = tmp_path / "short"
+    c.mkdir()
+    (c / "a.txt").write_text("alpha beta")
+    out = tmp_path / "run"
+    _assert_usage_error(_run(_args_with(tiny_env, out, **{"--data": str(c), "--heldout-fraction": "0.5"})),
+                        "fewer than one block", out)
+
+
+def test_missing_corpus(tiny_env, tmp_path):
+    out = tmp_path / "run"
+    _assert_usage_error(_run(_args_with(tiny_env, out, **{"--data": str(tmp_path / "nope")})), "--data", out)
+
+
+def test_resume_of_a_non_run(tmp_path):
+    (tmp_path / "x").mkdir()
+    res = _run(["train", "--resume", str(tmp_path / "x")])
+    assert res.exit_code == 2 and "not a bdlora run directory" in res.output
+    res = _run(["train", "--resume", str(tmp_path / "missing")])
+    assert res.exit_code == 2 and "no such run directory" in res.output
+
+
+def test_existing_out_is_not_overwritten(tiny_env, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    res = _run(train_args(tiny_env, out) + ["--max-steps", "1"])
+    assert res.exit_code == 2 and "exists and is not empty" in res.output
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_bad_yaml(tiny_env, tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("not_an_option: 3\n")
+    res = _run([*train_args(tiny_env, tmp_path / "run"), "--config", str(y)])
+    assert res.exit_code == 2 and "unknown option(s) not_an_option" in res.output

@@ -1,0 +1,50 @@
+"""End-to-end through the installed console script (slow: CI runs them too, bounded to a few minutes)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import train_args
+
+pytestmark = pytest.mark.slow
+
+
+def _bdlora(*args, env=None, timeout=900):
+    exe = shutil.which("bdlora") or str(Path(sys.executable).parent / "bdlora")
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def test_console_script_budgeted_then_plan(tiny_env, tmp_path):
+    out = tmp_path / "run"
+    res = _bdlora(*train_args(tiny_env, out), "--method", "budgeted", "--budget", "0.0", "--max-steps", "12",
+                  "--measure-step-time")
+    assert res.returncode == 0, res.stderr
+    assert "student val ppl" in res.stdout and "measured step ratio vs kd-full" in res.stdout
+    plan = _bdlora("plan", "--model-config", str(out / "student"), "--budget", "0.0", "--lora-rank", "4", "--json")
+    assert plan.returncode == 0, plan.stderr
+    report = json.loads(plan.stdout)
+    assert report["dense_dropped"] == 14 and report["modules_total"] == 14
+    bad = _bdlora(*train_args(tiny_env, tmp_path / "bad"), "--method", "nope")
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "Traceback" not in bad.stderr
+
+
+def test_builtin_teacher_and_student(tmp_path):
+    """The embedded default: build the teacher (a few minutes on 2 cores), then a short budgeted run on it."""
+    env = {"BDLORA_CACHE": os.environ.get("BDLORA_CACHE", str(tmp_path / "cache"))}
+    t = _bdlora("teacher", "--json", env=env)
+    assert t.returncode == 0, t.stderr
+    info = json.loads(t.stdout)
+    assert info["val_ppl"] < info["unigram_ppl"] / 10  # far below the unigram baseline
+    res = _bdlora("train", "--method", "budgeted", "--max-steps", "20", "--eval-tokens", "4096", "--out",
+                  str(tmp_path / "run"), "--json", env=env)
+    assert res.returncode == 0, res.stderr
+    s = json.loads(res.stdout)
+    assert s["student_layers"] == 2 and s["layer_indices"] == [0, 3]
+    assert s["teacher_val_ppl"] < s["initial_student_val_ppl"]
+    assert len(s["modules"]) == 14

@@ -1,0 +1,122 @@
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from bdlora.cli import app
+from bdlora.costs import ModuleShape, compression_report, decide_module, shapes_from_config, svd_rank
+from bdlora.plan import plan
+
+PAPER = {"model_type": "mistral", "hidden_size": 768, "intermediate_size": 3072, "num_attention_heads": 12,
+         "num_key_value_heads": 3, "head_dim": 64, "num_hidden_layers": 12}
+
+
+def test_paper_student_costs():
+    r = plan(PAPER, 0.0, layers=6)
+    assert r["compute_proxy"]["D"] == 51_314_688
+    assert r["compute_proxy"]["L"] == 12_681_216
+
+
+def test_paper_table5_f0():
+    r = plan(PAPER, 0.0, layers=6)
+    assert (r["dense_kept"], r["dense_svd"], r["dense_dropped"]) == (0, 0, 42)
+    assert r["avg_lora_rank"] == 128
+    assert round(r["speedup_vs_dense"], 2) == 4.05
+    assert round(r["speedup_vs_lora"], 2) == 5.05
+    assert round(100 * r["param_reduction"], 1) == 80.2
+    assert round(r["train_compute_vs_full"], 2) == 0.38
+
+
+def test_paper_table5_f04():
+    r = plan(PAPER, 0.4, layers=6)
+    assert (r["dense_kept"], r["dense_svd"], r["dense_dropped"]) == (9, 0, 33)
+    assert round(r["speedup_vs_dense"], 2) == 1.74
+    assert round(r["speedup_vs_lora"], 2) == 2.17
+    assert round(100 * r["param_reduction"], 1) == 53.9
+    assert round(r["train_compute_vs_full"], 2) == 0.59
+
+
+def test_report_totals_equal_sum_of_rows():
+    r = plan(PAPER, 0.8, layers=6)
+    rows = r["modules"]
+    assert len(rows) == r["modules_total"] == 42
+    assert r["compressed_macs"] == sum(m["macs_after"] for m in rows)
+    assert r["dense_kept"] + r["dense_svd"] + r["dense_dropped"] == 42
+    assert r["params_after"] == sum(m["params_after"] for m in rows)
+
+
+def test_svd_rank_formula_and_clip():
+    assert svd_rank(0.35, 0.7, 128, 768, 768) == 64
+    assert svd_rank(0.0011, 0.7, 128, 768, 768) == 1
+    assert svd_rank(0.69, 0.7, 128, 64, 768) == 64  # clipped to min(d_in, d_out)
+
+
+def test_thresholds_route_at_boundaries():
+    s = ModuleShape("m", 768, 768)
+    assert decide_module(s, 0.0009999, 8, 8, 1e-3, 0.7, 128).case == "dropped"
+    assert decide_module(s, 1e-3, 8, 8, 1e-3, 0.7, 128).case == "svd"  # exactly eps_zero: SVD
+    assert decide_module(s, 0.6999999, 8, 8, 1e-3, 0.7, 128).case == "svd"
+    assert decide_module(s, 0.7, 8, 8, 1e-3, 0.7, 128).case == "kept"  # exactly eps_lr: keep
+    svd = decide_module(s, 0.35, 8, 8, 1e-3, 0.7, 128)
+    assert (svd.svd_rank, svd.rank, svd.macs_after) == (64, 72, 72 * 1536)
+
+
+def test_never_slower_than_dense():
+    s = ModuleShape("kv", 768, 192)  # rank r costs r*960 vs dense 147456: break-even at r = 153.6
+    assert decide_module(s, 0.0, 153, 153, 1e-3, 0.7, 128).case == "dropped"
+    d = decide_module(s, 0.0, 154, 154, 1e-3, 0.7, 128)
+    assert d.case == "merged-cheaper" and d.macs_after == 768 * 192 and d.rank == 0
+    r = compression_report([d], 154)
+    assert r["dense_kept"] == 1 and r["merged_cheaper"] == 1
+
+
+def test_shapes_order_matches_named_modules(tiny_model):
+    names = [n for n, m in tiny_model.named_modules() if n.endswith("_proj")]
+    shapes = shapes_from_config(tiny_model.config.to_dict())
+    assert [s.name for s in shapes] == names
+    mods = dict(tiny_model.named_modules())
+    assert all((mods[s.name].in_features, mods[s.name].out_features) == (s.in_features, s.out_features)
+               for s in shapes)
+
+
+def test_cli_plan_json(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(PAPER))
+    res = CliRunner().invoke(app, ["plan", "--model-config", str(cfg), "--layers", "6", "--budget", "0.0",
+                                   "--json"])
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.stdout)
+    for k in ("dense_kept", "dense_svd", "dense_dropped", "avg_lora_rank", "speedup_vs_dense", "speedup_vs_lora",
+              "param_reduction", "train_compute_vs_full", "modules"):
+        assert k in r
+    assert len(r["modules"]) == 42 and r["dense_dropped"] == 42
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--budget", "1.5"], "--budget 1.5: must be in [0, 1]"),
+    (["--budget", "-0.1"], "--budget -0.1"),
+    (["--decay-start", "0.5", "--decay-end", "0.2"], "--decay-start 0.5 > --decay-end 0.2"),
+    (["--decay-end", "1.2"], "--decay-end 1.2"),
+    (["--lora-rank", "0"], "--lora-rank 0"),
+    (["--retention-ema", "1.0"], "--retention-ema 1.0"),
+    (["--eps-zero", "0.8"], "--eps-zero 0.8 >= --eps-lr 0.7"),
+])
+def test_cli_plan_bad_options(tmp_path, args, needle):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(PAPER))
+    res = CliRunner().invoke(app, ["plan", "--model-config", str(cfg), *args])
+    assert res.exit_code == 2
+    assert needle in res.output and "Traceback" not in res.output
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("not json", "not valid JSON"),
+    ('{"hidden_size": 3}', "no model_type"),
+    ('{"model_type": "gpt2", "n_embd": 8}', "model_type 'gpt2' has no q/k/v/o"),
+])
+def test_cli_plan_not_a_config(tmp_path, content, needle):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(content)
+    res = CliRunner().invoke(app, ["plan", "--model-config", str(cfg)])
+    assert res.exit_code == 2 and needle in res.output

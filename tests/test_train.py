@@ -1,0 +1,111 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from bdlora.cli import app
+from bdlora.config import TrainConfig
+from bdlora.student import build_student
+from bdlora.train import Reporter, load_run_student, train
+
+
+def _cfg(env, out, **kw):
+    base = dict(teacher=str(env["teacher"]), data=str(env["corpus"]), cache_dir=str(env["cache"]), seq_len=32,
+                batch_size=4, eval_tokens=512, heldout_fraction=0.1, lora_rank=4, lora_alpha=8.0, out=str(out),
+                lr=3e-3, measure_step_time=False, max_steps=12, eval_every=6, save_every=0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+class StopAt(Reporter):
+    def __init__(self, step):
+        self.at = step
+
+    def step(self, step, metrics):
+        if step == self.at:
+            raise KeyboardInterrupt
+
+
+def test_kd_lora_trains_only_lora(tiny_env, tiny_model, tmp_path):
+    s = train(_cfg(tiny_env, tmp_path / "run", method="kd-lora"))
+    initial, _ = build_student(tiny_model, 2, "mixed")
+    saved = load_file(tmp_path / "run" / "student" / "model.safetensors")
+    for k, v in initial.state_dict().items():
+        assert torch.equal(saved[k], v), k  # dense weights unchanged bit for bit
+    adapter = load_file(tmp_path / "run" / "student" / "adapter" / "adapter_model.safetensors")
+    assert len([k for k in adapter if "lora_B" in k]) == 14
+    assert any(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)  # the adapter did train
+    assert s["trainable_parameters"] == sum(v.numel() for v in adapter.values())
+
+
+def test_short_run_lowers_validation_loss(tiny_env, tmp_path):
+    s = train(_cfg(tiny_env, tmp_path / "run", method="kd-full", max_steps=20, eval_every=20))
+    assert s["student_val_ppl"] < 0.9 * s["initial_student_val_ppl"]
+    assert s["teacher_val_ppl"] > 1
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 20 and json.loads(lines[-1])["val_ppl"] == s["student_val_ppl"]
+    for f in ("config.json", "summary.json", "student/config.json", "student/model.safetensors",
+              "student/tokenizer.json"):
+        assert (tmp_path / "run" / f).exists()
+
+
+@pytest.mark.parametrize("method", ["kd-full", "kd-lora", "budgeted"])
+def test_resume_equals_uninterrupted(tiny_env, tmp_path, method):
+    full = train(_cfg(tiny_env, tmp_path / "a", method=method, save_every=4))
+    with pytest.raises(KeyboardInterrupt):
+        train(_cfg(tiny_env, tmp_path / "b", method=method, save_every=4), reporter=StopAt(10))
+    assert not (tmp_path / "b" / "summary.json").exists()
+    resumed = train(TrainConfig(), resume=tmp_path / "b")
+    assert resumed["resumed_from"] == 8 and resumed["steps"] == 12
+    a = load_file(tmp_path / "a" / "student" / "model.safetensors")
+    b = load_file(tmp_path / "b" / "student" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for extra in ("adapter/adapter_model.safetensors", "budgeted.safetensors"):
+        if (tmp_path / "a" / "student" / extra).exists():
+            ea, eb = load_file(tmp_path / "a" / "student" / extra), load_file(tmp_path / "b" / "student" / extra)
+            assert all(torch.equal(ea[k], eb[k]) for k in ea)
+    assert resumed["student_val_ppl"] == full["student_val_ppl"]
+    ma = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
+    mb = (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["loss"] for x in ma] == [json.loads(x)["loss"] for x in mb]
+    if method == "budgeted":
+        ca = (tmp_path / "a" / "controller.jsonl").read_text()
+        assert ca == (tmp_path / "b" / "controller.jsonl").read_text()  # controller state restored exactly
+        assert resumed["compute_proxy"]["d_bar"] == full["compute_proxy"]["d_bar"]
+
+
+def test_budgeted_run_artefacts_and_reload(tiny_env, tmp_path):
+    s = train(_cfg(tiny_env, tmp_path / "run", method="budgeted", budget=0.0, max_steps=20, retention_ema=0.5,
+                   measure_step_time=True))
+    run = tmp_path / "run"
+    rows = [json.loads(x) for x in (run / "controller.jsonl").read_text().splitlines()]
+    assert len(rows) == 20 and rows[0]["budget"] == 1.0 and rows[-1]["budget"] == 0.0
+    assert rows[-1]["zero"] == 14 and rows[-1]["retained"] == 0.0
+    assert all(len(r["d"]) == 14 for r in rows)
+    assert (run / "controller.png").stat().st_size > 10_000
+    assert s["final_retained"] == 0.0 and len(s["modules"]) == 14
+    assert s["compute_proxy"]["d_bar"] == pytest.approx(sum(r["retained"] for r in rows) / 20)
+    st = s["step_time_ms"]
+    assert st["kd-full"] > 0 and st["kd-lora"] > 0 and st["budgeted"] > 0
+    model, tok, _ = load_run_student(run)
+    from bdlora.evaluate import perplexity
+    from bdlora.train import prepare
+
+    sess = prepare(_cfg(tiny_env, tmp_path / "x", method="budgeted", budget=0.0))
+    assert perplexity(model, sess.val_blocks) == pytest.approx(s["student_val_ppl"], rel=1e-5)
+
+
+def test_cli_train_and_yaml_config(tiny_env, tmp_path):
+    from conftest import train_args
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("method: kd-lora\nmax_steps: 3\nbatch_size: 2\n")
+    res = CliRunner().invoke(app, [*train_args(tiny_env, tmp_path / "run"), "--config", str(cfg),
+                                   "--batch-size", "3", "--json"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout[res.stdout.index("{"):])
+    stored = json.loads((tmp_path / "run" / "config.json").read_text())["config"]
+    assert summary["method"] == "kd-lora" and summary["steps"] == 3
+    assert stored["batch_size"] == 3  # the flag overrides the YAML value
