@@ -265,7 +265,8 @@ def plan(
 def print_compression_report(report: dict, title: str) -> None:
     """The SPEC 6.4 table: one row per module, then the totals (shared by plan and compress)."""
     t = Table(title=title)
-    for col, j in (("module", "left"), ("d", "right"), ("case", "left"), ("LoRA r", "right"), ("SVD k", "right"),
+    t.add_column("module", justify="left", min_width=22, overflow="fold")
+    for col, j in (("d", "right"), ("case", "left"), ("LoRA r", "right"), ("SVD k", "right"),
                    ("MACs before", "right"), ("MACs after", "right"), ("params after", "right")):
         t.add_column(col, justify=j)
     for m in report["modules"]:
@@ -285,6 +286,132 @@ def print_compression_report(report: dict, title: str) -> None:
     s.add_row("MAC speed-up vs LoRA", f"{report['speedup_vs_lora']:.2f}x")
     s.add_row("parameter reduction", f"{100 * report['param_reduction']:.1f}%")
     out.print(s)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# compress
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@app.command()
+@handle_errors
+def compress(
+    run_dir: Annotated[Optional[str], typer.Argument(help="A finished run (default: the latest under --runs-dir).")]
+    = None,
+    eps_lr: Annotated[float, typer.Option(help="d below this (and >= eps-zero) is SVD-approximated; above, merged.")]
+    = 0.7,
+    eps_zero: Annotated[float, typer.Option(help="d below this drops the dense path.")] = 1e-3,
+    gate_threshold: Annotated[float, typer.Option(help="Ranks with sigmoid(gate) below this are pruned.")] = 0.3,
+    svd_max_rank: Annotated[int, typer.Option(help="r_dense_max: the SVD rank at d = eps-lr.")] = 128,
+    out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: RUN_DIR.compressed).")]
+    = None,
+    force: Annotated[bool, typer.Option(help="Replace an existing non-empty --out.")] = False,
+    no_eval: Annotated[bool, typer.Option("--no-eval", help="Skip the held-out perplexity of both models.")] = False,
+    runs_dir: Annotated[str, typer.Option(help=H["runs_dir"])] = "runs",
+    json_out: Annotated[bool, typer.Option("--json", help="Print compression.json instead of tables.")] = False,
+):
+    """Turn a trained student into its deployment form: drop, SVD-approximate or merge each dense path (budgeted),
+    merge the adapter (kd-lora) or pass through (kd-full); saved as a Hugging Face model folder."""
+    from bdlora.compress import Thresholds, compress_run
+    from bdlora.train import latest_run
+
+    th = Thresholds(eps_zero=eps_zero, eps_lr=eps_lr, gate_threshold=gate_threshold, svd_max_rank=svd_max_rank)
+    th.validate()
+    run = Path(run_dir) if run_dir else latest_run(runs_dir)
+    rep = RichReporter(err if json_out else out)
+    report, folder = compress_run(run, th, out=out_dir, force=force, evaluate=not no_eval, on_stage=rep.stage)
+    if json_out:
+        print(json.dumps(report, indent=2))
+        return
+    print_compression_report(report, title=f"compress {run.name} ({report['provenance']['method']})")
+    if "eval" in report:
+        e = report["eval"]
+        out.print(f"held-out perplexity: student {e['student_val_ppl']:.3f} -> compressed "
+                  f"{e['compressed_val_ppl']:.3f} ({e['tokens']:,} tokens)")
+    out.print(f"[green]wrote[/] {folder}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# export
+# ----------------------------------------------------------------------------------------------------------------
+
+export_app = typer.Typer(no_args_is_help=True, help="Export a compressed model (hf: a shareable HF folder).")
+app.add_typer(export_app, name="export")
+
+
+def _latest_model_folder(runs_dir: str) -> Path:
+    from bdlora.errors import RunDirError
+    from bdlora.export.hf import is_model_folder
+
+    found = [p for p in Path(runs_dir).glob("*.compressed") if is_model_folder(p)]
+    if not found:
+        raise RunDirError(f"no compressed model under {runs_dir}/ (run `bdlora compress` first, or pass MODEL_DIR)")
+    return max(found, key=lambda p: (p / "compression.json").stat().st_mtime)
+
+
+@export_app.command("hf")
+@handle_errors
+def export_hf_cmd(
+    model_dir: Annotated[Optional[str], typer.Argument(help="Compressed model folder (default: the latest).")]
+    = None,
+    out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: MODEL_DIR.hf).")] = None,
+    force: Annotated[bool, typer.Option(help="Replace an existing non-empty --out.")] = False,
+    runs_dir: Annotated[str, typer.Option(help=H["runs_dir"])] = "runs",
+):
+    """Copy a compressed model into a clean, shareable Hugging Face folder with a generated model card."""
+    from bdlora.export.hf import export_hf
+
+    src = Path(model_dir) if model_dir else _latest_model_folder(runs_dir)
+    dst = Path(out_dir) if out_dir else src.with_name(src.name + ".hf")
+    export_hf(src, dst, force=force)
+    out.print(f"[green]wrote[/] {dst} (load with AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True))")
+
+
+@export_app.command("onnx")
+@handle_errors
+def export_onnx_cmd(
+    model_dir: Annotated[Optional[str], typer.Argument(help="Model folder: a `bdlora compress` output (default: the "
+                                                            "latest) or any HF Llama/Mistral/Qwen2 folder.")] = None,
+    out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: MODEL_DIR.onnx).")] = None,
+    opset: Annotated[int, typer.Option(help="ONNX opset (14 up to the exporter's maximum).")] = 17,
+    quantize: Annotated[Optional[str], typer.Option(help="int8: also write model_int8.onnx (dynamic weight "
+                                                          "quantisation) and report its perplexity change.")] = None,
+    no_validate: Annotated[bool, typer.Option("--no-validate", help="Skip the parity check against PyTorch.")]
+    = False,
+    force: Annotated[bool, typer.Option(help="Replace an existing non-empty --out.")] = False,
+    runs_dir: Annotated[str, typer.Option(help=H["runs_dir"])] = "runs",
+    json_out: Annotated[bool, typer.Option("--json", help="Print export.json.")] = False,
+):
+    """Export a model as an ONNX decoder with KV cache and per-module shape metadata, validated against PyTorch;
+    the folder loads in optimum's ORTModelForCausalLM (via bdlora.export.onnx.load_ort_model)."""
+    from bdlora.export.onnx import export_onnx_folder
+
+    src = Path(model_dir) if model_dir else _latest_model_folder(runs_dir)
+    dst = Path(out_dir) if out_dir else src.with_name(src.name + ".onnx")
+    rep = RichReporter(err if json_out else out)
+    info = export_onnx_folder(src, dst, opset=opset, quantize=quantize, run_validation=not no_validate, force=force,
+                              on_stage=rep.stage)
+    if json_out:
+        print(json.dumps(info, indent=2))
+        return
+    t = Table(title=f"ONNX export: {dst}")
+    t.add_column("")
+    t.add_column("value", justify="right")
+    t.add_row("opset / export time", f"{opset} / {info['export_seconds']:.1f} s")
+    for name, size in info["files"].items():
+        t.add_row(name, f"{size / 1e6:.2f} MB")
+    if "validation" in info:
+        v = info["validation"]
+        t.add_row("max |ONNX - torch| (logits, K/V)", f"{v['max_abs_diff']:.2e} (tolerance {v['tolerance']:g}, "
+                  f"{len(v['shapes'])} shapes incl. left padding)")
+    if "int8" in info:
+        q = info["int8"]
+        t.add_row("held-out ppl fp32 -> int8", f"{q['val_ppl_fp32']:.3f} -> {q['val_ppl_int8']:.3f} "
+                  f"({100 * q['ppl_change']:+.2f}%)")
+    s = info["summary"]
+    t.add_row("modules", ", ".join(f"{v} {k}" for k, v in s["forms"].items()))
+    t.add_row("MAC speed-up of the projections vs dense", f"{s['mac_speedup_vs_dense']:.2f}x")
+    out.print(t)
 
 
 def main() -> None:

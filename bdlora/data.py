@@ -249,7 +249,7 @@ def tokenize_corpus(
             batch: list[Document] = []
 
             def flush():
-                enc = tokenizer([d.text for d in batch], add_special_tokens=False)["input_ids"]
+                enc = tokenizer([d.text for d in batch], add_special_tokens=False, verbose=False)["input_ids"]
                 for d, ids in zip(batch, enc):
                     split = "val" if is_heldout(d.id, heldout_fraction) else "train"
                     arr = np.asarray(ids + [eos], dtype=dtype)

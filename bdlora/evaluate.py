@@ -37,3 +37,15 @@ def perplexity(model, blocks: PackedBlocks, batch_size: int = 8, device: str | t
         device = next(model.parameters()).device
     nll, _ = mean_nll(model, blocks, batch_size=batch_size, device=device)
     return math.exp(nll)
+
+
+def run_val_blocks(cfg: dict, tokenizer) -> PackedBlocks:
+    """The held-out blocks a run was scored on (same corpus, split, sequence length and token count), from the
+    tokenised-corpus cache (re-tokenised if the cache was cleared)."""
+    from pathlib import Path
+
+    from bdlora.data import Corpus, tokenize_corpus
+
+    cache = Path(cfg["cache_dir"]).expanduser() if cfg.get("cache_dir") else None
+    data = tokenize_corpus(Corpus(cfg["data"]), tokenizer, cfg["heldout_fraction"], cache)
+    return PackedBlocks(data.tokens("val"), cfg["seq_len"], max_tokens=cfg["eval_tokens"])

@@ -45,6 +45,7 @@ class BuiltinTeacherSpec:
     warmup_steps: int = 30
     seed: int = 0
     eval_tokens: int = 65536
+    revision: int = 2  # bump when the recipe or tokenizer settings change, so cached teachers are rebuilt
 
     def key(self, corpus_fingerprint: str) -> str:
         blob = json.dumps(asdict(self), sort_keys=True) + corpus_fingerprint + torch.__version__.split("+")[0]
@@ -72,7 +73,8 @@ def train_builtin_tokenizer(corpus: Corpus, vocab_size: int, heldout_fraction: f
     docs = (d.text for d in corpus.documents() if not is_heldout(d.id, heldout_fraction))
     tok.train_from_iterator(docs, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, pad_token=EOS,
-                                   unk_token=None, model_max_length=BuiltinTeacherSpec.max_position_embeddings)
+                                   unk_token=None, model_max_length=BuiltinTeacherSpec.max_position_embeddings,
+                                   model_input_names=["input_ids", "attention_mask"], padding_side="left")
 
 
 def unigram_perplexity(train_tokens: np.ndarray, val_tokens: np.ndarray, vocab_size: int) -> float:
@@ -208,6 +210,7 @@ def check_architecture(model, what: str) -> None:
         for name in PROJECTIONS:
             parent = layer.self_attn if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else layer.mlp
             mod = getattr(parent, name, None)
-            if not isinstance(mod, torch.nn.Linear):
+            # a compressed bdlora model deploys some projections as LowRankLinear pairs
+            if not (isinstance(mod, torch.nn.Linear) or type(mod).__name__ == "LowRankLinear"):
                 raise ModelError(f"{what}: layer {i} has no nn.Linear '{name}' (expected the seven projections "
                                  f"{', '.join(PROJECTIONS)})")

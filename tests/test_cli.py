@@ -2,10 +2,10 @@
 traceback, and no run directory left behind."""
 
 import pytest
-from conftest import train_args
 from typer.testing import CliRunner
 
 from bdlora.cli import app
+from conftest import train_args
 
 
 def _run(args):
@@ -76,8 +76,9 @@ def test_teacher_without_projections(tiny_env, tmp_path):
 
 
 def test_mismatched_vocabularies(tiny_env, tmp_path):
-    from conftest import tiny_config, train_tokenizer
     from transformers import MistralForCausalLM
+
+    from conftest import tiny_config, train_tokenizer
 
     tok = train_tokenizer(tiny_env["corpus"], vocab_size=300)
     d = tmp_path / "other"

@@ -1,0 +1,119 @@
+"""The compressed Budgeted-LoRA student as its own Hugging Face architecture (SPEC 8).
+
+This file is self-contained (it imports only torch and transformers): ``bdlora compress`` copies it into every
+compressed model folder and points ``auto_map`` at it, so
+
+    AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+
+works where bdlora is not installed. With bdlora imported, the classes are registered with ``AutoConfig`` /
+``AutoModelForCausalLM`` and load without remote code.
+
+One config/model pair per supported base family (``bdlora_mistral``, ``bdlora_llama``, ``bdlora_qwen2``). The config
+is the base family's config plus ``bdlora_modules``: for every replaced projection its deployment form, ``dense``
+or ``lowrank`` with its rank. The model is the base family's model with exactly those modules: a low-rank module is
+two bias-free ``nn.Linear`` layers in sequence (``proj_in``: d_in -> r, ``proj_out``: r -> d_out), the second
+carrying any bias.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+
+class LowRankLinear(nn.Module):
+    """y = proj_out(proj_in(x)): a rank-r factorisation of a d_in -> d_out projection (r (d_in + d_out) MACs)."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features, self.rank = in_features, out_features, rank
+        self.proj_in = nn.Linear(in_features, rank, bias=False)  # (r, d_in)
+        self.proj_out = nn.Linear(rank, out_features, bias=bias)  # (d_out, r)
+
+    def forward(self, x):
+        return self.proj_out(self.proj_in(x))  # (..., d_in) -> (..., r) -> (..., d_out)
+
+
+class BdloraConfigMixin:
+    def _init_bdlora(self, bdlora_modules=None, bdlora=None):
+        # {"model.layers.0.self_attn.q_proj": {"form": "lowrank", "rank": 16}, ...}; modules not listed stay dense
+        self.bdlora_modules = dict(bdlora_modules or {})
+        # provenance: base model type, budget F, thresholds, MAC totals (informational)
+        self.bdlora = dict(bdlora or {})
+
+
+def _replace_modules(model: nn.Module, modules: dict) -> None:
+    for name, spec in modules.items():
+        if spec.get("form") != "lowrank":
+            continue
+        parent_name, child = name.rsplit(".", 1)
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, child)
+        setattr(parent, child, LowRankLinear(old.in_features, old.out_features, int(spec["rank"]),
+                                             bias=old.bias is not None))
+
+
+class BdloraMistralConfig(BdloraConfigMixin, MistralConfig):
+    model_type = "bdlora_mistral"
+
+    def __init__(self, bdlora_modules=None, bdlora=None, **kwargs):
+        super().__init__(**kwargs)
+        self._init_bdlora(bdlora_modules, bdlora)
+
+
+class BdloraLlamaConfig(BdloraConfigMixin, LlamaConfig):
+    model_type = "bdlora_llama"
+
+    def __init__(self, bdlora_modules=None, bdlora=None, **kwargs):
+        super().__init__(**kwargs)
+        self._init_bdlora(bdlora_modules, bdlora)
+
+
+class BdloraQwen2Config(BdloraConfigMixin, Qwen2Config):
+    model_type = "bdlora_qwen2"
+
+    def __init__(self, bdlora_modules=None, bdlora=None, **kwargs):
+        super().__init__(**kwargs)
+        self._init_bdlora(bdlora_modules, bdlora)
+
+
+class BdloraMistralForCausalLM(MistralForCausalLM):
+    config_class = BdloraMistralConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        _replace_modules(self, config.bdlora_modules)
+        self.post_init()
+
+
+class BdloraLlamaForCausalLM(LlamaForCausalLM):
+    config_class = BdloraLlamaConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        _replace_modules(self, config.bdlora_modules)
+        self.post_init()
+
+
+class BdloraQwen2ForCausalLM(Qwen2ForCausalLM):
+    config_class = BdloraQwen2Config
+
+    def __init__(self, config):
+        super().__init__(config)
+        _replace_modules(self, config.bdlora_modules)
+        self.post_init()
+
+
+# base model_type -> (config class, model class)
+FAMILIES = {
+    "mistral": (BdloraMistralConfig, BdloraMistralForCausalLM),
+    "llama": (BdloraLlamaConfig, BdloraLlamaForCausalLM),
+    "qwen2": (BdloraQwen2Config, BdloraQwen2ForCausalLM),
+}

@@ -1,0 +1,150 @@
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from bdlora.cli import app
+from bdlora.compress import Thresholds, compress_budgeted
+from bdlora.export.hf import save_model_folder
+from bdlora.export.onnx import (
+    TOLERANCE,
+    export_onnx_folder,
+    greedy_generate,
+    load_model_folder,
+    load_ort_model,
+    session,
+)
+from bdlora.layers import apply_budgeted_lora, gated_modules
+
+D_MIXED = [0.0, 1.0, 0.0, 0.2, 0.0, 0.9, 0.0]
+
+
+def _compressed_folder(tiny_model, tiny_env, path, d_values):
+    s = copy.deepcopy(tiny_model)
+    apply_budgeted_lora(s, rank=4, alpha=8)
+    torch.manual_seed(1)
+    for i, m in enumerate(gated_modules(s).values()):
+        torch.nn.init.normal_(m.lora_B, std=0.05)
+        m.set_retention(d_values[i % len(d_values)])
+    model, report = compress_budgeted(s, Thresholds(svd_max_rank=8), {"budget": 0.4})
+    return save_model_folder(model, tiny_env["tokenizer"], path, report), report
+
+
+@pytest.fixture(scope="module")
+def mixed_export(tiny_env, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("onnx")
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_env["teacher"], dtype=torch.float32)
+    folder, report = _compressed_folder(teacher, tiny_env, root / "mixed", D_MIXED)
+    info = export_onnx_folder(folder, root / "mixed.onnx", quantize="int8")
+    return folder, root / "mixed.onnx", report, info
+
+
+@pytest.mark.parametrize("kind", ["dense", "lowrank"])
+def test_parity_dense_and_lowrank(tiny_env, tiny_model, tmp_path, kind):
+    if kind == "dense":
+        folder = tiny_env["teacher"]  # a plain HF Mistral folder (GQA 4/2)
+    else:
+        folder, _ = _compressed_folder(tiny_model, tiny_env, tmp_path / "lr", [0.0])
+    info = export_onnx_folder(folder, tmp_path / "out")
+    v = info["validation"]
+    assert v["max_abs_diff"] <= TOLERANCE
+    assert {(s["batch"], s["seq"], s["past"]) for s in v["shapes"]} >= {(1, 1, 0), (2, 1, 5), (3, 4, 3)}
+    assert any(s["left_pad"] for s in v["shapes"])
+    forms = set(info["summary"]["forms"])
+    assert forms == ({"dense"} if kind == "dense" else {"lowrank"})
+
+
+def test_mixed_parity_and_signature(mixed_export):
+    _, onnx_dir, _, info = mixed_export
+    assert info["validation"]["max_abs_diff"] <= TOLERANCE
+    sess = session(onnx_dir / "model.onnx")
+    ins = [(i.name, i.shape) for i in sess.get_inputs()]
+    outs = [(o.name, o.shape) for o in sess.get_outputs()]
+    assert ins[:3] == [("input_ids", ["batch", "seq"]), ("attention_mask", ["batch", "total"]),
+                       ("position_ids", ["batch", "seq"])]
+    assert ins[3] == ("past_key_values.0.key", ["batch", 2, "past", 8])  # GQA: 2 KV heads, head dim 32/4
+    assert outs[0][0] == "logits" and outs[1] == ("present.0.key", ["batch", 2, "total", 8])
+    assert len(ins) == 3 + 2 * 4 and len(outs) == 1 + 2 * 4
+
+
+def test_metadata_equals_compression_report(mixed_export):
+    _, onnx_dir, report, _ = mixed_export
+    meta = session(onnx_dir / "model.onnx").get_modelmeta().custom_metadata_map
+    rows = json.loads(meta["bdlora.modules"])
+    assert [r["name"] for r in rows] == [m["name"] for m in report["modules"]]
+    for r, m in zip(rows, report["modules"]):
+        assert r["form"] == m["form"] and r["rank"] == m["rank"]
+        assert r["macs_per_token"] == m["macs_after"] and r["parameters"] == m["params_after"]
+        assert (r["in_features"], r["out_features"]) == (m["in_features"], m["out_features"])
+    summary = json.loads(meta["bdlora.summary"])
+    assert summary["base_model_type"] == "mistral" and summary["budget"] == 0.4
+    assert summary["speedup_vs_dense"] == report["speedup_vs_dense"]
+    assert summary["dense_dropped"] == report["dense_dropped"]
+    assert meta["bdlora.version"]
+    import onnx
+
+    tagged = [n for n in onnx.load(str(onnx_dir / "model.onnx")).graph.node if "bdlora_module" in n.doc_string]
+    assert {json.loads(n.doc_string)["bdlora_module"] for n in tagged} == {r["name"] for r in rows}
+    # metadata survives quantisation
+    qmeta = session(onnx_dir / "model_int8.onnx").get_modelmeta().custom_metadata_map
+    assert qmeta["bdlora.modules"] == meta["bdlora.modules"]
+
+
+def test_optimum_and_hand_greedy_equal_torch(mixed_export, tiny_env):
+    folder, onnx_dir, _, _ = mixed_export
+    model, tok, _ = load_model_folder(folder)
+    tok.padding_side = "left"
+    enc = tok(["alpha beta gamma", "red green blue cyan magenta"], return_tensors="pt", padding=True,
+              return_token_type_ids=False)
+    ref = model.generate(**enc, max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id)
+    ort_model = load_ort_model(onnx_dir)
+    assert ort_model.num_key_value_heads == 2  # the GQA fix: optimum alone would size the cache with 4 heads
+    got = ort_model.generate(**enc, max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert torch.equal(got, ref)
+    one = tok(["red green blue cyan magenta"], return_tensors="pt", return_token_type_ids=False)
+    ref_one = model.generate(**one, max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id)
+    hand = greedy_generate(session(onnx_dir / "model.onnx"), model.config, one["input_ids"].numpy(), 10)
+    np.testing.assert_array_equal(hand, ref_one.numpy())
+
+
+def test_run_to_int8_export_reports_heldout_figures(tiny_env, tmp_path):
+    """train -> compress -> export onnx --quantize int8 through the CLI; the int8 change is scored on the run's
+    held-out slice, and the fp32 graph's perplexity equals the compressed torch model's."""
+    from conftest import train_args
+
+    run = tmp_path / "run"
+    r = CliRunner().invoke(app, [*train_args(tiny_env, run), "--method", "budgeted", "--max-steps", "6",
+                                 "--budget", "0.0", "--retention-ema", "0"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, ["compress", str(run), "--svd-max-rank", "8"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, ["export", "onnx", str(tmp_path / "run.compressed"), "--quantize", "int8", "--json"])
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    q = info["int8"]
+    assert q["tokens"] == 512 and 0.5 <= q["argmax_agreement"] <= 1.0
+    compressed_ppl = json.loads((tmp_path / "run.compressed" / "compression.json").read_text())["eval"][
+        "compressed_val_ppl"]
+    assert q["val_ppl_fp32"] == pytest.approx(compressed_ppl, rel=1e-4)
+    assert abs(q["ppl_change"]) < 0.5
+    assert (tmp_path / "run.compressed.onnx" / "model_int8.onnx").exists()
+
+
+def test_cli_export_onnx_bad_input(mixed_export, tmp_path):
+    folder = mixed_export[0]
+    (tmp_path / "notamodel").mkdir()
+    r = CliRunner().invoke(app, ["export", "onnx", str(tmp_path / "notamodel"), "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "not a model folder" in r.stderr
+    r = CliRunner().invoke(app, ["export", "onnx", str(folder), "--out", str(tmp_path / "o"), "--opset", "9"])
+    assert r.exit_code == 2 and "--opset 9: the exporter supports opsets 14.." in r.stderr
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "f").write_text("x")
+    r = CliRunner().invoke(app, ["export", "onnx", str(folder), "--out", str(tmp_path / "taken")])
+    assert r.exit_code == 2 and "exists and is not empty" in r.stderr
+    r = CliRunner().invoke(app, ["export", "onnx", str(folder), "--out", str(tmp_path / "o"), "--quantize", "int4"])
+    assert r.exit_code == 2 and "--quantize int4: unknown (allowed: int8)" in r.stderr
