@@ -414,6 +414,110 @@ def export_onnx_cmd(
     out.print(t)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# bench
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _int_list(value: str, flag: str) -> list[int]:
+    from bdlora.errors import UsageError
+
+    try:
+        items = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} {value!r}: need comma-separated integers, e.g. 1,8") from None
+    if not items:
+        raise UsageError(f"{flag} {value!r}: empty list; give at least one value")
+    return items
+
+
+@app.command()
+@handle_errors
+def bench(
+    model_dir: Annotated[Optional[str], typer.Argument(help="A `bdlora compress` output (default: the latest).")]
+    = None,
+    scope: Annotated[str, typer.Option(help="modules (replaced projections only), model (whole decoder) or both.")]
+    = "both",
+    batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,8",
+    seq_lens: Annotated[str, typer.Option(help="Comma-separated prefill lengths (and decode cache lengths).")]
+    = "128,512",
+    decode_tokens: Annotated[int, typer.Option(help="Tokens decoded per decode measurement.")] = 64,
+    threads: Annotated[Optional[int], typer.Option(help="onnxruntime intra-op threads (default: all cores).")] = None,
+    provider: Annotated[str, typer.Option(help="cpu or cuda (needs onnxruntime-gpu).")] = "cpu",
+    repeats: Annotated[int, typer.Option(help="Timed repeats per figure (after warm-up).")] = 10,
+    warmup: Annotated[int, typer.Option(help="Untimed warm-up repeats.")] = 2,
+    model_config: Annotated[Optional[str], typer.Option(help="Synthetic mode: an HF config.json; benches the "
+                                                              "structure `plan` predicts, with random weights.")]
+    = None,
+    budget: Annotated[Optional[float], typer.Option(help="Synthetic mode: the budget F.")] = None,
+    layers: Annotated[Optional[int], typer.Option(help="Synthetic mode: student layers.")] = None,
+    lora_rank: Annotated[Optional[int], typer.Option(help="LoRA rank of the lora variant (default: the trained "
+                                                           "rank; synthetic: 128).")] = None,
+    json_path: Annotated[Optional[str], typer.Option("--json", help="Also write the JSON report here.")] = None,
+    out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: MODEL_DIR.bench).")]
+    = None,
+    force: Annotated[bool, typer.Option(help="Replace an existing non-empty --out.")] = False,
+    runs_dir: Annotated[str, typer.Option(help=H["runs_dir"])] = "runs",
+):
+    """Time the compressed model against its dense and LoRA forms under onnxruntime (replaced modules and whole
+    model, prefill and decode), beside the MAC limits; writes bench.json, bench.md and bench.png."""
+    from bdlora.bench import BenchConfig, run_bench, synthetic_model
+    from bdlora.errors import ModelError, UsageError
+    from bdlora.export.hf import check_out_dir
+    from bdlora.io import write_json
+
+    cfg = BenchConfig(scope=scope, batch_sizes=_int_list(batch_sizes, "--batch-sizes"),
+                      seq_lens=_int_list(seq_lens, "--seq-lens"), decode_tokens=decode_tokens, threads=threads,
+                      provider=provider, repeats=repeats, warmup=warmup)
+    cfg.validate()
+    report = None
+    if model_config:
+        from bdlora.plan import read_model_config
+
+        if budget is None:
+            raise UsageError("--model-config needs --budget F (the structure to bench)")
+        model, report = synthetic_model(read_model_config(model_config), budget, layers, lora_rank or 128)
+        rank = lora_rank or 128
+        dst = Path(out_dir) if out_dir else Path(runs_dir) / f"bench-synthetic-F{budget}"
+    else:
+        from bdlora.export.onnx import load_model_folder
+
+        src = Path(model_dir) if model_dir else _latest_model_folder(runs_dir)
+        if not (src / "compression.json").exists():
+            raise ModelError(f"{src}: no compression.json; bench needs a `bdlora compress` output (or use "
+                             "--model-config for synthetic mode)")
+        model, _, report = load_model_folder(src)
+        rank = lora_rank or max(1, round(report["lora_macs"] / max(1, sum(
+            m["in_features"] + m["out_features"] for m in report["modules"]))))
+        dst = Path(out_dir) if out_dir else src.with_name(src.name + ".bench")
+    check_out_dir(dst, force, () if model_config else (src,))
+    rep = RichReporter(out)
+    doc = run_bench(model, rank, cfg, dst, report, on_stage=rep.stage)
+    if json_path:
+        write_json(json_path, doc)
+    _print_bench(doc)
+    out.print(f"[green]wrote[/] {dst}/bench.json, bench.md, bench.png")
+
+
+def _print_bench(doc: dict) -> None:
+    t = Table(title=f"bench: compressed vs dense / LoRA ({doc['thread_pool']})")
+    t.add_column("scope phase shape", overflow="fold")
+    for col in ("dense ms", "comp. ms", "vs dense", "MAC limit", "of limit", "vs LoRA", "outside"):
+        t.add_column(col, justify="right")
+    idx = {(r["scope"], r["variant"], r["phase"], r["batch"], r["seq"]): r for r in doc["results"]}
+    for r in doc["results"]:
+        if r["variant"] != "compressed":
+            continue
+        d = idx[(r["scope"], "dense", r["phase"], r["batch"], r["seq"])]
+        shape = f"{r['batch']}x{r['seq']}" if r["phase"] == "prefill" else (
+            f"{r['batch']}x1 @{r['seq']}" if r["scope"] == "model" else f"{r['batch']}x1")
+        t.add_row(f"{r['scope']} {r['phase']} {shape}", f"{d['median_ms']:.3f}", f"{r['median_ms']:.3f}",
+                  f"{r['speedup_vs_dense']:.2f}x", f"{r['mac_ratio_vs_dense']:.2f}x",
+                  f"{100 * r['fraction_of_limit']:.0f}%", f"{r['speedup_vs_lora']:.2f}x",
+                  f"{100 * r['share_outside_modules']:.0f}%" if "share_outside_modules" in r else "-")
+    out.print(t)
+
+
 def main() -> None:
     app()
 

@@ -201,18 +201,22 @@ def _scope(name: str) -> str:
     return re.sub(r"layers/(\d+)", r"layers.\1", name.replace(".", "/"))
 
 
-def add_metadata(onnx_path: Path, rows: list[dict], summary: dict) -> None:
-    import onnx
-
-    from bdlora import __version__
-
-    m = onnx.load(str(onnx_path), load_external_data=False)
+def tag_nodes(m, rows: list[dict]) -> None:
+    """Where the graph keeps module scopes in node names, put the module's name, form and rank in ``doc_string``."""
     tags = [(f"/{_scope(r['name'])}/", r) for r in rows]
     for node in m.graph.node:
         for scope, r in tags:
             if scope in node.name:
                 node.doc_string = json.dumps({"bdlora_module": r["name"], "form": r["form"], "rank": r["rank"]})
                 break
+
+
+def add_metadata(onnx_path: Path, rows: list[dict], summary: dict) -> None:
+    import onnx
+
+    from bdlora import __version__
+
+    m = onnx.load(str(onnx_path), load_external_data=False)
     meta = {"bdlora.modules": json.dumps(rows), "bdlora.summary": json.dumps(summary), "bdlora.version": __version__}
     keep = [p for p in m.metadata_props if p.key not in meta]
     del m.metadata_props[:]
@@ -227,8 +231,9 @@ def add_metadata(onnx_path: Path, rows: list[dict], summary: dict) -> None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def export_decoder(model: nn.Module, path: Path, opset: int = DEFAULT_OPSET) -> None:
-    """Trace ``model`` (fp32, eager attention) into ``path`` with the KV-cache signature and dynamic axes."""
+def export_decoder(model: nn.Module, path: Path, opset: int = DEFAULT_OPSET, fuse: bool = True) -> int:
+    """Trace ``model`` (fp32, eager attention) into ``path`` with the KV-cache signature and dynamic axes; then fuse
+    MatMuls that share an input (q/k/v, gate/up; see ``fuse.py``)."""
     import warnings
 
     check_opset(opset)
@@ -244,6 +249,20 @@ def export_decoder(model: nn.Module, path: Path, opset: int = DEFAULT_OPSET) -> 
         warnings.simplefilter("ignore")  # tracer warnings about the cache's Python-side bookkeeping
         torch.onnx.export(wrapper, (ids, mask, pos, *pasts), str(path), input_names=ins, output_names=outs,
                           dynamic_axes=axes, opset_version=opset, dynamo=False, do_constant_folding=True)
+    return postprocess(path, module_table(model), fuse)
+
+
+def postprocess(path: Path, rows: list[dict], fuse: bool = True) -> int:
+    """Tag module nodes, then (optionally) fuse shared-input MatMuls; returns the number of MatMuls fused away."""
+    import onnx
+
+    from bdlora.export.fuse import fuse_shared_input_matmuls
+
+    m = onnx.load(str(path))
+    tag_nodes(m, rows)
+    n = fuse_shared_input_matmuls(m) if fuse else 0
+    onnx.save(m, str(path))
+    return n
 
 
 def session(path: Path, threads: int | None = None, opt_level: str = "all", global_pool: bool = False,
@@ -389,7 +408,7 @@ def export_onnx_folder(model_dir: str | Path, out: str | Path, opset: int = DEFA
     with atomic_dir(out) as tmp:
         stage(f"exporting to ONNX (opset {opset})")
         t0 = time.time()
-        export_decoder(model, tmp / "model.onnx", opset)
+        info["matmuls_fused"] = export_decoder(model, tmp / "model.onnx", opset)
         add_metadata(tmp / "model.onnx", rows, summary)
         info["export_seconds"] = time.time() - t0
         info["files"] = {"model.onnx": (tmp / "model.onnx").stat().st_size}

@@ -1,0 +1,114 @@
+import copy
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from bdlora.bench import (BenchConfig, ProjectionStack, dense_variant, floor_variant, lora_variant, run_bench,
+                          synthetic_model)
+from bdlora.cli import app
+from bdlora.compress import Thresholds, compress_budgeted
+from bdlora.export.hf import save_model_folder
+from bdlora.layers import apply_budgeted_lora, gated_modules
+from bdlora.plan import plan
+
+TINY = {"model_type": "mistral", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 320, "max_position_embeddings": 128,
+        "sliding_window": None}
+
+
+def _compressed(tiny_model, d_values, gates_open=False):
+    s = copy.deepcopy(tiny_model)
+    apply_budgeted_lora(s, rank=4, alpha=8)
+    torch.manual_seed(3)
+    for i, m in enumerate(gated_modules(s).values()):
+        torch.nn.init.normal_(m.lora_B, std=0.05)
+        m.set_retention(d_values[i % len(d_values)])
+    model, report = compress_budgeted(s, Thresholds(svd_max_rank=8), {"budget": 0.4})
+    return s, model, report
+
+
+def test_variants_compute_the_same_function(tiny_model):
+    x = torch.randint(0, tiny_model.config.vocab_size, (2, 10))
+    trained, model, _ = _compressed(tiny_model, [1.0])  # F = 1, gates open: everything kept and merged
+    with torch.no_grad():
+        ref = trained(x).logits
+        torch.testing.assert_close(model(x).logits, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dense_variant(model)(x).logits, ref, rtol=1e-5, atol=1e-5)
+    _, mixed, _ = _compressed(tiny_model, [0.0, 1.0, 0.3])
+    with torch.no_grad():
+        dense = dense_variant(mixed)(x).logits
+        torch.testing.assert_close(mixed(x).logits, dense, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(lora_variant(mixed, 4)(x).logits, dense, rtol=1e-4, atol=1e-4)
+    assert sum(1 for m in floor_variant(mixed).modules() if getattr(m, "rank", None) == 1) == 28
+
+
+def test_bench_report_schema_and_signatures(tiny_model, tmp_path):
+    _, model, report = _compressed(tiny_model, [0.0, 1.0, 0.3])
+    cfg = BenchConfig(scope="both", batch_sizes=[1, 2], seq_lens=[8], decode_tokens=2, repeats=2, warmup=0,
+                      threads=1)
+    doc = run_bench(model, 4, cfg, tmp_path / "b", report)
+    rows = doc["results"]
+    keys = {(r["scope"], r["variant"], r["phase"], r["batch"], r["seq"]) for r in rows}
+    for scope in ("modules", "model"):
+        for v in ("dense", "lora", "compressed"):
+            for phase, b in (("decode", 1), ("decode", 2), ("prefill", 1), ("prefill", 2)):
+                seq = 1 if (scope, phase) == ("modules", "decode") else 8
+                assert (scope, v, phase, b, seq) in keys
+    for r in rows:
+        assert {"scope", "variant", "phase", "batch", "seq", "median_ms", "p10_ms", "p90_ms"} <= r.keys()
+        assert r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
+        if r["variant"] == "compressed":
+            assert {"speedup_vs_dense", "speedup_vs_lora", "mac_ratio_vs_dense", "fraction_of_limit"} <= r.keys()
+            assert r["fraction_of_limit"] == pytest.approx(r["speedup_vs_dense"] / r["mac_ratio_vs_dense"])
+    mods = [r for r in rows if r["scope"] == "modules" and r["variant"] == "compressed"]
+    assert all(r["mac_ratio_vs_dense"] == pytest.approx(report["speedup_vs_dense"]) for r in mods)
+    assert doc["mac_ratio_modules_vs_lora"] == pytest.approx(report["speedup_vs_lora"])
+    for f in ("bench.json", "bench.md", "bench.png"):
+        assert (tmp_path / "b" / f).stat().st_size > 0
+    import onnxruntime as ort
+
+    sigs = set()
+    for v in ("dense", "lora", "compressed"):
+        s = ort.InferenceSession(str(tmp_path / "b" / "graphs" / f"model-{v}.onnx"))
+        sigs.add((tuple((i.name, len(i.shape)) for i in s.get_inputs()),
+                  tuple((o.name, len(o.shape)) for o in s.get_outputs())))
+    assert len(sigs) == 1
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.4])
+def test_synthetic_mode_builds_the_planned_structure(budget):
+    model, report = synthetic_model(TINY, budget, layers=2, rank=4)
+    expected = plan(TINY, budget, layers=2, rank=4)
+    assert report["modules"] == expected["modules"]
+    forms = model.config.bdlora_modules
+    for m in expected["modules"]:
+        assert forms[m["name"]] == ({"form": "lowrank", "rank": m["rank"]} if m["rank"] else {"form": "dense"})
+    stack = ProjectionStack(model)
+    assert len(stack.mods) == 14
+
+
+def test_cli_bench_synthetic_and_bad_input(tmp_path, tiny_model, tiny_env):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY))
+    args = ["bench", "--model-config", str(cfg), "--budget", "0.0", "--lora-rank", "4", "--repeats", "2",
+            "--warmup", "0", "--batch-sizes", "1", "--seq-lens", "8", "--decode-tokens", "2", "--threads", "1"]
+    r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "b"), "--json", str(tmp_path / "b.json")])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "b.json").read_text())
+    p = plan(TINY, 0.0, rank=4)
+    assert doc["mac_ratio_modules_vs_dense"] == pytest.approx(p["speedup_vs_dense"])
+    assert doc["mac_ratio_modules_vs_lora"] == pytest.approx(p["speedup_vs_lora"])
+    for bad, needle in [(["--provider", "tpu"], "--provider 'tpu': unknown (allowed: cpu, cuda)"),
+                        (["--provider", "cuda"], "--provider cuda: onnxruntime here has"),
+                        (["--repeats", "0"], "--repeats 0: must be >= 1"),
+                        (["--batch-sizes", ""], "--batch-sizes '': empty list"),
+                        (["--seq-lens", "a,b"], "--seq-lens 'a,b': need comma-separated integers")]:
+        r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "x"), *bad])
+        assert r.exit_code == 2 and needle in r.stderr, (bad, r.output)
+    _, model, report = _compressed(tiny_model, [0.0])
+    folder = save_model_folder(model, tiny_env["tokenizer"], tmp_path / "m", report)
+    (folder / "compression.json").unlink()
+    r = CliRunner().invoke(app, ["bench", str(folder), "--out", str(tmp_path / "y")])
+    assert r.exit_code == 2 and "no compression.json" in r.stderr
