@@ -12,15 +12,16 @@ measure); ``model`` times the whole decoder: prefill latency per (batch, seq) an
 cache of ``seq`` tokens (``decode_tokens`` steps that feed their own cache back).
 
 Timing: variants interleaved round-robin (rotating the order every repeat) so machine noise hits them alike;
-median and p10/p90 over repeats after warm-up. Sessions run in one process with identical options and intra-op
-spinning disabled, so an idle session cannot busy-wait on the cores the timed one needs.
+median and p10/p90 over repeats after warm-up. The timing runs in a separate process (``bench_worker``) whose
+sessions share one global onnxruntime thread pool, so no session's idle pool spins on the cores the timed one
+needs (per-session pools distorted interleaved timings by up to 2x).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import math
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -113,17 +114,29 @@ def floor_variant(model: nn.Module) -> nn.Module:
 
 
 class ProjectionStack(nn.Module):
-    """The replaced projections alone (the paper's measure): per layer q/k/v/gate/up read x_h (N, hidden), o reads
-    x_o (N, heads * head_dim), down reads x_d (N, intermediate); every module's output is a graph output."""
+    """The replaced projections alone (the paper's measure). Layer l has its own inputs, as in the model:
+    q/k/v/gate/up read x_h.l (N, hidden), o reads x_o.l (N, heads * head_dim), down reads x_d.l (N, intermediate);
+    every module's output is a graph output. (Sharing one input across layers would let the shared-input fusion
+    merge projections of different layers, which no real model can do.)"""
 
     def __init__(self, model: nn.Module):
         super().__init__()
-        self.mods = nn.ModuleList(m for _, m in _projections(model))
-        self.kinds = [n.rsplit(".", 1)[-1] for n, _ in _projections(model)]
+        named = _projections(model)
+        self.mods = nn.ModuleList(m for _, m in named)
+        self.kinds = [n.rsplit(".", 1)[-1] for n, _ in named]
+        self.layer = [int(n.split("layers.")[1].split(".")[0]) for n, _ in named]
+        self.num_layers = max(self.layer) + 1
 
-    def forward(self, x_h, x_o, x_d):
-        src = {"o_proj": x_o, "down_proj": x_d}
-        return tuple(m(src.get(k, x_h)) for m, k in zip(self.mods, self.kinds))
+    def input_names(self) -> list[str]:
+        return [f"{x}.{i}" for i in range(self.num_layers) for x in ("x_h", "x_o", "x_d")]
+
+    def forward(self, *xs):
+        # xs: per layer (x_h, x_o, x_d)
+        out = []
+        for m, k, i in zip(self.mods, self.kinds, self.layer):
+            x_h, x_o, x_d = xs[3 * i : 3 * i + 3]
+            out.append(m(x_o if k == "o_proj" else x_d if k == "down_proj" else x_h))
+        return tuple(out)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -203,36 +216,30 @@ def provider_name(provider: str) -> str:
     return names[provider]
 
 
-def make_session(path: Path, cfg: BenchConfig, threads: int):
-    """Identical options for every variant: ``threads`` intra-op threads, sequential execution, and spinning
-    disabled, so a session that just finished does not keep its pool busy-waiting on the cores the next timed
-    session needs (with spinning on, interleaved sessions distorted each other by up to 2x)."""
-    import onnxruntime as ort
+def run_worker(kind: str, graphs: dict[str, Path], shapes: list, cfg: BenchConfig, threads: int, dims: dict,
+               workdir: Path, on_stage=None) -> tuple[list[dict], str]:
+    """Time ``graphs`` in a separate process (``bench_worker``) with one global onnxruntime thread pool."""
+    import subprocess
+    import sys
 
-    so = ort.SessionOptions()
-    so.graph_optimization_level = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-                                   "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-                                   "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[cfg.opt_level]
-    so.intra_op_num_threads = threads
-    so.inter_op_num_threads = 1
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(str(path), so, providers=[provider_name(cfg.provider)])
+    spec = {"graphs": {k: str(v) for k, v in graphs.items()}, "kind": kind, "shapes": shapes,
+            "repeats": cfg.repeats, "warmup": cfg.warmup, "threads": threads, "provider": provider_name(cfg.provider),
+            "opt_level": cfg.opt_level, "decode_tokens": cfg.decode_tokens, "dims": dims}
+    spec_path, out_path = workdir / f"{kind}-spec.json", workdir / f"{kind}-times.json"
+    spec_path.write_text(json.dumps(spec))
+    proc = subprocess.Popen([sys.executable, "-m", "bdlora.bench_worker", str(spec_path), str(out_path)],
+                            stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if on_stage and not line.startswith((" ", "Traceback")):
+            on_stage(f"timed {line.strip()}")
+    if proc.wait() != 0:
+        from bdlora.errors import BdloraError
 
-
-def time_interleaved(jobs: dict[str, callable], repeats: int, warmup: int) -> dict[str, list[float]]:
-    """Run each job once per round, rotating the order every round; returns ms per job after warm-up."""
-    names = list(jobs)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(warmup + repeats):
-        k = r % len(names)
-        for n in names[k:] + names[:k]:
-            t = time.perf_counter()
-            jobs[n]()
-            dt = (time.perf_counter() - t) * 1000
-            if r >= warmup:
-                times[n].append(dt)
-    return times
+        raise BdloraError(f"the bench timing process failed: {''.join(lines[-5:]).strip()}")
+    res = json.loads(out_path.read_text())
+    return res["times"], res["pool"]
 
 
 def stats(ms: list[float]) -> dict:
@@ -250,101 +257,66 @@ def export_projection_stack(model: nn.Module, path: Path, opset: int = 17, fuse:
     heads = c.num_attention_heads
     _, hd = kv_shape(c)
     stack = ProjectionStack(model).eval()
-    ex = (torch.randn(2, c.hidden_size), torch.randn(2, heads * hd), torch.randn(2, c.intermediate_size))
+    ex = [torch.randn(2, d) for _ in range(stack.num_layers)
+          for d in (c.hidden_size, heads * hd, c.intermediate_size)]
     outs = [f"y{i}" for i in range(len(stack.mods))]
-    axes = {n: {0: "tokens"} for n in ["x_h", "x_o", "x_d", *outs]}
+    ins = stack.input_names()
+    axes = {n: {0: "tokens"} for n in [*ins, *outs]}
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(stack, ex, str(path), input_names=["x_h", "x_o", "x_d"], output_names=outs,
+        torch.onnx.export(stack, tuple(ex), str(path), input_names=ins, output_names=outs,
                           dynamic_axes=axes, opset_version=opset, dynamo=False)
     rows = [{**r, "name": f"mods.{i}"} for i, r in enumerate(module_table(model))]
     postprocess(path, rows, fuse)
 
 
-def bench_modules(models: dict[str, nn.Module], workdir: Path, cfg: BenchConfig, threads: int,
-                  on_stage=None) -> list[dict]:
-    stage = on_stage or (lambda s: None)
-    sessions = {}
-    for name, m in models.items():
-        p = workdir / f"modules-{name}.onnx"
-        export_projection_stack(m, p)
-        sessions[name] = make_session(p, cfg, threads)
-    c = next(iter(models.values())).config
+def _dims(model: nn.Module) -> dict:
     from bdlora.export.onnx import kv_shape
 
-    q_dim = c.num_attention_heads * kv_shape(c)[1]
-    shapes = [("decode", b, 1) for b in cfg.batch_sizes] + [("prefill", b, s) for b in cfg.batch_sizes
+    c = model.config
+    kv, hd = kv_shape(c)
+    return {"hidden": c.hidden_size, "q_dim": c.num_attention_heads * hd, "intermediate": c.intermediate_size,
+            "layers": c.num_hidden_layers, "kv_heads": kv, "head_dim": hd, "vocab": c.vocab_size}
+
+
+def _rows(scope: str, times: list[dict]) -> list[dict]:
+    rows = []
+    for t in times:
+        row = {"scope": scope, "variant": t["variant"], "phase": t["phase"], "batch": t["batch"], "seq": t["seq"],
+               "tokens": t["batch"] * (1 if t["phase"] == "decode" else t["seq"]), **stats(t["ms"])}
+        if scope == "model":
+            row["tokens_per_s"] = row["tokens"] / (row["median_ms"] / 1000)
+        rows.append(row)
+    return rows
+
+
+def bench_modules(models: dict[str, nn.Module], workdir: Path, cfg: BenchConfig, threads: int,
+                  on_stage=None) -> tuple[list[dict], str]:
+    graphs = {}
+    for name, m in models.items():
+        graphs[name] = workdir / f"modules-{name}.onnx"
+        export_projection_stack(m, graphs[name])
+    shapes = [["decode", b, 1] for b in cfg.batch_sizes] + [["prefill", b, s] for b in cfg.batch_sizes
                                                              for s in cfg.seq_lens]
-    results = []
-    rng = np.random.default_rng(0)
-    for phase, b, s in shapes:
-        n = b * s
-        feeds = {"x_h": rng.standard_normal((n, c.hidden_size), dtype=np.float32),
-                 "x_o": rng.standard_normal((n, q_dim), dtype=np.float32),
-                 "x_d": rng.standard_normal((n, c.intermediate_size), dtype=np.float32)}
-        stage(f"modules scope: {phase} {b}x{s}")
-        jobs = {name: (lambda sess=sess, feeds=feeds: sess.run(None, feeds)) for name, sess in sessions.items()}
-        times = time_interleaved(jobs, cfg.repeats, cfg.warmup)
-        for name in models:
-            results.append({"scope": "modules", "variant": name, "phase": phase, "batch": b, "seq": s,
-                            "tokens": n, **stats(times[name])})
-    return results
+    times, pool = run_worker("modules", graphs, shapes, cfg, threads, _dims(next(iter(models.values()))), workdir,
+                             on_stage)
+    return _rows("modules", times), pool
 
 
 def bench_model(models: dict[str, nn.Module], workdir: Path, cfg: BenchConfig, threads: int,
-                on_stage=None) -> list[dict]:
-    from bdlora.export.onnx import export_decoder, kv_shape
+                on_stage=None) -> tuple[list[dict], str]:
+    from bdlora.export.onnx import export_decoder
 
-    stage = on_stage or (lambda s: None)
-    sessions = {}
+    graphs = {}
     for name, m in models.items():
-        p = workdir / f"model-{name}.onnx"
-        stage(f"exporting the {name} decoder")
-        export_decoder(copy.deepcopy(m), p)
-        sessions[name] = make_session(p, cfg, threads)
-    c = next(iter(models.values())).config
-    kv, hd = kv_shape(c)
-    n_layers = c.num_hidden_layers
-    rng = np.random.default_rng(0)
-    results = []
-    for b in cfg.batch_sizes:
-        for s in cfg.seq_lens:
-            ids = rng.integers(0, c.vocab_size, (b, s), dtype=np.int64)
-            pre = {"input_ids": ids, "attention_mask": np.ones((b, s), np.int64),
-                   "position_ids": np.broadcast_to(np.arange(s, dtype=np.int64), (b, s)).copy()}
-            for i in range(n_layers):
-                pre[f"past_key_values.{i}.key"] = np.zeros((b, kv, 0, hd), np.float32)
-                pre[f"past_key_values.{i}.value"] = np.zeros((b, kv, 0, hd), np.float32)
-            past = [rng.standard_normal((b, kv, s, hd), dtype=np.float32) for _ in range(2 * n_layers)]
-
-            def decode(sess, past=past, b=b, s=s):
-                cache = past
-                tok = np.zeros((b, 1), np.int64)
-                for t in range(cfg.decode_tokens):
-                    feeds = {"input_ids": tok, "attention_mask": np.ones((b, s + t + 1), np.int64),
-                             "position_ids": np.full((b, 1), s + t, np.int64)}
-                    for i in range(n_layers):
-                        feeds[f"past_key_values.{i}.key"] = cache[2 * i]
-                        feeds[f"past_key_values.{i}.value"] = cache[2 * i + 1]
-                    out = sess.run(None, feeds)
-                    cache = out[1:]
-                    tok = out[0][:, -1].argmax(-1)[:, None].astype(np.int64)
-
-            stage(f"model scope: prefill {b}x{s}")
-            jobs = {n: (lambda sess=sess, pre=pre: sess.run(None, pre)) for n, sess in sessions.items()}
-            times = time_interleaved(jobs, cfg.repeats, cfg.warmup)
-            for name in models:
-                st = stats(times[name])
-                results.append({"scope": "model", "variant": name, "phase": "prefill", "batch": b, "seq": s,
-                                "tokens": b * s, **st, "tokens_per_s": b * s / (st["median_ms"] / 1000)})
-            stage(f"model scope: decode {b}x1 with a {s}-token cache ({cfg.decode_tokens} tokens)")
-            times = time_interleaved({n: (lambda sess=sess: decode(sess)) for n, sess in sessions.items()},
-                                     max(1, cfg.repeats // 2), min(cfg.warmup, 1))
-            for name in models:
-                st = {k: (v / cfg.decode_tokens if k.endswith("_ms") else v) for k, v in stats(times[name]).items()}
-                results.append({"scope": "model", "variant": name, "phase": "decode", "batch": b, "seq": s,
-                                "tokens": b, **st, "tokens_per_s": b / (st["median_ms"] / 1000)})
-    return results
+        graphs[name] = workdir / f"model-{name}.onnx"
+        if on_stage:
+            on_stage(f"exporting the {name} decoder")
+        export_decoder(copy.deepcopy(m), graphs[name])
+    shapes = [[phase, b, s] for b in cfg.batch_sizes for s in cfg.seq_lens for phase in ("prefill", "decode")]
+    times, pool = run_worker("model", graphs, shapes, cfg, threads, _dims(next(iter(models.values()))), workdir,
+                             on_stage)
+    return _rows("model", times), pool
 
 
 def add_ratios(results: list[dict], macs: dict) -> None:
@@ -383,7 +355,7 @@ def run_bench(model: nn.Module, lora_rank: int, cfg: BenchConfig, out: Path, rep
 
     cfg.validate()
     threads = cfg.threads or os.cpu_count() or 1
-    pool = f"per-session onnxruntime pools of {threads} intra-op threads, spinning disabled, one process"
+    pool = ""
     models = {"dense": dense_variant(model), "lora": lora_variant(model, lora_rank), "compressed": model.eval()}
     macs_modules = {n: projection_macs(m) for n, m in models.items()}
     out = Path(out)
@@ -392,10 +364,12 @@ def run_bench(model: nn.Module, lora_rank: int, cfg: BenchConfig, out: Path, rep
         work.mkdir()
         results = []
         if cfg.scope in ("modules", "both"):
-            results += bench_modules(models, work, cfg, threads, on_stage)
+            rows, pool = bench_modules(models, work, cfg, threads, on_stage)
+            results += rows
         if cfg.scope in ("model", "both"):
             with_floor = {**models, "floor": floor_variant(model)}
-            results += bench_model(with_floor, work, cfg, threads, on_stage)
+            rows, pool = bench_model(with_floor, work, cfg, threads, on_stage)
+            results += rows
             macs_modules["floor"] = projection_macs(with_floor["floor"])
         macs = {"modules": macs_modules,
                 "model": {n: (lambda ctx, n=n: model_macs_per_token(model, ctx, macs_modules[n]))

@@ -40,7 +40,7 @@ def test_matches_hand_computation():
     loss, parts = DistillationLoss(3.0, 0.8, chunk_size=5)(hs, hds, ht, hdt, ids)
     expected, n = _hand_loss(hs, ht, hds, hdt, ids, None, 3.0, 0.8)
     assert parts["positions"] == n == 2 * 6
-    assert math.isclose(float(loss), expected, rel_tol=1e-5)
+    assert math.isclose(loss.item(), expected, rel_tol=1e-5)
 
 
 def test_tau_squared_scaling():
@@ -62,7 +62,7 @@ def test_masking_ignores_padding():
     loss, parts = DistillationLoss(2.0, 0.5)(hs, hds, ht, hdt, ids, mask)
     expected, n = _hand_loss(hs, ht, hds, hdt, ids, mask, 2.0, 0.5)
     assert parts["positions"] == n == 3 + 4
-    assert math.isclose(float(loss), expected, rel_tol=1e-5)
+    assert math.isclose(loss.item(), expected, rel_tol=1e-5)
     # changing what sits under the padding changes nothing
     hs2 = hs.detach().clone()
     hs2[0, 5:] += 100.0

@@ -1,0 +1,124 @@
+"""Timing worker of ``bdlora bench``, run as its own process (``python -m bdlora.bench_worker SPEC OUT``).
+
+Why a process: onnxruntime's global thread pool (one pool shared by every session, spinning allowed) is the only
+way to time several sessions in one process without their per-session pools stealing cores from each other, but
+it is process-wide: once set, every later session of that process must opt out of per-session threads. Running the
+timing here keeps that setting away from the caller. Only numpy and onnxruntime are imported.
+
+SPEC (JSON): {"graphs": {variant: path}, "kind": "modules"|"model", "shapes": [[phase, batch, seq], ...],
+"repeats", "warmup", "threads", "provider", "opt_level", "decode_tokens", "dims": {...}}
+OUT (JSON): {"pool": description, "times": [{"variant", "phase", "batch", "seq", "ms": [...]}, ...]}
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+
+
+def time_interleaved(jobs: dict, repeats: int, warmup: int) -> dict[str, list[float]]:
+    """Run each job once per round, rotating the order every round; returns ms per job after warm-up."""
+    names = list(jobs)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(warmup + repeats):
+        k = r % len(names)
+        for n in names[k:] + names[:k]:
+            t = time.perf_counter()
+            jobs[n]()
+            dt = (time.perf_counter() - t) * 1000
+            if r >= warmup:
+                times[n].append(dt)
+    return times
+
+
+def _sessions(spec: dict) -> tuple[dict, str]:
+    import onnxruntime as ort
+
+    threads = int(spec["threads"])
+    ort.set_global_thread_pool_sizes(threads, 1)
+    levels = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+              "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+              "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
+    sessions = {}
+    for name, path in spec["graphs"].items():
+        so = ort.SessionOptions()
+        so.use_per_session_threads = False  # all sessions share the one global pool
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        so.graph_optimization_level = levels[spec.get("opt_level", "all")]
+        sessions[name] = ort.InferenceSession(path, so, providers=[spec["provider"]])
+    return sessions, f"one global onnxruntime thread pool of {threads} intra-op threads (separate timing process)"
+
+
+def time_modules(spec: dict, sessions: dict) -> list[dict]:
+    d = spec["dims"]
+    rng = np.random.default_rng(0)
+    out = []
+    for phase, b, s in spec["shapes"]:
+        n = b * s
+        x = {"x_h": rng.standard_normal((n, d["hidden"]), dtype=np.float32),
+             "x_o": rng.standard_normal((n, d["q_dim"]), dtype=np.float32),
+             "x_d": rng.standard_normal((n, d["intermediate"]), dtype=np.float32)}
+        feeds = {f"{k}.{i}": v for i in range(d["layers"]) for k, v in x.items()}  # each layer has its inputs
+        jobs = {name: (lambda sess=sess, feeds=feeds: sess.run(None, feeds)) for name, sess in sessions.items()}
+        times = time_interleaved(jobs, spec["repeats"], spec["warmup"])
+        out += [{"variant": k, "phase": phase, "batch": b, "seq": s, "ms": v} for k, v in times.items()]
+        _progress(f"modules {phase} {b}x{s}")
+    return out
+
+
+def time_model(spec: dict, sessions: dict) -> list[dict]:
+    d = spec["dims"]
+    layers, kv, hd, vocab = d["layers"], d["kv_heads"], d["head_dim"], d["vocab"]
+    steps = int(spec["decode_tokens"])
+    rng = np.random.default_rng(0)
+    out = []
+    for phase, b, s in spec["shapes"]:
+        if phase == "prefill":
+            feeds = {"input_ids": rng.integers(0, vocab, (b, s), dtype=np.int64),
+                     "attention_mask": np.ones((b, s), np.int64),
+                     "position_ids": np.broadcast_to(np.arange(s, dtype=np.int64), (b, s)).copy()}
+            for i in range(layers):
+                feeds[f"past_key_values.{i}.key"] = np.zeros((b, kv, 0, hd), np.float32)
+                feeds[f"past_key_values.{i}.value"] = np.zeros((b, kv, 0, hd), np.float32)
+            jobs = {n: (lambda sess=sess, feeds=feeds: sess.run(None, feeds)) for n, sess in sessions.items()}
+            times = time_interleaved(jobs, spec["repeats"], spec["warmup"])
+        else:  # decode ``steps`` tokens after a cache of ``s`` tokens, feeding each step's cache back
+            past = [rng.standard_normal((b, kv, s, hd), dtype=np.float32) for _ in range(2 * layers)]
+
+            def decode(sess, past=past, b=b, s=s):
+                cache, tok = past, np.zeros((b, 1), np.int64)
+                for t in range(steps):
+                    feeds = {"input_ids": tok, "attention_mask": np.ones((b, s + t + 1), np.int64),
+                             "position_ids": np.full((b, 1), s + t, np.int64)}
+                    for i in range(layers):
+                        feeds[f"past_key_values.{i}.key"] = cache[2 * i]
+                        feeds[f"past_key_values.{i}.value"] = cache[2 * i + 1]
+                    res = sess.run(None, feeds)
+                    cache, tok = res[1:], res[0][:, -1].argmax(-1)[:, None].astype(np.int64)
+
+            jobs = {n: (lambda sess=sess: decode(sess)) for n, sess in sessions.items()}
+            times = time_interleaved(jobs, max(1, spec["repeats"] // 2), min(spec["warmup"], 1))
+            times = {k: [t / steps for t in v] for k, v in times.items()}  # ms per generated token
+        out += [{"variant": k, "phase": phase, "batch": b, "seq": s, "ms": v} for k, v in times.items()]
+        _progress(f"model {phase} {b}x{s}")
+    return out
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(open(argv[0]).read())
+    sessions, pool = _sessions(spec)
+    times = time_modules(spec, sessions) if spec["kind"] == "modules" else time_model(spec, sessions)
+    with open(argv[1], "w") as f:
+        json.dump({"pool": pool, "times": times}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
