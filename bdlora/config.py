@@ -45,7 +45,7 @@ class TrainConfig:
     grad_accum: int = 1
     """Micro-batches per optimiser step."""
     max_steps: int | None = None
-    """Optimiser steps (default 1000; builtin 300). Mutually exclusive with --tokens."""
+    """Optimiser steps (default 1000; builtin 600). Mutually exclusive with --tokens."""
     tokens: int | None = None
     """Train on this many tokens instead of a step count (steps = tokens / (batch * grad_accum * seq_len))."""
     lr: float | None = None
@@ -104,7 +104,7 @@ class TrainConfig:
 
 # Defaults for the embedded default teacher (1.8M parameters, 4 layers): the paper's rank 128 / alpha 256 and
 # 1024-token sequences would dwarf a hidden size of 128, so rank and alpha keep the paper's alpha/r = 2 at r = 16.
-BUILTIN_DEFAULTS = {"seq_len": 128, "max_steps": 300, "lr": 2e-3, "lora_rank": 16, "lora_alpha": 32.0,
+BUILTIN_DEFAULTS = {"seq_len": 128, "max_steps": 600, "lr": 2e-3, "lora_rank": 16, "lora_alpha": 32.0,
                     "eval_every": 100, "eval_tokens": 32768, "batch_size": 16}
 REAL_DEFAULTS = {"batch_size": 8, "seq_len": 1024, "max_steps": 1000, "lr": 3e-4, "lora_rank": 128,
                  "lora_alpha": 256.0,
