@@ -114,10 +114,11 @@ def floor_variant(model: nn.Module) -> nn.Module:
 
 
 class ProjectionStack(nn.Module):
-    """The replaced projections alone (the paper's measure). Layer l has its own inputs, as in the model:
-    q/k/v/gate/up read x_h.l (N, hidden), o reads x_o.l (N, heads * head_dim), down reads x_d.l (N, intermediate);
-    every module's output is a graph output. (Sharing one input across layers would let the shared-input fusion
-    merge projections of different layers, which no real model can do.)"""
+    """The replaced projections alone (the paper's measure). Each layer reads its own inputs, wired as in the
+    decoder: q/k/v read x_a.l (N, hidden; the attention-normed state), o reads x_o.l (N, heads * head_dim),
+    gate/up read x_m.l (N, hidden; the MLP-normed state), down reads x_d.l (N, intermediate). Every module's output
+    is a graph output. (Sharing inputs beyond that would let the shared-input fusion merge projections that no real
+    decoder can merge.)"""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -127,16 +128,14 @@ class ProjectionStack(nn.Module):
         self.layer = [int(n.split("layers.")[1].split(".")[0]) for n, _ in named]
         self.num_layers = max(self.layer) + 1
 
+    SOURCE = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj": 2, "up_proj": 2, "down_proj": 3}
+
     def input_names(self) -> list[str]:
-        return [f"{x}.{i}" for i in range(self.num_layers) for x in ("x_h", "x_o", "x_d")]
+        return [f"{x}.{i}" for i in range(self.num_layers) for x in ("x_a", "x_o", "x_m", "x_d")]
 
     def forward(self, *xs):
-        # xs: per layer (x_h, x_o, x_d)
-        out = []
-        for m, k, i in zip(self.mods, self.kinds, self.layer):
-            x_h, x_o, x_d = xs[3 * i : 3 * i + 3]
-            out.append(m(x_o if k == "o_proj" else x_d if k == "down_proj" else x_h))
-        return tuple(out)
+        # xs: per layer (x_a, x_o, x_m, x_d)
+        return tuple(m(xs[4 * i + self.SOURCE[k]]) for m, k, i in zip(self.mods, self.kinds, self.layer))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -258,7 +257,7 @@ def export_projection_stack(model: nn.Module, path: Path, opset: int = 17, fuse:
     _, hd = kv_shape(c)
     stack = ProjectionStack(model).eval()
     ex = [torch.randn(2, d) for _ in range(stack.num_layers)
-          for d in (c.hidden_size, heads * hd, c.intermediate_size)]
+          for d in (c.hidden_size, heads * hd, c.hidden_size, c.intermediate_size)]
     outs = [f"y{i}" for i in range(len(stack.mods))]
     ins = stack.input_names()
     axes = {n: {0: "tokens"} for n in [*ins, *outs]}

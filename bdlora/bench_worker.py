@@ -58,7 +58,8 @@ def time_modules(spec: dict, sessions: dict) -> list[dict]:
     out = []
     for phase, b, s in spec["shapes"]:
         n = b * s
-        x = {"x_h": rng.standard_normal((n, d["hidden"]), dtype=np.float32),
+        x = {"x_a": rng.standard_normal((n, d["hidden"]), dtype=np.float32),
+             "x_m": rng.standard_normal((n, d["hidden"]), dtype=np.float32),
              "x_o": rng.standard_normal((n, d["q_dim"]), dtype=np.float32),
              "x_d": rng.standard_normal((n, d["intermediate"]), dtype=np.float32)}
         feeds = {f"{k}.{i}": v for i in range(d["layers"]) for k, v in x.items()}  # each layer has its inputs

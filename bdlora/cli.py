@@ -19,8 +19,9 @@ from bdlora.errors import BdloraError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Budgeted LoRA: distil a causal LM into a mixed dense/low-rank student that is faster.")
-out = Console()
-err = Console(stderr=True)
+# Piped output (logs, CI) gets a wide console so tables are not cropped at 80 columns.
+out = Console(width=None if sys.stdout.isatty() else 150)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
 H = field_help()
 
 
@@ -32,8 +33,8 @@ def handle_errors(fn):
         except BdloraError as e:
             err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
-        except KeyboardInterrupt:
-            err.print("[bold red]interrupted[/]")
+        except KeyboardInterrupt as e:
+            err.print(f"[bold red]interrupted[/]{': ' + str(e) if str(e) else ''}", highlight=False, soft_wrap=True)
             raise typer.Exit(130) from None
 
     return wrapper
@@ -181,7 +182,7 @@ def train(
     """Distil a student from the teacher: kd-full, kd-lora or budgeted (Budgeted LoRA)."""
     cli_values = dict(locals())
     from bdlora.config import load_yaml, merge
-    from bdlora.errors import RunDirError
+    from bdlora.errors import RunDirError, UsageError
     from bdlora.train import train as run_train
 
     for k in ("config", "resume", "json_out"):
@@ -190,6 +191,10 @@ def train(
     cfg = merge(load_yaml(config) if config else {}, cli_values)
     if resume is not None and not Path(resume).is_dir():
         raise RunDirError(f"--resume {resume}: no such run directory")
+    ignored = [f"--{k.replace('_', '-')}" for k, v in cli_values.items() if v is not None]
+    if resume is not None and (ignored or config):
+        raise UsageError(f"--resume {resume}: continues with the run's stored options; drop "
+                         f"{', '.join(ignored + (['--config'] if config else []))}")
     console = err if json_out else out
     summary = run_train(cfg, RichReporter(console), resume=resume)
     if json_out:

@@ -216,6 +216,34 @@ def _truncate_jsonl(path: Path, max_step: int) -> None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+class _StopRequest:
+    """SIGINT/SIGTERM during training set a flag; the loop finishes the current optimiser step, saves a checkpoint
+    and stops, so an interrupted run loses nothing and never saves a half-updated state."""
+
+    def __init__(self):
+        import signal
+        import threading
+
+        self.requested: str | None = None
+        self._old = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        import signal
+
+        if self.requested:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+
+    def restore(self):
+        import signal
+
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
 def warmup_cosine(total_steps: int):
     """LR multiplier: linear warm-up over 3% of steps (capped at 2000), then cosine to 0 (SPEC 3)."""
     warmup = max(1, min(2000, round(0.03 * total_steps)))
@@ -311,6 +339,7 @@ def train(cfg: TrainConfig, reporter: Reporter | None = None, resume: str | Path
     t0 = time.time()
     val_ppl = initial_ppl
     model.train()
+    stop = _StopRequest()
     try:
         for step in range(start_step, total):
             progress = step / max(1, total - 1)
@@ -348,10 +377,14 @@ def train(cfg: TrainConfig, reporter: Reporter | None = None, resume: str | Path
             if ctrl_f is not None:
                 ctrl_f.flush()
             rep.step(done, m)
-            if cfg.save_every and done % cfg.save_every == 0 and done < total:
+            if (cfg.save_every and done % cfg.save_every == 0 and done < total) or stop.requested:
                 save_checkpoint(run_dir, done, model, optimizer, scheduler, method,
                                 {"train_seconds": prior_seconds + elapsed}, cfg.keep_last)
+            if stop.requested:
+                raise KeyboardInterrupt(f"stopped by {stop.requested} after step {done}; checkpoint saved, continue "
+                                        f"with --resume {run_dir}")
     finally:
+        stop.restore()
         metrics_f.close()
         if ctrl_f is not None:
             ctrl_f.close()

@@ -88,3 +88,29 @@ def train_args(env, out, *extra):
             str(env["cache"]), "--seq-len", "32", "--batch-size", "4", "--eval-tokens", "512",
             "--heldout-fraction", "0.1", "--lora-rank", "4", "--lora-alpha", "8", "--out", str(out),
             "--lr", "3e-3", "--no-measure-step-time", *extra]
+
+
+def budgeted_student(model, d_values=None, seed=0, rank=4, alpha=8.0):
+    """A copy of ``model`` with gated LoRA modules whose B factors are non-zero (so the low-rank path matters) and
+    whose retentions cycle through ``d_values`` (module i gets d_values[i % len]); gates stay at their init."""
+    import copy
+
+    from bdlora.layers import apply_budgeted_lora, gated_modules
+
+    s = copy.deepcopy(model)
+    apply_budgeted_lora(s, rank=rank, alpha=alpha)
+    torch.manual_seed(seed)
+    for i, m in enumerate(gated_modules(s).values()):
+        torch.nn.init.normal_(m.lora_B, std=0.05)
+        if d_values is not None:
+            m.set_retention(d_values[i % len(d_values)])
+    return s
+
+
+def compressed_student(model, d_values, seed=0, budget=0.4):
+    """(trained gated student, compressed bdlora model, report) with SVD rank cap 8 for the tiny shapes."""
+    from bdlora.compress import Thresholds, compress_budgeted
+
+    trained = budgeted_student(model, d_values, seed)
+    compressed, report = compress_budgeted(trained, Thresholds(svd_max_rank=8), {"budget": budget})
+    return trained, compressed, report

@@ -1,42 +1,36 @@
-import copy
 import json
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
-from bdlora.bench import (BenchConfig, ProjectionStack, dense_variant, floor_variant, lora_variant, run_bench,
-                          synthetic_model)
+from bdlora.bench import (
+    BenchConfig,
+    ProjectionStack,
+    dense_variant,
+    floor_variant,
+    lora_variant,
+    run_bench,
+    synthetic_model,
+)
 from bdlora.cli import app
-from bdlora.compress import Thresholds, compress_budgeted
 from bdlora.export.hf import save_model_folder
-from bdlora.layers import apply_budgeted_lora, gated_modules
 from bdlora.plan import plan
+from conftest import compressed_student
 
 TINY = {"model_type": "mistral", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
         "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 320, "max_position_embeddings": 128,
         "sliding_window": None}
 
 
-def _compressed(tiny_model, d_values, gates_open=False):
-    s = copy.deepcopy(tiny_model)
-    apply_budgeted_lora(s, rank=4, alpha=8)
-    torch.manual_seed(3)
-    for i, m in enumerate(gated_modules(s).values()):
-        torch.nn.init.normal_(m.lora_B, std=0.05)
-        m.set_retention(d_values[i % len(d_values)])
-    model, report = compress_budgeted(s, Thresholds(svd_max_rank=8), {"budget": 0.4})
-    return s, model, report
-
-
 def test_variants_compute_the_same_function(tiny_model):
     x = torch.randint(0, tiny_model.config.vocab_size, (2, 10))
-    trained, model, _ = _compressed(tiny_model, [1.0])  # F = 1, gates open: everything kept and merged
+    trained, model, _ = compressed_student(tiny_model, [1.0])  # F = 1, gates open: everything kept and merged
     with torch.no_grad():
         ref = trained(x).logits
         torch.testing.assert_close(model(x).logits, ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(dense_variant(model)(x).logits, ref, rtol=1e-5, atol=1e-5)
-    _, mixed, _ = _compressed(tiny_model, [0.0, 1.0, 0.3])
+    _, mixed, _ = compressed_student(tiny_model, [0.0, 1.0, 0.3])
     with torch.no_grad():
         dense = dense_variant(mixed)(x).logits
         torch.testing.assert_close(mixed(x).logits, dense, rtol=1e-4, atol=1e-4)
@@ -45,7 +39,7 @@ def test_variants_compute_the_same_function(tiny_model):
 
 
 def test_bench_report_schema_and_signatures(tiny_model, tmp_path):
-    _, model, report = _compressed(tiny_model, [0.0, 1.0, 0.3])
+    _, model, report = compressed_student(tiny_model, [0.0, 1.0, 0.3])
     cfg = BenchConfig(scope="both", batch_sizes=[1, 2], seq_lens=[8], decode_tokens=2, repeats=2, warmup=0,
                       threads=1)
     doc = run_bench(model, 4, cfg, tmp_path / "b", report)
@@ -107,7 +101,7 @@ def test_cli_bench_synthetic_and_bad_input(tmp_path, tiny_model, tiny_env):
                         (["--seq-lens", "a,b"], "--seq-lens 'a,b': need comma-separated integers")]:
         r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "x"), *bad])
         assert r.exit_code == 2 and needle in r.stderr, (bad, r.output)
-    _, model, report = _compressed(tiny_model, [0.0])
+    _, model, report = compressed_student(tiny_model, [0.0])
     folder = save_model_folder(model, tiny_env["tokenizer"], tmp_path / "m", report)
     (folder / "compression.json").unlink()
     r = CliRunner().invoke(app, ["bench", str(folder), "--out", str(tmp_path / "y")])

@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 from bdlora.cli import app
 from bdlora.compress import Thresholds, compress_budgeted, compress_module, fused_svd_pair, harden_gates
 from bdlora.errors import ConfigError
-from bdlora.layers import GatedLoRALinear, apply_budgeted_lora, gated_modules
+from bdlora.layers import GatedLoRALinear
+from conftest import budgeted_student
 
 TH = Thresholds(eps_zero=1e-3, eps_lr=0.7, gate_threshold=0.3, svd_max_rank=8)
 
@@ -113,19 +114,8 @@ def test_threshold_validation(kw, needle):
         Thresholds(**kw).validate()
 
 
-def _budgeted_student(model, d_values=None, seed=0):
-    s = copy.deepcopy(model)
-    apply_budgeted_lora(s, rank=4, alpha=8)
-    torch.manual_seed(seed)
-    for i, m in enumerate(gated_modules(s).values()):
-        torch.nn.init.normal_(m.lora_B, std=0.05)
-        if d_values is not None:
-            m.set_retention(d_values[i % len(d_values)])
-    return s
-
-
 def test_f1_gates_open_logits_equal(tiny_model):
-    s = _budgeted_student(tiny_model)
+    s = budgeted_student(tiny_model)
     compressed, report = compress_budgeted(s, Thresholds(svd_max_rank=8), {"budget": 1.0})
     assert report["dense_kept"] == report["modules_total"] == 28
     x = torch.randint(0, tiny_model.config.vocab_size, (2, 20))
@@ -138,7 +128,7 @@ def test_mixed_student_save_load_both_ways(tiny_model, tiny_env, tmp_path):
 
     from bdlora.export.hf import save_model_folder
 
-    s = _budgeted_student(tiny_model, d_values=[0.0, 1.0, 0.0, 0.2, 0.0, 0.9, 0.0])
+    s = budgeted_student(tiny_model, d_values=[0.0, 1.0, 0.0, 0.2, 0.0, 0.9, 0.0])
     compressed, report = compress_budgeted(s, Thresholds(svd_max_rank=8), {"budget": 0.4})
     assert report["dense_dropped"] and report["dense_kept"] and report["dense_svd"]
     assert report["compressed_macs"] == sum(m["macs_after"] for m in report["modules"])

@@ -48,3 +48,34 @@ def test_builtin_teacher_and_student(tmp_path):
     assert s["student_layers"] == 2 and s["layer_indices"] == [0, 3]
     assert s["teacher_val_ppl"] < s["initial_student_val_ppl"]
     assert len(s["modules"]) == 14
+
+
+def test_sigint_saves_a_checkpoint_and_resume_finishes(tiny_env, tmp_path):
+    """Ctrl-C mid-run: the current step completes, a checkpoint is written, exit 130; --resume finishes the run."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    exe = shutil.which("bdlora") or str(Path(sys.executable).parent / "bdlora")
+    proc = subprocess.Popen([exe, *train_args(tiny_env, out), "--method", "budgeted", "--max-steps", "400",
+                             "--save-every", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        m = out / "metrics.jsonl"
+        if m.exists() and len(m.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    stderr = proc.communicate(timeout=300)[1]
+    assert proc.returncode == 130, stderr
+    assert "checkpoint saved" in stderr and "--resume" in stderr
+    ckpts = sorted((out / "checkpoints").glob("step-*"))
+    assert len(ckpts) == 1 and (ckpts[0] / "state.json").exists()
+    step = json.loads((ckpts[0] / "state.json").read_text())["step"]
+    assert step == len((out / "metrics.jsonl").read_text().splitlines())
+    assert not (out / "summary.json").exists()
+    bad = _bdlora("train", "--resume", str(out), "--max-steps", "5")
+    assert bad.returncode == 2 and "drop --max-steps" in bad.stderr
+    res = _bdlora("train", "--resume", str(out), "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["resumed_from"] == step

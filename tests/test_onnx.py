@@ -1,4 +1,3 @@
-import copy
 import json
 
 import numpy as np
@@ -7,7 +6,6 @@ import torch
 from typer.testing import CliRunner
 
 from bdlora.cli import app
-from bdlora.compress import Thresholds, compress_budgeted
 from bdlora.export.hf import save_model_folder
 from bdlora.export.onnx import (
     TOLERANCE,
@@ -17,19 +15,13 @@ from bdlora.export.onnx import (
     load_ort_model,
     session,
 )
-from bdlora.layers import apply_budgeted_lora, gated_modules
+from conftest import compressed_student
 
 D_MIXED = [0.0, 1.0, 0.0, 0.2, 0.0, 0.9, 0.0]
 
 
 def _compressed_folder(tiny_model, tiny_env, path, d_values):
-    s = copy.deepcopy(tiny_model)
-    apply_budgeted_lora(s, rank=4, alpha=8)
-    torch.manual_seed(1)
-    for i, m in enumerate(gated_modules(s).values()):
-        torch.nn.init.normal_(m.lora_B, std=0.05)
-        m.set_retention(d_values[i % len(d_values)])
-    model, report = compress_budgeted(s, Thresholds(svd_max_rank=8), {"budget": 0.4})
+    _, model, report = compressed_student(tiny_model, d_values, seed=1)
     return save_model_folder(model, tiny_env["tokenizer"], path, report), report
 
 
