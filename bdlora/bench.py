@@ -178,6 +178,7 @@ class BenchConfig:
     warmup: int = 2
     lora_rank: int | None = None
     opt_level: str = "all"
+    int8: bool = False  # model scope: also time dynamic-int8 graphs of dense and compressed
 
     def validate(self) -> None:
         p = []
@@ -312,6 +313,14 @@ def bench_model(models: dict[str, nn.Module], workdir: Path, cfg: BenchConfig, t
         if on_stage:
             on_stage(f"exporting the {name} decoder")
         export_decoder(copy.deepcopy(m), graphs[name])
+    if cfg.int8:
+        from bdlora.export.onnx import quantize_int8
+
+        for name in ("dense", "compressed"):
+            if on_stage:
+                on_stage(f"quantising the {name} decoder to int8")
+            graphs[f"{name}-int8"] = workdir / f"model-{name}-int8.onnx"
+            quantize_int8(graphs[name], graphs[f"{name}-int8"])
     shapes = [[phase, b, s] for b in cfg.batch_sizes for s in cfg.seq_lens for phase in ("prefill", "decode")]
     times, pool = run_worker("model", graphs, shapes, cfg, threads, _dims(next(iter(models.values()))), workdir,
                              on_stage)
@@ -333,6 +342,12 @@ def add_ratios(results: list[dict], macs: dict) -> None:
                 r["share_outside_modules"] = min(1.0, floor["median_ms"] / r["median_ms"])
         else:
             r["mac_per_token"] = macs["modules"][r["variant"]]
+        if r["variant"] == "compressed-int8":  # int8 on top of low rank: vs the fp32 and the int8 dense graphs
+            dense, dense8 = index[(key[0], "dense", *key[1:])], index.get((key[0], "dense-int8", *key[1:]))
+            r["speedup_vs_dense"] = dense["median_ms"] / r["median_ms"]
+            if dense8 is not None:
+                r["speedup_vs_dense_int8"] = dense8["median_ms"] / r["median_ms"]
+            continue
         if r["variant"] != "compressed":
             continue
         dense = index[(key[0], "dense", *key[1:])]
@@ -370,6 +385,8 @@ def run_bench(model: nn.Module, lora_rank: int, cfg: BenchConfig, out: Path, rep
             rows, pool = bench_model(with_floor, work, cfg, threads, on_stage)
             results += rows
             macs_modules["floor"] = projection_macs(with_floor["floor"])
+        for n in ("dense", "compressed"):  # int8 graphs do the same MACs (in int8)
+            macs_modules[f"{n}-int8"] = macs_modules[n]
         macs = {"modules": macs_modules,
                 "model": {n: (lambda ctx, n=n: model_macs_per_token(model, ctx, macs_modules[n]))
                           for n in macs_modules}}
@@ -399,6 +416,7 @@ def markdown(doc: dict) -> str:
              "| scope | phase | batch x seq | dense ms | lora ms | compressed ms (p10-p90) | vs dense | MAC limit | "
              "of limit | vs LoRA | outside modules |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     idx = {(r["scope"], r["variant"], r["phase"], r["batch"], r["seq"]): r for r in doc["results"]}
+    q8 = [r for r in doc["results"] if r["variant"] == "compressed-int8"]
     for r in doc["results"]:
         if r["variant"] != "compressed":
             continue
@@ -412,6 +430,15 @@ def markdown(doc: dict) -> str:
                      f"{r['p90_ms']:.3f}) | {r['speedup_vs_dense']:.2f}x | {r['mac_ratio_vs_dense']:.2f}x | "
                      f"{100 * r['fraction_of_limit']:.0f}% | {r.get('speedup_vs_lora', float('nan')):.2f}x | "
                      f"{outside} |")
+    if q8:
+        lines += ["", "int8 (onnxruntime dynamic weight quantisation), model scope:", "",
+                  "| phase | batch x seq | dense int8 ms | compressed int8 ms | vs fp32 dense | vs int8 dense |",
+                  "|---|---|---|---|---|---|"]
+        for r in q8:
+            d8 = idx.get((r["scope"], "dense-int8", r["phase"], r["batch"], r["seq"]))
+            lines.append(f"| {r['phase']} | {r['batch']}x{r['seq']} | {d8['median_ms'] if d8 else float('nan'):.3f} "
+                         f"| {r['median_ms']:.3f} | {r['speedup_vs_dense']:.2f}x | "
+                         f"{r.get('speedup_vs_dense_int8', float('nan')):.2f}x |")
     return "\n".join(lines) + "\n"
 
 

@@ -451,6 +451,8 @@ def bench(
     provider: Annotated[str, typer.Option(help="cpu or cuda (needs onnxruntime-gpu).")] = "cpu",
     repeats: Annotated[int, typer.Option(help="Timed repeats per figure (after warm-up).")] = 10,
     warmup: Annotated[int, typer.Option(help="Untimed warm-up repeats.")] = 2,
+    int8: Annotated[bool, typer.Option("--int8", help="Model scope: also time dynamic-int8 dense and compressed "
+                                                      "graphs.")] = False,
     model_config: Annotated[Optional[str], typer.Option(help="Synthetic mode: an HF config.json; benches the "
                                                               "structure `plan` predicts, with random weights.")]
     = None,
@@ -473,7 +475,7 @@ def bench(
 
     cfg = BenchConfig(scope=scope, batch_sizes=_int_list(batch_sizes, "--batch-sizes"),
                       seq_lens=_int_list(seq_lens, "--seq-lens"), decode_tokens=decode_tokens, threads=threads,
-                      provider=provider, repeats=repeats, warmup=warmup)
+                      provider=provider, repeats=repeats, warmup=warmup, int8=int8)
     cfg.validate()
     report = None
     if model_config:
@@ -521,6 +523,11 @@ def _print_bench(doc: dict) -> None:
                   f"{100 * r['fraction_of_limit']:.0f}%", f"{r['speedup_vs_lora']:.2f}x",
                   f"{100 * r['share_outside_modules']:.0f}%" if "share_outside_modules" in r else "-")
     out.print(t)
+    q = [r for r in doc["results"] if r["variant"] == "compressed-int8"]
+    if q:
+        out.print("int8 (dynamic) compressed: " + "; ".join(
+            f"{r['phase']} {r['batch']}x{r['seq']} {r['median_ms']:.3f} ms, {r['speedup_vs_dense']:.2f}x vs fp32 "
+            f"dense, {r.get('speedup_vs_dense_int8', float('nan')):.2f}x vs int8 dense" for r in q))
 
 
 def main() -> None:

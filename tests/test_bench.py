@@ -41,7 +41,7 @@ def test_variants_compute_the_same_function(tiny_model):
 def test_bench_report_schema_and_signatures(tiny_model, tmp_path):
     _, model, report = compressed_student(tiny_model, [0.0, 1.0, 0.3])
     cfg = BenchConfig(scope="both", batch_sizes=[1, 2], seq_lens=[8], decode_tokens=2, repeats=2, warmup=0,
-                      threads=1)
+                      threads=1, int8=True)
     doc = run_bench(model, 4, cfg, tmp_path / "b", report)
     rows = doc["results"]
     keys = {(r["scope"], r["variant"], r["phase"], r["batch"], r["seq"]) for r in rows}
@@ -56,6 +56,9 @@ def test_bench_report_schema_and_signatures(tiny_model, tmp_path):
         if r["variant"] == "compressed":
             assert {"speedup_vs_dense", "speedup_vs_lora", "mac_ratio_vs_dense", "fraction_of_limit"} <= r.keys()
             assert r["fraction_of_limit"] == pytest.approx(r["speedup_vs_dense"] / r["mac_ratio_vs_dense"])
+    q8 = [r for r in rows if r["variant"] == "compressed-int8"]
+    assert len(q8) == 4 and all(r["scope"] == "model" and "speedup_vs_dense_int8" in r for r in q8)
+    assert "int8 (onnxruntime dynamic weight quantisation)" in (tmp_path / "b" / "bench.md").read_text()
     mods = [r for r in rows if r["scope"] == "modules" and r["variant"] == "compressed"]
     assert all(r["mac_ratio_vs_dense"] == pytest.approx(report["speedup_vs_dense"]) for r in mods)
     assert doc["mac_ratio_modules_vs_lora"] == pytest.approx(report["speedup_vs_lora"])

@@ -51,7 +51,7 @@ def test_tau_squared_scaling():
         zs, zt = hds(hs[:, :-1]).reshape(-1, 11), hdt(ht[:, :-1]).reshape(-1, 11)
         raw = F.kl_div(F.log_softmax(zs / tau, -1), F.log_softmax(zt / tau, -1), log_target=True,
                        reduction="batchmean")
-        assert math.isclose(parts["kd"], tau**2 * float(raw), rel_tol=1e-5)
+        assert math.isclose(parts["kd"], tau**2 * raw.item(), rel_tol=1e-5)
 
 
 def test_masking_ignores_padding():
