@@ -341,11 +341,6 @@ def greedy_generate(sess, config, input_ids: np.ndarray, max_new_tokens: int, eo
     return np.concatenate(out, 1)
 
 
-def ort_mean_nll(sess, config, blocks, batch_size: int = 8) -> float:
-    """Mean next-token NLL of an ONNX decoder over packed blocks (no cache: past length 0)."""
-    return ort_score(sess, config, blocks, batch_size)[0]
-
-
 def ort_score(sess, config, blocks, batch_size: int = 8) -> tuple[float, np.ndarray]:
     """(mean next-token NLL, argmax predictions (N,)) of an ONNX decoder over packed blocks (past length 0)."""
     kv, hd = kv_shape(config)
