@@ -67,7 +67,7 @@ def test_masking_ignores_padding():
     hs2 = hs.detach().clone()
     hs2[0, 5:] += 100.0
     loss2, _ = DistillationLoss(2.0, 0.5)(hs2, hds, ht, hdt, ids, mask)
-    assert math.isclose(float(loss), float(loss2), rel_tol=1e-6)
+    assert math.isclose(loss.item(), loss2.item(), rel_tol=1e-6)
 
 
 def test_chunked_equals_unchunked_including_gradients():
@@ -78,7 +78,7 @@ def test_chunked_equals_unchunked_including_gradients():
         hs_ = hs.detach().clone().requires_grad_(True)
         loss, _ = DistillationLoss(3.0, 0.8, chunk_size=chunk)(hs_, hds, ht, hdt, ids)
         loss.backward()
-        losses.append(float(loss))
+        losses.append(loss.item())
         grads.append(hs_.grad.clone())
     for l_, g in zip(losses[1:], grads[1:]):
         assert math.isclose(l_, losses[0], rel_tol=1e-6)
