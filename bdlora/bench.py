@@ -12,7 +12,8 @@ measure); ``model`` times the whole decoder: prefill latency per (batch, seq) an
 cache of ``seq`` tokens (``decode_tokens`` steps that feed their own cache back).
 
 Timing: variants interleaved round-robin (rotating the order every repeat) so machine noise hits them alike;
-median and p10/p90 over repeats after warm-up. The timing runs in a separate process (``bench_worker``) whose
+median and p10/p90 over repeats after warm-up. Fixed-shape runs (modules, prefill) bind inputs and preallocated
+outputs once (IO binding), as a server would. The timing runs in a separate process (``bench_worker``) whose
 sessions share one global onnxruntime thread pool, so no session's idle pool spins on the cores the timed one
 needs (per-session pools distorted interleaved timings by up to 2x).
 """
