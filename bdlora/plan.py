@@ -49,14 +49,12 @@ def check_plan_options(budget, rank, eps_lr, eps_zero, svd_max_rank, decay_start
         p.append(f"--budget {budget}: must be in [0, 1]")
     if rank < 1:
         p.append(f"--lora-rank {rank}: must be >= 1")
-    if not 0.0 < eps_lr < 1.0:
-        p.append(f"--eps-lr {eps_lr}: must be in (0, 1)")
-    if not 0.0 < eps_zero < 1.0:
-        p.append(f"--eps-zero {eps_zero}: must be in (0, 1)")
-    elif eps_zero >= eps_lr:
-        p.append(f"--eps-zero {eps_zero} >= --eps-lr {eps_lr}: the drop threshold must be below the SVD threshold")
-    if svd_max_rank < 1:
-        p.append(f"--svd-max-rank {svd_max_rank}: must be >= 1")
+    try:  # the compression thresholds are checked by the same code as `compress`
+        from bdlora.compress import Thresholds
+
+        Thresholds(eps_zero=eps_zero, eps_lr=eps_lr, svd_max_rank=svd_max_rank).validate()
+    except ConfigError as e:
+        p.extend(e.problems)
     for name, v in (("--decay-start", decay_start), ("--decay-end", decay_end)):
         if not 0.0 <= v <= 1.0:
             p.append(f"{name} {v}: must be in [0, 1]")
