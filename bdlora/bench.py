@@ -33,7 +33,6 @@ import torch.nn as nn
 from bdlora.costs import PROJECTIONS
 from bdlora.errors import UsageError
 
-VARIANTS = ("dense", "lora", "compressed")
 SCOPES = ("modules", "model", "both")
 
 
@@ -471,14 +470,14 @@ def plot(doc: dict, path: Path) -> None:
 
 def synthetic_model(config: dict, budget: float, layers: int | None, rank: int, seed: int = 0, **plan_kw):
     """A compressed-architecture model with random weights in the structure ``plan`` predicts for F."""
+    from bdlora.costs import deployed_form
     from bdlora.export.modeling_bdlora import FAMILIES
     from bdlora.plan import plan
 
     report = plan(config, budget, layers=layers, rank=rank, **plan_kw)
     family = config["model_type"]
     cfg_cls, model_cls = FAMILIES[family]
-    modules = {m["name"]: ({"form": "lowrank", "rank": m["rank"]} if m["rank"] else {"form": "dense"})
-               for m in report["modules"]}
+    modules = {m["name"]: deployed_form(m["rank"]) for m in report["modules"]}
     base = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "auto_map")}
     if layers is not None:
         base["num_hidden_layers"] = layers

@@ -26,6 +26,7 @@ from bdlora.costs import (
     ModuleShape,
     compression_report,
     decide_module,
+    deployed_form,
 )
 from bdlora.errors import ConfigError
 from bdlora.layers import GatedLoRALinear, gated_modules
@@ -132,8 +133,7 @@ def build_compressed_model(base_model: nn.Module, compressed: dict[str, Compress
     if family not in FAMILIES:
         raise ConfigError([f"base model_type {family!r}: no bdlora architecture (supported: {', '.join(FAMILIES)})"])
     cfg_cls, model_cls = FAMILIES[family]
-    modules = {n: ({"form": "lowrank", "rank": c.decision.rank} if c.decision.rank else {"form": "dense"})
-               for n, c in compressed.items()}
+    modules = {n: deployed_form(c.decision.rank) for n, c in compressed.items()}
     config = cfg_cls(bdlora_modules=modules, bdlora={"base_model_type": family, **provenance},
                      **_base_config_dict(base_model.config))
     config.auto_map = {"AutoConfig": f"modeling_bdlora.{cfg_cls.__name__}",

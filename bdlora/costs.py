@@ -100,6 +100,11 @@ class ModuleDecision:
         return "lowrank" if self.rank else "dense"
 
 
+def deployed_form(rank: int) -> dict:
+    """The ``bdlora_modules`` config entry of a module deployed at ``rank`` (0 = dense)."""
+    return {"form": "lowrank", "rank": int(rank)} if rank else {"form": "dense"}
+
+
 def decide_module(shape: ModuleShape, d: float, lora_rank_kept: int, lora_rank_max: int, eps_zero: float,
                   eps_lr: float, svd_max_rank: int, has_bias: bool = False) -> ModuleDecision:
     """Deployment form of one gated module by its final retention d (SPEC 6.2) and the "never slower than dense"
