@@ -92,6 +92,19 @@ class RichReporter:
     def finish(self):
         if self.progress is not None:
             self.progress.stop()
+            self.progress = None
+
+    def count(self, done: int, total: int, label: str = "prompts") -> None:
+        """Progress of a countable job (eval prompts); ``done`` is the increment, 0 opens the bar."""
+        if self.progress is None or done == 0:
+            self.finish()
+            self.progress = Progress(TextColumn(f"  {label}"), BarColumn(), MofNCompleteColumn(),
+                                     TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=self.c)
+            self.progress.start()
+            self.task = self.progress.add_task(label, total=total)
+        self.progress.advance(self.task, done)
+        if self.progress.tasks[0].completed >= total:
+            self.finish()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -528,6 +541,93 @@ def _print_bench(doc: dict) -> None:
         out.print("int8 (dynamic) compressed: " + "; ".join(
             f"{r['phase']} {r['batch']}x{r['seq']} {r['median_ms']:.3f} ms, {r['speedup_vs_dense']:.2f}x vs fp32 "
             f"dense, {r.get('speedup_vs_dense_int8', float('nan')):.2f}x vs int8 dense" for r in q))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# eval
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@app.command("eval")
+@handle_errors
+def eval_cmd(
+    model_dir: Annotated[Optional[str], typer.Argument(help="A run directory, model folder (teacher, compressed, "
+                                                            "exported HF) or ONNX folder (default: the latest "
+                                                            "compressed model).")] = None,
+    ppl: Annotated[bool, typer.Option("--ppl", help="Held-out perplexity (with neither --ppl nor --icl: both).")]
+    = False,
+    icl: Annotated[bool, typer.Option("--icl", help="The 19 ICL probes of SPEC 7.")] = False,
+    tokens: Annotated[Optional[int], typer.Option(help="Held-out tokens scored (default: the run's eval-tokens).")]
+    = None,
+    seq_len: Annotated[Optional[int], typer.Option(help="Block length for perplexity (default: the run's).")] = None,
+    data: Annotated[Optional[str], typer.Option(help="Corpus for perplexity and the probe word list (default: the "
+                                                     "run's corpus; builtin when unknown).")] = None,
+    heldout_fraction: Annotated[Optional[float], typer.Option(help="With --data: the held-out fraction (default: "
+                                                                   "the corpus' default).")] = None,
+    shots: Annotated[int, typer.Option(help="Demonstrations per ICL prompt.")] = 10,
+    seeds: Annotated[int, typer.Option(help="Demonstration seeds.")] = 3,
+    examples: Annotated[int, typer.Option(help="Query prompts per task and seed.")] = 50,
+    tasks: Annotated[Optional[str], typer.Option(help="Comma-separated subset of the 19 tasks (default: all).")]
+    = None,
+    onnx_file: Annotated[str, typer.Option(help="ONNX folders: which graph to score (e.g. model_int8.onnx).")]
+    = "model.onnx",
+    batch_size: Annotated[int, typer.Option(help="Prompts per generation batch.")] = 32,
+    json_path: Annotated[Optional[str], typer.Option("--json", help="Write the eval JSON here (default: "
+                                                                    "MODEL_DIR.eval.json beside the folder).")]
+    = None,
+    runs_dir: Annotated[str, typer.Option(help=H["runs_dir"])] = "runs",
+):
+    """Score a model: perplexity on the held-out slice and the 19 function-style ICL probes (10-shot, 3
+    demonstration seeds, exact match; per-task mean and std, macro average)."""
+    from bdlora.errors import UsageError
+    from bdlora.evaluate import evaluate_target
+    from bdlora.io import write_json
+
+    for name, v in (("--shots", shots), ("--seeds", seeds), ("--examples", examples), ("--batch-size", batch_size)):
+        if v < 1:
+            raise UsageError(f"{name} {v}: must be >= 1")
+    if shots > 64:
+        raise UsageError(f"--shots {shots}: at most 64 demonstrations")
+    for name, v in (("--tokens", tokens), ("--seq-len", seq_len)):
+        if v is not None and v < 2:
+            raise UsageError(f"{name} {v}: must be >= 2")
+    if heldout_fraction is not None and not 0.0 < heldout_fraction < 1.0:
+        raise UsageError(f"--heldout-fraction {heldout_fraction}: must be in (0, 1)")
+    if not ppl and not icl:
+        ppl = icl = True
+    task_list = [t.strip() for t in tasks.split(",") if t.strip()] if tasks else None
+    if tasks is not None and not task_list:
+        raise UsageError(f"--tasks {tasks!r}: empty list")
+    src = Path(model_dir) if model_dir else _latest_model_folder(runs_dir)
+    rep = RichReporter(out)
+    doc = evaluate_target(src, ppl=ppl, icl=icl, tokens=tokens, shots=shots, seeds=seeds, examples=examples,
+                          tasks=task_list, data=data, seq_len=seq_len, heldout_fraction=heldout_fraction,
+                          onnx_file=onnx_file, batch_size=batch_size,
+                          on_stage=rep.stage, on_progress=rep.count)
+    dst = Path(json_path) if json_path else src.with_name(src.name + ".eval.json")
+    write_json(dst, doc)
+    _print_eval(doc)
+    out.print(f"[green]wrote[/] {dst}")
+
+
+def _print_eval(doc: dict) -> None:
+    if "ppl" in doc:
+        p = doc["ppl"]
+        out.print(f"held-out perplexity: [bold]{p['val_ppl']:.3f}[/] ({p['tokens']:,} tokens of {doc['data']['data']},"
+                  f" blocks of {p['seq_len']}; {doc['kind']})")
+    if "icl" in doc:
+        r = doc["icl"]
+        t = Table(title=f"ICL probes ({r['shots']}-shot, {r['seeds']} seeds x {r['examples_per_seed']} prompts, "
+                        "exact match %)")
+        t.add_column("task")
+        t.add_column("accuracy %", justify="right")
+        t.add_column("log p(target)", justify="right")
+        for name, v in r["tasks"].items():
+            t.add_row(name, f"{v['mean']:.1f} ± {v['std']:.1f}", f"{v['target_logprob']:.2f}")
+        m = r["macro"]
+        t.add_row("[bold]ICL composite (macro)[/]", f"[bold]{m['mean']:.1f} ± {m['std']:.1f}[/]",
+                  f"{m['target_logprob']:.2f}")
+        out.print(t)
 
 
 def main() -> None:

@@ -1,0 +1,233 @@
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from bdlora.cli import app
+from bdlora.evaluate import TorchLM, greedy_continuations, target_logprobs
+from bdlora.icl import (
+    GENERATORS,
+    MONTHS,
+    NEXT_ITEMS,
+    PREV_ITEMS,
+    TASKS,
+    WEEKDAYS,
+    build_word_list,
+    extract_answer,
+    format_prompt,
+    is_correct,
+    summarise,
+    task_examples,
+)
+
+WORDS = ["river", "apple", "house", "zebra", "mango", "train", "cloud", "delta", "bison", "quilt", "ember"]
+
+
+def gen(task, seed=0):
+    return GENERATORS[task](random.Random(seed), WORDS)
+
+
+def test_nineteen_tasks_as_named_in_spec():
+    assert len(TASKS) == 19 and set(GENERATORS) == set(TASKS)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_list_tasks_pick_the_right_item(seed):
+    for k in (3, 5):
+        inp, out = gen(f"alphabetically_first_{k}", seed)
+        items = inp.split(", ")
+        assert len(items) == k == len(set(items)) and out == sorted(items)[0]
+        inp, out = gen(f"alphabetically_last_{k}", seed)
+        assert out == sorted(inp.split(", "))[-1]
+        inp, out = gen(f"choose_first_of_{k}", seed)
+        assert out == inp.split(", ")[0]
+        inp, out = gen(f"choose_last_of_{k}", seed)
+        assert out == inp.split(", ")[-1]
+        inp, out = gen(f"choose_middle_of_{k}", seed)
+        assert out == inp.split(", ")[k // 2]
+
+
+def test_alphabetically_first_3_example():
+    rng = random.Random(0)
+    inp, out = GENERATORS["alphabetically_first_3"](rng, ["cat", "bee", "ant"])
+    assert sorted(inp.split(", ")) == ["ant", "bee", "cat"] and out == "ant"
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_word_tasks(seed):
+    inp, out = gen("capitalize", seed)
+    assert out == inp.upper() and inp in WORDS
+    inp, out = gen("capitalize_first_letter", seed)
+    assert out == inp[0].upper()
+    inp, out = gen("capitalize_last_letter", seed)
+    assert out == inp[-1].upper()
+    inp, out = gen("lowercase_first_letter", seed)
+    assert inp.isupper() and out == inp[0].lower()
+    inp, out = gen("lowercase_last_letter", seed)
+    assert out == inp[-1].lower()
+    inp, out = gen("word_length", seed)
+    assert out == str(len(inp))
+
+
+def test_word_length_counts_characters():
+    assert GENERATORS["word_length"](random.Random(0), ["elephant"]) == ("elephant", "8")
+
+
+def test_sequences_wrap():
+    nxt, prv = dict(NEXT_ITEMS), dict(PREV_ITEMS)
+    assert nxt["Sunday"] == "Monday" and nxt["Monday"] == "Tuesday" and prv["Monday"] == "Sunday"
+    assert nxt["December"] == "January" and prv["January"] == "December" and nxt["June"] == "July"
+    assert nxt["z"] == "a" and prv["a"] == "z" and nxt["q"] == "r"
+    assert nxt["nineteen"] == "twenty" and "twenty" not in nxt and "one" not in prv and prv["two"] == "one"
+    assert all(nxt[w] == WEEKDAYS[(i + 1) % 7] for i, w in enumerate(WEEKDAYS))
+    assert all(prv[m] == MONTHS[(i - 1) % 12] for i, m in enumerate(MONTHS))
+    for seed in range(30):
+        c, out = gen("next_capital_letter", seed)
+        assert out == ("A" if c == "z" else chr(ord(c) + 1).upper())
+
+
+def test_prompt_format_byte_for_byte():
+    p = format_prompt([("dog", "DOG"), ("house", "HOUSE")], "river")
+    assert p == "Q:dog\nA:DOG\n\nQ:house\nA:HOUSE\n\nQ:river\nA:"
+
+
+def test_exact_match_strips_only_after_the_first_newline():
+    assert extract_answer("DOG\n\nQ:cat") == "DOG"
+    assert is_correct("DOG\nQ:x", "DOG") and is_correct("DOG", "DOG")
+    assert not is_correct(" DOG\n", "DOG")  # no whitespace stripping: exact match
+    assert not is_correct("DOG \n", "DOG") and not is_correct("dog\n", "DOG") and not is_correct("DOGS\n", "DOG")
+    assert not is_correct("\nDOG", "DOG")
+
+
+def test_examples_fixed_queries_seeded_demos():
+    a = task_examples("capitalize", WORDS, 6, 4, seed=0)
+    b = task_examples("capitalize", WORDS, 6, 4, seed=1)
+    again = task_examples("capitalize", WORDS, 6, 4, seed=0)
+    assert a == again
+    assert [e.target for e in a] == [e.target for e in b]  # same queries for every seed
+    assert [e.prompt for e in a] != [e.prompt for e in b]  # different demonstrations
+    for e in a + b:
+        blocks = e.prompt.split("\n\n")
+        assert len(blocks) == 5 and e.prompt.endswith("\nA:")  # 4 demos + the query
+        query = blocks[-1][2:-3]
+        assert e.target == query.upper()
+        assert all(blk.split("\n")[0][2:] != query for blk in blocks[:-1])  # a demo never shows the query
+
+
+def test_word_list_is_frequency_then_alphabetical():
+    docs = ["the cat sat on the mat", "The dog and the cat", "zzz yy CamelCase abc abc x1y"]
+    assert build_word_list(docs, size=4) == ["the", "abc", "cat", "and"]
+    assert "CamelCase" not in build_word_list(docs) and "yy" not in build_word_list(docs)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.lists(st.booleans(), min_size=4, max_size=4), min_size=3, max_size=3))
+def test_summarise_mean_std_macro(rows):
+    correct = {"a": {s: rows[s] for s in range(3)}, "b": {s: [True] * 4 for s in range(3)}}
+    out = summarise(correct)
+    accs = [100 * sum(r) / 4 for r in rows]
+    assert out["tasks"]["a"]["mean"] == pytest.approx(np.mean(accs))
+    assert out["tasks"]["a"]["std"] == pytest.approx(np.std(accs))
+    assert out["tasks"]["b"]["mean"] == 100.0 and out["tasks"]["b"]["std"] == 0.0
+    assert out["macro"]["mean"] == pytest.approx((np.mean(accs) + 100) / 2)
+    assert out["macro"]["std"] == pytest.approx(np.std([(a + 100) / 2 for a in accs]))
+
+
+def test_batched_left_padded_greedy_equals_hf_generate(tiny_model, tiny_env):
+    tok = tiny_env["tokenizer"]
+    prompts = ["alpha beta gamma", "one two", "red green blue cyan magenta yellow", "monday"]
+    lm = TorchLM(tiny_model)
+    batched = greedy_continuations(lm, tok, prompts, 6, batch_size=4, stop_ids=set())
+    for p, c in zip(prompts, batched):
+        ids = tok(p, return_tensors="pt")["input_ids"]
+        ref = tiny_model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=tok.eos_token_id)
+        assert c == tok.decode(ref[0, ids.shape[1] :])
+
+
+def test_target_logprob_equals_direct_computation(tiny_model, tiny_env):
+    tok = tiny_env["tokenizer"]
+    prompt, target = "alpha beta", " gamma"
+    lp = target_logprobs(TorchLM(tiny_model), tok, [prompt, "one two three four five"], [target, " six"])[0]
+    a = tok(prompt)["input_ids"]
+    full = tok(prompt + target + "\n")["input_ids"]
+    k = max(i for i in range(len(a) + 1) if full[:i] == a[:i])
+    with torch.no_grad():
+        logp = F.log_softmax(tiny_model(torch.tensor([full])).logits[0].double(), -1)
+    ref = sum(logp[i - 1, full[i]].item() for i in range(k, len(full)))
+    assert lp == pytest.approx(ref, abs=1e-4)
+
+
+def test_perplexity_is_exp_of_independent_mean_nll(tiny_model, tiny_env):
+    from bdlora.data import Corpus, PackedBlocks, tokenize_corpus
+
+    data = tokenize_corpus(Corpus(tiny_env["corpus"]), tiny_env["tokenizer"], 0.1, tiny_env["cache"])
+    blocks = PackedBlocks(data.tokens("val"), 32, max_tokens=512)
+    nll, n = TorchLM(tiny_model).nll(blocks, batch_size=3)
+    x = torch.from_numpy(blocks.get(range(len(blocks))))
+    with torch.no_grad():
+        logits = tiny_model(x).logits[:, :-1]
+    ref = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(), x[:, 1:].reshape(-1))
+    assert n == len(blocks) * 31
+    assert math.exp(nll) == pytest.approx(math.exp(ref.item()), rel=1e-5)
+
+
+EVAL_ARGS = ["--heldout-fraction", "0.1", "--seq-len", "32", "--tokens", "512", "--examples", "4", "--seeds", "2",
+             "--shots", "3", "--tasks", "capitalize,next_item,choose_first_of_3"]
+
+
+def test_eval_hf_folder_and_its_onnx_export_agree(tiny_env, tiny_model, tmp_path):
+    from bdlora.export.hf import save_model_folder
+    from bdlora.export.onnx import export_onnx_folder
+    from conftest import compressed_student
+
+    _, model, report = compressed_student(tiny_model, [0.0, 1.0, 0.2, 0.9], seed=1)
+    folder = save_model_folder(model, tiny_env["tokenizer"], tmp_path / "m", report)
+    export_onnx_folder(folder, tmp_path / "m.onnx", run_validation=False)
+    docs = {}
+    for name in ("m", "m.onnx"):
+        res = CliRunner().invoke(app, ["eval", str(tmp_path / name), "--data", str(tiny_env["corpus"]), *EVAL_ARGS,
+                                       "--json", str(tmp_path / f"{name}.json")])
+        assert res.exit_code == 0, res.output
+        docs[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    hf, ox = docs["m"], docs["m.onnx"]
+    assert hf["kind"] == "torch" and ox["kind"] == "onnx"
+    assert ox["ppl"]["tokens"] == hf["ppl"]["tokens"] == 512
+    assert ox["ppl"]["val_ppl"] == pytest.approx(hf["ppl"]["val_ppl"], rel=1e-3)
+    assert set(hf["icl"]["tasks"]) == {"capitalize", "next_item", "choose_first_of_3"}
+    for t, v in hf["icl"]["tasks"].items():
+        assert v["mean"] == ox["icl"]["tasks"][t]["mean"]
+        assert v["target_logprob"] == pytest.approx(ox["icl"]["tasks"][t]["target_logprob"], abs=1e-3)
+    assert hf["icl"]["sample"]["capitalize"].count("Q:") == 4 and hf["icl"]["prompts"] == 3 * 2 * 4
+
+
+def test_eval_of_a_run_uses_its_heldout_slice(tiny_env, tmp_path):
+    from conftest import train_args
+
+    run = tmp_path / "run"
+    assert CliRunner().invoke(app, train_args(tiny_env, run, "--method", "kd-lora", "--max-steps", "3")).exit_code == 0
+    summary = json.loads((run / "summary.json").read_text())
+    res = CliRunner().invoke(app, ["eval", str(run), "--ppl", "--json", str(tmp_path / "e.json")])
+    assert res.exit_code == 0, res.output
+    doc = json.loads((tmp_path / "e.json").read_text())
+    assert "icl" not in doc and doc["data"]["seq_len"] == 32 and doc["ppl"]["tokens"] == 512
+    assert doc["ppl"]["val_ppl"] == pytest.approx(summary["student_val_ppl"], rel=1e-5)
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--seeds", "0"], "--seeds 0"),
+    (["--tasks", "capitalise"], "--tasks capitalise: unknown"),
+    (["--shots", "0"], "--shots 0"),
+    (["--tokens", "1"], "--tokens 1"),
+])
+def test_eval_bad_input(tiny_env, tmp_path, extra, needle):
+    res = CliRunner().invoke(app, ["eval", str(tiny_env["teacher"]), "--data", str(tiny_env["corpus"]), *extra])
+    assert res.exit_code == 2 and needle in res.output, res.output
+    res = CliRunner().invoke(app, ["eval", str(tmp_path / "nothing")])
+    assert res.exit_code == 2 and "no such model folder" in res.output
