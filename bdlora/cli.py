@@ -630,6 +630,100 @@ def _print_eval(doc: dict) -> None:
         out.print(t)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# sweep
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _float_list(value: str, flag: str) -> list[float]:
+    from bdlora.errors import UsageError
+
+    try:
+        return [float(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} {value!r}: need comma-separated numbers, e.g. 0.0,0.4,0.8") from None
+
+
+@app.command()
+@handle_errors
+def sweep(
+    budgets: Annotated[str, typer.Option(help="Comma-separated budgets F of the budgeted members.")] = "0.0,0.4",
+    baselines: Annotated[str, typer.Option(help="Comma-separated baselines (kd-full, kd-lora; '' for none).")]
+    = "kd-full,kd-lora",
+    teacher: Annotated[Optional[str], typer.Option(help=H["teacher"])] = None,
+    data: Annotated[Optional[str], typer.Option(help=H["data"])] = None,
+    student_layers: Annotated[Optional[int], typer.Option(help=H["student_layers"])] = None,
+    seq_len: Annotated[Optional[int], typer.Option(help=H["seq_len"])] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help=H["batch_size"])] = None,
+    max_steps: Annotated[Optional[int], typer.Option(help=H["max_steps"])] = None,
+    tokens: Annotated[Optional[int], typer.Option(help=H["tokens"])] = None,
+    lr: Annotated[Optional[float], typer.Option(help=H["lr"])] = None,
+    lora_rank: Annotated[Optional[int], typer.Option(help=H["lora_rank"])] = None,
+    lora_alpha: Annotated[Optional[float], typer.Option(help=H["lora_alpha"])] = None,
+    eval_tokens: Annotated[Optional[int], typer.Option(help=H["eval_tokens"])] = None,
+    heldout_fraction: Annotated[Optional[float], typer.Option(help=H["heldout_fraction"])] = None,
+    seed: Annotated[Optional[int], typer.Option(help=H["seed"])] = None,
+    device: Annotated[Optional[str], typer.Option(help=H["device"])] = None,
+    cache_dir: Annotated[Optional[str], typer.Option(help=H["cache_dir"])] = None,
+    config: Annotated[Optional[str], typer.Option(help="YAML of any `bdlora train` option, shared by every member; "
+                                                       "flags override.")] = None,
+    eps_lr: Annotated[float, typer.Option(help="compress --eps-lr of every budgeted member.")] = 0.7,
+    examples: Annotated[int, typer.Option(help="ICL query prompts per task and seed.")] = 50,
+    seeds: Annotated[int, typer.Option(help="ICL demonstration seeds.")] = 3,
+    bench: Annotated[bool, typer.Option(help="Bench each compressed member (onnxruntime, CPU).")] = True,
+    bench_batch_sizes: Annotated[str, typer.Option(help="bench --batch-sizes.")] = "1",
+    bench_seq_lens: Annotated[str, typer.Option(help="bench --seq-lens.")] = "128",
+    bench_repeats: Annotated[int, typer.Option(help="bench --repeats.")] = 5,
+    out_dir: Annotated[Optional[str], typer.Option("--out", help="Sweep folder (default: RUNS_DIR/sweep-<time>).")]
+    = None,
+    runs_dir: Annotated[str, typer.Option(help=H["runs_dir"])] = "runs",
+    resume: Annotated[Optional[str], typer.Option(help="Finish an interrupted sweep folder (its stored options are "
+                                                        "used; finished stages are skipped).")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print results.json.")] = False,
+):
+    """Train, compress, evaluate and bench a budget family (baselines + budgeted at each F) with everything else
+    fixed; writes the paper-style table (sweep.md, results.json) and a Pareto plot (pareto.png)."""
+    import dataclasses
+
+    from bdlora.config import load_yaml, merge, validate
+    from bdlora.errors import UsageError
+    from bdlora.sweep import SweepOptions, family, new_sweep_dir, run_sweep
+
+    train_values = {k: v for k, v in dict(locals()).items() if k in (
+        "teacher", "data", "student_layers", "seq_len", "batch_size", "max_steps", "tokens", "lr", "lora_rank",
+        "lora_alpha", "eval_tokens", "heldout_fraction", "seed", "device", "cache_dir")}
+    rep = RichReporter(err if json_out else out)
+    if resume is not None:
+        given = [k for k, v in train_values.items() if v is not None]
+        if given or config:
+            raise UsageError(f"--resume {resume}: continues with the sweep's stored options; drop "
+                             f"{', '.join('--' + k.replace('_', '-') for k in given) or '--config'}")
+        doc = run_sweep(None, Path(resume), rep, resume=True)
+    else:
+        cfg = merge(load_yaml(config) if config else {}, {**train_values, "runs_dir": runs_dir})
+        validate(cfg)
+        f = _float_list(budgets, "--budgets")
+        b = [x.strip() for x in baselines.split(",") if x.strip()]
+        family(f, b)
+        for name, v in (("--examples", examples), ("--seeds", seeds), ("--bench-repeats", bench_repeats)):
+            if v < 1:
+                raise UsageError(f"{name} {v}: must be >= 1")
+        train_opts = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("method", "budget", "out",
+                                                                                   "extra")}
+        opts = SweepOptions(budgets=f, baselines=b, train=train_opts, eps_lr=eps_lr, eval_examples=examples,
+                            eval_seeds=seeds, bench=bench,
+                            bench_batch_sizes=_int_list(bench_batch_sizes, "--bench-batch-sizes"),
+                            bench_seq_lens=_int_list(bench_seq_lens, "--bench-seq-lens"), bench_repeats=bench_repeats)
+        doc = run_sweep(opts, new_sweep_dir(runs_dir, out_dir), rep)
+    if json_out:
+        print(json.dumps(doc, indent=2))
+        return
+    from bdlora.sweep import markdown
+
+    out.print(markdown(doc))
+    out.print(f"[green]wrote[/] {doc['sweep_dir']}/sweep.md, results.json, pareto.png")
+
+
 def main() -> None:
     app()
 
