@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -189,7 +190,9 @@ def train(
     config: Annotated[Optional[str], typer.Option(help="YAML file holding any of these options; flags override.")]
     = None,
     resume: Annotated[Optional[str], typer.Option(help="Continue an unfinished run directory from its latest "
-                                                        "checkpoint (its stored options are used).")] = None,
+                                                        "verified checkpoint (its stored options are used).")] = None,
+    nproc: Annotated[Optional[int], typer.Option(help="Data-parallel processes on this machine: re-launches this "
+                                                      "command under torchrun (gloo on CPU, NCCL on GPUs).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ):
     """Distil a student from the teacher: kd-full, kd-lora or budgeted (Budgeted LoRA)."""
@@ -198,22 +201,51 @@ def train(
     from bdlora.errors import RunDirError, UsageError
     from bdlora.train import train as run_train
 
-    for k in ("config", "resume", "json_out"):
+    for k in ("config", "resume", "json_out", "nproc"):
         cli_values.pop(k)
     cli_values["out"] = cli_values.pop("out_dir")
-    cfg = merge(load_yaml(config) if config else {}, cli_values)
+    if nproc is not None:
+        if nproc < 1:
+            raise UsageError(f"--nproc {nproc}: must be >= 1")
+        if "WORLD_SIZE" in os.environ:
+            raise UsageError("--nproc: already running under a distributed launcher (torchrun); drop --nproc")
+        raise typer.Exit(_launch_torchrun(nproc))
     if resume is not None and not Path(resume).is_dir():
         raise RunDirError(f"--resume {resume}: no such run directory")
-    ignored = [f"--{k.replace('_', '-')}" for k, v in cli_values.items() if v is not None]
-    if resume is not None and (ignored or config):
-        raise UsageError(f"--resume {resume}: continues with the run's stored options; drop "
-                         f"{', '.join(ignored + (['--config'] if config else []))}")
+    if resume is not None and config:
+        raise UsageError(f"--resume {resume}: continues with the run's stored options; drop --config")
+    cfg = merge(load_yaml(config) if config else {}, {} if resume else cli_values)
+    rank0 = os.environ.get("RANK", "0") == "0"
     console = err if json_out else out
-    summary = run_train(cfg, RichReporter(console), resume=resume)
+    summary = run_train(cfg, RichReporter(console) if rank0 else None, resume=resume,
+                        overrides={k: v for k, v in cli_values.items() if v is not None} if resume else None)
+    if not rank0:
+        return
     if json_out:
         print(json.dumps(summary, indent=2))
         return
     _print_summary(summary)
+
+
+def _launch_torchrun(nproc: int) -> int:
+    """Run this same ``bdlora train`` command (minus --nproc) under ``torch.distributed.run``; its exit code."""
+    import subprocess
+
+    args, skip = [], False
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc":
+            skip = True
+            continue
+        if a.startswith("--nproc="):
+            continue
+        args.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "bdlora.cli", *args]
+    err.print(f"[cyan]>[/] launching {nproc} processes: {' '.join(cmd[2:])}", highlight=False, soft_wrap=True)
+    return subprocess.call(cmd)
 
 
 def _print_summary(s: dict) -> None:
@@ -225,6 +257,8 @@ def _print_summary(s: dict) -> None:
         t.add_row("student val ppl before training", f"{s['initial_student_val_ppl']:.3f}")
     t.add_row("student val ppl", f"{s['student_val_ppl']:.3f}")
     t.add_row("steps / tokens", f"{s['steps']:,} / {s['tokens']:,}")
+    if s.get("world_size", 1) > 1:
+        t.add_row("processes / global batch", f"{s['world_size']} / {s['global_batch']} sequences")
     t.add_row("train time", f"{s['train_seconds']:.1f} s ({s['tokens_per_s']:.0f} tok/s)")
     p = s["compute_proxy"]
     t.add_row("dense MACs/token D, LoRA L", f"{p['D']:,} / {p['L']:,}")

@@ -7,6 +7,7 @@ without ``summary.json`` is unfinished and can be continued with ``--resume``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from bdlora import SCHEMA_VERSION, __version__
 from bdlora.config import TrainConfig, resolve_defaults, validate
@@ -158,9 +160,20 @@ def _set_rng_state(tensors: dict, meta: dict) -> None:
     np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), *n[2:]))
 
 
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, method, extra: dict, keep_last: int):
     """Trainable weights, optimizer (safetensors + JSON), scheduler, RNG, method state; atomically; the directory
-    is complete only with ``state.json``, which is written last inside the temp dir before the rename."""
+    is complete only with ``state.json``, which is written last inside the temp dir before the rename and holds
+    the SHA-256 of every other file (a torn or corrupted checkpoint is detected on resume)."""
     ckpt_root = run_dir / "checkpoints"
     with atomic_dir(ckpt_root / f"step-{step:08d}") as tmp:
         trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -173,16 +186,44 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, metho
         save_tensors(tmp / "optimizer.safetensors", flat)
         rng_t, rng_meta = _rng_state()
         save_tensors(tmp / "rng.safetensors", rng_t)
+        files = {f.name: _sha256(f) for f in sorted(tmp.iterdir())}
         write_json(tmp / "state.json", {"step": step, "param_groups": opt_state["param_groups"],
                                          "scheduler": scheduler.state_dict(), "method": method.state(),
-                                         "rng": rng_meta, **extra})
+                                         "rng": rng_meta, "files": files, **extra})
     for old in sorted(ckpt_root.glob("step-*"))[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    done = [p for p in sorted((run_dir / "checkpoints").glob("step-*")) if (p / "state.json").exists()]
-    return done[-1] if done else None
+def verify_checkpoint(ckpt: Path) -> str | None:
+    """None when the checkpoint is complete and every file matches its recorded SHA-256, else what is wrong."""
+    try:
+        state = read_json(ckpt / "state.json")
+    except (OSError, ValueError) as e:
+        return f"state.json unreadable ({type(e).__name__})"
+    for name, digest in state.get("files", {}).items():
+        f = ckpt / name
+        if not f.exists():
+            return f"{name} missing"
+        if _sha256(f) != digest:
+            return f"{name} checksum mismatch"
+    return None
+
+
+def latest_checkpoint(run_dir: Path, on_warning=None) -> Path | None:
+    """The newest checkpoint that verifies; a corrupt newer one is skipped with a warning (and left on disk)."""
+    import warnings
+
+    done = [p for p in sorted((Path(run_dir) / "checkpoints").glob("step-*")) if (p / "state.json").exists()]
+    for ckpt in reversed(done):
+        problem = verify_checkpoint(ckpt)
+        if problem is None:
+            return ckpt
+        msg = f"checkpoint {ckpt.name} is corrupt ({problem}); falling back to the previous one"
+        if on_warning is not None:
+            on_warning(f"warning: {msg}")
+        else:
+            warnings.warn(msg, stacklevel=2)
+    return None
 
 
 def load_checkpoint(ckpt: Path, model, optimizer, scheduler, method) -> dict:
@@ -278,82 +319,157 @@ def new_run_dir(cfg: TrainConfig) -> Path:
     return out
 
 
-def kd_step(model, teacher, loss_fn, x, device):
+def kd_step(model, teacher, loss_fn, x, device, ddp=None):
+    """One micro-batch's loss; with ``ddp`` the student's hidden states come through DDP (gradient all-reduce)."""
     with torch.no_grad(), _autocast(device):
         th, thead = hidden_and_head(teacher, x)
     with _autocast(device):
-        sh, shead = hidden_and_head(model, x)
+        if ddp is None:
+            sh, shead = hidden_and_head(model, x)
+        else:
+            sh = ddp(x)
+            shead = (model.get_base_model() if hasattr(model, "get_base_model") else model).lm_head
         return loss_fn(sh, shead, th, thead, x)
 
 
-def train(cfg: TrainConfig, reporter: Reporter | None = None, resume: str | Path | None = None) -> dict:
-    """Run (or continue) a distillation run; returns the summary dict (also written to ``summary.json``)."""
-    rep = reporter or Reporter()
+# Options that may differ when a run is resumed: they change where/how often things are written or measured, never
+# the trajectory of the weights. Every other option is fixed by the run's config.json.
+RESUME_MUTABLE = ("save_every", "keep_last", "eval_every", "device", "measure_step_time", "cache_dir")
+
+
+def resume_config(run_dir: Path, overrides: dict | None = None) -> TrainConfig:
+    """The stored options of an unfinished run, with the allowed ``overrides`` applied; any other changed option is
+    refused (a different method, model or data would silently make a different run)."""
+    if not (run_dir / "config.json").exists():
+        raise RunDirError(f"--resume {run_dir}: not a bdlora run directory (no config.json)")
+    if (run_dir / "summary.json").exists():
+        raise RunDirError(f"--resume {run_dir}: this run already finished (summary.json exists)")
+    stored = read_json(run_dir / "config.json")["config"]
+    values = {k: v for k, v in stored.items() if k in TrainConfig.__dataclass_fields__}
+    for k, v in (overrides or {}).items():
+        if v is None or k in ("out", "runs_dir"):
+            continue
+        if k in RESUME_MUTABLE:
+            values[k] = v
+        elif stored.get(k) != v:
+            flag = f"--{k.replace('_', '-')}"
+            raise UsageError(f"{flag} {v}: this run was started with {flag} {stored.get(k)}; --resume cannot change "
+                             f"it (start a new run; changeable on resume: "
+                             f"{', '.join('--' + m.replace('_', '-') for m in RESUME_MUTABLE)})")
+    cfg = TrainConfig(**values)
+    cfg.extra = {"world_size": stored.get("extra", {}).get("world_size", 1)}
+    return cfg
+
+
+def train(cfg: TrainConfig, reporter: Reporter | None = None, resume: str | Path | None = None,
+          overrides: dict | None = None) -> dict:
+    """Run (or continue) a distillation run; returns the summary dict (also written to ``summary.json``).
+
+    Under torchrun (WORLD_SIZE > 1) every rank calls this: see ``bdlora.distributed`` for the contract."""
+    from bdlora import distributed as D
+
+    env = D.env_from_launcher()
+    rep = (reporter or Reporter()) if env.is_main else Reporter()
+    run_dir = None
     if resume is not None:
         run_dir = Path(resume)
-        if not (run_dir / "config.json").exists():
-            raise RunDirError(f"--resume {resume}: not a bdlora run directory (no config.json)")
-        if (run_dir / "summary.json").exists():
-            raise RunDirError(f"--resume {resume}: this run already finished (summary.json exists)")
-        stored = read_json(run_dir / "config.json")
-        cfg = TrainConfig(**{k: v for k, v in stored["config"].items() if k in TrainConfig.__dataclass_fields__})
-        cfg.extra = {}
-    sess = prepare(cfg, rep)
+        cfg = resume_config(run_dir, overrides)
+        stored_world = cfg.extra.pop("world_size", 1)
+        if stored_world != env.world_size:
+            raise UsageError(f"--resume {run_dir}: the run was trained on {stored_world} process(es), this launch "
+                             f"has {env.world_size}; resume with the same number so the global batch and data order "
+                             "stay the same")
+    dist_device = D.init(env, cfg.device)
+    try:
+        return _train(cfg, rep, run_dir, env, dist_device)
+    finally:
+        D.shutdown(env)
+
+
+def _train(cfg: TrainConfig, rep: Reporter, run_dir: Path | None, env, dist_device) -> dict:
+    from bdlora import distributed as D
+
+    resume = run_dir is not None
+    with D.main_first(env):  # rank 0 builds the caches (teacher, tokenised corpus) first
+        sess = prepare(cfg, rep)
     cfg = sess.cfg
+    device = dist_device or sess.device
+    if dist_device is not None:
+        sess.teacher.to(device)
+        sess.student.to(device)
+    cfg.extra["world_size"] = env.world_size
     torch.manual_seed(cfg.seed)
     method = METHOD_CLASSES[cfg.method](cfg)
     dense_copy = copy.deepcopy(sess.student) if cfg.method == "budgeted" and cfg.measure_step_time else None
     model = method.wrap(sess.student)
-    model.to(sess.device)
+    model.to(device)
+    ddp = D.wrap_ddp(model, device) if env.enabled else None
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     total = cfg.max_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(total))
     loss_fn = DistillationLoss(cfg.temperature, cfg.kd_weight, cfg.loss_chunk)
     sampler = BlockSampler(len(sess.train_blocks), cfg.seed)
-    tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len
+    tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len * env.world_size
 
     start_step, prior_seconds = 0, 0.0
-    if resume is not None:
-        ckpt = latest_checkpoint(run_dir)
+    if resume:
+        for stale in (run_dir / "checkpoints").glob(".step-*.tmp"):  # a save killed half-way
+            if env.is_main:
+                shutil.rmtree(stale, ignore_errors=True)
+        ckpt = latest_checkpoint(run_dir, on_warning=rep.stage)
         if ckpt is None:
-            raise RunDirError(f"--resume {resume}: no complete checkpoint to continue from")
+            raise RunDirError(f"--resume {run_dir}: no complete checkpoint to continue from")
         state = load_checkpoint(ckpt, model, optimizer, scheduler, method)
         start_step, prior_seconds = state["step"], state.get("train_seconds", 0.0)
-        for log in ("metrics.jsonl", "controller.jsonl"):
-            _truncate_jsonl(run_dir / log, start_step)
-        rep.stage(f"resuming {run_dir} at step {start_step}")
+        if env.is_main:
+            for log in ("metrics.jsonl", "controller.jsonl"):
+                _truncate_jsonl(run_dir / log, start_step)
+            write_json(run_dir / "config.json", {"schema_version": SCHEMA_VERSION, "bdlora_version": __version__,
+                                                 "config": dataclasses.asdict(cfg)})
+        rep.stage(f"resuming {run_dir} at step {start_step} ({ckpt.name})")
     else:
-        run_dir = new_run_dir(cfg)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_json(run_dir / "config.json", {"schema_version": SCHEMA_VERSION, "bdlora_version": __version__,
-                                             "config": dataclasses.asdict(cfg)})
+        run_dir = new_run_dir(cfg) if env.is_main else None
+        run_dir = Path(D.broadcast_object(env, str(run_dir) if run_dir else None))
+        if env.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            write_json(run_dir / "config.json", {"schema_version": SCHEMA_VERSION, "bdlora_version": __version__,
+                                                 "config": dataclasses.asdict(cfg)})
+    if env.enabled:
+        rep.stage(f"data parallel: {env.world_size} processes ({dist.get_backend()}), global batch "
+                  f"{cfg.batch_size * cfg.grad_accum * env.world_size} x {cfg.seq_len} = {tokens_per_step:,} tokens")
 
-    rep.stage("evaluating teacher and initial student")
-    teacher_ppl = perplexity(sess.teacher, sess.val_blocks)
-    initial_ppl = perplexity(model, sess.val_blocks) if start_step == 0 else None
+    teacher_ppl = initial_ppl = None
+    if env.is_main:
+        rep.stage("evaluating teacher and initial student")
+        teacher_ppl = perplexity(sess.teacher, sess.val_blocks)
+        initial_ppl = perplexity(model, sess.val_blocks) if start_step == 0 else None
 
-    metrics_f = open(run_dir / "metrics.jsonl", "a")
-    ctrl_f = open(run_dir / "controller.jsonl", "a") if isinstance(method, Budgeted) else None
+    metrics_f = open(run_dir / "metrics.jsonl", "a") if env.is_main else None
+    ctrl_f = open(run_dir / "controller.jsonl", "a") if env.is_main and isinstance(method, Budgeted) else None
     rep.start(total, start_step)
     t0 = time.time()
     val_ppl = initial_ppl
     model.train()
     stop = _StopRequest()
+    gated = list(method.gated.values()) if isinstance(method, Budgeted) else []
     try:
         for step in range(start_step, total):
             progress = step / max(1, total - 1)
             ctrl = method.before_step(progress)
+            D.check_same_retentions(env, [m._d for m in gated], step + 1)
             if ctrl_f is not None:
                 ctrl_f.write(json.dumps({"step": step + 1, **ctrl}) + "\n")
             loss_sum, kd_sum, ce_sum = 0.0, 0.0, 0.0
             for micro in range(cfg.grad_accum):
-                idx = sampler.indices((step * cfg.grad_accum + micro) * cfg.batch_size, cfg.batch_size)
-                x = torch.from_numpy(sess.train_blocks.get(idx)).to(sess.device)
-                loss, parts = kd_step(model, sess.teacher, loss_fn, x, sess.device)
-                if not torch.isfinite(loss.detach()):
-                    raise TrainingError(f"loss became {float(loss)} at step {step + 1}; lower --lr (now {cfg.lr})")
-                (loss / cfg.grad_accum).backward()
+                first = ((step * cfg.grad_accum + micro) * env.world_size + env.rank) * cfg.batch_size
+                x = torch.from_numpy(sess.train_blocks.get(sampler.indices(first, cfg.batch_size))).to(device)
+                sync = ddp is None or micro == cfg.grad_accum - 1
+                with (contextlib.nullcontext() if sync else ddp.no_sync()):
+                    loss, parts = kd_step(model, sess.teacher, loss_fn, x, device, ddp)
+                    if not torch.isfinite(loss.detach()):
+                        raise TrainingError(f"loss became {float(loss)} at step {step + 1}; lower --lr (now {cfg.lr})")
+                    (loss / cfg.grad_accum).backward()
                 loss_sum += float(loss.detach()) / cfg.grad_accum
                 kd_sum += parts["kd"] / cfg.grad_accum
                 ce_sum += parts["ce"] / cfg.grad_accum
@@ -361,6 +477,7 @@ def train(cfg: TrainConfig, reporter: Reporter | None = None, resume: str | Path
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+            loss_sum, kd_sum, ce_sum = D.mean_over_ranks(env, [loss_sum, kd_sum, ce_sum])
             done = step + 1
             elapsed = time.time() - t0
             m = {"step": done, "loss": loss_sum, "kd": kd_sum, "ce": ce_sum, "lr": scheduler.get_last_lr()[0],
@@ -368,28 +485,36 @@ def train(cfg: TrainConfig, reporter: Reporter | None = None, resume: str | Path
                  "tokens_per_s": (done - start_step) * tokens_per_step / max(elapsed, 1e-9)}
             if ctrl is not None:
                 m.update(budget=ctrl["budget"], retained=ctrl["retained"], zero=ctrl["zero"])
-            if done % cfg.eval_every == 0 or done == total:
+            if env.is_main and (done % cfg.eval_every == 0 or done == total):
                 val_ppl = perplexity(model, sess.val_blocks)
                 m["val_ppl"] = val_ppl
                 rep.evaluated(done, m)
-            metrics_f.write(json.dumps(m) + "\n")
-            metrics_f.flush()
+            if metrics_f is not None:
+                metrics_f.write(json.dumps(m) + "\n")
+                metrics_f.flush()
             if ctrl_f is not None:
                 ctrl_f.flush()
             rep.step(done, m)
-            if (cfg.save_every and done % cfg.save_every == 0 and done < total) or stop.requested:
+            stopping = D.any_rank(env, stop.requested is not None)
+            if env.is_main and ((cfg.save_every and done % cfg.save_every == 0 and done < total) or stopping):
                 save_checkpoint(run_dir, done, model, optimizer, scheduler, method,
                                 {"train_seconds": prior_seconds + elapsed}, cfg.keep_last)
-            if stop.requested:
-                raise KeyboardInterrupt(f"stopped by {stop.requested} after step {done}; checkpoint saved, continue "
-                                        f"with --resume {run_dir}")
+            if stopping:
+                D.barrier(env)
+                raise KeyboardInterrupt(f"stopped by {stop.requested or 'a signal to another rank'} after step "
+                                        f"{done}; checkpoint saved, continue with --resume {run_dir}")
     finally:
         stop.restore()
-        metrics_f.close()
+        if metrics_f is not None:
+            metrics_f.close()
         if ctrl_f is not None:
             ctrl_f.close()
         rep.finish()
     train_seconds = prior_seconds + time.time() - t0
+    tokens_per_s = (total - start_step) * tokens_per_step / max(time.time() - t0, 1e-9)
+    if not env.is_main:
+        D.barrier(env)
+        return {"rank": env.rank, "run_dir": str(run_dir)}
 
     rep.stage("saving the student")
     with atomic_dir(run_dir / "student") as tmp:
@@ -398,9 +523,9 @@ def train(cfg: TrainConfig, reporter: Reporter | None = None, resume: str | Path
         "schema_version": SCHEMA_VERSION, "bdlora_version": __version__, "method": cfg.method,
         "teacher": cfg.teacher, "data": cfg.data, "student_layers": cfg.student_layers,
         "layer_indices": sess.layer_indices, "steps": total, "tokens": total * tokens_per_step,
+        "world_size": env.world_size, "global_batch": cfg.batch_size * cfg.grad_accum * env.world_size,
         "teacher_val_ppl": teacher_ppl, "initial_student_val_ppl": initial_ppl, "student_val_ppl": val_ppl,
-        "train_seconds": train_seconds, "tokens_per_s": (total - start_step) * tokens_per_step / max(
-            time.time() - t0, 1e-9), "resumed_from": start_step or None,
+        "train_seconds": train_seconds, "tokens_per_s": tokens_per_s, "resumed_from": start_step or None,
         "trainable_parameters": sum(p.numel() for p in params),
     }
     shapes = shapes_from_config(sess.student.config.to_dict() if hasattr(sess.student, "config") else {})
@@ -414,9 +539,10 @@ def train(cfg: TrainConfig, reporter: Reporter | None = None, resume: str | Path
         plot_controller(run_dir / "controller.jsonl", summary["modules"], run_dir / "controller.png")
         if dense_copy is not None:
             rep.stage("timing training steps of kd-full, kd-lora and budgeted (d = 0) on the same student")
-            x = torch.from_numpy(sess.train_blocks.get(sampler.indices(0, cfg.batch_size))).to(sess.device)
-            summary["step_time_ms"] = measure_step_times(dense_copy, sess.teacher, x, cfg, sess.device)
+            x = torch.from_numpy(sess.train_blocks.get(sampler.indices(0, cfg.batch_size))).to(device)
+            summary["step_time_ms"] = measure_step_times(dense_copy, sess.teacher, x, cfg, device)
     write_json(run_dir / "summary.json", summary)
+    D.barrier(env)
     summary["run_dir"] = str(run_dir)
     return summary
 

@@ -30,8 +30,8 @@ def test_sweep_runs_a_family_and_resumes_without_retraining(tiny_env, tmp_path):
     # the budget drops at once with no EMA lag, so 4 steps reach the F = 0 structure; a checkpoint every 2 steps
     yaml = tmp_path / "sweep.yaml"
     yaml.write_text("decay_start: 0.0\ndecay_end: 0.0\nretention_ema: 0.0\nsave_every: 2\nmeasure_step_time: false\n")
-    res = CliRunner().invoke(app, sweep_args(tiny_env, out, "--config", str(yaml), "--budgets", "0.0", "--baselines", "kd-lora",
-                                             "--bench-seq-lens", "8", "--bench-repeats", "1"))
+    res = CliRunner().invoke(app, sweep_args(tiny_env, out, "--config", str(yaml), "--budgets", "0.0", "--baselines",
+                                             "kd-lora", "--bench-seq-lens", "8", "--bench-repeats", "1"))
     assert res.exit_code == 0, res.output
     doc = json.loads((out / "results.json").read_text())
     rows = {r["name"]: r for r in doc["members"]}

@@ -1,0 +1,169 @@
+"""Multi-process training (torchrun, gloo on CPU) and fault-tolerant runs (checksummed checkpoints, kill -9 and
+resume bit-identical)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from bdlora.cli import app
+from conftest import train_args
+
+# the budget drops at once with no EMA lag, so a few steps already move every retention
+FAST_BUDGET = ["--decay-start", "0.0", "--decay-end", "0.5", "--retention-ema", "0.0"]
+
+
+def student_tensors(run: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted((run / "student").rglob("*.safetensors")):
+        out.update({f"{f.name}:{k}": v for k, v in load_file(str(f)).items()})
+    assert out
+    return out
+
+
+def cli(*args, timeout=600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "bdlora.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.mark.parametrize("method", ["budgeted", "kd-full", "kd-lora"])
+def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(tiny_env, tmp_path, method):
+    common = ["--method", method, "--max-steps", "4", "--eval-every", "4", "--save-every", "2", *FAST_BUDGET]
+    one = tmp_path / "one"
+    res = CliRunner().invoke(app, train_args(tiny_env, one, *common))  # --batch-size 4, one process
+    assert res.exit_code == 0, res.output
+    two = tmp_path / "two"
+    args = train_args(tiny_env, two, *common)
+    args[args.index("--batch-size") + 1] = "2"  # 2 processes x 2 sequences = the same global batch of 4
+    p = cli(*args, "--nproc", "2")
+    assert p.returncode == 0, p.stderr[-3000:]
+    s1 = json.loads((one / "summary.json").read_text())
+    s2 = json.loads((two / "summary.json").read_text())
+    assert s2["world_size"] == 2 and s2["global_batch"] == 4 == s1["global_batch"]
+    assert s2["tokens"] == s1["tokens"]
+    a, b = student_tensors(one), student_tensors(two)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=2e-5, rtol=1e-4, msg=k)
+    assert s2["student_val_ppl"] == pytest.approx(s1["student_val_ppl"], rel=1e-4)
+    if method == "budgeted":  # the controller ran identically (checked every step on both ranks)
+        assert [m["d"] for m in s1["modules"]] == [m["d"] for m in s2["modules"]]
+    assert not (two / "metrics.jsonl").read_text().count('"step": 1,') > 1  # only rank 0 logged
+    assert sorted(p.name for p in (two / "checkpoints").iterdir()) == ["step-00000002"]
+
+
+def _diverge_worker(rank, world, port, q):
+    import torch.distributed as dist
+
+    from bdlora.distributed import DistEnv, check_same_retentions
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    env = DistEnv(rank, world, rank)
+    try:
+        check_same_retentions(env, [0.5, 0.25], 1)
+        check_same_retentions(env, [0.5, 0.25 + 0.1 * rank], 2)
+        q.put((rank, "no error"))
+    except Exception as e:  # noqa: BLE001
+        q.put((rank, f"{type(e).__name__}: {e}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_controller_divergence_across_ranks_fails_loudly():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_diverge_worker, args=(r, 2, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(q.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+    for r in (0, 1):
+        assert results[r].startswith("TrainingError: step 2: the budget controller diverged"), results
+
+
+def test_kill_9_then_resume_is_bit_identical(tiny_env, tmp_path):
+    common = ["--method", "budgeted", "--max-steps", "40", "--eval-every", "20", "--save-every", "3",
+              "--keep-last", "2", *FAST_BUDGET]
+    ref = tmp_path / "ref"
+    p = cli(*train_args(tiny_env, ref, *common))
+    assert p.returncode == 0, p.stderr[-3000:]
+
+    run = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "bdlora.cli", *train_args(tiny_env, run, *common)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (run / "checkpoints" / "step-00000006" / "state.json").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before it could be killed"
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (run / "summary.json").exists() and proc.returncode == -signal.SIGKILL
+    p = cli("train", "--resume", str(run))
+    assert p.returncode == 0, p.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumed_from"] >= 6
+    a, b = student_tensors(ref), student_tensors(run)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 41))  # no duplicated or missing log lines after the resume
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tiny_env, tmp_path):
+    common = ["--method", "kd-lora", "--max-steps", "6", "--save-every", "2", "--keep-last", "3"]
+    ref = tmp_path / "ref"
+    assert CliRunner().invoke(app, train_args(tiny_env, ref, *common)).exit_code == 0
+    run = tmp_path / "run"
+    assert CliRunner().invoke(app, train_args(tiny_env, run, *common)).exit_code == 0
+    # make it an unfinished run whose newest checkpoint is torn
+    (run / "summary.json").unlink()
+    import shutil
+
+    shutil.rmtree(run / "student")
+    latest = run / "checkpoints" / "step-00000004" / "trainable.safetensors"
+    data = bytearray(latest.read_bytes())
+    data[-8:] = b"\x00" * 8
+    latest.write_bytes(bytes(data))
+    from bdlora.train import latest_checkpoint
+
+    with pytest.warns(UserWarning, match="step-00000004 is corrupt"):
+        assert latest_checkpoint(run).name == "step-00000002"
+    res = CliRunner().invoke(app, ["train", "--resume", str(run)])
+    assert res.exit_code == 0, res.output
+    assert "step-00000004 is corrupt" in res.output and "at step 2" in res.output
+    a, b = student_tensors(ref), student_tensors(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_refuses_incompatible_options_and_accepts_compatible_ones(tiny_env, tmp_path):
+    run = tmp_path / "run"
+    res = CliRunner().invoke(app, train_args(tiny_env, run, "--method", "budgeted", "--max-steps", "4",
+                                             "--save-every", "2"))
+    assert res.exit_code == 0
+    (run / "summary.json").unlink()
+    for extra, needle in [(["--method", "kd-full"], "--method kd-full: this run was started with --method budgeted"),
+                          (["--teacher", str(tmp_path)], "--teacher"), (["--lora-rank", "8"], "--lora-rank 8")]:
+        res = CliRunner().invoke(app, ["train", "--resume", str(run), *extra])
+        assert res.exit_code == 2 and needle in res.output, res.output
+    res = CliRunner().invoke(app, ["train", "--resume", str(run), "--method", "budgeted", "--eval-every", "1",
+                                   "--keep-last", "1"])
+    assert res.exit_code == 0, res.output
+    assert json.loads((run / "summary.json").read_text())["resumed_from"] == 2
