@@ -758,6 +758,65 @@ def sweep(
     out.print(f"[green]wrote[/] {doc['sweep_dir']}/sweep.md, results.json, pareto.png")
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# serve
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _latest_onnx_folder(runs_dir: str) -> Path:
+    from bdlora.errors import RunDirError
+
+    found = [p for p in Path(runs_dir).glob("*.onnx") if (p / "export.json").exists()]
+    if not found:
+        raise RunDirError(f"no ONNX export under {runs_dir}/ (run `bdlora export onnx` first, or pass ONNX_DIR)")
+    return max(found, key=lambda p: (p / "export.json").stat().st_mtime)
+
+
+@app.command()
+@handle_errors
+def serve(
+    onnx_dir: Annotated[Optional[str], typer.Argument(help="A `bdlora export onnx` folder (default: the latest).")]
+    = None,
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    max_batch: Annotated[int, typer.Option(help="Sequences decoded together (continuous batching).")] = 16,
+    max_tokens: Annotated[int, typer.Option(help="Largest max_tokens a request may ask for.")] = 512,
+    max_prompt_tokens: Annotated[Optional[int], typer.Option(help="Longest prompt in tokens (default: the "
+                                                                  "model's context minus one).")] = None,
+    max_waiting: Annotated[int, typer.Option(help="Queued requests beyond the batch before answering 429.")]
+    = 1024,
+    onnx_file: Annotated[str, typer.Option(help="Graph to serve (model.onnx or model_int8.onnx).")] = "model.onnx",
+    model_name: Annotated[Optional[str], typer.Option(help="Model id clients send (default: the folder name).")]
+    = None,
+    threads: Annotated[Optional[int], typer.Option(help="onnxruntime intra-op threads (default: all cores).")]
+    = None,
+    drain_seconds: Annotated[int, typer.Option(help="On SIGTERM/SIGINT: seconds to let in-flight requests "
+                                                    "finish.")] = 30,
+    runs_dir: Annotated[str, typer.Option(help=H["runs_dir"])] = "runs",
+):
+    """Serve an exported ONNX model with an OpenAI-compatible API (/v1/completions, /v1/chat/completions,
+    /v1/models, /health, /metrics)."""
+    from bdlora.errors import UsageError
+    from bdlora.serve.app import ServeConfig, check_onnx_dir
+    from bdlora.serve.app import serve as run_server
+
+    for name, v, lo in (("--port", port, 0), ("--max-batch", max_batch, 1), ("--max-tokens", max_tokens, 1),
+                        ("--max-waiting", max_waiting, 1), ("--drain-seconds", drain_seconds, 0)):
+        if v < lo or (name == "--port" and v > 65535):
+            raise UsageError(f"{name} {v}: must be >= {lo}" + (" and <= 65535" if name == "--port" else ""))
+    if max_prompt_tokens is not None and max_prompt_tokens < 1:
+        raise UsageError(f"--max-prompt-tokens {max_prompt_tokens}: must be >= 1")
+    if threads is not None and threads < 1:
+        raise UsageError(f"--threads {threads}: must be >= 1")
+    src = Path(onnx_dir) if onnx_dir else _latest_onnx_folder(runs_dir)
+    check_onnx_dir(src, onnx_file)
+    cfg = ServeConfig(onnx_dir=str(src), model_name=model_name or src.name, onnx_file=onnx_file,
+                      max_batch=max_batch, max_tokens=max_tokens, max_prompt_tokens=max_prompt_tokens,
+                      max_waiting=max_waiting, threads=threads)
+    err.print(f"[cyan]>[/] serving {src} as '{cfg.model_name}' on http://{host}:{port}/v1", highlight=False)
+    run_server(cfg, host, port, drain_seconds)
+
+
 def main() -> None:
     app()
 

@@ -1,5 +1,5 @@
-"""bdlora.serve: the inference server over an exported ONNX student.
+"""bdlora.serve: an OpenAI-compatible inference server over an exported ONNX student (``bdlora serve``).
 
-Installed as ``bdlora.serve`` through setuptools ``package-dir`` (see pyproject.toml). The server lands with the
-serve issue; until then this package only reserves the namespaced import path.
+``engine`` holds the onnxruntime session and the continuous-batching worker thread; ``app`` the FastAPI routes,
+metrics and error handling. Installed as ``bdlora.serve`` through setuptools ``package-dir`` (see pyproject.toml).
 """

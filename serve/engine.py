@@ -1,0 +1,285 @@
+"""The generation engine behind ``bdlora serve``: one onnxruntime session, one worker thread, continuous batching.
+
+The event loop never runs inference: requests are queued to a worker thread that owns the session and the batch
+KV cache. Every iteration the worker (1) admits waiting requests up to ``max_batch`` active sequences, prefilling
+them together (left padded) and merging their caches into the batch cache (both sides left padded to a common
+length, the attention mask marking padding), then (2) runs one decode step for every active sequence. Each sequence
+carries its own position ids, sampling parameters and random generator, so batching never changes a request's
+output: at temperature 0 the text equals the model's own greedy generation. A finished or cancelled sequence
+(client gone) leaves the batch at the next step, freeing its slot; padding columns no row needs are trimmed.
+
+Results flow back through a per-request callback (the server posts them to the request's asyncio queue with
+``loop.call_soon_threadsafe``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class Request:
+    """One prompt to continue. ``emit(kind, payload)`` receives ("delta", text) events and one ("done", info)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    emit: Callable[[str, object], None]
+    id: int = field(default_factory=lambda: next(_ids))
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+_ids = itertools.count(1)
+
+
+class _Seq:
+    """A request inside the batch: generated ids, the next token to feed, its position, its sampler."""
+
+    def __init__(self, req: Request, tokenizer, eos: int | None):
+        self.req = req
+        self.tok = tokenizer
+        self.eos = eos
+        self.generated: list[int] = []
+        self.sent = 0  # characters of the decoded text already emitted
+        self.pos = len(req.prompt_ids)  # position of the next fed token
+        self.next_token: int | None = None
+        self.rng = np.random.default_rng(req.params.seed)
+        self.finish: str | None = None
+        self.text = ""
+
+    def sample(self, logits: np.ndarray) -> int:
+        p = self.req.params
+        if p.temperature <= 0.0:
+            return int(np.argmax(logits))
+        z = logits.astype(np.float64) / p.temperature
+        z -= z.max()
+        probs = np.exp(z)
+        probs /= probs.sum()
+        if p.top_p < 1.0:
+            order = np.argsort(-probs)
+            cum = np.cumsum(probs[order])
+            keep = order[: int(np.searchsorted(cum, p.top_p) + 1)]
+            mask = np.zeros_like(probs)
+            mask[keep] = probs[keep]
+            probs = mask / mask.sum()
+        return int(self.rng.choice(len(probs), p=probs))
+
+    def accept(self, token: int) -> None:
+        """Record a sampled token: stop on EOS / stop string / max_tokens, emit the text that is final."""
+        p = self.req.params
+        if self.eos is not None and token == self.eos:
+            self._finish("stop")
+            return
+        self.generated.append(token)
+        text = self.tok.decode(self.generated, skip_special_tokens=True)
+        cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text = text[:cut]
+            self._finish("stop")
+            return
+        self.text = text
+        if len(self.generated) >= p.max_tokens:
+            self._finish("length")
+            return
+        self.next_token = token
+        safe = text.rstrip("\ufffd")  # an incomplete multi-byte character waits for its next token
+        for s in p.stop:  # hold back a tail that may be the start of a stop string
+            for k in range(min(len(s) - 1, len(safe)), 0, -1):
+                if safe.endswith(s[:k]):
+                    safe = safe[:-k]
+                    break
+        if len(safe) > self.sent:
+            self.req.emit("delta", safe[self.sent :])
+            self.sent = len(safe)
+
+    def _finish(self, reason: str) -> None:
+        self.finish = reason
+        if len(self.text) > self.sent:
+            self.req.emit("delta", self.text[self.sent :])
+            self.sent = len(self.text)
+        self.req.emit("done", {"finish_reason": reason, "prompt_tokens": len(self.req.prompt_ids),
+                               "completion_tokens": len(self.generated), "text": self.text})
+
+
+class Engine:
+    """Owns the ONNX session and the worker thread. ``submit`` is thread-safe and never blocks on inference."""
+
+    def __init__(self, onnx_dir: str | Path, onnx_file: str = "model.onnx", max_batch: int = 16,
+                 threads: int | None = None):
+        from transformers import AutoConfig, AutoTokenizer
+
+        import bdlora  # noqa: F401  registers the bdlora config classes
+        from bdlora.export.onnx import kv_shape, session
+
+        self.dir = Path(onnx_dir)
+        self.config = AutoConfig.from_pretrained(str(self.dir))
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.dir))
+        self.sess = session(self.dir / onnx_file, threads=threads)
+        self.input_names = [i.name for i in self.sess.get_inputs()]
+        self.kv, self.hd = kv_shape(self.config)
+        self.n_layers = self.config.num_hidden_layers
+        self.max_batch = max_batch
+        self.max_positions = getattr(self.config, "max_position_embeddings", None) or 1 << 30
+        self.eos = self.tokenizer.eos_token_id
+        self._waiting: queue.Queue[Request | None] = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="bdlora-engine", daemon=True)
+        self.active = 0  # sequences in the batch (read by /metrics)
+        self.steps = 0  # decode steps run
+        self.decode_rows = 0  # sum of batch sizes over decode steps (mean batch = decode_rows / steps)
+        self.error: str | None = None
+        self._live: list[_Seq] = []
+        self._thread.start()
+
+    # --------------------------------------------------------------------------------------------------------------
+
+    def submit(self, req: Request) -> None:
+        self._waiting.put(req)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self._waiting.put(None)
+        self._thread.join(timeout)
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting.qsize()
+
+    # --------------------------------------------------------------------------------------------------------------
+
+    def _run(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray, past: list[np.ndarray]):
+        feeds = dict(zip(self.input_names, [ids, mask, pos, *past]))
+        out = self.sess.run(None, feeds)
+        return out[0][:, -1], out[1:]  # (B, V) logits of the last position, presents
+
+    def _prefill(self, reqs: list[Request]):
+        """Left-padded prefill of new requests: (seqs, mask (b, T), presents, last logits (b, V))."""
+        b, t = len(reqs), max(len(r.prompt_ids) for r in reqs)
+        ids = np.zeros((b, t), dtype=np.int64)
+        mask = np.zeros((b, t), dtype=np.int64)
+        for i, r in enumerate(reqs):
+            n = len(r.prompt_ids)
+            ids[i, t - n :] = r.prompt_ids
+            mask[i, t - n :] = 1
+        pos = np.clip(np.cumsum(mask, 1) - 1, 0, None)
+        empty = [np.zeros((b, self.kv, 0, self.hd), dtype=np.float32) for _ in range(2 * self.n_layers)]
+        logits, presents = self._run(ids, mask, pos, empty)
+        return mask, presents, logits
+
+    @staticmethod
+    def _left_pad(arrs: list[np.ndarray], mask: np.ndarray, length: int):
+        extra = length - mask.shape[1]
+        if extra <= 0:
+            return arrs, mask
+        arrs = [np.pad(a, ((0, 0), (0, 0), (extra, 0), (0, 0))) for a in arrs]
+        return arrs, np.pad(mask, ((0, 0), (extra, 0)))
+
+    def _loop(self) -> None:
+        try:
+            self._serve()
+        except Exception as e:  # noqa: BLE001  never leave clients waiting on a dead worker
+            self.error = f"{type(e).__name__}: {e}"
+            for seq in self._live:
+                seq.req.emit("error", self.error)
+            while True:
+                try:
+                    r = self._waiting.get_nowait()
+                except queue.Empty:
+                    break
+                if r is not None:
+                    r.emit("error", self.error)
+            raise
+
+    def _serve(self) -> None:
+        seqs: list[_Seq] = []
+        cache: list[np.ndarray] = []
+        mask = np.zeros((0, 0), dtype=np.int64)
+        while not self._stop.is_set():
+            # 1. admit: block only when nothing is running
+            new: list[Request] = []
+            while len(seqs) + len(new) < self.max_batch:
+                try:
+                    r = self._waiting.get(block=not seqs and not new, timeout=None)
+                except queue.Empty:
+                    break
+                if r is None:
+                    return
+                if not r.cancelled.is_set():
+                    new.append(r)
+            if new:
+                try:
+                    nmask, npres, logits = self._prefill(new)
+                except Exception as e:  # noqa: BLE001  a request the graph cannot run fails alone
+                    for r in new:
+                        r.emit("error", f"{type(e).__name__}: {e}")
+                    new = []
+                if new:
+                    fresh = [_Seq(r, self.tokenizer, self.eos) for r in new]
+                    for s, row in zip(fresh, logits):
+                        s.accept(s.sample(row))
+                    if seqs:
+                        t = max(mask.shape[1], nmask.shape[1])
+                        cache, mask = self._left_pad(cache, mask, t)
+                        npres, nmask = self._left_pad(list(npres), nmask, t)
+                        cache = [np.concatenate([a, b_], 0) for a, b_ in zip(cache, npres)]
+                        mask = np.concatenate([mask, nmask], 0)
+                    else:
+                        cache, mask = list(npres), nmask
+                    seqs += fresh
+            # 2. drop finished / cancelled rows, trim padding no row needs
+            keep = [i for i, s in enumerate(seqs) if s.finish is None and not s.req.cancelled.is_set()]
+            if len(keep) != len(seqs):
+                seqs = [seqs[i] for i in keep]
+                if seqs:
+                    cache = [a[keep] for a in cache]
+                    mask = mask[keep]
+                    used = np.flatnonzero(mask.any(0))
+                    start = int(used[0]) if used.size else mask.shape[1]
+                    if start:
+                        cache = [a[:, :, start:] for a in cache]
+                        mask = mask[:, start:]
+                else:
+                    cache, mask = [], np.zeros((0, 0), dtype=np.int64)
+            self.active = len(seqs)
+            self._live = seqs
+            if not seqs:
+                continue
+            # 3. one decode step for every active sequence
+            ids = np.array([[s.next_token] for s in seqs], dtype=np.int64)
+            pos = np.array([[s.pos] for s in seqs], dtype=np.int64)
+            mask = np.concatenate([mask, np.ones((len(seqs), 1), dtype=np.int64)], 1)
+            try:
+                logits, cache = self._run(ids, mask, pos, cache)
+            except Exception as e:  # noqa: BLE001
+                for s in seqs:
+                    s.req.emit("error", f"{type(e).__name__}: {e}")
+                seqs, cache, mask = [], [], np.zeros((0, 0), dtype=np.int64)
+                continue
+            self.steps += 1
+            self.decode_rows += len(seqs)
+            for s, row in zip(seqs, logits):
+                s.pos += 1
+                if s.req.cancelled.is_set():
+                    continue
+                s.accept(s.sample(row))
+        self.active = 0

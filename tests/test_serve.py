@@ -1,0 +1,298 @@
+"""bdlora serve: a real uvicorn server on 127.0.0.1, started by the tests on a tiny exported model."""
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from bdlora.cli import app as cli_app
+
+PROMPTS = ["alpha beta", "one two three", "red green", "monday tuesday wednesday", "sigma tau", "five six",
+           "white black", "kappa", "nine ten one", "cyan magenta yellow"]
+LONG = 3000  # tokens: long enough that a disconnect or SIGTERM lands mid-generation
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(folder, *args):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "bdlora.cli", "serve", str(folder), "--port", str(port), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited: {proc.stdout.read()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("server did not become ready")
+
+
+@pytest.fixture(scope="module")
+def served_model(tiny_env, tmp_path_factory):
+    """A tiny random-weight bdlora model (context 4096) exported to ONNX, and its reference greedy generator."""
+    from transformers import MistralForCausalLM
+
+    from bdlora.export.hf import save_model_folder
+    from bdlora.export.onnx import export_onnx_folder, kv_shape, run_session, session
+    from conftest import compressed_student, tiny_config
+
+    tok = tiny_env["tokenizer"]
+    torch.manual_seed(3)
+    base = MistralForCausalLM(tiny_config(len(tok), layers=2, max_position_embeddings=4096,
+                                          eos_token_id=tok.eos_token_id)).eval()
+    _, model, report = compressed_student(base, [0.0, 1.0, 0.2], seed=2)
+    root = tmp_path_factory.mktemp("serve")
+    folder = save_model_folder(model, tok, root / "m", report)
+    export_onnx_folder(folder, root / "m.onnx", run_validation=False)
+    sess = session(root / "m.onnx" / "model.onnx")
+    kv, hd = kv_shape(model.config)
+
+    def greedy_ids(ids: list[int], n: int) -> list[int]:
+        x = np.array([ids], dtype=np.int64)
+        pasts = [np.zeros((1, kv, 0, hd), dtype=np.float32) for _ in range(2 * model.config.num_hidden_layers)]
+        mask = np.ones_like(x)
+        pos = np.arange(x.shape[1], dtype=np.int64)[None]
+        out = []
+        for _ in range(n):
+            res = run_session(sess, x, mask, pos, pasts)
+            t = int(res[0][0, -1].argmax())
+            if t == tok.eos_token_id:
+                break
+            out.append(t)
+            pasts, x = res[1:], np.array([[t]], dtype=np.int64)
+            mask = np.concatenate([mask, np.ones((1, 1), dtype=np.int64)], 1)
+            pos = pos[:, -1:] + 1
+        return out
+
+    def greedy_text(prompt: str, n: int) -> str:
+        return tok.decode(greedy_ids(tok(prompt)["input_ids"], n), skip_special_tokens=True)
+
+    return {"folder": root / "m.onnx", "name": "m.onnx", "greedy_text": greedy_text, "greedy_ids": greedy_ids,
+            "tok": tok}
+
+
+@pytest.fixture(scope="module")
+def server(served_model):
+    proc, url = start_server(served_model["folder"], "--max-batch", "8", "--max-tokens", str(LONG))
+    yield url
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    """One sample of /metrics (0 when the labelled series does not exist yet)."""
+    samples = dict(line.rsplit(" ", 1) for line in httpx.get(url + "/metrics").text.splitlines()
+                   if line and not line.startswith("#"))
+    return float(samples.get(name + labels, 0.0))
+
+
+def test_openai_client_plain_and_stream_equal_the_models_greedy_generation(server, served_model):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server + "/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == ["m.onnx"]
+    for prompt in PROMPTS[:4]:
+        want = served_model["greedy_text"](prompt, 12)
+        r = client.completions.create(model="m.onnx", prompt=prompt, max_tokens=12, temperature=0)
+        assert r.choices[0].text == want
+        assert r.usage.completion_tokens <= 12 and r.choices[0].finish_reason in ("length", "stop")
+        chunks = list(client.completions.create(model="m.onnx", prompt=prompt, max_tokens=12, temperature=0,
+                                                stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == want
+        assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+
+
+def test_sampling_is_seeded_and_stop_strings_cut(server, served_model):
+    body = {"model": "m.onnx", "prompt": "alpha", "max_tokens": 20, "temperature": 1.0, "top_p": 0.9, "seed": 7}
+    a = httpx.post(server + "/v1/completions", json=body).json()["choices"][0]["text"]
+    b = httpx.post(server + "/v1/completions", json=body).json()["choices"][0]["text"]
+    assert a == b
+    full = served_model["greedy_text"]("one two three", 30)
+    stop = full[5:7]
+    cut = full[: full.find(stop)]
+    r = httpx.post(server + "/v1/completions", json={"model": "m.onnx", "prompt": "one two three", "max_tokens": 30,
+                                                     "temperature": 0, "stop": [stop]}).json()
+    assert r["choices"][0]["text"] == cut and r["choices"][0]["finish_reason"] == "stop"
+
+
+def test_200_concurrent_requests_unmixed(server, served_model):
+    expected = {(p, n): served_model["greedy_text"](p, n) for p in PROMPTS for n in (4, 8, 12)}
+    jobs = [(PROMPTS[i % len(PROMPTS)], (4, 8, 12)[i % 3]) for i in range(200)]
+    steps0, rows0 = metric(server, "bdlora_decode_steps"), metric(server, "bdlora_decode_rows")
+
+    async def run():
+        sem = asyncio.Semaphore(64)  # bounded client concurrency, loopback only
+        async with httpx.AsyncClient(base_url=server, timeout=120,
+                                     limits=httpx.Limits(max_connections=64)) as client:
+            async def one(prompt, n):
+                async with sem:
+                    r = await client.post("/v1/completions", json={"model": "m.onnx", "prompt": prompt,
+                                                                   "max_tokens": n, "temperature": 0})
+                    return r.status_code, r.json()
+
+            return await asyncio.gather(*(one(p, n) for p, n in jobs))
+
+    results = asyncio.run(run())
+    assert all(code == 200 for code, _ in results)
+    for (p, n), (_, body) in zip(jobs, results):
+        assert body["choices"][0]["text"] == expected[(p, n)], (p, n)
+    steps = metric(server, "bdlora_decode_steps") - steps0
+    rows = metric(server, "bdlora_decode_rows") - rows0
+    assert rows / steps > 1.5  # concurrent requests were decoded together
+
+
+BAD = [
+    (b"{not json", 400, "json_invalid"),
+    (b"[1, 2]", 400, None),
+    ({"model": "m.onnx", "prompt": "a", "max_tokens": "5"}, 400, "int_type"),
+    ({"model": "m.onnx", "prompt": 17}, 400, None),
+    ({"model": "m.onnx", "prompt": "a", "max_tokens": -3}, 400, "invalid_value"),
+    ({"model": "m.onnx", "prompt": "a", "max_tokens": 10**9}, 400, "invalid_value"),
+    ({"model": "m.onnx", "prompt": "alpha " * 3000, "max_tokens": 10}, 400, "context_length_exceeded"),
+    ({"model": "gpt-4", "prompt": "a"}, 404, "model_not_found"),
+    ({"prompt": "a"}, 400, "missing"),
+    ({"model": "m.onnx", "prompt": "a", "n": 2}, 400, "unsupported"),
+    ({"model": "m.onnx", "prompt": "a", "logprobs": 3}, 400, "unsupported"),
+    ({"model": "m.onnx", "prompt": "a", "temperature": 9}, 400, "less_than_equal"),
+    ({"model": "m.onnx", "prompt": "a", "frobnicate": True}, 400, "extra_forbidden"),
+    ({"model": "m.onnx", "prompt": ""}, 400, "invalid_value"),
+    ({"model": "m.onnx", "prompt": [99999999]}, 400, "invalid_value"),
+]
+
+
+def test_bad_input_gets_4xx_with_an_openai_error_body_and_the_server_keeps_serving(server, served_model):
+    before = sum(metric(server, "bdlora_requests_total", f'{{endpoint="/v1/completions",status="{s}"}}')
+                 for s in (400, 404))
+    good = {"model": "m.onnx", "prompt": "kappa", "max_tokens": 5, "temperature": 0}
+    for payload, status, code in BAD:
+        kw = {"content": payload, "headers": {"content-type": "application/json"}} if isinstance(payload, bytes) \
+            else {"json": payload}
+        r = httpx.post(server + "/v1/completions", **kw)
+        assert r.status_code == status, (payload, r.text)
+        err = r.json()["error"]
+        assert err["message"] and err["type"] == "invalid_request_error"
+        if code:
+            assert err["code"] == code, (payload, err)
+        ok = httpx.post(server + "/v1/completions", json=good)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == served_model["greedy_text"]("kappa", 5)
+    r = httpx.post(server + "/v1/chat/completions", json={"model": "m.onnx", "messages": [{"role": "user",
+                                                                                          "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "chat_template_missing"
+    after = sum(metric(server, "bdlora_requests_total", f'{{endpoint="/v1/completions",status="{s}"}}')
+                for s in (400, 404))
+    assert after - before == len(BAD)
+
+
+def test_client_disconnect_mid_stream_frees_the_slot(server):
+    steps0 = metric(server, "bdlora_decode_steps")
+    cancelled0 = metric(server, "bdlora_cancelled_sequences_total")
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", server + "/v1/completions", json={
+                "model": "m.onnx", "prompt": "alpha", "max_tokens": LONG, "temperature": 0, "stream": True}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break  # got the first token: hang up
+    deadline = time.time() + 30
+    while httpx.get(server + "/health").json()["active"] != 0:
+        assert time.time() < deadline, "the disconnected sequence kept its slot"
+        time.sleep(0.05)
+    assert metric(server, "bdlora_cancelled_sequences_total") == cancelled0 + 1
+    assert metric(server, "bdlora_decode_steps") - steps0 < LONG - 1  # it stopped long before max_tokens
+    ok = httpx.post(server + "/v1/completions", json={"model": "m.onnx", "prompt": "kappa", "max_tokens": 3})
+    assert ok.status_code == 200
+
+
+def test_sigterm_drains_in_flight_requests(served_model):
+    proc, url = start_server(served_model["folder"], "--max-tokens", str(LONG))
+    result = {}
+
+    def long_request():
+        r = httpx.post(url + "/v1/completions", json={"model": "m.onnx", "prompt": "alpha", "max_tokens": LONG,
+                                                      "temperature": 0}, timeout=120)
+        result["status"], result["body"] = r.status_code, r.json()
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    deadline = time.time() + 30
+    while httpx.get(url + "/health").json()["active"] == 0:
+        assert time.time() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    t.join(120)
+    assert proc.wait(60) == 0
+    assert result["status"] == 200
+    want = served_model["greedy_ids"](served_model["tok"]("alpha")["input_ids"], LONG)
+    assert result["body"]["usage"]["completion_tokens"] == len(want)
+
+
+def test_health_is_503_until_the_model_is_loaded_and_chat_uses_the_template(served_model, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from bdlora.serve.app import ServeConfig, create_app
+    from bdlora.serve.engine import Engine
+
+    folder = tmp_path / "chat.onnx"
+    shutil.copytree(served_model["folder"], folder)
+    tc = json.loads((folder / "tokenizer_config.json").read_text())
+    tc["chat_template"] = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    (folder / "tokenizer_config.json").write_text(json.dumps(tc))
+    gate = threading.Event()
+
+    def loader():
+        gate.wait(60)
+        return Engine(folder)
+
+    app = create_app(ServeConfig(str(folder), "chat"), loader=loader)
+    with TestClient(app) as client:
+        r = client.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        assert client.post("/v1/completions", json={"model": "chat", "prompt": "a"}).status_code == 503
+        gate.set()
+        deadline = time.time() + 60
+        while client.get("/health").status_code != 200:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        msgs = [{"role": "user", "content": "alpha beta"}]
+        r = client.post("/v1/chat/completions", json={"model": "chat", "messages": msgs, "max_tokens": 6,
+                                                      "temperature": 0})
+        assert r.status_code == 200, r.text
+        ids = served_model["tok"].__class__.from_pretrained(str(folder)).apply_chat_template(
+            msgs, tokenize=True, add_generation_prompt=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) else ids
+        want = served_model["tok"].decode(served_model["greedy_ids"](list(ids), 6), skip_special_tokens=True)
+        assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": want}
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["/nonexistent/dir"], "no such folder"),
+    (["--port", "70000"], "--port 70000"),
+    (["--max-batch", "0"], "--max-batch 0"),
+])
+def test_cli_serve_bad_input(served_model, args, needle):
+    full = args if args[0].startswith("/") else [str(served_model["folder"]), *args]
+    res = CliRunner().invoke(cli_app, ["serve", *full])
+    assert res.exit_code == 2 and needle in res.output, res.output
