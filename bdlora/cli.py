@@ -707,7 +707,7 @@ def sweep(
     bench: Annotated[bool, typer.Option(help="Bench each compressed member (onnxruntime, CPU).")] = True,
     bench_batch_sizes: Annotated[str, typer.Option(help="bench --batch-sizes.")] = "1",
     bench_seq_lens: Annotated[str, typer.Option(help="bench --seq-lens.")] = "128",
-    bench_repeats: Annotated[int, typer.Option(help="bench --repeats.")] = 5,
+    bench_repeats: Annotated[int, typer.Option(help="bench --repeats.")] = 20,
     out_dir: Annotated[Optional[str], typer.Option("--out", help="Sweep folder (default: RUNS_DIR/sweep-<time>).")]
     = None,
     runs_dir: Annotated[str, typer.Option(help=H["runs_dir"])] = "runs",
@@ -815,6 +815,48 @@ def serve(
                       max_waiting=max_waiting, threads=threads)
     err.print(f"[cyan]>[/] serving {src} as '{cfg.model_name}' on http://{host}:{port}/v1", highlight=False)
     run_server(cfg, host, port, drain_seconds)
+
+
+@app.command()
+@handle_errors
+def loadtest(
+    url: Annotated[str, typer.Argument(help="Server base URL, e.g. http://127.0.0.1:8000")],
+    concurrency: Annotated[str, typer.Option(help="Comma-separated numbers of concurrent clients.")] = "1,16",
+    requests: Annotated[int, typer.Option(help="Completed requests per concurrency level.")] = 100,
+    max_tokens: Annotated[int, typer.Option(help="max_tokens of every request.")] = 64,
+    model: Annotated[Optional[str], typer.Option(help="Model id (default: the first /v1/models lists).")] = None,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature of the requests.")] = 0.0,
+    json_path: Annotated[Optional[str], typer.Option("--json", help="Also write the results here.")] = None,
+):
+    """Closed-loop load test of an OpenAI-compatible /v1/completions endpoint: requests/s, tokens/s, p50/p99."""
+    import httpx
+
+    from bdlora.errors import UsageError
+    from bdlora.io import write_json
+    from bdlora.serve.loadtest import load_test
+
+    levels = _int_list(concurrency, "--concurrency")
+    if any(c < 1 for c in levels) or requests < 1 or max_tokens < 1:
+        raise UsageError("--concurrency, --requests and --max-tokens must be >= 1")
+    try:
+        httpx.get(url.rstrip("/") + "/health", timeout=10)
+    except httpx.TransportError as e:
+        raise UsageError(f"{url}: no server answers there ({type(e).__name__})") from None
+    rows = [load_test(url, model, c, requests, max_tokens, temperature=temperature) for c in levels]
+    t = Table(title=f"loadtest {url} ({rows[0]['model']}, max_tokens {max_tokens})")
+    for col in ("clients", "requests", "failed", "req/s", "tok/s", "p50 ms", "p90 ms", "p99 ms"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+        t.add_row(str(r["concurrency"]), str(r["requests"]), str(r["failures"]), f"{r['requests_per_s']:.2f}",
+                  f"{r['tokens_per_s']:.1f}", f(r["p50_ms"]), f(r["p90_ms"]), f(r["p99_ms"]))
+    out.print(t)
+    if json_path:
+        write_json(json_path, {"results": rows})
+    if any(r["failures"] for r in rows):
+        first = next(r["first_failure"] for r in rows if r["failures"])
+        err.print(f"[bold red]error:[/] some requests failed; the first: {first}", highlight=False)
+        raise typer.Exit(1)
 
 
 def main() -> None:

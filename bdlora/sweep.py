@@ -62,7 +62,7 @@ class SweepOptions:
     bench: bool = True
     bench_batch_sizes: list[int] = dataclasses.field(default_factory=lambda: [1])
     bench_seq_lens: list[int] = dataclasses.field(default_factory=lambda: [128])
-    bench_repeats: int = 5
+    bench_repeats: int = 20
     bench_decode_tokens: int = 32
 
 

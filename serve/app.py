@@ -119,7 +119,7 @@ class Metrics:
         self.latency = Histogram("bdlora_request_latency_seconds", "Completion request latency (to the last token)",
                                  ["endpoint"], registry=r,
                                  buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
-        self.ttft = Histogram("bdlora_time_to_first_token_seconds", "Time to the first generated text",
+        self.ttft = Histogram("bdlora_time_to_first_token_seconds", "Time to the first streamed text",
                               registry=r, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
         self.cancelled = Counter("bdlora_cancelled_sequences", "Sequences cancelled by a client disconnect",
                                  registry=r)
@@ -261,7 +261,7 @@ def create_app(cfg: ServeConfig, loader=None) -> FastAPI:
         if any(not 0 <= t < vocab for t in ids):
             raise APIError(400, f"prompt: token ids must be in [0, {vocab})", "prompt", "invalid_value")
 
-    def start(eng: Engine, prompts: list[list[int]], params: SamplingParams):
+    def start(eng: Engine, prompts: list[list[int]], params: SamplingParams, stream: bool):
         """Submit one engine request per prompt; returns (requests, asyncio queues)."""
         if eng.waiting >= cfg.max_waiting:
             raise APIError(429, "server overloaded: too many queued requests, retry later", None, "overloaded",
@@ -274,7 +274,7 @@ def create_app(cfg: ServeConfig, loader=None) -> FastAPI:
             def emit(kind, payload, q=q):
                 loop.call_soon_threadsafe(q.put_nowait, (kind, payload))
 
-            r = GenRequest(list(ids), params, emit)
+            r = GenRequest(list(ids), params, emit, stream=stream)
             reqs.append(r)
             queues.append(q)
             metrics.prompt_tokens.inc(len(ids))
@@ -293,16 +293,11 @@ def create_app(cfg: ServeConfig, loader=None) -> FastAPI:
 
     async def collect(reqs, queues, request: Request) -> list[dict]:
         """Wait for every request to finish (non-streaming); cancels them all if the client goes away."""
-        t0 = time.perf_counter()
         results = []
         try:
             for q in queues:
-                first = True
                 while True:
                     kind, payload = await next_event(q, request)
-                    if kind == "delta" and first:
-                        metrics.ttft.observe(time.perf_counter() - t0)
-                        first = False
                     if kind == "error":
                         raise APIError(500, f"generation failed: {payload}", code="engine_error", type_="server_error")
                     if kind == "done":
@@ -382,7 +377,7 @@ def create_app(cfg: ServeConfig, loader=None) -> FastAPI:
         if body.stream and len(ids) > 1:
             raise APIError(400, "stream: supported for a single prompt only", "stream", "unsupported")
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        reqs, queues = start(eng, ids, params)
+        reqs, queues = start(eng, ids, params, body.stream)
         if body.stream:
             def chunk(text, finish, start=False, usage_only=False):
                 if start:
@@ -428,7 +423,7 @@ def create_app(cfg: ServeConfig, loader=None) -> FastAPI:
         ids = list(ids)
         check_prompt(eng, ids, params)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        reqs, queues = start(eng, [ids], params)
+        reqs, queues = start(eng, [ids], params, body.stream)
         if body.stream:
             def chunk(text, finish, start=False, usage_only=False):
                 base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": cfg.model_name}

@@ -41,6 +41,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     emit: Callable[[str, object], None]
+    stream: bool = True  # False: only the final ("done") event, no per-token wake-ups of the caller
     id: int = field(default_factory=lambda: next(_ids))
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
@@ -91,6 +92,12 @@ class _Seq:
             self._finish("stop")
             return
         self.generated.append(token)
+        if not self.req.stream and not p.stop:  # nothing to look at until the end: decode once, at the finish
+            if len(self.generated) >= p.max_tokens:
+                self._finish("length")
+            else:
+                self.next_token = token
+            return
         text = self.tok.decode(self.generated, skip_special_tokens=True)
         cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
         if cut >= 0:
@@ -108,13 +115,15 @@ class _Seq:
                 if safe.endswith(s[:k]):
                     safe = safe[:-k]
                     break
-        if len(safe) > self.sent:
+        if self.req.stream and len(safe) > self.sent:
             self.req.emit("delta", safe[self.sent :])
             self.sent = len(safe)
 
     def _finish(self, reason: str) -> None:
         self.finish = reason
-        if len(self.text) > self.sent:
+        if not self.req.stream and not self.req.params.stop:
+            self.text = self.tok.decode(self.generated, skip_special_tokens=True)
+        if self.req.stream and len(self.text) > self.sent:
             self.req.emit("delta", self.text[self.sent :])
             self.sent = len(self.text)
         self.req.emit("done", {"finish_reason": reason, "prompt_tokens": len(self.req.prompt_ids),

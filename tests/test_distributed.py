@@ -35,7 +35,8 @@ def cli(*args, timeout=600) -> subprocess.CompletedProcess:
                           timeout=timeout, env=env)
 
 
-@pytest.mark.parametrize("method", ["budgeted", "kd-full", "kd-lora"])
+@pytest.mark.parametrize("method", ["budgeted", pytest.param("kd-full", marks=pytest.mark.slow),
+                                    pytest.param("kd-lora", marks=pytest.mark.slow)])
 def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(tiny_env, tmp_path, method):
     common = ["--method", method, "--max-steps", "4", "--eval-every", "4", "--save-every", "2", *FAST_BUDGET]
     one = tmp_path / "one"

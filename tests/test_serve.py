@@ -206,6 +206,18 @@ def test_bad_input_gets_4xx_with_an_openai_error_body_and_the_server_keeps_servi
     assert after - before == len(BAD)
 
 
+def test_loadtest_command_against_the_server(server, tmp_path):
+    res = CliRunner().invoke(cli_app, ["loadtest", server, "--concurrency", "1,4", "--requests", "12",
+                                       "--max-tokens", "8", "--json", str(tmp_path / "lt.json")])
+    assert res.exit_code == 0, res.output
+    rows = json.loads((tmp_path / "lt.json").read_text())["results"]
+    assert [r["concurrency"] for r in rows] == [1, 4]
+    assert all(r["requests"] == 12 and r["failures"] == 0 and r["p99_ms"] >= r["p50_ms"] > 0 for r in rows)
+    assert all(0 < r["completion_tokens"] <= 12 * 8 for r in rows)
+    res = CliRunner().invoke(cli_app, ["loadtest", "http://127.0.0.1:9"])
+    assert res.exit_code == 2 and "no server answers" in res.output
+
+
 def test_client_disconnect_mid_stream_frees_the_slot(server):
     steps0 = metric(server, "bdlora_decode_steps")
     cancelled0 = metric(server, "bdlora_cancelled_sequences_total")
@@ -226,6 +238,7 @@ def test_client_disconnect_mid_stream_frees_the_slot(server):
     assert ok.status_code == 200
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests(served_model):
     proc, url = start_server(served_model["folder"], "--max-tokens", str(LONG))
     result = {}
