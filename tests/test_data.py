@@ -93,3 +93,15 @@ def test_packed_blocks_and_sampler_are_deterministic():
     assert sorted(first_epoch) == list(range(10))  # a permutation per epoch
     assert s.indices(7, 6) == BlockSampler(10, seed=3).indices(7, 6)  # pure function of (seed, position)
     assert s.indices(10, 10) != first_epoch
+
+
+def test_atomic_outputs_get_ordinary_permissions(tmp_path):
+    import stat
+
+    from bdlora import io
+
+    io.write_json(tmp_path / "a.json", {"x": 1})
+    with io.atomic_dir(tmp_path / "d") as tmp:
+        (tmp / "f.txt").write_text("x")
+    assert stat.S_IMODE((tmp_path / "a.json").stat().st_mode) == 0o666 & ~io._UMASK  # not mkstemp's 0600
+    assert stat.S_IMODE((tmp_path / "d").stat().st_mode) == 0o777 & ~io._UMASK  # not mkdtemp's 0700

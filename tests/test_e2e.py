@@ -75,7 +75,7 @@ def test_sigint_saves_a_checkpoint_and_resume_finishes(tiny_env, tmp_path):
     assert step == len((out / "metrics.jsonl").read_text().splitlines())
     assert not (out / "summary.json").exists()
     bad = _bdlora("train", "--resume", str(out), "--max-steps", "5")
-    assert bad.returncode == 2 and "drop --max-steps" in bad.stderr
+    assert bad.returncode == 2 and "--max-steps 5: this run was started with --max-steps 400" in bad.stderr
     res = _bdlora("train", "--resume", str(out), "--json")
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["resumed_from"] == step
