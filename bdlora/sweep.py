@@ -248,8 +248,10 @@ def markdown(doc: dict) -> str:
             f"{100 * r['param_reduction']:.1f}% | {r['dense_kept']}/{r['dense_svd']}/{r['dense_dropped']} | "
             f"{r['icl_composite']:.1f} ± {r['icl_composite_std']:.1f} | {r['icl_target_logprob']:.2f} |")
     lines += ["", "ppl: held-out perplexity of the compressed (deployed) model. Measured speed-ups: compressed vs "
-              "dense under onnxruntime (bench.json of each member). ICL: 19 probes, exact match, mean ± std over "
-              "demonstration seeds; log p(target) is the teacher-forced log-probability of the answer (nats).", ""]
+              "dense under onnxruntime (bench.json of each member; smallest batch and length). Train compute: the "
+              "SPEC 5 proxy. MAC speed-up and parameter reduction: of the replaced projections, against the trained "
+              "module (dense + LoRA path; paper Table 5). ICL: 19 probes, exact match, mean ± std over demonstration "
+              "seeds; log p(target) is the teacher-forced log-probability of the answer (nats).", ""]
     return "\n".join(lines)
 
 
