@@ -179,6 +179,7 @@ class BenchConfig:
     lora_rank: int | None = None
     opt_level: str = "all"
     int8: bool = False  # model scope: also time dynamic-int8 graphs of dense and compressed
+    optimize: bool = False  # model scope: onnxruntime transformer-optimizer fusions on every variant
 
     def validate(self) -> None:
         p = []
@@ -313,6 +314,10 @@ def bench_model(models: dict[str, nn.Module], workdir: Path, cfg: BenchConfig, t
         if on_stage:
             on_stage(f"exporting the {name} decoder")
         export_decoder(copy.deepcopy(m), graphs[name])
+        if cfg.optimize:
+            from bdlora.export.onnx import optimize_graph
+
+            optimize_graph(graphs[name], m)
     if cfg.int8:
         from bdlora.export.onnx import quantize_int8
 

@@ -430,6 +430,9 @@ def export_onnx_cmd(
                                                           "quantisation) and report its perplexity change.")] = None,
     no_validate: Annotated[bool, typer.Option("--no-validate", help="Skip the parity check against PyTorch.")]
     = False,
+    optimize: Annotated[bool, typer.Option("--optimize", help="Fuse RMSNorm, residual+RMSNorm and rotary subgraphs "
+                                                              "into onnxruntime contrib ops (faster decode; the "
+                                                              "graph then needs onnxruntime).")] = False,
     force: Annotated[bool, typer.Option(help="Replace an existing non-empty --out.")] = False,
     runs_dir: Annotated[str, typer.Option(help=H["runs_dir"])] = "runs",
     json_out: Annotated[bool, typer.Option("--json", help="Print export.json.")] = False,
@@ -442,7 +445,7 @@ def export_onnx_cmd(
     dst = Path(out_dir) if out_dir else src.with_name(src.name + ".onnx")
     rep = RichReporter(err if json_out else out)
     info = export_onnx_folder(src, dst, opset=opset, quantize=quantize, run_validation=not no_validate, force=force,
-                              on_stage=rep.stage)
+                              on_stage=rep.stage, optimize=optimize)
     if json_out:
         print(json.dumps(info, indent=2))
         return
@@ -450,6 +453,8 @@ def export_onnx_cmd(
     t.add_column("")
     t.add_column("value", justify="right")
     t.add_row("opset / export time", f"{opset} / {info['export_seconds']:.1f} s")
+    if info.get("ort_fusions"):
+        t.add_row("onnxruntime fusions", ", ".join(f"{v} {k}" for k, v in info["ort_fusions"].items()))
     for name, size in info["files"].items():
         t.add_row(name, f"{size / 1e6:.2f} MB")
     if "validation" in info:
@@ -500,6 +505,8 @@ def bench(
     warmup: Annotated[int, typer.Option(help="Untimed warm-up repeats.")] = 2,
     int8: Annotated[bool, typer.Option("--int8", help="Model scope: also time dynamic-int8 dense and compressed "
                                                       "graphs.")] = False,
+    optimize: Annotated[bool, typer.Option("--optimize", help="Model scope: apply `export onnx --optimize`'s "
+                                                              "fusions to every variant.")] = False,
     model_config: Annotated[Optional[str], typer.Option(help="Synthetic mode: an HF config.json; benches the "
                                                               "structure `plan` predicts, with random weights.")]
     = None,
@@ -522,7 +529,7 @@ def bench(
 
     cfg = BenchConfig(scope=scope, batch_sizes=_int_list(batch_sizes, "--batch-sizes"),
                       seq_lens=_int_list(seq_lens, "--seq-lens"), decode_tokens=decode_tokens, threads=threads,
-                      provider=provider, repeats=repeats, warmup=warmup, int8=int8)
+                      provider=provider, repeats=repeats, warmup=warmup, int8=int8, optimize=optimize)
     cfg.validate()
     report = None
     if model_config:

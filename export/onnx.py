@@ -252,6 +252,59 @@ def export_decoder(model: nn.Module, path: Path, opset: int = DEFAULT_OPSET, fus
     return postprocess(path, module_table(model), fuse)
 
 
+def optimize_graph(path: Path, model: nn.Module) -> dict[str, int]:
+    """Rewrite ``path`` in place with onnxruntime's transformer optimizer (its ``qwen3`` fusions, which match the
+    Llama/Mistral/Qwen2 decoder layer): RMSNorm -> ``SimplifiedLayerNormalization``, residual add + RMSNorm ->
+    ``SkipSimplifiedLayerNormalization``, rotary position embedding -> ``RotaryEmbedding`` (com.microsoft contrib
+    ops, so the graph then runs on onnxruntime only). The projections' MatMuls are untouched. Returns the count of
+    each fused op.
+
+    The optimizer writes cos/sin caches for 131,072 positions computed with its own RoPE assumptions; they are
+    replaced by the model's own rotary embedding (``model.model.rotary_emb``, so RoPE scaling variants are exact)
+    over ``max_position_embeddings`` positions."""
+    import logging
+
+    import onnx
+    from onnx import numpy_helper
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    config = model.config
+    fused_ops = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "RotaryEmbedding")
+    # the optimizer and its symbolic shape inference log a line per attention block they cannot prove shapes for
+    quiet = [logging.getLogger(n) for n in ("onnxruntime.transformers", "symbolic_shape_infer",
+                                           "onnxruntime.tools.symbolic_shape_infer")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.ERROR)
+    try:
+        meta = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+        om = optimize_model(str(path), model_type="qwen3", num_heads=config.num_attention_heads,
+                            hidden_size=config.hidden_size, opt_level=0)
+    finally:
+        for q, lv in zip(quiet, levels):
+            q.setLevel(lv)
+    g = om.model.graph
+    # RotaryEmbedding inputs: (input, position_ids, cos_cache, sin_cache), caches (max_positions, rotary_dim / 2)
+    caches = {n.input[i]: kind for n in g.node if n.op_type == "RotaryEmbedding" and len(n.input) >= 4
+              for i, kind in ((2, "cos"), (3, "sin"))}
+    if caches:
+        core = model.get_base_model().model if hasattr(model, "get_base_model") else model.model
+        n_pos = config.max_position_embeddings
+        with torch.no_grad():
+            probe = torch.zeros(1, dtype=torch.float32)
+            cos, sin = core.rotary_emb(probe, torch.arange(n_pos)[None])  # (1, P, head_dim), halves repeated
+        half = cos.shape[-1] // 2
+        exact = {"cos": cos[0, :, :half].numpy().astype(np.float32),
+                 "sin": sin[0, :, :half].numpy().astype(np.float32)}
+        for init in g.initializer:
+            if init.name in caches:
+                init.CopyFrom(numpy_helper.from_array(exact[caches[init.name]], init.name))
+    onnx.helper.set_model_props(om.model, meta)
+    om.save_model_to_file(str(path))
+    counts = {op: sum(1 for n in g.node if n.op_type == op) for op in fused_ops}
+    return {k: v for k, v in counts.items() if v}
+
+
 def postprocess(path: Path, rows: list[dict], fuse: bool = True) -> int:
     """Tag module nodes, then (optionally) fuse shared-input MatMuls; returns the number of MatMuls fused away."""
     import onnx
@@ -362,6 +415,8 @@ def ort_score(sess, config, blocks, batch_size: int = 8) -> tuple[float, np.ndar
 
 def quantize_int8(src: Path, dst: Path) -> None:
     """onnxruntime dynamic int8 weight quantisation (shape inference first), keeping the bdlora metadata."""
+    import logging
+
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
     from onnxruntime.quantization.shape_inference import quant_pre_process
@@ -369,7 +424,16 @@ def quantize_int8(src: Path, dst: Path) -> None:
     pre = dst.with_suffix(".pre.onnx")
     try:
         quant_pre_process(str(src), str(pre), skip_optimization=True, skip_symbolic_shape=True)
-        quantize_dynamic(str(pre), str(dst), weight_type=QuantType.QInt8)
+        # contrib ops (after --optimize) have no ONNX type inference: their outputs are fp32 activations, and the
+        # quantizer's per-tensor warnings about them (on the root logger) say nothing actionable
+        root = logging.getLogger()
+        level = root.level
+        root.setLevel(logging.ERROR)
+        try:
+            quantize_dynamic(str(pre), str(dst), weight_type=QuantType.QInt8,
+                             extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+        finally:
+            root.setLevel(level)
     finally:
         if pre.exists():
             pre.unlink()
@@ -382,7 +446,8 @@ def quantize_int8(src: Path, dst: Path) -> None:
 
 
 def export_onnx_folder(model_dir: str | Path, out: str | Path, opset: int = DEFAULT_OPSET, quantize: str | None = None,
-                       run_validation: bool = True, force: bool = False, on_stage=None) -> dict:
+                       run_validation: bool = True, force: bool = False, on_stage=None,
+                       optimize: bool = False) -> dict:
     """``bdlora export onnx``: model folder -> ONNX folder loadable by ``BdloraORTModelForCausalLM`` (optimum)."""
     import math
 
@@ -404,6 +469,9 @@ def export_onnx_folder(model_dir: str | Path, out: str | Path, opset: int = DEFA
         stage(f"exporting to ONNX (opset {opset})")
         t0 = time.time()
         info["matmuls_fused"] = export_decoder(model, tmp / "model.onnx", opset)
+        if optimize:
+            stage("fusing RMSNorm / residual / rotary subgraphs (onnxruntime transformer optimizer)")
+            info["ort_fusions"] = optimize_graph(tmp / "model.onnx", model)
         add_metadata(tmp / "model.onnx", rows, summary)
         info["export_seconds"] = time.time() - t0
         info["files"] = {"model.onnx": (tmp / "model.onnx").stat().st_size}

@@ -109,6 +109,35 @@ def test_optimum_and_hand_greedy_equal_torch(mixed_export, tiny_env):
     np.testing.assert_array_equal(hand, ref_one.numpy())
 
 
+def test_optimized_export_fuses_norms_and_rotary_and_stays_exact(mixed_export, tmp_path):
+    import onnx
+    from onnx import numpy_helper
+
+    folder, plain_dir, _, plain_info = mixed_export
+    info = export_onnx_folder(folder, tmp_path / "opt.onnx", optimize=True, quantize="int8")
+    layers = 4
+    # per layer: q and k rotary, one residual+norm pair fused per norm after the first; the first norm stays plain
+    assert info["ort_fusions"]["RotaryEmbedding"] == 2 * layers
+    assert info["ort_fusions"]["SkipSimplifiedLayerNormalization"] == 2 * layers
+    assert info["validation"]["max_abs_diff"] <= TOLERANCE  # the same parity check as the plain export
+    m = onnx.load(str(tmp_path / "opt.onnx" / "model.onnx"))
+    assert {p.key for p in m.metadata_props} >= {"bdlora.modules", "bdlora.summary", "bdlora.version"}
+    plain = onnx.load(str(plain_dir / "model.onnx"))
+    assert sum(1 for n in m.graph.node if n.doc_string) == sum(1 for n in plain.graph.node if n.doc_string)
+    caches = {n.input[2] for n in m.graph.node if n.op_type == "RotaryEmbedding"}
+    for init in m.graph.initializer:
+        if init.name in caches:  # the model's own RoPE over its positions, not the optimizer's 131,072
+            assert numpy_helper.to_array(init).shape == (128, 4)
+    model, tok, _ = load_model_folder(folder)
+    one = tok(["red green blue cyan magenta"], return_tensors="pt", return_token_type_ids=False)
+    ref = model.generate(**one, max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id)
+    hand = greedy_generate(session(tmp_path / "opt.onnx" / "model.onnx"), model.config, one["input_ids"].numpy(), 10)
+    np.testing.assert_array_equal(hand, ref.numpy())
+    hand8 = greedy_generate(session(tmp_path / "opt.onnx" / "model_int8.onnx"), model.config,
+                            one["input_ids"].numpy(), 10)  # int8 quantisation of the fused graph runs
+    assert hand8.shape == hand.shape
+
+
 def test_run_to_int8_export_reports_heldout_figures(tiny_env, tmp_path):
     """train -> compress -> export onnx --quantize int8 through the CLI; the int8 change is scored on the run's
     held-out slice, and the fp32 graph's perplexity equals the compressed torch model's."""
