@@ -352,6 +352,18 @@ def create_app(cfg: ServeConfig, loader=None) -> FastAPI:
                 metrics.cancelled.inc(len(reqs))
             metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
 
+    async def respond(reqs, queues, request: Request, endpoint: str, body: _Common, chunk, whole):
+        """The response of submitted requests: SSE chunks built by ``chunk`` when ``body.stream``, otherwise
+        ``whole(results)`` once every request has finished."""
+        if body.stream:
+            include = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(stream(reqs, queues, request, endpoint, chunk, include),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        t0 = time.perf_counter()
+        results = await collect(reqs, queues, request)
+        metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
+        return whole(results)
+
     # -- /v1/completions --------------------------------------------------------------------------------------------
 
     @app.post("/v1/completions")
@@ -376,27 +388,23 @@ def create_app(cfg: ServeConfig, loader=None) -> FastAPI:
             check_prompt(eng, x, params)
         if body.stream and len(ids) > 1:
             raise APIError(400, "stream: supported for a single prompt only", "stream", "unsupported")
-        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        reqs, queues = start(eng, ids, params, body.stream)
-        if body.stream:
-            def chunk(text, finish, start=False, usage_only=False):
-                if start:
-                    return None
-                base = {"id": cid, "object": "text_completion", "created": created, "model": cfg.model_name}
-                if usage_only:
-                    return {**base, "choices": []}
-                return {**base, "choices": [{"text": text or "", "index": 0, "logprobs": None,
-                                             "finish_reason": finish}]}
+        base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": cfg.model_name}
 
-            include = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(stream(reqs, queues, request, "/v1/completions", chunk, include),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        t0 = time.perf_counter()
-        results = await collect(reqs, queues, request)
-        metrics.latency.labels("/v1/completions").observe(time.perf_counter() - t0)
-        return {"id": cid, "object": "text_completion", "created": created, "model": cfg.model_name,
-                "choices": [{"text": r["text"], "index": i, "logprobs": None, "finish_reason": r["finish_reason"]}
-                            for i, r in enumerate(results)], "usage": usage(results)}
+        def chunk(text, finish, start=False, usage_only=False):
+            if start:
+                return None
+            if usage_only:
+                return {**base, "choices": []}
+            return {**base, "choices": [{"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish}]}
+
+        def whole(results):
+            return {**base, "choices": [{"text": r["text"], "index": i, "logprobs": None,
+                                         "finish_reason": r["finish_reason"]} for i, r in enumerate(results)],
+                    "usage": usage(results)}
+
+        reqs, queues = start(eng, ids, params, body.stream)
+        return await respond(reqs, queues, request, "/v1/completions", body, chunk, whole)
 
     # -- /v1/chat/completions ---------------------------------------------------------------------------------------
 
@@ -422,27 +430,23 @@ def create_app(cfg: ServeConfig, loader=None) -> FastAPI:
             ids = ids["input_ids"]
         ids = list(ids)
         check_prompt(eng, ids, params)
-        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        reqs, queues = start(eng, [ids], params, body.stream)
-        if body.stream:
-            def chunk(text, finish, start=False, usage_only=False):
-                base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": cfg.model_name}
-                if usage_only:
-                    return {**base, "choices": []}
-                delta = {"role": "assistant", "content": ""} if start else ({"content": text} if text else {})
-                return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                             "finish_reason": finish}]}
+        base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": cfg.model_name}
 
-            include = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(stream(reqs, queues, request, "/v1/chat/completions", chunk, include),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        t0 = time.perf_counter()
-        results = await collect(reqs, queues, request)
-        metrics.latency.labels("/v1/chat/completions").observe(time.perf_counter() - t0)
-        r = results[0]
-        return {"id": cid, "object": "chat.completion", "created": created, "model": cfg.model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": r["text"]},
-                             "logprobs": None, "finish_reason": r["finish_reason"]}], "usage": usage(results)}
+        def chunk(text, finish, start=False, usage_only=False):
+            head = {**base, "object": "chat.completion.chunk"}
+            if usage_only:
+                return {**head, "choices": []}
+            delta = {"role": "assistant", "content": ""} if start else ({"content": text} if text else {})
+            return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+        def whole(results):
+            r = results[0]
+            return {**base, "object": "chat.completion",
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": r["text"]},
+                                 "logprobs": None, "finish_reason": r["finish_reason"]}], "usage": usage(results)}
+
+        reqs, queues = start(eng, [ids], params, body.stream)
+        return await respond(reqs, queues, request, "/v1/chat/completions", body, chunk, whole)
 
     return app
 
