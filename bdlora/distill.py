@@ -18,10 +18,15 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 
+def base_model(model):
+    """The HF causal LM inside a PEFT wrapper (the model itself when it is not wrapped)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def hidden_and_head(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
     """Final-norm hidden states (B, T, H) of a Llama/Mistral/Qwen2 causal LM (plain, PEFT-wrapped, or with bdlora
     gated modules) and its LM head, without computing full-vocabulary logits."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     out = base.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     return out.last_hidden_state, base.lm_head
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from bdlora.data import PackedBlocks
 from bdlora.distill import hidden_and_head
+from bdlora.export.onnx import left_padded, log_normaliser
 
 
 @torch.no_grad()
@@ -95,21 +96,15 @@ class OrtLM:
         self.config = config
 
     def step(self, ids, mask, pos, past):
-        from bdlora.export.onnx import run_session
+        from bdlora.export.onnx import empty_past, run_session
 
-        res = run_session(self.sess, ids, mask, pos, self._empty_past(ids.shape[0]) if past is None else past)
+        res = run_session(self.sess, ids, mask, pos, empty_past(self.config, ids.shape[0]) if past is None else past)
         return res[0][:, -1], res[1:]
 
-    def _empty_past(self, batch: int) -> list[np.ndarray]:
-        from bdlora.export.onnx import kv_shape
-
-        kv, hd = kv_shape(self.config)
-        return [np.zeros((batch, kv, 0, hd), dtype=np.float32) for _ in range(2 * self.config.num_hidden_layers)]
-
     def logits(self, ids, mask, pos) -> np.ndarray:
-        from bdlora.export.onnx import run_session
+        from bdlora.export.onnx import empty_past, run_session
 
-        return run_session(self.sess, ids, mask, pos, self._empty_past(ids.shape[0]))[0]
+        return run_session(self.sess, ids, mask, pos, empty_past(self.config, ids.shape[0]))[0]
 
     def nll(self, blocks: PackedBlocks, batch_size: int = 8) -> tuple[float, int]:
         from bdlora.export.onnx import ort_score
@@ -135,14 +130,8 @@ def greedy_continuations(lm, tokenizer, prompts: list[str], max_new_tokens: int,
     results: list[str] = [""] * len(prompts)
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
-        b, t = len(rows), max(len(encoded[i]) for i in rows)
-        ids = np.zeros((b, t), dtype=np.int64)
-        mask = np.zeros((b, t), dtype=np.int64)
-        for r, i in enumerate(rows):  # left padding: real tokens at the end of each row
-            n = len(encoded[i])
-            ids[r, t - n :] = encoded[i]
-            mask[r, t - n :] = 1
-        pos = np.clip(np.cumsum(mask, 1) - 1, 0, None)
+        b = len(rows)
+        ids, mask, pos = left_padded([encoded[i] for i in rows])
         past, gen = None, []
         done = np.zeros(b, dtype=bool)
         for _ in range(max_new_tokens):
@@ -179,15 +168,10 @@ def target_logprobs(lm, tokenizer, prompts: list[str], targets: list[str], batch
     out = [0.0] * len(seqs)
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
-        b, t = len(rows), max(len(seqs[i]) for i in rows)
-        ids = np.zeros((b, t), dtype=np.int64)
-        mask = np.zeros((b, t), dtype=np.int64)
-        for r, i in enumerate(rows):
-            ids[r, t - len(seqs[i]) :] = seqs[i]
-            mask[r, t - len(seqs[i]) :] = 1
-        pos = np.clip(np.cumsum(mask, 1) - 1, 0, None)
+        ids, mask, pos = left_padded([seqs[i] for i in rows])
+        t = ids.shape[1]
         logits = lm.logits(ids, mask, pos).astype(np.float64)  # (B, T, V)
-        logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)  # (B, T)
+        logz = log_normaliser(logits)  # (B, T)
         for r, i in enumerate(rows):
             m = n_tgt[i]
             tgt = ids[r, t - m :]

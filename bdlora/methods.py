@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from bdlora.controller import BudgetController
 from bdlora.costs import PROJECTIONS
+from bdlora.distill import base_model
 from bdlora.io import save_tensors, write_json
 from bdlora.layers import GatedLoRALinear, apply_budgeted_lora, gated_modules
 
@@ -25,7 +26,7 @@ from bdlora.layers import GatedLoRALinear, apply_budgeted_lora, gated_modules
 def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The plain HF state dict of a (possibly PEFT- or gated-LoRA-wrapped) student: adapter tensors dropped and
     ``base_layer.`` unwrapped, so it loads into the unwrapped architecture."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     out = {}
     for k, v in base.state_dict().items():
         if any(t in k for t in ("lora_", "gate_logits", "retention", "lora_dropout")):
@@ -35,7 +36,7 @@ def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_dense_student(model: nn.Module, tokenizer, out_dir: Path, extra_config: dict | None = None) -> None:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = base.config
     config.save_pretrained(out_dir)

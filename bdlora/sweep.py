@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from bdlora.config import METHODS, TrainConfig
+from bdlora.config import TrainConfig
 from bdlora.errors import RunDirError, UsageError
 
 BASELINES = ("kd-full", "kd-lora")
@@ -285,4 +285,4 @@ def plot_pareto(doc: dict, path: Path) -> None:
     plt.close(fig)
 
 
-__all__ = ["BASELINES", "METHODS", "Member", "SweepOptions", "family", "run_sweep"]
+__all__ = ["BASELINES", "Member", "SweepOptions", "family", "run_sweep"]

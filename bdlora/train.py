@@ -27,7 +27,7 @@ from bdlora import SCHEMA_VERSION, __version__
 from bdlora.config import TrainConfig, resolve_defaults, validate
 from bdlora.costs import shapes_from_config, training_compute_proxy
 from bdlora.data import BUILTIN, BlockSampler, Corpus, PackedBlocks, tokenize_corpus
-from bdlora.distill import DistillationLoss, hidden_and_head
+from bdlora.distill import DistillationLoss, base_model, hidden_and_head
 from bdlora.errors import DataError, ModelError, RunDirError, TrainingError, UsageError
 from bdlora.evaluate import perplexity
 from bdlora.io import atomic_dir, load_tensors, read_json, save_tensors, write_json
@@ -328,7 +328,7 @@ def kd_step(model, teacher, loss_fn, x, device, ddp=None):
             sh, shead = hidden_and_head(model, x)
         else:
             sh = ddp(x)
-            shead = (model.get_base_model() if hasattr(model, "get_base_model") else model).lm_head
+            shead = base_model(model).lm_head
         return loss_fn(sh, shead, th, thead, x)
 
 

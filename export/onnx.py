@@ -106,6 +106,30 @@ def position_ids_from_mask(attention_mask: torch.Tensor, seq_len: int) -> torch.
     return pos[:, -seq_len:]
 
 
+def empty_past(config, batch: int) -> list[np.ndarray]:
+    """The zero-length past K/V of a first call: 2 x layers arrays (batch, kv_heads, 0, head_dim)."""
+    kv, hd = kv_shape(config)
+    return [np.zeros((batch, kv, 0, hd), dtype=np.float32) for _ in range(2 * config.num_hidden_layers)]
+
+
+def left_padded(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token lists as one left-padded batch: ids and mask (B, T) and positions counting each row's real tokens
+    (0 on padding, which the mask hides)."""
+    b, t = len(seqs), max(len(x) for x in seqs)
+    ids = np.zeros((b, t), dtype=np.int64)
+    mask = np.zeros((b, t), dtype=np.int64)
+    for r, x in enumerate(seqs):
+        ids[r, t - len(x) :] = x
+        mask[r, t - len(x) :] = 1
+    return ids, mask, np.clip(np.cumsum(mask, 1) - 1, 0, None)
+
+
+def log_normaliser(logits: np.ndarray) -> np.ndarray:
+    """log sum exp over the last axis, stable (logits minus this is the log-softmax)."""
+    top = logits.max(-1, keepdims=True)
+    return np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
+
+
 def example_inputs(config, batch: int, seq: int, past: int, pad_first: int = 0, seed: int = 0):
     """Random inputs of the graph's signature; the first row is left padded by ``pad_first`` tokens."""
     g = torch.Generator().manual_seed(seed)
@@ -288,7 +312,9 @@ def optimize_graph(path: Path, model: nn.Module) -> dict[str, int]:
     caches = {n.input[i]: kind for n in g.node if n.op_type == "RotaryEmbedding" and len(n.input) >= 4
               for i, kind in ((2, "cos"), (3, "sin"))}
     if caches:
-        core = model.get_base_model().model if hasattr(model, "get_base_model") else model.model
+        from bdlora.distill import base_model
+
+        core = base_model(model).model
         n_pos = config.max_position_embeddings
         with torch.no_grad():
             probe = torch.zeros(1, dtype=torch.float32)
@@ -374,9 +400,8 @@ def validate(model: nn.Module, sess, shapes=VALIDATION_SHAPES, tolerance: float 
 
 def greedy_generate(sess, config, input_ids: np.ndarray, max_new_tokens: int, eos_token_id: int | None = None):
     """Greedy decoding with the KV cache under onnxruntime (prompt once, then one token per step)."""
-    kv, hd = kv_shape(config)
     b = input_ids.shape[0]
-    pasts = [np.zeros((b, kv, 0, hd), dtype=np.float32) for _ in range(2 * config.num_hidden_layers)]
+    pasts = empty_past(config, b)
     mask = np.ones((b, input_ids.shape[1]), dtype=np.int64)
     ids = input_ids.astype(np.int64)
     pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int64), ids.shape).copy()
@@ -396,16 +421,14 @@ def greedy_generate(sess, config, input_ids: np.ndarray, max_new_tokens: int, eo
 
 def ort_score(sess, config, blocks, batch_size: int = 8) -> tuple[float, np.ndarray]:
     """(mean next-token NLL, argmax predictions (N,)) of an ONNX decoder over packed blocks (past length 0)."""
-    kv, hd = kv_shape(config)
     total, count, preds = 0.0, 0, []
     for start in range(0, len(blocks), batch_size):
         x = blocks.get(range(start, min(start + batch_size, len(blocks))))
         b, t = x.shape
-        pasts = [np.zeros((b, kv, 0, hd), dtype=np.float32) for _ in range(2 * config.num_hidden_layers)]
         mask = np.ones((b, t), dtype=np.int64)
         pos = np.broadcast_to(np.arange(t, dtype=np.int64), (b, t)).copy()
-        logits = run_session(sess, x, mask, pos, pasts)[0][:, :-1].astype(np.float64)  # (B, T-1, V)
-        logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+        logits = run_session(sess, x, mask, pos, empty_past(config, b))[0][:, :-1].astype(np.float64)  # (B, T-1, V)
+        logz = log_normaliser(logits)
         tgt = np.take_along_axis(logits, x[:, 1:, None], -1)[..., 0]
         total += float((logz - tgt).sum())
         count += tgt.size

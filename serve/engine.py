@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bdlora.export.onnx import empty_past, left_padded
+
 
 @dataclass
 class SamplingParams:
@@ -138,15 +140,13 @@ class Engine:
         from transformers import AutoConfig, AutoTokenizer
 
         import bdlora  # noqa: F401  registers the bdlora config classes
-        from bdlora.export.onnx import kv_shape, session
+        from bdlora.export.onnx import session
 
         self.dir = Path(onnx_dir)
         self.config = AutoConfig.from_pretrained(str(self.dir))
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.dir))
         self.sess = session(self.dir / onnx_file, threads=threads)
         self.input_names = [i.name for i in self.sess.get_inputs()]
-        self.kv, self.hd = kv_shape(self.config)
-        self.n_layers = self.config.num_hidden_layers
         self.max_batch = max_batch
         self.max_positions = getattr(self.config, "max_position_embeddings", None) or 1 << 30
         self.eos = self.tokenizer.eos_token_id
@@ -183,16 +183,8 @@ class Engine:
 
     def _prefill(self, reqs: list[Request]):
         """Left-padded prefill of new requests: (seqs, mask (b, T), presents, last logits (b, V))."""
-        b, t = len(reqs), max(len(r.prompt_ids) for r in reqs)
-        ids = np.zeros((b, t), dtype=np.int64)
-        mask = np.zeros((b, t), dtype=np.int64)
-        for i, r in enumerate(reqs):
-            n = len(r.prompt_ids)
-            ids[i, t - n :] = r.prompt_ids
-            mask[i, t - n :] = 1
-        pos = np.clip(np.cumsum(mask, 1) - 1, 0, None)
-        empty = [np.zeros((b, self.kv, 0, self.hd), dtype=np.float32) for _ in range(2 * self.n_layers)]
-        logits, presents = self._run(ids, mask, pos, empty)
+        ids, mask, pos = left_padded([r.prompt_ids for r in reqs])
+        logits, presents = self._run(ids, mask, pos, empty_past(self.config, len(reqs)))
         return mask, presents, logits
 
     @staticmethod
