@@ -36,6 +36,7 @@ def _assert_usage_error(res, needle, out):
     (["--lora-alpha", "0"], "--lora-alpha 0.0: must be > 0"),
     (["--retention-ema", "1"], "--retention-ema 1.0: must be in [0, 1)"),
     (["--device", "tpu"], "--device 'tpu': unknown (allowed: auto, cpu, cuda)"),
+    (["--nproc", "0"], "--nproc 0: must be >= 1"),
 ])
 def test_bad_options(tiny_env, tmp_path, extra, needle):
     out = tmp_path / "run"
