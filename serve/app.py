@@ -29,6 +29,9 @@ from bdlora.serve.engine import Engine, SamplingParams
 from bdlora.serve.engine import Request as GenRequest
 
 MAX_STOP = 4
+# Sampling temperatures in (0, MIN_TEMPERATURE) are refused: they mean "greedy" and should say so with 0.
+MIN_TEMPERATURE = 1e-3
+MAX_SEED = 2**63 - 1  # numpy's generators take any non-negative integer; bound it to a signed 64-bit one
 
 
 @dataclass
@@ -55,10 +58,10 @@ class _Common(BaseModel):
 
     model: StrictStr
     max_tokens: StrictInt | None = None
-    temperature: Annotated[Number, Field(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[Number, Field(gt=0.0, le=1.0)] = 1.0
+    temperature: Annotated[Number, Field(ge=0.0, le=2.0, allow_inf_nan=False)] = 1.0
+    top_p: Annotated[Number, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 1.0
     stop: StrictStr | list[StrictStr] | None = None
-    seed: StrictInt | None = None
+    seed: Annotated[StrictInt, Field(ge=0, le=MAX_SEED)] | None = None
     stream: StrictBool = False
     stream_options: dict | None = None
     n: StrictInt = 1
@@ -129,8 +132,10 @@ class Metrics:
         Gauge("bdlora_decode_steps", "Decode steps run", registry=r).set_function(eng("steps"))
         Gauge("bdlora_decode_rows", "Sum of batch sizes over decode steps", registry=r).set_function(
             eng("decode_rows"))
-        Gauge("bdlora_ready", "1 once the model is loaded", registry=r).set_function(
-            lambda: 1.0 if state.engine is not None else 0.0)
+        Gauge("bdlora_ready", "1 while the model is loaded and the engine is running", registry=r).set_function(
+            lambda: 1.0 if state.engine is not None and state.engine.error is None else 0.0)
+        Gauge("bdlora_failed_sequences", "Sequences that failed alone (error to their request; engine went on)",
+              registry=r).set_function(eng("failed"))
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -144,9 +149,10 @@ class _State:
         self.load_error: str | None = None
 
 
-def create_app(cfg: ServeConfig, loader=None) -> FastAPI:
+def create_app(cfg: ServeConfig, loader=None, on_fatal=None) -> FastAPI:
     """The ASGI app. ``loader()`` builds the Engine (default: from ``cfg``); it runs in a thread after start-up,
-    and /health answers 503 until it returns."""
+    and /health answers 503 until it returns. ``on_fatal(message)`` is called once if the engine's worker dies
+    (``serve`` stops the process with a non-zero exit, so a supervisor restarts it)."""
     state = _State()
     metrics = Metrics(state)
     loader = loader or (lambda: Engine(cfg.onnx_dir, cfg.onnx_file, cfg.max_batch, cfg.threads))
@@ -155,9 +161,15 @@ def create_app(cfg: ServeConfig, loader=None) -> FastAPI:
     async def lifespan(app: FastAPI):
         async def load():
             try:
-                state.engine = await asyncio.to_thread(loader)
+                eng = await asyncio.to_thread(loader)
             except Exception as e:  # noqa: BLE001
                 state.load_error = f"{type(e).__name__}: {e}"
+                return
+            if on_fatal is not None:
+                eng.on_fatal = on_fatal
+                if eng.error is not None:  # died before we could listen
+                    on_fatal(eng.error)
+            state.engine = eng
 
         task = asyncio.create_task(load())
         yield
@@ -235,6 +247,9 @@ def create_app(cfg: ServeConfig, loader=None) -> FastAPI:
         if body.stream_options and (set(body.stream_options) - {"include_usage"} or not body.stream):
             raise APIError(400, "stream_options: only {'include_usage': bool} with stream=true is supported",
                            "stream_options", "unsupported")
+        if 0.0 < body.temperature < MIN_TEMPERATURE:
+            raise APIError(400, f"temperature {body.temperature}: must be 0 (greedy) or at least {MIN_TEMPERATURE}",
+                           "temperature", "invalid_value")
         mt = 16 if max_tokens is None else max_tokens
         if mt < 1:
             raise APIError(400, f"max_tokens {mt}: must be >= 1", "max_tokens", "invalid_value")
@@ -472,17 +487,31 @@ def serve(cfg: ServeConfig, host: str = "127.0.0.1", port: int = 8000, drain_sec
 
     import uvicorn
 
+    from bdlora.errors import BdloraError
+
     check_onnx_dir(Path(cfg.onnx_dir), cfg.onnx_file)
-    app = create_app(cfg)
+    fatal: list[str] = []
+    server: uvicorn.Server | None = None
+
+    def on_fatal(message: str) -> None:  # from the engine's worker thread: stop serving, exit non-zero below
+        fatal.append(message)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(cfg, on_fatal=on_fatal)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=drain_seconds, access_log=False))
     # uvicorn drains on SIGTERM, then re-raises the signal it caught under the handler that was there before it
     # started. A no-op handler makes a completed drain an ordinary exit (status 0), which is what process
     # supervisors expect after a graceful stop; SIGINT keeps its KeyboardInterrupt (exit 130).
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_seconds,
-                    access_log=False)
+        server.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if fatal:
+        raise BdloraError(f"the generation engine stopped ({fatal[0]}); exiting so a supervisor can restart the "
+                          "server")
 
 
 __all__ = ["APIError", "ServeConfig", "create_app", "serve", "check_onnx_dir"]

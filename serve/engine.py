@@ -55,6 +55,14 @@ class Request:
 _ids = itertools.count(1)
 
 
+def _safe_emit(req: Request, kind: str, payload) -> None:
+    """Deliver an event; a failing callback (the client's loop is gone) must not take the worker down."""
+    try:
+        req.emit(kind, payload)
+    except Exception:  # noqa: BLE001
+        pass
+
+
 class _Seq:
     """A request inside the batch: generated ids, the next token to feed, its position, its sampler."""
 
@@ -66,16 +74,19 @@ class _Seq:
         self.sent = 0  # characters of the decoded text already emitted
         self.pos = len(req.prompt_ids)  # position of the next fed token
         self.next_token: int | None = None
-        self.rng = np.random.default_rng(req.params.seed)
+        self.rng: np.random.Generator | None = None  # built on first sampling, where a bad seed fails this row alone
         self.finish: str | None = None
         self.text = ""
 
     def sample(self, logits: np.ndarray) -> int:
         p = self.req.params
+        if not np.isfinite(logits).all():
+            raise FloatingPointError("the model produced non-finite logits for this sequence")
         if p.temperature <= 0.0:
             return int(np.argmax(logits))
-        z = logits.astype(np.float64) / p.temperature
-        z -= z.max()
+        # shift before dividing: (z - max) / T is <= 0 for every T > 0, so a tiny temperature gives -inf (exp 0),
+        # never inf - inf = NaN
+        z = (logits.astype(np.float64) - float(logits.max())) / p.temperature
         probs = np.exp(z)
         probs /= probs.sum()
         if p.top_p < 1.0:
@@ -85,6 +96,8 @@ class _Seq:
             mask = np.zeros_like(probs)
             mask[keep] = probs[keep]
             probs = mask / mask.sum()
+        if self.rng is None:
+            self.rng = np.random.default_rng(p.seed)
         return int(self.rng.choice(len(probs), p=probs))
 
     def accept(self, token: int) -> None:
@@ -136,7 +149,7 @@ class Engine:
     """Owns the ONNX session and the worker thread. ``submit`` is thread-safe and never blocks on inference."""
 
     def __init__(self, onnx_dir: str | Path, onnx_file: str = "model.onnx", max_batch: int = 16,
-                 threads: int | None = None):
+                 threads: int | None = None, on_fatal: Callable[[str], None] | None = None):
         from transformers import AutoConfig, AutoTokenizer
 
         import bdlora  # noqa: F401  registers the bdlora config classes
@@ -156,13 +169,19 @@ class Engine:
         self.active = 0  # sequences in the batch (read by /metrics)
         self.steps = 0  # decode steps run
         self.decode_rows = 0  # sum of batch sizes over decode steps (mean batch = decode_rows / steps)
-        self.error: str | None = None
-        self._live: list[_Seq] = []
+        self.error: str | None = None  # set when the worker died: the engine cannot serve any more
+        self.on_fatal = on_fatal  # called (from the worker thread) with that error, e.g. to stop the server
+        self.failed = 0  # sequences that failed alone (their request got an error; the engine went on)
+        self._live: list[_Seq] = []  # the running batch
+        self._admitted: list[Request] = []  # taken from the queue, not yet in the batch
         self._thread.start()
 
     # --------------------------------------------------------------------------------------------------------------
 
     def submit(self, req: Request) -> None:
+        if self.error is not None:  # the worker is gone: answer now instead of queueing forever
+            _safe_emit(req, "error", f"the engine stopped: {self.error}")
+            return
         self._waiting.put(req)
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -198,18 +217,32 @@ class Engine:
     def _loop(self) -> None:
         try:
             self._serve()
-        except Exception as e:  # noqa: BLE001  never leave clients waiting on a dead worker
+        except BaseException as e:  # noqa: BLE001  never leave clients waiting on a dead worker
             self.error = f"{type(e).__name__}: {e}"
-            for seq in self._live:
-                seq.req.emit("error", self.error)
+            for r in [seq.req for seq in self._live] + self._admitted:
+                _safe_emit(r, "error", self.error)
             while True:
                 try:
                     r = self._waiting.get_nowait()
                 except queue.Empty:
                     break
                 if r is not None:
-                    r.emit("error", self.error)
-            raise
+                    _safe_emit(r, "error", self.error)
+            if self.on_fatal is not None:
+                self.on_fatal(self.error)
+
+    def _advance(self, seqs: list[_Seq], logits: np.ndarray) -> None:
+        """Sample and record one token per sequence. A failure (bad logits, a sampler or callback error) fails that
+        sequence alone: its request gets an error event and the others go on."""
+        for s, row in zip(seqs, logits):
+            if s.req.cancelled.is_set() or s.finish is not None:
+                continue
+            try:
+                s.accept(s.sample(row))
+            except Exception as e:  # noqa: BLE001
+                s.finish = "error"
+                self.failed += 1
+                _safe_emit(s.req, "error", f"{type(e).__name__}: {e}")
 
     def _serve(self) -> None:
         seqs: list[_Seq] = []
@@ -218,6 +251,7 @@ class Engine:
         while not self._stop.is_set():
             # 1. admit: block only when nothing is running
             new: list[Request] = []
+            self._admitted = new
             while len(seqs) + len(new) < self.max_batch:
                 try:
                     r = self._waiting.get(block=not seqs and not new, timeout=None)
@@ -232,12 +266,11 @@ class Engine:
                     nmask, npres, logits = self._prefill(new)
                 except Exception as e:  # noqa: BLE001  a request the graph cannot run fails alone
                     for r in new:
-                        r.emit("error", f"{type(e).__name__}: {e}")
+                        _safe_emit(r, "error", f"{type(e).__name__}: {e}")
                     new = []
                 if new:
                     fresh = [_Seq(r, self.tokenizer, self.eos) for r in new]
-                    for s, row in zip(fresh, logits):
-                        s.accept(s.sample(row))
+                    self._advance(fresh, logits)
                     if seqs:
                         t = max(mask.shape[1], nmask.shape[1])
                         cache, mask = self._left_pad(cache, mask, t)
@@ -271,16 +304,15 @@ class Engine:
             mask = np.concatenate([mask, np.ones((len(seqs), 1), dtype=np.int64)], 1)
             try:
                 logits, cache = self._run(ids, mask, pos, cache)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001  the batch's step failed: fail its sequences, keep serving
                 for s in seqs:
-                    s.req.emit("error", f"{type(e).__name__}: {e}")
+                    _safe_emit(s.req, "error", f"{type(e).__name__}: {e}")
+                self.failed += len(seqs)
                 seqs, cache, mask = [], [], np.zeros((0, 0), dtype=np.int64)
                 continue
             self.steps += 1
             self.decode_rows += len(seqs)
-            for s, row in zip(seqs, logits):
+            for s in seqs:
                 s.pos += 1
-                if s.req.cancelled.is_set():
-                    continue
-                s.accept(s.sample(row))
+            self._advance(seqs, logits)
         self.active = 0

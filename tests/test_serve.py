@@ -309,3 +309,112 @@ def test_cli_serve_bad_input(served_model, args, needle):
     full = args if args[0].startswith("/") else [str(served_model["folder"]), *args]
     res = CliRunner().invoke(cli_app, ["serve", *full])
     assert res.exit_code == 2 and needle in res.output, res.output
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# A request must never be able to take the engine down (hostile-client defects)
+# --------------------------------------------------------------------------------------------------------------------
+
+HOSTILE = [
+    ({"seed": -1}, "seed"),
+    ({"seed": 2**64}, "seed"),
+    ({"temperature": 1e-320}, "temperature"),
+    ({"temperature": 1e-5}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1e-320, "temperature": 1}, None),  # accepted: a tiny nucleus is the argmax, never NaN
+]
+
+
+def test_hostile_sampling_fields_are_refused_and_the_engine_keeps_serving(server, served_model):
+    good = {"model": "m.onnx", "prompt": "kappa", "max_tokens": 5, "temperature": 0}
+    want = served_model["greedy_text"]("kappa", 5)
+    for extra, param in HOSTILE:
+        r = httpx.post(server + "/v1/completions", json={"model": "m.onnx", "prompt": "def main(", "max_tokens": 8,
+                                                         **extra}, timeout=60)
+        if param is None:
+            assert r.status_code == 200, (extra, r.text)
+        else:
+            assert r.status_code == 400, (extra, r.text)
+            assert r.json()["error"]["param"] == param, (extra, r.json())
+        for stream in (False, True):
+            ok = httpx.post(server + "/v1/completions", json={**good, "stream": stream}, timeout=60)
+            assert ok.status_code == 200
+            text = ok.json()["choices"][0]["text"] if not stream else "".join(
+                json.loads(line[6:])["choices"][0]["text"] for line in ok.text.splitlines()
+                if line.startswith("data: {"))
+            assert text == want, (extra, stream)
+        assert httpx.get(server + "/health").status_code == 200
+        assert metric(server, "bdlora_ready") == 1.0
+
+
+def test_a_failing_sequence_fails_alone_and_the_engine_goes_on(served_model):
+    """Below the HTTP validation: a request the sampler cannot serve (a negative seed) gets an error event, the
+    sequences beside it finish normally, and later requests are served."""
+    import queue as queue_mod
+
+    from bdlora.serve.engine import Engine, Request, SamplingParams
+
+    eng = Engine(served_model["folder"], max_batch=4)
+    try:
+        tok = served_model["tok"]
+        events: dict[str, queue_mod.Queue] = {k: queue_mod.Queue() for k in ("bad", "good1", "good2")}
+
+        def req(key, params):
+            return Request(tok("kappa")["input_ids"], params, lambda kind, p, q=events[key]: q.put((kind, p)),
+                           stream=False)
+
+        eng.submit(req("good1", SamplingParams(max_tokens=6, temperature=0.0)))
+        eng.submit(req("bad", SamplingParams(max_tokens=6, temperature=1.0, seed=-1)))
+        assert events["bad"].get(timeout=60)[0] == "error"
+        kind, info = events["good1"].get(timeout=60)
+        assert kind == "done" and info["text"] == served_model["greedy_text"]("kappa", 6)
+        eng.submit(req("good2", SamplingParams(max_tokens=6, temperature=0.0)))
+        kind, info = events["good2"].get(timeout=60)
+        assert kind == "done" and info["text"] == served_model["greedy_text"]("kappa", 6)
+        assert eng.error is None and eng.failed == 1
+    finally:
+        eng.shutdown()
+
+
+DYING_SERVER = """
+import sys
+from bdlora.serve.engine import Engine
+
+
+class WorkerCrash(BaseException):  # not an Exception: nothing in the engine may treat it as one request's fault
+    pass
+
+
+def _prefill(self, reqs):
+    raise WorkerCrash("worker crashed")
+
+
+Engine._prefill = _prefill
+from bdlora.cli import main
+sys.argv = ["bdlora", "serve", sys.argv[1], "--port", sys.argv[2]]
+main()
+"""
+
+
+def test_a_dead_engine_stops_the_server_with_a_non_zero_exit(served_model, tmp_path):
+    script = tmp_path / "dying.py"
+    script.write_text(DYING_SERVER)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(script), str(served_model["folder"]), str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() is not None else ""
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    r = httpx.post(url + "/v1/completions", json={"model": "m.onnx", "prompt": "a", "max_tokens": 3}, timeout=60)
+    assert r.status_code == 500, r.text
+    assert r.json()["error"]["type"] == "server_error"
+    assert proc.wait(60) == 1
+    out = proc.stdout.read()
+    assert "the generation engine stopped (WorkerCrash: worker crashed)" in out, out[-2000:]
