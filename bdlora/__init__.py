@@ -1,16 +1,16 @@
-"""bdlora: Budgeted LoRA distillation toolkit (see ../shared/SPEC.md for the contract)."""
+"""bdlora: Budgeted LoRA distillation toolkit (see ../shared/SPEC.md for the contract).
+
+Importing bdlora is cheap (standard library only): it installs a hook that registers the compressed architectures
+(``bdlora_mistral``, ``bdlora_llama``, ``bdlora_qwen2``) with transformers' Auto classes as soon as transformers is
+imported, so ``AutoModelForCausalLM.from_pretrained(compressed_folder)`` works without remote code, while code that
+never touches transformers (serving, the bench worker, ONNX-side evaluation) never loads torch.
+"""
 
 __version__ = "0.1.0"
 
 # Version of every JSON report and config bdlora writes; bump when a key changes meaning.
 SCHEMA_VERSION = 1
 
+from bdlora._registration import register_with_transformers  # noqa: E402
 
-def _register_architectures() -> None:
-    # With bdlora imported, AutoConfig / AutoModelForCausalLM load the compressed architectures without remote code.
-    from bdlora.export.hf import register
-
-    register()
-
-
-_register_architectures()
+register_with_transformers()

@@ -1,36 +1,37 @@
 """Training options: one dataclass (litgpt style), a docstring per field that the CLI turns into help text, and a
 validator that collects every problem and raises once.
 
-Fields left ``None`` are resolved per teacher by ``resolve``: the paper's values for a real teacher (SPEC 3), and
-values scaled to the embedded default's size for ``--teacher builtin`` (SPEC 3 *(ours)*), documented in
-``BUILTIN_DEFAULTS`` and the README.
+Fields left ``None`` are resolved per teacher by ``resolve_defaults``: the paper's values for a real teacher
+(SPEC 3), and values scaled to the embedded default's size for ``--teacher builtin`` (SPEC 3 *(ours)*), documented
+in ``BUILTIN_DEFAULTS`` and the README. The Budgeted LoRA settings take their defaults from ``BudgetedConfig``.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from bdlora.controller import DEFAULT_EPS_ZERO, DEFAULT_RETENTION_EMA
-from bdlora.errors import ConfigError
-from bdlora.layers import DEFAULT_GATE_INIT
-from bdlora.student import LAYER_SELECTIONS
+from bdlora.budgeted.config import DEFAULTS as BUDGETED
+from bdlora.budgeted.config import BudgetedConfig
+from bdlora.errors import Checks, ConfigError
 
 METHODS = ("kd-full", "kd-lora", "budgeted")
 DEVICES = ("auto", "cpu", "cuda")
+LAYER_SELECTIONS = ("first", "middle", "last", "mixed", "scratch")
+BUILTIN = "builtin"
 
 
 @dataclass
 class TrainConfig:
     method: str = "budgeted"
     """kd-full (all weights), kd-lora (PEFT LoRA, dense frozen) or budgeted (gated LoRA + budget controller)."""
-    teacher: str = "builtin"
+    teacher: str = BUILTIN
     """'builtin' (the embedded default, built on first use) or a local Hugging Face causal-LM folder."""
-    data: str = "builtin"
+    data: str = BUILTIN
     """'builtin' (the Python standard library) or a .txt/.jsonl/.parquet file, folder, or save_to_disk folder."""
     student_layers: int | None = None
     """Decoder layers of the student (default: half the teacher's, rounded up)."""
@@ -64,17 +65,17 @@ class TrainConfig:
     """LoRA rank r (kd-lora) / r_max (budgeted). Default 128; builtin 16."""
     lora_alpha: float | None = None
     """LoRA alpha; the low-rank path is scaled by alpha / r. Default 256; builtin 32."""
-    budget: float = 0.4
+    budget: float = BUDGETED.budget
     """F, the dense fraction retained after the decay (budgeted)."""
-    decay_start: float = 0.1
+    decay_start: float = BUDGETED.decay_start
     """t0, start of the budget decay as a fraction of training (budgeted)."""
-    decay_end: float = 0.3
+    decay_end: float = BUDGETED.decay_end
     """t1, end of the budget decay (budgeted); t0 == t1 drops to F at once."""
-    retention_ema: float = DEFAULT_RETENTION_EMA
+    retention_ema: float = BUDGETED.retention_ema
     """EMA factor beta for the dense retentions, in [0, 1); 0 disables smoothing (budgeted)."""
-    eps_zero: float = DEFAULT_EPS_ZERO
+    eps_zero: float = BUDGETED.eps_zero
     """Retentions below this are clamped to 0 and the dense path is skipped (budgeted)."""
-    gate_init: float = DEFAULT_GATE_INIT
+    gate_init: float = BUDGETED.gate_init
     """Initial rank-gate logit (sigmoid(3) = 0.95) (budgeted)."""
     eval_every: int | None = None
     """Validation perplexity every N steps (default 200; builtin 100) and at the end."""
@@ -101,44 +102,73 @@ class TrainConfig:
     extra: dict[str, Any] = field(default_factory=dict)
     """Resolved, derived values (not user options)."""
 
+    def budgeted(self) -> BudgetedConfig:
+        """The Budgeted LoRA settings of this run (rank and alpha resolved)."""
+        return BudgetedConfig(rank=BUDGETED.rank if self.lora_rank is None else self.lora_rank,
+                              alpha=BUDGETED.alpha if self.lora_alpha is None else self.lora_alpha,
+                              gate_init=self.gate_init, budget=self.budget, decay_start=self.decay_start,
+                              decay_end=self.decay_end, retention_ema=self.retention_ema, eps_zero=self.eps_zero)
+
+    def validate(self) -> TrainConfig:
+        """Every problem of the user-facing options at once, as one ConfigError (values from YAML included, so a
+        ``"0.4"`` string or a ``true`` batch size is refused like a bad flag)."""
+        c = Checks()
+        c.choice("method", self.method, METHODS)
+        c.choice("layer_selection", self.layer_selection, LAYER_SELECTIONS)
+        c.choice("device", self.device, DEVICES)
+        for name in ("teacher", "data", "student_init", "out", "runs_dir", "cache_dir"):
+            c.text(name, getattr(self, name))
+        for name in ("batch_size", "grad_accum", "max_steps", "tokens", "eval_tokens", "loss_chunk", "eval_every",
+                     "student_layers", "keep_last"):
+            c.integer(name, getattr(self, name), lo=1)
+        c.integer("seq_len", self.seq_len, lo=2, what=" (a block needs a token and its successor)")
+        c.integer("save_every", self.save_every, lo=0)
+        c.integer("seed", self.seed, lo=0)
+        c.require(self.max_steps is None or self.tokens is None, "--max-steps and --tokens: give one, not both")
+        c.number("lr", self.lr, lo=0.0, lo_open=True)
+        c.number("weight_decay", self.weight_decay, lo=0.0)
+        c.number("grad_clip", self.grad_clip, lo=0.0, lo_open=True)
+        c.number("temperature", self.temperature, lo=0.0, lo_open=True)
+        c.number("kd_weight", self.kd_weight, 0.0, 1.0)
+        c.number("heldout_fraction", self.heldout_fraction, 0.0, 1.0, lo_open=True, hi_open=True)
+        c.require(isinstance(self.measure_step_time, bool),
+                  f"--measure-step-time {self.measure_step_time!r}: must be true or false")
+        self.budgeted().check(c)
+        c.done()
+        return self
+
 
 # Defaults for the embedded default teacher (1.8M parameters, 4 layers): the paper's rank 128 / alpha 256 and
 # 1024-token sequences would dwarf a hidden size of 128, so rank and alpha keep the paper's alpha/r = 2 at r = 16.
 BUILTIN_DEFAULTS = {"seq_len": 128, "max_steps": 600, "lr": 2e-3, "lora_rank": 16, "lora_alpha": 32.0,
                     "eval_every": 100, "eval_tokens": 32768, "batch_size": 16}
-REAL_DEFAULTS = {"batch_size": 8, "seq_len": 1024, "max_steps": 1000, "lr": 3e-4, "lora_rank": 128,
-                 "lora_alpha": 256.0,
-                 "eval_every": 200, "eval_tokens": 1 << 20}
+REAL_DEFAULTS = {"batch_size": 8, "seq_len": 1024, "max_steps": 1000, "lr": 3e-4, "lora_rank": BUDGETED.rank,
+                 "lora_alpha": BUDGETED.alpha, "eval_every": 200, "eval_tokens": 1 << 20}
 
-OPTION_NAMES = {f.name for f in fields(TrainConfig)} - {"extra"}
+OPTION_NAMES = tuple(f.name for f in fields(TrainConfig) if f.name != "extra")
 
 
-def field_help() -> dict[str, str]:
-    """Field docstrings, read from this module's source (so help text and code never diverge)."""
-    import ast
-    import inspect
-
-    tree = ast.parse(inspect.getsource(TrainConfig))
-    body = tree.body[0].body
-    out = {}
-    for a, b in zip(body, body[1:]):
-        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
-            out[a.target.id] = b.value.value
-    return out
+def field_docs(cls) -> dict[str, str]:
+    """The docstring under each field of a dataclass, read from its source (so help text and code never diverge)."""
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    return {a.target.id: b.value.value for a, b in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
+    import yaml
+
     p = Path(path)
-    if not p.exists():
+    if not p.is_file():
         raise ConfigError([f"--config {path}: no such file"])
     try:
         data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ConfigError([f"--config {path}: not valid YAML ({str(e).splitlines()[0]})"]) from None
     if not isinstance(data, dict):
         raise ConfigError([f"--config {path}: must be a mapping of option: value"])
-    data = {k.replace("-", "_"): v for k, v in data.items()}
-    unknown = sorted(set(data) - OPTION_NAMES)
+    data = {str(k).replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(data) - set(OPTION_NAMES))
     if unknown:
         raise ConfigError([f"--config {path}: unknown option(s) {', '.join(unknown)}"])
     return data
@@ -150,58 +180,17 @@ def merge(yaml_values: dict[str, Any], cli_values: dict[str, Any]) -> TrainConfi
     return TrainConfig(**values)
 
 
-def validate(cfg: TrainConfig) -> None:
-    """Every problem of the user-facing options at once, as one ConfigError."""
-    p: list[str] = []
-    if cfg.method not in METHODS:
-        p.append(f"--method {cfg.method!r}: unknown (allowed: {', '.join(METHODS)})")
-    if cfg.layer_selection not in LAYER_SELECTIONS:
-        p.append(f"--layer-selection {cfg.layer_selection!r}: unknown (allowed: {', '.join(LAYER_SELECTIONS)})")
-    if cfg.device not in DEVICES:
-        p.append(f"--device {cfg.device!r}: unknown (allowed: {', '.join(DEVICES)})")
-    for name in ("batch_size", "grad_accum", "max_steps", "tokens", "seq_len", "eval_tokens", "loss_chunk",
-                 "eval_every"):
-        v = getattr(cfg, name)
-        if v is not None and (not isinstance(v, int) or v < 1):
-            p.append(f"--{name.replace('_', '-')} {v}: must be a positive integer")
-    if cfg.student_layers is not None and cfg.student_layers < 1:
-        p.append(f"--student-layers {cfg.student_layers}: must be >= 1")
-    if cfg.max_steps is not None and cfg.tokens is not None:
-        p.append("--max-steps and --tokens: give one, not both")
-    if cfg.save_every < 0:
-        p.append(f"--save-every {cfg.save_every}: must be >= 0")
-    if cfg.keep_last < 1:
-        p.append(f"--keep-last {cfg.keep_last}: must be >= 1")
-    if cfg.lr is not None and not cfg.lr > 0:
-        p.append(f"--lr {cfg.lr}: must be > 0")
-    if cfg.lora_rank is not None and cfg.lora_rank < 1:
-        p.append(f"--lora-rank {cfg.lora_rank}: must be >= 1")
-    if cfg.lora_alpha is not None and not cfg.lora_alpha > 0:
-        p.append(f"--lora-alpha {cfg.lora_alpha}: must be > 0")
-    if not 0.0 <= cfg.budget <= 1.0:
-        p.append(f"--budget {cfg.budget}: must be in [0, 1]")
-    for name in ("decay_start", "decay_end"):
-        v = getattr(cfg, name)
-        if not 0.0 <= v <= 1.0:
-            p.append(f"--{name.replace('_', '-')} {v}: must be in [0, 1]")
-    if cfg.decay_start > cfg.decay_end:
-        p.append(f"--decay-start {cfg.decay_start} > --decay-end {cfg.decay_end}: the decay must start before it ends")
-    if not 0.0 <= cfg.retention_ema < 1.0:
-        p.append(f"--retention-ema {cfg.retention_ema}: must be in [0, 1)")
-    if not 0.0 < cfg.eps_zero < 1.0:
-        p.append(f"--eps-zero {cfg.eps_zero}: must be in (0, 1)")
-    if not cfg.temperature > 0:
-        p.append(f"--temperature {cfg.temperature}: must be > 0")
-    if not 0.0 <= cfg.kd_weight <= 1.0:
-        p.append(f"--kd-weight {cfg.kd_weight}: must be in [0, 1]")
-    if cfg.heldout_fraction is not None and not 0.0 < cfg.heldout_fraction < 1.0:
-        p.append(f"--heldout-fraction {cfg.heldout_fraction}: must be in (0, 1)")
-    if p:
-        raise ConfigError(p)
+def resolve_path(value: str | None) -> str | None:
+    """A local path option stored absolute (so the run can be read from any working directory); 'builtin', presets
+    and hub ids are kept as given."""
+    if value is None or value == BUILTIN:
+        return value
+    p = Path(value).expanduser()
+    return str(p.resolve()) if p.exists() else value
 
 
 def resolve_defaults(cfg: TrainConfig, builtin_teacher: bool) -> TrainConfig:
-    """Fill the per-teacher defaults (see BUILTIN_DEFAULTS / REAL_DEFAULTS)."""
+    """Fill the per-teacher defaults (see BUILTIN_DEFAULTS / REAL_DEFAULTS) and store local paths absolute."""
     defaults = BUILTIN_DEFAULTS if builtin_teacher else REAL_DEFAULTS
     values = dataclasses.asdict(cfg)
     defaulted = []
@@ -209,5 +198,9 @@ def resolve_defaults(cfg: TrainConfig, builtin_teacher: bool) -> TrainConfig:
         if values.get(k) is None and not (k == "max_steps" and values.get("tokens") is not None):
             values[k] = v
             defaulted.append(k)
+    for k in ("teacher", "data", "student_init"):
+        values[k] = resolve_path(values[k])
+    if values["cache_dir"]:
+        values["cache_dir"] = str(Path(values["cache_dir"]).expanduser().resolve())
     values["extra"] = {**values["extra"], "defaulted": defaulted}
     return TrainConfig(**values)

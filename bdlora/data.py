@@ -236,53 +236,53 @@ def tokenize_corpus(
     out = cache_dir / f"tokens-{key}"
     if (out / "meta.json").exists():
         return TokenizedCorpus(out, json.loads((out / "meta.json").read_text()))
-
-    vocab = len(tokenizer)
-    dtype = np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.uint32
-    eos = tokenizer.eos_token_id
-    counts = {"train": 0, "val": 0}
-    docs = {"train": 0, "val": 0}
-    total_files = len(corpus.files)
+    dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
     with atomic_dir(out) as tmp:
-        handles = {s: open(tmp / f"{s}.bin", "wb") for s in ("train", "val")}
+        writer = _SplitWriter(tmp, dtype, tokenizer.eos_token_id, heldout_fraction)
         try:
             batch: list[Document] = []
-
-            def flush():
-                enc = tokenizer([d.text for d in batch], add_special_tokens=False, verbose=False)["input_ids"]
-                for d, ids in zip(batch, enc):
-                    split = "val" if is_heldout(d.id, heldout_fraction) else "train"
-                    arr = np.asarray(ids + [eos], dtype=dtype)
-                    handles[split].write(arr.tobytes())
-                    counts[split] += len(arr)
-                    docs[split] += 1
-                batch.clear()
-
             for i, doc in enumerate(corpus.documents()):
                 batch.append(doc)
                 if len(batch) >= batch_docs:
-                    flush()
+                    writer.write(batch, tokenizer)
                 if on_progress and corpus.kind != "saved_dataset":
-                    on_progress(min(i + 1, total_files), total_files)
-            if batch:
-                flush()
+                    on_progress(min(i + 1, len(corpus.files)), len(corpus.files))
+            writer.write(batch, tokenizer)
         finally:
-            for h in handles.values():
-                h.close()
-        if counts["train"] + counts["val"] == 0:
+            writer.close()
+        if writer.counts["train"] + writer.counts["val"] == 0:
             raise DataError(f"--data {corpus.spec}: the corpus is empty (no non-blank documents)")
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "corpus": corpus.spec,
-            "corpus_kind": corpus.kind,
-            "heldout_fraction": heldout_fraction,
-            "dtype": np.dtype(dtype).name,
-            "tokens": counts,
-            "documents": docs,
-            "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
-        }
+        meta = {"format_version": FORMAT_VERSION, "corpus": corpus.spec, "corpus_kind": corpus.kind,
+                "heldout_fraction": heldout_fraction, "dtype": np.dtype(dtype).name, "tokens": writer.counts,
+                "documents": writer.docs, "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
     return TokenizedCorpus(out, meta)
+
+
+class _SplitWriter:
+    """Appends each document's tokens plus EOS to train.bin or val.bin, by the MD5 split of its id."""
+
+    def __init__(self, folder: Path, dtype, eos: int, heldout_fraction: float):
+        self.dtype, self.eos, self.fraction = dtype, eos, heldout_fraction
+        self.handles = {s: open(folder / f"{s}.bin", "wb") for s in ("train", "val")}
+        self.counts = {"train": 0, "val": 0}
+        self.docs = {"train": 0, "val": 0}
+
+    def write(self, batch: list[Document], tokenizer) -> None:
+        if not batch:
+            return
+        enc = tokenizer([d.text for d in batch], add_special_tokens=False, verbose=False)["input_ids"]
+        for d, ids in zip(batch, enc):
+            split = "val" if is_heldout(d.id, self.fraction) else "train"
+            arr = np.asarray(ids + [self.eos], dtype=self.dtype)
+            self.handles[split].write(arr.tobytes())
+            self.counts[split] += len(arr)
+            self.docs[split] += 1
+        batch.clear()
+
+    def close(self) -> None:
+        for h in self.handles.values():
+            h.close()
 
 
 # --------------------------------------------------------------------------------------------------------------------

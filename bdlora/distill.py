@@ -17,18 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-
-def base_model(model):
-    """The HF causal LM inside a PEFT wrapper (the model itself when it is not wrapped)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def hidden_and_head(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
-    """Final-norm hidden states (B, T, H) of a Llama/Mistral/Qwen2 causal LM (plain, PEFT-wrapped, or with bdlora
-    gated modules) and its LM head, without computing full-vocabulary logits."""
-    base = base_model(model)
-    out = base.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    return out.last_hidden_state, base.lm_head
+from bdlora.arch import base_model, hidden_and_head
 
 
 def next_token_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -86,3 +75,24 @@ class DistillationLoss(nn.Module):
         ce = sums[1] / n
         loss = self.kd_weight * kd + (1 - self.kd_weight) * ce
         return loss, {"kd": float(kd.detach()), "ce": float(ce.detach()), "positions": n}
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA devices that support it, fp32 elsewhere (SPEC 3)."""
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast(device.type, enabled=False)
+
+
+def kd_step(model, teacher, loss_fn: DistillationLoss, x: torch.Tensor, device: torch.device, ddp=None):
+    """One micro-batch's loss (teacher forward without gradients, then the student); with ``ddp`` the student's
+    hidden states come through DistributedDataParallel (gradient all-reduce). Returns (loss, parts)."""
+    with torch.no_grad(), autocast(device):
+        th, thead = hidden_and_head(teacher, x)
+    with autocast(device):
+        if ddp is None:
+            sh, shead = hidden_and_head(model, x)
+        else:
+            sh = ddp(x)
+            shead = base_model(model).lm_head
+        return loss_fn(sh, shead, th, thead, x)

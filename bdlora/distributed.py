@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from bdlora.arch import hidden_and_head
 from bdlora.errors import TrainingError, UsageError
 
 
@@ -131,8 +132,6 @@ class StudentHidden(torch.nn.Module):
         self.student = student
 
     def forward(self, input_ids):
-        from bdlora.distill import hidden_and_head
-
         return hidden_and_head(self.student, input_ids)[0]
 
 

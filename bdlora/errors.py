@@ -1,4 +1,10 @@
-"""Typed errors. The CLI turns them into one red line on stderr: exit 2 for bad usage, 1 for failures."""
+"""Typed errors and the one validation style. The CLI turns a ``BdloraError`` into one red line on stderr: exit 2
+for bad usage, 1 for failures. Option dataclasses validate with ``Checks``: every problem is collected and raised
+once, as a ``ConfigError`` naming each bad value and what is allowed (litgpt style)."""
+
+from __future__ import annotations
+
+import math
 
 
 class BdloraError(Exception):
@@ -14,7 +20,7 @@ class UsageError(BdloraError):
 
 
 class ConfigError(UsageError):
-    """One or more option values are invalid; the message lists every problem at once (litgpt style)."""
+    """One or more option values are invalid; the message lists every problem at once."""
 
     def __init__(self, problems: list[str]):
         self.problems = list(problems)
@@ -30,8 +36,79 @@ class ModelError(UsageError):
 
 
 class RunDirError(UsageError):
-    """A directory that should be a bdlora run is not one (or is incomplete)."""
+    """A directory that should be a bdlora artefact is not one (or is incomplete)."""
 
 
 class TrainingError(BdloraError):
     """Training failed for a reason that is not the user's input (e.g. the loss became NaN)."""
+
+
+def flag(name: str) -> str:
+    """``eps_lr`` -> ``--eps-lr``: how an option is named on the command line (and in every message)."""
+    return "--" + name.replace("_", "-")
+
+
+class Checks:
+    """Collects problems; ``done()`` raises them as one ConfigError. Numbers must be finite and of the right type
+    (a YAML ``"0.4"`` or ``true`` is refused like a bad flag); ``None`` means "unset" and passes."""
+
+    def __init__(self):
+        self.problems: list[str] = []
+
+    def add(self, problem: str) -> None:
+        self.problems.append(problem)
+
+    def require(self, ok: bool, problem: str) -> None:
+        if not ok:
+            self.problems.append(problem)
+
+    def integer(self, name: str, v, lo: int | None = None, hi: int | None = None, what: str = "") -> bool:
+        if v is None:
+            return True
+        if isinstance(v, bool) or not isinstance(v, int):
+            self.add(f"{flag(name)} {v!r}: must be an integer")
+            return False
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            bound = "a positive integer" if lo == 1 and hi is None else _bounds(lo, hi, False, False)
+            self.add(f"{flag(name)} {v}: must be {bound}{what}")
+            return False
+        return True
+
+    def number(self, name: str, v, lo: float | None = None, hi: float | None = None, lo_open: bool = False,
+               hi_open: bool = False) -> bool:
+        if v is None:
+            return True
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            self.add(f"{flag(name)} {v!r}: must be a number")
+            return False
+        bad = not math.isfinite(v) or (lo is not None and (v <= lo if lo_open else v < lo)) or (
+            hi is not None and (v >= hi if hi_open else v > hi))
+        if bad:
+            self.add(f"{flag(name)} {v}: must be {_bounds(lo, hi, lo_open, hi_open)}")
+        return not bad
+
+    def choice(self, name: str, v, allowed) -> bool:
+        if v not in allowed:
+            self.add(f"{flag(name)} {v!r}: unknown (allowed: {', '.join(map(str, allowed))})")
+            return False
+        return True
+
+    def text(self, name: str, v) -> bool:
+        if v is not None and not isinstance(v, str):
+            self.add(f"{flag(name)} {v!r}: must be a string")
+            return False
+        return True
+
+    def done(self) -> None:
+        if self.problems:
+            raise ConfigError(self.problems)
+
+
+def _bounds(lo, hi, lo_open: bool, hi_open: bool) -> str:
+    if lo is not None and hi is not None:
+        return f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+    if lo is not None:
+        return f"{'>' if lo_open else '>='} {lo:g}"
+    if hi is not None:
+        return f"{'<' if hi_open else '<='} {hi:g}"
+    return "a finite number"

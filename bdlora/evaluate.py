@@ -1,115 +1,98 @@
-"""Perplexity over the held-out slice (SPEC 7): exp of the mean next-token NLL over a fixed token count, packed to
-the sequence length. The LM head runs in position chunks so full-vocabulary logits never sit in memory at once."""
+"""``bdlora eval``: held-out perplexity and the 19 ICL probes (SPEC 7) of any model bdlora can load, through one
+interface over a PyTorch model (``TorchLM``) and an onnxruntime session (``OrtLM``), so the deployed graph itself is
+what gets scored when eval is pointed at an ONNX folder."""
 
 from __future__ import annotations
 
+import json
 import math
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
-from bdlora.data import PackedBlocks
-from bdlora.distill import hidden_and_head
-from bdlora.export.onnx import left_padded, log_normaliser
-
-
-@torch.no_grad()
-def mean_nll(model, blocks: PackedBlocks, batch_size: int = 8, chunk_size: int = 1024,
-             device: str | torch.device = "cpu") -> tuple[float, int]:
-    """(mean next-token NLL in nats, number of predicted tokens) over every block."""
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    for start in range(0, len(blocks), batch_size):
-        x = torch.from_numpy(blocks.get(range(start, min(start + batch_size, len(blocks))))).to(device)
-        hidden, head = hidden_and_head(model, x)  # (B, T, H)
-        h = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # (N, H): positions with a next token
-        y = x[:, 1:].reshape(-1)
-        for i in range(0, h.shape[0], chunk_size):
-            logits = head(h[i : i + chunk_size]).float()  # (n, V)
-            total += F.cross_entropy(logits, y[i : i + chunk_size], reduction="sum").item()
-        count += y.numel()
-    model.train(was_training)
-    return total / max(count, 1), count
+from bdlora import SCHEMA_VERSION, __version__
+from bdlora.config import BUILTIN, BUILTIN_DEFAULTS, REAL_DEFAULTS
+from bdlora.data import Corpus, PackedBlocks, tokenize_corpus
+from bdlora.errors import Checks, ModelError
+from bdlora.icl import TASKS, corpus_word_list, is_correct, summarise, task_examples
+from bdlora.reporter import SILENT, Reporter
+from bdlora.runs import ModelDir, OnnxDir, RunDir, source_run
+from bdlora.runtime import DecoderShape, empty_past, left_padded, log_normaliser, run_decoder, score_blocks, session
+from bdlora.tokenizer import TextTokenizer
 
 
-def perplexity(model, blocks: PackedBlocks, batch_size: int = 8, device: str | torch.device | None = None) -> float:
-    if device is None:
-        device = next(model.parameters()).device
-    nll, _ = mean_nll(model, blocks, batch_size=batch_size, device=device)
-    return math.exp(nll)
+@dataclass
+class EvalConfig:
+    """What ``bdlora eval`` measures, and on which data (``None``: the run's own settings, else the defaults)."""
 
+    ppl: bool = True
+    """Held-out perplexity."""
+    icl: bool = True
+    """The 19 ICL probes of SPEC 7."""
+    tokens: int | None = None
+    """Held-out tokens scored (default: the run's eval-tokens)."""
+    seq_len: int | None = None
+    """Block length for perplexity (default: the run's)."""
+    data: str | None = None
+    """Corpus for perplexity and the probe word list (default: the run's corpus; builtin when unknown)."""
+    heldout_fraction: float | None = None
+    """With --data: the held-out fraction (default: the corpus' default)."""
+    shots: int = 10
+    """Demonstrations per ICL prompt."""
+    seeds: int = 3
+    """Demonstration seeds."""
+    examples: int = 50
+    """Query prompts per task and seed."""
+    tasks: list[str] | None = None
+    """A subset of the 19 tasks (default: all)."""
+    onnx_file: str = "model.onnx"
+    """ONNX folders: which graph to score (e.g. model_int8.onnx)."""
+    batch_size: int = 32
+    """Prompts per generation batch."""
 
-def run_val_blocks(cfg: dict, tokenizer) -> PackedBlocks:
-    """The held-out blocks a run was scored on (same corpus, split, sequence length and token count), from the
-    tokenised-corpus cache (re-tokenised if the cache was cleared)."""
-    from bdlora.data import Corpus, tokenize_corpus
-
-    cache = Path(cfg["cache_dir"]).expanduser() if cfg.get("cache_dir") else None
-    data = tokenize_corpus(Corpus(cfg["data"]), tokenizer, cfg["heldout_fraction"], cache)
-    return PackedBlocks(data.tokens("val"), cfg["seq_len"], max_tokens=cfg["eval_tokens"])
+    def validate(self) -> EvalConfig:
+        c = Checks()
+        for name in ("shots", "seeds", "examples", "batch_size"):
+            c.integer(name, getattr(self, name), lo=1)
+        c.integer("shots", self.shots, hi=64, what=" (at most 64 demonstrations)")
+        for name in ("tokens", "seq_len"):
+            c.integer(name, getattr(self, name), lo=2)
+        c.number("heldout_fraction", self.heldout_fraction, 0.0, 1.0, lo_open=True, hi_open=True)
+        if self.tasks is not None:
+            c.require(bool(self.tasks), "--tasks: empty list (name one or more of the 19 tasks)")
+            bad = [t for t in self.tasks if t not in TASKS]
+            c.require(not bad, f"--tasks {','.join(bad)}: unknown (allowed: {', '.join(TASKS)})")
+        c.require(self.ppl or self.icl, "nothing to evaluate: --ppl and --icl both off")
+        c.done()
+        return self
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# `bdlora eval`: one interface over a PyTorch model and an onnxruntime session, so the deployed graph is what gets
-# scored when the user points eval at an ONNX folder.
+# One interface over PyTorch and onnxruntime
 # ------------------------------------------------------------------------------------------------------------------
-
-
-class TorchLM:
-    """A causal LM in PyTorch (teacher, trained student with gated/PEFT modules, compressed or exported folder)."""
-
-    kind = "torch"
-
-    def __init__(self, model, device: str | torch.device = "cpu"):
-        self.model = model.eval()
-        self.device = torch.device(device)
-        self.config = getattr(model, "config", None)
-
-    @torch.no_grad()
-    def step(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray, past):
-        """Logits of the last position (B, V) and the updated cache; ``past`` None on the first call."""
-        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
-        out = self.model(input_ids=t(ids), attention_mask=t(mask), position_ids=t(pos), past_key_values=past,
-                         use_cache=True)
-        return out.logits[:, -1].float().cpu().numpy(), out.past_key_values
-
-    @torch.no_grad()
-    def logits(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        """Logits of every position (B, T, V), no cache."""
-        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
-        return self.model(input_ids=t(ids), attention_mask=t(mask), position_ids=t(pos)).logits.float().cpu().numpy()
-
-    def nll(self, blocks: PackedBlocks, batch_size: int = 8) -> tuple[float, int]:
-        return mean_nll(self.model, blocks, batch_size=batch_size, device=self.device)
 
 
 class OrtLM:
-    """An exported bdlora ONNX decoder (inputs ids/mask/positions/past K,V) under onnxruntime."""
+    """An exported bdlora ONNX decoder (inputs ids/mask/positions/past K,V) under onnxruntime (no torch needed)."""
 
     kind = "onnx"
 
-    def __init__(self, sess, config):
+    def __init__(self, sess, config: dict):
         self.sess = sess
-        self.config = config
+        self.config = config  # config.json as a mapping
+        self.shape = DecoderShape.of(config)
 
     def step(self, ids, mask, pos, past):
-        from bdlora.export.onnx import empty_past, run_session
-
-        res = run_session(self.sess, ids, mask, pos, empty_past(self.config, ids.shape[0]) if past is None else past)
+        res = run_decoder(self.sess, ids, mask, pos, empty_past(self.shape, ids.shape[0]) if past is None else past)
         return res[0][:, -1], res[1:]
 
     def logits(self, ids, mask, pos) -> np.ndarray:
-        from bdlora.export.onnx import empty_past, run_session
-
-        return run_session(self.sess, ids, mask, pos, empty_past(self.config, ids.shape[0]))[0]
+        return run_decoder(self.sess, ids, mask, pos, empty_past(self.shape, ids.shape[0]))[0]
 
     def nll(self, blocks: PackedBlocks, batch_size: int = 8) -> tuple[float, int]:
-        from bdlora.export.onnx import ort_score
-
-        nll, preds = ort_score(self.sess, self.config, blocks, batch_size)
+        nll, preds = score_blocks(self.sess, self.shape, blocks, batch_size)
         return nll, int(preds.size)
 
 
@@ -183,8 +166,6 @@ def target_logprobs(lm, tokenizer, prompts: list[str], targets: list[str], batch
 def run_icl(lm, tokenizer, words: list[str], tasks=None, shots: int = 10, seeds: int = 3, examples: int = 100,
             batch_size: int = 32, on_progress=None) -> dict:
     """SPEC 7 ICL probes: per task mean/std over demonstration seeds and the macro average (accuracies in %)."""
-    from bdlora.icl import TASKS, is_correct, summarise, task_examples
-
     tasks = list(tasks or TASKS)
     all_ex = [e for task in tasks for s in range(seeds) for e in task_examples(task, words, examples, shots, s)]
     max_new = max(len(tokenizer(e.target, add_special_tokens=False)["input_ids"]) for e in all_ex) + 8
@@ -211,109 +192,108 @@ def run_icl(lm, tokenizer, words: list[str], tasks=None, shots: int = 10, seeds:
 # ------------------------------------------------------------------------------------------------------------------
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# What to evaluate, and on which data
+# ------------------------------------------------------------------------------------------------------------------
+
+
 def load_eval_target(path: str | Path, onnx_file: str = "model.onnx", device: str = "cpu"):
     """(lm, tokenizer, kind, run_config or None) for a run directory, a model folder (teacher, compressed,
     exported HF) or an ONNX folder. ``run_config`` is the training options of the run the model came from."""
-    from bdlora.errors import ModelError
-    from bdlora.io import read_json
-    from bdlora.train import is_run_dir, load_run_student
-
     path = Path(path)
     if not path.is_dir():
         raise ModelError(f"{path}: no such model folder (pass a run directory, a model folder or an ONNX folder)")
-    if is_run_dir(path):
-        model, tok, _ = load_run_student(path, device)
-        return TorchLM(model, device), tok, "run", read_json(path / "config.json")["config"]
-    report = read_json(path / "compression.json") if (path / "compression.json").exists() else {}
-    run_dir = report.get("provenance", {}).get("run_dir")
-    run_cfg = read_json(Path(run_dir) / "config.json")["config"] if run_dir and (
-        Path(run_dir) / "config.json").exists() else None
+    run = RunDir(path)
+    if run.started():
+        from bdlora.models import load_run_student
+        from bdlora.perplexity import TorchLM
+
+        model, tok, _ = load_run_student(run, device)
+        return TorchLM(model, device), tok, "run", run.config()
+    folder = ModelDir(path)
+    src = source_run(path, folder.report().get("provenance", {})) if folder.finished() else None
+    run_cfg = src.config() if src is not None else None
     if run_cfg is None and (path / "teacher.json").exists():
-        run_cfg = {"data": "builtin", "teacher": "builtin"}  # the embedded default teacher's own corpus
-    if (path / onnx_file).exists() or (path / "model.onnx").exists():
-        from transformers import AutoConfig, AutoTokenizer
-
-        import bdlora  # noqa: F401  registers the bdlora config classes
-        from bdlora.export.onnx import session
-
-        if not (path / onnx_file).exists():
-            found = ", ".join(sorted(p.name for p in path.glob("*.onnx")))
-            raise ModelError(f"{path}: no {onnx_file} (ONNX files there: {found})")
-        config = AutoConfig.from_pretrained(str(path))
-        return OrtLM(session(path / onnx_file), config), AutoTokenizer.from_pretrained(str(path)), "onnx", run_cfg
-    from bdlora.export.onnx import load_model_folder
+        run_cfg = {"data": BUILTIN, "teacher": BUILTIN}  # the embedded default teacher's own corpus
+    if OnnxDir(path).finished() or (path / "model.onnx").exists() or (path / onnx_file).exists():
+        return _onnx_target(path, onnx_file, run_cfg)
+    from bdlora.models import load_model_folder
+    from bdlora.perplexity import TorchLM
 
     model, tok, _ = load_model_folder(path)
     return TorchLM(model.to(device), device), tok, "torch", run_cfg
 
 
-def eval_data(run_cfg: dict | None, config, data: str | None = None, seq_len: int | None = None,
-              tokens: int | None = None, heldout_fraction: float | None = None, cache_dir: str | None = None) -> dict:
+def _onnx_target(path: Path, onnx_file: str, run_cfg: dict | None):
+    """The graph under onnxruntime with the folder's tokenizer read by ``TextTokenizer``: no torch involved."""
+    f = (path / onnx_file).resolve()
+    if path.resolve() not in f.parents:
+        raise ModelError(f"--onnx-file {onnx_file}: must be a file inside {path}")
+    if not f.is_file():
+        found = ", ".join(sorted(p.name for p in path.glob("*.onnx"))) or "none"
+        raise ModelError(f"{path}: no {onnx_file} (ONNX files there: {found})")
+    try:
+        config = json.loads((path / "config.json").read_text())
+        sess = session(f)
+    except Exception as e:  # noqa: BLE001  a truncated/invalid graph or config is the folder's problem, not a bug
+        raise ModelError(f"{path}: cannot load the ONNX model ({type(e).__name__}: {str(e).splitlines()[0][:160]})") \
+            from None
+    return OrtLM(sess, config), TextTokenizer(path), "onnx", run_cfg
+
+
+def eval_data(run_cfg: dict | None, config, ecfg: EvalConfig) -> dict:
     """The held-out slice to score: the run's own (corpus, split, sequence length, token count) unless overridden;
     without a run, the builtin corpus and the defaults of ``bdlora train`` for that kind of teacher."""
-    from bdlora.config import BUILTIN_DEFAULTS, REAL_DEFAULTS
-    from bdlora.data import Corpus
-
     cfg = dict(run_cfg or {})
     src = "the run's training options" if run_cfg and "seq_len" in cfg else "defaults"
-    d = data or cfg.get("data") or "builtin"
-    builtin = (cfg.get("teacher") or ("builtin" if d == "builtin" else None)) == "builtin"
+    d = ecfg.data or cfg.get("data") or BUILTIN
+    builtin = (cfg.get("teacher") or (BUILTIN if d == BUILTIN else None)) == BUILTIN
     defaults = BUILTIN_DEFAULTS if builtin else REAL_DEFAULTS
-    if heldout_fraction is None:
-        heldout_fraction = cfg.get("heldout_fraction") if not data else None
-    if heldout_fraction is None:
-        heldout_fraction = Corpus(d).default_heldout_fraction
-    max_pos = getattr(config, "max_position_embeddings", None) or 1 << 30
-    return {"data": d, "heldout_fraction": heldout_fraction,
-            "seq_len": min(seq_len or cfg.get("seq_len") or defaults["seq_len"], max_pos),
-            "eval_tokens": tokens or cfg.get("eval_tokens") or defaults["eval_tokens"],
-            "cache_dir": cache_dir or cfg.get("cache_dir"), "source": "command line" if data or seq_len or tokens
-            else src}
+    heldout = ecfg.heldout_fraction
+    if heldout is None and not ecfg.data:
+        heldout = cfg.get("heldout_fraction")
+    if heldout is None:
+        heldout = Corpus(d).default_heldout_fraction
+    max_pos = DecoderShape.of(config).max_positions
+    return {"data": d, "heldout_fraction": heldout,
+            "seq_len": min(ecfg.seq_len or cfg.get("seq_len") or defaults["seq_len"], max_pos),
+            "eval_tokens": ecfg.tokens or cfg.get("eval_tokens") or defaults["eval_tokens"],
+            "cache_dir": cfg.get("cache_dir"),
+            "source": "command line" if ecfg.data or ecfg.seq_len or ecfg.tokens else src}
 
 
-def evaluate_target(path: str | Path, ppl: bool = True, icl: bool = True, tokens: int | None = None,
-                    shots: int = 10, seeds: int = 3, examples: int = 100, tasks=None, data: str | None = None,
-                    seq_len: int | None = None, heldout_fraction: float | None = None,
-                    onnx_file: str = "model.onnx", batch_size: int = 32,
-                    device: str = "cpu", on_stage=None, on_progress=None) -> dict:
+def evaluate_target(path: str | Path, ecfg: EvalConfig, device: str = "cpu", reporter: Reporter = SILENT) -> dict:
     """``bdlora eval``: held-out perplexity and/or the ICL probes of one model; returns the eval document."""
-    import time
-
-    from bdlora import SCHEMA_VERSION, __version__
-    from bdlora.data import Corpus, tokenize_corpus
-    from bdlora.icl import TASKS, corpus_word_list
-
-    stage = on_stage or (lambda s: None)
-    bad = [t for t in (tasks or []) if t not in TASKS]
-    if bad:
-        from bdlora.errors import UsageError
-
-        raise UsageError(f"--tasks {','.join(bad)}: unknown (allowed: {', '.join(TASKS)})")
+    ecfg.validate()
     t0 = time.time()
-    stage(f"loading {path}")
-    lm, tok, kind, run_cfg = load_eval_target(path, onnx_file, device)
-    settings = eval_data(run_cfg, lm.config, data, seq_len, tokens, heldout_fraction)
+    reporter.stage(f"loading {path}")
+    lm, tok, kind, run_cfg = load_eval_target(path, ecfg.onnx_file, device)
+    settings = eval_data(run_cfg, lm.config, ecfg)
     cache = Path(settings["cache_dir"]).expanduser() if settings["cache_dir"] else None
     doc: dict = {"schema_version": SCHEMA_VERSION, "bdlora_version": __version__, "source": str(path),
-                 "kind": kind, "onnx_file": onnx_file if kind == "onnx" else None,
-                 "model_type": getattr(lm.config, "model_type", None), "data": settings}
-    if ppl:
-        stage(f"perplexity over {settings['eval_tokens']:,} held-out tokens of {settings['data']}")
+                 "kind": kind, "onnx_file": ecfg.onnx_file if kind == "onnx" else None,
+                 "model_type": _get(lm.config, "model_type"), "data": settings}
+    if ecfg.ppl:
+        reporter.stage(f"perplexity over {settings['eval_tokens']:,} held-out tokens of {settings['data']}")
         corpus_tokens = tokenize_corpus(Corpus(settings["data"]), tok, settings["heldout_fraction"], cache)
         blocks = PackedBlocks(corpus_tokens.tokens("val"), settings["seq_len"], max_tokens=settings["eval_tokens"])
         nll, count = lm.nll(blocks)
         doc["ppl"] = {"val_ppl": math.exp(nll), "mean_nll": nll, "predicted_tokens": count,
                       "tokens": len(blocks) * blocks.seq_len, "seq_len": blocks.seq_len}
-    if icl:
-        stage(f"building the ICL word list from {settings['data']}")
+    if ecfg.icl:
+        reporter.stage(f"building the ICL word list from {settings['data']}")
         words = corpus_word_list(settings["data"], settings["heldout_fraction"], cache)
-        n = len(tasks or TASKS) * seeds * examples
-        stage(f"ICL probes: {len(tasks or TASKS)} tasks x {seeds} seeds x {examples} prompts ({shots}-shot)")
-        if on_progress is not None:
-            on_progress(0, n)
-        res = run_icl(lm, tok, words, tasks, shots, seeds, examples, batch_size,
-                      on_progress=(lambda k: on_progress(k, n)) if on_progress else None)
+        n = len(ecfg.tasks or TASKS) * ecfg.seeds * ecfg.examples
+        reporter.stage(f"ICL probes: {len(ecfg.tasks or TASKS)} tasks x {ecfg.seeds} seeds x {ecfg.examples} "
+                       f"prompts ({ecfg.shots}-shot)")
+        reporter.count(0, n)
+        res = run_icl(lm, tok, words, ecfg.tasks, ecfg.shots, ecfg.seeds, ecfg.examples, ecfg.batch_size,
+                      on_progress=lambda k: reporter.count(k, n))
         res["words"] = {"count": len(words), "first": words[:20]}
         doc["icl"] = res
     doc["seconds"] = time.time() - t0
     return doc
+
+
+def _get(config, key: str):
+    return config.get(key) if isinstance(config, dict) else getattr(config, key, None)

@@ -1,5 +1,6 @@
-"""Atomic, self-describing file output: every artefact is written to a temp file and renamed into place, so an
-interrupted command never leaves a half file that looks whole."""
+"""Atomic, self-describing file output: every artefact is written to a temp file (or folder) and renamed into place,
+so an interrupted command never leaves a half file that looks whole. Standard library only (safetensors is imported
+by the two tensor helpers when they are called)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import load_file, save_file
-
 
 def _read_umask() -> int:
     mask = os.umask(0)
@@ -23,6 +21,8 @@ def _read_umask() -> int:
 
 
 _UMASK = _read_umask()  # read once: os.umask is process-wide and setting it is not thread-safe
+FILE_MODE = 0o666 & ~_UMASK  # what an ordinary file of this user gets
+DIR_MODE = 0o777 & ~_UMASK
 
 
 @contextmanager
@@ -33,7 +33,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp_path = Path(tmp)
-    os.chmod(tmp_path, 0o666 & ~_UMASK)  # mkstemp makes 0600; the result should be an ordinary file
+    os.chmod(tmp_path, FILE_MODE)  # mkstemp makes 0600; the result should be an ordinary file
     try:
         yield tmp_path
         os.replace(tmp_path, path)
@@ -56,27 +56,34 @@ def write_text(path: str | os.PathLike, text: str) -> None:
         tmp.write_text(text)
 
 
-def save_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None):
+def save_tensors(path: str | os.PathLike, tensors: dict, metadata: dict[str, str] | None = None) -> None:
     """safetensors, atomically; tensors are made contiguous and detached (shared storage is not allowed)."""
+    from safetensors.torch import save_file
+
     clean = {k: v.detach().contiguous().clone() if _shares(v, tensors) else v.detach().contiguous()
              for k, v in tensors.items()}
     with atomic_path(path) as tmp:
         save_file(clean, str(tmp), metadata=metadata)
 
 
-def load_tensors(path: str | os.PathLike, device: str = "cpu") -> dict[str, torch.Tensor]:
+def load_tensors(path: str | os.PathLike, device: str = "cpu") -> dict:
+    from safetensors.torch import load_file
+
     return load_file(str(path), device=device)
 
 
 @contextmanager
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
-    """Build a directory under a temp name and rename it into place when complete."""
+    """Build a directory under a temp name and rename it into place when complete. Every file in it gets ordinary
+    permissions (libraries such as safetensors or transformers may create theirs 0600)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-    os.chmod(tmp, 0o777 & ~_UMASK)  # mkdtemp makes 0700; the result should be an ordinary directory
+    os.chmod(tmp, DIR_MODE)  # mkdtemp makes 0700; the result should be an ordinary directory
     try:
         yield tmp
+        for f in tmp.rglob("*"):
+            os.chmod(f, DIR_MODE if f.is_dir() else FILE_MODE)
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)
@@ -85,7 +92,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _shares(t: torch.Tensor, all_tensors: dict[str, torch.Tensor]) -> bool:
+def _shares(t, all_tensors: dict) -> bool:
     ptr = t.untyped_storage().data_ptr()
     return sum(1 for v in all_tensors.values() if v.untyped_storage().data_ptr() == ptr) > 1
 
@@ -93,7 +100,7 @@ def _shares(t: torch.Tensor, all_tensors: dict[str, torch.Tensor]) -> bool:
 def _json_default(o: Any):
     if isinstance(o, Path):
         return str(o)
-    if isinstance(o, torch.Tensor):
+    if hasattr(o, "tolist"):  # numpy arrays and torch tensors
         return o.tolist()
     if hasattr(o, "item"):
         return o.item()

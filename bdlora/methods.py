@@ -1,7 +1,9 @@
-"""Training methods as small strategy objects, so the loop in ``train.py`` is one explicit loop for all of them.
+"""Training methods as strategy objects, so the loop in ``train.py`` is one explicit loop with no special cases.
 
 A method wraps the dense student for training (``wrap``), may act before each optimiser step (``before_step``: the
-budget controller), carries state for checkpoints, and saves the trained student in its own form:
+budget controller) and log that in its own stream (``log_name``), reports the retentions every rank must agree on,
+carries state for checkpoints, saves the trained student in its own form and adds its figures to the summary
+(``finalize``):
 
     student/                    HF config + model.safetensors of the *dense* student + tokenizer (every method)
     student/adapter/            PEFT adapter (kd-lora)
@@ -10,29 +12,21 @@ budget controller), carries state for checkpoints, and saves the trained student
 
 from __future__ import annotations
 
-import json
+import copy
+import dataclasses
+import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn as nn
 
-from bdlora.controller import BudgetController
-from bdlora.costs import PROJECTIONS
-from bdlora.distill import base_model
+from bdlora.arch import PROJECTIONS, base_model, dense_state_dict
+from bdlora.budgeted.controller import BudgetController
+from bdlora.budgeted.costs import shapes_from_config, training_compute_proxy
+from bdlora.budgeted.model import apply_budgeted_lora, gated_modules, save_budgeted
+from bdlora.distill import DistillationLoss, kd_step
 from bdlora.io import save_tensors, write_json
-from bdlora.layers import GatedLoRALinear, apply_budgeted_lora, gated_modules
-
-
-def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The plain HF state dict of a (possibly PEFT- or gated-LoRA-wrapped) student: adapter tensors dropped and
-    ``base_layer.`` unwrapped, so it loads into the unwrapped architecture."""
-    base = base_model(model)
-    out = {}
-    for k, v in base.state_dict().items():
-        if any(t in k for t in ("lora_", "gate_logits", "retention", "lora_dropout")):
-            continue
-        out[k.replace(".base_layer.", ".")] = v
-    return out
 
 
 def save_dense_student(model: nn.Module, tokenizer, out_dir: Path, extra_config: dict | None = None) -> None:
@@ -51,6 +45,7 @@ def save_dense_student(model: nn.Module, tokenizer, out_dir: Path, extra_config:
 
 class TrainingMethod:
     name = "base"
+    log_name: str | None = None  # a per-step JSONL stream of this method's own (beside metrics.jsonl)
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -59,7 +54,16 @@ class TrainingMethod:
         raise NotImplementedError
 
     def before_step(self, progress: float) -> dict | None:
+        """Called once per optimiser step, before its forward; returns this step's log record (or None)."""
         return None
+
+    def step_metrics(self, record: dict | None) -> dict:
+        """Fields of ``record`` that belong in metrics.jsonl."""
+        return {}
+
+    def retentions(self) -> list[float]:
+        """Values that must be identical on every rank of a multi-process run (checked after each update)."""
+        return []
 
     def state(self) -> dict:
         return {}
@@ -70,8 +74,16 @@ class TrainingMethod:
     def save_student(self, model: nn.Module, tokenizer, out_dir: Path) -> None:
         save_dense_student(model, tokenizer, out_dir, {"method": self.name})
 
+    def mean_retained(self) -> float:
+        """d_bar of the training-compute proxy (SPEC 5): the dense path runs in full for the baselines."""
+        return 1.0
+
     def summary(self, model: nn.Module) -> dict:
-        return {}
+        shapes = shapes_from_config(base_model(model).config.to_dict())
+        return {"compute_proxy": training_compute_proxy(shapes, self.cfg.lora_rank, self.mean_retained())}
+
+    def finalize(self, run_dir: Path, summary: dict, teacher, batch: torch.Tensor, device, stage) -> None:
+        """Add the method's own artefacts and figures once the student is saved."""
 
 
 class KDFull(TrainingMethod):
@@ -106,17 +118,25 @@ class Budgeted(TrainingMethod):
     """Gated LoRA on the seven projection kinds with the budget controller setting the dense retentions."""
 
     name = "budgeted"
+    log_name = "controller.jsonl"
 
     def wrap(self, student):
-        apply_budgeted_lora(student, self.cfg.lora_rank, self.cfg.lora_alpha, self.cfg.gate_init)
+        # the dense student, kept to time kd-full / kd-lora / budgeted steps on the same weights at the end
+        self.dense_copy = copy.deepcopy(student) if self.cfg.measure_step_time else None
+        bcfg = self.cfg.budgeted()
+        apply_budgeted_lora(student, bcfg.rank, bcfg.alpha, bcfg.gate_init)
         self.gated = gated_modules(student)
-        self.controller = BudgetController.for_model(
-            self.gated, final_fraction=self.cfg.budget, decay_start=self.cfg.decay_start,
-            decay_end=self.cfg.decay_end, ema=self.cfg.retention_ema, eps_zero=self.cfg.eps_zero)
+        self.controller = BudgetController.for_model(self.gated, bcfg)
         return student
 
     def before_step(self, progress):
         return self.controller.step(progress)
+
+    def step_metrics(self, record):
+        return {k: record[k] for k in ("budget", "retained", "zero")}
+
+    def retentions(self):
+        return [m.d for m in self.gated.values()]
 
     def state(self):
         return {"controller": self.controller.state_dict()}
@@ -126,44 +146,63 @@ class Budgeted(TrainingMethod):
 
     def save_student(self, model, tokenizer, out_dir):
         save_dense_student(model, tokenizer, out_dir, {"method": self.name, "budgeted": "budgeted.json"})
-        tensors = {}
-        for name, m in self.gated.items():
-            tensors[f"{name}.lora_A"] = m.lora_A
-            tensors[f"{name}.lora_B"] = m.lora_B
-            tensors[f"{name}.gate_logits"] = m.gate_logits
-            tensors[f"{name}.retention"] = m.retention
-        save_tensors(out_dir / "budgeted.safetensors", tensors, metadata={"format": "pt"})
-        write_json(out_dir / "budgeted.json", {
-            "schema_version": 1, "rank": self.cfg.lora_rank, "alpha": self.cfg.lora_alpha,
-            "gate_init": self.cfg.gate_init, "budget": self.cfg.budget, "eps_zero": self.cfg.eps_zero,
-            "modules": [{"name": n, "in_features": m.in_features, "out_features": m.out_features,
-                         "d": m._d} for n, m in self.gated.items()]})
+        save_budgeted(self.gated, self.cfg.budgeted(), out_dir)
+
+    def mean_retained(self):
+        return self.controller.mean_retained
 
     def summary(self, model):
+        threshold = self.cfg.budgeted().gate_threshold
         rows = []
         for name, m in self.gated.items():
             g = m.gates().detach().float()
-            rows.append({"name": name, "d": m._d, "gate_mean": float(g.mean()), "gate_min": float(g.min()),
-                         "gate_max": float(g.max()), "gates_above_0.3": int((g >= 0.3).sum())})
-        return {"modules": rows, "mean_retained": self.controller.mean_retained,
+            rows.append({"name": name, "d": m.d, "gate_mean": float(g.mean()), "gate_min": float(g.min()),
+                         "gate_max": float(g.max()), f"gates_above_{threshold:g}": int((g >= threshold).sum())})
+        return {**super().summary(model), "modules": rows, "mean_retained": self.controller.mean_retained,
                 "final_retained": self.controller.retained_fraction()}
+
+    def finalize(self, run_dir, summary, teacher, batch, device, stage):
+        from bdlora.plots import plot_controller
+
+        plot_controller(run_dir / self.log_name, summary["modules"], run_dir / "controller.png")
+        if self.dense_copy is not None:
+            stage("timing training steps of kd-full, kd-lora and budgeted (d = 0) on the same student")
+            summary["step_time_ms"] = measure_step_times(self.dense_copy, teacher, batch, self.cfg, device)
 
 
 METHOD_CLASSES = {m.name: m for m in (KDFull, KDLoRA, Budgeted)}
 
 
-def load_budgeted_student(student_dir: Path, model: nn.Module) -> nn.Module:
-    """Re-wrap a dense student with gated modules and load the saved factors, gates and retentions."""
-    from bdlora.io import load_tensors
+def measure_step_times(dense_student, teacher, x, cfg, device, warmup: int = 2, repeats: int = 5) -> dict:
+    """Median wall time of one optimiser step (teacher forward included) for kd-full, kd-lora and budgeted with
+    every d = 0 (after the decay at F = 0), on copies of the same student and batch, interleaved round-robin so
+    machine noise hits all three alike. This is what the training-compute proxy predicts."""
+    loss_fn = DistillationLoss(cfg.temperature, cfg.kd_weight, cfg.loss_chunk)
+    setups = {}
+    for cls in (KDFull, KDLoRA, Budgeted):
+        meth = cls(dataclasses.replace(cfg, budget=0.0, measure_step_time=False))
+        model = meth.wrap(copy.deepcopy(dense_student)).to(device)
+        for m in gated_modules(model).values():
+            m.set_retention(0.0)
+        ps = [p for p in model.parameters() if p.requires_grad]
+        setups[cls.name] = (model, torch.optim.AdamW(ps, lr=1e-6))
+    times: dict[str, list[float]] = {k: [] for k in setups}
+    for i in range(warmup + repeats):
+        for name, (model, opt) in setups.items():
+            _sync(device)
+            t = time.perf_counter()
+            loss, _ = kd_step(model, teacher, loss_fn, x, device)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            _sync(device)
+            if i >= warmup:
+                times[name].append((time.perf_counter() - t) * 1000)
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    return {**med, "budgeted_vs_full": med["budgeted"] / med["kd-full"],
+            "lora_vs_full": med["kd-lora"] / med["kd-full"], "repeats": repeats}
 
-    meta = json.loads((student_dir / "budgeted.json").read_text())
-    apply_budgeted_lora(model, meta["rank"], meta["alpha"], meta.get("gate_init", 3.0))
-    tensors = load_tensors(student_dir / "budgeted.safetensors")
-    for name, m in gated_modules(model).items():
-        assert isinstance(m, GatedLoRALinear)
-        with torch.no_grad():
-            m.lora_A.copy_(tensors[f"{name}.lora_A"])
-            m.lora_B.copy_(tensors[f"{name}.lora_B"])
-            m.gate_logits.copy_(tensors[f"{name}.gate_logits"])
-        m.set_retention(float(tensors[f"{name}.retention"]))
-    return model
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()

@@ -8,9 +8,8 @@ import copy
 import numpy as np
 import torch
 
+from bdlora.config import LAYER_SELECTIONS
 from bdlora.errors import ModelError, UsageError
-
-LAYER_SELECTIONS = ("first", "middle", "last", "mixed", "scratch")
 
 
 def select_layers(mode: str, source_layers: int, n: int) -> list[int]:

@@ -18,12 +18,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bdlora.costs import PROJECTIONS
+from bdlora import SCHEMA_VERSION
+from bdlora.arch import check_architecture
 from bdlora.data import BUILTIN, BlockSampler, Corpus, PackedBlocks, default_cache_dir, tokenize_corpus
 from bdlora.errors import ModelError
-from bdlora.io import atomic_dir
+from bdlora.io import atomic_dir, write_json
+from bdlora.perplexity import perplexity
 
-SUPPORTED_FAMILIES = ("mistral", "llama", "qwen2")
 EOS = "<|endoftext|>"
 
 
@@ -92,10 +93,6 @@ def build_builtin_teacher(
     on_step: Callable[[int, int, float], None] | None = None,
 ) -> Path:
     """Build (or reuse) the embedded default teacher; returns its directory (HF model + tokenizer + teacher.json)."""
-    from transformers import MistralConfig, MistralForCausalLM
-
-    from bdlora.evaluate import perplexity
-
     spec = BuiltinTeacherSpec()
     out = builtin_teacher_dir(cache_dir)
     if (out / "teacher.json").exists() and not force:
@@ -109,6 +106,29 @@ def build_builtin_teacher(
     data = tokenize_corpus(corpus, tokenizer, corpus.default_heldout_fraction, cache_dir)
     train_blocks = PackedBlocks(data.tokens("train"), spec.seq_len)
     val_blocks = PackedBlocks(data.tokens("val"), spec.seq_len, max_tokens=spec.eval_tokens)
+    model = builtin_model(spec, tokenizer)
+    stage(f"pretraining the teacher ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+          f"{spec.steps} steps of {spec.batch_size}x{spec.seq_len} tokens)")
+    pretrain(model, train_blocks, spec, on_step)
+    stage("evaluating the teacher")
+    info = {
+        "schema_version": SCHEMA_VERSION, "kind": "builtin", "spec": asdict(spec),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "train_tokens_seen": spec.steps * spec.batch_size * spec.seq_len, "corpus_tokens": data.meta["tokens"],
+        "val_ppl": perplexity(model, val_blocks),
+        "unigram_ppl": unigram_perplexity(data.tokens("train"), val_blocks.tokens[: len(val_blocks) * spec.seq_len],
+                                          len(tokenizer)),
+    }
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        write_json(tmp / "teacher.json", {**info, "build_seconds": time.time() - t_start})
+    return out
+
+
+def builtin_model(spec: BuiltinTeacherSpec, tokenizer):
+    """The embedded default's untrained Mistral-style model (GQA, SwiGLU, RoPE), seeded."""
+    from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(spec.seed)
     config = MistralConfig(
@@ -118,7 +138,11 @@ def build_builtin_teacher(
         sliding_window=None, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
-    model = MistralForCausalLM(config)
+    return MistralForCausalLM(config)
+
+
+def pretrain(model, blocks: PackedBlocks, spec: BuiltinTeacherSpec, on_step=None) -> None:
+    """Next-token pretraining: AdamW (0.9, 0.95; wd 0.1), linear warm-up then cosine to 10% of the peak, clip 1."""
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1)
 
     def lr_at(step: int) -> float:
@@ -128,12 +152,10 @@ def build_builtin_teacher(
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    sampler = BlockSampler(len(train_blocks), spec.seed)
-    stage(f"pretraining the teacher ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
-          f"{spec.steps} steps of {spec.batch_size}x{spec.seq_len} tokens)")
+    sampler = BlockSampler(len(blocks), spec.seed)
     model.train()
     for step in range(spec.steps):
-        x = torch.from_numpy(train_blocks.get(sampler.indices(step * spec.batch_size, spec.batch_size)))
+        x = torch.from_numpy(blocks.get(sampler.indices(step * spec.batch_size, spec.batch_size)))
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -142,30 +164,13 @@ def build_builtin_teacher(
         opt.zero_grad(set_to_none=True)
         if on_step:
             on_step(step + 1, spec.steps, float(loss.detach()))
-    stage("evaluating the teacher")
-    val_ppl = perplexity(model, val_blocks)
-    uni_ppl = unigram_perplexity(data.tokens("train"), val_blocks.tokens[: len(val_blocks) * spec.seq_len],
-                                 len(tokenizer))
-    with atomic_dir(out) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        info = {
-            "schema_version": 1,
-            "kind": "builtin",
-            "spec": asdict(spec),
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "train_tokens_seen": spec.steps * spec.batch_size * spec.seq_len,
-            "corpus_tokens": data.meta["tokens"],
-            "val_ppl": val_ppl,
-            "unigram_ppl": uni_ppl,
-            "build_seconds": time.time() - t_start,
-        }
-        (tmp / "teacher.json").write_text(json.dumps(info, indent=2))
-    return out
+    model.eval()
 
 
-def load_teacher(spec: str, cache_dir: Path | None = None, device: str = "cpu", on_stage=None, on_step=None):
-    """Return (model, tokenizer, path) for ``--teacher`` (``builtin`` or a local/hub HF causal LM)."""
+def load_teacher(spec: str, cache_dir: Path | None = None, device: str = "cpu", on_stage=None, on_step=None,
+                 what: str = "--teacher"):
+    """Return (model, tokenizer, path) for ``--teacher`` (``builtin`` or a local/hub HF causal LM); ``what`` names the
+    option in error messages (``--student-init`` loads through here too)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if spec == BUILTIN:
@@ -173,18 +178,18 @@ def load_teacher(spec: str, cache_dir: Path | None = None, device: str = "cpu", 
     else:
         path = Path(spec).expanduser()
         if not path.exists() and not _looks_like_hub_id(spec):
-            raise ModelError(f"--teacher {spec}: no such directory (use 'builtin' or a Hugging Face model folder)")
+            raise ModelError(f"{what} {spec}: no such directory (use 'builtin' or a Hugging Face model folder)")
         if path.exists() and not (path / "config.json").exists():
-            raise ModelError(f"--teacher {spec}: not a Hugging Face model folder (no config.json)")
+            raise ModelError(f"{what} {spec}: not a Hugging Face model folder (no config.json)")
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad checkpoint
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelError(f"--teacher {spec}: could not load the model or tokenizer ({msg[:200]})") from None
-    check_architecture(model, f"--teacher {spec}")
+        raise ModelError(f"{what} {spec}: could not load the model or tokenizer ({msg[:200]})") from None
+    check_architecture(model, f"{what} {spec}")
     if tokenizer.eos_token_id is None:
-        raise ModelError(f"--teacher {spec}: the tokenizer defines no EOS token")
+        raise ModelError(f"{what} {spec}: the tokenizer defines no EOS token")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.to(device).eval()
@@ -196,21 +201,3 @@ def load_teacher(spec: str, cache_dir: Path | None = None, device: str = "cpu", 
 def _looks_like_hub_id(spec: str) -> bool:
     parts = spec.split("/")
     return len(parts) == 2 and all(parts) and not spec.startswith((".", "/", "~"))
-
-
-def check_architecture(model, what: str) -> None:
-    """Refuse a model without the decoder layout bdlora adapts: ``model.layers[i].self_attn.{q,k,v,o}_proj`` and
-    ``mlp.{gate,up,down}_proj`` as ``nn.Linear`` (the Llama/Mistral/Qwen2 family)."""
-    core = getattr(model, "model", None)
-    layers = getattr(core, "layers", None)
-    if layers is None or not hasattr(model, "lm_head"):
-        raise ModelError(f"{what}: not a Llama/Mistral/Qwen2-style decoder (no model.layers / lm_head); "
-                         f"supported families: {', '.join(SUPPORTED_FAMILIES)}")
-    for i, layer in enumerate(layers):
-        for name in PROJECTIONS:
-            parent = layer.self_attn if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else layer.mlp
-            mod = getattr(parent, name, None)
-            # a compressed bdlora model deploys some projections as LowRankLinear pairs
-            if not (isinstance(mod, torch.nn.Linear) or type(mod).__name__ == "LowRankLinear"):
-                raise ModelError(f"{what}: layer {i} has no nn.Linear '{name}' (expected the seven projections "
-                                 f"{', '.join(PROJECTIONS)})")

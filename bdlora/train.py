@@ -1,55 +1,48 @@
-"""The distillation recipe: one explicit loop (nanoGPT style) shared by kd-full, kd-lora and budgeted.
-
-A run directory holds: ``config.json`` (resolved options), ``metrics.jsonl``, ``controller.jsonl`` (budgeted),
-``checkpoints/step-N/`` (atomic, with a completed marker), ``student/`` and, written last, ``summary.json``: a run
-without ``summary.json`` is unfinished and can be continued with ``--resume``.
+"""The distillation recipe (nanoGPT-style, one explicit loop for kd-full, kd-lora and budgeted): ``setup`` builds
+everything a run needs and opens (or resumes) its run directory, ``loop`` runs the optimiser steps, ``finish``
+saves the student and writes ``summary.json`` last. Method-specific behaviour lives in ``methods``; checkpoints and
+signal handling in ``checkpoint``; the run-directory layout in ``runs``; multi-process plumbing in ``distributed``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import json
 import math
-import random
-import shutil
 import time
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from bdlora import SCHEMA_VERSION, __version__
-from bdlora.config import TrainConfig, resolve_defaults, validate
-from bdlora.costs import shapes_from_config, training_compute_proxy
-from bdlora.data import BUILTIN, BlockSampler, Corpus, PackedBlocks, tokenize_corpus
-from bdlora.distill import DistillationLoss, base_model, hidden_and_head
+from bdlora import distributed as D
+from bdlora.checkpoint import (
+    StopRequest,
+    latest_checkpoint,
+    load_checkpoint,
+    remove_stale,
+    save_checkpoint,
+    truncate_jsonl,
+)
+from bdlora.config import BUILTIN, TrainConfig, resolve_defaults, resolve_path
+from bdlora.data import BlockSampler, Corpus, PackedBlocks, tokenize_corpus
+from bdlora.distill import DistillationLoss, kd_step
 from bdlora.errors import DataError, ModelError, RunDirError, TrainingError, UsageError
-from bdlora.evaluate import perplexity
-from bdlora.io import atomic_dir, load_tensors, read_json, save_tensors, write_json
-from bdlora.methods import METHOD_CLASSES, Budgeted, KDFull, KDLoRA
+from bdlora.io import atomic_dir, write_json
+from bdlora.methods import METHOD_CLASSES, TrainingMethod
+from bdlora.perplexity import perplexity
+from bdlora.reporter import SILENT, Reporter
+from bdlora.runs import RunDir
 from bdlora.student import build_student, check_same_vocabulary
 from bdlora.teacher import load_teacher
 
-
-class Reporter:
-    """Progress callbacks; the CLI subclasses this with rich output. Library code never prints."""
-
-    def stage(self, message: str) -> None: ...
-
-    def teacher_step(self, step: int, total: int, loss: float) -> None: ...
-
-    def start(self, total_steps: int, start_step: int) -> None: ...
-
-    def step(self, step: int, metrics: dict) -> None: ...
-
-    def evaluated(self, step: int, metrics: dict) -> None: ...
-
-    def finish(self) -> None: ...
+# Options that may differ when a run is resumed: they change where/how often things are written or measured, never
+# the trajectory of the weights. Every other option is fixed by the run's config.json.
+RESUME_MUTABLE = ("save_every", "keep_last", "eval_every", "device", "measure_step_time", "cache_dir")
+BETAS = (0.9, 0.95)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -60,9 +53,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# What a run is made of
+# --------------------------------------------------------------------------------------------------------------------
+
+
 @dataclass
 class Session:
-    """Everything a run needs, built and checked before any run directory is created."""
+    """Teacher, data and student, built and checked before any run directory is created."""
 
     cfg: TrainConfig
     device: torch.device
@@ -72,54 +70,23 @@ class Session:
     layer_indices: list[int]
     train_blocks: PackedBlocks
     val_blocks: PackedBlocks
-    data_meta: dict
 
 
-def prepare(cfg: TrainConfig, reporter: Reporter | None = None) -> Session:
+def prepare(cfg: TrainConfig, reporter: Reporter = SILENT) -> Session:
     """Validate options, load (or build) the teacher, tokenise the corpus, build the student. Raises typed errors
     for bad input; creates nothing but caches."""
-    rep = reporter or Reporter()
-    validate(cfg)
+    cfg.validate()
     device = resolve_device(cfg.device)
     cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else None
     corpus = Corpus(cfg.data)  # checks the path before the (possibly long) teacher build
-    rep.stage(f"loading teacher {cfg.teacher}")
-    teacher, tokenizer, teacher_path = load_teacher(cfg.teacher, cache, device=str(device), on_stage=rep.stage,
-                                                    on_step=rep.teacher_step)
-    cfg = resolve_defaults(cfg, builtin_teacher=cfg.teacher == BUILTIN)
-    n_teacher = teacher.config.num_hidden_layers
-    if cfg.student_layers is None:
-        cfg.student_layers = max(1, math.ceil(n_teacher / 2))
-    if cfg.student_layers > n_teacher:
-        raise UsageError(f"--student-layers {cfg.student_layers}: must be between 1 and the teacher's {n_teacher}")
-    max_pos = getattr(teacher.config, "max_position_embeddings", None)
-    if max_pos is not None and cfg.seq_len > max_pos:
-        if "seq_len" in cfg.extra.get("defaulted", ()):
-            cfg.seq_len = max_pos
-        else:
-            raise UsageError(f"--seq-len {cfg.seq_len}: above the model's max_position_embeddings ({max_pos})")
-    if cfg.tokens is not None:
-        cfg.max_steps = max(1, cfg.tokens // (cfg.batch_size * cfg.grad_accum * cfg.seq_len))
-
-    # Student: layers from --student-init (default: the teacher), same tokenizer required.
-    source = teacher
-    if cfg.student_init:
-        rep.stage(f"loading student init {cfg.student_init}")
-        source, init_tok, _ = load_teacher(cfg.student_init, cache, device="cpu")
-        check_same_vocabulary(tokenizer, init_tok, f"--student-init {cfg.student_init}")
-        if source.config.vocab_size != teacher.config.vocab_size:
-            raise ModelError(f"--student-init {cfg.student_init}: embedding rows {source.config.vocab_size} != "
-                             f"teacher's {teacher.config.vocab_size}")
-    if cfg.student_layers > source.config.num_hidden_layers:
-        raise UsageError(f"--student-layers {cfg.student_layers}: must be between 1 and the source's "
-                         f"{source.config.num_hidden_layers} layers")
-    student, idx = build_student(source, cfg.student_layers, cfg.layer_selection, seed=cfg.seed)
+    reporter.stage(f"loading teacher {cfg.teacher}")
+    teacher, tokenizer, teacher_path = load_teacher(cfg.teacher, cache, device=str(device), on_stage=reporter.stage,
+                                                    on_step=reporter.teacher_step)
+    cfg = _resolve_sizes(resolve_defaults(cfg, builtin_teacher=cfg.teacher == BUILTIN), teacher)
+    student, idx = _build_student(cfg, teacher, tokenizer, cache, reporter)
     student.to(device)
-
-    heldout = cfg.heldout_fraction if cfg.heldout_fraction is not None else corpus.default_heldout_fraction
-    cfg.heldout_fraction = heldout
-    rep.stage(f"tokenising corpus {cfg.data} ({len(corpus.files)} files)")
-    data = tokenize_corpus(corpus, tokenizer, heldout, cache)
+    reporter.stage(f"tokenising corpus {cfg.data} ({len(corpus.files)} files)")
+    data = tokenize_corpus(corpus, tokenizer, cfg.heldout_fraction, cache)
     train_blocks = PackedBlocks(data.tokens("train"), cfg.seq_len)
     val_blocks = PackedBlocks(data.tokens("val"), cfg.seq_len, max_tokens=cfg.eval_tokens)
     if len(train_blocks) < 1:
@@ -127,162 +94,105 @@ def prepare(cfg: TrainConfig, reporter: Reporter | None = None) -> Session:
                         f"of --seq-len {cfg.seq_len}")
     if len(val_blocks) < 1:
         raise DataError(f"--data {cfg.data}: the held-out slice has {data.meta['tokens']['val']} tokens, fewer "
-                        f"than one block of {cfg.seq_len}; raise --heldout-fraction (now {heldout})")
-    cfg.extra.update({"teacher_path": str(teacher_path), "layer_indices": idx, "teacher_layers": n_teacher,
-                      "data_cache": str(data.path), "data_tokens": data.meta["tokens"]})
-    return Session(cfg, device, teacher, tokenizer, student, idx, train_blocks, val_blocks, data.meta)
+                        f"than one block of {cfg.seq_len}; raise --heldout-fraction (now {cfg.heldout_fraction})")
+    cfg.extra.update({"teacher_path": str(teacher_path), "layer_indices": idx,
+                      "teacher_layers": teacher.config.num_hidden_layers, "data_cache": str(data.path),
+                      "data_tokens": data.meta["tokens"]})
+    return Session(cfg, device, teacher, tokenizer, student, idx, train_blocks, val_blocks)
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Checkpoints
-# --------------------------------------------------------------------------------------------------------------------
+def _resolve_sizes(cfg: TrainConfig, teacher) -> TrainConfig:
+    """Student depth, sequence length (capped by the model's positions when defaulted), steps from --tokens and
+    the held-out fraction, each checked against the teacher."""
+    n_teacher = teacher.config.num_hidden_layers
+    if cfg.student_layers is None:
+        cfg.student_layers = max(1, math.ceil(n_teacher / 2))
+    if cfg.student_layers > n_teacher:
+        raise UsageError(f"--student-layers {cfg.student_layers}: must be between 1 and the teacher's {n_teacher}")
+    max_pos = getattr(teacher.config, "max_position_embeddings", None)
+    if max_pos is not None and cfg.seq_len > max_pos:
+        if "seq_len" not in cfg.extra.get("defaulted", ()):
+            raise UsageError(f"--seq-len {cfg.seq_len}: above the model's max_position_embeddings ({max_pos})")
+        cfg.seq_len = max_pos
+    if cfg.tokens is not None:
+        cfg.max_steps = max(1, cfg.tokens // (cfg.batch_size * cfg.grad_accum * cfg.seq_len))
+    if cfg.heldout_fraction is None:
+        cfg.heldout_fraction = Corpus(cfg.data).default_heldout_fraction
+    return cfg
 
 
-def _rng_state() -> tuple[dict, dict]:
-    tensors = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"torch_cuda_{i}"] = s
-    np_state = np.random.get_state()
-    meta = {"python": repr(random.getstate()), "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
-    return tensors, meta
+def _build_student(cfg: TrainConfig, teacher, tokenizer, cache, reporter: Reporter):
+    """Layers from --student-init (default: the teacher), which must share the teacher's tokenizer."""
+    source = teacher
+    if cfg.student_init:
+        reporter.stage(f"loading student init {cfg.student_init}")
+        source, init_tok, _ = load_teacher(cfg.student_init, cache, device="cpu", what="--student-init")
+        check_same_vocabulary(tokenizer, init_tok, f"--student-init {cfg.student_init}")
+        if source.config.vocab_size != teacher.config.vocab_size:
+            raise ModelError(f"--student-init {cfg.student_init}: embedding rows {source.config.vocab_size} != "
+                             f"teacher's {teacher.config.vocab_size}")
+    if cfg.student_layers > source.config.num_hidden_layers:
+        raise UsageError(f"--student-layers {cfg.student_layers}: must be between 1 and the source's "
+                         f"{source.config.num_hidden_layers} layers")
+    return build_student(source, cfg.student_layers, cfg.layer_selection, seed=cfg.seed)
 
 
-def _set_rng_state(tensors: dict, meta: dict) -> None:
-    import ast
-
-    torch.set_rng_state(tensors["torch_cpu"])
-    cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("torch_cuda_"))]
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda)
-    random.setstate(ast.literal_eval(meta["python"]))
-    n = meta["numpy"]
-    np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), *n[2:]))
-
-
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, method, extra: dict, keep_last: int):
-    """Trainable weights, optimizer (safetensors + JSON), scheduler, RNG, method state; atomically; the directory
-    is complete only with ``state.json``, which is written last inside the temp dir before the rename and holds
-    the SHA-256 of every other file (a torn or corrupted checkpoint is detected on resume)."""
-    ckpt_root = run_dir / "checkpoints"
-    with atomic_dir(ckpt_root / f"step-{step:08d}") as tmp:
-        trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        save_tensors(tmp / "trainable.safetensors", trainable)
-        opt_state = optimizer.state_dict()
-        flat = {}
-        for idx, st in opt_state["state"].items():
-            for k, v in st.items():
-                flat[f"{idx}.{k}"] = v if torch.is_tensor(v) else torch.tensor(v)
-        save_tensors(tmp / "optimizer.safetensors", flat)
-        rng_t, rng_meta = _rng_state()
-        save_tensors(tmp / "rng.safetensors", rng_t)
-        files = {f.name: _sha256(f) for f in sorted(tmp.iterdir())}
-        write_json(tmp / "state.json", {"step": step, "param_groups": opt_state["param_groups"],
-                                         "scheduler": scheduler.state_dict(), "method": method.state(),
-                                         "rng": rng_meta, "files": files, **extra})
-    for old in sorted(ckpt_root.glob("step-*"))[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def verify_checkpoint(ckpt: Path) -> str | None:
-    """None when the checkpoint is complete and every file matches its recorded SHA-256, else what is wrong."""
+def resume_config(run: RunDir, overrides: dict | None = None) -> TrainConfig:
+    """The stored options of an unfinished run, with the allowed ``overrides`` applied; any other changed option is
+    refused (a different method, model or data would silently make a different run)."""
+    run.require_resumable()
+    stored = run.config()
+    values = {k: v for k, v in stored.items() if k in TrainConfig.__dataclass_fields__}
+    for k, v in (overrides or {}).items():
+        if v is None or k in ("out", "runs_dir"):
+            continue
+        if k in RESUME_MUTABLE:
+            values[k] = v
+        elif stored.get(k) != v and stored.get(k) != resolve_path(v if isinstance(v, str) else None):
+            flag = f"--{k.replace('_', '-')}"
+            raise UsageError(f"{flag} {v}: this run was started with {flag} {stored.get(k)}; --resume cannot change "
+                             f"it (start a new run; changeable on resume: "
+                             f"{', '.join('--' + m.replace('_', '-') for m in RESUME_MUTABLE)})")
     try:
-        state = read_json(ckpt / "state.json")
-    except (OSError, ValueError) as e:
-        return f"state.json unreadable ({type(e).__name__})"
-    for name, digest in state.get("files", {}).items():
-        f = ckpt / name
-        if not f.exists():
-            return f"{name} missing"
-        if _sha256(f) != digest:
-            return f"{name} checksum mismatch"
-    return None
+        cfg = TrainConfig(**values)
+    except TypeError as e:
+        raise RunDirError(f"{run.path / 'config.json'}: not a bdlora training config ({e})") from None
+    cfg.extra = {"world_size": stored.get("extra", {}).get("world_size", 1)}
+    return cfg
 
 
-def latest_checkpoint(run_dir: Path, on_warning=None) -> Path | None:
-    """The newest checkpoint that verifies; a corrupt newer one is skipped with a warning (and left on disk)."""
-    import warnings
+@dataclass
+class Run:
+    """Everything the loop touches: the session, the wrapped model and its optimiser, where it writes."""
 
-    done = [p for p in sorted((Path(run_dir) / "checkpoints").glob("step-*")) if (p / "state.json").exists()]
-    for ckpt in reversed(done):
-        problem = verify_checkpoint(ckpt)
-        if problem is None:
-            return ckpt
-        msg = f"checkpoint {ckpt.name} is corrupt ({problem}); falling back to the previous one"
-        if on_warning is not None:
-            on_warning(f"warning: {msg}")
-        else:
-            warnings.warn(msg, stacklevel=2)
-    return None
+    cfg: TrainConfig
+    sess: Session
+    method: TrainingMethod
+    model: torch.nn.Module
+    ddp: object
+    params: list
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    loss_fn: DistillationLoss
+    sampler: BlockSampler
+    env: D.DistEnv
+    device: torch.device
+    reporter: Reporter
+    run: RunDir | None = None
+    start_step: int = 0
+    prior_seconds: float = 0.0
+    figures: dict = dataclasses.field(default_factory=dict)  # teacher / initial / latest student val ppl
+    t0: float = 0.0  # wall clock of this process's first and last step
+    t1: float = 0.0
 
+    @property
+    def tokens_per_step(self) -> int:
+        c = self.cfg
+        return c.batch_size * c.grad_accum * c.seq_len * self.env.world_size
 
-def load_checkpoint(ckpt: Path, model, optimizer, scheduler, method) -> dict:
-    state = read_json(ckpt / "state.json")
-    trainable = load_tensors(ckpt / "trainable.safetensors")
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for n, t in trainable.items():
-            params[n].copy_(t)
-    flat = load_tensors(ckpt / "optimizer.safetensors")
-    opt_state: dict = {"state": {}, "param_groups": state["param_groups"]}
-    for key, v in flat.items():
-        idx, k = key.split(".", 1)
-        opt_state["state"].setdefault(int(idx), {})[k] = v
-    optimizer.load_state_dict(opt_state)
-    scheduler.load_state_dict(state["scheduler"])
-    method.load_state(state["method"])
-    _set_rng_state(load_tensors(ckpt / "rng.safetensors"), state["rng"])
-    return state
-
-
-def _truncate_jsonl(path: Path, max_step: int) -> None:
-    if not path.exists():
-        return
-    keep = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= max_step]
-    path.write_text("".join(line + "\n" for line in keep))
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# The loop
-# --------------------------------------------------------------------------------------------------------------------
-
-
-class _StopRequest:
-    """SIGINT/SIGTERM during training set a flag; the loop finishes the current optimiser step, saves a checkpoint
-    and stops, so an interrupted run loses nothing and never saves a half-updated state."""
-
-    def __init__(self):
-        import signal
-        import threading
-
-        self.requested: str | None = None
-        self._old = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._old[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        import signal
-
-        if self.requested:  # a second signal: stop now
-            raise KeyboardInterrupt
-        self.requested = signal.Signals(signum).name
-
-    def restore(self):
-        import signal
-
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
+    @property
+    def global_batch(self) -> int:
+        return self.cfg.batch_size * self.cfg.grad_accum * self.env.world_size
 
 
 def warmup_cosine(total_steps: int):
@@ -298,67 +208,9 @@ def warmup_cosine(total_steps: int):
     return f
 
 
-def _autocast(device: torch.device):
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return torch.autocast(device.type, enabled=False)
-
-
-def new_run_dir(cfg: TrainConfig) -> Path:
-    if cfg.out:
-        out = Path(cfg.out)
-        if out.exists() and any(out.iterdir()):
-            raise UsageError(f"--out {out}: exists and is not empty (choose a new directory or --resume it)")
-        return out
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = Path(cfg.runs_dir) / f"{stamp}-{cfg.method}"
-    i = 1
-    while out.exists():
-        out = Path(cfg.runs_dir) / f"{stamp}-{cfg.method}-{i}"
-        i += 1
-    return out
-
-
-def kd_step(model, teacher, loss_fn, x, device, ddp=None):
-    """One micro-batch's loss; with ``ddp`` the student's hidden states come through DDP (gradient all-reduce)."""
-    with torch.no_grad(), _autocast(device):
-        th, thead = hidden_and_head(teacher, x)
-    with _autocast(device):
-        if ddp is None:
-            sh, shead = hidden_and_head(model, x)
-        else:
-            sh = ddp(x)
-            shead = base_model(model).lm_head
-        return loss_fn(sh, shead, th, thead, x)
-
-
-# Options that may differ when a run is resumed: they change where/how often things are written or measured, never
-# the trajectory of the weights. Every other option is fixed by the run's config.json.
-RESUME_MUTABLE = ("save_every", "keep_last", "eval_every", "device", "measure_step_time", "cache_dir")
-
-
-def resume_config(run_dir: Path, overrides: dict | None = None) -> TrainConfig:
-    """The stored options of an unfinished run, with the allowed ``overrides`` applied; any other changed option is
-    refused (a different method, model or data would silently make a different run)."""
-    if not (run_dir / "config.json").exists():
-        raise RunDirError(f"--resume {run_dir}: not a bdlora run directory (no config.json)")
-    if (run_dir / "summary.json").exists():
-        raise RunDirError(f"--resume {run_dir}: this run already finished (summary.json exists)")
-    stored = read_json(run_dir / "config.json")["config"]
-    values = {k: v for k, v in stored.items() if k in TrainConfig.__dataclass_fields__}
-    for k, v in (overrides or {}).items():
-        if v is None or k in ("out", "runs_dir"):
-            continue
-        if k in RESUME_MUTABLE:
-            values[k] = v
-        elif stored.get(k) != v:
-            flag = f"--{k.replace('_', '-')}"
-            raise UsageError(f"{flag} {v}: this run was started with {flag} {stored.get(k)}; --resume cannot change "
-                             f"it (start a new run; changeable on resume: "
-                             f"{', '.join('--' + m.replace('_', '-') for m in RESUME_MUTABLE)})")
-    cfg = TrainConfig(**values)
-    cfg.extra = {"world_size": stored.get("extra", {}).get("world_size", 1)}
-    return cfg
+# --------------------------------------------------------------------------------------------------------------------
+# The recipe: setup, loop, finish
+# --------------------------------------------------------------------------------------------------------------------
 
 
 def train(cfg: TrainConfig, reporter: Reporter | None = None, resume: str | Path | None = None,
@@ -366,250 +218,183 @@ def train(cfg: TrainConfig, reporter: Reporter | None = None, resume: str | Path
     """Run (or continue) a distillation run; returns the summary dict (also written to ``summary.json``).
 
     Under torchrun (WORLD_SIZE > 1) every rank calls this: see ``bdlora.distributed`` for the contract."""
-    from bdlora import distributed as D
-
     env = D.env_from_launcher()
-    rep = (reporter or Reporter()) if env.is_main else Reporter()
+    rep = (reporter or SILENT) if env.is_main else SILENT
     run_dir = None
     if resume is not None:
-        run_dir = Path(resume)
+        run_dir = RunDir(resume)
         cfg = resume_config(run_dir, overrides)
         stored_world = cfg.extra.pop("world_size", 1)
         if stored_world != env.world_size:
-            raise UsageError(f"--resume {run_dir}: the run was trained on {stored_world} process(es), this launch "
-                             f"has {env.world_size}; resume with the same number so the global batch and data order "
-                             "stay the same")
+            raise UsageError(f"--resume {run_dir.path}: the run was trained on {stored_world} process(es), this "
+                             f"launch has {env.world_size}; resume with the same number so the global batch and "
+                             "data order stay the same")
     dist_device = D.init(env, cfg.device)
     try:
-        return _train(cfg, rep, run_dir, env, dist_device)
+        run = setup(cfg, rep, run_dir, env, dist_device)
+        loop(run)
+        return finish(run)
     finally:
         D.shutdown(env)
 
 
-def _train(cfg: TrainConfig, rep: Reporter, run_dir: Path | None, env, dist_device) -> dict:
-    from bdlora import distributed as D
-
-    resume = run_dir is not None
+def setup(cfg: TrainConfig, rep: Reporter, resume: RunDir | None, env: D.DistEnv, dist_device) -> Run:
     with D.main_first(env):  # rank 0 builds the caches (teacher, tokenised corpus) first
         sess = prepare(cfg, rep)
-    cfg = sess.cfg
-    device = dist_device or sess.device
-    if dist_device is not None:
-        sess.teacher.to(device)
-        sess.student.to(device)
+    cfg, device = sess.cfg, dist_device or sess.device
+    sess.teacher.to(device)
     cfg.extra["world_size"] = env.world_size
     torch.manual_seed(cfg.seed)
     method = METHOD_CLASSES[cfg.method](cfg)
-    dense_copy = copy.deepcopy(sess.student) if cfg.method == "budgeted" and cfg.measure_step_time else None
-    model = method.wrap(sess.student)
-    model.to(device)
-    ddp = D.wrap_ddp(model, device) if env.enabled else None
+    model = method.wrap(sess.student).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    total = cfg.max_steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(total))
-    loss_fn = DistillationLoss(cfg.temperature, cfg.kd_weight, cfg.loss_chunk)
-    sampler = BlockSampler(len(sess.train_blocks), cfg.seed)
-    tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len * env.world_size
-
-    start_step, prior_seconds = 0, 0.0
-    if resume:
-        for stale in (run_dir / "checkpoints").glob(".step-*.tmp"):  # a save killed half-way
-            if env.is_main:
-                shutil.rmtree(stale, ignore_errors=True)
-        ckpt = latest_checkpoint(run_dir, on_warning=rep.stage)
-        if ckpt is None:
-            raise RunDirError(f"--resume {run_dir}: no complete checkpoint to continue from")
-        state = load_checkpoint(ckpt, model, optimizer, scheduler, method)
-        start_step, prior_seconds = state["step"], state.get("train_seconds", 0.0)
-        if env.is_main:
-            for log in ("metrics.jsonl", "controller.jsonl"):
-                _truncate_jsonl(run_dir / log, start_step)
-            write_json(run_dir / "config.json", {"schema_version": SCHEMA_VERSION, "bdlora_version": __version__,
-                                                 "config": dataclasses.asdict(cfg)})
-        rep.stage(f"resuming {run_dir} at step {start_step} ({ckpt.name})")
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=BETAS)
+    run = Run(cfg, sess, method, model, D.wrap_ddp(model, device) if env.enabled else None, params, optimizer,
+              torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.max_steps)),
+              DistillationLoss(cfg.temperature, cfg.kd_weight, cfg.loss_chunk),
+              BlockSampler(len(sess.train_blocks), cfg.seed), env, device, rep)
+    if resume is not None:
+        _resume(run, resume)
     else:
-        run_dir = new_run_dir(cfg) if env.is_main else None
-        run_dir = Path(D.broadcast_object(env, str(run_dir) if run_dir else None))
+        path = RunDir.new(cfg.method, cfg.runs_dir, cfg.out).path if env.is_main else None
+        run.run = RunDir(D.broadcast_object(env, str(path) if path else None))
         if env.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            write_json(run_dir / "config.json", {"schema_version": SCHEMA_VERSION, "bdlora_version": __version__,
-                                                 "config": dataclasses.asdict(cfg)})
+            run.run.path.mkdir(parents=True, exist_ok=True)
+            _write_config(run)
     if env.enabled:
         rep.stage(f"data parallel: {env.world_size} processes ({dist.get_backend()}), global batch "
-                  f"{cfg.batch_size * cfg.grad_accum * env.world_size} x {cfg.seq_len} = {tokens_per_step:,} tokens")
+                  f"{run.global_batch} x {cfg.seq_len} = {run.tokens_per_step:,} tokens")
+    return run
 
-    teacher_ppl = initial_ppl = None
+
+def _write_config(run: Run) -> None:
+    write_json(run.run.path / "config.json", {"schema_version": SCHEMA_VERSION, "bdlora_version": __version__,
+                                              "config": dataclasses.asdict(run.cfg)})
+
+
+def _resume(run: Run, run_dir: RunDir) -> None:
+    run.run = run_dir
+    if run.env.is_main:
+        remove_stale(run_dir.checkpoints_dir)
+    ckpt = latest_checkpoint(run_dir.path, on_warning=run.reporter.stage)
+    if ckpt is None:
+        raise RunDirError(f"--resume {run_dir.path}: no complete checkpoint to continue from")
+    state = load_checkpoint(ckpt, run.model, run.optimizer, run.scheduler, run.method)
+    run.start_step, run.prior_seconds = state["step"], state.get("train_seconds", 0.0)
+    if run.env.is_main:
+        logs = [run_dir.metrics_log] + ([run_dir.path / run.method.log_name] if run.method.log_name else [])
+        for log in logs:
+            truncate_jsonl(log, run.start_step, on_warning=run.reporter.stage)
+        _write_config(run)
+    run.reporter.stage(f"resuming {run_dir.path} at step {run.start_step} ({ckpt.name})")
+
+
+def loop(run: Run) -> None:
+    """Optimiser steps from ``run.start_step`` to the end; validation, logs and checkpoints on their schedule."""
+    cfg, env, rep = run.cfg, run.env, run.reporter
+    run.figures = {"teacher_val_ppl": None, "initial_student_val_ppl": None, "student_val_ppl": None}
     if env.is_main:
         rep.stage("evaluating teacher and initial student")
-        teacher_ppl = perplexity(sess.teacher, sess.val_blocks)
-        initial_ppl = perplexity(model, sess.val_blocks) if start_step == 0 else None
-
-    metrics_f = open(run_dir / "metrics.jsonl", "a") if env.is_main else None
-    ctrl_f = open(run_dir / "controller.jsonl", "a") if env.is_main and isinstance(method, Budgeted) else None
-    rep.start(total, start_step)
-    t0 = time.time()
-    val_ppl = initial_ppl
-    model.train()
-    stop = _StopRequest()
-    gated = list(method.gated.values()) if isinstance(method, Budgeted) else []
+        run.figures["teacher_val_ppl"] = perplexity(run.sess.teacher, run.sess.val_blocks)
+        if run.start_step == 0:
+            run.figures["initial_student_val_ppl"] = perplexity(run.model, run.sess.val_blocks)
+    run.figures["student_val_ppl"] = run.figures["initial_student_val_ppl"]
+    logs = _open_logs(run)
+    rep.start(cfg.max_steps, run.start_step)
+    run.t0 = time.time()
+    run.model.train()
+    stop = StopRequest()
     try:
-        for step in range(start_step, total):
-            progress = step / max(1, total - 1)
-            ctrl = method.before_step(progress)
-            D.check_same_retentions(env, [m._d for m in gated], step + 1)
-            if ctrl_f is not None:
-                ctrl_f.write(json.dumps({"step": step + 1, **ctrl}) + "\n")
-            loss_sum, kd_sum, ce_sum = 0.0, 0.0, 0.0
-            for micro in range(cfg.grad_accum):
-                first = ((step * cfg.grad_accum + micro) * env.world_size + env.rank) * cfg.batch_size
-                x = torch.from_numpy(sess.train_blocks.get(sampler.indices(first, cfg.batch_size))).to(device)
-                sync = ddp is None or micro == cfg.grad_accum - 1
-                with (contextlib.nullcontext() if sync else ddp.no_sync()):
-                    loss, parts = kd_step(model, sess.teacher, loss_fn, x, device, ddp)
-                    if not torch.isfinite(loss.detach()):
-                        raise TrainingError(f"loss became {float(loss)} at step {step + 1}; lower --lr (now {cfg.lr})")
-                    (loss / cfg.grad_accum).backward()
-                loss_sum += float(loss.detach()) / cfg.grad_accum
-                kd_sum += parts["kd"] / cfg.grad_accum
-                ce_sum += parts["ce"] / cfg.grad_accum
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            loss_sum, kd_sum, ce_sum = D.mean_over_ranks(env, [loss_sum, kd_sum, ce_sum])
-            done = step + 1
-            elapsed = time.time() - t0
-            m = {"step": done, "loss": loss_sum, "kd": kd_sum, "ce": ce_sum, "lr": scheduler.get_last_lr()[0],
-                 "grad_norm": grad_norm, "tokens": done * tokens_per_step,
-                 "tokens_per_s": (done - start_step) * tokens_per_step / max(elapsed, 1e-9)}
-            if ctrl is not None:
-                m.update(budget=ctrl["budget"], retained=ctrl["retained"], zero=ctrl["zero"])
-            if env.is_main and (done % cfg.eval_every == 0 or done == total):
-                val_ppl = perplexity(model, sess.val_blocks)
-                m["val_ppl"] = val_ppl
-                rep.evaluated(done, m)
-            if metrics_f is not None:
-                metrics_f.write(json.dumps(m) + "\n")
-                metrics_f.flush()
-            if ctrl_f is not None:
-                ctrl_f.flush()
-            rep.step(done, m)
+        for step in range(run.start_step, cfg.max_steps):
+            m = _optimiser_step(run, step, logs)
             stopping = D.any_rank(env, stop.requested is not None)
-            if env.is_main and ((cfg.save_every and done % cfg.save_every == 0 and done < total) or stopping):
-                save_checkpoint(run_dir, done, model, optimizer, scheduler, method,
-                                {"train_seconds": prior_seconds + elapsed}, cfg.keep_last)
+            done = m["step"]
+            if env.is_main and ((cfg.save_every and done % cfg.save_every == 0 and done < cfg.max_steps) or stopping):
+                save_checkpoint(run.run.checkpoints_dir, done, run.model, run.optimizer, run.scheduler, run.method,
+                                {"train_seconds": run.prior_seconds + time.time() - run.t0}, cfg.keep_last)
             if stopping:
                 D.barrier(env)
                 raise KeyboardInterrupt(f"stopped by {stop.requested or 'a signal to another rank'} after step "
-                                        f"{done}; checkpoint saved, continue with --resume {run_dir}")
+                                        f"{done}; checkpoint saved, continue with --resume {run.run.path}")
     finally:
         stop.restore()
-        if metrics_f is not None:
-            metrics_f.close()
-        if ctrl_f is not None:
-            ctrl_f.close()
+        for f in logs.values():
+            f.close()
         rep.finish()
-    train_seconds = prior_seconds + time.time() - t0
-    tokens_per_s = (total - start_step) * tokens_per_step / max(time.time() - t0, 1e-9)
+    run.t1 = time.time()
+
+
+def _open_logs(run: Run) -> dict:
+    if not run.env.is_main:
+        return {}
+    logs = {"metrics": open(run.run.metrics_log, "a")}
+    if run.method.log_name:
+        logs["method"] = open(run.run.path / run.method.log_name, "a")
+    return logs
+
+
+def _optimiser_step(run: Run, step: int, logs: dict) -> dict:
+    """One optimiser step (``grad_accum`` micro-batches) and its metrics record (logged, reported)."""
+    cfg, env = run.cfg, run.env
+    record = run.method.before_step(step / max(1, cfg.max_steps - 1))
+    D.check_same_retentions(env, run.method.retentions(), step + 1)
+    if "method" in logs:
+        logs["method"].write(json.dumps({"step": step + 1, **record}) + "\n")
+        logs["method"].flush()
+    sums = [0.0, 0.0, 0.0]  # loss, kd, ce
+    for micro in range(cfg.grad_accum):
+        first = ((step * cfg.grad_accum + micro) * env.world_size + env.rank) * cfg.batch_size
+        x = torch.from_numpy(run.sess.train_blocks.get(run.sampler.indices(first, cfg.batch_size))).to(run.device)
+        sync = run.ddp is None or micro == cfg.grad_accum - 1
+        with (contextlib.nullcontext() if sync else run.ddp.no_sync()):
+            loss, parts = kd_step(run.model, run.sess.teacher, run.loss_fn, x, run.device, run.ddp)
+            if not torch.isfinite(loss.detach()):
+                raise TrainingError(f"loss became {float(loss)} at step {step + 1}; lower --lr (now {cfg.lr})")
+            (loss / cfg.grad_accum).backward()
+        for i, v in enumerate((float(loss.detach()), parts["kd"], parts["ce"])):
+            sums[i] += v / cfg.grad_accum
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(run.params, cfg.grad_clip))
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    loss, kd, ce = D.mean_over_ranks(env, sums)
+    done, elapsed = step + 1, time.time() - run.t0
+    m = {"step": done, "loss": loss, "kd": kd, "ce": ce, "lr": run.scheduler.get_last_lr()[0],
+         "grad_norm": grad_norm, "tokens": done * run.tokens_per_step,
+         "tokens_per_s": (done - run.start_step) * run.tokens_per_step / max(elapsed, 1e-9),
+         **run.method.step_metrics(record)}
+    if env.is_main and (done % cfg.eval_every == 0 or done == cfg.max_steps):
+        m["val_ppl"] = run.figures["student_val_ppl"] = perplexity(run.model, run.sess.val_blocks)
+        run.reporter.evaluated(done, m)
+    if "metrics" in logs:
+        logs["metrics"].write(json.dumps(m) + "\n")
+        logs["metrics"].flush()
+    run.reporter.step(done, m)
+    return m
+
+
+def finish(run: Run) -> dict:
+    """Save the student, then ``summary.json`` (written last: it marks the run finished)."""
+    cfg, env = run.cfg, run.env
+    steps_here = cfg.max_steps - run.start_step
+    train_seconds = run.prior_seconds + run.t1 - run.t0
     if not env.is_main:
         D.barrier(env)
-        return {"rank": env.rank, "run_dir": str(run_dir)}
-
-    rep.stage("saving the student")
-    with atomic_dir(run_dir / "student") as tmp:
-        method.save_student(model, sess.tokenizer, tmp)
+        return {"rank": env.rank, "run_dir": str(run.run.path)}
+    run.reporter.stage("saving the student")
+    with atomic_dir(run.run.student_dir) as tmp:
+        run.method.save_student(run.model, run.sess.tokenizer, tmp)
     summary = {
         "schema_version": SCHEMA_VERSION, "bdlora_version": __version__, "method": cfg.method,
         "teacher": cfg.teacher, "data": cfg.data, "student_layers": cfg.student_layers,
-        "layer_indices": sess.layer_indices, "steps": total, "tokens": total * tokens_per_step,
-        "world_size": env.world_size, "global_batch": cfg.batch_size * cfg.grad_accum * env.world_size,
-        "teacher_val_ppl": teacher_ppl, "initial_student_val_ppl": initial_ppl, "student_val_ppl": val_ppl,
-        "train_seconds": train_seconds, "tokens_per_s": tokens_per_s, "resumed_from": start_step or None,
-        "trainable_parameters": sum(p.numel() for p in params),
+        "layer_indices": run.sess.layer_indices, "steps": cfg.max_steps, "tokens": cfg.max_steps * run.tokens_per_step,
+        "world_size": env.world_size, "global_batch": run.global_batch, **run.figures,
+        "train_seconds": train_seconds, "tokens_per_s": steps_here * run.tokens_per_step / max(run.t1 - run.t0, 1e-9),
+        "resumed_from": run.start_step or None, "trainable_parameters": sum(p.numel() for p in run.params),
+        **run.method.summary(run.model),
     }
-    shapes = shapes_from_config(sess.student.config.to_dict() if hasattr(sess.student, "config") else {})
-    rank = cfg.lora_rank
-    d_bar = {"kd-full": 1.0, "kd-lora": 1.0}.get(cfg.method) or method.controller.mean_retained
-    summary["compute_proxy"] = training_compute_proxy(shapes, rank, d_bar)
-    summary.update(method.summary(model))
-    if isinstance(method, Budgeted):
-        from bdlora.plots import plot_controller
-
-        plot_controller(run_dir / "controller.jsonl", summary["modules"], run_dir / "controller.png")
-        if dense_copy is not None:
-            rep.stage("timing training steps of kd-full, kd-lora and budgeted (d = 0) on the same student")
-            x = torch.from_numpy(sess.train_blocks.get(sampler.indices(0, cfg.batch_size))).to(device)
-            summary["step_time_ms"] = measure_step_times(dense_copy, sess.teacher, x, cfg, device)
-    write_json(run_dir / "summary.json", summary)
+    batch = torch.from_numpy(run.sess.train_blocks.get(run.sampler.indices(0, cfg.batch_size))).to(run.device)
+    run.method.finalize(run.run.path, summary, run.sess.teacher, batch, run.device, run.reporter.stage)
+    write_json(run.run.path / RunDir.MARKER, summary)
     D.barrier(env)
-    summary["run_dir"] = str(run_dir)
-    return summary
-
-
-def measure_step_times(dense_student, teacher, x, cfg: TrainConfig, device, warmup: int = 2,
-                       repeats: int = 5) -> dict:
-    """Median wall time of one optimiser step (teacher forward included) for kd-full, kd-lora and budgeted with
-    every d = 0 (after the decay at F = 0), on copies of the same student and batch, interleaved round-robin so
-    machine noise hits all three alike. This is what the training-compute proxy predicts."""
-    loss_fn = DistillationLoss(cfg.temperature, cfg.kd_weight, cfg.loss_chunk)
-    setups = {}
-    for cls in (KDFull, KDLoRA, Budgeted):
-        mcfg = dataclasses.replace(cfg, budget=0.0)
-        meth = cls(mcfg)
-        model = meth.wrap(copy.deepcopy(dense_student)).to(device)
-        if isinstance(meth, Budgeted):
-            for m in meth.gated.values():
-                m.set_retention(0.0)
-        ps = [p for p in model.parameters() if p.requires_grad]
-        setups[cls.name] = (model, torch.optim.AdamW(ps, lr=1e-6))
-    times: dict[str, list[float]] = {k: [] for k in setups}
-    for i in range(warmup + repeats):
-        for name, (model, opt) in setups.items():
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            loss, _ = kd_step(model, teacher, loss_fn, x, device)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            if i >= warmup:
-                times[name].append((time.perf_counter() - t) * 1000)
-    med = {k: float(np.median(v)) for k, v in times.items()}
-    return {**med, "budgeted_vs_full": med["budgeted"] / med["kd-full"],
-            "lora_vs_full": med["kd-lora"] / med["kd-full"], "repeats": repeats}
-
-
-def is_run_dir(path: Path) -> bool:
-    return (path / "config.json").exists() and (path / "summary.json").exists() and (path / "student").is_dir()
-
-
-def latest_run(runs_dir: str | Path = "runs") -> Path:
-    runs = [p for p in Path(runs_dir).glob("*") if p.is_dir() and is_run_dir(p)]
-    if not runs:
-        raise RunDirError(f"no finished run under {runs_dir}/ (train one with `bdlora train`, or pass RUN_DIR)")
-    return max(runs, key=lambda p: (p / "summary.json").stat().st_mtime)
-
-
-def load_run_student(run_dir: str | Path, device: str = "cpu"):
-    """(model, tokenizer, summary) of a finished run, in its trained form (gated modules / PEFT adapter intact)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    run_dir = Path(run_dir)
-    if not is_run_dir(run_dir):
-        raise RunDirError(f"{run_dir}: not a finished bdlora run (needs config.json, summary.json and student/)")
-    sdir = run_dir / "student"
-    model = AutoModelForCausalLM.from_pretrained(str(sdir), dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(str(sdir))
-    summary = read_json(run_dir / "summary.json")
-    if (sdir / "adapter").exists():
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, str(sdir / "adapter"))
-    elif (sdir / "budgeted.json").exists():
-        from bdlora.methods import load_budgeted_student
-
-        model = load_budgeted_student(sdir, model)
-    return model.to(device).eval(), tok, summary
+    return {**summary, "run_dir": str(run.run.path)}

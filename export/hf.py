@@ -10,8 +10,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from bdlora.errors import ModelError, UsageError
-from bdlora.io import atomic_dir, read_json, write_text
+from bdlora.errors import ModelError
+from bdlora.io import atomic_dir, write_json, write_text
+from bdlora.runs import ModelDir, check_out_dir
 
 MODELING_FILE = Path(__file__).with_name("modeling_bdlora.py")
 
@@ -27,31 +28,14 @@ def register() -> None:
         AutoModelForCausalLM.register(cfg_cls, model_cls, exist_ok=True)
 
 
-def check_out_dir(out: Path, force: bool, inputs: tuple[Path, ...] = ()) -> None:
-    """Refuse an existing non-empty ``--out`` unless ``--force``; never allow writing over an input."""
-    out = Path(out)
-    for src in inputs:
-        s, o = Path(src).resolve(), out.resolve()
-        if o == s or s in o.parents or o in s.parents:
-            raise UsageError(f"--out {out}: overlaps the input {src}; inputs are never modified")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise UsageError(f"--out {out}: exists and is not empty (use --force to replace it)")
-
-
-def save_model_folder(model, tokenizer, out: Path, report: dict, force: bool = False) -> Path:
+def save_model_folder(model, tokenizer, out: Path, report: dict) -> Path:
     """Write the model folder atomically: an interrupted save leaves no folder that looks complete."""
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         shutil.copy(MODELING_FILE, tmp / MODELING_FILE.name)
         tokenizer.save_pretrained(tmp)
-        from bdlora.io import write_json
-
-        write_json(tmp / "compression.json", report)
+        write_json(tmp / ModelDir.MARKER, report)
     return out
-
-
-def is_model_folder(path: Path) -> bool:
-    return (Path(path) / "config.json").exists() and (Path(path) / "compression.json").exists()
 
 
 def model_card(report: dict) -> str:
@@ -99,14 +83,14 @@ def model_card(report: dict) -> str:
 
 def export_hf(model_dir: Path, out: Path, force: bool = False) -> Path:
     """Copy a compressed model folder into a clean, shareable folder with a generated model card."""
-    model_dir = Path(model_dir)
-    if not is_model_folder(model_dir):
-        raise ModelError(f"{model_dir}: not a bdlora model folder (needs config.json and compression.json; "
+    src = ModelDir(model_dir)
+    if not src.finished():
+        raise ModelError(f"{src.path}: not a bdlora model folder (needs config.json and compression.json; "
                          "run `bdlora compress` first)")
-    check_out_dir(out, force, (model_dir,))
-    report = read_json(model_dir / "compression.json")
+    check_out_dir(out, force, (src.path,))
+    report = src.report()
     with atomic_dir(out) as tmp:
-        for f in sorted(model_dir.iterdir()):
+        for f in sorted(src.path.iterdir()):
             if f.is_file() and not f.name.startswith("."):
                 shutil.copy(f, tmp / f.name)
         write_text(tmp / "README.md", model_card(report))

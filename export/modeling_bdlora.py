@@ -42,11 +42,23 @@ class LowRankLinear(nn.Module):
 
 
 class BdloraConfigMixin:
-    def _init_bdlora(self, bdlora_modules=None, bdlora=None):
+    """The base family's config plus ``bdlora_modules`` (every replaced projection's form) and ``bdlora``
+    (provenance: base model type, budget F, thresholds, MAC totals; informational)."""
+
+    def __init__(self, bdlora_modules=None, bdlora=None, **kwargs):
+        super().__init__(**kwargs)
         # {"model.layers.0.self_attn.q_proj": {"form": "lowrank", "rank": 16}, ...}; modules not listed stay dense
         self.bdlora_modules = dict(bdlora_modules or {})
-        # provenance: base model type, budget F, thresholds, MAC totals (informational)
         self.bdlora = dict(bdlora or {})
+
+
+class BdloraModelMixin:
+    """The base family's causal LM with the projections of ``config.bdlora_modules`` replaced."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        _replace_modules(self, config.bdlora_modules)
+        self.post_init()
 
 
 def _replace_modules(model: nn.Module, modules: dict) -> None:
@@ -63,52 +75,25 @@ def _replace_modules(model: nn.Module, modules: dict) -> None:
 class BdloraMistralConfig(BdloraConfigMixin, MistralConfig):
     model_type = "bdlora_mistral"
 
-    def __init__(self, bdlora_modules=None, bdlora=None, **kwargs):
-        super().__init__(**kwargs)
-        self._init_bdlora(bdlora_modules, bdlora)
-
 
 class BdloraLlamaConfig(BdloraConfigMixin, LlamaConfig):
     model_type = "bdlora_llama"
-
-    def __init__(self, bdlora_modules=None, bdlora=None, **kwargs):
-        super().__init__(**kwargs)
-        self._init_bdlora(bdlora_modules, bdlora)
 
 
 class BdloraQwen2Config(BdloraConfigMixin, Qwen2Config):
     model_type = "bdlora_qwen2"
 
-    def __init__(self, bdlora_modules=None, bdlora=None, **kwargs):
-        super().__init__(**kwargs)
-        self._init_bdlora(bdlora_modules, bdlora)
 
-
-class BdloraMistralForCausalLM(MistralForCausalLM):
+class BdloraMistralForCausalLM(BdloraModelMixin, MistralForCausalLM):
     config_class = BdloraMistralConfig
 
-    def __init__(self, config):
-        super().__init__(config)
-        _replace_modules(self, config.bdlora_modules)
-        self.post_init()
 
-
-class BdloraLlamaForCausalLM(LlamaForCausalLM):
+class BdloraLlamaForCausalLM(BdloraModelMixin, LlamaForCausalLM):
     config_class = BdloraLlamaConfig
 
-    def __init__(self, config):
-        super().__init__(config)
-        _replace_modules(self, config.bdlora_modules)
-        self.post_init()
 
-
-class BdloraQwen2ForCausalLM(Qwen2ForCausalLM):
+class BdloraQwen2ForCausalLM(BdloraModelMixin, Qwen2ForCausalLM):
     config_class = BdloraQwen2Config
-
-    def __init__(self, config):
-        super().__init__(config)
-        _replace_modules(self, config.bdlora_modules)
-        self.post_init()
 
 
 # base model_type -> (config class, model class)

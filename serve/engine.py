@@ -9,7 +9,11 @@ output: at temperature 0 the text equals the model's own greedy generation. A fi
 (client gone) leaves the batch at the next step, freeing its slot; padding columns no row needs are trimmed.
 
 Results flow back through a per-request callback (the server posts them to the request's asyncio queue with
-``loop.call_soon_threadsafe``).
+``loop.call_soon_threadsafe``). A failure while sampling or emitting fails only its sequence; a failed step fails
+its batch and the engine goes on; if the worker itself dies, every waiting request is answered and ``on_fatal`` is
+called (the server then exits non-zero so a supervisor restarts it).
+
+numpy, onnxruntime and tokenizers only: the serving process never loads torch.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bdlora.export.onnx import empty_past, left_padded
+from bdlora.runtime import DecoderShape, empty_past, left_padded, session
+from bdlora.tokenizer import TextTokenizer
 
 
 @dataclass
@@ -150,18 +155,13 @@ class Engine:
 
     def __init__(self, onnx_dir: str | Path, onnx_file: str = "model.onnx", max_batch: int = 16,
                  threads: int | None = None, on_fatal: Callable[[str], None] | None = None):
-        from transformers import AutoConfig, AutoTokenizer
-
-        import bdlora  # noqa: F401  registers the bdlora config classes
-        from bdlora.export.onnx import session
-
         self.dir = Path(onnx_dir)
-        self.config = AutoConfig.from_pretrained(str(self.dir))
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.dir))
+        self.shape = DecoderShape.from_folder(self.dir)
+        self.tokenizer = TextTokenizer(self.dir)
         self.sess = session(self.dir / onnx_file, threads=threads)
         self.input_names = [i.name for i in self.sess.get_inputs()]
         self.max_batch = max_batch
-        self.max_positions = getattr(self.config, "max_position_embeddings", None) or 1 << 30
+        self.max_positions = self.shape.max_positions
         self.eos = self.tokenizer.eos_token_id
         self._waiting: queue.Queue[Request | None] = queue.Queue()
         self._stop = threading.Event()
@@ -203,16 +203,8 @@ class Engine:
     def _prefill(self, reqs: list[Request]):
         """Left-padded prefill of new requests: (seqs, mask (b, T), presents, last logits (b, V))."""
         ids, mask, pos = left_padded([r.prompt_ids for r in reqs])
-        logits, presents = self._run(ids, mask, pos, empty_past(self.config, len(reqs)))
+        logits, presents = self._run(ids, mask, pos, empty_past(self.shape, len(reqs)))
         return mask, presents, logits
-
-    @staticmethod
-    def _left_pad(arrs: list[np.ndarray], mask: np.ndarray, length: int):
-        extra = length - mask.shape[1]
-        if extra <= 0:
-            return arrs, mask
-        arrs = [np.pad(a, ((0, 0), (0, 0), (extra, 0), (0, 0))) for a in arrs]
-        return arrs, np.pad(mask, ((0, 0), (extra, 0)))
 
     def _loop(self) -> None:
         try:
@@ -245,74 +237,111 @@ class Engine:
                 _safe_emit(s.req, "error", f"{type(e).__name__}: {e}")
 
     def _serve(self) -> None:
-        seqs: list[_Seq] = []
-        cache: list[np.ndarray] = []
-        mask = np.zeros((0, 0), dtype=np.int64)
+        batch = _Batch()
         while not self._stop.is_set():
-            # 1. admit: block only when nothing is running
-            new: list[Request] = []
-            self._admitted = new
-            while len(seqs) + len(new) < self.max_batch:
-                try:
-                    r = self._waiting.get(block=not seqs and not new, timeout=None)
-                except queue.Empty:
-                    break
-                if r is None:
-                    return
-                if not r.cancelled.is_set():
-                    new.append(r)
+            new = self._admit(len(batch.seqs))  # blocks only when nothing is running
+            if new is None:
+                return
             if new:
-                try:
-                    nmask, npres, logits = self._prefill(new)
-                except Exception as e:  # noqa: BLE001  a request the graph cannot run fails alone
-                    for r in new:
-                        _safe_emit(r, "error", f"{type(e).__name__}: {e}")
-                    new = []
-                if new:
-                    fresh = [_Seq(r, self.tokenizer, self.eos) for r in new]
-                    self._advance(fresh, logits)
-                    if seqs:
-                        t = max(mask.shape[1], nmask.shape[1])
-                        cache, mask = self._left_pad(cache, mask, t)
-                        npres, nmask = self._left_pad(list(npres), nmask, t)
-                        cache = [np.concatenate([a, b_], 0) for a, b_ in zip(cache, npres)]
-                        mask = np.concatenate([mask, nmask], 0)
-                    else:
-                        cache, mask = list(npres), nmask
-                    seqs += fresh
-            # 2. drop finished / cancelled rows, trim padding no row needs
-            keep = [i for i, s in enumerate(seqs) if s.finish is None and not s.req.cancelled.is_set()]
-            if len(keep) != len(seqs):
-                seqs = [seqs[i] for i in keep]
-                if seqs:
-                    cache = [a[keep] for a in cache]
-                    mask = mask[keep]
-                    used = np.flatnonzero(mask.any(0))
-                    start = int(used[0]) if used.size else mask.shape[1]
-                    if start:
-                        cache = [a[:, :, start:] for a in cache]
-                        mask = mask[:, start:]
-                else:
-                    cache, mask = [], np.zeros((0, 0), dtype=np.int64)
-            self.active = len(seqs)
-            self._live = seqs
-            if not seqs:
-                continue
-            # 3. one decode step for every active sequence
-            ids = np.array([[s.next_token] for s in seqs], dtype=np.int64)
-            pos = np.array([[s.pos] for s in seqs], dtype=np.int64)
-            mask = np.concatenate([mask, np.ones((len(seqs), 1), dtype=np.int64)], 1)
-            try:
-                logits, cache = self._run(ids, mask, pos, cache)
-            except Exception as e:  # noqa: BLE001  the batch's step failed: fail its sequences, keep serving
-                for s in seqs:
-                    _safe_emit(s.req, "error", f"{type(e).__name__}: {e}")
-                self.failed += len(seqs)
-                seqs, cache, mask = [], [], np.zeros((0, 0), dtype=np.int64)
-                continue
-            self.steps += 1
-            self.decode_rows += len(seqs)
-            for s in seqs:
-                s.pos += 1
-            self._advance(seqs, logits)
+                self._start(new, batch)
+            batch.drop_finished()
+            self.active = len(batch.seqs)
+            self._live = batch.seqs
+            if batch.seqs:
+                self._decode(batch)
         self.active = 0
+
+    def _admit(self, running: int) -> list[Request] | None:
+        """Waiting requests up to ``max_batch`` sequences in all; None when the engine is shut down."""
+        new: list[Request] = []
+        self._admitted = new
+        while running + len(new) < self.max_batch:
+            try:
+                r = self._waiting.get(block=not running and not new, timeout=None)
+            except queue.Empty:
+                break
+            if r is None:
+                return None
+            if not r.cancelled.is_set():
+                new.append(r)
+        return new
+
+    def _start(self, new: list[Request], batch: _Batch) -> None:
+        """Prefill new requests together and merge them into the running batch (a failed prefill fails them)."""
+        try:
+            nmask, npres, logits = self._prefill(new)
+        except Exception as e:  # noqa: BLE001  a request the graph cannot run fails alone
+            for r in new:
+                _safe_emit(r, "error", f"{type(e).__name__}: {e}")
+            return
+        fresh = [_Seq(r, self.tokenizer, self.eos) for r in new]
+        self._advance(fresh, logits)
+        batch.merge(fresh, list(npres), nmask)
+
+    def _decode(self, batch: _Batch) -> None:
+        """One decode step for every sequence of the batch."""
+        seqs = batch.seqs
+        ids = np.array([[s.next_token] for s in seqs], dtype=np.int64)
+        pos = np.array([[s.pos] for s in seqs], dtype=np.int64)
+        mask = np.concatenate([batch.mask, np.ones((len(seqs), 1), dtype=np.int64)], 1)
+        try:
+            logits, batch.cache = self._run(ids, mask, pos, batch.cache)
+        except Exception as e:  # noqa: BLE001  the batch's step failed: fail its sequences, keep serving
+            for s in seqs:
+                _safe_emit(s.req, "error", f"{type(e).__name__}: {e}")
+            self.failed += len(seqs)
+            batch.clear()
+            return
+        batch.mask = mask
+        self.steps += 1
+        self.decode_rows += len(seqs)
+        for s in seqs:
+            s.pos += 1
+        self._advance(seqs, logits)
+
+
+class _Batch:
+    """The running sequences and their KV cache (left padded to one length; the mask marks the padding)."""
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self) -> None:
+        self.seqs: list[_Seq] = []
+        self.cache: list[np.ndarray] = []
+        self.mask = np.zeros((0, 0), dtype=np.int64)
+
+    @staticmethod
+    def _left_pad(arrs: list[np.ndarray], mask: np.ndarray, length: int):
+        extra = length - mask.shape[1]
+        if extra <= 0:
+            return arrs, mask
+        return [np.pad(a, ((0, 0), (0, 0), (extra, 0), (0, 0))) for a in arrs], np.pad(mask, ((0, 0), (extra, 0)))
+
+    def merge(self, fresh: list[_Seq], cache: list[np.ndarray], mask: np.ndarray) -> None:
+        if self.seqs:
+            t = max(self.mask.shape[1], mask.shape[1])
+            self.cache, self.mask = self._left_pad(self.cache, self.mask, t)
+            cache, mask = self._left_pad(cache, mask, t)
+            self.cache = [np.concatenate([a, b], 0) for a, b in zip(self.cache, cache)]
+            self.mask = np.concatenate([self.mask, mask], 0)
+        else:
+            self.cache, self.mask = cache, mask
+        self.seqs += fresh
+
+    def drop_finished(self) -> None:
+        """Finished and cancelled rows leave; padding columns no remaining row needs are trimmed."""
+        keep = [i for i, s in enumerate(self.seqs) if s.finish is None and not s.req.cancelled.is_set()]
+        if len(keep) == len(self.seqs):
+            return
+        if not keep:
+            self.clear()
+            return
+        self.seqs = [self.seqs[i] for i in keep]
+        self.cache = [a[keep] for a in self.cache]
+        self.mask = self.mask[keep]
+        used = np.flatnonzero(self.mask.any(0))
+        start = int(used[0]) if used.size else self.mask.shape[1]
+        if start:
+            self.cache = [a[:, :, start:] for a in self.cache]
+            self.mask = self.mask[:, start:]

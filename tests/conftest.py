@@ -95,7 +95,7 @@ def budgeted_student(model, d_values=None, seed=0, rank=4, alpha=8.0):
     whose retentions cycle through ``d_values`` (module i gets d_values[i % len]); gates stay at their init."""
     import copy
 
-    from bdlora.layers import apply_budgeted_lora, gated_modules
+    from bdlora.budgeted.model import apply_budgeted_lora, gated_modules
 
     s = copy.deepcopy(model)
     apply_budgeted_lora(s, rank=rank, alpha=alpha)
@@ -109,8 +109,9 @@ def budgeted_student(model, d_values=None, seed=0, rank=4, alpha=8.0):
 
 def compressed_student(model, d_values, seed=0, budget=0.4):
     """(trained gated student, compressed bdlora model, report) with SVD rank cap 8 for the tiny shapes."""
-    from bdlora.compress import Thresholds, compress_budgeted
+    from bdlora.budgeted.config import BudgetedConfig
+    from bdlora.budgeted.model import compress_budgeted
 
     trained = budgeted_student(model, d_values, seed)
-    compressed, report = compress_budgeted(trained, Thresholds(svd_max_rank=8), {"budget": budget})
+    compressed, report = compress_budgeted(trained, BudgetedConfig(svd_max_rank=8), {"budget": budget})
     return trained, compressed, report

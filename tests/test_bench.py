@@ -4,15 +4,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from bdlora.bench import (
-    BenchConfig,
-    ProjectionStack,
-    dense_variant,
-    floor_variant,
-    lora_variant,
-    run_bench,
-    synthetic_model,
-)
+from bdlora.bench.config import BenchConfig
+from bdlora.bench.run import run_bench
+from bdlora.bench.variants import ProjectionStack, dense_variant, floor_variant, lora_variant, synthetic_model
+from bdlora.budgeted.config import BudgetedConfig
 from bdlora.cli import app
 from bdlora.export.hf import save_model_folder
 from bdlora.plan import plan
@@ -77,7 +72,7 @@ def test_bench_report_schema_and_signatures(tiny_model, tmp_path):
 @pytest.mark.parametrize("budget", [0.0, 0.4])
 def test_synthetic_mode_builds_the_planned_structure(budget):
     model, report = synthetic_model(TINY, budget, layers=2, rank=4)
-    expected = plan(TINY, budget, layers=2, rank=4)
+    expected = plan(TINY, BudgetedConfig(budget=budget, rank=4), layers=2)
     assert report["modules"] == expected["modules"]
     forms = model.config.bdlora_modules
     for m in expected["modules"]:
@@ -94,12 +89,12 @@ def test_cli_bench_synthetic_and_bad_input(tmp_path, tiny_model, tiny_env):
     r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "b"), "--json", str(tmp_path / "b.json")])
     assert r.exit_code == 0, r.output
     doc = json.loads((tmp_path / "b.json").read_text())
-    p = plan(TINY, 0.0, rank=4)
+    p = plan(TINY, BudgetedConfig(budget=0.0, rank=4))
     assert doc["mac_ratio_modules_vs_dense"] == pytest.approx(p["speedup_vs_dense"])
     assert doc["mac_ratio_modules_vs_lora"] == pytest.approx(p["speedup_vs_lora"])
     for bad, needle in [(["--provider", "tpu"], "--provider 'tpu': unknown (allowed: cpu, cuda)"),
                         (["--provider", "cuda"], "--provider cuda: onnxruntime here has"),
-                        (["--repeats", "0"], "--repeats 0: must be >= 1"),
+                        (["--repeats", "0"], "--repeats 0: must be a positive integer"),
                         (["--batch-sizes", ""], "--batch-sizes '': empty list"),
                         (["--seq-lens", "a,b"], "--seq-lens 'a,b': need comma-separated integers")]:
         r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "x"), *bad])

@@ -24,7 +24,7 @@ def _assert_usage_error(res, needle, out):
 @pytest.mark.parametrize("extra,needle", [
     (["--method", "kd-magic"], "--method 'kd-magic': unknown (allowed: kd-full, kd-lora, budgeted)"),
     (["--layer-selection", "random"], "--layer-selection 'random': unknown (allowed: first, middle, last, mixed"),
-    (["--student-layers", "0"], "--student-layers 0: must be >= 1"),
+    (["--student-layers", "0"], "--student-layers 0: must be a positive integer"),
     (["--student-layers", "5"], "--student-layers 5: must be between 1 and the teacher's 4"),
     (["--seq-len", "256"], "--seq-len 256: above the model's max_position_embeddings (128)"),
     (["--max-steps", "0"], "--max-steps 0: must be a positive integer"),
@@ -32,11 +32,11 @@ def _assert_usage_error(res, needle, out):
     (["--batch-size", "0"], "--batch-size 0: must be a positive integer"),
     (["--budget", "1.5"], "--budget 1.5: must be in [0, 1]"),
     (["--decay-start", "0.5", "--decay-end", "0.2"], "--decay-start 0.5 > --decay-end 0.2"),
-    (["--lora-rank", "0"], "--lora-rank 0: must be >= 1"),
+    (["--lora-rank", "0"], "--lora-rank 0: must be a positive integer"),
     (["--lora-alpha", "0"], "--lora-alpha 0.0: must be > 0"),
     (["--retention-ema", "1"], "--retention-ema 1.0: must be in [0, 1)"),
     (["--device", "tpu"], "--device 'tpu': unknown (allowed: auto, cpu, cuda)"),
-    (["--nproc", "0"], "--nproc 0: must be >= 1"),
+    (["--nproc", "0"], "--nproc 0: must be a positive integer"),
 ])
 def test_bad_options(tiny_env, tmp_path, extra, needle):
     out = tmp_path / "run"

@@ -8,13 +8,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from bdlora.budgeted.config import BudgetedConfig
+from bdlora.budgeted.layer import GatedLoRALinear, fused_svd_pair
+from bdlora.budgeted.model import compress_budgeted
 from bdlora.cli import app
-from bdlora.compress import Thresholds, compress_budgeted, compress_module, fused_svd_pair, harden_gates
 from bdlora.errors import ConfigError
-from bdlora.layers import GatedLoRALinear
 from conftest import budgeted_student
 
-TH = Thresholds(eps_zero=1e-3, eps_lr=0.7, gate_threshold=0.3, svd_max_rank=8)
+TH = BudgetedConfig(eps_zero=1e-3, eps_lr=0.7, gate_threshold=0.3, svd_max_rank=8)
 
 
 def _module(d, in_f=24, out_f=40, rank=6, bias=True, seed=0):
@@ -44,7 +45,7 @@ def test_harden_keeps_at_least_one_rank():
     with torch.no_grad():
         m.gate_logits.fill_(-5.0)
         m.gate_logits[2] = -4.0
-    a, b = harden_gates(m, 0.3)
+    a, b = m.hardened(0.3)
     assert a.shape == (1, 24) and b.shape == (40, 1)
     torch.testing.assert_close(a[0], m.lora_A[2].double())
 
@@ -52,7 +53,7 @@ def test_harden_keeps_at_least_one_rank():
 @pytest.mark.parametrize("d,case", [(0.0, "dropped"), (0.85, "kept"), (1.0, "kept")])
 def test_case_1_and_3_equal_hardened_module(d, case):
     m = _module(d)
-    c = compress_module("m", m, TH)
+    c = m.to_deployed("m", TH)
     assert c.decision.case == case
     x = torch.randn(7, 24)
     with torch.no_grad():
@@ -62,7 +63,7 @@ def test_case_1_and_3_equal_hardened_module(d, case):
 
 def test_case_2_error_bounded_by_next_singular_value():
     m = _module(0.35, in_f=32, out_f=48)
-    c = compress_module("m", m, TH)
+    c = m.to_deployed("m", TH)
     k = c.decision.svd_rank
     assert c.decision.case == "svd" and k == 4 and c.decision.rank == 4 + 4
     s = torch.linalg.svdvals(0.35 * m.base_layer.weight.double())
@@ -78,7 +79,7 @@ def test_case_2_exact_at_full_rank():
     # at k = min(d_in, d_out) the factorisation is exact (the "never slower" rule would merge such a module in the
     # pipeline, so the fused pair is checked directly)
     m = _module(0.65, in_f=6, out_f=40, rank=2)
-    a, b = harden_gates(m, 0.3)
+    a, b = m.hardened(0.3)
     first, second = fused_svd_pair(0.65 * m.base_layer.weight.double(), a, b, k=6)
     assert first.shape == (6 + a.shape[0], 6) and second.shape == (40, 6 + a.shape[0])
     x = torch.randn(5, 6)
@@ -88,15 +89,15 @@ def test_case_2_exact_at_full_rank():
 
 
 def test_boundaries_route_cases():
-    assert compress_module("m", _module(1e-3), TH).decision.case == "svd"
-    assert compress_module("m", _module(0.7), TH).decision.case == "kept"
+    assert _module(1e-3).to_deployed("m", TH).decision.case == "svd"
+    assert _module(0.7).to_deployed("m", TH).decision.case == "kept"
 
 
 def test_never_slower_than_dense_is_merged_exactly():
     m = _module(0.0, in_f=9, out_f=9, rank=6)  # 4 kept ranks cost 4 * 18 = 72 < 81: stays factorised
-    assert compress_module("m", m, TH).decision.case == "dropped"
+    assert m.to_deployed("m", TH).decision.case == "dropped"
     m = _module(0.0, in_f=8, out_f=8, rank=6)  # 4 * 16 = 64 >= 64: merged
-    c = compress_module("m", m, TH)
+    c = m.to_deployed("m", TH)
     assert c.decision.case == "merged-cheaper" and c.weight is not None
     x = torch.randn(4, 8)
     with torch.no_grad():
@@ -111,12 +112,12 @@ def test_never_slower_than_dense_is_merged_exactly():
 ])
 def test_threshold_validation(kw, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
-        Thresholds(**kw).validate()
+        BudgetedConfig(**kw).validate_thresholds()
 
 
 def test_f1_gates_open_logits_equal(tiny_model):
     s = budgeted_student(tiny_model)
-    compressed, report = compress_budgeted(s, Thresholds(svd_max_rank=8), {"budget": 1.0})
+    compressed, report = compress_budgeted(s, BudgetedConfig(svd_max_rank=8), {"budget": 1.0})
     assert report["dense_kept"] == report["modules_total"] == 28
     x = torch.randint(0, tiny_model.config.vocab_size, (2, 20))
     with torch.no_grad():
@@ -129,7 +130,7 @@ def test_mixed_student_save_load_both_ways(tiny_model, tiny_env, tmp_path):
     from bdlora.export.hf import save_model_folder
 
     s = budgeted_student(tiny_model, d_values=[0.0, 1.0, 0.0, 0.2, 0.0, 0.9, 0.0])
-    compressed, report = compress_budgeted(s, Thresholds(svd_max_rank=8), {"budget": 0.4})
+    compressed, report = compress_budgeted(s, BudgetedConfig(svd_max_rank=8), {"budget": 0.4})
     assert report["dense_dropped"] and report["dense_kept"] and report["dense_svd"]
     assert report["compressed_macs"] == sum(m["macs_after"] for m in report["modules"])
     assert report["params_after"] == sum(m["params_after"] for m in report["modules"])

@@ -143,7 +143,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tiny_env, tmp_
     data = bytearray(latest.read_bytes())
     data[-8:] = b"\x00" * 8
     latest.write_bytes(bytes(data))
-    from bdlora.train import latest_checkpoint
+    from bdlora.checkpoint import latest_checkpoint
 
     with pytest.warns(UserWarning, match="step-00000004 is corrupt"):
         assert latest_checkpoint(run).name == "step-00000002"

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from bdlora.cli import app
-from bdlora.evaluate import TorchLM, greedy_continuations, target_logprobs
+from bdlora.evaluate import greedy_continuations, target_logprobs
 from bdlora.icl import (
     GENERATORS,
     MONTHS,
@@ -26,6 +26,7 @@ from bdlora.icl import (
     summarise,
     task_examples,
 )
+from bdlora.perplexity import TorchLM
 
 WORDS = ["river", "apple", "house", "zebra", "mango", "train", "cloud", "delta", "bison", "quilt", "ember"]
 

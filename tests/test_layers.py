@@ -4,8 +4,10 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from bdlora.controller import BudgetController
-from bdlora.layers import GatedLoRALinear, apply_budgeted_lora, gated_modules
+from bdlora.budgeted.config import BudgetedConfig
+from bdlora.budgeted.controller import BudgetController
+from bdlora.budgeted.layer import GatedLoRALinear
+from bdlora.budgeted.model import apply_budgeted_lora, gated_modules
 
 
 def _layer(bias=True, seed=0):
@@ -69,7 +71,7 @@ def test_retention_survives_state_dict_roundtrip():
     m.set_retention(0.0)
     n = _layer(seed=1)
     n.load_state_dict(m.state_dict())
-    assert n._d == 0.0 and _mm_flops(n, torch.randn(2, 24)) == 2 * 2 * (24 * 6 + 6 * 40)
+    assert n.d == 0.0 and _mm_flops(n, torch.randn(2, 24)) == 2 * 2 * (24 * 6 + 6 * 40)
 
 
 def test_apply_wraps_all_projections_and_starts_equal(tiny_model):
@@ -89,9 +91,9 @@ def test_controller_drives_modules(tiny_model):
     student = copy.deepcopy(tiny_model)
     apply_budgeted_lora(student, rank=4, alpha=8)
     gated = gated_modules(student)
-    c = BudgetController.for_model(gated, final_fraction=0.0, ema=0.0)
+    c = BudgetController.for_model(gated, BudgetedConfig(budget=0.0, retention_ema=0.0))
     c.step(1.0)
-    assert all(m._d == 0.0 for m in gated.values())
+    assert all(m.d == 0.0 for m in gated.values())
     x = torch.randint(0, tiny_model.config.vocab_size, (1, 8))
     with FlopCounterMode(display=False) as fc:
         student(x)

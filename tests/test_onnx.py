@@ -7,14 +7,10 @@ from typer.testing import CliRunner
 
 from bdlora.cli import app
 from bdlora.export.hf import save_model_folder
-from bdlora.export.onnx import (
-    TOLERANCE,
-    export_onnx_folder,
-    greedy_generate,
-    load_model_folder,
-    load_ort_model,
-    session,
-)
+from bdlora.export.onnx import export_onnx_folder, load_ort_model
+from bdlora.export.onnx.validate import TOLERANCE
+from bdlora.models import load_model_folder
+from bdlora.runtime import DecoderShape, greedy_generate, session
 from conftest import compressed_student
 
 D_MIXED = [0.0, 1.0, 0.0, 0.2, 0.0, 0.9, 0.0]
@@ -105,7 +101,8 @@ def test_optimum_and_hand_greedy_equal_torch(mixed_export, tiny_env):
     assert torch.equal(got, ref)
     one = tok(["red green blue cyan magenta"], return_tensors="pt", return_token_type_ids=False)
     ref_one = model.generate(**one, max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id)
-    hand = greedy_generate(session(onnx_dir / "model.onnx"), model.config, one["input_ids"].numpy(), 10)
+    shape = DecoderShape.of(model.config)
+    hand = greedy_generate(session(onnx_dir / "model.onnx"), shape, one["input_ids"].numpy(), 10)
     np.testing.assert_array_equal(hand, ref_one.numpy())
 
 
@@ -131,9 +128,10 @@ def test_optimized_export_fuses_norms_and_rotary_and_stays_exact(mixed_export, t
     model, tok, _ = load_model_folder(folder)
     one = tok(["red green blue cyan magenta"], return_tensors="pt", return_token_type_ids=False)
     ref = model.generate(**one, max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id)
-    hand = greedy_generate(session(tmp_path / "opt.onnx" / "model.onnx"), model.config, one["input_ids"].numpy(), 10)
+    shape = DecoderShape.of(model.config)
+    hand = greedy_generate(session(tmp_path / "opt.onnx" / "model.onnx"), shape, one["input_ids"].numpy(), 10)
     np.testing.assert_array_equal(hand, ref.numpy())
-    hand8 = greedy_generate(session(tmp_path / "opt.onnx" / "model_int8.onnx"), model.config,
+    hand8 = greedy_generate(session(tmp_path / "opt.onnx" / "model_int8.onnx"), shape,
                             one["input_ids"].numpy(), 10)  # int8 quantisation of the fused graph runs
     assert hand8.shape == hand.shape
 

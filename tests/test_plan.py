@@ -3,8 +3,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from bdlora.budgeted.config import BudgetedConfig
+from bdlora.budgeted.costs import ModuleShape, compression_report, decide_module, shapes_from_config, svd_rank
 from bdlora.cli import app
-from bdlora.costs import ModuleShape, compression_report, decide_module, shapes_from_config, svd_rank
 from bdlora.plan import plan
 
 PAPER = {"model_type": "mistral", "hidden_size": 768, "intermediate_size": 3072, "num_attention_heads": 12,
@@ -12,13 +13,13 @@ PAPER = {"model_type": "mistral", "hidden_size": 768, "intermediate_size": 3072,
 
 
 def test_paper_student_costs():
-    r = plan(PAPER, 0.0, layers=6)
+    r = plan(PAPER, BudgetedConfig(budget=0.0), layers=6)
     assert r["compute_proxy"]["D"] == 51_314_688
     assert r["compute_proxy"]["L"] == 12_681_216
 
 
 def test_paper_table5_f0():
-    r = plan(PAPER, 0.0, layers=6)
+    r = plan(PAPER, BudgetedConfig(budget=0.0), layers=6)
     assert (r["dense_kept"], r["dense_svd"], r["dense_dropped"]) == (0, 0, 42)
     assert r["avg_lora_rank"] == 128
     assert round(r["speedup_vs_dense"], 2) == 4.05
@@ -28,7 +29,7 @@ def test_paper_table5_f0():
 
 
 def test_paper_table5_f04():
-    r = plan(PAPER, 0.4, layers=6)
+    r = plan(PAPER, BudgetedConfig(budget=0.4), layers=6)
     assert (r["dense_kept"], r["dense_svd"], r["dense_dropped"]) == (9, 0, 33)
     assert round(r["speedup_vs_dense"], 2) == 1.74
     assert round(r["speedup_vs_lora"], 2) == 2.17
@@ -37,7 +38,7 @@ def test_paper_table5_f04():
 
 
 def test_report_totals_equal_sum_of_rows():
-    r = plan(PAPER, 0.8, layers=6)
+    r = plan(PAPER, BudgetedConfig(budget=0.8), layers=6)
     rows = r["modules"]
     assert len(rows) == r["modules_total"] == 42
     assert r["compressed_macs"] == sum(m["macs_after"] for m in rows)
@@ -53,18 +54,18 @@ def test_svd_rank_formula_and_clip():
 
 def test_thresholds_route_at_boundaries():
     s = ModuleShape("m", 768, 768)
-    assert decide_module(s, 0.0009999, 8, 8, 1e-3, 0.7, 128).case == "dropped"
-    assert decide_module(s, 1e-3, 8, 8, 1e-3, 0.7, 128).case == "svd"  # exactly eps_zero: SVD
-    assert decide_module(s, 0.6999999, 8, 8, 1e-3, 0.7, 128).case == "svd"
-    assert decide_module(s, 0.7, 8, 8, 1e-3, 0.7, 128).case == "kept"  # exactly eps_lr: keep
-    svd = decide_module(s, 0.35, 8, 8, 1e-3, 0.7, 128)
+    assert decide_module(s, 0.0009999, 8, 8).case == "dropped"
+    assert decide_module(s, 1e-3, 8, 8).case == "svd"  # exactly eps_zero: SVD
+    assert decide_module(s, 0.6999999, 8, 8).case == "svd"
+    assert decide_module(s, 0.7, 8, 8).case == "kept"  # exactly eps_lr: keep
+    svd = decide_module(s, 0.35, 8, 8)
     assert (svd.svd_rank, svd.rank, svd.macs_after) == (64, 72, 72 * 1536)
 
 
 def test_never_slower_than_dense():
     s = ModuleShape("kv", 768, 192)  # rank r costs r*960 vs dense 147456: break-even at r = 153.6
-    assert decide_module(s, 0.0, 153, 153, 1e-3, 0.7, 128).case == "dropped"
-    d = decide_module(s, 0.0, 154, 154, 1e-3, 0.7, 128)
+    assert decide_module(s, 0.0, 153, 153).case == "dropped"
+    d = decide_module(s, 0.0, 154, 154)
     assert d.case == "merged-cheaper" and d.macs_after == 768 * 192 and d.rank == 0
     r = compression_report([d], 154)
     assert r["dense_kept"] == 1 and r["merged_cheaper"] == 1

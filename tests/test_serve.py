@@ -56,7 +56,8 @@ def served_model(tiny_env, tmp_path_factory):
     from transformers import MistralForCausalLM
 
     from bdlora.export.hf import save_model_folder
-    from bdlora.export.onnx import export_onnx_folder, kv_shape, run_session, session
+    from bdlora.export.onnx import export_onnx_folder
+    from bdlora.runtime import DecoderShape, run_decoder, session
     from conftest import compressed_student, tiny_config
 
     tok = tiny_env["tokenizer"]
@@ -68,7 +69,8 @@ def served_model(tiny_env, tmp_path_factory):
     folder = save_model_folder(model, tok, root / "m", report)
     export_onnx_folder(folder, root / "m.onnx", run_validation=False)
     sess = session(root / "m.onnx" / "model.onnx")
-    kv, hd = kv_shape(model.config)
+    shape = DecoderShape.of(model.config)
+    kv, hd = shape.kv_heads, shape.head_dim
 
     def greedy_ids(ids: list[int], n: int) -> list[int]:
         x = np.array([ids], dtype=np.int64)
@@ -77,7 +79,7 @@ def served_model(tiny_env, tmp_path_factory):
         pos = np.arange(x.shape[1], dtype=np.int64)[None]
         out = []
         for _ in range(n):
-            res = run_session(sess, x, mask, pos, pasts)
+            res = run_decoder(sess, x, mask, pos, pasts)
             t = int(res[0][0, -1].argmax())
             if t == tok.eos_token_id:
                 break

@@ -5,7 +5,7 @@ import pytest
 from typer.testing import CliRunner
 
 from bdlora.cli import app
-from bdlora.sweep import family
+from bdlora.sweep.options import family
 
 
 def sweep_args(env, out, *extra):

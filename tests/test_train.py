@@ -7,8 +7,10 @@ from typer.testing import CliRunner
 
 from bdlora.cli import app
 from bdlora.config import TrainConfig
+from bdlora.models import load_run_student
+from bdlora.reporter import Reporter
 from bdlora.student import build_student
-from bdlora.train import Reporter, load_run_student, train
+from bdlora.train import train
 
 
 def _cfg(env, out, **kw):
@@ -90,7 +92,7 @@ def test_budgeted_run_artefacts_and_reload(tiny_env, tmp_path):
     st = s["step_time_ms"]
     assert st["kd-full"] > 0 and st["kd-lora"] > 0 and st["budgeted"] > 0
     model, tok, _ = load_run_student(run)
-    from bdlora.evaluate import perplexity
+    from bdlora.perplexity import perplexity
     from bdlora.train import prepare
 
     sess = prepare(_cfg(tiny_env, tmp_path / "x", method="budgeted", budget=0.0))

@@ -7,13 +7,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from bdlora.arch import PROJECTIONS, projection_name
+from bdlora.budgeted.config import DEFAULTS, BudgetedConfig
 from bdlora.errors import ModelError
-
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-DEFAULT_EPS_LR = 0.7
-DEFAULT_GATE_THRESHOLD = 0.3
-DEFAULT_SVD_MAX_RANK = 128
 
 
 @dataclass(frozen=True)
@@ -48,12 +44,7 @@ def shapes_from_config(config: dict, layers: int | None = None) -> list[ModuleSh
         "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
         "down_proj": (inter, hidden),
     }
-    out = []
-    for i in range(n_layers):
-        for p in PROJECTIONS:
-            part = "self_attn" if p in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            out.append(ModuleShape(f"model.layers.{i}.{part}.{p}", *dims[p]))
-    return out
+    return [ModuleShape(projection_name(i, p), *dims[p]) for i in range(n_layers) for p in PROJECTIONS]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -105,18 +96,18 @@ def deployed_form(rank: int) -> dict:
     return {"form": "lowrank", "rank": int(rank)} if rank else {"form": "dense"}
 
 
-def decide_module(shape: ModuleShape, d: float, lora_rank_kept: int, lora_rank_max: int, eps_zero: float,
-                  eps_lr: float, svd_max_rank: int, has_bias: bool = False) -> ModuleDecision:
+def decide_module(shape: ModuleShape, d: float, lora_rank_kept: int, lora_rank_max: int,
+                  cfg: BudgetedConfig = DEFAULTS, has_bias: bool = False) -> ModuleDecision:
     """Deployment form of one gated module by its final retention d (SPEC 6.2) and the "never slower than dense"
     rule (SPEC 6.3: a factorised module whose rank r has r (d_in + d_out) >= d_in d_out is merged instead)."""
     i, o = shape.in_features, shape.out_features
     bias = o if has_bias else 0
     before = shape.dense_cost + shape.lora_cost(lora_rank_max)
     k = 0
-    if d < eps_zero:
+    if d < cfg.eps_zero:
         case, rank = "dropped", lora_rank_kept
-    elif d < eps_lr:
-        k = svd_rank(d, eps_lr, svd_max_rank, i, o)
+    elif d < cfg.eps_lr:
+        k = svd_rank(d, cfg.eps_lr, cfg.svd_max_rank, i, o)
         case, rank = "svd", k + lora_rank_kept
     else:
         case, rank = "kept", 0

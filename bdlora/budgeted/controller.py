@@ -12,14 +12,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-DEFAULT_EPS_ZERO = 1e-3
-# EMA factor beta of d <- beta d + (1 - beta) target. 0.9 lags the greedy target by ~10 steps, which smooths
-# the per-step jumps of the greedy walk without delaying the schedule noticeably for runs of a few hundred steps
-# or more; 0 disables smoothing. (ours; the paper does not state its value)
-DEFAULT_RETENTION_EMA = 0.9
+from bdlora.budgeted.config import DEFAULTS
 
 
-def budget_schedule(progress: float, final_fraction: float, decay_start: float = 0.1, decay_end: float = 0.3) -> float:
+def budget_schedule(progress: float, final_fraction: float, decay_start: float = DEFAULTS.decay_start,
+                    decay_end: float = DEFAULTS.decay_end) -> float:
     """b(t): 1 up to t0, cosine from 1 to F between t0 and t1, F after (paper Sec. 3.2).
 
     t0 == t1 means no schedule: the budget drops to F at t0.
@@ -70,8 +67,9 @@ class BudgetController:
     """
 
     def __init__(self, names: Sequence[str], costs: Sequence[int], final_fraction: float,
-                 decay_start: float = 0.1, decay_end: float = 0.3, ema: float = DEFAULT_RETENTION_EMA,
-                 eps_zero: float = DEFAULT_EPS_ZERO, modules: dict | None = None):
+                 decay_start: float = DEFAULTS.decay_start, decay_end: float = DEFAULTS.decay_end,
+                 ema: float = DEFAULTS.retention_ema, eps_zero: float = DEFAULTS.eps_zero,
+                 modules: dict | None = None):
         if len(names) != len(costs) or not names:
             raise ValueError("names and costs must be non-empty and of equal length")
         self.names = list(names)
@@ -87,8 +85,11 @@ class BudgetController:
         self.retained_sum = 0.0  # sum over steps of C(t)/D, for d_bar (training-compute proxy, SPEC 5)
 
     @classmethod
-    def for_model(cls, gated: dict, **kwargs) -> BudgetController:
-        return cls(list(gated), [m.dense_cost for m in gated.values()], modules=gated, **kwargs)
+    def for_model(cls, gated: dict, cfg) -> BudgetController:
+        """A controller driving ``gated`` ({name: GatedLoRALinear}) with the schedule of ``cfg`` (a BudgetedConfig)."""
+        return cls(list(gated), [m.dense_cost for m in gated.values()], final_fraction=cfg.budget,
+                   decay_start=cfg.decay_start, decay_end=cfg.decay_end, ema=cfg.retention_ema,
+                   eps_zero=cfg.eps_zero, modules=gated)
 
     @property
     def total_cost(self) -> float:

@@ -1,9 +1,10 @@
-"""Timing worker of ``bdlora bench``, run as its own process (``python -m bdlora.bench_worker SPEC OUT``).
+"""Timing worker of ``bdlora bench``, run as its own process (``python -m bdlora.bench.worker SPEC OUT``).
 
 Why a process: onnxruntime's global thread pool (one pool shared by every session, spinning allowed) is the only
 way to time several sessions in one process without their per-session pools stealing cores from each other, but
 it is process-wide: once set, every later session of that process must opt out of per-session threads. Running the
-timing here keeps that setting away from the caller. Only numpy and onnxruntime are imported.
+timing here keeps that setting away from the caller. Only numpy and onnxruntime are imported (``bdlora`` and
+``bdlora.bench``, which Python runs first, import nothing heavy: a test checks that torch never loads).
 
 SPEC (JSON): {"graphs": {variant: path}, "kind": "modules"|"model", "shapes": [[phase, batch, seq], ...],
 "repeats", "warmup", "threads", "provider", "opt_level", "decode_tokens", "dims": {...}}

@@ -1,0 +1,53 @@
+"""Registers the bdlora architectures with transformers when (and only when) transformers is imported.
+
+A post-import hook (a ``sys.meta_path`` finder, the pattern ``wrapt.when_imported`` uses): ``import bdlora`` stays
+standard-library only, and ``AutoConfig`` / ``AutoModelForCausalLM`` still know the ``bdlora_*`` model types in any
+program that imports both, whichever comes first.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+import warnings
+
+_TARGET = "transformers"
+
+
+def _register() -> None:
+    try:
+        from bdlora.export.hf import register
+
+        register()
+    except Exception as e:  # noqa: BLE001  never break the user's `import transformers`
+        warnings.warn(f"bdlora: could not register its architectures with transformers ({e})", stacklevel=2)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself; for ``transformers`` it asks the other finders and runs the registration right after
+    the module has executed."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != _TARGET:
+            return None
+        sys.meta_path.remove(self)  # one shot, and no recursion through importlib.util.find_spec below
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        execute = spec.loader.exec_module  # the loader instance is this spec's own: wrapping it touches nothing else
+
+        def exec_module(module):
+            execute(module)
+            _register()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def register_with_transformers() -> None:
+    """Register now if transformers is loaded, otherwise as soon as it is."""
+    if _TARGET in sys.modules:
+        _register()
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport())

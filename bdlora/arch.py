@@ -1,0 +1,99 @@
+"""The decoder architectures bdlora adapts (Llama / Mistral / Qwen2 families) and how to reach their parts.
+
+One place for: the seven projection names and which block holds each, the supported families and the check that a
+model is one of them (by ``isinstance`` on transformers' classes, which bdlora's compressed classes subclass), the
+unwrap of a PEFT-wrapped model, the final hidden states + LM head without full-vocabulary logits, and the plain
+state dict of a wrapped student. torch and transformers are imported by the functions that need them, so
+``plan``, the CLI and serving can read the names without loading torch.
+"""
+
+from __future__ import annotations
+
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+PROJECTIONS = ATTENTION_PROJECTIONS + MLP_PROJECTIONS
+SUPPORTED_FAMILIES = ("mistral", "llama", "qwen2")
+# tensors a training wrapper adds beside the dense weights (PEFT LoRA, bdlora gated modules)
+ADAPTER_TENSORS = ("lora_", "gate_logits", "retention", "lora_dropout")
+
+
+def block_of(projection: str) -> str:
+    """``q_proj`` -> ``self_attn``, ``down_proj`` -> ``mlp`` (the HF submodule that holds it)."""
+    return "self_attn" if projection in ATTENTION_PROJECTIONS else "mlp"
+
+
+def projection_name(layer: int, projection: str) -> str:
+    return f"model.layers.{layer}.{block_of(projection)}.{projection}"
+
+
+def is_projection(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in PROJECTIONS
+
+
+def base_model(model):
+    """The HF causal LM inside a PEFT wrapper (the model itself when it is not wrapped)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def hidden_and_head(model, input_ids, attention_mask=None):
+    """Final-norm hidden states (B, T, H) of a Llama/Mistral/Qwen2 causal LM (plain, PEFT-wrapped, or with bdlora
+    gated modules) and its LM head, without computing full-vocabulary logits."""
+    base = base_model(model)
+    out = base.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    return out.last_hidden_state, base.lm_head
+
+
+def family_classes() -> dict:
+    """model_type -> transformers' causal-LM class of each supported family."""
+    from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+
+    return {"mistral": MistralForCausalLM, "llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM}
+
+
+def family_of(model) -> str | None:
+    """The supported family a model belongs to (bdlora's compressed classes count as their base), else None."""
+    for family, cls in family_classes().items():
+        if isinstance(base_model(model), cls):
+            return family
+    return None
+
+
+def projection_modules(model) -> list[tuple[str, object]]:
+    """(name, module) of every projection, in ``named_modules()`` order (the controller's tie-break order)."""
+    return [(n, m) for n, m in model.named_modules() if is_projection(n) and "." in n]
+
+
+def set_module(model, name: str, module) -> None:
+    parent, child = name.rsplit(".", 1)
+    setattr(model.get_submodule(parent), child, module)
+
+
+def check_architecture(model, what: str) -> None:
+    """Refuse a model outside the supported families, or one whose layers lack a projection (as ``nn.Linear`` or a
+    bdlora low-rank pair)."""
+    import torch
+
+    from bdlora.errors import ModelError
+    from bdlora.export.modeling_bdlora import LowRankLinear
+
+    if family_of(model) is None:
+        kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        raise ModelError(f"{what}: not a Llama/Mistral/Qwen2-style decoder (model_type {kind}); bdlora adapts the "
+                         f"q/k/v/o/gate/up/down projections of the {', '.join(SUPPORTED_FAMILIES)} families")
+    for i, layer in enumerate(base_model(model).model.layers):
+        for name in PROJECTIONS:
+            mod = getattr(getattr(layer, block_of(name)), name, None)
+            if not isinstance(mod, (torch.nn.Linear, LowRankLinear)):
+                raise ModelError(f"{what}: layer {i} has no nn.Linear '{name}' (expected the seven projections "
+                                 f"{', '.join(PROJECTIONS)})")
+
+
+def dense_state_dict(model) -> dict:
+    """The plain HF state dict of a (possibly PEFT- or gated-LoRA-wrapped) student: adapter tensors dropped and
+    ``base_layer.`` unwrapped, so it loads into the unwrapped architecture."""
+    out = {}
+    for k, v in base_model(model).state_dict().items():
+        if any(t in k for t in ADAPTER_TENSORS):
+            continue
+        out[k.replace(".base_layer.", ".")] = v
+    return out

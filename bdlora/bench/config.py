@@ -1,0 +1,74 @@
+"""``BenchConfig``: what ``bdlora bench`` times and how, with one validator (standard library only; onnxruntime is
+asked which providers it has when a provider is checked)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bdlora.errors import Checks, UsageError
+
+SCOPES = ("modules", "model", "both")
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+MAX_THREADS = 1024  # far above any machine's cores; bounds what a typo can ask onnxruntime to spawn
+
+
+@dataclass
+class BenchConfig:
+    scope: str = "both"
+    """modules (replaced projections only), model (whole decoder) or both."""
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
+    """Batch sizes."""
+    seq_lens: list[int] = field(default_factory=lambda: [128, 512])
+    """Prefill lengths (and decode cache lengths)."""
+    decode_tokens: int = 64
+    """Tokens decoded per decode measurement."""
+    threads: int | None = None
+    """onnxruntime intra-op threads (default: all cores)."""
+    provider: str = "cpu"
+    """cpu or cuda (needs onnxruntime-gpu)."""
+    repeats: int = 10
+    """Timed repeats per figure (after warm-up)."""
+    warmup: int = 2
+    """Untimed warm-up repeats."""
+    opt_level: str = "all"
+    """onnxruntime graph optimisation level of every session."""
+    int8: bool = False
+    """Model scope: also time dynamic-int8 graphs of dense and compressed."""
+    optimize: bool = False
+    """Model scope: onnxruntime transformer-optimizer fusions on every variant."""
+
+    def validate(self, max_positions: int | None = None) -> BenchConfig:
+        """Every problem at once; with ``max_positions``, sequence lengths are bounded by the model's context."""
+        c = Checks()
+        c.choice("scope", self.scope, SCOPES)
+        for name, values in (("batch_sizes", self.batch_sizes), ("seq_lens", self.seq_lens)):
+            c.require(bool(values), f"--{name.replace('_', '-')}: empty list; give at least one value")
+            for v in values:
+                c.integer(name, v, lo=1)
+        if max_positions is not None:
+            need = max(self.seq_lens, default=0) + (self.decode_tokens if self.scope != "modules" else 0)
+            c.require(self.scope == "modules" or need <= max_positions,
+                      f"--seq-lens {max(self.seq_lens)} (+ --decode-tokens {self.decode_tokens}): above the model's "
+                      f"context of {max_positions} positions")
+        c.integer("repeats", self.repeats, lo=1)
+        c.integer("warmup", self.warmup, lo=0)
+        c.integer("decode_tokens", self.decode_tokens, lo=1)
+        c.integer("threads", self.threads, lo=1, hi=MAX_THREADS)
+        c.choice("provider", self.provider, tuple(PROVIDERS))
+        c.done()
+        provider_name(self.provider)
+        return self
+
+
+def provider_name(provider: str) -> str:
+    import onnxruntime as ort
+
+    if provider not in PROVIDERS:
+        raise UsageError(f"--provider {provider!r}: unknown (allowed: {', '.join(PROVIDERS)})")
+    available = ort.get_available_providers()
+    if PROVIDERS[provider] not in available:
+        raise UsageError(f"--provider {provider}: onnxruntime here has {', '.join(available)} (install "
+                         "onnxruntime-gpu, the [gpu] extra, for cuda)")
+    return PROVIDERS[provider]
+
+

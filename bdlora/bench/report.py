@@ -1,0 +1,66 @@
+"""The bench report: ``bench.md`` (a Markdown table) and ``bench.png`` (measured speed-up beside the MAC limit)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from bdlora.io import atomic_path
+
+
+def markdown(doc: dict) -> str:
+    lines = [f"# bdlora bench ({doc['thread_pool']}, onnxruntime {doc['onnxruntime']})", "",
+             f"Replaced-module MAC ratio vs dense {doc['mac_ratio_modules_vs_dense']:.2f}x, vs LoRA "
+             f"{doc['mac_ratio_modules_vs_lora']:.2f}x.", "",
+             "| scope | phase | batch x seq | dense ms | lora ms | compressed ms (p10-p90) | vs dense | MAC limit | "
+             "of limit | vs LoRA | outside modules |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    idx = {(r["scope"], r["variant"], r["phase"], r["batch"], r["seq"]): r for r in doc["results"]}
+    q8 = [r for r in doc["results"] if r["variant"] == "compressed-int8"]
+    for r in doc["results"]:
+        if r["variant"] != "compressed":
+            continue
+        k = (r["phase"], r["batch"], r["seq"])
+        d, lo = idx[(r["scope"], "dense", *k)], idx.get((r["scope"], "lora", *k))
+        shape = f"{r['batch']}x{r['seq']}" if r["phase"] == "prefill" else f"{r['batch']}x1 (cache {r['seq']})" \
+            if r["scope"] == "model" else f"{r['batch']}x1"
+        outside = f"{100 * r['share_outside_modules']:.0f}%" if "share_outside_modules" in r else "-"
+        lines.append(f"| {r['scope']} | {r['phase']} | {shape} | {d['median_ms']:.3f} | "
+                     f"{lo['median_ms'] if lo else float('nan'):.3f} | {r['median_ms']:.3f} ({r['p10_ms']:.3f}-"
+                     f"{r['p90_ms']:.3f}) | {r['speedup_vs_dense']:.2f}x | {r['mac_ratio_vs_dense']:.2f}x | "
+                     f"{100 * r['fraction_of_limit']:.0f}% | {r.get('speedup_vs_lora', float('nan')):.2f}x | "
+                     f"{outside} |")
+    if q8:
+        lines += ["", "int8 (onnxruntime dynamic weight quantisation), model scope:", "",
+                  "| phase | batch x seq | dense int8 ms | compressed int8 ms | vs fp32 dense | vs int8 dense |",
+                  "|---|---|---|---|---|---|"]
+        for r in q8:
+            d8 = idx.get((r["scope"], "dense-int8", r["phase"], r["batch"], r["seq"]))
+            lines.append(f"| {r['phase']} | {r['batch']}x{r['seq']} | {d8['median_ms'] if d8 else float('nan'):.3f} "
+                         f"| {r['median_ms']:.3f} | {r['speedup_vs_dense']:.2f}x | "
+                         f"{r.get('speedup_vs_dense_int8', float('nan')):.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in doc["results"] if r["variant"] == "compressed"]
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(rows) + 2), 4.2))
+    labels = [f"{r['scope'][:3]} {r['phase'][:3]}\n{r['batch']}x{r['seq']}" for r in rows]
+    x = np.arange(len(rows))
+    ax.bar(x - 0.2, [r["mac_ratio_vs_dense"] for r in rows], 0.4, label="MAC limit vs dense", color="#bbbbbb")
+    ax.bar(x + 0.2, [r["speedup_vs_dense"] for r in rows], 0.4, label="measured speed-up vs dense",
+           color="tab:blue")
+    ax.set_xticks(x, labels, fontsize=7)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_ylabel("x faster than dense")
+    ax.set_title("compressed vs dense under onnxruntime: measured speed-up beside the MAC limit")
+    ax.legend()
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)

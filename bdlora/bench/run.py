@@ -1,0 +1,225 @@
+"""``bdlora bench``: onnxruntime timing of the compressed student against its dense and LoRA forms (SPEC 9).
+
+Variants of one architecture, exported by the same code (``export.onnx``) and run with identical session options:
+    dense       every projection a dense Linear (the merged student: low-rank pairs multiplied out)
+    lora        dense plus an unmerged low-rank adapter of the trained rank (how a LoRA student is served unmerged);
+                its base is ``W - B A`` so its logits equal the dense variant's
+    compressed  the model as compressed
+    floor       (model scope only, a control) every projection at rank 1: what the rest of the model costs
+
+Scopes: ``modules`` times only the replaced projections (one graph per variant over token shapes, the paper's
+measure); ``model`` times the whole decoder: prefill latency per (batch, seq) and decode latency per token with a KV
+cache of ``seq`` tokens (``decode_tokens`` steps that feed their own cache back).
+
+Timing: variants interleaved round-robin (rotating the order every repeat) so machine noise hits them alike;
+median and p10/p90 over repeats after warm-up. Fixed-shape runs (modules, prefill) bind inputs and preallocated
+outputs once (IO binding), as a server would. The timing runs in a separate process (``bench_worker``) whose
+sessions share one global onnxruntime thread pool, so no session's idle pool spins on the cores the timed one
+needs (per-session pools distorted interleaved timings by up to 2x).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch.nn as nn
+
+from bdlora import SCHEMA_VERSION, __version__
+from bdlora.bench.config import BenchConfig, provider_name
+from bdlora.bench.report import markdown, plot
+from bdlora.bench.variants import dense_variant, export_projection_stack, floor_variant, lora_variant
+from bdlora.errors import BdloraError
+from bdlora.export.onnx.metadata import module_table
+from bdlora.io import atomic_dir, write_json, write_text
+from bdlora.reporter import SILENT, Reporter
+from bdlora.runtime import DecoderShape
+
+# --------------------------------------------------------------------------------------------------------------------
+# MAC accounting (the limits)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def projection_macs(model: nn.Module) -> int:
+    return sum(r["macs_per_token"] for r in module_table(model))
+
+
+def model_macs_per_token(model: nn.Module, context: float, projections: int | None = None) -> float:
+    """MACs per token of the whole decoder: projections + attention scores and values over ``context`` keys
+    (2 * heads * head_dim * context per layer) + the LM head. Norms and rotary are negligible and left out."""
+    s = DecoderShape.of(model.config)
+    proj = projection_macs(model) if projections is None else projections
+    return proj + 2 * s.heads * s.head_dim * context * s.layers + s.hidden * s.vocab_size
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def run_worker(kind: str, graphs: dict[str, Path], shapes: list, cfg: BenchConfig, threads: int, dims: dict,
+               workdir: Path, reporter: Reporter = SILENT) -> tuple[list[dict], str]:
+    """Time ``graphs`` in a separate process (``bench.worker``) with one global onnxruntime thread pool."""
+    spec = {"graphs": {k: str(v) for k, v in graphs.items()}, "kind": kind, "shapes": shapes,
+            "repeats": cfg.repeats, "warmup": cfg.warmup, "threads": threads, "provider": provider_name(cfg.provider),
+            "opt_level": cfg.opt_level, "decode_tokens": cfg.decode_tokens, "dims": dims}
+    spec_path, out_path = workdir / f"{kind}-spec.json", workdir / f"{kind}-times.json"
+    spec_path.write_text(json.dumps(spec))
+    proc = subprocess.Popen([sys.executable, "-m", "bdlora.bench.worker", str(spec_path), str(out_path)],
+                            stderr=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if not line.startswith((" ", "Traceback")):
+                reporter.stage(f"timed {line.strip()}")
+    finally:
+        if proc.poll() is None and sys.exc_info()[0] is not None:  # interrupted: do not leave the worker running
+            proc.kill()
+    if proc.wait() != 0:
+        raise BdloraError(f"the bench timing process failed: {''.join(lines[-5:]).strip()}")
+    res = json.loads(out_path.read_text())
+    return res["times"], res["pool"]
+
+
+def stats(ms: list[float]) -> dict:
+    a = np.asarray(ms)
+    return {"median_ms": float(np.median(a)), "p10_ms": float(np.percentile(a, 10)),
+            "p90_ms": float(np.percentile(a, 90)), "repeats": len(a)}
+
+
+def _dims(model: nn.Module) -> dict:
+    s = DecoderShape.of(model.config)
+    return {"hidden": s.hidden, "q_dim": s.heads * s.head_dim, "intermediate": model.config.intermediate_size,
+            "layers": s.layers, "kv_heads": s.kv_heads, "head_dim": s.head_dim, "vocab": s.vocab_size}
+
+
+def _rows(scope: str, times: list[dict]) -> list[dict]:
+    rows = []
+    for t in times:
+        row = {"scope": scope, "variant": t["variant"], "phase": t["phase"], "batch": t["batch"], "seq": t["seq"],
+               "tokens": t["batch"] * (1 if t["phase"] == "decode" else t["seq"]), **stats(t["ms"])}
+        if scope == "model":
+            row["tokens_per_s"] = row["tokens"] / (row["median_ms"] / 1000)
+        rows.append(row)
+    return rows
+
+
+def bench_modules(models: dict[str, nn.Module], workdir: Path, cfg: BenchConfig, threads: int,
+                  reporter: Reporter = SILENT) -> tuple[list[dict], str]:
+    graphs = {}
+    for name, m in models.items():
+        graphs[name] = workdir / f"modules-{name}.onnx"
+        export_projection_stack(m, graphs[name])
+    shapes = [["decode", b, 1] for b in cfg.batch_sizes] + [["prefill", b, s] for b in cfg.batch_sizes
+                                                             for s in cfg.seq_lens]
+    times, pool = run_worker("modules", graphs, shapes, cfg, threads, _dims(next(iter(models.values()))), workdir,
+                             reporter)
+    return _rows("modules", times), pool
+
+
+def bench_model(models: dict[str, nn.Module], workdir: Path, cfg: BenchConfig, threads: int,
+                reporter: Reporter = SILENT) -> tuple[list[dict], str]:
+    from bdlora.export.onnx.trace import export_decoder
+
+    graphs = {}
+    for name, m in models.items():
+        graphs[name] = workdir / f"model-{name}.onnx"
+        reporter.stage(f"exporting the {name} decoder")
+        export_decoder(copy.deepcopy(m), graphs[name])
+        if cfg.optimize:
+            from bdlora.export.onnx.optimize import optimize_graph
+
+            optimize_graph(graphs[name], m)
+    if cfg.int8:
+        from bdlora.export.onnx.quantize import quantize_int8
+
+        for name in ("dense", "compressed"):
+            reporter.stage(f"quantising the {name} decoder to int8")
+            graphs[f"{name}-int8"] = workdir / f"model-{name}-int8.onnx"
+            quantize_int8(graphs[name], graphs[f"{name}-int8"])
+    shapes = [[phase, b, s] for b in cfg.batch_sizes for s in cfg.seq_lens for phase in ("prefill", "decode")]
+    times, pool = run_worker("model", graphs, shapes, cfg, threads, _dims(next(iter(models.values()))), workdir,
+                             reporter)
+    return _rows("model", times), pool
+
+
+def add_ratios(results: list[dict], macs: dict) -> None:
+    """Speed-ups of the compressed variant vs dense and vs LoRA, beside the MAC ratio (the limit) and the fraction
+    of that limit achieved; model-scope rows also get the floor (rank-1 control) and the share of time outside the
+    replaced modules."""
+    index = {(r["scope"], r["variant"], r["phase"], r["batch"], r["seq"]): r for r in results}
+    for r in results:
+        key = (r["scope"], r["phase"], r["batch"], r["seq"])
+        if r["scope"] == "model":
+            ctx = (r["seq"] + 1) / 2 if r["phase"] == "prefill" else r["seq"] + 1
+            r["mac_per_token"] = macs["model"][r["variant"]](ctx)
+            floor = index.get(("model", "floor", *key[1:]))
+            if floor is not None and r["variant"] != "floor":
+                r["share_outside_modules"] = min(1.0, floor["median_ms"] / r["median_ms"])
+        else:
+            r["mac_per_token"] = macs["modules"][r["variant"]]
+        if r["variant"] == "compressed-int8":  # int8 on top of low rank: vs the fp32 and the int8 dense graphs
+            dense, dense8 = index[(key[0], "dense", *key[1:])], index.get((key[0], "dense-int8", *key[1:]))
+            r["speedup_vs_dense"] = dense["median_ms"] / r["median_ms"]
+            if dense8 is not None:
+                r["speedup_vs_dense_int8"] = dense8["median_ms"] / r["median_ms"]
+            continue
+        if r["variant"] != "compressed":
+            continue
+        dense = index[(key[0], "dense", *key[1:])]
+        lora = index.get((key[0], "lora", *key[1:]))
+        r["speedup_vs_dense"] = dense["median_ms"] / r["median_ms"]
+        r["mac_ratio_vs_dense"] = dense["mac_per_token"] / r["mac_per_token"]
+        r["fraction_of_limit"] = r["speedup_vs_dense"] / r["mac_ratio_vs_dense"]
+        if lora is not None:
+            r["speedup_vs_lora"] = lora["median_ms"] / r["median_ms"]
+            r["mac_ratio_vs_lora"] = lora["mac_per_token"] / r["mac_per_token"]
+
+
+def run_bench(model: nn.Module, lora_rank: int, cfg: BenchConfig, out: Path, report: dict | None = None,
+              reporter: Reporter = SILENT) -> dict:
+    """Bench a compressed model (its three variants) and write bench.json, bench.md and bench.png into ``out``."""
+    import onnxruntime as ort
+
+    cfg.validate(DecoderShape.of(model.config).max_positions)
+    threads = cfg.threads or os.cpu_count() or 1
+    pool = ""
+    models = {"dense": dense_variant(model), "lora": lora_variant(model, lora_rank), "compressed": model.eval()}
+    macs_modules = {n: projection_macs(m) for n, m in models.items()}
+    with atomic_dir(Path(out)) as tmp:
+        work = tmp / "graphs"
+        work.mkdir()
+        results = []
+        if cfg.scope in ("modules", "both"):
+            rows, pool = bench_modules(models, work, cfg, threads, reporter)
+            results += rows
+        if cfg.scope in ("model", "both"):
+            with_floor = {**models, "floor": floor_variant(model)}
+            rows, pool = bench_model(with_floor, work, cfg, threads, reporter)
+            results += rows
+            macs_modules["floor"] = projection_macs(with_floor["floor"])
+        for n in ("dense", "compressed"):  # int8 graphs do the same MACs (in int8)
+            macs_modules[f"{n}-int8"] = macs_modules[n]
+        macs = {"modules": macs_modules,
+                "model": {n: (lambda ctx, n=n: model_macs_per_token(model, ctx, macs_modules[n]))
+                          for n in macs_modules}}
+        add_ratios(results, macs)
+        doc = {"schema_version": SCHEMA_VERSION, "bdlora_version": __version__, "onnxruntime": ort.__version__,
+               "config": asdict(cfg), "threads": threads, "thread_pool": pool, "lora_rank": lora_rank,
+               "mac_per_token_modules": macs_modules, "mac_ratio_modules_vs_dense":
+               macs_modules["dense"] / macs_modules["compressed"], "mac_ratio_modules_vs_lora":
+               macs_modules["lora"] / macs_modules["compressed"], "results": results}
+        if report is not None:
+            doc["compression"] = {k: report.get(k) for k in ("speedup_vs_dense", "speedup_vs_lora", "dense_kept",
+                                                               "dense_svd", "dense_dropped", "budget")}
+        write_text(tmp / "bench.md", markdown(doc))
+        plot(doc, tmp / "bench.png")
+        write_json(tmp / "bench.json", doc)
+    return doc

@@ -1,0 +1,157 @@
+"""The variants ``bdlora bench`` times, all of one architecture and exported by the same code:
+
+    dense       every projection a dense Linear (the merged student: low-rank pairs multiplied out)
+    lora        dense plus an unmerged low-rank adapter of the trained rank (how a LoRA student is served unmerged);
+                its base is ``W - B A`` so its logits equal the dense variant's
+    compressed  the model as compressed
+    floor       (model scope only, a control) every projection at rank 1: what the rest of the model costs
+
+plus ``ProjectionStack``, the replaced projections alone (the modules scope), and the synthetic model of a budget.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from bdlora.arch import projection_modules, set_module
+from bdlora.export.modeling_bdlora import LowRankLinear
+
+
+class DenseLoRALinear(nn.Module):
+    """y = base(x) + B (A x): a dense projection serving an unmerged LoRA adapter (scale folded into B)."""
+
+    def __init__(self, base: nn.Linear, lora_A: torch.Tensor, lora_B: torch.Tensor):
+        super().__init__()
+        self.base = base
+        self.lora_rank = lora_A.shape[0]
+        self.lora_A = nn.Parameter(lora_A, requires_grad=False)  # (r, d_in)
+        self.lora_B = nn.Parameter(lora_B, requires_grad=False)  # (d_out, r)
+
+    def forward(self, x):
+        return self.base(x) + nn.functional.linear(nn.functional.linear(x, self.lora_A), self.lora_B)
+
+
+def _dense_weight(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if isinstance(m, LowRankLinear):
+        return m.proj_out.weight @ m.proj_in.weight, m.proj_out.bias
+    if isinstance(m, DenseLoRALinear):
+        return m.base.weight + m.lora_B @ m.lora_A, m.base.bias
+    return m.weight, m.bias
+
+
+@torch.no_grad()
+def dense_variant(model: nn.Module) -> nn.Module:
+    """Every projection as one dense Linear holding its effective weight (low-rank pairs multiplied out)."""
+    out = copy.deepcopy(model)
+    for name, m in projection_modules(out):
+        w, b = _dense_weight(m)
+        lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
+        lin.weight.copy_(w)
+        if b is not None:
+            lin.bias.copy_(b)
+        set_module(out, name, lin)
+    return out.eval()
+
+
+@torch.no_grad()
+def lora_variant(model: nn.Module, rank: int, seed: int = 0) -> nn.Module:
+    """Dense base plus an unmerged rank-``rank`` adapter, with base = W_eff - B A so the function is unchanged."""
+    g = torch.Generator().manual_seed(seed)
+    out = dense_variant(model)
+    for name, m in projection_modules(out):
+        a = torch.randn(rank, m.in_features, generator=g) / math.sqrt(m.in_features)
+        b = torch.randn(m.out_features, rank, generator=g) * 0.01
+        base = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
+        base.weight.copy_(m.weight - b @ a)
+        if m.bias is not None:
+            base.bias.copy_(m.bias)
+        set_module(out, name, DenseLoRALinear(base, a, b))
+    return out.eval()
+
+
+@torch.no_grad()
+def floor_variant(model: nn.Module) -> nn.Module:
+    """Control: every projection at rank 1, so the projections cost ~nothing and what remains is attention, norms,
+    rotary, the LM head and graph overhead."""
+    out = copy.deepcopy(model)
+    for name, m in projection_modules(out):
+        w, b = _dense_weight(m)
+        lr = LowRankLinear(w.shape[1], w.shape[0], 1, bias=b is not None)
+        set_module(out, name, lr)
+    return out.eval()
+
+
+class ProjectionStack(nn.Module):
+    """The replaced projections alone (the paper's measure). Each layer reads its own inputs, wired as in the
+    decoder: q/k/v read x_a.l (N, hidden; the attention-normed state), o reads x_o.l (N, heads * head_dim),
+    gate/up read x_m.l (N, hidden; the MLP-normed state), down reads x_d.l (N, intermediate). Every module's output
+    is a graph output. (Sharing inputs beyond that would let the shared-input fusion merge projections that no real
+    decoder can merge.)"""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        named = projection_modules(model)
+        self.mods = nn.ModuleList(m for _, m in named)
+        self.kinds = [n.rsplit(".", 1)[-1] for n, _ in named]
+        self.layer = [int(n.split("layers.")[1].split(".")[0]) for n, _ in named]
+        self.num_layers = max(self.layer) + 1
+
+    SOURCE = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj": 2, "up_proj": 2, "down_proj": 3}
+
+    def input_names(self) -> list[str]:
+        return [f"{x}.{i}" for i in range(self.num_layers) for x in ("x_a", "x_o", "x_m", "x_d")]
+
+    def forward(self, *xs):
+        # xs: per layer (x_a, x_o, x_m, x_d)
+        return tuple(m(xs[4 * i + self.SOURCE[k]]) for m, k, i in zip(self.mods, self.kinds, self.layer))
+
+
+def export_projection_stack(model: nn.Module, path: Path, opset: int = 17, fuse: bool = True) -> None:
+    from bdlora.export.onnx.metadata import module_table
+    from bdlora.export.onnx.trace import postprocess
+    from bdlora.runtime import DecoderShape
+
+    c = model.config
+    heads = c.num_attention_heads
+    hd = DecoderShape.of(c).head_dim
+    stack = ProjectionStack(model).eval()
+    ex = [torch.randn(2, d) for _ in range(stack.num_layers)
+          for d in (c.hidden_size, heads * hd, c.hidden_size, c.intermediate_size)]
+    outs = [f"y{i}" for i in range(len(stack.mods))]
+    ins = stack.input_names()
+    axes = {n: {0: "tokens"} for n in [*ins, *outs]}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(stack, tuple(ex), str(path), input_names=ins, output_names=outs,
+                          dynamic_axes=axes, opset_version=opset, dynamo=False)
+    rows = [{**r, "name": f"mods.{i}"} for i, r in enumerate(module_table(model))]
+    postprocess(path, rows, fuse)
+
+
+def synthetic_model(config: dict, budget: float, layers: int | None, rank: int, seed: int = 0, **plan_kw):
+    """A compressed-architecture model with random weights in the structure ``plan`` predicts for F."""
+    from bdlora.budgeted.config import BudgetedConfig
+    from bdlora.budgeted.costs import deployed_form
+    from bdlora.errors import ModelError
+    from bdlora.export.modeling_bdlora import FAMILIES
+    from bdlora.plan import plan
+
+    report = plan(config, BudgetedConfig(budget=budget, rank=rank, **plan_kw), layers=layers)
+    family = config["model_type"]
+    if family not in FAMILIES:
+        raise ModelError(f"--model-config: synthetic bench builds {', '.join(FAMILIES)} models, not {family!r}")
+    cfg_cls, model_cls = FAMILIES[family]
+    modules = {m["name"]: deployed_form(m["rank"]) for m in report["modules"]}
+    base = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "auto_map")}
+    if layers is not None:
+        base["num_hidden_layers"] = layers
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(bdlora_modules=modules, bdlora={"base_model_type": family, "budget": budget},
+                              **base))
+    return model.eval(), report

@@ -1,0 +1,130 @@
+"""Model-level Budgeted LoRA (PEFT's ``model.py`` step): wrap a student's projections, save and load the gated
+student, and compress it into the deployed bdlora architecture (SPEC 6).
+
+A saved gated student is the dense student folder plus ``budgeted.safetensors`` (per module: lora_A, lora_B,
+gate_logits, retention) and ``budgeted.json`` (rank, alpha, schedule and per-module shapes and d).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from bdlora import SCHEMA_VERSION
+from bdlora.arch import PROJECTIONS, dense_state_dict, is_projection, set_module
+from bdlora.budgeted.config import DEFAULTS, BudgetedConfig
+from bdlora.budgeted.costs import compression_report, deployed_form
+from bdlora.budgeted.layer import DeployedModule, GatedLoRALinear
+from bdlora.errors import ConfigError, ModelError
+from bdlora.io import load_tensors, read_json, save_tensors, write_json
+
+TENSORS = ("lora_A", "lora_B", "gate_logits", "retention")
+FACTORS_FILE, META_FILE = "budgeted.safetensors", "budgeted.json"
+
+
+def apply_budgeted_lora(model: nn.Module, rank: int, alpha: float, gate_init: float = DEFAULTS.gate_init,
+                        target_modules: tuple[str, ...] = PROJECTIONS) -> list[str]:
+    """Wrap every ``nn.Linear`` whose name ends in one of ``target_modules`` (the seven projection kinds) in a
+    ``GatedLoRALinear``, freeze every other parameter, and return the wrapped names in ``named_modules()`` order
+    (the controller's tie-break order)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    targets = [(name, mod) for name, mod in model.named_modules()
+               if isinstance(mod, nn.Linear) and name.rsplit(".", 1)[-1] in target_modules]
+    if not targets:
+        raise ValueError(f"no nn.Linear named {', '.join(target_modules)} in the model")
+    for name, mod in targets:
+        set_module(model, name, GatedLoRALinear(mod, rank, alpha, gate_init))
+    return list(gated_modules(model))
+
+
+def gated_modules(model: nn.Module) -> dict[str, GatedLoRALinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, GatedLoRALinear)}
+
+
+def save_budgeted(gated: dict[str, GatedLoRALinear], cfg: BudgetedConfig, out_dir: Path) -> None:
+    """``budgeted.safetensors`` + ``budgeted.json`` beside a dense student folder."""
+    tensors = {f"{name}.{t}": getattr(m, t) for name, m in gated.items() for t in TENSORS}
+    save_tensors(out_dir / FACTORS_FILE, tensors, metadata={"format": "pt"})
+    write_json(out_dir / META_FILE, {
+        "schema_version": SCHEMA_VERSION, "rank": cfg.rank, "alpha": cfg.alpha, "gate_init": cfg.gate_init,
+        "budget": cfg.budget, "eps_zero": cfg.eps_zero,
+        "modules": [{"name": n, "in_features": m.in_features, "out_features": m.out_features, "d": m.d}
+                    for n, m in gated.items()]})
+
+
+def load_budgeted(student_dir: Path, model: nn.Module) -> nn.Module:
+    """Re-wrap a dense student with gated modules and load the saved factors, gates and retentions; every module
+    must be present with its declared shape."""
+    meta = read_json(student_dir / META_FILE)
+    apply_budgeted_lora(model, meta["rank"], meta["alpha"], meta.get("gate_init", DEFAULTS.gate_init))
+    tensors = load_tensors(student_dir / FACTORS_FILE)
+    gated = gated_modules(model)
+    expected = {f"{n}.{t}" for n in gated for t in TENSORS}
+    if set(tensors) != expected:
+        missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+        raise ModelError(f"{student_dir / FACTORS_FILE}: does not match the student (missing {missing[:3]}, "
+                         f"unexpected {extra[:3]})")
+    for name, m in gated.items():
+        with torch.no_grad():
+            for t in ("lora_A", "lora_B", "gate_logits"):
+                src, dst = tensors[f"{name}.{t}"], getattr(m, t)
+                if src.shape != dst.shape:
+                    raise ModelError(f"{student_dir / FACTORS_FILE}: {name}.{t} has shape {tuple(src.shape)}, the "
+                                     f"student needs {tuple(dst.shape)}")
+                dst.copy_(src)
+        m.set_retention(float(tensors[f"{name}.retention"]))
+    return model
+
+
+def build_deployed_model(base: nn.Module, deployed: dict[str, DeployedModule], provenance: dict):
+    """The bdlora HF architecture holding the ``deployed`` projections and every other weight of ``base``."""
+    from bdlora.export.modeling_bdlora import FAMILIES
+
+    family = base.config.model_type.removeprefix("bdlora_")
+    if family not in FAMILIES:
+        raise ConfigError([f"base model_type {family!r}: no bdlora architecture (supported: {', '.join(FAMILIES)})"])
+    cfg_cls, model_cls = FAMILIES[family]
+    config = cfg_cls(bdlora_modules={n: deployed_form(c.decision.rank) for n, c in deployed.items()},
+                     bdlora={"base_model_type": family, **provenance}, **_base_config_dict(base.config))
+    config.auto_map = {"AutoConfig": f"modeling_bdlora.{cfg_cls.__name__}",
+                       "AutoModelForCausalLM": f"modeling_bdlora.{model_cls.__name__}"}
+    config.architectures = [model_cls.__name__]
+    model = model_cls(config)
+    state = {k: v for k, v in dense_state_dict(base).items() if not any(k.startswith(n + ".") for n in deployed)}
+    for n, c in deployed.items():
+        state.update(c.state(n))
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    assert not missing and not unexpected, (missing, unexpected)
+    model.tie_weights()
+    return model.eval()
+
+
+def _base_config_dict(config) -> dict:
+    cfg = config.to_dict()
+    for k in ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path", "bdlora_modules",
+              "bdlora"):
+        cfg.pop(k, None)
+    return cfg
+
+
+def compress_budgeted(model: nn.Module, cfg: BudgetedConfig, provenance: dict):
+    """(compressed HF model, SPEC 6.4 report) of a student with ``GatedLoRALinear`` modules."""
+    cfg.validate_thresholds()
+    gated = gated_modules(model)
+    if not gated:
+        raise ModelError("the student has no gated modules to compress")
+    deployed = {n: m.to_deployed(n, cfg) for n, m in gated.items()}
+    r_max = next(iter(gated.values())).rank
+    report = compression_report([c.decision for c in deployed.values()], r_max, provenance.get("budget"),
+                                cfg.thresholds())
+    return build_deployed_model(model, deployed, {**provenance, "thresholds": report["thresholds"]}), report
+
+
+def dense_projections(model: nn.Module) -> dict[str, nn.Linear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and is_projection(n)}

@@ -1,0 +1,184 @@
+"""Checkpoints of a training run, and stopping on a signal without losing work.
+
+A checkpoint ``checkpoints/step-N/`` holds the trainable weights, the optimizer state (safetensors), the RNG states
+and ``state.json`` (step, optimizer param groups, scheduler, method state, RNG metadata, and the SHA-256 of every
+other file). It is built in a temp folder whose ``state.json`` is written last, then renamed into place, so a folder
+with a ``state.json`` is complete; a torn or corrupted one is detected by its checksums and skipped on resume.
+
+SIGINT/SIGTERM during training set a flag (``StopRequest``); the loop finishes the current optimiser step, saves a
+checkpoint and stops, so an interrupted run loses nothing and never saves a half-updated state.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import random
+import shutil
+import signal
+import threading
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bdlora.errors import RunDirError
+from bdlora.io import atomic_dir, load_tensors, read_json, save_tensors, write_json, write_text
+
+STATE_KEYS = ("step", "param_groups", "scheduler", "method", "rng", "files")
+
+
+def _rng_state() -> tuple[dict, dict]:
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda_{i}"] = s
+    np_state = np.random.get_state()
+    meta = {"python": repr(random.getstate()), "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+    return tensors, meta
+
+
+def _set_rng_state(tensors: dict, meta: dict) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("torch_cuda_"))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    random.setstate(ast.literal_eval(meta["python"]))
+    n = meta["numpy"]
+    np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), *n[2:]))
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, scheduler, method, extra: dict,
+                    keep_last: int) -> Path:
+    """Write ``ckpt_root/step-N`` atomically (see the module docstring); keep the newest ``keep_last``."""
+    path = ckpt_root / f"step-{step:08d}"
+    with atomic_dir(path) as tmp:
+        trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        save_tensors(tmp / "trainable.safetensors", trainable)
+        opt_state = optimizer.state_dict()
+        flat = {f"{idx}.{k}": v if torch.is_tensor(v) else torch.tensor(v)
+                for idx, st in opt_state["state"].items() for k, v in st.items()}
+        save_tensors(tmp / "optimizer.safetensors", flat)
+        rng_t, rng_meta = _rng_state()
+        save_tensors(tmp / "rng.safetensors", rng_t)
+        files = {f.name: sha256(f) for f in sorted(tmp.iterdir())}
+        write_json(tmp / "state.json", {"step": step, "param_groups": opt_state["param_groups"],
+                                         "scheduler": scheduler.state_dict(), "method": method.state(),
+                                         "rng": rng_meta, "files": files, **extra})
+    for old in sorted(ckpt_root.glob("step-*"))[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def verify_checkpoint(ckpt: Path) -> str | None:
+    """None when the checkpoint is complete and every file matches its recorded SHA-256, else what is wrong."""
+    try:
+        state = read_json(ckpt / "state.json")
+    except (OSError, ValueError) as e:
+        return f"state.json unreadable ({type(e).__name__})"
+    missing = [k for k in STATE_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        return f"state.json lacks {', '.join(missing)}"
+    if not isinstance(state["files"], dict) or not state["files"]:
+        return "state.json records no files"
+    for name, digest in state["files"].items():
+        f = ckpt / name
+        if not f.is_file():
+            return f"{name} missing"
+        if sha256(f) != digest:
+            return f"{name} checksum mismatch"
+    return None
+
+
+def latest_checkpoint(run_dir: Path, on_warning=None) -> Path | None:
+    """The newest checkpoint that verifies; a corrupt newer one is skipped with a warning (and left on disk)."""
+    done = [p for p in sorted((Path(run_dir) / "checkpoints").glob("step-*")) if (p / "state.json").exists()]
+    for ckpt in reversed(done):
+        problem = verify_checkpoint(ckpt)
+        if problem is None:
+            return ckpt
+        msg = f"checkpoint {ckpt.name} is corrupt ({problem}); falling back to the previous one"
+        if on_warning is not None:
+            on_warning(f"warning: {msg}")
+        else:
+            warnings.warn(msg, stacklevel=2)
+    return None
+
+
+def remove_stale(ckpt_root: Path) -> None:
+    """Temp folders of a save that was killed half-way."""
+    for stale in ckpt_root.glob(".step-*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def load_checkpoint(ckpt: Path, model, optimizer, scheduler, method) -> dict:
+    state = read_json(ckpt / "state.json")
+    trainable = load_tensors(ckpt / "trainable.safetensors")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for n, t in trainable.items():
+            params[n].copy_(t)
+    flat = load_tensors(ckpt / "optimizer.safetensors")
+    opt_state: dict = {"state": {}, "param_groups": state["param_groups"]}
+    for key, v in flat.items():
+        idx, k = key.split(".", 1)
+        opt_state["state"].setdefault(int(idx), {})[k] = v
+    optimizer.load_state_dict(opt_state)
+    scheduler.load_state_dict(state["scheduler"])
+    method.load_state(state["method"])
+    _set_rng_state(load_tensors(ckpt / "rng.safetensors"), state["rng"])
+    return state
+
+
+def truncate_jsonl(path: Path, max_step: int, on_warning=None) -> None:
+    """Keep the records of steps <= ``max_step``; a torn last line (a crash mid-append) is dropped with a warning,
+    any other unreadable line is an error naming it."""
+    if not path.exists():
+        return
+    lines = path.read_text(errors="replace").splitlines()
+    keep = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                if on_warning is not None:
+                    on_warning(f"warning: {path.name}: dropped a partial last line (written when the run stopped)")
+                continue
+            raise RunDirError(f"{path}:{i + 1}: not valid JSON; the log is damaged") from None
+        if isinstance(rec, dict) and rec.get("step", 0) <= max_step:
+            keep.append(line)
+    write_text(path, "".join(line + "\n" for line in keep))
+
+
+class StopRequest:
+    """SIGINT/SIGTERM set ``requested``; a second signal stops at once (KeyboardInterrupt). Only installs handlers in
+    the main thread; ``restore`` puts the previous ones back."""
+
+    def __init__(self):
+        self.requested: str | None = None
+        self._old = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.requested:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+
+    def restore(self):
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,71 @@
+"""``bdlora bench``: the compressed model against its dense and LoRA forms under onnxruntime."""
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from bdlora.bench.config import BenchConfig
+from bdlora.cli import render
+from bdlora.cli.app import command, out
+from bdlora.cli.options import from_dataclass, int_list
+from bdlora.runs import RUNS_DIR
+
+
+@command(options=from_dataclass(BenchConfig, skip=("opt_level",), defaults=True))
+def bench(
+    model_dir: Annotated[Optional[str], typer.Argument(help="A `bdlora compress` output (default: the latest).")]
+    = None,
+    model_config: Annotated[Optional[str], typer.Option(help="Synthetic mode: an HF config.json; benches the "
+                                                              "structure `plan` predicts, with random weights.")]
+    = None,
+    budget: Annotated[Optional[float], typer.Option(help="Synthetic mode: the budget F.")] = None,
+    layers: Annotated[Optional[int], typer.Option(help="Synthetic mode: student layers.")] = None,
+    lora_rank: Annotated[Optional[int], typer.Option(help="LoRA rank of the lora variant (default: the trained "
+                                                           "rank; synthetic: 128).")] = None,
+    json_path: Annotated[Optional[str], typer.Option("--json", help="Also write the JSON report here.")] = None,
+    out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: MODEL_DIR.bench).")]
+    = None,
+    force: Annotated[bool, typer.Option(help="Replace an existing non-empty --out.")] = False,
+    runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,
+    **opts,
+):
+    """Time the compressed model against its dense and LoRA forms under onnxruntime (replaced modules and whole
+    model, prefill and decode), beside the MAC limits; writes bench.json, bench.md and bench.png."""
+    from bdlora.bench.run import run_bench
+    from bdlora.cli.progress import RichReporter
+    from bdlora.errors import ModelError, UsageError
+    from bdlora.io import write_json
+    from bdlora.runs import ModelDir, check_out_dir, check_out_file
+
+    opts["batch_sizes"] = int_list(opts["batch_sizes"], "--batch-sizes")
+    opts["seq_lens"] = int_list(opts["seq_lens"], "--seq-lens")
+    cfg = BenchConfig(**opts).validate()
+    if json_path:
+        check_out_file(json_path)
+    if model_config:
+        from bdlora.bench.variants import synthetic_model
+        from bdlora.plan import read_model_config
+
+        if budget is None:
+            raise UsageError("--model-config needs --budget F (the structure to bench)")
+        rank = lora_rank or 128
+        model, report = synthetic_model(read_model_config(model_config), budget, layers, rank)
+        dst, inputs = Path(out_dir) if out_dir else Path(runs_dir) / f"bench-synthetic-F{budget}", ()
+    else:
+        from bdlora.models import load_model_folder
+
+        src = ModelDir(model_dir) if model_dir else ModelDir.latest(runs_dir)
+        if not src.finished():
+            raise ModelError(f"{src.path}: no compression.json; bench needs a `bdlora compress` output (or use "
+                             "--model-config for synthetic mode)")
+        model, _, report = load_model_folder(src.path)
+        rank = lora_rank or max(1, round(report["lora_macs"] / max(1, sum(
+            m["in_features"] + m["out_features"] for m in report["modules"]))))
+        dst, inputs = (Path(out_dir) if out_dir else src.bench_out()), (src.path,)
+    check_out_dir(dst, force, inputs)
+    doc = run_bench(model, rank, cfg, dst, report, reporter=RichReporter(out))
+    if json_path:
+        write_json(json_path, doc)
+    render.bench(doc)
+    out.print(f"[green]wrote[/] {dst}/bench.json, bench.md, bench.png")

@@ -1,0 +1,105 @@
+"""``bdlora eval`` (perplexity and ICL probes of one model) and ``bdlora sweep`` (a whole budget family)."""
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from bdlora.cli import render
+from bdlora.cli.app import command, err, out
+from bdlora.cli.options import float_list, from_dataclass, int_list, str_list
+from bdlora.config import TrainConfig
+from bdlora.evaluate import EvalConfig
+from bdlora.runs import RUNS_DIR
+from bdlora.sweep.options import SweepOptions
+
+SWEEP_TRAIN_OPTIONS = ("teacher", "data", "student_layers", "seq_len", "batch_size", "max_steps", "tokens", "lr",
+                       "lora_rank", "lora_alpha", "eval_tokens", "heldout_fraction", "seed", "device", "cache_dir")
+
+
+@command(name="eval", options=from_dataclass(EvalConfig, skip=("ppl", "icl"), defaults=True))
+def eval_cmd(
+    model_dir: Annotated[Optional[str], typer.Argument(help="A run directory, model folder (teacher, compressed, "
+                                                            "exported HF) or ONNX folder (default: the latest "
+                                                            "compressed model).")] = None,
+    ppl: Annotated[bool, typer.Option("--ppl", help="Held-out perplexity (with neither --ppl nor --icl: both).")]
+    = False,
+    icl: Annotated[bool, typer.Option("--icl", help="The 19 ICL probes of SPEC 7.")] = False,
+    json_path: Annotated[Optional[str], typer.Option("--json", help="Write the eval JSON here (default: "
+                                                                    "MODEL_DIR.eval.json beside the folder).")]
+    = None,
+    runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,
+    **opts,
+):
+    """Score a model: perplexity on the held-out slice and the 19 function-style ICL probes (10-shot, 3
+    demonstration seeds, exact match; per-task mean and std, macro average)."""
+    from bdlora.cli.progress import RichReporter
+    from bdlora.evaluate import evaluate_target
+    from bdlora.io import write_json
+    from bdlora.runs import ModelDir, check_out_file, eval_json
+
+    opts["tasks"] = str_list(opts["tasks"])
+    ecfg = EvalConfig(ppl=ppl or not icl, icl=icl or not ppl, **opts).validate()
+    src = Path(model_dir) if model_dir else ModelDir.latest(runs_dir).path
+    dst = Path(json_path) if json_path else eval_json(src)
+    check_out_file(dst)
+    doc = evaluate_target(src, ecfg, reporter=RichReporter(out))
+    write_json(dst, doc)
+    render.evaluation(doc)
+    out.print(f"[green]wrote[/] {dst}")
+
+
+@command(options=from_dataclass(TrainConfig, names=SWEEP_TRAIN_OPTIONS))
+def sweep(
+    budgets: Annotated[str, typer.Option(help="Comma-separated budgets F of the budgeted members.")] = "0.0,0.4",
+    baselines: Annotated[str, typer.Option(help="Comma-separated baselines (kd-full, kd-lora; '' for none).")]
+    = "kd-full,kd-lora",
+    config: Annotated[Optional[str], typer.Option(help="YAML of any `bdlora train` option, shared by every member; "
+                                                       "flags override.")] = None,
+    eps_lr: Annotated[float, typer.Option(help="compress --eps-lr of every budgeted member.")] = SweepOptions.eps_lr,
+    examples: Annotated[int, typer.Option(help="ICL query prompts per task and seed.")] = SweepOptions.eval_examples,
+    seeds: Annotated[int, typer.Option(help="ICL demonstration seeds.")] = SweepOptions.eval_seeds,
+    bench: Annotated[bool, typer.Option(help="Bench each compressed member (onnxruntime, CPU).")] = True,
+    bench_batch_sizes: Annotated[str, typer.Option(help="bench --batch-sizes.")] = "1",
+    bench_seq_lens: Annotated[str, typer.Option(help="bench --seq-lens.")] = "128",
+    bench_repeats: Annotated[int, typer.Option(help="bench --repeats.")] = SweepOptions.bench_repeats,
+    out_dir: Annotated[Optional[str], typer.Option("--out", help="Sweep folder (default: RUNS_DIR/sweep-<time>).")]
+    = None,
+    runs_dir: Annotated[str, typer.Option(help="Where runs and sweeps live.")] = RUNS_DIR,
+    resume: Annotated[Optional[str], typer.Option(help="Finish an interrupted sweep folder (its stored options are "
+                                                        "used; finished stages are skipped).")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print results.json.")] = False,
+    **opts,
+):
+    """Train, compress, evaluate and bench a budget family (baselines + budgeted at each F) with everything else
+    fixed; writes the paper-style table (sweep.md, results.json) and a Pareto plot (pareto.png)."""
+    from bdlora.cli.progress import RichReporter
+    from bdlora.config import load_yaml, merge
+    from bdlora.errors import UsageError
+    from bdlora.runs import SweepDir
+    from bdlora.sweep.report import markdown
+    from bdlora.sweep.run import run_sweep
+
+    rep = RichReporter(err if json_out else out)
+    if resume is not None:
+        given = [k for k, v in opts.items() if v is not None]
+        if given or config:
+            raise UsageError(f"--resume {resume}: continues with the sweep's stored options; drop "
+                             f"{', '.join('--' + k.replace('_', '-') for k in given) or '--config'}")
+        doc = run_sweep(None, SweepDir(resume), rep, resume=True)
+    else:
+        cfg = merge(load_yaml(config) if config else {}, {**opts, "runs_dir": runs_dir}).validate()
+        train_opts = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("method", "budget", "out",
+                                                                                   "extra")}
+        sopts = SweepOptions(budgets=float_list(budgets, "--budgets"), baselines=str_list(baselines) or [],
+                             train=train_opts, eps_lr=eps_lr, eval_examples=examples, eval_seeds=seeds, bench=bench,
+                             bench_batch_sizes=int_list(bench_batch_sizes, "--bench-batch-sizes"),
+                             bench_seq_lens=int_list(bench_seq_lens, "--bench-seq-lens"), bench_repeats=bench_repeats)
+        doc = run_sweep(sopts.validate(), SweepDir.new(runs_dir, out_dir), rep)
+    if json_out:
+        print(json.dumps(doc, indent=2))
+        return
+    out.print(markdown(doc))
+    out.print(f"[green]wrote[/] {doc['sweep_dir']}/sweep.md, results.json, pareto.png")

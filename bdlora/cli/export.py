@@ -1,0 +1,68 @@
+"""``bdlora export hf`` and ``bdlora export onnx``."""
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from bdlora.cli import render
+from bdlora.cli.app import command, err, export_app, out
+from bdlora.runs import RUNS_DIR
+
+
+def _source(model_dir: Optional[str], runs_dir: str) -> Path:
+    from bdlora.runs import ModelDir
+
+    return Path(model_dir) if model_dir else ModelDir.latest(runs_dir).path
+
+
+@command(export_app, "hf")
+def export_hf(
+    model_dir: Annotated[Optional[str], typer.Argument(help="Compressed model folder (default: the latest).")]
+    = None,
+    out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: MODEL_DIR.hf).")] = None,
+    force: Annotated[bool, typer.Option(help="Replace an existing non-empty --out.")] = False,
+    runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,
+):
+    """Copy a compressed model into a clean, shareable Hugging Face folder with a generated model card."""
+    from bdlora.export.hf import export_hf as run_export
+    from bdlora.runs import ModelDir
+
+    src = _source(model_dir, runs_dir)
+    dst = Path(out_dir) if out_dir else ModelDir(src).hf_out()
+    run_export(src, dst, force=force)
+    out.print(f"[green]wrote[/] {dst} (load with AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True))")
+
+
+@command(export_app, "onnx")
+def export_onnx(
+    model_dir: Annotated[Optional[str], typer.Argument(help="Model folder: a `bdlora compress` output (default: the "
+                                                            "latest) or any HF Llama/Mistral/Qwen2 folder.")] = None,
+    out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: MODEL_DIR.onnx).")] = None,
+    opset: Annotated[int, typer.Option(help="ONNX opset (14 up to the exporter's maximum).")] = 17,
+    quantize: Annotated[Optional[str], typer.Option(help="int8: also write model_int8.onnx (dynamic weight "
+                                                          "quantisation) and report its perplexity change.")] = None,
+    no_validate: Annotated[bool, typer.Option("--no-validate", help="Skip the parity check against PyTorch.")]
+    = False,
+    optimize: Annotated[bool, typer.Option("--optimize", help="Fuse RMSNorm, residual+RMSNorm and rotary subgraphs "
+                                                              "into onnxruntime contrib ops (faster decode; the "
+                                                              "graph then needs onnxruntime).")] = False,
+    force: Annotated[bool, typer.Option(help="Replace an existing non-empty --out.")] = False,
+    runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,
+    json_out: Annotated[bool, typer.Option("--json", help="Print export.json.")] = False,
+):
+    """Export a model as an ONNX decoder with KV cache and per-module shape metadata, validated against PyTorch;
+    the folder loads in optimum's ORTModelForCausalLM (bdlora.export.onnx.load_ort_model, the [optimum] extra)."""
+    from bdlora.cli.progress import RichReporter
+    from bdlora.export.onnx import export_onnx_folder
+    from bdlora.runs import ModelDir
+
+    src = _source(model_dir, runs_dir)
+    dst = Path(out_dir) if out_dir else ModelDir(src).onnx_out()
+    info = export_onnx_folder(src, dst, opset=opset, quantize=quantize, run_validation=not no_validate, force=force,
+                              reporter=RichReporter(err if json_out else out), optimize=optimize)
+    if json_out:
+        print(json.dumps(info, indent=2))
+        return
+    render.onnx_export(info, dst)

@@ -1,0 +1,76 @@
+"""Command-line options generated from the config dataclasses, so a default and its help text have one home (the
+dataclass field and the docstring under it) and the CLI never repeats either."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+from typing import Annotated, Optional
+
+import typer
+
+from bdlora.config import field_docs
+from bdlora.errors import UsageError
+
+
+def _base_type(tp):
+    """``int | None`` -> int; list types -> str (comma-separated on the command line)."""
+    if typing.get_origin(tp) is list:
+        return str
+    args = [a for a in typing.get_args(tp) if a is not type(None)]  # X | None
+    if args:
+        return _base_type(args[0])
+    return tp
+
+
+def from_dataclass(cls, names=None, skip=(), rename: dict | None = None, defaults: bool = False,
+                   panel: str | None = None) -> list[inspect.Parameter]:
+    """One keyword option per field of ``cls`` (``names`` or all but ``skip``), ``--field-name`` with the field's
+    docstring as help. With ``defaults`` the option's default is the field's (shown in --help); otherwise None,
+    meaning "not given" (so YAML values and per-teacher defaults can fill it)."""
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    rename = rename or {}
+    params = []
+    for f in cls.__dataclass_fields__.values():
+        if (names is not None and f.name not in names) or f.name in skip:
+            continue
+        opt = rename.get(f.name, f.name)
+        tp = _base_type(hints[f.name])
+        default = _default(f) if defaults else None
+        if isinstance(default, list):
+            default = ",".join(map(str, default))
+        dashed = opt.replace("_", "-")
+        decl = f"--{dashed}/--no-{dashed}" if tp is bool else f"--{dashed}"
+        option = typer.Option(decl, help=docs.get(f.name, ""), rich_help_panel=panel)
+        annotation = Annotated[tp if defaults and default is not None else Optional[tp], option]
+        params.append(inspect.Parameter(opt, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation))
+    return params
+
+
+def _default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+
+
+def int_list(value: str, flag: str) -> list[int]:
+    try:
+        items = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} {value!r}: need comma-separated integers, e.g. 1,8") from None
+    if not items:
+        raise UsageError(f"{flag} {value!r}: empty list; give at least one value")
+    return items
+
+
+def float_list(value: str, flag: str) -> list[float]:
+    try:
+        return [float(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} {value!r}: need comma-separated numbers, e.g. 0.0,0.4,0.8") from None
+
+
+def str_list(value: str | None) -> list[str] | None:
+    return None if value is None else [x.strip() for x in value.split(",") if x.strip()]

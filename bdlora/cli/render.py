@@ -1,0 +1,164 @@
+"""Every table the CLI prints (rich), one function per report. Commands compute; these only format."""
+
+from rich.table import Table
+
+from bdlora.cli.app import out
+
+
+def _kv(title: str) -> Table:
+    t = Table(title=title)
+    t.add_column("")
+    t.add_column("value", justify="right")
+    return t
+
+
+def teacher(info: dict) -> None:
+    t = _kv("teacher")
+    t.add_row("path", str(info["path"]))
+    t.add_row("parameters", f"{info['parameters']:,}")
+    if "corpus_tokens" in info:
+        ct = info["corpus_tokens"]
+        t.add_row("corpus tokens (train / val)", f"{ct['train']:,} / {ct['val']:,}")
+    if "train_tokens_seen" in info:
+        t.add_row("pretraining tokens seen", f"{info['train_tokens_seen']:,}")
+    if info.get("val_ppl") is not None:
+        t.add_row("validation perplexity", f"{info['val_ppl']:.2f}")
+    if info.get("unigram_ppl") is not None:
+        t.add_row("unigram baseline perplexity", f"{info['unigram_ppl']:.2f}")
+    if info.get("build_seconds") is not None:
+        t.add_row("build time", f"{info['build_seconds']:.0f} s")
+    out.print(t)
+
+
+def train_summary(s: dict) -> None:
+    t = _kv(f"{s['method']} run: {s['run_dir']}")
+    t.add_row("teacher val ppl", f"{s['teacher_val_ppl']:.3f}")
+    if s.get("initial_student_val_ppl") is not None:
+        t.add_row("student val ppl before training", f"{s['initial_student_val_ppl']:.3f}")
+    t.add_row("student val ppl", f"{s['student_val_ppl']:.3f}")
+    t.add_row("steps / tokens", f"{s['steps']:,} / {s['tokens']:,}")
+    if s.get("world_size", 1) > 1:
+        t.add_row("processes / global batch", f"{s['world_size']} / {s['global_batch']} sequences")
+    t.add_row("train time", f"{s['train_seconds']:.1f} s ({s['tokens_per_s']:.0f} tok/s)")
+    p = s["compute_proxy"]
+    t.add_row("dense MACs/token D, LoRA L", f"{p['D']:,} / {p['L']:,}")
+    t.add_row("mean retained dense d_bar", f"{p['d_bar']:.3f}")
+    t.add_row("train compute proxy vs kd-full", f"lora {p['lora_vs_full']:.3f}x, budgeted {p['bud_vs_full']:.3f}x")
+    if "step_time_ms" in s:
+        st = s["step_time_ms"]
+        t.add_row("measured step time (ms)", f"full {st['kd-full']:.1f}, lora {st['kd-lora']:.1f}, "
+                  f"budgeted d=0 {st['budgeted']:.1f}")
+        t.add_row("measured step ratio vs kd-full", f"lora {st['lora_vs_full']:.3f}x, budgeted "
+                  f"{st['budgeted_vs_full']:.3f}x")
+    if "final_retained" in s:
+        zero = sum(1 for m in s["modules"] if m["d"] == 0)
+        t.add_row("final retained dense / modules at zero", f"{s['final_retained']:.3f} / {zero}/{len(s['modules'])}")
+    out.print(t)
+
+
+def compression_report(report: dict, title: str) -> None:
+    """The SPEC 6.4 table: one row per module, then the totals (shared by plan and compress)."""
+    t = Table(title=title)
+    t.add_column("module", justify="left", min_width=22, overflow="fold")
+    for col, j in (("d", "right"), ("case", "left"), ("LoRA r", "right"), ("SVD k", "right"),
+                   ("MACs before", "right"), ("MACs after", "right"), ("params after", "right")):
+        t.add_column(col, justify=j)
+    for m in report["modules"]:
+        t.add_row(m["name"].replace("model.layers.", "L"), f"{m['d']:.3f}", m["case"], str(m["lora_rank"]),
+                  str(m["svd_rank"] or "-"), f"{m['macs_before']:,}", f"{m['macs_after']:,}",
+                  f"{m['params_after']:,}")
+    out.print(t)
+    n = report["modules_total"]
+    s = _kv("totals over the replaced modules")
+    s.add_row("dense kept / SVD / dropped", f"{report['dense_kept']}/{n} / {report['dense_svd']}/{n} / "
+              f"{report['dense_dropped']}/{n}" + (f" ({report['merged_cheaper']} merged-cheaper)"
+                                                  if report["merged_cheaper"] else ""))
+    s.add_row("average LoRA rank kept", f"{report['avg_lora_rank']:.1f}")
+    s.add_row("MAC speed-up vs dense", f"{report['speedup_vs_dense']:.2f}x")
+    s.add_row("MAC speed-up vs LoRA", f"{report['speedup_vs_lora']:.2f}x")
+    s.add_row("parameter reduction", f"{100 * report['param_reduction']:.1f}%")
+    out.print(s)
+    if "eval" in report:
+        e = report["eval"]
+        out.print(f"held-out perplexity: student {e['student_val_ppl']:.3f} -> compressed "
+                  f"{e['compressed_val_ppl']:.3f} ({e['tokens']:,} tokens)")
+    if "compute_proxy" in report:
+        p = report["compute_proxy"]
+        out.print(f"training-compute proxy vs kd-full: budgeted {p['bud_vs_full']:.3f}x, kd-lora "
+                  f"{p['lora_vs_full']:.3f}x (D = {p['D']:,}, L = {p['L']:,}, d_bar = {p['d_bar']:.3f})")
+
+
+def onnx_export(info: dict, dst) -> None:
+    t = _kv(f"ONNX export: {dst}")
+    t.add_row("opset / export time", f"{info['opset']} / {info['export_seconds']:.1f} s")
+    if info.get("ort_fusions"):
+        t.add_row("onnxruntime fusions", ", ".join(f"{v} {k}" for k, v in info["ort_fusions"].items()))
+    for name, size in info["files"].items():
+        t.add_row(name, f"{size / 1e6:.2f} MB")
+    if "validation" in info:
+        v = info["validation"]
+        t.add_row("max |ONNX - torch| (logits, K/V)", f"{v['max_abs_diff']:.2e} (tolerance {v['tolerance']:g}, "
+                  f"{len(v['shapes'])} shapes incl. left padding)")
+    q = info.get("int8") or {}
+    if "val_ppl_int8" in q:
+        t.add_row("held-out ppl fp32 -> int8", f"{q['val_ppl_fp32']:.3f} -> {q['val_ppl_int8']:.3f} "
+                  f"({100 * q['ppl_change']:+.2f}%)")
+    s = info["summary"]
+    t.add_row("modules", ", ".join(f"{v} {k}" for k, v in s["forms"].items()))
+    t.add_row("MAC speed-up of the projections vs dense", f"{s['mac_speedup_vs_dense']:.2f}x")
+    out.print(t)
+
+
+def bench(doc: dict) -> None:
+    t = Table(title=f"bench: compressed vs dense / LoRA ({doc['thread_pool']})")
+    t.add_column("scope phase shape", overflow="fold")
+    for col in ("dense ms", "comp. ms", "vs dense", "MAC limit", "of limit", "vs LoRA", "outside"):
+        t.add_column(col, justify="right")
+    idx = {(r["scope"], r["variant"], r["phase"], r["batch"], r["seq"]): r for r in doc["results"]}
+    for r in doc["results"]:
+        if r["variant"] != "compressed":
+            continue
+        d = idx[(r["scope"], "dense", r["phase"], r["batch"], r["seq"])]
+        shape = f"{r['batch']}x{r['seq']}" if r["phase"] == "prefill" else (
+            f"{r['batch']}x1 @{r['seq']}" if r["scope"] == "model" else f"{r['batch']}x1")
+        t.add_row(f"{r['scope']} {r['phase']} {shape}", f"{d['median_ms']:.3f}", f"{r['median_ms']:.3f}",
+                  f"{r['speedup_vs_dense']:.2f}x", f"{r['mac_ratio_vs_dense']:.2f}x",
+                  f"{100 * r['fraction_of_limit']:.0f}%", f"{r['speedup_vs_lora']:.2f}x",
+                  f"{100 * r['share_outside_modules']:.0f}%" if "share_outside_modules" in r else "-")
+    out.print(t)
+    q = [r for r in doc["results"] if r["variant"] == "compressed-int8"]
+    if q:
+        out.print("int8 (dynamic) compressed: " + "; ".join(
+            f"{r['phase']} {r['batch']}x{r['seq']} {r['median_ms']:.3f} ms, {r['speedup_vs_dense']:.2f}x vs fp32 "
+            f"dense, {r.get('speedup_vs_dense_int8', float('nan')):.2f}x vs int8 dense" for r in q))
+
+
+def evaluation(doc: dict) -> None:
+    if "ppl" in doc:
+        p = doc["ppl"]
+        out.print(f"held-out perplexity: [bold]{p['val_ppl']:.3f}[/] ({p['tokens']:,} tokens of {doc['data']['data']},"
+                  f" blocks of {p['seq_len']}; {doc['kind']})")
+    if "icl" in doc:
+        r = doc["icl"]
+        t = Table(title=f"ICL probes ({r['shots']}-shot, {r['seeds']} seeds x {r['examples_per_seed']} prompts, "
+                        "exact match %)")
+        t.add_column("task")
+        t.add_column("accuracy %", justify="right")
+        t.add_column("log p(target)", justify="right")
+        for name, v in r["tasks"].items():
+            t.add_row(name, f"{v['mean']:.1f} ± {v['std']:.1f}", f"{v['target_logprob']:.2f}")
+        m = r["macro"]
+        t.add_row("[bold]ICL composite (macro)[/]", f"[bold]{m['mean']:.1f} ± {m['std']:.1f}[/]",
+                  f"{m['target_logprob']:.2f}")
+        out.print(t)
+
+
+def loadtest(rows: list[dict], url: str, max_tokens: int) -> None:
+    t = Table(title=f"loadtest {url} ({rows[0]['model']}, max_tokens {max_tokens})")
+    for col in ("clients", "requests", "failed", "req/s", "tok/s", "p50 ms", "p90 ms", "p99 ms"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+        t.add_row(str(r["concurrency"]), str(r["requests"]), str(r["failures"]), f"{r['requests_per_s']:.2f}",
+                  f"{r['tokens_per_s']:.1f}", f(r["p50_ms"]), f(r["p90_ms"]), f(r["p99_ms"]))
+    out.print(t)

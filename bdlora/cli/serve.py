@@ -1,0 +1,83 @@
+"""``bdlora serve`` (an OpenAI-compatible server over an ONNX export) and ``bdlora loadtest``."""
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from bdlora.cli import render
+from bdlora.cli.app import command, err, fail
+from bdlora.cli.options import from_dataclass, int_list
+from bdlora.runs import RUNS_DIR
+from bdlora.serve.config import ServeConfig
+
+
+@command(options=from_dataclass(ServeConfig, skip=("onnx_dir", "model_name"), defaults=True))
+def serve(
+    onnx_dir: Annotated[Optional[str], typer.Argument(help="A `bdlora export onnx` folder (default: the latest).")]
+    = None,
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    model_name: Annotated[Optional[str], typer.Option(help="Model id clients send (default: the folder name).")]
+    = None,
+    drain_seconds: Annotated[int, typer.Option(help="On SIGTERM/SIGINT: seconds to let in-flight requests "
+                                                    "finish.")] = 30,
+    runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,
+    **opts,
+):
+    """Serve an exported ONNX model with an OpenAI-compatible API (/v1/completions, /v1/chat/completions,
+    /v1/models, /health, /metrics)."""
+    from bdlora.errors import Checks
+    from bdlora.runs import OnnxDir
+    from bdlora.serve.app import check_onnx_dir
+    from bdlora.serve.app import serve as run_server
+
+    c = Checks()
+    c.integer("port", port, lo=0, hi=65535)
+    c.integer("drain_seconds", drain_seconds, lo=0)
+    c.done()
+    src = Path(onnx_dir) if onnx_dir else OnnxDir.latest(runs_dir).path
+    cfg = ServeConfig(onnx_dir=str(src), model_name=model_name or src.name, **opts).validate()
+    check_onnx_dir(src, cfg.onnx_file)
+    err.print(f"[cyan]>[/] serving {src} as '{cfg.model_name}' on http://{host}:{port}/v1", highlight=False)
+    run_server(cfg, host, port, drain_seconds)
+
+
+@command()
+def loadtest(
+    url: Annotated[str, typer.Argument(help="Server base URL, e.g. http://127.0.0.1:8000")],
+    concurrency: Annotated[str, typer.Option(help="Comma-separated numbers of concurrent clients.")] = "1,16",
+    requests: Annotated[int, typer.Option(help="Completed requests per concurrency level.")] = 100,
+    max_tokens: Annotated[int, typer.Option(help="max_tokens of every request.")] = 64,
+    model: Annotated[Optional[str], typer.Option(help="Model id (default: the first /v1/models lists).")] = None,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature of the requests.")] = 0.0,
+    json_path: Annotated[Optional[str], typer.Option("--json", help="Also write the results here.")] = None,
+):
+    """Closed-loop load test of an OpenAI-compatible /v1/completions endpoint: requests/s, tokens/s, p50/p99."""
+    import httpx
+
+    from bdlora.errors import Checks, UsageError
+    from bdlora.io import write_json
+    from bdlora.runs import check_out_file
+    from bdlora.serve.loadtest import load_test
+
+    levels = int_list(concurrency, "--concurrency")
+    c = Checks()
+    for v in levels:
+        c.integer("concurrency", v, lo=1)
+    c.integer("requests", requests, lo=1)
+    c.integer("max_tokens", max_tokens, lo=1)
+    c.done()
+    if json_path:
+        check_out_file(json_path)
+    try:
+        httpx.get(url.rstrip("/") + "/health", timeout=10)
+    except httpx.TransportError as e:
+        raise UsageError(f"{url}: no server answers there ({type(e).__name__})") from None
+    rows = [load_test(url, model, n, requests, max_tokens, temperature=temperature) for n in levels]
+    render.loadtest(rows, url, max_tokens)
+    if json_path:
+        write_json(json_path, {"results": rows})
+    if any(r["failures"] for r in rows):
+        first = next(r["first_failure"] for r in rows if r["failures"])
+        raise fail(f"some requests failed; the first: {first}")

@@ -1,0 +1,98 @@
+"""``bdlora teacher`` and ``bdlora train`` (and the torchrun relaunch of ``train --nproc``)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from bdlora.cli import render
+from bdlora.cli.app import command, err, out
+from bdlora.cli.options import from_dataclass
+from bdlora.config import TrainConfig, field_docs
+from bdlora.errors import UsageError
+
+H = field_docs(TrainConfig)
+
+
+@command()
+def teacher(
+    cache_dir: Annotated[Optional[str], typer.Option(help=H["cache_dir"])] = None,
+    force: Annotated[bool, typer.Option(help="Rebuild even if a cached teacher exists.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the teacher report as JSON.")] = False,
+):
+    """Build (or show) the embedded default teacher: a BPE tokenizer and a small Mistral-style model pretrained on
+    the Python standard library, cached for later runs."""
+    from bdlora.cli.progress import RichReporter
+    from bdlora.teacher import build_builtin_teacher
+
+    rep = RichReporter(err if json_out else out)
+    path = build_builtin_teacher(Path(cache_dir) if cache_dir else None, force=force, on_stage=rep.stage,
+                                 on_step=rep.teacher_step)
+    rep.finish()
+    info = {**json.loads((path / "teacher.json").read_text()), "path": str(path)}
+    if json_out:
+        print(json.dumps(info, indent=2))
+        return
+    render.teacher(info)
+
+
+@command(options=from_dataclass(TrainConfig, skip=("extra",)))
+def train(
+    config: Annotated[Optional[str], typer.Option(help="YAML file holding any of these options; flags override.")]
+    = None,
+    resume: Annotated[Optional[str], typer.Option(help="Continue an unfinished run directory from its latest "
+                                                        "verified checkpoint (its stored options are used).")] = None,
+    nproc: Annotated[Optional[int], typer.Option(help="Data-parallel processes on this machine: re-launches this "
+                                                      "command under torchrun (gloo on CPU, NCCL on GPUs).")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+    **opts,
+):
+    """Distil a student from the teacher: kd-full, kd-lora or budgeted (Budgeted LoRA)."""
+    from bdlora.cli.progress import RichReporter
+    from bdlora.config import load_yaml, merge
+    from bdlora.runs import RunDir
+    from bdlora.train import train as run_train
+
+    if nproc is not None:
+        if nproc < 1:
+            raise UsageError(f"--nproc {nproc}: must be a positive integer")
+        if "WORLD_SIZE" in os.environ:
+            raise UsageError("--nproc: already running under a distributed launcher (torchrun); drop --nproc")
+        raise typer.Exit(_launch_torchrun(nproc))
+    if resume is not None:
+        RunDir(resume).require_resumable()
+        if config:
+            raise UsageError(f"--resume {resume}: continues with the run's stored options; drop --config")
+    cfg = merge(load_yaml(config) if config else {}, {} if resume else opts)
+    rank0 = os.environ.get("RANK", "0") == "0"
+    summary = run_train(cfg, RichReporter(err if json_out else out) if rank0 else None, resume=resume,
+                        overrides={k: v for k, v in opts.items() if v is not None} if resume else None)
+    if not rank0:
+        return
+    if json_out:
+        print(json.dumps(summary, indent=2))
+        return
+    render.train_summary(summary)
+
+
+def _launch_torchrun(nproc: int) -> int:
+    """Run this same ``bdlora train`` command (minus --nproc) under ``torch.distributed.run``; its exit code."""
+    args, skip = [], False
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc":
+            skip = True
+            continue
+        if a.startswith("--nproc="):
+            continue
+        args.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "bdlora.cli", *args]
+    err.print(f"[cyan]>[/] launching {nproc} processes: {' '.join(cmd[2:])}", highlight=False, soft_wrap=True)
+    return subprocess.call(cmd)

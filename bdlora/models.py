@@ -1,0 +1,82 @@
+"""Loading the models bdlora writes or reads, each with one clear error when it cannot: a run's student in its
+trained form (gated modules or PEFT adapter intact) and any model folder (a compressed bdlora model, a kd-full
+student, a plain Llama/Mistral/Qwen2 checkpoint). Teachers load through ``bdlora.teacher``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from bdlora.arch import check_architecture
+from bdlora.budgeted.model import FACTORS_FILE, META_FILE, load_budgeted
+from bdlora.errors import ModelError, RunDirError
+from bdlora.runs import RunDir
+
+
+def load_run_student(run: RunDir | str | Path, device: str = "cpu"):
+    """(model, tokenizer, summary) of a finished run, in its trained form."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run = run if isinstance(run, RunDir) else RunDir(run)
+    if not run.finished():
+        what = "has not finished (continue it with `bdlora train --resume`)" if run.started() else \
+            "is not a finished bdlora run (needs config.json, summary.json and student/)"
+        raise RunDirError(f"{run.path}: {what}")
+    summary = run.summary()
+    sdir = run.student_dir
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(sdir), dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(str(sdir))
+    except Exception as e:  # noqa: BLE001  transformers raises many types for a damaged folder
+        raise ModelError(f"{sdir}: could not load the student ({_first_line(e)})") from None
+    if (sdir / "adapter").exists():
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(sdir / "adapter"))
+    elif (sdir / META_FILE).exists() or summary.get("method") == "budgeted":
+        if not (sdir / FACTORS_FILE).exists():
+            raise RunDirError(f"{run.path}: a budgeted run without student/{FACTORS_FILE} (gated modules missing)")
+        model = load_budgeted(sdir, model)
+    return model.to(device).eval(), tok, summary
+
+
+def load_model_folder(model_dir: str | Path):
+    """(model, tokenizer, compression report or None) of any folder bdlora can load, in fp32 with eager attention
+    (what is exported)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bdlora.runs import ModelDir
+
+    folder = ModelDir(model_dir)
+    if not (folder.path / "config.json").exists():
+        raise ModelError(f"{folder.path}: not a model folder (no config.json); pass a `bdlora compress` output or a "
+                         "Hugging Face model folder")
+    report = folder.report() if folder.finished() else None
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(str(folder.path), dtype=torch.float32,
+                                                           attn_implementation="eager", output_loading_info=True)
+        tok = AutoTokenizer.from_pretrained(str(folder.path))
+    except Exception as e:  # noqa: BLE001
+        raise ModelError(f"{folder.path}: could not load the model ({_first_line(e)})") from None
+    check_weights_match(folder.path, model, info)
+    check_architecture(model, str(folder.path))
+    return model.eval(), tok, report
+
+
+def check_weights_match(folder: Path, model, info: dict) -> None:
+    """Every weight the architecture declares must come from the file, with its shape: a projection whose declared
+    form (dense or low-rank) disagrees with the weights would otherwise load randomly initialised."""
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    missing = sorted(set(info.get("missing_keys") or ()) - tied)
+    unexpected = sorted(info.get("unexpected_keys") or ())
+    mismatched = [m[0] if isinstance(m, (tuple, list)) else m for m in info.get("mismatched_keys") or ()]
+    problems = [f"{what} {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}" for what, keys in
+                (("missing", missing), ("unexpected", unexpected), ("wrong shape", mismatched)) if keys]
+    if problems:
+        raise ModelError(f"{folder}: the weights do not match config.json ({'; '.join(problems)}); the folder is "
+                         "damaged or its config was edited")
+
+
+def _first_line(e: Exception) -> str:
+    return ((str(e).strip().splitlines() or [type(e).__name__])[0])[:200]

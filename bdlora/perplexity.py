@@ -1,0 +1,80 @@
+"""Perplexity over the held-out slice (SPEC 7): exp of the mean next-token NLL over a fixed token count, packed to
+the sequence length. The LM head runs in position chunks so full-vocabulary logits never sit in memory at once.
+
+``TorchLM`` is the PyTorch side of ``bdlora eval``'s model interface (its onnxruntime side, ``OrtLM``, needs no
+torch and lives in ``evaluate``)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from bdlora.arch import hidden_and_head
+from bdlora.data import Corpus, PackedBlocks, tokenize_corpus
+
+
+@torch.no_grad()
+def mean_nll(model, blocks: PackedBlocks, batch_size: int = 8, chunk_size: int = 1024,
+             device: str | torch.device = "cpu") -> tuple[float, int]:
+    """(mean next-token NLL in nats, number of predicted tokens) over every block."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, len(blocks), batch_size):
+        x = torch.from_numpy(blocks.get(range(start, min(start + batch_size, len(blocks))))).to(device)
+        hidden, head = hidden_and_head(model, x)  # (B, T, H)
+        h = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # (N, H): positions with a next token
+        y = x[:, 1:].reshape(-1)
+        for i in range(0, h.shape[0], chunk_size):
+            logits = head(h[i : i + chunk_size]).float()  # (n, V)
+            total += F.cross_entropy(logits, y[i : i + chunk_size], reduction="sum").item()
+        count += y.numel()
+    model.train(was_training)
+    return total / max(count, 1), count
+
+
+def perplexity(model, blocks: PackedBlocks, batch_size: int = 8, device: str | torch.device | None = None) -> float:
+    if device is None:
+        device = next(model.parameters()).device
+    nll, _ = mean_nll(model, blocks, batch_size=batch_size, device=device)
+    return math.exp(nll)
+
+
+def heldout_blocks(run_config: dict, tokenizer) -> PackedBlocks:
+    """The held-out blocks a run was scored on (same corpus, split, sequence length and token count), from the
+    tokenised-corpus cache (re-tokenised if the cache was cleared)."""
+    cache = Path(run_config["cache_dir"]).expanduser() if run_config.get("cache_dir") else None
+    data = tokenize_corpus(Corpus(run_config["data"]), tokenizer, run_config["heldout_fraction"], cache)
+    return PackedBlocks(data.tokens("val"), run_config["seq_len"], max_tokens=run_config["eval_tokens"])
+
+
+class TorchLM:
+    """A causal LM in PyTorch (teacher, trained student with gated/PEFT modules, compressed or exported folder)."""
+
+    kind = "torch"
+
+    def __init__(self, model, device: str | torch.device = "cpu"):
+        self.model = model.eval()
+        self.device = torch.device(device)
+        self.config = getattr(model, "config", None)
+
+    @torch.no_grad()
+    def step(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray, past):
+        """Logits of the last position (B, V) and the updated cache; ``past`` None on the first call."""
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
+        out = self.model(input_ids=t(ids), attention_mask=t(mask), position_ids=t(pos), past_key_values=past,
+                         use_cache=True)
+        return out.logits[:, -1].float().cpu().numpy(), out.past_key_values
+
+    @torch.no_grad()
+    def logits(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """Logits of every position (B, T, V), no cache."""
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
+        return self.model(input_ids=t(ids), attention_mask=t(mask), position_ids=t(pos)).logits.float().cpu().numpy()
+
+    def nll(self, blocks: PackedBlocks, batch_size: int = 8) -> tuple[float, int]:
+        return mean_nll(self.model, blocks, batch_size=batch_size, device=self.device)

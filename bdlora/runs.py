@@ -1,0 +1,297 @@
+"""The artefact layout: where every command reads and writes, and when an artefact counts as finished.
+
+Every command reads the previous one's output (default: the latest finished one under ``runs/``) and writes a new
+folder beside it; none modifies its input::
+
+    runs/<time>-<method>/                 RunDir     train      finished when summary.json exists (written last)
+    runs/<time>-<method>.compressed/      ModelDir   compress   finished when compression.json exists
+    runs/<...>.compressed.onnx/           OnnxDir    export onnx  finished when export.json exists
+    runs/<...>.compressed.hf/             ModelDir   export hf
+    runs/<...>.compressed.bench/          BenchDir   bench      finished when bench.json exists
+    runs/<...>.compressed.eval.json                  eval
+    runs/sweep-<time>/                    SweepDir   sweep      options in sweep.json, finished with results.json
+
+Every folder is written under a temp name and renamed into place (``io.atomic_dir``), so a folder that exists is
+complete; the markers above tell a finished run from one that can still be resumed.
+
+Provenance (the run a compressed model came from) is stored resolved: the absolute path and the path relative to the
+folder that records it. ``ModelDir.source_run`` tries the relative path first (so a tree moved as a whole still
+resolves) and then the absolute one, so a command run from any working directory finds the same run and data.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime
+from pathlib import Path
+
+from bdlora.errors import RunDirError, UsageError
+from bdlora.io import read_json
+
+RUNS_DIR = "runs"
+COMPRESSED, ONNX, HF, BENCH, EVAL, GENAI = ".compressed", ".onnx", ".hf", ".bench", ".eval.json", ".genai"
+
+
+class Artefact:
+    """A folder written by one command. Subclasses name the file that marks it finished."""
+
+    MARKER = ""
+    GLOB = "*"
+    WHAT = "artefact"
+    MAKE = ""  # the command that writes one (for error messages)
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.path)!r})"
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def finished(self) -> bool:
+        return (self.path / self.MARKER).is_file()
+
+    def require_finished(self) -> None:
+        if not self.path.is_dir():
+            raise RunDirError(f"{self.path}: no such folder (pass a {self.WHAT}: {self.MAKE} writes one)")
+        if not self.finished():
+            raise RunDirError(f"{self.path}: not a finished {self.WHAT} (no {self.MARKER}; {self.MAKE} writes it "
+                              "last)")
+
+    def sibling(self, suffix: str) -> Path:
+        """The default output of the next command: this folder's name plus ``suffix``, beside it."""
+        return self.path.with_name(self.path.name + suffix)
+
+    def read(self, name: str) -> dict:
+        """A JSON file of this artefact, with a one-line error when it is missing or not valid JSON."""
+        f = self.path / name
+        try:
+            doc = read_json(f)
+        except FileNotFoundError:
+            raise RunDirError(f"{f}: missing ({self.MAKE} writes it)") from None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise RunDirError(f"{f}: not valid JSON ({type(e).__name__}); the {self.WHAT} is damaged") from None
+        if not isinstance(doc, dict):
+            raise RunDirError(f"{f}: not a JSON object; the {self.WHAT} is damaged")
+        return doc
+
+    @classmethod
+    def latest(cls, runs_dir: str | os.PathLike = RUNS_DIR):
+        """The most recently finished artefact of this kind under ``runs_dir``."""
+        found = [cls(p) for p in Path(runs_dir).glob(cls.GLOB) if p.is_dir()]
+        found = [a for a in found if a.finished()]
+        if not found:
+            raise RunDirError(f"no finished {cls.WHAT} under {runs_dir}/ (run `{cls.MAKE}` first, or pass its folder)")
+        return max(found, key=lambda a: (a.path / a.MARKER).stat().st_mtime)
+
+
+class RunDir(Artefact):
+    """``bdlora train``'s run directory: config.json, metrics.jsonl, controller.jsonl (budgeted), checkpoints/,
+    student/ and, written last, summary.json."""
+
+    MARKER = "summary.json"
+    WHAT = "bdlora run"
+    MAKE = "bdlora train"
+
+    @property
+    def student_dir(self) -> Path:
+        return self.path / "student"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def metrics_log(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def controller_log(self) -> Path:
+        return self.path / "controller.jsonl"
+
+    def started(self) -> bool:
+        """A run's config.json (``{"config": {...options}}``), not a model folder's (``{"model_type": ...}``)."""
+        f = self.path / "config.json"
+        if not f.is_file():
+            return False
+        try:
+            doc = read_json(f)
+        except (ValueError, UnicodeDecodeError, OSError):
+            return not (self.path / "model.safetensors").exists()  # damaged; config() will say so
+        return isinstance(doc, dict) and "config" in doc and "model_type" not in doc
+
+    def finished(self) -> bool:
+        return self.started() and super().finished() and self.student_dir.is_dir()
+
+    def config(self) -> dict:
+        """The resolved training options the run was started with."""
+        cfg = self.read("config.json").get("config")
+        if not isinstance(cfg, dict):
+            raise RunDirError(f"{self.path / 'config.json'}: has no 'config' mapping; the run is damaged")
+        return cfg
+
+    def summary(self) -> dict:
+        return self.read("summary.json")
+
+    def compressed(self) -> Path:
+        return self.sibling(COMPRESSED)
+
+    def require_resumable(self) -> None:
+        if not self.path.is_dir():
+            raise RunDirError(f"--resume {self.path}: no such run directory")
+        if not self.started():
+            raise RunDirError(f"--resume {self.path}: not a bdlora run directory (no config.json)")
+        if super().finished():
+            raise RunDirError(f"--resume {self.path}: this run already finished (summary.json exists)")
+
+    @staticmethod
+    def new(method: str, runs_dir: str | os.PathLike = RUNS_DIR, out: str | os.PathLike | None = None) -> RunDir:
+        """``out`` (refused when it holds anything), or ``runs_dir/<time>-<method>`` (never an existing folder)."""
+        if out:
+            path = Path(out)
+            if path.exists() and (not path.is_dir() or any(path.iterdir())):
+                raise UsageError(f"--out {path}: exists and is not empty (choose a new directory or --resume it)")
+            return RunDir(path)
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        path = Path(runs_dir) / f"{stamp}-{method}"
+        i = 1
+        while path.exists():
+            path = Path(runs_dir) / f"{stamp}-{method}-{i}"
+            i += 1
+        return RunDir(path)
+
+
+class ModelDir(Artefact):
+    """A compressed model folder (``bdlora compress`` or ``export hf``): a Hugging Face folder of the bdlora
+    architecture with compression.json (the SPEC 6.4 report and its provenance)."""
+
+    MARKER = "compression.json"
+    GLOB = f"*{COMPRESSED}"
+    WHAT = "compressed model folder"
+    MAKE = "bdlora compress"
+
+    def finished(self) -> bool:
+        return (self.path / "config.json").is_file() and super().finished()
+
+    def report(self) -> dict:
+        return self.read(self.MARKER)
+
+    def source_run(self) -> RunDir | None:
+        """The run this model was compressed from, if it can still be found (see the module docstring)."""
+        return source_run(self.path, self.report().get("provenance", {}))
+
+    def onnx_out(self) -> Path:
+        return self.sibling(ONNX)
+
+    def hf_out(self) -> Path:
+        return self.sibling(HF)
+
+    def bench_out(self) -> Path:
+        return self.sibling(BENCH)
+
+    def genai_out(self) -> Path:
+        return self.sibling(GENAI)
+
+
+class OnnxDir(Artefact):
+    """``bdlora export onnx``'s folder: model.onnx (+ model_int8.onnx), config, tokenizer, export.json."""
+
+    MARKER = "export.json"
+    GLOB = f"*{ONNX}"
+    WHAT = "ONNX export folder"
+    MAKE = "bdlora export onnx"
+
+
+class BenchDir(Artefact):
+    MARKER = "bench.json"
+    GLOB = f"*{BENCH}"
+    WHAT = "bench folder"
+    MAKE = "bdlora bench"
+
+
+class SweepDir(Artefact):
+    """``bdlora sweep``'s folder: sweep.json (the options: the resume contract), one RunDir / ModelDir / eval file /
+    BenchDir per member named ``<member>``, ``<member>.compressed``, ..., and results.json written last."""
+
+    MARKER = "results.json"
+    GLOB = "sweep-*"
+    WHAT = "sweep folder"
+    MAKE = "bdlora sweep"
+
+    def started(self) -> bool:
+        return (self.path / "sweep.json").is_file()
+
+    def member(self, name: str) -> RunDir:
+        return RunDir(self.path / name)
+
+    @staticmethod
+    def new(runs_dir: str | os.PathLike = RUNS_DIR, out: str | os.PathLike | None = None) -> SweepDir:
+        if out:
+            p = Path(out)
+            if p.exists() and (not p.is_dir() or any(p.iterdir())):
+                raise UsageError(f"--out {p}: exists and is not empty (choose a new folder, or --resume it)")
+            return SweepDir(p)
+        return SweepDir(Path(runs_dir) / f"sweep-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+
+
+def eval_json(source: str | os.PathLike) -> Path:
+    """Where ``bdlora eval`` writes its report for ``source``: beside it, ``<name>.eval.json``."""
+    source = Path(source)
+    return source.with_name(source.name + EVAL)
+
+
+def provenance_paths(run_dir: str | os.PathLike, recorded_in: str | os.PathLike) -> dict:
+    """How a folder records the run it came from: absolute, and relative to the recording folder."""
+    run, here = Path(run_dir).resolve(), Path(recorded_in).resolve()
+    return {"run_dir": str(run), "run_dir_relative": os.path.relpath(run, here)}
+
+
+def source_run(folder: str | os.PathLike, provenance: dict) -> RunDir | None:
+    """The RunDir a provenance record points at (relative to ``folder`` first, then absolute), if it exists."""
+    candidates = []
+    if provenance.get("run_dir_relative"):
+        candidates.append(Path(folder) / provenance["run_dir_relative"])
+    if provenance.get("run_dir"):
+        candidates.append(Path(provenance["run_dir"]))
+    for c in candidates:
+        run = RunDir(c)
+        if run.started():
+            return run
+    return None
+
+
+def check_out_dir(out: str | os.PathLike, force: bool, inputs: tuple = ()) -> None:
+    """Refuse an existing ``--out`` that is a file or a non-empty folder unless ``--force`` (a file is refused even
+    then); never allow writing over or inside an input."""
+    out = Path(out)
+    for src in inputs:
+        s, o = Path(src).resolve(), out.resolve()
+        if o == s or s in o.parents or o in s.parents:
+            raise UsageError(f"--out {out}: overlaps the input {src}; inputs are never modified")
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: is a file, not a folder (choose a folder path)")
+    if out.exists() and any(out.iterdir()) and not force:
+        raise UsageError(f"--out {out}: exists and is not empty (use --force to replace it)")
+    _check_creatable(out, "--out")
+
+
+def check_out_file(path: str | os.PathLike, what: str = "--json") -> None:
+    """Refuse, before any work is done, an output file that names a folder or cannot be created."""
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"{what} {path}: is a folder (name a file)")
+    _check_creatable(path, what)
+
+
+def _check_creatable(path: Path, what: str) -> None:
+    """The nearest existing ancestor must be a writable folder (and a real one: /proc accepts no new files)."""
+    parent = path.resolve().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK) or str(parent).startswith(("/proc", "/sys")):
+        raise UsageError(f"{what} {path}: cannot create it ({parent} is not a writable folder)")

@@ -1,0 +1,144 @@
+"""Running an exported bdlora decoder under onnxruntime: numpy and onnxruntime only (no torch), so serving, ONNX-side
+evaluation and the bench worker load without it.
+
+The graph signature (see ``bdlora.export.onnx.signature``): inputs ``input_ids``, ``attention_mask``,
+``position_ids``, ``past_key_values.{i}.key/value`` (batch, kv_heads, past, head_dim); outputs ``logits`` and
+``present.{i}.key/value`` (batch, kv_heads, past + seq, head_dim).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """What a caller of the graph must know of the model: its KV-cache geometry, vocabulary and context."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    vocab_size: int
+    max_positions: int
+
+    @classmethod
+    def of(cls, config) -> DecoderShape:
+        """From a transformers config object or a config.json mapping."""
+        get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+        heads = int(get("num_attention_heads"))
+        hidden = int(get("hidden_size"))
+        return cls(layers=int(get("num_hidden_layers")), heads=heads,
+                   kv_heads=int(get("num_key_value_heads") or heads),
+                   head_dim=int(get("head_dim") or hidden // heads), hidden=hidden,
+                   vocab_size=int(get("vocab_size")), max_positions=int(get("max_position_embeddings") or 1 << 30))
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> DecoderShape:
+        return cls.of(json.loads((Path(folder) / "config.json").read_text()))
+
+
+def io_names(num_layers: int) -> tuple[list[str], list[str]]:
+    ins = ["input_ids", "attention_mask", "position_ids"] + [
+        f"past_key_values.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
+    outs = ["logits"] + [f"present.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
+    return ins, outs
+
+
+def session(path: str | Path, threads: int | None = None, opt_level: str = "all", global_pool: bool = False,
+            provider: str = "CPUExecutionProvider"):
+    """An onnxruntime session; ``threads`` intra-op threads (default: onnxruntime's choice, all cores)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = {"none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+                                   "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+                                   "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+                                   "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[opt_level]
+    if global_pool:
+        so.use_per_session_threads = False
+    elif threads:
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+    return ort.InferenceSession(str(path), so, providers=[provider])
+
+
+def empty_past(shape: DecoderShape, batch: int) -> list[np.ndarray]:
+    """The zero-length past K/V of a first call: 2 x layers arrays (batch, kv_heads, 0, head_dim)."""
+    return [np.zeros((batch, shape.kv_heads, 0, shape.head_dim), dtype=np.float32) for _ in range(2 * shape.layers)]
+
+
+def left_padded(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token lists as one left-padded batch: ids and mask (B, T) and positions counting each row's real tokens
+    (0 on padding, which the mask hides)."""
+    b, t = len(seqs), max(len(x) for x in seqs)
+    ids = np.zeros((b, t), dtype=np.int64)
+    mask = np.zeros((b, t), dtype=np.int64)
+    for r, x in enumerate(seqs):
+        ids[r, t - len(x) :] = x
+        mask[r, t - len(x) :] = 1
+    return ids, mask, np.clip(np.cumsum(mask, 1) - 1, 0, None)
+
+
+def position_ids_from_mask(attention_mask: np.ndarray, seq_len: int) -> np.ndarray:
+    """HF/optimum convention: cumsum of the mask minus one, padding set to 1, last ``seq_len`` positions."""
+    pos = np.cumsum(attention_mask, -1) - 1
+    pos = np.where(attention_mask == 0, 1, pos)
+    return pos[:, -seq_len:].astype(np.int64)
+
+
+def log_normaliser(logits: np.ndarray) -> np.ndarray:
+    """log sum exp over the last axis, stable (logits minus this is the log-softmax)."""
+    top = logits.max(-1, keepdims=True)
+    return np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
+
+
+def run_decoder(sess, ids, mask, pos, past) -> list[np.ndarray]:
+    """One call of the graph: [logits (B, T, V), present key/values...]."""
+    names = [i.name for i in sess.get_inputs()]
+    return sess.run(None, dict(zip(names, [ids, mask, pos, *past])))
+
+
+def greedy_generate(sess, shape: DecoderShape, input_ids: np.ndarray, max_new_tokens: int,
+                    eos_token_id: int | None = None) -> np.ndarray:
+    """Greedy decoding with the KV cache (prompt once, then one token per step); prompt and new tokens (B, T + n)."""
+    b = input_ids.shape[0]
+    past = empty_past(shape, b)
+    mask = np.ones((b, input_ids.shape[1]), dtype=np.int64)
+    ids = input_ids.astype(np.int64)
+    pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int64), ids.shape).copy()
+    out = [ids]
+    for _ in range(max_new_tokens):
+        res = run_decoder(sess, ids, mask, pos, past)
+        nxt = res[0][:, -1].argmax(-1).astype(np.int64)[:, None]  # (B, 1)
+        out.append(nxt)
+        past = res[1:]
+        mask = np.concatenate([mask, np.ones((b, 1), dtype=np.int64)], 1)
+        pos = pos[:, -1:] + 1
+        ids = nxt
+        if eos_token_id is not None and (nxt == eos_token_id).all():
+            break
+    return np.concatenate(out, 1)
+
+
+def score_blocks(sess, shape: DecoderShape, blocks, batch_size: int = 8) -> tuple[float, np.ndarray]:
+    """(mean next-token NLL, argmax predictions (N,)) over packed blocks (``len`` and ``get(indices)`` -> (B, T)
+    int64), each scored from an empty cache."""
+    total, count, preds = 0.0, 0, []
+    for start in range(0, len(blocks), batch_size):
+        x = blocks.get(range(start, min(start + batch_size, len(blocks))))
+        b, t = x.shape
+        mask = np.ones((b, t), dtype=np.int64)
+        pos = np.broadcast_to(np.arange(t, dtype=np.int64), (b, t)).copy()
+        logits = run_decoder(sess, x, mask, pos, empty_past(shape, b))[0][:, :-1].astype(np.float64)  # (B, T-1, V)
+        logz = log_normaliser(logits)
+        tgt = np.take_along_axis(logits, x[:, 1:, None], -1)[..., 0]
+        total += float((logz - tgt).sum())
+        count += tgt.size
+        preds.append(logits.argmax(-1).reshape(-1))
+    return total / count, np.concatenate(preds)

@@ -1,0 +1,99 @@
+"""The sweep's outputs: one row per member, ``sweep.md`` (the paper-style table) and ``pareto.png``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bdlora.io import atomic_path
+from bdlora.sweep.options import Member
+
+
+def _proxy(method: str, summary: dict) -> float:
+    p = summary["compute_proxy"]
+    return {"kd-full": 1.0, "kd-lora": p["lora_vs_full"]}.get(method, p["bud_vs_full"])
+
+
+def _measured(bench: dict | None) -> dict:
+    """Compressed-vs-dense measured speed-ups of the smallest batch/seq: modules prefill, model prefill and decode."""
+    if bench is None:
+        return {}
+    out = {}
+    for r in bench["results"]:
+        if r["variant"] != "compressed":
+            continue
+        key = f"{r['scope']}_{r['phase']}"
+        if key not in out:
+            out[key] = {"speedup_vs_dense": r["speedup_vs_dense"], "mac_ratio_vs_dense": r["mac_ratio_vs_dense"],
+                        "batch": r["batch"], "seq": r["seq"], "median_ms": r["median_ms"]}
+    return out
+
+
+def member_row(m: Member, summary: dict, report: dict, ev: dict, bench: dict | None) -> dict:
+    return {
+        "name": m.name, "method": m.method, "budget": m.budget,
+        "student_val_ppl": summary["student_val_ppl"], "val_ppl": ev["ppl"]["val_ppl"],
+        "train_compute_proxy": _proxy(m.method, summary),
+        "mac_speedup_vs_dense": report["speedup_vs_dense"], "mac_speedup_vs_lora": report["speedup_vs_lora"],
+        "param_reduction": report["param_reduction"],
+        "dense_kept": report["dense_kept"], "dense_svd": report["dense_svd"], "dense_dropped": report["dense_dropped"],
+        "icl_composite": ev["icl"]["macro"]["mean"], "icl_composite_std": ev["icl"]["macro"]["std"],
+        "icl_target_logprob": ev["icl"]["macro"]["target_logprob"],
+        "measured": _measured(bench), "train_seconds": summary["train_seconds"],
+    }
+
+
+def _fmt_measured(row: dict, key: str) -> str:
+    r = row["measured"].get(key)
+    return f"{r['speedup_vs_dense']:.2f}x" if r else "-"
+
+
+def markdown(doc: dict) -> str:
+    head = ("| member | ppl (compressed) | train compute (proxy, x kd-full) | MAC speed-up vs dense | measured "
+            "modules prefill | measured model decode | param reduction | dense kept/SVD/dropped | ICL composite % "
+            "| ICL log p(target) |")
+    lines = ["# bdlora sweep", "", head, "|" + "---|" * 10]
+    t = doc.get("teacher")
+    if t:
+        lines.append(f"| teacher | {t['val_ppl']:.2f} | - | - | - | - | - | - | {t['icl_composite']:.1f} ± "
+                     f"{t['icl_composite_std']:.1f} | {t['icl_target_logprob']:.2f} |")
+    for r in doc["members"]:
+        lines.append(
+            f"| {r['name']} | {r['val_ppl']:.2f} | {r['train_compute_proxy']:.3f} | "
+            f"{r['mac_speedup_vs_dense']:.2f}x | "
+            f"{_fmt_measured(r, 'modules_prefill')} | {_fmt_measured(r, 'model_decode')} | "
+            f"{100 * r['param_reduction']:.1f}% | {r['dense_kept']}/{r['dense_svd']}/{r['dense_dropped']} | "
+            f"{r['icl_composite']:.1f} ± {r['icl_composite_std']:.1f} | {r['icl_target_logprob']:.2f} |")
+    lines += ["", "ppl: held-out perplexity of the compressed (deployed) model. Measured speed-ups: compressed vs "
+              "dense under onnxruntime (bench.json of each member; smallest batch and length). Train compute: the "
+              "SPEC 5 proxy. MAC speed-up and parameter reduction: of the replaced projections, against the trained "
+              "module (dense + LoRA path; paper Table 5). ICL: 19 probes, exact match, mean ± std over demonstration "
+              "seeds; log p(target) is the teacher-forced log-probability of the answer (nats).", ""]
+    return "\n".join(lines)
+
+
+def plot_pareto(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, (key, label) in zip(axes, [("mac", "MAC speed-up of the replaced modules vs dense"),
+                                       ("model_decode", "measured end-to-end decode speed-up vs dense")]):
+        for r in doc["members"]:
+            x = r["mac_speedup_vs_dense"] if key == "mac" else (r["measured"].get(key) or {}).get("speedup_vs_dense")
+            if x is None:
+                continue
+            ax.scatter([x], [r["val_ppl"]], s=40)
+            ax.annotate(r["name"], (x, r["val_ppl"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        if doc.get("teacher"):
+            ax.axhline(doc["teacher"]["val_ppl"], ls="--", color="gray", lw=1, label="teacher")
+            ax.legend(fontsize=8)
+        ax.set_xlabel(label)
+        ax.set_ylabel("held-out perplexity (lower is better)")
+        ax.grid(alpha=0.3)
+    fig.suptitle("bdlora sweep: quality vs inference cost")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
+    plt.close(fig)

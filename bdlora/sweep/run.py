@@ -1,0 +1,147 @@
+"""``bdlora sweep``: the budget family (paper Table 1 / Figure 1) with everything else held fixed.
+
+Each member (a baseline method, or ``budgeted`` at one F) goes through train -> compress -> eval -> bench inside
+one sweep folder. Every stage writes its artefact atomically and is skipped when that artefact exists, and an
+interrupted training run continues from its latest checkpoint, so re-running ``bdlora sweep --resume DIR``
+finishes a half-done family without redoing finished work. The teacher is evaluated once as the reference row.
+
+    DIR/sweep.json                     options of the sweep (the resume contract)
+    DIR/<member>/                      bdlora train run
+    DIR/<member>.compressed/           bdlora compress output
+    DIR/<member>.eval.json             bdlora eval of the compressed model (ppl + ICL probes)
+    DIR/<member>.bench/                bdlora bench of the compressed model
+    DIR/teacher.eval.json              the teacher, same data and probes
+    DIR/sweep.md, sweep.json results   the paper-style table; pareto.png
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+from bdlora import SCHEMA_VERSION
+from bdlora.budgeted.config import BudgetedConfig
+from bdlora.checkpoint import latest_checkpoint
+from bdlora.compress import compress_run
+from bdlora.config import BUILTIN, TrainConfig
+from bdlora.errors import RunDirError
+from bdlora.evaluate import EvalConfig, evaluate_target
+from bdlora.io import read_json, write_json, write_text
+from bdlora.reporter import SILENT, Reporter
+from bdlora.runs import BENCH, EVAL, ModelDir, SweepDir
+from bdlora.sweep.options import Member, SweepOptions, family
+from bdlora.sweep.report import markdown, member_row, plot_pareto
+from bdlora.train import train
+
+
+def run_sweep(opts: SweepOptions | None, sweep: SweepDir, reporter: Reporter = SILENT, resume: bool = False) -> dict:
+    """Run (or finish) every member; returns the results document (also written as sweep.md / results.json)."""
+    if resume:
+        if not sweep.started():
+            raise RunDirError(f"--resume {sweep.path}: not a sweep folder (no sweep.json)")
+        opts = SweepOptions(**sweep.read("sweep.json")["options"])
+    else:
+        opts.validate()
+        sweep.path.mkdir(parents=True, exist_ok=True)
+        write_json(sweep.path / "sweep.json", {"schema_version": SCHEMA_VERSION, "options": dataclasses.asdict(opts)})
+    members = family(opts.budgets, opts.baselines)
+    rows = []
+    for i, m in enumerate(members, 1):
+        reporter.stage(f"[{i}/{len(members)}] {m.name}")
+        rows.append(_run_member(m, opts, sweep, reporter))
+    teacher_row = _eval_teacher(opts, sweep, rows, reporter)
+    doc = {"schema_version": SCHEMA_VERSION, "sweep_dir": str(sweep.path), "options": dataclasses.asdict(opts),
+           "teacher": teacher_row, "members": rows}
+    write_text(sweep.path / "sweep.md", markdown(doc))
+    plot_pareto(doc, sweep.path / "pareto.png")
+    write_json(sweep.path / SweepDir.MARKER, doc)
+    return doc
+
+
+def _member_config(m: Member, opts: SweepOptions, run_dir: Path) -> TrainConfig:
+    values = {k: v for k, v in opts.train.items() if k in TrainConfig.__dataclass_fields__ and k != "extra"}
+    values.update(method=m.method, out=str(run_dir))
+    if m.budget is not None:
+        values["budget"] = m.budget
+    return TrainConfig(**values)
+
+
+class _Indented:
+    """A reporter showing the member's own stages indented under its header line; every other hook passes
+    through to the sweep's reporter."""
+
+    def __init__(self, reporter: Reporter):
+        self.r = reporter
+
+    def stage(self, message: str) -> None:
+        self.r.stage("  " + message)
+
+    def __getattr__(self, name):
+        return getattr(self.r, name)
+
+
+def _run_member(m: Member, opts: SweepOptions, sweep: SweepDir, reporter: Reporter) -> dict:
+    rep = _Indented(reporter)
+    run = sweep.member(m.name)
+    if run.finished():
+        rep.stage(f"train: done ({run.path})")
+    elif run.started() and latest_checkpoint(run.path) is not None:
+        train(TrainConfig(), reporter, resume=run.path)
+    else:
+        if run.path.exists():  # started but no checkpoint yet: nothing to keep, start the member again
+            shutil.rmtree(run.path)
+        train(_member_config(m, opts, run.path), reporter)
+    model_dir = ModelDir(run.compressed())
+    if model_dir.finished():
+        rep.stage("compress: done")
+    else:
+        compress_run(run, BudgetedConfig(eps_lr=opts.eps_lr), out=model_dir.path, force=model_dir.path.exists(),
+                     reporter=rep)
+    eval_path = sweep.path / f"{m.name}{EVAL}"
+    if eval_path.exists():
+        rep.stage("eval: done")
+    else:
+        write_json(eval_path, evaluate_target(model_dir.path, EvalConfig(examples=opts.eval_examples,
+                                                                         seeds=opts.eval_seeds), reporter=rep))
+    bench = _bench_member(m, opts, sweep, model_dir, run.config()["lora_rank"], rep) if opts.bench else None
+    return member_row(m, run.summary(), model_dir.report(), read_json(eval_path), bench)
+
+
+def _bench_member(m: Member, opts: SweepOptions, sweep: SweepDir, model_dir: ModelDir, lora_rank: int,
+                  rep: Reporter) -> dict:
+    from bdlora.bench.config import BenchConfig
+    from bdlora.bench.run import run_bench
+    from bdlora.models import load_model_folder
+
+    bench_dir = sweep.path / f"{m.name}{BENCH}"
+    if (bench_dir / "bench.json").exists():
+        rep.stage("bench: done")
+    else:
+        if bench_dir.exists():
+            shutil.rmtree(bench_dir)
+        model, _, report = load_model_folder(model_dir.path)
+        bcfg = BenchConfig(scope="both", batch_sizes=opts.bench_batch_sizes, seq_lens=opts.bench_seq_lens,
+                           decode_tokens=opts.bench_decode_tokens, repeats=opts.bench_repeats, warmup=1)
+        run_bench(model, lora_rank, bcfg, bench_dir, report, reporter=rep)
+    return read_json(bench_dir / "bench.json")
+
+
+def _eval_teacher(opts: SweepOptions, sweep: SweepDir, rows: list[dict], reporter: Reporter) -> dict | None:
+    from bdlora.teacher import builtin_teacher_dir
+
+    path = sweep.path / f"teacher{EVAL}"
+    if not path.exists():
+        if not rows:
+            return None
+        cfg = sweep.member(rows[0]["name"]).config()
+        tdir = builtin_teacher_dir(Path(cfg["cache_dir"]).expanduser() if cfg.get("cache_dir") else None) \
+            if cfg["teacher"] == BUILTIN else Path(cfg["teacher"])
+        reporter.stage(f"teacher: eval of {tdir}")
+        ecfg = EvalConfig(examples=opts.eval_examples, seeds=opts.eval_seeds, data=cfg["data"],
+                          seq_len=cfg["seq_len"], tokens=cfg["eval_tokens"], heldout_fraction=cfg["heldout_fraction"])
+        write_json(path, evaluate_target(tdir, ecfg))
+    ev = read_json(path)
+    return {"val_ppl": ev["ppl"]["val_ppl"], "icl_composite": ev["icl"]["macro"]["mean"],
+            "icl_composite_std": ev["icl"]["macro"]["std"],
+            "icl_target_logprob": ev["icl"]["macro"]["target_logprob"]}

@@ -1,0 +1,99 @@
+"""Per-module shape metadata of an exported graph (SPEC 8): model-level ``custom_metadata_map`` entries
+``bdlora.modules`` (JSON table of every replaced projection: name, form, in/out features, rank, MACs per token,
+parameters), ``bdlora.summary`` (base architecture, F, totals, MAC speed-ups) and ``bdlora.version``; and each
+module's name, form and rank in the ``doc_string`` of its nodes."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch.nn as nn
+
+from bdlora.arch import projection_modules
+
+
+def module_row(name: str, m: nn.Module) -> dict | None:
+    """One projection as deployed: dense, low-rank, or dense + unmerged LoRA adapter (bench's lora variant)."""
+    from bdlora.export.modeling_bdlora import LowRankLinear
+
+    if isinstance(m, LowRankLinear):
+        form, i, o, r, bias = "lowrank", m.in_features, m.out_features, m.rank, m.proj_out.bias
+        macs = r * (i + o)
+    elif isinstance(m, nn.Linear):
+        form, i, o, r, bias = "dense", m.in_features, m.out_features, 0, m.bias
+        macs = i * o
+    elif hasattr(m, "base") and hasattr(m, "lora_rank"):
+        form, i, o, r, bias = "dense+lora", m.base.in_features, m.base.out_features, m.lora_rank, m.base.bias
+        macs = i * o + r * (i + o)
+    else:
+        return None
+    return {"name": name, "form": form, "in_features": i, "out_features": o, "rank": r, "macs_per_token": macs,
+            "parameters": macs + (o if bias is not None else 0)}
+
+
+def module_table(model: nn.Module) -> list[dict]:
+    """Every projection of the model as deployed."""
+    return [row for row in (module_row(n, m) for n, m in projection_modules(model)) if row is not None]
+
+
+def metadata_summary(model: nn.Module, rows: list[dict], report: dict | None) -> dict:
+    cfg = model.config
+    bd = getattr(cfg, "bdlora", {}) or {}
+    dense = sum(r["in_features"] * r["out_features"] for r in rows)
+    macs = sum(r["macs_per_token"] for r in rows)
+    summary = {"base_model_type": bd.get("base_model_type", cfg.model_type), "model_type": cfg.model_type,
+               "budget": bd.get("budget"), "modules": len(rows),
+               "forms": {f: sum(r["form"] == f for r in rows) for f in sorted({r["form"] for r in rows})},
+               "dense_macs": dense, "deployed_macs": macs, "mac_speedup_vs_dense": dense / macs}
+    if report:
+        for k in ("dense_kept", "dense_svd", "dense_dropped", "avg_lora_rank", "speedup_vs_dense", "speedup_vs_lora",
+                  "param_reduction"):
+            summary[k] = report.get(k)
+        summary["method"] = report.get("provenance", {}).get("method")
+    return summary
+
+
+def _scope(name: str) -> str:
+    """Module name -> the TorchScript exporter's node-name scope (``model.layers.0.mlp`` -> ``model/layers.0/mlp``)."""
+    return re.sub(r"layers/(\d+)", r"layers.\1", name.replace(".", "/"))
+
+
+def tag_nodes(m, rows: list[dict]) -> None:
+    """Where the graph keeps module scopes in node names, put the module's name, form and rank in ``doc_string``."""
+    tags = [(f"/{_scope(r['name'])}/", r) for r in rows]
+    for node in m.graph.node:
+        for scope, r in tags:
+            if scope in node.name:
+                node.doc_string = json.dumps({"bdlora_module": r["name"], "form": r["form"], "rank": r["rank"]})
+                break
+
+
+def metadata_props(rows: list[dict], summary: dict) -> dict[str, str]:
+    from bdlora import __version__
+
+    return {"bdlora.modules": json.dumps(rows), "bdlora.summary": json.dumps(summary), "bdlora.version": __version__}
+
+
+def set_metadata(model_proto, meta: dict[str, str]) -> None:
+    """Replace (or add) these ``metadata_props`` of an in-memory ONNX model, keeping the others."""
+    keep = [p for p in model_proto.metadata_props if p.key not in meta]
+    del model_proto.metadata_props[:]
+    model_proto.metadata_props.extend(keep)
+    for k, v in meta.items():
+        model_proto.metadata_props.add(key=k, value=v)
+
+
+def read_metadata(onnx_path: Path) -> dict[str, str]:
+    import onnx
+
+    return {p.key: p.value for p in onnx.load(str(onnx_path), load_external_data=False).metadata_props}
+
+
+def add_metadata(onnx_path: Path, rows: list[dict], summary: dict) -> None:
+    import onnx
+
+    m = onnx.load(str(onnx_path), load_external_data=False)
+    set_metadata(m, metadata_props(rows, summary))
+    onnx.save(m, str(onnx_path))

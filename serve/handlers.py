@@ -1,0 +1,277 @@
+"""The logic of the completion endpoints (vLLM's serving classes): ``CompletionServing`` for ``/v1/completions``
+and ``ChatServing`` for ``/v1/chat/completions``, over a shared ``Serving`` base that turns a request into engine
+requests and their events into an OpenAI response, whole or streamed as server-sent events
+(``data: {json}\\n\\n`` chunks, then ``data: [DONE]``). A client that disconnects cancels its sequences, which leave
+the batch at the next decode step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from bdlora.serve.config import ServeConfig
+from bdlora.serve.engine import Engine, SamplingParams
+from bdlora.serve.engine import Request as EngineRequest
+from bdlora.serve.metrics import Metrics
+from bdlora.serve.protocol import (
+    MAX_STOP,
+    MIN_TEMPERATURE,
+    APIError,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+    _Request,
+    error_body,
+)
+
+
+def usage(results: list[dict]) -> Usage:
+    p = sum(r["prompt_tokens"] for r in results)
+    c = sum(r["completion_tokens"] for r in results)
+    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+
+def sse(obj) -> bytes:
+    data = obj.model_dump() if hasattr(obj, "model_dump") else obj
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+class Serving:
+    """Shared request handling: checks, submission to the engine, collecting or streaming the events."""
+
+    endpoint = ""
+
+    def __init__(self, cfg: ServeConfig, engine_ref, metrics: Metrics, load_error_ref):
+        self.cfg, self.engine_ref, self.metrics, self.load_error_ref = cfg, engine_ref, metrics, load_error_ref
+
+    def engine(self) -> Engine:
+        eng = self.engine_ref()
+        if eng is None:
+            err = self.load_error_ref()
+            raise APIError(503, f"model failed to load: {err}" if err else "model is loading", code="not_ready",
+                           type_="server_error")
+        return eng
+
+    def sampling(self, body: _Request, max_tokens: int | None) -> SamplingParams:
+        cfg = self.cfg
+        if body.model != cfg.model_name:
+            raise APIError(404, f"The model '{body.model}' does not exist (served: '{cfg.model_name}')", "model",
+                           "model_not_found")
+        unsupported = [("n", body.n != 1), ("presence_penalty", body.presence_penalty != 0),
+                       ("frequency_penalty", body.frequency_penalty != 0), ("logit_bias", bool(body.logit_bias))]
+        for name, bad in unsupported:
+            if bad:
+                raise APIError(400, f"{name}: not supported by bdlora serve (use the default)", name, "unsupported")
+        if body.stream_options and (set(body.stream_options) - {"include_usage"} or not body.stream):
+            raise APIError(400, "stream_options: only {'include_usage': bool} with stream=true is supported",
+                           "stream_options", "unsupported")
+        if 0.0 < body.temperature < MIN_TEMPERATURE:
+            raise APIError(400, f"temperature {body.temperature}: must be 0 (greedy) or at least {MIN_TEMPERATURE}",
+                           "temperature", "invalid_value")
+        mt = 16 if max_tokens is None else max_tokens
+        if not 1 <= mt <= cfg.max_tokens:
+            raise APIError(400, f"max_tokens {mt}: must be >= 1" if mt < 1 else f"max_tokens {mt}: above this "
+                           f"server's limit of {cfg.max_tokens}", "max_tokens", "invalid_value")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stop) > MAX_STOP or any(s == "" for s in stop):
+            raise APIError(400, f"stop: at most {MAX_STOP} non-empty strings", "stop", "invalid_value")
+        return SamplingParams(max_tokens=mt, temperature=float(body.temperature), top_p=float(body.top_p),
+                              stop=tuple(stop), seed=body.seed)
+
+    def check_prompt(self, eng: Engine, ids: list[int], params: SamplingParams) -> None:
+        limit = self.cfg.max_prompt_tokens or eng.max_positions - 1
+        if not ids:
+            raise APIError(400, "prompt: empty (needs at least one token)", "prompt", "invalid_value")
+        if len(ids) > limit:
+            raise APIError(400, f"prompt: {len(ids)} tokens, above the limit of {limit}", "prompt",
+                           "context_length_exceeded")
+        if len(ids) + params.max_tokens > eng.max_positions:
+            raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
+                                f"context of {eng.max_positions} tokens", "max_tokens", "context_length_exceeded")
+        vocab = eng.shape.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise APIError(400, f"prompt: token ids must be in [0, {vocab})", "prompt", "invalid_value")
+
+    def submit(self, eng: Engine, prompts: list[list[int]], params: SamplingParams, stream: bool):
+        """One engine request per prompt; returns (requests, asyncio queues of their events)."""
+        if eng.waiting >= self.cfg.max_waiting:
+            raise APIError(429, "server overloaded: too many queued requests, retry later", None, "overloaded",
+                           "rate_limit_error")
+        loop = asyncio.get_running_loop()
+        reqs, queues = [], []
+        for ids in prompts:
+            q: asyncio.Queue = asyncio.Queue()
+
+            def emit(kind, payload, q=q):
+                loop.call_soon_threadsafe(q.put_nowait, (kind, payload))
+
+            reqs.append(EngineRequest(list(ids), params, emit, stream=stream))
+            queues.append(q)
+            self.metrics.prompt_tokens.inc(len(ids))
+        for r in reqs:
+            eng.submit(r)
+        return reqs, queues
+
+    @staticmethod
+    async def next_event(q: asyncio.Queue, request: Request):
+        """The next engine event, watching for a client disconnect while waiting."""
+        while True:
+            try:
+                return await asyncio.wait_for(q.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    raise asyncio.CancelledError from None
+
+    def _cancel(self, reqs) -> None:
+        for r in reqs:
+            r.cancel()
+        self.metrics.cancelled.inc(len(reqs))
+
+    async def collect(self, reqs, queues, request: Request) -> list[dict]:
+        """Wait for every request to finish (non-streaming); cancels them all if the client goes away."""
+        results = []
+        try:
+            for q in queues:
+                while True:
+                    kind, payload = await self.next_event(q, request)
+                    if kind == "error":
+                        raise APIError(500, f"generation failed: {payload}", code="engine_error", type_="server_error")
+                    if kind == "done":
+                        results.append(payload)
+                        self.metrics.generated_tokens.inc(payload["completion_tokens"])
+                        break
+        except asyncio.CancelledError:
+            self._cancel(reqs)
+            raise
+        return results
+
+    async def stream(self, reqs, queues, request: Request, chunk, include_usage: bool):
+        t0 = time.perf_counter()
+        first, finished = True, False
+        try:
+            start_chunk = chunk(None, None, start=True)
+            if start_chunk is not None:
+                yield sse(start_chunk)
+            while True:
+                kind, payload = await self.next_event(queues[0], request)
+                if kind == "delta":
+                    if first:
+                        self.metrics.ttft.observe(time.perf_counter() - t0)
+                        first = False
+                    yield sse(chunk(payload, None))
+                elif kind == "error":
+                    yield sse(error_body(f"generation failed: {payload}", "server_error"))
+                    break
+                else:
+                    self.metrics.generated_tokens.inc(payload["completion_tokens"])
+                    yield sse(chunk(None, payload["finish_reason"]))
+                    if include_usage:
+                        yield sse({**chunk(None, None, usage_only=True).model_dump(),
+                                   "usage": usage([payload]).model_dump()})
+                    break
+            finished = True
+            yield b"data: [DONE]\n\n"
+        finally:
+            if not finished:  # client went away (or the server is stopping): free the slot
+                self._cancel(reqs)
+            self.metrics.latency.labels(self.endpoint).observe(time.perf_counter() - t0)
+
+    async def respond(self, reqs, queues, request: Request, body: _Request, chunk, whole):
+        """The response of submitted requests: SSE chunks built by ``chunk`` when ``body.stream``, otherwise
+        ``whole(results)`` once every request has finished."""
+        if body.stream:
+            include = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(self.stream(reqs, queues, request, chunk, include),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        t0 = time.perf_counter()
+        results = await self.collect(reqs, queues, request)
+        self.metrics.latency.labels(self.endpoint).observe(time.perf_counter() - t0)
+        return whole(results)
+
+
+class CompletionServing(Serving):
+    endpoint = "/v1/completions"
+
+    async def __call__(self, body: CompletionRequest, request: Request):
+        eng = self.engine()
+        params = self.sampling(body, body.max_tokens)
+        for name, bad in (("echo", body.echo), ("logprobs", body.logprobs is not None),
+                          ("best_of", body.best_of not in (None, 1)), ("suffix", body.suffix is not None)):
+            if bad:
+                raise APIError(400, f"{name}: not supported by bdlora serve", name, "unsupported")
+        p = body.prompt
+        prompts = [p] if isinstance(p, str) or (p and all(isinstance(x, int) for x in p)) else list(p)
+        if not prompts:
+            raise APIError(400, "prompt: empty list", "prompt", "invalid_value")
+        if body.stream and len(prompts) > 1:
+            raise APIError(400, "stream: supported for a single prompt only", "stream", "unsupported")
+        ids = await asyncio.to_thread(
+            lambda: [eng.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in prompts])
+        for x in ids:
+            self.check_prompt(eng, x, params)
+        base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.cfg.model_name}
+
+        def chunk(text, finish, start=False, usage_only=False):
+            if start:
+                return None
+            choices = [] if usage_only else [CompletionChoice(text=text or "", finish_reason=finish)]
+            return CompletionResponse(**base, choices=choices)
+
+        def whole(results):
+            return CompletionResponse(**base, usage=usage(results), choices=[
+                CompletionChoice(text=r["text"], index=i, finish_reason=r["finish_reason"])
+                for i, r in enumerate(results)])
+
+        reqs, queues = self.submit(eng, ids, params, body.stream)
+        return await self.respond(reqs, queues, request, body, chunk, whole)
+
+
+class ChatServing(Serving):
+    endpoint = "/v1/chat/completions"
+
+    async def __call__(self, body: ChatCompletionRequest, request: Request):
+        eng = self.engine()
+        if not eng.tokenizer.chat_template:
+            raise APIError(400, f"the model '{self.cfg.model_name}' has no chat template; use /v1/completions",
+                           "messages", "chat_template_missing")
+        if body.logprobs or body.top_logprobs is not None:
+            raise APIError(400, "logprobs: not supported by bdlora serve", "logprobs", "unsupported")
+        if not body.messages:
+            raise APIError(400, "messages: empty list", "messages", "invalid_value")
+        params = self.sampling(body, body.max_completion_tokens if body.max_completion_tokens is not None
+                               else body.max_tokens)
+        msgs = [m.model_dump(exclude_none=True) for m in body.messages]
+        try:
+            ids = await asyncio.to_thread(eng.tokenizer.apply_chat_template, msgs, True, True)
+        except Exception as e:  # noqa: BLE001  a template that rejects the conversation (e.g. role order)
+            raise APIError(400, f"messages: the chat template rejected them ({e})", "messages",
+                           "invalid_value") from None
+        self.check_prompt(eng, ids, params)
+        base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.cfg.model_name}
+
+        def chunk(text, finish, start=False, usage_only=False):
+            if usage_only:
+                return ChatCompletionChunk(**base, choices=[])
+            delta = {"role": "assistant", "content": ""} if start else ({"content": text} if text else {})
+            return ChatCompletionChunk(**base, choices=[ChatChunkChoice(delta=delta, finish_reason=finish)])
+
+        def whole(results):
+            r = results[0]
+            return ChatCompletionResponse(**base, usage=usage(results), choices=[
+                ChatChoice(message=AssistantMessage(content=r["text"]), finish_reason=r["finish_reason"])])
+
+        reqs, queues = self.submit(eng, [ids], params, body.stream)
+        return await self.respond(reqs, queues, request, body, chunk, whole)

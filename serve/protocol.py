@@ -1,0 +1,146 @@
+"""The OpenAI-compatible wire format of ``bdlora serve`` (vLLM's ``protocol`` layout): pydantic request models that
+refuse what the server cannot honour, and response models whose JSON is what OpenAI clients parse.
+
+Requests forbid unknown fields (an unknown parameter is a 400 naming it, as in the OpenAI API) and use strict types,
+so ``"max_tokens": "5"`` is refused rather than coerced. Errors use OpenAI's body
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+MAX_STOP = 4
+# Sampling temperatures in (0, MIN_TEMPERATURE) are refused: they mean "greedy" and should say so with 0.
+MIN_TEMPERATURE = 1e-3
+MAX_SEED = 2**63 - 1  # numpy's generators take any non-negative integer; bound it to a signed 64-bit one
+
+Number = StrictFloat | StrictInt
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr
+    max_tokens: StrictInt | None = None
+    temperature: Annotated[Number, Field(ge=0.0, le=2.0, allow_inf_nan=False)] = 1.0
+    top_p: Annotated[Number, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 1.0
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: Annotated[StrictInt, Field(ge=0, le=MAX_SEED)] | None = None
+    stream: StrictBool = False
+    stream_options: dict | None = None
+    n: StrictInt = 1
+    presence_penalty: Number = 0.0
+    frequency_penalty: Number = 0.0
+    logit_bias: dict | None = None
+    user: StrictStr | None = None
+
+
+class CompletionRequest(_Request):
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    echo: StrictBool = False
+    logprobs: StrictInt | None = None
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant"]
+    content: StrictStr
+    name: StrictStr | None = None
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage]
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Responses
+# ------------------------------------------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class _Choice(BaseModel):
+    index: int = 0
+    logprobs: dict | None = None
+    finish_reason: str | None = None
+
+
+class _Response(BaseModel):
+    id: str
+    created: int
+    model: str
+
+
+class CompletionChoice(_Choice):
+    text: str
+
+
+class CompletionResponse(_Response):
+    """A whole completion, and (with ``usage`` None) each streamed chunk of one."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Choice):
+    message: AssistantMessage
+
+
+class ChatCompletionResponse(_Response):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatChunkChoice(_Choice):
+    delta: dict
+
+
+class ChatCompletionChunk(_Response):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "bdlora"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class APIError(Exception):
+    """An error answered to the client with OpenAI's error body and ``status``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param=None, code=None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
