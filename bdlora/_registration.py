@@ -22,6 +22,17 @@ def _register() -> None:
         register()
     except Exception as e:  # noqa: BLE001  never break the user's `import transformers`
         warnings.warn(f"bdlora: could not register its architectures with transformers ({e})", stacklevel=2)
+    if _quiet:
+        _silence_progress()
+
+
+_quiet = False
+
+
+def _silence_progress() -> None:
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -43,6 +54,17 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
         spec.loader.exec_module = exec_module
         return spec
+
+
+def quiet_transformers() -> None:
+    """For the CLI, which draws its own progress: transformers' own bars (5.x draws "Loading weights" on every
+    ``from_pretrained``) would interleave with it and with the one-line errors on stderr. Library users keep theirs."""
+    global _quiet
+    _quiet = True
+    if _TARGET in sys.modules:
+        _silence_progress()
+    else:
+        register_with_transformers()
 
 
 def register_with_transformers() -> None:

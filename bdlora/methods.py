@@ -103,11 +103,13 @@ class KDLoRA(TrainingMethod):
     name = "kd-lora"
 
     def wrap(self, student):
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig
+
+        from bdlora.peft_compat import wrap_lora
 
         lcfg = LoraConfig(r=self.cfg.lora_rank, lora_alpha=self.cfg.lora_alpha, lora_dropout=0.0,
                           target_modules=list(PROJECTIONS), bias="none", task_type="CAUSAL_LM")
-        return get_peft_model(student, lcfg)
+        return wrap_lora(student, lcfg)
 
     def save_student(self, model, tokenizer, out_dir):
         save_dense_student(model, tokenizer, out_dir, {"method": self.name, "adapter": "adapter"})

@@ -31,9 +31,9 @@ def load_run_student(run: RunDir | str | Path, device: str = "cpu"):
     except Exception as e:  # noqa: BLE001  transformers raises many types for a damaged folder
         raise ModelError(f"{sdir}: could not load the student ({_first_line(e)})") from None
     if (sdir / "adapter").exists():
-        from peft import PeftModel
+        from bdlora.peft_compat import load_adapter
 
-        model = PeftModel.from_pretrained(model, str(sdir / "adapter"))
+        model = load_adapter(model, str(sdir / "adapter"))
     elif (sdir / META_FILE).exists() or summary.get("method") == "budgeted":
         if not (sdir / FACTORS_FILE).exists():
             raise RunDirError(f"{run.path}: a budgeted run without student/{FACTORS_FILE} (gated modules missing)")

@@ -34,6 +34,33 @@ def test_console_script_budgeted_then_plan(tiny_env, tmp_path):
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "Traceback" not in bad.stderr
 
 
+def test_console_chain_train_compress_export_bench_eval(tiny_env, tmp_path):
+    """The README's first command on the tiny teacher: every stage through the console script, reading the
+    previous stage's output by default (the [optimum] CI leg runs this too, on transformers 4.57)."""
+    runs = tmp_path / "runs"
+    steps = [
+        [*train_args(tiny_env, runs / "r1-budgeted"), "--method", "budgeted", "--budget", "0.4", "--max-steps", "8"],
+        ["compress", "--runs-dir", str(runs), "--eps-lr", "0.7", "--json"],
+        ["export", "onnx", "--runs-dir", str(runs), "--quantize", "int8"],
+        ["bench", "--runs-dir", str(runs), "--batch-sizes", "1", "--seq-lens", "16", "--decode-tokens", "4",
+         "--repeats", "1", "--warmup", "0"],
+        ["eval", "--runs-dir", str(runs), "--tasks", "capitalize", "--examples", "2", "--seeds", "1", "--tokens",
+         "256"],
+    ]
+    for args in steps:
+        res = _bdlora(*args)
+        assert res.returncode == 0, f"{args[:2]}: {res.stderr}"
+    folder = runs / "r1-budgeted.compressed"
+    report = json.loads((folder / "compression.json").read_text())
+    assert report["modules_total"] == 14  # the 2-layer student (of 4) x 7 projections
+    export = json.loads((runs / "r1-budgeted.compressed.onnx" / "export.json").read_text())
+    assert export["validation"]["max_abs_diff"] <= 1e-4
+    bench = json.loads((runs / "r1-budgeted.compressed.bench" / "bench.json").read_text())
+    assert bench["results"]
+    doc = json.loads((runs / "r1-budgeted.compressed.eval.json").read_text())
+    assert doc["ppl"]["val_ppl"] > 1 and set(doc["icl"]["tasks"]) == {"capitalize"}
+
+
 def test_builtin_teacher_and_student(tmp_path):
     """The embedded default: build the teacher (a few minutes on 2 cores), then a short budgeted run on it."""
     env = {"BDLORA_CACHE": os.environ.get("BDLORA_CACHE", str(tmp_path / "cache"))}

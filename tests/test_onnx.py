@@ -88,7 +88,18 @@ def test_metadata_equals_compression_report(mixed_export):
     assert qmeta["bdlora.modules"] == meta["bdlora.modules"]
 
 
-def test_optimum_and_hand_greedy_equal_torch(mixed_export, tiny_env):
+def test_hand_greedy_equals_torch(mixed_export, tiny_env):
+    folder, onnx_dir, _, _ = mixed_export
+    model, tok, _ = load_model_folder(folder)
+    one = tok(["red green blue cyan magenta"], return_tensors="pt", return_token_type_ids=False)
+    ref_one = model.generate(**one, max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id)
+    shape = DecoderShape.of(model.config)
+    hand = greedy_generate(session(onnx_dir / "model.onnx"), shape, one["input_ids"].numpy(), 10)
+    np.testing.assert_array_equal(hand, ref_one.numpy())
+
+
+@pytest.mark.optimum
+def test_optimum_greedy_equals_torch(mixed_export, tiny_env):
     folder, onnx_dir, _, _ = mixed_export
     model, tok, _ = load_model_folder(folder)
     tok.padding_side = "left"
@@ -99,11 +110,19 @@ def test_optimum_and_hand_greedy_equal_torch(mixed_export, tiny_env):
     assert ort_model.num_key_value_heads == 2  # the GQA fix: optimum alone would size the cache with 4 heads
     got = ort_model.generate(**enc, max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id)
     assert torch.equal(got, ref)
-    one = tok(["red green blue cyan magenta"], return_tensors="pt", return_token_type_ids=False)
-    ref_one = model.generate(**one, max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id)
-    shape = DecoderShape.of(model.config)
-    hand = greedy_generate(session(onnx_dir / "model.onnx"), shape, one["input_ids"].numpy(), 10)
-    np.testing.assert_array_equal(hand, ref_one.numpy())
+
+
+def test_optimum_missing_is_one_line_naming_the_extra(mixed_export, monkeypatch):
+    import sys
+
+    from bdlora.errors import UsageError
+
+    _, onnx_dir, _, _ = mixed_export
+    monkeypatch.setitem(sys.modules, "optimum.onnxruntime", None)  # what an environment without the extra sees
+    with pytest.raises(UsageError) as e:
+        load_ort_model(onnx_dir)
+    msg = str(e.value)
+    assert "\n" not in msg and 'pip install "bdlora[optimum]"' in msg
 
 
 def test_optimized_export_fuses_norms_and_rotary_and_stays_exact(mixed_export, tmp_path):

@@ -11,7 +11,10 @@ import sys
 import typer
 from rich.console import Console
 
+from bdlora._registration import quiet_transformers
 from bdlora.errors import BdloraError
+
+quiet_transformers()  # the CLI draws its own progress; stderr carries only its one-line errors
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Budgeted LoRA: distil a causal LM into a mixed dense/low-rank student that is faster.")

@@ -8,12 +8,15 @@ mask (causal and padding, built from plain comparisons) that transformers uses a
 
 from __future__ import annotations
 
+import contextlib
+import types
 import warnings
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
+from bdlora.arch import base_model
 from bdlora.export.onnx.metadata import module_table, tag_nodes
 from bdlora.export.onnx.signature import DEFAULT_OPSET, check_opset, dynamic_axes, example_inputs
 from bdlora.runtime import io_names
@@ -54,6 +57,31 @@ class DecoderWithCache(nn.Module):
         return (out.logits, *present)
 
 
+def _rotary_as_matmul(self, x, position_ids):
+    """RoPE angles as ``inv_freq @ positions`` (transformers 4.x's form) instead of 5.x's broadcast product: the
+    same numbers (each angle is one product either way), but the graph onnxruntime's transformer optimizer
+    recognises and fuses into ``RotaryEmbedding`` (``export onnx --optimize``, the genai export)."""
+    inv = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1)
+    freqs = (inv @ position_ids[:, None, :].float()).transpose(1, 2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+@contextlib.contextmanager
+def traceable_rotary(model: nn.Module):
+    """While tracing, compute the rotary angles in the matmul form (see ``_rotary_as_matmul``). Static RoPE types
+    only (default, linear, llama3, yarn, ...: a fixed ``inv_freq``); dynamic and longrope keep their own forward."""
+    rope = getattr(base_model(model).model, "rotary_emb", None)
+    if rope is None or not hasattr(rope, "inv_freq") or getattr(rope, "rope_type", "") in ("dynamic", "longrope"):
+        yield
+        return
+    rope.forward = types.MethodType(_rotary_as_matmul, rope)
+    try:
+        yield
+    finally:
+        del rope.forward  # back to the class's own
+
+
 def export_decoder(model: nn.Module, path: Path, opset: int = DEFAULT_OPSET, fuse: bool = True) -> int:
     """Trace ``model`` (fp32, eager attention) into ``path`` with the KV-cache signature and dynamic axes; tag each
     module's nodes, then fuse MatMuls that share an input (q/k/v, gate/up; see ``fuse``). Returns the number of
@@ -63,7 +91,7 @@ def export_decoder(model: nn.Module, path: Path, opset: int = DEFAULT_OPSET, fus
     wrapper = DecoderWithCache(model).eval()
     ins, outs = io_names(model.config.num_hidden_layers)
     ids, mask, pos, pasts = example_inputs(model.config, 2, 3, 2)
-    with torch.no_grad(), warnings.catch_warnings():
+    with torch.no_grad(), warnings.catch_warnings(), traceable_rotary(model):
         warnings.simplefilter("ignore")  # tracer warnings about the cache's Python-side bookkeeping
         torch.onnx.export(wrapper, (ids, mask, pos, *pasts), str(path), input_names=ins, output_names=outs,
                           dynamic_axes=dynamic_axes(model.config.num_hidden_layers), opset_version=opset,
