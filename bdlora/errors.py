@@ -74,6 +74,12 @@ class Checks:
             return False
         return True
 
+    def threads(self, name: str, v) -> bool:
+        """An intra-op thread count: 1 up to the cores this process may use (more never runs faster, and a typo
+        such as 100000 would have onnxruntime spawn that many threads before anything else could answer)."""
+        cores = usable_cores()
+        return self.integer(name, v, lo=1, hi=cores, what=f" (the cores this process may use: {cores})")
+
     def number(self, name: str, v, lo: float | None = None, hi: float | None = None, lo_open: bool = False,
                hi_open: bool = False) -> bool:
         if v is None:
@@ -112,3 +118,13 @@ def _bounds(lo, hi, lo_open: bool, hi_open: bool) -> str:
     if hi is not None:
         return f"{'<' if hi_open else '<='} {hi:g}"
     return "a finite number"
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one, else ``os.cpu_count()``)."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1

@@ -16,6 +16,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from bdlora.serve.config import ServeConfig
 from bdlora.serve.engine import Engine
@@ -39,8 +40,8 @@ class _State:
 
 def create_app(cfg: ServeConfig, loader=None, on_fatal=None) -> FastAPI:
     """The ASGI app. ``loader()`` builds the Engine (default: from ``cfg``); it runs in a thread after start-up,
-    and /health answers 503 until it returns. ``on_fatal(message)`` is called once if the engine's worker dies
-    (``serve`` stops the process with a non-zero exit, so a supervisor restarts it)."""
+    and /health answers 503 until it returns. ``on_fatal(message)`` is called once if loading fails or the
+    engine's worker dies (``serve`` then stops the process with a non-zero exit, so a supervisor restarts it)."""
     state = _State()
     metrics = Metrics(lambda: state.engine)
     loader = loader or (lambda: Engine(cfg.onnx_dir, cfg.onnx_file, cfg.max_batch, cfg.threads))
@@ -51,12 +52,18 @@ def create_app(cfg: ServeConfig, loader=None, on_fatal=None) -> FastAPI:
             try:
                 eng = await asyncio.to_thread(loader)
             except Exception as e:  # noqa: BLE001
-                state.load_error = f"{type(e).__name__}: {e}"
+                state.load_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                if on_fatal is not None:  # a server that can never answer must not look alive
+                    on_fatal(f"could not load the model ({state.load_error})")
                 return
             if on_fatal is not None:
-                eng.on_fatal = on_fatal
+                def engine_died(message: str) -> None:
+                    on_fatal(f"the generation engine stopped ({message}); exiting so a supervisor can restart "
+                             "the server")
+
+                eng.on_fatal = engine_died
                 if eng.error is not None:  # died before we could listen
-                    on_fatal(eng.error)
+                    engine_died(eng.error)
             state.engine = eng
 
         task = asyncio.create_task(load())
@@ -65,9 +72,12 @@ def create_app(cfg: ServeConfig, loader=None, on_fatal=None) -> FastAPI:
         if state.engine is not None:
             await asyncio.to_thread(state.engine.shutdown)
 
-    app = FastAPI(title="bdlora serve", lifespan=lifespan)
+    docs = {} if cfg.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="bdlora serve", lifespan=lifespan, **docs)
     app.state.bdlora = state
-    _add_error_handlers(app, metrics)
+    app.add_middleware(BodyLimit, limit=cfg.max_request_bytes)
+    app.add_middleware(Front, routes_of=app, metrics=metrics, api_key=cfg.api_key)  # outermost: counts 401s, 413s
+    _add_error_handlers(app)
     refs = (cfg, lambda: state.engine, metrics, lambda: state.load_error)
     completions, chat = CompletionServing(*refs), ChatServing(*refs)
 
@@ -99,47 +109,158 @@ def create_app(cfg: ServeConfig, loader=None, on_fatal=None) -> FastAPI:
     return app
 
 
-def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next):
-        response = await call_next(request)
-        route = request.scope.get("route")
-        metrics.observe_request(getattr(route, "path", None), response.status_code)
-        return response
+class _TooLarge(StarletteHTTPException):
+    """Raised from the body stream (an HTTPException, so FastAPI's body parsing passes it on unchanged)."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, _too_large_message(limit))
+
+
+def _too_large_message(limit: int) -> str:
+    return f"request body above this server's limit of {limit} bytes"
+
+
+def _too_large(limit: int) -> JSONResponse:
+    return JSONResponse(error_body(_too_large_message(limit), param=None, code="request_too_large"),
+                        status_code=413)
+
+
+class BodyLimit:
+    """ASGI middleware refusing request bodies above ``limit`` bytes with 413: a declared Content-Length before
+    anything is read, a chunked body as soon as it crosses the limit."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await _too_large(self.limit)(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge(self.limit)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def _route_path(app: FastAPI, scope) -> str | None:
+    """The route template serving ``scope`` (also for requests answered before routing: 401, 413), or None."""
+    from starlette.routing import Match
+
+    route = scope.get("route")
+    if route is not None:
+        return route.path
+    for r in app.router.routes:
+        if r.matches(scope)[0] != Match.NONE:
+            return getattr(r, "path", None)
+    return None
+
+
+class Front:
+    """The outermost middleware (pure ASGI: Starlette's ``BaseHTTPMiddleware`` would hide a client's disconnect
+    from the endpoints, so abandoned requests would never be cancelled): the API key on ``/v1/*``, the request
+    counter labelled by route template, and a 500 in OpenAI's error shape (logged) for anything unexpected."""
+
+    def __init__(self, app, routes_of: FastAPI, metrics: Metrics, api_key: str | None):
+        self.app, self.routes_of, self.metrics = app, routes_of, metrics
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    def _authorised(self, scope) -> bool:
+        import hmac
+
+        if self.expected is None or not scope["path"].startswith("/v1/"):
+            return True
+        return hmac.compare_digest(dict(scope["headers"]).get(b"authorization", b""), self.expected)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status, started = 500, False
+
+        async def watched_send(message):
+            nonlocal status, started
+            if message["type"] == "http.response.start":
+                status, started = message["status"], True
+            await send(message)
+
+        try:
+            if not self._authorised(scope):
+                await JSONResponse(error_body("Incorrect or missing API key: send 'Authorization: Bearer KEY'",
+                                              param=None, code="invalid_api_key"), status_code=401)(
+                    scope, receive, watched_send)
+            else:
+                await self.app(scope, receive, watched_send)
+        except Exception as exc:  # noqa: BLE001  a bug, never a client's fault: say so, log it, count it
+            import logging
+
+            logging.getLogger("bdlora.serve").exception("internal error on %s %s", scope["method"], scope["path"])
+            if not started:
+                await JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"),
+                                   status_code=500)(scope, receive, watched_send)
+        finally:
+            self.metrics.observe_request(_route_path(self.routes_of, scope), status)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):  # 404, 405, unparseable bodies
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code,
+                                                                                         "invalid_request")
+        return JSONResponse(error_body(str(exc.detail), param=None, code=code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
         errs = exc.errors()
         e = errs[0] if errs else {"msg": "invalid request", "loc": ()}
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        # pydantic names the union member it tried ("function-after[...]", "list[int]"): keep field names and indices
+        loc = [str(x) for x in e.get("loc", ()) if x != "body" and (isinstance(x, int) or str(x).isidentifier())]
+        message = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
         if e.get("type") == "json_invalid":
             msg, loc = "the request body is not valid JSON", []
         elif e.get("type") == "extra_forbidden":
             msg = f"unrecognized request argument supplied: {loc[-1] if loc else '?'}"
         else:
-            msg = f"{'.'.join(loc) or 'body'}: {e.get('msg', 'invalid value')}"
+            msg = f"{'.'.join(loc) or 'body'}: {message}"
         return JSONResponse(error_body(msg, param=".".join(loc) or None, code=e.get("type")), status_code=400)
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):
         return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status)
 
-    @app.exception_handler(Exception)
-    async def on_unexpected(request: Request, exc: Exception):  # a bug, never a client's fault: say so
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)
-
 
 def check_onnx_dir(path: Path, onnx_file: str) -> None:
-    """Fail fast (before the server starts) on a folder that cannot be served."""
-    from bdlora.errors import ModelError
+    """Fail fast (before the server listens) on a folder that cannot be served: missing files, a graph path
+    outside the folder, a config or tokenizer that does not load. The graph itself loads in the background; if
+    that fails the server exits non-zero (see ``create_app``'s ``on_fatal``)."""
+    from bdlora.errors import ModelError, UsageError
+    from bdlora.runtime import DecoderShape
+    from bdlora.tokenizer import TextTokenizer
 
     if not path.is_dir():
         raise ModelError(f"{path}: no such folder (pass a `bdlora export onnx` output)")
+    if not (path / onnx_file).resolve().is_relative_to(path.resolve()):
+        raise UsageError(f"--onnx-file {onnx_file}: must name a graph inside {path}")
     for need in (onnx_file, "config.json"):
-        if not (path / need).exists():
+        if not (path / need).is_file():
             raise ModelError(f"{path}: no {need} (pass a `bdlora export onnx` output)")
     if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         raise ModelError(f"{path}: no tokenizer files")
+    for what, load in (("config.json", DecoderShape.from_folder), ("tokenizer", TextTokenizer)):
+        try:
+            load(path)
+        except Exception as e:  # noqa: BLE001  json, KeyError, tokenizers' own errors: one line either way
+            raise ModelError(f"{path}: its {what} does not load ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''})") from None
 
 
 def serve(cfg: ServeConfig, host: str = "127.0.0.1", port: int = 8000, drain_seconds: int = 30,
@@ -173,8 +294,7 @@ def serve(cfg: ServeConfig, host: str = "127.0.0.1", port: int = 8000, drain_sec
     finally:
         signal.signal(signal.SIGTERM, previous)
     if fatal:
-        raise BdloraError(f"the generation engine stopped ({fatal[0]}); exiting so a supervisor can restart the "
-                          "server")
+        raise BdloraError(fatal[0])
 
 
 __all__ = ["APIError", "ServeConfig", "create_app", "serve", "check_onnx_dir"]

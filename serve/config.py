@@ -6,8 +6,6 @@ from dataclasses import dataclass
 
 from bdlora.errors import Checks
 
-MAX_THREADS = 1024  # far above any machine's cores; bounds what a typo can ask onnxruntime to spawn
-
 
 @dataclass
 class ServeConfig:
@@ -24,14 +22,26 @@ class ServeConfig:
     max_prompt_tokens: int | None = None
     """Longest prompt in tokens (default: the model's context minus one)."""
     max_waiting: int = 1024
-    """Queued requests beyond the batch before answering 429."""
+    """Queued sequences beyond the batch before answering 429 (a request of k prompts counts k)."""
+    max_prompts: int = 64
+    """Prompts one /v1/completions request may carry (a list prompt); at most max_waiting."""
     threads: int | None = None
     """onnxruntime intra-op threads (default: all cores)."""
+    max_request_bytes: int = 4 * 1024 * 1024
+    """Largest request body in bytes (413 above it)."""
+    api_key: str | None = None
+    """Require 'Authorization: Bearer KEY' on /v1/* (default: $BDLORA_API_KEY if set; /health and /metrics stay
+    open). Prefer the environment variable: a command line is visible to every user of the machine."""
+    docs: bool = False
+    """Serve the interactive API docs (/docs, /openapi.json)."""
 
     def validate(self) -> ServeConfig:
         c = Checks()
-        for name in ("max_batch", "max_tokens", "max_waiting", "max_prompt_tokens"):
+        for name in ("max_batch", "max_tokens", "max_waiting", "max_prompt_tokens", "max_request_bytes"):
             c.integer(name, getattr(self, name), lo=1)
-        c.integer("threads", self.threads, lo=1, hi=MAX_THREADS)
+        c.integer("max_prompts", self.max_prompts, lo=1, hi=self.max_waiting)
+        c.threads("threads", self.threads)
+        if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
+            c.add("--api-key: must be a non-empty string without surrounding spaces")
         c.done()
         return self

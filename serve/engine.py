@@ -18,6 +18,7 @@ numpy, onnxruntime and tokenizers only: the serving process never loads torch.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
@@ -69,19 +70,32 @@ def _safe_emit(req: Request, kind: str, payload) -> None:
 
 
 class _Seq:
-    """A request inside the batch: generated ids, the next token to feed, its position, its sampler."""
+    """A request inside the batch: generated ids, the next token to feed, its position, its sampler.
+
+    Text is detokenised incrementally (``tokenizers``' ``DecodeStream``): each token costs the decode of that token,
+    not of everything generated so far, and a multi-byte character split across tokens waits for its last byte.
+    Stop strings are searched only in the text not yet emitted (a tail that may start a stop string is held back),
+    and the final text is one full decode, so it equals ``tokenizer.decode(generated)`` exactly."""
 
     def __init__(self, req: Request, tokenizer, eos: int | None):
         self.req = req
         self.tok = tokenizer
         self.eos = eos
         self.generated: list[int] = []
-        self.sent = 0  # characters of the decoded text already emitted
+        self.sent = 0  # characters of text already emitted
         self.pos = len(req.prompt_ids)  # position of the next fed token
         self.next_token: int | None = None
         self.rng: np.random.Generator | None = None  # built on first sampling, where a bad seed fails this row alone
         self.finish: str | None = None
-        self.text = ""
+        self.text = ""  # the final text, set when the sequence finishes
+        self.chunks: list[str] = []  # decoded text released so far (emitted, when streaming)
+        self.pending = ""  # decoded, not yet released: it may be the start of a stop string
+        self.seen = ""  # the full decode so far (only for tokenizers that clean up spaces)
+        # the streaming detokeniser; tokenizers that clean up spaces (" ." -> ".") across token boundaries, and
+        # sequences with nothing to look at before the end, decode once at the finish instead
+        self.watch = req.stream or bool(req.params.stop)
+        self.incremental = self.watch and not getattr(tokenizer, "clean_up_spaces", False)
+        self.stream = tokenizer.decode_stream() if self.incremental else None
 
     def sample(self, logits: np.ndarray) -> int:
         p = self.req.params
@@ -105,6 +119,15 @@ class _Seq:
             self.rng = np.random.default_rng(p.seed)
         return int(self.rng.choice(len(probs), p=probs))
 
+    def _new_text(self, token: int) -> str:
+        """Text ``token`` adds (incremental), or, for tokenizers that clean up spaces, the difference of two full
+        decodes (exact, quadratic: only those tokenizers pay it)."""
+        if self.incremental:
+            return self.stream.step(self.tok.backend_tokenizer, token) or ""
+        text = self.tok.decode(self.generated, skip_special_tokens=True).rstrip("\ufffd")
+        new, self.seen = text[len(self.seen):], text
+        return new
+
     def accept(self, token: int) -> None:
         """Record a sampled token: stop on EOS / stop string / max_tokens, emit the text that is final."""
         p = self.req.params
@@ -112,37 +135,35 @@ class _Seq:
             self._finish("stop")
             return
         self.generated.append(token)
-        if not self.req.stream and not p.stop:  # nothing to look at until the end: decode once, at the finish
-            if len(self.generated) >= p.max_tokens:
-                self._finish("length")
-            else:
-                self.next_token = token
-            return
-        text = self.tok.decode(self.generated, skip_special_tokens=True)
-        cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            self.text = text[:cut]
-            self._finish("stop")
-            return
-        self.text = text
+        if self.watch:
+            self.pending += self._new_text(token)
+            cut = min((i for i in (self.pending.find(s) for s in p.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                self._finish("stop", "".join(self.chunks) + self.pending[:cut])
+                return
         if len(self.generated) >= p.max_tokens:
             self._finish("length")
             return
         self.next_token = token
-        safe = text.rstrip("\ufffd")  # an incomplete multi-byte character waits for its next token
-        for s in p.stop:  # hold back a tail that may be the start of a stop string
-            for k in range(min(len(s) - 1, len(safe)), 0, -1):
-                if safe.endswith(s[:k]):
-                    safe = safe[:-k]
-                    break
-        if self.req.stream and len(safe) > self.sent:
-            self.req.emit("delta", safe[self.sent :])
-            self.sent = len(safe)
+        if self.watch:
+            self._release(p.stop)
 
-    def _finish(self, reason: str) -> None:
+    def _release(self, stops) -> None:
+        """Release the pending text except a tail that may start a stop string (emitted when streaming), so
+        each step searches only a few characters, however long the text grows."""
+        n = len(self.pending)
+        hold = max((k for s in stops for k in range(1, min(len(s), n + 1)) if self.pending.endswith(s[:k])),
+                   default=0)
+        if hold < n:
+            ready, self.pending = self.pending[: n - hold], self.pending[n - hold :]
+            self.chunks.append(ready)
+            self.sent += len(ready)
+            if self.req.stream:
+                self.req.emit("delta", ready)
+
+    def _finish(self, reason: str, text: str | None = None) -> None:
         self.finish = reason
-        if not self.req.stream and not self.req.params.stop:
-            self.text = self.tok.decode(self.generated, skip_special_tokens=True)
+        self.text = self.tok.decode(self.generated, skip_special_tokens=True) if text is None else text
         if self.req.stream and len(self.text) > self.sent:
             self.req.emit("delta", self.text[self.sent :])
             self.sent = len(self.text)
@@ -165,6 +186,8 @@ class Engine:
         self.eos = self.tokenizer.eos_token_id
         self._waiting: queue.Queue[Request | None] = queue.Queue()
         self._stop = threading.Event()
+        self._open = threading.Event()  # cleared by ``held()``: admission waits
+        self._open.set()
         self._thread = threading.Thread(target=self._loop, name="bdlora-engine", daemon=True)
         self.active = 0  # sequences in the batch (read by /metrics)
         self.steps = 0  # decode steps run
@@ -186,8 +209,20 @@ class Engine:
 
     def shutdown(self, timeout: float = 30.0) -> None:
         self._stop.set()
+        self._open.set()
         self._waiting.put(None)
         self._thread.join(timeout)
+
+    @contextlib.contextmanager
+    def held(self):
+        """Hold admission: requests submitted inside the block queue up and, on leaving it, are admitted (and
+        prefilled and decoded) together, up to ``max_batch``. Makes batching observable without depending on how
+        fast requests happen to arrive (the tests use it); sequences already running keep decoding."""
+        self._open.clear()
+        try:
+            yield self
+        finally:
+            self._open.set()
 
     @property
     def waiting(self) -> int:
@@ -252,14 +287,18 @@ class Engine:
         self.active = 0
 
     def _admit(self, running: int) -> list[Request] | None:
-        """Waiting requests up to ``max_batch`` sequences in all; None when the engine is shut down."""
+        """Waiting requests up to ``max_batch`` sequences in all; None when the engine is shut down. While
+        ``held()``, nothing is admitted beside a running batch, and an idle engine waits with the first request."""
         new: list[Request] = []
         self._admitted = new
         while running + len(new) < self.max_batch:
+            if running and not self._open.is_set():
+                break
             try:
                 r = self._waiting.get(block=not running and not new, timeout=None)
             except queue.Empty:
                 break
+            self._open.wait()  # held(): this request waits, and those submitted meanwhile join it
             if r is None:
                 return None
             if not r.cancelled.is_set():

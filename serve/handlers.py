@@ -21,6 +21,7 @@ from bdlora.serve.engine import Request as EngineRequest
 from bdlora.serve.metrics import Metrics
 from bdlora.serve.protocol import (
     MAX_STOP,
+    MAX_STOP_CHARS,
     MIN_TEMPERATURE,
     APIError,
     AssistantMessage,
@@ -36,6 +37,23 @@ from bdlora.serve.protocol import (
     _Request,
     error_body,
 )
+
+
+class _Hangup:
+    """Rate-limited ``request.is_disconnected()``: a request's events can arrive faster than any timeout, so the
+    check runs on the clock, not only when waiting times out."""
+
+    every = 0.5
+
+    def __init__(self, request: Request):
+        self.request, self.last = request, time.monotonic()
+
+    async def check(self) -> None:
+        now = time.monotonic()
+        if now - self.last >= self.every:
+            self.last = now
+            if await self.request.is_disconnected():
+                raise asyncio.CancelledError
 
 
 def usage(results: list[dict]) -> Usage:
@@ -86,8 +104,9 @@ class Serving:
             raise APIError(400, f"max_tokens {mt}: must be >= 1" if mt < 1 else f"max_tokens {mt}: above this "
                            f"server's limit of {cfg.max_tokens}", "max_tokens", "invalid_value")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if len(stop) > MAX_STOP or any(s == "" for s in stop):
-            raise APIError(400, f"stop: at most {MAX_STOP} non-empty strings", "stop", "invalid_value")
+        if len(stop) > MAX_STOP or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stop):
+            raise APIError(400, f"stop: at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters",
+                           "stop", "invalid_value")
         return SamplingParams(max_tokens=mt, temperature=float(body.temperature), top_p=float(body.top_p),
                               stop=tuple(stop), seed=body.seed)
 
@@ -106,8 +125,9 @@ class Serving:
             raise APIError(400, f"prompt: token ids must be in [0, {vocab})", "prompt", "invalid_value")
 
     def submit(self, eng: Engine, prompts: list[list[int]], params: SamplingParams, stream: bool):
-        """One engine request per prompt; returns (requests, asyncio queues of their events)."""
-        if eng.waiting >= self.cfg.max_waiting:
+        """One engine request per prompt, admitted together or not at all (a request of k prompts needs k free
+        places in the queue); returns (requests, asyncio queues of their events)."""
+        if eng.waiting + len(prompts) > self.cfg.max_waiting:
             raise APIError(429, "server overloaded: too many queued requests, retry later", None, "overloaded",
                            "rate_limit_error")
         loop = asyncio.get_running_loop()
@@ -126,14 +146,15 @@ class Serving:
         return reqs, queues
 
     @staticmethod
-    async def next_event(q: asyncio.Queue, request: Request):
-        """The next engine event, watching for a client disconnect while waiting."""
+    async def next_event(q: asyncio.Queue, watch: _Hangup):
+        """The next engine event; raises CancelledError once the client has gone away (checked at least every
+        ``_Hangup.every`` seconds, whether or not events keep arriving)."""
         while True:
+            await watch.check()
             try:
-                return await asyncio.wait_for(q.get(), timeout=0.5)
+                return await asyncio.wait_for(q.get(), timeout=watch.every)
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    raise asyncio.CancelledError from None
+                pass
 
     def _cancel(self, reqs) -> None:
         for r in reqs:
@@ -142,11 +163,11 @@ class Serving:
 
     async def collect(self, reqs, queues, request: Request) -> list[dict]:
         """Wait for every request to finish (non-streaming); cancels them all if the client goes away."""
-        results = []
+        results, watch = [], _Hangup(request)
         try:
             for q in queues:
                 while True:
-                    kind, payload = await self.next_event(q, request)
+                    kind, payload = await self.next_event(q, watch)
                     if kind == "error":
                         raise APIError(500, f"generation failed: {payload}", code="engine_error", type_="server_error")
                     if kind == "done":
@@ -160,13 +181,13 @@ class Serving:
 
     async def stream(self, reqs, queues, request: Request, chunk, include_usage: bool):
         t0 = time.perf_counter()
-        first, finished = True, False
+        first, finished, watch = True, False, _Hangup(request)
         try:
             start_chunk = chunk(None, None, start=True)
             if start_chunk is not None:
                 yield sse(start_chunk)
             while True:
-                kind, payload = await self.next_event(queues[0], request)
+                kind, payload = await self.next_event(queues[0], watch)
                 if kind == "delta":
                     if first:
                         self.metrics.ttft.observe(time.perf_counter() - t0)
@@ -216,6 +237,9 @@ class CompletionServing(Serving):
         prompts = [p] if isinstance(p, str) or (p and all(isinstance(x, int) for x in p)) else list(p)
         if not prompts:
             raise APIError(400, "prompt: empty list", "prompt", "invalid_value")
+        if len(prompts) > self.cfg.max_prompts:
+            raise APIError(400, f"prompt: {len(prompts)} prompts, above this server's limit of "
+                                f"{self.cfg.max_prompts} per request", "prompt", "too_many_prompts")
         if body.stream and len(prompts) > 1:
             raise APIError(400, "stream: supported for a single prompt only", "stream", "unsupported")
         ids = await asyncio.to_thread(

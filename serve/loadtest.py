@@ -3,6 +3,10 @@
 ``concurrency`` clients each send their next request as soon as the previous one returns, until ``requests``
 requests have completed; reports requests/s, generated tokens/s (from each response's ``usage``) and latency
 percentiles. Every response is checked (status 200, one choice); failures are counted, not hidden.
+
+With ``stream``, requests stream (server-sent events, ``stream_options.include_usage``) and the report adds what
+vLLM's bench, guidellm and aiperf report: time to first token (request sent -> first chunk carrying text) and
+inter-token latency (the gaps between successive text chunks), as p50/p90/p99 over all requests.
 """
 
 from __future__ import annotations
@@ -16,16 +20,55 @@ DEFAULT_PROMPTS = ("def main(", "import os\n", "class Config:\n    def __init__(
                    "# Licensed under", "return self.", "if __name__ ==", "with open(path) as f:\n")
 
 
+def _pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(np.array(values) * 1000.0, q)) if values else None
+
+
+async def _one_stream(client, body: dict) -> tuple[float, list[float], int]:
+    """(ttft, inter-token gaps, completion tokens) of one streamed completion; raises on a malformed stream."""
+    import json
+
+    t0 = time.perf_counter()
+    last = ttft = None
+    gaps: list[float] = []
+    tokens = None
+    async with client.stream("POST", "/v1/completions", json={**body, "stream": True,
+                                                              "stream_options": {"include_usage": True}}) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error'].get('message')}")
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if any(c.get("text") for c in chunk.get("choices", [])):
+                now = time.perf_counter()
+                if ttft is None:
+                    ttft = now - t0
+                else:
+                    gaps.append(now - last)
+                last = now
+    if tokens is None:
+        raise RuntimeError("the stream carried no usage chunk")
+    return (ttft if ttft is not None else time.perf_counter() - t0), gaps, tokens
+
+
 async def _run(url: str, model: str, concurrency: int, requests: int, max_tokens: int, prompts, temperature: float,
-               timeout: float) -> dict:
+               timeout: float, stream: bool = False, api_key: str | None = None) -> dict:
     import httpx
 
     latencies: list[float] = []
+    ttfts: list[float] = []
+    itls: list[float] = []
     tokens = 0
     failures: list[str] = []
     counter = iter(range(requests))
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
-    async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=timeout,
+    async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=timeout, headers=headers,
                                  limits=httpx.Limits(max_connections=concurrency)) as client:
         async def worker():
             nonlocal tokens
@@ -34,37 +77,45 @@ async def _run(url: str, model: str, concurrency: int, requests: int, max_tokens
                         "temperature": temperature}
                 t0 = time.perf_counter()
                 try:
-                    r = await client.post("/v1/completions", json=body)
-                    ok = r.status_code == 200 and len(r.json().get("choices", [])) == 1
-                except Exception as e:  # noqa: BLE001  a transport failure is a failed request, counted
+                    if stream:
+                        ttft, gaps, n = await _one_stream(client, body)
+                        ttfts.append(ttft)
+                        itls.extend(gaps)
+                    else:
+                        r = await client.post("/v1/completions", json=body)
+                        if r.status_code != 200 or len(r.json().get("choices", [])) != 1:
+                            raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+                        n = r.json()["usage"]["completion_tokens"]
+                except Exception as e:  # noqa: BLE001  a transport or protocol failure is a failed request, counted
                     failures.append(f"{type(e).__name__}: {e}")
                     continue
-                if not ok:
-                    failures.append(f"HTTP {r.status_code}: {r.text[:200]}")
-                    continue
                 latencies.append(time.perf_counter() - t0)
-                tokens += r.json()["usage"]["completion_tokens"]
+                tokens += n
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
-    lat = np.array(latencies) * 1000.0
-    return {"concurrency": concurrency, "requests": len(latencies), "failures": len(failures),
-            "first_failure": failures[0] if failures else None, "wall_s": wall,
-            "requests_per_s": len(latencies) / wall, "tokens_per_s": tokens / wall, "completion_tokens": tokens,
-            "p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
-            "p90_ms": float(np.percentile(lat, 90)) if lat.size else None,
-            "p99_ms": float(np.percentile(lat, 99)) if lat.size else None,
-            "mean_ms": float(lat.mean()) if lat.size else None}
+    res = {"concurrency": concurrency, "stream": stream, "requests": len(latencies), "failures": len(failures),
+           "first_failure": failures[0] if failures else None, "wall_s": wall,
+           "requests_per_s": len(latencies) / wall, "tokens_per_s": tokens / wall, "completion_tokens": tokens,
+           "p50_ms": _pct(latencies, 50), "p90_ms": _pct(latencies, 90), "p99_ms": _pct(latencies, 99),
+           "mean_ms": float(np.mean(latencies) * 1000.0) if latencies else None}
+    if stream:
+        res.update({f"ttft_p{q}_ms": _pct(ttfts, q) for q in (50, 90, 99)})
+        res.update({f"itl_p{q}_ms": _pct(itls, q) for q in (50, 90, 99)})
+    return res
 
 
 def load_test(url: str, model: str | None = None, concurrency: int = 1, requests: int = 100, max_tokens: int = 64,
-              prompts=DEFAULT_PROMPTS, temperature: float = 0.0, timeout: float = 300.0) -> dict:
+              prompts=DEFAULT_PROMPTS, temperature: float = 0.0, timeout: float = 300.0, stream: bool = False,
+              api_key: str | None = None) -> dict:
     """Run one closed-loop load test; ``model`` defaults to the first id /v1/models lists."""
     import httpx
 
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     if model is None:
-        model = httpx.get(url.rstrip("/") + "/v1/models", timeout=30).json()["data"][0]["id"]
-    res = asyncio.run(_run(url, model, concurrency, requests, max_tokens, list(prompts), temperature, timeout))
+        model = httpx.get(url.rstrip("/") + "/v1/models", timeout=30, headers=headers).json()["data"][0]["id"]
+    res = asyncio.run(_run(url, model, concurrency, requests, max_tokens, list(prompts), temperature, timeout,
+                           stream, api_key))
     res.update(url=url, model=model, max_tokens=max_tokens)
     return res

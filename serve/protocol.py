@@ -10,14 +10,28 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 MAX_STOP = 4
+MAX_STOP_CHARS = 256  # a stop string is matched against the text each step: bound what a request can make it cost
 # Sampling temperatures in (0, MIN_TEMPERATURE) are refused: they mean "greedy" and should say so with 0.
 MIN_TEMPERATURE = 1e-3
 MAX_SEED = 2**63 - 1  # numpy's generators take any non-negative integer; bound it to a signed 64-bit one
 
 Number = StrictFloat | StrictInt
+
+
+def _encodable(text: str) -> str:
+    """JSON may carry a lone UTF-16 surrogate (``"\\ud800"``) that is no character and no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"contains a lone surrogate (\\u{ord(text[e.start]):04x}) at {e.start}, not valid "
+                         "Unicode text") from None
+    return text
+
+
+Text = Annotated[StrictStr, AfterValidator(_encodable)]
 
 
 class _Request(BaseModel):
@@ -27,7 +41,7 @@ class _Request(BaseModel):
     max_tokens: StrictInt | None = None
     temperature: Annotated[Number, Field(ge=0.0, le=2.0, allow_inf_nan=False)] = 1.0
     top_p: Annotated[Number, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 1.0
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: Text | list[Text] | None = None
     seed: Annotated[StrictInt, Field(ge=0, le=MAX_SEED)] | None = None
     stream: StrictBool = False
     stream_options: dict | None = None
@@ -39,7 +53,7 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
     echo: StrictBool = False
     logprobs: StrictInt | None = None
     best_of: StrictInt | None = None
@@ -50,7 +64,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant"]
-    content: StrictStr
+    content: Text
     name: StrictStr | None = None
 
 

@@ -95,10 +95,12 @@ def test_cli_bench_synthetic_and_bad_input(tmp_path, tiny_model, tiny_env):
     for bad, needle in [(["--provider", "tpu"], "--provider 'tpu': unknown (allowed: cpu, cuda)"),
                         (["--provider", "cuda"], "--provider cuda: onnxruntime here has"),
                         (["--repeats", "0"], "--repeats 0: must be a positive integer"),
+                        (["--threads", "100000"], "--threads 100000: must be in [1, "),
                         (["--batch-sizes", ""], "--batch-sizes '': empty list"),
                         (["--seq-lens", "a,b"], "--seq-lens 'a,b': need comma-separated integers")]:
         r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "x"), *bad])
         assert r.exit_code == 2 and needle in r.stderr, (bad, r.output)
+        assert not (tmp_path / "x").exists()  # refused before anything is written
     _, model, report = compressed_student(tiny_model, [0.0])
     folder = save_model_folder(model, tiny_env["tokenizer"], tmp_path / "m", report)
     (folder / "compression.json").unlink()

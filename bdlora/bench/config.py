@@ -9,7 +9,6 @@ from bdlora.errors import Checks, UsageError
 
 SCOPES = ("modules", "model", "both")
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
-MAX_THREADS = 1024  # far above any machine's cores; bounds what a typo can ask onnxruntime to spawn
 
 
 @dataclass
@@ -53,7 +52,7 @@ class BenchConfig:
         c.integer("repeats", self.repeats, lo=1)
         c.integer("warmup", self.warmup, lo=0)
         c.integer("decode_tokens", self.decode_tokens, lo=1)
-        c.integer("threads", self.threads, lo=1, hi=MAX_THREADS)
+        c.threads("threads", self.threads)
         c.choice("provider", self.provider, tuple(PROVIDERS))
         c.done()
         provider_name(self.provider)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import subprocess
 import sys
 from dataclasses import asdict
@@ -35,7 +34,7 @@ from bdlora import SCHEMA_VERSION, __version__
 from bdlora.bench.config import BenchConfig, provider_name
 from bdlora.bench.report import markdown, plot
 from bdlora.bench.variants import dense_variant, export_projection_stack, floor_variant, lora_variant
-from bdlora.errors import BdloraError
+from bdlora.errors import BdloraError, usable_cores
 from bdlora.export.onnx.metadata import module_table
 from bdlora.io import atomic_dir, write_json, write_text
 from bdlora.reporter import SILENT, Reporter
@@ -189,7 +188,7 @@ def run_bench(model: nn.Module, lora_rank: int, cfg: BenchConfig, out: Path, rep
     import onnxruntime as ort
 
     cfg.validate(DecoderShape.of(model.config).max_positions)
-    threads = cfg.threads or os.cpu_count() or 1
+    threads = cfg.threads or usable_cores()
     pool = ""
     models = {"dense": dense_variant(model), "lora": lora_variant(model, lora_rank), "compressed": model.eval()}
     macs_modules = {n: projection_macs(m) for n, m in models.items()}

@@ -154,11 +154,17 @@ def evaluation(doc: dict) -> None:
 
 
 def loadtest(rows: list[dict], url: str, max_tokens: int) -> None:
-    t = Table(title=f"loadtest {url} ({rows[0]['model']}, max_tokens {max_tokens})")
-    for col in ("clients", "requests", "failed", "req/s", "tok/s", "p50 ms", "p90 ms", "p99 ms"):
+    stream = bool(rows[0].get("stream"))
+    t = Table(title=f"loadtest {url} ({rows[0]['model']}, max_tokens {max_tokens}{', streaming' if stream else ''})")
+    cols = ["clients", "requests", "failed", "req/s", "tok/s", "p50 ms", "p90 ms", "p99 ms"]
+    keys = ["p50_ms", "p90_ms", "p99_ms"]
+    if stream:
+        cols += ["TTFT p50", "TTFT p90", "TTFT p99", "ITL p50", "ITL p90", "ITL p99"]
+        keys += [f"{m}_p{q}_ms" for m in ("ttft", "itl") for q in (50, 90, 99)]
+    for col in cols:
         t.add_column(col, justify="right")
     for r in rows:
         f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
         t.add_row(str(r["concurrency"]), str(r["requests"]), str(r["failures"]), f"{r['requests_per_s']:.2f}",
-                  f"{r['tokens_per_s']:.1f}", f(r["p50_ms"]), f(r["p90_ms"]), f(r["p99_ms"]))
+                  f"{r['tokens_per_s']:.1f}", *(f(r[k]) for k in keys))
     out.print(t)

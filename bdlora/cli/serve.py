@@ -1,5 +1,6 @@
 """``bdlora serve`` (an OpenAI-compatible server over an ONNX export) and ``bdlora loadtest``."""
 
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -37,9 +38,12 @@ def serve(
     c.integer("drain_seconds", drain_seconds, lo=0)
     c.done()
     src = Path(onnx_dir) if onnx_dir else OnnxDir.latest(runs_dir).path
+    if opts.get("api_key") is None:
+        opts["api_key"] = os.environ.get("BDLORA_API_KEY")
     cfg = ServeConfig(onnx_dir=str(src), model_name=model_name or src.name, **opts).validate()
     check_onnx_dir(src, cfg.onnx_file)
-    err.print(f"[cyan]>[/] serving {src} as '{cfg.model_name}' on http://{host}:{port}/v1", highlight=False)
+    auth = "API key required" if cfg.api_key else "no API key (--api-key or $BDLORA_API_KEY to require one)"
+    err.print(f"[cyan]>[/] serving {src} as '{cfg.model_name}' on http://{host}:{port}/v1 ({auth})", highlight=False)
     run_server(cfg, host, port, drain_seconds)
 
 
@@ -51,9 +55,14 @@ def loadtest(
     max_tokens: Annotated[int, typer.Option(help="max_tokens of every request.")] = 64,
     model: Annotated[Optional[str], typer.Option(help="Model id (default: the first /v1/models lists).")] = None,
     temperature: Annotated[float, typer.Option(help="Sampling temperature of the requests.")] = 0.0,
+    stream: Annotated[bool, typer.Option(help="Stream the responses; adds time to first token and inter-token "
+                                              "latency (p50/p90/p99).")] = False,
+    api_key: Annotated[Optional[str], typer.Option(help="Bearer key of the server (default: $BDLORA_API_KEY).")]
+    = None,
     json_path: Annotated[Optional[str], typer.Option("--json", help="Also write the results here.")] = None,
 ):
-    """Closed-loop load test of an OpenAI-compatible /v1/completions endpoint: requests/s, tokens/s, p50/p99."""
+    """Closed-loop load test of an OpenAI-compatible /v1/completions endpoint: requests/s, tokens/s, latency
+    percentiles; with --stream also time to first token and inter-token latency."""
     import httpx
 
     from bdlora.errors import Checks, UsageError
@@ -74,7 +83,9 @@ def loadtest(
         httpx.get(url.rstrip("/") + "/health", timeout=10)
     except httpx.TransportError as e:
         raise UsageError(f"{url}: no server answers there ({type(e).__name__})") from None
-    rows = [load_test(url, model, n, requests, max_tokens, temperature=temperature) for n in levels]
+    key = api_key or os.environ.get("BDLORA_API_KEY")
+    rows = [load_test(url, model, n, requests, max_tokens, temperature=temperature, stream=stream, api_key=key)
+            for n in levels]
     render.loadtest(rows, url, max_tokens)
     if json_path:
         write_json(json_path, {"results": rows})
