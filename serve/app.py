@@ -38,6 +38,25 @@ class _State:
         self.load_error: str | None = None
 
 
+async def _load(state: _State, loader, on_fatal) -> None:
+    """Build the engine off the event loop; a failure (or an engine that dies later) reaches ``on_fatal``."""
+    try:
+        eng = await asyncio.to_thread(loader)
+    except Exception as e:  # noqa: BLE001
+        state.load_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if on_fatal is not None:  # a server that can never answer must not look alive
+            on_fatal(f"could not load the model ({state.load_error})")
+        return
+    if on_fatal is not None:
+        def engine_died(message: str) -> None:
+            on_fatal(f"the generation engine stopped ({message}); exiting so a supervisor can restart the server")
+
+        eng.on_fatal = engine_died
+        if eng.error is not None:  # died before we could listen
+            engine_died(eng.error)
+    state.engine = eng
+
+
 def create_app(cfg: ServeConfig, loader=None, on_fatal=None) -> FastAPI:
     """The ASGI app. ``loader()`` builds the Engine (default: from ``cfg``); it runs in a thread after start-up,
     and /health answers 503 until it returns. ``on_fatal(message)`` is called once if loading fails or the
@@ -48,25 +67,7 @@ def create_app(cfg: ServeConfig, loader=None, on_fatal=None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        async def load():
-            try:
-                eng = await asyncio.to_thread(loader)
-            except Exception as e:  # noqa: BLE001
-                state.load_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                if on_fatal is not None:  # a server that can never answer must not look alive
-                    on_fatal(f"could not load the model ({state.load_error})")
-                return
-            if on_fatal is not None:
-                def engine_died(message: str) -> None:
-                    on_fatal(f"the generation engine stopped ({message}); exiting so a supervisor can restart "
-                             "the server")
-
-                eng.on_fatal = engine_died
-                if eng.error is not None:  # died before we could listen
-                    engine_died(eng.error)
-            state.engine = eng
-
-        task = asyncio.create_task(load())
+        task = asyncio.create_task(_load(state, loader, on_fatal))
         yield
         task.cancel()
         if state.engine is not None:

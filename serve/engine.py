@@ -19,156 +19,16 @@ numpy, onnxruntime and tokenizers only: the serving process never loads torch.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import queue
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from bdlora.runtime import DecoderShape, empty_past, left_padded, session
+from bdlora.serve.sequence import Request, SamplingParams, Sequence, safe_emit, score_prompt
 from bdlora.tokenizer import TextTokenizer
-
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-
-
-@dataclass
-class Request:
-    """One prompt to continue. ``emit(kind, payload)`` receives ("delta", text) events and one ("done", info)."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    emit: Callable[[str, object], None]
-    stream: bool = True  # False: only the final ("done") event, no per-token wake-ups of the caller
-    id: int = field(default_factory=lambda: next(_ids))
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    submitted: float = field(default_factory=time.perf_counter)
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-
-_ids = itertools.count(1)
-
-
-def _safe_emit(req: Request, kind: str, payload) -> None:
-    """Deliver an event; a failing callback (the client's loop is gone) must not take the worker down."""
-    try:
-        req.emit(kind, payload)
-    except Exception:  # noqa: BLE001
-        pass
-
-
-class _Seq:
-    """A request inside the batch: generated ids, the next token to feed, its position, its sampler.
-
-    Text is detokenised incrementally (``tokenizers``' ``DecodeStream``): each token costs the decode of that token,
-    not of everything generated so far, and a multi-byte character split across tokens waits for its last byte.
-    Stop strings are searched only in the text not yet emitted (a tail that may start a stop string is held back),
-    and the final text is one full decode, so it equals ``tokenizer.decode(generated)`` exactly."""
-
-    def __init__(self, req: Request, tokenizer, eos: int | None):
-        self.req = req
-        self.tok = tokenizer
-        self.eos = eos
-        self.generated: list[int] = []
-        self.sent = 0  # characters of text already emitted
-        self.pos = len(req.prompt_ids)  # position of the next fed token
-        self.next_token: int | None = None
-        self.rng: np.random.Generator | None = None  # built on first sampling, where a bad seed fails this row alone
-        self.finish: str | None = None
-        self.text = ""  # the final text, set when the sequence finishes
-        self.chunks: list[str] = []  # decoded text released so far (emitted, when streaming)
-        self.pending = ""  # decoded, not yet released: it may be the start of a stop string
-        self.seen = ""  # the full decode so far (only for tokenizers that clean up spaces)
-        # the streaming detokeniser; tokenizers that clean up spaces (" ." -> ".") across token boundaries, and
-        # sequences with nothing to look at before the end, decode once at the finish instead
-        self.watch = req.stream or bool(req.params.stop)
-        self.incremental = self.watch and not getattr(tokenizer, "clean_up_spaces", False)
-        self.stream = tokenizer.decode_stream() if self.incremental else None
-
-    def sample(self, logits: np.ndarray) -> int:
-        p = self.req.params
-        if not np.isfinite(logits).all():
-            raise FloatingPointError("the model produced non-finite logits for this sequence")
-        if p.temperature <= 0.0:
-            return int(np.argmax(logits))
-        # shift before dividing: (z - max) / T is <= 0 for every T > 0, so a tiny temperature gives -inf (exp 0),
-        # never inf - inf = NaN
-        z = (logits.astype(np.float64) - float(logits.max())) / p.temperature
-        probs = np.exp(z)
-        probs /= probs.sum()
-        if p.top_p < 1.0:
-            order = np.argsort(-probs)
-            cum = np.cumsum(probs[order])
-            keep = order[: int(np.searchsorted(cum, p.top_p) + 1)]
-            mask = np.zeros_like(probs)
-            mask[keep] = probs[keep]
-            probs = mask / mask.sum()
-        if self.rng is None:
-            self.rng = np.random.default_rng(p.seed)
-        return int(self.rng.choice(len(probs), p=probs))
-
-    def _new_text(self, token: int) -> str:
-        """Text ``token`` adds (incremental), or, for tokenizers that clean up spaces, the difference of two full
-        decodes (exact, quadratic: only those tokenizers pay it)."""
-        if self.incremental:
-            return self.stream.step(self.tok.backend_tokenizer, token) or ""
-        text = self.tok.decode(self.generated, skip_special_tokens=True).rstrip("\ufffd")
-        new, self.seen = text[len(self.seen):], text
-        return new
-
-    def accept(self, token: int) -> None:
-        """Record a sampled token: stop on EOS / stop string / max_tokens, emit the text that is final."""
-        p = self.req.params
-        if self.eos is not None and token == self.eos:
-            self._finish("stop")
-            return
-        self.generated.append(token)
-        if self.watch:
-            self.pending += self._new_text(token)
-            cut = min((i for i in (self.pending.find(s) for s in p.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                self._finish("stop", "".join(self.chunks) + self.pending[:cut])
-                return
-        if len(self.generated) >= p.max_tokens:
-            self._finish("length")
-            return
-        self.next_token = token
-        if self.watch:
-            self._release(p.stop)
-
-    def _release(self, stops) -> None:
-        """Release the pending text except a tail that may start a stop string (emitted when streaming), so
-        each step searches only a few characters, however long the text grows."""
-        n = len(self.pending)
-        hold = max((k for s in stops for k in range(1, min(len(s), n + 1)) if self.pending.endswith(s[:k])),
-                   default=0)
-        if hold < n:
-            ready, self.pending = self.pending[: n - hold], self.pending[n - hold :]
-            self.chunks.append(ready)
-            self.sent += len(ready)
-            if self.req.stream:
-                self.req.emit("delta", ready)
-
-    def _finish(self, reason: str, text: str | None = None) -> None:
-        self.finish = reason
-        self.text = self.tok.decode(self.generated, skip_special_tokens=True) if text is None else text
-        if self.req.stream and len(self.text) > self.sent:
-            self.req.emit("delta", self.text[self.sent :])
-            self.sent = len(self.text)
-        self.req.emit("done", {"finish_reason": reason, "prompt_tokens": len(self.req.prompt_ids),
-                               "completion_tokens": len(self.generated), "text": self.text})
 
 
 class Engine:
@@ -195,7 +55,7 @@ class Engine:
         self.error: str | None = None  # set when the worker died: the engine cannot serve any more
         self.on_fatal = on_fatal  # called (from the worker thread) with that error, e.g. to stop the server
         self.failed = 0  # sequences that failed alone (their request got an error; the engine went on)
-        self._live: list[_Seq] = []  # the running batch
+        self._live: list[Sequence] = []  # the running batch
         self._admitted: list[Request] = []  # taken from the queue, not yet in the batch
         self._thread.start()
 
@@ -203,7 +63,7 @@ class Engine:
 
     def submit(self, req: Request) -> None:
         if self.error is not None:  # the worker is gone: answer now instead of queueing forever
-            _safe_emit(req, "error", f"the engine stopped: {self.error}")
+            safe_emit(req, "error", f"the engine stopped: {self.error}")
             return
         self._waiting.put(req)
 
@@ -233,10 +93,10 @@ class Engine:
     def _run(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray, past: list[np.ndarray]):
         feeds = dict(zip(self.input_names, [ids, mask, pos, *past]))
         out = self.sess.run(None, feeds)
-        return out[0][:, -1], out[1:]  # (B, V) logits of the last position, presents
+        return out[0], out[1:]  # (B, S, V) logits, presents
 
     def _prefill(self, reqs: list[Request]):
-        """Left-padded prefill of new requests: (seqs, mask (b, T), presents, last logits (b, V))."""
+        """Left-padded prefill of new requests: (mask (b, T), presents, logits (b, T, V))."""
         ids, mask, pos = left_padded([r.prompt_ids for r in reqs])
         logits, presents = self._run(ids, mask, pos, empty_past(self.shape, len(reqs)))
         return mask, presents, logits
@@ -247,29 +107,29 @@ class Engine:
         except BaseException as e:  # noqa: BLE001  never leave clients waiting on a dead worker
             self.error = f"{type(e).__name__}: {e}"
             for r in [seq.req for seq in self._live] + self._admitted:
-                _safe_emit(r, "error", self.error)
+                safe_emit(r, "error", self.error)
             while True:
                 try:
                     r = self._waiting.get_nowait()
                 except queue.Empty:
                     break
                 if r is not None:
-                    _safe_emit(r, "error", self.error)
+                    safe_emit(r, "error", self.error)
             if self.on_fatal is not None:
                 self.on_fatal(self.error)
 
-    def _advance(self, seqs: list[_Seq], logits: np.ndarray) -> None:
+    def _advance(self, seqs: list[Sequence], logits: np.ndarray) -> None:
         """Sample and record one token per sequence. A failure (bad logits, a sampler or callback error) fails that
         sequence alone: its request gets an error event and the others go on."""
         for s, row in zip(seqs, logits):
             if s.req.cancelled.is_set() or s.finish is not None:
                 continue
             try:
-                s.accept(s.sample(row))
+                s.accept(s.sample(row), row)
             except Exception as e:  # noqa: BLE001
                 s.finish = "error"
                 self.failed += 1
-                _safe_emit(s.req, "error", f"{type(e).__name__}: {e}")
+                safe_emit(s.req, "error", f"{type(e).__name__}: {e}")
 
     def _serve(self) -> None:
         batch = _Batch()
@@ -311,10 +171,23 @@ class Engine:
             nmask, npres, logits = self._prefill(new)
         except Exception as e:  # noqa: BLE001  a request the graph cannot run fails alone
             for r in new:
-                _safe_emit(r, "error", f"{type(e).__name__}: {e}")
+                safe_emit(r, "error", f"{type(e).__name__}: {e}")
             return
-        fresh = [_Seq(r, self.tokenizer, self.eos) for r in new]
-        self._advance(fresh, logits)
+        fresh = [Sequence(r, self.tokenizer, self.eos) for r in new]
+        width = logits.shape[1]
+        for i, s in enumerate(fresh):
+            p = s.req.params
+            try:
+                if p.echo and p.logprobs is not None:  # left padded: the prompt is the row's last positions
+                    prompt = s.req.prompt_ids
+                    s.prompt_scores = score_prompt(logits[i, width - len(prompt):], prompt, p.logprobs)
+                if p.max_tokens == 0:  # scoring only
+                    s.close("length")
+            except Exception as e:  # noqa: BLE001  fails this request alone
+                s.finish = "error"
+                self.failed += 1
+                safe_emit(s.req, "error", f"{type(e).__name__}: {e}")
+        self._advance(fresh, logits[:, -1])
         batch.merge(fresh, list(npres), nmask)
 
     def _decode(self, batch: _Batch) -> None:
@@ -325,9 +198,10 @@ class Engine:
         mask = np.concatenate([batch.mask, np.ones((len(seqs), 1), dtype=np.int64)], 1)
         try:
             logits, batch.cache = self._run(ids, mask, pos, batch.cache)
+            logits = logits[:, -1]
         except Exception as e:  # noqa: BLE001  the batch's step failed: fail its sequences, keep serving
             for s in seqs:
-                _safe_emit(s.req, "error", f"{type(e).__name__}: {e}")
+                safe_emit(s.req, "error", f"{type(e).__name__}: {e}")
             self.failed += len(seqs)
             batch.clear()
             return
@@ -346,7 +220,7 @@ class _Batch:
         self.clear()
 
     def clear(self) -> None:
-        self.seqs: list[_Seq] = []
+        self.seqs: list[Sequence] = []
         self.cache: list[np.ndarray] = []
         self.mask = np.zeros((0, 0), dtype=np.int64)
 
@@ -357,7 +231,7 @@ class _Batch:
             return arrs, mask
         return [np.pad(a, ((0, 0), (0, 0), (extra, 0), (0, 0))) for a in arrs], np.pad(mask, ((0, 0), (extra, 0)))
 
-    def merge(self, fresh: list[_Seq], cache: list[np.ndarray], mask: np.ndarray) -> None:
+    def merge(self, fresh: list[Sequence], cache: list[np.ndarray], mask: np.ndarray) -> None:
         if self.seqs:
             t = max(self.mask.shape[1], mask.shape[1])
             self.cache, self.mask = self._left_pad(self.cache, self.mask, t)
@@ -384,3 +258,6 @@ class _Batch:
         if start:
             self.cache = [a[:, :, start:] for a in self.cache]
             self.mask = self.mask[:, start:]
+
+
+__all__ = ["Engine", "Request", "SamplingParams"]

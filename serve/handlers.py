@@ -12,6 +12,7 @@ import json
 import time
 import uuid
 
+import numpy as np
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
@@ -20,6 +21,7 @@ from bdlora.serve.engine import Engine, SamplingParams
 from bdlora.serve.engine import Request as EngineRequest
 from bdlora.serve.metrics import Metrics
 from bdlora.serve.protocol import (
+    MAX_LOGPROBS,
     MAX_STOP,
     MAX_STOP_CHARS,
     MIN_TEMPERATURE,
@@ -83,7 +85,8 @@ class Serving:
                            type_="server_error")
         return eng
 
-    def sampling(self, body: _Request, max_tokens: int | None) -> SamplingParams:
+    def sampling(self, body: _Request, max_tokens: int | None, logprobs: int | None = None,
+                 echo: bool = False) -> SamplingParams:
         cfg = self.cfg
         if body.model != cfg.model_name:
             raise APIError(404, f"The model '{body.model}' does not exist (served: '{cfg.model_name}')", "model",
@@ -100,15 +103,17 @@ class Serving:
             raise APIError(400, f"temperature {body.temperature}: must be 0 (greedy) or at least {MIN_TEMPERATURE}",
                            "temperature", "invalid_value")
         mt = 16 if max_tokens is None else max_tokens
-        if not 1 <= mt <= cfg.max_tokens:
-            raise APIError(400, f"max_tokens {mt}: must be >= 1" if mt < 1 else f"max_tokens {mt}: above this "
-                           f"server's limit of {cfg.max_tokens}", "max_tokens", "invalid_value")
+        least = 0 if echo else 1  # with echo, max_tokens 0 only scores the prompt
+        if not least <= mt <= cfg.max_tokens:
+            raise APIError(400, f"max_tokens {mt}: must be >= {least}{'' if echo else ' (0 only with echo)'}"
+                           if mt < least else f"max_tokens {mt}: above this server's limit of {cfg.max_tokens}",
+                           "max_tokens", "invalid_value")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > MAX_STOP or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stop):
             raise APIError(400, f"stop: at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters",
                            "stop", "invalid_value")
         return SamplingParams(max_tokens=mt, temperature=float(body.temperature), top_p=float(body.top_p),
-                              stop=tuple(stop), seed=body.seed)
+                              stop=tuple(stop), seed=body.seed, logprobs=logprobs, echo=echo)
 
     def check_prompt(self, eng: Engine, ids: list[int], params: SamplingParams) -> None:
         limit = self.cfg.max_prompt_tokens or eng.max_positions - 1
@@ -228,11 +233,15 @@ class CompletionServing(Serving):
 
     async def __call__(self, body: CompletionRequest, request: Request):
         eng = self.engine()
-        params = self.sampling(body, body.max_tokens)
-        for name, bad in (("echo", body.echo), ("logprobs", body.logprobs is not None),
-                          ("best_of", body.best_of not in (None, 1)), ("suffix", body.suffix is not None)):
+        for name, bad in (("best_of", body.best_of not in (None, 1)), ("suffix", body.suffix is not None)):
             if bad:
                 raise APIError(400, f"{name}: not supported by bdlora serve", name, "unsupported")
+        if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"logprobs {body.logprobs}: must be in [0, {MAX_LOGPROBS}]", "logprobs",
+                           "invalid_value")
+        if body.stream and (body.echo or body.logprobs is not None):
+            raise APIError(400, "echo and logprobs: supported without stream only", "stream", "unsupported")
+        params = self.sampling(body, body.max_tokens, body.logprobs, body.echo)
         p = body.prompt
         prompts = [p] if isinstance(p, str) or (p and all(isinstance(x, int) for x in p)) else list(p)
         if not prompts:
@@ -240,8 +249,6 @@ class CompletionServing(Serving):
         if len(prompts) > self.cfg.max_prompts:
             raise APIError(400, f"prompt: {len(prompts)} prompts, above this server's limit of "
                                 f"{self.cfg.max_prompts} per request", "prompt", "too_many_prompts")
-        if body.stream and len(prompts) > 1:
-            raise APIError(400, "stream: supported for a single prompt only", "stream", "unsupported")
         ids = await asyncio.to_thread(
             lambda: [eng.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in prompts])
         for x in ids:
@@ -254,13 +261,48 @@ class CompletionServing(Serving):
             choices = [] if usage_only else [CompletionChoice(text=text or "", finish_reason=finish)]
             return CompletionResponse(**base, choices=choices)
 
+        def choice(i: int, r: dict) -> CompletionChoice:
+            prompt_text, lp = "", None
+            if body.echo or body.logprobs is not None:
+                prompt_text = prompts[i] if isinstance(prompts[i], str) else eng.tokenizer.decode(ids[i])
+            if body.logprobs is not None:  # offsets count from the start of the choice's text
+                lp = legacy_logprobs(eng.tokenizer, ids[i] if body.echo else [], r["prompt_scores"] or [],
+                                     r["generated"], r["scores"], 0 if body.echo else len(prompt_text))
+            return CompletionChoice(text=(prompt_text if body.echo else "") + r["text"], index=i,
+                                    finish_reason=r["finish_reason"], logprobs=lp)
+
         def whole(results):
-            return CompletionResponse(**base, usage=usage(results), choices=[
-                CompletionChoice(text=r["text"], index=i, finish_reason=r["finish_reason"])
-                for i, r in enumerate(results)])
+            return CompletionResponse(**base, usage=usage(results), choices=[choice(i, r)
+                                                                             for i, r in enumerate(results)])
 
         reqs, queues = self.submit(eng, ids, params, body.stream)
         return await self.respond(reqs, queues, request, body, chunk, whole)
+
+
+def legacy_logprobs(tok, prompt_ids, prompt_scores, generated, scores, offset: int) -> dict:
+    """OpenAI's legacy completions ``logprobs``: ``tokens`` (each token's text), ``token_logprobs``,
+    ``top_logprobs`` ({token text: log-probability} of the top alternatives and the token itself) and
+    ``text_offset`` (character offset of each token in the choice's text: cumulative token lengths, from
+    ``offset``). With echo the prompt's tokens come first; its first token has ``None`` (nothing predicts it)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    rows = [(t, s) for t, s in zip(prompt_ids, prompt_scores)] + list(zip(generated, scores))
+    for token, scored in rows:
+        text = tok.decode([token])
+        out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        if scored is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        _, lp, alts = scored
+        out["token_logprobs"].append(lp)
+        top: dict[str, float] = {}
+        for a, v in alts.items():  # tokens that read the same (e.g. partial bytes) keep the most likely one's value,
+            text = tok.decode([a])  # so max(top.values()) is still the chosen token's when it was the argmax
+            top[text] = max(v, top.get(text, -np.inf))
+        out["top_logprobs"].append(top)
+    return out
 
 
 class ChatServing(Serving):

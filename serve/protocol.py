@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 MAX_STOP = 4
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's legacy API allows 5; vLLM 20)
 MAX_STOP_CHARS = 256  # a stop string is matched against the text each step: bound what a request can make it cost
 # Sampling temperatures in (0, MIN_TEMPERATURE) are refused: they mean "greedy" and should say so with 0.
 MIN_TEMPERATURE = 1e-3

@@ -3,7 +3,12 @@
 
 from __future__ import annotations
 
+import os
 import random
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -21,8 +26,6 @@ def _has_optimum() -> bool:
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``optimum`` need the [optimum] extra (its own CI leg). Without it they skip, unless
     BDLORA_REQUIRE_OPTIMUM=1 (set by that leg): then they run, and a missing extra fails them."""
-    import os
-
     if _has_optimum():
         return
     if os.environ.get("BDLORA_REQUIRE_OPTIMUM") == "1":
@@ -140,3 +143,36 @@ def compressed_student(model, d_values, seed=0, budget=0.4):
     trained = budgeted_student(model, d_values, seed)
     compressed, report = compress_budgeted(trained, BudgetedConfig(svd_max_rank=8), {"budget": budget})
     return trained, compressed, report
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# A real `bdlora serve` process on 127.0.0.1 (test_serve, test_lm_eval)
+# ------------------------------------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(folder, *args, env=None):
+    """``bdlora serve FOLDER ARGS`` on a free port; returns (process, base URL) once /health answers 200."""
+    import httpx
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "bdlora.cli", "serve", str(folder), "--port", str(port), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited: {proc.stdout.read()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("server did not become ready")

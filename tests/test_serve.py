@@ -5,7 +5,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,36 +19,11 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from bdlora.cli import app as cli_app
+from conftest import free_port, start_server
 
 PROMPTS = ["alpha beta", "one two three", "red green", "monday tuesday wednesday", "sigma tau", "five six",
            "white black", "kappa", "nine ten one", "cyan magenta yellow"]
 LONG = 3000  # tokens: long enough that a disconnect or SIGTERM lands mid-generation
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(folder, *args):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "bdlora.cli", "serve", str(folder), "--port", str(port), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited: {proc.stdout.read()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise AssertionError("server did not become ready")
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +68,16 @@ def served_model(tiny_env, tmp_path_factory):
     def greedy_text(prompt: str, n: int) -> str:
         return tok.decode(greedy_ids(tok(prompt)["input_ids"], n), skip_special_tokens=True)
 
+    def log_softmax(ids: list[int]) -> np.ndarray:
+        """(len(ids), V) log-softmax of the graph's logits over ``ids`` in one pass (no cache), in float64."""
+        x = np.array([ids], dtype=np.int64)
+        pasts = [np.zeros((1, kv, 0, hd), dtype=np.float32) for _ in range(2 * model.config.num_hidden_layers)]
+        z = run_decoder(sess, x, np.ones_like(x), np.arange(len(ids), dtype=np.int64)[None], pasts)[0][0]
+        z = z.astype(np.float64) - z.max(-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
     return {"folder": root / "m.onnx", "name": "m.onnx", "greedy_text": greedy_text, "greedy_ids": greedy_ids,
-            "tok": tok}
+            "tok": tok, "log_softmax": log_softmax}
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +158,9 @@ BAD = [
     ({"model": "gpt-4", "prompt": "a"}, 404, "model_not_found"),
     ({"prompt": "a"}, 400, "missing"),
     ({"model": "m.onnx", "prompt": "a", "n": 2}, 400, "unsupported"),
-    ({"model": "m.onnx", "prompt": "a", "logprobs": 3}, 400, "unsupported"),
+    ({"model": "m.onnx", "prompt": "a", "logprobs": 21}, 400, "invalid_value"),
+    ({"model": "m.onnx", "prompt": "a", "logprobs": 1, "stream": True}, 400, "unsupported"),
+    ({"model": "m.onnx", "prompt": "a", "max_tokens": 0}, 400, "invalid_value"),  # 0 only with echo
     ({"model": "m.onnx", "prompt": "a", "temperature": 9}, 400, "less_than_equal"),
     ({"model": "m.onnx", "prompt": "a", "frobnicate": True}, 400, "extra_forbidden"),
     ({"model": "m.onnx", "prompt": ""}, 400, "invalid_value"),
@@ -444,17 +428,27 @@ def _wait_idle(url: str, timeout: float = 30) -> None:
 
 
 def test_an_abandoned_multi_prompt_request_cancels_all_its_sequences(server):
-    """A client that gives up on a non-streaming 40-prompt request frees every slot: the sequences running and the
-    ones still queued are all cancelled, long before max_tokens."""
+    """A client that gives up on a non-streaming 40-prompt request frees every slot: the 8 sequences running and
+    the 32 still queued are all cancelled, long before the first ones could reach max_tokens."""
+    import socket
+    from urllib.parse import urlparse
+
     _wait_idle(server)
     steps0 = metric(server, "bdlora_decode_steps")
     cancelled0 = metric(server, "bdlora_cancelled_sequences_total")
-    body = {"model": "m.onnx", "prompt": ["alpha"] * 40, "max_tokens": LONG, "temperature": 0}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server + "/v1/completions", json=body, timeout=1.5)  # hangs up after 1.5 s
+    body = json.dumps({"model": "m.onnx", "prompt": ["alpha"] * 40, "max_tokens": LONG, "temperature": 0}).encode()
+    u = urlparse(server)
+    with socket.create_connection((u.hostname, u.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.time() + 60
+        while (h := httpx.get(server + "/health").json())["active"] != 8 or h["waiting"] != 32:
+            assert time.time() < deadline, h
+            time.sleep(0.01)
+    # hung up as soon as the batch was full
     _wait_idle(server)
     assert metric(server, "bdlora_cancelled_sequences_total") == cancelled0 + 40
-    assert metric(server, "bdlora_decode_steps") - steps0 < LONG // 2
+    assert metric(server, "bdlora_decode_steps") - steps0 < LONG - 1  # the first 8 never reached max_tokens
 
 
 def test_prompts_per_request_are_capped_and_admitted_as_one_decision(served_model):
@@ -625,17 +619,17 @@ def test_api_key_guards_the_api_and_leaves_health_open(served_model):
 
 
 def _feed(tok, ids, stop=(), stream=True, max_tokens=None):
-    from bdlora.serve.engine import Request, SamplingParams, _Seq
+    from bdlora.serve.sequence import Request, SamplingParams, Sequence
 
     events = []
     params = SamplingParams(max_tokens=max_tokens or len(ids) + 1, temperature=0.0, stop=tuple(stop))
-    seq = _Seq(Request([1], params, lambda kind, p: events.append((kind, p)), stream=stream), tok, None)
+    seq = Sequence(Request([1], params, lambda kind, p: events.append((kind, p)), stream=stream), tok, None)
     for t in ids:
         seq.accept(t)
         if seq.finish:
             break
     if not seq.finish:
-        seq._finish("length")
+        seq.close("length")
     deltas = [p for k, p in events if k == "delta"]
     return deltas, events[-1][1]
 
@@ -673,3 +667,47 @@ def test_incremental_detokenisation_of_any_token_sequence(served_model, ids):
     tok = TextTokenizer(served_model["folder"])
     deltas, done = _feed(tok, ids)
     assert "".join(deltas) == done["text"] == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_logprobs_and_echo_equal_the_graphs_own_log_softmax(server, served_model):
+    """OpenAI's legacy logprobs (what lm-eval's local-completions reads): the prompt's tokens with echo, the
+    generated ones always, each equal to the exported graph's log-softmax run directly (1e-4)."""
+    tok = served_model["tok"]
+    prompt = "one two three four"
+    ids = tok(prompt)["input_ids"]
+    r = httpx.post(server + "/v1/completions", json={"model": "m.onnx", "prompt": prompt, "max_tokens": 5,
+                                                     "temperature": 0, "logprobs": 3, "echo": True}).json()
+    (choice,) = r["choices"]
+    lp = choice["logprobs"]
+    gen = served_model["greedy_ids"](ids, 5)
+    allids = ids + gen
+    ref = served_model["log_softmax"](allids)
+    assert len(lp["tokens"]) == len(allids) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["tokens"] == [tok.decode([t]) for t in allids]
+    np.testing.assert_allclose(lp["token_logprobs"][1:], [ref[j - 1, allids[j]] for j in range(1, len(allids))],
+                               atol=1e-4)
+    for j in range(1, len(allids)):
+        top3 = np.argsort(-ref[j - 1])[:3]
+        cands = {int(t) for t in [*top3, allids[j]]}
+        want: dict[str, float] = {}
+        for t in cands:  # byte tokens of a random model can read the same: the most likely one's value is kept
+            want[tok.decode([t])] = max(ref[j - 1, t], want.get(tok.decode([t]), -np.inf))
+        assert set(lp["top_logprobs"][j]) == set(want)
+        np.testing.assert_allclose([lp["top_logprobs"][j][k] for k in want], list(want.values()), atol=1e-4)
+    for j in range(len(ids), len(allids)):  # greedy: every generated token is its position's most likely
+        assert lp["token_logprobs"][j] == pytest.approx(max(lp["top_logprobs"][j].values()))
+    assert choice["text"] == prompt + tok.decode(gen, skip_special_tokens=True)
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][1] == len(lp["tokens"][0])
+    # max_tokens 0 with echo only scores; token-id prompts, several per request, as lm-eval sends them
+    r = httpx.post(server + "/v1/completions", json={"model": "m.onnx", "prompt": [ids, ids[:3]], "max_tokens": 0,
+                                                     "temperature": 0, "logprobs": 1, "echo": True}).json()
+    assert [len(c["logprobs"]["tokens"]) for c in r["choices"]] == [len(ids), 3]
+    assert r["usage"]["completion_tokens"] == 0
+    np.testing.assert_allclose(r["choices"][0]["logprobs"]["token_logprobs"][1:],
+                               [ref[j - 1, ids[j]] for j in range(1, len(ids))], atol=1e-4)
+    # without echo: only the generated tokens, offsets after the prompt
+    r = httpx.post(server + "/v1/completions", json={"model": "m.onnx", "prompt": prompt, "max_tokens": 3,
+                                                     "temperature": 0, "logprobs": 0}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 3 and lp["text_offset"][0] == len(prompt)
+    assert all(len(t) == 1 for t in lp["top_logprobs"])  # logprobs 0: the token itself only
