@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 from bdlora.errors import ModelError
+from bdlora.export.card import model_card
 from bdlora.io import atomic_dir, write_json, write_text
 from bdlora.runs import ModelDir, check_out_dir
 
@@ -36,49 +37,6 @@ def save_model_folder(model, tokenizer, out: Path, report: dict) -> Path:
         tokenizer.save_pretrained(tmp)
         write_json(tmp / ModelDir.MARKER, report)
     return out
-
-
-def model_card(report: dict) -> str:
-    """README.md of an exported folder: provenance, structure table, MAC figures, validation perplexity."""
-    prov = report.get("provenance", {})
-    n = report["modules_total"]
-    lines = [
-        "---",
-        "library_name: transformers",
-        "tags: [bdlora, budgeted-lora, distillation, low-rank]",
-        "---",
-        "",
-        f"# {prov.get('name', 'bdlora compressed student')}",
-        "",
-        "A Budgeted LoRA student (mixed dense / low-rank projections), exported by "
-        f"bdlora {report.get('bdlora_version', '')}.",
-        "",
-        "| | |",
-        "|---|---|",
-        f"| base teacher | `{prov.get('teacher', '?')}` |",
-        f"| method | {prov.get('method', '?')} |",
-        f"| dense budget F | {prov.get('budget', '-')} |",
-        f"| student layers | {prov.get('student_layers', '?')} "
-        f"(from teacher layers {prov.get('layer_indices', '?')}) |",
-        f"| dense kept / SVD / dropped | {report['dense_kept']}/{n} / {report['dense_svd']}/{n} / "
-        f"{report['dense_dropped']}/{n} |",
-        f"| average LoRA rank kept | {report['avg_lora_rank']:.1f} |",
-        f"| MAC speed-up vs dense (replaced modules) | {report['speedup_vs_dense']:.2f}x |",
-        f"| MAC speed-up vs LoRA (replaced modules) | {report['speedup_vs_lora']:.2f}x |",
-        f"| parameter reduction (replaced modules) | {100 * report['param_reduction']:.1f}% |",
-    ]
-    ev = report.get("eval", {})
-    if ev:
-        lines.append(f"| validation perplexity (uncompressed student) | {ev['student_val_ppl']:.3f} |")
-        lines.append(f"| validation perplexity (this model) | {ev['compressed_val_ppl']:.3f} |")
-    lines += ["", "## Load", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
-              "model = AutoModelForCausalLM.from_pretrained(PATH, trust_remote_code=True)  # or `import bdlora` first",
-              "tokenizer = AutoTokenizer.from_pretrained(PATH)", "```", "", "## Structure", "",
-              "| module | d | case | form | rank | MACs/token |", "|---|---|---|---|---|---|"]
-    for m in report["modules"]:
-        lines.append(f"| {m['name']} | {m['d']:.3f} | {m['case']} | {m['form']} | {m['rank'] or '-'} | "
-                     f"{m['macs_after']:,} |")
-    return "\n".join(lines) + "\n"
 
 
 def export_hf(model_dir: Path, out: Path, force: bool = False) -> Path:

@@ -205,6 +205,17 @@ def test_cli_compress_every_method(tiny_env, tmp_path, method):
     assert hf.exit_code == 0, hf.output
     card = (tmp_path / "share" / "README.md").read_text()
     assert "MAC speed-up vs dense" in card and "validation perplexity" in card
+    from huggingface_hub import ModelCard
+
+    meta = ModelCard.load(tmp_path / "share" / "README.md").data  # what a hub indexes
+    assert meta.library_name == "transformers" and meta.pipeline_tag == "text-generation"
+    assert "bdlora" in meta.tags and meta.base_model is None  # a local teacher path is not a hub id
+    summary = meta.to_dict()["bdlora"]
+    assert summary["method"] == method and summary["speedup_vs_dense"] == report["speedup_vs_dense"]
+    assert summary["dense_dropped"] == report["dense_dropped"]
+    (result,) = meta.eval_results
+    assert result.metric_type == "perplexity"
+    assert result.metric_value == pytest.approx(ev["compressed_val_ppl"], abs=1e-4)
     assert (tmp_path / "share" / "modeling_bdlora.py").exists()
 
 
@@ -226,3 +237,14 @@ def test_cli_compress_bad_input(tiny_env, tmp_path):
     assert r.exit_code == 2 and "gated modules missing" in r.stderr
     r = CliRunner().invoke(app, ["export", "hf", str(tmp_path / "taken"), "--out", str(tmp_path / "o")])
     assert r.exit_code == 2 and "not a bdlora model folder" in r.stderr
+
+
+SMOL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@pytest.mark.parametrize("teacher,expected", [(SMOL, SMOL), ("builtin", None), ("/ckpt/teacher-0.5b", None),
+                                              ("a/b/c", None)])
+def test_model_card_base_model_only_for_hub_ids(teacher, expected):
+    from bdlora.export.card import hub_id
+
+    assert hub_id(teacher) == expected
