@@ -33,6 +33,9 @@ def _silence_progress() -> None:
     from transformers.utils import logging
 
     logging.disable_progress_bar()
+    # 5.x also prints a "load report" table for every missing or unexpected key; the CLI checks the weights itself
+    # and says what is wrong in one line (bdlora.models.check_weights_match)
+    logging.set_verbosity_error()
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -57,8 +60,9 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 
 def quiet_transformers() -> None:
-    """For the CLI, which draws its own progress: transformers' own bars (5.x draws "Loading weights" on every
-    ``from_pretrained``) would interleave with it and with the one-line errors on stderr. Library users keep theirs."""
+    """For the CLI, which draws its own progress and reports problems in one line: transformers' own bars (5.x
+    draws "Loading weights" on every ``from_pretrained``) and warnings would interleave with both on stderr.
+    Library users keep theirs."""
     global _quiet
     _quiet = True
     if _TARGET in sys.modules:

@@ -11,6 +11,7 @@ import torch
 from bdlora.arch import check_architecture
 from bdlora.budgeted.model import FACTORS_FILE, META_FILE, load_budgeted
 from bdlora.errors import ModelError, RunDirError
+from bdlora.integrity import check_model_folder
 from bdlora.runs import RunDir
 
 
@@ -53,6 +54,7 @@ def load_model_folder(model_dir: str | Path):
         raise ModelError(f"{folder.path}: not a model folder (no config.json); pass a `bdlora compress` output or a "
                          "Hugging Face model folder")
     report = folder.report() if folder.finished() else None
+    check_model_folder(folder.path, report)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(str(folder.path), dtype=torch.float32,
                                                            attn_implementation="eager", output_loading_info=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from bdlora.errors import ModelError
 from bdlora.export.card import model_card
+from bdlora.integrity import check_model_folder
 from bdlora.io import atomic_dir, write_json, write_text
 from bdlora.runs import ModelDir, check_out_dir
 
@@ -31,11 +32,13 @@ def register() -> None:
 
 def save_model_folder(model, tokenizer, out: Path, report: dict) -> Path:
     """Write the model folder atomically: an interrupted save leaves no folder that looks complete."""
+    from bdlora.integrity import DIGEST_KEY, digests
+
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         shutil.copy(MODELING_FILE, tmp / MODELING_FILE.name)
         tokenizer.save_pretrained(tmp)
-        write_json(tmp / ModelDir.MARKER, report)
+        write_json(tmp / ModelDir.MARKER, {**report, DIGEST_KEY: digests(tmp)})  # checked by every later reader
     return out
 
 
@@ -47,6 +50,7 @@ def export_hf(model_dir: Path, out: Path, force: bool = False) -> Path:
                          "run `bdlora compress` first)")
     check_out_dir(out, force, (src.path,))
     report = src.report()
+    check_model_folder(src.path, report)  # never publish a damaged folder
     with atomic_dir(out) as tmp:
         for f in sorted(src.path.iterdir()):
             if f.is_file() and not f.name.startswith("."):

@@ -248,3 +248,63 @@ def test_model_card_base_model_only_for_hub_ids(teacher, expected):
     from bdlora.export.card import hub_id
 
     assert hub_id(teacher) == expected
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# A damaged or edited compressed folder is refused by every reader, before anything is written
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def saved_student(tiny_env, tiny_model, tmp_path):
+    from bdlora.export.hf import save_model_folder
+    from conftest import compressed_student
+
+    _, model, report = compressed_student(tiny_model, [0.0, 1.0, 0.3, 0.9], seed=1)
+    return save_model_folder(model, tiny_env["tokenizer"], tmp_path / "m.compressed", report)
+
+
+def _edit_form(folder):  # the case: a dense projection declared low-rank
+    cfg = json.loads((folder / "config.json").read_text())
+    dense = next(k for k, v in cfg["bdlora_modules"].items() if v["form"] == "dense")
+    cfg["bdlora_modules"][dense] = {"form": "lowrank", "rank": 16}
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def _truncate(folder):
+    w = folder / "model.safetensors"
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+
+
+def _flip_a_weight_byte(folder):  # same size, valid header: only the recorded digest can tell
+    w = folder / "model.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-5] ^= 0xFF
+    w.write_bytes(bytes(data))
+
+
+DAMAGE = [
+    (_edit_form, "the weights do not match config.json"),
+    (_truncate, "(truncated or padded)"),
+    (_flip_a_weight_byte, "its SHA-256 differs from the one recorded"),
+    (lambda f: (f / "config.json").write_text("{not json"), "config.json: not valid JSON"),
+    (lambda f: (f / "config.json").write_text("[]"), "not a model config"),
+    (lambda f: (f / "model.safetensors").write_bytes(b"\x00" * 64), "not a valid safetensors file"),
+]
+
+
+@pytest.mark.parametrize("damage,needle", DAMAGE)
+def test_a_damaged_or_edited_folder_is_refused_by_every_reader(saved_student, tmp_path, damage, needle):
+    from bdlora.integrity import DIGEST_KEY
+
+    report = json.loads((saved_student / "compression.json").read_text())
+    assert set(report[DIGEST_KEY]) == {"model.safetensors"}
+    damage(saved_student)
+    for args, out in [(["export", "hf", str(saved_student), "--out", str(tmp_path / "share")], tmp_path / "share"),
+                      (["export", "onnx", str(saved_student), "--out", str(tmp_path / "o")], tmp_path / "o"),
+                      (["eval", str(saved_student), "--ppl", "--json", str(tmp_path / "e.json")], tmp_path / "e.json"),
+                      (["bench", str(saved_student), "--out", str(tmp_path / "b")], tmp_path / "b")]:
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 2, (args[:2], res.output)
+        assert needle in res.stderr and res.stderr.strip().count("\n") == 0, (args[:2], res.stderr)
+        assert not out.exists()  # nothing published or written
