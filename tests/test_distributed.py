@@ -168,3 +168,39 @@ def test_resume_refuses_incompatible_options_and_accepts_compatible_ones(tiny_en
                                    "--keep-last", "1"])
     assert res.exit_code == 0, res.output
     assert json.loads((run / "summary.json").read_text())["resumed_from"] == 2
+
+
+def _unfinished_run(tiny_env, run):
+    """A kd-lora run with checkpoints at steps 2 and 4, turned back into one that can be resumed."""
+    import shutil
+
+    common = ["--method", "kd-lora", "--max-steps", "6", "--save-every", "2", "--keep-last", "3"]
+    assert CliRunner().invoke(app, train_args(tiny_env, run, *common)).exit_code == 0
+    (run / "summary.json").unlink()
+    shutil.rmtree(run / "student")
+    shutil.rmtree(run / "checkpoints" / "step-00000006", ignore_errors=True)
+    return run
+
+
+def test_resume_survives_a_torn_log_line_and_refuses_damaged_run_files_in_one_line(tiny_env, tmp_path):
+    run = _unfinished_run(tiny_env, tmp_path / "run")
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "loss": 1.2')  # a crash mid-append
+    res = CliRunner().invoke(app, ["train", "--resume", str(run)])
+    assert res.exit_code == 0, res.output
+    assert "dropped a partial last line" in res.output
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[-1] == 6  # no duplicate or torn record
+
+    for name, damage, needle in [
+        ("state", lambda r: (r / "checkpoints" / "step-00000004" / "state.json").write_text("{}"),
+         "step-00000004 is corrupt"),
+        ("config", lambda r: (r / "config.json").write_text("{not json"), "config.json: not valid JSON"),
+    ]:
+        run = _unfinished_run(tiny_env, tmp_path / name)
+        damage(run)
+        res = CliRunner().invoke(app, ["train", "--resume", str(run)])
+        if name == "state":  # the damaged newest checkpoint is skipped with a warning; the run resumes from step 2
+            assert res.exit_code == 0 and needle in res.output and "at step 2" in res.output, res.output
+        else:
+            assert res.exit_code == 2 and needle in res.stderr and res.stderr.strip().count("\n") == 0, res.output
