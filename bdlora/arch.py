@@ -26,6 +26,34 @@ def projection_name(layer: int, projection: str) -> str:
     return f"model.layers.{layer}.{block_of(projection)}.{projection}"
 
 
+def max_lora_rank(config) -> tuple[int, str]:
+    """(the largest useful LoRA rank, the projections that bound it): the smallest ``min(in, out)`` over the seven
+    projections; a rank above a projection's own rank adds compute and parameters and nothing else. ``config``
+    is a transformers config or its dict."""
+    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    h, inter, heads = int(get("hidden_size")), int(get("intermediate_size")), int(get("num_attention_heads"))
+    head_dim = int(get("head_dim", None) or h // heads)
+    kv = int(get("num_key_value_heads", None) or heads)
+    dims = {"q_proj/o_proj": min(h, heads * head_dim), "k_proj/v_proj": min(h, kv * head_dim),
+            "gate_proj/up_proj/down_proj": min(h, inter)}
+    name = min(dims, key=dims.get)
+    return dims[name], name
+
+
+def check_lora_rank(rank: int | None, config, defaulted: bool = False) -> int | None:
+    """``rank`` if it is at most ``max_lora_rank(config)``; a defaulted rank is lowered to it, an explicit one
+    above it is a one-line error naming the bound."""
+    from bdlora.errors import UsageError
+
+    bound, where = max_lora_rank(config)
+    if rank is None or rank <= bound:
+        return rank
+    if defaulted:
+        return bound
+    raise UsageError(f"--lora-rank {rank}: above this model's largest useful rank {bound} (min(in, out) of "
+                     f"{where}); use at most {bound}")
+
+
 def is_projection(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in PROJECTIONS
 

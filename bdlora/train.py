@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from bdlora import SCHEMA_VERSION, __version__
 from bdlora import distributed as D
+from bdlora.arch import check_lora_rank
 from bdlora.checkpoint import (
     StopRequest,
     latest_checkpoint,
@@ -39,8 +40,7 @@ from bdlora.runs import RunDir
 from bdlora.student import build_student, check_same_vocabulary
 from bdlora.teacher import load_teacher
 
-# Options that may differ when a run is resumed: they change where/how often things are written or measured, never
-# the trajectory of the weights. Every other option is fixed by the run's config.json.
+# Options a resumed run may change (where/how often it writes or measures, never the weights); the rest are fixed
 RESUME_MUTABLE = ("save_every", "keep_last", "eval_every", "device", "measure_step_time", "cache_dir")
 BETAS = (0.9, 0.95)
 
@@ -104,16 +104,16 @@ def prepare(cfg: TrainConfig, reporter: Reporter = SILENT) -> Session:
 def _resolve_sizes(cfg: TrainConfig, teacher) -> TrainConfig:
     """Student depth, sequence length (capped by the model's positions when defaulted), steps from --tokens and
     the held-out fraction, each checked against the teacher."""
-    n_teacher = teacher.config.num_hidden_layers
-    if cfg.student_layers is None:
-        cfg.student_layers = max(1, math.ceil(n_teacher / 2))
+    n_teacher, defaulted = teacher.config.num_hidden_layers, cfg.extra.get("defaulted", ())
+    cfg.student_layers = max(1, math.ceil(n_teacher / 2)) if cfg.student_layers is None else cfg.student_layers
     if cfg.student_layers > n_teacher:
         raise UsageError(f"--student-layers {cfg.student_layers}: must be between 1 and the teacher's {n_teacher}")
     max_pos = getattr(teacher.config, "max_position_embeddings", None)
     if max_pos is not None and cfg.seq_len > max_pos:
-        if "seq_len" not in cfg.extra.get("defaulted", ()):
+        if "seq_len" not in defaulted:
             raise UsageError(f"--seq-len {cfg.seq_len}: above the model's max_position_embeddings ({max_pos})")
         cfg.seq_len = max_pos
+    cfg.lora_rank = check_lora_rank(cfg.lora_rank, teacher.config, "lora_rank" in defaulted)
     if cfg.tokens is not None:
         cfg.max_steps = max(1, cfg.tokens // (cfg.batch_size * cfg.grad_accum * cfg.seq_len))
     if cfg.heldout_fraction is None:

@@ -133,3 +133,19 @@ def test_bad_yaml(tiny_env, tmp_path):
     y.write_text("not_an_option: 3\n")
     res = _run([*train_args(tiny_env, tmp_path / "run"), "--config", str(y)])
     assert res.exit_code == 2 and "unknown option(s) not_an_option" in res.output
+
+
+def test_lora_rank_is_bounded_by_the_model(tiny_env, tmp_path):
+    """The tiny teacher's narrowest projections are k/v (hidden 32 -> 2 KV heads x head_dim 8 = 16)."""
+    from bdlora.arch import max_lora_rank
+    from bdlora.models import load_model_folder
+
+    model, _, _ = load_model_folder(tiny_env["teacher"])
+    assert max_lora_rank(model.config) == (16, "k_proj/v_proj")
+    res = CliRunner().invoke(app, train_args(tiny_env, tmp_path / "r", "--lora-rank", "100000"))
+    assert res.exit_code == 2 and "--lora-rank 100000: above this model's largest useful rank 16" in res.stderr
+    assert not (tmp_path / "r").exists()
+    res = CliRunner().invoke(app, ["plan", "--model-config", str(tiny_env["teacher"]), "--lora-rank", "99999999999"])
+    assert res.exit_code == 2 and "largest useful rank 16" in res.stderr
+    res = CliRunner().invoke(app, ["plan", "--model-config", str(tiny_env["teacher"]), "--lora-rank", "16", "--json"])
+    assert res.exit_code == 0, res.output

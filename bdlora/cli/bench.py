@@ -40,6 +40,8 @@ def bench(
 
     opts["batch_sizes"] = int_list(opts["batch_sizes"], "--batch-sizes")
     opts["seq_lens"] = int_list(opts["seq_lens"], "--seq-lens")
+    from bdlora.arch import check_lora_rank
+
     cfg = BenchConfig(**opts).validate()
     if json_path:
         check_out_file(json_path)
@@ -49,8 +51,9 @@ def bench(
 
         if budget is None:
             raise UsageError("--model-config needs --budget F (the structure to bench)")
-        rank = lora_rank or 128
-        model, report = synthetic_model(read_model_config(model_config), budget, layers, rank)
+        config = read_model_config(model_config)
+        rank = check_lora_rank(lora_rank or 128, config, defaulted=lora_rank is None)
+        model, report = synthetic_model(config, budget, layers, rank)
         dst, inputs = Path(out_dir) if out_dir else Path(runs_dir) / f"bench-synthetic-F{budget}", ()
     else:
         from bdlora.models import load_model_folder
@@ -60,8 +63,8 @@ def bench(
             raise ModelError(f"{src.path}: no compression.json; bench needs a `bdlora compress` output (or use "
                              "--model-config for synthetic mode)")
         model, _, report = load_model_folder(src.path)
-        rank = lora_rank or max(1, round(report["lora_macs"] / max(1, sum(
-            m["in_features"] + m["out_features"] for m in report["modules"]))))
+        rank = check_lora_rank(lora_rank or max(1, round(report["lora_macs"] / max(1, sum(
+            m["in_features"] + m["out_features"] for m in report["modules"])))), model.config, lora_rank is None)
         dst, inputs = (Path(out_dir) if out_dir else src.bench_out()), (src.path,)
     check_out_dir(dst, force, inputs)
     doc = run_bench(model, rank, cfg, dst, report, reporter=RichReporter(out))

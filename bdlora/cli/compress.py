@@ -26,11 +26,13 @@ def plan(
 ):
     """Predict what `compress` would produce for a budget F from a model config alone: per-module case and rank,
     MAC speed-ups vs dense and vs LoRA, parameter reduction and the training-compute proxy."""
+    from bdlora.arch import check_lora_rank
     from bdlora.plan import plan as run_plan
     from bdlora.plan import read_model_config
 
-    opts["rank"] = opts.pop("lora_rank")
-    report = run_plan(read_model_config(model_config), BudgetedConfig(**opts), layers=layers, steps=steps)
+    config = read_model_config(model_config)
+    opts["rank"] = check_lora_rank(opts.pop("lora_rank"), config)
+    report = run_plan(config, BudgetedConfig(**opts), layers=layers, steps=steps)
     if json_out:
         print(json.dumps(report, indent=2))
         return
