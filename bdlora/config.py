@@ -171,7 +171,29 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     unknown = sorted(set(data) - set(OPTION_NAMES))
     if unknown:
         raise ConfigError([f"--config {path}: unknown option(s) {', '.join(unknown)}"])
+    wrong = [f"{k}: {v!r} is not {_TYPE_WORDS[t]}" for k, v in data.items()
+             if v is not None and (t := _yaml_type(k)) is not None and not _is(v, t)]
+    if wrong:
+        raise ConfigError([f"--config {path}: {'; '.join(wrong)} (YAML values get the same checks as the flags)"])
     return data
+
+
+_TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _yaml_type(name: str):
+    """The scalar type of a TrainConfig field (None for lists and anything else YAML may spell freely)."""
+    import typing
+
+    tp = typing.get_type_hints(TrainConfig).get(name)
+    args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+    return args[0] if args[0] in _TYPE_WORDS else None
+
+
+def _is(v, t) -> bool:
+    if t is float:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return isinstance(v, t) and (t is bool or not isinstance(v, bool))
 
 
 def merge(yaml_values: dict[str, Any], cli_values: dict[str, Any]) -> TrainConfig:

@@ -154,8 +154,11 @@ class RunDir(Artefact):
         """``out`` (refused when it holds anything), or ``runs_dir/<time>-<method>`` (never an existing folder)."""
         if out:
             path = Path(out)
-            if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            if path.exists() and not path.is_dir():
+                raise UsageError(f"--out {path}: is a file, not a folder (choose a new directory)")
+            if path.exists() and any(path.iterdir()):
                 raise UsageError(f"--out {path}: exists and is not empty (choose a new directory or --resume it)")
+            _check_creatable(path, "--out")
             return RunDir(path)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         path = Path(runs_dir) / f"{stamp}-{method}"
@@ -233,8 +236,11 @@ class SweepDir(Artefact):
     def new(runs_dir: str | os.PathLike = RUNS_DIR, out: str | os.PathLike | None = None) -> SweepDir:
         if out:
             p = Path(out)
-            if p.exists() and (not p.is_dir() or any(p.iterdir())):
+            if p.exists() and not p.is_dir():
+                raise UsageError(f"--out {p}: is a file, not a folder (choose a new folder)")
+            if p.exists() and any(p.iterdir()):
                 raise UsageError(f"--out {p}: exists and is not empty (choose a new folder, or --resume it)")
+            _check_creatable(p, "--out")
             return SweepDir(p)
         return SweepDir(Path(runs_dir) / f"sweep-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
 
@@ -291,7 +297,7 @@ def check_out_file(path: str | os.PathLike, what: str = "--json") -> None:
 def _check_creatable(path: Path, what: str) -> None:
     """The nearest existing ancestor must be a writable folder (and a real one: /proc accepts no new files)."""
     parent = path.resolve().parent
-    while not parent.exists():
+    while not parent.exists() and not parent.is_symlink():
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK) or str(parent).startswith(("/proc", "/sys")):
         raise UsageError(f"{what} {path}: cannot create it ({parent} is not a writable folder)")

@@ -37,6 +37,10 @@ def _assert_usage_error(res, needle, out):
     (["--retention-ema", "1"], "--retention-ema 1.0: must be in [0, 1)"),
     (["--device", "tpu"], "--device 'tpu': unknown (allowed: auto, cpu, cuda)"),
     (["--nproc", "0"], "--nproc 0: must be a positive integer"),
+    (["--weight-decay", "nan"], "--weight-decay nan: must be >= 0"),
+    (["--weight-decay", "-1"], "--weight-decay -1.0: must be >= 0"),
+    (["--seq-len", "1"], "--seq-len 1: must be >= 2"),
+    (["--lora-rank", "100000"], "--lora-rank 100000: above this model's largest useful rank 16"),
 ])
 def test_bad_options(tiny_env, tmp_path, extra, needle):
     out = tmp_path / "run"
@@ -149,3 +153,29 @@ def test_lora_rank_is_bounded_by_the_model(tiny_env, tmp_path):
     assert res.exit_code == 2 and "largest useful rank 16" in res.stderr
     res = CliRunner().invoke(app, ["plan", "--model-config", str(tiny_env["teacher"]), "--lora-rank", "16", "--json"])
     assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize("yaml_text,needle", [
+    ('budget: "0.4"\n', "budget"),  # a string where a number belongs: the same type checks as the flag
+    ("batch_size: true\n", "batch_size"),
+    ("grad_clip: .nan\n", "grad"),
+])
+def test_yaml_values_get_the_flags_checks(tiny_env, tmp_path, yaml_text, needle):
+    y = tmp_path / "c.yaml"
+    y.write_text(yaml_text)
+    out = tmp_path / "run"
+    _assert_usage_error(_run([*train_args(tiny_env, out), "--config", str(y)]), needle, out)
+
+
+@pytest.mark.parametrize("make_out,needle", [
+    (lambda t: "/proc/x", "--out /proc/x: cannot create it (/proc is not a writable folder)"),
+    (lambda t: str(t / "afile" / "sub"), "afile is not a writable folder"),
+    (lambda t: str(t / "afile"), "is a file, not a folder"),
+])
+def test_unusable_out_is_one_line_before_any_work(tiny_env, tmp_path, make_out, needle):
+    (tmp_path / "afile").write_text("mine")
+    out = make_out(tmp_path)
+    res = _run([*train_args(tiny_env, tmp_path / "unused"), "--out", out])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert needle in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert (tmp_path / "afile").read_text() == "mine"
