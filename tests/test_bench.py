@@ -94,6 +94,7 @@ def test_cli_bench_synthetic_and_bad_input(tmp_path, tiny_model, tiny_env):
     assert doc["mac_ratio_modules_vs_lora"] == pytest.approx(p["speedup_vs_lora"])
     for bad, needle in [(["--provider", "tpu"], "--provider 'tpu': unknown (allowed: cpu, cuda)"),
                         (["--provider", "cuda"], "--provider cuda: onnxruntime here has"),
+                        (["--provider", "cuda"], "the [gpu] extra"),  # brackets survive the console's markup
                         (["--repeats", "0"], "--repeats 0: must be a positive integer"),
                         (["--threads", "100000"], "--threads 100000: must be in [1, "),
                         (["--batch-sizes", ""], "--batch-sizes '': empty list"),

@@ -10,6 +10,7 @@ import sys
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from bdlora._registration import quiet_transformers
 from bdlora.errors import BdloraError
@@ -28,7 +29,7 @@ err = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)  # "[gpu]" is text, not markup
     return typer.Exit(code)
 
 
