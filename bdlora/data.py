@@ -140,8 +140,13 @@ class Corpus:
 
 
 def _jsonl_documents(path: Path, rel: str) -> Iterator[Document]:
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh):
+    with open(path, "rb") as fh:  # decoded line by line so a bad byte is reported with its line number
+        for lineno, raw in enumerate(fh):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"--data {path}:{lineno + 1}: not UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                                f"{e.start + 1}); JSONL corpora must be UTF-8 encoded") from None
             if not line.strip():
                 continue
             try:
@@ -155,14 +160,28 @@ def _jsonl_documents(path: Path, rel: str) -> Iterator[Document]:
 
 
 def _parquet_documents(path: Path, rel: str) -> Iterator[Document]:
+    import pyarrow
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(path)
+    def unreadable(e: Exception) -> DataError:
+        return DataError(f"--data {path}: not a readable parquet file ({str(e).splitlines()[0][:120]})")
+
+    try:
+        pf = pq.ParquetFile(path)
+    except (pyarrow.ArrowException, OSError) as e:
+        raise unreadable(e) from None
     if "text" not in pf.schema_arrow.names:
         raise DataError(f"--data {path}: parquet file has no 'text' column (columns: {pf.schema_arrow.names})")
     has_id = "id" in pf.schema_arrow.names
+    batches = pf.iter_batches(batch_size=1024, columns=["text", "id"] if has_id else ["text"])
     row = 0
-    for batch in pf.iter_batches(batch_size=1024, columns=["text", "id"] if has_id else ["text"]):
+    while True:
+        try:  # a valid footer over damaged pages fails only here
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (pyarrow.ArrowException, OSError) as e:
+            raise unreadable(e) from None
         texts = batch.column("text").to_pylist()
         ids = batch.column("id").to_pylist() if has_id else [None] * len(texts)
         for text, doc_id in zip(texts, ids):
@@ -174,7 +193,11 @@ def _parquet_documents(path: Path, rel: str) -> Iterator[Document]:
 def _saved_dataset_documents(path: Path) -> Iterator[Document]:
     import datasets
 
-    ds = datasets.load_from_disk(str(path))
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:  # noqa: BLE001 - datasets raises many types for a damaged folder; all mean "unreadable"
+        raise DataError(f"--data {path}: not a readable datasets.save_to_disk folder "
+                        f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})") from None
     splits = list(ds.items()) if isinstance(ds, datasets.DatasetDict) else [("", ds)]
     for split, d in splits:
         if "text" not in d.column_names:
