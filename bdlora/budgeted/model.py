@@ -55,10 +55,25 @@ def save_budgeted(gated: dict[str, GatedLoRALinear], cfg: BudgetedConfig, out_di
                     for n, m in gated.items()]})
 
 
+def read_meta(path: Path) -> dict:
+    """``budgeted.json``, checked: a JSON object with a positive integer rank and a positive alpha."""
+    try:
+        meta = read_json(path)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ModelError(f"{path}: not valid JSON ({type(e).__name__}); the run is damaged") from None
+    ok = (isinstance(meta, dict) and isinstance(meta.get("rank"), int) and not isinstance(meta["rank"], bool)
+          and meta["rank"] > 0 and isinstance(meta.get("alpha"), (int, float)) and meta["alpha"] > 0
+          and isinstance(meta.get("gate_init", 0.0), (int, float)))
+    if not ok:
+        raise ModelError(f"{path}: not a budgeted-module description (needs a positive integer rank and a positive "
+                         "alpha); the run is damaged")
+    return meta
+
+
 def load_budgeted(student_dir: Path, model: nn.Module) -> nn.Module:
     """Re-wrap a dense student with gated modules and load the saved factors, gates and retentions; every module
     must be present with its declared shape."""
-    meta = read_json(student_dir / META_FILE)
+    meta = read_meta(student_dir / META_FILE)
     apply_budgeted_lora(model, meta["rank"], meta["alpha"], meta.get("gate_init", DEFAULTS.gate_init))
     tensors = load_tensors(student_dir / FACTORS_FILE)
     gated = gated_modules(model)
