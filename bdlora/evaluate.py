@@ -15,11 +15,20 @@ import numpy as np
 from bdlora import SCHEMA_VERSION, __version__
 from bdlora.config import BUILTIN, BUILTIN_DEFAULTS, REAL_DEFAULTS
 from bdlora.data import Corpus, PackedBlocks, tokenize_corpus
-from bdlora.errors import Checks, ModelError
+from bdlora.errors import Checks, ModelError, UsageError
 from bdlora.icl import TASKS, corpus_word_list, is_correct, summarise, task_examples
 from bdlora.reporter import SILENT, Reporter
 from bdlora.runs import ModelDir, OnnxDir, RunDir, source_run
-from bdlora.runtime import DecoderShape, empty_past, left_padded, log_normaliser, run_decoder, score_blocks, session
+from bdlora.runtime import (
+    DecoderShape,
+    check_onnx_dir,
+    empty_past,
+    left_padded,
+    log_normaliser,
+    run_decoder,
+    score_blocks,
+    session,
+)
 from bdlora.tokenizer import TextTokenizer
 
 
@@ -228,10 +237,11 @@ def _onnx_target(path: Path, onnx_file: str, run_cfg: dict | None):
     """The graph under onnxruntime with the folder's tokenizer read by ``TextTokenizer``: no torch involved."""
     f = (path / onnx_file).resolve()
     if path.resolve() not in f.parents:
-        raise ModelError(f"--onnx-file {onnx_file}: must be a file inside {path}")
+        raise UsageError(f"--onnx-file {onnx_file}: must name a graph inside {path}")
     if not f.is_file():
         found = ", ".join(sorted(p.name for p in path.glob("*.onnx"))) or "none"
         raise ModelError(f"{path}: no {onnx_file} (ONNX files there: {found})")
+    check_onnx_dir(path, onnx_file)  # config and tokenizer load, before any work
     try:
         config = json.loads((path / "config.json").read_text())
         sess = session(f)

@@ -30,7 +30,13 @@ class DecoderShape:
     @classmethod
     def of(cls, config) -> DecoderShape:
         """From a transformers config object or a config.json mapping."""
+        if isinstance(config, list | str | int | float | None):
+            raise ValueError("not a model config (a JSON object with the decoder's sizes)")
         get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+        need = ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size")
+        missing = [k for k in need if get(k) is None]
+        if missing:
+            raise ValueError(f"no {', '.join(missing)}")
         heads = int(get("num_attention_heads"))
         hidden = int(get("hidden_size"))
         return cls(layers=int(get("num_hidden_layers")), heads=heads,
@@ -142,3 +148,27 @@ def score_blocks(sess, shape: DecoderShape, blocks, batch_size: int = 8) -> tupl
         count += tgt.size
         preds.append(logits.argmax(-1).reshape(-1))
     return total / count, np.concatenate(preds)
+
+
+def check_onnx_dir(path: Path, onnx_file: str) -> None:
+    """Fail fast (before a server listens or an evaluation starts) on an ONNX folder that cannot be used: missing
+    files, a graph path outside the folder, a config or tokenizer that does not load. The graph itself is loaded by
+    the caller (the server in the background, exiting non-zero if that fails)."""
+    from bdlora.errors import ModelError, UsageError
+    from bdlora.tokenizer import TextTokenizer
+
+    if not path.is_dir():
+        raise ModelError(f"{path}: no such folder (pass a `bdlora export onnx` output)")
+    if not (path / onnx_file).resolve().is_relative_to(path.resolve()):
+        raise UsageError(f"--onnx-file {onnx_file}: must name a graph inside {path}")
+    for need in (onnx_file, "config.json"):
+        if not (path / need).is_file():
+            raise ModelError(f"{path}: no {need} (pass a `bdlora export onnx` output)")
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise ModelError(f"{path}: no tokenizer files")
+    for what, load in (("config.json", DecoderShape.from_folder), ("tokenizer", TextTokenizer)):
+        try:
+            load(path)
+        except Exception as e:  # noqa: BLE001  json, KeyError, tokenizers' own errors: one line either way
+            raise ModelError(f"{path}: its {what} does not load ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''})") from None

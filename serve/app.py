@@ -239,31 +239,6 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status)
 
 
-def check_onnx_dir(path: Path, onnx_file: str) -> None:
-    """Fail fast (before the server listens) on a folder that cannot be served: missing files, a graph path
-    outside the folder, a config or tokenizer that does not load. The graph itself loads in the background; if
-    that fails the server exits non-zero (see ``create_app``'s ``on_fatal``)."""
-    from bdlora.errors import ModelError, UsageError
-    from bdlora.runtime import DecoderShape
-    from bdlora.tokenizer import TextTokenizer
-
-    if not path.is_dir():
-        raise ModelError(f"{path}: no such folder (pass a `bdlora export onnx` output)")
-    if not (path / onnx_file).resolve().is_relative_to(path.resolve()):
-        raise UsageError(f"--onnx-file {onnx_file}: must name a graph inside {path}")
-    for need in (onnx_file, "config.json"):
-        if not (path / need).is_file():
-            raise ModelError(f"{path}: no {need} (pass a `bdlora export onnx` output)")
-    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
-        raise ModelError(f"{path}: no tokenizer files")
-    for what, load in (("config.json", DecoderShape.from_folder), ("tokenizer", TextTokenizer)):
-        try:
-            load(path)
-        except Exception as e:  # noqa: BLE001  json, KeyError, tokenizers' own errors: one line either way
-            raise ModelError(f"{path}: its {what} does not load ({type(e).__name__}: "
-                             f"{str(e).splitlines()[0] if str(e) else ''})") from None
-
-
 def serve(cfg: ServeConfig, host: str = "127.0.0.1", port: int = 8000, drain_seconds: int = 30,
           log_level: str = "info") -> None:
     """Run the server until SIGINT/SIGTERM; on either, stop accepting, finish in-flight requests (up to
@@ -273,6 +248,7 @@ def serve(cfg: ServeConfig, host: str = "127.0.0.1", port: int = 8000, drain_sec
     import uvicorn
 
     from bdlora.errors import BdloraError
+    from bdlora.runtime import check_onnx_dir
 
     check_onnx_dir(Path(cfg.onnx_dir), cfg.onnx_file)
     fatal: list[str] = []
@@ -298,4 +274,4 @@ def serve(cfg: ServeConfig, host: str = "127.0.0.1", port: int = 8000, drain_sec
         raise BdloraError(fatal[0])
 
 
-__all__ = ["APIError", "ServeConfig", "create_app", "serve", "check_onnx_dir"]
+__all__ = ["APIError", "ServeConfig", "create_app", "serve"]

@@ -30,7 +30,7 @@ def serve(
     /v1/models, /health, /metrics)."""
     from bdlora.errors import Checks
     from bdlora.runs import OnnxDir
-    from bdlora.serve.app import check_onnx_dir
+    from bdlora.runtime import check_onnx_dir
     from bdlora.serve.app import serve as run_server
 
     c = Checks()
@@ -76,6 +76,7 @@ def loadtest(
         c.integer("concurrency", v, lo=1)
     c.integer("requests", requests, lo=1)
     c.integer("max_tokens", max_tokens, lo=1)
+    c.number("temperature", temperature, 0.0, 2.0)  # the server's own range (OpenAI's)
     c.done()
     if json_path:
         check_out_file(json_path)
