@@ -12,6 +12,8 @@ than one chunk (the head is recomputed in backward: one extra (chunk, H) x (H, V
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -75,6 +77,29 @@ class DistillationLoss(nn.Module):
         ce = sums[1] / n
         loss = self.kd_weight * kd + (1 - self.kd_weight) * ce
         return loss, {"kd": float(kd.detach()), "ce": float(ce.detach()), "positions": n}
+
+
+def warmup_cosine(total_steps: int):
+    """LR multiplier: linear warm-up over 3% of steps (capped at 2000), then cosine to 0 (SPEC 3)."""
+    warmup = max(1, min(2000, round(0.03 * total_steps)))
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        p = (step - warmup) / max(1, total_steps - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, p)))
+
+    return f
+
+
+def diverged(loss: float, step: int, start_step: int, lr: float) -> str:
+    """The message of a non-finite loss. Before this launch's first update the learning rate cannot be the cause:
+    the teacher's or the student's forward already produces inf/NaN."""
+    if step == start_step:
+        where = "before any update" if step == 0 else f"at step {step + 1}, the first after resuming"
+        return (f"loss is {loss} {where}: the teacher or student forward produces non-finite values (check the "
+                "--teacher / --student-init weights and the data)")
+    return f"loss became {loss} at step {step + 1}; lower --lr (now {lr})"
 
 
 def autocast(device: torch.device):

@@ -90,6 +90,9 @@ class Artefact:
         return max(found, key=lambda a: (a.path / a.MARKER).stat().st_mtime)
 
 
+FAILED = "failed.json"  # in a run folder whose training failed after a checkpoint
+
+
 class RunDir(Artefact):
     """``bdlora train``'s run directory: config.json, metrics.jsonl, controller.jsonl (budgeted), checkpoints/,
     student/ and, written last, summary.json."""
@@ -121,8 +124,8 @@ class RunDir(Artefact):
             return False
         try:
             doc = read_json(f)
-        except (ValueError, UnicodeDecodeError, OSError):
-            return not (self.path / "model.safetensors").exists()  # damaged; config() will say so
+        except (ValueError, UnicodeDecodeError, OSError):  # damaged: a run only if it has a run's other files
+            return any(p.exists() for p in (self.metrics_log, self.checkpoints_dir, self.student_dir))
         return isinstance(doc, dict) and "config" in doc and "model_type" not in doc
 
     def finished(self) -> bool:
@@ -140,6 +143,22 @@ class RunDir(Artefact):
 
     def compressed(self) -> Path:
         return self.sibling(COMPRESSED)
+
+    def settle_failure(self, error: BaseException, step: int) -> str:
+        """After training failed (not an interrupt): a run with no checkpoint has nothing to continue from, so its
+        folder is removed and ``--out`` can be reused; otherwise ``failed.json`` marks it (a ``--resume`` from its
+        last checkpoint removes the mark). Returns what was done, for the error message."""
+        import shutil
+
+        from bdlora.io import write_json
+
+        if not self.path.is_dir():
+            return ""
+        if not any(self.checkpoints_dir.glob("step-*")):
+            shutil.rmtree(self.path, ignore_errors=True)
+            return f"{self.path} removed (no checkpoint to continue from)"
+        write_json(self.path / FAILED, {"error": str(error), "step": step, "time": datetime.now().isoformat()})
+        return f"{self.path} kept with its checkpoints and marked failed ({FAILED})"
 
     def require_resumable(self) -> None:
         if not self.path.is_dir():

@@ -30,13 +30,13 @@ from bdlora.checkpoint import (
 )
 from bdlora.config import BUILTIN, TrainConfig, resolve_defaults, resolve_path
 from bdlora.data import BlockSampler, Corpus, PackedBlocks, tokenize_corpus
-from bdlora.distill import DistillationLoss, kd_step
+from bdlora.distill import DistillationLoss, diverged, kd_step, warmup_cosine
 from bdlora.errors import DataError, ModelError, RunDirError, TrainingError, UsageError
 from bdlora.io import atomic_dir, write_json
 from bdlora.methods import METHOD_CLASSES, TrainingMethod
 from bdlora.perplexity import perplexity
 from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import RunDir
+from bdlora.runs import FAILED, RunDir
 from bdlora.student import build_student, check_same_vocabulary
 from bdlora.teacher import load_teacher
 
@@ -180,6 +180,7 @@ class Run:
     reporter: Reporter
     run: RunDir | None = None
     start_step: int = 0
+    step: int = 0  # optimiser steps done so far (for a failure report)
     prior_seconds: float = 0.0
     figures: dict = dataclasses.field(default_factory=dict)  # teacher / initial / latest student val ppl
     t0: float = 0.0  # wall clock of this process's first and last step
@@ -193,19 +194,6 @@ class Run:
     @property
     def global_batch(self) -> int:
         return self.cfg.batch_size * self.cfg.grad_accum * self.env.world_size
-
-
-def warmup_cosine(total_steps: int):
-    """LR multiplier: linear warm-up over 3% of steps (capped at 2000), then cosine to 0 (SPEC 3)."""
-    warmup = max(1, min(2000, round(0.03 * total_steps)))
-
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        p = (step - warmup) / max(1, total_steps - warmup)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, p)))
-
-    return f
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -232,7 +220,11 @@ def train(cfg: TrainConfig, reporter: Reporter | None = None, resume: str | Path
     dist_device = D.init(env, cfg.device)
     try:
         run = setup(cfg, rep, run_dir, env, dist_device)
-        loop(run)
+        try:
+            loop(run)
+        except TrainingError as e:  # a diverged or inconsistent run: nothing half-written may block --out
+            done = run.run.settle_failure(e, run.step) if env.is_main else ""
+            raise TrainingError(f"{e}; {done}" if done else str(e)) from None
         return finish(run)
     finally:
         D.shutdown(env)
@@ -282,6 +274,7 @@ def _resume(run: Run, run_dir: RunDir) -> None:
     state = load_checkpoint(ckpt, run.model, run.optimizer, run.scheduler, run.method)
     run.start_step, run.prior_seconds = state["step"], state.get("train_seconds", 0.0)
     if run.env.is_main:
+        (run_dir.path / FAILED).unlink(missing_ok=True)
         logs = [run_dir.metrics_log] + ([run_dir.path / run.method.log_name] if run.method.log_name else [])
         for log in logs:
             truncate_jsonl(log, run.start_step, on_warning=run.reporter.stage)
@@ -306,6 +299,7 @@ def loop(run: Run) -> None:
     stop = StopRequest()
     try:
         for step in range(run.start_step, cfg.max_steps):
+            run.step = step
             m = _optimiser_step(run, step, logs)
             stopping = D.any_rank(env, stop.requested is not None)
             done = m["step"]
@@ -349,7 +343,7 @@ def _optimiser_step(run: Run, step: int, logs: dict) -> dict:
         with (contextlib.nullcontext() if sync else run.ddp.no_sync()):
             loss, parts = kd_step(run.model, run.sess.teacher, run.loss_fn, x, run.device, run.ddp)
             if not torch.isfinite(loss.detach()):
-                raise TrainingError(f"loss became {float(loss)} at step {step + 1}; lower --lr (now {cfg.lr})")
+                raise TrainingError(diverged(float(loss.detach()), step, run.start_step, cfg.lr))
             (loss / cfg.grad_accum).backward()
         for i, v in enumerate((float(loss.detach()), parts["kd"], parts["ce"])):
             sums[i] += v / cfg.grad_accum
