@@ -11,13 +11,39 @@ import sys
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperGroup
 
 from bdlora._registration import quiet_transformers
 from bdlora.errors import BdloraError
 
 quiet_transformers()  # the CLI draws its own progress; stderr carries only its one-line errors
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+class OneLineErrors(TyperGroup):
+    """Usage errors the option parser finds (an unknown option, ``--max-steps abc``) follow the same contract as
+    ours: one line on stderr naming the bad value, exit 2; typer would draw a multi-line box. Click's exception
+    classes are matched by their interface (``format_message``, ``exit_code``): typer vendors click in some
+    versions and depends on it in others."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except Exception as e:  # noqa: BLE001 - re-raised unless it is one of click's usage errors
+            if type(e).__name__ == "NoArgsIsHelpError":
+                out.print(e.ctx.get_help())
+                sys.exit(2)
+            if type(e).__name__ == "Abort":
+                sys.exit(1)
+            if not (hasattr(e, "format_message") and isinstance(getattr(e, "exit_code", None), int)):
+                raise
+            ctx = getattr(e, "ctx", None)
+            hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+            raise SystemExit(fail(f"{e.format_message()}{hint}", e.exit_code).exit_code) from None
+        sys.exit(code if isinstance(code, int) else 0)  # commands return None; an int is an Exit's code
+
+
+app = typer.Typer(cls=OneLineErrors, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Budgeted LoRA: distil a causal LM into a mixed dense/low-rank student that is faster.")
 export_app = typer.Typer(no_args_is_help=True, help="Export a compressed model (hf: a shareable HF folder; onnx: a "
                                                     "validated ONNX decoder).")
@@ -42,7 +68,7 @@ def command(target: typer.Typer = app, name: str | None = None, options=()):
         @functools.wraps(fn)
         def wrapper(**kwargs):
             try:
-                return fn(**kwargs)
+                fn(**kwargs)  # returns nothing: an int from the app means an exit code (OneLineErrors)
             except BdloraError as e:
                 raise fail(str(e), e.exit_code) from None
             except KeyboardInterrupt as e:

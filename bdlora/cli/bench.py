@@ -32,6 +32,7 @@ def bench(
 ):
     """Time the compressed model against its dense and LoRA forms under onnxruntime (replaced modules and whole
     model, prefill and decode), beside the MAC limits; writes bench.json, bench.md and bench.png."""
+    from bdlora.arch import check_lora_rank
     from bdlora.bench.run import run_bench
     from bdlora.cli.progress import RichReporter
     from bdlora.errors import ModelError, UsageError
@@ -40,8 +41,7 @@ def bench(
 
     opts["batch_sizes"] = int_list(opts["batch_sizes"], "--batch-sizes")
     opts["seq_lens"] = int_list(opts["seq_lens"], "--seq-lens")
-    from bdlora.arch import check_lora_rank
-
+    _check_own_options(model_config, budget, layers, lora_rank)
     cfg = BenchConfig(**opts).validate()
     if json_path:
         check_out_file(json_path)
@@ -72,3 +72,17 @@ def bench(
         write_json(json_path, doc)
     render.bench(doc)
     out.print(f"[green]wrote[/] {dst}/bench.json, bench.md, bench.png")
+
+
+def _check_own_options(model_config, budget, layers, lora_rank) -> None:
+    """Every option's own range first, before anything is read; synthetic-mode options only in synthetic mode."""
+    from bdlora.errors import Checks, UsageError
+
+    c = Checks()
+    c.number("budget", budget, 0.0, 1.0)
+    c.integer("layers", layers, lo=1)
+    c.integer("lora_rank", lora_rank, lo=1)
+    c.done()
+    if not model_config and (budget is not None or layers is not None):
+        raise UsageError(f"--{'budget' if budget is not None else 'layers'}: only with --model-config (synthetic "
+                         "mode); a compressed folder has its own structure")

@@ -27,11 +27,18 @@ def plan(
     """Predict what `compress` would produce for a budget F from a model config alone: per-module case and rank,
     MAC speed-ups vs dense and vs LoRA, parameter reduction and the training-compute proxy."""
     from bdlora.arch import check_lora_rank
+    from bdlora.errors import Checks
     from bdlora.plan import plan as run_plan
     from bdlora.plan import read_model_config
 
+    rank = opts.pop("lora_rank")
+    c = Checks()  # every option's own range first, then what the model allows
+    BudgetedConfig(**opts, rank=rank).check(c)
+    c.integer("layers", layers, lo=1)
+    c.integer("steps", steps, lo=1)
+    c.done()
     config = read_model_config(model_config)
-    opts["rank"] = check_lora_rank(opts.pop("lora_rank"), config)
+    opts["rank"] = check_lora_rank(rank, config)
     report = run_plan(config, BudgetedConfig(**opts), layers=layers, steps=steps)
     if json_out:
         print(json.dumps(report, indent=2))
