@@ -1,0 +1,348 @@
+"""The CLI's error contract, case by case (issue 19's hostile-user list): every bad input, unusable output or damaged
+artefact gives one line on stderr naming what is wrong, a non-zero exit (2 for bad usage, 1 for a failure), no
+traceback, and leaves nothing half-written: no output appears and nothing the user had changes.
+
+Each row of CASES builds its input from a finished tiny run, its compressed folder and its ONNX export (copied
+before any damage) and names what must not exist afterwards. More rows of the same contract: ``test_cli`` (bad
+``train`` options), ``test_compress`` (damaged compressed folders x every reader), ``test_serve`` (the server).
+The property tests at the end cover every numeric option of every command by construction.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from bdlora.cli import app
+from conftest import train_args
+
+
+@pytest.fixture(scope="module")
+def made(tiny_env, tmp_path_factory):
+    """A finished budgeted run, its compressed folder and its ONNX export, made through the CLI."""
+    root = tmp_path_factory.mktemp("contract")
+    run = root / "run"
+    for args in (train_args(tiny_env, run, "--max-steps", "2"),
+                 ["compress", str(run), "--svd-max-rank", "8", "--no-eval"],
+                 ["export", "onnx", str(root / "run.compressed"), "--out", str(root / "onnx")]):
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 0, res.output
+    return {"env": tiny_env, "run": run, "compressed": root / "run.compressed", "onnx": root / "onnx"}
+
+
+@dataclass
+class Case:
+    id: str
+    build: Callable  # (made, tmp) -> argv; may write damaged copies under tmp
+    needle: str
+    code: int = 2
+    absent: tuple[str, ...] = ("out",)  # paths under tmp that must not exist afterwards
+    kept: dict = field(default_factory=dict)  # {path under tmp: content it must still have}
+
+
+def copy(made, key, tmp, name=None) -> Path:
+    dst = tmp / (name or made[key].name)
+    shutil.copytree(made[key], dst)
+    return dst
+
+
+def write(path: Path, data) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    (path.write_bytes if isinstance(data, bytes) else path.write_text)(data)
+    return path
+
+
+def half(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def train(made, tmp, *extra):
+    return train_args(made["env"], tmp / "out", "--max-steps", "3", *extra)
+
+
+def damaged_run(made, tmp, rel, data):
+    run = copy(made, "run", tmp, "r")
+    if callable(data):
+        data(run / rel)
+    else:
+        write(run / rel, data)
+    return ["compress", str(run), "--no-eval", "--out", str(tmp / "out")]
+
+
+def damaged_compressed(cmd, data):
+    def build(made, tmp):
+        folder = copy(made, "compressed", tmp, "m")
+        write(folder / "compression.json", data)
+        if cmd == "eval":
+            return ["eval", str(folder), "--ppl", "--json", str(tmp / "out")]
+        return [*cmd.split(), str(folder), "--out", str(tmp / "out")]
+    return build
+
+
+def damaged_onnx(rel, data, onnx_file="model.onnx"):
+    def build(made, tmp):
+        folder = copy(made, "onnx", tmp, "o")
+        if callable(data):
+            data(folder / rel)
+        elif data is not None:
+            write(folder / rel, data)
+        return ["eval", str(folder), "--ppl", "--data", str(made["env"]["corpus"]), "--json", str(tmp / "out"),
+                "--onnx-file", onnx_file]
+    return build
+
+
+def corpus(name, data):
+    def build(made, tmp):
+        write(tmp / "c" / name, data)
+        return train(made, tmp, "--data", str(tmp / "c"))
+    return build
+
+
+def nan_teacher(made, tmp):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(made["env"]["teacher"], dtype=torch.float32)
+    with torch.no_grad():
+        m.model.norm.weight.fill_(float("nan"))
+    m.save_pretrained(tmp / "t")
+    made["env"]["tokenizer"].save_pretrained(tmp / "t")
+    return train(made, tmp, "--teacher", str(tmp / "t"))
+
+
+OUT_WRITERS = {  # command -> argv writing its output at OUT (a path string)
+    "train": lambda m, o: train_args(m["env"], o, "--max-steps", "3"),
+    "compress": lambda m, o: ["compress", str(m["run"]), "--no-eval", "--out", o],
+    "compress --force": lambda m, o: ["compress", str(m["run"]), "--no-eval", "--force", "--out", o],
+    "export onnx": lambda m, o: ["export", "onnx", str(m["compressed"]), "--out", o],
+    "export hf": lambda m, o: ["export", "hf", str(m["compressed"]), "--out", o],
+    "export hf --force": lambda m, o: ["export", "hf", str(m["compressed"]), "--force", "--out", o],
+    "bench": lambda m, o: ["bench", str(m["compressed"]), "--out", o],
+    "eval --json": lambda m, o: ["eval", str(m["compressed"]), "--ppl", "--json", o],
+}
+
+
+def writes(cmd, rel, *extra, setup=None):
+    def build(made, tmp):
+        if setup is not None:
+            setup(tmp)
+        return [*OUT_WRITERS[cmd](made, rel if rel.startswith("/") else str(tmp / rel)), *extra]
+    return build
+
+
+def a_file(tmp):
+    write(tmp / "f", "mine")
+
+
+def out_cases():
+    cases = []
+    for cmd in OUT_WRITERS:
+        cases.append(Case(f"{cmd}: output under /proc", writes(cmd, "/proc/x/out"),
+                          "cannot create it (/proc is not a writable folder)", absent=()))
+        cases.append(Case(f"{cmd}: output under a file", writes(cmd, "f/sub", setup=a_file),
+                          "is not a writable folder", absent=("f/sub",), kept={"f": "mine"}))
+        if cmd != "eval --json":
+            cases.append(Case(f"{cmd}: output is a file", writes(cmd, "f", setup=a_file), "is a file, not a folder",
+                              absent=(), kept={"f": "mine"}))
+    cases.append(Case("eval --json: names a folder", writes("eval --json", "d", setup=lambda t: (t / "d").mkdir()),
+                      "is a folder (name a file)", absent=()))
+    return cases
+
+
+CASES = out_cases() + [
+    # options (defect 6, 7): values and types, from flags and from YAML
+    Case("train --weight-decay nan", lambda m, t: train(m, t, "--weight-decay", "nan"), "--weight-decay nan: must be"),
+    Case("train --weight-decay -1", lambda m, t: train(m, t, "--weight-decay", "-1"), "--weight-decay -1.0: must be"),
+    Case("train --seq-len 1", lambda m, t: train(m, t, "--seq-len", "1"), "--seq-len 1: must be >= 2"),
+    Case("train --lr inf", lambda m, t: train(m, t, "--lr", "inf"), "--lr inf: must be > 0"),
+    Case("train --gate-init nan", lambda m, t: train(m, t, "--gate-init", "nan"), "--gate-init nan: must be a finite"),
+    Case("YAML grad_clip: .nan", lambda m, t: train(m, t, "--config", str(write(t / "c.yaml", "grad_clip: .nan\n"))),
+         "--grad-clip nan: must be > 0"),
+    Case('YAML budget: "0.4"', lambda m, t: train(m, t, "--config", str(write(t / "c.yaml", 'budget: "0.4"\n'))),
+         "budget: '0.4' is not a number"),
+    Case("YAML batch_size: true", lambda m, t: train(m, t, "--config", str(write(t / "c.yaml", "batch_size: true\n"))),
+         "batch_size: True is not an integer"),
+    Case("train --max-steps abc (parser)", lambda m, t: train(m, t, "--max-steps", "abc"),
+         "Invalid value for '--max-steps'"),
+    Case("train --no-such-option (parser)", lambda m, t: train(m, t, "--no-such-option"),
+         "No such option: --no-such-option"),
+    Case("train --student-init missing", lambda m, t: train(m, t, "--student-init", str(t / "nope")),
+         "--student-init"),
+    # resources (defect 5)
+    Case("train --lora-rank 100000", lambda m, t: train(m, t, "--lora-rank", "100000"), "largest useful rank 16"),
+    Case("bench --lora-rank 100000", writes("bench", "out", "--lora-rank", "100000"), "largest useful rank 16"),
+    Case("bench --seq-lens 100000", writes("bench", "out", "--seq-lens", "100000"),
+         "above the model's context of 128 positions"),
+    Case("bench --threads 100000", writes("bench", "out", "--threads", "100000"), "--threads 100000: must be in [1,"),
+    Case("bench --provider cuda", writes("bench", "out", "--provider", "cuda"), "the [gpu] extra"),
+    # corpora (defect 6)
+    Case("a .jsonl that is not UTF-8", corpus("a.jsonl", b'{"text": "caf\xe9"}\n'), "a.jsonl:1: not UTF-8"),
+    Case("a garbage .parquet", corpus("a.parquet", bytes(range(256)) * 4), "not a readable parquet file"),
+    Case("eval --data with a non-UTF-8 .jsonl", lambda m, t: (write(t / "c" / "a.jsonl", b"\xff\xfe\n"), [
+        "eval", str(m["compressed"]), "--ppl", "--data", str(t / "c"), "--json", str(t / "out")])[1], "not UTF-8"),
+    # damaged run files read by compress (defect 6)
+    Case("compress: summary.json not JSON", lambda m, t: damaged_run(m, t, "summary.json", "{bad"),
+         "summary.json: not valid JSON"),
+    Case("compress: budgeted.safetensors cut", lambda m, t: damaged_run(m, t, "student/budgeted.safetensors", half),
+         "budgeted.safetensors: "),
+    Case("compress: budgeted.json not JSON", lambda m, t: damaged_run(m, t, "student/budgeted.json", "[1"),
+         "budgeted.json: not valid JSON"),
+    Case("compress: budgeted.json wrong schema", lambda m, t: damaged_run(m, t, "student/budgeted.json",
+                                                                          '{"rank": "x"}'),
+         "budgeted.json: not a budgeted-module description"),
+    Case("compress: student config.json not JSON", lambda m, t: damaged_run(m, t, "student/config.json", "{"),
+         "student/config.json: not valid JSON"),
+    Case("compress: student weights cut", lambda m, t: damaged_run(m, t, "student/model.safetensors", half),
+         "student/model.safetensors: "),
+    # an invalid compression.json, for every reader of a compressed folder (defect 6)
+    *[Case(f"{cmd}: compression.json {kind}", damaged_compressed(cmd, data), needle)
+      for cmd in ("export onnx", "export hf", "eval", "bench")
+      for kind, data, needle in (("not JSON", "{bad", "compression.json: not valid JSON"),
+                                 ("an array", "[]", "compression.json: not a JSON object"))],
+    # damaged ONNX folders given to eval (defect 6)
+    Case("eval: model.onnx cut in half", damaged_onnx("model.onnx", half), "cannot load the ONNX model"),
+    Case("eval: model.onnx random bytes", damaged_onnx("model.onnx", bytes(range(256)) * 64),
+         "cannot load the ONNX model"),
+    Case("eval: model.onnx empty", damaged_onnx("model.onnx", b""), "cannot load the ONNX model"),
+    Case("eval: ONNX config.json not JSON", damaged_onnx("config.json", "{x"), "its config.json does not load"),
+    Case("eval: ONNX config.json an array", damaged_onnx("config.json", "[]"), "not a model config"),
+    Case("eval: ONNX config.json without sizes", damaged_onnx("config.json", '{"model_type": "llama"}'),
+         "no num_hidden_layers"),
+    Case("eval: ONNX tokenizer damaged", damaged_onnx("tokenizer.json", "{"), "its tokenizer does not load"),
+    Case("eval --onnx-file outside the folder", damaged_onnx("x", None, onnx_file="../onnx/model.onnx"),
+         "must name a graph inside"),
+    # unfinished runs and failed training (defect 7)
+    Case("eval of an unfinished run", lambda m, t: (shutil.copytree(m["run"], t / "r"), (t / "r/summary.json")
+                                                    .unlink(), ["eval", str(t / "r"), "--json", str(t / "out")])[2],
+         "has not finished"),
+    Case("compress of an unfinished run", lambda m, t: (shutil.copytree(m["run"], t / "r"), (t / "r/summary.json")
+                                                        .unlink(), ["compress", str(t / "r"), "--out",
+                                                                    str(t / "out")])[2], "not a finished bdlora run"),
+    Case("train diverges (--lr 1e30)", lambda m, t: train(m, t, "--lr", "1e30"), "lower --lr (now 1e+30); ", code=1),
+    Case("train: a teacher with NaN weights", nan_teacher, "before any update", code=1),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_error_contract(made, tmp_path, case):
+    argv = case.build(made, tmp_path)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    res = CliRunner().invoke(app, argv)
+    assert res.exit_code == case.code, (argv, res.output)
+    assert res.exception is None or isinstance(res.exception, SystemExit), res.exception
+    assert "Traceback" not in res.output
+    err = res.stderr.strip()
+    assert len(err.splitlines()) == 1 and case.needle in err, err
+    for rel in case.absent:
+        assert not (tmp_path / rel).exists(), f"{rel} was written"
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # nothing changed or added
+    for rel, content in case.kept.items():
+        assert (tmp_path / rel).read_text() == content
+
+
+def test_a_failed_run_frees_its_out_or_keeps_its_checkpoints(made, tmp_path):
+    """Divergence with no checkpoint removes the folder (``--out`` is reusable); after a checkpoint the folder is
+    kept and marked failed, and ``--resume`` removes the mark."""
+    argv = train(made, tmp_path, "--lr", "1e30")
+    assert CliRunner().invoke(app, argv).exit_code == 1
+    assert not (tmp_path / "out").exists()
+    res = CliRunner().invoke(app, argv + ["--save-every", "1"])
+    assert res.exit_code == 1 and "kept with its checkpoints and marked failed (failed.json)" in res.stderr
+    failed = json.loads((tmp_path / "out" / "failed.json").read_text())
+    assert failed["step"] == 1 and "loss became nan" in failed["error"]
+    assert [p.name for p in (tmp_path / "out" / "checkpoints").iterdir()] == ["step-00000001"]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# By construction: every numeric option of every command refuses a non-finite or out-of-range value in one line
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def numeric_options(command_path):
+    """(flag, is_int) of every int/float option of ``bdlora COMMAND`` as the parser sees it."""
+    import typer.main
+
+    cmd = typer.main.get_command(app)
+    for part in command_path.split():
+        cmd = cmd.commands[part]
+    for p in cmd.params:
+        if not (p.opts and p.opts[0].startswith("--")):
+            continue
+        ann = getattr(getattr(p, "type_descriptor", None), "annotation", None)  # typer >= 0.24
+        if ann is None:  # older typers: click's parameter types
+            ann = {"integer": int, "float": float}.get(getattr(getattr(p, "type", None), "name", ""))
+        ann = next((a for a in typing.get_args(ann) if a is not type(None)), ann)  # Optional[X] -> X
+        if ann in (int, float):
+            yield p.opts[0], ann is int
+
+
+PARSED = {  # parser command -> argv writing its output at OUT
+    "train": OUT_WRITERS["train"], "compress": OUT_WRITERS["compress"], "export onnx": OUT_WRITERS["export onnx"],
+    "bench": OUT_WRITERS["bench"], "eval": OUT_WRITERS["eval --json"],
+    "plan": lambda m, o: ["plan", "--model-config", str(m["env"]["teacher"]), "--json"],
+    "loadtest": lambda m, o: ["loadtest", "http://127.0.0.1:9", "--json", o],  # refused before connecting
+    "sweep": lambda m, o: ["sweep", "--teacher", str(m["env"]["teacher"]), "--data", str(m["env"]["corpus"]),
+                           "--out", o],
+}
+NUMERIC = [(c, flag, is_int) for c in PARSED for flag, is_int in numeric_options(c)]
+
+
+def test_every_command_has_numeric_options_to_check():
+    found = {c: [f for cc, f, _ in NUMERIC if cc == c] for c in PARSED}
+    assert all(found.values()), found
+    assert "--lr" in found["train"] and "--threads" in found["bench"] and "--eps-lr" in found["compress"]
+
+
+@pytest.mark.parametrize("command,flag,value", [(c, f, v) for c, f, is_int in NUMERIC
+                                                for v in (["nan"] if is_int else ["nan", "inf", "-inf"])],
+                         ids=lambda x: str(x))
+def test_non_finite_values_are_one_line(made, tmp_path, command, flag, value):
+    """NaN and infinities are never a valid setting: every float option of every command names itself and exits 2
+    before writing anything; every integer option refuses them at parse time, in one line too. The list of options
+    is read from the parser, so a new option is covered without a new test."""
+    res = CliRunner().invoke(app, [*PARSED[command](made, str(tmp_path / "out")), flag, value])
+    assert res.exit_code == 2, (flag, value, res.output)
+    err = res.stderr.strip()
+    assert len(err.splitlines()) == 1 and flag in err, err
+    assert not (tmp_path / "out").exists()
+
+
+TRAIN_RANGES = {  # option -> (allowed?, value strategy): the documented contract of `bdlora train`
+    "--budget": (lambda v: 0 <= v <= 1, st.floats(-2, 3)),
+    "--retention-ema": (lambda v: 0 <= v < 1, st.floats(-1, 2)),
+    "--lora-alpha": (lambda v: v > 0, st.floats(-10, 10)),
+    "--weight-decay": (lambda v: v >= 0, st.floats(-1, 1)),
+    "--temperature": (lambda v: v > 0, st.floats(-5, 5)),
+}
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_train_validation_agrees_with_the_documented_ranges(data):
+    """For any value, `train`'s validation refuses exactly the values outside the documented range, in one line
+    naming the option (checked on the config, which every flag and YAML value goes through)."""
+    from bdlora.config import TrainConfig
+    from bdlora.errors import ConfigError
+
+    flag = data.draw(st.sampled_from(sorted(TRAIN_RANGES)))
+    allowed, values = TRAIN_RANGES[flag]
+    v = data.draw(values)
+    cfg = TrainConfig(**{flag[2:].replace("-", "_"): v})
+    try:
+        cfg.validate()
+        ok = True
+    except ConfigError as e:
+        ok = False
+        assert flag in str(e) and len(str(e).splitlines()) == 1, str(e)
+    assert ok == allowed(v), (flag, v)
+    assert math.isfinite(v)
