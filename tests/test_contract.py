@@ -346,3 +346,16 @@ def test_train_validation_agrees_with_the_documented_ranges(data):
         assert flag in str(e) and len(str(e).splitlines()) == 1, str(e)
     assert ok == allowed(v), (flag, v)
     assert math.isfinite(v)
+
+
+def test_every_artefact_file_is_readable_by_others(made, tiny_env):
+    """Weights included: safetensors and transformers may create files 0600, which a shared folder cannot use."""
+    import stat
+
+    from bdlora.io import _UMASK
+
+    folders = [made["run"], made["compressed"], made["onnx"]]
+    files = [p for f in folders for p in f.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".safetensors" for p in files) and any(p.suffix == ".onnx" for p in files)
+    modes = {str(p): oct(stat.S_IMODE(p.stat().st_mode)) for p in files}
+    assert set(modes.values()) == {oct(0o666 & ~_UMASK)}, modes
