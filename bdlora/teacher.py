@@ -21,7 +21,7 @@ import torch
 from bdlora import SCHEMA_VERSION
 from bdlora.arch import check_architecture
 from bdlora.data import BUILTIN, BlockSampler, Corpus, PackedBlocks, default_cache_dir, tokenize_corpus
-from bdlora.errors import ModelError
+from bdlora.errors import ModelError, UsageError
 from bdlora.io import atomic_dir, write_json
 from bdlora.perplexity import perplexity
 
@@ -169,22 +169,23 @@ def pretrain(model, blocks: PackedBlocks, spec: BuiltinTeacherSpec, on_step=None
 
 def load_teacher(spec: str, cache_dir: Path | None = None, device: str = "cpu", on_stage=None, on_step=None,
                  what: str = "--teacher"):
-    """Return (model, tokenizer, path) for ``--teacher`` (``builtin`` or a local/hub HF causal LM); ``what`` names the
-    option in error messages (``--student-init`` loads through here too)."""
+    """Return (model, tokenizer, path) for ``--teacher``: ``builtin``, a local HF folder, a ``.gguf`` file, a preset
+    or a hub id (see ``bdlora.sources``); ``what`` names the option in error messages (``--student-init`` loads
+    through here too)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bdlora import sources
 
     if spec == BUILTIN:
         path = build_builtin_teacher(cache_dir, on_stage=on_stage, on_step=on_step)
     else:
-        path = Path(spec).expanduser()
-        if not path.exists() and not _looks_like_hub_id(spec):
-            raise ModelError(f"{what} {spec}: no such directory (use 'builtin' or a Hugging Face model folder)")
-        if path.exists() and not (path / "config.json").exists():
-            raise ModelError(f"{what} {spec}: not a Hugging Face model folder (no config.json)")
+        path = Path(sources.resolve(spec, cache_dir or default_cache_dir(), what, on_stage))
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad checkpoint
+        if sources.looks_like_hub_id(spec) and not path.exists():
+            raise sources.hub_error(spec, what, e) from None
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"{what} {spec}: could not load the model or tokenizer ({msg[:200]})") from None
     check_architecture(model, f"{what} {spec}")
@@ -198,6 +199,28 @@ def load_teacher(spec: str, cache_dir: Path | None = None, device: str = "cpu", 
     return model, tokenizer, path
 
 
-def _looks_like_hub_id(spec: str) -> bool:
-    parts = spec.split("/")
-    return len(parts) == 2 and all(parts) and not spec.startswith((".", "/", "~"))
+PRETRAINED_PPL_TOKENS = 8192  # held-out builtin-corpus tokens scored by `bdlora teacher --preset` (seq 512)
+
+
+def describe_pretrained(spec: str, cache_dir: Path | None = None, on_stage=None, data: str = BUILTIN) -> dict:
+    """Materialise a preset or .gguf teacher (``bdlora.sources``) and report it; its held-out perplexity on ``data``
+    (default: the builtin corpus) is measured once per corpus and kept in the folder's ``teacher.json``."""
+    from bdlora import sources
+
+    if spec not in sources.PRESETS and not sources.is_gguf(spec):
+        raise UsageError(f"--preset {spec}: unknown (allowed: {', '.join(sources.PRESETS)}, or a .gguf file)")
+    cache = cache_dir or default_cache_dir()
+    path = Path(sources.resolve(spec, cache, "--preset", on_stage))
+    report = path / "teacher.json"
+    known = json.loads(report.read_text()) if report.is_file() else {}
+    if known.get("data") != data:
+        model, tok, _ = load_teacher(str(path), cache, what="--preset")
+        stage = on_stage or (lambda msg: None)
+        stage(f"held-out perplexity over {PRETRAINED_PPL_TOKENS:,} tokens of {data}")
+        corpus = Corpus(data)
+        tokens = tokenize_corpus(corpus, tok, corpus.default_heldout_fraction, cache)
+        seq = min(512, model.config.max_position_embeddings)
+        blocks = PackedBlocks(tokens.tokens("val"), seq, max_tokens=PRETRAINED_PPL_TOKENS)
+        write_json(report, {"val_ppl": perplexity(model, blocks), "ppl_tokens": len(blocks) * seq, "seq_len": seq,
+                            "data": data, "parameters": sum(p.numel() for p in model.parameters())})
+    return {**(sources.source_note(path) or {}), **json.loads(report.read_text()), "path": str(path)}

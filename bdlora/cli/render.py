@@ -16,13 +16,16 @@ def teacher(info: dict) -> None:
     t = _kv("teacher")
     t.add_row("path", str(info["path"]))
     t.add_row("parameters", f"{info['parameters']:,}")
+    if info.get("note"):
+        t.add_row("source", f"{info['note']} ({info.get('requirement')}, licence {info.get('licence')})")
     if "corpus_tokens" in info:
         ct = info["corpus_tokens"]
         t.add_row("corpus tokens (train / val)", f"{ct['train']:,} / {ct['val']:,}")
     if "train_tokens_seen" in info:
         t.add_row("pretraining tokens seen", f"{info['train_tokens_seen']:,}")
     if info.get("val_ppl") is not None:
-        t.add_row("validation perplexity", f"{info['val_ppl']:.2f}")
+        where = f" ({info['ppl_tokens']:,} tokens of {info['data']})" if info.get("ppl_tokens") else ""
+        t.add_row(f"validation perplexity{where}", f"{info['val_ppl']:.2f}")
     if info.get("unigram_ppl") is not None:
         t.add_row("unigram baseline perplexity", f"{info['unigram_ppl']:.2f}")
     if info.get("build_seconds") is not None:

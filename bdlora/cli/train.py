@@ -20,20 +20,31 @@ H = field_docs(TrainConfig)
 
 @command()
 def teacher(
+    preset: Annotated[Optional[str], typer.Option(help="A pretrained teacher to materialise instead of the builtin "
+                                                       "one: a preset (smollm2-135m) or a .gguf file.")] = None,
+    data: Annotated[str, typer.Option(help="With --preset: the corpus its held-out perplexity is measured on.")]
+    = "builtin",
     cache_dir: Annotated[Optional[str], typer.Option(help=H["cache_dir"])] = None,
-    force: Annotated[bool, typer.Option(help="Rebuild even if a cached teacher exists.")] = False,
+    force: Annotated[bool, typer.Option(help="Rebuild the builtin teacher even if a cached one exists.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the teacher report as JSON.")] = False,
 ):
-    """Build (or show) the embedded default teacher: a BPE tokenizer and a small Mistral-style model pretrained on
-    the Python standard library, cached for later runs."""
+    """Build (or show) the embedded default teacher (a BPE tokenizer and a small Mistral-style model pretrained on
+    the Python standard library), or with --preset materialise a pretrained one into the cache as a Hugging Face
+    folder; prints its folder, parameter count and held-out perplexity."""
     from bdlora.cli.progress import RichReporter
-    from bdlora.teacher import build_builtin_teacher
+    from bdlora.teacher import build_builtin_teacher, describe_pretrained
 
     rep = RichReporter(err if json_out else out)
-    path = build_builtin_teacher(Path(cache_dir) if cache_dir else None, force=force, on_stage=rep.stage,
-                                 on_step=rep.teacher_step)
+    cache = Path(cache_dir) if cache_dir else None
+    if preset is not None:
+        if force:
+            raise UsageError("--force rebuilds the builtin teacher; a materialised preset is removed by deleting "
+                             "its folder")
+        info = describe_pretrained(preset, cache, on_stage=rep.stage, data=data)
+    else:
+        path = build_builtin_teacher(cache, force=force, on_stage=rep.stage, on_step=rep.teacher_step)
+        info = {**json.loads((path / "teacher.json").read_text()), "path": str(path)}
     rep.finish()
-    info = {**json.loads((path / "teacher.json").read_text()), "path": str(path)}
     if json_out:
         print(json.dumps(info, indent=2))
         return

