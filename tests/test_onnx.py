@@ -191,3 +191,23 @@ def test_cli_export_onnx_bad_input(mixed_export, tmp_path):
     assert r.exit_code == 2 and "exists and is not empty" in r.stderr
     r = CliRunner().invoke(app, ["export", "onnx", str(folder), "--out", str(tmp_path / "o"), "--quantize", "int4"])
     assert r.exit_code == 2 and "--quantize int4: unknown (allowed: int8)" in r.stderr
+
+
+def test_validation_bound_follows_torchs_own_fp32_error(tiny_env, tmp_path):
+    """On the tiny models fp32 rounding is far below 1e-4, so the bound stays 1e-4; a model whose own fp32 forward
+    strays further from float64 (scaled up here, like SmolLM2's 17,000-sized activations) gets 4x that error."""
+    from transformers import AutoModelForCausalLM
+
+    from bdlora.export.onnx.validate import NOISE_FACTOR
+
+    v = export_onnx_folder(tiny_env["teacher"], tmp_path / "a")["validation"]
+    assert v["tolerance"] == TOLERANCE and 0 < v["torch_fp32_vs_fp64"] < TOLERANCE / NOISE_FACTOR
+    m = AutoModelForCausalLM.from_pretrained(tiny_env["teacher"], dtype=torch.float32)
+    with torch.no_grad():
+        m.model.embed_tokens.weight.mul_(2e4)  # a huge residual stream: the RMSNorms keep the function sane
+        m.lm_head.weight.mul_(30)
+    m.save_pretrained(tmp_path / "big")
+    tiny_env["tokenizer"].save_pretrained(tmp_path / "big")
+    v = export_onnx_folder(tmp_path / "big", tmp_path / "b")["validation"]
+    assert v["tolerance"] == pytest.approx(NOISE_FACTOR * v["torch_fp32_vs_fp64"]) and v["tolerance"] > TOLERANCE
+    assert v["max_abs_diff"] <= v["tolerance"]

@@ -11,6 +11,11 @@ from bdlora.export.onnx.signature import example_inputs
 from bdlora.runtime import run_decoder
 
 TOLERANCE = 1e-4  # max |ONNX - torch| on logits and present key/values, fp32
+# ... unless PyTorch's own fp32 forward is further than TOLERANCE / NOISE_FACTOR from its float64 forward: deep
+# models with massive activations (SmolLM2-135M's residual stream reaches 17,000, where an fp32 ulp is 0.002) then
+# differ from any other fp32 implementation by more than 1e-4 through rounding alone, and the bound becomes
+# NOISE_FACTOR x that measured rounding error.
+NOISE_FACTOR = 4.0
 VALIDATION_SHAPES = ((1, 1, 0), (2, 6, 0), (2, 1, 5), (3, 4, 3))  # (batch, seq, past); rows 0 are left padded
 
 
@@ -21,29 +26,42 @@ class ExportValidationError(BdloraError):
 @torch.no_grad()
 def validate(model: nn.Module, sess, shapes=VALIDATION_SHAPES, tolerance: float = TOLERANCE) -> dict:
     """Compare ONNX Runtime with the model's own forward (native 2D-mask path) at several (batch, seq, past),
-    the first row left padded; logits are compared on real (non-padding) positions, present K/V everywhere."""
-    from transformers import DynamicCache
+    the first row left padded; logits are compared on real (non-padding) positions, present K/V everywhere. The
+    bound is ``tolerance``, or ``NOISE_FACTOR`` x PyTorch's own fp32 rounding error (its distance from a float64
+    forward) when that is larger."""
+    import copy
 
+    reference64 = copy.deepcopy(model).double()
     results = []
-    worst = 0.0
+    worst, noise = 0.0, 0.0
     for b, s, p in shapes:
         pad = min(2, p + s - 1) if b > 1 else 0
         ids, mask, pos, pasts = example_inputs(model.config, b, s, p, pad_first=pad, seed=b * 100 + s * 10 + p)
-        cache = DynamicCache()
-        for i in range(model.config.num_hidden_layers):
-            cache.update(pasts[2 * i].clone(), pasts[2 * i + 1].clone(), i)
-        ref = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        ref = _forward(model, ids, mask, pos, pasts)
+        ref64 = _forward(reference64, ids, mask, pos, [t.double() for t in pasts])
         got = run_decoder(sess, ids.numpy(), mask.numpy(), pos.numpy(), [t.numpy() for t in pasts])
         real = mask[:, -s:].bool().numpy()  # (B, seq) query positions that are real tokens
-        d_logits = float(np.abs(got[0] - ref.logits.numpy())[real].max())
-        d_kv = 0.0
-        for i, layer in enumerate(ref.past_key_values.layers):
-            d_kv = max(d_kv, float(np.abs(got[1 + 2 * i] - layer.keys.numpy()).max()),
-                       float(np.abs(got[2 + 2 * i] - layer.values.numpy()).max()))
-        worst = max(worst, d_logits, d_kv)
+        d_logits = float(np.abs(got[0] - ref[0])[real].max())
+        d_kv = max(float(np.abs(g - r).max()) for g, r in zip(got[1:], ref[1:]))
+        n = max(float(np.abs(ref[0] - ref64[0])[real].max()),
+                max(float(np.abs(r - r64).max()) for r, r64 in zip(ref[1:], ref64[1:])))
+        worst, noise = max(worst, d_logits, d_kv), max(noise, n)
         results.append({"batch": b, "seq": s, "past": p, "left_pad": pad, "max_abs_diff_logits": d_logits,
-                        "max_abs_diff_present": d_kv})
-    if worst > tolerance:
-        raise ExportValidationError(f"ONNX output differs from PyTorch by {worst:.3g} (tolerance {tolerance:g}); "
+                        "max_abs_diff_present": d_kv, "torch_fp32_vs_fp64": n})
+    bound = max(tolerance, NOISE_FACTOR * noise)
+    if worst > bound:
+        raise ExportValidationError(f"ONNX output differs from PyTorch by {worst:.3g} (tolerance {bound:.3g}); "
                                     f"per shape: {results}")
-    return {"tolerance": tolerance, "max_abs_diff": worst, "shapes": results}
+    return {"tolerance": bound, "max_abs_diff": worst, "torch_fp32_vs_fp64": noise, "shapes": results}
+
+
+def _forward(model, ids, mask, pos, pasts) -> list[np.ndarray]:
+    """[logits, present key 0, value 0, ...] of the model's own cached forward, as float arrays."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for i in range(model.config.num_hidden_layers):
+        cache.update(pasts[2 * i].clone(), pasts[2 * i + 1].clone(), i)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+    kv = [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
+    return [out.logits.numpy()] + [t.numpy() for t in kv]
