@@ -209,9 +209,16 @@ def run_icl(lm, tokenizer, words: list[str], tasks=None, shots: int = 10, seeds:
 def load_eval_target(path: str | Path, onnx_file: str = "model.onnx", device: str = "cpu"):
     """(lm, tokenizer, kind, run_config or None) for a run directory, a model folder (teacher, compressed,
     exported HF) or an ONNX folder. ``run_config`` is the training options of the run the model came from."""
+    from bdlora import sources
+
+    if str(path) in sources.PRESETS or (sources.is_gguf(str(path)) and Path(path).is_file()):
+        from bdlora.data import default_cache_dir
+
+        path = sources.resolve(str(path), default_cache_dir(), "eval")  # a teacher preset or GGUF file
     path = Path(path)
     if not path.is_dir():
-        raise ModelError(f"{path}: no such model folder (pass a run directory, a model folder or an ONNX folder)")
+        raise ModelError(f"{path}: no such model folder (pass a run directory, a model folder, an ONNX folder, a "
+                         f".gguf file or a preset: {', '.join(sources.PRESETS)})")
     run = RunDir(path)
     if run.started():
         from bdlora.models import load_run_student

@@ -204,14 +204,14 @@ PRETRAINED_PPL_TOKENS = 8192  # held-out builtin-corpus tokens scored by `bdlora
 
 def describe_pretrained(spec: str, cache_dir: Path | None = None, on_stage=None, data: str = BUILTIN) -> dict:
     """Materialise a preset or .gguf teacher (``bdlora.sources``) and report it; its held-out perplexity on ``data``
-    (default: the builtin corpus) is measured once per corpus and kept in the folder's ``teacher.json``."""
+    (default: the builtin corpus) is measured once per corpus and kept in the folder's ``heldout.json``."""
     from bdlora import sources
 
     if spec not in sources.PRESETS and not sources.is_gguf(spec):
         raise UsageError(f"--preset {spec}: unknown (allowed: {', '.join(sources.PRESETS)}, or a .gguf file)")
     cache = cache_dir or default_cache_dir()
     path = Path(sources.resolve(spec, cache, "--preset", on_stage))
-    report = path / "teacher.json"
+    report = path / "heldout.json"  # not teacher.json: that file marks the builtin teacher's folder
     known = json.loads(report.read_text()) if report.is_file() else {}
     if known.get("data") != data:
         model, tok, _ = load_teacher(str(path), cache, what="--preset")
