@@ -48,7 +48,8 @@ class TrainConfig:
     max_steps: int | None = None
     """Optimiser steps (default 1000; builtin 600). Mutually exclusive with --tokens."""
     tokens: int | None = None
-    """Train on this many tokens instead of a step count (steps = tokens / (batch * grad_accum * seq_len))."""
+    """Train on this many tokens in all instead of a step count (steps = tokens / (batch * grad_accum * seq_len *
+    processes): the budget is global, as the paper's 2.55B tokens over two GPUs)."""
     lr: float | None = None
     """Peak learning rate of AdamW (cosine decay, warm-up 3% capped at 2000 steps). Default 3e-4; builtin 2e-3."""
     weight_decay: float = 0.0

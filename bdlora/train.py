@@ -114,8 +114,9 @@ def _resolve_sizes(cfg: TrainConfig, teacher) -> TrainConfig:
             raise UsageError(f"--seq-len {cfg.seq_len}: above the model's max_position_embeddings ({max_pos})")
         cfg.seq_len = max_pos
     cfg.lora_rank = check_lora_rank(cfg.lora_rank, teacher.config, "lora_rank" in defaulted)
-    if cfg.tokens is not None:
-        cfg.max_steps = max(1, cfg.tokens // (cfg.batch_size * cfg.grad_accum * cfg.seq_len))
+    if cfg.tokens is not None:  # a global budget: every step consumes batch x accum x seq tokens on each process
+        world = D.env_from_launcher().world_size
+        cfg.max_steps = max(1, cfg.tokens // (cfg.batch_size * cfg.grad_accum * cfg.seq_len * world))
     if cfg.heldout_fraction is None:
         cfg.heldout_fraction = Corpus(cfg.data).default_heldout_fraction
     return cfg

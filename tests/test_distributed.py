@@ -38,7 +38,8 @@ def cli(*args, timeout=600) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("method", ["budgeted", pytest.param("kd-full", marks=pytest.mark.slow),
                                     pytest.param("kd-lora", marks=pytest.mark.slow)])
 def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(tiny_env, tmp_path, method):
-    common = ["--method", method, "--max-steps", "4", "--eval-every", "4", "--save-every", "2", *FAST_BUDGET]
+    # --tokens is a global budget: 512 tokens = 4 steps of 4 x 32 on one process, and on two processes of 2 x 32 each
+    common = ["--method", method, "--tokens", "512", "--eval-every", "4", "--save-every", "2", *FAST_BUDGET]
     one = tmp_path / "one"
     res = CliRunner().invoke(app, train_args(tiny_env, one, *common))  # --batch-size 4, one process
     assert res.exit_code == 0, res.output
@@ -50,7 +51,7 @@ def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(tiny_en
     s1 = json.loads((one / "summary.json").read_text())
     s2 = json.loads((two / "summary.json").read_text())
     assert s2["world_size"] == 2 and s2["global_batch"] == 4 == s1["global_batch"]
-    assert s2["tokens"] == s1["tokens"]
+    assert s2["tokens"] == s1["tokens"] == 512 and s2["steps"] == s1["steps"] == 4
     a, b = student_tensors(one), student_tensors(two)
     assert a.keys() == b.keys()
     for k in a:
