@@ -189,8 +189,9 @@ def task_examples(task: str, words: Sequence[str], examples: int, shots: int, se
 
 
 def summarise(correct: dict[str, dict[int, list[bool]]]) -> dict:
-    """Per task: accuracy (%) per seed, mean and population std over seeds; macro average over tasks (its std is
-    the std over seeds of the per-seed macro average)."""
+    """Per task: accuracy (%) per seed, mean and population std over seeds; the composite (macro average over tasks)
+    with the paper's error bar, the mean of the per-task stds (its Table 9's composite row equals that in every
+    column; ``std_of_seed_macro``, the std over seeds of the per-seed macro average, is kept beside it)."""
     tasks = {}
     seeds = sorted({s for per in correct.values() for s in per})
     for task, per_seed in correct.items():
@@ -199,6 +200,12 @@ def summarise(correct: dict[str, dict[int, list[bool]]]) -> dict:
         tasks[task] = {"per_seed": {str(s): acc[s] for s in seeds}, "mean": statistics.fmean(vals),
                        "std": statistics.pstdev(vals), "n": len(next(iter(per_seed.values())))}
     macro_per_seed = [statistics.fmean(t["per_seed"][str(s)] for t in tasks.values()) for s in seeds]
-    return {"tasks": tasks, "macro": {"mean": statistics.fmean(t["mean"] for t in tasks.values()),
-                                      "std": statistics.pstdev(macro_per_seed),
+    return {"tasks": tasks, "macro": {**composite(tasks.values()),
+                                      "std_of_seed_macro": statistics.pstdev(macro_per_seed),
                                       "per_seed": {str(s): v for s, v in zip(seeds, macro_per_seed)}}}
+
+
+def composite(tasks) -> dict:
+    """The ICL composite of per-task ``{"mean", "std"}``: mean of the means ± mean of the stds (the paper's form)."""
+    tasks = list(tasks)
+    return {"mean": statistics.fmean(t["mean"] for t in tasks), "std": statistics.fmean(t["std"] for t in tasks)}
