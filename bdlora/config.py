@@ -53,7 +53,11 @@ class TrainConfig:
     lr: float | None = None
     """Peak learning rate of AdamW (cosine decay, warm-up 3% capped at 2000 steps). Default 3e-4; builtin 2e-3."""
     weight_decay: float = 0.0
-    """AdamW weight decay."""
+    """AdamW weight decay (the paper's 0)."""
+    adam_beta1: float = 0.9
+    """AdamW beta1. The paper does not state its betas; 0.9 / 0.95 are nanoGPT's and most LLM recipes'."""
+    adam_beta2: float = 0.95
+    """AdamW beta2 (see --adam-beta1)."""
     grad_clip: float = 1.0
     """Gradient-norm clip."""
     temperature: float = 3.0
@@ -128,6 +132,8 @@ class TrainConfig:
         c.require(self.max_steps is None or self.tokens is None, "--max-steps and --tokens: give one, not both")
         c.number("lr", self.lr, lo=0.0, lo_open=True)
         c.number("weight_decay", self.weight_decay, lo=0.0)
+        c.number("adam_beta1", self.adam_beta1, 0.0, 1.0, hi_open=True)
+        c.number("adam_beta2", self.adam_beta2, 0.0, 1.0, hi_open=True)
         c.number("grad_clip", self.grad_clip, lo=0.0, lo_open=True)
         c.number("temperature", self.temperature, lo=0.0, lo_open=True)
         c.number("kd_weight", self.kd_weight, 0.0, 1.0)

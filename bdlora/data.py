@@ -4,7 +4,8 @@ that training reads through ``numpy.memmap``, so a corpus larger than RAM stream
 Layout of a tokenised corpus (a cache directory, keyed by a hash of corpus content + tokenizer + split):
     train.bin, val.bin   flat token streams (uint16 when the vocabulary fits, else uint32); each document is
                          followed by the tokenizer's EOS token, so packed blocks may cross document boundaries
-                         (as in nanoGPT / the paper's packed 1024-token sequences).
+                         (nanoGPT's packing; the paper instead truncates each document to 1024 tokens, which
+                         bdlora does not offer yet).
     meta.json            dtype, token and document counts per split, the fingerprint; written last, so a
                          directory without it is an interrupted build and is rebuilt.
 

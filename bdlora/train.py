@@ -42,7 +42,6 @@ from bdlora.teacher import load_teacher
 
 # Options a resumed run may change (where/how often it writes or measures, never the weights); the rest are fixed
 RESUME_MUTABLE = ("save_every", "keep_last", "eval_every", "device", "measure_step_time", "cache_dir")
-BETAS = (0.9, 0.95)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -241,7 +240,8 @@ def setup(cfg: TrainConfig, rep: Reporter, resume: RunDir | None, env: D.DistEnv
     method = METHOD_CLASSES[cfg.method](cfg)
     model = method.wrap(sess.student).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=BETAS)
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2))
     run = Run(cfg, sess, method, model, D.wrap_ddp(model, device) if env.enabled else None, params, optimizer,
               torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.max_steps)),
               DistillationLoss(cfg.temperature, cfg.kd_weight, cfg.loss_chunk),

@@ -111,3 +111,16 @@ def test_cli_train_and_yaml_config(tiny_env, tmp_path):
     stored = json.loads((tmp_path / "run" / "config.json").read_text())["config"]
     assert summary["method"] == "kd-lora" and summary["steps"] == 3
     assert stored["batch_size"] == 3  # the flag overrides the YAML value
+
+
+def test_adam_betas_are_options_and_reach_the_optimiser(tiny_env, tmp_path):
+    """The paper does not state AdamW's betas: they are options (default 0.9, 0.95), stored in the run config and
+    used by the optimiser (its param groups are saved in every checkpoint)."""
+    train(_cfg(tiny_env, tmp_path / "run", method="kd-lora", max_steps=2, save_every=1, adam_beta1=0.8,
+               adam_beta2=0.99))
+    state = json.loads(next((tmp_path / "run" / "checkpoints").glob("step-*/state.json")).read_text())
+    assert all(tuple(g["betas"]) == (0.8, 0.99) for g in state["param_groups"])
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["config"]["adam_beta2"] == 0.99
+    assert TrainConfig().adam_beta1 == 0.9 and TrainConfig().adam_beta2 == 0.95
+    res = CliRunner().invoke(app, ["train", "--adam-beta2", "1.0", "--out", str(tmp_path / "x")])
+    assert res.exit_code == 2 and "--adam-beta2 1.0: must be in [0, 1)" in res.stderr
