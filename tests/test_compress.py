@@ -198,8 +198,13 @@ def test_cli_compress_every_method(tiny_env, tmp_path, method):
     if method == "budgeted":
         assert report["dense_dropped"] == 14 and report["speedup_vs_dense"] > 1
         assert ev["compressed_val_ppl"] == pytest.approx(ev["student_val_ppl"], rel=1e-4)  # case 1 is exact
-    else:
+        assert report["param_reduction"] > 0 and report["speedup_vs_lora"] > report["speedup_vs_dense"]
+        assert "dense + LoRA" in report["baselines"]["param_reduction"]
+    else:  # the KD baselines deploy as a dense student: the paper's Table 5 gives them 1.00x and 0%
         assert report["dense_kept"] == 14 and report["speedup_vs_dense"] == 1.0
+        assert report["speedup_vs_lora"] == 1.0 and report["param_reduction"] == 0.0
+        assert (report["lora_macs"] > 0) == (method == "kd-lora")  # the trained adapter is still recorded
+        assert "dense student" in report["baselines"]["param_reduction"]
         assert ev["compressed_val_ppl"] == pytest.approx(ev["student_val_ppl"], rel=1e-4)
     hf = CliRunner().invoke(app, ["export", "hf", str(folder), "--out", str(tmp_path / "share")])
     assert hf.exit_code == 0, hf.output

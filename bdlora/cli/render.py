@@ -81,6 +81,9 @@ def compression_report(report: dict, title: str) -> None:
     s.add_row("MAC speed-up vs LoRA", f"{report['speedup_vs_lora']:.2f}x")
     s.add_row("parameter reduction", f"{100 * report['param_reduction']:.1f}%")
     out.print(s)
+    if report.get("baselines"):
+        b = report["baselines"]
+        out.print(f"[dim]vs LoRA: vs {b['speedup_vs_lora']}; parameter reduction: vs {b['param_reduction']}[/]")
     if "eval" in report:
         e = report["eval"]
         out.print(f"held-out perplexity: student {e['student_val_ppl']:.3f} -> compressed "
