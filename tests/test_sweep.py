@@ -5,6 +5,7 @@ import pytest
 from typer.testing import CliRunner
 
 from bdlora.cli import app
+from bdlora.reporter import Reporter
 from bdlora.sweep.options import family
 
 
@@ -66,3 +67,37 @@ def test_sweep_runs_a_family_and_resumes_without_retraining(tiny_env, tmp_path):
     assert res.exit_code == 2 and "--lr" in res.output
     res = CliRunner().invoke(app, sweep_args(tiny_env, out))
     assert res.exit_code == 2 and "not empty" in res.output
+
+
+def test_reference_rows_are_the_teacher_and_the_student_init_when_they_differ(tiny_env, tmp_path):
+    """The paper's Figure 2 line is the model the students were initialised from; with --student-init other than
+    the teacher both are evaluated once (resumable) and both rows appear in sweep.md."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bdlora.io import write_json
+    from bdlora.runs import SweepDir
+    from bdlora.sweep.options import SweepOptions
+    from bdlora.sweep.report import markdown
+    from bdlora.sweep.run import _eval_teacher
+
+    init = tmp_path / "init"
+    m = AutoModelForCausalLM.from_pretrained(tiny_env["teacher"], dtype=torch.float32)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(0.5)  # a different model with the same tokenizer
+    m.save_pretrained(init)
+    tiny_env["tokenizer"].save_pretrained(init)
+    sweep = SweepDir(tmp_path / "sweep")
+    cfg = {"teacher": str(tiny_env["teacher"]), "student_init": str(init), "data": str(tiny_env["corpus"]),
+           "seq_len": 32, "eval_tokens": 256, "heldout_fraction": 0.1, "cache_dir": str(tiny_env["cache"])}
+    write_json(sweep.path / "kd-lora" / "config.json", {"config": cfg})
+    opts = SweepOptions(budgets=[], baselines=["kd-lora"], train={}, eval_examples=1, eval_seeds=1)
+    ref = _eval_teacher(opts, sweep, [{"name": "kd-lora"}], Reporter())
+    assert ref["student_init"]["source"] == str(init)
+    assert ref["student_init"]["val_ppl"] != pytest.approx(ref["val_ppl"])
+    assert (sweep.path / "teacher.eval.json").is_file() and (sweep.path / "student_init.eval.json").is_file()
+    md = markdown({"teacher": ref, "members": []})
+    assert "| teacher |" in md and "| student init |" in md
+    cfg["student_init"] = cfg["teacher"]
+    write_json(sweep.path / "kd-lora" / "config.json", {"config": cfg})
+    assert "student_init" not in _eval_teacher(opts, sweep, [{"name": "kd-lora"}], Reporter())

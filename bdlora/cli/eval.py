@@ -15,8 +15,9 @@ from bdlora.evaluate import EvalConfig
 from bdlora.runs import RUNS_DIR
 from bdlora.sweep.options import SweepOptions
 
-SWEEP_TRAIN_OPTIONS = ("teacher", "data", "student_layers", "seq_len", "batch_size", "max_steps", "tokens", "lr",
-                       "lora_rank", "lora_alpha", "eval_tokens", "heldout_fraction", "seed", "device", "cache_dir")
+SWEEP_TRAIN_OPTIONS = ("teacher", "student_init", "data", "student_layers", "seq_len", "batch_size", "max_steps",
+                       "tokens", "lr", "lora_rank", "lora_alpha", "eval_tokens", "heldout_fraction", "seed", "device",
+                       "cache_dir")
 
 
 @command(name="eval", options=from_dataclass(EvalConfig, skip=("ppl", "icl"), defaults=True))

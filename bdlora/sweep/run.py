@@ -128,19 +128,32 @@ def _bench_member(m: Member, opts: SweepOptions, sweep: SweepDir, model_dir: Mod
 
 
 def _eval_teacher(opts: SweepOptions, sweep: SweepDir, rows: list[dict], reporter: Reporter) -> dict | None:
+    """The teacher's reference row, and (when the students were initialised from another checkpoint) the
+    init model's: the paper's Figure 2 draws its dashed line at the init model, not the teacher."""
+    if not rows:
+        return None
+    cfg = sweep.member(rows[0]["name"]).config()
+    ref = _eval_reference(cfg["teacher"], "teacher", cfg, opts, sweep, reporter)
+    init = cfg.get("student_init")
+    if init and init != cfg["teacher"]:
+        ref["student_init"] = {**_eval_reference(init, "student_init", cfg, opts, sweep, reporter), "source": init}
+    return ref
+
+
+def _eval_reference(spec: str, name: str, cfg: dict, opts: SweepOptions, sweep: SweepDir, reporter: Reporter) -> dict:
+    from bdlora import sources
+    from bdlora.data import default_cache_dir
     from bdlora.teacher import builtin_teacher_dir
 
-    path = sweep.path / f"teacher{EVAL}"
+    path = sweep.path / f"{name}{EVAL}"
     if not path.exists():
-        if not rows:
-            return None
-        cfg = sweep.member(rows[0]["name"]).config()
-        tdir = builtin_teacher_dir(Path(cfg["cache_dir"]).expanduser() if cfg.get("cache_dir") else None) \
-            if cfg["teacher"] == BUILTIN else Path(cfg["teacher"])
-        reporter.stage(f"teacher: eval of {tdir}")
+        cache = Path(cfg["cache_dir"]).expanduser() if cfg.get("cache_dir") else None
+        folder = builtin_teacher_dir(cache) if spec == BUILTIN else Path(
+            sources.resolve(spec, cache or default_cache_dir(), f"--{name.replace('_', '-')}"))
+        reporter.stage(f"{name}: eval of {folder}")
         ecfg = EvalConfig(examples=opts.eval_examples, seeds=opts.eval_seeds, data=cfg["data"],
                           seq_len=cfg["seq_len"], tokens=cfg["eval_tokens"], heldout_fraction=cfg["heldout_fraction"])
-        write_json(path, evaluate_target(tdir, ecfg))
+        write_json(path, evaluate_target(folder, ecfg))
     ev = read_json(path)
     return {"val_ppl": ev["ppl"]["val_ppl"], "icl_composite": ev["icl"]["macro"]["mean"],
             "icl_composite_std": ev["icl"]["macro"]["std"],
