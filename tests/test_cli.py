@@ -179,3 +179,28 @@ def test_unusable_out_is_one_line_before_any_work(tiny_env, tmp_path, make_out, 
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert needle in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_the_paper_recipe_ships_with_the_package(monkeypatch):
+    """--config paper: the paper's budget, not the first-run defaults (2^14 tokens per device and step, 2.55B tokens
+    in all over its two devices, a 10M-token validation set, rank 128 / alpha 256)."""
+    from bdlora.config import TrainConfig, load_yaml, merge
+
+    values = load_yaml("paper")
+    cfg = merge(values, {}).validate()
+    assert isinstance(cfg, TrainConfig)
+    assert cfg.batch_size * cfg.seq_len == 2 ** 14 and cfg.tokens == 2_550_000_000 and cfg.eval_tokens == 10_000_000
+    assert (cfg.lora_rank, cfg.lora_alpha, cfg.lr, cfg.weight_decay) == (128, 256.0, 3e-4, 0.0)
+    from types import SimpleNamespace
+
+    from transformers import MistralConfig
+
+    from bdlora.train import _resolve_sizes
+
+    teacher = SimpleNamespace(config=MistralConfig(hidden_size=512, num_attention_heads=8, num_key_value_heads=8,
+                                                   intermediate_size=1024, num_hidden_layers=2,
+                                                   max_position_embeddings=2048))
+    monkeypatch.setenv("WORLD_SIZE", "2")  # the paper's two devices: --tokens is a global budget
+    assert _resolve_sizes(cfg, teacher).max_steps == 2_550_000_000 // (16 * 1024 * 2) == 77_819
+    res = CliRunner().invoke(app, ["train", "--config", "nonesuch"])
+    assert res.exit_code == 2 and "a recipe shipped with bdlora: paper" in res.stderr

@@ -53,7 +53,9 @@ def teacher(
 
 @command(options=from_dataclass(TrainConfig, skip=("extra",)))
 def train(
-    config: Annotated[Optional[str], typer.Option(help="YAML file holding any of these options; flags override.")]
+    config: Annotated[Optional[str], typer.Option(help="YAML file holding any of these options, or a recipe "
+                                                       "shipped with bdlora (paper: the paper's full budget); flags "
+                                                       "override.")]
     = None,
     resume: Annotated[Optional[str], typer.Option(help="Continue an unfinished run directory from its latest "
                                                         "verified checkpoint (its stored options are used).")] = None,
