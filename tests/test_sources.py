@@ -153,3 +153,14 @@ def test_unknown_preset_is_one_line(tmp_path):
     res = CliRunner().invoke(app, ["teacher", "--preset", "llama-9000", "--cache-dir", str(tmp_path)])
     assert res.exit_code == 2 and "--preset llama-9000: unknown (allowed: smollm2-135m, or a .gguf file)" in res.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_export_onnx_of_a_gguf_teacher(tiny_env, tiny_gguf, tmp_path, monkeypatch):
+    """The dense teacher itself exports (the baseline users compare against), validated like any model folder."""
+    _, path = tiny_gguf
+    monkeypatch.setenv("BDLORA_CACHE", str(tmp_path / "cache"))
+    res = CliRunner().invoke(app, ["export", "onnx", str(path), "--out", str(tmp_path / "t.onnx"), "--json"])
+    assert res.exit_code == 0, res.output
+    info = json.loads(res.stdout)
+    assert info["validation"]["max_abs_diff"] <= info["validation"]["tolerance"]
+    assert (tmp_path / "t.onnx" / "model.onnx").is_file() and set(info["summary"]["forms"]) == {"dense"}

@@ -38,7 +38,8 @@ def export_hf(
 @command(export_app, "onnx")
 def export_onnx(
     model_dir: Annotated[Optional[str], typer.Argument(help="Model folder: a `bdlora compress` output (default: the "
-                                                            "latest) or any HF Llama/Mistral/Qwen2 folder.")] = None,
+                                                            "latest), any HF Llama/Mistral/Qwen2 folder, a teacher "
+                                                            "preset or a .gguf file.")] = None,
     out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: MODEL_DIR.onnx).")] = None,
     opset: Annotated[int, typer.Option(help="ONNX opset (14 up to the exporter's maximum).")] = 17,
     quantize: Annotated[Optional[str], typer.Option(help="int8: also write model_int8.onnx (dynamic weight "
@@ -54,14 +55,23 @@ def export_onnx(
 ):
     """Export a model as an ONNX decoder with KV cache and per-module shape metadata, validated against PyTorch;
     the folder loads in optimum's ORTModelForCausalLM (bdlora.export.onnx.load_ort_model, the [optimum] extra)."""
+    from bdlora import sources
     from bdlora.cli.progress import RichReporter
     from bdlora.export.onnx import export_onnx_folder
     from bdlora.runs import ModelDir
 
-    src = _source(model_dir, runs_dir)
-    dst = Path(out_dir) if out_dir else ModelDir(src).onnx_out()
+    rep = RichReporter(err if json_out else out)
+    if model_dir is not None and (model_dir in sources.PRESETS or sources.is_gguf(model_dir)):
+        from bdlora.data import default_cache_dir
+
+        # a teacher preset or GGUF file: its HF folder in the cache; the export goes beside you, not in the cache
+        src = Path(sources.resolve(model_dir, default_cache_dir(), "MODEL_DIR", rep.stage))
+        dst = Path(out_dir) if out_dir else Path(Path(model_dir).name.removesuffix(".gguf") + ".onnx")
+    else:
+        src = _source(model_dir, runs_dir)
+        dst = Path(out_dir) if out_dir else ModelDir(src).onnx_out()
     info = export_onnx_folder(src, dst, opset=opset, quantize=quantize, run_validation=not no_validate, force=force,
-                              reporter=RichReporter(err if json_out else out), optimize=optimize)
+                              reporter=rep, optimize=optimize)
     if json_out:
         print(json.dumps(info, indent=2))
         return
