@@ -15,8 +15,13 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def hub_id(teacher) -> str | None:
-    """``teacher`` if it names a hub repository (``org/name``, not a local path), else None: hubs validate
-    ``base_model`` against existing repositories."""
+    """``teacher`` if it names a hub repository (``org/name``, not a local path), a preset's original repository
+    (``smollm2-135m``: HuggingFaceTB/SmolLM2-135M-Instruct), else None: hubs validate ``base_model`` against
+    existing repositories."""
+    from bdlora.sources import PRESETS
+
+    if isinstance(teacher, str) and teacher in PRESETS:
+        return PRESETS[teacher].hub_id
     if not isinstance(teacher, str) or not _HUB_ID.match(teacher) or Path(teacher).exists():
         return None
     return teacher

@@ -247,7 +247,8 @@ def test_cli_compress_bad_input(tiny_env, tmp_path):
 SMOL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-@pytest.mark.parametrize("teacher,expected", [(SMOL, SMOL), ("builtin", None), ("/ckpt/teacher-0.5b", None),
+@pytest.mark.parametrize("teacher,expected", [(SMOL, SMOL), ("smollm2-135m", SMOL), ("builtin", None),
+                                              ("/ckpt/teacher-0.5b", None),
                                               ("a/b/c", None)])
 def test_model_card_base_model_only_for_hub_ids(teacher, expected):
     from bdlora.export.card import hub_id
