@@ -161,9 +161,11 @@ def check_onnx_dir(path: Path, onnx_file: str) -> None:
         raise ModelError(f"{path}: no such folder (pass a `bdlora export onnx` output)")
     if not (path / onnx_file).resolve().is_relative_to(path.resolve()):
         raise UsageError(f"--onnx-file {onnx_file}: must name a graph inside {path}")
-    for need in (onnx_file, "config.json"):
-        if not (path / need).is_file():
-            raise ModelError(f"{path}: no {need} (pass a `bdlora export onnx` output)")
+    if not (path / onnx_file).is_file():
+        found = ", ".join(sorted(p.name for p in path.glob("*.onnx"))) or "none"
+        raise ModelError(f"{path}: no {onnx_file} (ONNX files there: {found}; pass a `bdlora export onnx` output)")
+    if not (path / "config.json").is_file():
+        raise ModelError(f"{path}: no config.json (pass a `bdlora export onnx` output)")
     if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         raise ModelError(f"{path}: no tokenizer files")
     for what, load in (("config.json", DecoderShape.from_folder), ("tokenizer", TextTokenizer)):

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import subprocess
 import sys
@@ -53,14 +52,23 @@ def is_gguf(spec: str) -> bool:
     return spec.lower().endswith(".gguf")
 
 
+def is_named(spec: str) -> bool:
+    """A preset or a .gguf file: a source bdlora materialises into the cache before anything reads it."""
+    return spec in PRESETS or is_gguf(spec)
+
+
 def looks_like_hub_id(spec: str) -> bool:
     parts = spec.split("/")
     return len(parts) == 2 and all(parts) and not spec.startswith((".", "/", "~")) and not Path(spec).exists()
 
 
-def resolve(spec: str, cache_dir: Path, what: str = "--teacher", on_stage=None) -> str:
+def resolve(spec: str, cache_dir: Path | None = None, what: str = "--teacher", on_stage=None) -> str:
     """A local folder (or a hub id transformers resolves) for ``spec``; GGUF files and presets are materialised into
-    ``cache_dir`` on first use. ``builtin`` is the caller's (it trains a model)."""
+    ``cache_dir`` (default: bdlora's cache) on first use. ``builtin`` is the caller's (it trains a model)."""
+    if cache_dir is None:
+        from bdlora.data import default_cache_dir
+
+        cache_dir = default_cache_dir()
     stage = on_stage or (lambda msg: None)
     if spec in PRESETS:
         return str(materialise_preset(PRESETS[spec], cache_dir, stage))
@@ -91,17 +99,11 @@ def hub_error(spec: str, what: str, e: Exception) -> ModelError:
                       f"({', '.join(PRESETS)})")
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def materialise_gguf(gguf: Path, cache_dir: Path, source: dict, stage, key: str | None = None) -> Path:
     """The GGUF file as a Hugging Face folder in the cache (made once; later calls return it)."""
-    digest = sha256_file(gguf)
+    from bdlora.integrity import sha256
+
+    digest = sha256(gguf)
     dst = materialised_dir(cache_dir, key or f"gguf-{digest[:16]}")
     if (dst / SOURCE_FILE).is_file():
         return dst

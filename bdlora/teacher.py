@@ -179,7 +179,7 @@ def load_teacher(spec: str, cache_dir: Path | None = None, device: str = "cpu", 
     if spec == BUILTIN:
         path = build_builtin_teacher(cache_dir, on_stage=on_stage, on_step=on_step)
     else:
-        path = Path(sources.resolve(spec, cache_dir or default_cache_dir(), what, on_stage))
+        path = Path(sources.resolve(spec, cache_dir, what, on_stage))
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -207,7 +207,7 @@ def describe_pretrained(spec: str, cache_dir: Path | None = None, on_stage=None,
     (default: the builtin corpus) is measured once per corpus and kept in the folder's ``heldout.json``."""
     from bdlora import sources
 
-    if spec not in sources.PRESETS and not sources.is_gguf(spec):
+    if not sources.is_named(spec):
         raise UsageError(f"--preset {spec}: unknown (allowed: {', '.join(sources.PRESETS)}, or a .gguf file)")
     cache = cache_dir or default_cache_dir()
     path = Path(sources.resolve(spec, cache, "--preset", on_stage))
@@ -222,5 +222,5 @@ def describe_pretrained(spec: str, cache_dir: Path | None = None, on_stage=None,
         seq = min(512, model.config.max_position_embeddings)
         blocks = PackedBlocks(tokens.tokens("val"), seq, max_tokens=PRETRAINED_PPL_TOKENS)
         write_json(report, {"val_ppl": perplexity(model, blocks), "ppl_tokens": len(blocks) * seq, "seq_len": seq,
-                            "data": data, "parameters": sum(p.numel() for p in model.parameters())})
+                            "data": data})  # the parameter count is source.json's
     return {**(sources.source_note(path) or {}), **json.loads(report.read_text()), "path": str(path)}

@@ -61,11 +61,9 @@ def export_onnx(
     from bdlora.runs import ModelDir
 
     rep = RichReporter(err if json_out else out)
-    if model_dir is not None and (model_dir in sources.PRESETS or sources.is_gguf(model_dir)):
-        from bdlora.data import default_cache_dir
-
+    if model_dir is not None and sources.is_named(model_dir):
         # a teacher preset or GGUF file: its HF folder in the cache; the export goes beside you, not in the cache
-        src = Path(sources.resolve(model_dir, default_cache_dir(), "MODEL_DIR", rep.stage))
+        src = Path(sources.resolve(model_dir, None, "MODEL_DIR", rep.stage))
         dst = Path(out_dir) if out_dir else Path(Path(model_dir).name.removesuffix(".gguf") + ".onnx")
     else:
         src = _source(model_dir, runs_dir)

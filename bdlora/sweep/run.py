@@ -142,14 +142,13 @@ def _eval_teacher(opts: SweepOptions, sweep: SweepDir, rows: list[dict], reporte
 
 def _eval_reference(spec: str, name: str, cfg: dict, opts: SweepOptions, sweep: SweepDir, reporter: Reporter) -> dict:
     from bdlora import sources
-    from bdlora.data import default_cache_dir
     from bdlora.teacher import builtin_teacher_dir
 
     path = sweep.path / f"{name}{EVAL}"
     if not path.exists():
         cache = Path(cfg["cache_dir"]).expanduser() if cfg.get("cache_dir") else None
         folder = builtin_teacher_dir(cache) if spec == BUILTIN else Path(
-            sources.resolve(spec, cache or default_cache_dir(), f"--{name.replace('_', '-')}"))
+            sources.resolve(spec, cache, f"--{name.replace('_', '-')}"))
         reporter.stage(f"{name}: eval of {folder}")
         ecfg = EvalConfig(examples=opts.eval_examples, seeds=opts.eval_seeds, data=cfg["data"],
                           seq_len=cfg["seq_len"], tokens=cfg["eval_tokens"], heldout_fraction=cfg["heldout_fraction"])
