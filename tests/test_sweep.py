@@ -101,3 +101,173 @@ def test_reference_rows_are_the_teacher_and_the_student_init_when_they_differ(ti
     cfg["student_init"] = cfg["teacher"]
     write_json(sweep.path / "kd-lora" / "config.json", {"config": cfg})
     assert "student_init" not in _eval_teacher(opts, sweep, [{"name": "kd-lora"}], Reporter())
+
+
+def test_vary_axes_parse_type_and_refuse():
+    from bdlora.errors import UsageError
+    from bdlora.sweep.vary import grid, label, parse_axis
+
+    ax = parse_axis("temperature,kd-weight=1:0.3,2:0.5")
+    assert ax == {"options": ["temperature", "kd_weight"], "values": [[1.0, 0.3], [2.0, 0.5]]}
+    assert parse_axis("--lora-rank=16,32")["values"] == [[16], [32]]
+    assert parse_axis("student_layers=none,2")["values"] == [[None], [2]]
+    axes = [ax, parse_axis("eps_lr=0.5,0.9"), parse_axis("layer_selection=mixed,scratch")]
+    train = grid(axes, compress=False)
+    assert len(train) == 4 and train[1] == {"temperature": 1.0, "kd_weight": 0.3, "layer_selection": "scratch"}
+    assert grid(axes, compress=True) == [{"eps_lr": 0.5}, {"eps_lr": 0.9}]
+    assert label(train[1]) == "+temperature=1+kd_weight=0.3+layer_selection=scratch"
+    for spec, needle in [("budget=0.1", "--budgets"), ("teacher=a,b", "sweep-merge"), ("foo=1", "unknown option"),
+                         ("lora_rank=a", "not an integer"), ("temperature=nan", "not a number"),
+                         ("temperature", "expected OPTION=V1,V2"), ("temperature,eps_lr=1:0.5", "own --vary"),
+                         ("lora_rank=4,4", "each value once"), ("temperature,kd_weight=1,2", "separate them")]:
+        with pytest.raises(UsageError, match=needle):
+            parse_axis(spec)
+    with pytest.raises(UsageError, match="more than one --vary"):
+        family([0.0], [], [parse_axis("temperature=1,2"), parse_axis("temperature=3")])
+    members = family([0.0], ["kd-lora"], axes[:2])
+    # the compress-time axis multiplies only the budgeted members; both thresholds share one training run
+    assert [m.name for m in members] == [
+        "kd-lora+temperature=1+kd_weight=0.3", "kd-lora+temperature=2+kd_weight=0.5",
+        "budgeted-F0+temperature=1+kd_weight=0.3+eps_lr=0.5", "budgeted-F0+temperature=1+kd_weight=0.3+eps_lr=0.9",
+        "budgeted-F0+temperature=2+kd_weight=0.5+eps_lr=0.5", "budgeted-F0+temperature=2+kd_weight=0.5+eps_lr=0.9"]
+    assert members[2].run == members[3].run == "budgeted-F0+temperature=1+kd_weight=0.3"
+
+
+def _icl_doc(tasks: dict, ppl: float) -> dict:
+    from bdlora.icl import composite
+
+    c = composite(tasks.values())
+    return {"val_ppl": ppl, "icl_composite": c["mean"], "icl_composite_std": c["std"], "icl_target_logprob": -1.0,
+            "icl_tasks": tasks}
+
+
+def test_paper_tables_and_merge_layout(tmp_path):
+    """table9.md / main.md from known rows: exact cells, the composite's ± is the mean of the task stds, a merged
+    layout has one column per member x teacher, and unfinished or ambiguous inputs are refused."""
+    from bdlora.errors import UsageError
+    from bdlora.io import write_json
+    from bdlora.sweep.paper import main_table, merge_sweeps, table9
+
+    def row(name, method, budget, tasks, ppl, mac):
+        return {"name": name, "method": method, "budget": budget, "settings": {}, **_icl_doc(tasks, ppl),
+                "train_compute_proxy": 0.38, "mac_speedup_vs_dense": mac, "param_reduction": 0.802,
+                "measured": {"model_decode": {"speedup_vs_dense": 1.5}}}
+
+    t = {"a": {"mean": 10.0, "std": 1.0}, "b": {"mean": 20.0, "std": 3.0}}
+    doc = {"options": {"train": {"teacher": "/ckpt/teacher-0.5b"}}, "teacher": _icl_doc(t, 16.0),
+           "members": [row("kd-full", "kd-full", None, t, 18.26, 1.0),
+                       row("budgeted-F0", "budgeted", 0.0, {"a": {"mean": 4.0, "std": 0.5},
+                                                            "b": {"mean": 6.0, "std": 1.5}}, 25.13, 4.05)]}
+    md = table9([("0.5B", doc)])
+    assert "| a | 10.0 ± 1.0 | 10.0 ± 1.0 | 4.0 ± 0.5 |" in md
+    assert "| **ICL composite (macro)** | **15.0 ± 2.0** | **15.0 ± 2.0** | **5.0 ± 1.0** |" in md
+    main = main_table([("0.5B", doc)])
+    assert "| F = 0 | 25.13 | 5.0 ± 1.0 | 0.38x | 4.05x | 80.2% | 1.50x |" in main
+    assert main.index("*Baselines*") < main.index("KD Full") < main.index("*Budgeted LoRA*") < main.index("F = 0 |")
+
+    dirs = []
+    for i, label in enumerate(("0.13B", "1B")):
+        d = tmp_path / f"sweep{i}"
+        write_json(d / "results.json", {**doc, "members": [{**r, "val_ppl": r["val_ppl"] + i}
+                                                           for r in doc["members"]]})
+        dirs.append(str(d))
+    merge_sweeps(dirs, ["0.13B", "1B"], tmp_path / "merged")
+    merged = (tmp_path / "merged" / "main.md").read_text()
+    assert "| Method | PPL 0.13B | PPL 1B | ICL % 0.13B | ICL % 1B |" in merged
+    assert "| F = 0 | 25.13 | 26.13 |" in merged
+    assert "| task | teacher 0.13B | teacher 1B | kd-full 0.13B | kd-full 1B | budgeted-F0 0.13B | budgeted-F0 1B |" \
+        in (tmp_path / "merged" / "table9.md").read_text()
+    assert (tmp_path / "merged" / "icl.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(UsageError, match="not empty"):
+        merge_sweeps(dirs, ["0.13B", "1B"], tmp_path / "merged")
+    with pytest.raises(UsageError, match="share the label"):
+        merge_sweeps(dirs, None, tmp_path / "m2")
+    with pytest.raises(UsageError, match="2 sweep"):
+        merge_sweeps(dirs, ["x"], tmp_path / "m2")
+    with pytest.raises(UsageError, match="not a finished sweep"):
+        merge_sweeps([str(tmp_path)], None, tmp_path / "m2")
+    assert not (tmp_path / "m2").exists()
+
+
+def test_vary_grid_runs_resumes_and_renders_the_paper_outputs(tiny_env, tmp_path):
+    out = tmp_path / "grid"
+    yaml = tmp_path / "grid.yaml"
+    # the budget drops at once but the EMA lags, so the low-rank paths learn while the dense paths fade (with no lag
+    # every projection is zero from the first step and, B starting at zero, no gradient reaches any parameter)
+    yaml.write_text("decay_start: 0.0\ndecay_end: 0.0\nretention_ema: 0.5\nmeasure_step_time: false\n")
+    args = sweep_args(tiny_env, out, "--budgets", "0.0", "--baselines", "", "--no-bench", "--config", str(yaml),
+                      "--vary", "temperature,kd_weight=1:0.3,2:0.5", "--vary", "eps_lr=0.5,0.9")
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    doc = json.loads((out / "results.json").read_text())
+    names = [r["name"] for r in doc["members"]]
+    assert names == ["budgeted-F0+temperature=1+kd_weight=0.3+eps_lr=0.5",
+                     "budgeted-F0+temperature=1+kd_weight=0.3+eps_lr=0.9",
+                     "budgeted-F0+temperature=2+kd_weight=0.5+eps_lr=0.5",
+                     "budgeted-F0+temperature=2+kd_weight=0.5+eps_lr=0.9"]
+    runs = sorted(p.name for p in out.iterdir() if (p / "summary.json").is_file())
+    assert runs == ["budgeted-F0+temperature=1+kd_weight=0.3", "budgeted-F0+temperature=2+kd_weight=0.5"]
+    cfg = json.loads((out / runs[0] / "config.json").read_text())["config"]
+    assert (cfg["temperature"], cfg["kd_weight"]) == (1.0, 0.3)
+    ppl = [r["student_val_ppl"] for r in doc["members"]]
+    assert ppl[0] == ppl[1] != ppl[2] == ppl[3]  # one training per train point, and the settings matter
+    for r in doc["members"]:
+        comp = json.loads((out / f"{r['name']}.compressed" / "compression.json").read_text())
+        assert comp["thresholds"]["eps_lr"] == r["settings"]["eps_lr"]
+        ev = json.loads((out / f"{r['name']}.eval.json").read_text())
+        assert r["icl_tasks"]["capitalize"]["mean"] == ev["icl"]["tasks"]["capitalize"]["mean"]
+    t9 = (out / "table9.md").read_text()
+    assert t9.count("\n| ") == 1 + 19 + 1 and all(f" {n} |" in t9.splitlines()[2] for n in names)
+    assert "| F = 0, temperature=1, kd_weight=0.3, eps_lr=0.5 |" in (out / "main.md").read_text()
+    assert "| member | temperature | kd_weight | eps_lr |" in (out / "sweep.md").read_text()
+    assert (out / "icl.png").read_bytes()[:4] == b"\x89PNG"
+
+    # interrupted: the outputs, one member's eval and another's compressed model are gone; nothing retrains
+    stamps = {r: (out / r / "summary.json").stat().st_mtime_ns for r in runs}
+    before = (out / "table9.md").read_text()
+    for p in ("results.json", "table9.md", "main.md", "icl.png", f"{names[1]}.eval.json"):
+        (out / p).unlink()
+    shutil.rmtree(out / f"{names[2]}.compressed")
+    res = CliRunner().invoke(app, ["sweep", "--resume", str(out)])
+    assert res.exit_code == 0, res.output
+    assert {r: (out / r / "summary.json").stat().st_mtime_ns for r in runs} == stamps
+    assert (out / "table9.md").read_text() == before
+    res = CliRunner().invoke(app, ["sweep", "--resume", str(out), "--vary", "lora_rank=2,4"])
+    assert res.exit_code == 2 and "drop --vary" in res.output
+
+
+def test_vary_refuses_a_bad_grid_point_before_training(tiny_env, tmp_path):
+    out = tmp_path / "bad"
+    res = CliRunner().invoke(app, sweep_args(tiny_env, out, "--budgets", "0.0", "--baselines", "", "--vary",
+                                             "kd_weight=0.5,1.5"))
+    assert res.exit_code == 2 and "budgeted-F0+kd_weight=1.5" in res.output and "--kd-weight 1.5" in res.output
+    assert not out.exists()
+    res = CliRunner().invoke(app, sweep_args(tiny_env, out, "--vary", "budget=0.1,0.2"))
+    assert res.exit_code == 2 and "--budgets" in res.output and not out.exists()
+
+
+def test_readme_ablation_commands_define_the_papers_grids():
+    """Every command line of the README's ablation table parses against the sweep's own options and defines the
+    grid of its paper table (members counted, training runs counted)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    import typer
+
+    from bdlora.cli.options import float_list, str_list
+    from bdlora.sweep.vary import parse_axis
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    commands = re.findall(r"^\| [^|]+ \| `(bdlora sweep [^`]+)` \|", readme, flags=re.M)
+    params = {o for p in typer.main.get_command(app).commands["sweep"].params for o in p.opts}
+    expected = [(8, 8), (4, 4), (6, 6), (4, 4), (4, 4), (3, 3), (18, 2)]  # (members, training runs)
+    assert len(commands) == len(expected)
+    for line, (n_members, n_runs) in zip(commands, expected):
+        args = shlex.split(line)[2:]
+        flags = dict(zip(args[::2], args[1::2]))
+        assert all(a in params for a in args[::2]), line
+        varies = [parse_axis(v) for k, v in zip(args[::2], args[1::2]) if k == "--vary"]
+        members = family(float_list(flags["--budgets"], "--budgets") or [], str_list(flags["--baselines"]) or [],
+                         varies)
+        assert (len(members), len({m.run for m in members})) == (n_members, n_runs), line

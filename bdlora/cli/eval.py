@@ -15,9 +15,9 @@ from bdlora.evaluate import EvalConfig
 from bdlora.runs import RUNS_DIR
 from bdlora.sweep.options import SweepOptions
 
-SWEEP_TRAIN_OPTIONS = ("teacher", "student_init", "data", "student_layers", "seq_len", "batch_size", "max_steps",
-                       "tokens", "lr", "lora_rank", "lora_alpha", "eval_tokens", "heldout_fraction", "seed", "device",
-                       "cache_dir")
+SWEEP_TRAIN_OPTIONS = ("teacher", "student_init", "data", "student_layers", "layer_selection", "seq_len", "batch_size",
+                       "max_steps", "tokens", "lr", "temperature", "kd_weight", "lora_rank", "lora_alpha",
+                       "eval_tokens", "heldout_fraction", "seed", "device", "cache_dir")
 
 
 @command(name="eval", options=from_dataclass(EvalConfig, skip=("ppl", "icl"), defaults=True))
@@ -59,6 +59,10 @@ def sweep(
     = "kd-full,kd-lora",
     config: Annotated[Optional[str], typer.Option(help="YAML of any `bdlora train` option, shared by every member; "
                                                        "flags override.")] = None,
+    vary: Annotated[Optional[list[str]], typer.Option(
+        help="Ablation grid axis, repeatable: OPTION=V1,V2 (any train option, or the compress thresholds eps_lr, "
+             "gate_threshold, svd_max_rank: re-compressed, not retrained); OPT1,OPT2=A1:B1,A2:B2 varies options "
+             "together. Every method runs at every point of the product of all axes.")] = None,
     eps_lr: Annotated[float, typer.Option(help="compress --eps-lr of every budgeted member.")] = SweepOptions.eps_lr,
     examples: Annotated[int, typer.Option(help="ICL query prompts per task and seed.")] = SweepOptions.eval_examples,
     seeds: Annotated[int, typer.Option(help="ICL demonstration seeds.")] = SweepOptions.eval_seeds,
@@ -74,21 +78,23 @@ def sweep(
     json_out: Annotated[bool, typer.Option("--json", help="Print results.json.")] = False,
     **opts,
 ):
-    """Train, compress, evaluate and bench a budget family (baselines + budgeted at each F) with everything else
-    fixed; writes the paper-style table (sweep.md, results.json) and a Pareto plot (pareto.png)."""
+    """Train, compress, evaluate and bench a budget family (baselines + budgeted at each F, at every point of the
+    --vary grid) with everything else fixed; writes sweep.md, results.json, pareto.png and the paper's layouts
+    (main.md, table9.md, icl.png)."""
     from bdlora.cli.progress import RichReporter
     from bdlora.config import load_yaml, merge
     from bdlora.errors import UsageError
     from bdlora.runs import SweepDir
     from bdlora.sweep.report import markdown
     from bdlora.sweep.run import run_sweep
+    from bdlora.sweep.vary import parse_axis
 
     rep = RichReporter(err if json_out else out)
     if resume is not None:
         given = [k for k, v in opts.items() if v is not None]
-        if given or config:
-            raise UsageError(f"--resume {resume}: continues with the sweep's stored options; drop "
-                             f"{', '.join('--' + k.replace('_', '-') for k in given) or '--config'}")
+        given = ["--" + k.replace("_", "-") for k in given] + ["--config"] * bool(config) + ["--vary"] * bool(vary)
+        if given:
+            raise UsageError(f"--resume {resume}: continues with the sweep's stored options; drop {', '.join(given)}")
         doc = run_sweep(None, SweepDir(resume), rep, resume=True)
     else:
         cfg = merge(load_yaml(config) if config else {}, {**opts, "runs_dir": runs_dir}).validate()
@@ -97,10 +103,28 @@ def sweep(
         sopts = SweepOptions(budgets=float_list(budgets, "--budgets"), baselines=str_list(baselines) or [],
                              train=train_opts, eps_lr=eps_lr, eval_examples=examples, eval_seeds=seeds, bench=bench,
                              bench_batch_sizes=int_list(bench_batch_sizes, "--bench-batch-sizes"),
-                             bench_seq_lens=int_list(bench_seq_lens, "--bench-seq-lens"), bench_repeats=bench_repeats)
+                             bench_seq_lens=int_list(bench_seq_lens, "--bench-seq-lens"), bench_repeats=bench_repeats,
+                             vary=[parse_axis(v) for v in vary or []])
         doc = run_sweep(sopts.validate(), SweepDir.new(runs_dir, out_dir), rep)
     if json_out:
         print(json.dumps(doc, indent=2))
         return
     out.print(markdown(doc))
-    out.print(f"[green]wrote[/] {doc['sweep_dir']}/sweep.md, results.json, pareto.png")
+    out.print(f"[green]wrote[/] {doc['sweep_dir']}/sweep.md, results.json, pareto.png, main.md, table9.md, icl.png")
+
+
+@command()
+def sweep_merge(
+    sweeps: Annotated[list[str], typer.Argument(help="Finished sweep folders, one per teacher, in column order.")],
+    out_dir: Annotated[str, typer.Option("--out", help="Folder for the merged main.md, table9.md, icl.png.")],
+    labels: Annotated[Optional[str], typer.Option(help="Comma-separated column label per sweep (default: each "
+                                                        "sweep's teacher name), e.g. 0.13B,0.5B,1B.")] = None,
+    force: Annotated[bool, typer.Option(help="Replace the merged outputs in a non-empty --out.")] = False,
+):
+    """Combine sweeps of several teachers into the paper's three-teacher layout: Table 5 (main.md), Table 9
+    (table9.md) and Figure 2 (icl.png), members matched by name."""
+    from bdlora.sweep.paper import OUTPUTS, merge_sweeps
+
+    merge_sweeps(sweeps, str_list(labels) if labels else None, Path(out_dir), force=force)
+    out.print((Path(out_dir) / "main.md").read_text())
+    out.print(f"[green]wrote[/] {out_dir}/{', '.join(OUTPUTS)}, merged.json")

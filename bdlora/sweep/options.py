@@ -8,18 +8,31 @@ from dataclasses import dataclass
 from bdlora.budgeted.config import DEFAULTS as BUDGETED
 from bdlora.budgeted.config import BudgetedConfig
 from bdlora.errors import Checks, UsageError
+from bdlora.sweep.vary import check_axes, grid, label
 
 BASELINES = ("kd-full", "kd-lora")
 
 
 @dataclass(frozen=True)
 class Member:
+    """One row of the sweep. ``run`` names its training folder: members that differ only in compress-time settings
+    share it (``name`` is ``run`` plus those settings)."""
+
     name: str
     method: str
     budget: float | None
+    run: str = ""
+    train_settings: dict = dataclasses.field(default_factory=dict)
+    compress_settings: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def settings(self) -> dict:
+        return {**self.train_settings, **self.compress_settings}
 
 
-def family(budgets: list[float], baselines: list[str]) -> list[Member]:
+def family(budgets: list[float], baselines: list[str], vary: list[dict] = ()) -> list[Member]:
+    """The members: each method (baselines, then budgeted at each F) at every point of the ``--vary`` grid; the
+    compress-time axes only multiply the budgeted members (the baselines merge or pass through at compress)."""
     bad = [b for b in baselines if b not in BASELINES]
     if bad:
         raise UsageError(f"--baselines {','.join(bad)}: unknown (allowed: {', '.join(BASELINES)}, or none)")
@@ -28,10 +41,22 @@ def family(budgets: list[float], baselines: list[str]) -> list[Member]:
         raise UsageError(f"--budgets {bad_f[0]}: a budget F must be in [0, 1]")
     if len(set(budgets)) != len(budgets):
         raise UsageError(f"--budgets {','.join(map(str, budgets))}: each budget once")
-    members = [Member(b, b, None) for b in dict.fromkeys(baselines)]
-    members += [Member(f"budgeted-F{f:g}", "budgeted", f) for f in budgets]
-    if not members:
+    methods = [(b, b, None) for b in dict.fromkeys(baselines)]
+    methods += [(f"budgeted-F{f:g}", "budgeted", f) for f in budgets]
+    if not methods:
         raise UsageError("--budgets and --baselines are both empty: nothing to sweep")
+    check_axes(list(vary))
+    members = []
+    for base, method, budget in methods:
+        for tp in grid(list(vary), compress=False):
+            run = base + label(tp)
+            for cp in grid(list(vary), compress=True) if method == "budgeted" else [{}]:
+                members.append(Member(run + label(cp), method, budget, run, tp, cp))
+    names = [m.name for m in members]
+    clash = sorted({n for n in names if names.count(n) > 1})
+    if clash:
+        raise UsageError(f"--vary: two grid points are both named {clash[0]} (values differing only in characters "
+                         "a folder name cannot hold)")
     return members
 
 
@@ -48,9 +73,31 @@ class SweepOptions:
     bench_seq_lens: list[int] = dataclasses.field(default_factory=lambda: [128])
     bench_repeats: int = 20
     bench_decode_tokens: int = 32
+    vary: list[dict] = dataclasses.field(default_factory=list)  # parsed --vary axes (see bdlora.sweep.vary)
+
+    def thresholds(self, m: Member, eps_zero: float | None) -> BudgetedConfig:
+        """The compress settings of a member: --eps-lr and its compress-time grid point; dense paths are dropped
+        below the run's own training threshold eps_zero (the paper fixes one value for training and compression)."""
+        return BudgetedConfig(**{"eps_lr": self.eps_lr, "eps_zero": BUDGETED.eps_zero if eps_zero is None
+                                 else eps_zero, **m.compress_settings})
+
+    def members(self) -> list[Member]:
+        return family(self.budgets, self.baselines, self.vary)
 
     def validate(self) -> SweepOptions:
-        family(self.budgets, self.baselines)
+        """Every member's options checked like the flags before anything runs (a bad grid point fails at once,
+        not after the members before it have trained)."""
+        from bdlora.config import TrainConfig
+
+        for m in self.members():
+            fields = {k: v for k, v in self.train.items() if k in TrainConfig.__dataclass_fields__ and k != "extra"}
+            try:
+                TrainConfig(**{**fields, **m.train_settings, "method": m.method}).validate()
+                self.thresholds(m, {**fields, **m.train_settings}.get("eps_zero")).validate_thresholds()
+            except UsageError as e:
+                if not self.vary:
+                    raise
+                raise UsageError(f"--vary member {m.name}: {str(e).splitlines()[0]}") from None
         c = Checks()
         for name in ("eval_examples", "eval_seeds", "bench_repeats", "bench_decode_tokens"):
             c.integer(name, getattr(self, name), lo=1)

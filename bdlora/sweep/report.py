@@ -28,16 +28,24 @@ def _measured(bench: dict | None) -> dict:
     return out
 
 
+def icl_fields(ev: dict) -> dict:
+    """The ICL figures of an eval document that the sweep's tables use: the composite (the paper's ±), its
+    log-probability score and every task's mean and std over seeds (Table 9)."""
+    icl = ev["icl"]
+    return {"icl_composite": icl["macro"]["mean"], "icl_composite_std": icl["macro"]["std"],
+            "icl_target_logprob": icl["macro"]["target_logprob"],
+            "icl_tasks": {t: {"mean": v["mean"], "std": v["std"]} for t, v in icl["tasks"].items()}}
+
+
 def member_row(m: Member, summary: dict, report: dict, ev: dict, bench: dict | None) -> dict:
     return {
-        "name": m.name, "method": m.method, "budget": m.budget,
+        "name": m.name, "method": m.method, "budget": m.budget, "run": m.run or m.name, "settings": m.settings,
         "student_val_ppl": summary["student_val_ppl"], "val_ppl": ev["ppl"]["val_ppl"],
         "train_compute_proxy": _proxy(m.method, summary),
         "mac_speedup_vs_dense": report["speedup_vs_dense"], "mac_speedup_vs_lora": report["speedup_vs_lora"],
         "param_reduction": report["param_reduction"],
         "dense_kept": report["dense_kept"], "dense_svd": report["dense_svd"], "dense_dropped": report["dense_dropped"],
-        "icl_composite": ev["icl"]["macro"]["mean"], "icl_composite_std": ev["icl"]["macro"]["std"],
-        "icl_target_logprob": ev["icl"]["macro"]["target_logprob"],
+        **icl_fields(ev),
         "measured": _measured(bench), "train_seconds": summary["train_seconds"],
     }
 
@@ -47,19 +55,33 @@ def _fmt_measured(row: dict, key: str) -> str:
     return f"{r['speedup_vs_dense']:.2f}x" if r else "-"
 
 
+def varied(doc: dict) -> list[str]:
+    """The options a sweep's --vary grid varies, in the order they were given."""
+    return [k for a in doc.get("options", {}).get("vary", []) for k in a["options"]]
+
+
+def _setting(r: dict, k: str) -> str:
+    v = r.get("settings", {}).get(k, "-")
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
 def markdown(doc: dict) -> str:
-    head = ("| member | ppl (compressed) | train compute (proxy, x kd-full) | MAC speed-up vs dense | measured "
-            "modules prefill | measured model decode | param reduction | dense kept/SVD/dropped | ICL composite % "
-            "| ICL log p(target) |")
-    lines = ["# bdlora sweep", "", head, "|" + "---|" * 10]
+    keys = varied(doc)
+    head = ("| member |" + "".join(f" {k} |" for k in keys) + " ppl (compressed) | train compute (proxy, x kd-full) "
+            "| MAC speed-up vs dense | measured modules prefill | measured model decode | param reduction "
+            "| dense kept/SVD/dropped | ICL composite % | ICL log p(target) |")
+    lines = ["# bdlora sweep", "", head, "|" + "---|" * (10 + len(keys))]
+    blank = " - |" * len(keys)
     t = doc.get("teacher")
     for label, ref in (("teacher", t), ("student init", (t or {}).get("student_init"))):
         if ref:
-            lines.append(f"| {label} | {ref['val_ppl']:.2f} | - | - | - | - | - | - | {ref['icl_composite']:.1f} ± "
-                         f"{ref['icl_composite_std']:.1f} | {ref['icl_target_logprob']:.2f} |")
+            lines.append(f"| {label} |{blank} {ref['val_ppl']:.2f} | - | - | - | - | - | - | "
+                         f"{ref['icl_composite']:.1f} ± {ref['icl_composite_std']:.1f} | "
+                         f"{ref['icl_target_logprob']:.2f} |")
     for r in doc["members"]:
+        settings = "".join(f" {_setting(r, k)} |" for k in keys)
         lines.append(
-            f"| {r['name']} | {r['val_ppl']:.2f} | {r['train_compute_proxy']:.3f} | "
+            f"| {r['name']} |{settings} {r['val_ppl']:.2f} | {r['train_compute_proxy']:.3f} | "
             f"{r['mac_speedup_vs_dense']:.2f}x | "
             f"{_fmt_measured(r, 'modules_prefill')} | {_fmt_measured(r, 'model_decode')} | "
             f"{100 * r['param_reduction']:.1f}% | {r['dense_kept']}/{r['dense_svd']}/{r['dense_dropped']} | "

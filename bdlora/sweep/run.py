@@ -12,6 +12,10 @@ finishes a half-done family without redoing finished work. The teacher is evalua
     DIR/<member>.bench/                bdlora bench of the compressed model
     DIR/teacher.eval.json              the teacher, same data and probes
     DIR/sweep.md, sweep.json results   the paper-style table; pareto.png
+    DIR/main.md, table9.md, icl.png    the paper's Table 5 layout, per-task ICL (Table 9) and Figure 2
+
+With ``--vary`` (bdlora.sweep.vary) every method runs at every grid point; members differing only in compress-time
+thresholds share one training run (``DIR/<run>/``) and get their own ``<member>.compressed``, eval and bench.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import shutil
 from pathlib import Path
 
 from bdlora import SCHEMA_VERSION
-from bdlora.budgeted.config import BudgetedConfig
 from bdlora.checkpoint import latest_checkpoint
 from bdlora.compress import compress_run
 from bdlora.config import BUILTIN, TrainConfig
@@ -29,9 +32,10 @@ from bdlora.errors import RunDirError
 from bdlora.evaluate import EvalConfig, evaluate_target
 from bdlora.io import read_json, write_json, write_text
 from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import BENCH, EVAL, ModelDir, SweepDir
-from bdlora.sweep.options import Member, SweepOptions, family
-from bdlora.sweep.report import markdown, member_row, plot_pareto
+from bdlora.runs import BENCH, COMPRESSED, EVAL, ModelDir, SweepDir
+from bdlora.sweep.options import Member, SweepOptions
+from bdlora.sweep.paper import teacher_label, write_paper_outputs
+from bdlora.sweep.report import icl_fields, markdown, member_row, plot_pareto
 from bdlora.train import train
 
 
@@ -45,7 +49,7 @@ def run_sweep(opts: SweepOptions | None, sweep: SweepDir, reporter: Reporter = S
         opts.validate()
         sweep.path.mkdir(parents=True, exist_ok=True)
         write_json(sweep.path / "sweep.json", {"schema_version": SCHEMA_VERSION, "options": dataclasses.asdict(opts)})
-    members = family(opts.budgets, opts.baselines)
+    members = opts.members()
     rows = []
     for i, m in enumerate(members, 1):
         reporter.stage(f"[{i}/{len(members)}] {m.name}")
@@ -55,12 +59,14 @@ def run_sweep(opts: SweepOptions | None, sweep: SweepDir, reporter: Reporter = S
            "teacher": teacher_row, "members": rows}
     write_text(sweep.path / "sweep.md", markdown(doc))
     plot_pareto(doc, sweep.path / "pareto.png")
+    write_paper_outputs([(teacher_label(doc), doc)], sweep.path)
     write_json(sweep.path / SweepDir.MARKER, doc)
     return doc
 
 
 def _member_config(m: Member, opts: SweepOptions, run_dir: Path) -> TrainConfig:
     values = {k: v for k, v in opts.train.items() if k in TrainConfig.__dataclass_fields__ and k != "extra"}
+    values.update(m.train_settings)
     values.update(method=m.method, out=str(run_dir))
     if m.budget is not None:
         values["budget"] = m.budget
@@ -83,7 +89,7 @@ class _Indented:
 
 def _run_member(m: Member, opts: SweepOptions, sweep: SweepDir, reporter: Reporter) -> dict:
     rep = _Indented(reporter)
-    run = sweep.member(m.name)
+    run = sweep.member(m.run or m.name)
     if run.finished():
         rep.stage(f"train: done ({run.path})")
     elif run.started() and latest_checkpoint(run.path) is not None:
@@ -92,12 +98,12 @@ def _run_member(m: Member, opts: SweepOptions, sweep: SweepDir, reporter: Report
         if run.path.exists():  # started but no checkpoint yet: nothing to keep, start the member again
             shutil.rmtree(run.path)
         train(_member_config(m, opts, run.path), reporter)
-    model_dir = ModelDir(run.compressed())
+    model_dir = ModelDir(sweep.path / f"{m.name}{COMPRESSED}")
     if model_dir.finished():
         rep.stage("compress: done")
     else:
-        compress_run(run, BudgetedConfig(eps_lr=opts.eps_lr), out=model_dir.path, force=model_dir.path.exists(),
-                     reporter=rep)
+        compress_run(run, opts.thresholds(m, run.config().get("eps_zero")), out=model_dir.path,
+                     force=model_dir.path.exists(), reporter=rep)
     eval_path = sweep.path / f"{m.name}{EVAL}"
     if eval_path.exists():
         rep.stage("eval: done")
@@ -132,7 +138,7 @@ def _eval_teacher(opts: SweepOptions, sweep: SweepDir, rows: list[dict], reporte
     init model's: the paper's Figure 2 draws its dashed line at the init model, not the teacher."""
     if not rows:
         return None
-    cfg = sweep.member(rows[0]["name"]).config()
+    cfg = sweep.member(rows[0].get("run", rows[0]["name"])).config()
     ref = _eval_reference(cfg["teacher"], "teacher", cfg, opts, sweep, reporter)
     init = cfg.get("student_init")
     if init and init != cfg["teacher"]:
@@ -154,6 +160,4 @@ def _eval_reference(spec: str, name: str, cfg: dict, opts: SweepOptions, sweep: 
                           seq_len=cfg["seq_len"], tokens=cfg["eval_tokens"], heldout_fraction=cfg["heldout_fraction"])
         write_json(path, evaluate_target(folder, ecfg))
     ev = read_json(path)
-    return {"val_ppl": ev["ppl"]["val_ppl"], "icl_composite": ev["icl"]["macro"]["mean"],
-            "icl_composite_std": ev["icl"]["macro"]["std"],
-            "icl_target_logprob": ev["icl"]["macro"]["target_logprob"]}
+    return {"val_ppl": ev["ppl"]["val_ppl"], **icl_fields(ev)}
