@@ -24,6 +24,7 @@ from bdlora.errors import Checks, ConfigError
 METHODS = ("kd-full", "kd-lora", "budgeted")
 DEVICES = ("auto", "cpu", "cuda")
 LAYER_SELECTIONS = ("first", "middle", "last", "mixed", "scratch")
+PACKINGS = ("pack", "truncate")
 BUILTIN = "builtin"
 
 
@@ -42,7 +43,11 @@ class TrainConfig:
     student_init: str | None = None
     """Checkpoint the student's layers come from (default: the teacher); must share the teacher's tokenizer."""
     seq_len: int | None = None
-    """Tokens per packed block (default 1024, capped by the model; builtin 128)."""
+    """Tokens per training sequence (default 1024, capped by the model; builtin 128)."""
+    packing: str = "pack"
+    """How documents become sequences: 'pack' (EOS-separated documents cut into seq_len blocks, nanoGPT) or
+    'truncate' (one document per sequence, its first seq_len tokens, shorter ones padded and the padding left out of
+    the loss: the paper's). --tokens counts sequence slots either way."""
     batch_size: int | None = None
     """Sequences per micro-batch (default 8; builtin 16)."""
     grad_accum: int = 1
@@ -122,6 +127,7 @@ class TrainConfig:
         c = Checks()
         c.choice("method", self.method, METHODS)
         c.choice("layer_selection", self.layer_selection, LAYER_SELECTIONS)
+        c.choice("packing", self.packing, PACKINGS)
         c.choice("device", self.device, DEVICES)
         for name in ("teacher", "data", "student_init", "out", "runs_dir", "cache_dir"):
             c.text(name, getattr(self, name))

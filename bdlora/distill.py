@@ -109,9 +109,12 @@ def autocast(device: torch.device):
     return torch.autocast(device.type, enabled=False)
 
 
-def kd_step(model, teacher, loss_fn: DistillationLoss, x: torch.Tensor, device: torch.device, ddp=None):
+def kd_step(model, teacher, loss_fn: DistillationLoss, x: torch.Tensor, device: torch.device, ddp=None,
+            mask: torch.Tensor | None = None):
     """One micro-batch's loss (teacher forward without gradients, then the student); with ``ddp`` the student's
-    hidden states come through DistributedDataParallel (gradient all-reduce). Returns (loss, parts)."""
+    hidden states come through DistributedDataParallel (gradient all-reduce). ``mask`` marks real tokens of
+    right-padded sequences (``--packing truncate``): causal attention keeps padding out of every real position, so
+    only the loss needs it. Returns (loss, parts)."""
     with torch.no_grad(), autocast(device):
         th, thead = hidden_and_head(teacher, x)
     with autocast(device):
@@ -120,4 +123,4 @@ def kd_step(model, teacher, loss_fn: DistillationLoss, x: torch.Tensor, device: 
         else:
             sh = ddp(x)
             shead = base_model(model).lm_head
-        return loss_fn(sh, shead, th, thead, x)
+        return loss_fn(sh, shead, th, thead, x, mask)

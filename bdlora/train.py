@@ -29,7 +29,7 @@ from bdlora.checkpoint import (
     truncate_jsonl,
 )
 from bdlora.config import BUILTIN, TrainConfig, resolve_defaults, resolve_path
-from bdlora.data import BlockSampler, Corpus, PackedBlocks, tokenize_corpus
+from bdlora.data import BlockSampler, Corpus, DocumentBlocks, PackedBlocks, tokenize_corpus, training_blocks
 from bdlora.distill import DistillationLoss, diverged, kd_step, warmup_cosine
 from bdlora.errors import DataError, ModelError, RunDirError, TrainingError, UsageError
 from bdlora.io import atomic_dir, write_json
@@ -67,7 +67,7 @@ class Session:
     tokenizer: object
     student: torch.nn.Module
     layer_indices: list[int]
-    train_blocks: PackedBlocks
+    train_blocks: PackedBlocks | DocumentBlocks
     val_blocks: PackedBlocks
 
 
@@ -86,11 +86,11 @@ def prepare(cfg: TrainConfig, reporter: Reporter = SILENT) -> Session:
     student.to(device)
     reporter.stage(f"tokenising corpus {cfg.data} ({len(corpus.files)} files)")
     data = tokenize_corpus(corpus, tokenizer, cfg.heldout_fraction, cache)
-    train_blocks = PackedBlocks(data.tokens("train"), cfg.seq_len)
+    train_blocks = training_blocks(data.tokens("train"), cfg.seq_len, cfg.packing, tokenizer.eos_token_id)
     val_blocks = PackedBlocks(data.tokens("val"), cfg.seq_len, max_tokens=cfg.eval_tokens)
     if len(train_blocks) < 1:
-        raise DataError(f"--data {cfg.data}: {data.meta['tokens']['train']} training tokens, fewer than one block "
-                        f"of --seq-len {cfg.seq_len}")
+        raise DataError(f"--data {cfg.data}: {data.meta['tokens']['train']} training tokens, fewer than one "
+                        + (f"block of --seq-len {cfg.seq_len}" if cfg.packing == "pack" else "document"))
     if len(val_blocks) < 1:
         raise DataError(f"--data {cfg.data}: the held-out slice has {data.meta['tokens']['val']} tokens, fewer "
                         f"than one block of {cfg.seq_len}; raise --heldout-fraction (now {cfg.heldout_fraction})")
@@ -339,10 +339,11 @@ def _optimiser_step(run: Run, step: int, logs: dict) -> dict:
     sums = [0.0, 0.0, 0.0]  # loss, kd, ce
     for micro in range(cfg.grad_accum):
         first = ((step * cfg.grad_accum + micro) * env.world_size + env.rank) * cfg.batch_size
-        x = torch.from_numpy(run.sess.train_blocks.get(run.sampler.indices(first, cfg.batch_size))).to(run.device)
+        x, mask = (t if t is None else t.to(run.device)
+                   for t in run.sess.train_blocks.batch(run.sampler.indices(first, cfg.batch_size)))
         sync = run.ddp is None or micro == cfg.grad_accum - 1
         with (contextlib.nullcontext() if sync else run.ddp.no_sync()):
-            loss, parts = kd_step(run.model, run.sess.teacher, run.loss_fn, x, run.device, run.ddp)
+            loss, parts = kd_step(run.model, run.sess.teacher, run.loss_fn, x, run.device, run.ddp, mask)
             if not torch.isfinite(loss.detach()):
                 raise TrainingError(diverged(float(loss.detach()), step, run.start_step, cfg.lr))
             (loss / cfg.grad_accum).backward()

@@ -105,3 +105,23 @@ def test_atomic_outputs_get_ordinary_permissions(tmp_path):
         (tmp / "f.txt").write_text("x")
     assert stat.S_IMODE((tmp_path / "a.json").stat().st_mode) == 0o666 & ~io._UMASK  # not mkstemp's 0600
     assert stat.S_IMODE((tmp_path / "d").stat().st_mode) == 0o777 & ~io._UMASK  # not mkdtemp's 0700
+
+
+def test_document_blocks_truncate_pad_and_mask():
+    from bdlora.data import DocumentBlocks, training_blocks
+
+    eos = 0
+    #                 doc A (5+EOS)      bare EOS  doc B (2+EOS)  doc C (1+EOS)
+    stream = np.array([5, 6, 7, 8, 9, 0, 0, 3, 4, 0, 2, 0], dtype=np.uint16)
+    b = DocumentBlocks(stream, seq_len=4, eos=eos)
+    assert len(b) == 3  # the bare EOS is no document
+    ids, mask = b.batch([0, 1, 2])
+    assert ids.tolist() == [[5, 6, 7, 8], [3, 4, 0, 0], [2, 0, 0, 0]]
+    assert mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0]]  # a document's own EOS is a real target
+    DocumentBlocks.CHUNK = 3  # documents straddling scan chunks are found the same
+    try:
+        assert DocumentBlocks(stream, 4, eos).batch([0, 1, 2])[0].tolist() == ids.tolist()
+    finally:
+        DocumentBlocks.CHUNK = 1 << 24
+    assert isinstance(training_blocks(stream, 4, "pack", eos), PackedBlocks)
+    assert training_blocks(stream, 4, "pack", eos).batch([0])[1] is None

@@ -83,3 +83,27 @@ def test_chunked_equals_unchunked_including_gradients():
     for l_, g in zip(losses[1:], grads[1:]):
         assert math.isclose(l_, losses[0], rel_tol=1e-6)
         torch.testing.assert_close(g, grads[0], rtol=1e-5, atol=1e-7)
+
+
+def test_right_padding_with_mask_equals_the_unpadded_document(tiny_model):
+    """--packing truncate's premise: under causal attention right padding changes no real position, so the masked
+    loss (and its gradient) of a padded document equals the loss of the document alone."""
+    import copy
+
+    from bdlora.distill import kd_step
+
+    student = copy.deepcopy(tiny_model).train()
+    doc = torch.tensor([[5, 9, 17, 3, 11, 2]])
+    padded = torch.cat([doc, torch.full((1, 4), 0)], dim=1)
+    mask = torch.cat([torch.ones(1, 6, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)], dim=1)
+    loss_fn = DistillationLoss(2.0, 0.5)
+    grads = []
+    for x, m in ((doc, None), (padded, mask)):
+        loss, parts = kd_step(student, tiny_model, loss_fn, x, torch.device("cpu"), mask=m)
+        loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in student.parameters() if p.grad is not None]))
+        student.zero_grad(set_to_none=True)
+        assert parts["positions"] == 5
+        grads.append(float(loss.detach()))
+    assert math.isclose(grads[1], grads[3], rel_tol=1e-5)
+    assert torch.allclose(grads[0], grads[2], atol=1e-6, rtol=1e-4)

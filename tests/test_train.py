@@ -124,3 +124,21 @@ def test_adam_betas_are_options_and_reach_the_optimiser(tiny_env, tmp_path):
     assert TrainConfig().adam_beta1 == 0.9 and TrainConfig().adam_beta2 == 0.95
     res = CliRunner().invoke(app, ["train", "--adam-beta2", "1.0", "--out", str(tmp_path / "x")])
     assert res.exit_code == 2 and "--adam-beta2 1.0: must be in [0, 1)" in res.stderr
+
+
+def test_truncate_packing_trains_on_whole_documents(tiny_env, tmp_path):
+    """--packing truncate (the paper's data handling): one document per sequence, padding out of the loss; the
+    run learns, records the choice, and reads different sequences than packing does."""
+    from bdlora.data import DocumentBlocks, PackedBlocks
+    from bdlora.train import prepare
+
+    s = train(_cfg(tiny_env, tmp_path / "t", method="kd-full", max_steps=12, eval_every=12, packing="truncate"))
+    assert s["student_val_ppl"] < s["initial_student_val_ppl"]
+    assert json.loads((tmp_path / "t" / "config.json").read_text())["config"]["packing"] == "truncate"
+    p = train(_cfg(tiny_env, tmp_path / "p", method="kd-full", max_steps=1, eval_every=1))
+    first = [json.loads((tmp_path / d / "metrics.jsonl").read_text().splitlines()[0])["loss"] for d in "tp"]
+    assert first[0] != pytest.approx(first[1]) and p["student_val_ppl"] > 0
+    sess = prepare(_cfg(tiny_env, tmp_path / "x", packing="truncate"), Reporter())
+    assert isinstance(sess.train_blocks, DocumentBlocks) and isinstance(sess.val_blocks, PackedBlocks)
+    res = CliRunner().invoke(app, ["train", "--packing", "stream", "--out", str(tmp_path / "y")])
+    assert res.exit_code == 2 and "--packing 'stream'" in res.stderr and "pack, truncate" in res.stderr
