@@ -166,7 +166,7 @@ def test_paper_tables_and_merge_layout(tmp_path):
     assert main.index("*Baselines*") < main.index("KD Full") < main.index("*Budgeted LoRA*") < main.index("F = 0 |")
 
     dirs = []
-    for i, label in enumerate(("0.13B", "1B")):
+    for i in range(2):
         d = tmp_path / f"sweep{i}"
         write_json(d / "results.json", {**doc, "members": [{**r, "val_ppl": r["val_ppl"] + i}
                                                            for r in doc["members"]]})
