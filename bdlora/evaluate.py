@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 
 from bdlora import SCHEMA_VERSION, __version__
+from bdlora.blocks import PackedBlocks
 from bdlora.config import BUILTIN, BUILTIN_DEFAULTS, REAL_DEFAULTS
-from bdlora.data import Corpus, PackedBlocks, tokenize_corpus
+from bdlora.data import Corpus, tokenize_corpus
 from bdlora.errors import Checks, ModelError
 from bdlora.icl import TASKS, corpus_word_list, is_correct, summarise, task_examples
 from bdlora.reporter import SILENT, Reporter
@@ -97,8 +98,13 @@ class OrtLM:
         res = run_decoder(self.sess, ids, mask, pos, empty_past(self.shape, ids.shape[0]) if past is None else past)
         return res[0][:, -1], res[1:]
 
-    def logits(self, ids, mask, pos) -> np.ndarray:
-        return run_decoder(self.sess, ids, mask, pos, empty_past(self.shape, ids.shape[0]))[0]
+    def score(self, ids, mask, pos, past) -> np.ndarray:
+        """Logits (B, n, V) of ``ids`` after the cached prefix ``past`` (left as it was: presents are new arrays)."""
+        return run_decoder(self.sess, ids, mask, pos, past)[0]
+
+    def logits(self, ids, mask, pos, keep: int = 0) -> np.ndarray:
+        out = run_decoder(self.sess, ids, mask, pos, empty_past(self.shape, ids.shape[0]))[0]
+        return out[:, -keep:] if keep else out
 
     def nll(self, blocks: PackedBlocks, batch_size: int = 8) -> tuple[float, int]:
         nll, preds = score_blocks(self.sess, self.shape, blocks, batch_size)
@@ -110,24 +116,61 @@ def newline_token_ids(tokenizer) -> set[int]:
     return {i for i in range(len(tokenizer)) if "\n" in tokenizer.decode([i])}
 
 
+def _answer_tokens(tokenizer, prompt_ids: list[int], prompt: str, target: str) -> list[int] | None:
+    """The tokens spelling ``target + "\\n"`` after the prompt, or None when tokenising prompt and answer together
+    does not extend the prompt's own tokens (a BPE merge across the boundary: scored by ``target_logprobs``)."""
+    full = tokenizer(prompt + target + "\n", add_special_tokens=False)["input_ids"]
+    return full[len(prompt_ids):] if full[: len(prompt_ids)] == prompt_ids and len(full) > len(prompt_ids) else None
+
+
+def _score_answers(lm, first: np.ndarray, past, mask, pos, answers: list[list[int]]) -> list[float]:
+    """log p(answer | prompt) per row from the prompt's last logits ``first`` (B, V) and one forward of the
+    answers' tokens on the prompt's cache (right padded, masked; the cache is left as it was)."""
+    b, longest = len(answers), max(len(a) for a in answers)
+    lp = first.astype(np.float64) - log_normaliser(first.astype(np.float64))[:, None]
+    out = [float(lp[r, a[0]]) for r, a in enumerate(answers)]
+    if longest > 1:
+        ids = np.zeros((b, longest - 1), dtype=np.int64)
+        new = np.zeros_like(ids)
+        for r, a in enumerate(answers):
+            ids[r, : len(a) - 1], new[r, : len(a) - 1] = a[:-1], 1
+        logits = lm.score(ids, np.concatenate([mask, new], 1), pos[:, -1:] + 1 + np.arange(longest - 1), past)
+        logits = logits.astype(np.float64)
+        logz = log_normaliser(logits)
+        for r, a in enumerate(answers):
+            n, tgt = len(a) - 1, np.asarray(a[1:], dtype=np.int64)
+            out[r] += float((np.take_along_axis(logits[r, :n], tgt[:, None], -1)[:, 0] - logz[r, :n]).sum())
+    return out
+
+
 def greedy_continuations(lm, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 32,
-                         stop_ids: set[int] | None = None, on_batch=None) -> list[str]:
+                         stop_ids: set[int] | None = None, on_batch=None,
+                         targets: list[str] | None = None) -> list[str] | tuple[list[str], list[float]]:
     """Greedy continuation of every prompt (batched, left padded, with the KV cache), each row stopped after its
-    first newline token or ``max_new_tokens``. Returned in prompt order."""
+    first newline token or ``max_new_tokens``. Returned in prompt order. With ``targets``, also the teacher-forced
+    log p(target + "\\n") of each (see ``target_logprobs``), scored on the same prefill: the prompt is run once."""
     stop_ids = newline_token_ids(tokenizer) if stop_ids is None else stop_ids
     stop = np.zeros(max(stop_ids, default=0) + 1 if stop_ids else 1, dtype=bool)
     stop[list(stop_ids)] = True
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    answers = [None] * len(prompts) if targets is None else [
+        _answer_tokens(tokenizer, e, p, t) for e, p, t in zip(encoded, prompts, targets)]
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
     results: list[str] = [""] * len(prompts)
+    logprobs: list[float | None] = [None] * len(prompts)
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
         b = len(rows)
         ids, mask, pos = left_padded([encoded[i] for i in rows])
         past, gen = None, []
         done = np.zeros(b, dtype=bool)
-        for _ in range(max_new_tokens):
+        for step in range(max_new_tokens):
             logits, past = lm.step(ids, mask, pos, past)
+            if step == 0 and targets is not None and any(answers[i] is not None for i in rows):
+                # rows without answer tokens score a placeholder (discarded) so the cache is never split
+                lps = _score_answers(lm, logits, past, mask, pos, [answers[i] or [0] for i in rows])
+                for i, lp in zip(rows, lps):
+                    logprobs[i] = lp if answers[i] is not None else None
             nxt = logits.argmax(-1).astype(np.int64)  # (B,)
             gen.append(np.where(done, -1, nxt))
             done |= (nxt < len(stop)) & stop[np.minimum(nxt, len(stop) - 1)]
@@ -141,7 +184,14 @@ def greedy_continuations(lm, tokenizer, prompts: list[str], max_new_tokens: int,
             results[i] = tokenizer.decode([int(x) for x in gen_arr[r] if x >= 0])
         if on_batch is not None:
             on_batch(len(rows))
-    return results
+    if targets is None:
+        return results
+    rest = [i for i, lp in enumerate(logprobs) if lp is None]
+    if rest:
+        for i, lp in zip(rest, target_logprobs(lm, tokenizer, [prompts[i] for i in rest], [targets[i] for i in rest],
+                                               batch_size)):
+            logprobs[i] = lp
+    return results, logprobs
 
 
 def target_logprobs(lm, tokenizer, prompts: list[str], targets: list[str], batch_size: int = 32) -> list[float]:
@@ -151,9 +201,9 @@ def target_logprobs(lm, tokenizer, prompts: list[str], targets: list[str], batch
     for p, t in zip(prompts, targets):
         a = tokenizer(p, add_special_tokens=False)["input_ids"]
         full = tokenizer(p + t + "\n", add_special_tokens=False)["input_ids"]
-        k = len(a) if full[: len(a)] == a else 0
-        while k and full[:k] != a[:k]:
-            k -= 1
+        k = 0  # the tokens prompt and prompt + answer share; BPE may merge the prompt's end into the answer
+        while k < min(len(a), len(full)) and full[k] == a[k]:
+            k += 1
         seqs.append(full)
         n_tgt.append(len(full) - k)  # tokens that spell the answer (BPE may merge across the boundary)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
@@ -161,13 +211,14 @@ def target_logprobs(lm, tokenizer, prompts: list[str], targets: list[str], batch
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
         ids, mask, pos = left_padded([seqs[i] for i in rows])
-        t = ids.shape[1]
-        logits = lm.logits(ids, mask, pos).astype(np.float64)  # (B, T, V)
-        logz = log_normaliser(logits)  # (B, T)
+        t, keep = ids.shape[1], max(n_tgt[i] for i in rows) + 1  # only the answer's positions need the LM head
+        logits = lm.logits(ids, mask, pos, keep=keep).astype(np.float64)  # (B, keep, V): positions t-keep .. t-1
+        logz = log_normaliser(logits)  # (B, keep)
         for r, i in enumerate(rows):
             m = n_tgt[i]
             tgt = ids[r, t - m :]
-            lp = np.take_along_axis(logits[r, t - m - 1 : t - 1], tgt[:, None], -1)[:, 0] - logz[r, t - m - 1 : t - 1]
+            w = slice(keep - m - 1, keep - 1)  # positions t-m-1 .. t-2 predict the answer's m tokens
+            lp = np.take_along_axis(logits[r, w], tgt[:, None], -1)[:, 0] - logz[r, w]
             out[i] = float(lp.sum())
     return out
 
@@ -178,9 +229,8 @@ def run_icl(lm, tokenizer, words: list[str], tasks=None, shots: int = 10, seeds:
     tasks = list(tasks or TASKS)
     all_ex = [e for task in tasks for s in range(seeds) for e in task_examples(task, words, examples, shots, s)]
     max_new = max(len(tokenizer(e.target, add_special_tokens=False)["input_ids"]) for e in all_ex) + 8
-    conts = greedy_continuations(lm, tokenizer, [e.prompt for e in all_ex], max_new, batch_size,
-                                 on_batch=on_progress)
-    lps = target_logprobs(lm, tokenizer, [e.prompt for e in all_ex], [e.target for e in all_ex], batch_size)
+    conts, lps = greedy_continuations(lm, tokenizer, [e.prompt for e in all_ex], max_new, batch_size,
+                                      on_batch=on_progress, targets=[e.target for e in all_ex])
     correct: dict[str, dict[int, list[bool]]] = {t: {s: [] for s in range(seeds)} for t in tasks}
     logprob: dict[str, list[float]] = {t: [] for t in tasks}
     for e, c, lp in zip(all_ex, conts, lps):

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from bdlora.arch import hidden_and_head
-from bdlora.data import Corpus, PackedBlocks, tokenize_corpus
+from bdlora.blocks import PackedBlocks
+from bdlora.data import Corpus, tokenize_corpus
 
 
 @torch.no_grad()
@@ -67,14 +68,26 @@ class TorchLM:
         """Logits of the last position (B, V) and the updated cache; ``past`` None on the first call."""
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
         out = self.model(input_ids=t(ids), attention_mask=t(mask), position_ids=t(pos), past_key_values=past,
-                         use_cache=True)
+                         use_cache=True, logits_to_keep=1)  # the LM head on the last position only
         return out.logits[:, -1].float().cpu().numpy(), out.past_key_values
 
     @torch.no_grad()
-    def logits(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        """Logits of every position (B, T, V), no cache."""
+    def score(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray, past) -> np.ndarray:
+        """Logits (B, n, V) of ``ids`` continuing the cached prefix ``past``, which is rolled back afterwards (so
+        decoding can go on from the prefix as if this call never happened)."""
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
-        return self.model(input_ids=t(ids), attention_mask=t(mask), position_ids=t(pos)).logits.float().cpu().numpy()
+        n = past.get_seq_length()
+        out = self.model(input_ids=t(ids), attention_mask=t(mask), position_ids=t(pos), past_key_values=past,
+                         use_cache=True)
+        past.crop(n - past.get_seq_length())  # negative: remove that many (transformers 4.x and 5.x alike)
+        return out.logits.float().cpu().numpy()
+
+    @torch.no_grad()
+    def logits(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray, keep: int = 0) -> np.ndarray:
+        """Logits (B, T, V) of every position, or of the last ``keep`` only (B, keep, V); no cache."""
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
+        out = self.model(input_ids=t(ids), attention_mask=t(mask), position_ids=t(pos), logits_to_keep=keep)
+        return out.logits.float().cpu().numpy()
 
     def nll(self, blocks: PackedBlocks, batch_size: int = 8) -> tuple[float, int]:
         return mean_nll(self.model, blocks, batch_size=batch_size, device=self.device)

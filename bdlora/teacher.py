@@ -20,7 +20,8 @@ import torch
 
 from bdlora import SCHEMA_VERSION
 from bdlora.arch import check_architecture
-from bdlora.data import BUILTIN, BlockSampler, Corpus, PackedBlocks, default_cache_dir, tokenize_corpus
+from bdlora.blocks import BlockSampler, PackedBlocks
+from bdlora.data import BUILTIN, Corpus, default_cache_dir, tokenize_corpus
 from bdlora.errors import ModelError, UsageError
 from bdlora.io import atomic_dir, write_json
 from bdlora.perplexity import perplexity

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from bdlora import SCHEMA_VERSION, __version__
 from bdlora import distributed as D
 from bdlora.arch import check_lora_rank
+from bdlora.blocks import BlockSampler, DocumentBlocks, PackedBlocks, training_blocks
 from bdlora.checkpoint import (
     StopRequest,
     latest_checkpoint,
@@ -29,7 +30,7 @@ from bdlora.checkpoint import (
     truncate_jsonl,
 )
 from bdlora.config import BUILTIN, TrainConfig, resolve_defaults, resolve_path
-from bdlora.data import BlockSampler, Corpus, DocumentBlocks, PackedBlocks, tokenize_corpus, training_blocks
+from bdlora.data import Corpus, tokenize_corpus
 from bdlora.distill import DistillationLoss, diverged, kd_step, warmup_cosine
 from bdlora.errors import DataError, ModelError, RunDirError, TrainingError, UsageError
 from bdlora.io import atomic_dir, write_json

@@ -3,15 +3,8 @@ import json
 import numpy as np
 import pytest
 
-from bdlora.data import (
-    BUILTIN_HELDOUT_FRACTION,
-    BlockSampler,
-    Corpus,
-    PackedBlocks,
-    builtin_files,
-    is_heldout,
-    tokenize_corpus,
-)
+from bdlora.blocks import BlockSampler, PackedBlocks
+from bdlora.data import BUILTIN_HELDOUT_FRACTION, Corpus, builtin_files, is_heldout, tokenize_corpus
 from bdlora.errors import DataError
 
 
@@ -108,7 +101,7 @@ def test_atomic_outputs_get_ordinary_permissions(tmp_path):
 
 
 def test_document_blocks_truncate_pad_and_mask():
-    from bdlora.data import DocumentBlocks, training_blocks
+    from bdlora.blocks import DocumentBlocks, training_blocks
 
     eos = 0
     #                 doc A (5+EOS)      bare EOS  doc B (2+EOS)  doc C (1+EOS)

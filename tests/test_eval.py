@@ -180,9 +180,11 @@ def test_batched_left_padded_greedy_equals_hf_generate(tiny_model, tiny_env):
         assert c == tok.decode(ref[0, ids.shape[1] :])
 
 
-def test_target_logprob_equals_direct_computation(tiny_model, tiny_env):
+@pytest.mark.parametrize("prompt,target", [("alpha beta", " gamma"), ("alpha bet", "a")])
+def test_target_logprob_equals_direct_computation(tiny_model, tiny_env, prompt, target):
+    """Also when BPE merges the prompt's last token into the answer ("alpha bet" + "a"): the answer's tokens are
+    those after the longest shared prefix (this case used to raise or score the whole sequence)."""
     tok = tiny_env["tokenizer"]
-    prompt, target = "alpha beta", " gamma"
     lp = target_logprobs(TorchLM(tiny_model), tok, [prompt, "one two three four five"], [target, " six"])[0]
     a = tok(prompt)["input_ids"]
     full = tok(prompt + target + "\n")["input_ids"]
@@ -193,8 +195,28 @@ def test_target_logprob_equals_direct_computation(tiny_model, tiny_env):
     assert lp == pytest.approx(ref, abs=1e-4)
 
 
+def test_one_pass_scoring_equals_separate_greedy_and_logprob(tiny_model, tiny_env):
+    """run_icl scores the answer on the greedy pass's prefill (then rolls the cache back): the continuations are
+    the same tokens and the log-probabilities the same numbers as two separate passes; a prompt whose answer merges
+    into its last token (no clean boundary) falls back to the separate scoring."""
+    from bdlora.evaluate import _answer_tokens
+
+    tok = tiny_env["tokenizer"]
+    prompts = ["alpha beta gamma", "one two", "red green blue cyan magenta yellow", "monday", "alpha bet"]
+    targets = [" delta", " three four", " black", " tuesday", "a"]
+    merged = [_answer_tokens(tok, tok(p, add_special_tokens=False)["input_ids"], p, t) is None
+              for p, t in zip(prompts, targets)]
+    assert merged[-1] and not any(merged[:-1])
+    lm = TorchLM(tiny_model)
+    for bs in (2, 8):
+        conts, lps = greedy_continuations(lm, tok, prompts, 6, batch_size=bs, targets=targets)
+        assert conts == greedy_continuations(lm, tok, prompts, 6, batch_size=bs)
+        assert lps == pytest.approx(target_logprobs(lm, tok, prompts, targets, batch_size=bs), abs=1e-4)
+
+
 def test_perplexity_is_exp_of_independent_mean_nll(tiny_model, tiny_env):
-    from bdlora.data import Corpus, PackedBlocks, tokenize_corpus
+    from bdlora.blocks import PackedBlocks
+    from bdlora.data import Corpus, tokenize_corpus
 
     data = tokenize_corpus(Corpus(tiny_env["corpus"]), tiny_env["tokenizer"], 0.1, tiny_env["cache"])
     blocks = PackedBlocks(data.tokens("val"), 32, max_tokens=512)

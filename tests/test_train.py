@@ -129,7 +129,7 @@ def test_adam_betas_are_options_and_reach_the_optimiser(tiny_env, tmp_path):
 def test_truncate_packing_trains_on_whole_documents(tiny_env, tmp_path):
     """--packing truncate (the paper's data handling): one document per sequence, padding out of the loss; the
     run learns, records the choice, and reads different sequences than packing does."""
-    from bdlora.data import DocumentBlocks, PackedBlocks
+    from bdlora.blocks import DocumentBlocks, PackedBlocks
     from bdlora.train import prepare
 
     s = train(_cfg(tiny_env, tmp_path / "t", method="kd-full", max_steps=12, eval_every=12, packing="truncate"))
