@@ -3,11 +3,11 @@ that training reads through ``numpy.memmap``, so a corpus larger than RAM stream
 
 Layout of a tokenised corpus (a cache directory, keyed by a hash of corpus content + tokenizer + split):
     train.bin, val.bin   flat token streams (uint16 when the vocabulary fits, else uint32); each document is
-                         followed by the tokenizer's EOS token. Training reads it as packed blocks that may
-                         cross document boundaries (``blocks.PackedBlocks``, nanoGPT's packing, the default) or, with
-                         ``--packing truncate``, one document per sequence cut to ``seq_len`` (``blocks.DocumentBlocks``,
-                         the paper's "truncated to sequences of length 1024"). Held-out perplexity always reads
-                         packed blocks, so it is comparable across runs.
+                         followed by the tokenizer's EOS token. Training reads it (``bdlora.blocks``) as packed
+                         blocks that may cross document boundaries (nanoGPT's packing, the default) or, with
+                         ``--packing truncate``, one document per sequence cut to ``seq_len`` (the paper's
+                         "truncated to sequences of length 1024"). Held-out perplexity always reads packed blocks,
+                         so it is comparable across runs.
     meta.json            dtype, token and document counts per split, the fingerprint; written last, so a
                          directory without it is an interrupted build and is rebuilt.
 
