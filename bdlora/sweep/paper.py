@@ -156,12 +156,15 @@ def plot_icl(groups: list[tuple[str, dict]], path: Path) -> None:
     ax.set_xticks(range(len(groups)), [lb for lb, _ in groups])
     ax.set_xlabel("teacher")
     ax.set_ylabel("ICL composite accuracy (%)")
-    ax.set_title("ICL composite over 19 probes (mean ± mean per-task std over seeds)")
-    ax.legend(fontsize=7, ncol=2)
+    top = max([r["icl_composite"] + r["icl_composite_std"] for _, d in groups for r in d["members"]]
+              + [ref[1]["icl_composite"] for ref in map(init_reference, (d for _, d in groups)) if ref] + [0.0])
+    ax.set_ylim(0, max(1.0, 1.15 * top))  # accuracies: never below 0, and a visible axis when everything is 0
+    ax.set_title("ICL composite, 19 probes (mean ± mean per-task std over seeds)", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=120)
+        fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")  # the legend sits beside the axes
     plt.close(fig)
 
 
