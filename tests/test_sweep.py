@@ -186,6 +186,8 @@ def test_paper_tables_and_merge_layout(tmp_path):
         merge_sweeps(dirs, ["x"], tmp_path / "m2")
     with pytest.raises(UsageError, match="not a finished sweep"):
         merge_sweeps([str(tmp_path)], None, tmp_path / "m2")
+    with pytest.raises(UsageError, match="no such folder"):
+        merge_sweeps([str(tmp_path / "nowhere")], None, tmp_path / "m2")
     assert not (tmp_path / "m2").exists()
 
 

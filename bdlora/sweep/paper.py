@@ -184,6 +184,8 @@ def merge_sweeps(dirs: list[str], labels: list[str] | None, out: Path, force: bo
         raise UsageError(f"--labels: {len(labels)} label(s) for {len(dirs)} sweep(s) (one per sweep, in order)")
     sweeps = [SweepDir(d) for d in dirs]
     for s in sweeps:
+        if not s.path.is_dir():
+            raise UsageError(f"{s.path}: no such folder (pass finished `bdlora sweep` folders, one per teacher)")
         if not s.finished():
             raise UsageError(f"{s.path}: not a finished sweep folder (no {SweepDir.MARKER}; finish it with "
                              f"`bdlora sweep --resume {s.path}`)")
