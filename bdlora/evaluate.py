@@ -116,18 +116,29 @@ def newline_token_ids(tokenizer) -> set[int]:
     return {i for i in range(len(tokenizer)) if "\n" in tokenizer.decode([i])}
 
 
+def _with_answer(tokenizer, prompt_ids: list[int], prompt: str, target: str) -> tuple[list[int], int]:
+    """(tokens of prompt + target + "\\n", how many of them the prompt's own tokens share): BPE may merge the
+    prompt's end into the answer, so the answer is the tokens after that shared prefix."""
+    full = tokenizer(prompt + target + "\n", add_special_tokens=False)["input_ids"]
+    k = 0
+    while k < min(len(prompt_ids), len(full)) and full[k] == prompt_ids[k]:
+        k += 1
+    return full, k
+
+
 def _answer_tokens(tokenizer, prompt_ids: list[int], prompt: str, target: str) -> list[int] | None:
     """The tokens spelling ``target + "\\n"`` after the prompt, or None when tokenising prompt and answer together
     does not extend the prompt's own tokens (a BPE merge across the boundary: scored by ``target_logprobs``)."""
-    full = tokenizer(prompt + target + "\n", add_special_tokens=False)["input_ids"]
-    return full[len(prompt_ids):] if full[: len(prompt_ids)] == prompt_ids and len(full) > len(prompt_ids) else None
+    full, k = _with_answer(tokenizer, prompt_ids, prompt, target)
+    return full[k:] if k == len(prompt_ids) < len(full) else None
 
 
 def _score_answers(lm, first: np.ndarray, past, mask, pos, answers: list[list[int]]) -> list[float]:
     """log p(answer | prompt) per row from the prompt's last logits ``first`` (B, V) and one forward of the
     answers' tokens on the prompt's cache (right padded, masked; the cache is left as it was)."""
     b, longest = len(answers), max(len(a) for a in answers)
-    lp = first.astype(np.float64) - log_normaliser(first.astype(np.float64))[:, None]
+    first = first.astype(np.float64)
+    lp = first - log_normaliser(first)[:, None]
     out = [float(lp[r, a[0]]) for r, a in enumerate(answers)]
     if longest > 1:
         ids = np.zeros((b, longest - 1), dtype=np.int64)
@@ -199,11 +210,7 @@ def target_logprobs(lm, tokenizer, prompts: list[str], targets: list[str], batch
     match (ours, not in the paper) that still ranks models whose greedy answers are all wrong. Left padded."""
     seqs, n_tgt = [], []
     for p, t in zip(prompts, targets):
-        a = tokenizer(p, add_special_tokens=False)["input_ids"]
-        full = tokenizer(p + t + "\n", add_special_tokens=False)["input_ids"]
-        k = 0  # the tokens prompt and prompt + answer share; BPE may merge the prompt's end into the answer
-        while k < min(len(a), len(full)) and full[k] == a[k]:
-            k += 1
+        full, k = _with_answer(tokenizer, tokenizer(p, add_special_tokens=False)["input_ids"], p, t)
         seqs.append(full)
         n_tgt.append(len(full) - k)  # tokens that spell the answer (BPE may merge across the boundary)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))

@@ -63,10 +63,13 @@ class TorchLM:
         self.device = torch.device(device)
         self.config = getattr(model, "config", None)
 
+    def _t(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+
     @torch.no_grad()
     def step(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray, past):
         """Logits of the last position (B, V) and the updated cache; ``past`` None on the first call."""
-        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
+        t = self._t
         out = self.model(input_ids=t(ids), attention_mask=t(mask), position_ids=t(pos), past_key_values=past,
                          use_cache=True, logits_to_keep=1)  # the LM head on the last position only
         return out.logits[:, -1].float().cpu().numpy(), out.past_key_values
@@ -75,7 +78,7 @@ class TorchLM:
     def score(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray, past) -> np.ndarray:
         """Logits (B, n, V) of ``ids`` continuing the cached prefix ``past``, which is rolled back afterwards (so
         decoding can go on from the prefix as if this call never happened)."""
-        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
+        t = self._t
         n = past.get_seq_length()
         out = self.model(input_ids=t(ids), attention_mask=t(mask), position_ids=t(pos), past_key_values=past,
                          use_cache=True)
@@ -85,7 +88,7 @@ class TorchLM:
     @torch.no_grad()
     def logits(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray, keep: int = 0) -> np.ndarray:
         """Logits (B, T, V) of every position, or of the last ``keep`` only (B, keep, V); no cache."""
-        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
+        t = self._t
         out = self.model(input_ids=t(ids), attention_mask=t(mask), position_ids=t(pos), logits_to_keep=keep)
         return out.logits.float().cpu().numpy()
 

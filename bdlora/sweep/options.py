@@ -21,7 +21,7 @@ class Member:
     name: str
     method: str
     budget: float | None
-    run: str = ""
+    run: str
     train_settings: dict = dataclasses.field(default_factory=dict)
     compress_settings: dict = dataclasses.field(default_factory=dict)
 
@@ -46,11 +46,12 @@ def family(budgets: list[float], baselines: list[str], vary: list[dict] = ()) ->
     if not methods:
         raise UsageError("--budgets and --baselines are both empty: nothing to sweep")
     check_axes(list(vary))
+    train_points, compress_points = grid(list(vary), compress=False), grid(list(vary), compress=True)
     members = []
     for base, method, budget in methods:
-        for tp in grid(list(vary), compress=False):
+        for tp in train_points:
             run = base + label(tp)
-            for cp in grid(list(vary), compress=True) if method == "budgeted" else [{}]:
+            for cp in compress_points if method == "budgeted" else [{}]:
                 members.append(Member(run + label(cp), method, budget, run, tp, cp))
     names = [m.name for m in members]
     clash = sorted({n for n in names if names.count(n) > 1})
@@ -84,16 +85,24 @@ class SweepOptions:
     def members(self) -> list[Member]:
         return family(self.budgets, self.baselines, self.vary)
 
+    def train_config(self, m: Member, out: str | None = None):
+        """The training options of a member: the shared ones, its grid point, its method and budget."""
+        from bdlora.config import TrainConfig
+
+        values = {k: v for k, v in self.train.items() if k in TrainConfig.__dataclass_fields__ and k != "extra"}
+        values.update(m.train_settings)
+        values.update(method=m.method, out=out)
+        if m.budget is not None:
+            values["budget"] = m.budget
+        return TrainConfig(**values)
+
     def validate(self) -> SweepOptions:
         """Every member's options checked like the flags before anything runs (a bad grid point fails at once,
         not after the members before it have trained)."""
-        from bdlora.config import TrainConfig
-
         for m in self.members():
-            fields = {k: v for k, v in self.train.items() if k in TrainConfig.__dataclass_fields__ and k != "extra"}
             try:
-                TrainConfig(**{**fields, **m.train_settings, "method": m.method}).validate()
-                self.thresholds(m, {**fields, **m.train_settings}.get("eps_zero")).validate_thresholds()
+                cfg = self.train_config(m).validate()
+                self.thresholds(m, cfg.eps_zero).validate_thresholds()
             except UsageError as e:
                 if not self.vary:
                     raise

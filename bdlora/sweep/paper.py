@@ -17,20 +17,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from bdlora.io import atomic_path, write_json, write_text
+from bdlora.sweep.vary import show
 
 OUTPUTS = ("main.md", "table9.md", "icl.png")
 
 
 def teacher_label(doc: dict) -> str:
     """How a sweep's teacher is named in merged tables: 'builtin', the preset, or the folder / file name."""
-    t = str(doc.get("options", {}).get("train", {}).get("teacher") or "builtin")
-    return t.rstrip("/").rsplit("/", 1)[-1]
+    return show(doc.get("options", {}).get("train", {}).get("teacher") or "builtin")
 
 
 def method_label(row: dict) -> str:
     base = {"kd-full": "KD Full", "kd-lora": "KD LoRA"}.get(row["method"]) or f"F = {row['budget']:g}"
-    settings = row.get("settings") or {}
-    return base + "".join(f", {k}={v:g}" if isinstance(v, float) else f", {k}={v}" for k, v in settings.items())
+    return base + "".join(f", {k}={show(v)}" for k, v in (row.get("settings") or {}).items())
 
 
 def init_reference(doc: dict) -> tuple[str, dict] | None:
@@ -39,7 +38,7 @@ def init_reference(doc: dict) -> tuple[str, dict] | None:
     if not t:
         return None
     if t.get("student_init"):
-        return f"init ({t['student_init']['source'].rstrip('/').rsplit('/', 1)[-1]})", t["student_init"]
+        return f"init ({show(t['student_init']['source'])})", t["student_init"]
     return "teacher (init)", t
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from bdlora.io import atomic_path
 from bdlora.sweep.options import Member
+from bdlora.sweep.vary import show
 
 
 def _proxy(method: str, summary: dict) -> float:
@@ -39,7 +40,7 @@ def icl_fields(ev: dict) -> dict:
 
 def member_row(m: Member, summary: dict, report: dict, ev: dict, bench: dict | None) -> dict:
     return {
-        "name": m.name, "method": m.method, "budget": m.budget, "run": m.run or m.name, "settings": m.settings,
+        "name": m.name, "method": m.method, "budget": m.budget, "run": m.run, "settings": m.settings,
         "student_val_ppl": summary["student_val_ppl"], "val_ppl": ev["ppl"]["val_ppl"],
         "train_compute_proxy": _proxy(m.method, summary),
         "mac_speedup_vs_dense": report["speedup_vs_dense"], "mac_speedup_vs_lora": report["speedup_vs_lora"],
@@ -61,8 +62,7 @@ def varied(doc: dict) -> list[str]:
 
 
 def _setting(r: dict, k: str) -> str:
-    v = r.get("settings", {}).get(k, "-")
-    return f"{v:g}" if isinstance(v, float) else str(v)
+    return show(r["settings"][k]) if k in r.get("settings", {}) else "-"
 
 
 def markdown(doc: dict) -> str:

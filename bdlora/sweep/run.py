@@ -64,15 +64,6 @@ def run_sweep(opts: SweepOptions | None, sweep: SweepDir, reporter: Reporter = S
     return doc
 
 
-def _member_config(m: Member, opts: SweepOptions, run_dir: Path) -> TrainConfig:
-    values = {k: v for k, v in opts.train.items() if k in TrainConfig.__dataclass_fields__ and k != "extra"}
-    values.update(m.train_settings)
-    values.update(method=m.method, out=str(run_dir))
-    if m.budget is not None:
-        values["budget"] = m.budget
-    return TrainConfig(**values)
-
-
 class _Indented:
     """A reporter showing the member's own stages indented under its header line; every other hook passes
     through to the sweep's reporter."""
@@ -89,7 +80,7 @@ class _Indented:
 
 def _run_member(m: Member, opts: SweepOptions, sweep: SweepDir, reporter: Reporter) -> dict:
     rep = _Indented(reporter)
-    run = sweep.member(m.run or m.name)
+    run = sweep.member(m.run)
     if run.finished():
         rep.stage(f"train: done ({run.path})")
     elif run.started() and latest_checkpoint(run.path) is not None:
@@ -97,7 +88,7 @@ def _run_member(m: Member, opts: SweepOptions, sweep: SweepDir, reporter: Report
     else:
         if run.path.exists():  # started but no checkpoint yet: nothing to keep, start the member again
             shutil.rmtree(run.path)
-        train(_member_config(m, opts, run.path), reporter)
+        train(opts.train_config(m, out=str(run.path)), reporter)
     model_dir = ModelDir(sweep.path / f"{m.name}{COMPRESSED}")
     if model_dir.finished():
         rep.stage("compress: done")

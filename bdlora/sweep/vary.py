@@ -4,8 +4,8 @@ One ``--vary`` is an *axis*: ``OPTION=V1,V2,...`` varies one option; ``OPT1,OPT2
 together (their values zipped, as the paper's Table 2 pairs each temperature with one KD weight). The grid is the
 Cartesian product of all axes. Train options make one training run per grid point; the compress thresholds
 (``COMPRESS_OPTIONS``) vary at compress time only, so a threshold grid re-compresses one trained run instead of
-retraining it (the paper's Appendix threshold sweep). Values are read as YAML scalars (``2``, ``0.5``, ``true``,
-``mixed``) and ``none`` unsets an option; each grid point is checked like the flags before anything runs.
+retraining it (the paper's Appendix threshold sweep). Values are read by the option's type (``2``, ``0.5``,
+``true``, ``mixed``) and ``none`` unsets an option; each grid point is checked like the flags before anything runs.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from pathlib import Path
 
 from bdlora.errors import UsageError
 
@@ -41,6 +42,9 @@ def _option(name: str, spec: str) -> str:
 
 
 def _value(key: str, text: str, spec: str):
+    import typing
+
+    from bdlora.budgeted.config import BudgetedConfig
     from bdlora.config import _TYPE_WORDS, _yaml_type
 
     text = text.strip()
@@ -48,7 +52,7 @@ def _value(key: str, text: str, spec: str):
         raise UsageError(f"--vary {spec}: an empty value for {key}")
     if text.lower() in ("none", "null"):
         return None
-    t = int if key == "svd_max_rank" else float if key in COMPRESS_OPTIONS else _yaml_type(key)
+    t = typing.get_type_hints(BudgetedConfig)[key] if key in COMPRESS_OPTIONS else _yaml_type(key)
     try:
         if t is bool:
             return {"true": True, "false": False}[text.lower()]
@@ -105,11 +109,13 @@ def grid(axes: list[dict], compress: bool) -> list[dict]:
     return points
 
 
+def show(v) -> str:
+    """A setting as member names and tables spell it: ``none``, ``true``, ``0.5`` (not ``0.50``), a path by its
+    last part."""
+    return "none" if v is None else str(v).lower() if isinstance(v, bool) else f"{v:g}" if isinstance(v, float) \
+        else Path(str(v)).name or str(v)
+
+
 def label(settings: dict) -> str:
-    """The name suffix of a grid point: ``+temperature=2+kd_weight=0.5`` (a path value by its last part)."""
-    out = []
-    for k, v in settings.items():
-        s = "none" if v is None else str(v).lower() if isinstance(v, bool) else f"{v:g}" if isinstance(v, float) \
-            else str(v).rstrip("/").rsplit("/", 1)[-1]
-        out.append(f"+{k}={re.sub(r'[^A-Za-z0-9._-]', '-', s)}")
-    return "".join(out)
+    """The name suffix of a grid point: ``+temperature=2+kd_weight=0.5``."""
+    return "".join(f"+{k}={re.sub(r'[^A-Za-z0-9._-]', '-', show(v))}" for k, v in settings.items())
