@@ -105,9 +105,11 @@ def log_normaliser(logits: np.ndarray) -> np.ndarray:
 
 
 def run_decoder(sess, ids, mask, pos, past) -> list[np.ndarray]:
-    """One call of the graph: [logits (B, T, V), present key/values...]."""
+    """One call of the graph: [logits (B, T, V), present key/values...]. A graph without ``position_ids`` (the
+    onnxruntime-genai layout, whose attention derives positions from the mask) is fed the rest."""
     names = [i.name for i in sess.get_inputs()]
-    return sess.run(None, dict(zip(names, [ids, mask, pos, *past])))
+    values = [ids, mask, pos, *past] if "position_ids" in names else [ids, mask, *past]
+    return sess.run(None, dict(zip(names, values)))
 
 
 def greedy_generate(sess, shape: DecoderShape, input_ids: np.ndarray, max_new_tokens: int,

@@ -288,6 +288,7 @@ def numeric_options(command_path):
 
 PARSED = {  # parser command -> argv writing its output at OUT
     "train": OUT_WRITERS["train"], "compress": OUT_WRITERS["compress"], "export onnx": OUT_WRITERS["export onnx"],
+    "export genai": lambda m, o: ["export", "genai", str(m["compressed"]), "--out", o],
     "bench": OUT_WRITERS["bench"], "eval": OUT_WRITERS["eval --json"],
     "plan": lambda m, o: ["plan", "--model-config", str(m["env"]["teacher"]), "--json"],
     "loadtest": lambda m, o: ["loadtest", "http://127.0.0.1:9", "--json", o],  # refused before connecting

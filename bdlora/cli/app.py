@@ -46,7 +46,7 @@ class OneLineErrors(TyperGroup):
 app = typer.Typer(cls=OneLineErrors, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Budgeted LoRA: distil a causal LM into a mixed dense/low-rank student that is faster.")
 export_app = typer.Typer(no_args_is_help=True, help="Export a compressed model (hf: a shareable HF folder; onnx: a "
-                                                    "validated ONNX decoder).")
+                                                    "validated ONNX decoder; genai: an onnxruntime-genai folder).")
 app.add_typer(export_app, name="export")
 
 # Piped output (logs, CI) gets a wide console so tables are not cropped at 80 columns.

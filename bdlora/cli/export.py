@@ -1,4 +1,4 @@
-"""``bdlora export hf`` and ``bdlora export onnx``."""
+"""``bdlora export hf``, ``bdlora export onnx`` and ``bdlora export genai``."""
 
 import json
 from pathlib import Path
@@ -74,3 +74,49 @@ def export_onnx(
         print(json.dumps(info, indent=2))
         return
     render.onnx_export(info, dst)
+
+
+@command(export_app, "genai")
+def export_genai(
+    model_dir: Annotated[Optional[str], typer.Argument(help="Model folder: a `bdlora compress` output (default: the "
+                                                            "latest), any HF Llama/Mistral/Qwen2 folder, a teacher "
+                                                            "preset or a .gguf file.")] = None,
+    precision: Annotated[str, typer.Option(help="fp32, int8 or int4 (MatMulNBits, block 32; int4 keeps the LM "
+                                                "head at 8 bits).")] = "fp32",
+    out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: MODEL_DIR.genai, with "
+                                                                 "-int8 / -int4 for those precisions).")] = None,
+    context_length: Annotated[Optional[int], typer.Option(help="Longest sequence the folder generates (default: the "
+                                                               "model's positions, at most 4096).")] = None,
+    max_ppl_change: Annotated[float, typer.Option(help="int8/int4: refuse the export if held-out perplexity rises by "
+                                                       "more than this fraction over fp32.")] = 0.10,
+    no_validate: Annotated[bool, typer.Option("--no-validate", help="Skip the checks against PyTorch.")] = False,
+    force: Annotated[bool, typer.Option(help="Replace an existing non-empty --out.")] = False,
+    runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,
+    json_out: Annotated[bool, typer.Option("--json", help="Print export.json.")] = False,
+):
+    """Export a model for onnxruntime-genai (og.Generator, the LLM runtime): GroupQueryAttention with a shared KV
+    buffer, fused RMSNorm, each projection in its dense or low-rank form; validated against PyTorch (logits, greedy
+    generation, tokenizer; quantised: perplexity change)."""
+    from bdlora import sources
+    from bdlora.cli.progress import RichReporter
+    from bdlora.errors import UsageError
+    from bdlora.export.genai import export_genai_folder
+    from bdlora.runs import ModelDir
+
+    if not max_ppl_change >= 0 or max_ppl_change == float("inf"):
+        raise UsageError(f"--max-ppl-change {max_ppl_change}: must be a finite fraction >= 0 (0.10 = 10%)")
+    rep = RichReporter(err if json_out else out)
+    suffix = "" if precision == "fp32" else f"-{precision}"
+    if model_dir is not None and sources.is_named(model_dir):
+        src = Path(sources.resolve(model_dir, None, "MODEL_DIR", rep.stage))
+        dst = Path(out_dir) if out_dir else Path(Path(model_dir).name.removesuffix(".gguf") + f".genai{suffix}")
+    else:
+        src = _source(model_dir, runs_dir)
+        dst = Path(out_dir) if out_dir else Path(str(ModelDir(src).genai_out()) + suffix)
+    info = export_genai_folder(src, dst, precision=precision, context_length=context_length,
+                               run_validation=not no_validate, force=force, max_ppl_change=max_ppl_change,
+                               reporter=rep)
+    if json_out:
+        print(json.dumps(info, indent=2))
+        return
+    render.genai_export(info, dst)

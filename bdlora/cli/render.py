@@ -117,6 +117,32 @@ def onnx_export(info: dict, dst) -> None:
     out.print(t)
 
 
+def genai_export(info: dict, dst) -> None:
+    t = _kv(f"onnxruntime-genai export: {dst}")
+    t.add_row("precision / nodes / export time", f"{info['precision']} / {info['nodes']} / "
+              f"{info['export_seconds']:.1f} s")
+    for name, size in info["files"].items():
+        t.add_row(name, f"{size / 1e6:.2f} MB")
+    v = info.get("validation") or {}
+    if "parity" in v:
+        p = v["parity"]
+        t.add_row("max |ONNX - torch| (logits, K/V)", f"{p['max_abs_diff']:.2e}; over {p['decode_steps']} decode "
+                  f"steps {p['decode_max_abs_diff']:.2e} (tolerance {p['tolerance']:.2g})")
+    if "generator" in v:
+        g = v["generator"]
+        same = "identical" if g["all_identical"] else f"identical up to {g['tie_breaks']} exact tie(s)"
+        t.add_row("og.Generator vs torch greedy", f"{same} ({len(g['prompts'])} prompts x {g['new_tokens']} tokens)")
+    if "quality" in v:
+        q = v["quality"]
+        t.add_row(f"held-out ppl fp32 -> {info['precision']}", f"{q['val_ppl_fp32']:.3f} -> "
+                  f"{q['val_ppl_quantized']:.3f} ({100 * q['ppl_change']:+.2f}%; argmax agreement "
+                  f"{100 * q['argmax_agreement']:.1f}%)")
+    s = info["summary"]
+    t.add_row("modules", ", ".join(f"{v} {k}" for k, v in s["forms"].items()))
+    t.add_row("MAC speed-up of the projections vs dense", f"{s['mac_speedup_vs_dense']:.2f}x")
+    out.print(t)
+
+
 def bench(doc: dict) -> None:
     t = Table(title=f"bench: compressed vs dense / LoRA ({doc['thread_pool']})")
     t.add_column("scope phase shape", overflow="fold")

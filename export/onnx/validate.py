@@ -24,9 +24,11 @@ class ExportValidationError(BdloraError):
 
 
 @torch.no_grad()
-def validate(model: nn.Module, sess, shapes=VALIDATION_SHAPES, tolerance: float = TOLERANCE) -> dict:
+def validate(model: nn.Module, sess, shapes=VALIDATION_SHAPES, tolerance: float = TOLERANCE,
+             left_pad: bool = True) -> dict:
     """Compare ONNX Runtime with the model's own forward (native 2D-mask path) at several (batch, seq, past),
-    the first row left padded; logits are compared on real (non-padding) positions, present K/V everywhere. The
+    the first row left padded (unless ``left_pad`` is False); logits are compared on real (non-padding) positions,
+    present K/V everywhere. The
     bound is ``tolerance``, or ``NOISE_FACTOR`` x PyTorch's own fp32 rounding error (its distance from a float64
     forward) when that is larger."""
     import copy
@@ -35,7 +37,7 @@ def validate(model: nn.Module, sess, shapes=VALIDATION_SHAPES, tolerance: float 
     results = []
     worst, noise = 0.0, 0.0
     for b, s, p in shapes:
-        pad = min(2, p + s - 1) if b > 1 else 0
+        pad = min(2, p + s - 1) if b > 1 and left_pad else 0
         ids, mask, pos, pasts = example_inputs(model.config, b, s, p, pad_first=pad, seed=b * 100 + s * 10 + p)
         ref = _forward(model, ids, mask, pos, pasts)
         ref64 = _forward(reference64, ids, mask, pos, [t.double() for t in pasts])

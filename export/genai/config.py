@@ -1,0 +1,57 @@
+"""``genai_config.json``: what onnxruntime-genai needs to drive the decoder graph (the fields its model builder
+writes), plus the search defaults it generates with (greedy, the model's EOS)."""
+
+from __future__ import annotations
+
+GENAI_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+
+
+def _ids(value) -> int | list[int]:
+    return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+
+def genai_config(config, base_type: str, context_length: int, filename: str = "model.onnx",
+                 threads: int | None = None) -> dict:
+    """The config onnxruntime-genai reads for ``config`` (a transformers config of the base family ``base_type``).
+    ``past_present_share_buffer``: past and present are one (batch, kv_heads, max_length, head_dim) buffer that
+    GroupQueryAttention writes in place, so no cache is copied between steps."""
+    if base_type not in GENAI_TYPES:
+        raise ValueError(f"model type {base_type!r}: onnxruntime-genai export supports {', '.join(GENAI_TYPES)}")
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    eos = config.eos_token_id if config.eos_token_id is not None else 0
+    session_options: dict = {"log_id": "onnxruntime-genai", "provider_options": []}
+    if threads:
+        session_options["intra_op_num_threads"] = int(threads)
+    pad = config.pad_token_id if config.pad_token_id is not None else _ids(eos)
+    if isinstance(pad, list):
+        pad = pad[0]
+    return {
+        "model": {
+            "bos_token_id": config.bos_token_id if config.bos_token_id is not None else _ids(eos),
+            "context_length": int(context_length),
+            "decoder": {
+                "session_options": session_options,
+                "filename": filename,
+                "head_size": head_dim,
+                "hidden_size": int(config.hidden_size),
+                "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
+                           "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"},
+                "outputs": {"logits": "logits", "present_key_names": "present.%d.key",
+                            "present_value_names": "present.%d.value"},
+                "num_attention_heads": heads,
+                "num_hidden_layers": int(config.num_hidden_layers),
+                "num_key_value_heads": int(getattr(config, "num_key_value_heads", None) or heads),
+            },
+            "eos_token_id": _ids(eos),
+            "pad_token_id": pad,
+            "type": GENAI_TYPES[base_type],
+            "vocab_size": int(config.vocab_size),
+        },
+        "search": {
+            "diversity_penalty": 0.0, "do_sample": False, "early_stopping": True, "length_penalty": 1.0,
+            "max_length": int(context_length), "min_length": 0, "no_repeat_ngram_size": 0, "num_beams": 1,
+            "num_return_sequences": 1, "past_present_share_buffer": True, "repetition_penalty": 1.0,
+            "temperature": 1.0, "top_k": 1, "top_p": 1.0,
+        },
+    }

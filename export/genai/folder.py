@@ -1,0 +1,136 @@
+"""``bdlora export genai``: a model folder -> an onnxruntime-genai model folder (model.onnx + model.onnx.data,
+genai_config.json, tokenizer files, config.json, export.json written last), validated before it is published."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from bdlora import SCHEMA_VERSION
+from bdlora.errors import UsageError
+from bdlora.export.genai.config import genai_config
+from bdlora.export.genai.quantize import PRECISIONS
+from bdlora.export.onnx.metadata import metadata_props, metadata_summary, module_table, set_metadata
+from bdlora.io import atomic_dir, write_json
+from bdlora.models import load_model_folder
+from bdlora.reporter import SILENT, Reporter
+from bdlora.runs import ModelDir, OnnxDir, check_out_dir, source_run
+
+MAX_PPL_CHANGE = 0.10  # int8/int4 exports whose held-out perplexity rises more than this are refused
+QUALITY_TOKENS = 32768  # held-out tokens scored with the fp32 and quantised graphs when no training run is known
+MAX_CONTEXT = 4096  # rotary tables and the generator's default max_length stop here unless --context-length says more
+
+
+def save_graph(proto, path: Path) -> None:
+    """A graph with every weight in one external-data file beside it (``model.onnx.data``), as the builder does."""
+    import onnx
+
+    onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=path.name + ".data")
+
+
+def export_genai_folder(model_dir: str | Path, out: str | Path, precision: str = "fp32",
+                        context_length: int | None = None, run_validation: bool = True, force: bool = False,
+                        max_ppl_change: float = MAX_PPL_CHANGE, reporter: Reporter = SILENT, model=None) -> dict:
+    """Export ``model_dir`` (a compressed student or any HF Llama/Mistral/Qwen2 folder) for onnxruntime-genai.
+    ``model`` (with its tokenizer and report as ``(model, tok, report)``) skips loading, for the bench's variants."""
+    from bdlora.export.genai.graph import build_decoder
+    from bdlora.export.genai.quantize import quantize_nbits
+
+    if precision not in PRECISIONS:
+        raise UsageError(f"--precision {precision}: unknown (allowed: {', '.join(PRECISIONS)})")
+    model_dir, out = Path(model_dir), Path(out)
+    check_out_dir(out, force, (model_dir,))
+    if model is None:
+        reporter.stage(f"loading {model_dir}")
+        model, tok, report = load_model_folder(model_dir)
+    else:
+        model, tok, report = model
+    cfg = model.config
+    base = (getattr(cfg, "bdlora", None) or {}).get("base_model_type", cfg.model_type)
+    limit = int(getattr(cfg, "max_position_embeddings", None) or MAX_CONTEXT)
+    ctx = int(context_length or min(limit, MAX_CONTEXT))
+    if not 1 <= ctx <= limit:
+        raise UsageError(f"--context-length {ctx}: must be in [1, {limit}] (the model's positions)")
+    rows = module_table(model)
+    summary = metadata_summary(model, rows, report)
+    info: dict = {"schema_version": SCHEMA_VERSION, "runtime": "onnxruntime-genai", "source": str(model_dir.resolve()),
+                  "precision": precision, "context_length": ctx, "summary": summary}
+    with atomic_dir(out) as tmp:
+        reporter.stage("emitting the genai graph (GroupQueryAttention, fused RMSNorm, shared-input first factors)")
+        t0 = time.time()
+        proto = build_decoder(model, ctx)
+        set_metadata(proto, metadata_props(rows, summary))
+        info["nodes"] = len(proto.graph.node)
+        write_json(tmp / "genai_config.json", genai_config(cfg, base, ctx))
+        tok.save_pretrained(tmp)
+        cfg.save_pretrained(tmp)
+        if report is not None:
+            write_json(tmp / ModelDir.MARKER, report)
+        fp32 = tmp / "model.onnx" if precision == "fp32" else tmp / "fp32" / "model.onnx"
+        fp32.parent.mkdir(exist_ok=True)
+        if precision != "fp32":
+            import onnx
+
+            reporter.stage(f"quantising the projections to {precision} (MatMulNBits)")
+            copy = onnx.ModelProto()
+            copy.CopyFrom(proto)  # saving with external data rewrites a proto's tensors in place
+            qproto, info["quantization"] = quantize_nbits(copy, precision)
+            save_graph(qproto, tmp / "model.onnx")
+        save_graph(proto, fp32)
+        info["export_seconds"] = time.time() - t0
+        if run_validation:
+            info["validation"] = _validate(tmp, model, tok, report, model_dir, precision, max_ppl_change, reporter)
+        if fp32 != tmp / "model.onnx":  # the fp32 reference graph served validation only
+            for f in fp32.parent.iterdir():
+                f.unlink()
+            fp32.parent.rmdir()
+        info["files"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.name.startswith("model.onnx")}
+        write_json(tmp / OnnxDir.MARKER, info)
+    return info
+
+
+def _validate(tmp: Path, model, tok, report, model_dir: Path, precision: str, max_ppl_change: float,
+              reporter: Reporter) -> dict:
+    from bdlora.export.genai import validate as v
+    from bdlora.export.onnx.validate import ExportValidationError
+    from bdlora.runtime import DecoderShape, session
+
+    out: dict = {}
+    fp32 = session(tmp / ("model.onnx" if precision == "fp32" else "fp32/model.onnx"))
+    reporter.stage("validating the graph against PyTorch (prefill, decode, decode steps)")
+    out["parity"] = v.graph_parity(model, fp32)
+    reporter.stage("checking onnxruntime-genai's tokenizer against the model's")
+    out["tokenizer"] = v.tokenizer_roundtrip(tmp, tok)
+    if precision == "fp32":
+        reporter.stage("generating with og.Generator against PyTorch's greedy tokens")
+        out["generator"] = v.generator_greedy(tmp, model, tok)
+        return out
+    run = source_run(model_dir, (report or {}).get("provenance", {}))
+    blocks = _quality_blocks(run, tok, DecoderShape.of(model.config))
+    reporter.stage(f"scoring {len(blocks)} held-out blocks with the fp32 and {precision} graphs")
+    q = v.quantized_quality(fp32, session(tmp / "model.onnx"), DecoderShape.of(model.config), blocks)
+    q["max_ppl_change"] = max_ppl_change
+    out["quality"] = q
+    if q["ppl_change"] > max_ppl_change:
+        raise ExportValidationError(
+            f"{precision} raises held-out perplexity by {q['ppl_change']:.1%} ({q['val_ppl_fp32']:.3g} -> "
+            f"{q['val_ppl_quantized']:.3g}; argmax agreement {q['argmax_agreement']:.1%}), above --max-ppl-change "
+            f"{max_ppl_change:g}; export fp32 or int8, or pass a larger --max-ppl-change to accept it")
+    return out
+
+
+def _quality_blocks(run, tok, shape):
+    """The run's held-out blocks (those its perplexity was reported on) when the model came from a training run, else
+    the first ``QUALITY_TOKENS`` of the builtin corpus's held-out slice in blocks of 128 tokens."""
+    from bdlora.blocks import PackedBlocks
+    from bdlora.data import BUILTIN, Corpus, tokenize_corpus
+    from bdlora.perplexity import heldout_blocks
+
+    if run is not None:
+        blocks = heldout_blocks(run.config(), tok)
+        if len(blocks):
+            return blocks
+    corpus = Corpus(BUILTIN)
+    data = tokenize_corpus(corpus, tok, corpus.default_heldout_fraction, None)
+    return PackedBlocks(data.tokens("val"), min(128, shape.max_positions), max_tokens=QUALITY_TOKENS)

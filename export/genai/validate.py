@@ -1,0 +1,114 @@
+"""Validation of a genai folder: graph parity with PyTorch (prefill, decode after a past, a run of decode steps fed
+back), the runtime's own greedy generation (``og.Generator``) against PyTorch's, the runtime's tokenizer against
+the Hugging Face one, and, for int8/int4, the held-out perplexity change and argmax agreement against fp32."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from bdlora.export.onnx.validate import ExportValidationError, validate
+from bdlora.runtime import DecoderShape, run_decoder, score_blocks
+
+# GroupQueryAttention takes right-aligned batches (positions come from the mask's row sums) and, on CPU, several
+# new tokens after a past only for batch 1: the shapes a genai runtime feeds it.
+GENAI_SHAPES = ((1, 1, 0), (2, 6, 0), (2, 1, 5), (1, 4, 3), (1, 1, 33))
+PROMPTS = ("The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, there was a",
+           "import numpy as np\n\n")
+TEXTS = ("The capital of France is Paris.\nIt has 2 million people.", "  def f(x):\n\treturn x ** 2  # héllo ✓",
+         "<|im_start|>user\nHi!<|im_end|>")
+
+
+def graph_parity(model: nn.Module, sess, steps: int = 6) -> dict:
+    """Logits and present K/V against PyTorch at ``GENAI_SHAPES``, then a prompt of 8 followed by ``steps`` decode
+    steps, each fed the previous step's presents, against the full-sequence forward."""
+    out = validate(model, sess, shapes=GENAI_SHAPES, left_pad=False)
+    shape = DecoderShape.of(model.config)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, shape.vocab_size, (1, 8 + steps), generator=g)
+    with torch.no_grad():
+        ref = model(ids).logits.numpy()
+    past = [np.zeros((1, shape.kv_heads, 0, shape.head_dim), np.float32) for _ in range(2 * shape.layers)]
+    worst, t = 0.0, 0
+    for n in [8] + [1] * steps:
+        x = ids[:, t : t + n].numpy()
+        res = run_decoder(sess, x, np.ones((1, t + n), np.int64), None, past)
+        worst = max(worst, float(np.abs(res[0] - ref[:, t : t + n]).max()))
+        past, t = res[1:], t + n
+    if worst > out["tolerance"]:
+        raise ExportValidationError(f"genai graph differs from PyTorch by {worst:.3g} over {steps} decode steps "
+                                    f"(tolerance {out['tolerance']:.3g})")
+    return {**out, "decode_steps": steps, "decode_max_abs_diff": worst}
+
+
+@torch.no_grad()
+def torch_greedy(model: nn.Module, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Greedy continuation of ``ids`` by PyTorch and, per step, the margin between its top two logits."""
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    margins = []
+    for logits in out.logits:
+        top2 = torch.topk(logits[0].float(), 2).values
+        margins.append(float(top2[0] - top2[1]))
+    return out.sequences[0, len(ids):].tolist(), margins
+
+
+def generator_greedy(folder: Path, model: nn.Module, tokenizer, n: int = 32, tolerance: float = 1e-3) -> dict:
+    """``og.Generator`` greedy tokens against PyTorch's for several prompts (``n`` new tokens each, EOS ignored).
+    A divergence is accepted only at a step where PyTorch's top two logits are within ``tolerance`` (a tie any two
+    fp32 implementations may break differently); the generated text itself is then compared up to that step."""
+    import onnxruntime_genai as og
+
+    og_model = og.Model(str(folder))
+    rows, ties = [], 0
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        params = og.GeneratorParams(og_model)
+        params.set_search_options(max_length=len(ids) + n, min_length=len(ids) + n, do_sample=False)
+        gen = og.Generator(og_model, params)
+        gen.append_tokens(np.array(ids, dtype=np.int32))
+        while not gen.is_done():
+            gen.generate_next_token()
+        got = [int(t) for t in gen.get_sequence(0)][len(ids):]
+        want, margins = torch_greedy(model, ids, n)
+        first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if first is not None:
+            if margins[first] > tolerance:
+                raise ExportValidationError(
+                    f"og.Generator's greedy tokens differ from PyTorch's at step {first} of {prompt!r} (PyTorch's "
+                    f"top-2 margin {margins[first]:.3g} > {tolerance}): {got[: first + 1]} vs {want[: first + 1]}")
+            ties += 1
+        rows.append({"prompt": prompt, "tokens": len(got), "identical": first is None, "first_tie": first})
+    return {"prompts": rows, "new_tokens": n, "all_identical": ties == 0, "tie_breaks": ties}
+
+
+def tokenizer_roundtrip(folder: Path, tokenizer) -> dict:
+    """onnxruntime-genai's tokenizer must encode and decode like the Hugging Face one (a byte-level BPE read
+    wrongly decodes to raw symbols such as 'Ġ')."""
+    import onnxruntime_genai as og
+
+    tok = og.Tokenizer(og.Model(str(folder)))
+    for text in TEXTS:
+        want = tokenizer(text, add_special_tokens=False)["input_ids"]
+        got = [int(t) for t in tok.encode(text)]
+        if got[-len(want):] != want:
+            raise ExportValidationError(f"onnxruntime-genai's tokenizer encodes {text!r} as {got[:12]}..., the "
+                                        f"model's tokenizer as {want[:12]}...")
+        back, ref = tok.decode(np.array(want, dtype=np.int32)), tokenizer.decode(want)
+        if back != ref:
+            raise ExportValidationError(f"onnxruntime-genai's tokenizer decodes {want[:12]}... as {back!r}, the "
+                                        f"model's tokenizer as {ref!r}")
+    return {"texts": len(TEXTS), "identical": True}
+
+
+def quantized_quality(fp32_sess, q_sess, shape: DecoderShape, blocks) -> dict:
+    """Held-out NLL of the fp32 and quantised graphs on the same blocks, and how often their argmax agrees."""
+    nll32, arg32 = score_blocks(fp32_sess, shape, blocks)
+    nllq, argq = score_blocks(q_sess, shape, blocks)
+    return {"val_ppl_fp32": math.exp(nll32), "val_ppl_quantized": math.exp(nllq),
+            "ppl_change": math.exp(nllq - nll32) - 1.0, "argmax_agreement": float((arg32 == argq).mean()),
+            "tokens": len(blocks) * blocks.seq_len}

@@ -1,0 +1,176 @@
+"""``bdlora export genai``: the onnxruntime-genai graph (GroupQueryAttention, fused RMSNorm, shared-input first
+factors) against PyTorch for every projection form and base family, the folder through ``og.Generator``, the
+runtime's tokenizer, int8/int4 quality and its refusal threshold, and the CLI's errors."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from bdlora.bench.variants import dense_variant, lora_variant, synthetic_model
+from bdlora.cli import app
+from bdlora.export.genai import export_genai_folder
+from bdlora.export.genai.graph import build_decoder
+from bdlora.export.genai.validate import GENAI_SHAPES, graph_parity
+from bdlora.export.hf import save_model_folder
+from bdlora.export.onnx.validate import TOLERANCE, ExportValidationError
+from bdlora.runtime import session
+from conftest import compressed_student
+
+D_MIXED = [0.0, 1.0, 0.0, 0.2, 0.0, 0.9, 0.0]
+
+
+def _config(family: str, **kw) -> dict:
+    base = {"model_type": family, "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 64, "tie_word_embeddings": family == "qwen2", "rope_theta": 10000.0}
+    return {**base, **kw}
+
+
+def _session(model, tmp_path, name="m"):
+    proto = build_decoder(model, 64)
+    onnx.save_model(proto, str(tmp_path / f"{name}.onnx"), save_as_external_data=True, location=f"{name}.data")
+    return proto, session(tmp_path / f"{name}.onnx")
+
+
+@pytest.mark.parametrize("family", ["mistral", "llama", "qwen2"])
+@pytest.mark.parametrize("budget", [0.0, 0.6])
+def test_graph_parity_every_form_and_family(family, budget, tmp_path):
+    """Low-rank, mixed, dense and dense+LoRA projections, GQA 4/2, Qwen2's q/k/v biases and tied head: logits and
+    present K/V within 1e-4 of PyTorch at every shape GQA takes, and over 6 decode steps fed back."""
+    model, _ = synthetic_model(_config(family), budget, None, rank=8)
+    for variant in (model, dense_variant(model), lora_variant(model, 4)):
+        proto, sess = _session(variant, tmp_path)
+        p = graph_parity(variant, sess)
+        assert p["max_abs_diff"] <= TOLERANCE and p["decode_max_abs_diff"] <= TOLERANCE
+        assert {(s["batch"], s["seq"], s["past"]) for s in p["shapes"]} == set(GENAI_SHAPES)
+        ops = [n.op_type for n in proto.graph.node]
+        assert ops.count("GroupQueryAttention") == 2 and ops.count("SkipSimplifiedLayerNormalization") == 4
+        assert "Transpose" not in ops and "Softmax" not in ops  # attention and rotary live inside GQA
+
+
+def test_shared_input_first_factors_are_one_matmul(tmp_path):
+    """F = 0: every projection low-rank. q/k/v read one MatMul (their three first factors), gate/up another, o and
+    down one each: 4 first-stage MatMuls + 7 second factors per layer, plus the LM head."""
+    model, _ = synthetic_model(_config("mistral"), 0.0, None, rank=8)
+    proto, _ = _session(model, tmp_path)
+    names = [n.name for n in proto.graph.node if n.op_type == "MatMul"]
+    firsts = [n for n in names if n.endswith("_in/MatMul")]
+    assert len(firsts) == 2 * 4 and len(names) == 2 * (4 + 7) + 1
+    assert "/model/layers.0/self_attn/q_k_v_in/MatMul" in firsts and "/model/layers.0/mlp/gate_up_in/MatMul" in firsts
+    dense, _ = _session(dense_variant(model), tmp_path, "d")
+    assert sum(n.op_type == "MatMul" for n in dense.graph.node) == 2 * 4 + 1  # qkv packed, gate+up fused, o, down
+
+
+@pytest.fixture(scope="module")
+def mixed_folder(tiny_env, tmp_path_factory):
+    """A mixed compressed student of a 2-layer, hidden-64 teacher (head dim 16: GroupQueryAttention's minimum)."""
+    from transformers import MistralForCausalLM
+
+    from conftest import tiny_config
+
+    root = tmp_path_factory.mktemp("genai")
+    tok = tiny_env["tokenizer"]
+    torch.manual_seed(0)
+    teacher = MistralForCausalLM(tiny_config(len(tok), layers=2, hidden=64, eos_token_id=tok.eos_token_id,
+                                             bos_token_id=tok.bos_token_id)).eval()
+    _, model, report = compressed_student(teacher, D_MIXED, seed=1)
+    return save_model_folder(model, tiny_env["tokenizer"], root / "mixed", report), root
+
+
+def test_export_folder_generates_like_torch(mixed_folder):
+    """The folder loads in onnxruntime-genai; og.Generator's greedy tokens equal PyTorch's for every prompt; the
+    runtime's tokenizer encodes and decodes like the model's; the module table rides in the graph."""
+    import onnxruntime_genai as og
+
+    folder, root = mixed_folder
+    info = export_genai_folder(folder, root / "fp32")
+    v = info["validation"]
+    assert v["parity"]["max_abs_diff"] <= TOLERANCE
+    assert v["generator"]["new_tokens"] == 32 and len(v["generator"]["prompts"]) == 4
+    assert v["tokenizer"]["identical"]
+    cfg = json.loads((root / "fp32" / "genai_config.json").read_text())
+    assert cfg["model"]["type"] == "mistral" and cfg["search"]["past_present_share_buffer"] is True
+    assert cfg["model"]["decoder"]["num_key_value_heads"] == 2 and cfg["model"]["decoder"]["head_size"] == 16
+    meta = {p.key: p.value for p in onnx.load(str(root / "fp32" / "model.onnx"), load_external_data=False)
+            .metadata_props}
+    rows = json.loads(meta["bdlora.modules"])
+    assert len(rows) == 2 * 7 and {r["form"] for r in rows} == set(info["summary"]["forms"])
+    assert sorted(p.name for p in (root / "fp32").iterdir()) == [
+        "compression.json", "config.json", "export.json", "genai_config.json", "model.onnx", "model.onnx.data",
+        "tokenizer.json", "tokenizer_config.json"]
+    # the runtime itself, as a user drives it: greedy 10 tokens, decoded by its tokenizer
+    m = og.Model(str(root / "fp32"))
+    tok = og.Tokenizer(m)
+    params = og.GeneratorParams(m)
+    params.set_search_options(max_length=20, do_sample=False)
+    gen = og.Generator(m, params)
+    gen.append_tokens(tok.encode("one two three"))
+    while not gen.is_done():
+        gen.generate_next_token()
+    assert isinstance(tok.decode(gen.get_sequence(0)), str) and len(gen.get_sequence(0)) == 20
+
+
+@pytest.mark.parametrize("precision,bits", [("int8", 8), ("int4", 4)])
+def test_quantized_export_reports_quality(mixed_folder, precision, bits):
+    folder, root = mixed_folder
+    info = export_genai_folder(folder, root / precision, precision=precision)
+    q, quant = info["validation"]["quality"], info["quantization"]
+    assert quant["op"] == "MatMulNBits" and quant["lm_head_bits"] == 8 and quant["matmuls_fp32"] == 0
+    assert quant["matmuls_quantized"] == sum(1 for n in onnx.load(str(root / precision / "model.onnx"),
+                                                                     load_external_data=False).graph.node
+                                             if n.op_type == "MatMulNBits")
+    bit_set = {a.i for n in onnx.load(str(root / precision / "model.onnx"), load_external_data=False).graph.node
+               if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"}
+    assert bit_set == ({8} if precision == "int8" else {4, 8})
+    assert 0.5 <= q["argmax_agreement"] <= 1.0 and q["tokens"] > 0
+    assert q["ppl_change"] == pytest.approx(q["val_ppl_quantized"] / q["val_ppl_fp32"] - 1)
+    assert not (root / precision / "fp32").exists()  # the fp32 reference graph served validation only
+
+
+def test_quality_threshold_refuses_and_writes_nothing(mixed_folder):
+    folder, root = mixed_folder
+    with pytest.raises(ExportValidationError, match="above --max-ppl-change -1"):
+        export_genai_folder(folder, root / "refused", precision="int4", max_ppl_change=-1.0)
+    assert not (root / "refused").exists()
+    assert not [p for p in root.iterdir() if p.name.startswith(".refused")]
+
+
+def test_head_dim_gqa_cannot_take_is_one_line(tiny_env, tmp_path):
+    r = CliRunner().invoke(app, ["export", "genai", str(tiny_env["teacher"]), "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "head dim 8: onnxruntime's GroupQueryAttention" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
+
+
+def test_cli_export_genai(mixed_folder, tmp_path):
+    folder, _ = mixed_folder
+    r = CliRunner().invoke(app, ["export", "genai", str(folder), "--out", str(tmp_path / "g"), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["runtime"] == "onnxruntime-genai"
+    r = CliRunner().invoke(app, ["export", "genai", str(folder), "--out", str(tmp_path / "o"), "--precision", "int3"])
+    assert r.exit_code == 2 and "--precision int3: unknown (allowed: fp32, int8, int4)" in r.stderr
+    r = CliRunner().invoke(app, ["export", "genai", str(folder), "--out", str(tmp_path / "o"), "--context-length",
+                                 "100000"])
+    assert r.exit_code == 2 and "--context-length 100000: must be in [1, 128]" in r.stderr
+    r = CliRunner().invoke(app, ["export", "genai", str(folder), "--out", str(tmp_path / "g")])
+    assert r.exit_code == 2 and "exists and is not empty" in r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_generator_divergence_beyond_a_tie_is_an_error(mixed_folder, tmp_path):
+    """The greedy check can fail: a graph whose LM head was perturbed generates other tokens, and the export says
+    at which step and by what margin."""
+    from bdlora.export.genai.validate import generator_greedy
+    from bdlora.models import load_model_folder
+
+    folder, root = mixed_folder
+    export_genai_folder(folder, tmp_path / "g", run_validation=False)
+    model, tok, _ = load_model_folder(folder)
+    with torch.no_grad():
+        model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight))
+    with pytest.raises(ExportValidationError, match="og.Generator's greedy tokens differ from PyTorch's at step"):
+        generator_greedy(tmp_path / "g", model, tok)
+    assert np.isfinite(model.lm_head.weight.sum().item())
