@@ -174,3 +174,49 @@ def test_generator_divergence_beyond_a_tie_is_an_error(mixed_folder, tmp_path):
     with pytest.raises(ExportValidationError, match="og.Generator's greedy tokens differ from PyTorch's at step"):
         generator_greedy(tmp_path / "g", model, tok)
     assert np.isfinite(model.lm_head.weight.sum().item())
+
+
+def test_bench_genai_synthetic_with_builder_peers(tmp_path):
+    """Synthetic mode through the CLI: every variant at fp32 and int4 through og.Generator, and the builder's own
+    dense conversions as peer rows, with the ratios the report is made of."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({**_config("llama"), "architectures": ["LlamaForCausalLM"]}))
+    r = CliRunner().invoke(app, ["bench", "--model-config", str(cfg), "--budget", "0.0", "--lora-rank", "8",
+                                 "--runtime", "genai", "--genai-precisions", "fp32,int4", "--batch-sizes", "1",
+                                 "--seq-lens", "16", "--decode-tokens", "4", "--repeats", "2", "--warmup", "0",
+                                 "--out", str(tmp_path / "b")])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "b" / "bench.json").read_text())
+    variants = {x["variant"] for x in doc["results"]}
+    assert variants == {"dense", "lora", "compressed", "dense-int4", "lora-int4", "compressed-int4", "builder-fp32",
+                        "builder-int4"}, (variants, doc.get("genai_notes"))
+    assert {x["scope"] for x in doc["results"]} == {"genai"}
+    assert {(x["phase"], x["batch"], x["seq"]) for x in doc["results"]} == {("prefill", 1, 16), ("decode", 1, 16)}
+    for x in doc["results"]:
+        assert x["repeats"] == 2 and x["median_ms"] > 0
+        if x["variant"] == "compressed":
+            assert x["speedup_vs_builder"] > 0 and x["mac_ratio_vs_dense"] > 1 and "speedup_vs_lora" in x
+        if x["variant"] == "compressed-int4":
+            assert x["speedup_vs_builder"] > 0 and x["speedup_vs_dense_int4"] > 0
+    md = (tmp_path / "b" / "bench.md").read_text()
+    assert "onnxruntime-genai (og.Generator" in md and "| int4 | decode | 1x1 (cache 16) |" in md
+    builder_cfg = json.loads((tmp_path / "b" / "graphs" / "genai-builder-fp32" / "genai_config.json").read_text())
+    assert builder_cfg["model"]["decoder"]["session_options"]["intra_op_num_threads"] == doc["threads"]
+
+
+def test_bench_genai_on_a_compressed_folder_and_bad_options(mixed_folder, tmp_path):
+    folder, _ = mixed_folder
+    r = CliRunner().invoke(app, ["bench", str(folder), "--runtime", "genai", "--no-peers", "--batch-sizes", "1",
+                                 "--seq-lens", "8", "--decode-tokens", "2", "--repeats", "1", "--warmup", "0",
+                                 "--out", str(tmp_path / "b")])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert {x["variant"] for x in doc["results"]} == {"dense", "lora", "compressed"}
+    tok = json.loads((tmp_path / "b" / "graphs" / "genai-compressed" / "tokenizer_config.json").read_text())
+    assert tok["eos_token"] == "<|endoftext|>"  # the model's own tokenizer, not the synthetic stand-in
+    for args, needle in ((["--runtime", "tvm"], "--runtime 'tvm': unknown (allowed: ort, genai, both)"),
+                         (["--genai-precisions", "fp32,int3"], "--genai-precisions 'int3': unknown"),
+                         (["--runtime", "genai", "--provider", "cuda"], "--provider")):
+        r = CliRunner().invoke(app, ["bench", str(folder), *args, "--out", str(tmp_path / "x")])
+        assert r.exit_code == 2 and needle in r.stderr, (args, r.stderr)
+        assert not (tmp_path / "x").exists()

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from bdlora.errors import Checks, UsageError
 
 SCOPES = ("modules", "model", "both")
+RUNTIMES = ("ort", "genai", "both")
+GENAI_PRECISIONS = ("fp32", "int8", "int4")
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 
@@ -35,6 +37,13 @@ class BenchConfig:
     """Model scope: also time dynamic-int8 graphs of dense and compressed."""
     optimize: bool = False
     """Model scope: onnxruntime transformer-optimizer fusions on every variant."""
+    runtime: str = "ort"
+    """ort (our ONNX graphs, InferenceSession), genai (bdlora export genai folders driven by og.Generator, beside
+    onnxruntime-genai's own builder) or both."""
+    genai_precisions: list[str] = field(default_factory=lambda: ["fp32"])
+    """genai runtime: precisions of every variant (fp32, int8, int4; MatMulNBits)."""
+    peers: bool = True
+    """genai runtime: also time the dense model converted by onnxruntime-genai's own builder (fp32, int4)."""
 
     def validate(self, max_positions: int | None = None) -> BenchConfig:
         """Every problem at once; with ``max_positions``, sequence lengths are bounded by the model's context."""
@@ -54,6 +63,13 @@ class BenchConfig:
         c.integer("decode_tokens", self.decode_tokens, lo=1)
         c.threads("threads", self.threads)
         c.choice("provider", self.provider, tuple(PROVIDERS))
+        c.choice("runtime", self.runtime, RUNTIMES)
+        c.require(bool(self.genai_precisions), "--genai-precisions: empty list; give at least one of "
+                  + ", ".join(GENAI_PRECISIONS))
+        for p in self.genai_precisions:
+            c.choice("genai_precisions", p, GENAI_PRECISIONS)
+        c.require(self.runtime == "ort" or self.provider == "cpu",
+                  f"--runtime {self.runtime}: the genai bench runs on cpu (--provider {self.provider})")
         c.done()
         provider_name(self.provider)
         return self

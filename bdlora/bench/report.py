@@ -18,7 +18,7 @@ def markdown(doc: dict) -> str:
     idx = {(r["scope"], r["variant"], r["phase"], r["batch"], r["seq"]): r for r in doc["results"]}
     q8 = [r for r in doc["results"] if r["variant"] == "compressed-int8"]
     for r in doc["results"]:
-        if r["variant"] != "compressed":
+        if r["variant"] != "compressed" or r["scope"] == "genai":
             continue
         k = (r["phase"], r["batch"], r["seq"])
         d, lo = idx[(r["scope"], "dense", *k)], idx.get((r["scope"], "lora", *k))
@@ -39,7 +39,39 @@ def markdown(doc: dict) -> str:
             lines.append(f"| {r['phase']} | {r['batch']}x{r['seq']} | {d8['median_ms'] if d8 else float('nan'):.3f} "
                          f"| {r['median_ms']:.3f} | {r['speedup_vs_dense']:.2f}x | "
                          f"{r.get('speedup_vs_dense_int8', float('nan')):.2f}x |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + genai_markdown(doc, idx)) + "\n"
+
+
+def _ms(r: dict | None) -> str:
+    return f"{r['median_ms']:.3f}" if r else "-"
+
+
+def genai_markdown(doc: dict, idx: dict) -> list[str]:
+    """The genai runtime's table: per shape, the builder's dense, ours, LoRA and compressed, at each precision."""
+    rows = [r for r in doc["results"] if r["scope"] == "genai" and r["variant"].startswith("compressed")]
+    if not rows:
+        return []
+    lines = ["", "onnxruntime-genai (og.Generator; decode in ms per token): every variant through `bdlora export "
+             "genai`, beside the same dense model converted by onnxruntime-genai's own builder.", "",
+             "| precision | phase | batch x seq | builder dense ms | our dense ms | lora ms | compressed ms (p10-p90) "
+             "| vs builder | vs our dense | MAC limit | of limit vs builder |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        precision = r["variant"].partition("-")[2] or "fp32"
+        k = (r["phase"], r["batch"], r["seq"])
+        suffix = "" if precision == "fp32" else f"-{precision}"
+        b, d = idx.get(("genai", f"builder-{precision}", *k)), idx.get(("genai", f"dense{suffix}", *k))
+        lo = idx.get(("genai", f"lora{suffix}", *k))
+        shape = f"{r['batch']}x{r['seq']}" if r["phase"] == "prefill" else f"{r['batch']}x1 (cache {r['seq']})"
+        vs_b = f"{r['speedup_vs_builder']:.2f}x" if "speedup_vs_builder" in r else "-"
+        vs_d = f"{d['median_ms'] / r['median_ms']:.2f}x" if d else "-"
+        frac = f"{100 * r['fraction_of_limit_vs_builder']:.0f}%" if "fraction_of_limit_vs_builder" in r else "-"
+        lines.append(f"| {precision} | {r['phase']} | {shape} | {_ms(b)} | {_ms(d)} | {_ms(lo)} | "
+                     f"{r['median_ms']:.3f} ({r['p10_ms']:.3f}-{r['p90_ms']:.3f}) | {vs_b} | {vs_d} | "
+                     f"{r['mac_ratio_vs_dense']:.2f}x | {frac} |")
+    for key, why in (doc.get("genai_notes") or {}).items():
+        lines += ["", f"{key}: {why}"]
+    return lines
 
 
 def plot(doc: dict, path: Path) -> None:

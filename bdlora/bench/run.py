@@ -149,42 +149,65 @@ def bench_model(models: dict[str, nn.Module], workdir: Path, cfg: BenchConfig, t
     return _rows("model", times), pool
 
 
+def _base(variant: str) -> tuple[str, str]:
+    """``compressed-int4`` -> (compressed, int4); ``builder-fp32`` -> (builder, fp32); ``dense`` -> (dense, "")."""
+    name, _, precision = variant.partition("-")
+    return name, "" if precision == "fp32" and name != "builder" else precision
+
+
 def add_ratios(results: list[dict], macs: dict) -> None:
     """Speed-ups of the compressed variant vs dense and vs LoRA, beside the MAC ratio (the limit) and the fraction
     of that limit achieved; model-scope rows also get the floor (rank-1 control) and the share of time outside the
-    replaced modules."""
+    replaced modules; genai rows also compare with onnxruntime-genai's own builder at the same precision."""
     index = {(r["scope"], r["variant"], r["phase"], r["batch"], r["seq"]): r for r in results}
     for r in results:
         key = (r["scope"], r["phase"], r["batch"], r["seq"])
-        if r["scope"] == "model":
+        name, precision = _base(r["variant"])
+        if r["scope"] in ("model", "genai"):
             ctx = (r["seq"] + 1) / 2 if r["phase"] == "prefill" else r["seq"] + 1
-            r["mac_per_token"] = macs["model"][r["variant"]](ctx)
-            floor = index.get(("model", "floor", *key[1:]))
+            r["mac_per_token"] = macs["model"]["dense" if name == "builder" else name](ctx)
+            floor = index.get((r["scope"], "floor", *key[1:]))
             if floor is not None and r["variant"] != "floor":
                 r["share_outside_modules"] = min(1.0, floor["median_ms"] / r["median_ms"])
         else:
-            r["mac_per_token"] = macs["modules"][r["variant"]]
-        if r["variant"] == "compressed-int8":  # int8 on top of low rank: vs the fp32 and the int8 dense graphs
-            dense, dense8 = index[(key[0], "dense", *key[1:])], index.get((key[0], "dense-int8", *key[1:]))
-            r["speedup_vs_dense"] = dense["median_ms"] / r["median_ms"]
-            if dense8 is not None:
-                r["speedup_vs_dense_int8"] = dense8["median_ms"] / r["median_ms"]
-            continue
-        if r["variant"] != "compressed":
+            r["mac_per_token"] = macs["modules"][name]
+        builder = index.get((key[0], f"builder-{precision or 'fp32'}", *key[1:]))
+        if builder is not None and name in ("dense", "compressed"):
+            r["speedup_vs_builder"] = builder["median_ms"] / r["median_ms"]
+        if name != "compressed":
             continue
         dense = index[(key[0], "dense", *key[1:])]
-        lora = index.get((key[0], "lora", *key[1:]))
         r["speedup_vs_dense"] = dense["median_ms"] / r["median_ms"]
         r["mac_ratio_vs_dense"] = dense["mac_per_token"] / r["mac_per_token"]
+        if builder is not None:
+            r["fraction_of_limit_vs_builder"] = r["speedup_vs_builder"] / r["mac_ratio_vs_dense"]
+        if precision:  # quantised on top of low rank: vs the fp32 dense and the dense graph at the same precision
+            same = index.get((key[0], f"dense-{precision}", *key[1:]))
+            if same is not None:
+                r[f"speedup_vs_dense_{precision}"] = same["median_ms"] / r["median_ms"]
+            continue
+        lora = index.get((key[0], "lora", *key[1:]))
         r["fraction_of_limit"] = r["speedup_vs_dense"] / r["mac_ratio_vs_dense"]
         if lora is not None:
             r["speedup_vs_lora"] = lora["median_ms"] / r["median_ms"]
             r["mac_ratio_vs_lora"] = lora["mac_per_token"] / r["mac_per_token"]
 
 
+def bench_genai(models: dict[str, nn.Module], tokenizer, workdir: Path, cfg: BenchConfig, threads: int,
+                reporter: Reporter = SILENT) -> tuple[list[dict], dict]:
+    from bdlora.bench.genai import export_variants, time_genai
+
+    folders, notes = export_variants(models, tokenizer, cfg.genai_precisions, workdir, threads, cfg.peers, reporter)
+    shapes = [[phase, b, s] for b in cfg.batch_sizes for s in cfg.seq_lens for phase in ("prefill", "decode")]
+    vocab = DecoderShape.of(next(iter(models.values())).config).vocab_size
+    times = time_genai(folders, shapes, cfg.repeats, cfg.warmup, cfg.decode_tokens, vocab, workdir, reporter)
+    return _rows("genai", times), notes
+
+
 def run_bench(model: nn.Module, lora_rank: int, cfg: BenchConfig, out: Path, report: dict | None = None,
-              reporter: Reporter = SILENT) -> dict:
-    """Bench a compressed model (its three variants) and write bench.json, bench.md and bench.png into ``out``."""
+              reporter: Reporter = SILENT, tokenizer=None) -> dict:
+    """Bench a compressed model (its three variants) and write bench.json, bench.md and bench.png into ``out``;
+    ``tokenizer`` goes into the genai folders (synthetic mode: a stand-in)."""
     import onnxruntime as ort
 
     cfg.validate(DecoderShape.of(model.config).max_positions)
@@ -195,17 +218,20 @@ def run_bench(model: nn.Module, lora_rank: int, cfg: BenchConfig, out: Path, rep
     with atomic_dir(Path(out)) as tmp:
         work = tmp / "graphs"
         work.mkdir()
-        results = []
-        if cfg.scope in ("modules", "both"):
+        results, notes = [], {}
+        ort_runtime = cfg.runtime in ("ort", "both")
+        if ort_runtime and cfg.scope in ("modules", "both"):
             rows, pool = bench_modules(models, work, cfg, threads, reporter)
             results += rows
-        if cfg.scope in ("model", "both"):
+        if cfg.runtime in ("genai", "both"):
+            rows, notes = bench_genai(models, tokenizer, work, cfg, threads, reporter)
+            results += rows
+            pool = pool or f"onnxruntime-genai, {threads} intra-op threads per model (separate timing process)"
+        if ort_runtime and cfg.scope in ("model", "both"):
             with_floor = {**models, "floor": floor_variant(model)}
             rows, pool = bench_model(with_floor, work, cfg, threads, reporter)
             results += rows
             macs_modules["floor"] = projection_macs(with_floor["floor"])
-        for n in ("dense", "compressed"):  # int8 graphs do the same MACs (in int8)
-            macs_modules[f"{n}-int8"] = macs_modules[n]
         macs = {"modules": macs_modules,
                 "model": {n: (lambda ctx, n=n: model_macs_per_token(model, ctx, macs_modules[n]))
                           for n in macs_modules}}
@@ -215,6 +241,8 @@ def run_bench(model: nn.Module, lora_rank: int, cfg: BenchConfig, out: Path, rep
                "mac_per_token_modules": macs_modules, "mac_ratio_modules_vs_dense":
                macs_modules["dense"] / macs_modules["compressed"], "mac_ratio_modules_vs_lora":
                macs_modules["lora"] / macs_modules["compressed"], "results": results}
+        if notes:
+            doc["genai_notes"] = notes
         if report is not None:
             doc["compression"] = {k: report.get(k) for k in ("speedup_vs_dense", "speedup_vs_lora", "dense_kept",
                                                                "dense_svd", "dense_dropped", "budget")}

@@ -8,7 +8,7 @@ import typer
 from bdlora.bench.config import BenchConfig
 from bdlora.cli import render
 from bdlora.cli.app import command, out
-from bdlora.cli.options import from_dataclass, int_list
+from bdlora.cli.options import from_dataclass, int_list, str_list
 from bdlora.runs import RUNS_DIR
 
 
@@ -31,7 +31,8 @@ def bench(
     **opts,
 ):
     """Time the compressed model against its dense and LoRA forms under onnxruntime (replaced modules and whole
-    model, prefill and decode), beside the MAC limits; writes bench.json, bench.md and bench.png."""
+    model, prefill and decode) and, with --runtime genai, in onnxruntime-genai beside its own builder's dense
+    model, beside the MAC limits; writes bench.json, bench.md and bench.png."""
     from bdlora.arch import check_lora_rank
     from bdlora.bench.run import run_bench
     from bdlora.cli.progress import RichReporter
@@ -41,6 +42,7 @@ def bench(
 
     opts["batch_sizes"] = int_list(opts["batch_sizes"], "--batch-sizes")
     opts["seq_lens"] = int_list(opts["seq_lens"], "--seq-lens")
+    opts["genai_precisions"] = str_list(opts["genai_precisions"]) or []
     _check_own_options(model_config, budget, layers, lora_rank)
     cfg = BenchConfig(**opts).validate()
     if json_path:
@@ -54,6 +56,7 @@ def bench(
         config = read_model_config(model_config)
         rank = check_lora_rank(lora_rank or 128, config, defaulted=lora_rank is None)
         model, report = synthetic_model(config, budget, layers, rank)
+        tok = None
         dst, inputs = Path(out_dir) if out_dir else Path(runs_dir) / f"bench-synthetic-F{budget}", ()
     else:
         from bdlora.models import load_model_folder
@@ -62,12 +65,12 @@ def bench(
         if not src.finished():
             raise ModelError(f"{src.path}: no compression.json; bench needs a `bdlora compress` output (or use "
                              "--model-config for synthetic mode)")
-        model, _, report = load_model_folder(src.path)
+        model, tok, report = load_model_folder(src.path)
         rank = check_lora_rank(lora_rank or max(1, round(report["lora_macs"] / max(1, sum(
             m["in_features"] + m["out_features"] for m in report["modules"])))), model.config, lora_rank is None)
         dst, inputs = (Path(out_dir) if out_dir else src.bench_out()), (src.path,)
     check_out_dir(dst, force, inputs)
-    doc = run_bench(model, rank, cfg, dst, report, reporter=RichReporter(out))
+    doc = run_bench(model, rank, cfg, dst, report, reporter=RichReporter(out), tokenizer=tok)
     if json_path:
         write_json(json_path, doc)
     render.bench(doc)

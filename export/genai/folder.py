@@ -29,55 +29,70 @@ def save_graph(proto, path: Path) -> None:
                     location=path.name + ".data")
 
 
-def export_genai_folder(model_dir: str | Path, out: str | Path, precision: str = "fp32",
-                        context_length: int | None = None, run_validation: bool = True, force: bool = False,
-                        max_ppl_change: float = MAX_PPL_CHANGE, reporter: Reporter = SILENT, model=None) -> dict:
-    """Export ``model_dir`` (a compressed student or any HF Llama/Mistral/Qwen2 folder) for onnxruntime-genai.
-    ``model`` (with its tokenizer and report as ``(model, tok, report)``) skips loading, for the bench's variants."""
+def context_length_of(config, context_length: int | None) -> int:
+    limit = int(getattr(config, "max_position_embeddings", None) or MAX_CONTEXT)
+    ctx = int(context_length or min(limit, MAX_CONTEXT))
+    if not 1 <= ctx <= limit:
+        raise UsageError(f"--context-length {ctx}: must be in [1, {limit}] (the model's positions)")
+    return ctx
+
+
+def write_genai_files(model, tok, folder: Path, precision: str, ctx: int, report: dict | None = None,
+                      threads: int | None = None, fp32_path: Path | None = None) -> dict:
+    """Write the genai files of ``model`` into the existing ``folder``: the graph at ``precision`` as model.onnx
+    (+ .data), genai_config.json, config, tokenizer (if given) and compression.json (if ``report``); with
+    ``fp32_path`` a quantised export also writes its fp32 graph there (the quality reference). Returns what was
+    written (nodes, quantisation)."""
+    import onnx
+
     from bdlora.export.genai.graph import build_decoder
     from bdlora.export.genai.quantize import quantize_nbits
 
+    cfg = model.config
+    base = (getattr(cfg, "bdlora", None) or {}).get("base_model_type", cfg.model_type)
+    rows = module_table(model)
+    proto = build_decoder(model, ctx)
+    set_metadata(proto, metadata_props(rows, metadata_summary(model, rows, report)))
+    info: dict = {"nodes": len(proto.graph.node)}
+    write_json(folder / "genai_config.json", genai_config(cfg, base, ctx, threads=threads))
+    if tok is not None:
+        tok.save_pretrained(folder)
+    cfg.save_pretrained(folder)
+    if report is not None:
+        write_json(folder / ModelDir.MARKER, report)
+    if precision != "fp32":
+        copy = onnx.ModelProto()
+        copy.CopyFrom(proto)  # saving with external data rewrites a proto's tensors in place
+        qproto, info["quantization"] = quantize_nbits(copy, precision)
+        save_graph(qproto, folder / "model.onnx")
+        if fp32_path is not None:
+            fp32_path.parent.mkdir(exist_ok=True)
+            save_graph(proto, fp32_path)
+    else:
+        save_graph(proto, folder / "model.onnx")
+    return info
+
+
+def export_genai_folder(model_dir: str | Path, out: str | Path, precision: str = "fp32",
+                        context_length: int | None = None, run_validation: bool = True, force: bool = False,
+                        max_ppl_change: float = MAX_PPL_CHANGE, reporter: Reporter = SILENT) -> dict:
+    """Export ``model_dir`` (a compressed student or any HF Llama/Mistral/Qwen2 folder) for onnxruntime-genai."""
     if precision not in PRECISIONS:
         raise UsageError(f"--precision {precision}: unknown (allowed: {', '.join(PRECISIONS)})")
     model_dir, out = Path(model_dir), Path(out)
     check_out_dir(out, force, (model_dir,))
-    if model is None:
-        reporter.stage(f"loading {model_dir}")
-        model, tok, report = load_model_folder(model_dir)
-    else:
-        model, tok, report = model
-    cfg = model.config
-    base = (getattr(cfg, "bdlora", None) or {}).get("base_model_type", cfg.model_type)
-    limit = int(getattr(cfg, "max_position_embeddings", None) or MAX_CONTEXT)
-    ctx = int(context_length or min(limit, MAX_CONTEXT))
-    if not 1 <= ctx <= limit:
-        raise UsageError(f"--context-length {ctx}: must be in [1, {limit}] (the model's positions)")
-    rows = module_table(model)
-    summary = metadata_summary(model, rows, report)
+    reporter.stage(f"loading {model_dir}")
+    model, tok, report = load_model_folder(model_dir)
+    ctx = context_length_of(model.config, context_length)
     info: dict = {"schema_version": SCHEMA_VERSION, "runtime": "onnxruntime-genai", "source": str(model_dir.resolve()),
-                  "precision": precision, "context_length": ctx, "summary": summary}
+                  "precision": precision, "context_length": ctx,
+                  "summary": metadata_summary(model, module_table(model), report)}
     with atomic_dir(out) as tmp:
-        reporter.stage("emitting the genai graph (GroupQueryAttention, fused RMSNorm, shared-input first factors)")
+        reporter.stage("emitting the genai graph (GroupQueryAttention, fused RMSNorm, shared-input first factors)"
+                       + ("" if precision == "fp32" else f", quantising the projections to {precision} (MatMulNBits)"))
         t0 = time.time()
-        proto = build_decoder(model, ctx)
-        set_metadata(proto, metadata_props(rows, summary))
-        info["nodes"] = len(proto.graph.node)
-        write_json(tmp / "genai_config.json", genai_config(cfg, base, ctx))
-        tok.save_pretrained(tmp)
-        cfg.save_pretrained(tmp)
-        if report is not None:
-            write_json(tmp / ModelDir.MARKER, report)
         fp32 = tmp / "model.onnx" if precision == "fp32" else tmp / "fp32" / "model.onnx"
-        fp32.parent.mkdir(exist_ok=True)
-        if precision != "fp32":
-            import onnx
-
-            reporter.stage(f"quantising the projections to {precision} (MatMulNBits)")
-            copy = onnx.ModelProto()
-            copy.CopyFrom(proto)  # saving with external data rewrites a proto's tensors in place
-            qproto, info["quantization"] = quantize_nbits(copy, precision)
-            save_graph(qproto, tmp / "model.onnx")
-        save_graph(proto, fp32)
+        info.update(write_genai_files(model, tok, tmp, precision, ctx, report, fp32_path=fp32))
         info["export_seconds"] = time.time() - t0
         if run_validation:
             info["validation"] = _validate(tmp, model, tok, report, model_dir, precision, max_ppl_change, reporter)

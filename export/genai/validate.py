@@ -26,12 +26,18 @@ TEXTS = ("The capital of France is Paris.\nIt has 2 million people.", "  def f(x
 def graph_parity(model: nn.Module, sess, steps: int = 6) -> dict:
     """Logits and present K/V against PyTorch at ``GENAI_SHAPES``, then a prompt of 8 followed by ``steps`` decode
     steps, each fed the previous step's presents, against the full-sequence forward."""
+    import copy
+
+    from bdlora.export.onnx.validate import NOISE_FACTOR, TOLERANCE
+
     out = validate(model, sess, shapes=GENAI_SHAPES, left_pad=False)
     shape = DecoderShape.of(model.config)
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, shape.vocab_size, (1, 8 + steps), generator=g)
     with torch.no_grad():
         ref = model(ids).logits.numpy()
+        noise = float(np.abs(copy.deepcopy(model).double()(ids).logits.numpy() - ref).max())
+    bound = max(out["tolerance"], TOLERANCE, NOISE_FACTOR * noise)  # as in ``validate``: torch's own fp32 error
     past = [np.zeros((1, shape.kv_heads, 0, shape.head_dim), np.float32) for _ in range(2 * shape.layers)]
     worst, t = 0.0, 0
     for n in [8] + [1] * steps:
@@ -39,10 +45,10 @@ def graph_parity(model: nn.Module, sess, steps: int = 6) -> dict:
         res = run_decoder(sess, x, np.ones((1, t + n), np.int64), None, past)
         worst = max(worst, float(np.abs(res[0] - ref[:, t : t + n]).max()))
         past, t = res[1:], t + n
-    if worst > out["tolerance"]:
+    if worst > bound:
         raise ExportValidationError(f"genai graph differs from PyTorch by {worst:.3g} over {steps} decode steps "
-                                    f"(tolerance {out['tolerance']:.3g})")
-    return {**out, "decode_steps": steps, "decode_max_abs_diff": worst}
+                                    f"(tolerance {bound:.3g})")
+    return {**out, "decode_steps": steps, "decode_max_abs_diff": worst, "decode_tolerance": bound}
 
 
 @torch.no_grad()
@@ -98,7 +104,8 @@ def tokenizer_roundtrip(folder: Path, tokenizer) -> dict:
         if got[-len(want):] != want:
             raise ExportValidationError(f"onnxruntime-genai's tokenizer encodes {text!r} as {got[:12]}..., the "
                                         f"model's tokenizer as {want[:12]}...")
-        back, ref = tok.decode(np.array(want, dtype=np.int32)), tokenizer.decode(want)
+        # onnxruntime-genai's decode drops special tokens (as a chat client wants)
+        back, ref = tok.decode(np.array(want, dtype=np.int32)), tokenizer.decode(want, skip_special_tokens=True)
         if back != ref:
             raise ExportValidationError(f"onnxruntime-genai's tokenizer decodes {want[:12]}... as {back!r}, the "
                                         f"model's tokenizer as {ref!r}")

@@ -1,0 +1,127 @@
+"""``bdlora bench --runtime genai``: the variants timed in onnxruntime-genai, the runtime users deploy with.
+
+Every variant (dense, lora, compressed; each at every ``--genai-precisions`` precision) is exported by
+``bdlora.export.genai`` and driven by ``og.Generator``, as a deployment would run it: the KV cache lives in one
+buffer that GroupQueryAttention updates in place (no per-step copies through Python). The peer rows are what a
+user would deploy without bdlora: the same dense model (the compressed student's low-rank pairs multiplied out)
+saved as a plain Hugging Face folder of its base family and converted by onnxruntime-genai's own model builder
+(``python -m onnxruntime_genai.models.builder``) at fp32 and, when asked, int4. Every folder gets the same session
+options (intra-op threads); timing runs in a separate process (``bench.genai_worker``), variants interleaved.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch.nn as nn
+
+from bdlora.errors import BdloraError
+from bdlora.reporter import SILENT, Reporter
+
+BUILDER_PRECISIONS = {"fp32": "fp32", "int4": "int4"}  # the builder's -p values we compare against
+
+
+def _stand_in_tokenizer():
+    """A byte-level BPE with no merges, for synthetic mode (the builder copies a tokenizer; nothing decodes)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<|endoftext|>": 0, **{c: i + 1 for i, c in enumerate(sorted(alphabet))}}  # EOS 0: in any vocabulary
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+
+
+def save_base_folder(dense: nn.Module, tok, folder: Path) -> None:
+    """``dense`` (a bdlora model whose projections are all dense) as a plain HF folder of its base family."""
+    from bdlora.export.modeling_bdlora import FAMILIES
+
+    cfg = dense.config
+    base = (getattr(cfg, "bdlora", None) or {}).get("base_model_type", cfg.model_type)
+    from transformers import AutoModelForCausalLM
+
+    cfg_cls, _ = FAMILIES[base]
+    base_cfg_cls = next(c for c in cfg_cls.__mro__[1:] if not c.__name__.startswith("Bdlora"))  # e.g. LlamaConfig
+    keep = {k: v for k, v in cfg.to_dict().items()
+            if k not in ("bdlora_modules", "bdlora", "auto_map", "architectures", "model_type")}
+    plain = AutoModelForCausalLM.from_config(base_cfg_cls(**keep))
+    missing, unexpected = plain.load_state_dict(dense.state_dict(), strict=False)
+    if [k for k in missing if k != "lm_head.weight"] or unexpected:
+        raise BdloraError(f"dense variant does not map onto {base}: missing {missing[:3]}, unexpected "
+                          f"{unexpected[:3]}")
+    plain.save_pretrained(folder)
+    tok.save_pretrained(folder)
+
+
+def run_builder(hf_folder: Path, out: Path, precision: str, threads: int, cache: Path) -> str | None:
+    """Convert ``hf_folder`` with onnxruntime-genai's builder; None on success, else the reason it could not."""
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_folder), "-o", str(out), "-p",
+           BUILDER_PRECISIONS[precision], "-e", "cpu", "-c", str(cache)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0 or not (out / "genai_config.json").exists():
+        tail = [ln for ln in (proc.stderr or proc.stdout).strip().splitlines() if ln.strip()][-1:]
+        return f"onnxruntime-genai's builder failed ({tail[0][:200] if tail else proc.returncode})"
+    cfg = json.loads((out / "genai_config.json").read_text())
+    cfg["model"]["decoder"]["session_options"]["intra_op_num_threads"] = int(threads)  # same as our folders
+    (out / "genai_config.json").write_text(json.dumps(cfg, indent=2))
+    return None
+
+
+def export_variants(models: dict[str, nn.Module], tok, precisions: list[str], work: Path, threads: int,
+                    peers: bool, reporter: Reporter = SILENT) -> tuple[dict[str, Path], dict]:
+    """Every variant at every precision as a genai folder, plus the builder's peer folders; (folders, notes)."""
+    from bdlora.export.genai.folder import write_genai_files
+
+    folders: dict[str, Path] = {}
+    model = next(iter(models.values()))
+    ctx = int(min(getattr(model.config, "max_position_embeddings", 4096) or 4096, 4096))
+    tok = tok if tok is not None else _stand_in_tokenizer()
+    for name, m in models.items():
+        for p in precisions:
+            key = name if p == "fp32" else f"{name}-{p}"
+            reporter.stage(f"exporting the {key} genai folder")
+            folders[key] = work / f"genai-{key}"
+            folders[key].mkdir()
+            write_genai_files(m, tok, folders[key], p, ctx, threads=threads)
+    notes: dict = {}
+    if peers:
+        hf = work / "hf-dense"
+        save_base_folder(models["dense"], tok, hf)
+        for p in [p for p in precisions if p in BUILDER_PRECISIONS]:
+            key = f"builder-{p}"
+            reporter.stage(f"converting the dense model with onnxruntime-genai's builder ({p})")
+            failed = run_builder(hf, work / f"genai-{key}", p, threads, work / "builder-cache")
+            if failed:
+                notes[key] = failed
+                reporter.stage(f"{key}: {failed}")
+            else:
+                folders[key] = work / f"genai-{key}"
+    return folders, notes
+
+
+def time_genai(folders: dict[str, Path], shapes: list, repeats: int, warmup: int, decode_tokens: int, vocab: int,
+               work: Path, reporter: Reporter = SILENT) -> list[dict]:
+    """Time every folder through og.Generator in a separate process; raw per-repeat ms per (variant, shape)."""
+    spec = {"folders": {k: str(v) for k, v in folders.items()}, "shapes": shapes, "repeats": repeats,
+            "warmup": warmup, "decode_tokens": decode_tokens, "vocab": vocab}
+    spec_path, out_path = work / "genai-spec.json", work / "genai-times.json"
+    spec_path.write_text(json.dumps(spec))
+    proc = subprocess.Popen([sys.executable, "-m", "bdlora.bench.genai_worker", str(spec_path), str(out_path)],
+                            stderr=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("genai "):
+                reporter.stage(f"timed {line.strip()}")
+    finally:
+        if proc.poll() is None and sys.exc_info()[0] is not None:
+            proc.kill()
+    if proc.wait() != 0:
+        raise BdloraError(f"the genai timing process failed: {''.join(lines[-5:]).strip()}")
+    return json.loads(out_path.read_text())["times"]
