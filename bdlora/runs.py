@@ -229,6 +229,16 @@ class OnnxDir(Artefact):
     MAKE = "bdlora export onnx"
 
 
+class GenaiDir(Artefact):
+    """``bdlora export genai``'s folder: model.onnx + model.onnx.data, genai_config.json, config, tokenizer,
+    export.json."""
+
+    MARKER = "export.json"
+    GLOB = f"*{GENAI}*"
+    WHAT = "genai export folder"
+    MAKE = "bdlora export genai"
+
+
 class BenchDir(Artefact):
     MARKER = "bench.json"
     GLOB = f"*{BENCH}"

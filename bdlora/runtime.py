@@ -112,6 +112,26 @@ def run_decoder(sess, ids, mask, pos, past) -> list[np.ndarray]:
     return sess.run(None, dict(zip(names, values)))
 
 
+def run_bound(sess, ids, mask, pos, past: list) -> tuple[np.ndarray, list]:
+    """One call of the graph with IO binding, for decode loops: ``past`` may hold numpy arrays or the onnxruntime
+    values a previous call returned; the presents come back as onnxruntime values, to be bound as the next call's
+    past, so the KV cache stays in onnxruntime's memory between steps instead of being copied into numpy and back.
+    Returns (logits as numpy, presents)."""
+    names = [i.name for i in sess.get_inputs()]
+    values = [ids, mask, pos, *past] if "position_ids" in names else [ids, mask, *past]
+    binding = sess.io_binding()
+    for name, value in zip(names, values):
+        if isinstance(value, np.ndarray):
+            binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        else:
+            binding.bind_ortvalue_input(name, value)
+    for o in sess.get_outputs():
+        binding.bind_output(o.name, "cpu")
+    sess.run_with_iobinding(binding)
+    out = binding.get_outputs()
+    return out[0].numpy(), list(out[1:])
+
+
 def greedy_generate(sess, shape: DecoderShape, input_ids: np.ndarray, max_new_tokens: int,
                     eos_token_id: int | None = None) -> np.ndarray:
     """Greedy decoding with the KV cache (prompt once, then one token per step); prompt and new tokens (B, T + n)."""
@@ -122,10 +142,9 @@ def greedy_generate(sess, shape: DecoderShape, input_ids: np.ndarray, max_new_to
     pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int64), ids.shape).copy()
     out = [ids]
     for _ in range(max_new_tokens):
-        res = run_decoder(sess, ids, mask, pos, past)
-        nxt = res[0][:, -1].argmax(-1).astype(np.int64)[:, None]  # (B, 1)
+        logits, past = run_bound(sess, ids, mask, pos, past)
+        nxt = logits[:, -1].argmax(-1).astype(np.int64)[:, None]  # (B, 1)
         out.append(nxt)
-        past = res[1:]
         mask = np.concatenate([mask, np.ones((b, 1), dtype=np.int64)], 1)
         pos = pos[:, -1:] + 1
         ids = nxt
@@ -152,22 +171,29 @@ def score_blocks(sess, shape: DecoderShape, blocks, batch_size: int = 8) -> tupl
     return total / count, np.concatenate(preds)
 
 
-def check_onnx_dir(path: Path, onnx_file: str) -> None:
+def check_onnx_dir(path: Path, onnx_file: str, runtime: str = "ort") -> None:
     """Fail fast (before a server listens or an evaluation starts) on an ONNX folder that cannot be used: missing
-    files, a graph path outside the folder, a config or tokenizer that does not load. The graph itself is loaded by
-    the caller (the server in the background, exiting non-zero if that fails)."""
+    files, a graph path outside the folder, a config or tokenizer that does not load (``runtime`` genai: also its
+    genai_config.json). The graph itself is loaded by the caller (the server in the background, exiting non-zero if
+    that fails)."""
     from bdlora.errors import ModelError, UsageError
     from bdlora.tokenizer import TextTokenizer
 
+    make = "bdlora export genai" if runtime == "genai" else "bdlora export onnx"
     if not path.is_dir():
-        raise ModelError(f"{path}: no such folder (pass a `bdlora export onnx` output)")
+        raise ModelError(f"{path}: no such folder (pass a `{make}` output)")
+    if runtime == "genai" and not (path / "genai_config.json").is_file():
+        raise ModelError(f"{path}: no genai_config.json (--runtime genai serves a `bdlora export genai` output)")
+    if runtime != "genai" and (path / "genai_config.json").is_file():
+        raise ModelError(f"{path}: a `bdlora export genai` folder (onnxruntime-genai's graph layout); serve it with "
+                         "--runtime genai")
     if not (path / onnx_file).resolve().is_relative_to(path.resolve()):
         raise UsageError(f"--onnx-file {onnx_file}: must name a graph inside {path}")
     if not (path / onnx_file).is_file():
         found = ", ".join(sorted(p.name for p in path.glob("*.onnx"))) or "none"
-        raise ModelError(f"{path}: no {onnx_file} (ONNX files there: {found}; pass a `bdlora export onnx` output)")
+        raise ModelError(f"{path}: no {onnx_file} (ONNX files there: {found}; pass a `{make}` output)")
     if not (path / "config.json").is_file():
-        raise ModelError(f"{path}: no config.json (pass a `bdlora export onnx` output)")
+        raise ModelError(f"{path}: no config.json (pass a `{make}` output)")
     if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         raise ModelError(f"{path}: no tokenizer files")
     for what, load in (("config.json", DecoderShape.from_folder), ("tokenizer", TextTokenizer)):

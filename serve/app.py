@@ -57,13 +57,21 @@ async def _load(state: _State, loader, on_fatal) -> None:
     state.engine = eng
 
 
+def engine_class(runtime: str) -> type[Engine]:
+    if runtime == "genai":
+        from bdlora.serve.genai_engine import GenaiEngine
+
+        return GenaiEngine
+    return Engine
+
+
 def create_app(cfg: ServeConfig, loader=None, on_fatal=None) -> FastAPI:
     """The ASGI app. ``loader()`` builds the Engine (default: from ``cfg``); it runs in a thread after start-up,
     and /health answers 503 until it returns. ``on_fatal(message)`` is called once if loading fails or the
     engine's worker dies (``serve`` then stops the process with a non-zero exit, so a supervisor restarts it)."""
     state = _State()
     metrics = Metrics(lambda: state.engine)
-    loader = loader or (lambda: Engine(cfg.onnx_dir, cfg.onnx_file, cfg.max_batch, cfg.threads))
+    loader = loader or (lambda: engine_class(cfg.runtime)(cfg.onnx_dir, cfg.onnx_file, cfg.max_batch, cfg.threads))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -250,7 +258,7 @@ def serve(cfg: ServeConfig, host: str = "127.0.0.1", port: int = 8000, drain_sec
     from bdlora.errors import BdloraError
     from bdlora.runtime import check_onnx_dir
 
-    check_onnx_dir(Path(cfg.onnx_dir), cfg.onnx_file)
+    check_onnx_dir(Path(cfg.onnx_dir), cfg.onnx_file, cfg.runtime)
     fatal: list[str] = []
     server: uvicorn.Server | None = None
 

@@ -15,6 +15,9 @@ class ServeConfig:
     """Model id clients send (default: the folder name)."""
     onnx_file: str = "model.onnx"
     """Graph to serve (model.onnx or model_int8.onnx), inside the folder."""
+    runtime: str = "ort"
+    """ort (a `bdlora export onnx` folder, onnxruntime with a batched KV cache) or genai (a `bdlora export genai`
+    folder, onnxruntime-genai with one in-place KV buffer per sequence)."""
     max_batch: int = 16
     """Sequences decoded together (continuous batching)."""
     max_tokens: int = 512
@@ -41,6 +44,7 @@ class ServeConfig:
             c.integer(name, getattr(self, name), lo=1)
         c.integer("max_prompts", self.max_prompts, lo=1, hi=self.max_waiting)
         c.threads("threads", self.threads)
+        c.choice("runtime", self.runtime, ("ort", "genai"))
         if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
             c.add("--api-key: must be a non-empty string without surrounding spaces")
         c.done()

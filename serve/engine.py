@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bdlora.runtime import DecoderShape, empty_past, left_padded, session
+from bdlora.runtime import DecoderShape, empty_past, left_padded, run_bound, session
 from bdlora.serve.sequence import Request, SamplingParams, Sequence, safe_emit, score_prompt
 from bdlora.tokenizer import TextTokenizer
 
@@ -39,8 +39,7 @@ class Engine:
         self.dir = Path(onnx_dir)
         self.shape = DecoderShape.from_folder(self.dir)
         self.tokenizer = TextTokenizer(self.dir)
-        self.sess = session(self.dir / onnx_file, threads=threads)
-        self.input_names = [i.name for i in self.sess.get_inputs()]
+        self._open_model(onnx_file, threads)
         self.max_batch = max_batch
         self.max_positions = self.shape.max_positions
         self.eos = self.tokenizer.eos_token_id
@@ -90,16 +89,37 @@ class Engine:
 
     # --------------------------------------------------------------------------------------------------------------
 
-    def _run(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray, past: list[np.ndarray]):
-        feeds = dict(zip(self.input_names, [ids, mask, pos, *past]))
-        out = self.sess.run(None, feeds)
-        return out[0], out[1:]  # (B, S, V) logits, presents
+    # The model hooks (onnxruntime here; ``GenaiEngine`` runs onnxruntime-genai): open the model, prefill new
+    # requests, merge them into the batch, run one decode step.
+
+    def _open_model(self, onnx_file: str, threads: int | None) -> None:
+        self.sess = session(self.dir / onnx_file, threads=threads)
+
+    def _new_batch(self) -> _Batch:
+        return _Batch()
+
+    def _run(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray, past: list):
+        """One call of the graph with IO binding (``runtime.run_bound``): the KV cache stays in onnxruntime's memory
+        between steps and is copied out only when the batch changes shape. (B, S, V) logits, presents."""
+        return run_bound(self.sess, ids, mask, pos, past)
 
     def _prefill(self, reqs: list[Request]):
-        """Left-padded prefill of new requests: (mask (b, T), presents, logits (b, T, V))."""
+        """Left-padded prefill of new requests: (batch state (presents, mask), per-request logits of its own
+        positions (T_i, V))."""
         ids, mask, pos = left_padded([r.prompt_ids for r in reqs])
         logits, presents = self._run(ids, mask, pos, empty_past(self.shape, len(reqs)))
-        return mask, presents, logits
+        width = logits.shape[1]
+        return (presents, mask), [logits[i, width - len(r.prompt_ids):] for i, r in enumerate(reqs)]
+
+    def _step(self, batch: _Batch) -> np.ndarray:
+        """One decode step of every sequence: (B, V) logits of their next token."""
+        seqs = batch.seqs
+        ids = np.array([[s.next_token] for s in seqs], dtype=np.int64)
+        pos = np.array([[s.pos] for s in seqs], dtype=np.int64)
+        mask = np.concatenate([batch.mask, np.ones((len(seqs), 1), dtype=np.int64)], 1)
+        logits, batch.cache = self._run(ids, mask, pos, batch.cache)
+        batch.mask = mask
+        return logits[:, -1]
 
     def _loop(self) -> None:
         try:
@@ -132,7 +152,7 @@ class Engine:
                 safe_emit(s.req, "error", f"{type(e).__name__}: {e}")
 
     def _serve(self) -> None:
-        batch = _Batch()
+        batch = self._new_batch()
         while not self._stop.is_set():
             new = self._admit(len(batch.seqs))  # blocks only when nothing is running
             if new is None:
@@ -168,44 +188,37 @@ class Engine:
     def _start(self, new: list[Request], batch: _Batch) -> None:
         """Prefill new requests together and merge them into the running batch (a failed prefill fails them)."""
         try:
-            nmask, npres, logits = self._prefill(new)
+            state, rows = self._prefill(new)
         except Exception as e:  # noqa: BLE001  a request the graph cannot run fails alone
             for r in new:
                 safe_emit(r, "error", f"{type(e).__name__}: {e}")
             return
         fresh = [Sequence(r, self.tokenizer, self.eos) for r in new]
-        width = logits.shape[1]
         for i, s in enumerate(fresh):
             p = s.req.params
             try:
-                if p.echo and p.logprobs is not None:  # left padded: the prompt is the row's last positions
-                    prompt = s.req.prompt_ids
-                    s.prompt_scores = score_prompt(logits[i, width - len(prompt):], prompt, p.logprobs)
+                if p.echo and p.logprobs is not None:  # rows[i]: the logits of the prompt's own positions
+                    s.prompt_scores = score_prompt(rows[i], s.req.prompt_ids, p.logprobs)
                 if p.max_tokens == 0:  # scoring only
                     s.close("length")
             except Exception as e:  # noqa: BLE001  fails this request alone
                 s.finish = "error"
                 self.failed += 1
                 safe_emit(s.req, "error", f"{type(e).__name__}: {e}")
-        self._advance(fresh, logits[:, -1])
-        batch.merge(fresh, list(npres), nmask)
+        self._advance(fresh, np.stack([r[-1] for r in rows]))
+        batch.merge(fresh, state)
 
     def _decode(self, batch: _Batch) -> None:
         """One decode step for every sequence of the batch."""
         seqs = batch.seqs
-        ids = np.array([[s.next_token] for s in seqs], dtype=np.int64)
-        pos = np.array([[s.pos] for s in seqs], dtype=np.int64)
-        mask = np.concatenate([batch.mask, np.ones((len(seqs), 1), dtype=np.int64)], 1)
         try:
-            logits, batch.cache = self._run(ids, mask, pos, batch.cache)
-            logits = logits[:, -1]
+            logits = self._step(batch)
         except Exception as e:  # noqa: BLE001  the batch's step failed: fail its sequences, keep serving
             for s in seqs:
                 safe_emit(s.req, "error", f"{type(e).__name__}: {e}")
             self.failed += len(seqs)
             batch.clear()
             return
-        batch.mask = mask
         self.steps += 1
         self.decode_rows += len(seqs)
         for s in seqs:
@@ -221,7 +234,7 @@ class _Batch:
 
     def clear(self) -> None:
         self.seqs: list[Sequence] = []
-        self.cache: list[np.ndarray] = []
+        self.cache: list = []  # numpy arrays, or onnxruntime values while the batch keeps its shape
         self.mask = np.zeros((0, 0), dtype=np.int64)
 
     @staticmethod
@@ -231,8 +244,14 @@ class _Batch:
             return arrs, mask
         return [np.pad(a, ((0, 0), (0, 0), (extra, 0), (0, 0))) for a in arrs], np.pad(mask, ((0, 0), (extra, 0)))
 
-    def merge(self, fresh: list[Sequence], cache: list[np.ndarray], mask: np.ndarray) -> None:
+    @staticmethod
+    def _numpy(cache: list) -> list[np.ndarray]:
+        return [a if isinstance(a, np.ndarray) else a.numpy() for a in cache]
+
+    def merge(self, fresh: list[Sequence], state) -> None:
+        cache, mask = state
         if self.seqs:
+            self.cache, cache = self._numpy(self.cache), self._numpy(cache)
             t = max(self.mask.shape[1], mask.shape[1])
             self.cache, self.mask = self._left_pad(self.cache, self.mask, t)
             cache, mask = self._left_pad(cache, mask, t)
@@ -251,7 +270,7 @@ class _Batch:
             self.clear()
             return
         self.seqs = [self.seqs[i] for i in keep]
-        self.cache = [a[keep] for a in self.cache]
+        self.cache = [a[keep] for a in self._numpy(self.cache)]
         self.mask = self.mask[keep]
         used = np.flatnonzero(self.mask.any(0))
         start = int(used[0]) if used.size else self.mask.shape[1]

@@ -26,25 +26,31 @@ PROMPTS = ["alpha beta", "one two three", "red green", "monday tuesday wednesday
 LONG = 3000  # tokens: long enough that a disconnect or SIGTERM lands mid-generation
 
 
-@pytest.fixture(scope="module")
-def served_model(tiny_env, tmp_path_factory):
-    """A tiny random-weight bdlora model (context 4096) exported to ONNX, and its reference greedy generator."""
+@pytest.fixture(scope="module", params=["ort", "genai"])
+def served_model(request, tiny_env, tmp_path_factory):
+    """A tiny random-weight bdlora model (context 4096, head dim 16) exported for each runtime: ``ort`` (`export
+    onnx`, served by the onnxruntime engine) and ``genai`` (`export genai`, served with ``--runtime genai``), both
+    as a folder named m.onnx (the model id clients send); and its reference greedy generator, run on the served
+    graph itself by plain onnxruntime."""
     from transformers import MistralForCausalLM
 
+    from bdlora.export.genai import export_genai_folder
     from bdlora.export.hf import save_model_folder
     from bdlora.export.onnx import export_onnx_folder
     from bdlora.runtime import DecoderShape, run_decoder, session
     from conftest import compressed_student, tiny_config
 
+    runtime = request.param
     tok = tiny_env["tokenizer"]
     torch.manual_seed(3)
-    base = MistralForCausalLM(tiny_config(len(tok), layers=2, max_position_embeddings=4096,
+    base = MistralForCausalLM(tiny_config(len(tok), layers=2, hidden=64, max_position_embeddings=4096,
                                           eos_token_id=tok.eos_token_id)).eval()
     _, model, report = compressed_student(base, [0.0, 1.0, 0.2], seed=2)
-    root = tmp_path_factory.mktemp("serve")
+    root = tmp_path_factory.mktemp(f"serve-{runtime}")
     folder = save_model_folder(model, tok, root / "m", report)
-    export_onnx_folder(folder, root / "m.onnx", run_validation=False)
-    sess = session(root / "m.onnx" / "model.onnx")
+    served = root / runtime / "m.onnx"
+    (export_onnx_folder if runtime == "ort" else export_genai_folder)(folder, served, run_validation=False)
+    sess = session(served / "model.onnx")
     shape = DecoderShape.of(model.config)
     kv, hd = shape.kv_heads, shape.head_dim
 
@@ -76,13 +82,21 @@ def served_model(tiny_env, tmp_path_factory):
         z = z.astype(np.float64) - z.max(-1, keepdims=True)
         return z - np.log(np.exp(z).sum(-1, keepdims=True))
 
-    return {"folder": root / "m.onnx", "name": "m.onnx", "greedy_text": greedy_text, "greedy_ids": greedy_ids,
-            "tok": tok, "log_softmax": log_softmax}
+    return {"folder": served, "name": "m.onnx", "greedy_text": greedy_text, "greedy_ids": greedy_ids,
+            "tok": tok, "log_softmax": log_softmax, "runtime": runtime,
+            "args": [] if runtime == "ort" else ["--runtime", "genai"]}
+
+
+def engine(served_model, folder=None, **kw):
+    from bdlora.serve.app import engine_class
+
+    return engine_class(served_model["runtime"])(folder or served_model["folder"], **kw)
 
 
 @pytest.fixture(scope="module")
 def server(served_model):
-    proc, url = start_server(served_model["folder"], "--max-batch", "8", "--max-tokens", str(LONG))
+    proc, url = start_server(served_model["folder"], *served_model["args"], "--max-batch", "8", "--max-tokens",
+                             str(LONG))
     yield url
     proc.send_signal(signal.SIGTERM)
     proc.wait(60)
@@ -238,7 +252,7 @@ def test_client_disconnect_mid_stream_frees_the_slot(server):
 
 @pytest.mark.slow
 def test_sigterm_drains_in_flight_requests(served_model):
-    proc, url = start_server(served_model["folder"], "--max-tokens", str(LONG))
+    proc, url = start_server(served_model["folder"], *served_model["args"], "--max-tokens", str(LONG))
     result = {}
 
     def long_request():
@@ -264,7 +278,6 @@ def test_health_is_503_until_the_model_is_loaded_and_chat_uses_the_template(serv
     from fastapi.testclient import TestClient
 
     from bdlora.serve.app import ServeConfig, create_app
-    from bdlora.serve.engine import Engine
 
     folder = tmp_path / "chat.onnx"
     shutil.copytree(served_model["folder"], folder)
@@ -275,9 +288,9 @@ def test_health_is_503_until_the_model_is_loaded_and_chat_uses_the_template(serv
 
     def loader():
         gate.wait(60)
-        return Engine(folder)
+        return engine(served_model, folder)
 
-    app = create_app(ServeConfig(str(folder), "chat"), loader=loader)
+    app = create_app(ServeConfig(str(folder), "chat", runtime=served_model["runtime"]), loader=loader)
     with TestClient(app) as client:
         r = client.get("/health")
         assert r.status_code == 503 and r.json()["status"] == "loading"
@@ -306,7 +319,7 @@ def test_health_is_503_until_the_model_is_loaded_and_chat_uses_the_template(serv
 ])
 def test_cli_serve_bad_input(served_model, args, needle):
     full = args if args[0].startswith("/") else [str(served_model["folder"]), *args]
-    res = CliRunner().invoke(cli_app, ["serve", *full])
+    res = CliRunner().invoke(cli_app, ["serve", *full, *served_model["args"]])
     assert res.exit_code == 2 and needle in res.output, res.output
 
 
@@ -352,9 +365,9 @@ def test_a_failing_sequence_fails_alone_and_the_engine_goes_on(served_model):
     sequences beside it finish normally, and later requests are served."""
     import queue as queue_mod
 
-    from bdlora.serve.engine import Engine, Request, SamplingParams
+    from bdlora.serve.engine import Request, SamplingParams
 
-    eng = Engine(served_model["folder"], max_batch=4)
+    eng = engine(served_model, max_batch=4)
     try:
         tok = served_model["tok"]
         events: dict[str, queue_mod.Queue] = {k: queue_mod.Queue() for k in ("bad", "good1", "good2")}
@@ -379,6 +392,7 @@ def test_a_failing_sequence_fails_alone_and_the_engine_goes_on(served_model):
 DYING_SERVER = """
 import sys
 from bdlora.serve.engine import Engine
+from bdlora.serve.genai_engine import GenaiEngine
 
 
 class WorkerCrash(BaseException):  # not an Exception: nothing in the engine may treat it as one request's fault
@@ -390,8 +404,9 @@ def _prefill(self, reqs):
 
 
 Engine._prefill = _prefill
+GenaiEngine._prefill = _prefill
 from bdlora.cli import main
-sys.argv = ["bdlora", "serve", sys.argv[1], "--port", sys.argv[2]]
+sys.argv = ["bdlora", "serve", *sys.argv[1:]]
 main()
 """
 
@@ -400,7 +415,8 @@ def test_a_dead_engine_stops_the_server_with_a_non_zero_exit(served_model, tmp_p
     script = tmp_path / "dying.py"
     script.write_text(DYING_SERVER)
     port = free_port()
-    proc = subprocess.Popen([sys.executable, str(script), str(served_model["folder"]), str(port)],
+    proc = subprocess.Popen([sys.executable, str(script), str(served_model["folder"]), "--port", str(port),
+                             *served_model["args"]],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
@@ -454,7 +470,8 @@ def test_an_abandoned_multi_prompt_request_cancels_all_its_sequences(server):
 def test_prompts_per_request_are_capped_and_admitted_as_one_decision(served_model):
     """--max-prompts bounds a list prompt (400 naming the limit); a request of k prompts needs k free places in
     the queue (429 otherwise), so one client cannot queue thousands of sequences past --max-waiting."""
-    proc, url = start_server(served_model["folder"], "--max-batch", "1", "--max-waiting", "3", "--max-prompts", "3",
+    proc, url = start_server(served_model["folder"], *served_model["args"], "--max-batch", "1", "--max-waiting", "3",
+                             "--max-prompts", "3",
                              "--max-tokens", str(LONG))
     try:
         r = httpx.post(url + "/v1/completions", json={"model": "m.onnx", "prompt": ["a"] * 4, "max_tokens": 2})
@@ -501,8 +518,8 @@ def test_a_graph_that_cannot_load_exits_non_zero_with_one_line(served_model, tmp
         (folder / "model.onnx").write_bytes(data[: len(data) // 3])
 
     folder = _damaged_copy(served_model, tmp_path, truncate)
-    proc = subprocess.run([sys.executable, "-m", "bdlora.cli", "serve", str(folder), "--port", str(free_port())],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "bdlora.cli", "serve", str(folder), "--port", str(free_port()),
+                           *served_model["args"]], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: could not load the model") and "Traceback" not in proc.stderr, proc.stderr
@@ -515,12 +532,13 @@ def test_a_graph_that_cannot_load_exits_non_zero_with_one_line(served_model, tmp
 ])
 def test_a_folder_that_cannot_be_served_is_refused_before_listening(served_model, tmp_path, damage, needle):
     folder = _damaged_copy(served_model, tmp_path, damage)
-    res = CliRunner().invoke(cli_app, ["serve", str(folder), "--port", str(free_port())])
+    res = CliRunner().invoke(cli_app, ["serve", str(folder), "--port", str(free_port()), *served_model["args"]])
     assert res.exit_code == 2 and needle in res.output, res.output
 
 
 def test_onnx_file_outside_the_folder_is_refused(served_model):
-    res = CliRunner().invoke(cli_app, ["serve", str(served_model["folder"]), "--onnx-file", "../../../../etc/passwd"])
+    res = CliRunner().invoke(cli_app, ["serve", str(served_model["folder"]), "--onnx-file", "../../../../etc/passwd",
+                                       *served_model["args"]])
     assert res.exit_code == 2 and "--onnx-file ../../../../etc/passwd: must name a graph inside" in res.output
 
 
@@ -529,9 +547,9 @@ def test_requests_submitted_together_decode_together(served_model):
     decoded as one batch, and each still gets exactly the model's own greedy text."""
     import queue as queue_mod
 
-    from bdlora.serve.engine import Engine, Request, SamplingParams
+    from bdlora.serve.engine import Request, SamplingParams
 
-    eng = Engine(served_model["folder"], max_batch=8)
+    eng = engine(served_model, max_batch=8)
     tok = served_model["tok"]
     try:
         events = [queue_mod.Queue() for _ in range(4)]
@@ -587,8 +605,8 @@ def test_api_key_guards_the_api_and_leaves_health_open(served_model):
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "BDLORA_API_KEY": "s3cret"}
     proc = subprocess.Popen([sys.executable, "-m", "bdlora.cli", "serve", str(served_model["folder"]), "--port",
-                             str(port), "--docs"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)
+                             str(port), "--docs", *served_model["args"]], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 120

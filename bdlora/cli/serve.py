@@ -15,7 +15,8 @@ from bdlora.serve.config import ServeConfig
 
 @command(options=from_dataclass(ServeConfig, skip=("onnx_dir", "model_name"), defaults=True))
 def serve(
-    onnx_dir: Annotated[Optional[str], typer.Argument(help="A `bdlora export onnx` folder (default: the latest).")]
+    onnx_dir: Annotated[Optional[str], typer.Argument(help="A `bdlora export onnx` folder (default: the latest), "
+                                                           "or with --runtime genai a `bdlora export genai` folder.")]
     = None,
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
@@ -29,7 +30,7 @@ def serve(
     """Serve an exported ONNX model with an OpenAI-compatible API (/v1/completions, /v1/chat/completions,
     /v1/models, /health, /metrics)."""
     from bdlora.errors import Checks
-    from bdlora.runs import OnnxDir
+    from bdlora.runs import GenaiDir, OnnxDir
     from bdlora.runtime import check_onnx_dir
     from bdlora.serve.app import serve as run_server
 
@@ -37,11 +38,12 @@ def serve(
     c.integer("port", port, lo=0, hi=65535)
     c.integer("drain_seconds", drain_seconds, lo=0)
     c.done()
-    src = Path(onnx_dir) if onnx_dir else OnnxDir.latest(runs_dir).path
+    latest = GenaiDir if opts.get("runtime") == "genai" else OnnxDir
+    src = Path(onnx_dir) if onnx_dir else latest.latest(runs_dir).path
     if opts.get("api_key") is None:
         opts["api_key"] = os.environ.get("BDLORA_API_KEY")
     cfg = ServeConfig(onnx_dir=str(src), model_name=model_name or src.name, **opts).validate()
-    check_onnx_dir(src, cfg.onnx_file)
+    check_onnx_dir(src, cfg.onnx_file, cfg.runtime)
     auth = "API key required" if cfg.api_key else "no API key (--api-key or $BDLORA_API_KEY to require one)"
     err.print(f"[cyan]>[/] serving {src} as '{cfg.model_name}' on http://{host}:{port}/v1 ({auth})", highlight=False)
     run_server(cfg, host, port, drain_seconds)
