@@ -30,9 +30,9 @@ def bench(
     runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,
     **opts,
 ):
-    """Time the compressed model against its dense and LoRA forms under onnxruntime (replaced modules and whole
-    model, prefill and decode) and, with --runtime genai, in onnxruntime-genai beside its own builder's dense
-    model, beside the MAC limits; writes bench.json, bench.md and bench.png."""
+    """Time the compressed model against its dense and LoRA forms under onnxruntime (modules and whole model,
+    prefill and decode; --runtime genai: in onnxruntime-genai beside its builder's dense model), beside the MAC
+    limits; writes bench.json, bench.md and bench.png."""
     from bdlora.arch import check_lora_rank
     from bdlora.bench.run import run_bench
     from bdlora.cli.progress import RichReporter
@@ -55,8 +55,7 @@ def bench(
             raise UsageError("--model-config needs --budget F (the structure to bench)")
         config = read_model_config(model_config)
         rank = check_lora_rank(lora_rank or 128, config, defaulted=lora_rank is None)
-        model, report = synthetic_model(config, budget, layers, rank)
-        tok = None
+        (model, report), tok = synthetic_model(config, budget, layers, rank), None
         dst, inputs = Path(out_dir) if out_dir else Path(runs_dir) / f"bench-synthetic-F{budget}", ()
     else:
         from bdlora.models import load_model_folder
@@ -71,8 +70,7 @@ def bench(
         dst, inputs = (Path(out_dir) if out_dir else src.bench_out()), (src.path,)
     check_out_dir(dst, force, inputs)
     doc = run_bench(model, rank, cfg, dst, report, reporter=RichReporter(out), tokenizer=tok)
-    if json_path:
-        write_json(json_path, doc)
+    _ = write_json(json_path, doc) if json_path else None
     render.bench(doc)
     out.print(f"[green]wrote[/] {dst}/bench.json, bench.md, bench.png")
 
