@@ -26,6 +26,7 @@ from bdlora.runtime import (
     empty_past,
     left_padded,
     log_normaliser,
+    run_bound,
     run_decoder,
     score_blocks,
     session,
@@ -95,12 +96,15 @@ class OrtLM:
         self.shape = DecoderShape.of(config)
 
     def step(self, ids, mask, pos, past):
-        res = run_decoder(self.sess, ids, mask, pos, empty_past(self.shape, ids.shape[0]) if past is None else past)
-        return res[0][:, -1], res[1:]
+        """Last-position logits (B, V) and the presents, kept as onnxruntime values (IO binding) so a decode loop
+        binds them as the next step's past instead of copying the cache through numpy every token."""
+        logits, present = run_bound(self.sess, ids, mask, pos,
+                                    empty_past(self.shape, ids.shape[0]) if past is None else past)
+        return logits[:, -1], present
 
     def score(self, ids, mask, pos, past) -> np.ndarray:
-        """Logits (B, n, V) of ``ids`` after the cached prefix ``past`` (left as it was: presents are new arrays)."""
-        return run_decoder(self.sess, ids, mask, pos, past)[0]
+        """Logits (B, n, V) of ``ids`` after the cached prefix ``past`` (left as it was: presents are new values)."""
+        return run_bound(self.sess, ids, mask, pos, past)[0]
 
     def logits(self, ids, mask, pos, keep: int = 0) -> np.ndarray:
         out = run_decoder(self.sess, ids, mask, pos, empty_past(self.shape, ids.shape[0]))[0]
