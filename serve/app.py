@@ -272,12 +272,16 @@ def serve(cfg: ServeConfig, host: str = "127.0.0.1", port: int = 8000, drain_sec
                                            timeout_graceful_shutdown=drain_seconds, access_log=False))
     # uvicorn drains on SIGTERM, then re-raises the signal it caught under the handler that was there before it
     # started. A no-op handler makes a completed drain an ordinary exit (status 0), which is what process
-    # supervisors expect after a graceful stop; SIGINT keeps its KeyboardInterrupt (exit 130).
+    # supervisors expect after a graceful stop; SIGINT keeps its KeyboardInterrupt (exit 130). uvicorn catches
+    # SIGINT even when the server was started with it ignored (a background job of a non-interactive shell), so it
+    # still drains and stops; the handler is made Python's own for that re-raise, else such a stop would exit 0.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         server.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
     if fatal:
         raise BdloraError(fatal[0])
 
