@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from bdlora.bench.variants import dense_variant, lora_variant, synthetic_model
 from bdlora.cli import app
+from bdlora.errors import usable_cores
 from bdlora.export.genai import export_genai_folder
 from bdlora.export.genai.graph import build_decoder
 from bdlora.export.genai.validate import GENAI_SHAPES, graph_parity
@@ -150,6 +151,17 @@ def test_cli_export_genai(mixed_folder, tmp_path):
     r = CliRunner().invoke(app, ["export", "genai", str(folder), "--out", str(tmp_path / "g"), "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["runtime"] == "onnxruntime-genai"
+    # onnxruntime-genai runs a folder without a thread count on one thread: the export writes this machine's cores
+    session_options = json.loads((tmp_path / "g" / "genai_config.json").read_text())["model"]["decoder"][
+        "session_options"]
+    assert session_options["intra_op_num_threads"] == usable_cores()
+    r = CliRunner().invoke(app, ["export", "genai", str(folder), "--out", str(tmp_path / "t0"), "--threads", "0",
+                                 "--no-validate"])
+    assert r.exit_code == 0, r.output
+    assert "intra_op_num_threads" not in json.loads((tmp_path / "t0" / "genai_config.json").read_text())["model"][
+        "decoder"]["session_options"]
+    r = CliRunner().invoke(app, ["export", "genai", str(folder), "--out", str(tmp_path / "o"), "--threads", "-2"])
+    assert r.exit_code == 2 and "--threads -2: must be >= 0" in r.stderr
     r = CliRunner().invoke(app, ["export", "genai", str(folder), "--out", str(tmp_path / "o"), "--precision", "int3"])
     assert r.exit_code == 2 and "--precision int3: unknown (allowed: fp32, int8, int4)" in r.stderr
     r = CliRunner().invoke(app, ["export", "genai", str(folder), "--out", str(tmp_path / "o"), "--context-length",

@@ -93,6 +93,20 @@ def engine(served_model, folder=None, **kw):
     return engine_class(served_model["runtime"])(folder or served_model["folder"], **kw)
 
 
+def test_genai_engine_uses_every_usable_core_unless_told(served_model):
+    """onnxruntime-genai runs a folder without a thread count on one thread: the server sets its own."""
+    if served_model["runtime"] != "genai":
+        pytest.skip("onnxruntime-genai only")
+    from bdlora.errors import usable_cores
+
+    for kw, want in (({}, usable_cores()), ({"threads": 1}, 1)):
+        eng = engine(served_model, **kw)
+        try:
+            assert eng.intra_op_threads == want
+        finally:
+            eng.shutdown()
+
+
 @pytest.fixture(scope="module")
 def server(served_model):
     proc, url = start_server(served_model["folder"], *served_model["args"], "--max-batch", "8", "--max-tokens",

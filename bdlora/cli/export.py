@@ -89,6 +89,9 @@ def export_genai(
                                                                "model's positions, at most 4096).")] = None,
     max_ppl_change: Annotated[float, typer.Option(help="int8/int4: refuse the export if held-out perplexity rises by "
                                                        "more than this fraction over fp32.")] = 0.10,
+    threads: Annotated[Optional[int], typer.Option(help="Intra-op threads written into genai_config.json (default: "
+                                                        "this machine's cores; 0 = none, and onnxruntime-genai then "
+                                                        "runs on one thread).")] = None,
     no_validate: Annotated[bool, typer.Option("--no-validate", help="Skip the checks against PyTorch.")] = False,
     force: Annotated[bool, typer.Option(help="Replace an existing non-empty --out.")] = False,
     runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,
@@ -115,7 +118,7 @@ def export_genai(
         dst = Path(out_dir) if out_dir else Path(str(ModelDir(src).genai_out()) + suffix)
     info = export_genai_folder(src, dst, precision=precision, context_length=context_length,
                                run_validation=not no_validate, force=force, max_ppl_change=max_ppl_change,
-                               reporter=rep)
+                               threads=threads, reporter=rep)
     if json_out:
         print(json.dumps(info, indent=2))
         return

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from bdlora import SCHEMA_VERSION
-from bdlora.errors import UsageError
+from bdlora.errors import UsageError, usable_cores
 from bdlora.export.genai.config import genai_config
 from bdlora.export.genai.quantize import PRECISIONS
 from bdlora.export.onnx.metadata import metadata_props, metadata_summary, module_table, set_metadata
@@ -75,24 +75,31 @@ def write_genai_files(model, tok, folder: Path, precision: str, ctx: int, report
 
 def export_genai_folder(model_dir: str | Path, out: str | Path, precision: str = "fp32",
                         context_length: int | None = None, run_validation: bool = True, force: bool = False,
-                        max_ppl_change: float = MAX_PPL_CHANGE, reporter: Reporter = SILENT) -> dict:
-    """Export ``model_dir`` (a compressed student or any HF Llama/Mistral/Qwen2 folder) for onnxruntime-genai."""
+                        max_ppl_change: float = MAX_PPL_CHANGE, threads: int | None = None,
+                        reporter: Reporter = SILENT) -> dict:
+    """Export ``model_dir`` (a compressed student or any HF Llama/Mistral/Qwen2 folder) for onnxruntime-genai.
+    ``threads``: intra-op threads written into genai_config.json (default: this machine's usable cores; 0 leaves
+    them out, and onnxruntime-genai then runs the folder on one thread)."""
     if precision not in PRECISIONS:
         raise UsageError(f"--precision {precision}: unknown (allowed: {', '.join(PRECISIONS)})")
+    if threads is not None and threads < 0:
+        raise UsageError(f"--threads {threads}: must be >= 0 (0 = leave the thread count to the runtime)")
+    threads = usable_cores() if threads is None else threads
     model_dir, out = Path(model_dir), Path(out)
     check_out_dir(out, force, (model_dir,))
     reporter.stage(f"loading {model_dir}")
     model, tok, report = load_model_folder(model_dir)
     ctx = context_length_of(model.config, context_length)
     info: dict = {"schema_version": SCHEMA_VERSION, "runtime": "onnxruntime-genai", "source": str(model_dir.resolve()),
-                  "precision": precision, "context_length": ctx,
+                  "precision": precision, "context_length": ctx, "intra_op_threads": threads or None,
                   "summary": metadata_summary(model, module_table(model), report)}
     with atomic_dir(out) as tmp:
         reporter.stage("emitting the genai graph (GroupQueryAttention, fused RMSNorm, shared-input first factors)"
                        + ("" if precision == "fp32" else f", quantising the projections to {precision} (MatMulNBits)"))
         t0 = time.time()
         fp32 = tmp / "model.onnx" if precision == "fp32" else tmp / "fp32" / "model.onnx"
-        info.update(write_genai_files(model, tok, tmp, precision, ctx, report, fp32_path=fp32))
+        info.update(write_genai_files(model, tok, tmp, precision, ctx, report, threads=threads or None,
+                                      fp32_path=fp32))
         info["export_seconds"] = time.time() - t0
         if run_validation:
             info["validation"] = _validate(tmp, model, tok, report, model_dir, precision, max_ppl_change, reporter)
