@@ -262,11 +262,6 @@ def run_icl(lm, tokenizer, words: list[str], tasks=None, shots: int = 10, seeds:
 # ------------------------------------------------------------------------------------------------------------------
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# What to evaluate, and on which data
-# ------------------------------------------------------------------------------------------------------------------
-
-
 def load_eval_target(path: str | Path, onnx_file: str = "model.onnx", device: str = "cpu"):
     """(lm, tokenizer, kind, run_config or None) for a run directory, a model folder (teacher, compressed,
     exported HF) or an ONNX folder. ``run_config`` is the training options of the run the model came from."""

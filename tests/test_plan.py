@@ -121,3 +121,35 @@ def test_cli_plan_not_a_config(tmp_path, content, needle):
     cfg.write_text(content)
     res = CliRunner().invoke(app, ["plan", "--model-config", str(cfg)])
     assert res.exit_code == 2 and needle in res.output
+
+
+def _builtin_config(**shape) -> dict:
+    from bdlora.teacher import BuiltinTeacherSpec
+
+    s = BuiltinTeacherSpec(**shape)
+    return {"model_type": "mistral", "hidden_size": s.hidden_size, "intermediate_size": s.intermediate_size,
+            "num_attention_heads": s.num_attention_heads, "num_key_value_heads": s.num_key_value_heads,
+            "num_hidden_layers": s.num_hidden_layers, "vocab_size": s.vocab_size}
+
+
+def _whole_model_limit(config: dict, report: dict, layers: int, context: int = 128) -> tuple[float, float]:
+    """(share of the dense student's per-token MACs in its projections, whole-model MAC ratio at decode @context):
+    the same accounting as bench's model scope (projections + attention over the cache + LM head)."""
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    rest = config["hidden_size"] * config["vocab_size"] + 2 * config["num_attention_heads"] * head_dim * context * layers
+    return (report["dense_macs"] / (report["dense_macs"] + rest),
+            (report["dense_macs"] + rest) / (report["compressed_macs"] + rest))
+
+
+def test_builtin_shape_lets_compression_show_end_to_end():
+    """The embedded default's shape (issue 15 part 3): the 2-layer student's projections are most of its per-token
+    MACs, so F = 0.4 at the builtin rank 16 can speed up the whole model, not only the projections. The previous
+    shape (hidden 128, MLP 384, vocabulary 4096) capped the whole-model speed-up at ~1.2x."""
+    cfg = BudgetedConfig(budget=0.4, rank=16)
+    new = _builtin_config()
+    share, limit = _whole_model_limit(new, plan(new, cfg, layers=2), layers=2)
+    assert (new["hidden_size"], new["intermediate_size"], new["vocab_size"]) == (256, 1024, 1024)
+    assert round(share, 3) == 0.833 and round(limit, 2) == 1.82
+    old = _builtin_config(vocab_size=4096, hidden_size=128, intermediate_size=384)
+    share_old, limit_old = _whole_model_limit(old, plan(old, cfg, layers=2), layers=2)
+    assert share_old < 0.5 and limit_old < 1.25
