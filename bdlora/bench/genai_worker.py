@@ -1,7 +1,7 @@
 """The genai timing process of ``bdlora bench --runtime genai``: ``python -m bdlora.bench.genai_worker SPEC OUT``.
 
 Loads every folder with ``og.Model`` and times, per shape, interleaved round-robin (the order rotating every
-repeat): prefill = ``append_tokens`` of a (batch, seq) prompt into a fresh generator; decode = after a prompt of
+repeat, each job after a pause that lets the previous model's threads park): prefill = ``append_tokens`` of a (batch, seq) prompt into a fresh generator; decode = after a prompt of
 ``seq`` tokens, ``decode_tokens`` calls of ``generate_next_token``, reported per token. Only the timed calls are
 inside the clock (generator construction and the decode prompt are not). Needs onnxruntime-genai and numpy only.
 """
@@ -11,6 +11,12 @@ from __future__ import annotations
 import json
 import sys
 import time
+
+# Every og.Model has its own onnxruntime thread pool, whose threads spin for a while after each run. Timed right
+# after another model, a job shares the 2 cores with that model's spinning threads: measured on the builtin student
+# (decode ~0.15 ms/token), 4 models interleaved back to back gave 0.42 ms/token (p10-p90 0.26-0.63) for a dense model
+# that decodes at 0.14 alone; a 50 ms pause before each timed job gave 0.18 (0.14-0.27). 10 ms was not enough.
+SETTLE_S = 0.05
 
 
 def _job(og, model, phase: str, batch: int, seq: int, steps: int, ids):
@@ -48,6 +54,7 @@ def main(argv: list[str]) -> int:
         for r in range(spec["warmup"] + spec["repeats"]):
             order = names[r % len(names):] + names[: r % len(names)]
             for k in order:
+                time.sleep(SETTLE_S)  # let the previous model's pool stop spinning (see SETTLE_S)
                 ms = jobs[k]()
                 if r >= spec["warmup"]:
                     times[k].append(ms)
