@@ -123,22 +123,23 @@ def test_cli_plan_not_a_config(tmp_path, content, needle):
     assert res.exit_code == 2 and needle in res.output
 
 
-def _builtin_config(**shape) -> dict:
+def _builtin_student_config(**shape) -> dict:
+    """The 2-layer student of the builtin teacher (of ``shape`` overrides) as a config.json mapping."""
     from bdlora.teacher import BuiltinTeacherSpec
 
     s = BuiltinTeacherSpec(**shape)
     return {"model_type": "mistral", "hidden_size": s.hidden_size, "intermediate_size": s.intermediate_size,
             "num_attention_heads": s.num_attention_heads, "num_key_value_heads": s.num_key_value_heads,
-            "num_hidden_layers": s.num_hidden_layers, "vocab_size": s.vocab_size}
+            "num_hidden_layers": s.num_hidden_layers // 2, "vocab_size": s.vocab_size}
 
 
-def _whole_model_limit(config: dict, report: dict, layers: int, context: int = 128) -> tuple[float, float]:
-    """(share of the dense student's per-token MACs in its projections, whole-model MAC ratio at decode @context):
-    the same accounting as bench's model scope (projections + attention over the cache + LM head)."""
-    head_dim = config["hidden_size"] // config["num_attention_heads"]
-    rest = config["hidden_size"] * config["vocab_size"] + 2 * config["num_attention_heads"] * head_dim * context * layers
-    return (report["dense_macs"] / (report["dense_macs"] + rest),
-            (report["dense_macs"] + rest) / (report["compressed_macs"] + rest))
+def _whole_model_limit(config: dict, report: dict, context: int = 128) -> tuple[float, float]:
+    """(share of the dense student's per-token MACs in its projections, whole-model MAC ratio at decode @context),
+    with bench's model-scope accounting."""
+    from bdlora.bench.run import decoder_macs_per_token
+
+    dense = decoder_macs_per_token(config, report["dense_macs"], context)
+    return report["dense_macs"] / dense, dense / decoder_macs_per_token(config, report["compressed_macs"], context)
 
 
 def test_builtin_shape_lets_compression_show_end_to_end():
@@ -146,10 +147,11 @@ def test_builtin_shape_lets_compression_show_end_to_end():
     MACs, so F = 0.4 at the builtin rank 16 can speed up the whole model, not only the projections. The previous
     shape (hidden 128, MLP 384, vocabulary 4096) capped the whole-model speed-up at ~1.2x."""
     cfg = BudgetedConfig(budget=0.4, rank=16)
-    new = _builtin_config()
-    share, limit = _whole_model_limit(new, plan(new, cfg, layers=2), layers=2)
+    new = _builtin_student_config()
+    share, limit = _whole_model_limit(new, plan(new, cfg))
     assert (new["hidden_size"], new["intermediate_size"], new["vocab_size"]) == (256, 1024, 1024)
+    assert new["num_hidden_layers"] == 2
     assert round(share, 3) == 0.833 and round(limit, 2) == 1.82
-    old = _builtin_config(vocab_size=4096, hidden_size=128, intermediate_size=384)
-    share_old, limit_old = _whole_model_limit(old, plan(old, cfg, layers=2), layers=2)
+    old = _builtin_student_config(vocab_size=4096, hidden_size=128, intermediate_size=384)
+    share_old, limit_old = _whole_model_limit(old, plan(old, cfg))
     assert share_old < 0.5 and limit_old < 1.25

@@ -1,8 +1,9 @@
 """The genai timing process of ``bdlora bench --runtime genai``: ``python -m bdlora.bench.genai_worker SPEC OUT``.
 
 Loads every folder with ``og.Model`` and times, per shape, interleaved round-robin (the order rotating every
-repeat, each job after a pause that lets the previous model's threads park): prefill = ``append_tokens`` of a (batch, seq) prompt into a fresh generator; decode = after a prompt of
-``seq`` tokens, ``decode_tokens`` calls of ``generate_next_token``, reported per token. Only the timed calls are
+repeat, each job after a pause that lets the previous model's threads park, see ``SETTLE_S``): prefill =
+``append_tokens`` of a (batch, seq) prompt into a fresh generator; decode = after a prompt of ``seq`` tokens,
+``decode_tokens`` calls of ``generate_next_token``, reported per token. Only the timed calls are
 inside the clock (generator construction and the decode prompt are not). Needs onnxruntime-genai and numpy only.
 """
 

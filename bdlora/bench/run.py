@@ -49,12 +49,18 @@ def projection_macs(model: nn.Module) -> int:
     return sum(r["macs_per_token"] for r in module_table(model))
 
 
+def decoder_macs_per_token(config, projections: int, context: float) -> float:
+    """MACs per token of the whole decoder described by ``config`` (an HF config or config.json mapping):
+    ``projections`` + attention scores and values over ``context`` keys (2 * heads * head_dim * context per layer) +
+    the LM head. Norms and rotary are negligible and left out."""
+    s = DecoderShape.of(config)
+    return projections + 2 * s.heads * s.head_dim * context * s.layers + s.hidden * s.vocab_size
+
+
 def model_macs_per_token(model: nn.Module, context: float, projections: int | None = None) -> float:
-    """MACs per token of the whole decoder: projections + attention scores and values over ``context`` keys
-    (2 * heads * head_dim * context per layer) + the LM head. Norms and rotary are negligible and left out."""
-    s = DecoderShape.of(model.config)
-    proj = projection_macs(model) if projections is None else projections
-    return proj + 2 * s.heads * s.head_dim * context * s.layers + s.hidden * s.vocab_size
+    """``decoder_macs_per_token`` of ``model`` (its own projections unless ``projections`` is given)."""
+    return decoder_macs_per_token(model.config, projection_macs(model) if projections is None else projections,
+                                  context)
 
 
 # --------------------------------------------------------------------------------------------------------------------

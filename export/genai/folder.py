@@ -84,22 +84,21 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, precision: str =
         raise UsageError(f"--precision {precision}: unknown (allowed: {', '.join(PRECISIONS)})")
     if threads is not None and threads < 0:
         raise UsageError(f"--threads {threads}: must be >= 0 (0 = leave the thread count to the runtime)")
-    threads = usable_cores() if threads is None else threads
+    threads = (usable_cores() if threads is None else threads) or None  # None: no count in genai_config.json
     model_dir, out = Path(model_dir), Path(out)
     check_out_dir(out, force, (model_dir,))
     reporter.stage(f"loading {model_dir}")
     model, tok, report = load_model_folder(model_dir)
     ctx = context_length_of(model.config, context_length)
     info: dict = {"schema_version": SCHEMA_VERSION, "runtime": "onnxruntime-genai", "source": str(model_dir.resolve()),
-                  "precision": precision, "context_length": ctx, "intra_op_threads": threads or None,
+                  "precision": precision, "context_length": ctx, "intra_op_threads": threads,
                   "summary": metadata_summary(model, module_table(model), report)}
     with atomic_dir(out) as tmp:
         reporter.stage("emitting the genai graph (GroupQueryAttention, fused RMSNorm, shared-input first factors)"
                        + ("" if precision == "fp32" else f", quantising the projections to {precision} (MatMulNBits)"))
         t0 = time.time()
         fp32 = tmp / "model.onnx" if precision == "fp32" else tmp / "fp32" / "model.onnx"
-        info.update(write_genai_files(model, tok, tmp, precision, ctx, report, threads=threads or None,
-                                      fp32_path=fp32))
+        info.update(write_genai_files(model, tok, tmp, precision, ctx, report, threads=threads, fp32_path=fp32))
         info["export_seconds"] = time.time() - t0
         if run_validation:
             info["validation"] = _validate(tmp, model, tok, report, model_dir, precision, max_ppl_change, reporter)
