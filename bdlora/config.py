@@ -172,7 +172,7 @@ def field_docs(cls) -> dict[str, str]:
             if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
 
 
-RECIPES = ("paper",)  # YAML files shipped in bdlora/recipes/, named by --config NAME
+RECIPES = ("paper", "smollm2-cpu")  # YAML files shipped in bdlora/recipes/, named by --config NAME
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

@@ -155,3 +155,27 @@ def test_builtin_shape_lets_compression_show_end_to_end():
     old = _builtin_student_config(vocab_size=4096, hidden_size=128, intermediate_size=384)
     share_old, limit_old = _whole_model_limit(old, plan(old, cfg))
     assert share_old < 0.5 and limit_old < 1.25
+
+
+SMOLLM2 = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+           "num_key_value_heads": 3, "num_hidden_layers": 30, "vocab_size": 49152, "tie_word_embeddings": True}
+
+
+def test_the_smollm2_cpu_recipe_ships_and_its_rank_choice_holds():
+    """--config smollm2-cpu (issue 15 part 2): a full-depth budgeted student of the SmolLM2 preset at F = 0.4. Its
+    rank 64 is chosen because SmolLM2's k/v projections (576 -> 192) save only 11% as rank-128 pairs: at F = 0.4
+    the controller drops every attention projection and 42 MLP ones, and rank 64 turns that into 1.91x fewer
+    projection MACs instead of 1.55x."""
+    from bdlora.config import load_yaml, merge
+
+    cfg = merge(load_yaml("smollm2-cpu"), {}).validate()
+    assert (cfg.teacher, cfg.method, cfg.budget, cfg.student_layers) == ("smollm2-135m", "budgeted", 0.4, 30)
+    assert (cfg.lora_rank, cfg.lora_alpha, cfg.lr) == (64, 128.0, 1e-3)
+    assert cfg.max_steps * cfg.batch_size * cfg.seq_len == 76_800
+    r64 = plan(SMOLLM2, BudgetedConfig(budget=0.4, rank=64))
+    r128 = plan(SMOLLM2, BudgetedConfig(budget=0.4, rank=128))
+    assert (r64["dense_kept"], r64["dense_svd"], r64["dense_dropped"]) == (48, 0, 162)
+    assert round(r64["speedup_vs_dense"], 2) == 1.91 and round(r128["speedup_vs_dense"], 2) == 1.55
+    kv = ModuleShape("k_proj", 576, 192)
+    assert decide_module(kv, 0.0, 128, 128, BudgetedConfig()).macs_after / (576 * 192) == pytest.approx(0.889, abs=1e-3)
+    assert decide_module(kv, 0.0, 64, 64, BudgetedConfig()).macs_after / (576 * 192) == pytest.approx(0.444, abs=1e-3)
