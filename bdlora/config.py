@@ -172,7 +172,8 @@ def field_docs(cls) -> dict[str, str]:
             if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
 
 
-RECIPES = ("paper", "smollm2-cpu")  # YAML files shipped in bdlora/recipes/, named by --config NAME
+RECIPES_DIR = Path(__file__).parent / "recipes"
+RECIPES = tuple(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))  # shipped YAML files, named by --config NAME
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
@@ -181,7 +182,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
     p = Path(path)
     if not p.is_file() and str(path) in RECIPES:
-        p = Path(__file__).parent / "recipes" / f"{path}.yaml"
+        p = RECIPES_DIR / f"{path}.yaml"
     if not p.is_file():
         raise ConfigError([f"--config {path}: no such file (or a recipe shipped with bdlora: {', '.join(RECIPES)})"])
     try:
