@@ -96,6 +96,11 @@ def set_module(model, name: str, module) -> None:
     setattr(model.get_submodule(parent), child, module)
 
 
+def unsupported(what: str, model_type: str) -> str:
+    return (f"{what}: not a Llama/Mistral/Qwen2-style decoder (model_type {model_type}); bdlora adapts the "
+            f"q/k/v/o/gate/up/down projections of the {', '.join(SUPPORTED_FAMILIES)} families")
+
+
 def check_architecture(model, what: str) -> None:
     """Refuse a model outside the supported families, or one whose layers lack a projection (as ``nn.Linear`` or a
     bdlora low-rank pair)."""
@@ -105,9 +110,8 @@ def check_architecture(model, what: str) -> None:
     from bdlora.export.modeling_bdlora import LowRankLinear
 
     if family_of(model) is None:
-        kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-        raise ModelError(f"{what}: not a Llama/Mistral/Qwen2-style decoder (model_type {kind}); bdlora adapts the "
-                         f"q/k/v/o/gate/up/down projections of the {', '.join(SUPPORTED_FAMILIES)} families")
+        raise ModelError(unsupported(what, getattr(getattr(model, "config", None), "model_type",
+                                                   type(model).__name__)))
     for i, layer in enumerate(base_model(model).model.layers):
         for name in PROJECTIONS:
             mod = getattr(getattr(layer, block_of(name)), name, None)

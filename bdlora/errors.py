@@ -5,6 +5,17 @@ once, as a ``ConfigError`` naming each bad value and what is allowed (litgpt sty
 from __future__ import annotations
 
 import math
+import reprlib
+
+# How a bad value is quoted in a message: bounded, so a YAML alias bomb (a few lines expanding to billions of
+# nested items) is named in one short line instead of being expanded by repr().
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 2, 4, 4, 60, 60
+
+
+def shown(v) -> str:
+    """A bounded repr of a user-supplied value for error messages."""
+    return _REPR.repr(v)
 
 
 class BdloraError(Exception):
@@ -66,7 +77,7 @@ class Checks:
         if v is None:
             return True
         if isinstance(v, bool) or not isinstance(v, int):
-            self.add(f"{flag(name)} {v!r}: must be an integer")
+            self.add(f"{flag(name)} {shown(v)}: must be an integer")
             return False
         if (lo is not None and v < lo) or (hi is not None and v > hi):
             bound = "a positive integer" if lo == 1 and hi is None else _bounds(lo, hi, False, False)
@@ -85,7 +96,7 @@ class Checks:
         if v is None:
             return True
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            self.add(f"{flag(name)} {v!r}: must be a number")
+            self.add(f"{flag(name)} {shown(v)}: must be a number")
             return False
         bad = not math.isfinite(v) or (lo is not None and (v <= lo if lo_open else v < lo)) or (
             hi is not None and (v >= hi if hi_open else v > hi))
@@ -95,13 +106,13 @@ class Checks:
 
     def choice(self, name: str, v, allowed) -> bool:
         if v not in allowed:
-            self.add(f"{flag(name)} {v!r}: unknown (allowed: {', '.join(map(str, allowed))})")
+            self.add(f"{flag(name)} {shown(v)}: unknown (allowed: {', '.join(map(str, allowed))})")
             return False
         return True
 
     def text(self, name: str, v) -> bool:
         if v is not None and not isinstance(v, str):
-            self.add(f"{flag(name)} {v!r}: must be a string")
+            self.add(f"{flag(name)} {shown(v)}: must be a string")
             return False
         return True
 

@@ -36,9 +36,9 @@ def digests(folder: Path) -> dict[str, str]:
     return {p.name: sha256(p) for p in weight_files(folder)}
 
 
-def check_safetensors(path: Path) -> set[str]:
+def check_safetensors(path: Path) -> dict[str, tuple[int, ...]]:
     """The file is a safetensors file whose header parses and whose tensors end exactly at the end of the file;
-    returns its tensor names."""
+    returns its tensors' shapes by name (read from the header: no tensor is loaded)."""
     size = path.stat().st_size
     try:
         with open(path, "rb") as f:
@@ -47,12 +47,13 @@ def check_safetensors(path: Path) -> set[str]:
                 raise ValueError("header length out of range")
             header = json.loads(f.read(n))
         ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+        shapes = {k: tuple(int(d) for d in v["shape"]) for k, v in header.items() if k != "__metadata__"}
     except (struct.error, ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError, AttributeError) as e:
         raise ModelError(f"{path}: not a valid safetensors file ({type(e).__name__}); the folder is damaged") from None
     if 8 + n + max(ends, default=0) != size:
         raise ModelError(f"{path}: {size} bytes, but its header describes {8 + n + max(ends, default=0)} (truncated "
                          "or padded); the folder is damaged")
-    return {k for k in header if k != "__metadata__"}
+    return shapes
 
 
 def check_declared_forms(folder: Path, cfg: dict, names: set[str]) -> None:
@@ -71,6 +72,74 @@ def check_declared_forms(folder: Path, cfg: dict, names: set[str]) -> None:
                          "or its config was edited")
 
 
+SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim")
+
+
+def _declared(cfg: dict) -> tuple[dict[str, int], list[str]]:
+    """The decoder sizes config.json declares (absent optional fields resolved as transformers does), and every
+    field that is not a positive integer."""
+    sizes, bad = {}, []
+    for k in SIZE_FIELDS:
+        v = cfg.get(k)
+        if v is None and k in ("num_key_value_heads", "head_dim", "intermediate_size"):
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            bad.append(f"{k} {v!r} (must be a positive integer)")
+        else:
+            sizes[k] = v
+    if not bad:
+        sizes.setdefault("num_key_value_heads", sizes["num_attention_heads"])
+        sizes.setdefault("head_dim", sizes["hidden_size"] // sizes["num_attention_heads"])
+    return sizes, bad
+
+
+def _dims(shapes: dict[str, tuple[int, ...]], module: str) -> tuple[int, int] | None:
+    """(in, out) features of a projection stored dense (``weight``) or low-rank (``proj_in``/``proj_out``)."""
+    w = shapes.get(f"{module}.weight")
+    if w is not None and len(w) == 2:
+        return w[1], w[0]
+    a, b = shapes.get(f"{module}.proj_in.weight"), shapes.get(f"{module}.proj_out.weight")
+    if a is not None and b is not None and len(a) == 2 and len(b) == 2:
+        return a[1], b[0]
+    return None
+
+
+def check_declared_sizes(folder: Path, cfg: dict, shapes: dict[str, tuple[int, ...]],
+                         what: str = "config.json") -> None:
+    """The decoder sizes ``cfg`` declares (layers, hidden, MLP, heads, vocabulary) against the tensors the weight
+    files hold (their safetensors headers), before anything is allocated: a config edited to absurd sizes would
+    otherwise have transformers allocate them (a hang, then an out-of-memory kill) instead of a one-line refusal.
+    Applies to the Llama/Mistral/Qwen2 layout (and bdlora's compressed forms of it); other layouts are refused by
+    the architecture check."""
+    sizes, bad = _declared(cfg)
+    where = f"{Path(folder) / 'config.json'}" if what == "config.json" else what
+    if bad:
+        raise ModelError(f"{where}: {'; '.join(bad)}")
+    embed = shapes.get("model.embed_tokens.weight")
+    layers = {int(k.split(".")[2]) for k in shapes if k.startswith("model.layers.") and k.split(".")[2].isdigit()}
+    if embed is None or len(embed) != 2 or not layers:
+        return  # not the Llama layout: the architecture check names what is wrong
+    held = {"vocab_size": embed[0], "hidden_size": embed[1], "num_hidden_layers": len(layers)}
+    attn = _dims(shapes, "model.layers.0.self_attn.q_proj")
+    kv = _dims(shapes, "model.layers.0.self_attn.k_proj")
+    mlp = _dims(shapes, "model.layers.0.mlp.gate_proj")
+    if attn is not None:
+        held["num_attention_heads x head_dim"] = attn[1]
+    if kv is not None:
+        held["num_key_value_heads x head_dim"] = kv[1]
+    if mlp is not None and "intermediate_size" in sizes:
+        held["intermediate_size"] = mlp[1]
+    declared = {**sizes, "num_attention_heads x head_dim": sizes["num_attention_heads"] * sizes["head_dim"],
+                "num_key_value_heads x head_dim": sizes["num_key_value_heads"] * sizes["head_dim"]}
+    wrong = [f"{k} {declared[k]:,} but the weights hold {v:,}" for k, v in held.items() if declared[k] != v]
+    if not wrong and layers != set(range(len(layers))):
+        wrong.append(f"layers numbered {sorted(layers)[:3]}... are not 0..{len(layers) - 1}")
+    if wrong:
+        raise ModelError(f"{where}: declares {'; '.join(wrong[:3])}: the config was edited or does not belong to "
+                         "these weights")
+
+
 def check_config(folder: Path) -> dict:
     f = Path(folder) / "config.json"
     try:
@@ -84,6 +153,44 @@ def check_config(folder: Path) -> dict:
     return cfg
 
 
+def implied_parameters(sizes: dict[str, int]) -> int:
+    """Parameters of a Llama-layout decoder of these sizes (embedding, projections, norms; LM head counted once)."""
+    h, v, n = sizes["hidden_size"], sizes["vocab_size"], sizes["num_hidden_layers"]
+    q, kv = sizes["num_attention_heads"] * sizes["head_dim"], sizes["num_key_value_heads"] * sizes["head_dim"]
+    inter = sizes.get("intermediate_size", 4 * h)
+    return v * h + n * (2 * h * q + 2 * h * kv + 3 * h * inter + 2 * h) + h
+
+
+def check_loadable(folder: Path) -> dict:
+    """What a loader checks before transformers allocates anything: config.json parses and names a model type, the
+    weight files are whole safetensors files (their headers match their sizes) and the declared sizes match the
+    tensors. Weights in another format (a teacher's ``pytorch_model.bin``) cannot be read without unpickling, so
+    there the declared parameter count is bounded by the bytes on disk (at least 2 bits a parameter). Returns the
+    config."""
+    from bdlora.arch import SUPPORTED_FAMILIES, unsupported
+
+    folder = Path(folder)
+    cfg = check_config(folder)
+    family = (cfg.get("bdlora") or {}).get("base_model_type") or cfg["model_type"]
+    if family not in SUPPORTED_FAMILIES:  # refused before its own sizes are even read (a GPT-2 has other names)
+        raise ModelError(unsupported(str(folder), cfg["model_type"]))
+    shapes: dict[str, tuple[int, ...]] = {}
+    for p in weight_files(folder):
+        shapes.update(check_safetensors(p))
+    if shapes:
+        check_declared_sizes(folder, cfg, shapes)
+        return cfg
+    sizes, bad = _declared(cfg)
+    if bad:
+        raise ModelError(f"{folder / 'config.json'}: {'; '.join(bad)}")
+    on_disk = sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and p.suffix in (".bin", ".pt", ".pth"))
+    declared = implied_parameters(sizes)
+    if declared > 4 * on_disk:
+        raise ModelError(f"{folder / 'config.json'}: declares {declared:,} parameters, more than its weight files "
+                         f"({on_disk:,} bytes) can hold: the config was edited or does not belong to these weights")
+    return cfg
+
+
 def check_model_folder(folder: Path, report: dict | None = None) -> None:
     """Everything above; ``report`` is the folder's compression.json (its recorded digests, when present)."""
     folder = Path(folder)
@@ -91,10 +198,11 @@ def check_model_folder(folder: Path, report: dict | None = None) -> None:
     files = weight_files(folder)
     if not files:
         raise ModelError(f"{folder}: no .safetensors weights (bdlora reads and writes safetensors only)")
-    names: set[str] = set()
+    shapes: dict[str, tuple[int, ...]] = {}
     for p in files:
-        names |= check_safetensors(p)
-    check_declared_forms(folder, cfg, names)
+        shapes.update(check_safetensors(p))
+    check_declared_forms(folder, cfg, set(shapes))
+    check_declared_sizes(folder, cfg, shapes)
     recorded = (report or {}).get(DIGEST_KEY)
     if not recorded:
         return

@@ -4,9 +4,11 @@ by the two tensor helpers when they are called)."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,17 +27,57 @@ FILE_MODE = 0o666 & ~_UMASK  # what an ordinary file of this user gets
 DIR_MODE = 0o777 & ~_UMASK
 
 
+# Temp names carry their writer (host and pid): ``.<name>.<host>-<pid>.<random>.tmp``. A writer killed with SIGKILL
+# (or by the OOM killer) cannot remove its temp; the next writer of the same path on this host removes it once that
+# process is gone, so an interrupted export does not leave gigabytes behind. Temps of other hosts (a shared file
+# system) are never touched.
+_HOST = socket.gethostname().replace(".", "_") or "host"
+
+
+def _temp_prefix(path: Path) -> str:
+    return f".{path.name}.{_HOST}-{os.getpid()}."
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temps(path: str | os.PathLike) -> list[Path]:
+    """Remove the temp files and folders beside ``path`` left by writers of this host that no longer run; returns
+    what was removed."""
+    path = Path(path)
+    removed = []
+    for p in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        host, _, pid = p.name[len(path.name) + 2 :].split(".", 1)[0].rpartition("-")
+        if host != _HOST or not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temp path beside ``path``; on success rename it onto ``path``, on error delete it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    remove_stale_temps(path)
+    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp_path = Path(tmp)
     os.chmod(tmp_path, FILE_MODE)  # mkstemp makes 0600; the result should be an ordinary file
     try:
         yield tmp_path
+        os.chmod(tmp_path, FILE_MODE)  # a writer may have replaced the file (safetensors creates its own, 0600)
         os.replace(tmp_path, path)
     finally:
         if tmp_path.exists():
@@ -78,7 +120,8 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     permissions (libraries such as safetensors or transformers may create theirs 0600)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    remove_stale_temps(path)
+    tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(path), suffix=".tmp", dir=path.parent))
     os.chmod(tmp, DIR_MODE)  # mkdtemp makes 0700; the result should be an ordinary directory
     try:
         yield tmp

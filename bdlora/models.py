@@ -11,7 +11,7 @@ import torch
 from bdlora.arch import check_architecture
 from bdlora.budgeted.model import FACTORS_FILE, META_FILE, load_budgeted
 from bdlora.errors import ModelError, RunDirError
-from bdlora.integrity import check_config, check_model_folder, check_safetensors, weight_files
+from bdlora.integrity import check_loadable, check_model_folder
 from bdlora.runs import RunDir
 
 
@@ -26,9 +26,7 @@ def load_run_student(run: RunDir | str | Path, device: str = "cpu"):
         raise RunDirError(f"{run.path}: {what}")
     summary = run.summary()
     sdir = run.student_dir
-    check_config(sdir)
-    for f in weight_files(sdir):  # the dense student and the gated factors: headers must match sizes
-        check_safetensors(f)
+    check_loadable(sdir)  # the dense student and the gated factors: whole files whose shapes match the config
     try:
         model = AutoModelForCausalLM.from_pretrained(str(sdir), dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(str(sdir))

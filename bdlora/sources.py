@@ -99,6 +99,46 @@ def hub_error(spec: str, what: str, e: Exception) -> ModelError:
                       f"({', '.join(PRESETS)})")
 
 
+def check_gguf(path: Path) -> None:
+    """The sizes a GGUF file's metadata declares (layers, hidden, MLP, heads, vocabulary) against the shapes of the
+    tensors it holds, read from its header with the ``gguf`` package (nothing is loaded): transformers builds the
+    model from the metadata first, so an absurd value would be allocated before any tensor is read."""
+    try:
+        import gguf as gguf_lib
+
+        reader = gguf_lib.GGUFReader(str(path))
+        fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+        tensors = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
+    except ImportError as e:
+        raise ModelError(f"{path}: reading GGUF needs the gguf package ({e})") from None
+    except Exception as e:  # noqa: BLE001 - a damaged file: one line, whatever the parser raised
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"{path}: could not convert this GGUF file (not a readable GGUF: {msg[:160]})") from None
+    arch = fields.get("general.architecture")
+    embed, q, k, gate = (tensors.get(n) for n in ("token_embd.weight", "blk.0.attn_q.weight", "blk.0.attn_k.weight",
+                                                  "blk.0.ffn_gate.weight"))
+    if not isinstance(arch, str) or embed is None or len(embed) != 2:
+        return  # not a decoder layout we can read: transformers' converter names what it lacks
+    declared = {n: fields.get(f"{arch}.{n}") for n in ("block_count", "embedding_length", "feed_forward_length",
+                                                      "attention.head_count", "attention.head_count_kv",
+                                                      "vocab_size")}
+    bad = [f"{n} {v!r}" for n, v in declared.items()
+           if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1)]
+    if bad:
+        raise ModelError(f"{path}: metadata {arch}.{', '.join(bad)}: must be positive integers")
+    blocks = {n.split(".")[1] for n in tensors if n.startswith("blk.")}
+    heads = declared["attention.head_count"]
+    head_dim = fields.get(f"{arch}.attention.key_length") or (embed[0] // heads if heads else None)
+    held = {"embedding_length": embed[0], "vocab_size": embed[1], "block_count": len(blocks),
+            "feed_forward_length": gate[1] if gate else None,
+            "attention.head_count": q[1] // head_dim if q and head_dim else None,
+            "attention.head_count_kv": k[1] // head_dim if k and head_dim else None}
+    wrong = [f"{arch}.{n} {declared[n]:,} but the tensors hold {v:,}" for n, v in held.items()
+             if v is not None and declared[n] is not None and declared[n] != v]
+    if wrong:
+        raise ModelError(f"{path}: its metadata declares {'; '.join(wrong[:3])}: the file was edited or damaged")
+
+
 def materialise_gguf(gguf: Path, cache_dir: Path, source: dict, stage, key: str | None = None) -> Path:
     """The GGUF file as a Hugging Face folder in the cache (made once; later calls return it)."""
     from bdlora.integrity import sha256
@@ -107,6 +147,7 @@ def materialise_gguf(gguf: Path, cache_dir: Path, source: dict, stage, key: str 
     dst = materialised_dir(cache_dir, key or f"gguf-{digest[:16]}")
     if (dst / SOURCE_FILE).is_file():
         return dst
+    check_gguf(gguf)
     stage(f"converting {gguf.name} to a Hugging Face folder (dequantising; once, into {dst})")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

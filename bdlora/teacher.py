@@ -189,6 +189,13 @@ def load_teacher(spec: str, cache_dir: Path | None = None, device: str = "cpu", 
         path = build_builtin_teacher(cache_dir, on_stage=on_stage, on_step=on_step)
     else:
         path = Path(sources.resolve(spec, cache_dir, what, on_stage))
+    if path.is_dir():  # before transformers allocates what config.json declares
+        from bdlora.integrity import check_loadable
+
+        try:
+            check_loadable(path)
+        except ModelError as e:
+            raise ModelError(f"{what} {spec}: {e}") from None
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(path))

@@ -84,7 +84,7 @@ def create_app(cfg: ServeConfig, loader=None, on_fatal=None) -> FastAPI:
     docs = {} if cfg.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="bdlora serve", lifespan=lifespan, **docs)
     app.state.bdlora = state
-    app.add_middleware(BodyLimit, limit=cfg.max_request_bytes)
+    app.add_middleware(BodyLimit, limit=cfg.max_request_bytes, timeout=cfg.request_timeout)
     app.add_middleware(Front, routes_of=app, metrics=metrics, api_key=cfg.api_key)  # outermost: counts 401s, 413s
     _add_error_handlers(app)
     refs = (cfg, lambda: state.engine, metrics, lambda: state.load_error)
@@ -125,6 +125,11 @@ class _TooLarge(StarletteHTTPException):
         super().__init__(413, _too_large_message(limit))
 
 
+class _TooSlow(StarletteHTTPException):
+    def __init__(self, timeout: float):
+        super().__init__(408, f"request body not received within {timeout:g} s (this server's --request-timeout)")
+
+
 def _too_large_message(limit: int) -> str:
     return f"request body above this server's limit of {limit} bytes"
 
@@ -135,11 +140,13 @@ def _too_large(limit: int) -> JSONResponse:
 
 
 class BodyLimit:
-    """ASGI middleware refusing request bodies above ``limit`` bytes with 413: a declared Content-Length before
-    anything is read, a chunked body as soon as it crosses the limit."""
+    """ASGI middleware bounding request bodies: above ``limit`` bytes 413 (a declared Content-Length before anything
+    is read, a chunked body as soon as it crosses the limit), and 408 when the whole body has not arrived within
+    ``timeout`` seconds of the request head (a client trickling its body would otherwise hold a connection and a
+    handler forever). Once the body is complete, reads pass through untouched (the handlers' disconnect checks)."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, timeout: float):
+        self.app, self.limit, self.timeout = app, limit, timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -147,15 +154,22 @@ class BodyLimit:
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
             return await _too_large(self.limit)(scope, receive, send)
-        seen = 0
+        seen, complete = 0, False
+        deadline = asyncio.get_running_loop().time() + self.timeout
 
         async def limited():
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, complete
+            if complete:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
+            except asyncio.TimeoutError:
+                raise _TooSlow(self.timeout) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
                     raise _TooLarge(self.limit)
+                complete = not message.get("more_body", False)
             return message
 
         await self.app(scope, limited, send)
@@ -222,7 +236,8 @@ class Front:
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):  # 404, 405, unparseable bodies
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code,
+        code = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout",
+                413: "request_too_large"}.get(exc.status_code,
                                                                                          "invalid_request")
         return JSONResponse(error_body(str(exc.detail), param=None, code=code), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
@@ -247,6 +262,46 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status)
 
 
+def head_deadline_protocol(timeout: float):
+    """uvicorn's HTTP protocol (whichever it picks: httptools or h11) closing a connection that has not sent a
+    complete request head within ``timeout`` seconds of connecting or of its previous response. uvicorn's own
+    keep-alive timeout starts only after a response and stops at the first byte of the next request, so a client
+    that connects and sends nothing, or trickles its headers, would hold its connection (a file descriptor and a
+    task) for ever; enough of them and the server accepts nobody."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class HeadDeadline(AutoHTTPProtocol):
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._head_timer = self.loop.call_later(timeout, self._head_overdue)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_overdue(self) -> None:
+            waiting_for_head = self.cycle is None or self.cycle.response_complete
+            if waiting_for_head and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeadDeadline
+
+
 def serve(cfg: ServeConfig, host: str = "127.0.0.1", port: int = 8000, drain_seconds: int = 30,
           log_level: str = "info") -> None:
     """Run the server until SIGINT/SIGTERM; on either, stop accepting, finish in-flight requests (up to
@@ -269,7 +324,8 @@ def serve(cfg: ServeConfig, host: str = "127.0.0.1", port: int = 8000, drain_sec
 
     app = create_app(cfg, on_fatal=on_fatal)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=drain_seconds, access_log=False))
+                                           timeout_graceful_shutdown=drain_seconds, access_log=False,
+                                           http=head_deadline_protocol(cfg.request_timeout)))
     # uvicorn drains on SIGTERM, then re-raises the signal it caught under the handler that was there before it
     # started. A no-op handler makes a completed drain an ordinary exit (status 0), which is what process
     # supervisors expect after a graceful stop; SIGINT keeps its KeyboardInterrupt (exit 130). uvicorn catches

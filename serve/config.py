@@ -32,6 +32,10 @@ class ServeConfig:
     """onnxruntime intra-op threads (default: all cores)."""
     max_request_bytes: int = 4 * 1024 * 1024
     """Largest request body in bytes (413 above it)."""
+    request_timeout: float = 30.0
+    """Seconds a client has to send a request's head (from connecting, or from its previous response) and then its
+    body: a connection that sends nothing is closed, a body still incomplete is answered 408, so idle or trickling
+    clients cannot hold the server's connections."""
     api_key: str | None = None
     """Require 'Authorization: Bearer KEY' on /v1/* (default: $BDLORA_API_KEY if set; /health and /metrics stay
     open). Prefer the environment variable: a command line is visible to every user of the machine."""
@@ -44,6 +48,7 @@ class ServeConfig:
             c.integer(name, getattr(self, name), lo=1)
         c.integer("max_prompts", self.max_prompts, lo=1, hi=self.max_waiting)
         c.threads("threads", self.threads)
+        c.number("request_timeout", self.request_timeout, lo=0.0, lo_open=True)
         c.choice("runtime", self.runtime, ("ort", "genai"))
         if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
             c.add("--api-key: must be a non-empty string without surrounding spaces")

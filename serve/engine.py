@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bdlora.runtime import DecoderShape, empty_past, left_padded, run_bound, session
+from bdlora.runtime import DecoderShape, check_signature, empty_past, left_padded, run_bound, session
 from bdlora.serve.sequence import Request, SamplingParams, Sequence, safe_emit, score_prompt
 from bdlora.tokenizer import TextTokenizer
 
@@ -94,6 +94,7 @@ class Engine:
 
     def _open_model(self, onnx_file: str, threads: int | None) -> None:
         self.sess = session(self.dir / onnx_file, threads=threads)
+        check_signature(self.dir, self.shape, self.sess)
 
     def _new_batch(self) -> _Batch:
         return _Batch()

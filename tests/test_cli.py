@@ -66,7 +66,8 @@ def test_corrupt_teacher(tiny_env, tmp_path):
     bad.mkdir()
     (bad / "config.json").write_text("{ not json")
     out = tmp_path / "run"
-    _assert_usage_error(_run(_args_with(tiny_env, out, **{"--teacher": str(bad)})), "could not load", out)
+    _assert_usage_error(_run(_args_with(tiny_env, out, **{"--teacher": str(bad)})), "config.json: not valid JSON",
+                        out)
 
 
 def test_teacher_without_projections(tiny_env, tmp_path):
@@ -191,11 +192,12 @@ def test_the_paper_recipe_ships_with_the_package(monkeypatch):
     assert isinstance(cfg, TrainConfig)
     assert cfg.batch_size * cfg.seq_len == 2 ** 14 and cfg.tokens == 2_550_000_000 and cfg.eval_tokens == 10_000_000
     assert (cfg.lora_rank, cfg.lora_alpha, cfg.lr, cfg.weight_decay) == (128, 256.0, 3e-4, 0.0)
+    assert (cfg.lora_init, cfg.allocation) == ("zero", "cost")  # the paper's init and removal order, for fidelity
     from types import SimpleNamespace
 
     from transformers import MistralConfig
 
-    from bdlora.train import _resolve_sizes
+    from bdlora.session import _resolve_sizes
 
     teacher = SimpleNamespace(config=MistralConfig(hidden_size=512, num_attention_heads=8, num_key_value_heads=8,
                                                    intermediate_size=1024, num_hidden_layers=2,

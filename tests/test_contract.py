@@ -101,6 +101,12 @@ def damaged_onnx(rel, data, onnx_file="model.onnx"):
     return build
 
 
+def declare(**sizes):
+    def edit(path: Path) -> None:
+        path.write_text(json.dumps({**json.loads(path.read_text()), **sizes}))
+    return edit
+
+
 def corpus(name, data):
     def build(made, tmp):
         write(tmp / "c" / name, data)
@@ -172,6 +178,12 @@ CASES = out_cases() + [
          "budget: '0.4' is not a number"),
     Case("YAML batch_size: true", lambda m, t: train(m, t, "--config", str(write(t / "c.yaml", "batch_size: true\n"))),
          "batch_size: True is not an integer"),
+    Case("YAML alias bomb (billions of nested items in 11 lines)", lambda m, t: train(m, t, "--config", str(write(
+        t / "c.yaml", "lora_rank:\n  - &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+            f"  - &{n} [{', '.join([f'*{p}'] * 9)}]\n" for p, n in zip("abcdefghi", "bcdefghij"))))),
+         "lora_rank: [['lol', 'lol', 'lol', 'lol', ...], [[...], [...], [...], [...], ...], "),
+    Case("YAML --config of 2 MiB", lambda m, t: train(m, t, "--config", str(write(t / "c.yaml", "#" * (2 << 20)))),
+         "2,097,152 bytes; an option file is a few lines"),
     Case("train --max-steps abc (parser)", lambda m, t: train(m, t, "--max-steps", "abc"),
          "Invalid value for '--max-steps'"),
     Case("train --no-such-option (parser)", lambda m, t: train(m, t, "--no-such-option"),
@@ -219,6 +231,13 @@ CASES = out_cases() + [
     Case("eval: ONNX config.json without sizes", damaged_onnx("config.json", '{"model_type": "llama"}'),
          "no num_hidden_layers"),
     Case("eval: ONNX tokenizer damaged", damaged_onnx("tokenizer.json", "{"), "its tokenizer does not load"),
+    # issue 32: sizes the graph does not have, and an export that never finished
+    Case("eval: ONNX config.json declares 1,000,000 layers", damaged_onnx("config.json", declare(
+        num_hidden_layers=1_000_000)), "declares num_hidden_layers 1,000,000 but the graph has 2"),
+    Case("eval: ONNX config.json declares 65,536 KV heads", damaged_onnx("config.json", declare(
+        num_key_value_heads=65536)), "num_key_value_heads 65,536 but the graph has 2"),
+    Case("eval: an unfinished ONNX export (no export.json)", damaged_onnx("export.json", lambda f: f.unlink()),
+         "an unfinished export (no export.json"),
     Case("eval --onnx-file outside the folder", damaged_onnx("x", None, onnx_file="../onnx/model.onnx"),
          "must name a graph inside"),
     # unfinished runs and failed training (defect 7)
@@ -229,7 +248,9 @@ CASES = out_cases() + [
                                                         .unlink(), ["compress", str(t / "r"), "--out",
                                                                     str(t / "out")])[2], "not a finished bdlora run"),
     Case("train diverges (--lr 1e30)", lambda m, t: train(m, t, "--lr", "1e30"), "lower --lr (now 1e+30); ", code=1),
-    Case("train: a teacher with NaN weights", nan_teacher, "before any update", code=1),
+    Case("train: a teacher with NaN weights", nan_teacher, "on the calibration tokens are not finite"),
+    Case("train: a teacher with NaN weights, the paper's zero start", lambda m, t: [
+        *nan_teacher(m, t), "--lora-init", "zero", "--allocation", "cost"], "before any update", code=1),
 ]
 
 

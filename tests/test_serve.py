@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -525,8 +526,9 @@ def _damaged_copy(served_model, tmp_path, damage):
 
 
 def test_a_graph_that_cannot_load_exits_non_zero_with_one_line(served_model, tmp_path):
-    """A truncated model.onnx passes the pre-flight checks (the graph loads in the background): the server must
-    then say so and exit 1, not answer 503 forever."""
+    """A truncated model.onnx passes the ort pre-flight checks (the graph loads in the background): the server must
+    then say so and exit 1, not answer 503 forever. The genai pre-flight reads the graph's signature itself (its
+    weights are in the data file), so there the folder is refused before listening (exit 2)."""
     def truncate(folder):
         data = (folder / "model.onnx").read_bytes()
         (folder / "model.onnx").write_bytes(data[: len(data) // 3])
@@ -534,20 +536,144 @@ def test_a_graph_that_cannot_load_exits_non_zero_with_one_line(served_model, tmp
     folder = _damaged_copy(served_model, tmp_path, truncate)
     proc = subprocess.run([sys.executable, "-m", "bdlora.cli", "serve", str(folder), "--port", str(free_port()),
                            *served_model["args"]], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: could not load the model") and "Traceback" not in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    if served_model["runtime"] == "genai":
+        assert proc.returncode == 2 and "its graph or genai_config.json does not load" in last, proc.stderr
+    else:
+        assert proc.returncode == 1 and last.startswith("error: could not load the model"), proc.stderr
+
+
+def _declare(name: str, *path: str, **sizes):  # issue 32: a JSON file of the folder edited to other sizes
+    def edit(folder):
+        doc = json.loads((folder / name).read_text())
+        target = doc
+        for key in path:
+            target = target[key]
+        target.update(sizes)
+        (folder / name).write_text(json.dumps(doc))
+    return edit
+
+
+def test_a_config_declaring_sizes_the_graph_lacks_is_refused(served_model, tmp_path):
+    """Issue 32: config.json edited to 1,000,000 layers. The genai folder is refused before the server listens (its
+    graph signature is read without the weights); the ort graph is checked as it loads: exit 1, one line."""
+    folder = _damaged_copy(served_model, tmp_path, _declare("config.json", num_hidden_layers=1_000_000))
+    proc = subprocess.run([sys.executable, "-m", "bdlora.cli", "serve", str(folder), "--port", str(free_port()),
+                           *served_model["args"]], capture_output=True, text=True, timeout=120)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "num_hidden_layers 1,000,000 but the graph has 2" in last and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == (2 if served_model["runtime"] == "genai" else 1), proc.stderr
 
 
 @pytest.mark.parametrize("damage,needle", [
     (lambda f: (f / "config.json").write_text("{not json"), "its config.json does not load"),
     (lambda f: (f / "config.json").write_text('{"model_type": "mistral"}'), "its config.json does not load"),
     (lambda f: (f / "tokenizer.json").write_text("[]"), "its tokenizer does not load"),
+    (lambda f: (f / "export.json").unlink(), "an unfinished export (no export.json"),
 ])
 def test_a_folder_that_cannot_be_served_is_refused_before_listening(served_model, tmp_path, damage, needle):
     folder = _damaged_copy(served_model, tmp_path, damage)
     res = CliRunner().invoke(cli_app, ["serve", str(folder), "--port", str(free_port()), *served_model["args"]])
     assert res.exit_code == 2 and needle in res.output, res.output
+
+
+@pytest.mark.parametrize("path,sizes,needle", [
+    (("model", "decoder"), {"num_hidden_layers": 1_000_000},
+     "genai_config.json num_hidden_layers 1,000,000 but the graph has 2"),
+    (("model", "decoder"), {"head_size": 4096}, "genai_config.json head_dim 4,096 but the graph has 16"),
+    (("model",), {"context_length": 2_000_000_000},
+     "context_length 2000000000 but the graph's rotary table has 4,096 positions"),
+])
+def test_an_edited_genai_config_is_refused_before_listening(served_model, tmp_path, path, sizes, needle):
+    """onnxruntime-genai sizes its KV buffer from genai_config.json: an edited value is refused up front."""
+    if served_model["runtime"] != "genai":
+        pytest.skip("genai_config.json is onnxruntime-genai's")
+    folder = _damaged_copy(served_model, tmp_path, _declare("genai_config.json", *path, **sizes))
+    res = CliRunner().invoke(cli_app, ["serve", str(folder), "--port", str(free_port()), *served_model["args"]])
+    assert res.exit_code == 2 and needle in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.output
+
+
+def test_idle_and_trickling_clients_are_cut_off_and_never_block_others(served_model):
+    """Issue 32: connections that send nothing, trickle their request head or their body are closed after
+    --request-timeout (a body gets 408 in OpenAI's error shape), and a normal request is answered meanwhile."""
+    import socket
+    from urllib.parse import urlparse
+
+    proc, url = start_server(served_model["folder"], *served_model["args"], "--request-timeout", "1")
+    u = urlparse(url)
+    body = json.dumps({"model": "m.onnx", "prompt": "alpha", "max_tokens": 1}).encode()
+
+    def connect(first: bytes = b"") -> socket.socket:
+        sock = socket.create_connection((u.hostname, u.port))
+        sock.sendall(first)
+        return sock
+
+    try:
+        idle = [connect() for _ in range(300)]
+        trickling_head = [connect(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n") for _ in range(10)]
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body))
+        trickling_body = [connect(head + body[:1]) for _ in range(10)]
+        ok = httpx.post(url + "/v1/completions", json={"model": "m.onnx", "prompt": "kappa", "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+
+        def answer(sock: socket.socket) -> bytes:
+            sock.settimeout(60)  # a bound for the test, far above the server's 1 s
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+            return data
+
+        assert all(answer(s) == b"" for s in idle + trickling_head)  # closed without a word
+        for s in trickling_body:
+            reply = answer(s)
+            assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+            assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+        for s in idle + trickling_head + trickling_body:
+            s.close()
+        assert httpx.post(url + "/v1/completions", json={"model": "m.onnx", "prompt": "kappa",
+                                                         "max_tokens": 2}).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+def test_streaming_clients_hanging_up_again_and_again_leave_nothing_behind(served_model):
+    """Issue 32: rounds of 50 streaming clients each hanging up after its first chunk. After every round the
+    running and waiting gauges are back at 0, the server's memory does not grow round after round, and the next
+    request is answered."""
+    proc, url = start_server(served_model["folder"], *served_model["args"], "--max-tokens", str(LONG))
+
+    def rss_kib() -> int:
+        return int(Path(f"/proc/{proc.pid}/status").read_text().split("VmRSS:")[1].split()[0])
+
+    async def hang_up(client):
+        async with client.stream("POST", "/v1/completions", json={
+                "model": "m.onnx", "prompt": "alpha beta", "max_tokens": LONG, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    return r.status_code  # leaving the block closes the connection mid-stream
+
+    async def one_round():
+        limits = httpx.Limits(max_connections=100, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+            return await asyncio.gather(*[hang_up(client) for _ in range(50)])
+
+    try:
+        rss = []
+        for _ in range(6):
+            assert asyncio.run(one_round()) == [200] * 50
+            _wait_idle(url)
+            assert metric(url, "bdlora_active_sequences") == 0 and metric(url, "bdlora_waiting_requests") == 0
+            rss.append(rss_kib())
+        # the first rounds warm up allocators and caches; after that, hung-up sequences must not accumulate
+        assert rss[-1] - rss[2] < 16 * 1024, rss
+        ok = httpx.post(url + "/v1/completions", json={"model": "m.onnx", "prompt": "kappa", "max_tokens": 2})
+        assert ok.status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
 
 
 def test_onnx_file_outside_the_folder_is_refused(served_model):

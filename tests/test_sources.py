@@ -21,16 +21,18 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model, tokenizer, path):
+def write_gguf(model, tokenizer, path, **declare):
+    """``declare`` overrides metadata values (block_count, embedding_length, feed_forward_length, head_count): a
+    file whose metadata says other sizes than its tensors have."""
     import gguf
 
     c = model.config
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(c.num_hidden_layers)
+    w.add_block_count(declare.get("block_count", c.num_hidden_layers))
     w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
+    w.add_embedding_length(declare.get("embedding_length", c.hidden_size))
+    w.add_feed_forward_length(declare.get("feed_forward_length", c.intermediate_size))
+    w.add_head_count(declare.get("head_count", c.num_attention_heads))
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"] if hasattr(c, "rope_parameters") else c.rope_theta)
@@ -147,6 +149,54 @@ def test_teacher_sources_fail_in_one_line(tiny_env, tmp_path, monkeypatch, spec,
     err = res.stderr.strip()
     assert needle in err and len(err.splitlines()) == 1, err
     assert not out.exists()
+
+
+def _edited_teacher(tiny_env, folder, **sizes):
+    import shutil
+
+    shutil.copytree(tiny_env["teacher"], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(sizes)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def _pickled_weights(folder):  # only the size of a non-safetensors weight file is read, never its content
+    for f in folder.glob("*.safetensors"):
+        f.unlink()
+    (folder / "pytorch_model.bin").write_bytes(bytes(4096))
+
+
+@pytest.mark.parametrize("declare,damage,needle", [
+    ({"num_hidden_layers": 1_000_000, "hidden_size": 1_000_000_000}, None,
+     "declares hidden_size 1,000,000,000 but the weights hold 32; num_hidden_layers 1,000,000 but the weights hold 4"),
+    ({"intermediate_size": 10**9}, None, "intermediate_size 1,000,000,000 but the weights hold 64"),
+    ({"hidden_size": 10**6}, _pickled_weights, "parameters, more than its weight files (4,096 bytes) can hold"),
+    ({"block_count": 1_000_000}, "gguf", "llama.block_count 1,000,000 but the tensors hold 2"),
+    ({"embedding_length": 10**9, "feed_forward_length": 10**9}, "gguf",
+     "llama.embedding_length 1,000,000,000 but the tensors hold 32"),
+])
+def test_a_teacher_declaring_sizes_its_weights_lack_is_refused_before_loading(tiny_env, tiny_gguf, tmp_path, declare,
+                                                                              damage, needle):
+    """Issue 32: transformers allocates what the config (or the GGUF metadata) declares before it reads a tensor; an
+    edited value must be one line, not a hang. Refused by `train --teacher` and `export onnx` alike."""
+    if damage == "gguf":
+        spec = write_gguf(tiny_gguf[0], tiny_env["tokenizer"], tmp_path / "edited.gguf", **declare)
+    else:
+        spec = _edited_teacher(tiny_env, tmp_path / "teacher", **declare)
+        if damage is not None:
+            damage(spec)
+    readers = [(train_args(tiny_env, tmp_path / "run"), tmp_path / "run")]
+    if damage is not _pickled_weights:  # export reads safetensors folders only (and says so)
+        readers.append((["export", "onnx", str(spec), "--out", str(tmp_path / "o")], tmp_path / "o"))
+    for args, out in readers:
+        if args[0] == "train":
+            args[args.index("--teacher") + 1] = str(spec)
+        res = CliRunner().invoke(app, args, env={"BDLORA_CACHE": str(tmp_path / "cache")})
+        assert res.exit_code == 2, (args[:2], res.output)
+        err = res.stderr.strip()
+        assert needle in err and len(err.splitlines()) == 1, (args[:2], err)
+        assert not out.exists() and not (tmp_path / "cache" / "teachers").exists()
 
 
 def test_unknown_preset_is_one_line(tmp_path):

@@ -4,8 +4,11 @@ traceback unless it is a bug."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import inspect
+import os
+import re
 import sys
 
 import typer
@@ -17,6 +20,20 @@ from bdlora._registration import quiet_transformers
 from bdlora.errors import BdloraError
 
 quiet_transformers()  # the CLI draws its own progress; stderr carries only its one-line errors
+
+# OSErrors that mean "the disk refused the write", not a bug: one line and exit 1, like any failure
+STORAGE_ERRORS = {errno.EFBIG: " (the file-size limit: see `ulimit -f`)", errno.ENOSPC: " (the disk is full)",
+                  errno.EDQUOT: " (the disk quota is exhausted)", errno.EROFS: ""}
+
+
+def storage_errno(e: BaseException) -> int | None:
+    """The errno of a write the disk refused (an OSError, or safetensors' own error, which carries the OS error only
+    in its message: "I/O error: File too large (os error 27)"), else None."""
+    code = e.errno if isinstance(e, OSError) else None
+    if code is None and type(e).__name__ == "SafetensorError":
+        found = re.search(r"os error (\d+)", str(e))
+        code = int(found.group(1)) if found else None
+    return code if code in STORAGE_ERRORS else None
 
 class OneLineErrors(TyperGroup):
     """Usage errors the option parser finds (an unknown option, ``--max-steps abc``) follow the same contract as
@@ -71,6 +88,14 @@ def command(target: typer.Typer = app, name: str | None = None, options=()):
                 fn(**kwargs)  # returns nothing: an int from the app means an exit code (OneLineErrors)
             except BdloraError as e:
                 raise fail(str(e), e.exit_code) from None
+            except Exception as e:  # noqa: BLE001 - re-raised unless the disk refused a write
+                code = storage_errno(e)
+                if code is None:
+                    raise
+                # every artefact is written under a temp name and renamed when whole: a failed write left nothing
+                where = f" {e.filename}" if getattr(e, "filename", None) else ""
+                raise fail(f"could not write{where}: {os.strerror(code)}{STORAGE_ERRORS[code]}; the partial "
+                           "output was discarded (artefacts are renamed into place only when whole)", 1) from None
             except KeyboardInterrupt as e:
                 err.print(f"[bold red]interrupted[/]{': ' + str(e) if str(e) else ''}", highlight=False,
                           soft_wrap=True)
