@@ -1,4 +1,4 @@
-"""bdlora: Budgeted LoRA distillation toolkit (see ../shared/SPEC.md for the contract).
+"""bdlora: Budgeted LoRA distillation toolkit (the method of the paper "Budgeted LoRA"; usage in README.md).
 
 Importing bdlora is cheap (standard library only): it installs a hook that registers the compressed architectures
 (``bdlora_mistral``, ``bdlora_llama``, ``bdlora_qwen2``) with transformers' Auto classes as soon as transformers is

@@ -32,7 +32,7 @@ def compress_dense(model: nn.Module, lora_rank: int, provenance: dict):
                             has_bias=mod.bias is not None)
         bias = None if mod.bias is None else mod.bias.detach().clone()
         deployed[name] = DeployedModule(dec, weight=mod.weight.detach().clone(), bias=bias)
-    report = compression_report([c.decision for c in deployed.values()], lora_rank, provenance.get("budget"), {},
+    report = compression_report([c.decision for c in deployed.values()], provenance.get("budget"), {},
                                 baseline="dense")
     return build_deployed_model(model, deployed, provenance), report
 

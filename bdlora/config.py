@@ -1,5 +1,5 @@
-"""Training options: one dataclass (litgpt style), a docstring per field that the CLI turns into help text, and a
-validator that collects every problem and raises once.
+"""Training options (and those of ``compress --one-shot``): dataclasses (litgpt style), a docstring per field that the
+CLI turns into help text, and a validator that collects every problem and raises once.
 
 Fields left ``None`` are resolved per teacher by ``resolve_defaults``: for a real teacher the paper's rank, alpha,
 sequence length and learning rate with a short budget fit for a first run (``REAL_DEFAULTS``; the paper's full budget
@@ -17,9 +17,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from bdlora.budgeted.config import ALLOCATIONS, LORA_INITS, BudgetedConfig
 from bdlora.budgeted.config import DEFAULTS as BUDGETED
-from bdlora.budgeted.config import BudgetedConfig
-from bdlora.errors import Checks, ConfigError
+from bdlora.errors import Checks, ConfigError, shown
 
 METHODS = ("kd-full", "kd-lora", "budgeted")
 DEVICES = ("auto", "cpu", "cuda")
@@ -89,6 +89,21 @@ class TrainConfig:
     """Retentions below this are clamped to 0 and the dense path is skipped (budgeted)."""
     gate_init: float = BUDGETED.gate_init
     """Initial rank-gate logit (sigmoid(3) = 0.95) (budgeted)."""
+    lora_init: str | None = None
+    """How the low-rank paths start (kd-lora, budgeted): zero (LoRA's B = 0: learnt from nothing; the paper),
+    whitened (each projection's activation-aware truncated SVD, measured on --calib-tokens; the frozen dense path
+    holds the residual W - B A, so the student is unchanged until the budget removes the dense path) or svd (plain
+    truncated SVD). Default whitened; the paper recipe pins zero."""
+    allocation: str | None = None
+    """Which dense paths the budget removes (budgeted): cost (the paper: cheapest first, one --lora-rank for all) or
+    quality (per-module ranks where the Fisher-weighted truncation error per MAC saved is least). Default quality;
+    the paper recipe pins cost."""
+    mac_ratio: float | None = None
+    """With --allocation quality: the deployed projection-MAC speed-up to allocate for (default: the one the
+    paper's rule gives at --budget and --lora-rank, so both rules compare at equal MACs)."""
+    calib_tokens: int | None = None
+    """Training-split tokens the whitened init and the quality allocation are measured on (default 8192, or the
+    whole split when smaller)."""
     eval_every: int | None = None
     """Validation perplexity every N steps (default 200; builtin 100) and at the end."""
     eval_tokens: int | None = None
@@ -129,10 +144,15 @@ class TrainConfig:
         c.choice("layer_selection", self.layer_selection, LAYER_SELECTIONS)
         c.choice("packing", self.packing, PACKINGS)
         c.choice("device", self.device, DEVICES)
+        if self.lora_init is not None:
+            c.choice("lora_init", self.lora_init, LORA_INITS)
+        if self.allocation is not None:
+            c.choice("allocation", self.allocation, ALLOCATIONS)
+        c.number("mac_ratio", self.mac_ratio, lo=1.0)
         for name in ("teacher", "data", "student_init", "out", "runs_dir", "cache_dir"):
             c.text(name, getattr(self, name))
         for name in ("batch_size", "grad_accum", "max_steps", "tokens", "eval_tokens", "loss_chunk", "eval_every",
-                     "student_layers", "keep_last"):
+                     "student_layers", "keep_last", "calib_tokens"):
             c.integer(name, getattr(self, name), lo=1)
         c.integer("seq_len", self.seq_len, lo=2, what=" (a block needs a token and its successor)")
         c.integer("save_every", self.save_every, lo=0)
@@ -147,7 +167,7 @@ class TrainConfig:
         c.number("kd_weight", self.kd_weight, 0.0, 1.0)
         c.number("heldout_fraction", self.heldout_fraction, 0.0, 1.0, lo_open=True, hi_open=True)
         c.require(isinstance(self.measure_step_time, bool),
-                  f"--measure-step-time {self.measure_step_time!r}: must be true or false")
+                  f"--measure-step-time {shown(self.measure_step_time)}: must be true or false")
         self.budgeted().check(c)
         c.done()
         return self
@@ -156,11 +176,13 @@ class TrainConfig:
 # Defaults for the embedded default teacher (4.5M parameters, 4 layers, hidden 256): the paper's rank 128 / alpha 256
 # and 1024-token sequences would dwarf a hidden size of 256, so rank and alpha keep the paper's alpha/r = 2 at r = 16.
 BUILTIN_DEFAULTS = {"seq_len": 128, "max_steps": 600, "lr": 2e-3, "lora_rank": 16, "lora_alpha": 32.0,
-                    "eval_every": 100, "eval_tokens": 32768, "batch_size": 16}
+                    "eval_every": 100, "eval_tokens": 32768, "batch_size": 16, "lora_init": "whitened",
+                    "allocation": "quality", "calib_tokens": 8192}
 # Real teachers: the paper's rank 128 / alpha 256, 1024-token sequences and lr 3e-4, but a first-run budget (1000
 # steps of 8 x 1024 tokens, 1,048,576 validation tokens), not the paper's 2.55B tokens: that is recipes/paper.yaml.
 REAL_DEFAULTS = {"batch_size": 8, "seq_len": 1024, "max_steps": 1000, "lr": 3e-4, "lora_rank": BUDGETED.rank,
-                 "lora_alpha": BUDGETED.alpha, "eval_every": 200, "eval_tokens": 1 << 20}
+                 "lora_alpha": BUDGETED.alpha, "eval_every": 200, "eval_tokens": 1 << 20, "lora_init": "whitened",
+                 "allocation": "quality", "calib_tokens": 8192}
 
 OPTION_NAMES = tuple(f.name for f in fields(TrainConfig) if f.name != "extra")
 
@@ -176,6 +198,9 @@ RECIPES_DIR = Path(__file__).parent / "recipes"
 RECIPES = tuple(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))  # shipped YAML files, named by --config NAME
 
 
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """A YAML file of options, or a recipe shipped with the package (``--config paper``: the paper's budget)."""
     import yaml
@@ -185,6 +210,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         p = RECIPES_DIR / f"{path}.yaml"
     if not p.is_file():
         raise ConfigError([f"--config {path}: no such file (or a recipe shipped with bdlora: {', '.join(RECIPES)})"])
+    if p.stat().st_size > MAX_CONFIG_BYTES:
+        raise ConfigError([f"--config {path}: {p.stat().st_size:,} bytes; an option file is a few lines (at most "
+                           f"{MAX_CONFIG_BYTES:,} bytes)"])
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as e:
@@ -195,7 +223,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     unknown = sorted(set(data) - set(OPTION_NAMES))
     if unknown:
         raise ConfigError([f"--config {path}: unknown option(s) {', '.join(unknown)}"])
-    wrong = [f"{k}: {v!r} is not {_TYPE_WORDS[t]}" for k, v in data.items()
+    wrong = [f"{k}: {shown(v)} is not {_TYPE_WORDS[t]}" for k, v in data.items()
              if v is not None and (t := _yaml_type(k)) is not None and not _is(v, t)]
     if wrong:
         raise ConfigError([f"--config {path}: {'; '.join(wrong)} (YAML values get the same checks as the flags)"])
@@ -250,3 +278,33 @@ def resolve_defaults(cfg: TrainConfig, builtin_teacher: bool) -> TrainConfig:
         values["cache_dir"] = str(Path(values["cache_dir"]).expanduser().resolve())
     values["extra"] = {**values["extra"], "defaulted": defaulted}
     return TrainConfig(**values)
+
+
+@dataclass
+class OneShotConfig:
+    mac_ratio: float | None = None
+    """Projection-MAC speed-up of the compressed model vs the source's dense projections (e.g. 1.5)."""
+    calib_tokens: int = 8192
+    """Training-split tokens of --data the calibration (input Gram matrices, output Fisher diagonals) uses
+    (default 8192)."""
+    data: str = "builtin"
+    """Corpus to calibrate on and to measure held-out perplexity on, as bdlora train's --data (default builtin)."""
+    heldout_fraction: float | None = None
+    """Held-out fraction of --data (default: the corpus's, 0.02 for the builtin one)."""
+    seq_len: int = 128
+    """Tokens per calibration and evaluation block (default 128)."""
+    eval_tokens: int = 8192
+    """Held-out tokens scored for the source's and the compressed model's perplexity (default 8192)."""
+
+    def validate(self) -> OneShotConfig:
+        c = Checks()
+        if self.mac_ratio is None:
+            c.add("--mac-ratio: --one-shot needs the projection-MAC speed-up to compress to (e.g. --mac-ratio 1.5)")
+        c.number("mac_ratio", self.mac_ratio, lo=1.0)
+        for name in ("calib_tokens", "eval_tokens"):
+            c.integer(name, getattr(self, name), lo=1)
+        c.integer("seq_len", self.seq_len, lo=2, what=" (a block needs a token and its successor)")
+        c.number("heldout_fraction", self.heldout_fraction, 0.0, 1.0, lo_open=True, hi_open=True)
+        c.text("data", self.data)
+        c.done()
+        return self

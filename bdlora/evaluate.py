@@ -23,6 +23,7 @@ from bdlora.runs import ModelDir, OnnxDir, RunDir, source_run
 from bdlora.runtime import (
     DecoderShape,
     check_onnx_dir,
+    check_signature,
     empty_past,
     left_padded,
     log_normaliser,
@@ -281,8 +282,10 @@ def load_eval_target(path: str | Path, onnx_file: str = "model.onnx", device: st
         model, tok, _ = load_run_student(run, device)
         return TorchLM(model, device), tok, "run", run.config()
     folder = ModelDir(path)
-    src = source_run(path, folder.report().get("provenance", {})) if folder.finished() else None
-    run_cfg = src.config() if src is not None else None
+    provenance = folder.report().get("provenance", {}) if folder.finished() else {}
+    src = source_run(path, provenance) if provenance else None
+    # a run's own held-out slice; a one-shot compression records the slice it was measured on instead
+    run_cfg = src.config() if src is not None else provenance.get("data_settings")
     if run_cfg is None and (path / "teacher.json").exists():
         run_cfg = {"data": BUILTIN, "teacher": BUILTIN}  # the embedded default teacher's own corpus
     if OnnxDir(path).finished() or (path / "model.onnx").exists() or (path / onnx_file).exists():
@@ -303,6 +306,7 @@ def _onnx_target(path: Path, onnx_file: str, run_cfg: dict | None):
     except Exception as e:  # noqa: BLE001  a truncated/invalid graph or config is the folder's problem, not a bug
         raise ModelError(f"{path}: cannot load the ONNX model ({type(e).__name__}: {str(e).splitlines()[0][:160]})") \
             from None
+    check_signature(path, DecoderShape.of(config), sess)
     return OrtLM(sess, config), TextTokenizer(path), "onnx", run_cfg
 
 
@@ -310,7 +314,8 @@ def eval_data(run_cfg: dict | None, config, ecfg: EvalConfig) -> dict:
     """The held-out slice to score: the run's own (corpus, split, sequence length, token count) unless overridden;
     without a run, the builtin corpus and the defaults of ``bdlora train`` for that kind of teacher."""
     cfg = dict(run_cfg or {})
-    src = "the run's training options" if run_cfg and "seq_len" in cfg else "defaults"
+    origin = cfg.pop("origin", "the run's training options")  # one-shot folders: "the --one-shot options"
+    src = origin if run_cfg and "seq_len" in cfg else "defaults"
     d = ecfg.data or cfg.get("data") or BUILTIN
     builtin = (cfg.get("teacher") or (BUILTIN if d == BUILTIN else None)) == BUILTIN
     defaults = BUILTIN_DEFAULTS if builtin else REAL_DEFAULTS

@@ -25,6 +25,7 @@ from bdlora.arch import PROJECTIONS, base_model, dense_state_dict
 from bdlora.budgeted.controller import BudgetController
 from bdlora.budgeted.costs import shapes_from_config, training_compute_proxy
 from bdlora.budgeted.model import apply_budgeted_lora, gated_modules, save_budgeted
+from bdlora.budgeted.start import start_gated, start_peft
 from bdlora.distill import DistillationLoss, kd_step
 from bdlora.io import save_tensors, write_json
 
@@ -50,7 +51,9 @@ class TrainingMethod:
     def __init__(self, cfg):
         self.cfg = cfg
 
-    def wrap(self, student: nn.Module) -> nn.Module:
+    def wrap(self, student: nn.Module, start=None) -> nn.Module:
+        """The student as this method trains it; ``start`` (a ``budgeted.start.LowRankStart``) sets where its
+        low-rank paths begin and their ranks (None: the SPEC's zero start at ``--lora-rank``)."""
         raise NotImplementedError
 
     def before_step(self, progress: float) -> dict | None:
@@ -80,7 +83,12 @@ class TrainingMethod:
 
     def summary(self, model: nn.Module) -> dict:
         shapes = shapes_from_config(base_model(model).config.to_dict())
-        return {"compute_proxy": training_compute_proxy(shapes, self.cfg.lora_rank, self.mean_retained())}
+        ranks = self.ranks(model) or self.cfg.lora_rank
+        return {"compute_proxy": training_compute_proxy(shapes, ranks, self.mean_retained())}
+
+    def ranks(self, model: nn.Module) -> dict[str, int]:
+        """Each trained module's LoRA rank (empty: one --lora-rank, or no LoRA)."""
+        return {}
 
     def finalize(self, run_dir: Path, summary: dict, teacher, batch: torch.Tensor, device, stage) -> None:
         """Add the method's own artefacts and figures once the student is saved."""
@@ -91,7 +99,7 @@ class KDFull(TrainingMethod):
 
     name = "kd-full"
 
-    def wrap(self, student):
+    def wrap(self, student, start=None):
         for p in student.parameters():
             p.requires_grad_(True)
         return student
@@ -102,14 +110,22 @@ class KDLoRA(TrainingMethod):
 
     name = "kd-lora"
 
-    def wrap(self, student):
+    def wrap(self, student, start=None):
         from peft import LoraConfig
 
         from bdlora.peft_compat import wrap_lora
 
         lcfg = LoraConfig(r=self.cfg.lora_rank, lora_alpha=self.cfg.lora_alpha, lora_dropout=0.0,
-                          target_modules=list(PROJECTIONS), bias="none", task_type="CAUSAL_LM")
-        return wrap_lora(student, lcfg)
+                          target_modules=list(PROJECTIONS), bias="none", task_type="CAUSAL_LM",
+                          rank_pattern={n: r for n, r in (start.ranks if start else {}).items()
+                                        if r != self.cfg.lora_rank},
+                          alpha_pattern={n: self.cfg.lora_alpha * r / self.cfg.lora_rank
+                                         for n, r in (start.ranks if start else {}).items()
+                                         if r != self.cfg.lora_rank})
+        model = wrap_lora(student, lcfg)
+        if start is not None:
+            start_peft(model, start)
+        return model
 
     def save_student(self, model, tokenizer, out_dir):
         save_dense_student(model, tokenizer, out_dir, {"method": self.name, "adapter": "adapter"})
@@ -122,13 +138,15 @@ class Budgeted(TrainingMethod):
     name = "budgeted"
     log_name = "controller.jsonl"
 
-    def wrap(self, student):
+    def wrap(self, student, start=None):
         # the dense student, kept to time kd-full / kd-lora / budgeted steps on the same weights at the end
         self.dense_copy = copy.deepcopy(student) if self.cfg.measure_step_time else None
         bcfg = self.cfg.budgeted()
-        apply_budgeted_lora(student, bcfg.rank, bcfg.alpha, bcfg.gate_init)
+        apply_budgeted_lora(student, bcfg.rank, bcfg.alpha, bcfg.gate_init, ranks=start.ranks if start else None)
         self.gated = gated_modules(student)
-        self.controller = BudgetController.for_model(self.gated, bcfg)
+        if start is not None:
+            start_gated(self.gated, start)
+        self.controller = BudgetController.for_model(self.gated, bcfg, start.allocation if start else None)
         return student
 
     def before_step(self, progress):
@@ -139,6 +157,9 @@ class Budgeted(TrainingMethod):
 
     def retentions(self):
         return [m.d for m in self.gated.values()]
+
+    def ranks(self, model):
+        return {n: m.rank for n, m in self.gated.items()}
 
     def state(self):
         return {"controller": self.controller.state_dict()}
@@ -161,7 +182,8 @@ class Budgeted(TrainingMethod):
             rows.append({"name": name, "d": m.d, "gate_mean": float(g.mean()), "gate_min": float(g.min()),
                          "gate_max": float(g.max()), f"gates_above_{threshold:g}": int((g >= threshold).sum())})
         return {**super().summary(model), "modules": rows, "mean_retained": self.controller.mean_retained,
-                "final_retained": self.controller.retained_fraction()}
+                "final_retained": self.controller.retained_fraction(),
+                "final_fraction": self.controller.final_fraction}
 
     def finalize(self, run_dir, summary, teacher, batch, device, stage):
         from bdlora.plots import plot_controller

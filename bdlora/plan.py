@@ -53,7 +53,7 @@ def plan(config: dict, cfg: BudgetedConfig, layers: int | None = None, steps: in
     for step in range(steps):
         ctrl.step(step / max(1, steps - 1))
     decisions = [decide_module(s, float(d), cfg.rank, cfg.rank, cfg) for s, d in zip(shapes, ctrl.d)]
-    report = compression_report(decisions, cfg.rank, cfg.budget, {**cfg.thresholds(), "gate_threshold": None})
+    report = compression_report(decisions, cfg.budget, {**cfg.thresholds(), "gate_threshold": None})
     proxy = training_compute_proxy(shapes, cfg.rank, ctrl.mean_retained)
     report["compute_proxy"] = proxy
     report["train_compute_vs_full"] = proxy["bud_vs_full"]

@@ -5,6 +5,7 @@ folder beside it; none modifies its input::
 
     runs/<time>-<method>/                 RunDir     train      finished when summary.json exists (written last)
     runs/<time>-<method>.compressed/      ModelDir   compress   finished when compression.json exists
+    runs/<source>.oneshot-<R>x.compressed/ ModelDir  compress --one-shot (a pretrained model, no training)
     runs/<...>.compressed.onnx/           OnnxDir    export onnx  finished when export.json exists
     runs/<...>.compressed.hf/             ModelDir   export hf
     runs/<...>.compressed.bench/          BenchDir   bench      finished when bench.json exists
@@ -117,6 +118,12 @@ class RunDir(Artefact):
     def controller_log(self) -> Path:
         return self.path / "controller.jsonl"
 
+    @property
+    def lora_start(self) -> tuple[Path, Path]:
+        """Where the low-rank paths started (``budgeted.start.LowRankStart``): ranks and allocation (JSON), factors
+        (safetensors). Written once before the first step; ``--resume`` reads them, never recomputes."""
+        return self.path / "lora_start.json", self.path / "lora_start.safetensors"
+
     def started(self) -> bool:
         """A run's config.json (``{"config": {...options}}``), not a model folder's (``{"model_type": ...}``)."""
         f = self.path / "config.json"
@@ -157,7 +164,10 @@ class RunDir(Artefact):
         if not any(self.checkpoints_dir.glob("step-*")):
             shutil.rmtree(self.path, ignore_errors=True)
             return f"{self.path} removed (no checkpoint to continue from)"
-        write_json(self.path / FAILED, {"error": str(error), "step": step, "time": datetime.now().isoformat()})
+        try:
+            write_json(self.path / FAILED, {"error": str(error), "step": step, "time": datetime.now().isoformat()})
+        except OSError:  # the disk that failed the run may refuse the mark too; the checkpoints are what matters
+            return f"{self.path} kept with its checkpoints"
         return f"{self.path} kept with its checkpoints and marked failed ({FAILED})"
 
     def require_resumable(self) -> None:
@@ -272,6 +282,13 @@ class SweepDir(Artefact):
             _check_creatable(p, "--out")
             return SweepDir(p)
         return SweepDir(Path(runs_dir) / f"sweep-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+
+
+def one_shot_out(source: str, mac_ratio: float, runs_dir: str | os.PathLike = RUNS_DIR) -> Path:
+    """Where ``compress SOURCE --one-shot`` writes by default: ``runs/<source>.oneshot-<R>x.compressed`` (a
+    compressed folder like any other, so ``export``, ``bench`` and ``eval`` find it as the latest)."""
+    name = Path(source.rstrip("/")).name.removesuffix(".gguf").replace("/", "-") or "model"
+    return Path(runs_dir) / f"{name}.oneshot-{mac_ratio:g}x{COMPRESSED}"
 
 
 def eval_json(source: str | os.PathLike) -> Path:

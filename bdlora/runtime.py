@@ -49,6 +49,40 @@ class DecoderShape:
         return cls.of(json.loads((Path(folder) / "config.json").read_text()))
 
 
+def signature_problems(shape: DecoderShape, inputs: dict[str, list], outputs: dict[str, list]) -> list[str]:
+    """What config.json declares (``shape``) against a decoder graph's own inputs and outputs ({name: dims}, a dim
+    an int or a symbolic name): the number of past key inputs is the number of layers, their static dims are the KV
+    heads and head size, the logits' last dim is the vocabulary. A config edited to other sizes would otherwise
+    size every cache the caller builds (or fail inside onnxruntime with its own error)."""
+    keys = {n: d for n, d in inputs.items() if n.startswith("past_key_values.") and n.endswith(".key")}
+    held = {"num_hidden_layers": len(keys)}
+    first = keys.get("past_key_values.0.key") or []
+    if len(first) == 4:
+        held["num_key_value_heads"], held["head_dim"] = first[1], first[3]
+    logits = outputs.get("logits") or []
+    if logits:
+        held["vocab_size"] = logits[-1]
+    declared = {"num_hidden_layers": shape.layers, "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim,
+                "vocab_size": shape.vocab_size}
+    return [f"{k} {declared[k]:,} but the graph has {v:,}" for k, v in held.items()
+            if isinstance(v, int) and v != declared[k]]
+
+
+def session_io(sess) -> tuple[dict[str, list], dict[str, list]]:
+    """({input name: dims}, {output name: dims}) of an onnxruntime session."""
+    return ({i.name: list(i.shape) for i in sess.get_inputs()}, {o.name: list(o.shape) for o in sess.get_outputs()})
+
+
+def check_signature(folder: str | Path, shape: DecoderShape, sess) -> None:
+    """One-line refusal (``ModelError``) when the folder's config.json does not describe the graph it serves."""
+    from bdlora.errors import ModelError
+
+    problems = signature_problems(shape, *session_io(sess))
+    if problems:
+        raise ModelError(f"{Path(folder) / 'config.json'}: declares {'; '.join(problems[:3])}: the config was "
+                         "edited or does not belong to this graph")
+
+
 def io_names(num_layers: int) -> tuple[list[str], list[str]]:
     ins = ["input_ids", "attention_mask", "position_ids"] + [
         f"past_key_values.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
@@ -196,9 +230,50 @@ def check_onnx_dir(path: Path, onnx_file: str, runtime: str = "ort") -> None:
         raise ModelError(f"{path}: no config.json (pass a `{make}` output)")
     if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         raise ModelError(f"{path}: no tokenizer files")
+    if not (path / "export.json").is_file():  # written last: its absence means the export never finished
+        raise ModelError(f"{path}: an unfinished export (no export.json, which `{make}` writes last); export again")
     for what, load in (("config.json", DecoderShape.from_folder), ("tokenizer", TextTokenizer)):
         try:
             load(path)
         except Exception as e:  # noqa: BLE001  json, KeyError, tokenizers' own errors: one line either way
             raise ModelError(f"{path}: its {what} does not load ({type(e).__name__}: "
                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    if runtime == "genai":
+        check_genai_folder(path, onnx_file)
+
+
+def check_genai_folder(path: Path, onnx_file: str = "model.onnx") -> None:
+    """config.json and genai_config.json against the genai graph's own signature (its weights live in the external
+    data file, so reading the graph is cheap): onnxruntime-genai sizes its KV buffer from genai_config.json, so an
+    edited value must be refused before a server listens, not discovered in the first request."""
+    import onnx
+
+    from bdlora.errors import ModelError
+
+    try:
+        graph = onnx.load(str(path / onnx_file), load_external_data=False).graph
+        genai = json.loads((path / "genai_config.json").read_text())["model"]
+        decoder = genai["decoder"]
+    except Exception as e:  # noqa: BLE001  protobuf, JSON or a missing key: one line either way
+        raise ModelError(f"{path}: its graph or genai_config.json does not load ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:160] if str(e) else ''})") from None
+
+    def dims(values) -> dict[str, list]:
+        return {v.name: [d.dim_value if d.HasField("dim_value") else d.dim_param for d in v.type.tensor_type.shape.dim]
+                for v in values}
+
+    inputs, outputs = dims(graph.input), dims(graph.output)
+    problems = [f"config.json {p}" for p in signature_problems(DecoderShape.from_folder(path), inputs, outputs)]
+    declared = DecoderShape.of({"num_hidden_layers": decoder.get("num_hidden_layers"),
+                                "num_attention_heads": decoder.get("num_attention_heads") or 1,
+                                "num_key_value_heads": decoder.get("num_key_value_heads"),
+                                "head_dim": decoder.get("head_size"), "hidden_size": decoder.get("hidden_size") or 1,
+                                "vocab_size": genai.get("vocab_size") or 1})
+    problems += [f"genai_config.json {p}" for p in signature_problems(declared, inputs, {})]
+    rows = next((list(t.dims) for t in graph.initializer if t.name == "cos_cache"), None)
+    ctx = genai.get("context_length")
+    if rows and (not isinstance(ctx, int) or not 1 <= ctx <= rows[0]):
+        problems.append(f"genai_config.json context_length {ctx!r} but the graph's rotary table has {rows[0]:,} "
+                        "positions")
+    if problems:
+        raise ModelError(f"{path}: {'; '.join(problems[:3])}: the folder was edited or does not belong together")

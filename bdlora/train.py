@@ -1,7 +1,8 @@
-"""The distillation recipe (nanoGPT-style, one explicit loop for kd-full, kd-lora and budgeted): ``setup`` builds
-everything a run needs and opens (or resumes) its run directory, ``loop`` runs the optimiser steps, ``finish``
-saves the student and writes ``summary.json`` last. Method-specific behaviour lives in ``methods``; checkpoints and
-signal handling in ``checkpoint``; the run-directory layout in ``runs``; multi-process plumbing in ``distributed``.
+"""The distillation recipe (nanoGPT-style, one explicit loop for kd-full, kd-lora and budgeted): ``setup`` takes
+what ``session.prepare`` built (teacher, data, student) and opens (or resumes) the run directory, ``loop`` runs the
+optimiser steps, ``finish`` saves the student and writes ``summary.json`` last. Method-specific behaviour lives in
+``methods``; checkpoints and signal handling in ``checkpoint``; the run-directory layout in ``runs``; multi-process
+plumbing in ``distributed``.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,8 +19,9 @@ import torch.distributed as dist
 
 from bdlora import SCHEMA_VERSION, __version__
 from bdlora import distributed as D
-from bdlora.arch import check_lora_rank
-from bdlora.blocks import BlockSampler, DocumentBlocks, PackedBlocks, training_blocks
+from bdlora.blocks import BlockSampler
+from bdlora.budgeted.start import LowRankStart, compute_start, needed, shapes_of
+from bdlora.budgeted.start import summary as start_summary
 from bdlora.checkpoint import (
     StopRequest,
     latest_checkpoint,
@@ -29,113 +30,18 @@ from bdlora.checkpoint import (
     save_checkpoint,
     truncate_jsonl,
 )
-from bdlora.config import BUILTIN, TrainConfig, resolve_defaults, resolve_path
-from bdlora.data import Corpus, tokenize_corpus
+from bdlora.config import TrainConfig, resolve_path
 from bdlora.distill import DistillationLoss, diverged, kd_step, warmup_cosine
-from bdlora.errors import DataError, ModelError, RunDirError, TrainingError, UsageError
+from bdlora.errors import RunDirError, TrainingError, UsageError
 from bdlora.io import atomic_dir, write_json
 from bdlora.methods import METHOD_CLASSES, TrainingMethod
 from bdlora.perplexity import perplexity
 from bdlora.reporter import SILENT, Reporter
 from bdlora.runs import FAILED, RunDir
-from bdlora.student import build_student, check_same_vocabulary
-from bdlora.teacher import load_teacher
+from bdlora.session import Session, prepare
 
 # Options a resumed run may change (where/how often it writes or measures, never the weights); the rest are fixed
 RESUME_MUTABLE = ("save_every", "keep_last", "eval_every", "device", "measure_step_time", "cache_dir")
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: CUDA is not available on this machine (allowed here: auto, cpu)")
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# What a run is made of
-# --------------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Session:
-    """Teacher, data and student, built and checked before any run directory is created."""
-
-    cfg: TrainConfig
-    device: torch.device
-    teacher: torch.nn.Module
-    tokenizer: object
-    student: torch.nn.Module
-    layer_indices: list[int]
-    train_blocks: PackedBlocks | DocumentBlocks
-    val_blocks: PackedBlocks
-
-
-def prepare(cfg: TrainConfig, reporter: Reporter = SILENT) -> Session:
-    """Validate options, load (or build) the teacher, tokenise the corpus, build the student. Raises typed errors
-    for bad input; creates nothing but caches."""
-    cfg.validate()
-    device = resolve_device(cfg.device)
-    cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else None
-    corpus = Corpus(cfg.data)  # checks the path before the (possibly long) teacher build
-    reporter.stage(f"loading teacher {cfg.teacher}")
-    teacher, tokenizer, teacher_path = load_teacher(cfg.teacher, cache, device=str(device), on_stage=reporter.stage,
-                                                    on_step=reporter.teacher_step)
-    cfg = _resolve_sizes(resolve_defaults(cfg, builtin_teacher=cfg.teacher == BUILTIN), teacher)
-    student, idx = _build_student(cfg, teacher, tokenizer, cache, reporter)
-    student.to(device)
-    reporter.stage(f"tokenising corpus {cfg.data} ({len(corpus.files)} files)")
-    data = tokenize_corpus(corpus, tokenizer, cfg.heldout_fraction, cache)
-    train_blocks = training_blocks(data.tokens("train"), cfg.seq_len, cfg.packing, tokenizer.eos_token_id)
-    val_blocks = PackedBlocks(data.tokens("val"), cfg.seq_len, max_tokens=cfg.eval_tokens)
-    if len(train_blocks) < 1:
-        raise DataError(f"--data {cfg.data}: {data.meta['tokens']['train']} training tokens, fewer than one "
-                        + (f"block of --seq-len {cfg.seq_len}" if cfg.packing == "pack" else "document"))
-    if len(val_blocks) < 1:
-        raise DataError(f"--data {cfg.data}: the held-out slice has {data.meta['tokens']['val']} tokens, fewer "
-                        f"than one block of {cfg.seq_len}; raise --heldout-fraction (now {cfg.heldout_fraction})")
-    cfg.extra.update({"teacher_path": str(teacher_path), "layer_indices": idx,
-                      "teacher_layers": teacher.config.num_hidden_layers, "data_cache": str(data.path),
-                      "data_tokens": data.meta["tokens"]})
-    return Session(cfg, device, teacher, tokenizer, student, idx, train_blocks, val_blocks)
-
-
-def _resolve_sizes(cfg: TrainConfig, teacher) -> TrainConfig:
-    """Student depth, sequence length (capped by the model's positions when defaulted), steps from --tokens and
-    the held-out fraction, each checked against the teacher."""
-    n_teacher, defaulted = teacher.config.num_hidden_layers, cfg.extra.get("defaulted", ())
-    cfg.student_layers = max(1, math.ceil(n_teacher / 2)) if cfg.student_layers is None else cfg.student_layers
-    if cfg.student_layers > n_teacher:
-        raise UsageError(f"--student-layers {cfg.student_layers}: must be between 1 and the teacher's {n_teacher}")
-    max_pos = getattr(teacher.config, "max_position_embeddings", None)
-    if max_pos is not None and cfg.seq_len > max_pos:
-        if "seq_len" not in defaulted:
-            raise UsageError(f"--seq-len {cfg.seq_len}: above the model's max_position_embeddings ({max_pos})")
-        cfg.seq_len = max_pos
-    cfg.lora_rank = check_lora_rank(cfg.lora_rank, teacher.config, "lora_rank" in defaulted)
-    if cfg.tokens is not None:  # a global budget: every step consumes batch x accum x seq tokens on each process
-        world = D.env_from_launcher().world_size
-        cfg.max_steps = max(1, cfg.tokens // (cfg.batch_size * cfg.grad_accum * cfg.seq_len * world))
-    if cfg.heldout_fraction is None:
-        cfg.heldout_fraction = Corpus(cfg.data).default_heldout_fraction
-    return cfg
-
-
-def _build_student(cfg: TrainConfig, teacher, tokenizer, cache, reporter: Reporter):
-    """Layers from --student-init (default: the teacher), which must share the teacher's tokenizer."""
-    source = teacher
-    if cfg.student_init:
-        reporter.stage(f"loading student init {cfg.student_init}")
-        source, init_tok, _ = load_teacher(cfg.student_init, cache, device="cpu", what="--student-init")
-        check_same_vocabulary(tokenizer, init_tok, f"--student-init {cfg.student_init}")
-        if source.config.vocab_size != teacher.config.vocab_size:
-            raise ModelError(f"--student-init {cfg.student_init}: embedding rows {source.config.vocab_size} != "
-                             f"teacher's {teacher.config.vocab_size}")
-    if cfg.student_layers > source.config.num_hidden_layers:
-        raise UsageError(f"--student-layers {cfg.student_layers}: must be between 1 and the source's "
-                         f"{source.config.num_hidden_layers} layers")
-    return build_student(source, cfg.student_layers, cfg.layer_selection, seed=cfg.seed)
 
 
 def resume_config(run: RunDir, overrides: dict | None = None) -> TrainConfig:
@@ -180,6 +86,7 @@ class Run:
     device: torch.device
     reporter: Reporter
     run: RunDir | None = None
+    start: LowRankStart | None = None  # where the low-rank paths began (None: the SPEC's zero start)
     start_step: int = 0
     step: int = 0  # optimiser steps done so far (for a failure report)
     prior_seconds: float = 0.0
@@ -223,10 +130,14 @@ def train(cfg: TrainConfig, reporter: Reporter | None = None, resume: str | Path
         run = setup(cfg, rep, run_dir, env, dist_device)
         try:
             loop(run)
+            return finish(run)
         except TrainingError as e:  # a diverged or inconsistent run: nothing half-written may block --out
             done = run.run.settle_failure(e, run.step) if env.is_main else ""
             raise TrainingError(f"{e}; {done}" if done else str(e)) from None
-        return finish(run)
+        except Exception as e:  # e.g. the disk refused a write: the same settling, the error itself goes on
+            if env.is_main:
+                run.run.settle_failure(e, run.step)
+            raise
     finally:
         D.shutdown(env)
 
@@ -237,33 +148,57 @@ def setup(cfg: TrainConfig, rep: Reporter, resume: RunDir | None, env: D.DistEnv
     cfg, device = sess.cfg, dist_device or sess.device
     sess.teacher.to(device)
     cfg.extra["world_size"] = env.world_size
+    has_start = needed(cfg.method, cfg.lora_init, cfg.allocation)
+    start = None
+    if has_start and resume is None and env.is_main:  # before the run directory exists: a bad target writes nothing
+        start = compute_start(sess.student, cfg.lora_init, cfg.allocation, cfg.lora_rank, cfg.budget, cfg.mac_ratio,
+                              sess.train_blocks, cfg.calib_tokens, rep)
+    run_dir = resume if resume is not None else _new_run_dir(cfg, env)
+    if start is not None:
+        start.save(*run_dir.lora_start)
+    D.barrier(env)
+    if has_start:  # every process (and a resumed run) reads the same stored factors
+        start = _read_start(run_dir)
     torch.manual_seed(cfg.seed)
     method = METHOD_CLASSES[cfg.method](cfg)
-    model = method.wrap(sess.student).to(device)
+    model = method.wrap(sess.student, start).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   betas=(cfg.adam_beta1, cfg.adam_beta2))
     run = Run(cfg, sess, method, model, D.wrap_ddp(model, device) if env.enabled else None, params, optimizer,
               torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.max_steps)),
               DistillationLoss(cfg.temperature, cfg.kd_weight, cfg.loss_chunk),
-              BlockSampler(len(sess.train_blocks), cfg.seed), env, device, rep)
+              BlockSampler(len(sess.train_blocks), cfg.seed), env, device, rep, run=run_dir, start=start)
     if resume is not None:
         _resume(run, resume)
-    else:
-        path = RunDir.new(cfg.method, cfg.runs_dir, cfg.out).path if env.is_main else None
-        run.run = RunDir(D.broadcast_object(env, str(path) if path else None))
-        if env.is_main:
-            run.run.path.mkdir(parents=True, exist_ok=True)
-            _write_config(run)
     if env.enabled:
         rep.stage(f"data parallel: {env.world_size} processes ({dist.get_backend()}), global batch "
                   f"{run.global_batch} x {cfg.seq_len} = {run.tokens_per_step:,} tokens")
     return run
 
 
-def _write_config(run: Run) -> None:
-    write_json(run.run.path / "config.json", {"schema_version": SCHEMA_VERSION, "bdlora_version": __version__,
-                                              "config": dataclasses.asdict(run.cfg)})
+def _new_run_dir(cfg: TrainConfig, env: D.DistEnv) -> RunDir:
+    """A new run directory (made by rank 0, its path broadcast) with its config.json."""
+    path = RunDir.new(cfg.method, cfg.runs_dir, cfg.out).path if env.is_main else None
+    run_dir = RunDir(D.broadcast_object(env, str(path) if path else None))
+    if env.is_main:
+        run_dir.path.mkdir(parents=True, exist_ok=True)
+        _write_config(run_dir, cfg)
+    return run_dir
+
+
+def _read_start(run_dir: RunDir) -> LowRankStart:
+    meta, factors = run_dir.lora_start
+    try:
+        return LowRankStart.load(meta, factors)
+    except (OSError, ValueError, KeyError) as e:
+        raise RunDirError(f"{run_dir.path}: its low-rank start ({meta.name}, {factors.name}) does not load "
+                          f"({type(e).__name__}); the run is damaged") from None
+
+
+def _write_config(run_dir: RunDir, cfg: TrainConfig) -> None:
+    write_json(run_dir.path / "config.json", {"schema_version": SCHEMA_VERSION, "bdlora_version": __version__,
+                                              "config": dataclasses.asdict(cfg)})
 
 
 def _resume(run: Run, run_dir: RunDir) -> None:
@@ -280,7 +215,7 @@ def _resume(run: Run, run_dir: RunDir) -> None:
         logs = [run_dir.metrics_log] + ([run_dir.path / run.method.log_name] if run.method.log_name else [])
         for log in logs:
             truncate_jsonl(log, run.start_step, on_warning=run.reporter.stage)
-        _write_config(run)
+        _write_config(run_dir, run.cfg)
     run.reporter.stage(f"resuming {run_dir.path} at step {run.start_step} ({ckpt.name})")
 
 
@@ -388,6 +323,7 @@ def finish(run: Run) -> dict:
         "world_size": env.world_size, "global_batch": run.global_batch, **run.figures,
         "train_seconds": train_seconds, "tokens_per_s": steps_here * run.tokens_per_step / max(run.t1 - run.t0, 1e-9),
         "resumed_from": run.start_step or None, "trainable_parameters": sum(p.numel() for p in run.params),
+        **(start_summary(run.start, shapes_of(run.sess.student)) if run.start else {"lora_init": "zero"}),
         **run.method.summary(run.model),
     }
     batch = torch.from_numpy(run.sess.train_blocks.get(run.sampler.indices(0, cfg.batch_size))).to(run.device)

@@ -186,7 +186,7 @@ def _train(env, out, method, **extra):
 
 @pytest.mark.parametrize("method", ["budgeted", "kd-lora", "kd-full"])
 def test_cli_compress_every_method(tiny_env, tmp_path, method):
-    run = _train(tiny_env, tmp_path / "run", method, budget=0.0, retention_ema=0.0)
+    run = _train(tiny_env, tmp_path / "run", method, budget=0.0, retention_ema=0.0, allocation="cost")  # F = 0: all
     before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
     res = CliRunner().invoke(app, ["compress", str(run), "--svd-max-rank", "8", "--json"])
     assert res.exit_code == 0, res.output
@@ -289,8 +289,24 @@ def _flip_a_weight_byte(folder):  # same size, valid header: only the recorded d
     w.write_bytes(bytes(data))
 
 
+def _declare(**sizes):  # issue 32: a config edited to sizes its weights do not have
+    def edit(folder):
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg.update(sizes)
+        (folder / "config.json").write_text(json.dumps(cfg))
+    return edit
+
+
 DAMAGE = [
     (_edit_form, "the weights do not match config.json"),
+    (_declare(num_hidden_layers=1_000_000, hidden_size=1_000_000_000),
+     "declares hidden_size 1,000,000,000 but the weights hold 32; num_hidden_layers 1,000,000 but the weights hold"),
+    (_declare(intermediate_size=10**12), "declares intermediate_size 1,000,000,000,000 but the weights hold 64"),
+    (_declare(vocab_size=10**9), "declares vocab_size 1,000,000,000 but the weights hold"),
+    (_declare(num_attention_heads=4096), "num_attention_heads x head_dim 32,768 but the weights hold 32"),
+    (_declare(num_key_value_heads=10**6), "num_key_value_heads x head_dim 8,000,000 but the weights hold 16"),
+    (_declare(head_dim=0), "head_dim 0 (must be a positive integer)"),
+    (_declare(num_hidden_layers="2"), "num_hidden_layers '2' (must be a positive integer)"),
     (_truncate, "(truncated or padded)"),
     (_flip_a_weight_byte, "its SHA-256 differs from the one recorded"),
     (lambda f: (f / "config.json").write_text("{not json"), "config.json: not valid JSON"),
@@ -308,6 +324,7 @@ def test_a_damaged_or_edited_folder_is_refused_by_every_reader(saved_student, tm
     damage(saved_student)
     for args, out in [(["export", "hf", str(saved_student), "--out", str(tmp_path / "share")], tmp_path / "share"),
                       (["export", "onnx", str(saved_student), "--out", str(tmp_path / "o")], tmp_path / "o"),
+                      (["export", "genai", str(saved_student), "--out", str(tmp_path / "g")], tmp_path / "g"),
                       (["eval", str(saved_student), "--ppl", "--json", str(tmp_path / "e.json")], tmp_path / "e.json"),
                       (["bench", str(saved_student), "--out", str(tmp_path / "b")], tmp_path / "b")]:
         res = CliRunner().invoke(app, args)

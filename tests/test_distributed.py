@@ -59,6 +59,9 @@ def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(tiny_en
     assert s2["student_val_ppl"] == pytest.approx(s1["student_val_ppl"], rel=1e-4)
     if method == "budgeted":  # the controller ran identically (checked every step on both ranks)
         assert [m["d"] for m in s1["modules"]] == [m["d"] for m in s2["modules"]]
+    if method != "kd-full":  # the whitened start: one calibration on rank 0, loaded by rank 1, equal to one process's
+        f1, f2 = (load_file(str(r / "lora_start.safetensors")) for r in (one, two))
+        assert f1.keys() == f2.keys() and all(torch.equal(f1[k], f2[k]) for k in f1)
     assert not (two / "metrics.jsonl").read_text().count('"step": 1,') > 1  # only rank 0 logged
     assert sorted(p.name for p in (two / "checkpoints").iterdir()) == ["step-00000002"]
 

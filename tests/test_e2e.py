@@ -136,8 +136,8 @@ def test_real_pretrained_teacher_preset_through_the_chain(tmp_path):
     assert real["macro"]["mean"] >= small["macro"]["mean"] + 40, (real["macro"], small["macro"])  # percent
     run = tmp_path / "run"
     steps = [["train", "--teacher", "smollm2-135m", "--method", "budgeted", "--student-layers", "30", "--max-steps",
-              "2", "--seq-len", "64", "--batch-size", "1", "--eval-tokens", "256", "--lora-rank", "16", "--out",
-              str(run), "--no-measure-step-time"],
+              "2", "--seq-len", "64", "--batch-size", "1", "--eval-tokens", "256", "--lora-rank", "16",
+              "--calib-tokens", "256", "--out", str(run), "--no-measure-step-time"],
              ["compress", str(run), "--no-eval"],
              ["export", "onnx", str(tmp_path / "run.compressed")],
              ["eval", str(tmp_path / "run.compressed.onnx"), "--tasks", "capitalize", "--examples", "2", "--seeds",
@@ -146,5 +146,7 @@ def test_real_pretrained_teacher_preset_through_the_chain(tmp_path):
         res = _bdlora(*args, env=env)
         assert res.returncode == 0, f"{args[:2]}: {res.stderr[-2000:]}"
     export = json.loads((tmp_path / "run.compressed.onnx" / "export.json").read_text())
-    assert export["validation"]["max_abs_diff"] <= export["validation"]["tolerance"] < 0.01
+    # the bound is 4x PyTorch's own fp32 rounding (vs float64) on this model: 0.0025 from a zero start, 0.02 from
+    # the whitened one (its factors carry the residual stream's 17,000-scale activations through two GEMMs)
+    assert export["validation"]["max_abs_diff"] <= export["validation"]["tolerance"] < 0.1
     assert json.loads((tmp_path / "run.compressed" / "config.json").read_text())["tie_word_embeddings"]

@@ -20,6 +20,12 @@ def test_family_members_and_bad_input():
     assert [m.name for m in family([0.0, 0.4], ["kd-full", "kd-lora"])] == [
         "kd-full", "kd-lora", "budgeted-F0", "budgeted-F0.4"]
     assert family([0.4], [])[0].budget == 0.4
+    shot = family([], [], one_shot=[1.5])
+    assert [(m.name, m.method, m.settings) for m in shot] == [("one-shot-1.5x", "one-shot", {"mac_ratio": 1.5})]
+    for ratios, needle in [([0.5], "--one-shot 0.5: a projection-MAC ratio must be >= 1"),
+                           ([2.0, 2.0], "each ratio once")]:
+        with pytest.raises(Exception, match=needle):
+            family([], [], one_shot=ratios)
     for budgets, baselines, needle in [([1.5], [], "must be in [0, 1]"), ([], ["kd-foo"], "kd-foo"),
                                        ([], [], "nothing to sweep"), ([0.4, 0.4], [], "each budget once")]:
         with pytest.raises(Exception, match=needle.replace("[", r"\[").replace("]", r"\]")):
@@ -30,13 +36,19 @@ def test_sweep_runs_a_family_and_resumes_without_retraining(tiny_env, tmp_path):
     out = tmp_path / "sweep"
     # the budget drops at once with no EMA lag, so 4 steps reach the F = 0 structure; a checkpoint every 2 steps
     yaml = tmp_path / "sweep.yaml"
-    yaml.write_text("decay_start: 0.0\ndecay_end: 0.0\nretention_ema: 0.0\nsave_every: 2\nmeasure_step_time: false\n")
+    # the paper's removal rule, so F = 0 means every dense path dropped
+    yaml.write_text("decay_start: 0.0\ndecay_end: 0.0\nretention_ema: 0.0\nsave_every: 2\nmeasure_step_time: false\n"
+                    "allocation: cost\n")
     res = CliRunner().invoke(app, sweep_args(tiny_env, out, "--config", str(yaml), "--budgets", "0.0", "--baselines",
-                                             "kd-lora", "--bench-seq-lens", "8", "--bench-repeats", "1"))
+                                             "kd-lora", "--one-shot", "1.5", "--bench-seq-lens", "8",
+                                             "--bench-repeats", "1"))
     assert res.exit_code == 0, res.output
     doc = json.loads((out / "results.json").read_text())
     rows = {r["name"]: r for r in doc["members"]}
-    assert set(rows) == {"kd-lora", "budgeted-F0"}
+    assert set(rows) == {"kd-lora", "budgeted-F0", "one-shot-1.5x"}
+    shot = rows["one-shot-1.5x"]  # the teacher compressed without training, measured like the trained members
+    assert shot["method"] == "one-shot" and shot["mac_speedup_vs_dense"] >= 1.5 and shot["val_ppl"] > 1.0
+    assert (out / "one-shot-1.5x.compressed" / "compression.json").is_file() and "model_decode" in shot["measured"]
     f0, lora = rows["budgeted-F0"], rows["kd-lora"]
     comp = json.loads((out / "budgeted-F0.compressed" / "compression.json").read_text())
     assert f0["mac_speedup_vs_dense"] == comp["speedup_vs_dense"] > 1.0 and f0["dense_kept"] == 0
@@ -60,7 +72,7 @@ def test_sweep_runs_a_family_and_resumes_without_retraining(tiny_env, tmp_path):
     assert (out / "budgeted-F0" / "summary.json").stat().st_mtime_ns == f0_summary  # not retrained
     assert json.loads((out / "kd-lora" / "summary.json").read_text())["resumed_from"] == 2
     doc2 = json.loads((out / "results.json").read_text())
-    assert [r["name"] for r in doc2["members"]] == ["kd-lora", "budgeted-F0"]
+    assert [r["name"] for r in doc2["members"]] == ["kd-lora", "budgeted-F0", "one-shot-1.5x"]
     assert {r["name"]: r["val_ppl"] for r in doc2["members"]}["budgeted-F0"] == pytest.approx(f0["val_ppl"])
 
     res = CliRunner().invoke(app, ["sweep", "--resume", str(out), "--lr", "1e-3"])

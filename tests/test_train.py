@@ -30,12 +30,20 @@ class StopAt(Reporter):
             raise KeyboardInterrupt
 
 
-def test_kd_lora_trains_only_lora(tiny_env, tiny_model, tmp_path):
-    s = train(_cfg(tiny_env, tmp_path / "run", method="kd-lora"))
+@pytest.mark.parametrize("init", ["zero", "whitened"])
+def test_kd_lora_trains_only_lora(tiny_env, tiny_model, tmp_path, init):
+    s = train(_cfg(tiny_env, tmp_path / "run", method="kd-lora", lora_init=init))
     initial, _ = build_student(tiny_model, 2, "mixed")
     saved = load_file(tmp_path / "run" / "student" / "model.safetensors")
+    start = load_file(tmp_path / "run" / "lora_start.safetensors") if init != "zero" else {}
+    assert (tmp_path / "run" / "lora_start.json").exists() == (init != "zero")
     for k, v in initial.state_dict().items():
-        assert torch.equal(saved[k], v), k  # dense weights unchanged bit for bit
+        name = k.removesuffix(".weight")
+        if f"{name}.A" in start:  # the frozen dense path is the residual of the whitened start, bit for bit
+            residual = v.double() - start[f"{name}.B"].double() @ start[f"{name}.A"].double()
+            torch.testing.assert_close(saved[k].double(), residual, rtol=0, atol=1e-5)
+        else:
+            assert torch.equal(saved[k], v), k  # dense weights unchanged bit for bit
     adapter = load_file(tmp_path / "run" / "student" / "adapter" / "adapter_model.safetensors")
     assert len([k for k in adapter if "lora_B" in k]) == 14
     assert any(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)  # the adapter did train
@@ -80,7 +88,7 @@ def test_resume_equals_uninterrupted(tiny_env, tmp_path, method):
 
 def test_budgeted_run_artefacts_and_reload(tiny_env, tmp_path):
     s = train(_cfg(tiny_env, tmp_path / "run", method="budgeted", budget=0.0, max_steps=20, retention_ema=0.5,
-                   measure_step_time=True))
+                   measure_step_time=True, allocation="cost"))
     run = tmp_path / "run"
     rows = [json.loads(x) for x in (run / "controller.jsonl").read_text().splitlines()]
     assert len(rows) == 20 and rows[0]["budget"] == 1.0 and rows[-1]["budget"] == 0.0
@@ -93,9 +101,9 @@ def test_budgeted_run_artefacts_and_reload(tiny_env, tmp_path):
     assert st["kd-full"] > 0 and st["kd-lora"] > 0 and st["budgeted"] > 0
     model, tok, _ = load_run_student(run)
     from bdlora.perplexity import perplexity
-    from bdlora.train import prepare
+    from bdlora.session import prepare
 
-    sess = prepare(_cfg(tiny_env, tmp_path / "x", method="budgeted", budget=0.0))
+    sess = prepare(_cfg(tiny_env, tmp_path / "x", method="budgeted", budget=0.0, allocation="cost"))
     assert perplexity(model, sess.val_blocks) == pytest.approx(s["student_val_ppl"], rel=1e-5)
 
 
@@ -130,7 +138,7 @@ def test_truncate_packing_trains_on_whole_documents(tiny_env, tmp_path):
     """--packing truncate (the paper's data handling): one document per sequence, padding out of the loss; the
     run learns, records the choice, and reads different sequences than packing does."""
     from bdlora.blocks import DocumentBlocks, PackedBlocks
-    from bdlora.train import prepare
+    from bdlora.session import prepare
 
     s = train(_cfg(tiny_env, tmp_path / "t", method="kd-full", max_steps=12, eval_every=12, packing="truncate"))
     assert s["student_val_ppl"] < s["initial_student_val_ppl"]

@@ -80,5 +80,7 @@ class BudgetedConfig:
 
 
 DEFAULTS = BudgetedConfig()
+LORA_INITS = ("zero", "whitened", "svd")  # --lora-init (budgeted.start)
+ALLOCATIONS = ("cost", "quality")  # --allocation (budgeted.start, budgeted.allocate)
 FIELDS = tuple(f.name for f in fields(BudgetedConfig))
 THRESHOLDS = ("eps_zero", "eps_lr", "gate_threshold", "svd_max_rank")  # the fields compress uses

@@ -31,20 +31,21 @@ def budget_schedule(progress: float, final_fraction: float, decay_start: float =
     return f + (1.0 - f) * (1.0 + math.cos(math.pi * (t - t0) / (t1 - t0))) / 2.0
 
 
-def greedy_targets(costs: Sequence[int], budget: float) -> np.ndarray:
-    """Cheapest-first greedy retention targets meeting ``sum target_m c_m = budget * sum c_m``.
+def greedy_targets(costs: Sequence[int], budget: float, scores: Sequence[float] | None = None) -> np.ndarray:
+    """Greedy retention targets meeting ``sum target_m c_m = budget * sum c_m``.
 
-    Starting from full retention, modules are walked in ascending removal score s_m = c_m (ties: the given
-    registration order) and each is lowered by as much as still needed, down to 0. At most one module ends
-    fractional.
+    Starting from full retention, modules are walked in ascending removal score (SPEC 5: s_m = c_m, cheapest
+    first; ``scores`` replaces it, e.g. the quality allocation's order) with ties in the given registration order,
+    and each is lowered by as much as still needed, down to 0. At most one module ends fractional.
     """
     c = np.asarray(costs, dtype=np.float64)
+    s = c if scores is None else np.asarray(scores, dtype=np.float64)
     targets = np.ones(len(c), dtype=np.float64)
     need = (1.0 - budget) * c.sum()  # dense MACs still to remove
-    for i in sorted(range(len(c)), key=lambda i: (c[i], i)):  # stable: registration order breaks ties
+    for i in sorted(range(len(c)), key=lambda i: (s[i], i)):  # stable: registration order breaks ties
         if need <= 0.0:
             break
-        if need >= c[i]:
+        if need >= c[i] * (1.0 - 1e-12):  # a budget that is exactly a sum of costs drops those modules whole
             targets[i] = 0.0
             need -= c[i]
         else:
@@ -64,16 +65,18 @@ class BudgetController:
         ema: beta of the EMA applied to the greedy targets (0 = none).
         eps_zero: retentions below this are clamped to exactly 0 (the dense path is then skipped).
         modules: optional ``{name: GatedLoRALinear}``; when given, every ``step`` writes d into them.
+        scores: optional removal scores (ascending = removed first); default the costs (SPEC 5's cheapest first).
     """
 
     def __init__(self, names: Sequence[str], costs: Sequence[int], final_fraction: float,
                  decay_start: float = DEFAULTS.decay_start, decay_end: float = DEFAULTS.decay_end,
                  ema: float = DEFAULTS.retention_ema, eps_zero: float = DEFAULTS.eps_zero,
-                 modules: dict | None = None):
-        if len(names) != len(costs) or not names:
-            raise ValueError("names and costs must be non-empty and of equal length")
+                 modules: dict | None = None, scores: Sequence[float] | None = None):
+        if len(names) != len(costs) or not names or (scores is not None and len(scores) != len(names)):
+            raise ValueError("names, costs (and scores) must be non-empty and of equal length")
         self.names = list(names)
         self.costs = np.asarray(costs, dtype=np.float64)
+        self.scores = None if scores is None else [float(x) for x in scores]
         self.final_fraction = final_fraction
         self.decay_start = decay_start
         self.decay_end = decay_end
@@ -85,11 +88,17 @@ class BudgetController:
         self.retained_sum = 0.0  # sum over steps of C(t)/D, for d_bar (training-compute proxy, SPEC 5)
 
     @classmethod
-    def for_model(cls, gated: dict, cfg) -> BudgetController:
-        """A controller driving ``gated`` ({name: GatedLoRALinear}) with the schedule of ``cfg`` (a BudgetedConfig)."""
-        return cls(list(gated), [m.dense_cost for m in gated.values()], final_fraction=cfg.budget,
-                   decay_start=cfg.decay_start, decay_end=cfg.decay_end, ema=cfg.retention_ema,
-                   eps_zero=cfg.eps_zero, modules=gated)
+    def for_model(cls, gated: dict, cfg, allocation=None) -> BudgetController:
+        """A controller driving ``gated`` ({name: GatedLoRALinear}) with the schedule of ``cfg`` (a BudgetedConfig).
+        With an ``allocation`` (``allocate.Allocation``) it removes exactly the modules the allocation drops, in its
+        order: F becomes their complement's share of the dense MACs."""
+        names, costs = list(gated), [m.dense_cost for m in gated.values()]
+        budget, scores = cfg.budget, None
+        if allocation is not None:
+            scores = allocation.scores(names)
+            budget = sum(c for n, c in zip(names, costs) if not allocation.ranks.get(n)) / sum(costs)
+        return cls(names, costs, final_fraction=budget, decay_start=cfg.decay_start, decay_end=cfg.decay_end,
+                   ema=cfg.retention_ema, eps_zero=cfg.eps_zero, modules=gated, scores=scores)
 
     @property
     def total_cost(self) -> float:
@@ -107,7 +116,7 @@ class BudgetController:
         Returns the log record: progress, b(t), retained C(t)/D, modules at zero, and the per-module d.
         """
         b = self.schedule(progress)
-        target = greedy_targets(self.costs, b)
+        target = greedy_targets(self.costs, b, self.scores)
         self.d = self.ema * self.d + (1.0 - self.ema) * target
         self.d[self.d < self.eps_zero] = 0.0
         if self.modules is not None:
@@ -127,7 +136,7 @@ class BudgetController:
     def state_dict(self) -> dict:
         return {"names": self.names, "d": self.d.tolist(), "steps": self.steps, "retained_sum": self.retained_sum,
                 "final_fraction": self.final_fraction, "decay_start": self.decay_start,
-                "decay_end": self.decay_end, "ema": self.ema, "eps_zero": self.eps_zero}
+                "decay_end": self.decay_end, "ema": self.ema, "eps_zero": self.eps_zero, "scores": self.scores}
 
     def load_state_dict(self, state: dict) -> None:
         if state["names"] != self.names:

@@ -52,10 +52,11 @@ def shapes_from_config(config: dict, layers: int | None = None) -> list[ModuleSh
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def training_compute_proxy(shapes: list[ModuleShape], rank: int, mean_retained: float) -> dict:
-    """C_full = 3D, C_lora = 2D + 3L, C_bud = 2 d_bar D + 3L, each also relative to C_full."""
+def training_compute_proxy(shapes: list[ModuleShape], rank: int | dict[str, int], mean_retained: float) -> dict:
+    """C_full = 3D, C_lora = 2D + 3L, C_bud = 2 d_bar D + 3L, each also relative to C_full. ``rank``: one r_max,
+    or each module's own."""
     D = sum(s.dense_cost for s in shapes)
-    L = sum(s.lora_cost(rank) for s in shapes)
+    L = sum(s.lora_cost(rank[s.name] if isinstance(rank, dict) else rank) for s in shapes)
     c_full, c_lora, c_bud = 3 * D, 2 * D + 3 * L, 2 * mean_retained * D + 3 * L
     return {"D": D, "L": L, "d_bar": mean_retained, "C_full": c_full, "C_lora": c_lora, "C_bud": c_bud,
             "lora_vs_full": c_lora / c_full, "bud_vs_full": c_bud / c_full}
@@ -85,6 +86,7 @@ class ModuleDecision:
     macs_after: int
     params_before: int
     params_after: int
+    lora_rank_max: int = 0  # r_max of the training module (its LoRA path's rank before hardening)
 
     @property
     def form(self) -> str:
@@ -115,7 +117,7 @@ def decide_module(shape: ModuleShape, d: float, lora_rank_kept: int, lora_rank_m
         case, rank = "merged-cheaper", 0
     after = rank * (i + o) if rank else i * o
     return ModuleDecision(shape.name, i, o, float(d), case, lora_rank_kept, k if case == "svd" else 0, rank,
-                          before, after, before + bias, after + bias)
+                          before, after, before + bias, after + bias, lora_rank_max)
 
 
 BASELINES = {  # what each figure of a report is relative to, by the kind of student (the paper's Table 5)
@@ -125,16 +127,21 @@ BASELINES = {  # what each figure of a report is relative to, by the kind of stu
     "dense": {"speedup_vs_dense": "the dense projections (D)",
               "speedup_vs_lora": "the student as deployed: dense (kd-lora merges its adapter; kd-full has none)",
               "param_reduction": "the dense student it deploys as (the paper's 0% for KD-Full and KD-LoRA)"},
+    "source": {"speedup_vs_dense": "the source model's dense projections (D)",
+               "speedup_vs_lora": "the source model's dense projections (no LoRA path was trained)",
+               "param_reduction": "the source model's dense projections"},
 }
 
 
-def compression_report(decisions: list[ModuleDecision], lora_rank_max: int, budget: float | None = None,
-                       thresholds: dict | None = None, baseline: str = "gated") -> dict:
+def compression_report(decisions: list[ModuleDecision], budget: float | None = None, thresholds: dict | None = None,
+                       baseline: str = "gated") -> dict:
     """SPEC 6.4 totals over the replaced modules, plus the per-module rows. The same keys serve ``plan --json`` and
     ``compress``'s ``compression.json``. ``baseline`` "dense" is for the KD baselines, which deploy as a dense
-    student of their size: the paper reports them at 1.00x and 0% (``lora_macs`` still records the trained LoRA)."""
+    student of their size: the paper reports them at 1.00x and 0% (``lora_macs`` still records the trained LoRA);
+    "source" for a one-shot compression of a pretrained model, which had no LoRA path. L sums each module's own
+    r_max (the quality allocation gives modules different ranks)."""
     D = sum(m.in_features * m.out_features for m in decisions)
-    L = sum(lora_rank_max * (m.in_features + m.out_features) for m in decisions)
+    L = sum(m.lora_rank_max * (m.in_features + m.out_features) for m in decisions)
     lora_before = L if baseline == "gated" else 0  # the LoRA paths in the footprint the figures compare against
     c_comp = sum(m.macs_after for m in decisions)
     p_before = sum(m.params_before for m in decisions) - (L - lora_before)

@@ -82,6 +82,26 @@ class GatedLoRALinear(nn.Module):
     def gates(self) -> torch.Tensor:
         return torch.sigmoid(self.gate_logits)
 
+    @torch.no_grad()
+    def start_from(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Start the low-rank path at ``B A`` (``a`` (r, d_in), ``b`` (d_out, r), e.g. the whitened factors of W)
+        and let the frozen dense path hold the residual ``W - B A``: the module computes W x + b exactly as before
+        (at d = 1), and as d falls to 0 it becomes the rank-r pair the factors describe. The gates and the
+        alpha / r scale are divided out of B, so the path equals ``B A`` at the gates' initial values."""
+        if a.shape != self.lora_A.shape or b.shape != self.lora_B.shape:
+            raise ValueError(f"factors {tuple(a.shape)} / {tuple(b.shape)} for a module of rank {self.rank}, "
+                             f"{self.in_features} -> {self.out_features}")
+        g = torch.sigmoid(self.gate_logits.double())
+        self.lora_A.copy_(a)
+        self.lora_B.copy_(b.double() / (self.scaling * g))
+        self.base_layer.weight.copy_(self.base_layer.weight.double() - self.low_rank_weight())
+
+    def low_rank_weight(self) -> torch.Tensor:
+        """(d_out, d_in) float64: what the low-rank path adds, ``(alpha / r) B diag(g) A``, from the stored
+        factors."""
+        g = torch.sigmoid(self.gate_logits.detach().double())
+        return (self.scaling * self.lora_B.detach().double() * g) @ self.lora_A.detach().double()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (..., d_in)
         low = F.linear(x, self.lora_A) * torch.sigmoid(self.gate_logits)  # (..., r)

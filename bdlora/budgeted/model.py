@@ -25,10 +25,12 @@ FACTORS_FILE, META_FILE = "budgeted.safetensors", "budgeted.json"
 
 
 def apply_budgeted_lora(model: nn.Module, rank: int, alpha: float, gate_init: float = DEFAULTS.gate_init,
-                        target_modules: tuple[str, ...] = PROJECTIONS) -> list[str]:
+                        target_modules: tuple[str, ...] = PROJECTIONS,
+                        ranks: dict[str, int] | None = None) -> list[str]:
     """Wrap every ``nn.Linear`` whose name ends in one of ``target_modules`` (the seven projection kinds) in a
     ``GatedLoRALinear``, freeze every other parameter, and return the wrapped names in ``named_modules()`` order
-    (the controller's tie-break order)."""
+    (the controller's tie-break order). ``ranks`` gives modules their own rank (the quality allocation's); the
+    others get ``rank``. alpha / r is the same for every module (alpha scales with the rank)."""
     for p in model.parameters():
         p.requires_grad_(False)
     targets = [(name, mod) for name, mod in model.named_modules()
@@ -36,7 +38,8 @@ def apply_budgeted_lora(model: nn.Module, rank: int, alpha: float, gate_init: fl
     if not targets:
         raise ValueError(f"no nn.Linear named {', '.join(target_modules)} in the model")
     for name, mod in targets:
-        set_module(model, name, GatedLoRALinear(mod, rank, alpha, gate_init))
+        r = (ranks or {}).get(name) or rank
+        set_module(model, name, GatedLoRALinear(mod, r, alpha * r / rank, gate_init))
     return list(gated_modules(model))
 
 
@@ -51,8 +54,8 @@ def save_budgeted(gated: dict[str, GatedLoRALinear], cfg: BudgetedConfig, out_di
     write_json(out_dir / META_FILE, {
         "schema_version": SCHEMA_VERSION, "rank": cfg.rank, "alpha": cfg.alpha, "gate_init": cfg.gate_init,
         "budget": cfg.budget, "eps_zero": cfg.eps_zero,
-        "modules": [{"name": n, "in_features": m.in_features, "out_features": m.out_features, "d": m.d}
-                    for n, m in gated.items()]})
+        "modules": [{"name": n, "in_features": m.in_features, "out_features": m.out_features, "d": m.d,
+                     "rank": m.rank} for n, m in gated.items()]})
 
 
 def read_meta(path: Path) -> dict:
@@ -74,7 +77,9 @@ def load_budgeted(student_dir: Path, model: nn.Module) -> nn.Module:
     """Re-wrap a dense student with gated modules and load the saved factors, gates and retentions; every module
     must be present with its declared shape."""
     meta = read_meta(student_dir / META_FILE)
-    apply_budgeted_lora(model, meta["rank"], meta["alpha"], meta.get("gate_init", DEFAULTS.gate_init))
+    ranks = {m["name"]: m["rank"] for m in meta.get("modules") or () if isinstance(m, dict) and isinstance(
+        m.get("rank"), int) and m["rank"] > 0 and isinstance(m.get("name"), str)}  # per module (older runs: one)
+    apply_budgeted_lora(model, meta["rank"], meta["alpha"], meta.get("gate_init", DEFAULTS.gate_init), ranks=ranks)
     tensors = load_tensors(student_dir / FACTORS_FILE)
     gated = gated_modules(model)
     expected = {f"{n}.{t}" for n in gated for t in TENSORS}
@@ -135,8 +140,7 @@ def compress_budgeted(model: nn.Module, cfg: BudgetedConfig, provenance: dict):
     if not gated:
         raise ModelError("the student has no gated modules to compress")
     deployed = {n: m.to_deployed(n, cfg) for n, m in gated.items()}
-    r_max = next(iter(gated.values())).rank
-    report = compression_report([c.decision for c in deployed.values()], r_max, provenance.get("budget"),
+    report = compression_report([c.decision for c in deployed.values()], provenance.get("budget"),
                                 cfg.thresholds())
     return build_deployed_model(model, deployed, {**provenance, "thresholds": report["thresholds"]}), report
 

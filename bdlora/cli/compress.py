@@ -6,10 +6,12 @@ from typing import Annotated, Optional
 
 import typer
 
-from bdlora.budgeted.config import THRESHOLDS, BudgetedConfig
+from bdlora.budgeted.config import ALLOCATIONS, THRESHOLDS, BudgetedConfig
 from bdlora.cli import render
 from bdlora.cli.app import command, err, out
 from bdlora.cli.options import from_dataclass
+from bdlora.config import OneShotConfig
+from bdlora.errors import UsageError, flag
 from bdlora.plan import DEFAULT_PLAN_STEPS
 from bdlora.runs import RUNS_DIR
 
@@ -18,14 +20,26 @@ PLAN_FIELDS = ("budget", "rank", "eps_lr", "eps_zero", "svd_max_rank", "decay_st
 
 @command(options=from_dataclass(BudgetedConfig, names=PLAN_FIELDS, rename={"rank": "lora_rank"}, defaults=True))
 def plan(
-    model_config: Annotated[str, typer.Option(help="Hugging Face config.json (or a folder holding one).")],
+    model_config: Annotated[Optional[str], typer.Option(help="Hugging Face config.json (or a folder holding one): "
+                                                             "the paper's rule, from shapes alone.")] = None,
+    model: Annotated[Optional[str], typer.Option(help="A pretrained model (folder, .gguf, preset, hub id): with "
+                                                      "--allocation quality its calibration decides the structure.")]
+    = None,
+    allocation: Annotated[str, typer.Option(help="cost (the paper's cheapest-first rule, from shapes) or quality "
+                                                 "(measured on --model).")] = "cost",
+    mac_ratio: Annotated[Optional[float], typer.Option(help="--allocation quality: the projection-MAC speed-up to "
+                                                            "allocate for (default: the paper's rule at --budget).")]
+    = None,
+    calib_tokens: Annotated[int, typer.Option(help="--allocation quality: calibration tokens of --data.")] = 8192,
+    data: Annotated[str, typer.Option(help="--allocation quality: the corpus to calibrate on.")] = "builtin",
     layers: Annotated[Optional[int], typer.Option(help="Student decoder layers (default: the config's).")] = None,
     steps: Annotated[int, typer.Option(help="Optimiser steps the schedule is simulated over.")] = DEFAULT_PLAN_STEPS,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
     **opts,
 ):
-    """Predict what `compress` would produce for a budget F from a model config alone: per-module case and rank,
-    MAC speed-ups vs dense and vs LoRA, parameter reduction and the training-compute proxy."""
+    """Predict what `compress` would produce before any training: per-module case and rank, MAC speed-ups vs dense
+    and vs LoRA, parameter reduction and the training-compute proxy. From a config alone for the paper's rule; with
+    --model and --allocation quality, from the model's own calibration."""
     from bdlora.arch import check_lora_rank
     from bdlora.errors import Checks
     from bdlora.plan import plan as run_plan
@@ -36,40 +50,104 @@ def plan(
     BudgetedConfig(**opts, rank=rank).check(c)
     c.integer("layers", layers, lo=1)
     c.integer("steps", steps, lo=1)
+    c.choice("allocation", allocation, ALLOCATIONS)
+    c.number("mac_ratio", mac_ratio, lo=1.0)
+    c.integer("calib_tokens", calib_tokens, lo=1)
+    c.require(model_config is not None or model is not None, "--model-config or --model: name the model to plan")
+    c.require(allocation == "cost" or model is not None, "--allocation quality: needs --model (its weights and a "
+              "calibration decide the structure)")
     c.done()
-    config = read_model_config(model_config)
-    opts["rank"] = check_lora_rank(rank, config)
-    report = run_plan(config, BudgetedConfig(**opts), layers=layers, steps=steps)
+    if allocation == "quality":
+        report = _quality_plan(model, rank, layers, mac_ratio, calib_tokens, data, opts, json_out)
+        title = f"plan --allocation quality: {report['speedup_vs_dense']:.2f}x fewer projection MACs"
+    else:
+        config = read_model_config(model_config or _resolved(model))
+        opts["rank"] = check_lora_rank(rank, config)
+        report = run_plan(config, BudgetedConfig(**opts), layers=layers, steps=steps)
+        title = f"plan: F = {opts['budget']}"
     if json_out:
         print(json.dumps(report, indent=2))
         return
-    render.compression_report(report, title=f"plan: F = {opts['budget']}")
+    render.compression_report(report, title=title)
 
 
-@command(options=from_dataclass(BudgetedConfig, names=THRESHOLDS, defaults=True))
+def _resolved(model: str) -> str:
+    from bdlora import sources
+
+    return sources.resolve(model, what="--model")
+
+
+def _quality_plan(model, rank, layers, mac_ratio, calib_tokens, data, opts, json_out) -> dict:
+    from bdlora.arch import check_lora_rank
+    from bdlora.cli.progress import RichReporter
+    from bdlora.oneshot import quality_plan
+    from bdlora.plan import read_model_config
+
+    rank = check_lora_rank(rank, read_model_config(_resolved(model)))
+    cfg = OneShotConfig(mac_ratio=mac_ratio, calib_tokens=calib_tokens, data=data)
+    return quality_plan(model, cfg, layers, rank, opts["budget"], reporter=RichReporter(err if json_out else out))
+
+
+ONE_SHOT = from_dataclass(OneShotConfig, panel="--one-shot (a pretrained model, no training)")
+ONE_SHOT_FIELDS = tuple(p.name for p in ONE_SHOT)
+
+
+@command(options=from_dataclass(BudgetedConfig, names=THRESHOLDS, defaults=True) + ONE_SHOT)
 def compress(
-    run_dir: Annotated[Optional[str], typer.Argument(help="A finished run (default: the latest under --runs-dir).")]
-    = None,
-    out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: RUN_DIR.compressed).")]
-    = None,
+    run_dir: Annotated[Optional[str], typer.Argument(
+        metavar="[RUN_DIR | SOURCE]", help="A finished run (default: the latest under --runs-dir); with --one-shot, a "
+        "pretrained model: a Hugging Face folder, a .gguf file, a preset (smollm2-135m) or a hub id.")] = None,
+    out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: RUN_DIR.compressed; "
+                                                                 "runs/SOURCE.oneshot-Rx.compressed).")] = None,
     force: Annotated[bool, typer.Option(help="Replace an existing non-empty --out.")] = False,
     no_eval: Annotated[bool, typer.Option("--no-eval", help="Skip the held-out perplexity of both models.")] = False,
     runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,
+    one_shot: Annotated[bool, typer.Option("--one-shot", help="Compress a pretrained model without training: the "
+                                           "loss-weighted whitened SVD of each projection at ranks allocated for "
+                                           "--mac-ratio.", rich_help_panel="--one-shot (a pretrained model, no "
+                                           "training)")] = False,
+    cache_dir: Annotated[Optional[str], typer.Option(help="Cache of tokenised corpora and materialised models "
+                                                          "(default ~/.cache/bdlora or $BDLORA_CACHE).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print compression.json instead of tables.")] = False,
     **opts,
 ):
     """Turn a trained student into its deployment form: drop, SVD-approximate or merge each dense path (budgeted),
-    merge the adapter (kd-lora) or pass through (kd-full); saved as a Hugging Face model folder."""
+    merge the adapter (kd-lora) or pass through (kd-full); saved as a Hugging Face model folder. With --one-shot,
+    compress a pretrained model to --mac-ratio without any training."""
     from bdlora.cli.progress import RichReporter
-    from bdlora.compress import compress_run
     from bdlora.runs import RunDir
 
-    cfg = BudgetedConfig(**opts).validate_thresholds()
-    run = RunDir(run_dir) if run_dir else RunDir.latest(runs_dir)
-    report, folder = compress_run(run, cfg, out=out_dir, force=force, evaluate=not no_eval,
-                                  reporter=RichReporter(err if json_out else out))
+    shot = {k: opts.pop(k) for k in list(opts) if k in ONE_SHOT_FIELDS}
+    reporter = RichReporter(err if json_out else out)
+    if one_shot:
+        report, folder = _one_shot(run_dir, shot, out_dir, force, runs_dir, cache_dir, not no_eval, reporter)
+        title = f"compress --one-shot {run_dir} ({report['provenance']['mac_ratio']:g}x)"
+    else:
+        given = [flag(k) for k, v in shot.items() if v is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)}: options of --one-shot (add --one-shot to compress a pretrained "
+                             "model)")
+        from bdlora.compress import compress_run
+
+        cfg = BudgetedConfig(**opts).validate_thresholds()
+        run = RunDir(run_dir) if run_dir else RunDir.latest(runs_dir)
+        report, folder = compress_run(run, cfg, out=out_dir, force=force, evaluate=not no_eval, reporter=reporter)
+        title = f"compress {Path(run.path).name} ({report['provenance']['method']})"
     if json_out:
         print(json.dumps(report, indent=2))
         return
-    render.compression_report(report, title=f"compress {Path(run.path).name} ({report['provenance']['method']})")
+    render.compression_report(report, title=title)
     out.print(f"[green]wrote[/] {folder}")
+
+
+def _one_shot(source, shot: dict, out_dir, force: bool, runs_dir: str, cache_dir, evaluate: bool, reporter):
+    from bdlora.oneshot import compress_one_shot
+    from bdlora.runs import one_shot_out
+
+    if not source:
+        raise UsageError("--one-shot: name the pretrained model to compress (a folder, a .gguf file, a preset such "
+                         "as smollm2-135m, or a hub id)")
+    cfg = OneShotConfig(**{k: v for k, v in shot.items() if v is not None}).validate()
+    out_path = Path(out_dir) if out_dir else one_shot_out(source, cfg.mac_ratio, runs_dir)
+    return compress_one_shot(source, cfg, out_path, force=force, evaluate=evaluate,
+                             cache_dir=Path(cache_dir).expanduser() if cache_dir else None, reporter=reporter)

@@ -57,6 +57,9 @@ def sweep(
     budgets: Annotated[str, typer.Option(help="Comma-separated budgets F of the budgeted members.")] = "0.0,0.4",
     baselines: Annotated[str, typer.Option(help="Comma-separated baselines (kd-full, kd-lora; '' for none).")]
     = "kd-full,kd-lora",
+    one_shot: Annotated[str, typer.Option("--one-shot", help="Comma-separated projection-MAC ratios: the teacher "
+                                          "compressed without training (`compress --one-shot`) as members of their "
+                                          "own, e.g. 1.5,1.9.")] = "",
     config: Annotated[Optional[str], typer.Option(help="YAML of any `bdlora train` option, shared by every member; "
                                                        "flags override.")] = None,
     vary: Annotated[Optional[list[str]], typer.Option(
@@ -83,7 +86,6 @@ def sweep(
     (main.md, table9.md, icl.png)."""
     from bdlora.cli.progress import RichReporter
     from bdlora.config import load_yaml, merge
-    from bdlora.errors import UsageError
     from bdlora.runs import SweepDir
     from bdlora.sweep.report import markdown
     from bdlora.sweep.run import run_sweep
@@ -91,10 +93,7 @@ def sweep(
 
     rep = RichReporter(err if json_out else out)
     if resume is not None:
-        given = [k for k, v in opts.items() if v is not None]
-        given = ["--" + k.replace("_", "-") for k in given] + ["--config"] * bool(config) + ["--vary"] * bool(vary)
-        if given:
-            raise UsageError(f"--resume {resume}: continues with the sweep's stored options; drop {', '.join(given)}")
+        _check_resume_alone(resume, opts, config, vary)
         doc = run_sweep(None, SweepDir(resume), rep, resume=True)
     else:
         cfg = merge(load_yaml(config) if config else {}, {**opts, "runs_dir": runs_dir}).validate()
@@ -104,7 +103,7 @@ def sweep(
                              train=train_opts, eps_lr=eps_lr, eval_examples=examples, eval_seeds=seeds, bench=bench,
                              bench_batch_sizes=int_list(bench_batch_sizes, "--bench-batch-sizes"),
                              bench_seq_lens=int_list(bench_seq_lens, "--bench-seq-lens"), bench_repeats=bench_repeats,
-                             vary=[parse_axis(v) for v in vary or []])
+                             vary=[parse_axis(v) for v in vary or []], one_shot=float_list(one_shot, "--one-shot"))
         doc = run_sweep(sopts.validate(), SweepDir.new(runs_dir, out_dir), rep)
     if json_out:
         print(json.dumps(doc, indent=2))
@@ -114,6 +113,16 @@ def sweep(
 
 
 @command()
+def _check_resume_alone(resume: str, opts: dict, config, vary) -> None:
+    """--resume continues with the sweep's stored options: any other option given beside it is refused."""
+    from bdlora.errors import UsageError
+
+    given = [k for k, v in opts.items() if v is not None]
+    given = ["--" + k.replace("_", "-") for k in given] + ["--config"] * bool(config) + ["--vary"] * bool(vary)
+    if given:
+        raise UsageError(f"--resume {resume}: continues with the sweep's stored options; drop {', '.join(given)}")
+
+
 def sweep_merge(
     sweeps: Annotated[list[str], typer.Argument(help="Finished sweep folders, one per teacher, in column order.")],
     out_dir: Annotated[str, typer.Option("--out", help="Folder for the merged main.md, table9.md, icl.png.")],

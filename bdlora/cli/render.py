@@ -86,7 +86,8 @@ def compression_report(report: dict, title: str) -> None:
         out.print(f"[dim]vs LoRA: vs {b['speedup_vs_lora']}; parameter reduction: vs {b['param_reduction']}[/]")
     if "eval" in report:
         e = report["eval"]
-        out.print(f"held-out perplexity: student {e['student_val_ppl']:.3f} -> compressed "
+        before = "source" if e.get("baseline") else "student"
+        out.print(f"held-out perplexity: {before} {e['student_val_ppl']:.3f} -> compressed "
                   f"{e['compressed_val_ppl']:.3f} ({e['tokens']:,} tokens)")
     if "compute_proxy" in report:
         p = report["compute_proxy"]

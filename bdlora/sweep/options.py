@@ -30,9 +30,16 @@ class Member:
         return {**self.train_settings, **self.compress_settings}
 
 
-def family(budgets: list[float], baselines: list[str], vary: list[dict] = ()) -> list[Member]:
+def family(budgets: list[float], baselines: list[str], vary: list[dict] = (),
+           one_shot: list[float] = ()) -> list[Member]:
     """The members: each method (baselines, then budgeted at each F) at every point of the ``--vary`` grid; the
-    compress-time axes only multiply the budgeted members (the baselines merge or pass through at compress)."""
+    compress-time axes only multiply the budgeted members (the baselines merge or pass through at compress). Then
+    one ``one-shot-<R>x`` member per ``--one-shot`` ratio: the teacher compressed without training (no grid)."""
+    bad_r = [r for r in one_shot if not r >= 1.0]
+    if bad_r:
+        raise UsageError(f"--one-shot {bad_r[0]}: a projection-MAC ratio must be >= 1")
+    if len(set(one_shot)) != len(one_shot):
+        raise UsageError(f"--one-shot {','.join(map(str, one_shot))}: each ratio once")
     bad = [b for b in baselines if b not in BASELINES]
     if bad:
         raise UsageError(f"--baselines {','.join(bad)}: unknown (allowed: {', '.join(BASELINES)}, or none)")
@@ -43,7 +50,7 @@ def family(budgets: list[float], baselines: list[str], vary: list[dict] = ()) ->
         raise UsageError(f"--budgets {','.join(map(str, budgets))}: each budget once")
     methods = [(b, b, None) for b in dict.fromkeys(baselines)]
     methods += [(f"budgeted-F{f:g}", "budgeted", f) for f in budgets]
-    if not methods:
+    if not methods and not one_shot:
         raise UsageError("--budgets and --baselines are both empty: nothing to sweep")
     check_axes(list(vary))
     train_points, compress_points = grid(list(vary), compress=False), grid(list(vary), compress=True)
@@ -53,6 +60,8 @@ def family(budgets: list[float], baselines: list[str], vary: list[dict] = ()) ->
             run = base + label(tp)
             for cp in compress_points if method == "budgeted" else [{}]:
                 members.append(Member(run + label(cp), method, budget, run, tp, cp))
+    members += [Member(f"one-shot-{r:g}x", "one-shot", None, f"one-shot-{r:g}x", {}, {"mac_ratio": r})
+                for r in one_shot]
     names = [m.name for m in members]
     clash = sorted({n for n in names if names.count(n) > 1})
     if clash:
@@ -75,6 +84,7 @@ class SweepOptions:
     bench_repeats: int = 20
     bench_decode_tokens: int = 32
     vary: list[dict] = dataclasses.field(default_factory=list)  # parsed --vary axes (see bdlora.sweep.vary)
+    one_shot: list[float] = dataclasses.field(default_factory=list)  # --one-shot ratios: untrained members
 
     def thresholds(self, m: Member, eps_zero: float | None) -> BudgetedConfig:
         """The compress settings of a member: --eps-lr and its compress-time grid point; dense paths are dropped
@@ -83,7 +93,19 @@ class SweepOptions:
                                  else eps_zero, **m.compress_settings})
 
     def members(self) -> list[Member]:
-        return family(self.budgets, self.baselines, self.vary)
+        return family(self.budgets, self.baselines, self.vary, self.one_shot)
+
+    def one_shot_config(self, m: Member):
+        """A one-shot member's compression: the sweep's teacher, corpus, split and evaluation slice."""
+        from bdlora.config import BUILTIN, BUILTIN_DEFAULTS, REAL_DEFAULTS, OneShotConfig
+
+        t = self.train
+        defaults = BUILTIN_DEFAULTS if t.get("teacher", BUILTIN) == BUILTIN else REAL_DEFAULTS
+        return OneShotConfig(mac_ratio=m.compress_settings["mac_ratio"], data=t.get("data") or BUILTIN,
+                             calib_tokens=t.get("calib_tokens") or defaults["calib_tokens"],
+                             heldout_fraction=t.get("heldout_fraction"),
+                             seq_len=t.get("seq_len") or defaults["seq_len"],
+                             eval_tokens=t.get("eval_tokens") or defaults["eval_tokens"])
 
     def train_config(self, m: Member, out: str | None = None):
         """The training options of a member: the shared ones, its grid point, its method and budget."""
@@ -100,6 +122,9 @@ class SweepOptions:
         """Every member's options checked like the flags before anything runs (a bad grid point fails at once,
         not after the members before it have trained)."""
         for m in self.members():
+            if m.method == "one-shot":
+                self.one_shot_config(m).validate()
+                continue
             try:
                 cfg = self.train_config(m).validate()
                 self.thresholds(m, cfg.eps_zero).validate_thresholds()

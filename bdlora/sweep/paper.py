@@ -28,8 +28,10 @@ def teacher_label(doc: dict) -> str:
 
 
 def method_label(row: dict) -> str:
-    base = {"kd-full": "KD Full", "kd-lora": "KD LoRA"}.get(row["method"]) or f"F = {row['budget']:g}"
-    return base + "".join(f", {k}={show(v)}" for k, v in (row.get("settings") or {}).items())
+    base = {"kd-full": "KD Full", "kd-lora": "KD LoRA"}.get(row["method"]) or (
+        f"one-shot {row['settings']['mac_ratio']:g}x" if row["method"] == "one-shot" else f"F = {row['budget']:g}")
+    return base + "".join(f", {k}={show(v)}" for k, v in (row.get("settings") or {}).items()
+                          if not (row["method"] == "one-shot" and k == "mac_ratio"))
 
 
 def init_reference(doc: dict) -> tuple[str, dict] | None:

@@ -10,6 +10,9 @@ from bdlora.sweep.vary import show
 
 
 def _proxy(method: str, summary: dict) -> float:
+    """Training compute relative to kd-full; a one-shot member trains nothing (calibration only): 0."""
+    if method == "one-shot":
+        return 0.0
     p = summary["compute_proxy"]
     return {"kd-full": 1.0, "kd-lora": p["lora_vs_full"]}.get(method, p["bud_vs_full"])
 

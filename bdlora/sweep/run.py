@@ -80,6 +80,8 @@ class _Indented:
 
 def _run_member(m: Member, opts: SweepOptions, sweep: SweepDir, reporter: Reporter) -> dict:
     rep = _Indented(reporter)
+    if m.method == "one-shot":
+        return _run_one_shot(m, opts, sweep, rep)
     run = sweep.member(m.run)
     if run.finished():
         rep.stage(f"train: done ({run.path})")
@@ -103,6 +105,32 @@ def _run_member(m: Member, opts: SweepOptions, sweep: SweepDir, reporter: Report
                                                                          seeds=opts.eval_seeds), reporter=rep))
     bench = _bench_member(m, opts, sweep, model_dir, run.config()["lora_rank"], rep) if opts.bench else None
     return member_row(m, run.summary(), model_dir.report(), read_json(eval_path), bench)
+
+
+def _run_one_shot(m: Member, opts: SweepOptions, sweep: SweepDir, rep: Reporter) -> dict:
+    """A member without training: the teacher compressed by ``compress --one-shot`` to the member's ratio."""
+    from bdlora.config import resolve_defaults
+    from bdlora.oneshot import compress_one_shot
+
+    model_dir = ModelDir(sweep.path / f"{m.name}{COMPRESSED}")
+    teacher = opts.train.get("teacher") or BUILTIN
+    cache = Path(opts.train["cache_dir"]).expanduser() if opts.train.get("cache_dir") else None
+    if model_dir.finished():
+        rep.stage("compress --one-shot: done")
+    else:
+        compress_one_shot(teacher, opts.one_shot_config(m), model_dir.path, force=model_dir.path.exists(),
+                          cache_dir=cache, reporter=rep)
+    report = model_dir.report()
+    eval_path = sweep.path / f"{m.name}{EVAL}"
+    if eval_path.exists():
+        rep.stage("eval: done")
+    else:
+        write_json(eval_path, evaluate_target(model_dir.path, EvalConfig(examples=opts.eval_examples,
+                                                                         seeds=opts.eval_seeds), reporter=rep))
+    rank = resolve_defaults(opts.train_config(m), builtin_teacher=teacher == BUILTIN).lora_rank
+    bench = _bench_member(m, opts, sweep, model_dir, rank, rep) if opts.bench else None
+    summary = {"student_val_ppl": report["eval"]["student_val_ppl"], "train_seconds": 0.0}  # calibration only
+    return member_row(m, summary, report, read_json(eval_path), bench)
 
 
 def _bench_member(m: Member, opts: SweepOptions, sweep: SweepDir, model_dir: ModelDir, lora_rank: int,
@@ -129,7 +157,11 @@ def _eval_teacher(opts: SweepOptions, sweep: SweepDir, rows: list[dict], reporte
     init model's: the paper's Figure 2 draws its dashed line at the init model, not the teacher."""
     if not rows:
         return None
-    cfg = sweep.member(rows[0].get("run", rows[0]["name"])).config()
+    trained = [r for r in rows if r.get("method") != "one-shot"]
+    if trained:
+        cfg = sweep.member(trained[0].get("run", trained[0]["name"])).config()
+    else:  # one-shot members only: the slice they were measured on
+        cfg = ModelDir(sweep.path / f"{rows[0]['name']}{COMPRESSED}").report()["provenance"]["data_settings"]
     ref = _eval_reference(cfg["teacher"], "teacher", cfg, opts, sweep, reporter)
     init = cfg.get("student_init")
     if init and init != cfg["teacher"]:

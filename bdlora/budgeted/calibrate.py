@@ -1,0 +1,128 @@
+"""Calibration: what the low-rank initialisation and the quality allocation measure on a model before it changes.
+
+One forward and backward pass over ``--calib-tokens`` tokens of the run's own training split accumulates, per
+projection, the Gram matrix of its inputs ``C = X^T X`` (float64; projections that read the same tensor, q/k/v and
+gate/up, share one) and the Fisher diagonal of its outputs ``f = sum_t g_t^2`` (g the gradient of the next-token
+loss with respect to the module's output; no weight gradient is computed). The blocks are drawn from the training
+split with a fixed seed, so two processes (or a rerun) calibrate on the same tokens; under torchrun only rank 0
+calibrates and the others read its factors (``methods.LowRankInit``), so every process starts bit-identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from bdlora.arch import projection_modules
+from bdlora.errors import DataError, ModelError
+
+CALIB_SEED = 20261124
+CALIB_BATCH = 8
+
+
+def input_group(name: str) -> str:
+    """Projections reading the same tensor share one Gram matrix: ``...self_attn.{q,k,v}_proj`` and
+    ``...mlp.{gate,up}_proj``."""
+    head, proj = name.rsplit(".", 1)
+    if proj in ("q_proj", "k_proj", "v_proj"):
+        return f"{head}.qkv"
+    if proj in ("gate_proj", "up_proj"):
+        return f"{head}.gate_up"
+    return name
+
+
+@dataclass
+class Calibration:
+    grams: dict[str, torch.Tensor]  # input group -> (d_in, d_in) float64
+    fisher: dict[str, torch.Tensor]  # module -> (d_out,) float64
+    tokens: int
+
+    def gram(self, name: str) -> torch.Tensor:
+        return self.grams[input_group(name)]
+
+
+def check_calib_tokens(blocks, tokens: int) -> int:
+    """The number of ``seq_len`` blocks ``tokens`` calibration tokens take; more than the training split holds is
+    an error naming what it holds."""
+    seq = blocks.seq_len
+    want = max(1, -(-tokens // seq))
+    if len(blocks) < want:
+        raise DataError(f"--calib-tokens {tokens}: the training split holds {len(blocks) * seq:,} tokens in "
+                        f"{len(blocks)} blocks of {seq}; lower --calib-tokens or give a larger --data")
+    return want
+
+
+def calibration_blocks(blocks, tokens: int) -> np.ndarray:
+    """(n, seq_len) token blocks: ``tokens`` worth of the training blocks, drawn without replacement with a fixed
+    seed (so every process and every rerun calibrates on the same tokens)."""
+    want = check_calib_tokens(blocks, tokens)
+    idx = np.sort(np.random.default_rng(CALIB_SEED).choice(len(blocks), size=want, replace=False))
+    return blocks.get(idx)
+
+
+def calibrate(model, blocks: np.ndarray, fisher: bool = True, on_progress=None) -> Calibration:
+    """Gram matrices (and with ``fisher`` the output Fisher diagonals) of every projection of ``model`` over the
+    token ``blocks`` (n, T). The model's weights are not changed and get no gradient. ``on_progress(k)`` is called
+    after each batch with the number of blocks it held."""
+    mods = dict(projection_modules(model))
+    grams: dict[str, torch.Tensor] = {}
+    fish: dict[str, torch.Tensor] = {}
+    hooks = []
+    seen: set[str] = set()
+    for name, mod in mods.items():
+        group = input_group(name)
+        if group not in seen:
+            seen.add(group)
+            hooks.append(mod.register_forward_hook(_gram_hook(grams, group)))
+        if fisher:
+            hooks.append(mod.register_full_backward_hook(_fisher_hook(fish, name)))
+    embed = model.get_input_embeddings()
+    if fisher:  # gradients flow from the loss to every module output without any weight requiring one
+        hooks.append(embed.register_forward_hook(lambda m, i, o: o.detach().requires_grad_()))
+    was_training = model.training
+    model.eval()
+    trainable = [q for q in model.parameters() if q.requires_grad]
+    for q in trainable:  # no weight gradient: only the outputs' gradients are read
+        q.requires_grad_(False)
+    device = next(model.parameters()).device
+    try:
+        with torch.enable_grad() if fisher else torch.no_grad():
+            for start in range(0, len(blocks), CALIB_BATCH):
+                x = torch.from_numpy(np.ascontiguousarray(blocks[start : start + CALIB_BATCH])).to(device)
+                logits = model(input_ids=x, use_cache=False).logits
+                if fisher:
+                    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                           x[:, 1:].reshape(-1), reduction="sum")
+                    loss.backward()
+                if on_progress is not None:
+                    on_progress(len(x))
+    finally:
+        for h in hooks:
+            h.remove()
+        for q in trainable:
+            q.requires_grad_(True)
+        model.train(was_training)
+    bad = [k for k, v in (*grams.items(), *fish.items()) if not bool(torch.isfinite(v).all())]
+    if bad:
+        raise ModelError(f"the model's activations or gradients on the calibration tokens are not finite (first at "
+                         f"{bad[0]}): its weights hold NaN or infinity (check the --teacher / --student-init weights)")
+    return Calibration(grams, fish, int(blocks.size))
+
+
+def _gram_hook(grams: dict, group: str):
+    def hook(module, inputs, output):
+        x = inputs[0].detach().reshape(-1, inputs[0].shape[-1])
+        g = (x.T.float() @ x.float()).double()  # (d_in, d_in): fp32 products of one batch, summed in fp64
+        grams[group] = grams[group] + g if group in grams else g
+    return hook
+
+
+def _fisher_hook(fish: dict, name: str):
+    def hook(module, grad_input, grad_output):
+        g = grad_output[0].detach().reshape(-1, grad_output[0].shape[-1]).double()
+        f = g.square().sum(0)
+        fish[name] = fish[name] + f if name in fish else f
+    return hook

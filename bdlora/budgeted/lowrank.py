@@ -1,0 +1,96 @@
+"""Low-rank paths that start from the teacher's weights: the activation-aware, loss-weighted spectrum of a projection
+and its factors at any rank (SVD-LLM's whitening, plus a Fisher weighting of the outputs; nothing is inverted).
+
+For a projection W (d_out x d_in) whose inputs X (N x d_in) have the Gram matrix C = X^T X, and whose outputs carry
+the Fisher diagonal f (the mean squared gradient of the next-token loss with respect to each output, ``calibrate``),
+the rank-r W' that changes the loss least to second order minimises ||Phi (W - W') X^T||_F with Phi = diag(f)^1/2.
+With S any square root of the damped Gram (S S^T = C + delta I) and the SVD Phi W S = U diag(s) V^T the minimiser is
+
+    W'_r = Phi^-1 U_r U_r^T Phi W        (without Phi: SVD-LLM's [W S]_r S^-1 = U_r s_r V_r^T S^-1, the same matrix)
+
+and it loses exactly sum_{k>r} s_k^2: one decomposition gives the error at every rank, which the allocation compares
+across modules. Without f (Phi = I) it is SVD-LLM's whitened SVD; with C = I and Phi = I, the plain truncated SVD.
+Measured on SmolLM2-135M (no training, 8,192 calibration tokens): the output weighting alone takes a 1.5x budget
+from perplexity 44.9 to 36.2 and a 1.9x budget from 104 to 57 (README). U and s come from the eigen-decomposition of
+Phi W C W^T Phi (d_out x d_out) or of (Phi W S)^T (Phi W S) (d_in x d_in), whichever is smaller, in float64. The
+damping (``damping`` of C's mean diagonal, ``fisher_damping`` of f's mean) makes a rank-deficient Gram or an output
+that never receives gradient harmless, and when C = 0 falls back to plain SVD. The factors are split evenly,
+``B = Phi^-1 U_r s_r^1/2`` and ``A = s_r^-1/2 U_r^T Phi W`` (``B A = W'_r``), the balance LoRA training prefers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DAMPING = 1e-4  # of the mean diagonal of the Gram matrix (SVD-LLM's order of magnitude)
+FISHER_DAMPING = 1e-2  # of the mean Fisher diagonal: outputs the loss barely reads still count a little
+
+
+@dataclass
+class Spectrum:
+    """The spectrum of one projection: ``energy[k]`` = s_k^2 (descending; the error of dropping component k),
+    ``basis`` = U (d_out x k), and the output weights ``phi`` (d_out; ones without a Fisher weighting)."""
+
+    energy: torch.Tensor
+    basis: torch.Tensor
+    phi: torch.Tensor
+
+    @property
+    def max_rank(self) -> int:
+        return int(self.energy.numel())
+
+    def error(self, rank: int) -> float:
+        """The (weighted) activation energy lost by truncating to ``rank``: ||Phi (W - W_r) X^T||_F^2."""
+        return float(self.energy[rank:].sum())
+
+
+def damped(gram: torch.Tensor, damping: float = DAMPING) -> torch.Tensor:
+    gram = gram.double()
+    mean = float(torch.diagonal(gram).mean())
+    return gram + (damping * mean if mean > 0 else 1.0) * torch.eye(gram.shape[0], dtype=torch.float64)
+
+
+def gram_root(gram: torch.Tensor, damping: float = DAMPING) -> torch.Tensor:
+    """S with S S^T = C + damping (symmetric: Q diag(lambda)^1/2 Q^T)."""
+    lam, q = torch.linalg.eigh(damped(gram, damping))
+    return (q * lam.clamp_min(0).sqrt()) @ q.T
+
+
+def spectrum(weight: torch.Tensor, gram: torch.Tensor | None, damping: float = DAMPING,
+             fisher: torch.Tensor | None = None, fisher_damping: float = FISHER_DAMPING,
+             root: torch.Tensor | None = None) -> Spectrum:
+    """The spectrum of ``weight`` (d_out x d_in) under ``gram`` (d_in x d_in; None: plain SVD) and the output Fisher
+    diagonal ``fisher`` (d_out; None: unweighted). ``root`` is ``gram_root(gram)`` when the caller has it
+    (projections sharing an input share it)."""
+    d_out, d_in = weight.shape
+    phi = torch.ones(d_out, dtype=torch.float64)
+    if fisher is not None:
+        f = fisher.double()
+        mean = float(f.mean())
+        phi = (f + (fisher_damping * mean if mean > 0 else 1.0)).sqrt()
+    w = phi[:, None] * weight.detach().double()  # Phi W
+    if d_out <= d_in:  # (d_out, d_out): U directly
+        m = w @ w.T if gram is None else w @ damped(gram, damping) @ w.T
+        ev, u = torch.linalg.eigh(m)
+        ev, u = ev.flip(0).clamp_min(0), u.flip(1)
+    else:  # (d_in, d_in): right vectors, then U = Phi W S V / s
+        ws = w if gram is None else w @ (root if root is not None else gram_root(gram, damping))
+        ev, v = torch.linalg.eigh(ws.T @ ws)
+        ev, v = ev.flip(0).clamp_min(0), v.flip(1)
+        keep = int((ev > ev[0] * 1e-24).sum()) if ev[0] > 0 else 0
+        ev, v = ev[:keep], v[:, :keep]
+        u = (ws @ v) / ev.sqrt()
+    return Spectrum(ev, u, phi)
+
+
+def factors(weight: torch.Tensor, spec: Spectrum, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A (rank, d_in), B (d_out, rank)) in float64 with ``B A = Phi^-1 U_r U_r^T Phi W``, split evenly by s^1/2."""
+    if not 1 <= rank <= spec.max_rank:
+        raise ValueError(f"rank {rank}: must be in [1, {spec.max_rank}] for this projection")
+    u = spec.basis[:, :rank]
+    half = spec.energy[:rank].sqrt().sqrt()  # s^1/2
+    half = half.clamp_min(float(half[0]) * 1e-6 if half[0] > 0 else 1e-30)
+    a = (u.T @ (spec.phi[:, None] * weight.detach().double())) / half[:, None]
+    return a, (u * half) / spec.phi[:, None]

@@ -1,0 +1,172 @@
+"""Where a run's low-rank paths start (``--lora-init``) and which modules the budget removes (``--allocation``).
+
+- ``zero``: the SPEC's LoRA start (A random, B = 0); the paths must be learnt from nothing. The ``paper`` recipe.
+- ``whitened``: the factors of each projection's activation-aware truncated SVD (``lowrank``), measured on
+  ``--calib-tokens`` tokens of the run's own training split; the frozen dense path holds the residual ``W - B A``
+  (``GatedLoRALinear.start_from``), so the student is unchanged at d = 1 and, as the controller takes d to 0, each
+  dropped module becomes its best rank-r approximation on real inputs instead of a zero path.
+- ``svd``: the same with plain SVD factors (no calibration); the baseline that shows why whitening matters.
+
+``--allocation cost`` is the paper's removal order (cheapest dense path first, one rank for every module);
+``quality`` spends the same projection MACs (or ``--mac-ratio``) where the Fisher-weighted truncation error per MAC
+saved is least, with per-module ranks (``allocate``). A ``LowRankStart`` is computed once (rank 0 under torchrun),
+saved in the run directory and read back by every process and by ``--resume``: nothing is recomputed, so all
+processes and a resumed run start from bit-identical factors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bdlora.arch import projection_modules
+from bdlora.budgeted.allocate import Allocation, allocate, break_even
+from bdlora.budgeted.calibrate import calibrate, calibration_blocks
+from bdlora.budgeted.config import BudgetedConfig
+from bdlora.budgeted.controller import greedy_targets
+from bdlora.budgeted.costs import ModuleShape, compression_report, decide_module
+from bdlora.budgeted.lowrank import factors, gram_root, spectrum
+from bdlora.io import load_tensors, read_json, save_tensors, write_json
+from bdlora.reporter import SILENT, Reporter
+
+
+@dataclass
+class LowRankStart:
+    """Each module's LoRA rank, its initial factors ``{module: (A (r, d_in), B (d_out, r))}`` (float32, as stored;
+    none for ``zero``) and, with ``--allocation quality``, the allocation (ranks, removal order)."""
+
+    init: str
+    ranks: dict[str, int]
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    allocation: Allocation | None = None
+    calib_tokens: int = 0
+
+    def save(self, meta_file: Path, factors_file: Path) -> None:
+        """``meta_file`` (JSON: init, ranks, allocation) and, unless ``zero``, ``factors_file`` (safetensors)."""
+        if self.factors:
+            save_tensors(factors_file, {f"{n}.{k}": t for n, (a, b) in self.factors.items()
+                                        for k, t in (("A", a), ("B", b))}, metadata={"init": self.init})
+        write_json(meta_file, {"init": self.init, "calib_tokens": self.calib_tokens, "ranks": self.ranks,
+                               "allocation": None if self.allocation is None else self.allocation.to_json()})
+
+    @classmethod
+    def load(cls, meta_file: Path, factors_file: Path) -> LowRankStart:
+        meta = read_json(meta_file)
+        tensors = load_tensors(factors_file) if meta["init"] != "zero" else {}
+        found = {n: (tensors[f"{n}.A"], tensors[f"{n}.B"]) for n in meta["ranks"] if f"{n}.A" in tensors}
+        alloc = Allocation.from_json(meta["allocation"]) if meta.get("allocation") else None
+        return cls(meta["init"], {n: int(r) for n, r in meta["ranks"].items()}, found, alloc,
+                   int(meta.get("calib_tokens", 0)))
+
+
+def needed(method: str, init: str | None, allocation: str | None) -> bool:
+    """Whether a run of ``method`` has a start to compute: a non-zero init (kd-lora, budgeted) or the quality
+    allocation (budgeted). The paper's zero start with the cost rule has none (SPEC 4's init, one rank)."""
+    return method in ("kd-lora", "budgeted") and (init not in (None, "zero") or (
+        method == "budgeted" and allocation == "quality"))
+
+
+def shapes_of(model) -> list[ModuleShape]:
+    return [ModuleShape(n, m.in_features, m.out_features) for n, m in projection_modules(model)]
+
+
+def paper_mac_ratio(shapes: list[ModuleShape], budget: float, rank: int) -> float:
+    """The projection-MAC speed-up of the paper's structure at F = ``budget`` and one ``rank`` (cheapest dense paths
+    dropped first): what ``--allocation quality`` spends by default, so both rules compare at equal MACs."""
+    d = greedy_targets([s.dense_cost for s in shapes], budget)
+    decisions = [decide_module(s, float(x), rank, rank, BudgetedConfig(rank=rank)) for s, x in zip(shapes, d)]
+    return compression_report(decisions, budget)["speedup_vs_dense"]
+
+
+def calibrate_with_progress(model, blocks, reporter: Reporter = SILENT):
+    """``calibrate`` with a stage line and a progress bar."""
+    reporter.stage(f"calibrating on {blocks.size:,} training tokens (input Gram matrices, output Fisher diagonals)")
+    reporter.count(0, len(blocks), "calibration blocks")
+    return calibrate(model, blocks, on_progress=lambda k: reporter.count(k, len(blocks), "calibration blocks"))
+
+
+def compute_start(model, init: str, allocation: str, rank: int, budget: float, mac_ratio: float | None,
+                  blocks=None, calib_tokens: int = 0, reporter: Reporter = SILENT) -> LowRankStart:
+    """The start of ``model``'s low-rank paths (before it is wrapped): calibrate if the init or the allocation
+    needs it, allocate, then factor every projection at its rank (the allocated rank for modules the budget
+    removes, ``rank`` for the rest, each capped below its break-even rank)."""
+    stage = reporter.stage
+    shapes = shapes_of(model)
+    weights = {n: m.weight for n, m in projection_modules(model)}
+    calib = None
+    if init == "whitened" or allocation == "quality":
+        calib = calibrate_with_progress(model, calibration_blocks(blocks, calib_tokens), reporter)
+    stage("whitened, loss-weighted spectra of every projection" if calib is not None else "SVD of every projection")
+    roots: dict[int, torch.Tensor] = {}
+    spectra = {}
+    for s in shapes:
+        gram = calib.gram(s.name) if calib is not None else None
+        root = None
+        if gram is not None and s.out_features > s.in_features:  # only the (d_in, d_in) path needs S
+            root = roots.setdefault(id(gram), gram_root(gram))
+        spectra[s.name] = spectrum(weights[s.name], gram, fisher=calib.fisher[s.name] if calib else None,
+                                   root=root)
+    alloc = None
+    if allocation == "quality":
+        target = mac_ratio or paper_mac_ratio(shapes, budget, rank)
+        stage(f"allocating {target:.2f}x fewer projection MACs by Fisher-weighted truncation error")
+        alloc = allocate(shapes, {n: sp.energy.numpy() for n, sp in spectra.items()}, target)
+    ranks = {s.name: max(1, min((alloc.ranks.get(s.name) if alloc else 0) or rank, break_even(s) - 1))
+             for s in shapes}
+    out = {}
+    for s in shapes if init != "zero" else ():
+        sp = spectra[s.name] if init == "whitened" else spectrum(weights[s.name], None)
+        ranks[s.name] = min(ranks[s.name], sp.max_rank)
+        a, b = factors(weights[s.name], sp, ranks[s.name])
+        out[s.name] = (a.float().contiguous(), b.float().contiguous())
+    return LowRankStart(init, ranks, out, alloc, calib.tokens if calib is not None else 0)
+
+
+def start_gated(gated: dict, start: LowRankStart) -> None:
+    """Set every ``GatedLoRALinear`` to its initial factors (residual in the dense path); zero init leaves them."""
+    if start.init == "zero":
+        return
+    for name, m in gated.items():
+        a, b = start.factors[name]
+        m.start_from(a, b)
+
+
+@torch.no_grad()
+def start_peft(model, start: LowRankStart) -> None:
+    """The same for a PEFT LoRA model (kd-lora): ``lora_A = A``, ``lora_B = B / scaling``, base ``W - B A``."""
+    if start.init == "zero":
+        return
+    for name, m in model.named_modules():
+        if not (hasattr(m, "lora_A") and hasattr(m, "base_layer") and "default" in getattr(m, "lora_A", {})):
+            continue
+        key = name.removeprefix("base_model.model.")
+        a, b = start.factors[key]
+        m.lora_A["default"].weight.copy_(a)
+        m.lora_B["default"].weight.copy_(b / m.scaling["default"])
+        stored = (m.lora_B["default"].weight.double() * m.scaling["default"]) @ m.lora_A["default"].weight.double()
+        m.base_layer.weight.copy_(m.base_layer.weight.double() - stored)
+
+
+def structure_report(start: LowRankStart, shapes: list[ModuleShape], budget: float | None = None) -> dict:
+    """What ``compress`` will make of a run started at ``start`` once the controller has taken every allocated
+    module to d = 0 (and every gate stays open): the same report keys as ``plan`` and ``compress``."""
+    dropped = {n for n, r in (start.allocation.ranks if start.allocation else {}).items() if r}
+    decisions = [decide_module(s, 0.0 if s.name in dropped else 1.0, start.ranks[s.name], start.ranks[s.name])
+                 for s in shapes]
+    report = compression_report(decisions, budget)
+    report["start"] = summary(start, shapes)
+    return report
+
+
+def summary(start: LowRankStart, shapes: list[ModuleShape]) -> dict:
+    """What the summary and ``plan`` report of a start."""
+    doc = {"lora_init": start.init, "calib_tokens": start.calib_tokens}
+    if start.allocation is not None:
+        a = start.allocation
+        doc["allocation"] = {"rule": "quality", "mac_ratio": a.mac_ratio(shapes),
+                             "lowrank": sum(1 for r in a.ranks.values() if r), "modules": len(shapes),
+                             "mean_rank": float(np.mean([r for r in a.ranks.values() if r] or [0]))}
+    return doc

@@ -1,0 +1,138 @@
+"""``bdlora compress SOURCE --one-shot --mac-ratio R``: training-free compression of a pretrained model, the
+SVD-LLM-style baseline a user would otherwise reach for, with this toolkit's loss-weighted whitening and quality
+allocation (``budgeted.lowrank``, ``budgeted.allocate``).
+
+One forward and backward pass over ``--calib-tokens`` tokens of ``--data``'s training split measures each
+projection's input Gram matrix and output Fisher diagonal; the allocation picks, for the target projection-MAC
+speed-up, which projections stay dense and the rank of every other one; each of those becomes the pair ``B A`` of
+its loss-weighted whitened truncated SVD. The result is a compressed folder of the bdlora architecture with
+``compression.json`` (the same report keys as ``compress``, relative to the source's dense projections), which
+every exporter, ``bench``, ``eval`` and ``serve`` take. Its held-out perplexity (and the source's) is measured on
+the same corpus, whose settings the report keeps, so ``eval`` scores the same slice by default.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from bdlora import SCHEMA_VERSION, __version__
+from bdlora.arch import projection_modules
+from bdlora.blocks import PackedBlocks
+from bdlora.budgeted.allocate import allocate
+from bdlora.budgeted.calibrate import calibration_blocks
+from bdlora.budgeted.costs import ModuleShape, compression_report, decide_module
+from bdlora.budgeted.layer import DeployedModule
+from bdlora.budgeted.lowrank import factors, gram_root, spectrum
+from bdlora.budgeted.model import build_deployed_model
+from bdlora.budgeted.start import calibrate_with_progress, compute_start, shapes_of, structure_report
+from bdlora.config import OneShotConfig
+from bdlora.data import Corpus, tokenize_corpus
+from bdlora.errors import DataError
+from bdlora.perplexity import perplexity
+from bdlora.reporter import SILENT, Reporter
+from bdlora.runs import check_out_dir
+from bdlora.student import build_student
+
+
+def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Reporter = SILENT):
+    """(decisions, {name: DeployedModule}) of ``model`` at ``cfg.mac_ratio``: calibrate, allocate, factor."""
+    calib = calibrate_with_progress(model, calibration_blocks(train_blocks, cfg.calib_tokens), reporter)
+    reporter.stage("whitened, loss-weighted spectra of every projection")
+    mods = dict(projection_modules(model))
+    shapes = [ModuleShape(n, m.in_features, m.out_features) for n, m in mods.items()]
+    roots, spectra = {}, {}
+    for s in shapes:
+        gram = calib.gram(s.name)
+        root = roots.setdefault(id(gram), gram_root(gram)) if s.out_features > s.in_features else None
+        spectra[s.name] = spectrum(mods[s.name].weight, gram, fisher=calib.fisher[s.name], root=root)
+    reporter.stage(f"allocating {cfg.mac_ratio:g}x fewer projection MACs by loss-weighted truncation error")
+    alloc = allocate(shapes, {n: sp.energy.numpy() for n, sp in spectra.items()}, cfg.mac_ratio)
+    deployed = {}
+    for s in shapes:
+        mod, r = mods[s.name], alloc.ranks[s.name]
+        bias = None if mod.bias is None else mod.bias.detach().clone()
+        dec = decide_module(s, 0.0 if r else 1.0, r, 0, has_bias=bias is not None)
+        if r:
+            a, b = factors(mod.weight, spectra[s.name], r)
+            dtype = mod.weight.dtype
+            deployed[s.name] = DeployedModule(dec, proj_in=a.to(dtype), proj_out=b.to(dtype), bias=bias)
+        else:
+            deployed[s.name] = DeployedModule(dec, weight=mod.weight.detach().clone(), bias=bias)
+    return [d.decision for d in deployed.values()], deployed, calib.tokens
+
+
+def load_source(source: str, cfg: OneShotConfig, cache_dir: Path | None, reporter: Reporter, what: str):
+    """(model, tokenizer, path, training blocks, held-out blocks, held-out fraction) of a pretrained ``source`` and
+    ``cfg.data``: the model frozen in fp32, the corpus tokenised (cached) at ``cfg.seq_len`` capped by its
+    positions."""
+    from bdlora.teacher import load_teacher
+
+    corpus = Corpus(cfg.data)  # checks the path before the model loads
+    reporter.stage(f"loading {source}")
+    model, tok, path = load_teacher(source, cache_dir, on_stage=reporter.stage, what=what)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    seq = min(cfg.seq_len, getattr(model.config, "max_position_embeddings", None) or cfg.seq_len)
+    heldout = corpus.default_heldout_fraction if cfg.heldout_fraction is None else cfg.heldout_fraction
+    reporter.stage(f"tokenising {cfg.data}")
+    data = tokenize_corpus(corpus, tok, heldout, cache_dir)
+    train_blocks = PackedBlocks(data.tokens("train"), seq)
+    val_blocks = PackedBlocks(data.tokens("val"), seq, max_tokens=cfg.eval_tokens)
+    if len(val_blocks) < 1:
+        raise DataError(f"--data {cfg.data}: the held-out slice has {data.meta['tokens']['val']} tokens, fewer than "
+                        f"one block of {seq}")
+    return model, tok, path, train_blocks, val_blocks, heldout
+
+
+def quality_plan(source: str, cfg: OneShotConfig, layers: int | None, rank: int, budget: float,
+                 cache_dir: Path | None = None, reporter: Reporter = SILENT) -> dict:
+    """``plan --model SOURCE --allocation quality``: the structure a budgeted student of ``source`` (``layers``
+    deep, the mixed selection) is trained towards with the quality allocation, before any training. ``mac_ratio``
+    None: the paper's rule at ``budget`` and ``rank``."""
+    model, _, _, train_blocks, _, _ = load_source(source, cfg, cache_dir, reporter, "--model")
+    student = build_student(model, layers, "mixed")[0] if layers else model
+    start = compute_start(student, "whitened", "quality", rank, budget, cfg.mac_ratio, train_blocks,
+                          cfg.calib_tokens, reporter)
+    report = structure_report(start, shapes_of(student), budget)
+    report["source"] = "plan --allocation quality"
+    return report
+
+
+def compress_one_shot(source: str, cfg: OneShotConfig, out: str | Path, force: bool = False,
+                      cache_dir: Path | None = None, evaluate: bool = True,
+                      reporter: Reporter = SILENT) -> tuple[dict, Path]:
+    """Compress a pretrained ``source`` (anything ``--teacher`` takes) to ``cfg.mac_ratio``; returns (report,
+    folder). The source is never modified."""
+    from bdlora.export.hf import save_model_folder
+
+    cfg.validate()
+    out = Path(out)
+    check_out_dir(out, force)
+    t0 = time.time()
+    model, tok, path, train_blocks, val_blocks, heldout = load_source(source, cfg, cache_dir, reporter, "compress")
+    check_out_dir(out, force, (path,))
+    seq = train_blocks.seq_len
+    decisions, deployed, tokens = one_shot_structure(model, train_blocks, cfg, reporter)
+    settings = {"data": cfg.data, "teacher": source, "heldout_fraction": heldout, "seq_len": seq,
+                "eval_tokens": cfg.eval_tokens, "cache_dir": str(cache_dir) if cache_dir else None,
+                "origin": "the --one-shot options"}
+    provenance = {"name": f"{Path(str(path)).name} one-shot {cfg.mac_ratio:g}x", "method": "one-shot",
+                  "teacher": source, "source_path": str(path), "mac_ratio": cfg.mac_ratio, "calib_tokens": tokens,
+                  "lora_init": "whitened", "allocation": "quality", "data_settings": settings}
+    compressed = build_deployed_model(model, deployed, provenance)
+    report = compression_report(decisions, None, {}, baseline="source")
+    report.update(schema_version=SCHEMA_VERSION, bdlora_version=__version__, source="compress --one-shot",
+                  provenance=provenance)
+    if evaluate:
+        reporter.stage(f"scoring {len(val_blocks) * seq:,} held-out tokens (source vs compressed)")
+        with torch.no_grad():
+            report["eval"] = {"student_val_ppl": perplexity(model, val_blocks),
+                              "compressed_val_ppl": perplexity(compressed, val_blocks),
+                              "tokens": len(val_blocks) * seq, "baseline": "the source model"}
+    report["seconds"] = time.time() - t0
+    reporter.stage(f"writing {out}")
+    save_model_folder(compressed, tok, out, report)
+    return report, out

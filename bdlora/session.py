@@ -1,0 +1,116 @@
+"""What a training run is made of, built and checked before any run directory exists: the device, the teacher
+(built or materialised on first use), the tokenised corpus and its training and held-out blocks, and the student
+warm-started from the teacher's (or ``--student-init``'s) layers. ``prepare`` raises typed errors for bad input and
+creates nothing but caches; ``train`` then opens the run directory and runs the loop."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bdlora import distributed as D
+from bdlora.arch import check_lora_rank
+from bdlora.blocks import DocumentBlocks, PackedBlocks, training_blocks
+from bdlora.budgeted.calibrate import check_calib_tokens
+from bdlora.budgeted.start import needed
+from bdlora.config import BUILTIN, TrainConfig, resolve_defaults
+from bdlora.data import Corpus, tokenize_corpus
+from bdlora.errors import DataError, ModelError, UsageError
+from bdlora.reporter import SILENT, Reporter
+from bdlora.student import build_student, check_same_vocabulary
+from bdlora.teacher import load_teacher
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: CUDA is not available on this machine (allowed here: auto, cpu)")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+@dataclass
+class Session:
+    """Teacher, data and student, built and checked before any run directory is created."""
+
+    cfg: TrainConfig
+    device: torch.device
+    teacher: torch.nn.Module
+    tokenizer: object
+    student: torch.nn.Module
+    layer_indices: list[int]
+    train_blocks: PackedBlocks | DocumentBlocks
+    val_blocks: PackedBlocks
+
+
+def prepare(cfg: TrainConfig, reporter: Reporter = SILENT) -> Session:
+    """Validate options, load (or build) the teacher, tokenise the corpus, build the student. Raises typed errors
+    for bad input; creates nothing but caches."""
+    cfg.validate()
+    device = resolve_device(cfg.device)
+    cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else None
+    corpus = Corpus(cfg.data)  # checks the path before the (possibly long) teacher build
+    reporter.stage(f"loading teacher {cfg.teacher}")
+    teacher, tokenizer, teacher_path = load_teacher(cfg.teacher, cache, device=str(device), on_stage=reporter.stage,
+                                                    on_step=reporter.teacher_step)
+    cfg = _resolve_sizes(resolve_defaults(cfg, builtin_teacher=cfg.teacher == BUILTIN), teacher)
+    student, idx = _build_student(cfg, teacher, tokenizer, cache, reporter)
+    student.to(device)
+    reporter.stage(f"tokenising corpus {cfg.data} ({len(corpus.files)} files)")
+    data = tokenize_corpus(corpus, tokenizer, cfg.heldout_fraction, cache)
+    train_blocks = training_blocks(data.tokens("train"), cfg.seq_len, cfg.packing, tokenizer.eos_token_id)
+    val_blocks = PackedBlocks(data.tokens("val"), cfg.seq_len, max_tokens=cfg.eval_tokens)
+    if len(train_blocks) < 1:
+        raise DataError(f"--data {cfg.data}: {data.meta['tokens']['train']} training tokens, fewer than one "
+                        + (f"block of --seq-len {cfg.seq_len}" if cfg.packing == "pack" else "document"))
+    if len(val_blocks) < 1:
+        raise DataError(f"--data {cfg.data}: the held-out slice has {data.meta['tokens']['val']} tokens, fewer "
+                        f"than one block of {cfg.seq_len}; raise --heldout-fraction (now {cfg.heldout_fraction})")
+    if needed(cfg.method, cfg.lora_init, cfg.allocation):
+        if "calib_tokens" in cfg.extra.get("defaulted", ()):  # a defaulted count fits the split; an explicit one must
+            cfg.calib_tokens = min(cfg.calib_tokens, len(train_blocks) * train_blocks.seq_len)
+        check_calib_tokens(train_blocks, cfg.calib_tokens)
+    cfg.extra.update({"teacher_path": str(teacher_path), "layer_indices": idx,
+                      "teacher_layers": teacher.config.num_hidden_layers, "data_cache": str(data.path),
+                      "data_tokens": data.meta["tokens"]})
+    return Session(cfg, device, teacher, tokenizer, student, idx, train_blocks, val_blocks)
+
+
+def _resolve_sizes(cfg: TrainConfig, teacher) -> TrainConfig:
+    """Student depth, sequence length (capped by the model's positions when defaulted), steps from --tokens and
+    the held-out fraction, each checked against the teacher."""
+    n_teacher, defaulted = teacher.config.num_hidden_layers, cfg.extra.get("defaulted", ())
+    cfg.student_layers = max(1, math.ceil(n_teacher / 2)) if cfg.student_layers is None else cfg.student_layers
+    if cfg.student_layers > n_teacher:
+        raise UsageError(f"--student-layers {cfg.student_layers}: must be between 1 and the teacher's {n_teacher}")
+    max_pos = getattr(teacher.config, "max_position_embeddings", None)
+    if max_pos is not None and cfg.seq_len > max_pos:
+        if "seq_len" not in defaulted:
+            raise UsageError(f"--seq-len {cfg.seq_len}: above the model's max_position_embeddings ({max_pos})")
+        cfg.seq_len = max_pos
+    cfg.lora_rank = check_lora_rank(cfg.lora_rank, teacher.config, "lora_rank" in defaulted)
+    if cfg.tokens is not None:  # a global budget: every step consumes batch x accum x seq tokens on each process
+        world = D.env_from_launcher().world_size
+        cfg.max_steps = max(1, cfg.tokens // (cfg.batch_size * cfg.grad_accum * cfg.seq_len * world))
+    if cfg.heldout_fraction is None:
+        cfg.heldout_fraction = Corpus(cfg.data).default_heldout_fraction
+    return cfg
+
+
+def _build_student(cfg: TrainConfig, teacher, tokenizer, cache, reporter: Reporter):
+    """Layers from --student-init (default: the teacher), which must share the teacher's tokenizer."""
+    source = teacher
+    if cfg.student_init:
+        reporter.stage(f"loading student init {cfg.student_init}")
+        source, init_tok, _ = load_teacher(cfg.student_init, cache, device="cpu", what="--student-init")
+        check_same_vocabulary(tokenizer, init_tok, f"--student-init {cfg.student_init}")
+        if source.config.vocab_size != teacher.config.vocab_size:
+            raise ModelError(f"--student-init {cfg.student_init}: embedding rows {source.config.vocab_size} != "
+                             f"teacher's {teacher.config.vocab_size}")
+    if cfg.student_layers > source.config.num_hidden_layers:
+        raise UsageError(f"--student-layers {cfg.student_layers}: must be between 1 and the source's "
+                         f"{source.config.num_hidden_layers} layers")
+    return build_student(source, cfg.student_layers, cfg.layer_selection, seed=cfg.seed)
