@@ -17,7 +17,7 @@ _TARGET = "transformers"
 
 def _register() -> None:
     try:
-        from bdlora.export.hf import register
+        from bdlora.deployed.folder import register
 
         register()
     except Exception as e:  # noqa: BLE001  never break the user's `import transformers`

@@ -106,8 +106,8 @@ def check_architecture(model, what: str) -> None:
     bdlora low-rank pair)."""
     import torch
 
+    from bdlora.deployed.modeling_bdlora import LowRankLinear
     from bdlora.errors import ModelError
-    from bdlora.export.modeling_bdlora import LowRankLinear
 
     if family_of(model) is None:
         raise ModelError(unsupported(what, getattr(getattr(model, "config", None), "model_type",

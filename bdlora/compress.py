@@ -40,7 +40,7 @@ def compress_dense(model: nn.Module, lora_rank: int, provenance: dict):
 def compress_run(run: RunDir | str | Path, cfg: BudgetedConfig, out: str | Path | None = None, force: bool = False,
                  evaluate: bool = True, reporter: Reporter = SILENT) -> tuple[dict, Path]:
     """Compress a finished run into a model folder; returns (report, folder). Only ``cfg``'s thresholds are used."""
-    from bdlora.export.hf import save_model_folder
+    from bdlora.deployed.folder import save_model_folder
 
     cfg.validate_thresholds()
     run = run if isinstance(run, RunDir) else RunDir(run)

@@ -106,7 +106,7 @@ def compress_one_shot(source: str, cfg: OneShotConfig, out: str | Path, force: b
                       reporter: Reporter = SILENT) -> tuple[dict, Path]:
     """Compress a pretrained ``source`` (anything ``--teacher`` takes) to ``cfg.mac_ratio``; returns (report,
     folder). The source is never modified."""
-    from bdlora.export.hf import save_model_folder
+    from bdlora.deployed.folder import save_model_folder
 
     cfg.validate()
     out = Path(out)

@@ -9,7 +9,7 @@ from bdlora.bench.run import run_bench
 from bdlora.bench.variants import ProjectionStack, dense_variant, floor_variant, lora_variant, synthetic_model
 from bdlora.budgeted.config import BudgetedConfig
 from bdlora.cli import app
-from bdlora.export.hf import save_model_folder
+from bdlora.deployed.folder import save_model_folder
 from bdlora.plan import plan
 from conftest import compressed_student
 

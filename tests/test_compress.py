@@ -127,7 +127,7 @@ def test_f1_gates_open_logits_equal(tiny_model):
 def test_mixed_student_save_load_both_ways(tiny_model, tiny_env, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from bdlora.export.hf import save_model_folder
+    from bdlora.deployed.folder import save_model_folder
 
     s = budgeted_student(tiny_model, d_values=[0.0, 1.0, 0.0, 0.2, 0.0, 0.9, 0.0])
     compressed, report = compress_budgeted(s, BudgetedConfig(svd_max_rank=8), {"budget": 0.4})
@@ -263,7 +263,7 @@ def test_model_card_base_model_only_for_hub_ids(teacher, expected):
 
 @pytest.fixture
 def saved_student(tiny_env, tiny_model, tmp_path):
-    from bdlora.export.hf import save_model_folder
+    from bdlora.deployed.folder import save_model_folder
     from conftest import compressed_student
 
     _, model, report = compressed_student(tiny_model, [0.0, 1.0, 0.3, 0.9], seed=1)

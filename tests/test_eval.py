@@ -223,7 +223,7 @@ EVAL_ARGS = ["--heldout-fraction", "0.1", "--seq-len", "32", "--tokens", "512", 
 
 
 def test_eval_hf_folder_and_its_onnx_export_agree(tiny_env, tiny_model, tmp_path):
-    from bdlora.export.hf import save_model_folder
+    from bdlora.deployed.folder import save_model_folder
     from bdlora.export.onnx import export_onnx_folder
     from conftest import compressed_student
 

@@ -12,11 +12,11 @@ from typer.testing import CliRunner
 
 from bdlora.bench.variants import dense_variant, lora_variant, synthetic_model
 from bdlora.cli import app
+from bdlora.deployed.folder import save_model_folder
 from bdlora.errors import usable_cores
 from bdlora.export.genai import export_genai_folder
 from bdlora.export.genai.graph import build_decoder
 from bdlora.export.genai.validate import GENAI_SHAPES, graph_parity
-from bdlora.export.hf import save_model_folder
 from bdlora.export.onnx.validate import TOLERANCE, ExportValidationError
 from bdlora.runtime import session
 from conftest import compressed_student

@@ -26,7 +26,7 @@ def folder(tiny_env, tmp_path_factory):
     """A compressed 2-layer student of head dim 16, so both exporters take it."""
     from transformers import MistralForCausalLM
 
-    from bdlora.export.hf import save_model_folder
+    from bdlora.deployed.folder import save_model_folder
 
     tok = tiny_env["tokenizer"]
     torch.manual_seed(0)

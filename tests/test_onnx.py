@@ -6,7 +6,7 @@ import torch
 from typer.testing import CliRunner
 
 from bdlora.cli import app
-from bdlora.export.hf import save_model_folder
+from bdlora.deployed.folder import save_model_folder
 from bdlora.export.onnx import export_onnx_folder, load_ort_model
 from bdlora.export.onnx.validate import TOLERANCE
 from bdlora.models import load_model_folder

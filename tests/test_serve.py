@@ -35,8 +35,8 @@ def served_model(request, tiny_env, tmp_path_factory):
     graph itself by plain onnxruntime."""
     from transformers import MistralForCausalLM
 
+    from bdlora.deployed.folder import save_model_folder
     from bdlora.export.genai import export_genai_folder
-    from bdlora.export.hf import save_model_folder
     from bdlora.export.onnx import export_onnx_folder
     from bdlora.runtime import DecoderShape, run_decoder, session
     from conftest import compressed_student, tiny_config

@@ -79,6 +79,32 @@ def test_the_import_graph_has_no_cycle():
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
+# The packages that orchestrate exports (command bodies, the bench, sweeps) may import bdlora.export / bdlora.serve;
+# everything else in bdlora/ is the core, which the exporters and the server build on and never the other way.
+ORCHESTRATORS = ("bdlora.cli", "bdlora.bench", "bdlora.sweep")
+
+
+def core_modules(graph: dict[str, set[str]]) -> list[str]:
+    downstream = ("bdlora.export", "bdlora.serve", *ORCHESTRATORS)
+    return [m for m in graph if not any(m == d or m.startswith(d + ".") for d in downstream)]
+
+
+def test_the_core_never_imports_the_exporters_or_the_server():
+    graph = import_graph()
+    core = core_modules(graph)
+    assert {"bdlora.compress", "bdlora.oneshot", "bdlora.deployed.folder", "bdlora.budgeted.layer"} <= set(core)
+    edges = sorted(f"{m} -> {t}" for m in core for t in graph[m]
+                   if t.startswith(("bdlora.export", "bdlora.serve")))
+    assert not edges, edges
+
+
+def test_the_core_check_sees_function_level_imports():
+    """The graph counts imports at any depth, so a function-level import of an exporter would be caught."""
+    graph = import_graph()
+    assert "bdlora.deployed.modeling_bdlora" in graph["bdlora.deployed.folder"]  # imported inside register()
+    assert "bdlora.export.hf" in graph["bdlora.cli.export"]  # imported inside the command body
+
+
 def test_the_cycle_finder_finds_cycles():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None

@@ -39,7 +39,7 @@ def _stand_in_tokenizer():
 
 def save_base_folder(dense: nn.Module, tok, folder: Path) -> None:
     """``dense`` (a bdlora model whose projections are all dense) as a plain HF folder of its base family."""
-    from bdlora.export.modeling_bdlora import FAMILIES
+    from bdlora.deployed.modeling_bdlora import FAMILIES
 
     cfg = dense.config
     base = (getattr(cfg, "bdlora", None) or {}).get("base_model_type", cfg.model_type)

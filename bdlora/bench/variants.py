@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from bdlora.arch import projection_modules, set_module
-from bdlora.export.modeling_bdlora import LowRankLinear
+from bdlora.deployed.modeling_bdlora import LowRankLinear
 
 
 class DenseLoRALinear(nn.Module):
@@ -138,8 +138,8 @@ def synthetic_model(config: dict, budget: float, layers: int | None, rank: int, 
     """A compressed-architecture model with random weights in the structure ``plan`` predicts for F."""
     from bdlora.budgeted.config import BudgetedConfig
     from bdlora.budgeted.costs import deployed_form
+    from bdlora.deployed.modeling_bdlora import FAMILIES
     from bdlora.errors import ModelError
-    from bdlora.export.modeling_bdlora import FAMILIES
     from bdlora.plan import plan
 
     report = plan(config, BudgetedConfig(budget=budget, rank=rank, **plan_kw), layers=layers)

@@ -180,7 +180,7 @@ class DeployedModule:
 
     def module(self) -> nn.Module:
         """A standalone torch module computing the deployed form (tests compare it with the training module)."""
-        from bdlora.export.modeling_bdlora import LowRankLinear
+        from bdlora.deployed.modeling_bdlora import LowRankLinear
 
         dec = self.decision
         if self.weight is not None:

@@ -101,7 +101,7 @@ def load_budgeted(student_dir: Path, model: nn.Module) -> nn.Module:
 
 def build_deployed_model(base: nn.Module, deployed: dict[str, DeployedModule], provenance: dict):
     """The bdlora HF architecture holding the ``deployed`` projections and every other weight of ``base``."""
-    from bdlora.export.modeling_bdlora import FAMILIES
+    from bdlora.deployed.modeling_bdlora import FAMILIES
 
     family = base.config.model_type.removeprefix("bdlora_")
     if family not in FAMILIES:

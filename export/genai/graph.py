@@ -43,7 +43,7 @@ class Projection:
 
     @classmethod
     def of(cls, name: str, m: nn.Module) -> Projection:
-        from bdlora.export.modeling_bdlora import LowRankLinear
+        from bdlora.deployed.modeling_bdlora import LowRankLinear
 
         def f(t):
             return None if t is None else t.detach().float().cpu().numpy()

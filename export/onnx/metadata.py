@@ -16,7 +16,7 @@ from bdlora.arch import projection_modules
 
 def module_row(name: str, m: nn.Module) -> dict | None:
     """One projection as deployed: dense, low-rank, or dense + unmerged LoRA adapter (bench's lora variant)."""
-    from bdlora.export.modeling_bdlora import LowRankLinear
+    from bdlora.deployed.modeling_bdlora import LowRankLinear
 
     if isinstance(m, LowRankLinear):
         form, i, o, r, bias = "lowrank", m.in_features, m.out_features, m.rank, m.proj_out.bias
