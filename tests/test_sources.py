@@ -138,7 +138,12 @@ def test_teacher_command_and_training_from_a_gguf(tiny_env, tiny_gguf, tmp_path)
     ("not/a/path/at/all", "no such directory"),
 ])
 def test_teacher_sources_fail_in_one_line(tiny_env, tmp_path, monkeypatch, spec, needle):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network in tests: a hub id must fail fast and say why
+    import huggingface_hub
+
+    # no network in tests: a hub id must fail fast and say why. The variable is read when huggingface_hub is
+    # imported, so the constant is set too (without it this case retried the network for ~45 s in-process).
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     (tmp_path / "garbage.gguf").write_bytes(b"GGUF" + bytes(200))
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "run"

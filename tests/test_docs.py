@@ -1,0 +1,84 @@
+"""The README and docs/ point only at things that exist: every Markdown link (file and #anchor), every repository
+path named in backticks, and nothing outside the repository."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+# a repository path in backticks: starts at a top-level folder of the repository, no placeholders or globs
+PATH = re.compile(r"`((?:bdlora|export|serve|tests|docs|\.ci)/[\w./-]*)`")
+CODE_BLOCK = re.compile(r"^```.*?^```", re.S | re.M)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(doc: Path) -> set[str]:
+    text = CODE_BLOCK.sub("", doc.read_text())
+    return {slug(m.group(1)) for m in re.finditer(r"^#{1,6} (.+)$", text, re.M)}
+
+
+def test_the_docs_exist_and_the_readme_is_a_product_page():
+    assert {p.name for p in DOCS} >= {"README.md", "commands.md", "smollm2.md", "results.md", "design.md"}
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    assert {"docs/commands.md", "docs/smollm2.md", "docs/results.md", "docs/design.md"} <= set(LINK.findall(readme))
+
+
+def test_the_module_layout_names_every_module_and_only_real_ones():
+    text = (ROOT / "docs" / "design.md").read_text()
+    block = text[text.index("## Module layout"):]
+    block = CODE_BLOCK.search(block).group(0)
+    words = set(re.findall(r"[\w]+", block))
+    modules = [f for pkg in ("bdlora", "export", "serve") for f in (ROOT / pkg).rglob("*.py")
+               if f.stem not in ("__init__", "__main__")]
+    tests = {f.stem for f in (ROOT / "tests").glob("test_*.py")}
+    assert len(modules) > 80
+    unnamed = sorted(str(f.relative_to(ROOT)) for f in modules if f.stem not in words)
+    assert not unnamed, unnamed
+    named = set(re.findall(r"(\w+)\.py\b", block))
+    real = {f.stem for f in modules} | tests
+    assert named and named <= real, named - real
+
+
+def test_the_slug_matches_github():
+    assert slug("`bdlora export hf` and `bdlora export onnx`") == "bdlora-export-hf-and-bdlora-export-onnx"
+    assert slug("A real model: SmolLM2 on 2 CPU cores") == "a-real-model-smollm2-on-2-cpu-cores"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_link_resolves(doc):
+    broken = []
+    for target in LINK.findall(CODE_BLOCK.sub("", doc.read_text())):
+        if re.match(r"[a-z]+://", target):
+            continue  # external addresses are not checked (no network in CI)
+        file, _, anchor = target.partition("#")
+        path = (doc.parent / file).resolve() if file else doc
+        if not path.exists():
+            broken.append(target)
+        elif anchor and path.suffix == ".md" and anchor not in anchors(path):
+            broken.append(f"{target} (no such heading)")
+    assert not broken, broken
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_named_repository_path_exists_and_none_points_outside(doc):
+    text = doc.read_text()
+    missing = sorted({p for p in PATH.findall(text) if not (ROOT / p.rstrip("/.")).exists()})
+    assert not missing, missing
+    assert "../shared" not in text and "SPEC.md" not in text
+
+
+def test_the_code_does_not_point_outside_the_repository():
+    files = [*ROOT.glob("bdlora/**/*.py"), *ROOT.glob("export/**/*.py"), *ROOT.glob("serve/**/*.py"),
+             *ROOT.glob("bdlora/recipes/*.yaml"), ROOT / "pyproject.toml"]
+    assert len(files) > 80
+    outside = [str(f.relative_to(ROOT)) for f in files if "../shared" in f.read_text() or "SPEC.md" in f.read_text()]
+    assert not outside, outside
