@@ -1,9 +1,13 @@
-"""bdlora.serve: an OpenAI-compatible inference server over an exported ONNX student (``bdlora serve``), layered
+"""bdlora.serve: an OpenAI-compatible inference server over an exported student (``bdlora serve``), layered
 like the servers users know (vLLM's OpenAI entrypoint):
 
-- ``protocol``: pydantic request and response models, the OpenAI error body;
+- ``protocol``: pydantic request and response models (requests check and convert themselves to sampling
+  parameters: ``to_sampling_params``), the OpenAI error body;
+- ``sampling``: ``SamplingParams`` and the pure ``sample(logits, params, rng)``;
 - ``handlers``: the completion and chat-completion logic (``CompletionServing``, ``ChatServing``);
-- ``engine``: the onnxruntime session and the continuous-batching worker thread;
+- ``engine``: the onnxruntime session and the continuous-batching worker thread (``--runtime ort``);
+- ``genai_engine``: the same engine over onnxruntime-genai generators (``--runtime genai``);
+- ``sequence``: one request inside a batch: detokenising, stop strings, log-probabilities;
 - ``metrics``: Prometheus metrics;
 - ``config``: ``ServeConfig``;
 - ``app``: the FastAPI app wiring routes to handlers, and the process lifecycle;

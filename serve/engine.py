@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from bdlora.runtime import DecoderShape, check_signature, empty_past, left_padded, run_bound, session
-from bdlora.serve.sequence import Request, SamplingParams, Sequence, safe_emit, score_prompt
+from bdlora.serve.sequence import Request, Sequence, safe_emit, score_prompt
 from bdlora.tokenizer import TextTokenizer
 
 
@@ -280,4 +280,4 @@ class _Batch:
             self.mask = self.mask[:, start:]
 
 
-__all__ = ["Engine", "Request", "SamplingParams"]
+__all__ = ["Engine", "Request"]

@@ -17,14 +17,10 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from bdlora.serve.config import ServeConfig
-from bdlora.serve.engine import Engine, SamplingParams
+from bdlora.serve.engine import Engine
 from bdlora.serve.engine import Request as EngineRequest
 from bdlora.serve.metrics import Metrics
 from bdlora.serve.protocol import (
-    MAX_LOGPROBS,
-    MAX_STOP,
-    MAX_STOP_CHARS,
-    MIN_TEMPERATURE,
     APIError,
     AssistantMessage,
     ChatChoice,
@@ -35,10 +31,11 @@ from bdlora.serve.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    SamplingRequest,
     Usage,
-    _Request,
     error_body,
 )
+from bdlora.serve.sampling import SamplingParams
 
 
 class _Hangup:
@@ -84,36 +81,6 @@ class Serving:
             raise APIError(503, f"model failed to load: {err}" if err else "model is loading", code="not_ready",
                            type_="server_error")
         return eng
-
-    def sampling(self, body: _Request, max_tokens: int | None, logprobs: int | None = None,
-                 echo: bool = False) -> SamplingParams:
-        cfg = self.cfg
-        if body.model != cfg.model_name:
-            raise APIError(404, f"The model '{body.model}' does not exist (served: '{cfg.model_name}')", "model",
-                           "model_not_found")
-        unsupported = [("n", body.n != 1), ("presence_penalty", body.presence_penalty != 0),
-                       ("frequency_penalty", body.frequency_penalty != 0), ("logit_bias", bool(body.logit_bias))]
-        for name, bad in unsupported:
-            if bad:
-                raise APIError(400, f"{name}: not supported by bdlora serve (use the default)", name, "unsupported")
-        if body.stream_options and (set(body.stream_options) - {"include_usage"} or not body.stream):
-            raise APIError(400, "stream_options: only {'include_usage': bool} with stream=true is supported",
-                           "stream_options", "unsupported")
-        if 0.0 < body.temperature < MIN_TEMPERATURE:
-            raise APIError(400, f"temperature {body.temperature}: must be 0 (greedy) or at least {MIN_TEMPERATURE}",
-                           "temperature", "invalid_value")
-        mt = 16 if max_tokens is None else max_tokens
-        least = 0 if echo else 1  # with echo, max_tokens 0 only scores the prompt
-        if not least <= mt <= cfg.max_tokens:
-            raise APIError(400, f"max_tokens {mt}: must be >= {least}{'' if echo else ' (0 only with echo)'}"
-                           if mt < least else f"max_tokens {mt}: above this server's limit of {cfg.max_tokens}",
-                           "max_tokens", "invalid_value")
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if len(stop) > MAX_STOP or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stop):
-            raise APIError(400, f"stop: at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters",
-                           "stop", "invalid_value")
-        return SamplingParams(max_tokens=mt, temperature=float(body.temperature), top_p=float(body.top_p),
-                              stop=tuple(stop), seed=body.seed, logprobs=logprobs, echo=echo)
 
     def check_prompt(self, eng: Engine, ids: list[int], params: SamplingParams) -> None:
         limit = self.cfg.max_prompt_tokens or eng.max_positions - 1
@@ -215,7 +182,7 @@ class Serving:
                 self._cancel(reqs)
             self.metrics.latency.labels(self.endpoint).observe(time.perf_counter() - t0)
 
-    async def respond(self, reqs, queues, request: Request, body: _Request, chunk, whole):
+    async def respond(self, reqs, queues, request: Request, body: SamplingRequest, chunk, whole):
         """The response of submitted requests: SSE chunks built by ``chunk`` when ``body.stream``, otherwise
         ``whole(results)`` once every request has finished."""
         if body.stream:
@@ -233,15 +200,7 @@ class CompletionServing(Serving):
 
     async def __call__(self, body: CompletionRequest, request: Request):
         eng = self.engine()
-        for name, bad in (("best_of", body.best_of not in (None, 1)), ("suffix", body.suffix is not None)):
-            if bad:
-                raise APIError(400, f"{name}: not supported by bdlora serve", name, "unsupported")
-        if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
-            raise APIError(400, f"logprobs {body.logprobs}: must be in [0, {MAX_LOGPROBS}]", "logprobs",
-                           "invalid_value")
-        if body.stream and (body.echo or body.logprobs is not None):
-            raise APIError(400, "echo and logprobs: supported without stream only", "stream", "unsupported")
-        params = self.sampling(body, body.max_tokens, body.logprobs, body.echo)
+        params = body.to_sampling_params(self.cfg.model_name, self.cfg.max_tokens)
         p = body.prompt
         prompts = [p] if isinstance(p, str) or (p and all(isinstance(x, int) for x in p)) else list(p)
         if not prompts:
@@ -313,12 +272,7 @@ class ChatServing(Serving):
         if not eng.tokenizer.chat_template:
             raise APIError(400, f"the model '{self.cfg.model_name}' has no chat template; use /v1/completions",
                            "messages", "chat_template_missing")
-        if body.logprobs or body.top_logprobs is not None:
-            raise APIError(400, "logprobs: not supported by bdlora serve", "logprobs", "unsupported")
-        if not body.messages:
-            raise APIError(400, "messages: empty list", "messages", "invalid_value")
-        params = self.sampling(body, body.max_completion_tokens if body.max_completion_tokens is not None
-                               else body.max_tokens)
+        params = body.to_sampling_params(self.cfg.model_name, self.cfg.max_tokens)
         msgs = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
             ids = await asyncio.to_thread(eng.tokenizer.apply_chat_template, msgs, True, True)

@@ -12,6 +12,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
+from bdlora.serve.sampling import SamplingParams
+
 MAX_STOP = 4
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's legacy API allows 5; vLLM 20)
 MAX_STOP_CHARS = 256  # a stop string is matched against the text each step: bound what a request can make it cost
@@ -35,7 +37,10 @@ def _encodable(text: str) -> str:
 Text = Annotated[StrictStr, AfterValidator(_encodable)]
 
 
-class _Request(BaseModel):
+class SamplingRequest(BaseModel):
+    """What every generation request carries; ``to_sampling_params`` checks what the schema cannot (the served
+    model's name, this server's limits, parameters it does not support) and returns the engine's parameters."""
+
     model_config = ConfigDict(extra="forbid")
 
     model: StrictStr
@@ -52,13 +57,56 @@ class _Request(BaseModel):
     logit_bias: dict | None = None
     user: StrictStr | None = None
 
+    def to_sampling_params(self, served: str, max_tokens_limit: int) -> SamplingParams:
+        return self._params(served, max_tokens_limit, self.max_tokens)
 
-class CompletionRequest(_Request):
+    def _params(self, served: str, limit: int, max_tokens: int | None, logprobs: int | None = None,
+                echo: bool = False) -> SamplingParams:
+        if self.model != served:
+            raise APIError(404, f"The model '{self.model}' does not exist (served: '{served}')", "model",
+                           "model_not_found")
+        unsupported = [("n", self.n != 1), ("presence_penalty", self.presence_penalty != 0),
+                       ("frequency_penalty", self.frequency_penalty != 0), ("logit_bias", bool(self.logit_bias))]
+        for name, bad in unsupported:
+            if bad:
+                raise APIError(400, f"{name}: not supported by bdlora serve (use the default)", name, "unsupported")
+        if self.stream_options and (set(self.stream_options) - {"include_usage"} or not self.stream):
+            raise APIError(400, "stream_options: only {'include_usage': bool} with stream=true is supported",
+                           "stream_options", "unsupported")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            raise APIError(400, f"temperature {self.temperature}: must be 0 (greedy) or at least {MIN_TEMPERATURE}",
+                           "temperature", "invalid_value")
+        mt = 16 if max_tokens is None else max_tokens
+        least = 0 if echo else 1  # with echo, max_tokens 0 only scores the prompt
+        if not least <= mt <= limit:
+            raise APIError(400, f"max_tokens {mt}: must be >= {least}{'' if echo else ' (0 only with echo)'}"
+                           if mt < least else f"max_tokens {mt}: above this server's limit of {limit}",
+                           "max_tokens", "invalid_value")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > MAX_STOP or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stop):
+            raise APIError(400, f"stop: at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters",
+                           "stop", "invalid_value")
+        return SamplingParams(max_tokens=mt, temperature=float(self.temperature), top_p=float(self.top_p),
+                              stop=tuple(stop), seed=self.seed, logprobs=logprobs, echo=echo)
+
+
+class CompletionRequest(SamplingRequest):
     prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
     echo: StrictBool = False
     logprobs: StrictInt | None = None
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
+
+    def to_sampling_params(self, served: str, max_tokens_limit: int) -> SamplingParams:
+        for name, bad in (("best_of", self.best_of not in (None, 1)), ("suffix", self.suffix is not None)):
+            if bad:
+                raise APIError(400, f"{name}: not supported by bdlora serve", name, "unsupported")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"logprobs {self.logprobs}: must be in [0, {MAX_LOGPROBS}]", "logprobs",
+                           "invalid_value")
+        if self.stream and (self.echo or self.logprobs is not None):
+            raise APIError(400, "echo and logprobs: supported without stream only", "stream", "unsupported")
+        return self._params(served, max_tokens_limit, self.max_tokens, self.logprobs, self.echo)
 
 
 class ChatMessage(BaseModel):
@@ -69,11 +117,19 @@ class ChatMessage(BaseModel):
     name: StrictStr | None = None
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
+
+    def to_sampling_params(self, served: str, max_tokens_limit: int) -> SamplingParams:
+        if self.logprobs or self.top_logprobs is not None:
+            raise APIError(400, "logprobs: not supported by bdlora serve", "logprobs", "unsupported")
+        if not self.messages:
+            raise APIError(400, "messages: empty list", "messages", "invalid_value")
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._params(served, max_tokens_limit, limit)
 
 
 # ------------------------------------------------------------------------------------------------------------------

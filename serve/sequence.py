@@ -1,5 +1,6 @@
-"""One request inside the engine's batch (``Sequence``): its sampler, its incremental detokeniser, its stop strings
-and, when asked, the log-probabilities of its tokens (``SamplingParams.logprobs``) and of its prompt's (``echo``).
+"""One request inside the engine's batch (``Sequence``): its random generator, its incremental detokeniser, its stop
+strings and, when asked, the log-probabilities of its tokens (``SamplingParams.logprobs``) and of its prompt's
+(``echo``).
 
 Log-probabilities are the model's own (log-softmax of the raw logits, before temperature and top-p, as vLLM and
 OpenAI report them), computed in float64; each scored token carries its top ``logprobs`` alternatives plus itself.
@@ -15,16 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    logprobs: int | None = None  # score each generated token with this many top alternatives (None: do not score)
-    echo: bool = False  # also score the prompt's tokens (with logprobs); max_tokens may then be 0 (score only)
+from bdlora.serve.sampling import SamplingParams, sample
 
 
 @dataclass
@@ -110,26 +102,12 @@ class Sequence:
         self.stream = tokenizer.decode_stream() if self.incremental else None
 
     def sample(self, logits: np.ndarray) -> int:
+        """The next token under this request's parameters (``sampling.sample``); the generator is built on the
+        first draw, where a seed numpy refuses fails this sequence alone."""
         p = self.req.params
-        if not np.isfinite(logits).all():
-            raise FloatingPointError("the model produced non-finite logits for this sequence")
-        if p.temperature <= 0.0:
-            return int(np.argmax(logits))
-        # shift before dividing: (z - max) / T is <= 0 for every T > 0, so a tiny temperature gives -inf (exp 0),
-        # never inf - inf = NaN
-        z = (logits.astype(np.float64) - float(logits.max())) / p.temperature
-        probs = np.exp(z)
-        probs /= probs.sum()
-        if p.top_p < 1.0:
-            order = np.argsort(-probs)
-            cum = np.cumsum(probs[order])
-            keep = order[: int(np.searchsorted(cum, p.top_p) + 1)]
-            mask = np.zeros_like(probs)
-            mask[keep] = probs[keep]
-            probs = mask / mask.sum()
-        if self.rng is None:
+        if self.rng is None and p.temperature > 0.0:
             self.rng = np.random.default_rng(p.seed)
-        return int(self.rng.choice(len(probs), p=probs))
+        return sample(logits, p, self.rng)
 
     def _new_text(self, token: int) -> str:
         """Text ``token`` adds (incremental), or, for tokenizers that clean up spaces, the difference of two full

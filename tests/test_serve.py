@@ -380,7 +380,8 @@ def test_a_failing_sequence_fails_alone_and_the_engine_goes_on(served_model):
     sequences beside it finish normally, and later requests are served."""
     import queue as queue_mod
 
-    from bdlora.serve.engine import Request, SamplingParams
+    from bdlora.serve.engine import Request
+    from bdlora.serve.sampling import SamplingParams
 
     eng = engine(served_model, max_batch=4)
     try:
@@ -687,7 +688,8 @@ def test_requests_submitted_together_decode_together(served_model):
     decoded as one batch, and each still gets exactly the model's own greedy text."""
     import queue as queue_mod
 
-    from bdlora.serve.engine import Request, SamplingParams
+    from bdlora.serve.engine import Request
+    from bdlora.serve.sampling import SamplingParams
 
     eng = engine(served_model, max_batch=8)
     tok = served_model["tok"]
@@ -777,7 +779,8 @@ def test_api_key_guards_the_api_and_leaves_health_open(served_model):
 
 
 def _feed(tok, ids, stop=(), stream=True, max_tokens=None):
-    from bdlora.serve.sequence import Request, SamplingParams, Sequence
+    from bdlora.serve.sampling import SamplingParams
+    from bdlora.serve.sequence import Request, Sequence
 
     events = []
     params = SamplingParams(max_tokens=max_tokens or len(ids) + 1, temperature=0.0, stop=tuple(stop))
