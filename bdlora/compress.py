@@ -61,6 +61,7 @@ def compress_run(run: RunDir | str | Path, cfg: BudgetedConfig, out: str | Path 
     else:
         compressed, report = compress_dense(model, train_cfg["lora_rank"] if method == "kd-lora" else 0, provenance)
     report.update(schema_version=SCHEMA_VERSION, bdlora_version=__version__, source="compress",
+                  lora_rank=train_cfg.get("lora_rank") if method in ("budgeted", "kd-lora") else None,
                   provenance=provenance)
     if evaluate:
         reporter.stage("scoring the held-out slice (uncompressed vs compressed)")

@@ -19,7 +19,7 @@ from bdlora.data import Corpus, tokenize_corpus
 from bdlora.errors import Checks, ModelError
 from bdlora.icl import TASKS, corpus_word_list, is_correct, summarise, task_examples
 from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import ModelDir, OnnxDir, RunDir, source_run
+from bdlora.runs import CONFIG, ModelDir, OnnxDir, RunDir, source_run
 from bdlora.runtime import (
     DecoderShape,
     check_onnx_dir,
@@ -301,7 +301,7 @@ def _onnx_target(path: Path, onnx_file: str, run_cfg: dict | None):
     """The graph under onnxruntime with the folder's tokenizer read by ``TextTokenizer``: no torch involved."""
     check_onnx_dir(path, onnx_file)  # graph inside the folder, config and tokenizer load, before any work
     try:
-        config = json.loads((path / "config.json").read_text())
+        config = json.loads((path / CONFIG).read_text())
         sess = session(path / onnx_file)
     except Exception as e:  # noqa: BLE001  a truncated/invalid graph or config is the folder's problem, not a bug
         raise ModelError(f"{path}: cannot load the ONNX model ({type(e).__name__}: {str(e).splitlines()[0][:160]})") \

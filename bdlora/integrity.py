@@ -14,6 +14,7 @@ import struct
 from pathlib import Path
 
 from bdlora.errors import ModelError
+from bdlora.runs import CONFIG
 
 DIGEST_KEY = "weights_sha256"  # in compression.json: {file name: hex digest}
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own bound on the JSON header
@@ -106,14 +107,14 @@ def _dims(shapes: dict[str, tuple[int, ...]], module: str) -> tuple[int, int] | 
 
 
 def check_declared_sizes(folder: Path, cfg: dict, shapes: dict[str, tuple[int, ...]],
-                         what: str = "config.json") -> None:
+                         what: str = CONFIG) -> None:
     """The decoder sizes ``cfg`` declares (layers, hidden, MLP, heads, vocabulary) against the tensors the weight
     files hold (their safetensors headers), before anything is allocated: a config edited to absurd sizes would
     otherwise have transformers allocate them (a hang, then an out-of-memory kill) instead of a one-line refusal.
     Applies to the Llama/Mistral/Qwen2 layout (and bdlora's compressed forms of it); other layouts are refused by
     the architecture check."""
     sizes, bad = _declared(cfg)
-    where = f"{Path(folder) / 'config.json'}" if what == "config.json" else what
+    where = f"{Path(folder) / CONFIG}" if what == CONFIG else what
     if bad:
         raise ModelError(f"{where}: {'; '.join(bad)}")
     embed = shapes.get("model.embed_tokens.weight")
@@ -141,7 +142,7 @@ def check_declared_sizes(folder: Path, cfg: dict, shapes: dict[str, tuple[int, .
 
 
 def check_config(folder: Path) -> dict:
-    f = Path(folder) / "config.json"
+    f = Path(folder) / CONFIG
     try:
         cfg = json.loads(f.read_text())
     except FileNotFoundError:

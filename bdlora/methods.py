@@ -28,6 +28,7 @@ from bdlora.budgeted.model import apply_budgeted_lora, gated_modules, save_budge
 from bdlora.budgeted.start import start_gated, start_peft
 from bdlora.distill import DistillationLoss, kd_step
 from bdlora.io import save_tensors, write_json
+from bdlora.runs import ADAPTER, CONTROLLER_LOG, STUDENT_META
 
 
 def save_dense_student(model: nn.Module, tokenizer, out_dir: Path, extra_config: dict | None = None) -> None:
@@ -41,7 +42,7 @@ def save_dense_student(model: nn.Module, tokenizer, out_dir: Path, extra_config:
     save_tensors(out_dir / "model.safetensors", state, metadata={"format": "pt"})
     tokenizer.save_pretrained(out_dir)
     if extra_config:
-        write_json(out_dir / "bdlora_student.json", extra_config)
+        write_json(out_dir / STUDENT_META, extra_config)
 
 
 class TrainingMethod:
@@ -128,15 +129,15 @@ class KDLoRA(TrainingMethod):
         return model
 
     def save_student(self, model, tokenizer, out_dir):
-        save_dense_student(model, tokenizer, out_dir, {"method": self.name, "adapter": "adapter"})
-        model.save_pretrained(out_dir / "adapter", safe_serialization=True)
+        save_dense_student(model, tokenizer, out_dir, {"method": self.name, "adapter": ADAPTER})
+        model.save_pretrained(out_dir / ADAPTER, safe_serialization=True)
 
 
 class Budgeted(TrainingMethod):
     """Gated LoRA on the seven projection kinds with the budget controller setting the dense retentions."""
 
     name = "budgeted"
-    log_name = "controller.jsonl"
+    log_name = CONTROLLER_LOG
 
     def wrap(self, student, start=None):
         # the dense student, kept to time kd-full / kd-lora / budgeted steps on the same weights at the end

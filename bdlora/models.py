@@ -12,7 +12,7 @@ from bdlora.arch import check_architecture
 from bdlora.budgeted.model import FACTORS_FILE, META_FILE, load_budgeted
 from bdlora.errors import ModelError, RunDirError
 from bdlora.integrity import check_loadable, check_model_folder
-from bdlora.runs import RunDir
+from bdlora.runs import ADAPTER, CONFIG, RunDir
 
 
 def load_run_student(run: RunDir | str | Path, device: str = "cpu"):
@@ -32,10 +32,10 @@ def load_run_student(run: RunDir | str | Path, device: str = "cpu"):
         tok = AutoTokenizer.from_pretrained(str(sdir))
     except Exception as e:  # noqa: BLE001  transformers raises many types for a damaged folder
         raise ModelError(f"{sdir}: could not load the student ({_first_line(e)})") from None
-    if (sdir / "adapter").exists():
+    if (sdir / ADAPTER).exists():
         from bdlora.peft_compat import load_adapter
 
-        model = load_adapter(model, str(sdir / "adapter"))
+        model = load_adapter(model, str(sdir / ADAPTER))
     elif (sdir / META_FILE).exists() or summary.get("method") == "budgeted":
         if not (sdir / FACTORS_FILE).exists():
             raise RunDirError(f"{run.path}: a budgeted run without student/{FACTORS_FILE} (gated modules missing)")
@@ -51,7 +51,7 @@ def load_model_folder(model_dir: str | Path):
     from bdlora.runs import ModelDir
 
     folder = ModelDir(model_dir)
-    if not (folder.path / "config.json").exists():
+    if not (folder.path / CONFIG).exists():
         raise ModelError(f"{folder.path}: not a model folder (no config.json); pass a `bdlora compress` output or a "
                          "Hugging Face model folder")
     report = folder.report() if folder.finished() else None

@@ -15,6 +15,7 @@ from bdlora.budgeted.config import BudgetedConfig
 from bdlora.budgeted.controller import BudgetController
 from bdlora.budgeted.costs import compression_report, decide_module, shapes_from_config, training_compute_proxy
 from bdlora.errors import Checks, ModelError
+from bdlora.runs import CONFIG
 
 # plan needs shapes only, so it also reads Qwen3 configs (explicit head_dim); the other commands need weights
 PLAN_MODEL_TYPES = (*SUPPORTED_FAMILIES, "qwen3")
@@ -24,7 +25,7 @@ DEFAULT_PLAN_STEPS = 10_000
 def read_model_config(path: str | Path) -> dict:
     p = Path(path)
     if p.is_dir():
-        p = p / "config.json"
+        p = p / CONFIG
     if not p.exists():
         raise ModelError(f"--model-config {path}: no such file")
     try:

@@ -31,6 +31,15 @@ from bdlora.io import read_json
 
 RUNS_DIR = "runs"
 COMPRESSED, ONNX, HF, BENCH, EVAL, GENAI = ".compressed", ".onnx", ".hf", ".bench", ".eval.json", ".genai"
+# File names inside the folders (the one place they are spelled; the classes below use them too)
+CONFIG = "config.json"  # a run's options ({"config": ...}), or a model / export folder's transformers config
+GENAI_CONFIG = "genai_config.json"  # what onnxruntime-genai reads beside its graph
+EXPORT_MARKER = "export.json"  # written last by export onnx / export genai
+BENCH_JSON = "bench.json"  # written last by bench
+SWEEP_OPTIONS = "sweep.json"  # a sweep's options: its resume contract
+STUDENT_META = "bdlora_student.json"  # a run's student/: how to rebuild it (method, teacher, layers, adapter)
+ADAPTER = "adapter"  # a kd-lora student's PEFT adapter folder, inside student/
+CONTROLLER_LOG = "controller.jsonl"
 
 
 class Artefact:
@@ -111,12 +120,16 @@ class RunDir(Artefact):
         return self.path / "checkpoints"
 
     @property
+    def config_file(self) -> Path:
+        return self.path / CONFIG
+
+    @property
     def metrics_log(self) -> Path:
         return self.path / "metrics.jsonl"
 
     @property
     def controller_log(self) -> Path:
-        return self.path / "controller.jsonl"
+        return self.path / CONTROLLER_LOG
 
     @property
     def lora_start(self) -> tuple[Path, Path]:
@@ -126,7 +139,7 @@ class RunDir(Artefact):
 
     def started(self) -> bool:
         """A run's config.json (``{"config": {...options}}``), not a model folder's (``{"model_type": ...}``)."""
-        f = self.path / "config.json"
+        f = self.config_file
         if not f.is_file():
             return False
         try:
@@ -140,9 +153,9 @@ class RunDir(Artefact):
 
     def config(self) -> dict:
         """The resolved training options the run was started with."""
-        cfg = self.read("config.json").get("config")
+        cfg = self.read(CONFIG).get("config")
         if not isinstance(cfg, dict):
-            raise RunDirError(f"{self.path / 'config.json'}: has no 'config' mapping; the run is damaged")
+            raise RunDirError(f"{self.config_file}: has no 'config' mapping; the run is damaged")
         return cfg
 
     def summary(self) -> dict:
@@ -208,7 +221,7 @@ class ModelDir(Artefact):
     MAKE = "bdlora compress"
 
     def finished(self) -> bool:
-        return (self.path / "config.json").is_file() and super().finished()
+        return (self.path / CONFIG).is_file() and super().finished()
 
     def report(self) -> dict:
         return self.read(self.MARKER)
@@ -233,7 +246,7 @@ class ModelDir(Artefact):
 class OnnxDir(Artefact):
     """``bdlora export onnx``'s folder: model.onnx (+ model_int8.onnx), config, tokenizer, export.json."""
 
-    MARKER = "export.json"
+    MARKER = EXPORT_MARKER
     GLOB = f"*{ONNX}"
     WHAT = "ONNX export folder"
     MAKE = "bdlora export onnx"
@@ -243,14 +256,14 @@ class GenaiDir(Artefact):
     """``bdlora export genai``'s folder: model.onnx + model.onnx.data, genai_config.json, config, tokenizer,
     export.json."""
 
-    MARKER = "export.json"
+    MARKER = EXPORT_MARKER
     GLOB = f"*{GENAI}*"
     WHAT = "genai export folder"
     MAKE = "bdlora export genai"
 
 
 class BenchDir(Artefact):
-    MARKER = "bench.json"
+    MARKER = BENCH_JSON
     GLOB = f"*{BENCH}"
     WHAT = "bench folder"
     MAKE = "bdlora bench"
@@ -266,7 +279,7 @@ class SweepDir(Artefact):
     MAKE = "bdlora sweep"
 
     def started(self) -> bool:
-        return (self.path / "sweep.json").is_file()
+        return (self.path / SWEEP_OPTIONS).is_file()
 
     def member(self, name: str) -> RunDir:
         return RunDir(self.path / name)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bdlora.runs import CONFIG, EXPORT_MARKER, GENAI_CONFIG
+
 
 @dataclass(frozen=True)
 class DecoderShape:
@@ -46,7 +48,7 @@ class DecoderShape:
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> DecoderShape:
-        return cls.of(json.loads((Path(folder) / "config.json").read_text()))
+        return cls.of(json.loads((Path(folder) / CONFIG).read_text()))
 
 
 def signature_problems(shape: DecoderShape, inputs: dict[str, list], outputs: dict[str, list]) -> list[str]:
@@ -216,9 +218,9 @@ def check_onnx_dir(path: Path, onnx_file: str, runtime: str = "ort") -> None:
     make = "bdlora export genai" if runtime == "genai" else "bdlora export onnx"
     if not path.is_dir():
         raise ModelError(f"{path}: no such folder (pass a `{make}` output)")
-    if runtime == "genai" and not (path / "genai_config.json").is_file():
+    if runtime == "genai" and not (path / GENAI_CONFIG).is_file():
         raise ModelError(f"{path}: no genai_config.json (--runtime genai serves a `bdlora export genai` output)")
-    if runtime != "genai" and (path / "genai_config.json").is_file():
+    if runtime != "genai" and (path / GENAI_CONFIG).is_file():
         raise ModelError(f"{path}: a `bdlora export genai` folder (onnxruntime-genai's graph layout); serve it with "
                          "--runtime genai")
     if not (path / onnx_file).resolve().is_relative_to(path.resolve()):
@@ -226,13 +228,13 @@ def check_onnx_dir(path: Path, onnx_file: str, runtime: str = "ort") -> None:
     if not (path / onnx_file).is_file():
         found = ", ".join(sorted(p.name for p in path.glob("*.onnx"))) or "none"
         raise ModelError(f"{path}: no {onnx_file} (ONNX files there: {found}; pass a `{make}` output)")
-    if not (path / "config.json").is_file():
+    if not (path / CONFIG).is_file():
         raise ModelError(f"{path}: no config.json (pass a `{make}` output)")
     if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         raise ModelError(f"{path}: no tokenizer files")
-    if not (path / "export.json").is_file():  # written last: its absence means the export never finished
+    if not (path / EXPORT_MARKER).is_file():  # written last: its absence means the export never finished
         raise ModelError(f"{path}: an unfinished export (no export.json, which `{make}` writes last); export again")
-    for what, load in (("config.json", DecoderShape.from_folder), ("tokenizer", TextTokenizer)):
+    for what, load in ((CONFIG, DecoderShape.from_folder), ("tokenizer", TextTokenizer)):
         try:
             load(path)
         except Exception as e:  # noqa: BLE001  json, KeyError, tokenizers' own errors: one line either way
@@ -252,7 +254,7 @@ def check_genai_folder(path: Path, onnx_file: str = "model.onnx") -> None:
 
     try:
         graph = onnx.load(str(path / onnx_file), load_external_data=False).graph
-        genai = json.loads((path / "genai_config.json").read_text())["model"]
+        genai = json.loads((path / GENAI_CONFIG).read_text())["model"]
         decoder = genai["decoder"]
     except Exception as e:  # noqa: BLE001  protobuf, JSON or a missing key: one line either way
         raise ModelError(f"{path}: its graph or genai_config.json does not load ({type(e).__name__}: "

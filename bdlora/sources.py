@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bdlora.errors import ModelError
+from bdlora.runs import CONFIG
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ def resolve(spec: str, cache_dir: Path | None = None, what: str = "--teacher", o
         if not path.is_dir():
             raise ModelError(f"{what} {spec}: not a model folder, a .gguf file or a preset "
                              f"({', '.join(PRESETS)})")
-        if not (path / "config.json").exists():
+        if not (path / CONFIG).exists():
             raise ModelError(f"{what} {spec}: not a Hugging Face model folder (no config.json)")
         return str(path)
     if looks_like_hub_id(spec):

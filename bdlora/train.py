@@ -197,7 +197,7 @@ def _read_start(run_dir: RunDir) -> LowRankStart:
 
 
 def _write_config(run_dir: RunDir, cfg: TrainConfig) -> None:
-    write_json(run_dir.path / "config.json", {"schema_version": SCHEMA_VERSION, "bdlora_version": __version__,
+    write_json(run_dir.config_file, {"schema_version": SCHEMA_VERSION, "bdlora_version": __version__,
                                               "config": dataclasses.asdict(cfg)})
 
 

@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from bdlora.serve.config import ServeConfig
+from bdlora.serve.config import DEFAULT_DRAIN_SECONDS, DEFAULT_HOST, DEFAULT_PORT, ServeConfig
 from bdlora.serve.engine import Engine
 from bdlora.serve.handlers import ChatServing, CompletionServing
 from bdlora.serve.metrics import Metrics
@@ -302,8 +302,8 @@ def head_deadline_protocol(timeout: float):
     return HeadDeadline
 
 
-def serve(cfg: ServeConfig, host: str = "127.0.0.1", port: int = 8000, drain_seconds: int = 30,
-          log_level: str = "info") -> None:
+def serve(cfg: ServeConfig, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
+          drain_seconds: int = DEFAULT_DRAIN_SECONDS, log_level: str = "info") -> None:
     """Run the server until SIGINT/SIGTERM; on either, stop accepting, finish in-flight requests (up to
     ``drain_seconds``), then exit. If the engine dies, stop and raise (exit 1)."""
     import signal

@@ -6,6 +6,11 @@ from dataclasses import dataclass
 
 from bdlora.errors import Checks
 
+# Where and how the server listens (not part of ServeConfig: the app does not need them); the CLI's defaults.
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_DRAIN_SECONDS = 30  # on SIGTERM/SIGINT: seconds in-flight requests get to finish
+
 
 @dataclass
 class ServeConfig:

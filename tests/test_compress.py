@@ -194,6 +194,8 @@ def test_cli_compress_every_method(tiny_env, tmp_path, method):
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before  # the input run is untouched
     folder = tmp_path / "run.compressed"
     assert json.loads((folder / "compression.json").read_text())["modules_total"] == 28 // 2
+    trained = json.loads((run / "config.json").read_text())["config"]["lora_rank"]
+    assert report["lora_rank"] == (None if method == "kd-full" else trained)  # what bench's LoRA variant uses
     ev = report["eval"]
     if method == "budgeted":
         assert report["dense_dropped"] == 14 and report["speedup_vs_dense"] > 1

@@ -18,8 +18,10 @@ from pathlib import Path
 
 import torch.nn as nn
 
+from bdlora.bench.launch import run_timing_process
 from bdlora.errors import BdloraError
 from bdlora.reporter import SILENT, Reporter
+from bdlora.runs import GENAI_CONFIG
 
 BUILDER_PRECISIONS = {"fp32": "fp32", "int4": "int4"}  # the builder's -p values we compare against
 
@@ -63,12 +65,12 @@ def run_builder(hf_folder: Path, out: Path, precision: str, threads: int, cache:
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_folder), "-o", str(out), "-p",
            BUILDER_PRECISIONS[precision], "-e", "cpu", "-c", str(cache)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0 or not (out / "genai_config.json").exists():
+    if proc.returncode != 0 or not (out / GENAI_CONFIG).exists():
         tail = [ln for ln in (proc.stderr or proc.stdout).strip().splitlines() if ln.strip()][-1:]
         return f"onnxruntime-genai's builder failed ({tail[0][:200] if tail else proc.returncode})"
-    cfg = json.loads((out / "genai_config.json").read_text())
+    cfg = json.loads((out / GENAI_CONFIG).read_text())
     cfg["model"]["decoder"]["session_options"]["intra_op_num_threads"] = int(threads)  # same as our folders
-    (out / "genai_config.json").write_text(json.dumps(cfg, indent=2))
+    (out / GENAI_CONFIG).write_text(json.dumps(cfg, indent=2))
     return None
 
 
@@ -109,19 +111,6 @@ def time_genai(folders: dict[str, Path], shapes: list, repeats: int, warmup: int
     """Time every folder through og.Generator in a separate process; raw per-repeat ms per (variant, shape)."""
     spec = {"folders": {k: str(v) for k, v in folders.items()}, "shapes": shapes, "repeats": repeats,
             "warmup": warmup, "decode_tokens": decode_tokens, "vocab": vocab}
-    spec_path, out_path = work / "genai-spec.json", work / "genai-times.json"
-    spec_path.write_text(json.dumps(spec))
-    proc = subprocess.Popen([sys.executable, "-m", "bdlora.bench.genai_worker", str(spec_path), str(out_path)],
-                            stderr=subprocess.PIPE, text=True)
-    lines = []
-    try:
-        for line in proc.stderr:
-            lines.append(line)
-            if line.startswith("genai "):
-                reporter.stage(f"timed {line.strip()}")
-    finally:
-        if proc.poll() is None and sys.exc_info()[0] is not None:
-            proc.kill()
-    if proc.wait() != 0:
-        raise BdloraError(f"the genai timing process failed: {''.join(lines[-5:]).strip()}")
-    return json.loads(out_path.read_text())["times"]
+    res = run_timing_process("bdlora.bench.genai_worker", spec, "genai", work,
+                             lambda line: line.startswith("genai "), reporter, what="genai timing")
+    return res["times"]

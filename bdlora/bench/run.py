@@ -21,9 +21,6 @@ needs (per-session pools distorted interleaved timings by up to 2x).
 from __future__ import annotations
 
 import copy
-import json
-import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -32,12 +29,14 @@ import torch.nn as nn
 
 from bdlora import SCHEMA_VERSION, __version__
 from bdlora.bench.config import BenchConfig, provider_name
+from bdlora.bench.launch import run_timing_process
 from bdlora.bench.report import markdown, plot
 from bdlora.bench.variants import dense_variant, export_projection_stack, floor_variant, lora_variant
-from bdlora.errors import BdloraError, usable_cores
+from bdlora.errors import usable_cores
 from bdlora.export.onnx.metadata import module_table
 from bdlora.io import atomic_dir, write_json, write_text
 from bdlora.reporter import SILENT, Reporter
+from bdlora.runs import BENCH_JSON
 from bdlora.runtime import DecoderShape
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -74,22 +73,8 @@ def run_worker(kind: str, graphs: dict[str, Path], shapes: list, cfg: BenchConfi
     spec = {"graphs": {k: str(v) for k, v in graphs.items()}, "kind": kind, "shapes": shapes,
             "repeats": cfg.repeats, "warmup": cfg.warmup, "threads": threads, "provider": provider_name(cfg.provider),
             "opt_level": cfg.opt_level, "decode_tokens": cfg.decode_tokens, "dims": dims}
-    spec_path, out_path = workdir / f"{kind}-spec.json", workdir / f"{kind}-times.json"
-    spec_path.write_text(json.dumps(spec))
-    proc = subprocess.Popen([sys.executable, "-m", "bdlora.bench.worker", str(spec_path), str(out_path)],
-                            stderr=subprocess.PIPE, text=True)
-    lines = []
-    try:
-        for line in proc.stderr:
-            lines.append(line)
-            if not line.startswith((" ", "Traceback")):
-                reporter.stage(f"timed {line.strip()}")
-    finally:
-        if proc.poll() is None and sys.exc_info()[0] is not None:  # interrupted: do not leave the worker running
-            proc.kill()
-    if proc.wait() != 0:
-        raise BdloraError(f"the bench timing process failed: {''.join(lines[-5:]).strip()}")
-    res = json.loads(out_path.read_text())
+    res = run_timing_process("bdlora.bench.worker", spec, kind, workdir,
+                             lambda line: not line.startswith((" ", "Traceback")), reporter)
     return res["times"], res["pool"]
 
 
@@ -254,5 +239,5 @@ def run_bench(model: nn.Module, lora_rank: int, cfg: BenchConfig, out: Path, rep
                                                                "dense_svd", "dense_dropped", "budget")}
         write_text(tmp / "bench.md", markdown(doc))
         plot(doc, tmp / "bench.png")
-        write_json(tmp / "bench.json", doc)
+        write_json(tmp / BENCH_JSON, doc)
     return doc

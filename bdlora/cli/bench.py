@@ -9,7 +9,7 @@ from bdlora.bench.config import BenchConfig
 from bdlora.cli import render
 from bdlora.cli.app import command, out
 from bdlora.cli.options import from_dataclass, int_list, str_list
-from bdlora.runs import RUNS_DIR
+from bdlora.runs import RUNS_DIR, BenchDir
 
 
 @command(options=from_dataclass(BenchConfig, skip=("opt_level",), defaults=True))
@@ -65,14 +65,14 @@ def bench(
             raise ModelError(f"{src.path}: no compression.json; bench needs a `bdlora compress` output (or use "
                              "--model-config for synthetic mode)")
         model, tok, report = load_model_folder(src.path)
-        rank = check_lora_rank(lora_rank or max(1, round(report["lora_macs"] / max(1, sum(
-            m["in_features"] + m["out_features"] for m in report["modules"])))), model.config, lora_rank is None)
+        rank = check_lora_rank(lora_rank or trained_lora_rank(report), model.config, lora_rank is None)
         dst, inputs = (Path(out_dir) if out_dir else src.bench_out()), (src.path,)
     check_out_dir(dst, force, inputs)
     doc = run_bench(model, rank, cfg, dst, report, reporter=RichReporter(out), tokenizer=tok)
-    _ = write_json(json_path, doc) if json_path else None
+    if json_path:
+        write_json(json_path, doc)
     render.bench(doc)
-    out.print(f"[green]wrote[/] {dst}/bench.json, bench.md, bench.png")
+    out.print(f"[green]wrote[/] {dst / BenchDir.MARKER}, bench.md, bench.png")
 
 
 def _check_own_options(model_config, budget, layers, lora_rank) -> None:
@@ -87,3 +87,12 @@ def _check_own_options(model_config, budget, layers, lora_rank) -> None:
     if not model_config and (budget is not None or layers is not None):
         raise UsageError(f"--{'budget' if budget is not None else 'layers'}: only with --model-config (synthetic "
                          "mode); a compressed folder has its own structure")
+
+
+def trained_lora_rank(report: dict) -> int:
+    """The LoRA rank the model was trained with (``compression.json``'s ``lora_rank``); folders written before it
+    was recorded give it back from the LoRA MACs (sum of r (d_in + d_out) over the modules)."""
+    if report.get("lora_rank"):
+        return int(report["lora_rank"])
+    per_rank = sum(m["in_features"] + m["out_features"] for m in report["modules"])
+    return max(1, round(report["lora_macs"] / max(1, per_rank)))

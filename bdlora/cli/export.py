@@ -8,6 +8,7 @@ import typer
 
 from bdlora.cli import render
 from bdlora.cli.app import command, err, export_app, out
+from bdlora.export.defaults import DEFAULT_OPSET, MAX_PPL_CHANGE
 from bdlora.runs import RUNS_DIR
 
 
@@ -41,7 +42,7 @@ def export_onnx(
                                                             "latest), any HF Llama/Mistral/Qwen2 folder, a teacher "
                                                             "preset or a .gguf file.")] = None,
     out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: MODEL_DIR.onnx).")] = None,
-    opset: Annotated[int, typer.Option(help="ONNX opset (14 up to the exporter's maximum).")] = 17,
+    opset: Annotated[int, typer.Option(help="ONNX opset (14 up to the exporter's maximum).")] = DEFAULT_OPSET,
     quantize: Annotated[Optional[str], typer.Option(help="int8: also write model_int8.onnx (dynamic weight "
                                                           "quantisation) and report its perplexity change.")] = None,
     no_validate: Annotated[bool, typer.Option("--no-validate", help="Skip the parity check against PyTorch.")]
@@ -88,7 +89,7 @@ def export_genai(
     context_length: Annotated[Optional[int], typer.Option(help="Longest sequence the folder generates (default: the "
                                                                "model's positions, at most 4096).")] = None,
     max_ppl_change: Annotated[float, typer.Option(help="int8/int4: refuse the export if held-out perplexity rises by "
-                                                       "more than this fraction over fp32.")] = 0.10,
+                                                       "more than this fraction over fp32.")] = MAX_PPL_CHANGE,
     threads: Annotated[Optional[int], typer.Option(help="Intra-op threads written into genai_config.json (default: "
                                                         "this machine's cores; 0 = none, and onnxruntime-genai then "
                                                         "runs on one thread).")] = None,
@@ -107,7 +108,7 @@ def export_genai(
     from bdlora.runs import ModelDir
 
     if not max_ppl_change >= 0 or max_ppl_change == float("inf"):
-        raise UsageError(f"--max-ppl-change {max_ppl_change}: must be a finite fraction >= 0 (0.10 = 10%)")
+        raise UsageError(f"--max-ppl-change {max_ppl_change}: must be a finite fraction >= 0 (0.1 = 10%)")
     rep = RichReporter(err if json_out else out)
     suffix = "" if precision == "fp32" else f"-{precision}"
     if model_dir is not None and sources.is_named(model_dir):

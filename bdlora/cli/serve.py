@@ -10,7 +10,7 @@ from bdlora.cli import render
 from bdlora.cli.app import command, err, fail
 from bdlora.cli.options import from_dataclass, int_list
 from bdlora.runs import RUNS_DIR
-from bdlora.serve.config import ServeConfig
+from bdlora.serve.config import DEFAULT_DRAIN_SECONDS, DEFAULT_HOST, DEFAULT_PORT, ServeConfig
 
 
 @command(options=from_dataclass(ServeConfig, skip=("onnx_dir", "model_name"), defaults=True))
@@ -18,12 +18,12 @@ def serve(
     onnx_dir: Annotated[Optional[str], typer.Argument(help="A `bdlora export onnx` folder (default: the latest), "
                                                            "or with --runtime genai a `bdlora export genai` folder.")]
     = None,
-    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = DEFAULT_HOST,
+    port: Annotated[int, typer.Option(help="TCP port.")] = DEFAULT_PORT,
     model_name: Annotated[Optional[str], typer.Option(help="Model id clients send (default: the folder name).")]
     = None,
     drain_seconds: Annotated[int, typer.Option(help="On SIGTERM/SIGINT: seconds to let in-flight requests "
-                                                    "finish.")] = 30,
+                                                    "finish.")] = DEFAULT_DRAIN_SECONDS,
     runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,
     **opts,
 ):

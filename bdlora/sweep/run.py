@@ -32,7 +32,7 @@ from bdlora.errors import RunDirError
 from bdlora.evaluate import EvalConfig, evaluate_target
 from bdlora.io import read_json, write_json, write_text
 from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import BENCH, COMPRESSED, EVAL, ModelDir, SweepDir
+from bdlora.runs import BENCH, COMPRESSED, EVAL, SWEEP_OPTIONS, BenchDir, ModelDir, SweepDir
 from bdlora.sweep.options import Member, SweepOptions
 from bdlora.sweep.paper import teacher_label, write_paper_outputs
 from bdlora.sweep.report import icl_fields, markdown, member_row, plot_pareto
@@ -44,11 +44,11 @@ def run_sweep(opts: SweepOptions | None, sweep: SweepDir, reporter: Reporter = S
     if resume:
         if not sweep.started():
             raise RunDirError(f"--resume {sweep.path}: not a sweep folder (no sweep.json)")
-        opts = SweepOptions(**sweep.read("sweep.json")["options"])
+        opts = SweepOptions(**sweep.read(SWEEP_OPTIONS)["options"])
     else:
         opts.validate()
         sweep.path.mkdir(parents=True, exist_ok=True)
-        write_json(sweep.path / "sweep.json", {"schema_version": SCHEMA_VERSION, "options": dataclasses.asdict(opts)})
+        write_json(sweep.path / SWEEP_OPTIONS, {"schema_version": SCHEMA_VERSION, "options": dataclasses.asdict(opts)})
     members = opts.members()
     rows = []
     for i, m in enumerate(members, 1):
@@ -140,7 +140,7 @@ def _bench_member(m: Member, opts: SweepOptions, sweep: SweepDir, model_dir: Mod
     from bdlora.models import load_model_folder
 
     bench_dir = sweep.path / f"{m.name}{BENCH}"
-    if (bench_dir / "bench.json").exists():
+    if (bench_dir / BenchDir.MARKER).exists():
         rep.stage("bench: done")
     else:
         if bench_dir.exists():
@@ -149,7 +149,7 @@ def _bench_member(m: Member, opts: SweepOptions, sweep: SweepDir, model_dir: Mod
         bcfg = BenchConfig(scope="both", batch_sizes=opts.bench_batch_sizes, seq_lens=opts.bench_seq_lens,
                            decode_tokens=opts.bench_decode_tokens, repeats=opts.bench_repeats, warmup=1)
         run_bench(model, lora_rank, bcfg, bench_dir, report, reporter=rep)
-    return read_json(bench_dir / "bench.json")
+    return read_json(bench_dir / BenchDir.MARKER)
 
 
 def _eval_teacher(opts: SweepOptions, sweep: SweepDir, rows: list[dict], reporter: Reporter) -> dict | None:

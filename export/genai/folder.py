@@ -8,15 +8,15 @@ from pathlib import Path
 
 from bdlora import SCHEMA_VERSION
 from bdlora.errors import UsageError, usable_cores
+from bdlora.export.defaults import MAX_PPL_CHANGE
 from bdlora.export.genai.config import genai_config
 from bdlora.export.genai.quantize import PRECISIONS
 from bdlora.export.onnx.metadata import metadata_props, metadata_summary, module_table, set_metadata
 from bdlora.io import atomic_dir, write_json
 from bdlora.models import load_model_folder
 from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import ModelDir, OnnxDir, check_out_dir, source_run
+from bdlora.runs import GENAI_CONFIG, ModelDir, OnnxDir, check_out_dir, source_run
 
-MAX_PPL_CHANGE = 0.10  # int8/int4 exports whose held-out perplexity rises more than this are refused
 QUALITY_TOKENS = 32768  # held-out tokens scored with the fp32 and quantised graphs when no training run is known
 MAX_CONTEXT = 4096  # rotary tables and the generator's default max_length stop here unless --context-length says more
 
@@ -54,7 +54,7 @@ def write_genai_files(model, tok, folder: Path, precision: str, ctx: int, report
     proto = build_decoder(model, ctx)
     set_metadata(proto, metadata_props(rows, metadata_summary(model, rows, report)))
     info: dict = {"nodes": len(proto.graph.node)}
-    write_json(folder / "genai_config.json", genai_config(cfg, base, ctx, threads=threads))
+    write_json(folder / GENAI_CONFIG, genai_config(cfg, base, ctx, threads=threads))
     if tok is not None:
         tok.save_pretrained(folder)
     cfg.save_pretrained(folder)

@@ -10,10 +10,8 @@ from __future__ import annotations
 import torch
 
 from bdlora.errors import UsageError
+from bdlora.export.defaults import DEFAULT_OPSET, MIN_OPSET  # noqa: F401  (re-exported: trace, folder)
 from bdlora.runtime import DecoderShape, io_names
-
-DEFAULT_OPSET = 17
-MIN_OPSET = 14  # the ops the TorchScript exporter emits for the attention need >= 14
 
 
 def max_opset() -> int:

@@ -1,0 +1,6 @@
+"""Defaults of the exporters, in a module that imports nothing (so the torch-free CLI shows them in ``--help``
+and the exporters read the same values)."""
+
+DEFAULT_OPSET = 17  # ONNX opset of `export onnx`
+MIN_OPSET = 14  # the ops the TorchScript exporter emits for the attention need >= 14
+MAX_PPL_CHANGE = 0.10  # `export genai --precision int8|int4`: refused if held-out perplexity rises more than this
