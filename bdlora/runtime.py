@@ -1,9 +1,9 @@
 """Running an exported bdlora decoder under onnxruntime: numpy and onnxruntime only (no torch), so serving, ONNX-side
 evaluation and the bench worker load without it.
 
-The graph signature (see ``bdlora.export.onnx.signature``): inputs ``input_ids``, ``attention_mask``,
-``position_ids``, ``past_key_values.{i}.key/value`` (batch, kv_heads, past, head_dim); outputs ``logits`` and
-``present.{i}.key/value`` (batch, kv_heads, past + seq, head_dim).
+The graph signature is ``DecoderSignature``: inputs ``input_ids``, ``attention_mask``, ``position_ids`` (not in
+the onnxruntime-genai graph, which derives positions from the mask), ``past_key_values.{i}.key/value`` (batch,
+kv_heads, past, head_dim); outputs ``logits`` and ``present.{i}.key/value`` (batch, kv_heads, past + seq, head_dim).
 """
 
 from __future__ import annotations
@@ -11,10 +11,79 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
 from bdlora.runs import CONFIG, EXPORT_MARKER, GENAI_CONFIG
+
+
+@dataclass(frozen=True)
+class DecoderSignature:
+    """Names and symbolic shapes of the inputs, outputs and KV cache of every decoder graph bdlora writes (the ONNX
+    export, the genai graph and its ``genai_config.json``) and feeds (the runtime, the bench worker): the one place
+    they are spelled. ``position_ids`` is False for the genai layout (its attention derives positions from the
+    mask)."""
+
+    layers: int
+    position_ids: bool = True
+
+    INPUT_IDS: ClassVar[str] = "input_ids"
+    ATTENTION_MASK: ClassVar[str] = "attention_mask"
+    POSITION_IDS: ClassVar[str] = "position_ids"
+    LOGITS: ClassVar[str] = "logits"
+    PAST: ClassVar[str] = "past_key_values.{layer}.{kind}"  # kind: "key" | "value"
+    PRESENT: ClassVar[str] = "present.{layer}.{kind}"
+    KINDS: ClassVar[tuple[str, str]] = ("key", "value")
+    # symbolic dims: (name of each axis) of the token inputs, the mask, the logits, the cache in and out
+    TOKENS_DIMS: ClassVar[tuple[str, str]] = ("batch", "seq")
+    MASK_DIMS: ClassVar[tuple[str, str]] = ("batch", "total")
+    PAST_DIMS: ClassVar[tuple[str, str, str, str]] = ("batch", "kv_heads", "past", "head_dim")
+    PRESENT_DIMS: ClassVar[tuple[str, str, str, str]] = ("batch", "kv_heads", "total", "head_dim")
+
+    @classmethod
+    def past(cls, layer: int | str, kind: str) -> str:
+        """``past_key_values.3.key``; with ``layer="%d"`` the printf template onnxruntime-genai's config takes."""
+        return cls.PAST.format(layer=layer, kind=kind)
+
+    @classmethod
+    def present(cls, layer: int | str, kind: str) -> str:
+        return cls.PRESENT.format(layer=layer, kind=kind)
+
+    @property
+    def cache_inputs(self) -> list[str]:
+        return [self.past(i, k) for i in range(self.layers) for k in self.KINDS]
+
+    @property
+    def cache_outputs(self) -> list[str]:
+        return [self.present(i, k) for i in range(self.layers) for k in self.KINDS]
+
+    @property
+    def inputs(self) -> list[str]:
+        tokens = [self.INPUT_IDS, self.ATTENTION_MASK] + ([self.POSITION_IDS] if self.position_ids else [])
+        return tokens + self.cache_inputs
+
+    @property
+    def outputs(self) -> list[str]:
+        return [self.LOGITS] + self.cache_outputs
+
+    def dynamic_axes(self) -> dict[str, dict[int, str]]:
+        """{name: {axis: symbolic name}} of every input and output (torch.onnx's ``dynamic_axes``)."""
+        batch, seq = self.TOKENS_DIMS
+        axes = {self.INPUT_IDS: {0: batch, 1: seq}, self.ATTENTION_MASK: dict(enumerate(self.MASK_DIMS)),
+                self.LOGITS: {0: batch, 1: seq}}
+        if self.position_ids:
+            axes[self.POSITION_IDS] = {0: batch, 1: seq}
+        axes.update({n: {0: batch, 2: self.PAST_DIMS[2]} for n in self.cache_inputs})
+        axes.update({n: {0: batch, 2: self.PRESENT_DIMS[2]} for n in self.cache_outputs})
+        return axes
+
+    @classmethod
+    def of_inputs(cls, names: list[str]) -> DecoderSignature:
+        """The signature of a graph with these input names (a graph we wrote: cache inputs counted)."""
+        prefix = cls.PAST.split("{")[0]
+        layers = sum(1 for n in names if n.startswith(prefix) and n.endswith(".key"))
+        return cls(layers, position_ids=cls.POSITION_IDS in names)
 
 
 @dataclass(frozen=True)
@@ -56,12 +125,12 @@ def signature_problems(shape: DecoderShape, inputs: dict[str, list], outputs: di
     an int or a symbolic name): the number of past key inputs is the number of layers, their static dims are the KV
     heads and head size, the logits' last dim is the vocabulary. A config edited to other sizes would otherwise
     size every cache the caller builds (or fail inside onnxruntime with its own error)."""
-    keys = {n: d for n, d in inputs.items() if n.startswith("past_key_values.") and n.endswith(".key")}
-    held = {"num_hidden_layers": len(keys)}
-    first = keys.get("past_key_values.0.key") or []
+    sig = DecoderSignature.of_inputs(list(inputs))
+    held = {"num_hidden_layers": sig.layers}
+    first = inputs.get(sig.past(0, "key")) or []
     if len(first) == 4:
         held["num_key_value_heads"], held["head_dim"] = first[1], first[3]
-    logits = outputs.get("logits") or []
+    logits = outputs.get(sig.LOGITS) or []
     if logits:
         held["vocab_size"] = logits[-1]
     declared = {"num_hidden_layers": shape.layers, "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim,
@@ -83,13 +152,6 @@ def check_signature(folder: str | Path, shape: DecoderShape, sess) -> None:
     if problems:
         raise ModelError(f"{Path(folder) / 'config.json'}: declares {'; '.join(problems[:3])}: the config was "
                          "edited or does not belong to this graph")
-
-
-def io_names(num_layers: int) -> tuple[list[str], list[str]]:
-    ins = ["input_ids", "attention_mask", "position_ids"] + [
-        f"past_key_values.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
-    outs = ["logits"] + [f"present.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
-    return ins, outs
 
 
 def session(path: str | Path, threads: int | None = None, opt_level: str = "all", global_pool: bool = False,
@@ -144,7 +206,7 @@ def run_decoder(sess, ids, mask, pos, past) -> list[np.ndarray]:
     """One call of the graph: [logits (B, T, V), present key/values...]. A graph without ``position_ids`` (the
     onnxruntime-genai layout, whose attention derives positions from the mask) is fed the rest."""
     names = [i.name for i in sess.get_inputs()]
-    values = [ids, mask, pos, *past] if "position_ids" in names else [ids, mask, *past]
+    values = [ids, mask, pos, *past] if DecoderSignature.POSITION_IDS in names else [ids, mask, *past]
     return sess.run(None, dict(zip(names, values)))
 
 
@@ -154,7 +216,7 @@ def run_bound(sess, ids, mask, pos, past: list) -> tuple[np.ndarray, list]:
     past, so the KV cache stays in onnxruntime's memory between steps instead of being copied into numpy and back.
     Returns (logits as numpy, presents)."""
     names = [i.name for i in sess.get_inputs()]
-    values = [ids, mask, pos, *past] if "position_ids" in names else [ids, mask, *past]
+    values = [ids, mask, pos, *past] if DecoderSignature.POSITION_IDS in names else [ids, mask, *past]
     binding = sess.io_binding()
     for name, value in zip(names, values):
         if isinstance(value, np.ndarray):

@@ -18,7 +18,7 @@ from bdlora.export.genai import export_genai_folder
 from bdlora.export.genai.graph import build_decoder
 from bdlora.export.genai.validate import GENAI_SHAPES, graph_parity
 from bdlora.export.onnx.validate import TOLERANCE, ExportValidationError
-from bdlora.runtime import session
+from bdlora.runtime import DecoderSignature, session
 from conftest import compressed_student
 
 D_MIXED = [0.0, 1.0, 0.0, 0.2, 0.0, 0.9, 0.0]
@@ -80,6 +80,22 @@ def mixed_folder(tiny_env, tmp_path_factory):
                                              bos_token_id=tok.bos_token_id)).eval()
     _, model, report = compressed_student(teacher, D_MIXED, seed=1)
     return save_model_folder(model, tiny_env["tokenizer"], root / "mixed", report), root
+
+
+def test_the_genai_graph_and_its_config_follow_the_decoder_signature(mixed_folder, tmp_path):
+    """Names come from DecoderSignature (without position_ids: the genai attention derives them from the mask),
+    and genai_config.json's templates name exactly the graph's cache inputs and outputs."""
+    folder, _ = mixed_folder
+    out = tmp_path / "g"
+    export_genai_folder(folder, out, run_validation=False)
+    graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
+    sig = DecoderSignature(2, position_ids=False)
+    assert [i.name for i in graph.input] == sig.inputs and [o.name for o in graph.output] == sig.outputs
+    assert DecoderSignature.of_inputs([i.name for i in graph.input]) == sig
+    dec = json.loads((out / "genai_config.json").read_text())["model"]["decoder"]
+    assert [dec["inputs"]["past_key_names"] % i for i in range(2)] == [sig.past(i, "key") for i in range(2)]
+    assert [dec["outputs"]["present_value_names"] % i for i in range(2)] == [sig.present(i, "value") for i in range(2)]
+    assert dec["inputs"]["input_ids"] == sig.INPUT_IDS and dec["outputs"]["logits"] == sig.LOGITS
 
 
 def test_export_folder_generates_like_torch(mixed_folder):

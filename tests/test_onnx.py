@@ -10,7 +10,7 @@ from bdlora.deployed.folder import save_model_folder
 from bdlora.export.onnx import export_onnx_folder, load_ort_model
 from bdlora.export.onnx.validate import TOLERANCE
 from bdlora.models import load_model_folder
-from bdlora.runtime import DecoderShape, greedy_generate, session
+from bdlora.runtime import DecoderShape, DecoderSignature, greedy_generate, session
 from conftest import compressed_student
 
 D_MIXED = [0.0, 1.0, 0.0, 0.2, 0.0, 0.9, 0.0]
@@ -58,6 +58,11 @@ def test_mixed_parity_and_signature(mixed_export):
     assert ins[3] == ("past_key_values.0.key", ["batch", 2, "past", 8])  # GQA: 2 KV heads, head dim 32/4
     assert outs[0][0] == "logits" and outs[1] == ("present.0.key", ["batch", 2, "total", 8])
     assert len(ins) == 3 + 2 * 4 and len(outs) == 1 + 2 * 4
+    sig = DecoderSignature(4)  # the one declaration every exporter and caller reads
+    assert [n for n, _ in ins] == sig.inputs and [n for n, _ in outs] == sig.outputs
+    assert DecoderSignature.of_inputs([n for n, _ in ins]) == sig
+    shapes = dict(ins + outs)
+    assert all(shapes[n][axis] == dim for n, axes in sig.dynamic_axes().items() for axis, dim in axes.items())
 
 
 def test_metadata_equals_compression_report(mixed_export):

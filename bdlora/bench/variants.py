@@ -20,21 +20,7 @@ import torch
 import torch.nn as nn
 
 from bdlora.arch import projection_modules, set_module
-from bdlora.deployed.modeling_bdlora import LowRankLinear
-
-
-class DenseLoRALinear(nn.Module):
-    """y = base(x) + B (A x): a dense projection serving an unmerged LoRA adapter (scale folded into B)."""
-
-    def __init__(self, base: nn.Linear, lora_A: torch.Tensor, lora_B: torch.Tensor):
-        super().__init__()
-        self.base = base
-        self.lora_rank = lora_A.shape[0]
-        self.lora_A = nn.Parameter(lora_A, requires_grad=False)  # (r, d_in)
-        self.lora_B = nn.Parameter(lora_B, requires_grad=False)  # (d_out, r)
-
-    def forward(self, x):
-        return self.base(x) + nn.functional.linear(nn.functional.linear(x, self.lora_A), self.lora_B)
+from bdlora.deployed.modeling_bdlora import DenseLoRALinear, LowRankLinear
 
 
 def _dense_weight(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from bdlora.runtime import run_bound
+from bdlora.runtime import DecoderSignature, run_bound
 
 
 def time_interleaved(jobs: dict, repeats: int, warmup: int) -> dict[str, list[float]]:
@@ -99,12 +99,11 @@ def time_model(spec: dict, sessions: dict) -> list[dict]:
     out = []
     for phase, b, s in spec["shapes"]:
         if phase == "prefill":
-            feeds = {"input_ids": rng.integers(0, vocab, (b, s), dtype=np.int64),
-                     "attention_mask": np.ones((b, s), np.int64),
-                     "position_ids": np.broadcast_to(np.arange(s, dtype=np.int64), (b, s)).copy()}
-            for i in range(layers):
-                feeds[f"past_key_values.{i}.key"] = np.zeros((b, kv, 0, hd), np.float32)
-                feeds[f"past_key_values.{i}.value"] = np.zeros((b, kv, 0, hd), np.float32)
+            sig = DecoderSignature(layers)
+            feeds = {sig.INPUT_IDS: rng.integers(0, vocab, (b, s), dtype=np.int64),
+                     sig.ATTENTION_MASK: np.ones((b, s), np.int64),
+                     sig.POSITION_IDS: np.broadcast_to(np.arange(s, dtype=np.int64), (b, s)).copy()}
+            feeds.update({n: np.zeros((b, kv, 0, hd), np.float32) for n in sig.cache_inputs})
             jobs = {n: _bound_run(sess, feeds) for n, sess in sessions.items()}
             times = time_interleaved(jobs, spec["repeats"], spec["warmup"])
         else:  # decode ``steps`` tokens after a cache of ``s`` tokens, feeding each step's cache back

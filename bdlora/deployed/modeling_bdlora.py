@@ -41,6 +41,21 @@ class LowRankLinear(nn.Module):
         return self.proj_out(self.proj_in(x))  # (..., d_in) -> (..., r) -> (..., d_out)
 
 
+class DenseLoRALinear(nn.Module):
+    """y = base(x) + B (A x): a dense projection serving an unmerged LoRA adapter (scale folded into B), as a LoRA
+    student is deployed without merging (the bench's ``lora`` variant; not part of the bdlora architecture)."""
+
+    def __init__(self, base: nn.Linear, lora_A, lora_B):
+        super().__init__()
+        self.base = base
+        self.lora_rank = lora_A.shape[0]
+        self.lora_A = nn.Parameter(lora_A, requires_grad=False)  # (r, d_in)
+        self.lora_B = nn.Parameter(lora_B, requires_grad=False)  # (d_out, r)
+
+    def forward(self, x):
+        return self.base(x) + nn.functional.linear(nn.functional.linear(x, self.lora_A), self.lora_B)
+
+
 class BdloraConfigMixin:
     """The base family's config plus ``bdlora_modules`` (every replaced projection's form) and ``bdlora``
     (provenance: base model type, budget F, thresholds, MAC totals; informational)."""

@@ -3,6 +3,8 @@ writes), plus the search defaults it generates with (greedy, the model's EOS).""
 
 from __future__ import annotations
 
+from bdlora.runtime import DecoderSignature as Sig
+
 GENAI_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
 
 
@@ -35,10 +37,10 @@ def genai_config(config, base_type: str, context_length: int, filename: str = "m
                 "filename": filename,
                 "head_size": head_dim,
                 "hidden_size": int(config.hidden_size),
-                "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
-                           "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"},
-                "outputs": {"logits": "logits", "present_key_names": "present.%d.key",
-                            "present_value_names": "present.%d.value"},
+                "inputs": {"input_ids": Sig.INPUT_IDS, "attention_mask": Sig.ATTENTION_MASK,
+                           "past_key_names": Sig.past("%d", "key"), "past_value_names": Sig.past("%d", "value")},
+                "outputs": {"logits": Sig.LOGITS, "present_key_names": Sig.present("%d", "key"),
+                            "present_value_names": Sig.present("%d", "value")},
                 "num_attention_heads": heads,
                 "num_hidden_layers": int(config.num_hidden_layers),
                 "num_key_value_heads": int(getattr(config, "num_key_value_heads", None) or heads),

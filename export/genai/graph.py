@@ -24,6 +24,12 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from bdlora.runtime import DecoderSignature as Sig
+
+# the signature's symbolic dims, spelled as onnxruntime-genai's model builder spells them in its graphs
+GENAI_DIMS = {"batch": "batch_size", "seq": "sequence_length", "past": "past_sequence_length",
+              "total": "total_sequence_length"}
+
 MS = "com.microsoft"
 OPSET = 21
 
@@ -43,7 +49,7 @@ class Projection:
 
     @classmethod
     def of(cls, name: str, m: nn.Module) -> Projection:
-        from bdlora.deployed.modeling_bdlora import LowRankLinear
+        from bdlora.deployed.modeling_bdlora import DenseLoRALinear, LowRankLinear
 
         def f(t):
             return None if t is None else t.detach().float().cpu().numpy()
@@ -53,7 +59,7 @@ class Projection:
                        bias=f(m.proj_out.bias), form="lowrank", rank=m.rank)
         if isinstance(m, nn.Linear):
             return cls(name, m.out_features, weight=f(m.weight), bias=f(m.bias))
-        if hasattr(m, "base") and hasattr(m, "lora_rank"):
+        if isinstance(m, DenseLoRALinear):
             return cls(name, m.base.out_features, weight=f(m.base.weight), lora_a=f(m.lora_A),
                        lora_b=f(m.lora_B), bias=f(m.base.bias), form="dense+lora", rank=m.lora_rank)
         raise TypeError(f"{name}: unsupported projection module {type(m).__name__}")
@@ -162,10 +168,10 @@ def _mask_inputs(g: GraphBuilder) -> tuple[str, str]:
     from onnx import TensorProto
 
     one = g.init("/model/constants/INT64/[1]", np.array([1], np.int64))
-    total = g.one("ReduceSum", ["attention_mask", one], "/model/attn_mask/ReduceSum", keepdims=0)
+    total = g.one("ReduceSum", [Sig.ATTENTION_MASK, one], "/model/attn_mask/ReduceSum", keepdims=0)
     seqlens_k = g.one("Cast", [g.one("Sub", [total, one], "/model/attn_mask/Sub")], "/model/attn_mask/seqlens_k",
                       to=TensorProto.INT32)
-    width = g.one("Gather", [g.one("Shape", ["attention_mask"], "/model/attn_mask/Shape"),
+    width = g.one("Gather", [g.one("Shape", [Sig.ATTENTION_MASK], "/model/attn_mask/Shape"),
                              g.init("/model/constants/INT64/1", np.array(1, np.int64))], "/model/attn_mask/Gather",
                   axis=0)
     return seqlens_k, g.one("Cast", [width], "/model/attn_mask/total_seq_len", to=TensorProto.INT32)
@@ -190,9 +196,9 @@ def _layer(g: GraphBuilder, i: int, layer: nn.Module, residual: str, mlp_prev: s
     window = getattr(cfg, "sliding_window", None) if use_window else None
     attn, _, _ = g.node(
         "GroupQueryAttention",
-        [qkv, "", "", f"past_key_values.{i}.key", f"past_key_values.{i}.value", *mask, "cos_cache", "sin_cache"],
+        [qkv, "", "", Sig.past(i, "key"), Sig.past(i, "value"), *mask, "cos_cache", "sin_cache"],
         f"{s}/self_attn/GroupQueryAttention", domain=MS,
-        outputs=[f"{s}/self_attn/GroupQueryAttention/output_0", f"present.{i}.key", f"present.{i}.value"],
+        outputs=[f"{s}/self_attn/GroupQueryAttention/output_0", Sig.present(i, "key"), Sig.present(i, "value")],
         num_heads=cfg.num_attention_heads, kv_num_heads=cfg.num_key_value_heads, scale=float(at.scaling),
         do_rotary=1, rotary_interleaved=0, local_window_size=int(window) if window else -1)
     (o,) = emit_group(g, attn, [Projection.of(f"model.layers.{i}.self_attn.o_proj", at.o_proj)], f"{s}/self_attn")
@@ -211,16 +217,16 @@ def _layer(g: GraphBuilder, i: int, layer: nn.Module, residual: str, mlp_prev: s
 def _io(vocab: int, layers: int, kv_heads: int, hd: int) -> tuple[list, list]:
     from onnx import TensorProto, helper
 
-    kv_shape = ["batch_size", kv_heads, "past_sequence_length", hd]
-    present_shape = ["batch_size", kv_heads, "total_sequence_length", hd]
-    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
-              helper.make_tensor_value_info("attention_mask", TensorProto.INT64,
-                                            ["batch_size", "total_sequence_length"])]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch_size", "sequence_length", vocab])]
-    for i in range(layers):
-        for kind in ("key", "value"):
-            inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", TensorProto.FLOAT, kv_shape))
-            outputs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", TensorProto.FLOAT, present_shape))
+    sig = Sig(layers, position_ids=False)
+    dim = GENAI_DIMS.get
+    batch, seq = (dim(d) for d in sig.TOKENS_DIMS)
+    kv_shape = [batch, kv_heads, dim(sig.PAST_DIMS[2]), hd]
+    present_shape = [batch, kv_heads, dim(sig.PRESENT_DIMS[2]), hd]
+    inputs = [helper.make_tensor_value_info(sig.INPUT_IDS, TensorProto.INT64, [batch, seq]),
+              helper.make_tensor_value_info(sig.ATTENTION_MASK, TensorProto.INT64, [dim(d) for d in sig.MASK_DIMS])]
+    outputs = [helper.make_tensor_value_info(sig.LOGITS, TensorProto.FLOAT, [batch, seq, vocab])]
+    inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in sig.cache_inputs]
+    outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, present_shape) for n in sig.cache_outputs]
     return inputs, outputs
 
 
@@ -242,7 +248,7 @@ def build_decoder(model: nn.Module, context_length: int):
     g.init("cos_cache", cos)
     g.init("sin_cache", sin)
     emb = g.init("model.embed_tokens.weight", _f32(model.model.embed_tokens.weight))
-    residual, mlp_out = g.one("Gather", [emb, "input_ids"], "/model/embed_tokens/Gather"), None
+    residual, mlp_out = g.one("Gather", [emb, Sig.INPUT_IDS], "/model/embed_tokens/Gather"), None
     for i, layer in enumerate(layers):
         residual, mlp_out = _layer(g, i, layer, residual, mlp_out, mask, cfg)
     w_norm = g.init("model.norm.weight", _f32(model.model.norm.weight))
@@ -251,10 +257,10 @@ def build_decoder(model: nn.Module, context_length: int):
     head = model.lm_head
     w_head = g.init("lm_head.weight", _f32(head.weight).T)
     if head.bias is None:
-        g.node("MatMul", [final, w_head], "/lm_head/MatMul", outputs=["logits"])
+        g.node("MatMul", [final, w_head], "/lm_head/MatMul", outputs=[Sig.LOGITS])
     else:
         logits = g.one("MatMul", [final, w_head], "/lm_head/MatMul")
-        g.node("Add", [logits, g.init("lm_head.bias", _f32(head.bias))], "/lm_head/Add", outputs=["logits"])
+        g.node("Add", [logits, g.init("lm_head.bias", _f32(head.bias))], "/lm_head/Add", outputs=[Sig.LOGITS])
     inputs, outputs = _io(head.weight.shape[0], len(layers), cfg.num_key_value_heads, hd)
     graph = helper.make_graph(g.nodes, "bdlora_genai_decoder", inputs, outputs, initializer=g.inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],

@@ -16,7 +16,7 @@ from bdlora.arch import projection_modules
 
 def module_row(name: str, m: nn.Module) -> dict | None:
     """One projection as deployed: dense, low-rank, or dense + unmerged LoRA adapter (bench's lora variant)."""
-    from bdlora.deployed.modeling_bdlora import LowRankLinear
+    from bdlora.deployed.modeling_bdlora import DenseLoRALinear, LowRankLinear
 
     if isinstance(m, LowRankLinear):
         form, i, o, r, bias = "lowrank", m.in_features, m.out_features, m.rank, m.proj_out.bias
@@ -24,7 +24,7 @@ def module_row(name: str, m: nn.Module) -> dict | None:
     elif isinstance(m, nn.Linear):
         form, i, o, r, bias = "dense", m.in_features, m.out_features, 0, m.bias
         macs = i * o
-    elif hasattr(m, "base") and hasattr(m, "lora_rank"):
+    elif isinstance(m, DenseLoRALinear):
         form, i, o, r, bias = "dense+lora", m.base.in_features, m.base.out_features, m.lora_rank, m.base.bias
         macs = i * o + r * (i + o)
     else:

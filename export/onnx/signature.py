@@ -1,8 +1,6 @@
-"""The declared signature of an exported bdlora decoder (optimum-onnx's pattern: names and dynamic axes first).
-
-    inputs   input_ids (batch, seq) int64, attention_mask (batch, past + seq) int64, position_ids (batch, seq)
-             int64, past_key_values.{i}.key / .value (batch, kv_heads, past, head_dim) float32
-    outputs  logits (batch, seq, vocab), present.{i}.key / .value (batch, kv_heads, past + seq, head_dim)
+"""The declared signature of an exported bdlora decoder (optimum-onnx's pattern: names and dynamic axes first):
+``bdlora.runtime.DecoderSignature`` names the inputs, outputs and cache; this module adds the opset bounds and
+example inputs for tracing.
 """
 
 from __future__ import annotations
@@ -11,7 +9,7 @@ import torch
 
 from bdlora.errors import UsageError
 from bdlora.export.defaults import DEFAULT_OPSET, MIN_OPSET  # noqa: F401  (re-exported: trace, folder)
-from bdlora.runtime import DecoderShape, io_names
+from bdlora.runtime import DecoderShape, DecoderSignature
 
 
 def max_opset() -> int:
@@ -26,12 +24,7 @@ def check_opset(opset: int) -> None:
 
 
 def dynamic_axes(num_layers: int) -> dict[str, dict[int, str]]:
-    ins, outs = io_names(num_layers)
-    axes = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "total"},
-            "position_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}}
-    axes.update({n: {0: "batch", 2: "past"} for n in ins[3:]})
-    axes.update({n: {0: "batch", 2: "total"} for n in outs[1:]})
-    return axes
+    return DecoderSignature(num_layers).dynamic_axes()
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor, seq_len: int) -> torch.Tensor:

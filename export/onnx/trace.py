@@ -19,7 +19,7 @@ import torch.nn as nn
 from bdlora.arch import base_model
 from bdlora.export.onnx.metadata import module_table, tag_nodes
 from bdlora.export.onnx.signature import DEFAULT_OPSET, check_opset, dynamic_axes, example_inputs
-from bdlora.runtime import io_names
+from bdlora.runtime import DecoderSignature
 
 
 def build_4d_mask(attention_mask: torch.Tensor, seq_len: int, dtype=torch.float32) -> torch.Tensor:
@@ -89,7 +89,8 @@ def export_decoder(model: nn.Module, path: Path, opset: int = DEFAULT_OPSET, fus
     check_opset(opset)
     model.config._attn_implementation = "eager"
     wrapper = DecoderWithCache(model).eval()
-    ins, outs = io_names(model.config.num_hidden_layers)
+    sig = DecoderSignature(model.config.num_hidden_layers)
+    ins, outs = sig.inputs, sig.outputs
     ids, mask, pos, pasts = example_inputs(model.config, 2, 3, 2)
     with torch.no_grad(), warnings.catch_warnings(), traceable_rotary(model):
         warnings.simplefilter("ignore")  # tracer warnings about the cache's Python-side bookkeeping
