@@ -18,6 +18,10 @@ import torch
 # teacher fixture took 99.7 s at torch's default threads beside another job, 4.8 s with one thread. Subprocesses
 # (the end-to-end tests' console scripts) keep their defaults.
 torch.set_num_threads(1)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # under pytest-xdist (the default: -n 2 in pyproject.toml) each worker has a core: the console scripts the
+    # end-to-end tests launch inherit one thread too, instead of two per process on two cores
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _has_optimum() -> bool:

