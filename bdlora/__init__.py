@@ -1,4 +1,5 @@
-"""bdlora: Budgeted LoRA distillation toolkit (the method of the paper "Budgeted LoRA"; usage in README.md).
+"""bdlora: Budgeted LoRA distillation toolkit (the method of the paper "Budgeted LoRA"; usage in README.md, design in
+docs/design.md, where "SPEC N" in the docstrings is section N of the contract).
 
 Importing bdlora is cheap (standard library only): it installs a hook that registers the compressed architectures
 (``bdlora_mistral``, ``bdlora_llama``, ``bdlora_qwen2``) with transformers' Auto classes as soon as transformers is
