@@ -74,7 +74,9 @@ def cache_env(tmp_path_factory):
 def test_builtin_teacher_and_student(tmp_path, cache_env):
     """The embedded default: build the teacher (a few minutes on 2 cores), then a short budgeted run on it."""
     env = cache_env
-    t = _bdlora("teacher", "--json", env=env, timeout=TEACHER_TIMEOUT)
+    # the longest step of the suite: two threads even under pytest-xdist (its matmuls are large enough to use
+    # them, and the other worker runs out of short tests long before this build ends)
+    t = _bdlora("teacher", "--json", env={**env, "OMP_NUM_THREADS": "2"}, timeout=TEACHER_TIMEOUT)
     assert t.returncode == 0, t.stderr
     info = json.loads(t.stdout)
     assert info["val_ppl"] < info["unigram_ppl"] / 10  # far below the unigram baseline
