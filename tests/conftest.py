@@ -45,9 +45,9 @@ def _start_order(item) -> int:
 def pytest_collection_modifyitems(config, items):
     """The longest tests, then the other end-to-end tests (``slow``), run first, so under pytest-xdist the longest
     ones start at once on their own workers while the other tests fill the rest (collected in file order, the
-    builtin teacher's build started late and alone: 15.5 minutes). Tests marked ``optimum`` need the [optimum] extra (its own CI
-    leg). Without it they skip, unless BDLORA_REQUIRE_OPTIMUM=1 (set by that leg): then they run, and a missing
-    extra fails them."""
+    builtin teacher's build started late and alone: 15.5 minutes). Tests marked ``optimum`` need the [optimum]
+    extra (its own CI leg). Without it they skip, unless BDLORA_REQUIRE_OPTIMUM=1 (set by that leg): then they run,
+    and a missing extra fails them."""
     items.sort(key=_start_order)  # stable: the order within each kind is kept
     if _has_optimum():
         return
