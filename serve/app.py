@@ -71,7 +71,10 @@ def create_app(cfg: ServeConfig, loader=None, on_fatal=None) -> FastAPI:
     engine's worker dies (``serve`` then stops the process with a non-zero exit, so a supervisor restarts it)."""
     state = _State()
     metrics = Metrics(lambda: state.engine)
-    loader = loader or (lambda: engine_class(cfg.runtime)(cfg.onnx_dir, cfg.onnx_file, cfg.max_batch, cfg.threads))
+    admission = ({"waiting_served_ratio": cfg.waiting_served_ratio, "max_waiting_steps": cfg.max_waiting_steps}
+                 if cfg.runtime == "genai" else {})
+    loader = loader or (lambda: engine_class(cfg.runtime)(cfg.onnx_dir, cfg.onnx_file, cfg.max_batch, cfg.threads,
+                                                          **admission))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -22,9 +22,14 @@ class ServeConfig:
     """Graph to serve (model.onnx or model_int8.onnx), inside the folder."""
     runtime: str = "ort"
     """ort (a `bdlora export onnx` folder, onnxruntime with a batched KV cache) or genai (a `bdlora export genai`
-    folder, onnxruntime-genai with one in-place KV buffer per sequence)."""
+    folder, onnxruntime-genai: requests admitted together decode as one batched generator)."""
     max_batch: int = 16
-    """Sequences decoded together (continuous batching)."""
+    """Sequences decoded together (continuous batching; under genai also the largest cohort)."""
+    waiting_served_ratio: float = 1.2
+    """genai: while cohorts run, waiting requests are admitted once they number this many times the running
+    sequences (or fill the free slots, or have waited max_waiting_steps), so they start one batched cohort."""
+    max_waiting_steps: int = 20
+    """genai: decode steps the oldest waiting request waits at most before it is admitted."""
     max_tokens: int = 512
     """Largest max_tokens a request may ask for."""
     max_prompt_tokens: int | None = None
@@ -52,6 +57,8 @@ class ServeConfig:
         for name in ("max_batch", "max_tokens", "max_waiting", "max_prompt_tokens", "max_request_bytes"):
             c.integer(name, getattr(self, name), lo=1)
         c.integer("max_prompts", self.max_prompts, lo=1, hi=self.max_waiting)
+        c.integer("max_waiting_steps", self.max_waiting_steps, lo=0)
+        c.number("waiting_served_ratio", self.waiting_served_ratio, lo=0.0)
         c.threads("threads", self.threads)
         c.number("request_timeout", self.request_timeout, lo=0.0, lo_open=True)
         c.choice("runtime", self.runtime, ("ort", "genai"))

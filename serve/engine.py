@@ -51,6 +51,8 @@ class Engine:
         self.active = 0  # sequences in the batch (read by /metrics)
         self.steps = 0  # decode steps run
         self.decode_rows = 0  # sum of batch sizes over decode steps (mean batch = decode_rows / steps)
+        self.runs = 0  # executions of the model (prefills and decode steps): one per step here, one per cohort
+        # and step under onnxruntime-genai (``GenaiEngine``), one per sequence if nothing were batched
         self.error: str | None = None  # set when the worker died: the engine cannot serve any more
         self.on_fatal = on_fatal  # called (from the worker thread) with that error, e.g. to stop the server
         self.failed = 0  # sequences that failed alone (their request got an error; the engine went on)
@@ -60,9 +62,17 @@ class Engine:
 
     # --------------------------------------------------------------------------------------------------------------
 
+    def refuse(self, prompt_ids: list[int]) -> str | None:
+        """Why this runtime cannot continue this prompt exactly (None: it can). The onnxruntime graph takes any."""
+        return None
+
     def submit(self, req: Request) -> None:
         if self.error is not None:  # the worker is gone: answer now instead of queueing forever
             safe_emit(req, "error", f"the engine stopped: {self.error}")
+            return
+        refused = self.refuse(req.prompt_ids)
+        if refused:
+            safe_emit(req, "error", refused)
             return
         self._waiting.put(req)
 
@@ -109,6 +119,7 @@ class Engine:
         positions (T_i, V))."""
         ids, mask, pos = left_padded([r.prompt_ids for r in reqs])
         logits, presents = self._run(ids, mask, pos, empty_past(self.shape, len(reqs)))
+        self.runs += 1
         width = logits.shape[1]
         return (presents, mask), [logits[i, width - len(r.prompt_ids):] for i, r in enumerate(reqs)]
 
@@ -119,6 +130,7 @@ class Engine:
         pos = np.array([[s.pos] for s in seqs], dtype=np.int64)
         mask = np.concatenate([batch.mask, np.ones((len(seqs), 1), dtype=np.int64)], 1)
         logits, batch.cache = self._run(ids, mask, pos, batch.cache)
+        self.runs += 1
         batch.mask = mask
         return logits[:, -1]
 

@@ -95,6 +95,9 @@ class Serving:
         vocab = eng.shape.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise APIError(400, f"prompt: token ids must be in [0, {vocab})", "prompt", "invalid_value")
+        refused = eng.refuse(ids)
+        if refused:
+            raise APIError(400, f"prompt: {refused}", "prompt", "invalid_value")
 
     def submit(self, eng: Engine, prompts: list[list[int]], params: SamplingParams, stream: bool):
         """One engine request per prompt, admitted together or not at all (a request of k prompts needs k free

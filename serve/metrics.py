@@ -32,6 +32,8 @@ class Metrics:
                                 ("bdlora_waiting_requests", "Requests queued for the batch", "waiting"),
                                 ("bdlora_decode_steps", "Decode steps run", "steps"),
                                 ("bdlora_decode_rows", "Sum of batch sizes over decode steps", "decode_rows"),
+                                ("bdlora_model_runs", "Executions of the model (prefills and decode steps; under "
+                                 "--runtime genai one per cohort of requests admitted together)", "runs"),
                                 ("bdlora_failed_sequences", "Sequences that failed alone (error to their request; "
                                  "the engine went on)", "failed")):
             Gauge(name, doc, registry=r).set_function(live(attr))

@@ -685,7 +685,8 @@ def test_onnx_file_outside_the_folder_is_refused(served_model):
 
 def test_requests_submitted_together_decode_together(served_model):
     """Continuous batching, observed without timing: requests queued while admission is held are prefilled and
-    decoded as one batch, and each still gets exactly the model's own greedy text."""
+    decoded as one batch (prompts of different lengths, different max_tokens), the model runs once per step for all
+    of them (genai: one batched generator, right padded), and each still gets exactly the model's own greedy text."""
     import queue as queue_mod
 
     from bdlora.serve.engine import Request
@@ -693,19 +694,76 @@ def test_requests_submitted_together_decode_together(served_model):
 
     eng = engine(served_model, max_batch=8)
     tok = served_model["tok"]
+    asks = [("kappa", 6), ("kappa lambda mu nu xi", 3), ("a", 5), ("omicron pi rho", 6)]
     try:
-        events = [queue_mod.Queue() for _ in range(4)]
+        events = [queue_mod.Queue() for _ in asks]
         with eng.held():
-            for q in events:
-                eng.submit(Request(tok("kappa")["input_ids"], SamplingParams(max_tokens=6, temperature=0.0),
+            for (prompt, n), q in zip(asks, events):
+                eng.submit(Request(tok(prompt)["input_ids"], SamplingParams(max_tokens=n, temperature=0.0),
                                    lambda kind, p, q=q: q.put((kind, p)), stream=False))
             time.sleep(0.2)  # the worker has taken the first request and waits at the gate
             assert eng.steps == 0 and eng.active == 0
         done = [q.get(timeout=60) for q in events]
-        want = served_model["greedy_text"]("kappa", 6)
-        assert all(kind == "done" and info["text"] == want for kind, info in done)
-        # identical greedy sequences finish together: every decode step carried all four
-        assert eng.steps >= 1 and eng.decode_rows == 4 * eng.steps
+        for (prompt, n), (kind, info) in zip(asks, done):
+            assert kind == "done" and info["text"] == served_model["greedy_text"](prompt, n), prompt
+        # one prefill for the four, then one execution of the model per decode step (not one per sequence)
+        assert eng.steps >= 1 and eng.runs == 1 + eng.steps
+        assert eng.decode_rows > eng.steps  # steps carried several sequences
+    finally:
+        eng.shutdown()
+
+
+def test_genai_refuses_a_prompt_ending_with_the_pad_id_and_batches_the_rest(served_model, server):
+    """onnxruntime-genai strips a prompt's trailing pad tokens (it would continue a different prompt): under
+    --runtime genai such a prompt gets a 400 naming the id, and an engine request an error event, while the request
+    beside it is served; the onnxruntime engine continues it exactly."""
+    import queue as queue_mod
+
+    from bdlora.serve.engine import Request
+    from bdlora.serve.sampling import SamplingParams
+
+    tok = served_model["tok"]
+    eng = engine(served_model, max_batch=8)
+    pad = eng.pad if served_model["runtime"] == "genai" else tok.eos_token_id  # genai_config.json: pad = eos
+    padded = tok("kappa lambda")["input_ids"] + [pad]
+    try:
+        events = [queue_mod.Queue() for _ in range(2)]
+        for ids, q in zip((padded, tok("kappa")["input_ids"]), events):
+            eng.submit(Request(ids, SamplingParams(max_tokens=4, temperature=0.0),
+                               lambda kind, p, q=q: q.put((kind, p)), stream=False))
+        kind, info = events[0].get(timeout=60)
+        assert events[1].get(timeout=60)[1]["text"] == served_model["greedy_text"]("kappa", 4)
+    finally:
+        eng.shutdown()
+    r = httpx.post(server + "/v1/completions", json={"model": served_model["name"], "prompt": padded,
+                                                     "max_tokens": 4, "temperature": 0.0}, timeout=60)
+    if served_model["runtime"] == "genai":
+        assert kind == "error" and f"token id {pad}" in info
+        assert r.status_code == 400 and f"token id {pad}" in r.json()["error"]["message"]
+    else:
+        assert kind == "done" and info["generated"] == served_model["greedy_ids"](padded, 4)
+        assert r.status_code == 200
+
+
+def test_genai_cohorts_fit_their_kv_buffer_in_the_context(served_model):
+    """A cohort is one generator with one KV buffer of (padded prompt + longest generation) positions: requests
+    are grouped in arrival order while that fits the model's context, and the next one starts a new cohort."""
+    if served_model["runtime"] != "genai":
+        pytest.skip("onnxruntime-genai cohorts only")
+    from bdlora.serve.engine import Request
+    from bdlora.serve.sampling import SamplingParams
+
+    eng = engine(served_model, max_batch=8)
+    try:
+        ctx = eng.context
+
+        def req(n_prompt, n_new):
+            return Request([5] * n_prompt, SamplingParams(max_tokens=n_new), lambda *a: None)
+
+        assert eng._groups([req(10, 20), req(30, 5), req(3, 3)]) == [[0, 1, 2]]
+        # 10 + (ctx - 20) + 1 fits; a 40-token prompt beside a (ctx - 20)-token generation does not
+        assert eng._groups([req(10, ctx - 20), req(40, 1), req(2, 2)]) == [[0], [1, 2]]
+        assert eng._groups([req(ctx - 2, 1), req(1, ctx - 2)]) == [[0], [1]]
     finally:
         eng.shutdown()
 
