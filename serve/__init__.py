@@ -6,7 +6,10 @@ like the servers users know (vLLM's OpenAI entrypoint):
 - ``sampling``: ``SamplingParams`` and the pure ``sample(logits, params, rng)``;
 - ``handlers``: the completion and chat-completion logic (``CompletionServing``, ``ChatServing``);
 - ``engine``: the onnxruntime session and the continuous-batching worker thread (``--runtime ort``);
-- ``genai_engine``: the same engine over onnxruntime-genai generators (``--runtime genai``);
+- ``genai_engine``: the same engine over onnxruntime-genai (``--runtime genai``): requests admitted together decode
+  as one batched generator (a cohort);
+- ``engine_process``: an engine in a child process behind the same interface (the server runs the genai engine
+  there: onnxruntime-genai keeps the GIL while the model runs);
 - ``sequence``: one request inside a batch: detokenising, stop strings, log-probabilities;
 - ``metrics``: Prometheus metrics;
 - ``config``: ``ServeConfig``;

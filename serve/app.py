@@ -65,16 +65,24 @@ def engine_class(runtime: str) -> type[Engine]:
     return Engine
 
 
+def default_engine(cfg: ServeConfig):
+    """The server's engine: onnxruntime in-process (its calls release the GIL, so the event loop runs beside them);
+    onnxruntime-genai in a child process (its calls keep the GIL for a whole model step: see engine_process)."""
+    if cfg.runtime != "genai":
+        return Engine(cfg.onnx_dir, cfg.onnx_file, cfg.max_batch, cfg.threads)
+    from bdlora.serve.engine_process import EngineProcess
+
+    return EngineProcess(engine_class("genai"), cfg.onnx_dir, cfg.onnx_file, cfg.max_batch, cfg.threads,
+                         waiting_served_ratio=cfg.waiting_served_ratio, max_waiting_steps=cfg.max_waiting_steps)
+
+
 def create_app(cfg: ServeConfig, loader=None, on_fatal=None) -> FastAPI:
     """The ASGI app. ``loader()`` builds the Engine (default: from ``cfg``); it runs in a thread after start-up,
     and /health answers 503 until it returns. ``on_fatal(message)`` is called once if loading fails or the
     engine's worker dies (``serve`` then stops the process with a non-zero exit, so a supervisor restarts it)."""
     state = _State()
     metrics = Metrics(lambda: state.engine)
-    admission = ({"waiting_served_ratio": cfg.waiting_served_ratio, "max_waiting_steps": cfg.max_waiting_steps}
-                 if cfg.runtime == "genai" else {})
-    loader = loader or (lambda: engine_class(cfg.runtime)(cfg.onnx_dir, cfg.onnx_file, cfg.max_batch, cfg.threads,
-                                                          **admission))
+    loader = loader or (lambda: default_engine(cfg))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

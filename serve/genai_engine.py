@@ -39,6 +39,14 @@ from bdlora.serve.sequence import Request, Sequence
 _FORCE_OFF = np.float32(-1e30)  # the logit of every token but the one a row must take
 
 
+def trailing_pad(pad: int | None, prompt_ids: list[int]) -> str | None:
+    """Why onnxruntime-genai cannot continue this prompt exactly (None: it can)."""
+    if pad is not None and prompt_ids and prompt_ids[-1] == pad:
+        return (f"ends with token id {pad}, the model's pad id, which onnxruntime-genai strips from a prompt's end "
+                f"(it would continue a different prompt); serve with --runtime ort to send it")
+    return None
+
+
 class _Cohort:
     """One batched generator and its rows (fixed order; a finished row keeps its place)."""
 
@@ -89,13 +97,15 @@ class GenaiEngine(Engine):
     and ``max_waiting_tokens``): a request that arrives alone would start a cohort of one, which costs a whole model
     run per step for one row, so waiting requests join only once they fill the free slots, or number at least
     ``waiting_served_ratio`` times the running sequences, or the oldest has waited ``max_waiting_steps`` decode
-    steps. Requests that finish together (the usual case under load) are replaced together, in one cohort. An idle
-    engine admits at once."""
+    steps; and while more are waiting than slots are free, only once a quarter of ``max_batch`` is free (measured on
+    SmolLM2 with 64 closed-loop clients: 192 -> 250 tok/s, model runs per step 1.63 -> 1.02). Requests that finish
+    together (the usual case under load) are replaced together, in one cohort. An idle engine admits at once."""
 
     def __init__(self, *args, waiting_served_ratio: float = 1.2, max_waiting_steps: int = 20, **kw):
         self.waiting_served_ratio = waiting_served_ratio
         self.max_waiting_steps = max_waiting_steps
         self._waiting_since: int | None = None  # the decode step at which requests were first seen waiting
+
         super().__init__(*args, **kw)
 
     def _admit(self, running: int) -> list[Request] | None:
@@ -109,6 +119,8 @@ class GenaiEngine(Engine):
             if (waiting < self.waiting_served_ratio * running
                     and self.steps - self._waiting_since < self.max_waiting_steps):
                 return []  # keep decoding; admit them together a little later
+            if self.max_batch - running < min(waiting, max(1, self.max_batch // 4)):
+                return []  # the batch is full but for a slot or two: wait until a quarter of it is free
         self._waiting_since = None
         return super()._admit(running)
 
@@ -136,10 +148,7 @@ class GenaiEngine(Engine):
         return _Cohorts()
 
     def refuse(self, prompt_ids: list[int]) -> str | None:
-        if prompt_ids and prompt_ids[-1] == self.pad:
-            return (f"ends with token id {self.pad}, the model's pad id, which onnxruntime-genai strips from a "
-                    f"prompt's end (it would continue a different prompt); serve with --runtime ort to send it")
-        return None
+        return trailing_pad(self.pad, prompt_ids)
 
     def _groups(self, reqs: list[Request]) -> list[list[int]]:
         """Admitted requests split into cohorts: each cohort's padded prompt plus its longest generation fits the

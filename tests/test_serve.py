@@ -452,6 +452,40 @@ def test_a_dead_engine_stops_the_server_with_a_non_zero_exit(served_model, tmp_p
     assert "the generation engine stopped (WorkerCrash: worker crashed)" in out, out[-2000:]
 
 
+def test_genai_engine_process_killed_mid_request_fails_it_and_stops_the_server(served_model):
+    """--runtime genai runs the model in a child process (onnxruntime-genai keeps the GIL while it runs). If that
+    process dies (killed, crashed), the request in flight gets an error, not a hang, and the server exits 1 with
+    one line so a supervisor restarts it."""
+    if served_model["runtime"] != "genai":
+        pytest.skip("the engine runs in a child process only under --runtime genai")
+    proc, url = start_server(served_model["folder"], *served_model["args"], "--max-tokens", str(LONG))
+    try:
+        children = [int(c) for t in Path(f"/proc/{proc.pid}/task").iterdir()
+                    for c in (t / "children").read_text().split()]
+        assert len(children) == 1, children
+
+        async def long_then_kill():
+            async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+                async with client.stream("POST", "/v1/completions", json={
+                        "model": "m.onnx", "prompt": "alpha", "max_tokens": LONG, "stream": True}) as r:
+                    lines = r.aiter_lines()
+                    async for line in lines:
+                        if line.startswith("data: {"):
+                            os.kill(children[0], signal.SIGKILL)
+                            break
+                    return [line async for line in lines]
+
+        rest = asyncio.run(long_then_kill())
+        assert any("engine process exited" in line for line in rest), rest[-3:]
+        assert proc.wait(60) == 1
+        out = proc.stdout.read()
+        assert "the generation engine stopped (the engine process exited" in out, out[-2000:]
+        assert "Traceback" not in out, out[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def _wait_idle(url: str, timeout: float = 30) -> None:
     deadline = time.time() + timeout
     while (h := httpx.get(url + "/health").json())["active"] or h["waiting"]:
@@ -647,7 +681,10 @@ def test_streaming_clients_hanging_up_again_and_again_leave_nothing_behind(serve
     proc, url = start_server(served_model["folder"], *served_model["args"], "--max-tokens", str(LONG))
 
     def rss_kib() -> int:
-        return int(Path(f"/proc/{proc.pid}/status").read_text().split("VmRSS:")[1].split()[0])
+        """The server's resident memory, its engine process's included (--runtime genai runs the model there)."""
+        pids = [proc.pid] + [int(c) for t in Path(f"/proc/{proc.pid}/task").iterdir()
+                             for c in (t / "children").read_text().split()]
+        return sum(int(Path(f"/proc/{p}/status").read_text().split("VmRSS:")[1].split()[0]) for p in pids)
 
     async def hang_up(client):
         async with client.stream("POST", "/v1/completions", json={
