@@ -28,6 +28,7 @@ clear error (``refuse``) rather than answered for a different prompt; ``--runtim
 from __future__ import annotations
 
 import json
+import queue
 import time
 
 import numpy as np
@@ -37,6 +38,8 @@ from bdlora.serve.engine import Engine
 from bdlora.serve.sequence import Request, Sequence
 
 _FORCE_OFF = np.float32(-1e30)  # the logit of every token but the one a row must take
+GATHER_QUIET = 0.002  # seconds: an idle engine's first request waits this long for each next one (``_gather``)
+GATHER_MAX = 0.010  # seconds: and this long at most
 
 
 def trailing_pad(pad: int | None, prompt_ids: list[int]) -> str | None:
@@ -122,7 +125,26 @@ class GenaiEngine(Engine):
             if self.max_batch - running < min(waiting, max(1, self.max_batch // 4)):
                 return []  # the batch is full but for a slot or two: wait until a quarter of it is free
         self._waiting_since = None
-        return super()._admit(running)
+        new = super()._admit(running)
+        if new and not running:
+            self._gather(new)
+        return new
+
+    def _gather(self, new: list[Request]) -> None:
+        """An idle engine took a request: requests sent together reach it a few milliseconds apart (each through
+        the server), so take those that follow within ``GATHER_QUIET`` of each other (at most ``GATHER_MAX``) into
+        the same cohort instead of starting a cohort of one and another of the rest."""
+        deadline = time.perf_counter() + GATHER_MAX
+        while len(new) < self.max_batch and time.perf_counter() < deadline:
+            try:
+                r = self._waiting.get(timeout=GATHER_QUIET)
+            except queue.Empty:
+                return
+            if r is None:  # shut down: leave the sentinel for the next ``_admit``
+                self._waiting.put(None)
+                return
+            if not r.cancelled.is_set():
+                new.append(r)
 
     def _open_model(self, onnx_file: str, threads: int | None) -> None:
         import onnxruntime_genai as og
