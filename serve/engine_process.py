@@ -20,6 +20,7 @@ engine itself (nothing of onnxruntime-genai exists in the parent).
 from __future__ import annotations
 
 import multiprocessing
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +36,10 @@ _CANCEL_EVERY = 0.05  # seconds between the parent's scans for cancelled request
 
 
 def _child(conn, engine_cls, args: tuple, kw: dict) -> None:
+    # A terminal's Ctrl-C (or a supervisor's SIGTERM) reaches the whole process group: the server drains and then
+    # sends "shutdown"; this process must not die under the requests it is still finishing.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     lock = threading.Lock()
 
     def send(msg) -> None:

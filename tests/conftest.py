@@ -178,14 +178,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(folder, *args, env=None):
-    """``bdlora serve FOLDER ARGS`` on a free port; returns (process, base URL) once /health answers 200."""
+def start_server(folder, *args, env=None, own_group=False):
+    """``bdlora serve FOLDER ARGS`` on a free port; returns (process, base URL) once /health answers 200.
+    ``own_group``: in a new session, so a test can signal its whole process group as a terminal's Ctrl-C does."""
     import httpx
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "bdlora.cli", "serve", str(folder), "--port", str(port), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=own_group)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 180
     while time.time() < deadline:
