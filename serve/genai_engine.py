@@ -98,17 +98,16 @@ class GenaiEngine(Engine):
 
     Admission while cohorts run is deferred, as text-generation-inference defers it (its ``waiting_served_ratio``
     and ``max_waiting_tokens``): a request that arrives alone would start a cohort of one, which costs a whole model
-    run per step for one row, so waiting requests join only once they fill the free slots, or number at least
-    ``waiting_served_ratio`` times the running sequences, or the oldest has waited ``max_waiting_steps`` decode
-    steps; and while more are waiting than slots are free, only once a quarter of ``max_batch`` is free (measured on
-    SmolLM2 with 64 closed-loop clients: 192 -> 250 tok/s, model runs per step 1.63 -> 1.02). Requests that finish
-    together (the usual case under load) are replaced together, in one cohort. An idle engine admits at once."""
+    run per step for one row, so waiting requests join only once they number at least ``waiting_served_ratio``
+    times the running sequences, or the oldest has waited ``max_waiting_steps`` decode steps; and while more are
+    waiting than slots are free, only once a quarter of ``max_batch`` is free (measured on SmolLM2 with 64
+    closed-loop clients: 192 -> 250 tok/s, model runs per step 1.63 -> 1.02). Requests that finish together are
+    replaced together, in one cohort. An idle engine admits at once, with the requests sent with it (``_gather``)."""
 
     def __init__(self, *args, waiting_served_ratio: float = 1.2, max_waiting_steps: int = 20, **kw):
         self.waiting_served_ratio = waiting_served_ratio
         self.max_waiting_steps = max_waiting_steps
         self._waiting_since: int | None = None  # the decode step at which requests were first seen waiting
-
         super().__init__(*args, **kw)
 
     def _admit(self, running: int) -> list[Request] | None:
