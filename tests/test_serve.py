@@ -340,6 +340,8 @@ def test_health_is_503_until_the_model_is_loaded_and_chat_uses_the_template(serv
     (["--max-batch", "0"], "--max-batch 0"),
     (["--threads", "100000"], "--threads 100000: must be in [1, "),  # refused before loading anything
     (["--max-prompts", "2000"], "--max-prompts 2000: must be in [1, 1024]"),  # above --max-waiting
+    (["--waiting-served-ratio", "-1"], "--waiting-served-ratio -1.0: must be >= 0"),
+    (["--max-waiting-steps", "-3"], "--max-waiting-steps -3: must be"),
 ])
 def test_cli_serve_bad_input(served_model, args, needle):
     full = args if args[0].startswith("/") else [str(served_model["folder"]), *args]
