@@ -9,6 +9,8 @@ state dict of a wrapped student. torch and transformers are imported by the func
 
 from __future__ import annotations
 
+from bdlora.errors import ModelError, UsageError
+
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 PROJECTIONS = ATTENTION_PROJECTIONS + MLP_PROJECTIONS
@@ -43,7 +45,6 @@ def max_lora_rank(config) -> tuple[int, str]:
 def check_lora_rank(rank: int | None, config, defaulted: bool = False) -> int | None:
     """``rank`` if it is at most ``max_lora_rank(config)``; a defaulted rank is lowered to it, an explicit one
     above it is a one-line error naming the bound."""
-    from bdlora.errors import UsageError
 
     bound, where = max_lora_rank(config)
     if rank is None or rank <= bound:
@@ -107,7 +108,6 @@ def check_architecture(model, what: str) -> None:
     import torch
 
     from bdlora.deployed.modeling_bdlora import LowRankLinear
-    from bdlora.errors import ModelError
 
     if family_of(model) is None:
         raise ModelError(unsupported(what, getattr(getattr(model, "config", None), "model_type",

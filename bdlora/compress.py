@@ -15,6 +15,7 @@ from bdlora.budgeted.config import BudgetedConfig
 from bdlora.budgeted.costs import ModuleShape, compression_report, decide_module
 from bdlora.budgeted.layer import DeployedModule
 from bdlora.budgeted.model import build_deployed_model, compress_budgeted, dense_projections
+from bdlora.deployed.folder import save_model_folder
 from bdlora.models import load_run_student
 from bdlora.perplexity import heldout_blocks, perplexity
 from bdlora.reporter import SILENT, Reporter
@@ -40,7 +41,6 @@ def compress_dense(model: nn.Module, lora_rank: int, provenance: dict):
 def compress_run(run: RunDir | str | Path, cfg: BudgetedConfig, out: str | Path | None = None, force: bool = False,
                  evaluate: bool = True, reporter: Reporter = SILENT) -> tuple[dict, Path]:
     """Compress a finished run into a model folder; returns (report, folder). Only ``cfg``'s thresholds are used."""
-    from bdlora.deployed.folder import save_model_folder
 
     cfg.validate_thresholds()
     run = run if isinstance(run, RunDir) else RunDir(run)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -235,7 +236,6 @@ _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str:
 
 def _yaml_type(name: str):
     """The scalar type of a TrainConfig field (None for lists and anything else YAML may spell freely)."""
-    import typing
 
     tp = typing.get_type_hints(TrainConfig).get(name)
     args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bdlora.arch import hidden_and_head
 from bdlora.errors import TrainingError, UsageError
@@ -136,7 +137,5 @@ class StudentHidden(torch.nn.Module):
 
 
 def wrap_ddp(student: torch.nn.Module, device: torch.device):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     ids = [device.index] if device.type == "cuda" else None
     return DDP(StudentHidden(student), device_ids=ids, broadcast_buffers=False)

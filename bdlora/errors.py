@@ -5,6 +5,7 @@ once, as a ``ConfigError`` naming each bad value and what is allowed (litgpt sty
 from __future__ import annotations
 
 import math
+import os
 import reprlib
 
 # How a bad value is quoted in a message: bounded, so a YAML alias bomb (a few lines expanding to billions of
@@ -133,7 +134,6 @@ def _bounds(lo, hi, lo_open: bool, hi_open: bool) -> str:
 
 def usable_cores() -> int:
     """CPU cores this process may run on (its affinity mask where the OS has one, else ``os.cpu_count()``)."""
-    import os
 
     try:
         return len(os.sched_getaffinity(0)) or 1

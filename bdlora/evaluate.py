@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bdlora import SCHEMA_VERSION, __version__
+from bdlora import SCHEMA_VERSION, __version__, sources
 from bdlora.blocks import PackedBlocks
 from bdlora.config import BUILTIN, BUILTIN_DEFAULTS, REAL_DEFAULTS
 from bdlora.data import Corpus, tokenize_corpus
@@ -266,7 +266,6 @@ def run_icl(lm, tokenizer, words: list[str], tasks=None, shots: int = 10, seeds:
 def load_eval_target(path: str | Path, onnx_file: str = "model.onnx", device: str = "cpu"):
     """(lm, tokenizer, kind, run_config or None) for a run directory, a model folder (teacher, compressed,
     exported HF) or an ONNX folder. ``run_config`` is the training options of the run the model came from."""
-    from bdlora import sources
 
     if str(path) in sources.PRESETS or (sources.is_gguf(str(path)) and Path(path).is_file()):
         path = sources.resolve(str(path), None, "eval")  # a teacher preset or GGUF file

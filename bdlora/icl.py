@@ -38,6 +38,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from bdlora.data import Corpus, default_cache_dir, is_heldout
+from bdlora.errors import DataError
+from bdlora.io import write_json
+
 TASKS = (
     "alphabetically_first_3", "alphabetically_first_5", "alphabetically_last_3", "alphabetically_last_5",
     "capitalize", "capitalize_first_letter", "capitalize_last_letter",
@@ -88,8 +92,6 @@ def build_word_list(documents, size: int = 400, min_len: int = 3, max_len: int =
 
 def corpus_word_list(data: str, heldout_fraction: float, cache_dir: Path | None = None, size: int = 400) -> list[str]:
     """``build_word_list`` over the training documents of a corpus (``--data`` spec), cached by corpus fingerprint."""
-    from bdlora.data import Corpus, default_cache_dir, is_heldout
-    from bdlora.io import write_json
 
     corpus = Corpus(data)
     cache = (cache_dir or default_cache_dir()) / "icl" / f"words-{corpus.fingerprint()[:16]}-{heldout_fraction}" \
@@ -98,8 +100,6 @@ def corpus_word_list(data: str, heldout_fraction: float, cache_dir: Path | None 
         return json.loads(cache.read_text())["words"]
     words = build_word_list((d.text for d in corpus.documents() if not is_heldout(d.id, heldout_fraction)), size)
     if len(words) < 20:
-        from bdlora.errors import DataError
-
         raise DataError(f"--data {data}: only {len(words)} distinct lowercase words; the ICL probes need >= 20")
     write_json(cache, {"data": data, "heldout_fraction": heldout_fraction, "words": words})
     return words

@@ -13,6 +13,7 @@ import json
 import struct
 from pathlib import Path
 
+from bdlora.arch import SUPPORTED_FAMILIES, unsupported
 from bdlora.errors import ModelError
 from bdlora.runs import CONFIG
 
@@ -168,7 +169,6 @@ def check_loadable(folder: Path) -> dict:
     tensors. Weights in another format (a teacher's ``pytorch_model.bin``) cannot be read without unpickling, so
     there the declared parameter count is bounded by the bytes on disk (at least 2 bits a parameter). Returns the
     config."""
-    from bdlora.arch import SUPPORTED_FAMILIES, unsupported
 
     folder = Path(folder)
     cfg = check_config(folder)

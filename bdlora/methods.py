@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn as nn
+from peft import LoraConfig
 
 from bdlora.arch import PROJECTIONS, base_model, dense_state_dict
 from bdlora.budgeted.controller import BudgetController
@@ -28,6 +29,8 @@ from bdlora.budgeted.model import apply_budgeted_lora, gated_modules, save_budge
 from bdlora.budgeted.start import start_gated, start_peft
 from bdlora.distill import DistillationLoss, kd_step
 from bdlora.io import save_tensors, write_json
+from bdlora.peft_compat import wrap_lora
+from bdlora.plots import plot_controller
 from bdlora.runs import ADAPTER, CONTROLLER_LOG, STUDENT_META
 
 
@@ -112,10 +115,6 @@ class KDLoRA(TrainingMethod):
     name = "kd-lora"
 
     def wrap(self, student, start=None):
-        from peft import LoraConfig
-
-        from bdlora.peft_compat import wrap_lora
-
         lcfg = LoraConfig(r=self.cfg.lora_rank, lora_alpha=self.cfg.lora_alpha, lora_dropout=0.0,
                           target_modules=list(PROJECTIONS), bias="none", task_type="CAUSAL_LM",
                           rank_pattern={n: r for n, r in (start.ranks if start else {}).items()
@@ -187,8 +186,6 @@ class Budgeted(TrainingMethod):
                 "final_fraction": self.controller.final_fraction}
 
     def finalize(self, run_dir, summary, teacher, batch, device, stage):
-        from bdlora.plots import plot_controller
-
         plot_controller(run_dir / self.log_name, summary["modules"], run_dir / "controller.png")
         if self.dense_copy is not None:
             stage("timing training steps of kd-full, kd-lora and budgeted (d = 0) on the same student")

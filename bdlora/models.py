@@ -7,17 +7,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bdlora.arch import check_architecture
 from bdlora.budgeted.model import FACTORS_FILE, META_FILE, load_budgeted
 from bdlora.errors import ModelError, RunDirError
 from bdlora.integrity import check_loadable, check_model_folder
-from bdlora.runs import ADAPTER, CONFIG, RunDir
+from bdlora.peft_compat import load_adapter
+from bdlora.runs import ADAPTER, CONFIG, ModelDir, RunDir
 
 
 def load_run_student(run: RunDir | str | Path, device: str = "cpu"):
     """(model, tokenizer, summary) of a finished run, in its trained form."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run = run if isinstance(run, RunDir) else RunDir(run)
     if not run.finished():
@@ -33,8 +34,6 @@ def load_run_student(run: RunDir | str | Path, device: str = "cpu"):
     except Exception as e:  # noqa: BLE001  transformers raises many types for a damaged folder
         raise ModelError(f"{sdir}: could not load the student ({_first_line(e)})") from None
     if (sdir / ADAPTER).exists():
-        from bdlora.peft_compat import load_adapter
-
         model = load_adapter(model, str(sdir / ADAPTER))
     elif (sdir / META_FILE).exists() or summary.get("method") == "budgeted":
         if not (sdir / FACTORS_FILE).exists():
@@ -46,9 +45,6 @@ def load_run_student(run: RunDir | str | Path, device: str = "cpu"):
 def load_model_folder(model_dir: str | Path):
     """(model, tokenizer, compression report or None) of any folder bdlora can load, in fp32 with eager attention
     (what is exported)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from bdlora.runs import ModelDir
 
     folder = ModelDir(model_dir)
     if not (folder.path / CONFIG).exists():

@@ -30,11 +30,13 @@ from bdlora.budgeted.model import build_deployed_model
 from bdlora.budgeted.start import calibrate_with_progress, compute_start, shapes_of, structure_report
 from bdlora.config import OneShotConfig
 from bdlora.data import Corpus, tokenize_corpus
+from bdlora.deployed.folder import save_model_folder
 from bdlora.errors import DataError
 from bdlora.perplexity import perplexity
 from bdlora.reporter import SILENT, Reporter
 from bdlora.runs import check_out_dir
 from bdlora.student import build_student
+from bdlora.teacher import load_teacher
 
 
 def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Reporter = SILENT):
@@ -68,7 +70,6 @@ def load_source(source: str, cfg: OneShotConfig, cache_dir: Path | None, reporte
     """(model, tokenizer, path, training blocks, held-out blocks, held-out fraction) of a pretrained ``source`` and
     ``cfg.data``: the model frozen in fp32, the corpus tokenised (cached) at ``cfg.seq_len`` capped by its
     positions."""
-    from bdlora.teacher import load_teacher
 
     corpus = Corpus(cfg.data)  # checks the path before the model loads
     reporter.stage(f"loading {source}")
@@ -106,7 +107,6 @@ def compress_one_shot(source: str, cfg: OneShotConfig, out: str | Path, force: b
                       reporter: Reporter = SILENT) -> tuple[dict, Path]:
     """Compress a pretrained ``source`` (anything ``--teacher`` takes) to ``cfg.mac_ratio``; returns (report,
     folder). The source is never modified."""
-    from bdlora.deployed.folder import save_model_folder
 
     cfg.validate()
     out = Path(out)

@@ -23,11 +23,12 @@ resolves) and then the absolute one, so a command run from any working directory
 from __future__ import annotations
 
 import os
+import shutil
 from datetime import datetime
 from pathlib import Path
 
 from bdlora.errors import RunDirError, UsageError
-from bdlora.io import read_json
+from bdlora.io import read_json, write_json
 
 RUNS_DIR = "runs"
 COMPRESSED, ONNX, HF, BENCH, EVAL, GENAI = ".compressed", ".onnx", ".hf", ".bench", ".eval.json", ".genai"
@@ -168,9 +169,6 @@ class RunDir(Artefact):
         """After training failed (not an interrupt): a run with no checkpoint has nothing to continue from, so its
         folder is removed and ``--out`` can be reused; otherwise ``failed.json`` marks it (a ``--resume`` from its
         last checkpoint removes the mark). Returns what was done, for the error message."""
-        import shutil
-
-        from bdlora.io import write_json
 
         if not self.path.is_dir():
             return ""

@@ -15,7 +15,9 @@ from typing import ClassVar
 
 import numpy as np
 
+from bdlora.errors import ModelError, UsageError
 from bdlora.runs import CONFIG, EXPORT_MARKER, GENAI_CONFIG
+from bdlora.tokenizer import TextTokenizer
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,6 @@ def session_io(sess) -> tuple[dict[str, list], dict[str, list]]:
 
 def check_signature(folder: str | Path, shape: DecoderShape, sess) -> None:
     """One-line refusal (``ModelError``) when the folder's config.json does not describe the graph it serves."""
-    from bdlora.errors import ModelError
 
     problems = signature_problems(shape, *session_io(sess))
     if problems:
@@ -274,8 +275,6 @@ def check_onnx_dir(path: Path, onnx_file: str, runtime: str = "ort") -> None:
     files, a graph path outside the folder, a config or tokenizer that does not load (``runtime`` genai: also its
     genai_config.json). The graph itself is loaded by the caller (the server in the background, exiting non-zero if
     that fails)."""
-    from bdlora.errors import ModelError, UsageError
-    from bdlora.tokenizer import TextTokenizer
 
     make = "bdlora export genai" if runtime == "genai" else "bdlora export onnx"
     if not path.is_dir():
@@ -311,8 +310,6 @@ def check_genai_folder(path: Path, onnx_file: str = "model.onnx") -> None:
     data file, so reading the graph is cheap): onnxruntime-genai sizes its KV buffer from genai_config.json, so an
     edited value must be refused before a server listens, not discovered in the first request."""
     import onnx
-
-    from bdlora.errors import ModelError
 
     try:
         graph = onnx.load(str(path / onnx_file), load_external_data=False).graph

@@ -22,7 +22,10 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from bdlora.data import default_cache_dir
 from bdlora.errors import ModelError
+from bdlora.integrity import sha256
+from bdlora.io import atomic_dir, write_json
 from bdlora.runs import CONFIG
 
 
@@ -67,8 +70,6 @@ def resolve(spec: str, cache_dir: Path | None = None, what: str = "--teacher", o
     """A local folder (or a hub id transformers resolves) for ``spec``; GGUF files and presets are materialised into
     ``cache_dir`` (default: bdlora's cache) on first use. ``builtin`` is the caller's (it trains a model)."""
     if cache_dir is None:
-        from bdlora.data import default_cache_dir
-
         cache_dir = default_cache_dir()
     stage = on_stage or (lambda msg: None)
     if spec in PRESETS:
@@ -142,7 +143,6 @@ def check_gguf(path: Path) -> None:
 
 def materialise_gguf(gguf: Path, cache_dir: Path, source: dict, stage, key: str | None = None) -> Path:
     """The GGUF file as a Hugging Face folder in the cache (made once; later calls return it)."""
-    from bdlora.integrity import sha256
 
     digest = sha256(gguf)
     dst = materialised_dir(cache_dir, key or f"gguf-{digest[:16]}")
@@ -152,8 +152,6 @@ def materialise_gguf(gguf: Path, cache_dir: Path, source: dict, stage, key: str 
     stage(f"converting {gguf.name} to a Hugging Face folder (dequantising; once, into {dst})")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from bdlora.io import atomic_dir, write_json
 
     try:
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)

@@ -17,12 +17,21 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
-from bdlora import SCHEMA_VERSION
+from bdlora import SCHEMA_VERSION, sources
 from bdlora.arch import check_architecture
 from bdlora.blocks import BlockSampler, PackedBlocks
-from bdlora.data import BUILTIN, Corpus, default_cache_dir, tokenize_corpus
+from bdlora.data import BUILTIN, Corpus, default_cache_dir, is_heldout, tokenize_corpus
 from bdlora.errors import ModelError, UsageError
+from bdlora.integrity import check_loadable
 from bdlora.io import atomic_dir, write_json
 from bdlora.perplexity import perplexity
 
@@ -70,10 +79,6 @@ def builtin_teacher_dir(cache_dir: Path | None = None) -> Path:
 
 def train_builtin_tokenizer(corpus: Corpus, vocab_size: int, heldout_fraction: float):
     """Byte-level BPE trained on the training documents only (the held-out slice stays unseen)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from bdlora.data import is_heldout
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -137,7 +142,6 @@ def build_builtin_teacher(
 
 def builtin_model(spec: BuiltinTeacherSpec, tokenizer):
     """The embedded default's untrained Mistral-style model (GQA, SwiGLU, RoPE), seeded."""
-    from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(spec.seed)
     config = MistralConfig(
@@ -181,16 +185,12 @@ def load_teacher(spec: str, cache_dir: Path | None = None, device: str = "cpu", 
     """Return (model, tokenizer, path) for ``--teacher``: ``builtin``, a local HF folder, a ``.gguf`` file, a preset
     or a hub id (see ``bdlora.sources``); ``what`` names the option in error messages (``--student-init`` loads
     through here too)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from bdlora import sources
 
     if spec == BUILTIN:
         path = build_builtin_teacher(cache_dir, on_stage=on_stage, on_step=on_step)
     else:
         path = Path(sources.resolve(spec, cache_dir, what, on_stage))
     if path.is_dir():  # before transformers allocates what config.json declares
-        from bdlora.integrity import check_loadable
 
         try:
             check_loadable(path)
@@ -221,7 +221,6 @@ PRETRAINED_PPL_TOKENS = 8192  # held-out builtin-corpus tokens scored by `bdlora
 def describe_pretrained(spec: str, cache_dir: Path | None = None, on_stage=None, data: str = BUILTIN) -> dict:
     """Materialise a preset or .gguf teacher (``bdlora.sources``) and report it; its held-out perplexity on ``data``
     (default: the builtin corpus) is measured once per corpus and kept in the folder's ``heldout.json``."""
-    from bdlora import sources
 
     if not sources.is_named(spec):
         raise UsageError(f"--preset {spec}: unknown (allowed: {', '.join(sources.PRESETS)}, or a .gguf file)")

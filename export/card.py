@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from bdlora.sources import PRESETS
+
 TAGS = ["bdlora", "budgeted-lora", "distillation", "low-rank", "compressed"]
 SUMMARY_KEYS = ("dense_kept", "dense_svd", "dense_dropped", "modules_total", "avg_lora_rank", "speedup_vs_dense",
                 "speedup_vs_lora", "param_reduction")
@@ -18,7 +20,6 @@ def hub_id(teacher) -> str | None:
     """``teacher`` if it names a hub repository (``org/name``, not a local path), a preset's original repository
     (``smollm2-135m``: HuggingFaceTB/SmolLM2-135M-Instruct), else None: hubs validate ``base_model`` against
     existing repositories."""
-    from bdlora.sources import PRESETS
 
     if isinstance(teacher, str) and teacher in PRESETS:
         return PRESETS[teacher].hub_id

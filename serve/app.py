@@ -10,16 +10,26 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (when the tok
 from __future__ import annotations
 
 import asyncio
+import hmac
+import logging
+import signal
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from bdlora.errors import BdloraError
+from bdlora.runtime import check_onnx_dir
 from bdlora.serve.config import DEFAULT_DRAIN_SECONDS, DEFAULT_HOST, DEFAULT_PORT, ServeConfig
 from bdlora.serve.engine import Engine
+from bdlora.serve.engine_process import EngineProcess
+from bdlora.serve.genai_engine import GenaiEngine
 from bdlora.serve.handlers import ChatServing, CompletionServing
 from bdlora.serve.metrics import Metrics
 from bdlora.serve.protocol import (
@@ -59,8 +69,6 @@ async def _load(state: _State, loader, on_fatal) -> None:
 
 def engine_class(runtime: str) -> type[Engine]:
     if runtime == "genai":
-        from bdlora.serve.genai_engine import GenaiEngine
-
         return GenaiEngine
     return Engine
 
@@ -70,7 +78,6 @@ def default_engine(cfg: ServeConfig):
     onnxruntime-genai in a child process (its calls keep the GIL for a whole model step: see engine_process)."""
     if cfg.runtime != "genai":
         return Engine(cfg.onnx_dir, cfg.onnx_file, cfg.max_batch, cfg.threads)
-    from bdlora.serve.engine_process import EngineProcess
 
     return EngineProcess(engine_class("genai"), cfg.onnx_dir, cfg.onnx_file, cfg.max_batch, cfg.threads,
                          waiting_served_ratio=cfg.waiting_served_ratio, max_waiting_steps=cfg.max_waiting_steps)
@@ -188,7 +195,6 @@ class BodyLimit:
 
 def _route_path(app: FastAPI, scope) -> str | None:
     """The route template serving ``scope`` (also for requests answered before routing: 401, 413), or None."""
-    from starlette.routing import Match
 
     route = scope.get("route")
     if route is not None:
@@ -209,8 +215,6 @@ class Front:
         self.expected = f"Bearer {api_key}".encode() if api_key else None
 
     def _authorised(self, scope) -> bool:
-        import hmac
-
         if self.expected is None or not scope["path"].startswith("/v1/"):
             return True
         return hmac.compare_digest(dict(scope["headers"]).get(b"authorization", b""), self.expected)
@@ -234,7 +238,6 @@ class Front:
             else:
                 await self.app(scope, receive, watched_send)
         except Exception as exc:  # noqa: BLE001  a bug, never a client's fault: say so, log it, count it
-            import logging
 
             logging.getLogger("bdlora.serve").exception("internal error on %s %s", scope["method"], scope["path"])
             if not started:
@@ -279,7 +282,6 @@ def head_deadline_protocol(timeout: float):
     keep-alive timeout starts only after a response and stops at the first byte of the next request, so a client
     that connects and sends nothing, or trickles its headers, would hold its connection (a file descriptor and a
     task) for ever; enough of them and the server accepts nobody."""
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     class HeadDeadline(AutoHTTPProtocol):
         _head_timer: asyncio.TimerHandle | None = None
@@ -317,12 +319,6 @@ def serve(cfg: ServeConfig, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
           drain_seconds: int = DEFAULT_DRAIN_SECONDS, log_level: str = "info") -> None:
     """Run the server until SIGINT/SIGTERM; on either, stop accepting, finish in-flight requests (up to
     ``drain_seconds``), then exit. If the engine dies, stop and raise (exit 1)."""
-    import signal
-
-    import uvicorn
-
-    from bdlora.errors import BdloraError
-    from bdlora.runtime import check_onnx_dir
 
     check_onnx_dir(Path(cfg.onnx_dir), cfg.onnx_file, cfg.runtime)
     fatal: list[str] = []

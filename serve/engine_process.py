@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bdlora.runtime import DecoderShape
+from bdlora.serve.genai_engine import trailing_pad
 from bdlora.serve.sequence import Request, safe_emit
 from bdlora.tokenizer import TextTokenizer
 
@@ -142,7 +143,6 @@ class EngineProcess:
     def refuse(self, prompt_ids: list[int]) -> str | None:
         """The child engine's rule, known here so a refused prompt never crosses the pipe (genai: a trailing pad
         id)."""
-        from bdlora.serve.genai_engine import trailing_pad
 
         return trailing_pad(self.pad, prompt_ids)
 

@@ -27,6 +27,7 @@ clear error (``refuse``) rather than answered for a different prompt; ``--runtim
 
 from __future__ import annotations
 
+import ctypes
 import json
 import queue
 import time
@@ -58,8 +59,6 @@ def _release_freed_memory() -> None:
     global _malloc_trim
     if _malloc_trim is None:
         try:
-            import ctypes
-
             _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
         except (OSError, AttributeError):
             _malloc_trim = False

@@ -12,6 +12,7 @@ inter-token latency (the gaps between successive text chunks), as p50/p90/p99 ov
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import numpy as np
@@ -26,7 +27,6 @@ def _pct(values: list[float], q: float) -> float | None:
 
 async def _one_stream(client, body: dict) -> tuple[float, list[float], int]:
     """(ttft, inter-token gaps, completion tokens) of one streamed completion; raises on a malformed stream."""
-    import json
 
     t0 = time.perf_counter()
     last = ttft = None

@@ -141,3 +141,123 @@ def test_no_module_over_400_lines_and_no_long_functions():
                 if n > MAX_FUNCTION_LINES and f"{name}.{node.name}" not in LONG_FUNCTIONS:
                     long[f"{name}.{node.name}"] = n
     assert not long, long
+
+
+# --- Function-level imports -------------------------------------------------------------------------------------
+# An import inside a function hides a dependency from the reader and from the import graph's first glance, so it is
+# allowed only where it buys something: a module that loads without torch (the CLI, serving, the bench worker, the
+# plan, the config) defers what would load torch or another heavy library until the function that needs it runs.
+# The CLI is light too: a command body defers what its command needs from heavy modules, so ``bdlora --help`` loads
+# neither torch, transformers nor the web stack.
+# Everything else is imported at the top of its file. These are the third-party packages a function may defer, each
+# with its reason:
+LAZY_PACKAGES = {
+    "torch": "torch-free paths (CLI, serving, bench worker, plan) must not pay its ~1 s import",
+    "transformers": "loads torch",
+    "peft": "loads torch and transformers",
+    "safetensors": "safetensors.torch loads torch",
+    "datasets": "slow import (~1 s), only for corpora read from the Hub or a data folder",
+    "pyarrow": "only for parquet corpora",
+    "gguf": "only for .gguf teachers",
+    "onnx": "only for export and graph checks (slow import), not for running a graph",
+    "onnxruntime": "its own import is ~0.3 s; the plan, the config and the CLI never run a graph",
+    "onnxruntime_genai": "the deploy runtime: only its export validation, bench and serving load it",
+    "optimum": "an optional extra ([optimum])",
+    "matplotlib": "only when a plot is drawn (slow import, backend choice)",
+    "huggingface_hub": "only for model cards",
+    "tokenizers": "the CLI and the plan never tokenise",
+    "jinja2": "only for chat templates",
+    "uvicorn": "only when a server starts",
+    "starlette": "with uvicorn, only when a server starts",
+    "httpx": "only when a load test runs",
+    "prometheus_client": "only when a server starts",
+    "yaml": "only for --config files",
+    "fastapi": "the server's web stack (~0.6 s with pydantic and starlette): only when a server starts",
+}
+# a project module that loads one of these at its top level (transitively) is heavy: a light module (the CLI, the
+# config, serving's engine, the bench worker) defers it to the function that needs it
+HEAVY_AT_IMPORT = ("torch", "transformers", "peft", "fastapi")
+# a heavy module (an exporter, the trainer, the server app) has paid for its stack already: it defers only what is
+# optional or needed by one rare path
+HEAVY_MAY_DEFER = ("optimum", "matplotlib", "datasets", "pyarrow", "gguf")
+
+
+def _top_level_imports(path: Path, name: str, mods) -> tuple[set[str], set[str]]:
+    """(project modules, third-party top packages) a module imports at its top level (not in functions)."""
+    is_pkg = path.name == "__init__.py"
+    project, external = set(), set()
+    for node in ast.parse(path.read_text()).body:
+        for target in _targets(node, name, is_pkg, mods):
+            (project if target in mods else external).add(target if target in mods else target.split(".")[0])
+    return project, external
+
+
+def _targets(node, name: str, is_pkg: bool, mods) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+            parts = name.split(".")[: len(name.split(".")) - node.level + (1 if is_pkg else 0)]
+            base = ".".join([*parts, base] if base else parts)
+        return [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+    return []
+
+
+def heavy_modules() -> set[str]:
+    """Project modules whose top-level imports load torch, transformers or peft (transitively)."""
+    mods = project_modules()
+    top = {n: _top_level_imports(p, n, mods) for n, p in mods.items()}
+    heavy = {n for n, (_, ext) in top.items() if ext & set(HEAVY_AT_IMPORT)}
+    while True:
+        more = {n for n, (proj, _) in top.items() if n not in heavy and proj & heavy}
+        # importing a package's submodule runs the package's __init__ too
+        more |= {n for n in mods if n not in heavy and any(n.startswith(h + ".") for h in heavy
+                                                            if mods[h].name == "__init__.py")}
+        if not more:
+            return heavy
+        heavy |= more
+
+
+def function_level_imports():
+    """(module, line, target, is_project) for every import inside a function."""
+    mods = project_modules()
+    for name, path in mods.items():
+        tree = ast.parse(path.read_text())
+        seen = set()
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)) and node.lineno not in seen:
+                    seen.add(node.lineno)
+                    for t in _targets(node, name, path.name == "__init__.py", mods):
+                        yield name, node.lineno, t, t in mods
+
+
+def test_function_level_imports_only_defer_heavy_libraries_from_light_modules():
+    heavy = heavy_modules()
+    assert {"bdlora.models", "bdlora.deployed.modeling_bdlora"} <= heavy
+    assert not {"bdlora.cli", "bdlora.config", "bdlora.runtime", "bdlora.serve.engine"} & heavy
+    bad = []
+    for module, line, target, is_project in function_level_imports():
+        top = target.split(".")[0]
+        where = f"{module}:{line} imports {target}"
+        if is_project:
+            if target not in heavy:
+                bad.append(f"{where}: it loads no heavy library, import it at the top")
+            elif module in heavy:
+                bad.append(f"{where}: {module} already loads torch, import it at the top")
+        elif top in sys.stdlib_module_names:
+            bad.append(f"{where}: the standard library, import it at the top")
+        elif top not in LAZY_PACKAGES:
+            bad.append(f"{where}: not a package a function may defer (LAZY_PACKAGES names them, with reasons)")
+        elif module in heavy and top not in HEAVY_MAY_DEFER:
+            bad.append(f"{where}: {module} is heavy already (loads torch or the web stack), import it at the top")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_import_rule_sees_what_it_should():
+    rows = list(function_level_imports())
+    assert any(t == "onnxruntime_genai" for _, _, t, _ in rows)  # some deferred imports exist and are seen
+    assert any(m.startswith("bdlora.cli.") and t == "bdlora.models" for m, _, t, _ in rows)  # command bodies

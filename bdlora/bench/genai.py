@@ -17,9 +17,13 @@ import sys
 from pathlib import Path
 
 import torch.nn as nn
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from bdlora.bench.launch import run_timing_process
+from bdlora.deployed.modeling_bdlora import FAMILIES
 from bdlora.errors import BdloraError
+from bdlora.export.genai.folder import write_genai_files
 from bdlora.reporter import SILENT, Reporter
 from bdlora.runs import GENAI_CONFIG
 
@@ -28,8 +32,6 @@ BUILDER_PRECISIONS = {"fp32": "fp32", "int4": "int4"}  # the builder's -p values
 
 def _stand_in_tokenizer():
     """A byte-level BPE with no merges, for synthetic mode (the builder copies a tokenizer; nothing decodes)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {"<|endoftext|>": 0, **{c: i + 1 for i, c in enumerate(sorted(alphabet))}}  # EOS 0: in any vocabulary
@@ -41,11 +43,9 @@ def _stand_in_tokenizer():
 
 def save_base_folder(dense: nn.Module, tok, folder: Path) -> None:
     """``dense`` (a bdlora model whose projections are all dense) as a plain HF folder of its base family."""
-    from bdlora.deployed.modeling_bdlora import FAMILIES
 
     cfg = dense.config
     base = (getattr(cfg, "bdlora", None) or {}).get("base_model_type", cfg.model_type)
-    from transformers import AutoModelForCausalLM
 
     cfg_cls, _ = FAMILIES[base]
     base_cfg_cls = next(c for c in cfg_cls.__mro__[1:] if not c.__name__.startswith("Bdlora"))  # e.g. LlamaConfig
@@ -77,7 +77,6 @@ def run_builder(hf_folder: Path, out: Path, precision: str, threads: int, cache:
 def export_variants(models: dict[str, nn.Module], tok, precisions: list[str], work: Path, threads: int,
                     peers: bool, reporter: Reporter = SILENT) -> tuple[dict[str, Path], dict]:
     """Every variant at every precision as a genai folder, plus the builder's peer folders; (folders, notes)."""
-    from bdlora.export.genai.folder import write_genai_files
 
     folders: dict[str, Path] = {}
     model = next(iter(models.values()))

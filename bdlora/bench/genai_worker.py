@@ -13,6 +13,8 @@ import json
 import sys
 import time
 
+import numpy as np
+
 # Every og.Model has its own onnxruntime thread pool, whose threads spin for a while after each run. Timed right
 # after another model, a job shares the 2 cores with that model's spinning threads: measured on the builtin student
 # (decode ~0.15 ms/token), 4 models interleaved back to back gave 0.42 ms/token (p10-p90 0.26-0.63) for a dense model
@@ -40,7 +42,6 @@ def _job(og, model, phase: str, batch: int, seq: int, steps: int, ids):
 
 
 def main(argv: list[str]) -> int:
-    import numpy as np
     import onnxruntime_genai as og
 
     spec = json.loads(open(argv[0]).read())

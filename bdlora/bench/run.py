@@ -25,15 +25,20 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 import torch.nn as nn
 
 from bdlora import SCHEMA_VERSION, __version__
 from bdlora.bench.config import BenchConfig, provider_name
+from bdlora.bench.genai import export_variants, time_genai
 from bdlora.bench.launch import run_timing_process
 from bdlora.bench.report import markdown, plot
 from bdlora.bench.variants import dense_variant, export_projection_stack, floor_variant, lora_variant
 from bdlora.errors import usable_cores
 from bdlora.export.onnx.metadata import module_table
+from bdlora.export.onnx.optimize import optimize_graph
+from bdlora.export.onnx.quantize import quantize_int8
+from bdlora.export.onnx.trace import export_decoder
 from bdlora.io import atomic_dir, write_json, write_text
 from bdlora.reporter import SILENT, Reporter
 from bdlora.runs import BENCH_JSON
@@ -116,20 +121,14 @@ def bench_modules(models: dict[str, nn.Module], workdir: Path, cfg: BenchConfig,
 
 def bench_model(models: dict[str, nn.Module], workdir: Path, cfg: BenchConfig, threads: int,
                 reporter: Reporter = SILENT) -> tuple[list[dict], str]:
-    from bdlora.export.onnx.trace import export_decoder
-
     graphs = {}
     for name, m in models.items():
         graphs[name] = workdir / f"model-{name}.onnx"
         reporter.stage(f"exporting the {name} decoder")
         export_decoder(copy.deepcopy(m), graphs[name])
         if cfg.optimize:
-            from bdlora.export.onnx.optimize import optimize_graph
-
             optimize_graph(graphs[name], m)
     if cfg.int8:
-        from bdlora.export.onnx.quantize import quantize_int8
-
         for name in ("dense", "compressed"):
             reporter.stage(f"quantising the {name} decoder to int8")
             graphs[f"{name}-int8"] = workdir / f"model-{name}-int8.onnx"
@@ -186,8 +185,6 @@ def add_ratios(results: list[dict], macs: dict) -> None:
 
 def bench_genai(models: dict[str, nn.Module], tokenizer, workdir: Path, cfg: BenchConfig, threads: int,
                 reporter: Reporter = SILENT) -> tuple[list[dict], dict]:
-    from bdlora.bench.genai import export_variants, time_genai
-
     folders, notes = export_variants(models, tokenizer, cfg.genai_precisions, workdir, threads, cfg.peers, reporter)
     shapes = [[phase, b, s] for b in cfg.batch_sizes for s in cfg.seq_lens for phase in ("prefill", "decode")]
     vocab = DecoderShape.of(next(iter(models.values())).config).vocab_size
@@ -199,7 +196,6 @@ def run_bench(model: nn.Module, lora_rank: int, cfg: BenchConfig, out: Path, rep
               reporter: Reporter = SILENT, tokenizer=None) -> dict:
     """Bench a compressed model (its three variants) and write bench.json, bench.md and bench.png into ``out``;
     ``tokenizer`` goes into the genai folders (synthetic mode: a stand-in)."""
-    import onnxruntime as ort
 
     cfg.validate(DecoderShape.of(model.config).max_positions)
     threads = cfg.threads or usable_cores()

@@ -20,7 +20,14 @@ import torch
 import torch.nn as nn
 
 from bdlora.arch import projection_modules, set_module
-from bdlora.deployed.modeling_bdlora import DenseLoRALinear, LowRankLinear
+from bdlora.budgeted.config import BudgetedConfig
+from bdlora.budgeted.costs import deployed_form
+from bdlora.deployed.modeling_bdlora import FAMILIES, DenseLoRALinear, LowRankLinear
+from bdlora.errors import ModelError
+from bdlora.export.onnx.metadata import module_table
+from bdlora.export.onnx.trace import postprocess
+from bdlora.plan import plan
+from bdlora.runtime import DecoderShape
 
 
 def _dense_weight(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -99,10 +106,6 @@ class ProjectionStack(nn.Module):
 
 
 def export_projection_stack(model: nn.Module, path: Path, opset: int = 17, fuse: bool = True) -> None:
-    from bdlora.export.onnx.metadata import module_table
-    from bdlora.export.onnx.trace import postprocess
-    from bdlora.runtime import DecoderShape
-
     c = model.config
     heads = c.num_attention_heads
     hd = DecoderShape.of(c).head_dim
@@ -122,11 +125,6 @@ def export_projection_stack(model: nn.Module, path: Path, opset: int = 17, fuse:
 
 def synthetic_model(config: dict, budget: float, layers: int | None, rank: int, seed: int = 0, **plan_kw):
     """A compressed-architecture model with random weights in the structure ``plan`` predicts for F."""
-    from bdlora.budgeted.config import BudgetedConfig
-    from bdlora.budgeted.costs import deployed_form
-    from bdlora.deployed.modeling_bdlora import FAMILIES
-    from bdlora.errors import ModelError
-    from bdlora.plan import plan
 
     report = plan(config, BudgetedConfig(budget=budget, rank=rank, **plan_kw), layers=layers)
     family = config["model_type"]

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from bdlora.budgeted.config import DEFAULTS, BudgetedConfig
 from bdlora.budgeted.costs import ModuleDecision, ModuleShape, decide_module
+from bdlora.deployed.modeling_bdlora import LowRankLinear
 
 
 class GatedLoRALinear(nn.Module):
@@ -180,7 +181,6 @@ class DeployedModule:
 
     def module(self) -> nn.Module:
         """A standalone torch module computing the deployed form (tests compare it with the training module)."""
-        from bdlora.deployed.modeling_bdlora import LowRankLinear
 
         dec = self.decision
         if self.weight is not None:

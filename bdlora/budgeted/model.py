@@ -17,6 +17,7 @@ from bdlora.arch import PROJECTIONS, dense_state_dict, is_projection, set_module
 from bdlora.budgeted.config import DEFAULTS, BudgetedConfig
 from bdlora.budgeted.costs import compression_report, deployed_form
 from bdlora.budgeted.layer import DeployedModule, GatedLoRALinear
+from bdlora.deployed.modeling_bdlora import FAMILIES
 from bdlora.errors import ConfigError, ModelError
 from bdlora.io import load_tensors, read_json, save_tensors, write_json
 
@@ -101,7 +102,6 @@ def load_budgeted(student_dir: Path, model: nn.Module) -> nn.Module:
 
 def build_deployed_model(base: nn.Module, deployed: dict[str, DeployedModule], provenance: dict):
     """The bdlora HF architecture holding the ``deployed`` projections and every other weight of ``base``."""
-    from bdlora.deployed.modeling_bdlora import FAMILIES
 
     family = base.config.model_type.removeprefix("bdlora_")
     if family not in FAMILIES:

@@ -5,11 +5,16 @@ from typing import Annotated, Optional
 
 import typer
 
+from bdlora.arch import check_lora_rank
 from bdlora.bench.config import BenchConfig
 from bdlora.cli import render
 from bdlora.cli.app import command, out
 from bdlora.cli.options import from_dataclass, int_list, str_list
-from bdlora.runs import RUNS_DIR, BenchDir
+from bdlora.cli.progress import RichReporter
+from bdlora.errors import Checks, ModelError, UsageError
+from bdlora.io import write_json
+from bdlora.plan import read_model_config
+from bdlora.runs import RUNS_DIR, BenchDir, ModelDir, check_out_dir, check_out_file
 
 
 @command(options=from_dataclass(BenchConfig, skip=("opt_level",), defaults=True))
@@ -33,12 +38,7 @@ def bench(
     """Time the compressed model against its dense and LoRA forms under onnxruntime (modules and whole model,
     prefill and decode; --runtime genai: in onnxruntime-genai beside its builder's dense model), beside the MAC
     limits; writes bench.json, bench.md and bench.png."""
-    from bdlora.arch import check_lora_rank
     from bdlora.bench.run import run_bench
-    from bdlora.cli.progress import RichReporter
-    from bdlora.errors import ModelError, UsageError
-    from bdlora.io import write_json
-    from bdlora.runs import ModelDir, check_out_dir, check_out_file
 
     opts["batch_sizes"] = int_list(opts["batch_sizes"], "--batch-sizes")
     opts["seq_lens"] = int_list(opts["seq_lens"], "--seq-lens")
@@ -49,7 +49,6 @@ def bench(
         check_out_file(json_path)
     if model_config:
         from bdlora.bench.variants import synthetic_model
-        from bdlora.plan import read_model_config
 
         if budget is None:
             raise UsageError("--model-config needs --budget F (the structure to bench)")
@@ -77,7 +76,6 @@ def bench(
 
 def _check_own_options(model_config, budget, layers, lora_rank) -> None:
     """Every option's own range first, before anything is read; synthetic-mode options only in synthetic mode."""
-    from bdlora.errors import Checks, UsageError
 
     c = Checks()
     c.number("budget", budget, 0.0, 1.0)

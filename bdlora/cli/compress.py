@@ -6,14 +6,18 @@ from typing import Annotated, Optional
 
 import typer
 
+from bdlora import sources
+from bdlora.arch import check_lora_rank
 from bdlora.budgeted.config import ALLOCATIONS, THRESHOLDS, BudgetedConfig
 from bdlora.cli import render
 from bdlora.cli.app import command, err, out
 from bdlora.cli.options import from_dataclass
+from bdlora.cli.progress import RichReporter
 from bdlora.config import OneShotConfig
-from bdlora.errors import UsageError, flag
-from bdlora.plan import DEFAULT_PLAN_STEPS
-from bdlora.runs import RUNS_DIR
+from bdlora.errors import Checks, UsageError, flag
+from bdlora.plan import DEFAULT_PLAN_STEPS, read_model_config
+from bdlora.plan import plan as run_plan
+from bdlora.runs import RUNS_DIR, RunDir, one_shot_out
 
 PLAN_FIELDS = ("budget", "rank", "eps_lr", "eps_zero", "svd_max_rank", "decay_start", "decay_end", "retention_ema")
 
@@ -40,10 +44,6 @@ def plan(
     """Predict what `compress` would produce before any training: per-module case and rank, MAC speed-ups vs dense
     and vs LoRA, parameter reduction and the training-compute proxy. From a config alone for the paper's rule; with
     --model and --allocation quality, from the model's own calibration."""
-    from bdlora.arch import check_lora_rank
-    from bdlora.errors import Checks
-    from bdlora.plan import plan as run_plan
-    from bdlora.plan import read_model_config
 
     rank = opts.pop("lora_rank")
     c = Checks()  # every option's own range first, then what the model allows
@@ -72,16 +72,11 @@ def plan(
 
 
 def _resolved(model: str) -> str:
-    from bdlora import sources
-
     return sources.resolve(model, what="--model")
 
 
 def _quality_plan(model, rank, layers, mac_ratio, calib_tokens, data, opts, json_out) -> dict:
-    from bdlora.arch import check_lora_rank
-    from bdlora.cli.progress import RichReporter
     from bdlora.oneshot import quality_plan
-    from bdlora.plan import read_model_config
 
     rank = check_lora_rank(rank, read_model_config(_resolved(model)))
     cfg = OneShotConfig(mac_ratio=mac_ratio, calib_tokens=calib_tokens, data=data)
@@ -114,8 +109,6 @@ def compress(
     """Turn a trained student into its deployment form: drop, SVD-approximate or merge each dense path (budgeted),
     merge the adapter (kd-lora) or pass through (kd-full); saved as a Hugging Face model folder. With --one-shot,
     compress a pretrained model to --mac-ratio without any training."""
-    from bdlora.cli.progress import RichReporter
-    from bdlora.runs import RunDir
 
     shot = {k: opts.pop(k) for k in list(opts) if k in ONE_SHOT_FIELDS}
     reporter = RichReporter(err if json_out else out)
@@ -142,7 +135,6 @@ def compress(
 
 def _one_shot(source, shot: dict, out_dir, force: bool, runs_dir: str, cache_dir, evaluate: bool, reporter):
     from bdlora.oneshot import compress_one_shot
-    from bdlora.runs import one_shot_out
 
     if not source:
         raise UsageError("--one-shot: name the pretrained model to compress (a folder, a .gguf file, a preset such "

@@ -10,10 +10,16 @@ import typer
 from bdlora.cli import render
 from bdlora.cli.app import command, err, out
 from bdlora.cli.options import float_list, from_dataclass, int_list, str_list
-from bdlora.config import TrainConfig
-from bdlora.evaluate import EvalConfig
-from bdlora.runs import RUNS_DIR
+from bdlora.cli.progress import RichReporter
+from bdlora.config import TrainConfig, load_yaml, merge
+from bdlora.errors import UsageError
+from bdlora.evaluate import EvalConfig, evaluate_target
+from bdlora.io import write_json
+from bdlora.runs import RUNS_DIR, ModelDir, SweepDir, check_out_file, eval_json
 from bdlora.sweep.options import SweepOptions
+from bdlora.sweep.paper import OUTPUTS, merge_sweeps
+from bdlora.sweep.report import markdown
+from bdlora.sweep.vary import parse_axis
 
 SWEEP_TRAIN_OPTIONS = ("teacher", "student_init", "data", "student_layers", "layer_selection", "seq_len", "batch_size",
                        "max_steps", "tokens", "lr", "temperature", "kd_weight", "lora_rank", "lora_alpha",
@@ -36,10 +42,6 @@ def eval_cmd(
 ):
     """Score a model: perplexity on the held-out slice and the 19 function-style ICL probes (10-shot, 3
     demonstration seeds, exact match; per-task mean and std, macro average)."""
-    from bdlora.cli.progress import RichReporter
-    from bdlora.evaluate import evaluate_target
-    from bdlora.io import write_json
-    from bdlora.runs import ModelDir, check_out_file, eval_json
 
     opts["tasks"] = str_list(opts["tasks"])
     ecfg = EvalConfig(ppl=ppl or not icl, icl=icl or not ppl, **opts).validate()
@@ -84,12 +86,7 @@ def sweep(
     """Train, compress, evaluate and bench a budget family (baselines + budgeted at each F, at every point of the
     --vary grid) with everything else fixed; writes sweep.md, results.json, pareto.png and the paper's layouts
     (main.md, table9.md, icl.png)."""
-    from bdlora.cli.progress import RichReporter
-    from bdlora.config import load_yaml, merge
-    from bdlora.runs import SweepDir
-    from bdlora.sweep.report import markdown
     from bdlora.sweep.run import run_sweep
-    from bdlora.sweep.vary import parse_axis
 
     rep = RichReporter(err if json_out else out)
     if resume is not None:
@@ -115,7 +112,6 @@ def sweep(
 @command()
 def _check_resume_alone(resume: str, opts: dict, config, vary) -> None:
     """--resume continues with the sweep's stored options: any other option given beside it is refused."""
-    from bdlora.errors import UsageError
 
     given = [k for k, v in opts.items() if v is not None]
     given = ["--" + k.replace("_", "-") for k in given] + ["--config"] * bool(config) + ["--vary"] * bool(vary)
@@ -132,7 +128,6 @@ def sweep_merge(
 ):
     """Combine sweeps of several teachers into the paper's three-teacher layout: Table 5 (main.md), Table 9
     (table9.md) and Figure 2 (icl.png), members matched by name."""
-    from bdlora.sweep.paper import OUTPUTS, merge_sweeps
 
     merge_sweeps(sweeps, str_list(labels) if labels else None, Path(out_dir), force=force)
     out.print((Path(out_dir) / "main.md").read_text())

@@ -6,15 +6,17 @@ from typing import Annotated, Optional
 
 import typer
 
+from bdlora import sources
 from bdlora.cli import render
 from bdlora.cli.app import command, err, export_app, out
+from bdlora.cli.progress import RichReporter
+from bdlora.errors import UsageError
 from bdlora.export.defaults import DEFAULT_OPSET, MAX_PPL_CHANGE
-from bdlora.runs import RUNS_DIR
+from bdlora.export.hf import export_hf as run_export
+from bdlora.runs import RUNS_DIR, ModelDir
 
 
 def _source(model_dir: Optional[str], runs_dir: str) -> Path:
-    from bdlora.runs import ModelDir
-
     return Path(model_dir) if model_dir else ModelDir.latest(runs_dir).path
 
 
@@ -27,8 +29,6 @@ def export_hf(
     runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,
 ):
     """Copy a compressed model into a clean, shareable Hugging Face folder with a generated model card."""
-    from bdlora.export.hf import export_hf as run_export
-    from bdlora.runs import ModelDir
 
     src = _source(model_dir, runs_dir)
     dst = Path(out_dir) if out_dir else ModelDir(src).hf_out()
@@ -56,10 +56,7 @@ def export_onnx(
 ):
     """Export a model as an ONNX decoder with KV cache and per-module shape metadata, validated against PyTorch;
     the folder loads in optimum's ORTModelForCausalLM (bdlora.export.onnx.load_ort_model, the [optimum] extra)."""
-    from bdlora import sources
-    from bdlora.cli.progress import RichReporter
     from bdlora.export.onnx import export_onnx_folder
-    from bdlora.runs import ModelDir
 
     rep = RichReporter(err if json_out else out)
     if model_dir is not None and sources.is_named(model_dir):
@@ -101,11 +98,7 @@ def export_genai(
     """Export a model for onnxruntime-genai (og.Generator, the LLM runtime): GroupQueryAttention with a shared KV
     buffer, fused RMSNorm, each projection in its dense or low-rank form; validated against PyTorch (logits, greedy
     generation, tokenizer; quantised: perplexity change)."""
-    from bdlora import sources
-    from bdlora.cli.progress import RichReporter
-    from bdlora.errors import UsageError
     from bdlora.export.genai import export_genai_folder
-    from bdlora.runs import ModelDir
 
     if not max_ppl_change >= 0 or max_ppl_change == float("inf"):
         raise UsageError(f"--max-ppl-change {max_ppl_change}: must be a finite fraction >= 0 (0.1 = 10%)")

@@ -9,8 +9,12 @@ import typer
 from bdlora.cli import render
 from bdlora.cli.app import command, err, fail
 from bdlora.cli.options import from_dataclass, int_list
-from bdlora.runs import RUNS_DIR
+from bdlora.errors import Checks, UsageError
+from bdlora.io import write_json
+from bdlora.runs import RUNS_DIR, GenaiDir, OnnxDir, check_out_file
+from bdlora.runtime import check_onnx_dir
 from bdlora.serve.config import DEFAULT_DRAIN_SECONDS, DEFAULT_HOST, DEFAULT_PORT, ServeConfig
+from bdlora.serve.loadtest import load_test
 
 
 @command(options=from_dataclass(ServeConfig, skip=("onnx_dir", "model_name"), defaults=True))
@@ -29,9 +33,6 @@ def serve(
 ):
     """Serve an exported ONNX model with an OpenAI-compatible API (/v1/completions, /v1/chat/completions,
     /v1/models, /health, /metrics)."""
-    from bdlora.errors import Checks
-    from bdlora.runs import GenaiDir, OnnxDir
-    from bdlora.runtime import check_onnx_dir
     from bdlora.serve.app import serve as run_server
 
     c = Checks()
@@ -66,11 +67,6 @@ def loadtest(
     """Closed-loop load test of an OpenAI-compatible /v1/completions endpoint: requests/s, tokens/s, latency
     percentiles; with --stream also time to first token and inter-token latency."""
     import httpx
-
-    from bdlora.errors import Checks, UsageError
-    from bdlora.io import write_json
-    from bdlora.runs import check_out_file
-    from bdlora.serve.loadtest import load_test
 
     levels = int_list(concurrency, "--concurrency")
     c = Checks()

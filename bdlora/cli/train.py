@@ -12,8 +12,10 @@ import typer
 from bdlora.cli import render
 from bdlora.cli.app import command, err, out
 from bdlora.cli.options import from_dataclass
-from bdlora.config import TrainConfig, field_docs
+from bdlora.cli.progress import RichReporter
+from bdlora.config import TrainConfig, field_docs, load_yaml, merge
 from bdlora.errors import UsageError
+from bdlora.runs import RunDir
 
 H = field_docs(TrainConfig)
 
@@ -31,7 +33,6 @@ def teacher(
     """Build (or show) the embedded default teacher (a BPE tokenizer and a small Mistral-style model pretrained on
     the Python standard library), or with --preset materialise a pretrained one into the cache as a Hugging Face
     folder; prints its folder, parameter count and held-out perplexity."""
-    from bdlora.cli.progress import RichReporter
     from bdlora.teacher import build_builtin_teacher, describe_pretrained
 
     rep = RichReporter(err if json_out else out)
@@ -65,9 +66,6 @@ def train(
     **opts,
 ):
     """Distil a student from the teacher: kd-full, kd-lora or budgeted (Budgeted LoRA)."""
-    from bdlora.cli.progress import RichReporter
-    from bdlora.config import load_yaml, merge
-    from bdlora.runs import RunDir
     from bdlora.train import train as run_train
 
     if nproc is not None:

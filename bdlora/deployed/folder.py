@@ -11,6 +11,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from bdlora.deployed.modeling_bdlora import FAMILIES
 from bdlora.integrity import DIGEST_KEY, digests
 from bdlora.io import atomic_dir, write_json
 from bdlora.runs import ModelDir
@@ -20,11 +23,9 @@ MODELING_FILE = Path(__file__).with_name("modeling_bdlora.py")
 
 def register() -> None:
     """Register the bdlora architectures with the Auto classes (run when transformers is imported)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     # not at module level: this runs inside the hook that fires while transformers finishes importing, and
     # modeling_bdlora imports transformers itself (see bdlora/deployed/__init__.py)
-    from bdlora.deployed.modeling_bdlora import FAMILIES
 
     for cfg_cls, model_cls in FAMILIES.values():
         AutoConfig.register(cfg_cls.model_type, cfg_cls, exist_ok=True)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from bdlora.budgeted.config import DEFAULTS as BUDGETED
 from bdlora.budgeted.config import BudgetedConfig
+from bdlora.config import BUILTIN, BUILTIN_DEFAULTS, REAL_DEFAULTS, OneShotConfig, TrainConfig
 from bdlora.errors import Checks, UsageError
 from bdlora.sweep.vary import check_axes, grid, label
 
@@ -97,7 +98,6 @@ class SweepOptions:
 
     def one_shot_config(self, m: Member):
         """A one-shot member's compression: the sweep's teacher, corpus, split and evaluation slice."""
-        from bdlora.config import BUILTIN, BUILTIN_DEFAULTS, REAL_DEFAULTS, OneShotConfig
 
         t = self.train
         defaults = BUILTIN_DEFAULTS if t.get("teacher", BUILTIN) == BUILTIN else REAL_DEFAULTS
@@ -109,7 +109,6 @@ class SweepOptions:
 
     def train_config(self, m: Member, out: str | None = None):
         """The training options of a member: the shared ones, its grid point, its method and budget."""
-        from bdlora.config import TrainConfig
 
         values = {k: v for k, v in self.train.items() if k in TrainConfig.__dataclass_fields__ and k != "extra"}
         values.update(m.train_settings)

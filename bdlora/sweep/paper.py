@@ -16,7 +16,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bdlora import SCHEMA_VERSION
+from bdlora.errors import UsageError
 from bdlora.io import atomic_path, write_json, write_text
+from bdlora.runs import SweepDir
 from bdlora.sweep.vary import show
 
 OUTPUTS = ("main.md", "table9.md", "icl.png")
@@ -177,9 +180,6 @@ def write_paper_outputs(groups: list[tuple[str, dict]], folder: Path) -> None:
 
 def merge_sweeps(dirs: list[str], labels: list[str] | None, out: Path, force: bool = False) -> dict:
     """Combine finished sweeps (one per teacher) into the paper's three-teacher layout in ``out``."""
-    from bdlora import SCHEMA_VERSION
-    from bdlora.errors import UsageError
-    from bdlora.runs import SweepDir
 
     if labels and len(labels) != len(dirs):
         raise UsageError(f"--labels: {len(labels)} label(s) for {len(dirs)} sweep(s) (one per sweep, in order)")

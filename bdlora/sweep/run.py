@@ -24,18 +24,23 @@ import dataclasses
 import shutil
 from pathlib import Path
 
-from bdlora import SCHEMA_VERSION
+from bdlora import SCHEMA_VERSION, sources
+from bdlora.bench.config import BenchConfig
+from bdlora.bench.run import run_bench
 from bdlora.checkpoint import latest_checkpoint
 from bdlora.compress import compress_run
-from bdlora.config import BUILTIN, TrainConfig
+from bdlora.config import BUILTIN, TrainConfig, resolve_defaults
 from bdlora.errors import RunDirError
 from bdlora.evaluate import EvalConfig, evaluate_target
 from bdlora.io import read_json, write_json, write_text
+from bdlora.models import load_model_folder
+from bdlora.oneshot import compress_one_shot
 from bdlora.reporter import SILENT, Reporter
 from bdlora.runs import BENCH, COMPRESSED, EVAL, SWEEP_OPTIONS, BenchDir, ModelDir, SweepDir
 from bdlora.sweep.options import Member, SweepOptions
 from bdlora.sweep.paper import teacher_label, write_paper_outputs
 from bdlora.sweep.report import icl_fields, markdown, member_row, plot_pareto
+from bdlora.teacher import builtin_teacher_dir
 from bdlora.train import train
 
 
@@ -109,8 +114,6 @@ def _run_member(m: Member, opts: SweepOptions, sweep: SweepDir, reporter: Report
 
 def _run_one_shot(m: Member, opts: SweepOptions, sweep: SweepDir, rep: Reporter) -> dict:
     """A member without training: the teacher compressed by ``compress --one-shot`` to the member's ratio."""
-    from bdlora.config import resolve_defaults
-    from bdlora.oneshot import compress_one_shot
 
     model_dir = ModelDir(sweep.path / f"{m.name}{COMPRESSED}")
     teacher = opts.train.get("teacher") or BUILTIN
@@ -135,10 +138,6 @@ def _run_one_shot(m: Member, opts: SweepOptions, sweep: SweepDir, rep: Reporter)
 
 def _bench_member(m: Member, opts: SweepOptions, sweep: SweepDir, model_dir: ModelDir, lora_rank: int,
                   rep: Reporter) -> dict:
-    from bdlora.bench.config import BenchConfig
-    from bdlora.bench.run import run_bench
-    from bdlora.models import load_model_folder
-
     bench_dir = sweep.path / f"{m.name}{BENCH}"
     if (bench_dir / BenchDir.MARKER).exists():
         rep.stage("bench: done")
@@ -170,9 +169,6 @@ def _eval_teacher(opts: SweepOptions, sweep: SweepDir, rows: list[dict], reporte
 
 
 def _eval_reference(spec: str, name: str, cfg: dict, opts: SweepOptions, sweep: SweepDir, reporter: Reporter) -> dict:
-    from bdlora import sources
-    from bdlora.teacher import builtin_teacher_dir
-
     path = sweep.path / f"{name}{EVAL}"
     if not path.exists():
         cache = Path(cfg["cache_dir"]).expanduser() if cfg.get("cache_dir") else None

@@ -13,8 +13,11 @@ from __future__ import annotations
 import itertools
 import math
 import re
+import typing
 from pathlib import Path
 
+from bdlora.budgeted.config import BudgetedConfig
+from bdlora.config import _TYPE_WORDS, OPTION_NAMES, _yaml_type
 from bdlora.errors import UsageError
 
 COMPRESS_OPTIONS = ("eps_lr", "gate_threshold", "svd_max_rank")  # compress-time only: no retraining
@@ -30,8 +33,6 @@ FIXED = {
 
 
 def _option(name: str, spec: str) -> str:
-    from bdlora.config import OPTION_NAMES
-
     key = name.strip().lstrip("-").replace("-", "_")
     if key in FIXED:
         raise UsageError(f"--vary {spec}: {key} cannot vary inside a sweep (use {FIXED[key]})")
@@ -42,11 +43,6 @@ def _option(name: str, spec: str) -> str:
 
 
 def _value(key: str, text: str, spec: str):
-    import typing
-
-    from bdlora.budgeted.config import BudgetedConfig
-    from bdlora.config import _TYPE_WORDS, _yaml_type
-
     text = text.strip()
     if text == "":
         raise UsageError(f"--vary {spec}: an empty value for {key}")

@@ -6,16 +6,25 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import onnx
+
 from bdlora import SCHEMA_VERSION
+from bdlora.blocks import PackedBlocks
+from bdlora.data import BUILTIN, Corpus, tokenize_corpus
 from bdlora.errors import UsageError, usable_cores
 from bdlora.export.defaults import MAX_PPL_CHANGE
+from bdlora.export.genai import validate as v
 from bdlora.export.genai.config import genai_config
-from bdlora.export.genai.quantize import PRECISIONS
+from bdlora.export.genai.graph import build_decoder
+from bdlora.export.genai.quantize import PRECISIONS, quantize_nbits
 from bdlora.export.onnx.metadata import metadata_props, metadata_summary, module_table, set_metadata
+from bdlora.export.onnx.validate import ExportValidationError
 from bdlora.io import atomic_dir, write_json
 from bdlora.models import load_model_folder
+from bdlora.perplexity import heldout_blocks
 from bdlora.reporter import SILENT, Reporter
 from bdlora.runs import GENAI_CONFIG, ModelDir, OnnxDir, check_out_dir, source_run
+from bdlora.runtime import DecoderShape, session
 
 QUALITY_TOKENS = 32768  # held-out tokens scored with the fp32 and quantised graphs when no training run is known
 MAX_CONTEXT = 4096  # rotary tables and the generator's default max_length stop here unless --context-length says more
@@ -23,7 +32,6 @@ MAX_CONTEXT = 4096  # rotary tables and the generator's default max_length stop 
 
 def save_graph(proto, path: Path) -> None:
     """A graph with every weight in one external-data file beside it (``model.onnx.data``), as the builder does."""
-    import onnx
 
     onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=path.name + ".data")
@@ -43,10 +51,6 @@ def write_genai_files(model, tok, folder: Path, precision: str, ctx: int, report
     (+ .data), genai_config.json, config, tokenizer (if given) and compression.json (if ``report``); with
     ``fp32_path`` a quantised export also writes its fp32 graph there (the quality reference). Returns what was
     written (nodes, quantisation)."""
-    import onnx
-
-    from bdlora.export.genai.graph import build_decoder
-    from bdlora.export.genai.quantize import quantize_nbits
 
     cfg = model.config
     base = (getattr(cfg, "bdlora", None) or {}).get("base_model_type", cfg.model_type)
@@ -113,10 +117,6 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, precision: str =
 
 def _validate(tmp: Path, model, tok, report, model_dir: Path, precision: str, max_ppl_change: float,
               reporter: Reporter) -> dict:
-    from bdlora.export.genai import validate as v
-    from bdlora.export.onnx.validate import ExportValidationError
-    from bdlora.runtime import DecoderShape, session
-
     out: dict = {}
     fp32 = session(tmp / ("model.onnx" if precision == "fp32" else "fp32/model.onnx"))
     reporter.stage("validating the graph against PyTorch (prefill, decode, decode steps)")
@@ -144,9 +144,6 @@ def _validate(tmp: Path, model, tok, report, model_dir: Path, precision: str, ma
 def _quality_blocks(run, tok, shape):
     """The run's held-out blocks (those its perplexity was reported on) when the model came from a training run, else
     the first ``QUALITY_TOKENS`` of the builtin corpus's held-out slice in blocks of 128 tokens."""
-    from bdlora.blocks import PackedBlocks
-    from bdlora.data import BUILTIN, Corpus, tokenize_corpus
-    from bdlora.perplexity import heldout_blocks
 
     if run is not None:
         blocks = heldout_blocks(run.config(), tok)

@@ -18,12 +18,16 @@ internals change between releases; ~200 lines of ``onnx.helper`` are easier to k
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn as nn
+from onnx import TensorProto, helper, numpy_helper
 
+from bdlora.deployed.modeling_bdlora import DenseLoRALinear, LowRankLinear
+from bdlora.errors import ModelError
 from bdlora.runtime import DecoderSignature as Sig
 
 # the signature's symbolic dims, spelled as onnxruntime-genai's model builder spells them in its graphs
@@ -49,8 +53,6 @@ class Projection:
 
     @classmethod
     def of(cls, name: str, m: nn.Module) -> Projection:
-        from bdlora.deployed.modeling_bdlora import DenseLoRALinear, LowRankLinear
-
         def f(t):
             return None if t is None else t.detach().float().cpu().numpy()
 
@@ -77,15 +79,11 @@ class GraphBuilder:
     inits: list = field(default_factory=list)
 
     def init(self, name: str, array: np.ndarray) -> str:
-        from onnx import numpy_helper
-
         self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
         return name
 
     def node(self, op: str, inputs: list[str], name: str, n_out: int = 1, domain: str = "", doc: str = "",
              outputs: list[str] | None = None, **attrs) -> list[str]:
-        from onnx import helper
-
         outs = outputs or [f"{name}/output_{i}" for i in range(n_out)]
         self.nodes.append(helper.make_node(op, inputs, outs, name=name, domain=domain or None, doc_string=doc,
                                            **attrs))
@@ -96,8 +94,6 @@ class GraphBuilder:
 
 
 def _doc(projs: list[Projection]) -> str:
-    import json
-
     return json.dumps([{"bdlora_module": p.name, "form": p.form, "rank": p.rank} for p in projs])
 
 
@@ -165,7 +161,6 @@ def _f32(t) -> np.ndarray:
 def _mask_inputs(g: GraphBuilder) -> tuple[str, str]:
     """GroupQueryAttention's ``seqlens_k`` (real tokens per row minus one, int32) and ``total_sequence_length``
     (the mask's width, int32) from the 2D attention mask: the builder's attn_mask_reformat subgraph."""
-    from onnx import TensorProto
 
     one = g.init("/model/constants/INT64/[1]", np.array([1], np.int64))
     total = g.one("ReduceSum", [Sig.ATTENTION_MASK, one], "/model/attn_mask/ReduceSum", keepdims=0)
@@ -215,8 +210,6 @@ def _layer(g: GraphBuilder, i: int, layer: nn.Module, residual: str, mlp_prev: s
 
 
 def _io(vocab: int, layers: int, kv_heads: int, hd: int) -> tuple[list, list]:
-    from onnx import TensorProto, helper
-
     sig = Sig(layers, position_ids=False)
     dim = GENAI_DIMS.get
     batch, seq = (dim(d) for d in sig.TOKENS_DIMS)
@@ -232,14 +225,11 @@ def _io(vocab: int, layers: int, kv_heads: int, hd: int) -> tuple[list, list]:
 
 def build_decoder(model: nn.Module, context_length: int):
     """The genai decoder ``ModelProto`` of ``model`` (a HF Llama/Mistral/Qwen2 causal LM, any projection forms)."""
-    from onnx import helper
 
     cfg = model.config
     layers = model.model.layers
     hd = layers[0].self_attn.head_dim
     if hd % 16:
-        from bdlora.errors import ModelError
-
         raise ModelError(f"head dim {hd}: onnxruntime's GroupQueryAttention (the genai runtime's attention) needs a "
                          "multiple of 16; use `bdlora export onnx` for this model")
     g = GraphBuilder()

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 
+from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
 BLOCK_SIZE = 32
 ACCURACY_LEVEL = 4
 LM_HEAD = "/lm_head/MatMul"
@@ -22,7 +24,6 @@ PRECISIONS = ("fp32", "int8", "int4")
 def quantize_nbits(model, precision: str):
     """``model`` (an in-memory ``ModelProto``, weights inside) with its MatMuls as MatMulNBits; returns the new
     proto and a description of what was quantised."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     def run(proto, bits: int, include=None, exclude=None):
         q = MatMulNBitsQuantizer(proto, bits=bits, block_size=BLOCK_SIZE, is_symmetric=True,

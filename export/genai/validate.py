@@ -4,14 +4,16 @@ the Hugging Face one, and, for int8/int4, the held-out perplexity change and arg
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 
 import numpy as np
+import onnxruntime_genai as og
 import torch
 import torch.nn as nn
 
-from bdlora.export.onnx.validate import ExportValidationError, validate
+from bdlora.export.onnx.validate import NOISE_FACTOR, TOLERANCE, ExportValidationError, validate
 from bdlora.runtime import DecoderShape, run_decoder, score_blocks
 
 # GroupQueryAttention takes right-aligned batches (positions come from the mask's row sums) and, on CPU, several
@@ -26,9 +28,6 @@ TEXTS = ("The capital of France is Paris.\nIt has 2 million people.", "  def f(x
 def graph_parity(model: nn.Module, sess, steps: int = 6) -> dict:
     """Logits and present K/V against PyTorch at ``GENAI_SHAPES``, then a prompt of 8 followed by ``steps`` decode
     steps, each fed the previous step's presents, against the full-sequence forward."""
-    import copy
-
-    from bdlora.export.onnx.validate import NOISE_FACTOR, TOLERANCE
 
     out = validate(model, sess, shapes=GENAI_SHAPES, left_pad=False)
     shape = DecoderShape.of(model.config)
@@ -67,7 +66,6 @@ def generator_greedy(folder: Path, model: nn.Module, tokenizer, n: int = 32, tol
     """``og.Generator`` greedy tokens against PyTorch's for several prompts (``n`` new tokens each, EOS ignored).
     A divergence is accepted only at a step where PyTorch's top two logits are within ``tolerance`` (a tie any two
     fp32 implementations may break differently); the generated text itself is then compared up to that step."""
-    import onnxruntime_genai as og
 
     og_model = og.Model(str(folder))
     rows, ties = [], 0
@@ -95,7 +93,6 @@ def generator_greedy(folder: Path, model: nn.Module, tokenizer, n: int = 32, tol
 def tokenizer_roundtrip(folder: Path, tokenizer) -> dict:
     """onnxruntime-genai's tokenizer must encode and decode like the Hugging Face one (a byte-level BPE read
     wrongly decodes to raw symbols such as 'Ġ')."""
-    import onnxruntime_genai as og
 
     tok = og.Tokenizer(og.Model(str(folder)))
     for text in TEXTS:

@@ -10,11 +10,14 @@ from pathlib import Path
 from bdlora import SCHEMA_VERSION
 from bdlora.errors import UsageError
 from bdlora.export.onnx.metadata import add_metadata, metadata_summary, module_table
+from bdlora.export.onnx.optimize import optimize_graph
+from bdlora.export.onnx.quantize import quantize_int8
 from bdlora.export.onnx.signature import DEFAULT_OPSET, check_opset
 from bdlora.export.onnx.trace import export_decoder
 from bdlora.export.onnx.validate import validate
 from bdlora.io import atomic_dir, write_json
 from bdlora.models import load_model_folder
+from bdlora.perplexity import heldout_blocks
 from bdlora.reporter import SILENT, Reporter
 from bdlora.runs import ModelDir, OnnxDir, check_out_dir, source_run
 from bdlora.runtime import DecoderShape, score_blocks, session
@@ -43,8 +46,6 @@ def export_onnx_folder(model_dir: str | Path, out: str | Path, opset: int = DEFA
         t0 = time.time()
         info["matmuls_fused"] = export_decoder(model, tmp / "model.onnx", opset)
         if optimize:
-            from bdlora.export.onnx.optimize import optimize_graph
-
             reporter.stage("fusing RMSNorm / residual / rotary subgraphs (onnxruntime transformer optimizer)")
             info["ort_fusions"] = optimize_graph(tmp / "model.onnx", model)
         add_metadata(tmp / "model.onnx", rows, summary)
@@ -66,8 +67,6 @@ def export_onnx_folder(model_dir: str | Path, out: str | Path, opset: int = DEFA
 
 
 def _quantize(tmp: Path, model, tok, report: dict | None, model_dir: Path, info: dict, reporter: Reporter) -> dict:
-    from bdlora.export.onnx.quantize import quantize_int8
-
     reporter.stage("quantising to int8 (dynamic, weights)")
     quantize_int8(tmp / "model.onnx", tmp / "model_int8.onnx")
     info["files"]["model_int8.onnx"] = (tmp / "model_int8.onnx").stat().st_size
@@ -75,7 +74,6 @@ def _quantize(tmp: Path, model, tok, report: dict | None, model_dir: Path, info:
     run = source_run(model_dir, (report or {}).get("provenance", {}))
     if run is None:
         return out
-    from bdlora.perplexity import heldout_blocks
 
     blocks = heldout_blocks(run.config(), tok)
     reporter.stage("scoring the held-out slice with fp32 and int8 graphs")

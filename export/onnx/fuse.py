@@ -14,12 +14,12 @@ import json
 from collections import defaultdict
 
 import numpy as np
+import onnx
+from onnx import helper, numpy_helper
 
 
 def fuse_shared_input_matmuls(model) -> int:
     """Rewrite ``model`` (onnx.ModelProto) in place; returns the number of MatMuls removed."""
-    import onnx
-    from onnx import helper, numpy_helper
 
     g = model.graph
     inits = {i.name: i for i in g.initializer}

@@ -9,14 +9,16 @@ import json
 import re
 from pathlib import Path
 
+import onnx
 import torch.nn as nn
 
+from bdlora import __version__
 from bdlora.arch import projection_modules
+from bdlora.deployed.modeling_bdlora import DenseLoRALinear, LowRankLinear
 
 
 def module_row(name: str, m: nn.Module) -> dict | None:
     """One projection as deployed: dense, low-rank, or dense + unmerged LoRA adapter (bench's lora variant)."""
-    from bdlora.deployed.modeling_bdlora import DenseLoRALinear, LowRankLinear
 
     if isinstance(m, LowRankLinear):
         form, i, o, r, bias = "lowrank", m.in_features, m.out_features, m.rank, m.proj_out.bias
@@ -71,8 +73,6 @@ def tag_nodes(m, rows: list[dict]) -> None:
 
 
 def metadata_props(rows: list[dict], summary: dict) -> dict[str, str]:
-    from bdlora import __version__
-
     return {"bdlora.modules": json.dumps(rows), "bdlora.summary": json.dumps(summary), "bdlora.version": __version__}
 
 
@@ -86,14 +86,10 @@ def set_metadata(model_proto, meta: dict[str, str]) -> None:
 
 
 def read_metadata(onnx_path: Path) -> dict[str, str]:
-    import onnx
-
     return {p.key: p.value for p in onnx.load(str(onnx_path), load_external_data=False).metadata_props}
 
 
 def add_metadata(onnx_path: Path, rows: list[dict], summary: dict) -> None:
-    import onnx
-
     m = onnx.load(str(onnx_path), load_external_data=False)
     set_metadata(m, metadata_props(rows, summary))
     onnx.save(m, str(onnx_path))

@@ -7,11 +7,15 @@ residual add + RMSNorm -> ``SkipSimplifiedLayerNormalization``, rotary position 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
+import onnx
 import torch
 import torch.nn as nn
+from onnx import numpy_helper
+from onnxruntime.transformers.optimizer import optimize_model
 
 from bdlora.arch import base_model
 from bdlora.export.onnx.metadata import read_metadata
@@ -27,11 +31,6 @@ def optimize_graph(path: Path, model: nn.Module) -> dict[str, int]:
     The optimizer writes cos/sin caches for 131,072 positions computed with its own RoPE assumptions; they are
     replaced by the model's own rotary embedding (``model.model.rotary_emb``, so RoPE scaling variants are exact)
     over ``max_position_embeddings`` positions."""
-    import logging
-
-    import onnx
-    from onnx import numpy_helper
-    from onnxruntime.transformers.optimizer import optimize_model
 
     config = model.config
     fused_ops = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "RotaryEmbedding")

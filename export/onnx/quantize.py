@@ -3,18 +3,18 @@ metadata. Activations stay fp32; MatMul weights become int8 with per-tensor scal
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+
+import onnx
+from onnxruntime.quantization import QuantType, quantize_dynamic
+from onnxruntime.quantization.shape_inference import quant_pre_process
 
 from bdlora.export.onnx.metadata import read_metadata, set_metadata
 
 
 def quantize_int8(src: Path, dst: Path) -> None:
     """onnxruntime dynamic int8 weight quantisation (shape inference first), keeping the bdlora metadata."""
-    import logging
-
-    import onnx
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-    from onnxruntime.quantization.shape_inference import quant_pre_process
 
     pre = dst.with_suffix(".pre.onnx")
     try:

@@ -6,6 +6,7 @@ example inputs for tracing.
 from __future__ import annotations
 
 import torch
+from torch.onnx._constants import ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET
 
 from bdlora.errors import UsageError
 from bdlora.export.defaults import DEFAULT_OPSET, MIN_OPSET  # noqa: F401  (re-exported: trace, folder)
@@ -13,8 +14,6 @@ from bdlora.runtime import DecoderShape, DecoderSignature
 
 
 def max_opset() -> int:
-    from torch.onnx._constants import ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET
-
     return int(ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET)
 
 

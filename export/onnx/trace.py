@@ -13,10 +13,13 @@ import types
 import warnings
 from pathlib import Path
 
+import onnx
 import torch
 import torch.nn as nn
+from transformers import DynamicCache
 
 from bdlora.arch import base_model
+from bdlora.export.onnx.fuse import fuse_shared_input_matmuls
 from bdlora.export.onnx.metadata import module_table, tag_nodes
 from bdlora.export.onnx.signature import DEFAULT_OPSET, check_opset, dynamic_axes, example_inputs
 from bdlora.runtime import DecoderSignature
@@ -43,8 +46,6 @@ class DecoderWithCache(nn.Module):
         self.num_layers = model.config.num_hidden_layers
 
     def forward(self, input_ids, attention_mask, position_ids, *past):
-        from transformers import DynamicCache
-
         cache = DynamicCache()
         for i in range(self.num_layers):
             cache.update(past[2 * i], past[2 * i + 1], i)
@@ -102,9 +103,6 @@ def export_decoder(model: nn.Module, path: Path, opset: int = DEFAULT_OPSET, fus
 
 def postprocess(path: Path, rows: list[dict], fuse: bool = True) -> int:
     """Tag module nodes, then (optionally) fuse shared-input MatMuls; returns the number of MatMuls fused away."""
-    import onnx
-
-    from bdlora.export.onnx.fuse import fuse_shared_input_matmuls
 
     m = onnx.load(str(path))
     tag_nodes(m, rows)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 import torch.nn as nn
+from transformers import DynamicCache
 
 from bdlora.errors import BdloraError
 from bdlora.export.onnx.signature import example_inputs
@@ -31,7 +34,6 @@ def validate(model: nn.Module, sess, shapes=VALIDATION_SHAPES, tolerance: float 
     present K/V everywhere. The
     bound is ``tolerance``, or ``NOISE_FACTOR`` x PyTorch's own fp32 rounding error (its distance from a float64
     forward) when that is larger."""
-    import copy
 
     reference64 = copy.deepcopy(model).double()
     results = []
@@ -59,7 +61,6 @@ def validate(model: nn.Module, sess, shapes=VALIDATION_SHAPES, tolerance: float 
 
 def _forward(model, ids, mask, pos, pasts) -> list[np.ndarray]:
     """[logits, present key 0, value 0, ...] of the model's own cached forward, as float arrays."""
-    from transformers import DynamicCache
 
     cache = DynamicCache()
     for i in range(model.config.num_hidden_layers):
