@@ -198,9 +198,48 @@ def test_cli_export_onnx_bad_input(mixed_export, tmp_path):
     assert r.exit_code == 2 and "--quantize int4: unknown (allowed: int8)" in r.stderr
 
 
+def test_validation_refuses_a_graph_that_computes_something_else(tiny_env, tmp_path):
+    """The bound is rounding-sized: a graph whose weights differ from the model's by 0.1% in one projection is
+    refused, both at the 1e-4 bound and at a model whose bound is NOISE_FACTOR x its large fp32 error (the huge
+    residual stream of the second one drowns any change to a block's output, so its LM head is the one changed)."""
+    from transformers import AutoModelForCausalLM
+
+    from bdlora.export.onnx.validate import ExportValidationError, validate
+
+    for name, scale in (("small", 1.0), ("big", 2e4)):
+        m = AutoModelForCausalLM.from_pretrained(tiny_env["teacher"], dtype=torch.float32)
+        with torch.no_grad():
+            m.model.embed_tokens.weight.mul_(scale)
+            m.lm_head.weight.mul_(30 if scale > 1 else 1)
+        m.save_pretrained(tmp_path / name)
+        tiny_env["tokenizer"].save_pretrained(tmp_path / name)
+        info = export_onnx_folder(tmp_path / name, tmp_path / f"{name}.onnx")["validation"]
+        assert (info["tolerance"] > TOLERANCE) == (scale > 1)
+        sess = session(tmp_path / f"{name}.onnx" / "model.onnx")
+        changed = m.lm_head if scale > 1 else m.model.layers[1].mlp.down_proj
+        with torch.no_grad():
+            changed.weight.mul_(1.001)
+        with pytest.raises(ExportValidationError, match="differs from PyTorch by") as e:
+            validate(m.eval(), sess)
+        worst = float(str(e.value).split("by ")[1].split(" ")[0])
+        assert worst > 3 * info["tolerance"], (name, worst, info)  # well past the bound, not at its edge
+
+
+def test_max_abs_diff_never_drops_a_nan():
+    from bdlora.export.onnx.validate import max_abs_diff
+
+    a = np.zeros((2, 3), np.float32)
+    b = a.copy()
+    assert max_abs_diff(a, b) == 0.0
+    b[1, 2] = np.nan
+    assert max_abs_diff(a, b) == float("inf")  # python's max() would have kept the finite value
+    b[1, 2] = 0.5
+    assert max_abs_diff(a, b) == 0.5
+
+
 def test_validation_bound_follows_torchs_own_fp32_error(tiny_env, tmp_path):
     """On the tiny models fp32 rounding is far below 1e-4, so the bound stays 1e-4; a model whose own fp32 forward
-    strays further from float64 (scaled up here, like SmolLM2's 17,000-sized activations) gets 4x that error."""
+    strays further from float64 (scaled up here, like SmolLM2's 17,000-sized activations) gets NOISE_FACTOR x that error."""
     from transformers import AutoModelForCausalLM
 
     from bdlora.export.onnx.validate import NOISE_FACTOR

@@ -13,7 +13,7 @@ import onnxruntime_genai as og
 import torch
 import torch.nn as nn
 
-from bdlora.export.onnx.validate import NOISE_FACTOR, TOLERANCE, ExportValidationError, validate
+from bdlora.export.onnx.validate import NOISE_FACTOR, TOLERANCE, ExportValidationError, max_abs_diff, validate
 from bdlora.runtime import DecoderShape, run_decoder, score_blocks
 
 # GroupQueryAttention takes right-aligned batches (positions come from the mask's row sums) and, on CPU, several
@@ -35,14 +35,14 @@ def graph_parity(model: nn.Module, sess, steps: int = 6) -> dict:
     ids = torch.randint(0, shape.vocab_size, (1, 8 + steps), generator=g)
     with torch.no_grad():
         ref = model(ids).logits.numpy()
-        noise = float(np.abs(copy.deepcopy(model).double()(ids).logits.numpy() - ref).max())
+        noise = max_abs_diff(copy.deepcopy(model).double()(ids).logits.numpy(), ref)
     bound = max(out["tolerance"], TOLERANCE, NOISE_FACTOR * noise)  # as in ``validate``: torch's own fp32 error
     past = [np.zeros((1, shape.kv_heads, 0, shape.head_dim), np.float32) for _ in range(2 * shape.layers)]
     worst, t = 0.0, 0
     for n in [8] + [1] * steps:
         x = ids[:, t : t + n].numpy()
         res = run_decoder(sess, x, np.ones((1, t + n), np.int64), None, past)
-        worst = max(worst, float(np.abs(res[0] - ref[:, t : t + n]).max()))
+        worst = max(worst, max_abs_diff(res[0], ref[:, t : t + n]))
         past, t = res[1:], t + n
     if worst > bound:
         raise ExportValidationError(f"genai graph differs from PyTorch by {worst:.3g} over {steps} decode steps "

@@ -17,8 +17,12 @@ TOLERANCE = 1e-4  # max |ONNX - torch| on logits and present key/values, fp32
 # ... unless PyTorch's own fp32 forward is further than TOLERANCE / NOISE_FACTOR from its float64 forward: deep
 # models with massive activations (SmolLM2-135M's residual stream reaches 17,000, where an fp32 ulp is 0.002) then
 # differ from any other fp32 implementation by more than 1e-4 through rounding alone, and the bound becomes
-# NOISE_FACTOR x that measured rounding error.
-NOISE_FACTOR = 4.0
+# NOISE_FACTOR x that measured rounding error. The factor is wide because that error is itself a noisy estimate:
+# on SmolLM2 (30 layers) PyTorch's largest fp32-vs-fp64 difference over the validation shapes was 0.00133 at two
+# threads and 0.000295 at one, while onnxruntime's difference from PyTorch stayed at 0.0021-0.0023 (7.7x the
+# one-thread figure: its GEMM blocking and softmax differ from PyTorch's). A wrong graph is off by orders of
+# magnitude more (a missing low-rank path or a swapped K/V moves logits by 0.1-10).
+NOISE_FACTOR = 16.0
 VALIDATION_SHAPES = ((1, 1, 0), (2, 6, 0), (2, 1, 5), (3, 4, 3))  # (batch, seq, past); rows 0 are left padded
 
 
@@ -36,6 +40,10 @@ def validate(model: nn.Module, sess, shapes=VALIDATION_SHAPES, tolerance: float 
     forward) when that is larger."""
 
     reference64 = copy.deepcopy(model).double()
+    if getattr(reference64.config, "_attn_implementation", None) == "eager":
+        # eager attention in float64 turns a fully masked (left-padding) query row into NaN, and the NaN reaches the
+        # row's real positions through the next layer's zero-weighted padding values; SDPA keeps them finite
+        reference64.set_attn_implementation("sdpa")
     results = []
     worst, noise = 0.0, 0.0
     for b, s, p in shapes:
@@ -45,10 +53,11 @@ def validate(model: nn.Module, sess, shapes=VALIDATION_SHAPES, tolerance: float 
         ref64 = _forward(reference64, ids, mask, pos, [t.double() for t in pasts])
         got = run_decoder(sess, ids.numpy(), mask.numpy(), pos.numpy(), [t.numpy() for t in pasts])
         real = mask[:, -s:].bool().numpy()  # (B, seq) query positions that are real tokens
-        d_logits = float(np.abs(got[0] - ref[0])[real].max())
-        d_kv = max(float(np.abs(g - r).max()) for g, r in zip(got[1:], ref[1:]))
-        n = max(float(np.abs(ref[0] - ref64[0])[real].max()),
-                max(float(np.abs(r - r64).max()) for r, r64 in zip(ref[1:], ref64[1:])))
+        kv_real = mask.bool().numpy()  # (B, past + seq) cache positions that hold real tokens
+        d_logits = max_abs_diff(got[0][real], ref[0][real])
+        d_kv = max(max_abs_diff(_at(g, kv_real), _at(r, kv_real)) for g, r in zip(got[1:], ref[1:]))
+        n = max(max_abs_diff(ref[0][real], ref64[0][real]),
+                max(max_abs_diff(_at(r, kv_real), _at(r64, kv_real)) for r, r64 in zip(ref[1:], ref64[1:])))
         worst, noise = max(worst, d_logits, d_kv), max(noise, n)
         results.append({"batch": b, "seq": s, "past": p, "left_pad": pad, "max_abs_diff_logits": d_logits,
                         "max_abs_diff_present": d_kv, "torch_fp32_vs_fp64": n})
@@ -57,6 +66,18 @@ def validate(model: nn.Module, sess, shapes=VALIDATION_SHAPES, tolerance: float 
         raise ExportValidationError(f"ONNX output differs from PyTorch by {worst:.3g} (tolerance {bound:.3g}); "
                                     f"per shape: {results}")
     return {"tolerance": bound, "max_abs_diff": worst, "torch_fp32_vs_fp64": noise, "shapes": results}
+
+
+def _at(kv: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """The cache entries (B, heads, T, dim) at real token positions (B, T): a padding position's K/V is never
+    attended to, and a fully masked query row may be NaN in PyTorch's own forward."""
+    return kv.transpose(0, 2, 1, 3)[positions]
+
+
+def max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
+    """max |a - b|, infinite if either holds a NaN or an infinity (never silently dropped by ``max``)."""
+    d = np.abs(a.astype(np.float64) - b.astype(np.float64))
+    return float(d.max()) if d.size and np.isfinite(d).all() else (0.0 if not d.size else float("inf"))
 
 
 def _forward(model, ids, mask, pos, pasts) -> list[np.ndarray]:
