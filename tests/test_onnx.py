@@ -254,4 +254,11 @@ def test_validation_bound_follows_torchs_own_fp32_error(tiny_env, tmp_path):
     tiny_env["tokenizer"].save_pretrained(tmp_path / "big")
     v = export_onnx_folder(tmp_path / "big", tmp_path / "b")["validation"]
     assert v["tolerance"] == pytest.approx(NOISE_FACTOR * v["torch_fp32_vs_fp64"]) and v["tolerance"] > TOLERANCE
+    assert v["noise_factor"] == NOISE_FACTOR
+    from bdlora.cli import render
+    from bdlora.cli.app import out
+
+    with out.capture() as shown:
+        render.onnx_export(json.loads((tmp_path / "b" / "export.json").read_text()), tmp_path / "b")
+    assert f"= {NOISE_FACTOR:g} x torch's own fp32 error" in shown.get()  # the table names the factor applied
     assert v["max_abs_diff"] <= v["tolerance"]

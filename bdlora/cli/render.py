@@ -105,7 +105,9 @@ def onnx_export(info: dict, dst) -> None:
     if "validation" in info:
         v = info["validation"]
         noise = v.get("torch_fp32_vs_fp64")
-        why = f" = 4 x torch's own fp32 error {noise:.2e}" if noise is not None and v["tolerance"] > 1e-4 else ""
+        factor = v.get("noise_factor", 4)  # exports before the factor was recorded used 4
+        why = (f" = {factor:g} x torch's own fp32 error {noise:.2e}" if noise is not None and v["tolerance"] > 1e-4
+               else "")
         t.add_row("max |ONNX - torch| (logits, K/V)", f"{v['max_abs_diff']:.2e} (tolerance {v['tolerance']:.2g}{why}, "
                   f"{len(v['shapes'])} shapes incl. left padding)")
     q = info.get("int8") or {}

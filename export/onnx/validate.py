@@ -65,7 +65,8 @@ def validate(model: nn.Module, sess, shapes=VALIDATION_SHAPES, tolerance: float 
     if worst > bound:
         raise ExportValidationError(f"ONNX output differs from PyTorch by {worst:.3g} (tolerance {bound:.3g}); "
                                     f"per shape: {results}")
-    return {"tolerance": bound, "max_abs_diff": worst, "torch_fp32_vs_fp64": noise, "shapes": results}
+    return {"tolerance": bound, "max_abs_diff": worst, "torch_fp32_vs_fp64": noise, "noise_factor": NOISE_FACTOR,
+            "shapes": results}
 
 
 def _at(kv: np.ndarray, positions: np.ndarray) -> np.ndarray:
