@@ -43,7 +43,10 @@ def validate(model: nn.Module, sess, shapes=VALIDATION_SHAPES, tolerance: float 
     if getattr(reference64.config, "_attn_implementation", None) == "eager":
         # eager attention in float64 turns a fully masked (left-padding) query row into NaN, and the NaN reaches the
         # row's real positions through the next layer's zero-weighted padding values; SDPA keeps them finite
-        reference64.set_attn_implementation("sdpa")
+        if hasattr(reference64, "set_attn_implementation"):
+            reference64.set_attn_implementation("sdpa")
+        else:  # an older transformers reads the choice from the config
+            reference64.config._attn_implementation = "sdpa"
     results = []
     worst, noise = 0.0, 0.0
     for b, s, p in shapes:
