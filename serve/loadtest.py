@@ -106,15 +106,36 @@ async def _run(url: str, model: str, concurrency: int, requests: int, max_tokens
     return res
 
 
+def base_url(url: str) -> str:
+    """The server's root. OpenAI clients are given ``.../v1`` (the address ``bdlora serve`` prints); the paths
+    requested here add ``/v1`` themselves, so a trailing ``/v1`` is dropped rather than doubled."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def first_model(url: str, api_key: str | None = None) -> str:
+    """The first model id ``/v1/models`` lists; ``ValueError`` naming the address and its answer if it lists none
+    (not an OpenAI-compatible server, a wrong path, a missing key)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    where = base_url(url) + "/v1/models"
+    r = httpx.get(where, timeout=30, headers=headers)
+    try:
+        return str(r.json()["data"][0]["id"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        body = " ".join(r.text.split())[:120]
+        raise ValueError(f"{where} answered HTTP {r.status_code} without a model list ({body!r}); give the server's "
+                         "base URL (e.g. http://127.0.0.1:8000) or the model id with --model") from None
+
+
 def load_test(url: str, model: str | None = None, concurrency: int = 1, requests: int = 100, max_tokens: int = 64,
               prompts=DEFAULT_PROMPTS, temperature: float = 0.0, timeout: float = 300.0, stream: bool = False,
               api_key: str | None = None) -> dict:
     """Run one closed-loop load test; ``model`` defaults to the first id /v1/models lists."""
-    import httpx
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    url = base_url(url)
     if model is None:
-        model = httpx.get(url.rstrip("/") + "/v1/models", timeout=30, headers=headers).json()["data"][0]["id"]
+        model = first_model(url, api_key)
     res = asyncio.run(_run(url, model, concurrency, requests, max_tokens, list(prompts), temperature, timeout,
                            stream, api_key))
     res.update(url=url, model=model, max_tokens=max_tokens)

@@ -239,7 +239,8 @@ def test_max_abs_diff_never_drops_a_nan():
 
 def test_validation_bound_follows_torchs_own_fp32_error(tiny_env, tmp_path):
     """On the tiny models fp32 rounding is far below 1e-4, so the bound stays 1e-4; a model whose own fp32 forward
-    strays further from float64 (scaled up here, like SmolLM2's 17,000-sized activations) gets NOISE_FACTOR x that error."""
+    strays further from float64 (scaled up here, like SmolLM2's 17,000-sized activations) gets NOISE_FACTOR x that
+    error."""
     from transformers import AutoModelForCausalLM
 
     from bdlora.export.onnx.validate import NOISE_FACTOR

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from bdlora.cli import app as cli_app
+from bdlora.serve.loadtest import base_url
 from conftest import free_port, start_server
 
 PROMPTS = ["alpha beta", "one two three", "red green", "monday tuesday wednesday", "sigma tau", "five six",
@@ -230,6 +231,20 @@ def test_loadtest_command_against_the_server(server, tmp_path):
     assert all(0 < r["completion_tokens"] <= 12 * 8 for r in rows)
     res = CliRunner().invoke(cli_app, ["loadtest", "http://127.0.0.1:9"])
     assert res.exit_code == 2 and "no server answers" in res.output
+    # the address `bdlora serve` prints (OpenAI clients' base_url) works too
+    res = CliRunner().invoke(cli_app, ["loadtest", server + "/v1/", "--concurrency", "1", "--requests", "2",
+                                       "--max-tokens", "2"])
+    assert res.exit_code == 0, res.output
+    # a server that answers but lists no models: one line naming the address and its answer, no traceback
+    res = CliRunner().invoke(cli_app, ["loadtest", server + "/metrics", "--requests", "1"])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert "/metrics/v1/models answered HTTP 404 without a model list" in res.output and "--model" in res.output
+
+
+def test_loadtest_base_url_drops_only_a_trailing_v1():
+    assert base_url("http://h:8000/v1/") == base_url("http://h:8000/v1") == base_url("http://h:8000/") == "http://h:8000"
+    assert base_url("http://h:8000/proxy/v1") == "http://h:8000/proxy"
+    assert base_url("http://h:8000/v10") == "http://h:8000/v10"
 
 
 def test_streaming_loadtest_reports_ttft_and_inter_token_latency(server, tmp_path):

@@ -14,7 +14,7 @@ from bdlora.io import write_json
 from bdlora.runs import RUNS_DIR, GenaiDir, OnnxDir, check_out_file
 from bdlora.runtime import check_onnx_dir
 from bdlora.serve.config import DEFAULT_DRAIN_SECONDS, DEFAULT_HOST, DEFAULT_PORT, ServeConfig
-from bdlora.serve.loadtest import load_test
+from bdlora.serve.loadtest import base_url, first_model, load_test
 
 
 @command(options=from_dataclass(ServeConfig, skip=("onnx_dir", "model_name"), defaults=True))
@@ -52,7 +52,8 @@ def serve(
 
 @command()
 def loadtest(
-    url: Annotated[str, typer.Argument(help="Server base URL, e.g. http://127.0.0.1:8000")],
+    url: Annotated[str, typer.Argument(help="Server base URL, e.g. http://127.0.0.1:8000 (or the .../v1 address "
+                                            "`bdlora serve` prints).")],
     concurrency: Annotated[str, typer.Option(help="Comma-separated numbers of concurrent clients.")] = "1,16",
     requests: Annotated[int, typer.Option(help="Completed requests per concurrency level.")] = 100,
     max_tokens: Annotated[int, typer.Option(help="max_tokens of every request.")] = 64,
@@ -78,11 +79,17 @@ def loadtest(
     c.done()
     if json_path:
         check_out_file(json_path)
+    url = base_url(url)
     try:
-        httpx.get(url.rstrip("/") + "/health", timeout=10)
+        httpx.get(url + "/health", timeout=10)
     except httpx.TransportError as e:
         raise UsageError(f"{url}: no server answers there ({type(e).__name__})") from None
     key = api_key or os.environ.get("BDLORA_API_KEY")
+    if model is None:
+        try:
+            model = first_model(url, key)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     rows = [load_test(url, model, n, requests, max_tokens, temperature=temperature, stream=stream, api_key=key)
             for n in levels]
     render.loadtest(rows, url, max_tokens)
