@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from bdlora.arch import hidden_and_head
 from bdlora.blocks import PackedBlocks
 from bdlora.data import Corpus, tokenize_corpus
+from bdlora.kv_cache import cache_argument, returned_cache
 
 
 @torch.no_grad()
@@ -62,6 +63,7 @@ class TorchLM:
         self.model = model.eval()
         self.device = torch.device(device)
         self.config = getattr(model, "config", None)
+        self.cache_argument = cache_argument(model)
 
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
@@ -70,9 +72,9 @@ class TorchLM:
     def step(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray, past):
         """Logits of the last position (B, V) and the updated cache; ``past`` None on the first call."""
         t = self._t
-        out = self.model(input_ids=t(ids), attention_mask=t(mask), position_ids=t(pos), past_key_values=past,
-                         use_cache=True, logits_to_keep=1)  # the LM head on the last position only
-        return out.logits[:, -1].float().cpu().numpy(), out.past_key_values
+        out = self.model(input_ids=t(ids), attention_mask=t(mask), position_ids=t(pos), use_cache=True,
+                         logits_to_keep=1, **{self.cache_argument: past})  # the LM head on the last position only
+        return out.logits[:, -1].float().cpu().numpy(), returned_cache(out)
 
     @torch.no_grad()
     def score(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray, past) -> np.ndarray:
@@ -80,8 +82,8 @@ class TorchLM:
         decoding can go on from the prefix as if this call never happened)."""
         t = self._t
         n = past.get_seq_length()
-        out = self.model(input_ids=t(ids), attention_mask=t(mask), position_ids=t(pos), past_key_values=past,
-                         use_cache=True)
+        out = self.model(input_ids=t(ids), attention_mask=t(mask), position_ids=t(pos), use_cache=True,
+                         **{self.cache_argument: past})
         past.crop(n - past.get_seq_length())  # negative: remove that many (transformers 4.x and 5.x alike)
         return out.logits.float().cpu().numpy()
 

@@ -22,6 +22,7 @@ from bdlora.arch import base_model
 from bdlora.export.onnx.fuse import fuse_shared_input_matmuls
 from bdlora.export.onnx.metadata import module_table, tag_nodes
 from bdlora.export.onnx.signature import DEFAULT_OPSET, check_opset, dynamic_axes, example_inputs
+from bdlora.kv_cache import cache_argument, returned_cache
 from bdlora.runtime import DecoderSignature
 
 
@@ -50,10 +51,10 @@ class DecoderWithCache(nn.Module):
         for i in range(self.num_layers):
             cache.update(past[2 * i], past[2 * i + 1], i)
         mask = build_4d_mask(attention_mask, input_ids.shape[1])
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                         past_key_values=cache, use_cache=True)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
+                         **{cache_argument(self.model): cache})
         present = []
-        for layer in out.past_key_values.layers:
+        for layer in returned_cache(out).layers:
             present += [layer.keys, layer.values]
         return (out.logits, *present)
 

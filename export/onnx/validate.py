@@ -11,6 +11,7 @@ from transformers import DynamicCache
 
 from bdlora.errors import BdloraError
 from bdlora.export.onnx.signature import example_inputs
+from bdlora.kv_cache import cache_argument, returned_cache
 from bdlora.runtime import run_decoder
 
 TOLERANCE = 1e-4  # max |ONNX - torch| on logits and present key/values, fp32
@@ -90,6 +91,6 @@ def _forward(model, ids, mask, pos, pasts) -> list[np.ndarray]:
     cache = DynamicCache()
     for i in range(model.config.num_hidden_layers):
         cache.update(pasts[2 * i].clone(), pasts[2 * i + 1].clone(), i)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
-    kv = [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{cache_argument(model): cache})
+    kv = [t for layer in returned_cache(out).layers for t in (layer.keys, layer.values)]
     return [out.logits.numpy()] + [t.numpy() for t in kv]
