@@ -66,9 +66,9 @@ async def _run(url: str, model: str, concurrency: int, requests: int, max_tokens
     tokens = 0
     failures: list[str] = []
     counter = iter(range(requests))
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = _auth_headers(api_key)
 
-    async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=timeout, headers=headers,
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, headers=headers,
                                  limits=httpx.Limits(max_connections=concurrency)) as client:
         async def worker():
             nonlocal tokens
@@ -106,6 +106,10 @@ async def _run(url: str, model: str, concurrency: int, requests: int, max_tokens
     return res
 
 
+def _auth_headers(api_key: str | None) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def base_url(url: str) -> str:
     """The server's root. OpenAI clients are given ``.../v1`` (the address ``bdlora serve`` prints); the paths
     requested here add ``/v1`` themselves, so a trailing ``/v1`` is dropped rather than doubled."""
@@ -118,7 +122,7 @@ def first_model(url: str, api_key: str | None = None) -> str:
     (not an OpenAI-compatible server, a wrong path, a missing key)."""
     import httpx
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = _auth_headers(api_key)
     where = base_url(url) + "/v1/models"
     r = httpx.get(where, timeout=30, headers=headers)
     try:

@@ -45,6 +45,7 @@ class DecoderWithCache(nn.Module):
         super().__init__()
         self.model = model
         self.num_layers = model.config.num_hidden_layers
+        self.cache_argument = cache_argument(model)
 
     def forward(self, input_ids, attention_mask, position_ids, *past):
         cache = DynamicCache()
@@ -52,7 +53,7 @@ class DecoderWithCache(nn.Module):
             cache.update(past[2 * i], past[2 * i + 1], i)
         mask = build_4d_mask(attention_mask, input_ids.shape[1])
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
-                         **{cache_argument(self.model): cache})
+                         **{self.cache_argument: cache})
         present = []
         for layer in returned_cache(out).layers:
             present += [layer.keys, layer.values]
