@@ -17,9 +17,10 @@ from bdlora.budgeted.layer import DeployedModule
 from bdlora.budgeted.model import build_deployed_model, compress_budgeted, dense_projections
 from bdlora.deployed.folder import save_model_folder
 from bdlora.models import load_run_student
+from bdlora.outputs import check_out_dir
 from bdlora.perplexity import heldout_blocks, perplexity
 from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import RunDir, check_out_dir, provenance_paths
+from bdlora.runs import RunDir, provenance_paths
 
 
 def compress_dense(model: nn.Module, lora_rank: int, provenance: dict):

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -65,10 +66,32 @@ def remove_stale_temps(path: str | os.PathLike) -> list[Path]:
     return removed
 
 
+class NotAFileError(OSError):
+    """The target of a write exists and is not a regular file (a device, a FIFO, a socket, a symbolic link): a rename
+    would replace it, so nothing is written."""
+
+
+def check_replaceable(path: str | os.PathLike) -> None:
+    """Raise ``NotAFileError`` when ``path`` exists and is anything but a regular file. A rename onto ``/dev/full``,
+    a FIFO or a symbolic link replaces the device node, the pipe or the link itself (run as root, the device became
+    a regular file)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):  # nothing there (whether it can be created is checked elsewhere)
+        return
+    if not stat.S_ISREG(mode):
+        kind = ("a symbolic link" if stat.S_ISLNK(mode) else "a folder" if stat.S_ISDIR(mode) else
+                "a named pipe" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+        raise NotAFileError(f"{path}: is {kind}; only a regular file is ever replaced")
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temp path beside ``path``; on success rename it onto ``path``, on error delete it."""
+    """Yield a temp path beside ``path``; on success rename it onto ``path``, on error delete it. Only a regular file
+    (or nothing) is ever replaced: the check runs before and again just before the rename."""
     path = Path(path)
+    check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(path)
     fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=".tmp", dir=path.parent)
@@ -78,6 +101,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     try:
         yield tmp_path
         os.chmod(tmp_path, FILE_MODE)  # a writer may have replaced the file (safetensors creates its own, 0600)
+        check_replaceable(path)  # something may have appeared there while we wrote
         os.replace(tmp_path, path)
     finally:
         if tmp_path.exists():

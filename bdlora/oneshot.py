@@ -32,9 +32,9 @@ from bdlora.config import OneShotConfig
 from bdlora.data import Corpus, tokenize_corpus
 from bdlora.deployed.folder import save_model_folder
 from bdlora.errors import DataError
+from bdlora.outputs import check_out_dir
 from bdlora.perplexity import perplexity
 from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import check_out_dir
 from bdlora.student import build_student
 from bdlora.teacher import load_teacher
 

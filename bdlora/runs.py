@@ -27,7 +27,7 @@ import shutil
 from datetime import datetime
 from pathlib import Path
 
-from bdlora.errors import RunDirError, UsageError
+from bdlora.errors import RunDirError
 from bdlora.io import read_json, write_json
 
 RUNS_DIR = "runs"
@@ -191,15 +191,10 @@ class RunDir(Artefact):
 
     @staticmethod
     def new(method: str, runs_dir: str | os.PathLike = RUNS_DIR, out: str | os.PathLike | None = None) -> RunDir:
-        """``out`` (refused when it holds anything), or ``runs_dir/<time>-<method>`` (never an existing folder)."""
+        """``out`` (checked first by ``outputs.check_new_out``), or ``runs_dir/<time>-<method>`` (never an existing
+        folder)."""
         if out:
-            path = Path(out)
-            if path.exists() and not path.is_dir():
-                raise UsageError(f"--out {path}: is a file, not a folder (choose a new directory)")
-            if path.exists() and any(path.iterdir()):
-                raise UsageError(f"--out {path}: exists and is not empty (choose a new directory or --resume it)")
-            _check_creatable(path, "--out")
-            return RunDir(path)
+            return RunDir(out)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         path = Path(runs_dir) / f"{stamp}-{method}"
         i = 1
@@ -284,14 +279,9 @@ class SweepDir(Artefact):
 
     @staticmethod
     def new(runs_dir: str | os.PathLike = RUNS_DIR, out: str | os.PathLike | None = None) -> SweepDir:
+        """``out`` (checked first by ``outputs.check_new_out``), or ``runs_dir/sweep-<time>``."""
         if out:
-            p = Path(out)
-            if p.exists() and not p.is_dir():
-                raise UsageError(f"--out {p}: is a file, not a folder (choose a new folder)")
-            if p.exists() and any(p.iterdir()):
-                raise UsageError(f"--out {p}: exists and is not empty (choose a new folder, or --resume it)")
-            _check_creatable(p, "--out")
-            return SweepDir(p)
+            return SweepDir(out)
         return SweepDir(Path(runs_dir) / f"sweep-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
 
 
@@ -326,35 +316,3 @@ def source_run(folder: str | os.PathLike, provenance: dict) -> RunDir | None:
         if run.started():
             return run
     return None
-
-
-def check_out_dir(out: str | os.PathLike, force: bool, inputs: tuple = ()) -> None:
-    """Refuse an existing ``--out`` that is a file or a non-empty folder unless ``--force`` (a file is refused even
-    then); never allow writing over or inside an input."""
-    out = Path(out)
-    for src in inputs:
-        s, o = Path(src).resolve(), out.resolve()
-        if o == s or s in o.parents or o in s.parents:
-            raise UsageError(f"--out {out}: overlaps the input {src}; inputs are never modified")
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out}: is a file, not a folder (choose a folder path)")
-    if out.exists() and any(out.iterdir()) and not force:
-        raise UsageError(f"--out {out}: exists and is not empty (use --force to replace it)")
-    _check_creatable(out, "--out")
-
-
-def check_out_file(path: str | os.PathLike, what: str = "--json") -> None:
-    """Refuse, before any work is done, an output file that names a folder or cannot be created."""
-    path = Path(path)
-    if path.is_dir():
-        raise UsageError(f"{what} {path}: is a folder (name a file)")
-    _check_creatable(path, what)
-
-
-def _check_creatable(path: Path, what: str) -> None:
-    """The nearest existing ancestor must be a writable folder (and a real one: /proc accepts no new files)."""
-    parent = path.resolve().parent
-    while not parent.exists() and not parent.is_symlink():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK) or str(parent).startswith(("/proc", "/sys")):
-        raise UsageError(f"{what} {path}: cannot create it ({parent} is not a writable folder)")

@@ -35,6 +35,7 @@ from bdlora.distill import DistillationLoss, diverged, kd_step, warmup_cosine
 from bdlora.errors import RunDirError, TrainingError, UsageError
 from bdlora.io import atomic_dir, write_json
 from bdlora.methods import METHOD_CLASSES, TrainingMethod
+from bdlora.outputs import check_new_out
 from bdlora.perplexity import perplexity
 from bdlora.reporter import SILENT, Reporter
 from bdlora.runs import FAILED, RunDir
@@ -179,6 +180,8 @@ def setup(cfg: TrainConfig, rep: Reporter, resume: RunDir | None, env: D.DistEnv
 
 def _new_run_dir(cfg: TrainConfig, env: D.DistEnv) -> RunDir:
     """A new run directory (made by rank 0, its path broadcast) with its config.json."""
+    if env.is_main and cfg.out:
+        check_new_out(cfg.out)
     path = RunDir.new(cfg.method, cfg.runs_dir, cfg.out).path if env.is_main else None
     run_dir = RunDir(D.broadcast_object(env, str(path) if path else None))
     if env.is_main:
@@ -208,7 +211,7 @@ def _resume(run: Run, run_dir: RunDir) -> None:
     ckpt = latest_checkpoint(run_dir.path, on_warning=run.reporter.stage)
     if ckpt is None:
         raise RunDirError(f"--resume {run_dir.path}: no complete checkpoint to continue from")
-    state = load_checkpoint(ckpt, run.model, run.optimizer, run.scheduler, run.method)
+    state = load_checkpoint(ckpt, run.model, run.optimizer, run.scheduler, run.method, run.cfg.max_steps)
     run.start_step, run.prior_seconds = state["step"], state.get("train_seconds", 0.0)
     if run.env.is_main:
         (run_dir.path / FAILED).unlink(missing_ok=True)

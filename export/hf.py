@@ -12,7 +12,8 @@ from bdlora.errors import ModelError
 from bdlora.export.card import model_card
 from bdlora.integrity import check_model_folder
 from bdlora.io import atomic_dir, write_text
-from bdlora.runs import ModelDir, check_out_dir
+from bdlora.outputs import check_out_dir
+from bdlora.runs import ModelDir
 
 
 def export_hf(model_dir: Path, out: Path, force: bool = False) -> Path:

@@ -165,7 +165,71 @@ def out_cases():
     return cases
 
 
-CASES = out_cases() + [
+def fifo(tmp):
+    import os
+
+    os.mkfifo(tmp / "pipe")
+    return tmp / "pipe"
+
+
+def json_cases():
+    """Issue 44 case 1: a --json path is written by a rename, which replaced whatever was there: a device node
+    (/dev/full became a regular file, run as root), a FIFO, a link, or a model's own config.json (the model no longer
+    loaded); eval's default report was overwritten silently."""
+    def model_config(made, tmp):
+        folder = copy(made, "compressed", tmp, "m")
+        return ["eval", str(made["compressed"]), "--ppl", "--json", str(folder / "config.json")]
+
+    def existing_report(made, tmp):
+        folder = copy(made, "compressed", tmp, "m")
+        write(tmp / "m.eval.json", "mine")
+        return ["eval", str(folder), "--ppl"]
+
+    def link(made, tmp):
+        write(tmp / "target.json", "mine")
+        (tmp / "link.json").symlink_to(tmp / "target.json")
+        return ["eval", str(made["compressed"]), "--ppl", "--json", str(tmp / "link.json")]
+
+    return [
+        Case("eval --json a FIFO", lambda m, t: ["eval", str(m["compressed"]), "--ppl", "--json", str(fifo(t))],
+             "pipe: is a named pipe; only a regular file is ever replaced", absent=()),
+        Case("eval --json a symbolic link", link, "link.json: is a symbolic link", absent=(),
+             kept={"target.json": "mine"}),
+        Case("eval --json M/config.json", model_config, "config.json: is inside the model/run folder", absent=()),
+        Case("eval --json an existing file", writes("eval --json", "f", setup=a_file),
+             "f: exists (use --force to replace it)", absent=(), kept={"f": "mine"}),
+        Case("eval: the default report exists", existing_report, "m.eval.json: exists (use --force", absent=(),
+             kept={"m.eval.json": "mine"}),
+        Case("bench --json a FIFO", lambda m, t: [*OUT_WRITERS["bench"](m, str(t / "out")), "--json", str(fifo(t))],
+             "is a named pipe"),
+        Case("loadtest --json an existing file", lambda m, t: (a_file(t), ["loadtest", "http://127.0.0.1:9",
+                                                                          "--json", str(t / "f")])[1],
+             "f: exists (use --force to replace it)", absent=(), kept={"f": "mine"}),
+        Case("compress --force over a folder bdlora did not write", writes("compress --force", "d", setup=lambda t: (
+            write(t / "d" / "notes.txt", "mine"))), "is not a folder bdlora wrote; --force replaces only those",
+            absent=(), kept={"d/notes.txt": "mine"}),
+        Case("compress --out inside a model folder", lambda m, t: (copy(m, "compressed", t, "m"), OUT_WRITERS[
+            "compress"](m, str(t / "m" / "sub")))[1], "is inside the model/run folder", absent=("m/sub",)),
+    ]
+
+
+def foreign_tokenizer(cmd):
+    """Issue 44 case 5: another model's tokenizer files in a model folder (ids the model cannot embed): export exited
+    0 and eval died with an IndexError traceback."""
+    def build(made, tmp):
+        from conftest import make_corpus, train_tokenizer
+
+        folder = copy(made, "compressed", tmp, "m")
+        train_tokenizer(make_corpus(tmp / "c", n_docs=40, seed=5), vocab_size=400).save_pretrained(folder)
+        tail = ["--ppl", "--json", str(tmp / "out")] if cmd == "eval" else ["--out", str(tmp / "out")]
+        return [*cmd.split(), str(folder), *tail]
+    return build
+
+
+CASES = out_cases() + json_cases() + [
+    *[Case(f"{cmd}: a tokenizer that is not the model's", foreign_tokenizer(cmd),
+           "its tokenizer has 400 tokens but the model embeds 320; the tokenizer files are not this model's")
+      for cmd in ("export onnx", "export genai", "eval")],
     # options (defect 6, 7): values and types, from flags and from YAML
     Case("train --weight-decay nan", lambda m, t: train(m, t, "--weight-decay", "nan"), "--weight-decay nan: must be"),
     Case("train --weight-decay -1", lambda m, t: train(m, t, "--weight-decay", "-1"), "--weight-decay -1.0: must be"),

@@ -18,6 +18,7 @@ from typer.core import TyperGroup
 
 from bdlora._registration import quiet_transformers
 from bdlora.errors import BdloraError
+from bdlora.io import NotAFileError
 
 quiet_transformers()  # the CLI draws its own progress; stderr carries only its one-line errors
 
@@ -88,6 +89,8 @@ def command(target: typer.Typer = app, name: str | None = None, options=()):
                 fn(**kwargs)  # returns nothing: an int from the app means an exit code (OneLineErrors)
             except BdloraError as e:
                 raise fail(str(e), e.exit_code) from None
+            except NotAFileError as e:  # something not a regular file appeared at an output path while we worked
+                raise fail(str(e), 1) from None
             except Exception as e:  # noqa: BLE001 - re-raised unless the disk refused a write
                 code = storage_errno(e)
                 if code is None:

@@ -13,8 +13,9 @@ from bdlora.cli.options import from_dataclass, int_list, str_list
 from bdlora.cli.progress import RichReporter
 from bdlora.errors import Checks, ModelError, UsageError
 from bdlora.io import write_json
+from bdlora.outputs import check_out_dir, check_out_file
 from bdlora.plan import read_model_config
-from bdlora.runs import RUNS_DIR, BenchDir, ModelDir, check_out_dir, check_out_file
+from bdlora.runs import RUNS_DIR, BenchDir, ModelDir
 
 
 @command(options=from_dataclass(BenchConfig, skip=("opt_level",), defaults=True))
@@ -31,7 +32,8 @@ def bench(
     json_path: Annotated[Optional[str], typer.Option("--json", help="Also write the JSON report here.")] = None,
     out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: MODEL_DIR.bench).")]
     = None,
-    force: Annotated[bool, typer.Option(help="Replace an existing non-empty --out.")] = False,
+    force: Annotated[bool, typer.Option(help="Replace an existing non-empty --out (and an existing --json file).")]
+    = False,
     runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,
     **opts,
 ):
@@ -46,7 +48,7 @@ def bench(
     _check_own_options(model_config, budget, layers, lora_rank)
     cfg = BenchConfig(**opts).validate()
     if json_path:
-        check_out_file(json_path)
+        check_out_file(json_path, force=force)
     if model_config:
         from bdlora.bench.variants import synthetic_model
 

@@ -15,7 +15,8 @@ from bdlora.config import TrainConfig, load_yaml, merge
 from bdlora.errors import UsageError
 from bdlora.evaluate import EvalConfig, evaluate_target
 from bdlora.io import write_json
-from bdlora.runs import RUNS_DIR, ModelDir, SweepDir, check_out_file, eval_json
+from bdlora.outputs import check_new_out, check_out_file
+from bdlora.runs import RUNS_DIR, ModelDir, SweepDir, eval_json
 from bdlora.sweep.options import SweepOptions
 from bdlora.sweep.paper import OUTPUTS, merge_sweeps
 from bdlora.sweep.report import markdown
@@ -37,6 +38,8 @@ def eval_cmd(
     json_path: Annotated[Optional[str], typer.Option("--json", help="Write the eval JSON here (default: "
                                                                     "MODEL_DIR.eval.json beside the folder).")]
     = None,
+    force: Annotated[bool, typer.Option(help="Replace an existing report (never a file of a model folder).")]
+    = False,
     runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,
     **opts,
 ):
@@ -47,7 +50,7 @@ def eval_cmd(
     ecfg = EvalConfig(ppl=ppl or not icl, icl=icl or not ppl, **opts).validate()
     src = Path(model_dir) if model_dir else ModelDir.latest(runs_dir).path
     dst = Path(json_path) if json_path else eval_json(src)
-    check_out_file(dst)
+    check_out_file(dst, force=force, ours=json_path is None)
     doc = evaluate_target(src, ecfg, reporter=RichReporter(out))
     write_json(dst, doc)
     render.evaluation(doc)
@@ -101,6 +104,8 @@ def sweep(
                              bench_batch_sizes=int_list(bench_batch_sizes, "--bench-batch-sizes"),
                              bench_seq_lens=int_list(bench_seq_lens, "--bench-seq-lens"), bench_repeats=bench_repeats,
                              vary=[parse_axis(v) for v in vary or []], one_shot=float_list(one_shot, "--one-shot"))
+        if out_dir:
+            check_new_out(out_dir)
         doc = run_sweep(sopts.validate(), SweepDir.new(runs_dir, out_dir), rep)
     if json_out:
         print(json.dumps(doc, indent=2))

@@ -11,7 +11,8 @@ from bdlora.cli.app import command, err, fail
 from bdlora.cli.options import from_dataclass, int_list
 from bdlora.errors import Checks, UsageError
 from bdlora.io import write_json
-from bdlora.runs import RUNS_DIR, GenaiDir, OnnxDir, check_out_file
+from bdlora.outputs import check_out_file
+from bdlora.runs import RUNS_DIR, GenaiDir, OnnxDir
 from bdlora.runtime import check_onnx_dir
 from bdlora.serve.config import DEFAULT_DRAIN_SECONDS, DEFAULT_HOST, DEFAULT_PORT, ServeConfig
 from bdlora.serve.loadtest import base_url, first_model, load_test
@@ -64,6 +65,7 @@ def loadtest(
     api_key: Annotated[Optional[str], typer.Option(help="Bearer key of the server (default: $BDLORA_API_KEY).")]
     = None,
     json_path: Annotated[Optional[str], typer.Option("--json", help="Also write the results here.")] = None,
+    force: Annotated[bool, typer.Option(help="Replace an existing --json file.")] = False,
 ):
     """Closed-loop load test of an OpenAI-compatible /v1/completions endpoint: requests/s, tokens/s, latency
     percentiles; with --stream also time to first token and inter-token latency."""
@@ -78,7 +80,7 @@ def loadtest(
     c.number("temperature", temperature, 0.0, 2.0)  # the server's own range (OpenAI's)
     c.done()
     if json_path:
-        check_out_file(json_path)
+        check_out_file(json_path, force=force)
     url = base_url(url)
     try:
         httpx.get(url + "/health", timeout=10)

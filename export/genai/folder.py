@@ -21,9 +21,10 @@ from bdlora.export.onnx.metadata import metadata_props, metadata_summary, module
 from bdlora.export.onnx.validate import ExportValidationError
 from bdlora.io import atomic_dir, write_json
 from bdlora.models import load_model_folder
+from bdlora.outputs import check_out_dir
 from bdlora.perplexity import heldout_blocks
 from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import GENAI_CONFIG, ModelDir, OnnxDir, check_out_dir, source_run
+from bdlora.runs import GENAI_CONFIG, ModelDir, OnnxDir, source_run
 from bdlora.runtime import DecoderShape, session
 
 QUALITY_TOKENS = 32768  # held-out tokens scored with the fp32 and quantised graphs when no training run is known

@@ -17,9 +17,10 @@ from bdlora.export.onnx.trace import export_decoder
 from bdlora.export.onnx.validate import validate
 from bdlora.io import atomic_dir, write_json
 from bdlora.models import load_model_folder
+from bdlora.outputs import check_out_dir
 from bdlora.perplexity import heldout_blocks
 from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import ModelDir, OnnxDir, check_out_dir, source_run
+from bdlora.runs import ModelDir, OnnxDir, source_run
 from bdlora.runtime import DecoderShape, score_blocks, session
 
 QUANTIZE = ("int8",)
