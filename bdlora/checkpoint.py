@@ -15,6 +15,7 @@ import ast
 import hashlib
 import json
 import random
+import re
 import shutil
 import signal
 import threading
@@ -28,6 +29,16 @@ from bdlora.errors import RunDirError
 from bdlora.io import atomic_dir, load_tensors, read_json, save_tensors, write_json, write_text
 
 STATE_KEYS = ("step", "param_groups", "scheduler", "method", "rng", "files")
+_NAME = re.compile(r"step-(\d{8})")  # what save_checkpoint names a checkpoint, and nothing else
+
+
+def checkpoint_folders(ckpt_root: Path) -> list[Path]:
+    """The checkpoints under ``ckpt_root``, oldest first: folders named exactly ``step-NNNNNNNN`` holding a
+    ``state.json``. Anything else there (a folder someone put or wrote under that name, another run) is never read
+    as a checkpoint and never removed by the rotation."""
+    found = [p for p in Path(ckpt_root).glob("step-*") if _NAME.fullmatch(p.name) and p.is_dir()
+             and not p.is_symlink() and (p / "state.json").is_file()]
+    return sorted(found)
 
 
 def _rng_state() -> tuple[dict, dict]:
@@ -75,7 +86,7 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, scheduler, met
         write_json(tmp / "state.json", {"step": step, "param_groups": opt_state["param_groups"],
                                          "scheduler": scheduler.state_dict(), "method": method.state(),
                                          "rng": rng_meta, "files": files, **extra})
-    for old in sorted(ckpt_root.glob("step-*"))[:-keep_last]:
+    for old in checkpoint_folders(ckpt_root)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return path
 
@@ -89,6 +100,10 @@ def verify_checkpoint(ckpt: Path) -> str | None:
     missing = [k for k in STATE_KEYS if not isinstance(state, dict) or k not in state]
     if missing:
         return f"state.json lacks {', '.join(missing)}"
+    named = _NAME.fullmatch(ckpt.name)
+    if type(state["step"]) is not int or named is None or state["step"] != int(named.group(1)):
+        # state.json is written last and carries no checksum of its own: its step must be the one its folder names
+        return f"state.json records step {str(state['step'])[:20]!r}, not the folder's"
     if not isinstance(state["files"], dict) or not state["files"]:
         return "state.json records no files"
     for name, digest in state["files"].items():
@@ -102,8 +117,7 @@ def verify_checkpoint(ckpt: Path) -> str | None:
 
 def latest_checkpoint(run_dir: Path, on_warning=None) -> Path | None:
     """The newest checkpoint that verifies; a corrupt newer one is skipped with a warning (and left on disk)."""
-    done = [p for p in sorted((Path(run_dir) / "checkpoints").glob("step-*")) if (p / "state.json").exists()]
-    for ckpt in reversed(done):
+    for ckpt in reversed(checkpoint_folders(Path(run_dir) / "checkpoints")):
         problem = verify_checkpoint(ckpt)
         if problem is None:
             return ckpt
@@ -121,10 +135,18 @@ def remove_stale(ckpt_root: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def load_checkpoint(ckpt: Path, model, optimizer, scheduler, method) -> dict:
+def load_checkpoint(ckpt: Path, model, optimizer, scheduler, method, max_steps: int | None = None) -> dict:
+    """Restore a verified checkpoint. Its trainable tensors must be exactly the model's (names and shapes) and its
+    step within the run's ``max_steps``: a checkpoint edited by hand (its checksums updated) is refused in one line
+    instead of failing half-way through the restore."""
     state = read_json(ckpt / "state.json")
+    if max_steps is not None and not 0 < state["step"] <= max_steps:
+        raise RunDirError(f"{ckpt}: records step {state['step']}, outside this run's 1..{max_steps}; the checkpoint "
+                          "is damaged")
     trainable = load_tensors(ckpt / "trainable.safetensors")
     params = dict(model.named_parameters())
+    _check_same_tensors(ckpt / "trainable.safetensors", trainable,
+                        {n: p for n, p in params.items() if p.requires_grad})
     with torch.no_grad():
         for n, t in trainable.items():
             params[n].copy_(t)
@@ -133,11 +155,28 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler, method) -> dict:
     for key, v in flat.items():
         idx, k = key.split(".", 1)
         opt_state["state"].setdefault(int(idx), {})[k] = v
-    optimizer.load_state_dict(opt_state)
-    scheduler.load_state_dict(state["scheduler"])
-    method.load_state(state["method"])
-    _set_rng_state(load_tensors(ckpt / "rng.safetensors"), state["rng"])
+    try:
+        optimizer.load_state_dict(opt_state)
+        scheduler.load_state_dict(state["scheduler"])
+        method.load_state(state["method"])
+        _set_rng_state(load_tensors(ckpt / "rng.safetensors"), state["rng"])
+    except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as e:
+        raise RunDirError(f"{ckpt}: its optimiser, scheduler, method or RNG state does not fit this run "
+                          f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); the checkpoint "
+                          "is damaged") from None
     return state
+
+
+def _check_same_tensors(path: Path, found: dict, expected: dict) -> None:
+    extra, missing = sorted(set(found) - set(expected)), sorted(set(expected) - set(found))
+    if extra or missing:
+        what = f"unknown tensor {extra[0]}" if extra else f"no tensor {missing[0]}"
+        raise RunDirError(f"{path}: {what} ({len(found)} tensors, the run trains {len(expected)}); the checkpoint "
+                          "is damaged")
+    for name, t in found.items():
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise RunDirError(f"{path}: {name} has shape {tuple(t.shape)}, the run's is "
+                              f"{tuple(expected[name].shape)}; the checkpoint is damaged")
 
 
 def truncate_jsonl(path: Path, max_step: int, on_warning=None) -> None:

@@ -208,3 +208,78 @@ def test_resume_survives_a_torn_log_line_and_refuses_damaged_run_files_in_one_li
             assert res.exit_code == 0 and needle in res.output and "at step 2" in res.output, res.output
         else:
             assert res.exit_code == 2 and needle in res.stderr and res.stderr.strip().count("\n") == 0, res.output
+
+
+def _edit_checkpoint(run, edit_tensors=None, **state):
+    """Edit step-00000004 as a user could (checksums recomputed, so only the contents say what is wrong)."""
+    from safetensors.torch import load_file, save_file
+
+    from bdlora.checkpoint import sha256
+
+    ckpt = run / "checkpoints" / "step-00000004"
+    if edit_tensors is not None:
+        tensors = load_file(ckpt / "trainable.safetensors")
+        edit_tensors(tensors)
+        save_file(tensors, ckpt / "trainable.safetensors")
+    doc = json.loads((ckpt / "state.json").read_text())
+    doc.update(state)
+    doc["files"] = {name: sha256(ckpt / name) for name in doc["files"]}
+    (ckpt / "state.json").write_text(json.dumps(doc))
+    return ckpt
+
+
+def test_edited_checkpoints_are_refused_in_one_line_or_passed_over(tiny_env, tmp_path):
+    """Issue 44 case 8: a checkpoint edited by hand with its checksums updated. A tensor of the wrong shape or one
+    the run does not train is refused in one line (it was a RuntimeError / KeyError traceback); a state.json step
+    that is not the one its folder names ("abc", -5, 1000000: a TypeError, or a summary with negative tokens/s) makes
+    the checkpoint corrupt, so the resume falls back to the previous one."""
+    import torch
+
+    def reshape(t):
+        name = next(iter(t))
+        t[name] = torch.zeros(3, 5)
+
+    def extra(t):
+        t["not.a.parameter"] = torch.zeros(2)
+
+    for name, tensors, needle in [("shape", reshape, "has shape (3, 5), the run's is"),
+                                  ("extra", extra, "unknown tensor not.a.parameter")]:
+        run = _unfinished_run(tiny_env, tmp_path / name)
+        _edit_checkpoint(run, tensors)
+        res = CliRunner().invoke(app, ["train", "--resume", str(run)])
+        assert res.exit_code == 2 and needle in res.stderr, res.output
+        assert res.stderr.strip().count("\n") == 0 and "Traceback" not in res.output
+    for step in ("abc", -5, 1_000_000):
+        run = _unfinished_run(tiny_env, tmp_path / f"step{step}")
+        _edit_checkpoint(run, step=step)
+        res = CliRunner().invoke(app, ["train", "--resume", str(run)])
+        assert res.exit_code == 0, res.output
+        assert f"state.json records step {str(step)!r}, not the folder's" in res.output and "at step 2" in res.output
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["steps"] == 6 and summary["tokens_per_s"] > 0 and summary["student_val_ppl"] > 0
+    run = _unfinished_run(tiny_env, tmp_path / "renamed")
+    ckpt = _edit_checkpoint(run, step=1_000_000)
+    ckpt.rename(run / "checkpoints" / "step-01000000")
+    res = CliRunner().invoke(app, ["train", "--resume", str(run)])
+    assert res.exit_code == 2 and "records step 1000000, outside this run's 1..6" in res.stderr, res.output
+
+
+def test_checkpoint_rotation_removes_only_its_own_checkpoints(tiny_env, tmp_path):
+    """Issue 44 case 6: a finished run placed under another run's checkpoints/ as step-00000000-myrun was deleted
+    by that run's rotation. The rotation removes only folders named step-NNNNNNNN holding a state.json, and train
+    refuses an --out inside another run in the first place."""
+    import shutil
+
+    run = _unfinished_run(tiny_env, tmp_path / "run")
+    other = run / "checkpoints" / "step-00000000-myrun"
+    res = CliRunner().invoke(app, train_args(tiny_env, other, "--max-steps", "1"))
+    assert res.exit_code == 2 and f"is inside the model/run folder {run}" in res.stderr, res.output
+    assert CliRunner().invoke(app, train_args(tiny_env, tmp_path / "mine", "--max-steps", "1")).exit_code == 0
+    shutil.copytree(tmp_path / "mine", other)
+    (run / "checkpoints" / "step-00000001").mkdir()  # no state.json: not a checkpoint bdlora wrote
+    (run / "checkpoints" / "step-00000001" / "notes.txt").write_text("mine")
+    res = CliRunner().invoke(app, ["train", "--resume", str(run), "--save-every", "1", "--keep-last", "1"])
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step-00000000-myrun", "step-00000001", "step-00000005"]
+    assert (other / "summary.json").is_file() and (run / "checkpoints/step-00000001/notes.txt").read_text() == "mine"
