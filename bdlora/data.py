@@ -41,10 +41,66 @@ _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "_
 _TEXT_SUFFIXES = {".txt", ".jsonl", ".parquet"}
 
 
+# Memory bounds of tokenisation (issue: a 200 MB single-line .txt was killed at 22 GB). A fast tokenizer needs a few
+# hundred bytes of working memory per byte of text it encodes in one call, so no call sees more than PIECE_CHARS of
+# one document or BATCH_CHARS in all: a longer document is read and encoded in consecutive pieces (cut after a
+# newline, else after a space, else anywhere), and its tokens are concatenated with one EOS after the last piece.
+# Documents shorter than a piece (every file of the builtin corpus) are encoded whole, exactly as before. A JSONL
+# record must be parsed whole, so a line longer than MAX_JSONL_LINE is refused with its line number. (ours)
+PIECE_CHARS = 1 << 20
+BATCH_CHARS = 1 << 20
+MAX_JSONL_LINE = 64 << 20
+
+
 @dataclass(frozen=True)
 class Document:
+    """One document, or one piece of a document longer than ``PIECE_CHARS`` (then ``last`` is False on every piece
+    but the final one; the pieces share the id)."""
+
     id: str  # stable id: relative path, or path:record-index
     text: str
+    last: bool = True
+
+
+def pieces(doc_id: str, chunks: Iterator[str], size: int = PIECE_CHARS) -> Iterator[Document]:
+    """Re-cut a stream of text chunks into Documents of at most ``size`` characters, each ending after a newline
+    where the text has one (else after a space), with ``last`` set on the final piece. Blank documents yield
+    nothing."""
+    buf, pending, any_text = "", None, False
+    for chunk in chunks:
+        buf += chunk
+        while len(buf) > size:
+            cut = _cut(buf, size)
+            piece, buf = buf[:cut], buf[cut:]
+            if pending is not None:
+                yield pending
+            any_text = any_text or bool(piece.strip())
+            pending = Document(doc_id, piece, last=False)
+    any_text = any_text or bool(buf.strip())
+    if not any_text:
+        return
+    if pending is not None:
+        yield pending
+    yield Document(doc_id, buf, last=True)
+
+
+def _cut(text: str, size: int) -> int:
+    for sep in ("\n", " "):
+        at = text.rfind(sep, size // 2, size)
+        if at >= 0:
+            return at + 1
+    return size
+
+
+def _text_pieces(path: Path, rel: str) -> Iterator[Document]:
+    with open(path, encoding="utf-8", errors="replace") as fh:  # streamed: a file is never read whole
+        yield from pieces(rel, iter(lambda: fh.read(PIECE_CHARS), ""))
+
+
+def _printable(name: str) -> str:
+    """A path as a str that encodes to UTF-8 (undecodable bytes of a file name shown as \\xNN), so a document id
+    hashes and prints; unchanged for every valid name."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
 
 
 def is_heldout(doc_id: str, fraction: float) -> bool:
@@ -120,46 +176,71 @@ class Corpus:
         """SHA-256 over every file's relative path and bytes, streamed (content-addressed cache key)."""
         h = hashlib.sha256(f"{self.kind}\n".encode())
         for f in self.files:
-            h.update(str(f.relative_to(self.root)).encode() + b"\0")
+            h.update(os.fsencode(f.relative_to(self.root)) + b"\0")
             with open(f, "rb") as fh:
                 for chunk in iter(lambda: fh.read(1 << 20), b""):
                     h.update(chunk)
         return h.hexdigest()
 
     def documents(self) -> Iterator[Document]:
+        """Every document in a fixed order; one longer than ``PIECE_CHARS`` comes as consecutive pieces."""
         if self.kind == "saved_dataset":
             yield from _saved_dataset_documents(Path(self.spec))
             return
         for f in self.files:
-            rel = str(f.relative_to(self.root)) if f != self.root else f.name
-            if self.is_builtin or f.suffix == ".txt":
-                text = f.read_text(encoding="utf-8", errors="replace")
-                if text.strip():
-                    yield Document(rel, text)
-            elif f.suffix == ".jsonl":
-                yield from _jsonl_documents(f, rel)
-            elif f.suffix == ".parquet":
-                yield from _parquet_documents(f, rel)
+            rel = _printable(str(f.relative_to(self.root)) if f != self.root else f.name)
+            try:
+                if self.is_builtin or f.suffix == ".txt":
+                    yield from _text_pieces(f, rel)
+                elif f.suffix == ".jsonl":
+                    yield from _jsonl_documents(f, rel)
+                elif f.suffix == ".parquet":
+                    yield from _parquet_documents(f, rel)
+            except OSError as e:  # removed, replaced or unreadable while the corpus was read
+                raise DataError(f"--data {_printable(str(f))}: could not be read ({e.strerror or type(e).__name__}); "
+                                "did it change while bdlora read the corpus?") from None
 
 
 def _jsonl_documents(path: Path, rel: str) -> Iterator[Document]:
+    where = _printable(str(path))
     with open(path, "rb") as fh:  # decoded line by line so a bad byte is reported with its line number
-        for lineno, raw in enumerate(fh):
+        for lineno, raw in enumerate(_bounded_lines(fh, where)):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise DataError(f"--data {path}:{lineno + 1}: not UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                raise DataError(f"--data {where}:{lineno + 1}: not UTF-8 (byte 0x{raw[e.start]:02x} at column "
                                 f"{e.start + 1}); JSONL corpora must be UTF-8 encoded") from None
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"--data {path}:{lineno + 1}: not valid JSON ({e.msg})") from None
+                raise DataError(f"--data {where}:{lineno + 1}: not valid JSON ({e.msg})") from None
             if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-                raise DataError(f"--data {path}:{lineno + 1}: each JSONL record needs a string 'text' field")
-            if rec["text"].strip():
-                yield Document(str(rec.get("id", f"{rel}:{lineno}")), rec["text"])
+                raise DataError(f"--data {where}:{lineno + 1}: each JSONL record needs a string 'text' field")
+            text = rec["text"]
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:  # JSON's \ud800 escapes decode to a lone surrogate, which is not text
+                raise DataError(f"--data {where}:{lineno + 1}: 'text' holds the lone surrogate "
+                                f"\\u{ord(text[e.start]):04x} at character {e.start + 1} (not a Unicode character; "
+                                "fix or drop the record)") from None
+            yield from pieces(_printable(str(rec.get("id", f"{rel}:{lineno}"))), iter((text,)))
+
+
+def _bounded_lines(fh, where: str) -> Iterator[bytes]:
+    """Lines of a binary file, each read with a bound: a line longer than ``MAX_JSONL_LINE`` is refused before it is
+    held in memory."""
+    lineno = 0
+    while True:
+        raw = fh.readline(MAX_JSONL_LINE + 1)
+        if not raw:
+            return
+        lineno += 1
+        if len(raw) > MAX_JSONL_LINE:
+            raise DataError(f"--data {where}:{lineno}: a JSONL line longer than {MAX_JSONL_LINE:,} bytes; split the "
+                            "record into several documents")
+        yield raw
 
 
 def _parquet_documents(path: Path, rel: str) -> Iterator[Document]:
@@ -188,8 +269,8 @@ def _parquet_documents(path: Path, rel: str) -> Iterator[Document]:
         texts = batch.column("text").to_pylist()
         ids = batch.column("id").to_pylist() if has_id else [None] * len(texts)
         for text, doc_id in zip(texts, ids):
-            if isinstance(text, str) and text.strip():
-                yield Document(str(doc_id) if doc_id is not None else f"{rel}:{row}", text)
+            if isinstance(text, str):
+                yield from pieces(str(doc_id) if doc_id is not None else f"{rel}:{row}", iter((text,)))
             row += 1
 
 
@@ -208,9 +289,9 @@ def _saved_dataset_documents(path: Path) -> Iterator[Document]:
         has_id = "id" in d.column_names
         for i, rec in enumerate(d):  # Arrow-backed, memory-mapped: rows stream from disk
             text = rec["text"]
-            if isinstance(text, str) and text.strip():
+            if isinstance(text, str):
                 doc_id = str(rec["id"]) if has_id else (f"{split}:{i}" if split else str(i))
-                yield Document(doc_id, text)
+                yield from pieces(doc_id, iter((text,)))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -267,10 +348,13 @@ def tokenize_corpus(
         writer = _SplitWriter(tmp, dtype, tokenizer.eos_token_id, heldout_fraction)
         try:
             batch: list[Document] = []
+            chars = 0
             for i, doc in enumerate(corpus.documents()):
                 batch.append(doc)
-                if len(batch) >= batch_docs:
+                chars += len(doc.text)
+                if len(batch) >= batch_docs or chars >= BATCH_CHARS:
                     writer.write(batch, tokenizer)
+                    chars = 0
                 if on_progress and corpus.kind != "saved_dataset":
                     on_progress(min(i + 1, len(corpus.files)), len(corpus.files))
             writer.write(batch, tokenizer)
@@ -295,15 +379,17 @@ class _SplitWriter:
         self.docs = {"train": 0, "val": 0}
 
     def write(self, batch: list[Document], tokenizer) -> None:
+        """Encode a batch of documents (or pieces) and append them; EOS and the document count follow the last
+        piece of each document."""
         if not batch:
             return
         enc = tokenizer([d.text for d in batch], add_special_tokens=False, verbose=False)["input_ids"]
         for d, ids in zip(batch, enc):
             split = "val" if is_heldout(d.id, self.fraction) else "train"
-            arr = np.asarray(ids + [self.eos], dtype=self.dtype)
+            arr = np.asarray(ids + [self.eos] if d.last else ids, dtype=self.dtype)
             self.handles[split].write(arr.tobytes())
             self.counts[split] += len(arr)
-            self.docs[split] += 1
+            self.docs[split] += int(d.last)
         batch.clear()
 
     def close(self) -> None:

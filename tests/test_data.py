@@ -118,3 +118,102 @@ def test_document_blocks_truncate_pad_and_mask():
         DocumentBlocks.CHUNK = 1 << 24
     assert isinstance(training_blocks(stream, 4, "pack", eos), PackedBlocks)
     assert training_blocks(stream, 4, "pack", eos).batch([0])[1] is None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Hostile corpora (issue 44): bounded memory, one-line errors
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_long_documents_are_cut_into_pieces_that_concatenate_exactly():
+    from bdlora.data import pieces
+
+    text = ("word " * 30 + "\n") * 40  # 6,040 characters, a newline every 151
+    parts = list(pieces("d", iter([text[i : i + 700] for i in range(0, len(text), 700)]), size=1000))
+    assert "".join(p.text for p in parts) == text
+    assert [p.last for p in parts] == [False] * (len(parts) - 1) + [True]
+    assert all(len(p.text) <= 1000 and p.text.endswith("\n") for p in parts[:-1])  # cut after a newline
+    one_line = "x" * 2500  # no newline, no space: hard cuts
+    assert [len(p.text) for p in pieces("d", iter([one_line]), size=1000)] == [1000, 1000, 500]
+    assert list(pieces("d", iter(["   ", "\n"]), size=2)) == []  # blank: no document
+
+
+def test_a_long_document_tokenises_as_one_document_with_one_eos(tiny_env, tmp_path, monkeypatch):
+    import bdlora.data as D
+
+    tok = tiny_env["tokenizer"]
+    (tmp_path / "c").mkdir()
+    lines = [p.read_text() for p in sorted(tiny_env["corpus"].glob("*.txt"))][:30]
+    (tmp_path / "c" / "long.txt").write_text("".join(lines))
+    whole = tokenize_corpus(Corpus(tmp_path / "c"), tok, 0.0, tmp_path / "a")
+    monkeypatch.setattr(D, "PIECE_CHARS", 500)  # every piece cut after a newline, so BPE sees the same words
+    cut = tokenize_corpus(Corpus(tmp_path / "c"), tok, 0.0, tmp_path / "b")
+    assert cut.meta["documents"] == whole.meta["documents"] == {"train": 1, "val": 0}
+    assert len(cut.tokens("train")) == len(whole.tokens("train"))
+    assert int((cut.tokens("train") == tok.eos_token_id).sum()) == 1
+
+
+CHILD = """
+import resource, sys
+from transformers import AutoTokenizer
+from bdlora.data import Corpus, tokenize_corpus
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize"))
+resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.RLIM_INFINITY))  # 1 GiB more than after imports
+t = tokenize_corpus(Corpus(sys.argv[2]), tok, 0.0, cache_dir=sys.argv[3])
+print(t.meta["tokens"]["train"], t.meta["documents"]["train"])
+"""
+
+
+def test_a_single_line_corpus_tokenises_in_bounded_memory(tiny_env, tmp_path):
+    """A 6 MB document on one line: before, one tokenizer call over the whole line needed about 270 bytes per byte
+    (a 200 MB line was killed at 22 GB; this one needs ~1.6 GB and aborts under the limit). In pieces it fits in
+    1 GiB more address space than the imports take, whatever the line's length."""
+    import base64
+    import os
+    import random
+    import subprocess
+    import sys
+
+    (tmp_path / "c").mkdir()
+    line = base64.b64encode(random.Random(0).randbytes(4_500_000)).decode()
+    (tmp_path / "c" / "huge.txt").write_text(line)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}  # one thread: the address space does not follow the cores
+    res = subprocess.run([sys.executable, "-c", CHILD, str(tiny_env["teacher"]), str(tmp_path / "c"),
+                          str(tmp_path / "cache")], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    tokens, docs = map(int, res.stdout.split())
+    assert docs == 1 and tokens > 1_000_000
+    assert not list((tmp_path / "cache" / "data").glob(".*.tmp"))  # nothing half-written left behind
+
+
+def test_corpus_problems_are_one_line_errors(tmp_path):
+    import os
+
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "a.jsonl").write_text('{"text": "ok"}\n{"text": "a \\ud800 b"}\n')
+    with pytest.raises(DataError, match=r"a.jsonl:2: 'text' holds the lone surrogate \\ud800 at character 3"):
+        list(Corpus(tmp_path / "s").documents())
+    (tmp_path / "n").mkdir()
+    name = os.fsdecode(b"\xff\xfe.txt")
+    (tmp_path / "n" / name).write_text("some text\n")
+    docs = list(Corpus(tmp_path / "n").documents())
+    assert [d.id for d in docs] == ["\\xff\\xfe.txt"] and is_heldout(docs[0].id, 0.5) in (True, False)
+    Corpus(tmp_path / "n").fingerprint()  # hashes the raw name
+    (tmp_path / "g").mkdir()
+    for i in range(3):
+        (tmp_path / "g" / f"{i}.txt").write_text("text\n")
+    c = Corpus(tmp_path / "g")
+    (tmp_path / "g" / "1.txt").unlink()  # removed while the corpus is read
+    with pytest.raises(DataError, match=r"1.txt: could not be read \(No such file or directory\); did it change"):
+        list(c.documents())
+
+
+def test_an_overlong_jsonl_line_is_refused_before_it_is_read_whole(tmp_path, monkeypatch):
+    import bdlora.data as D
+
+    monkeypatch.setattr(D, "MAX_JSONL_LINE", 1000)
+    (tmp_path / "j").mkdir()
+    (tmp_path / "j" / "a.jsonl").write_text('{"text": "ok"}\n' + '{"text": "' + "x" * 2000 + '"}\n')
+    with pytest.raises(DataError, match="a.jsonl:2: a JSONL line longer than 1,000 bytes"):
+        list(Corpus(tmp_path / "j").documents())
