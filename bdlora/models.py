@@ -15,6 +15,7 @@ from bdlora.errors import ModelError, RunDirError
 from bdlora.integrity import check_loadable, check_model_folder
 from bdlora.peft_compat import load_adapter
 from bdlora.runs import ADAPTER, CONFIG, ModelDir, RunDir
+from bdlora.tokenizer import check_vocabulary
 
 
 def load_run_student(run: RunDir | str | Path, device: str = "cpu"):
@@ -33,6 +34,7 @@ def load_run_student(run: RunDir | str | Path, device: str = "cpu"):
         tok = AutoTokenizer.from_pretrained(str(sdir))
     except Exception as e:  # noqa: BLE001  transformers raises many types for a damaged folder
         raise ModelError(f"{sdir}: could not load the student ({_first_line(e)})") from None
+    check_vocabulary(sdir, len(tok), model.get_input_embeddings().num_embeddings)
     if (sdir / ADAPTER).exists():
         model = load_adapter(model, str(sdir / ADAPTER))
     elif (sdir / META_FILE).exists() or summary.get("method") == "budgeted":
@@ -60,6 +62,7 @@ def load_model_folder(model_dir: str | Path):
         raise ModelError(f"{folder.path}: could not load the model ({_first_line(e)})") from None
     check_weights_match(folder.path, model, info)
     check_architecture(model, str(folder.path))
+    check_vocabulary(folder.path, len(tok), model.get_input_embeddings().num_embeddings)
     return model.eval(), tok, report
 
 

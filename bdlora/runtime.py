@@ -17,7 +17,7 @@ import numpy as np
 
 from bdlora.errors import ModelError, UsageError
 from bdlora.runs import CONFIG, EXPORT_MARKER, GENAI_CONFIG
-from bdlora.tokenizer import TextTokenizer
+from bdlora.tokenizer import TextTokenizer, check_vocabulary
 
 
 @dataclass(frozen=True)
@@ -295,12 +295,14 @@ def check_onnx_dir(path: Path, onnx_file: str, runtime: str = "ort") -> None:
         raise ModelError(f"{path}: no tokenizer files")
     if not (path / EXPORT_MARKER).is_file():  # written last: its absence means the export never finished
         raise ModelError(f"{path}: an unfinished export (no export.json, which `{make}` writes last); export again")
+    loaded = {}
     for what, load in ((CONFIG, DecoderShape.from_folder), ("tokenizer", TextTokenizer)):
         try:
-            load(path)
+            loaded[what] = load(path)
         except Exception as e:  # noqa: BLE001  json, KeyError, tokenizers' own errors: one line either way
             raise ModelError(f"{path}: its {what} does not load ({type(e).__name__}: "
                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    check_vocabulary(path, len(loaded["tokenizer"]), loaded[CONFIG].vocab_size)
     if runtime == "genai":
         check_genai_folder(path, onnx_file)
 

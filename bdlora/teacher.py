@@ -34,6 +34,7 @@ from bdlora.errors import ModelError, UsageError
 from bdlora.integrity import check_loadable
 from bdlora.io import atomic_dir, write_json
 from bdlora.perplexity import perplexity
+from bdlora.tokenizer import check_vocabulary
 
 EOS = "<|endoftext|>"
 
@@ -205,6 +206,7 @@ def load_teacher(spec: str, cache_dir: Path | None = None, device: str = "cpu", 
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"{what} {spec}: could not load the model or tokenizer ({msg[:200]})") from None
     check_architecture(model, f"{what} {spec}")
+    check_vocabulary(f"{what} {spec}", len(tokenizer), model.get_input_embeddings().num_embeddings)
     if tokenizer.eos_token_id is None:
         raise ModelError(f"{what} {spec}: the tokenizer defines no EOS token")
     if tokenizer.pad_token_id is None:

@@ -21,6 +21,15 @@ _CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
+def check_vocabulary(folder, tokenizer_size: int, model_rows: int) -> None:
+    """A tokenizer must produce only ids the model embeds: a folder holding another model's tokenizer (a 49,152-token
+    one beside a 1,024-row embedding) served garbage with status 200, exported fine and failed in eval with an
+    IndexError. (A model may have more rows than tokens: vocabularies are padded.)"""
+    if tokenizer_size > model_rows:
+        raise ModelError(f"{folder}: its tokenizer has {tokenizer_size:,} tokens but the model embeds {model_rows:,}; "
+                         "the tokenizer files are not this model's")
+
+
 class TextTokenizer:
     """The subset of ``PreTrainedTokenizerFast`` bdlora's runtime needs, with the same results."""
 
@@ -63,7 +72,21 @@ class TextTokenizer:
         return self.token_id("bos_token")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode keeps it): a server tokenising a long prompt in a
+        # thread must not stop its event loop
+        return self.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token stands for (at least 4): a text of more than ``n * max_token_bytes()``
+        bytes has more than ``n`` tokens, which a server checks before tokenising anything."""
+        if not hasattr(self, "_max_token_bytes"):
+            ids = list(range(len(self)))
+            texts = self.backend_tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)
+            specials = self.backend_tokenizer.get_added_tokens_decoder()  # their decode may skip the text
+            longest = max((len(t.encode("utf-8", "replace")) for t in texts), default=1)
+            longest = max([longest] + [len(a.content.encode("utf-8")) for a in specials.values()])
+            self._max_token_bytes = max(4, longest)
+        return self._max_token_bytes
 
     def __call__(self, text: str | list[str], add_special_tokens: bool = True, **_ignored) -> dict:
         """``{"input_ids": ...}`` for a string or a list of strings (the call form transformers' tokenizers have)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import signal
 from contextlib import asynccontextmanager
@@ -19,7 +20,9 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
@@ -108,13 +111,15 @@ def create_app(cfg: ServeConfig, loader=None, on_fatal=None) -> FastAPI:
     refs = (cfg, lambda: state.engine, metrics, lambda: state.load_error)
     completions, chat = CompletionServing(*refs), ChatServing(*refs)
 
-    @app.post("/v1/completions")
-    async def v1_completions(body: CompletionRequest, request: Request):
-        return await completions(body, request)
+    @app.post("/v1/completions", openapi_extra=request_schema(CompletionRequest))
+    async def v1_completions(request: Request):
+        return await completions(await parse_body(CompletionRequest, request), request)
 
-    @app.post("/v1/chat/completions")
-    async def v1_chat_completions(body: ChatCompletionRequest, request: Request):
-        return await chat(body, request)
+    @app.post("/v1/chat/completions", openapi_extra=request_schema(ChatCompletionRequest))
+    async def v1_chat_completions(request: Request):
+        return await chat(await parse_body(ChatCompletionRequest, request), request)
+
+    add_schemas(app, (CompletionRequest, ChatCompletionRequest))
 
     @app.get("/v1/models")
     async def v1_models():
@@ -134,6 +139,48 @@ def create_app(cfg: ServeConfig, loader=None, on_fatal=None) -> FastAPI:
         return Response(body, media_type=media_type)
 
     return app
+
+
+async def parse_body(model: type[BaseModel], request: Request):
+    """The request body validated off the event loop: a body of up to --max-request-bytes (100k chat messages, a
+    million token ids) takes pydantic a while, and the loop must keep answering the other requests meanwhile."""
+    raw = await request.body()
+    try:
+        return await asyncio.to_thread(_validate, model, raw)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors(include_input=False, include_context=False)) from None
+
+
+def _validate(model: type[BaseModel], raw: bytes) -> BaseModel:
+    try:  # Python's parser, as FastAPI's own: it keeps a lone surrogate escape for the field validator to name
+        obj = json.loads(raw)
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past the recursion limit
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error"}]) \
+            from None
+    return model.model_validate(obj)
+
+
+def request_schema(model: type[BaseModel]) -> dict:
+    """The OpenAPI request body of a route that parses its body itself (``parse_body``); ``add_schemas`` puts the
+    model in the document's components."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def add_schemas(app: FastAPI, models: tuple[type[BaseModel], ...]) -> None:
+    """FastAPI documents the models of typed body parameters only: add those ``parse_body`` reads itself."""
+    def openapi():
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            found = schema.setdefault("components", {}).setdefault("schemas", {})
+            for m in models:
+                doc = m.model_json_schema(ref_template="#/components/schemas/{model}")
+                found.update(doc.pop("$defs", {}))
+                found[m.__name__] = doc
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 class _TooLarge(StarletteHTTPException):

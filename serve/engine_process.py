@@ -126,6 +126,7 @@ class EngineProcess:
             raise RuntimeError(first[1])
         self.pad = first[1].get("pad")
         self.tokenizer = TextTokenizer(self.dir)  # after the fork: the child never shares the parent's tokenizer
+        self.tokenizer.max_token_bytes()  # measured once here, not in the first request
         self._reader = threading.Thread(target=self._read, name="bdlora-engine-events", daemon=True)
         self._reader.start()
         self._canceller = threading.Thread(target=self._watch_cancels, name="bdlora-engine-cancels", daemon=True)

@@ -27,7 +27,6 @@ clear error (``refuse``) rather than answered for a different prompt; ``--runtim
 
 from __future__ import annotations
 
-import ctypes
 import json
 import queue
 import time
@@ -35,7 +34,7 @@ import time
 import numpy as np
 
 from bdlora.errors import usable_cores
-from bdlora.serve.engine import Engine
+from bdlora.serve.engine import Engine, release_freed_memory
 from bdlora.serve.sequence import Request, Sequence
 
 _FORCE_OFF = np.float32(-1e30)  # the logit of every token but the one a row must take
@@ -51,22 +50,6 @@ def trailing_pad(pad: int | None, prompt_ids: list[int]) -> str | None:
     return None
 
 
-def _release_freed_memory() -> None:
-    """Hand the heap's free pages back to the system when the engine goes idle (glibc ``malloc_trim``; elsewhere
-    nothing). A cohort's KV buffer is one allocation of (rows x prompt + generation) positions; glibc serves a
-    size it has freed before from its heap and keeps those pages, so without this the server's memory after a
-    burst depended on which buffers had last been freed (measured: 195-245 MB between identical idle rounds)."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim = None
 
 
 class _Cohort:
@@ -105,7 +88,7 @@ class _Cohorts:
         self.cohorts = [c for c in self.cohorts if c.any_live()]
         self._refresh()
         if had and not self.cohorts:
-            _release_freed_memory()
+            release_freed_memory()
 
     def _refresh(self) -> None:
         """Snapshot which rows are live: a client may cancel at any moment, but the rows a step samples must be

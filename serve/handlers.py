@@ -14,10 +14,10 @@ import uuid
 
 import numpy as np
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from bdlora.serve.config import ServeConfig
-from bdlora.serve.engine import Engine
+from bdlora.serve.engine import Engine, release_freed_memory
 from bdlora.serve.engine import Request as EngineRequest
 from bdlora.serve.metrics import Metrics
 from bdlora.serve.protocol import (
@@ -36,6 +36,8 @@ from bdlora.serve.protocol import (
     error_body,
 )
 from bdlora.serve.sampling import SamplingParams
+
+LARGE_RESPONSE = 1 << 20  # bytes: after building an answer this large, freed heap pages go back to the system
 
 
 class _Hangup:
@@ -82,8 +84,21 @@ class Serving:
                            type_="server_error")
         return eng
 
+    def prompt_limit(self, eng: Engine) -> int:
+        return self.cfg.max_prompt_tokens or eng.max_positions - 1
+
+    def check_text_size(self, eng: Engine, texts: list[str], param: str) -> None:
+        """Before anything is tokenised: a text of more bytes than ``limit`` tokens can stand for cannot fit, so it
+        is refused at once (tokenising 4 MB of 'a' took seconds of a core and a gigabyte per request)."""
+        limit, per_token = self.prompt_limit(eng), eng.tokenizer.max_token_bytes()
+        size = sum(len(t.encode("utf-8")) for t in texts)
+        if size > limit * per_token:
+            raise APIError(400, f"{param}: {size:,} bytes, more than the {limit:,} tokens this server takes can hold "
+                                f"(a token of this model stands for at most {per_token} bytes)", param,
+                           "context_length_exceeded")
+
     def check_prompt(self, eng: Engine, ids: list[int], params: SamplingParams) -> None:
-        limit = self.cfg.max_prompt_tokens or eng.max_positions - 1
+        limit = self.prompt_limit(eng)
         if not ids:
             raise APIError(400, "prompt: empty (needs at least one token)", "prompt", "invalid_value")
         if len(ids) > limit:
@@ -194,8 +209,17 @@ class Serving:
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         t0 = time.perf_counter()
         results = await self.collect(reqs, queues, request)
+        # built and serialised in a thread: with echo and logprobs a response can hold millions of entries
+        body = await asyncio.to_thread(_json_of, whole, results)
+        del results
+        if len(body) > LARGE_RESPONSE:
+            await asyncio.to_thread(release_freed_memory)
         self.metrics.latency.labels(self.endpoint).observe(time.perf_counter() - t0)
-        return whole(results)
+        return Response(body, media_type="application/json")
+
+
+def _json_of(whole, results) -> bytes:
+    return whole(results).model_dump_json().encode()
 
 
 class CompletionServing(Serving):
@@ -211,6 +235,12 @@ class CompletionServing(Serving):
         if len(prompts) > self.cfg.max_prompts:
             raise APIError(400, f"prompt: {len(prompts)} prompts, above this server's limit of "
                                 f"{self.cfg.max_prompts} per request", "prompt", "too_many_prompts")
+        for x in prompts:
+            if isinstance(x, str):
+                self.check_text_size(eng, [x], "prompt")
+            elif len(x) > self.prompt_limit(eng):
+                raise APIError(400, f"prompt: {len(x)} tokens, above the limit of {self.prompt_limit(eng)}",
+                               "prompt", "context_length_exceeded")
         ids = await asyncio.to_thread(
             lambda: [eng.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in prompts])
         for x in ids:
@@ -248,8 +278,15 @@ def legacy_logprobs(tok, prompt_ids, prompt_scores, generated, scores, offset: i
     ``offset``). With echo the prompt's tokens come first; its first token has ``None`` (nothing predicts it)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     rows = [(t, s) for t, s in zip(prompt_ids, prompt_scores)] + list(zip(generated, scores))
+    texts: dict[int, str] = {}  # each distinct token decoded once (a response may name a token thousands of times)
+
+    def text_of(token: int) -> str:
+        if token not in texts:
+            texts[token] = tok.decode([token])
+        return texts[token]
+
     for token, scored in rows:
-        text = tok.decode([token])
+        text = text_of(token)
         out["tokens"].append(text)
         out["text_offset"].append(offset)
         offset += len(text)
@@ -261,7 +298,7 @@ def legacy_logprobs(tok, prompt_ids, prompt_scores, generated, scores, offset: i
         out["token_logprobs"].append(lp)
         top: dict[str, float] = {}
         for a, v in alts.items():  # tokens that read the same (e.g. partial bytes) keep the most likely one's value,
-            text = tok.decode([a])  # so max(top.values()) is still the chosen token's when it was the argmax
+            text = text_of(a)  # so max(top.values()) is still the chosen token's when it was the argmax
             top[text] = max(v, top.get(text, -np.inf))
         out["top_logprobs"].append(top)
     return out
@@ -276,6 +313,10 @@ class ChatServing(Serving):
             raise APIError(400, f"the model '{self.cfg.model_name}' has no chat template; use /v1/completions",
                            "messages", "chat_template_missing")
         params = body.to_sampling_params(self.cfg.model_name, self.cfg.max_tokens)
+        if len(body.messages) > self.prompt_limit(eng):  # every message renders to at least one token
+            raise APIError(400, f"messages: {len(body.messages):,} messages, more than the {self.prompt_limit(eng):,} "
+                                "tokens this server takes", "messages", "context_length_exceeded")
+        self.check_text_size(eng, [m.content for m in body.messages], "messages")
         msgs = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
             ids = await asyncio.to_thread(eng.tokenizer.apply_chat_template, msgs, True, True)

@@ -605,6 +605,12 @@ def test_a_graph_that_cannot_load_exits_non_zero_with_one_line(served_model, tmp
         assert proc.returncode == 1 and last.startswith("error: could not load the model"), proc.stderr
 
 
+def _foreign_tokenizer(folder):  # issue 44 case 5: another model's tokenizer, with ids this model cannot embed
+    from conftest import make_corpus, train_tokenizer
+
+    train_tokenizer(make_corpus(folder.parent / "other-corpus", seed=5), vocab_size=400).save_pretrained(folder)
+
+
 def _declare(name: str, *path: str, **sizes):  # issue 32: a JSON file of the folder edited to other sizes
     def edit(folder):
         doc = json.loads((folder / name).read_text())
@@ -632,6 +638,8 @@ def test_a_config_declaring_sizes_the_graph_lacks_is_refused(served_model, tmp_p
     (lambda f: (f / "config.json").write_text('{"model_type": "mistral"}'), "its config.json does not load"),
     (lambda f: (f / "tokenizer.json").write_text("[]"), "its tokenizer does not load"),
     (lambda f: (f / "export.json").unlink(), "an unfinished export (no export.json"),
+    (lambda f: _foreign_tokenizer(f), "its tokenizer has 400 tokens but the model embeds 320; the tokenizer files "
+                                      "are not this model's"),
 ])
 def test_a_folder_that_cannot_be_served_is_refused_before_listening(served_model, tmp_path, damage, needle):
     folder = _damaged_copy(served_model, tmp_path, damage)
@@ -995,3 +1003,100 @@ def test_logprobs_and_echo_equal_the_graphs_own_log_softmax(server, served_model
     lp = r["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == 3 and lp["text_offset"][0] == len(prompt)
     assert all(len(t) == 1 for t in lp["top_logprobs"])  # logprobs 0: the token itself only
+
+
+def _with_chat_template(served_model, tmp_path) -> Path:
+    folder = tmp_path / "m.onnx"
+    shutil.copytree(served_model["folder"], folder)
+    tc = json.loads((folder / "tokenizer_config.json").read_text())
+    tc["chat_template"] = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    (folder / "tokenizer_config.json").write_text(json.dumps(tc))
+    return folder
+
+
+async def _beside(url: str, hostile: list[tuple[str, dict]], normal: dict, bound: float):
+    """Send the hostile requests together with one normal completion; returns (hostile responses, the normal one).
+    ``bound`` is a generous limit for the normal request (before the fix it waited 27.7 s behind the others)."""
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        bad = [asyncio.create_task(client.post(path, json=body)) for path, body in hostile]
+        await asyncio.sleep(0)  # the hostile requests are sent first
+        ok = await client.post("/v1/completions", json=normal, timeout=bound)
+        return await asyncio.gather(*bad), ok
+
+
+def test_oversize_prompts_are_refused_before_tokenising_and_never_stall_others(served_model, tmp_path):
+    """Issue 44 case 3: 8 concurrent 4 MB prompts were tokenised in full (holding the GIL) before their length was
+    checked: a normal request waited 27.7 s and the server kept 1.7 GB. Each is now refused from its size in bytes
+    alone (no text of more bytes than the token limit can stand for fits), the same for chat (100k messages, one
+    3.8 MB message), and the normal request is answered."""
+    proc, url = start_server(_with_chat_template(served_model, tmp_path), *served_model["args"])
+    try:
+        hostile = [("/v1/completions", {"model": "m.onnx", "prompt": "a" * 4_000_000})] * 8 + [
+            ("/v1/chat/completions", {"model": "m.onnx", "messages": [{"role": "user", "content": "a"}] * 100_000}),
+            ("/v1/chat/completions", {"model": "m.onnx", "messages": [{"role": "user", "content": "a" * 3_800_000}]})]
+        bad, ok = asyncio.run(_beside(url, hostile, {"model": "m.onnx", "prompt": "kappa", "max_tokens": 2}, 20))
+        assert ok.status_code == 200, ok.text
+        errors = [r.json()["error"] for r in bad]
+        assert [r.status_code for r in bad] == [400] * 10
+        assert {e["code"] for e in errors} == {"context_length_exceeded"}
+        assert all(e["message"].startswith("prompt: 4,000,000 bytes, more than the 4,095 tokens") for e in errors[:8])
+        assert errors[8]["message"].startswith("messages: 100,000 messages, more than the 4,095 tokens")
+        assert errors[9]["message"].startswith("messages: 3,800,000 bytes, more than the 4,095 tokens")
+        # a prompt just within the byte bound is tokenised and judged by its tokens, as before
+        r = httpx.post(url + "/v1/completions", json={"model": "m.onnx", "prompt": "alpha " * 5000})
+        n = len(served_model["tok"]("alpha " * 5000)["input_ids"])
+        assert r.status_code == 400 and r.json()["error"]["message"] == f"prompt: {n} tokens, above the limit of 4095"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+def test_a_whole_response_is_built_and_serialised_off_the_event_loop():
+    """Issue 44 case 4, deterministically: ``respond`` builds a non-streamed answer (``whole``) and its JSON in a
+    worker thread, never on the event loop's (measured before: four 64 x 500-token echo answers stalled the loop
+    1.5 s each; after, /v1/models answered within 0.08 s throughout)."""
+    from starlette.requests import Request as StarletteRequest
+
+    from bdlora.serve.app import ServeConfig
+    from bdlora.serve.handlers import Serving
+    from bdlora.serve.metrics import Metrics
+    from bdlora.serve.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+
+    built_on = []
+
+    def whole(results):
+        built_on.append(threading.current_thread())
+        return CompletionResponse(id="x", created=0, model="m", choices=[CompletionChoice(text=r["text"])
+                                                                          for r in results])
+
+    async def main():
+        async def receive():
+            await asyncio.sleep(3600)
+
+        serving = Serving(ServeConfig("x", "m"), lambda: None, Metrics(lambda: None), lambda: None)
+        q: asyncio.Queue = asyncio.Queue()
+        q.put_nowait(("done", {"text": "hi", "completion_tokens": 1}))
+        request = StarletteRequest({"type": "http", "method": "POST", "path": "/", "headers": []}, receive)
+        body = CompletionRequest(model="m", prompt="p")
+        response = await serving.respond([], [q], request, body, None, whole)
+        return response, threading.current_thread()
+
+    response, loop_thread = asyncio.run(main())
+    assert json.loads(response.body)["choices"][0]["text"] == "hi"
+    assert built_on and built_on[0] is not loop_thread
+
+
+def test_echo_with_logprobs_at_scale_is_whole_and_leaves_the_server_answering(server, served_model):
+    """Issue 44 case 4 over HTTP: 64 prompts of 500 ids with echo and 20 logprobs (an 11 MB answer each), two at a
+    time beside a normal request: every answer whole and consistent, each distinct token decoded once."""
+    ids = [served_model["tok"]("alpha beta gamma delta")["input_ids"] * 125][0][:500]
+    heavy = {"model": "m.onnx", "prompt": [ids] * 64, "echo": True, "logprobs": 20, "max_tokens": 0}
+    bad, ok = asyncio.run(_beside(server, [("/v1/completions", heavy)] * 2,
+                                  {"model": "m.onnx", "prompt": "kappa", "max_tokens": 2}, 20))
+    assert ok.status_code == 200, ok.text
+    for r in bad:
+        assert r.status_code == 200, r.text[:300]
+        choices = r.json()["choices"]
+        assert len(choices) == 64 and all(len(c["logprobs"]["tokens"]) == 500 for c in choices)
+        assert choices[0]["logprobs"] == choices[63]["logprobs"]  # the same prompt scores the same
+        assert all(1 <= len(t) <= 21 for t in choices[0]["logprobs"]["top_logprobs"][1:])  # top 20 + the token
