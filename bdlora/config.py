@@ -209,8 +209,11 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file() and str(path) in RECIPES:
         p = RECIPES_DIR / f"{path}.yaml"
-    if not p.is_file():
+    if not p.exists():
         raise ConfigError([f"--config {path}: no such file (or a recipe shipped with bdlora: {', '.join(RECIPES)})"])
+    if not p.is_file():  # a folder, a FIFO (reading would block), a device (/dev/zero never ends)
+        kind = "a folder" if p.is_dir() else "not a regular file"
+        raise ConfigError([f"--config {path}: is {kind}; name a YAML file (or a recipe: {', '.join(RECIPES)})"])
     if p.stat().st_size > MAX_CONFIG_BYTES:
         raise ConfigError([f"--config {path}: {p.stat().st_size:,} bytes; an option file is a few lines (at most "
                            f"{MAX_CONFIG_BYTES:,} bytes)"])

@@ -52,6 +52,8 @@ def resume_config(run: RunDir, overrides: dict | None = None) -> TrainConfig:
     stored = run.config()
     values = {k: v for k, v in stored.items() if k in TrainConfig.__dataclass_fields__}
     for k, v in (overrides or {}).items():
+        if k == "out" and v is not None and Path(v).resolve() != run.path.resolve():
+            raise UsageError(f"--out {v}: a resumed run continues in its own folder {run.path}; drop --out")
         if v is None or k in ("out", "runs_dir"):
             continue
         if k in RESUME_MUTABLE:

@@ -4,3 +4,6 @@ and the exporters read the same values)."""
 DEFAULT_OPSET = 17  # ONNX opset of `export onnx`
 MIN_OPSET = 14  # the ops the TorchScript exporter emits for the attention need >= 14
 MAX_PPL_CHANGE = 0.10  # `export genai --precision int8|int4`: refused if held-out perplexity rises more than this
+# `export genai --threads`: the intra-op thread count a folder asks for, written for the machine it will run on, so not
+# bounded by this one's cores; above this it is a typo (100000 made onnxruntime-genai crash with exit 139 on load)
+MAX_GENAI_THREADS = 512

@@ -10,10 +10,12 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (when the tok
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
 import json
 import logging
 import signal
+import socket
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -27,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from bdlora.errors import BdloraError
+from bdlora.errors import BdloraError, UsageError
 from bdlora.runtime import check_onnx_dir
 from bdlora.serve.config import DEFAULT_DRAIN_SECONDS, DEFAULT_HOST, DEFAULT_PORT, ServeConfig
 from bdlora.serve.engine import Engine
@@ -362,8 +364,28 @@ def head_deadline_protocol(timeout: float):
     return HeadDeadline
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound here rather than by uvicorn, which reports a port in use with its own log lines
+    and exit code 3 after the start-up banner."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as e:
+        raise UsageError(f"--host {host}: not an address this machine can listen on ({e.strerror})") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        why = "in use (another server listens there)" if e.errno == errno.EADDRINUSE else e.strerror
+        raise UsageError(f"--port {port}: cannot listen on {host}:{port}: {why}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(cfg: ServeConfig, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
-          drain_seconds: int = DEFAULT_DRAIN_SECONDS, log_level: str = "info") -> None:
+          drain_seconds: int = DEFAULT_DRAIN_SECONDS, log_level: str = "info", sock: socket.socket | None = None) \
+        -> None:
     """Run the server until SIGINT/SIGTERM; on either, stop accepting, finish in-flight requests (up to
     ``drain_seconds``), then exit. If the engine dies, stop and raise (exit 1)."""
 
@@ -376,6 +398,7 @@ def serve(cfg: ServeConfig, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
         if server is not None:
             server.should_exit = True
 
+    sock = sock or listening_socket(host, port)  # before any log line: a port in use is one line and exit 2
     app = create_app(cfg, on_fatal=on_fatal)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=drain_seconds, access_log=False,
@@ -388,8 +411,9 @@ def serve(cfg: ServeConfig, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
     previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
+        sock.close()
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_int)
     if fatal:

@@ -204,7 +204,7 @@ class Serving:
         """The response of submitted requests: SSE chunks built by ``chunk`` when ``body.stream``, otherwise
         ``whole(results)`` once every request has finished."""
         if body.stream:
-            include = bool((body.stream_options or {}).get("include_usage"))
+            include = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(self.stream(reqs, queues, request, chunk, include),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         t0 = time.perf_counter()

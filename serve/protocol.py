@@ -37,6 +37,12 @@ def _encodable(text: str) -> str:
 Text = Annotated[StrictStr, AfterValidator(_encodable)]
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: StrictBool = False
+
+
 class SamplingRequest(BaseModel):
     """What every generation request carries; ``to_sampling_params`` checks what the schema cannot (the served
     model's name, this server's limits, parameters it does not support) and returns the engine's parameters."""
@@ -50,7 +56,7 @@ class SamplingRequest(BaseModel):
     stop: Text | list[Text] | None = None
     seed: Annotated[StrictInt, Field(ge=0, le=MAX_SEED)] | None = None
     stream: StrictBool = False
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
     n: StrictInt = 1
     presence_penalty: Number = 0.0
     frequency_penalty: Number = 0.0
@@ -70,9 +76,8 @@ class SamplingRequest(BaseModel):
         for name, bad in unsupported:
             if bad:
                 raise APIError(400, f"{name}: not supported by bdlora serve (use the default)", name, "unsupported")
-        if self.stream_options and (set(self.stream_options) - {"include_usage"} or not self.stream):
-            raise APIError(400, "stream_options: only {'include_usage': bool} with stream=true is supported",
-                           "stream_options", "unsupported")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options: only with stream=true", "stream_options", "unsupported")
         if 0.0 < self.temperature < MIN_TEMPERATURE:
             raise APIError(400, f"temperature {self.temperature}: must be 0 (greedy) or at least {MIN_TEMPERATURE}",
                            "temperature", "invalid_value")

@@ -226,7 +226,28 @@ def foreign_tokenizer(cmd):
     return build
 
 
+def edited_model_type(made, tmp):
+    folder = copy(made, "compressed", tmp, "m")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "bdlora_foo"}))
+    return ["eval", str(folder), "--ppl", "--json", str(tmp / "out")]
+
+
 CASES = out_cases() + json_cases() + [
+    # issue 44 cases 9, 10 and the minor ones
+    Case("export genai --threads 100000", lambda m, t: ["export", "genai", str(m["compressed"]), "--threads",
+                                                        "100000", "--out", str(t / "out")],
+         "--threads 100000: must be in [0, 512]"),
+    Case("export genai --context-length 0", lambda m, t: ["export", "genai", str(m["compressed"]),
+                                                          "--context-length", "0", "--out", str(t / "out")],
+         "--context-length 0: must be in [1, 128]"),
+    Case("loadtest of an invalid URL", lambda m, t: ["loadtest", "http://[::1"], "http://[::1: not a valid URL"),
+    Case("loadtest of a URL without a scheme", lambda m, t: ["loadtest", "localhost:8000"],
+         "localhost:8000: not an http(s) address with a host"),
+    Case("train --config a FIFO", lambda m, t: train(m, t, "--config", str(fifo(t))), "pipe: is not a regular file"),
+    Case("train --config a folder", lambda m, t: (t.joinpath("d").mkdir(), train(m, t, "--config", str(t / "d")))[1],
+         "d: is a folder; name a YAML file"),
+    Case("an unknown model_type is named", edited_model_type, "(model_type 'bdlora_foo'); bdlora adapts"),
     *[Case(f"{cmd}: a tokenizer that is not the model's", foreign_tokenizer(cmd),
            "its tokenizer has 400 tokens but the model embeds 320; the tokenizer files are not this model's")
       for cmd in ("export onnx", "export genai", "eval")],

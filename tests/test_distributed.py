@@ -283,3 +283,11 @@ def test_checkpoint_rotation_removes_only_its_own_checkpoints(tiny_env, tmp_path
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
         "step-00000000-myrun", "step-00000001", "step-00000005"]
     assert (other / "summary.json").is_file() and (run / "checkpoints/step-00000001/notes.txt").read_text() == "mine"
+
+
+def test_resume_refuses_another_out(tiny_env, tmp_path):
+    """Issue 44: `--resume R --out X` ignored --out silently."""
+    run = _unfinished_run(tiny_env, tmp_path / "run")
+    res = CliRunner().invoke(app, ["train", "--resume", str(run), "--out", str(tmp_path / "x")])
+    assert res.exit_code == 2 and f"a resumed run continues in its own folder {run}; drop --out" in res.stderr
+    assert not (tmp_path / "x").exists()

@@ -349,6 +349,21 @@ def test_health_is_503_until_the_model_is_loaded_and_chat_uses_the_template(serv
         assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": want}
 
 
+def test_cli_serve_on_a_port_in_use_is_one_line(served_model):
+    """Issue 44: uvicorn reported a port in use with its own log lines and exit 3; the socket is bound first now."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        res = CliRunner().invoke(cli_app, ["serve", str(served_model["folder"]), "--port", str(port),
+                                           *served_model["args"]])
+    assert res.exit_code == 2, res.output
+    assert res.stderr.strip() == f"error: --port {port}: cannot listen on 127.0.0.1:{port}: in use (another server " \
+                                 "listens there)"
+
+
 @pytest.mark.parametrize("args,needle", [
     (["/nonexistent/dir"], "no such folder"),
     (["--port", "70000"], "--port 70000"),
@@ -376,6 +391,9 @@ HOSTILE = [
     ({"top_p": 0}, "top_p"),
     ({"top_p": 1e-320, "temperature": 1}, None),  # accepted: a tiny nucleus is the argmax, never NaN
     ({"stop": ["x" * 100_000]}, "stop"),  # matched every step: its length is bounded
+    ({"stream": True, "stream_options": {"include_usage": "no"}}, "stream_options.include_usage"),  # issue 44
+    ({"stream": True, "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
 ]
 
 

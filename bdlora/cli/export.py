@@ -11,7 +11,7 @@ from bdlora.cli import render
 from bdlora.cli.app import command, err, export_app, out
 from bdlora.cli.progress import RichReporter
 from bdlora.errors import UsageError
-from bdlora.export.defaults import DEFAULT_OPSET, MAX_PPL_CHANGE
+from bdlora.export.defaults import DEFAULT_OPSET, MAX_GENAI_THREADS, MAX_PPL_CHANGE
 from bdlora.export.hf import export_hf as run_export
 from bdlora.runs import RUNS_DIR, ModelDir
 
@@ -89,7 +89,7 @@ def export_genai(
                                                        "more than this fraction over fp32.")] = MAX_PPL_CHANGE,
     threads: Annotated[Optional[int], typer.Option(help="Intra-op threads written into genai_config.json (default: "
                                                         "this machine's cores; 0 = none, and onnxruntime-genai then "
-                                                        "runs on one thread).")] = None,
+                                                        f"runs on one thread; at most {MAX_GENAI_THREADS}).")] = None,
     no_validate: Annotated[bool, typer.Option("--no-validate", help="Skip the checks against PyTorch.")] = False,
     force: Annotated[bool, typer.Option(help="Replace an existing non-empty --out.")] = False,
     runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,

@@ -34,6 +34,7 @@ def serve(
 ):
     """Serve an exported ONNX model with an OpenAI-compatible API (/v1/completions, /v1/chat/completions,
     /v1/models, /health, /metrics)."""
+    from bdlora.serve.app import listening_socket
     from bdlora.serve.app import serve as run_server
 
     c = Checks()
@@ -46,9 +47,10 @@ def serve(
         opts["api_key"] = os.environ.get("BDLORA_API_KEY")
     cfg = ServeConfig(onnx_dir=str(src), model_name=model_name or src.name, **opts).validate()
     check_onnx_dir(src, cfg.onnx_file, cfg.runtime)
+    sock = listening_socket(host, port)
     auth = "API key required" if cfg.api_key else "no API key (--api-key or $BDLORA_API_KEY to require one)"
     err.print(f"[cyan]>[/] serving {src} as '{cfg.model_name}' on http://{host}:{port}/v1 ({auth})", highlight=False)
-    run_server(cfg, host, port, drain_seconds)
+    run_server(cfg, host, port, drain_seconds, sock=sock)
 
 
 @command()
@@ -82,6 +84,12 @@ def loadtest(
     if json_path:
         check_out_file(json_path, force=force)
     url = base_url(url)
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, ValueError, TypeError) as e:
+        raise UsageError(f"{url}: not a valid URL ({e})") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise UsageError(f"{url}: not an http(s) address with a host (e.g. http://127.0.0.1:8000)")
     try:
         httpx.get(url + "/health", timeout=10)
     except httpx.TransportError as e:

@@ -12,7 +12,7 @@ from bdlora import SCHEMA_VERSION
 from bdlora.blocks import PackedBlocks
 from bdlora.data import BUILTIN, Corpus, tokenize_corpus
 from bdlora.errors import UsageError, usable_cores
-from bdlora.export.defaults import MAX_PPL_CHANGE
+from bdlora.export.defaults import MAX_GENAI_THREADS, MAX_PPL_CHANGE
 from bdlora.export.genai import validate as v
 from bdlora.export.genai.config import genai_config
 from bdlora.export.genai.graph import build_decoder
@@ -40,7 +40,7 @@ def save_graph(proto, path: Path) -> None:
 
 def context_length_of(config, context_length: int | None) -> int:
     limit = int(getattr(config, "max_position_embeddings", None) or MAX_CONTEXT)
-    ctx = int(context_length or min(limit, MAX_CONTEXT))
+    ctx = int(min(limit, MAX_CONTEXT) if context_length is None else context_length)  # 0 is a value, not "unset"
     if not 1 <= ctx <= limit:
         raise UsageError(f"--context-length {ctx}: must be in [1, {limit}] (the model's positions)")
     return ctx
@@ -87,8 +87,9 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, precision: str =
     them out, and onnxruntime-genai then runs the folder on one thread)."""
     if precision not in PRECISIONS:
         raise UsageError(f"--precision {precision}: unknown (allowed: {', '.join(PRECISIONS)})")
-    if threads is not None and threads < 0:
-        raise UsageError(f"--threads {threads}: must be >= 0 (0 = leave the thread count to the runtime)")
+    if threads is not None and not 0 <= threads <= MAX_GENAI_THREADS:
+        raise UsageError(f"--threads {threads}: must be in [0, {MAX_GENAI_THREADS}] (0 = leave the thread count to "
+                         "the runtime)")
     threads = (usable_cores() if threads is None else threads) or None  # None: no count in genai_config.json
     model_dir, out = Path(model_dir), Path(out)
     check_out_dir(out, force, (model_dir,))
