@@ -82,3 +82,70 @@ def test_the_code_does_not_point_outside_the_repository():
     assert len(files) > 80
     outside = [str(f.relative_to(ROOT)) for f in files if "../shared" in f.read_text() or "SPEC.md" in f.read_text()]
     assert not outside, outside
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Every command the docs name exists, and every `bdlora ...` line of a code block parses (issue 42: `sweep-merge`,
+# documented and named in an error message, was not registered)
+# --------------------------------------------------------------------------------------------------------------------
+
+INLINE = re.compile(r"`bdlora ([a-z][\w-]*(?: [a-z][\w-]*)?)[^`]*`")
+
+
+def _code_lines() -> list[tuple[str, str]]:
+    """(doc name, command line) of every ``bdlora ...`` line in a code block, continuations joined, comments cut."""
+    found = []
+    for doc in DOCS:
+        for block in CODE_BLOCK.findall(doc.read_text()):
+            text = block.replace("\\\n", " ")
+            for line in text.splitlines():
+                line = line.split(" #", 1)[0].strip().removesuffix("&").strip()  # a comment, a background job
+                line = re.sub(r"\[(--[^\]]+)\]", r"\1", line)  # "[--opt V]": optional, parsed too
+                for part in re.split(r"\s*(?:&&|;|\|)\s*", line):
+                    words = part.split()
+                    while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):  # VAR=value prefixes
+                        words = words[1:]
+                    if words[:1] == ["bdlora"]:
+                        found.append((doc.name, " ".join(words)))
+    return found
+
+
+def _command(words: list[str]):
+    """The click command ``words`` name (a group's subcommand included) and the words left for its options."""
+    import typer.main
+
+    from bdlora.cli import app
+
+    cmd, path = typer.main.get_command(app), []
+    while words and hasattr(cmd, "commands") and words[0] in cmd.commands:
+        cmd, path, words = cmd.commands[words[0]], path + [words[0]], words[1:]
+    return cmd, path, words
+
+
+def test_every_command_the_docs_name_exists_and_has_help():
+    from typer.testing import CliRunner
+
+    from bdlora.cli import app
+
+    named = {m.group(1) for doc in DOCS for m in INLINE.finditer(doc.read_text())}
+    named |= {" ".join(line.split()[1:3]) for _, line in _code_lines()}
+    paths = set()
+    for words in sorted(named):
+        cmd, path, _ = _command(words.split())
+        assert path, f"`bdlora {words}`: no such command"
+        paths.add(" ".join(path))
+    assert {"train", "compress", "export onnx", "export genai", "bench", "eval", "sweep", "sweep-merge", "serve",
+            "loadtest", "plan", "teacher"} <= paths, paths
+    for path in sorted(paths):
+        res = CliRunner().invoke(app, [*path.split(), "--help"])
+        assert res.exit_code == 0 and "Usage" in res.output, (path, res.output[-500:])
+
+
+@pytest.mark.parametrize("doc,line", _code_lines(), ids=lambda x: str(x)[:80])
+def test_every_documented_command_line_parses(doc, line):
+    """Options, their values' types and the arguments of each line are what the parser accepts (nothing runs)."""
+    import shlex
+
+    cmd, path, rest = _command(shlex.split(line)[1:])
+    assert path, line
+    cmd.make_context(" ".join(["bdlora", *path]), rest)

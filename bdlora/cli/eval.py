@@ -114,7 +114,6 @@ def sweep(
     out.print(f"[green]wrote[/] {doc['sweep_dir']}/sweep.md, results.json, pareto.png, main.md, table9.md, icl.png")
 
 
-@command()
 def _check_resume_alone(resume: str, opts: dict, config, vary) -> None:
     """--resume continues with the sweep's stored options: any other option given beside it is refused."""
 
@@ -124,6 +123,7 @@ def _check_resume_alone(resume: str, opts: dict, config, vary) -> None:
         raise UsageError(f"--resume {resume}: continues with the sweep's stored options; drop {', '.join(given)}")
 
 
+@command(name="sweep-merge")
 def sweep_merge(
     sweeps: Annotated[list[str], typer.Argument(help="Finished sweep folders, one per teacher, in column order.")],
     out_dir: Annotated[str, typer.Option("--out", help="Folder for the merged main.md, table9.md, icl.png.")],
