@@ -327,7 +327,7 @@ def eval_data(run_cfg: dict | None, config, ecfg: EvalConfig) -> dict:
     return {"data": d, "heldout_fraction": heldout,
             "seq_len": min(ecfg.seq_len or cfg.get("seq_len") or defaults["seq_len"], max_pos),
             "eval_tokens": ecfg.tokens or cfg.get("eval_tokens") or defaults["eval_tokens"],
-            "cache_dir": cfg.get("cache_dir"),
+            "cache_dir": cfg.get("cache_dir"), "teacher": cfg.get("teacher"),
             "source": "command line" if ecfg.data or ecfg.seq_len or ecfg.tokens else src}
 
 

@@ -13,7 +13,10 @@ like the servers users know (vLLM's OpenAI entrypoint):
 - ``sequence``: one request inside a batch: detokenising, stop strings, log-probabilities;
 - ``metrics``: Prometheus metrics;
 - ``config``: ``ServeConfig``;
-- ``app``: the FastAPI app wiring routes to handlers, and the process lifecycle;
+- ``app``: the FastAPI app wiring routes to handlers (bodies validated off the event loop), and the process
+  lifecycle;
+- ``transport``: between the socket and the routes: the listening socket, head and body deadlines, the body limit,
+  the API key, the request counter;
 - ``loadtest``: ``bdlora loadtest``, a closed-loop load generator for any OpenAI-compatible endpoint.
 
 Serving needs numpy, onnxruntime, tokenizers and the web stack, never torch. Installed as ``bdlora.serve`` through

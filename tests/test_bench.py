@@ -107,3 +107,30 @@ def test_cli_bench_synthetic_and_bad_input(tmp_path, tiny_model, tiny_env):
     (folder / "compression.json").unlink()
     r = CliRunner().invoke(app, ["bench", str(folder), "--out", str(tmp_path / "y")])
     assert r.exit_code == 2 and "no compression.json" in r.stderr
+
+
+def test_a_speed_up_above_its_mac_limit_is_marked_as_noise_with_the_repeats_it_needs():
+    """Issue 42: "3.87x against a MAC limit of 1.86x (208% of limit)" from 5 repeats was printed as a result."""
+    from bdlora.bench.report import markdown
+    from bdlora.bench.run import add_ratios, repeats_needed
+
+    def row(variant, median, p10, p90, phase="prefill"):
+        return {"scope": "modules", "variant": variant, "phase": phase, "batch": 1, "seq": 128, "tokens": 128,
+                "median_ms": median, "p10_ms": p10, "p90_ms": p90, "repeats": 5}
+
+    rows = [row("dense", 3.87, 2.0, 4.4), row("lora", 4.0, 3.9, 4.1), row("compressed", 1.0, 0.9, 1.6),
+            row("dense", 2.0, 1.98, 2.02, "decode"), row("lora", 2.2, 2.1, 2.3, "decode"),
+            row("compressed", 1.2, 1.19, 1.21, "decode")]
+    add_ratios(rows, {"modules": {"dense": 186, "lora": 200, "compressed": 100}})
+    noisy, clean = rows[2], rows[5]
+    assert noisy["fraction_of_limit"] == pytest.approx(3.87 / 1.86)
+    assert noisy["noise"]["above_limit"] == pytest.approx(2.081, abs=1e-3)
+    assert noisy["noise"]["p10_p90_spread"] == pytest.approx(0.7)  # the compressed row's (1.6 - 0.9) / 1.0
+    assert "noise" not in clean and clean["fraction_of_limit"] < 1
+    # sigma = 0.7 / 2.56; sqrt(2) * 1.2533 * sigma / 1.081 = 0.448 -> 1 repeat would do, but never fewer than 6
+    assert noisy["noise"]["repeats_needed"] == 6
+    assert repeats_needed([row("c", 1.0, 0.9, 1.1)], 0.01) == 192  # a 1% excess needs hundreds
+    doc = {"thread_pool": "x", "onnxruntime": "1", "mac_ratio_modules_vs_dense": 1.86,
+           "mac_ratio_modules_vs_lora": 2.0, "results": rows}
+    md = markdown(doc)
+    assert "208% (noise)" in md and "about --repeats 6 would give a stable figure" in md

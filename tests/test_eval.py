@@ -251,13 +251,46 @@ def test_eval_of_a_run_uses_its_heldout_slice(tiny_env, tmp_path):
     from conftest import train_args
 
     run = tmp_path / "run"
-    assert CliRunner().invoke(app, train_args(tiny_env, run, "--method", "kd-lora", "--max-steps", "3")).exit_code == 0
+    args = train_args(tiny_env, run, "--method", "kd-lora", "--max-steps", "3", "--cache-dir", str(tmp_path / "cache"))
+    assert CliRunner().invoke(app, args).exit_code == 0  # its own cache: the teacher is scored here first
     summary = json.loads((run / "summary.json").read_text())
     res = CliRunner().invoke(app, ["eval", str(run), "--ppl", "--json", str(tmp_path / "e.json")])
     assert res.exit_code == 0, res.output
     doc = json.loads((tmp_path / "e.json").read_text())
     assert "icl" not in doc and doc["data"]["seq_len"] == 32 and doc["ppl"]["tokens"] == 512
     assert doc["ppl"]["val_ppl"] == pytest.approx(summary["student_val_ppl"], rel=1e-5)
+    # the teacher on the same slice, beside (issue 42): what the run measured for it at the start
+    assert doc["teacher"]["ppl"]["val_ppl"] == pytest.approx(summary["teacher_val_ppl"], rel=1e-5)
+    assert doc["teacher"]["source"] == str(tiny_env["teacher"]) and "icl" not in doc["teacher"]
+    assert f"vs the teacher's {summary['teacher_val_ppl']:.3f}" in res.output
+    icl = ["--tasks", "capitalize,next_item", "--examples", "3", "--seeds", "1"]
+    for i in range(2):  # the teacher is scored once per settings, then read from the cache
+        res = CliRunner().invoke(app, ["eval", str(run), *icl, "--json", str(tmp_path / f"i{i}.json")])
+        assert res.exit_code == 0, res.output
+        assert ("scoring the teacher" in res.output) == (i == 0)
+        assert ("the teacher's figures on these settings" in res.output) == (i == 1)
+    docs = [json.loads((tmp_path / f"i{i}.json").read_text()) for i in range(2)]
+    assert docs[0]["teacher"] == docs[1]["teacher"] and set(docs[0]["teacher"]["icl"]["tasks"]) == {
+        "capitalize", "next_item"}
+    res = CliRunner().invoke(app, ["eval", str(run), *icl, "--no-vs-teacher", "--json", str(tmp_path / "n.json")])
+    assert res.exit_code == 0 and "teacher" not in json.loads((tmp_path / "n.json").read_text())
+
+
+def test_a_teacher_without_in_context_learning_gets_one_line(capsys):
+    """Issue 42: a builtin-sized teacher scores 0% on every probe; 19 rows of 0.0 ± 0.0 said nothing."""
+    from bdlora.cli import render
+
+    zero = {"mean": 0.0, "std": 0.0, "target_logprob": -9.0}
+    icl = {"shots": 10, "seeds": 1, "examples_per_seed": 2, "tasks": {"capitalize": zero, "next_item": zero},
+           "macro": zero}
+    render.evaluation({"icl": icl, "teacher": {"icl": icl}})
+    text = capsys.readouterr().out
+    assert "the teacher scores 0% on every one of the 2 tasks" in text and "capitalize" not in text
+    some = {**zero, "mean": 50.0}
+    render.evaluation({"icl": icl, "teacher": {"icl": {**icl, "tasks": {"capitalize": some, "next_item": zero},
+                                                       "macro": some}}})
+    text = capsys.readouterr().out
+    assert "teacher %" in text and "50.0 ± 0.0" in text
 
 
 @pytest.mark.parametrize("extra,needle", [

@@ -28,8 +28,8 @@ def markdown(doc: dict) -> str:
         lines.append(f"| {r['scope']} | {r['phase']} | {shape} | {d['median_ms']:.3f} | "
                      f"{lo['median_ms'] if lo else float('nan'):.3f} | {r['median_ms']:.3f} ({r['p10_ms']:.3f}-"
                      f"{r['p90_ms']:.3f}) | {r['speedup_vs_dense']:.2f}x | {r['mac_ratio_vs_dense']:.2f}x | "
-                     f"{100 * r['fraction_of_limit']:.0f}% | {r.get('speedup_vs_lora', float('nan')):.2f}x | "
-                     f"{outside} |")
+                     f"{100 * r['fraction_of_limit']:.0f}%{noise_mark(r)} | "
+                     f"{r.get('speedup_vs_lora', float('nan')):.2f}x | {outside} |")
     if q8:
         lines += ["", "int8 (onnxruntime dynamic weight quantisation), model scope:", "",
                   "| phase | batch x seq | dense int8 ms | compressed int8 ms | vs fp32 dense | vs int8 dense |",
@@ -39,7 +39,23 @@ def markdown(doc: dict) -> str:
             lines.append(f"| {r['phase']} | {r['batch']}x{r['seq']} | {d8['median_ms'] if d8 else float('nan'):.3f} "
                          f"| {r['median_ms']:.3f} | {r['speedup_vs_dense']:.2f}x | "
                          f"{r.get('speedup_vs_dense_int8', float('nan')):.2f}x |")
-    return "\n".join(lines + genai_markdown(doc, idx)) + "\n"
+    return "\n".join(lines + genai_markdown(doc, idx) + noise_lines(doc)) + "\n"
+
+
+def noise_mark(r: dict) -> str:
+    return " (noise)" if "noise" in r else ""
+
+
+def noise_lines(doc: dict) -> list[str]:
+    """One line per figure above its MAC limit: what it is, and the repeats a stable figure needs."""
+    noisy = [r for r in doc["results"] if "noise" in r]
+    if not noisy:
+        return []
+    need = max(r["noise"]["repeats_needed"] for r in noisy)
+    spread = 100 * max(r["noise"]["p10_p90_spread"] for r in noisy)
+    return ["", f"(noise) {len(noisy)} figure(s) above the MAC limit: time cannot fall faster than the work, so these "
+                f"are timing noise (p10-p90 spreads up to {spread:.0f}% of the median at {noisy[0]['repeats']} "
+                f"repeats); about --repeats {need} would give a stable figure."]
 
 
 def _ms(r: dict | None) -> str:
@@ -65,7 +81,8 @@ def genai_markdown(doc: dict, idx: dict) -> list[str]:
         shape = f"{r['batch']}x{r['seq']}" if r["phase"] == "prefill" else f"{r['batch']}x1 (cache {r['seq']})"
         vs_b = f"{r['speedup_vs_builder']:.2f}x" if "speedup_vs_builder" in r else "-"
         vs_d = f"{d['median_ms'] / r['median_ms']:.2f}x" if d else "-"
-        frac = f"{100 * r['fraction_of_limit_vs_builder']:.0f}%" if "fraction_of_limit_vs_builder" in r else "-"
+        frac = f"{100 * r['fraction_of_limit_vs_builder']:.0f}%{noise_mark(r)}" \
+            if "fraction_of_limit_vs_builder" in r else "-"
         lines.append(f"| {precision} | {r['phase']} | {shape} | {_ms(b)} | {_ms(d)} | {_ms(lo)} | "
                      f"{r['median_ms']:.3f} ({r['p10_ms']:.3f}-{r['p90_ms']:.3f}) | {vs_b} | {vs_d} | "
                      f"{r['mac_ratio_vs_dense']:.2f}x | {frac} |")

@@ -13,7 +13,7 @@ from bdlora.cli.options import float_list, from_dataclass, int_list, str_list
 from bdlora.cli.progress import RichReporter
 from bdlora.config import TrainConfig, load_yaml, merge
 from bdlora.errors import UsageError
-from bdlora.evaluate import EvalConfig, evaluate_target
+from bdlora.evaluate import EvalConfig
 from bdlora.io import write_json
 from bdlora.outputs import check_new_out, check_out_file
 from bdlora.runs import RUNS_DIR, ModelDir, SweepDir, eval_json
@@ -40,6 +40,9 @@ def eval_cmd(
     = None,
     force: Annotated[bool, typer.Option(help="Replace an existing report (never a file of a model folder).")]
     = False,
+    vs_teacher: Annotated[bool, typer.Option(help="Score the model's teacher (from its run) on the same slice and "
+                                                  "prompts, once per settings (cached), and show it beside.")]
+    = True,
     runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,
     **opts,
 ):
@@ -51,7 +54,9 @@ def eval_cmd(
     src = Path(model_dir) if model_dir else ModelDir.latest(runs_dir).path
     dst = Path(json_path) if json_path else eval_json(src)
     check_out_file(dst, force=force, ours=json_path is None)
-    doc = evaluate_target(src, ecfg, reporter=RichReporter(out))
+    from bdlora.reference import evaluate_with_teacher  # loads the teacher module (torch)
+
+    doc = evaluate_with_teacher(src, ecfg, vs_teacher, reporter=RichReporter(out))
     write_json(dst, doc)
     render.evaluation(doc)
     out.print(f"[green]wrote[/] {dst}")

@@ -2,6 +2,7 @@
 
 from rich.table import Table
 
+from bdlora.bench.report import noise_lines
 from bdlora.cli.app import out
 
 
@@ -164,7 +165,8 @@ def bench(doc: dict) -> None:
         shape = f"{r['batch']}x{r['seq']}" if r["phase"] == "prefill" else (
             f"{r['batch']}x1 @{r['seq']}" if r["scope"] != "modules" else f"{r['batch']}x1")
         t.add_row(f"{r['scope']} {r['phase']} {shape}", f"{d['median_ms']:.3f}", f"{r['median_ms']:.3f}",
-                  x(r, "speedup_vs_dense"), x(r, "mac_ratio_vs_dense"), f"{100 * r['fraction_of_limit']:.0f}%",
+                  x(r, "speedup_vs_dense"), x(r, "mac_ratio_vs_dense"),
+                  f"{100 * r['fraction_of_limit']:.0f}%{' (noise)' if 'noise' in r else ''}",
                   x(r, "speedup_vs_lora"), x(r, "speedup_vs_builder"),
                   f"{100 * r['share_outside_modules']:.0f}%" if "share_outside_modules" in r else "-")
     out.print(t)
@@ -177,26 +179,45 @@ def bench(doc: dict) -> None:
                       f"{precision} dense, {x(r, 'speedup_vs_builder')} vs the builder's {precision}")
     for key, why in (doc.get("genai_notes") or {}).items():
         out.print(f"[yellow]{key}: {why}[/]")
+    for line in noise_lines(doc):
+        if line:
+            out.print(f"[yellow]{line}[/]")
 
 
 def evaluation(doc: dict) -> None:
+    """The model's figures, with its teacher's on the same slice and prompts beside them when known."""
+    teacher = doc.get("teacher") or {}
     if "ppl" in doc:
-        p = doc["ppl"]
-        out.print(f"held-out perplexity: [bold]{p['val_ppl']:.3f}[/] ({p['tokens']:,} tokens of {doc['data']['data']},"
-                  f" blocks of {p['seq_len']}; {doc['kind']})")
+        p, tp = doc["ppl"], (teacher.get("ppl") or {}).get("val_ppl")
+        beside = f" vs the teacher's [bold]{tp:.3f}[/] ({p['val_ppl'] / tp:.3f}x)" if tp else ""
+        out.print(f"held-out perplexity: [bold]{p['val_ppl']:.3f}[/]{beside} ({p['tokens']:,} tokens of "
+                  f"{doc['data']['data']}, blocks of {p['seq_len']}; {doc['kind']})")
+    if doc.get("teacher_note"):
+        out.print(f"(no teacher figures beside: {doc['teacher_note']})")
     if "icl" in doc:
-        r = doc["icl"]
-        t = Table(title=f"ICL probes ({r['shots']}-shot, {r['seeds']} seeds x {r['examples_per_seed']} prompts, "
-                        "exact match %)")
-        t.add_column("task")
-        t.add_column("accuracy %", justify="right")
-        t.add_column("log p(target)", justify="right")
-        for name, v in r["tasks"].items():
-            t.add_row(name, f"{v['mean']:.1f} ± {v['std']:.1f}", f"{v['target_logprob']:.2f}")
-        m = r["macro"]
-        t.add_row("[bold]ICL composite (macro)[/]", f"[bold]{m['mean']:.1f} ± {m['std']:.1f}[/]",
-                  f"{m['target_logprob']:.2f}")
-        out.print(t)
+        _icl_table(doc["icl"], teacher.get("icl"))
+
+
+def _icl_table(r: dict, teacher: dict | None) -> None:
+    m = r["macro"]
+    if teacher is not None and max(v["mean"] for v in teacher["tasks"].values()) == 0:
+        out.print(f"ICL probes: the teacher scores 0% on every one of the {len(teacher['tasks'])} tasks (a model this "
+                  f"small does not learn in context), so they cannot tell this model from it (this model: "
+                  f"{m['mean']:.1f}%; per task in the JSON)")
+        return
+    t = Table(title=f"ICL probes ({r['shots']}-shot, {r['seeds']} seeds x {r['examples_per_seed']} prompts, "
+                    "exact match %)")
+    for col in ("task", "accuracy %", *(["teacher %"] if teacher else []), "log p(target)"):
+        t.add_column(col, justify="left" if col == "task" else "right")
+    for name, v in r["tasks"].items():
+        tv = teacher["tasks"].get(name) if teacher else None
+        t.add_row(name, f"{v['mean']:.1f} ± {v['std']:.1f}",
+                  *([f"{tv['mean']:.1f} ± {tv['std']:.1f}" if tv else "-"] if teacher else []),
+                  f"{v['target_logprob']:.2f}")
+    tm = teacher["macro"] if teacher else None
+    t.add_row("[bold]ICL composite (macro)[/]", f"[bold]{m['mean']:.1f} ± {m['std']:.1f}[/]",
+              *([f"[bold]{tm['mean']:.1f} ± {tm['std']:.1f}[/]"] if teacher else []), f"{m['target_logprob']:.2f}")
+    out.print(t)
 
 
 def loadtest(rows: list[dict], url: str, max_tokens: int) -> None:

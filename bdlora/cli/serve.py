@@ -34,8 +34,8 @@ def serve(
 ):
     """Serve an exported ONNX model with an OpenAI-compatible API (/v1/completions, /v1/chat/completions,
     /v1/models, /health, /metrics)."""
-    from bdlora.serve.app import listening_socket
     from bdlora.serve.app import serve as run_server
+    from bdlora.serve.transport import listening_socket
 
     c = Checks()
     c.integer("port", port, lo=0, hi=65535)
