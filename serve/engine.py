@@ -99,6 +99,11 @@ class Engine:
     def waiting(self) -> int:
         return self._waiting.qsize()
 
+    @property
+    def tracked(self) -> int:
+        """Requests the engine still holds anything for (running, admitted, queued): 0 once idle, else a leak."""
+        return len(self._live) + len(self._admitted) + self._waiting.qsize()
+
     # --------------------------------------------------------------------------------------------------------------
 
     # The model hooks (onnxruntime here; ``GenaiEngine`` runs onnxruntime-genai): open the model, prefill new

@@ -141,6 +141,13 @@ class EngineProcess:
         with self._lock:
             return max(self._child_waiting, len(self._pending) - self.active)
 
+    @property
+    def tracked(self) -> int:
+        """Requests sent to the engine process and not yet finished (its own structures are the child's): 0 once
+        idle, else a leak."""
+        with self._lock:
+            return len(self._pending)
+
     def refuse(self, prompt_ids: list[int]) -> str | None:
         """The child engine's rule, known here so a refused prompt never crosses the pipe (genai: a trailing pad
         id)."""

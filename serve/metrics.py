@@ -35,7 +35,9 @@ class Metrics:
                                 ("bdlora_model_runs", "Executions of the model (prefills and decode steps; under "
                                  "--runtime genai one per cohort of requests admitted together)", "runs"),
                                 ("bdlora_failed_sequences", "Sequences that failed alone (error to their request; "
-                                 "the engine went on)", "failed")):
+                                 "the engine went on)", "failed"),
+                                ("bdlora_tracked_requests", "Requests the engine still holds anything for (0 when "
+                                 "idle: anything else is a leak)", "tracked")):
             Gauge(name, doc, registry=r).set_function(live(attr))
         Gauge("bdlora_ready", "1 while the model is loaded and the engine is running", registry=r).set_function(
             lambda: 1.0 if engine_ref() is not None and engine_ref().error is None else 0.0)

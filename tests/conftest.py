@@ -33,9 +33,11 @@ def _has_optimum() -> bool:
         return False
 
 
-# The two longest tests (the builtin teacher's build, ~11 min on 2 busy cores; SmolLM2 through the chain, ~3 min):
-# first in the collection, so pytest-xdist's loadgroup scheduler gives one to each worker at the start.
-LONGEST = ("test_builtin_teacher_and_student", "test_real_pretrained_teacher_preset_through_the_chain")
+# The longest tests first in the collection, so pytest-xdist's loadgroup scheduler starts them at once on separate
+# workers: the two of `pytest -m full` (the default teacher's build; SmolLM2 through the chain), and of the default
+# run the builtin chain on a short teacher and lm-eval against a served student.
+LONGEST = ("test_builtin_teacher_and_student", "test_real_pretrained_teacher_preset_through_the_chain",
+           "test_builtin_chain_on_a_short_teacher", "test_lm_eval_scores_the_served_student_and_its_hf_folder_alike")
 
 
 def _start_order(item) -> int:

