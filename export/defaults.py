@@ -7,3 +7,4 @@ MAX_PPL_CHANGE = 0.10  # `export genai --precision int8|int4`: refused if held-o
 # `export genai --threads`: the intra-op thread count a folder asks for, written for the machine it will run on, so not
 # bounded by this one's cores; above this it is a typo (100000 made onnxruntime-genai crash with exit 139 on load)
 MAX_GENAI_THREADS = 512
+CALIB_TOKENS = 32768  # `export genai --quant gptq`: calibration tokens from the training split (128 blocks of 256)

@@ -134,3 +134,24 @@ def test_a_speed_up_above_its_mac_limit_is_marked_as_noise_with_the_repeats_it_n
            "mac_ratio_modules_vs_lora": 2.0, "results": rows}
     md = markdown(doc)
     assert "208% (noise)" in md and "about --repeats 6 would give a stable figure" in md
+
+
+def test_the_front_marks_each_point_on_it_or_dominated_by_which():
+    """SPEC 11 on a hand-made set: a point is dominated when another is at least as fast and as good, and better in
+    one; the dominating point named is the best-quality one; equal points dominate neither; unscored points are
+    left out."""
+    from bdlora.bench.front import dominance, markdown
+
+    pts = [{"name": "teacher", "ms": 10.0, "ppl": 18.0}, {"name": "teacher-int8", "ms": 3.4, "ppl": 18.1},
+           {"name": "teacher-int4", "ms": 2.7, "ppl": 21.7}, {"name": "compressed-int8", "ms": 3.2, "ppl": 21.0},
+           {"name": "compressed-int4", "ms": 2.7, "ppl": 26.0}, {"name": "twin", "ms": 3.4, "ppl": 18.1},
+           {"name": "unscored", "ms": 1.0, "ppl": None}]
+    got = {p["name"]: (p["front"], p["dominated_by"]) for p in dominance(pts)}
+    assert got == {"teacher": (True, None), "teacher-int8": (True, None), "teacher-int4": (True, None),
+                   "compressed-int8": (True, None), "compressed-int4": (False, "teacher-int4"),
+                   "twin": (True, None), "unscored": (None, None)}
+    pts.append({"name": "slow-and-bad", "ms": 11.0, "ppl": 30.0})  # dominated by everything: named by quality
+    assert {p["name"]: p["dominated_by"] for p in dominance(pts)}["slow-and-bad"] == "teacher"
+    rows = [{**p, "p10_ms": p["ms"], "p90_ms": p["ms"], "batch": 1, "seq": 128} for p in dominance(pts)]
+    md = "\n".join(markdown(rows, "teacher"))
+    assert "| compressed-int4 | 2.700 (2.700-2.700) | 26.000 | 3.70x | +44.4% | dominated by teacher-int4 |" in md

@@ -236,7 +236,7 @@ def test_bench_genai_on_a_compressed_folder_and_bad_options(mixed_folder, tmp_pa
     folder, _ = mixed_folder
     r = CliRunner().invoke(app, ["bench", str(folder), "--runtime", "genai", "--no-peers", "--batch-sizes", "1",
                                  "--seq-lens", "8", "--decode-tokens", "2", "--repeats", "1", "--warmup", "0",
-                                 "--out", str(tmp_path / "b")])
+                                 "--genai-precisions", "fp32", "--quality-tokens", "0", "--out", str(tmp_path / "b")])
     assert r.exit_code == 0, r.output
     doc = json.loads((tmp_path / "b" / "bench.json").read_text())
     assert {x["variant"] for x in doc["results"]} == {"dense", "lora", "compressed"}
@@ -248,3 +248,41 @@ def test_bench_genai_on_a_compressed_folder_and_bad_options(mixed_folder, tmp_pa
         r = CliRunner().invoke(app, ["bench", str(folder), *args, "--out", str(tmp_path / "x")])
         assert r.exit_code == 2 and needle in r.stderr, (args, r.stderr)
         assert not (tmp_path / "x").exists()
+
+
+def test_bench_puts_the_student_and_its_teachers_exports_on_one_front(tiny_env, tmp_path):
+    """Issue 40: a one-shot student of a (head dim 16) teacher, benched in onnxruntime-genai at fp32, int8 and int4
+    beside the teacher exported the same way and by onnxruntime-genai's builder: every folder timed and scored on the
+    same held-out slice, every point marked on the front or dominated, the plot written."""
+    from transformers import MistralForCausalLM
+
+    from conftest import tiny_config
+
+    tok = tiny_env["tokenizer"]
+    torch.manual_seed(0)
+    teacher = MistralForCausalLM(tiny_config(len(tok), layers=2, hidden=64, eos_token_id=tok.eos_token_id,
+                                             bos_token_id=tok.bos_token_id)).eval()
+    teacher.save_pretrained(tmp_path / "teacher")
+    tok.save_pretrained(tmp_path / "teacher")
+    r = CliRunner().invoke(app, ["compress", str(tmp_path / "teacher"), "--one-shot", "--mac-ratio", "1.4", "--data",
+                                 str(tiny_env["corpus"]), "--cache-dir", str(tiny_env["cache"]), "--seq-len", "32",
+                                 "--calib-tokens", "512", "--eval-tokens", "512", "--heldout-fraction", "0.1",
+                                 "--no-eval", "--out", str(tmp_path / "s")])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, ["bench", str(tmp_path / "s"), "--runtime", "genai", "--batch-sizes", "1",
+                                 "--seq-lens", "16", "--decode-tokens", "2", "--repeats", "2", "--warmup", "0",
+                                 "--quality-tokens", "512", "--out", str(tmp_path / "b")])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "b" / "bench.json").read_text())
+    names = {p["name"] for p in doc["front"]}
+    assert {"teacher", "teacher-int8", "teacher-int4", "compressed", "compressed-int8", "compressed-int4",
+            "teacher-builder-fp32", "teacher-builder-int4"} <= names, (names, doc.get("genai_notes"))
+    q = doc["quality"]
+    assert q["teacher"]["tokens"] == 512 and all(v["ppl"] > 1 for v in q.values())
+    # the teacher's fp32 graph (ours and the builder's) compute the same model: the same perplexity
+    assert q["teacher-builder-fp32"]["ppl"] == pytest.approx(q["teacher"]["ppl"], rel=1e-3)
+    for p in doc["front"]:
+        assert p["front"] in (True, False) and (p["dominated_by"] is None) == p["front"]
+    assert any(p["front"] for p in doc["front"])
+    assert (tmp_path / "b" / "bench_front.png").stat().st_size > 10_000
+    assert "Quality/speed front" in (tmp_path / "b" / "bench.md").read_text() and "quality/speed front" in r.output

@@ -10,6 +10,7 @@ from bdlora.errors import Checks, UsageError
 SCOPES = ("modules", "model", "both")
 RUNTIMES = ("ort", "genai", "both")
 GENAI_PRECISIONS = ("fp32", "int8", "int4")
+QUANT_METHODS = ("rtn", "gptq")
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 
@@ -40,10 +41,18 @@ class BenchConfig:
     runtime: str = "ort"
     """ort (our ONNX graphs, InferenceSession), genai (bdlora export genai folders driven by og.Generator, beside
     onnxruntime-genai's own builder) or both."""
-    genai_precisions: list[str] = field(default_factory=lambda: ["fp32"])
+    genai_precisions: list[str] = field(default_factory=lambda: ["fp32", "int8", "int4"])
     """genai runtime: precisions of every variant (fp32, int8, int4; MatMulNBits)."""
     peers: bool = True
-    """genai runtime: also time the dense model converted by onnxruntime-genai's own builder (fp32, int4)."""
+    """genai runtime: also time the dense model (and the teacher) converted by onnxruntime-genai's own builder (fp32,
+    int4)."""
+    teacher: bool = True
+    """genai runtime: also export and time the model's teacher at every precision, and put every folder on the
+    quality/speed front with its held-out perplexity."""
+    quality_tokens: int = 8192
+    """genai runtime: held-out tokens each folder's perplexity is measured on (0: no perplexity, no front)."""
+    quant: str = "rtn"
+    """genai runtime: how int8/int4 weights are rounded, for the student and the teacher alike (rtn, gptq)."""
 
     def validate(self, max_positions: int | None = None) -> BenchConfig:
         """Every problem at once; with ``max_positions``, sequence lengths are bounded by the model's context."""
@@ -68,6 +77,8 @@ class BenchConfig:
                   + ", ".join(GENAI_PRECISIONS))
         for p in self.genai_precisions:
             c.choice("genai_precisions", p, GENAI_PRECISIONS)
+        c.integer("quality_tokens", self.quality_tokens, lo=0)
+        c.choice("quant", self.quant, QUANT_METHODS)
         c.require(self.runtime == "ort" or self.provider == "cpu",
                   f"--runtime {self.runtime}: the genai bench runs on cpu (--provider {self.provider})")
         c.done()

@@ -12,8 +12,10 @@ options (intra-op threads); timing runs in a separate process (``bench.genai_wor
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.nn as nn
@@ -21,11 +23,16 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from bdlora.bench.launch import run_timing_process
+from bdlora.data import default_cache_dir
 from bdlora.deployed.modeling_bdlora import FAMILIES
 from bdlora.errors import BdloraError
-from bdlora.export.genai.folder import write_genai_files
+from bdlora.export.defaults import CALIB_TOKENS
+from bdlora.export.genai.folder import calibration_blocks, data_settings, heldout_for, write_genai_files
+from bdlora.models import load_model_folder
+from bdlora.reference import teacher_folder
 from bdlora.reporter import SILENT, Reporter
 from bdlora.runs import GENAI_CONFIG
+from bdlora.runtime import DecoderShape, score_blocks, session
 
 BUILDER_PRECISIONS = {"fp32": "fp32", "int4": "int4"}  # the builder's -p values we compare against
 
@@ -75,34 +82,53 @@ def run_builder(hf_folder: Path, out: Path, precision: str, threads: int, cache:
 
 
 def export_variants(models: dict[str, nn.Module], tok, precisions: list[str], work: Path, threads: int,
-                    peers: bool, reporter: Reporter = SILENT) -> tuple[dict[str, Path], dict]:
-    """Every variant at every precision as a genai folder, plus the builder's peer folders; (folders, notes)."""
+                    peers: bool, reporter: Reporter = SILENT, teacher: Path | None = None, quant: str = "rtn",
+                    calibration=None) -> tuple[dict[str, Path], dict]:
+    """Every variant at every precision as a genai folder, plus the builder's peer folders; (folders, notes).
+    ``models`` may hold "teacher" (the model the student came from; ``teacher`` its HF folder, which the builder
+    converts as a user would: ``teacher-builder-<precision>``). ``quant``/``calibration``: how int8/int4 are
+    rounded (``write_genai_files``)."""
 
     folders: dict[str, Path] = {}
-    model = next(iter(models.values()))
-    ctx = int(min(getattr(model.config, "max_position_embeddings", 4096) or 4096, 4096))
     tok = tok if tok is not None else _stand_in_tokenizer()
     for name, m in models.items():
+        ctx = int(min(getattr(m.config, "max_position_embeddings", 4096) or 4096, 4096))
         for p in precisions:
             key = name if p == "fp32" else f"{name}-{p}"
             reporter.stage(f"exporting the {key} genai folder")
             folders[key] = work / f"genai-{key}"
             folders[key].mkdir()
-            write_genai_files(m, tok, folders[key], p, ctx, threads=threads)
+            write_genai_files(m, tok, folders[key], p, ctx, threads=threads, quant=quant, calibration=calibration,
+                              reporter=reporter)
     notes: dict = {}
     if peers:
         hf = work / "hf-dense"
         save_base_folder(models["dense"], tok, hf)
-        for p in [p for p in precisions if p in BUILDER_PRECISIONS]:
-            key = f"builder-{p}"
-            reporter.stage(f"converting the dense model with onnxruntime-genai's builder ({p})")
-            failed = run_builder(hf, work / f"genai-{key}", p, threads, work / "builder-cache")
-            if failed:
-                notes[key] = failed
-                reporter.stage(f"{key}: {failed}")
-            else:
-                folders[key] = work / f"genai-{key}"
+        sources = [("builder", hf)] + ([("teacher-builder", teacher)] if teacher is not None else [])
+        for prefix, src in sources:
+            for p in [p for p in precisions if p in BUILDER_PRECISIONS]:
+                key = f"{prefix}-{p}"
+                reporter.stage(f"converting {src.name} with onnxruntime-genai's builder ({p})")
+                failed = run_builder(src, work / f"genai-{key}", p, threads, work / "builder-cache")
+                if failed:
+                    notes[key] = failed
+                    reporter.stage(f"{key}: {failed}")
+                else:
+                    folders[key] = work / f"genai-{key}"
     return folders, notes
+
+
+def score_folders(folders: dict[str, Path], shapes: dict[str, DecoderShape], blocks,
+                  reporter: Reporter = SILENT) -> dict[str, dict]:
+    """Held-out perplexity of every folder's graph under onnxruntime, on the same blocks (``shapes``: the decoder
+    shape of each variant's model, by variant name prefix)."""
+    out = {}
+    for key, folder in folders.items():
+        shape = shapes["teacher" if key.startswith("teacher") else "student"]
+        reporter.stage(f"held-out perplexity of {key} ({len(blocks) * blocks.seq_len:,} tokens)")
+        nll, _ = score_blocks(session(folder / "model.onnx"), shape, blocks)
+        out[key] = {"ppl": math.exp(nll), "tokens": len(blocks) * blocks.seq_len}
+    return out
 
 
 def time_genai(folders: dict[str, Path], shapes: list, repeats: int, warmup: int, decode_tokens: int, vocab: int,
@@ -113,3 +139,38 @@ def time_genai(folders: dict[str, Path], shapes: list, repeats: int, warmup: int
     res = run_timing_process("bdlora.bench.genai_worker", spec, "genai", work,
                              lambda line: line.startswith("genai "), reporter, what="genai timing")
     return res["times"]
+
+
+@dataclass
+class Deployment:
+    """What the deployed comparison needs beside the student: its teacher (model and HF folder, exported at every
+    precision and converted by the builder), the held-out blocks every graph's perplexity is measured on, and the
+    calibration blocks of ``--quant gptq``."""
+
+    teacher: nn.Module | None = None
+    teacher_dir: Path | None = None
+    heldout: object | None = None
+    calibration: object | None = None
+
+
+def deployment_for(model_dir: Path, report: dict, tok, model: nn.Module, cfg, reporter: Reporter = SILENT):
+    """The teacher (from the run's or one-shot's provenance; None when it cannot be found here), the held-out
+    blocks and (``--quant gptq``) the calibration blocks of a compressed folder's quality/speed front (``cfg``:
+    the ``BenchConfig``)."""
+    deploy, shape = Deployment(), DecoderShape.of(model.config)
+    settings = data_settings(model_dir, report)
+    if cfg.teacher:
+        spec = settings.get("teacher") or (report.get("provenance") or {}).get("teacher")
+        cache = Path(settings["cache_dir"]).expanduser() if settings.get("cache_dir") else default_cache_dir()
+        folder, why = teacher_folder(spec, cache)
+        if folder is None:
+            reporter.stage(f"no teacher rows: {why}")
+        else:
+            reporter.stage(f"loading the teacher {folder}")
+            deploy.teacher, _, _ = load_model_folder(folder)
+            deploy.teacher_dir = folder
+    if cfg.quality_tokens:
+        deploy.heldout = heldout_for(model_dir, report, tok, shape, cfg.quality_tokens)
+    if cfg.quant == "gptq":
+        deploy.calibration = calibration_blocks(model_dir, report, tok, shape, CALIB_TOKENS)
+    return deploy

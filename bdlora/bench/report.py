@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bdlora.bench.front import markdown as front_markdown
 from bdlora.io import atomic_path
 
 
@@ -39,7 +40,8 @@ def markdown(doc: dict) -> str:
             lines.append(f"| {r['phase']} | {r['batch']}x{r['seq']} | {d8['median_ms'] if d8 else float('nan'):.3f} "
                          f"| {r['median_ms']:.3f} | {r['speedup_vs_dense']:.2f}x | "
                          f"{r.get('speedup_vs_dense_int8', float('nan')):.2f}x |")
-    return "\n".join(lines + genai_markdown(doc, idx) + noise_lines(doc)) + "\n"
+    front = front_markdown(doc.get("front") or [], "teacher")
+    return "\n".join(lines + genai_markdown(doc, idx) + front + noise_lines(doc)) + "\n"
 
 
 def noise_mark(r: dict) -> str:

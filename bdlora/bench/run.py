@@ -30,7 +30,9 @@ import torch.nn as nn
 
 from bdlora import SCHEMA_VERSION, __version__
 from bdlora.bench.config import BenchConfig, provider_name
-from bdlora.bench.genai import export_variants, time_genai
+from bdlora.bench.front import front_points
+from bdlora.bench.front import plot as plot_front
+from bdlora.bench.genai import Deployment, export_variants, score_folders, time_genai
 from bdlora.bench.launch import run_timing_process
 from bdlora.bench.report import markdown, plot
 from bdlora.bench.variants import dense_variant, export_projection_stack, floor_variant, lora_variant
@@ -173,6 +175,8 @@ def add_ratios(results: list[dict], macs: dict) -> None:
     for r in results:
         key = (r["scope"], r["phase"], r["batch"], r["seq"])
         name, precision = _base(r["variant"])
+        if name == "teacher":  # the teacher's exports are compared on the front (bench.front), not by MACs
+            continue
         if r["scope"] in ("model", "genai"):
             ctx = (r["seq"] + 1) / 2 if r["phase"] == "prefill" else r["seq"] + 1
             r["mac_per_token"] = macs["model"]["dense" if name == "builder" else name](ctx)
@@ -206,18 +210,30 @@ def add_ratios(results: list[dict], macs: dict) -> None:
 
 
 def bench_genai(models: dict[str, nn.Module], tokenizer, workdir: Path, cfg: BenchConfig, threads: int,
-                reporter: Reporter = SILENT) -> tuple[list[dict], dict]:
-    folders, notes = export_variants(models, tokenizer, cfg.genai_precisions, workdir, threads, cfg.peers, reporter)
+                reporter: Reporter = SILENT, deploy: Deployment | None = None) -> tuple[list[dict], dict, dict]:
+    """Every variant timed in onnxruntime-genai; with ``deploy`` (the teacher and the held-out slice) the teacher's
+    own exports beside them and every folder's held-out perplexity: (rows, notes, quality by variant)."""
+    deploy = deploy or Deployment()
+    if deploy.teacher is not None:
+        models = {**models, "teacher": deploy.teacher}
+    folders, notes = export_variants(models, tokenizer, cfg.genai_precisions, workdir, threads, cfg.peers, reporter,
+                                     teacher=deploy.teacher_dir, quant=cfg.quant, calibration=deploy.calibration)
     shapes = [[phase, b, s] for b in cfg.batch_sizes for s in cfg.seq_lens for phase in ("prefill", "decode")]
     vocab = DecoderShape.of(next(iter(models.values())).config).vocab_size
     times = time_genai(folders, shapes, cfg.repeats, cfg.warmup, cfg.decode_tokens, vocab, workdir, reporter)
-    return _rows("genai", times), notes
+    quality = {}
+    if deploy.heldout is not None:
+        dims = {"student": DecoderShape.of(models["compressed"].config),
+                "teacher": DecoderShape.of(models.get("teacher", models["compressed"]).config)}
+        quality = score_folders(folders, dims, deploy.heldout, reporter)
+    return _rows("genai", times), notes, quality
 
 
 def run_bench(model: nn.Module, lora_rank: int, cfg: BenchConfig, out: Path, report: dict | None = None,
-              reporter: Reporter = SILENT, tokenizer=None) -> dict:
+              reporter: Reporter = SILENT, tokenizer=None, deploy: Deployment | None = None) -> dict:
     """Bench a compressed model (its three variants) and write bench.json, bench.md and bench.png into ``out``;
-    ``tokenizer`` goes into the genai folders (synthetic mode: a stand-in)."""
+    ``tokenizer`` goes into the genai folders (synthetic mode: a stand-in); ``deploy``: the teacher and the slices
+    of the quality/speed front (genai runtime)."""
 
     cfg.validate(DecoderShape.of(model.config).max_positions)
     threads = cfg.threads or usable_cores()
@@ -232,8 +248,9 @@ def run_bench(model: nn.Module, lora_rank: int, cfg: BenchConfig, out: Path, rep
         if ort_runtime and cfg.scope in ("modules", "both"):
             rows, pool = bench_modules(models, work, cfg, threads, reporter)
             results += rows
+        quality: dict = {}
         if cfg.runtime in ("genai", "both"):
-            rows, notes = bench_genai(models, tokenizer, work, cfg, threads, reporter)
+            rows, notes, quality = bench_genai(models, tokenizer, work, cfg, threads, reporter, deploy)
             results += rows
             pool = pool or f"onnxruntime-genai, {threads} intra-op threads per model (separate timing process)"
         if ort_runtime and cfg.scope in ("model", "both"):
@@ -252,6 +269,10 @@ def run_bench(model: nn.Module, lora_rank: int, cfg: BenchConfig, out: Path, rep
                macs_modules["lora"] / macs_modules["compressed"], "results": results}
         if notes:
             doc["genai_notes"] = notes
+        if quality:
+            doc["quality"] = quality
+            doc["front"] = front_points(results, quality)
+            plot_front(doc["front"], tmp / "bench_front.png")
         if report is not None:
             doc["compression"] = {k: report.get(k) for k in ("speedup_vs_dense", "speedup_vs_lora", "dense_kept",
                                                                "dense_svd", "dense_dropped", "budget")}

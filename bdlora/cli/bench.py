@@ -56,7 +56,7 @@ def bench(
             raise UsageError("--model-config needs --budget F (the structure to bench)")
         config = read_model_config(model_config)
         rank = check_lora_rank(lora_rank or 128, config, defaulted=lora_rank is None)
-        (model, report), tok = synthetic_model(config, budget, layers, rank), None
+        (model, report), tok, deploy = synthetic_model(config, budget, layers, rank), None, None
         dst, inputs = Path(out_dir) if out_dir else Path(runs_dir) / f"bench-synthetic-F{budget}", ()
     else:
         from bdlora.models import load_model_folder
@@ -67,9 +67,14 @@ def bench(
                              "--model-config for synthetic mode)")
         model, tok, report = load_model_folder(src.path)
         rank = check_lora_rank(lora_rank or trained_lora_rank(report), model.config, lora_rank is None)
-        dst, inputs = (Path(out_dir) if out_dir else src.bench_out()), (src.path,)
+        dst, inputs, deploy = (Path(out_dir) if out_dir else src.bench_out()), (src.path,), None
     check_out_dir(dst, force, inputs)
-    doc = run_bench(model, rank, cfg, dst, report, reporter=RichReporter(out), tokenizer=tok)
+    rep = RichReporter(out)
+    if cfg.runtime != "ort" and not model_config:  # the teacher and the slices of the quality/speed front
+        from bdlora.bench.genai import deployment_for
+
+        deploy = deployment_for(src.path, report, tok, model, cfg, rep)
+    doc = run_bench(model, rank, cfg, dst, report, reporter=rep, tokenizer=tok, deploy=deploy)
     if json_path:
         write_json(json_path, doc)
     render.bench(doc)

@@ -11,7 +11,7 @@ from bdlora.cli import render
 from bdlora.cli.app import command, err, export_app, out
 from bdlora.cli.progress import RichReporter
 from bdlora.errors import UsageError
-from bdlora.export.defaults import DEFAULT_OPSET, MAX_GENAI_THREADS, MAX_PPL_CHANGE
+from bdlora.export.defaults import CALIB_TOKENS, DEFAULT_OPSET, MAX_GENAI_THREADS, MAX_PPL_CHANGE
 from bdlora.export.hf import export_hf as run_export
 from bdlora.runs import RUNS_DIR, ModelDir
 
@@ -90,6 +90,12 @@ def export_genai(
     threads: Annotated[Optional[int], typer.Option(help="Intra-op threads written into genai_config.json (default: "
                                                         "this machine's cores; 0 = none, and onnxruntime-genai then "
                                                         f"runs on one thread; at most {MAX_GENAI_THREADS}).")] = None,
+    quant: Annotated[str, typer.Option(help="int8/int4 rounding: rtn (round-to-nearest, symmetric: what the "
+                                            "builder does) or gptq (GPTQ against each MatMul's measured input, "
+                                            "integer zero points: the same fast kernel).")] = "rtn",
+    head_bits: Annotated[int, typer.Option(help="int4: bits of the LM head (8 or 4).")] = 8,
+    calib_tokens: Annotated[int, typer.Option(help="--quant gptq: calibration tokens from the model's training "
+                                                   "corpus.")] = CALIB_TOKENS,
     no_validate: Annotated[bool, typer.Option("--no-validate", help="Skip the checks against PyTorch.")] = False,
     force: Annotated[bool, typer.Option(help="Replace an existing non-empty --out.")] = False,
     runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,
@@ -103,7 +109,7 @@ def export_genai(
     if not max_ppl_change >= 0 or max_ppl_change == float("inf"):
         raise UsageError(f"--max-ppl-change {max_ppl_change}: must be a finite fraction >= 0 (0.1 = 10%)")
     rep = RichReporter(err if json_out else out)
-    suffix = "" if precision == "fp32" else f"-{precision}"
+    suffix = "" if precision == "fp32" else f"-{precision}" + ("-gptq" if quant == "gptq" else "")
     if model_dir is not None and sources.is_named(model_dir):
         src = Path(sources.resolve(model_dir, None, "MODEL_DIR", rep.stage))
         dst = Path(out_dir) if out_dir else Path(Path(model_dir).name.removesuffix(".gguf") + f".genai{suffix}")
@@ -112,7 +118,8 @@ def export_genai(
         dst = Path(out_dir) if out_dir else Path(str(ModelDir(src).genai_out()) + suffix)
     info = export_genai_folder(src, dst, precision=precision, context_length=context_length,
                                run_validation=not no_validate, force=force, max_ppl_change=max_ppl_change,
-                               threads=threads, reporter=rep)
+                               threads=threads, quant=quant, head_bits=head_bits, calib_tokens=calib_tokens,
+                               reporter=rep)
     if json_out:
         print(json.dumps(info, indent=2))
         return

@@ -182,6 +182,25 @@ def bench(doc: dict) -> None:
     for line in noise_lines(doc):
         if line:
             out.print(f"[yellow]{line}[/]")
+    if doc.get("front"):
+        front(doc["front"])
+
+
+def front(points: list[dict]) -> None:
+    """The quality/speed front: every deployed form, fastest first, each on the front or dominated by whom."""
+    ref = next((p for p in points if p["name"] == "teacher"), None)
+    t = Table(title=f"quality/speed front (onnxruntime-genai, decode at batch {points[0]['batch']} after "
+                    f"{points[0]['seq']} tokens)")
+    for col in ("variant", "ms/token", "ppl", "speed vs teacher", "ppl vs teacher", "front"):
+        t.add_column(col, justify="left" if col in ("variant", "front") else "right")
+    for p in points:
+        ppl = p["ppl"]
+        t.add_row(p["name"], f"{p['ms']:.3f}", "-" if ppl is None else f"{ppl:.3f}",
+                  f"{ref['ms'] / p['ms']:.2f}x" if ref else "-",
+                  f"{ppl / ref['ppl'] - 1:+.1%}" if ref and ppl is not None and ref["ppl"] else "-",
+                  "-" if p["front"] is None else "[green]on the front[/]" if p["front"]
+                  else f"dominated by {p['dominated_by']}")
+    out.print(t)
 
 
 def evaluation(doc: dict) -> None:

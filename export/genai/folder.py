@@ -12,11 +12,12 @@ from bdlora import SCHEMA_VERSION
 from bdlora.blocks import PackedBlocks
 from bdlora.data import BUILTIN, Corpus, tokenize_corpus
 from bdlora.errors import UsageError, usable_cores
-from bdlora.export.defaults import MAX_GENAI_THREADS, MAX_PPL_CHANGE
+from bdlora.export.defaults import CALIB_TOKENS, MAX_GENAI_THREADS, MAX_PPL_CHANGE
 from bdlora.export.genai import validate as v
 from bdlora.export.genai.config import genai_config
+from bdlora.export.genai.gptq import input_grams
 from bdlora.export.genai.graph import build_decoder
-from bdlora.export.genai.quantize import PRECISIONS, quantize_nbits
+from bdlora.export.genai.quantize import METHODS, PRECISIONS, quantize_nbits
 from bdlora.export.onnx.metadata import metadata_props, metadata_summary, module_table, set_metadata
 from bdlora.export.onnx.validate import ExportValidationError
 from bdlora.io import atomic_dir, write_json
@@ -47,11 +48,13 @@ def context_length_of(config, context_length: int | None) -> int:
 
 
 def write_genai_files(model, tok, folder: Path, precision: str, ctx: int, report: dict | None = None,
-                      threads: int | None = None, fp32_path: Path | None = None) -> dict:
+                      threads: int | None = None, fp32_path: Path | None = None, quant: str = "rtn",
+                      calibration=None, head_bits: int = 8, reporter: Reporter = SILENT) -> dict:
     """Write the genai files of ``model`` into the existing ``folder``: the graph at ``precision`` as model.onnx
     (+ .data), genai_config.json, config, tokenizer (if given) and compression.json (if ``report``); with
-    ``fp32_path`` a quantised export also writes its fp32 graph there (the quality reference). Returns what was
-    written (nodes, quantisation)."""
+    ``fp32_path`` a quantised export also writes its fp32 graph there (the quality reference). ``quant`` rtn or
+    gptq (then ``calibration``: packed token blocks whose activations give each MatMul's input Gram matrix);
+    ``head_bits``: the LM head's width at int4. Returns what was written (nodes, quantisation)."""
 
     cfg = model.config
     base = (getattr(cfg, "bdlora", None) or {}).get("base_model_type", cfg.model_type)
@@ -68,7 +71,16 @@ def write_genai_files(model, tok, folder: Path, precision: str, ctx: int, report
     if precision != "fp32":
         copy = onnx.ModelProto()
         copy.CopyFrom(proto)  # saving with external data rewrites a proto's tensors in place
-        qproto, info["quantization"] = quantize_nbits(copy, precision)
+        grams = None
+        if quant == "gptq":
+            reporter.stage(f"calibrating: the input of every MatMul over {len(calibration) * calibration.seq_len:,} "
+                           "tokens (fp32 graph)")
+            grams = input_grams(proto, DecoderShape.of(cfg), calibration,
+                                on_block=lambda d, t: reporter.count(1, t, "blocks"))  # count takes increments
+            reporter.stage(f"GPTQ: rounding every MatMul to {precision} against its input")
+        qproto, info["quantization"] = quantize_nbits(copy, precision, quant, grams, head_bits)
+        if grams is not None:
+            info["quantization"]["calibration_tokens"] = len(calibration) * calibration.seq_len
         save_graph(qproto, folder / "model.onnx")
         if fp32_path is not None:
             fp32_path.parent.mkdir(exist_ok=True)
@@ -80,13 +92,19 @@ def write_genai_files(model, tok, folder: Path, precision: str, ctx: int, report
 
 def export_genai_folder(model_dir: str | Path, out: str | Path, precision: str = "fp32",
                         context_length: int | None = None, run_validation: bool = True, force: bool = False,
-                        max_ppl_change: float = MAX_PPL_CHANGE, threads: int | None = None,
-                        reporter: Reporter = SILENT) -> dict:
+                        max_ppl_change: float = MAX_PPL_CHANGE, threads: int | None = None, quant: str = "rtn",
+                        head_bits: int = 8, calib_tokens: int = CALIB_TOKENS, reporter: Reporter = SILENT) -> dict:
     """Export ``model_dir`` (a compressed student or any HF Llama/Mistral/Qwen2 folder) for onnxruntime-genai.
     ``threads``: intra-op threads written into genai_config.json (default: this machine's usable cores; 0 leaves
     them out, and onnxruntime-genai then runs the folder on one thread)."""
     if precision not in PRECISIONS:
         raise UsageError(f"--precision {precision}: unknown (allowed: {', '.join(PRECISIONS)})")
+    if quant not in METHODS:
+        raise UsageError(f"--quant {quant}: unknown (allowed: {', '.join(METHODS)})")
+    if head_bits not in (4, 8):
+        raise UsageError(f"--head-bits {head_bits}: must be 4 or 8")
+    if not isinstance(calib_tokens, int) or calib_tokens < 1:
+        raise UsageError(f"--calib-tokens {calib_tokens}: must be a positive integer")
     if threads is not None and not 0 <= threads <= MAX_GENAI_THREADS:
         raise UsageError(f"--threads {threads}: must be in [0, {MAX_GENAI_THREADS}] (0 = leave the thread count to "
                          "the runtime)")
@@ -104,7 +122,11 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, precision: str =
                        + ("" if precision == "fp32" else f", quantising the projections to {precision} (MatMulNBits)"))
         t0 = time.time()
         fp32 = tmp / "model.onnx" if precision == "fp32" else tmp / "fp32" / "model.onnx"
-        info.update(write_genai_files(model, tok, tmp, precision, ctx, report, threads=threads, fp32_path=fp32))
+        calibration = None
+        if quant == "gptq" and precision != "fp32":
+            calibration = calibration_blocks(model_dir, report, tok, DecoderShape.of(model.config), calib_tokens)
+        info.update(write_genai_files(model, tok, tmp, precision, ctx, report, threads=threads, fp32_path=fp32,
+                                      quant=quant, calibration=calibration, head_bits=head_bits, reporter=reporter))
         info["export_seconds"] = time.time() - t0
         if run_validation:
             info["validation"] = _validate(tmp, model, tok, report, model_dir, precision, max_ppl_change, reporter)
@@ -141,6 +163,36 @@ def _validate(tmp: Path, model, tok, report, model_dir: Path, precision: str, ma
             f"{q['val_ppl_quantized']:.3g}; argmax agreement {q['argmax_agreement']:.1%}), above --max-ppl-change "
             f"{max_ppl_change:g}; export fp32 or int8, or pass a larger --max-ppl-change to accept it")
     return out
+
+
+def data_settings(model_dir: Path, report: dict | None) -> dict:
+    """The corpus settings of the run (or one-shot compression) a model folder came from ({} when unknown)."""
+    provenance = (report or {}).get("provenance", {})
+    run = source_run(model_dir, provenance)
+    return run.config() if run is not None else provenance.get("data_settings") or {}
+
+
+def corpus_blocks(settings: dict, tok, split: str, seq_len: int, tokens: int) -> PackedBlocks:
+    """The first ``tokens`` of ``split`` of the corpus in ``settings`` (the builtin corpus when none), packed."""
+    corpus = Corpus(settings.get("data") or BUILTIN)
+    heldout = settings.get("heldout_fraction") or corpus.default_heldout_fraction
+    cache = Path(settings["cache_dir"]).expanduser() if settings.get("cache_dir") else None
+    data = tokenize_corpus(corpus, tok, heldout, cache)
+    return PackedBlocks(data.tokens(split), seq_len, max_tokens=tokens)
+
+
+def calibration_blocks(model_dir: Path, report: dict | None, tok, shape: DecoderShape, tokens: int):
+    """Calibration tokens for GPTQ: the first ``tokens`` of the *training* split (never the held-out slice the
+    quality is then measured on) of the corpus the model came from (its run's, or its one-shot compression's), else
+    the builtin corpus; blocks of 256 tokens (at most the model's positions)."""
+    return corpus_blocks(data_settings(model_dir, report), tok, "train", min(256, shape.max_positions), tokens)
+
+
+def heldout_for(model_dir: Path, report: dict | None, tok, shape: DecoderShape, tokens: int):
+    """The held-out slice the model's own figures come from (its run's or one-shot compression's corpus, split and
+    block length; the builtin corpus otherwise), ``tokens`` of it."""
+    settings = data_settings(model_dir, report)
+    return corpus_blocks(settings, tok, "val", min(settings.get("seq_len") or 128, shape.max_positions), tokens)
 
 
 def _quality_blocks(run, tok, shape):

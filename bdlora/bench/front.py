@@ -1,0 +1,94 @@
+"""The quality/speed front of ``bdlora bench --runtime genai``: every deployed form (the student and the teacher, at
+every precision, ours and onnxruntime-genai's builder's) as a point (decode ms per token at batch 1, held-out
+perplexity), each marked as on the front or dominated, and by which point.
+
+A point is dominated when another is at least as fast and at least as good, and strictly better in one (SPEC 11):
+a user choosing by speed and quality never picks it. A student that is dominated by the teacher's own quantised
+export is not a result, whatever its speed-up over fp32. Pure Python (matplotlib for the plot).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bdlora.io import atomic_path
+
+
+def dominance(points: list[dict]) -> list[dict]:
+    """``points`` ({"name", "ms", "ppl"}) with "front" (bool) and "dominated_by" (the dominating point with the
+    lowest perplexity, ties broken by speed; None on the front) added. Points without a perplexity are left out of
+    the comparison (front None)."""
+    scored = [p for p in points if p.get("ppl") is not None]
+    out = []
+    for p in points:
+        if p.get("ppl") is None:
+            out.append({**p, "front": None, "dominated_by": None})
+            continue
+        better = [q for q in scored if q is not p and q["ms"] <= p["ms"] and q["ppl"] <= p["ppl"]
+                  and (q["ms"] < p["ms"] or q["ppl"] < p["ppl"])]
+        best = min(better, key=lambda q: (q["ppl"], q["ms"], q["name"])) if better else None
+        out.append({**p, "front": best is None, "dominated_by": best["name"] if best else None})
+    return out
+
+
+def front_points(results: list[dict], quality: dict[str, dict], batch: int = 1, seq: int | None = None) -> list[dict]:
+    """One point per genai variant: its decode ms per token at ``batch`` after a ``seq``-token prompt (default: the
+    shortest timed) and its held-out perplexity (``quality[variant]["ppl"]``, None when not scored)."""
+    rows = [r for r in results if r["scope"] == "genai" and r["phase"] == "decode" and r["batch"] == batch]
+    if not rows:
+        return []
+    seq = seq if seq is not None else min(r["seq"] for r in rows)
+    points = [{"name": r["variant"], "ms": r["median_ms"], "p10_ms": r["p10_ms"], "p90_ms": r["p90_ms"],
+               "ppl": (quality.get(r["variant"]) or {}).get("ppl"), "batch": batch, "seq": seq}
+              for r in rows if r["seq"] == seq]
+    return dominance(sorted(points, key=lambda p: p["ms"]))
+
+
+def markdown(points: list[dict], reference: str | None) -> list[str]:
+    """The front as a table: decode ms/token, perplexity, both relative to ``reference`` (the teacher's fp32), and
+    the dominance mark."""
+    if not points:
+        return []
+    ref = next((p for p in points if p["name"] == reference), None)
+    lines = ["", f"Quality/speed front (onnxruntime-genai, decode at batch {points[0]['batch']} after a "
+                 f"{points[0]['seq']}-token prompt; held-out perplexity of each graph):", "",
+             "| variant | decode ms/token (p10-p90) | held-out ppl | speed vs teacher fp32 | ppl vs teacher fp32 | "
+             "front |", "|---|---|---|---|---|---|"]
+    for p in points:
+        speed = f"{ref['ms'] / p['ms']:.2f}x" if ref else "-"
+        ppl = f"{p['ppl']:.3f}" if p["ppl"] is not None else "-"
+        rel = f"{p['ppl'] / ref['ppl'] - 1:+.1%}" if ref and p["ppl"] is not None and ref["ppl"] else "-"
+        mark = "-" if p["front"] is None else "**on the front**" if p["front"] else f"dominated by {p['dominated_by']}"
+        ms = f"{p['ms']:.3f} ({p['p10_ms']:.3f}-{p['p90_ms']:.3f})"
+        lines.append(f"| {p['name']} | {ms} | {ppl} | {speed} | {rel} | {mark} |")
+    return lines
+
+
+def plot(points: list[dict], path: Path, title: str = "") -> None:
+    """Decode ms/token against perplexity: every point labelled, the front joined, students and teachers apart."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scored = [p for p in points if p.get("ppl") is not None]
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for p in scored:  # squares: the teacher's exports; triangles: the student's dense form by the builder
+        kind = "teacher" if p["name"].startswith("teacher") else "builder" if p["name"].startswith("builder") else ""
+        ax.scatter(p["ms"], p["ppl"], marker={"teacher": "s", "builder": "^"}.get(kind, "o"), s=40,
+                   color={"teacher": "#555555", "builder": "#999999"}.get(kind, "#1f77b4"), zorder=3)
+        ax.annotate(p["name"], (p["ms"], p["ppl"]), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    front = sorted((p for p in scored if p["front"]), key=lambda p: p["ms"])
+    if front:
+        ax.plot([p["ms"] for p in front], [p["ppl"] for p in front], color="#d62728", lw=1, zorder=2,
+                label="front (nothing both faster and better)")
+        ax.legend(fontsize=8)
+    ax.set_xlabel("decode ms per token (batch 1)")
+    ax.set_ylabel("held-out perplexity")
+    ax.set_title(title or "quality/speed front: squares the teacher's exports, circles the student's (triangles: its "
+                          "dense form by the builder)", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
+    plt.close(fig)
