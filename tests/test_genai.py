@@ -264,19 +264,22 @@ def test_bench_puts_the_student_and_its_teachers_exports_on_one_front(tiny_env, 
                                              bos_token_id=tok.bos_token_id)).eval()
     teacher.save_pretrained(tmp_path / "teacher")
     tok.save_pretrained(tmp_path / "teacher")
-    r = CliRunner().invoke(app, ["compress", str(tmp_path / "teacher"), "--one-shot", "--mac-ratio", "1.4", "--data",
-                                 str(tiny_env["corpus"]), "--cache-dir", str(tiny_env["cache"]), "--seq-len", "32",
-                                 "--calib-tokens", "512", "--eval-tokens", "512", "--heldout-fraction", "0.1",
-                                 "--no-eval", "--out", str(tmp_path / "s")])
-    assert r.exit_code == 0, r.output
+    for ratio, name in (("1.4", "s"), ("1.2", "other")):
+        r = CliRunner().invoke(app, ["compress", str(tmp_path / "teacher"), "--one-shot", "--mac-ratio", ratio,
+                                     "--data", str(tiny_env["corpus"]), "--cache-dir", str(tiny_env["cache"]),
+                                     "--seq-len", "32", "--calib-tokens", "512", "--eval-tokens", "512",
+                                     "--heldout-fraction", "0.1", "--no-eval", "--out", str(tmp_path / name)])
+        assert r.exit_code == 0, r.output
     r = CliRunner().invoke(app, ["bench", str(tmp_path / "s"), "--runtime", "genai", "--batch-sizes", "1",
                                  "--seq-lens", "16", "--decode-tokens", "2", "--repeats", "2", "--warmup", "0",
-                                 "--quality-tokens", "512", "--out", str(tmp_path / "b")])
+                                 "--quality-tokens", "512", "--also", str(tmp_path / "other"), "--out",
+                                 str(tmp_path / "b")])
     assert r.exit_code == 0, r.output
     doc = json.loads((tmp_path / "b" / "bench.json").read_text())
     names = {p["name"] for p in doc["front"]}
     assert {"teacher", "teacher-int8", "teacher-int4", "compressed", "compressed-int8", "compressed-int4",
-            "teacher-builder-fp32", "teacher-builder-int4"} <= names, (names, doc.get("genai_notes"))
+            "teacher-builder-fp32", "teacher-builder-int4", "other", "other-int8", "other-int4"} <= names, (
+        names, doc.get("genai_notes"))
     q = doc["quality"]
     assert q["teacher"]["tokens"] == 512 and all(v["ppl"] > 1 for v in q.values())
     # the teacher's fp32 graph (ours and the builder's) compute the same model: the same perplexity
@@ -286,3 +289,31 @@ def test_bench_puts_the_student_and_its_teachers_exports_on_one_front(tiny_env, 
     assert any(p["front"] for p in doc["front"])
     assert (tmp_path / "b" / "bench_front.png").stat().st_size > 10_000
     assert "Quality/speed front" in (tmp_path / "b" / "bench.md").read_text() and "quality/speed front" in r.output
+
+
+def test_export_genai_gptq_is_calibrated_on_the_training_split_and_runs_in_the_same_kernel(mixed_folder, tmp_path):
+    """--quant gptq through the CLI: every MatMul a MatMulNBits with integer zero points and accuracy level 4 (the
+    round-to-nearest kernel), validated against the fp32 graph; --int8-share moves some to 8 bits; bad values refused
+    in one line before anything is written."""
+    folder, _ = mixed_folder
+    r = CliRunner().invoke(app, ["export", "genai", str(folder), "--precision", "int4", "--quant", "gptq",
+                                 "--calib-tokens", "1024", "--int8-share", "0.3", "--max-ppl-change", "1",
+                                 "--out", str(tmp_path / "g"), "--json"])
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    q = info["quantization"]
+    assert q["method"] == "gptq" and q["calibration_tokens"] == 1024 and q["matmuls_fp32"] == 0
+    assert q["int8_matmuls"] and q["lm_head_bits"] == 8
+    assert info["validation"]["quality"]["ppl_change"] < 1
+    graph = onnx.load(str(tmp_path / "g" / "model.onnx"), load_external_data=False).graph
+    nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    assert nbits and all({a.name: a.i for a in n.attribute}["accuracy_level"] == 4 for n in nbits)
+    zero_points = {i.name: i for i in graph.initializer}
+    assert all(zero_points[n.input[3]].data_type == onnx.TensorProto.UINT8 for n in nbits)  # the fast kernel's
+    for args, needle in ((["--quant", "hqq"], "--quant hqq: unknown (allowed: rtn, gptq)"),
+                         (["--int8-share", "0.5"], "--int8-share 0.5: must be in [0, 1], and is chosen by --quant"),
+                         (["--head-bits", "2"], "--head-bits 2: must be 4 or 8")):
+        r = CliRunner().invoke(app, ["export", "genai", str(folder), "--precision", "int4", *args, "--out",
+                                     str(tmp_path / "x")])
+        assert r.exit_code == 2 and needle in r.stderr, (args, r.output)
+        assert not (tmp_path / "x").exists()

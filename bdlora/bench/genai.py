@@ -15,7 +15,7 @@ import json
 import math
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch.nn as nn
@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from bdlora.bench.launch import run_timing_process
 from bdlora.data import default_cache_dir
 from bdlora.deployed.modeling_bdlora import FAMILIES
-from bdlora.errors import BdloraError
+from bdlora.errors import BdloraError, UsageError
 from bdlora.export.defaults import CALIB_TOKENS
 from bdlora.export.genai.folder import calibration_blocks, data_settings, heldout_for, write_genai_files
 from bdlora.models import load_model_folder
@@ -93,13 +93,14 @@ def export_variants(models: dict[str, nn.Module], tok, precisions: list[str], wo
     tok = tok if tok is not None else _stand_in_tokenizer()
     for name, m in models.items():
         ctx = int(min(getattr(m.config, "max_position_embeddings", 4096) or 4096, 4096))
+        grams: dict = {}  # gptq: one calibration per model, whatever the precisions
         for p in precisions:
             key = name if p == "fp32" else f"{name}-{p}"
             reporter.stage(f"exporting the {key} genai folder")
             folders[key] = work / f"genai-{key}"
             folders[key].mkdir()
             write_genai_files(m, tok, folders[key], p, ctx, threads=threads, quant=quant, calibration=calibration,
-                              reporter=reporter)
+                              grams=grams, reporter=reporter)
     notes: dict = {}
     if peers:
         hf = work / "hf-dense"
@@ -121,10 +122,10 @@ def export_variants(models: dict[str, nn.Module], tok, precisions: list[str], wo
 def score_folders(folders: dict[str, Path], shapes: dict[str, DecoderShape], blocks,
                   reporter: Reporter = SILENT) -> dict[str, dict]:
     """Held-out perplexity of every folder's graph under onnxruntime, on the same blocks (``shapes``: the decoder
-    shape of each variant's model, by variant name prefix)."""
+    shape of each folder's model, by folder key)."""
     out = {}
     for key, folder in folders.items():
-        shape = shapes["teacher" if key.startswith("teacher") else "student"]
+        shape = shapes[key]
         reporter.stage(f"held-out perplexity of {key} ({len(blocks) * blocks.seq_len:,} tokens)")
         nll, _ = score_blocks(session(folder / "model.onnx"), shape, blocks)
         out[key] = {"ppl": math.exp(nll), "tokens": len(blocks) * blocks.seq_len}
@@ -151,9 +152,11 @@ class Deployment:
     teacher_dir: Path | None = None
     heldout: object | None = None
     calibration: object | None = None
+    others: dict[str, nn.Module] = field(default_factory=dict)  # more students on the same front (bench --also)
 
 
-def deployment_for(model_dir: Path, report: dict, tok, model: nn.Module, cfg, reporter: Reporter = SILENT):
+def deployment_for(model_dir: Path, report: dict, tok, model: nn.Module, cfg, reporter: Reporter = SILENT,
+                   also: list[str] = ()):
     """The teacher (from the run's or one-shot's provenance; None when it cannot be found here), the held-out
     blocks and (``--quant gptq``) the calibration blocks of a compressed folder's quality/speed front (``cfg``:
     the ``BenchConfig``)."""
@@ -169,6 +172,12 @@ def deployment_for(model_dir: Path, report: dict, tok, model: nn.Module, cfg, re
             reporter.stage(f"loading the teacher {folder}")
             deploy.teacher, _, _ = load_model_folder(folder)
             deploy.teacher_dir = folder
+    for other in also:
+        name = Path(other).name.removesuffix(".compressed")
+        reporter.stage(f"loading {other} (as {name})")
+        deploy.others[name], other_tok, _ = load_model_folder(other)
+        if other_tok.get_vocab() != tok.get_vocab():
+            raise UsageError(f"--also {other}: its tokenizer is not {model_dir}'s (the front compares one slice)")
     if cfg.quality_tokens:
         deploy.heldout = heldout_for(model_dir, report, tok, shape, cfg.quality_tokens)
     if cfg.quant == "gptq":

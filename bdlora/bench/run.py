@@ -175,8 +175,8 @@ def add_ratios(results: list[dict], macs: dict) -> None:
     for r in results:
         key = (r["scope"], r["phase"], r["batch"], r["seq"])
         name, precision = _base(r["variant"])
-        if name == "teacher":  # the teacher's exports are compared on the front (bench.front), not by MACs
-            continue
+        if name not in macs["modules"] and name != "builder":  # the teacher's exports and other students (--also)
+            continue  # are compared on the front (bench.front), not by MACs
         if r["scope"] in ("model", "genai"):
             ctx = (r["seq"] + 1) / 2 if r["phase"] == "prefill" else r["seq"] + 1
             r["mac_per_token"] = macs["model"]["dense" if name == "builder" else name](ctx)
@@ -214,8 +214,7 @@ def bench_genai(models: dict[str, nn.Module], tokenizer, workdir: Path, cfg: Ben
     """Every variant timed in onnxruntime-genai; with ``deploy`` (the teacher and the held-out slice) the teacher's
     own exports beside them and every folder's held-out perplexity: (rows, notes, quality by variant)."""
     deploy = deploy or Deployment()
-    if deploy.teacher is not None:
-        models = {**models, "teacher": deploy.teacher}
+    models = {**models, **deploy.others, **({"teacher": deploy.teacher} if deploy.teacher is not None else {})}
     folders, notes = export_variants(models, tokenizer, cfg.genai_precisions, workdir, threads, cfg.peers, reporter,
                                      teacher=deploy.teacher_dir, quant=cfg.quant, calibration=deploy.calibration)
     shapes = [[phase, b, s] for b in cfg.batch_sizes for s in cfg.seq_lens for phase in ("prefill", "decode")]
@@ -223,8 +222,9 @@ def bench_genai(models: dict[str, nn.Module], tokenizer, workdir: Path, cfg: Ben
     times = time_genai(folders, shapes, cfg.repeats, cfg.warmup, cfg.decode_tokens, vocab, workdir, reporter)
     quality = {}
     if deploy.heldout is not None:
-        dims = {"student": DecoderShape.of(models["compressed"].config),
-                "teacher": DecoderShape.of(models.get("teacher", models["compressed"]).config)}
+        owner = {(n if p == "fp32" else f"{n}-{p}"): n for n in models for p in cfg.genai_precisions}
+        owner.update({k: "teacher" if k.startswith("teacher-builder") else "dense" for k in folders if k not in owner})
+        dims = {k: DecoderShape.of(models[owner[k]].config) for k in folders}
         quality = score_folders(folders, dims, deploy.heldout, reporter)
     return _rows("genai", times), notes, quality
 

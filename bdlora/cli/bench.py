@@ -29,6 +29,9 @@ def bench(
     layers: Annotated[Optional[int], typer.Option(help="Synthetic mode: student layers.")] = None,
     lora_rank: Annotated[Optional[int], typer.Option(help="LoRA rank of the lora variant (default: the trained "
                                                            "rank; synthetic: 128).")] = None,
+    also: Annotated[Optional[list[str]], typer.Option(
+        "--also", help="genai runtime: another compressed folder (of the same teacher) whose compressed form joins "
+                       "the same run and front at every precision. Repeatable.")] = None,
     json_path: Annotated[Optional[str], typer.Option("--json", help="Also write the JSON report here.")] = None,
     out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: MODEL_DIR.bench).")]
     = None,
@@ -59,13 +62,7 @@ def bench(
         (model, report), tok, deploy = synthetic_model(config, budget, layers, rank), None, None
         dst, inputs = Path(out_dir) if out_dir else Path(runs_dir) / f"bench-synthetic-F{budget}", ()
     else:
-        from bdlora.models import load_model_folder
-
-        src = ModelDir(model_dir) if model_dir else ModelDir.latest(runs_dir)
-        if not src.finished():
-            raise ModelError(f"{src.path}: no compression.json; bench needs a `bdlora compress` output (or use "
-                             "--model-config for synthetic mode)")
-        model, tok, report = load_model_folder(src.path)
+        src, model, tok, report = _compressed(model_dir, runs_dir)
         rank = check_lora_rank(lora_rank or trained_lora_rank(report), model.config, lora_rank is None)
         dst, inputs, deploy = (Path(out_dir) if out_dir else src.bench_out()), (src.path,), None
     check_out_dir(dst, force, inputs)
@@ -73,12 +70,23 @@ def bench(
     if cfg.runtime != "ort" and not model_config:  # the teacher and the slices of the quality/speed front
         from bdlora.bench.genai import deployment_for
 
-        deploy = deployment_for(src.path, report, tok, model, cfg, rep)
+        deploy = deployment_for(src.path, report, tok, model, cfg, rep, also or [])
     doc = run_bench(model, rank, cfg, dst, report, reporter=rep, tokenizer=tok, deploy=deploy)
     if json_path:
         write_json(json_path, doc)
     render.bench(doc)
     out.print(f"[green]wrote[/] {dst / BenchDir.MARKER}, bench.md, bench.png")
+
+
+def _compressed(model_dir: str | None, runs_dir: str):
+    """(folder, model, tokenizer, compression report) of the compressed folder to bench."""
+    from bdlora.models import load_model_folder
+
+    src = ModelDir(model_dir) if model_dir else ModelDir.latest(runs_dir)
+    if not src.finished():
+        raise ModelError(f"{src.path}: no compression.json; bench needs a `bdlora compress` output (or use "
+                         "--model-config for synthetic mode)")
+    return (src, *load_model_folder(src.path))
 
 
 def _check_own_options(model_config, budget, layers, lora_rank) -> None:

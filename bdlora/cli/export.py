@@ -94,6 +94,8 @@ def export_genai(
                                             "builder does) or gptq (GPTQ against each MatMul's measured input, "
                                             "integer zero points: the same fast kernel).")] = "rtn",
     head_bits: Annotated[int, typer.Option(help="int4: bits of the LM head (8 or 4).")] = 8,
+    int8_share: Annotated[float, typer.Option(help="int4 with --quant gptq: share of the projection weights kept at "
+                                                   "8 bits, those whose rounding hurts most.")] = 0.0,
     calib_tokens: Annotated[int, typer.Option(help="--quant gptq: calibration tokens from the model's training "
                                                    "corpus.")] = CALIB_TOKENS,
     no_validate: Annotated[bool, typer.Option("--no-validate", help="Skip the checks against PyTorch.")] = False,
@@ -119,7 +121,7 @@ def export_genai(
     info = export_genai_folder(src, dst, precision=precision, context_length=context_length,
                                run_validation=not no_validate, force=force, max_ppl_change=max_ppl_change,
                                threads=threads, quant=quant, head_bits=head_bits, calib_tokens=calib_tokens,
-                               reporter=rep)
+                               int8_share=int8_share, reporter=rep)
     if json_out:
         print(json.dumps(info, indent=2))
         return

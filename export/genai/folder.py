@@ -49,12 +49,15 @@ def context_length_of(config, context_length: int | None) -> int:
 
 def write_genai_files(model, tok, folder: Path, precision: str, ctx: int, report: dict | None = None,
                       threads: int | None = None, fp32_path: Path | None = None, quant: str = "rtn",
-                      calibration=None, head_bits: int = 8, reporter: Reporter = SILENT) -> dict:
+                      calibration=None, head_bits: int = 8, int8_share: float = 0.0, grams: dict | None = None,
+                      reporter: Reporter = SILENT) -> dict:
     """Write the genai files of ``model`` into the existing ``folder``: the graph at ``precision`` as model.onnx
     (+ .data), genai_config.json, config, tokenizer (if given) and compression.json (if ``report``); with
     ``fp32_path`` a quantised export also writes its fp32 graph there (the quality reference). ``quant`` rtn or
     gptq (then ``calibration``: packed token blocks whose activations give each MatMul's input Gram matrix);
-    ``head_bits``: the LM head's width at int4. Returns what was written (nodes, quantisation)."""
+    ``head_bits``: the LM head's width at int4; ``int8_share`` (gptq): the share of int4 weights kept at 8 bits where
+    rounding hurts most; ``grams``: input Gram matrices measured before (one model exported at several precisions
+    is calibrated once), filled in when empty. Returns what was written (nodes, quantisation)."""
 
     cfg = model.config
     base = (getattr(cfg, "bdlora", None) or {}).get("base_model_type", cfg.model_type)
@@ -71,15 +74,16 @@ def write_genai_files(model, tok, folder: Path, precision: str, ctx: int, report
     if precision != "fp32":
         copy = onnx.ModelProto()
         copy.CopyFrom(proto)  # saving with external data rewrites a proto's tensors in place
-        grams = None
-        if quant == "gptq":
+        grams = {} if grams is None else grams
+        if quant == "gptq" and not grams:
             reporter.stage(f"calibrating: the input of every MatMul over {len(calibration) * calibration.seq_len:,} "
                            "tokens (fp32 graph)")
-            grams = input_grams(proto, DecoderShape.of(cfg), calibration,
-                                on_block=lambda d, t: reporter.count(1, t, "blocks"))  # count takes increments
+            grams.update(input_grams(proto, DecoderShape.of(cfg), calibration,
+                                     on_block=lambda d, t: reporter.count(1, t, "blocks")))  # count: increments
+        if quant == "gptq":
             reporter.stage(f"GPTQ: rounding every MatMul to {precision} against its input")
-        qproto, info["quantization"] = quantize_nbits(copy, precision, quant, grams, head_bits)
-        if grams is not None:
+        qproto, info["quantization"] = quantize_nbits(copy, precision, quant, grams, head_bits, int8_share)
+        if quant == "gptq":
             info["quantization"]["calibration_tokens"] = len(calibration) * calibration.seq_len
         save_graph(qproto, folder / "model.onnx")
         if fp32_path is not None:
@@ -93,7 +97,8 @@ def write_genai_files(model, tok, folder: Path, precision: str, ctx: int, report
 def export_genai_folder(model_dir: str | Path, out: str | Path, precision: str = "fp32",
                         context_length: int | None = None, run_validation: bool = True, force: bool = False,
                         max_ppl_change: float = MAX_PPL_CHANGE, threads: int | None = None, quant: str = "rtn",
-                        head_bits: int = 8, calib_tokens: int = CALIB_TOKENS, reporter: Reporter = SILENT) -> dict:
+                        head_bits: int = 8, calib_tokens: int = CALIB_TOKENS, int8_share: float = 0.0,
+                        reporter: Reporter = SILENT) -> dict:
     """Export ``model_dir`` (a compressed student or any HF Llama/Mistral/Qwen2 folder) for onnxruntime-genai.
     ``threads``: intra-op threads written into genai_config.json (default: this machine's usable cores; 0 leaves
     them out, and onnxruntime-genai then runs the folder on one thread)."""
@@ -105,6 +110,9 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, precision: str =
         raise UsageError(f"--head-bits {head_bits}: must be 4 or 8")
     if not isinstance(calib_tokens, int) or calib_tokens < 1:
         raise UsageError(f"--calib-tokens {calib_tokens}: must be a positive integer")
+    if not 0.0 <= int8_share <= 1.0 or (int8_share and quant != "gptq"):
+        raise UsageError(f"--int8-share {int8_share}: must be in [0, 1], and is chosen by --quant gptq's measured "
+                         "errors (give --quant gptq)")
     if threads is not None and not 0 <= threads <= MAX_GENAI_THREADS:
         raise UsageError(f"--threads {threads}: must be in [0, {MAX_GENAI_THREADS}] (0 = leave the thread count to "
                          "the runtime)")
@@ -126,7 +134,8 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, precision: str =
         if quant == "gptq" and precision != "fp32":
             calibration = calibration_blocks(model_dir, report, tok, DecoderShape.of(model.config), calib_tokens)
         info.update(write_genai_files(model, tok, tmp, precision, ctx, report, threads=threads, fp32_path=fp32,
-                                      quant=quant, calibration=calibration, head_bits=head_bits, reporter=reporter))
+                                      quant=quant, calibration=calibration, head_bits=head_bits,
+                                      int8_share=int8_share, reporter=reporter))
         info["export_seconds"] = time.time() - t0
         if run_validation:
             info["validation"] = _validate(tmp, model, tok, report, model_dir, precision, max_ppl_change, reporter)

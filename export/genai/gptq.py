@@ -196,32 +196,33 @@ def input_grams(proto: onnx.ModelProto, shape: DecoderShape, blocks, threads: in
 
 
 def quantize_graph(proto: onnx.ModelProto, grams: dict[str, torch.Tensor], bits_of, method: str = "gptq",
-                   on_matmul=None) -> tuple[onnx.ModelProto, dict]:
+                   int8_share: float = 0.0, on_matmul=None) -> tuple[onnx.ModelProto, dict]:
     """``proto`` with every weight MatMul whose ``bits_of(node name)`` is 4 or 8 replaced by MatMulNBits at that
-    width (``None`` keeps it fp32), rounded by ``method`` ("gptq" or "rtn" on the same grid). Returns the new proto
-    and, per MatMul, the output error of its rounding on the calibration inputs relative to the output's energy."""
+    width (``None`` keeps it fp32), rounded by ``method`` ("gptq" or "rtn" on the same grid). ``int8_share``: of the
+    4-bit MatMuls, those whose rounding hurts most (relative output error per weight on the calibration inputs) go to
+    8 bits until they hold this share of the 4-bit weights. Returns the new proto and, per MatMul, its bits and the
+    output error of its rounding relative to the output's energy."""
     out = onnx.ModelProto()
     out.CopyFrom(proto)
     g = out.graph
-    weights = {t.name: t for t in g.initializer}
     errors, replaced, drop = {}, {}, set()
     todo = [(n, w) for n, w in weight_matmuls(out) if bits_of(n.name) in (4, 8)]
+    bits = {n.name: bits_of(n.name) for n, _ in todo}
     for i, (node, w_init) in enumerate(todo):
-        bits = bits_of(node.name)
-        b = torch.from_numpy(numpy_helper.to_array(w_init).astype(np.float64))  # (K, N): y = x @ B
-        w = b.T.contiguous()
-        h = grams[node.input[0]]
-        codes, scales, zeros = gptq(w, h, bits) if method == "gptq" else rtn(w, bits)
-        w_hat = dequantize(codes, scales, zeros)
-        energy = float(torch.einsum("nk,kl,nl->", w, h, w))
-        errors[node.name] = output_error(w, w_hat, h) / max(energy, 1e-30)
-        k, n = b.shape
-        new, inits = nbits_node(node.name + f"_Q{bits}", node.input[0], node.output[0],
-                                *pack(codes, scales, zeros, bits), k=k, n=n, bits=bits)
-        replaced[node.name] = (new, inits)
+        replaced[node.name], errors[node.name] = _round_matmul(node, w_init, grams, bits[node.name], method)
         drop.add(w_init.name)
         if on_matmul:
             on_matmul(i + 1, len(todo))
+    size = {n.name: int(np.prod(w.dims)) for n, w in todo}
+    fours = [n for n, _ in todo if bits[n.name] == 4]
+    budget = int8_share * sum(size[n.name] for n in fours)
+    for node in sorted(fours, key=lambda n: -errors[n.name] / size[n.name]):  # the most hurt per weight first
+        if size[node.name] > budget:
+            continue
+        budget -= size[node.name]
+        bits[node.name] = 8
+        w_init = next(w for n, w in todo if n is node)
+        replaced[node.name], errors[node.name] = _round_matmul(node, w_init, grams, 8, method)
     nodes = []
     for node in g.node:
         if node.name in replaced:
@@ -238,5 +239,18 @@ def quantize_graph(proto: onnx.ModelProto, grams: dict[str, torch.Tensor], bits_
     g.initializer.extend(keep)
     if not any(o.domain == "com.microsoft" for o in out.opset_import):
         out.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    del weights
-    return out, {"method": method, "relative_output_error": errors}
+    return out, {"method": method, "relative_output_error": errors, "bits": bits}
+
+
+def _round_matmul(node, w_init, grams, bits: int, method: str):
+    """(the MatMulNBits node and its initializers, relative output error) of one MatMul at ``bits``."""
+    b = torch.from_numpy(numpy_helper.to_array(w_init).astype(np.float64))  # (K, N): y = x @ B
+    w = b.T.contiguous()
+    h = grams[node.input[0]]
+    codes, scales, zeros = gptq(w, h, bits) if method == "gptq" else rtn(w, bits)
+    energy = float(torch.einsum("nk,kl,nl->", w, h, w))
+    error = output_error(w, dequantize(codes, scales, zeros), h) / max(energy, 1e-30)
+    k, n = b.shape
+    new = nbits_node(node.name + f"_Q{bits}", node.input[0], node.output[0], *pack(codes, scales, zeros, bits), k=k,
+                     n=n, bits=bits)
+    return new, error

@@ -26,7 +26,8 @@ METHODS = ("rtn", "gptq")
 BITS = {"int8": 8, "int4": 4}
 
 
-def quantize_nbits(model, precision: str, method: str = "rtn", grams: dict | None = None, head_bits: int = 8):
+def quantize_nbits(model, precision: str, method: str = "rtn", grams: dict | None = None, head_bits: int = 8,
+                   int8_share: float = 0.0):
     """``model`` (an in-memory ``ModelProto``, weights inside) with its MatMuls as MatMulNBits; returns the new
     proto and a description of what was quantised. ``grams``: the input Gram matrix of every MatMul (``method``
     gptq; ``gptq.input_grams``)."""
@@ -34,9 +35,11 @@ def quantize_nbits(model, precision: str, method: str = "rtn", grams: dict | Non
         raise ValueError(f"precision {precision!r}: allowed {', '.join(PRECISIONS)}")
     head = 8 if precision == "int8" else head_bits
     if method == "gptq":
-        out, detail = quantize_graph(model, grams, lambda name: head if name == LM_HEAD else BITS[precision])
-        return out, {**_describe(out, BLOCK_SIZE), "method": "gptq", "symmetric": False,
-                     "relative_output_error": detail["relative_output_error"]}
+        out, detail = quantize_graph(model, grams, lambda name: head if name == LM_HEAD else BITS[precision],
+                                     int8_share=int8_share if precision == "int4" else 0.0)
+        eight = [n for n, b in detail["bits"].items() if b == 8 and n != LM_HEAD]
+        return out, {**_describe(out, BLOCK_SIZE), "method": "gptq", "symmetric": False, "int8_share": int8_share,
+                     "int8_matmuls": eight, "relative_output_error": detail["relative_output_error"]}
 
     def run(proto, bits: int, include=None, exclude=None):
         q = MatMulNBitsQuantizer(proto, bits=bits, block_size=BLOCK_SIZE, is_symmetric=True,
