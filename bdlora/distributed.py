@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +65,19 @@ def init(env: DistEnv, device_name: str) -> torch.device | None:
     return torch.device("cpu")
 
 
-def shutdown(env: DistEnv) -> None:
+def shutdown(env: DistEnv, run=None) -> None:
+    """Leave the process group, dropping ``run.ddp`` (the DDP wrapper) first.
+
+    The order matters: a DDP ``Reducer`` holds the gloo group, and when the Reducer is its last owner the group is
+    destroyed inside the Reducer's destructor with the GIL held; the group's destructor joins its worker thread,
+    which may still be freeing the last collective's work item, and that needs the GIL: a deadlock at exit (seen in
+    1 run of 4 with two CPU-bound processes beside it). Freed here first, the Reducer leaves the group to its Python
+    handle, whose destructor releases the GIL while it joins."""
+    if run is not None and getattr(run, "ddp", None) is not None:
+        ddp = weakref.ref(run.ddp)
+        run.ddp = None
+        if ddp() is not None:  # held by a reference cycle
+            gc.collect()
     if env.enabled and dist.is_initialized():
         dist.destroy_process_group()
 

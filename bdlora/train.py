@@ -129,6 +129,7 @@ def train(cfg: TrainConfig, reporter: Reporter | None = None, resume: str | Path
                              f"launch has {env.world_size}; resume with the same number so the global batch and "
                              "data order stay the same")
     dist_device = D.init(env, cfg.device)
+    run = None
     try:
         run = setup(cfg, rep, run_dir, env, dist_device)
         try:
@@ -142,7 +143,7 @@ def train(cfg: TrainConfig, reporter: Reporter | None = None, resume: str | Path
                 run.run.settle_failure(e, run.step)
             raise
     finally:
-        D.shutdown(env)
+        D.shutdown(env, run)
 
 
 def setup(cfg: TrainConfig, rep: Reporter, resume: RunDir | None, env: D.DistEnv, dist_device) -> Run:

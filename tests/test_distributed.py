@@ -29,7 +29,7 @@ def student_tensors(run: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def cli(*args, timeout=600) -> subprocess.CompletedProcess:
+def cli(*args, timeout=300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run([sys.executable, "-m", "bdlora.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
