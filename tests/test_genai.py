@@ -317,3 +317,35 @@ def test_export_genai_gptq_is_calibrated_on_the_training_split_and_runs_in_the_s
                                      str(tmp_path / "x")])
         assert r.exit_code == 2 and needle in r.stderr, (args, r.output)
         assert not (tmp_path / "x").exists()
+
+
+def test_builder_rows_are_left_out_when_the_builder_would_take_an_mlp_for_the_lm_head(tmp_path):
+    """onnxruntime-genai's builder takes every Linear with vocab_size outputs for the LM head. For a model whose MLP
+    is as wide as its vocabulary (the builtin teacher: 1024 and 1024) its graph runs but computes something else;
+    bench leaves those rows out with the reason. The builder is run once here too: the day it gets this right, this
+    test says so and the guard can go."""
+    import subprocess
+    import sys
+
+    from transformers import MistralForCausalLM
+
+    from bdlora.bench.genai import _stand_in_tokenizer, builder_misreads, run_builder
+    from conftest import tiny_config
+
+    cfg = tiny_config(128, layers=1, hidden=64, intermediate_size=128)
+    assert "intermediate_size is also 128" in builder_misreads(cfg)
+    assert builder_misreads(tiny_config(128, layers=1, hidden=64, intermediate_size=192)) is None
+    assert "query width is also 256" in builder_misreads(tiny_config(256, layers=1, hidden=64, head_dim=64))
+    torch.manual_seed(0)
+    model = MistralForCausalLM(cfg).eval()
+    model.save_pretrained(tmp_path / "hf")
+    _stand_in_tokenizer().save_pretrained(tmp_path / "hf")
+    note = run_builder(tmp_path / "hf", tmp_path / "skipped", "fp32", 1, tmp_path / "cache")
+    assert note == builder_misreads(cfg) and not (tmp_path / "skipped").exists()
+    # the builder itself, on the same folder (run_builder would have refused): the logits come from layer 0's MLP
+    subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(tmp_path / "hf"), "-o",
+                    str(tmp_path / "out"), "-p", "fp32", "-e", "cpu", "-c", str(tmp_path / "cache")],
+                   check=True, capture_output=True)
+    graph = onnx.load(str(tmp_path / "out" / "model.onnx"), load_external_data=False).graph
+    head = next(n for n in graph.node if "logits" in n.output)
+    assert head.input[0].startswith("/model/layers.0/"), head.input

@@ -49,8 +49,10 @@ class BenchConfig:
     teacher: bool = True
     """genai runtime: also export and time the model's teacher at every precision, and put every folder on the
     quality/speed front with its held-out perplexity."""
-    quality_tokens: int = 8192
-    """genai runtime: held-out tokens each folder's perplexity is measured on (0: no perplexity, no front)."""
+    quality_tokens: int | None = None
+    """genai runtime: held-out tokens each folder's perplexity is measured on (default: as many as the model's run
+    reported its perplexity on, at most 32768, so the front's figures are the run's; 8192 when it has no run; 0: no perplexity, no
+    front)."""
     quant: str = "rtn"
     """genai runtime: how int8/int4 weights are rounded, for the student and the teacher alike (rtn, gptq)."""
 

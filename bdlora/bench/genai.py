@@ -48,6 +48,10 @@ def _stand_in_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
 
 
+DEFAULT_QUALITY_TOKENS = 8192  # held-out tokens of the front's perplexities when the model has no run to copy
+MAX_QUALITY_TOKENS = 32768  # ... and at most, by default: every folder is scored (a real teacher's run has 1M)
+
+
 def save_base_folder(dense: nn.Module, tok, folder: Path) -> None:
     """``dense`` (a bdlora model whose projections are all dense) as a plain HF folder of its base family."""
 
@@ -67,8 +71,31 @@ def save_base_folder(dense: nn.Module, tok, folder: Path) -> None:
     tok.save_pretrained(folder)
 
 
+def builder_misreads(config) -> str | None:
+    """Why onnxruntime-genai's builder would write a wrong graph for a model of this config, or None.
+
+    The builder (0.18) takes every ``nn.Linear`` with ``vocab_size`` outputs for the LM head, so when the MLP is as
+    wide as the vocabulary it wires the logits to layer 0's MLP input: its graph loads and runs, and scores
+    perplexity ~650 where the model has ~95 (the builtin teacher: SwiGLU 1024, vocabulary 1024). Its rows would
+    be a wrong graph, timed; bench leaves them out and says why."""
+    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    heads, hidden = get("num_attention_heads") or 1, get("hidden_size")
+    head_dim = get("head_dim") or (hidden or 0) // heads
+    outs = {"intermediate_size": get("intermediate_size"), "hidden_size": hidden, "query width": heads * head_dim,
+            "key/value width": (get("num_key_value_heads") or heads) * head_dim}
+    vocab = get("vocab_size")
+    same = [k for k, v in outs.items() if v == vocab]
+    if same:
+        return (f"onnxruntime-genai's builder takes every Linear with vocab_size ({vocab}) outputs for the LM head, "
+                f"and this model's {same[0]} is also {vocab}: its graph would be wrong, so it is not timed")
+    return None
+
+
 def run_builder(hf_folder: Path, out: Path, precision: str, threads: int, cache: Path) -> str | None:
     """Convert ``hf_folder`` with onnxruntime-genai's builder; None on success, else the reason it could not."""
+    misread = builder_misreads(json.loads((hf_folder / "config.json").read_text()))
+    if misread:
+        return misread
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_folder), "-o", str(out), "-p",
            BUILDER_PRECISIONS[precision], "-e", "cpu", "-c", str(cache)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -178,8 +205,11 @@ def deployment_for(model_dir: Path, report: dict, tok, model: nn.Module, cfg, re
         deploy.others[name], other_tok, _ = load_model_folder(other)
         if other_tok.get_vocab() != tok.get_vocab():
             raise UsageError(f"--also {other}: its tokenizer is not {model_dir}'s (the front compares one slice)")
-    if cfg.quality_tokens:
-        deploy.heldout = heldout_for(model_dir, report, tok, shape, cfg.quality_tokens)
+    tokens = cfg.quality_tokens
+    if tokens is None:  # the run's own held-out figures (train's and eval's), not a slice of them
+        tokens = min(data_settings(model_dir, report).get("eval_tokens") or DEFAULT_QUALITY_TOKENS, MAX_QUALITY_TOKENS)
+    if tokens:
+        deploy.heldout = heldout_for(model_dir, report, tok, shape, tokens)
     if cfg.quant == "gptq":
         deploy.calibration = calibration_blocks(model_dir, report, tok, shape, CALIB_TOKENS)
     return deploy
