@@ -298,6 +298,13 @@ class OneShotConfig:
     """Tokens per calibration and evaluation block (default 128)."""
     eval_tokens: int = 8192
     """Held-out tokens scored for the source's and the compressed model's perplexity (default 8192)."""
+    precision: str | None = None
+    """Allocate by measured decode time at this precision (fp32, int8, int4: the genai exporter's nodes timed in
+    onnxruntime on this machine, cached) instead of by MACs; --mac-ratio is then the projections' decode-time
+    speed-up, and a low-rank pair that is no faster than its dense product at that precision is never chosen."""
+    threads: int | None = None
+    """--precision: the thread count the decode times are measured at (default: this machine's cores, what
+    export genai writes)."""
 
     def validate(self) -> OneShotConfig:
         c = Checks()
@@ -308,6 +315,9 @@ class OneShotConfig:
             c.integer(name, getattr(self, name), lo=1)
         c.integer("seq_len", self.seq_len, lo=2, what=" (a block needs a token and its successor)")
         c.number("heldout_fraction", self.heldout_fraction, 0.0, 1.0, lo_open=True, hi_open=True)
+        if self.precision is not None:
+            c.choice("precision", self.precision, ("fp32", "int8", "int4"))
+        c.integer("threads", self.threads, lo=1, hi=512)
         c.text("data", self.data)
         c.done()
         return self

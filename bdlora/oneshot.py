@@ -31,7 +31,7 @@ from bdlora.budgeted.start import calibrate_with_progress, compute_start, shapes
 from bdlora.config import OneShotConfig
 from bdlora.data import Corpus, tokenize_corpus
 from bdlora.deployed.folder import save_model_folder
-from bdlora.errors import DataError
+from bdlora.errors import DataError, UsageError
 from bdlora.outputs import check_out_dir
 from bdlora.perplexity import perplexity
 from bdlora.reporter import SILENT, Reporter
@@ -39,8 +39,11 @@ from bdlora.student import build_student
 from bdlora.teacher import load_teacher
 
 
-def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Reporter = SILENT):
-    """(decisions, {name: DeployedModule}) of ``model`` at ``cfg.mac_ratio``: calibrate, allocate, factor."""
+def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Reporter = SILENT, cost_table=None):
+    """(decisions, {name: DeployedModule}, calibration tokens, allocation cost) of ``model`` at ``cfg.mac_ratio``:
+    calibrate, allocate, factor. ``cost_table`` (shapes -> an object with ``cost(shape, rank)``, e.g. the measured
+    decode-time table of ``bdlora.export.genai.latency``, passed in by the CLI): allocate by that cost instead of
+    MACs; the last item then says what the allocation predicts (else None)."""
     calib = calibrate_with_progress(model, calibration_blocks(train_blocks, cfg.calib_tokens), reporter)
     reporter.stage("whitened, loss-weighted spectra of every projection")
     mods = dict(projection_modules(model))
@@ -50,8 +53,22 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
         gram = calib.gram(s.name)
         root = roots.setdefault(id(gram), gram_root(gram)) if s.out_features > s.in_features else None
         spectra[s.name] = spectrum(mods[s.name].weight, gram, fisher=calib.fisher[s.name], root=root)
-    reporter.stage(f"allocating {cfg.mac_ratio:g}x fewer projection MACs by loss-weighted truncation error")
-    alloc = allocate(shapes, {n: sp.energy.numpy() for n, sp in spectra.items()}, cfg.mac_ratio)
+    energy = {n: sp.energy.numpy() for n, sp in spectra.items()}
+    cost_doc = None
+    if cost_table is not None:
+        table = cost_table(shapes)
+        reporter.stage(f"allocating {cfg.mac_ratio:g}x less projection decode time at {cfg.precision} by "
+                       "loss-weighted truncation error")
+        alloc = allocate(shapes, energy, cfg.mac_ratio, cost=table.cost, unit_name=f"{cfg.precision} microsecond")
+        dense_us = sum(table.cost(s, 0) for s in shapes)
+        chosen_us = sum(table.cost(s, alloc.ranks[s.name]) for s in shapes)
+        cost_doc = {"cost": "measured decode time", "precision": cfg.precision, "threads": table.threads,
+                    "projection_us_dense": dense_us, "projection_us": chosen_us,
+                    "predicted_projection_speedup": dense_us / chosen_us, "mac_ratio": alloc.mac_ratio(shapes),
+                    "forms": table.summary(shapes), "table": str(table.path) if table.path else None}
+    else:
+        reporter.stage(f"allocating {cfg.mac_ratio:g}x fewer projection MACs by loss-weighted truncation error")
+        alloc = allocate(shapes, energy, cfg.mac_ratio)
     deployed = {}
     for s in shapes:
         mod, r = mods[s.name], alloc.ranks[s.name]
@@ -63,7 +80,7 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
             deployed[s.name] = DeployedModule(dec, proj_in=a.to(dtype), proj_out=b.to(dtype), bias=bias)
         else:
             deployed[s.name] = DeployedModule(dec, weight=mod.weight.detach().clone(), bias=bias)
-    return [d.decision for d in deployed.values()], deployed, calib.tokens
+    return [d.decision for d in deployed.values()], deployed, calib.tokens, cost_doc
 
 
 def load_source(source: str, cfg: OneShotConfig, cache_dir: Path | None, reporter: Reporter, what: str):
@@ -104,24 +121,28 @@ def quality_plan(source: str, cfg: OneShotConfig, layers: int | None, rank: int,
 
 def compress_one_shot(source: str, cfg: OneShotConfig, out: str | Path, force: bool = False,
                       cache_dir: Path | None = None, evaluate: bool = True,
-                      reporter: Reporter = SILENT) -> tuple[dict, Path]:
+                      reporter: Reporter = SILENT, cost_table=None) -> tuple[dict, Path]:
     """Compress a pretrained ``source`` (anything ``--teacher`` takes) to ``cfg.mac_ratio``; returns (report,
-    folder). The source is never modified."""
+    folder). The source is never modified. ``cost_table``: see ``one_shot_structure`` (``cfg.precision``)."""
 
     cfg.validate()
+    if cfg.precision and cost_table is None:
+        raise UsageError(f"--precision {cfg.precision}: needs the measured decode-time table (pass cost_table, e.g. "
+                         "bdlora.export.genai.latency.latency_table, as the CLI does)")
     out = Path(out)
     check_out_dir(out, force)
     t0 = time.time()
     model, tok, path, train_blocks, val_blocks, heldout = load_source(source, cfg, cache_dir, reporter, "compress")
     check_out_dir(out, force, (path,))
     seq = train_blocks.seq_len
-    decisions, deployed, tokens = one_shot_structure(model, train_blocks, cfg, reporter)
+    decisions, deployed, tokens, cost_doc = one_shot_structure(model, train_blocks, cfg, reporter, cost_table)
     settings = {"data": cfg.data, "teacher": source, "heldout_fraction": heldout, "seq_len": seq,
                 "eval_tokens": cfg.eval_tokens, "cache_dir": str(cache_dir) if cache_dir else None,
                 "origin": "the --one-shot options"}
     provenance = {"name": f"{Path(str(path)).name} one-shot {cfg.mac_ratio:g}x", "method": "one-shot",
                   "teacher": source, "source_path": str(path), "mac_ratio": cfg.mac_ratio, "calib_tokens": tokens,
-                  "lora_init": "whitened", "allocation": "quality", "data_settings": settings}
+                  "lora_init": "whitened", "allocation": "quality", "data_settings": settings,
+                  **({"allocation_cost": cost_doc} if cost_doc else {})}
     compressed = build_deployed_model(model, deployed, provenance)
     report = compression_report(decisions, None, {}, baseline="source")
     report.update(schema_version=SCHEMA_VERSION, bdlora_version=__version__, source="compress --one-shot",

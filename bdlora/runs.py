@@ -285,11 +285,13 @@ class SweepDir(Artefact):
         return SweepDir(Path(runs_dir) / f"sweep-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
 
 
-def one_shot_out(source: str, mac_ratio: float, runs_dir: str | os.PathLike = RUNS_DIR) -> Path:
-    """Where ``compress SOURCE --one-shot`` writes by default: ``runs/<source>.oneshot-<R>x.compressed`` (a
-    compressed folder like any other, so ``export``, ``bench`` and ``eval`` find it as the latest)."""
+def one_shot_out(source: str, mac_ratio: float, runs_dir: str | os.PathLike = RUNS_DIR,
+                 precision: str | None = None) -> Path:
+    """Where ``compress SOURCE --one-shot`` writes by default: ``runs/<source>.oneshot-<R>x.compressed`` (with
+    ``--precision P``: ``oneshot-P-<R>x``; a compressed folder like any other, so ``export``, ``bench`` and ``eval``
+    find it as the latest)."""
     name = Path(source.rstrip("/")).name.removesuffix(".gguf").replace("/", "-") or "model"
-    return Path(runs_dir) / f"{name}.oneshot-{mac_ratio:g}x{COMPRESSED}"
+    return Path(runs_dir) / f"{name}.oneshot-{precision + '-' if precision else ''}{mac_ratio:g}x{COMPRESSED}"
 
 
 def eval_json(source: str | os.PathLike) -> Path:

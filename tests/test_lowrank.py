@@ -131,7 +131,8 @@ def test_allocation_order_gives_controller_scores():
 
 
 def test_an_unreachable_ratio_names_the_reachable_one():
-    with pytest.raises(Exception, match=r"--mac-ratio 100: beyond reach; every projection at rank 1 gives 32.00x"):
+    with pytest.raises(Exception, match=r"--mac-ratio 100: beyond reach; the cheapest form of every projection "
+                                        r"gives 32.00x fewer projection MACs"):
         allocate([ModuleShape("m", 64, 64)], {"m": np.ones(64)}, 100.0)
 
 

@@ -51,8 +51,8 @@ class BenchConfig:
     quality/speed front with its held-out perplexity."""
     quality_tokens: int | None = None
     """genai runtime: held-out tokens each folder's perplexity is measured on (default: as many as the model's run
-    reported its perplexity on, at most 32768, so the front's figures are the run's; 8192 when it has no run; 0: no perplexity, no
-    front)."""
+    reported its perplexity on, at most 32768, so the front's figures are the run's; 8192 when it has no run; 0: no
+    perplexity, no front)."""
     quant: str = "rtn"
     """genai runtime: how int8/int4 weights are rounded, for the student and the teacher alike (rtn, gptq)."""
 

@@ -92,3 +92,30 @@ def plot(points: list[dict], path: Path, title: str = "") -> None:
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=120)
     plt.close(fig)
+
+
+def predicted_vs_measured(points: list[dict], cost: dict) -> dict | None:
+    """What a one-shot allocation by measured decode time (``compress --one-shot --precision P``) predicted against
+    what the front measured at P: the student's decode is predicted as the teacher's measured decode at P minus the
+    projection time the allocation saved by its table; None when the front lacks either row at P."""
+    p = cost.get("precision")
+    suffix = "" if p == "fp32" else f"-{p}"
+    ms = {x["name"]: x["ms"] for x in points}
+    student, teacher = ms.get(f"compressed{suffix}"), ms.get(f"teacher{suffix}")
+    if p is None or student is None or teacher is None:
+        return None
+    predicted_ms = teacher - (cost["projection_us_dense"] - cost["projection_us"]) / 1000.0
+    if predicted_ms <= 0:
+        return None
+    predicted, measured = teacher / predicted_ms, teacher / student
+    return {"precision": p, "table_threads": cost.get("threads"), "teacher_ms": teacher, "student_ms": student,
+            "predicted_student_ms": predicted_ms, "predicted_speedup": predicted, "measured_speedup": measured,
+            "relative_error": predicted / measured - 1.0,
+            "predicted_projection_speedup": cost["predicted_projection_speedup"]}
+
+
+def prediction_line(pred: dict) -> str:
+    return (f"predicted by the decode-time allocation at {pred['precision']}: {pred['predicted_speedup']:.2f}x faster "
+            f"decode than the teacher's {pred['precision']} export (projections alone "
+            f"{pred['predicted_projection_speedup']:.2f}x); measured {pred['measured_speedup']:.2f}x "
+            f"({pred['relative_error']:+.0%})")

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from bdlora.bench.front import markdown as front_markdown
+from bdlora.bench.front import prediction_line
 from bdlora.io import atomic_path
 
 
@@ -41,6 +42,8 @@ def markdown(doc: dict) -> str:
                          f"| {r['median_ms']:.3f} | {r['speedup_vs_dense']:.2f}x | "
                          f"{r.get('speedup_vs_dense_int8', float('nan')):.2f}x |")
     front = front_markdown(doc.get("front") or [], "teacher")
+    if doc.get("prediction"):
+        front += ["", prediction_line(doc["prediction"])]
     return "\n".join(lines + genai_markdown(doc, idx) + front + noise_lines(doc)) + "\n"
 
 

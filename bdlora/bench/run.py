@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from bdlora import SCHEMA_VERSION, __version__
 from bdlora.bench.config import BenchConfig, provider_name
-from bdlora.bench.front import front_points
+from bdlora.bench.front import front_points, predicted_vs_measured
 from bdlora.bench.front import plot as plot_front
 from bdlora.bench.genai import Deployment, export_variants, score_folders, time_genai
 from bdlora.bench.launch import run_timing_process
@@ -273,6 +273,10 @@ def run_bench(model: nn.Module, lora_rank: int, cfg: BenchConfig, out: Path, rep
             doc["quality"] = quality
             doc["front"] = front_points(results, quality)
             plot_front(doc["front"], tmp / "bench_front.png")
+            cost = ((report or {}).get("provenance") or {}).get("allocation_cost")
+            pred = predicted_vs_measured(doc["front"], cost) if cost else None
+            if pred:
+                doc["prediction"] = pred
         if report is not None:
             doc["compression"] = {k: report.get(k) for k in ("speedup_vs_dense", "speedup_vs_lora", "dense_kept",
                                                                "dense_svd", "dense_dropped", "budget")}

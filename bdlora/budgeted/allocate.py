@@ -17,6 +17,7 @@ order the budget controller walks during training (``BudgetController(scores=...
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,14 +40,26 @@ def rank_grid(limit: int, step: int = RANK_STEP) -> list[int]:
     return [r for r in small + list(range(step, limit, step)) if r < limit]
 
 
-def options(shape: ModuleShape, energy: np.ndarray, step: int = RANK_STEP) -> list[tuple[int, int, float]]:
-    """(rank, MACs, error) of every form of one module: dense (rank 0, error 0) and each rank of ``rank_grid``
-    below break-even and within the spectrum; ``energy`` is the per-component error (descending importance)."""
+Cost = Callable[[ModuleShape, int], float]  # (module, rank; 0 = dense) -> what the budget counts
+
+
+def mac_cost(shape: ModuleShape, rank: int) -> float:
+    return float(shape.lora_cost(rank) if rank else shape.dense_cost)
+
+
+def options(shape: ModuleShape, energy: np.ndarray, step: int = RANK_STEP,
+            cost: Cost = mac_cost) -> list[tuple[int, float, float]]:
+    """(rank, cost, error) of every form of one module: dense (rank 0, error 0) and each rank of ``rank_grid``
+    below break-even, within the spectrum and cheaper than dense by ``cost`` (with a measured cost a pair may not pay
+    at any rank: the module then stays dense); ``energy`` is the per-component error (descending importance)."""
     w = np.clip(np.asarray(energy, dtype=np.float64), 0.0, None)
     tail = np.concatenate([np.cumsum(w[::-1])[::-1], [0.0]])  # tail[r] = error at rank r
-    out = [(0, shape.dense_cost, 0.0)]
+    dense = cost(shape, 0)
+    out = [(0, dense, 0.0)]
     for r in rank_grid(min(break_even(shape), len(w) + 1), step):
-        out.append((r, shape.lora_cost(r), float(tail[r])))
+        c = cost(shape, r)
+        if c < dense:
+            out.append((r, c, float(tail[r])))
     return out
 
 
@@ -64,6 +77,10 @@ class Allocation:
 
     def mac_ratio(self, shapes: list[ModuleShape]) -> float:
         return sum(s.dense_cost for s in shapes) / self.macs(shapes)
+
+    def cost_ratio(self, shapes: list[ModuleShape], cost: Cost) -> float:
+        """The projections' speed-up by ``cost`` (dense total over the chosen forms' total)."""
+        return sum(cost(s, 0) for s in shapes) / sum(cost(s, self.ranks.get(s.name, 0)) for s in shapes)
 
     def scores(self, names: list[str]) -> list[float]:
         """Removal scores for ``BudgetController``: the dropped modules first, in allocation order."""
@@ -83,18 +100,19 @@ BUCKETS = 1 << 16  # the MAC budget's resolution in the allocation (module costs
 
 
 def allocate(shapes: list[ModuleShape], energy: dict[str, np.ndarray], mac_ratio: float,
-             step: int = RANK_STEP) -> Allocation:
-    """The per-module forms meeting ``sum MACs <= D / mac_ratio`` with the least total error: a knapsack
-    solved exactly by dynamic programming over the budget in ``BUCKETS`` steps (each module's MACs rounded up, so the
-    result always meets the budget; at most one bucket per module is left unspent). The removal order puts the
-    modules that leave their dense form first, cheapest error per MAC saved first. Deterministic."""
-    dense = sum(s.dense_cost for s in shapes)
+             step: int = RANK_STEP, cost: Cost = mac_cost, unit_name: str = "MAC") -> Allocation:
+    """The per-module forms meeting ``sum cost <= dense total / mac_ratio`` with the least total error (``cost``:
+    MACs by default, or measured decode time): a knapsack solved exactly by dynamic programming over the budget in
+    ``BUCKETS`` steps (each module's cost rounded up, so the result always meets the budget; at most one bucket per
+    module is left unspent). The removal order puts the modules that leave their dense form first, cheapest error
+    per unit of cost saved first. Deterministic."""
+    dense = sum(cost(s, 0) for s in shapes)
     target = dense / mac_ratio
-    opts = [options(s, energy[s.name], step) for s in shapes]
+    opts = [options(s, energy[s.name], step, cost) for s in shapes]
     cheapest = sum(min(c for _, c, _ in o) for o in opts)
     if cheapest > target:
-        raise UsageError(f"--mac-ratio {mac_ratio:g}: beyond reach; every projection at rank 1 gives "
-                         f"{dense / cheapest:.2f}x")
+        raise UsageError(f"--mac-ratio {mac_ratio:g}: beyond reach; the cheapest form of every projection gives "
+                         f"{dense / cheapest:.2f}x fewer projection {unit_name}s")
     unit = target / BUCKETS
     best = np.zeros(BUCKETS + 1)  # best[b]: least error of the modules so far within b buckets
     choice = np.zeros((len(shapes), BUCKETS + 1), dtype=np.int16)
@@ -117,6 +135,6 @@ def allocate(shapes: list[ModuleShape], energy: dict[str, np.ndarray], mac_ratio
     picked.reverse()
     ranks = {s.name: o[k][0] for s, o, k in zip(shapes, opts, picked)}
     errors = {s.name: o[k][2] for s, o, k in zip(shapes, opts, picked)}
-    saved = {s.name: s.dense_cost - o[k][1] for s, o, k in zip(shapes, opts, picked)}
+    saved = {s.name: o[0][1] - o[k][1] for s, o, k in zip(shapes, opts, picked)}
     order = sorted((n for n, r in ranks.items() if r), key=lambda n: (errors[n] / saved[n], n))
     return Allocation(ranks, order, errors)

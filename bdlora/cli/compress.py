@@ -38,6 +38,11 @@ def plan(
     data: Annotated[str, typer.Option(help="--allocation quality: the corpus to calibrate on.")] = "builtin",
     layers: Annotated[Optional[int], typer.Option(help="Student decoder layers (default: the config's).")] = None,
     steps: Annotated[int, typer.Option(help="Optimiser steps the schedule is simulated over.")] = DEFAULT_PLAN_STEPS,
+    precision: Annotated[Optional[str], typer.Option(help="Also predict the projections' deployed decode speed-up "
+                                                          "at fp32, int8 or int4: each form's decode time measured "
+                                                          "in onnxruntime on this machine (cached).")] = None,
+    threads: Annotated[Optional[int], typer.Option(help="--precision: threads the decode times are measured at "
+                                                        "(default: this machine's cores).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
     **opts,
 ):
@@ -56,6 +61,9 @@ def plan(
     c.require(model_config is not None or model is not None, "--model-config or --model: name the model to plan")
     c.require(allocation == "cost" or model is not None, "--allocation quality: needs --model (its weights and a "
               "calibration decide the structure)")
+    if precision is not None:
+        c.choice("precision", precision, ("fp32", "int8", "int4"))
+    c.integer("threads", threads, lo=1, hi=512)
     c.done()
     if allocation == "quality":
         report = _quality_plan(model, rank, layers, mac_ratio, calib_tokens, data, opts, json_out)
@@ -65,10 +73,16 @@ def plan(
         opts["rank"] = check_lora_rank(rank, config)
         report = run_plan(config, BudgetedConfig(**opts), layers=layers, steps=steps)
         title = f"plan: F = {opts['budget']}"
+    if precision:
+        report["deployed"] = _deployed_prediction(report, precision, threads, RichReporter(err if json_out else out))
+        title += (f"; {report['deployed']['predicted_projection_speedup']:.2f}x less projection decode time at "
+                  f"{precision}")
     if json_out:
         print(json.dumps(report, indent=2))
         return
     render.compression_report(report, title=title)
+    if precision:
+        render.latency_forms(report["deployed"])
 
 
 def _resolved(model: str) -> str:
@@ -130,7 +144,28 @@ def compress(
         print(json.dumps(report, indent=2))
         return
     render.compression_report(report, title=title)
+    if report.get("provenance", {}).get("allocation_cost"):
+        render.latency_forms(report["provenance"]["allocation_cost"])
     out.print(f"[green]wrote[/] {folder}")
+
+
+def _deployed_prediction(report: dict, precision: str, threads: int | None, reporter) -> dict:
+    """The planned structure's projection decode time at ``precision`` from the measured table of its forms."""
+    from bdlora.budgeted.costs import ModuleShape
+    from bdlora.data import default_cache_dir
+    from bdlora.errors import usable_cores
+    from bdlora.export.genai.latency import latency_table
+
+    mods = report["modules"]
+    shapes = [ModuleShape(m["name"], m["in_features"], m["out_features"]) for m in mods]
+    table = latency_table(shapes, precision, threads or usable_cores(), default_cache_dir(), reporter)
+    dense = sum(table.cost(s, 0) for s in shapes)
+    chosen = sum(table.cost(s, m["rank"] if m["form"] == "lowrank" else 0) for s, m in zip(shapes, mods))
+    slower = sorted({m["name"].split(".")[-1] for s, m in zip(shapes, mods)
+                     if m["form"] == "lowrank" and table.cost(s, m["rank"]) >= table.cost(s, 0)})
+    return {"precision": precision, "threads": table.threads, "projection_us_dense": dense, "projection_us": chosen,
+            "predicted_projection_speedup": dense / chosen, "forms": table.summary(shapes),
+            "lowrank_slower_than_dense": slower, "table": str(table.path)}
 
 
 def _one_shot(source, shot: dict, out_dir, force: bool, runs_dir: str, cache_dir, evaluate: bool, reporter):
@@ -140,6 +175,20 @@ def _one_shot(source, shot: dict, out_dir, force: bool, runs_dir: str, cache_dir
         raise UsageError("--one-shot: name the pretrained model to compress (a folder, a .gguf file, a preset such "
                          "as smollm2-135m, or a hub id)")
     cfg = OneShotConfig(**{k: v for k, v in shot.items() if v is not None}).validate()
-    out_path = Path(out_dir) if out_dir else one_shot_out(source, cfg.mac_ratio, runs_dir)
-    return compress_one_shot(source, cfg, out_path, force=force, evaluate=evaluate,
-                             cache_dir=Path(cache_dir).expanduser() if cache_dir else None, reporter=reporter)
+    out_path = Path(out_dir) if out_dir else one_shot_out(source, cfg.mac_ratio, runs_dir, cfg.precision)
+    cache = Path(cache_dir).expanduser() if cache_dir else None
+    return compress_one_shot(source, cfg, out_path, force=force, evaluate=evaluate, cache_dir=cache,
+                             reporter=reporter, cost_table=_cost_table(cfg, cache, reporter))
+
+
+def _cost_table(cfg: OneShotConfig, cache: Path | None, reporter):
+    """--precision: the measured decode-time table of the model's projection forms (built when the shapes are
+    known), else None (MACs)."""
+    if not cfg.precision:
+        return None
+    from bdlora.data import default_cache_dir
+    from bdlora.errors import usable_cores
+    from bdlora.export.genai.latency import latency_table
+
+    threads = cfg.threads or usable_cores()
+    return lambda shapes: latency_table(shapes, cfg.precision, threads, cache or default_cache_dir(), reporter)

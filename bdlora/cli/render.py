@@ -2,6 +2,7 @@
 
 from rich.table import Table
 
+from bdlora.bench.front import prediction_line
 from bdlora.bench.report import noise_lines
 from bdlora.cli.app import out
 
@@ -58,6 +59,23 @@ def train_summary(s: dict) -> None:
         zero = sum(1 for m in s["modules"] if m["d"] == 0)
         t.add_row("final retained dense / modules at zero", f"{s['final_retained']:.3f} / {zero}/{len(s['modules'])}")
     out.print(t)
+
+
+def latency_forms(doc: dict) -> None:
+    """The measured decode time of each projection shape's forms at the deployed precision, and the prediction."""
+    t = Table(title=f"decode time per projection form at {doc['precision']}, {doc['threads']} thread(s), measured "
+                    "in onnxruntime")
+    for col in ("shape K x N", "dense us", "rank 8 us", "MAC break-even rank", "measured break-even rank"):
+        t.add_column(col, justify="right")
+    for f in doc["forms"]:
+        r8 = "-" if f["rank_8_us"] is None else f"{f['rank_8_us']:.1f}"
+        t.add_row(f["shape"], f"{f['dense_us']:.1f}", r8, str(f["mac_break_even"]), str(f["measured_break_even"]))
+    out.print(t)
+    out.print(f"projections: {doc['projection_us_dense']:.0f} us dense -> {doc['projection_us']:.0f} us "
+              f"({doc['predicted_projection_speedup']:.2f}x predicted at {doc['precision']})")
+    if doc.get("lowrank_slower_than_dense"):
+        out.print(f"[yellow]low rank slower than dense at {doc['precision']} for: "
+                  f"{', '.join(doc['lowrank_slower_than_dense'])}[/]")
 
 
 def compression_report(report: dict, title: str) -> None:
@@ -184,6 +202,8 @@ def bench(doc: dict) -> None:
             out.print(f"[yellow]{line}[/]")
     if doc.get("front"):
         front(doc["front"])
+    if doc.get("prediction"):
+        out.print(prediction_line(doc["prediction"]))
 
 
 def front(points: list[dict]) -> None:

@@ -1,0 +1,229 @@
+"""What each form of a projection costs at decode time in onnxruntime on this machine, measured, at the precision it
+ships in: the allocation's cost when ``compress --one-shot --precision P`` (and ``plan --precision P``) is given.
+
+MACs price a rank-r pair at r (K + N) against K N for the dense product. At int8/int4 a decode step is a few
+milliseconds and each MatMulNBits node has a fixed cost MACs do not see, so a pair that is 2x cheaper in MACs can be
+no faster than the dense node it replaces (SmolLM2-135M at int4: the students' MAC speed-up vanished in deployment).
+So the cost of each form is measured: one ``(1, K)`` row through the node(s) the genai exporter emits for that form
+(``MatMul`` at fp32; ``MatMulNBits`` with blocks of 32, uint8 zero points and accuracy level 4 at int8/int4), at
+the deployed thread count, in a graph of ``C`` independent copies with distinct random weights (so the weights
+stream from memory as a model's do, not from a warm cache) timed against a graph of one copy:
+``(t_C - t_1) / (C - 1)`` is the form's time with the per-call overhead cancelled. Weight values do not change the
+time of these kernels, so random bytes stand in for them.
+
+Ranks are measured on a coarse grid (1, 8, 16, 32, 64, then doubling, and the largest rank below the MAC break-even)
+and interpolated linearly between grid points; the table is cached per (form, precision, threads, onnxruntime
+version, CPU) under ``<cache>/latency/`` and only missing forms are measured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from bdlora.budgeted.allocate import break_even
+from bdlora.budgeted.costs import ModuleShape
+from bdlora.errors import UsageError
+from bdlora.io import read_json, write_json
+from bdlora.reporter import SILENT, Reporter
+
+PRECISIONS = ("fp32", "int8", "int4")
+BITS = {"int8": 8, "int4": 4}
+BLOCK = 32  # MatMulNBits block along K (the exporter's)
+ACCURACY_LEVEL = 4  # int8 activations: the fast kernel path (the exporter's)
+STREAM_BYTES = 48 << 20  # weight bytes per measured graph: beyond the last-level cache of most CPUs
+MAX_COPIES, MIN_COPIES = 64, 4
+REPEATS, WARMUP = 25, 5
+TABLE_VERSION = 1
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def grid(shape: ModuleShape) -> list[int]:
+    """Ranks measured for ``shape``: 1, 8, 16, 32, 64, doubling, and the largest rank below the MAC break-even."""
+    top = break_even(shape) - 1
+    ranks = {1, top}
+    r = 8
+    while r < top:
+        ranks.add(r)
+        r = r * 2 if r >= 64 else r + (8 if r < 16 else 16 if r < 32 else 32)
+    return sorted(x for x in ranks if 1 <= x <= top)
+
+
+def _weights(k: int, n: int, precision: str, rng: np.random.Generator, name: str):
+    """Initializers and the node of one ``(1, K) -> (1, N)`` product at ``precision`` (random values)."""
+    if precision == "fp32":
+        w = numpy_helper.from_array(rng.standard_normal((k, n), dtype=np.float32), f"{name}.w")
+        return [w], lambda x, out: helper.make_node("MatMul", [x, w.name], [out], name=name)
+    bits, kb = BITS[precision], -(-k // BLOCK)
+    packed = rng.integers(0, 256, (n, kb, BLOCK * bits // 8), dtype=np.uint8)
+    scales = rng.random(n * kb, dtype=np.float32) * 0.01
+    zp = rng.integers(0, 256, n * (kb if bits == 8 else -(-kb // 2)), dtype=np.uint8)
+    inits = [numpy_helper.from_array(packed, f"{name}.q"), numpy_helper.from_array(scales, f"{name}.s"),
+             numpy_helper.from_array(zp, f"{name}.z")]
+    return inits, lambda x, out: helper.make_node(
+        "MatMulNBits", [x, *(t.name for t in inits)], [out], name=name, domain="com.microsoft", K=k, N=n, bits=bits,
+        block_size=BLOCK, accuracy_level=ACCURACY_LEVEL)
+
+
+def form_bytes(k: int, n: int, rank: int, precision: str) -> int:
+    per = 4.0 if precision == "fp32" else BITS[precision] / 8
+    return int((k * n if rank == 0 else rank * (k + n)) * per) + 1
+
+
+def form_graph(k: int, n: int, rank: int, precision: str, copies: int, seed: int = 0) -> onnx.ModelProto:
+    """``copies`` independent instances of one form (dense: ``rank`` 0; else the pair K -> rank -> N) on one input."""
+    rng = np.random.default_rng(seed)
+    nodes, inits, outs = [], [], []
+    for c in range(copies):
+        out = f"y{c}"
+        if rank == 0:
+            w, make = _weights(k, n, precision, rng, f"d{c}")
+            inits += w
+            nodes.append(make("x", out))
+        else:
+            wa, make_a = _weights(k, rank, precision, rng, f"a{c}")
+            wb, make_b = _weights(rank, n, precision, rng, f"b{c}")
+            inits += wa + wb
+            nodes += [make_a("x", f"h{c}"), make_b(f"h{c}", out)]
+        outs.append(helper.make_tensor_value_info(out, TensorProto.FLOAT, [1, n]))
+    g = helper.make_graph(nodes, "form", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])], outs,
+                          inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+
+
+def _median_run_us(proto: onnx.ModelProto, k: int, threads: int) -> float:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    x = {"x": np.random.default_rng(1).standard_normal((1, k), dtype=np.float32)}
+    for _ in range(WARMUP):
+        sess.run(None, x)
+    times = []
+    for _ in range(REPEATS):
+        t = time.perf_counter()
+        sess.run(None, x)
+        times.append(time.perf_counter() - t)
+    return float(np.median(times)) * 1e6
+
+
+def measure_form(k: int, n: int, rank: int, precision: str, threads: int) -> float:
+    """Decode-time microseconds of one instance of a form (see the module docstring)."""
+    copies = int(min(MAX_COPIES, max(MIN_COPIES, math.ceil(STREAM_BYTES / form_bytes(k, n, rank, precision)))))
+    one = _median_run_us(form_graph(k, n, rank, precision, 1), k, threads)
+    many = _median_run_us(form_graph(k, n, rank, precision, copies), k, threads)
+    return max((many - one) / (copies - 1), 1e-3)
+
+
+def _key(k: int, n: int, rank: int) -> str:
+    return f"{k}x{n}@{rank}"
+
+
+@dataclass
+class LatencyTable:
+    """Measured decode microseconds of each form at one precision and thread count; ``cost(shape, rank)`` (rank 0:
+    dense) is what ``budgeted.allocate.allocate`` takes, interpolated between measured ranks."""
+
+    precision: str
+    threads: int
+    us: dict[str, float] = field(default_factory=dict)
+    path: Path | None = None
+
+    def measured_ranks(self, k: int, n: int) -> list[int]:
+        pre = f"{k}x{n}@"
+        return sorted(int(key[len(pre):]) for key in self.us if key.startswith(pre) and key[len(pre):] != "0")
+
+    def cost(self, shape: ModuleShape, rank: int) -> float:
+        k, n = shape.in_features, shape.out_features
+        if rank == 0:
+            return self.us[_key(k, n, 0)]
+        ranks = self.measured_ranks(k, n)
+        if not ranks:
+            raise KeyError(f"no measured ranks for {k}x{n}")
+        xs = np.array(ranks, dtype=np.float64)
+        ys = np.array([self.us[_key(k, n, r)] for r in ranks])
+        if rank >= xs[-1] and len(xs) > 1:  # extrapolate along the last segment
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+            return float(ys[-1] + slope * (rank - xs[-1]))
+        return float(np.interp(rank, xs, ys))
+
+    def pays(self, shape: ModuleShape) -> int:
+        """The largest rank whose pair decodes faster than the dense product (0: none does)."""
+        best = 0
+        for r in range(1, break_even(shape)):
+            if self.cost(shape, r) < self.cost(shape, 0):
+                best = r
+        return best
+
+    def summary(self, shapes: list[ModuleShape]) -> list[dict]:
+        """One row per distinct (K, N): dense microseconds, the MAC break-even rank, the measured one."""
+        rows, seen = [], set()
+        for s in shapes:
+            if (s.in_features, s.out_features) in seen:
+                continue
+            seen.add((s.in_features, s.out_features))
+            rows.append({"shape": f"{s.in_features}x{s.out_features}", "dense_us": self.cost(s, 0),
+                         "mac_break_even": break_even(s), "measured_break_even": self.pays(s) + 1,
+                         "rank_8_us": self.cost(s, 8) if break_even(s) > 8 else None})
+        return rows
+
+
+def table_path(cache: Path, precision: str, threads: int) -> Path:
+    import onnxruntime as ort
+
+    tag = hashlib.sha256(f"{TABLE_VERSION}|{ort.__version__}|{cpu_name()}".encode()).hexdigest()[:12]
+    return cache / "latency" / f"{precision}-t{threads}-{tag}.json"
+
+
+def latency_table(shapes: list[ModuleShape], precision: str, threads: int, cache: Path,
+                  reporter: Reporter = SILENT) -> LatencyTable:
+    """The table for ``shapes`` at ``precision`` and ``threads``, read from the cache and completed by measuring the
+    forms it lacks (the dense product and the rank ``grid`` of every distinct (K, N))."""
+    if precision not in PRECISIONS:
+        raise UsageError(f"--precision {precision}: must be one of {', '.join(PRECISIONS)}")
+    if threads < 1:
+        raise UsageError(f"--threads {threads}: must be a positive integer")
+    path = table_path(Path(cache), precision, threads)
+    table = LatencyTable(precision, threads, path=path)
+    if path.is_file():
+        try:
+            doc = read_json(path)
+            table.us = {str(k): float(v) for k, v in doc["us"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            reporter.stage(f"{path}: unreadable latency table, measuring again")
+            table.us = {}
+    todo = []
+    for k, n in dict.fromkeys((s.in_features, s.out_features) for s in shapes):
+        for r in [0, *grid(ModuleShape("", k, n))]:
+            if _key(k, n, r) not in table.us:
+                todo.append((k, n, r))
+    if todo:
+        reporter.stage(f"measuring {len(todo)} projection forms at {precision} on {threads} thread(s) (cached in "
+                       f"{path.parent})")
+        reporter.count(0, len(todo), "forms")
+        for k, n, r in todo:
+            table.us[_key(k, n, r)] = measure_form(k, n, r, precision, threads)
+            reporter.count(1, len(todo), "forms")
+        write_json(path, {"version": TABLE_VERSION, "precision": precision, "threads": threads, "cpu": cpu_name(),
+                          "us": table.us})
+    return table

@@ -1,0 +1,195 @@
+"""Allocation by deployed latency (issue 40, item 2): the measured decode-time table of projection forms (its graphs,
+its cache, its interpolation), the allocation taking it as its cost (a pair that does not pay at the precision is
+never chosen), ``compress --one-shot --precision`` and ``plan --precision`` reading it from the cache."""
+
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_oneshot import shot_args
+from typer.testing import CliRunner
+
+import bdlora.export.genai.latency as lat
+from bdlora.budgeted.allocate import BUCKETS, allocate, options
+from bdlora.budgeted.costs import ModuleShape
+from bdlora.cli import app
+from bdlora.io import write_json
+
+
+def test_form_graphs_compute_the_forms_the_exporter_emits():
+    """One copy of a dense int4 form is a single MatMulNBits (blocks of 32, accuracy level 4, uint8 zero points),
+    a pair is two chained; both run in onnxruntime and give (1, N)."""
+    dense = lat.form_graph(96, 40, 0, "int4", 3)
+    assert [n.op_type for n in dense.graph.node] == ["MatMulNBits"] * 3
+    attrs = {a.name: a.i for a in dense.graph.node[0].attribute}
+    assert attrs == {"K": 96, "N": 40, "bits": 4, "block_size": 32, "accuracy_level": 4}
+    pair = lat.form_graph(96, 40, 8, "int8", 2)
+    assert [n.op_type for n in pair.graph.node] == ["MatMulNBits"] * 4
+    assert [n.op_type for n in lat.form_graph(96, 40, 8, "fp32", 1).graph.node] == ["MatMul", "MatMul"]
+    for proto in (dense, pair):
+        sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+        ys = sess.run(None, {"x": np.ones((1, 96), np.float32)})
+        assert all(y.shape == (1, 40) and np.isfinite(y).all() for y in ys)
+
+
+def test_rank_grid_and_interpolation():
+    s = ModuleShape("m", 576, 1536)  # MAC break-even 419
+    assert lat.grid(s) == [1, 8, 16, 32, 64, 128, 256, 418]
+    t = lat.LatencyTable("int4", 2, {"576x1536@0": 100.0, "576x1536@8": 20.0, "576x1536@16": 30.0,
+                                     "576x1536@1": 12.0})
+    assert t.cost(s, 0) == 100.0 and t.cost(s, 8) == 20.0 and t.cost(s, 12) == pytest.approx(25.0)
+    assert t.cost(s, 20) == pytest.approx(35.0)  # past the last measured rank: along the last segment
+    assert t.pays(s) == 71  # 30 + 1.25 (r - 16) < 100 up to r = 71
+    t.us["576x1536@16"] = 200.0
+    assert t.pays(s) == 11  # 20 + 22.5 (r - 8) < 100 up to r = 11
+
+
+def test_the_table_is_measured_once_per_form_and_cached(tmp_path, monkeypatch):
+    calls = []
+    real = lat.measure_form
+
+    def counted(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(lat, "measure_form", counted)
+    a = [ModuleShape("q", 64, 64)]
+    t1 = lat.latency_table(a, "int8", 1, tmp_path)
+    assert len(calls) == 1 + len(lat.grid(a[0])) and all(v > 0 for v in t1.us.values())
+    assert t1.path.parent == tmp_path / "latency" and t1.path.is_file()
+    t2 = lat.latency_table(a + [ModuleShape("k", 64, 32)], "int8", 1, tmp_path)  # only the new shape is measured
+    assert len(calls) == 2 + len(lat.grid(a[0])) + len(lat.grid(ModuleShape("k", 64, 32)))
+    assert t2.us["64x64@0"] == t1.us["64x64@0"]
+    lat.latency_table(a, "int8", 1, tmp_path)
+    assert len(calls) == 2 + len(lat.grid(a[0])) + len(lat.grid(ModuleShape("k", 64, 32)))
+    t2.path.write_text("{not json")  # a damaged cache is measured again, not trusted
+    lat.latency_table(a, "int8", 1, tmp_path)
+    assert len(calls) == 3 + 2 * len(lat.grid(a[0])) + len(lat.grid(ModuleShape("k", 64, 32)))
+    with pytest.raises(Exception, match="--precision int3: must be one of fp32, int8, int4"):
+        lat.latency_table(a, "int3", 1, tmp_path)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([32, 48, 64]), st.sampled_from([16, 32, 64]), st.integers(0, 10_000),
+                          st.floats(0.2, 3.0)), min_size=1, max_size=5), st.floats(1.0, 2.5))
+def test_allocation_by_a_measured_cost_meets_it_and_never_picks_a_pair_slower_than_dense(mods, ratio):
+    """With any per-form cost (a fixed per-node part that MACs do not see, scaled per module), the allocation meets
+    the cost budget, picks no pair that costs at least the dense form, and is the least error within the budget."""
+    import itertools
+
+    shapes = [ModuleShape(f"m{i}", a, b) for i, (a, b, _, _) in enumerate(mods)]
+    fixed = {s.name: f for s, (_, _, _, f) in zip(shapes, mods)}
+
+    def cost(s, r):
+        return s.dense_cost / 1000 if r == 0 else fixed[s.name] + s.lora_cost(r) / 1000
+
+    spectra = {s.name: np.sort(np.random.default_rng(seed).exponential(1.0, min(s.in_features, s.out_features)))
+               [::-1] for s, (_, _, seed, _) in zip(shapes, mods)}
+    target = sum(cost(s, 0) for s in shapes) / ratio
+    try:
+        alloc = allocate(shapes, spectra, ratio, cost=cost)
+    except Exception as e:  # noqa: BLE001
+        assert "beyond reach" in str(e)
+        return
+    assert sum(cost(s, alloc.ranks[s.name]) for s in shapes) <= target * (1 + 1e-12)
+    assert alloc.cost_ratio(shapes, cost) >= ratio * (1 - 1e-12)
+    for s in shapes:
+        r = alloc.ranks[s.name]
+        assert r == 0 or cost(s, r) < cost(s, 0)
+    total, slack = sum(alloc.errors.values()), target * (1 - len(shapes) / BUCKETS)
+    for combo in itertools.islice(itertools.product(*[options(s, spectra[s.name], cost=cost) for s in shapes]),
+                                  100_000):
+        if sum(c for _, c, _ in combo) <= slack:
+            assert total <= sum(e for _, _, e in combo) * (1 + 1e-9) + 1e-12
+
+
+def _hand_table(cache, shapes, slow_pairs: tuple[tuple[int, int], ...], threads=1, precision="int4"):
+    """A cached table with known values: dense K N / 100 us; a pair 0.5 + r (K + N) / 100 us, except the shapes in
+    ``slow_pairs``, whose pairs cost twice the dense product (they never pay)."""
+    us = {}
+    for k, n in {(s.in_features, s.out_features) for s in shapes}:
+        us[f"{k}x{n}@0"] = k * n / 100
+        for r in lat.grid(ModuleShape("", k, n)):
+            us[f"{k}x{n}@{r}"] = 2 * k * n / 100 if (k, n) in slow_pairs else 0.5 + r * (k + n) / 100
+    path = lat.table_path(cache, precision, threads)
+    write_json(path, {"version": lat.TABLE_VERSION, "us": us})
+    return path
+
+
+def _tiny_shapes(teacher):
+    from transformers import AutoConfig
+
+    from bdlora.budgeted.costs import shapes_from_config
+
+    return shapes_from_config(AutoConfig.from_pretrained(teacher).to_dict())
+
+
+def test_one_shot_at_a_precision_allocates_by_the_cached_decode_times(tiny_env, tmp_path):
+    """compress --one-shot --precision int4 reads the table from the cache (nothing is measured), keeps dense every
+    projection whose pair does not pay there (the MLP's down projection here), and meets the decode-time ratio."""
+    cache = tmp_path / "cache"
+    shapes = _tiny_shapes(tiny_env["teacher"])
+    down = next(s for s in shapes if s.name.endswith("down_proj"))
+    path = _hand_table(cache, shapes, ((down.in_features, down.out_features),))
+    before = path.read_text()
+    env = {**tiny_env, "cache": cache}
+    res = CliRunner().invoke(app, shot_args(env, tmp_path / "s", "--mac-ratio", "1.3", "--precision", "int4",
+                                            "--threads", "1", "--json"))
+    assert res.exit_code == 0, res.output
+    assert path.read_text() == before  # every form came from the cache
+    report = json.loads(res.stdout)
+    doc = report["provenance"]["allocation_cost"]
+    assert doc["precision"] == "int4" and doc["threads"] == 1 and doc["table"] == str(path)
+    assert doc["predicted_projection_speedup"] >= 1.3
+    table = lat.LatencyTable("int4", 1, json.loads(before)["us"])
+    by_name = {s.name: s for s in shapes}
+    chosen = {m["name"]: (m["rank"] if m["form"] == "lowrank" else 0) for m in report["modules"]}
+    assert doc["projection_us"] == pytest.approx(sum(table.cost(by_name[n], r) for n, r in chosen.items()))
+    assert doc["projection_us_dense"] == pytest.approx(sum(table.cost(s, 0) for s in shapes))
+    assert all(r == 0 for n, r in chosen.items() if n.endswith("down_proj"))
+    assert any(r > 0 for r in chosen.values())
+    assert (tmp_path / "s" / "compression.json").is_file()
+
+
+def test_plan_predicts_the_deployed_projection_speedup_from_the_table(tiny_env, tmp_path, monkeypatch):
+    monkeypatch.setenv("BDLORA_CACHE", str(tmp_path))
+    shapes = _tiny_shapes(tiny_env["teacher"])
+    path = _hand_table(tmp_path, shapes, (), precision="int8", threads=1)
+    res = CliRunner().invoke(app, ["plan", "--model-config", str(tiny_env["teacher"]), "--budget", "0.4",
+                                   "--lora-rank", "4", "--precision", "int8", "--threads", "1", "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    d = report["deployed"]
+    table = lat.LatencyTable("int8", 1, json.loads(path.read_text())["us"])
+    by_name = {s.name: s for s in shapes}
+    chosen = sum(table.cost(by_name[m["name"]], m["rank"] if m["form"] == "lowrank" else 0)
+                 for m in report["modules"])
+    assert d["projection_us"] == pytest.approx(chosen)
+    assert d["predicted_projection_speedup"] == pytest.approx(sum(table.cost(s, 0) for s in shapes) / chosen)
+    res = CliRunner().invoke(app, ["plan", "--model-config", str(tiny_env["teacher"]), "--precision", "int3"])
+    assert res.exit_code == 2 and "--precision 'int3': unknown (allowed: fp32, int8, int4)" in res.stderr
+    res = CliRunner().invoke(app, shot_args(tiny_env, tmp_path / "x", "--mac-ratio", "1.3", "--precision", "fp16"))
+    assert res.exit_code == 2 and "--precision 'fp16': unknown (allowed: fp32, int8, int4)" in res.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_bench_sets_the_prediction_beside_the_measured_speedup():
+    """The student's decode at P is predicted as the teacher's measured decode at P minus the projection time the
+    allocation saved (its table); the measured speed-up comes from the same front."""
+    from bdlora.bench.front import predicted_vs_measured, prediction_line
+
+    points = [{"name": "teacher-int4", "ms": 6.0}, {"name": "compressed-int4", "ms": 5.0},
+              {"name": "teacher", "ms": 20.0}, {"name": "compressed", "ms": 15.0}]
+    cost = {"precision": "int4", "threads": 2, "projection_us_dense": 3000.0, "projection_us": 1500.0,
+            "predicted_projection_speedup": 2.0}
+    p = predicted_vs_measured(points, cost)
+    assert p["predicted_student_ms"] == pytest.approx(4.5) and p["predicted_speedup"] == pytest.approx(6.0 / 4.5)
+    assert p["measured_speedup"] == pytest.approx(1.2)
+    assert p["relative_error"] == pytest.approx((6.0 / 4.5) / 1.2 - 1)
+    assert "1.33x faster decode than the teacher's int4 export" in prediction_line(p) and "measured 1.20x" in \
+        prediction_line(p)
+    assert predicted_vs_measured(points, {**cost, "precision": "int8"}) is None  # no int8 rows on this front
+    assert predicted_vs_measured(points, {**cost, "precision": "fp32"})["measured_speedup"] == pytest.approx(20 / 15)
