@@ -232,6 +232,26 @@ def test_bench_genai_synthetic_with_builder_peers(tmp_path):
     assert builder_cfg["model"]["decoder"]["session_options"]["intra_op_num_threads"] == doc["threads"]
 
 
+def test_bench_genai_without_fp32_compares_at_the_precision_it_was_given(tmp_path):
+    """--genai-precisions int8,int4 (no fp32 dense to divide by): the report still comes out, each quantised student
+    beside the dense graph at its own precision and its MAC limit (a KeyError traceback before)."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({**_config("llama"), "architectures": ["LlamaForCausalLM"]}))
+    r = CliRunner().invoke(app, ["bench", "--model-config", str(cfg), "--budget", "0.0", "--lora-rank", "8",
+                                 "--runtime", "genai", "--genai-precisions", "int8,int4", "--no-peers",
+                                 "--batch-sizes", "1", "--seq-lens", "16", "--decode-tokens", "2", "--repeats", "2",
+                                 "--warmup", "0", "--out", str(tmp_path / "b")])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert {x["variant"] for x in doc["results"]} == {"dense-int8", "lora-int8", "compressed-int8", "dense-int4",
+                                                      "lora-int4", "compressed-int4"}
+    for x in doc["results"]:
+        if x["variant"].startswith("compressed"):
+            p = x["variant"].split("-")[1]
+            assert x[f"speedup_vs_dense_{p}"] > 0 and x["mac_ratio_vs_dense"] > 1 and "speedup_vs_dense" not in x
+    assert "| int4 | decode | 1x1 (cache 16) |" in (tmp_path / "b" / "bench.md").read_text()
+
+
 def test_bench_genai_on_a_compressed_folder_and_bad_options(mixed_folder, tmp_path):
     folder, _ = mixed_folder
     r = CliRunner().invoke(app, ["bench", str(folder), "--runtime", "genai", "--no-peers", "--batch-sizes", "1",

@@ -39,7 +39,7 @@ def markdown(doc: dict) -> str:
         for r in q8:
             d8 = idx.get((r["scope"], "dense-int8", r["phase"], r["batch"], r["seq"]))
             lines.append(f"| {r['phase']} | {r['batch']}x{r['seq']} | {d8['median_ms'] if d8 else float('nan'):.3f} "
-                         f"| {r['median_ms']:.3f} | {r['speedup_vs_dense']:.2f}x | "
+                         f"| {r['median_ms']:.3f} | {r.get('speedup_vs_dense', float('nan')):.2f}x | "
                          f"{r.get('speedup_vs_dense_int8', float('nan')):.2f}x |")
     front = front_markdown(doc.get("front") or [], "teacher")
     if doc.get("prediction"):
@@ -102,7 +102,7 @@ def plot(doc: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in doc["results"] if r["variant"] == "compressed"]
+    rows = [r for r in doc["results"] if r["variant"] == "compressed" and "speedup_vs_dense" in r]
     fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(rows) + 2), 4.2))
     labels = [f"{r['scope'][:3]} {r['phase'][:3]}\n{r['batch']}x{r['seq']}" for r in rows]
     x = np.arange(len(rows))

@@ -190,9 +190,11 @@ def add_ratios(results: list[dict], macs: dict) -> None:
             r["speedup_vs_builder"] = builder["median_ms"] / r["median_ms"]
         if name != "compressed":
             continue
-        dense = index[(key[0], "dense", *key[1:])]
-        r["speedup_vs_dense"] = dense["median_ms"] / r["median_ms"]
-        r["mac_ratio_vs_dense"] = dense["mac_per_token"] / r["mac_per_token"]
+        dense = index.get((key[0], "dense", *key[1:]))  # absent when fp32 was not timed (--genai-precisions int4)
+        dense_macs = macs["modules"]["dense"] if r["scope"] == "modules" else macs["model"]["dense"](ctx)
+        r["mac_ratio_vs_dense"] = dense_macs / r["mac_per_token"]
+        if dense is not None:
+            r["speedup_vs_dense"] = dense["median_ms"] / r["median_ms"]
         if builder is not None:
             r["fraction_of_limit_vs_builder"] = r["speedup_vs_builder"] / r["mac_ratio_vs_dense"]
             mark_noise(r, builder, r["fraction_of_limit_vs_builder"])
@@ -202,6 +204,8 @@ def add_ratios(results: list[dict], macs: dict) -> None:
                 r[f"speedup_vs_dense_{precision}"] = same["median_ms"] / r["median_ms"]
             continue
         lora = index.get((key[0], "lora", *key[1:]))
+        if dense is None:
+            continue
         r["fraction_of_limit"] = r["speedup_vs_dense"] / r["mac_ratio_vs_dense"]
         mark_noise(r, dense, r["fraction_of_limit"])
         if lora is not None:
