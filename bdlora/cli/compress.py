@@ -9,12 +9,14 @@ import typer
 from bdlora import sources
 from bdlora.arch import check_lora_rank
 from bdlora.budgeted.config import ALLOCATIONS, THRESHOLDS, BudgetedConfig
+from bdlora.budgeted.costs import ModuleShape
 from bdlora.cli import render
 from bdlora.cli.app import command, err, out
 from bdlora.cli.options import from_dataclass
 from bdlora.cli.progress import RichReporter
 from bdlora.config import OneShotConfig
-from bdlora.errors import Checks, UsageError, flag
+from bdlora.data import default_cache_dir
+from bdlora.errors import Checks, UsageError, flag, usable_cores
 from bdlora.plan import DEFAULT_PLAN_STEPS, read_model_config
 from bdlora.plan import plan as run_plan
 from bdlora.runs import RUNS_DIR, RunDir, one_shot_out
@@ -151,9 +153,6 @@ def compress(
 
 def _deployed_prediction(report: dict, precision: str, threads: int | None, reporter) -> dict:
     """The planned structure's projection decode time at ``precision`` from the measured table of its forms."""
-    from bdlora.budgeted.costs import ModuleShape
-    from bdlora.data import default_cache_dir
-    from bdlora.errors import usable_cores
     from bdlora.export.genai.latency import latency_table
 
     mods = report["modules"]
@@ -186,8 +185,6 @@ def _cost_table(cfg: OneShotConfig, cache: Path | None, reporter):
     known), else None (MACs)."""
     if not cfg.precision:
         return None
-    from bdlora.data import default_cache_dir
-    from bdlora.errors import usable_cores
     from bdlora.export.genai.latency import latency_table
 
     threads = cfg.threads or usable_cores()

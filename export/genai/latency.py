@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from bdlora.budgeted.allocate import break_even
@@ -109,8 +110,6 @@ def form_graph(k: int, n: int, rank: int, precision: str, copies: int, seed: int
 
 
 def _median_run_us(proto: onnx.ModelProto, k: int, threads: int) -> float:
-    import onnxruntime as ort
-
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
@@ -189,8 +188,6 @@ class LatencyTable:
 
 
 def table_path(cache: Path, precision: str, threads: int) -> Path:
-    import onnxruntime as ort
-
     tag = hashlib.sha256(f"{TABLE_VERSION}|{ort.__version__}|{cpu_name()}".encode()).hexdigest()[:12]
     return cache / "latency" / f"{precision}-t{threads}-{tag}.json"
 
