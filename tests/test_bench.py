@@ -140,7 +140,7 @@ def test_the_front_marks_each_point_on_it_or_dominated_by_which():
     """SPEC 11 on a hand-made set: a point is dominated when another is at least as fast and as good, and better in
     one; the dominating point named is the best-quality one; equal points dominate neither; unscored points are
     left out."""
-    from bdlora.bench.front import dominance, markdown
+    from bdlora.bench.front import dominance, markdown, same_precision
 
     pts = [{"name": "teacher", "ms": 10.0, "ppl": 18.0}, {"name": "teacher-int8", "ms": 3.4, "ppl": 18.1},
            {"name": "teacher-int4", "ms": 2.7, "ppl": 21.7}, {"name": "compressed-int8", "ms": 3.2, "ppl": 21.0},
@@ -152,6 +152,11 @@ def test_the_front_marks_each_point_on_it_or_dominated_by_which():
                    "twin": (True, None), "unscored": (None, None)}
     pts.append({"name": "slow-and-bad", "ms": 11.0, "ppl": 30.0})  # dominated by everything: named by quality
     assert {p["name"]: p["dominated_by"] for p in dominance(pts)}["slow-and-bad"] == "teacher"
-    rows = [{**p, "p10_ms": p["ms"], "p90_ms": p["ms"], "batch": 1, "seq": 128} for p in dominance(pts)]
+    rows = [{**p, "p10_ms": p["ms"], "p90_ms": p["ms"], "batch": 1, "seq": 128, **same_precision(p, pts)}
+            for p in dominance(pts)]
     md = "\n".join(markdown(rows, "teacher"))
-    assert "| compressed-int4 | 2.700 (2.700-2.700) | 26.000 | 3.70x | +44.4% | dominated by teacher-int4 |" in md
+    # beside the teacher's fp32, and beside the teacher's own export at the same precision (what a user would ship)
+    assert ("| compressed-int4 | 2.700 (2.700-2.700) | 26.000 | 3.70x | +44.4% | 1.00x, +19.8% (teacher-int4) | "
+            "dominated by teacher-int4 |") in md
+    assert "| twin | 3.400 (3.400-3.400) | 18.100 | 2.94x | +0.6% | 2.94x, +0.6% (teacher) | **on the front** |" in md
+    assert "| teacher-int8 | 3.400 (3.400-3.400) | 18.100 | 2.94x | +0.6% | - | **on the front** |" in md

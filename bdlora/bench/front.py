@@ -41,7 +41,28 @@ def front_points(results: list[dict], quality: dict[str, dict], batch: int = 1, 
     points = [{"name": r["variant"], "ms": r["median_ms"], "p10_ms": r["p10_ms"], "p90_ms": r["p90_ms"],
                "ppl": (quality.get(r["variant"]) or {}).get("ppl"), "batch": batch, "seq": seq}
               for r in rows if r["seq"] == seq]
-    return dominance(sorted(points, key=lambda p: p["ms"]))
+    return [{**p, **same_precision(p, points)} for p in dominance(sorted(points, key=lambda p: p["ms"]))]
+
+
+def precision_of(name: str) -> str:
+    """``compressed-int4`` -> int4; ``teacher`` / ``other`` -> fp32 (the variant naming of the genai bench)."""
+    tail = name.rsplit("-", 1)[-1]
+    return tail if tail in ("int8", "int4", "fp32") else "fp32"
+
+
+def same_precision(p: dict, points: list[dict]) -> dict:
+    """How ``p`` compares with the teacher's own export at its precision (ours: ``teacher``, ``teacher-int8``,
+    ``teacher-int4``): {"vs_teacher": name, "speed_vs_teacher": x, "ppl_vs_teacher": relative change}, or {} for
+    the teacher's own rows and when that export is not on the front."""
+    if p["name"].startswith("teacher"):
+        return {}
+    prec = precision_of(p["name"])
+    ref_name = "teacher" if prec == "fp32" else f"teacher-{prec}"
+    ref = next((q for q in points if q["name"] == ref_name), None)
+    if ref is None:
+        return {}
+    rel = p["ppl"] / ref["ppl"] - 1 if p.get("ppl") is not None and ref.get("ppl") else None
+    return {"vs_teacher": ref_name, "speed_vs_teacher": ref["ms"] / p["ms"], "ppl_vs_teacher": rel}
 
 
 def markdown(points: list[dict], reference: str | None) -> list[str]:
@@ -53,15 +74,22 @@ def markdown(points: list[dict], reference: str | None) -> list[str]:
     lines = ["", f"Quality/speed front (onnxruntime-genai, decode at batch {points[0]['batch']} after a "
                  f"{points[0]['seq']}-token prompt; held-out perplexity of each graph):", "",
              "| variant | decode ms/token (p10-p90) | held-out ppl | speed vs teacher fp32 | ppl vs teacher fp32 | "
-             "front |", "|---|---|---|---|---|---|"]
+             "vs the teacher's export at its precision (speed, ppl) | front |", "|---|---|---|---|---|---|---|"]
     for p in points:
         speed = f"{ref['ms'] / p['ms']:.2f}x" if ref else "-"
         ppl = f"{p['ppl']:.3f}" if p["ppl"] is not None else "-"
         rel = f"{p['ppl'] / ref['ppl'] - 1:+.1%}" if ref and p["ppl"] is not None and ref["ppl"] else "-"
         mark = "-" if p["front"] is None else "**on the front**" if p["front"] else f"dominated by {p['dominated_by']}"
         ms = f"{p['ms']:.3f} ({p['p10_ms']:.3f}-{p['p90_ms']:.3f})"
-        lines.append(f"| {p['name']} | {ms} | {ppl} | {speed} | {rel} | {mark} |")
+        lines.append(f"| {p['name']} | {ms} | {ppl} | {speed} | {rel} | {same_precision_cell(p)} | {mark} |")
     return lines
+
+
+def same_precision_cell(p: dict) -> str:
+    if "vs_teacher" not in p:
+        return "-"
+    rel = "-" if p.get("ppl_vs_teacher") is None else f"{p['ppl_vs_teacher']:+.1%}"
+    return f"{p['speed_vs_teacher']:.2f}x, {rel} ({p['vs_teacher']})"
 
 
 def plot(points: list[dict], path: Path, title: str = "") -> None:

@@ -2,7 +2,7 @@
 
 from rich.table import Table
 
-from bdlora.bench.front import prediction_line
+from bdlora.bench.front import prediction_line, same_precision_cell
 from bdlora.bench.report import noise_lines
 from bdlora.cli.app import out
 
@@ -211,13 +211,15 @@ def front(points: list[dict]) -> None:
     ref = next((p for p in points if p["name"] == "teacher"), None)
     t = Table(title=f"quality/speed front (onnxruntime-genai, decode at batch {points[0]['batch']} after "
                     f"{points[0]['seq']} tokens)")
-    for col in ("variant", "ms/token", "ppl", "speed vs teacher", "ppl vs teacher", "front"):
+    for col in ("variant", "ms/token", "ppl", "speed vs teacher", "ppl vs teacher", "vs teacher, same precision",
+                "front"):
         t.add_column(col, justify="left" if col in ("variant", "front") else "right")
     for p in points:
         ppl = p["ppl"]
         t.add_row(p["name"], f"{p['ms']:.3f}", "-" if ppl is None else f"{ppl:.3f}",
                   f"{ref['ms'] / p['ms']:.2f}x" if ref else "-",
                   f"{ppl / ref['ppl'] - 1:+.1%}" if ref and ppl is not None and ref["ppl"] else "-",
+                  same_precision_cell(p),
                   "-" if p["front"] is None else "[green]on the front[/]" if p["front"]
                   else f"dominated by {p['dominated_by']}")
     out.print(t)
