@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from bdlora.bench.config import GENAI_PRECISIONS
 from bdlora.budgeted.config import ALLOCATIONS, LORA_INITS, BudgetedConfig
 from bdlora.budgeted.config import DEFAULTS as BUDGETED
 from bdlora.errors import Checks, ConfigError, shown
@@ -316,7 +317,7 @@ class OneShotConfig:
         c.integer("seq_len", self.seq_len, lo=2, what=" (a block needs a token and its successor)")
         c.number("heldout_fraction", self.heldout_fraction, 0.0, 1.0, lo_open=True, hi_open=True)
         if self.precision is not None:
-            c.choice("precision", self.precision, ("fp32", "int8", "int4"))
+            c.choice("precision", self.precision, GENAI_PRECISIONS)
         c.integer("threads", self.threads, lo=1, hi=512)
         c.text("data", self.data)
         c.done()

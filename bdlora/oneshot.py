@@ -41,7 +41,8 @@ from bdlora.teacher import load_teacher
 
 def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Reporter = SILENT, cost_table=None):
     """(decisions, {name: DeployedModule}, calibration tokens, allocation cost) of ``model`` at ``cfg.mac_ratio``:
-    calibrate, allocate, factor. ``cost_table`` (shapes -> an object with ``cost(shape, rank)``, e.g. the measured
+    calibrate, allocate, factor. ``cost_table`` (shapes -> an object with ``cost(shape, rank)`` and
+    ``prediction(shapes, ranks)``, e.g. the measured
     decode-time table of ``bdlora.export.genai.latency``, passed in by the CLI): allocate by that cost instead of
     MACs; the last item then says what the allocation predicts (else None)."""
     calib = calibrate_with_progress(model, calibration_blocks(train_blocks, cfg.calib_tokens), reporter)
@@ -60,12 +61,8 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
         reporter.stage(f"allocating {cfg.mac_ratio:g}x less projection decode time at {cfg.precision} by "
                        "loss-weighted truncation error")
         alloc = allocate(shapes, energy, cfg.mac_ratio, cost=table.cost, unit_name=f"{cfg.precision} microsecond")
-        dense_us = sum(table.cost(s, 0) for s in shapes)
-        chosen_us = sum(table.cost(s, alloc.ranks[s.name]) for s in shapes)
-        cost_doc = {"cost": "measured decode time", "precision": cfg.precision, "threads": table.threads,
-                    "projection_us_dense": dense_us, "projection_us": chosen_us,
-                    "predicted_projection_speedup": dense_us / chosen_us, "mac_ratio": alloc.mac_ratio(shapes),
-                    "forms": table.summary(shapes), "table": str(table.path) if table.path else None}
+        cost_doc = {"cost": "measured decode time", **table.prediction(shapes, alloc.ranks),
+                    "mac_ratio": alloc.mac_ratio(shapes)}
     else:
         reporter.stage(f"allocating {cfg.mac_ratio:g}x fewer projection MACs by loss-weighted truncation error")
         alloc = allocate(shapes, energy, cfg.mac_ratio)

@@ -207,7 +207,7 @@ def deployment_for(model_dir: Path, report: dict, tok, model: nn.Module, cfg, re
             raise UsageError(f"--also {other}: its tokenizer is not {model_dir}'s (the front compares one slice)")
     tokens = cfg.quality_tokens
     if tokens is None:  # the run's own held-out figures (train's and eval's), not a slice of them
-        tokens = min(data_settings(model_dir, report).get("eval_tokens") or DEFAULT_QUALITY_TOKENS, MAX_QUALITY_TOKENS)
+        tokens = min(settings.get("eval_tokens") or DEFAULT_QUALITY_TOKENS, MAX_QUALITY_TOKENS)
     if tokens:
         deploy.heldout = heldout_for(model_dir, report, tok, shape, tokens)
     if cfg.quant == "gptq":

@@ -8,6 +8,7 @@ import typer
 
 from bdlora import sources
 from bdlora.arch import check_lora_rank
+from bdlora.bench.config import GENAI_PRECISIONS
 from bdlora.budgeted.config import ALLOCATIONS, THRESHOLDS, BudgetedConfig
 from bdlora.budgeted.costs import ModuleShape
 from bdlora.cli import render
@@ -64,7 +65,7 @@ def plan(
     c.require(allocation == "cost" or model is not None, "--allocation quality: needs --model (its weights and a "
               "calibration decide the structure)")
     if precision is not None:
-        c.choice("precision", precision, ("fp32", "int8", "int4"))
+        c.choice("precision", precision, GENAI_PRECISIONS)
     c.integer("threads", threads, lo=1, hi=512)
     c.done()
     if allocation == "quality":
@@ -158,13 +159,7 @@ def _deployed_prediction(report: dict, precision: str, threads: int | None, repo
     mods = report["modules"]
     shapes = [ModuleShape(m["name"], m["in_features"], m["out_features"]) for m in mods]
     table = latency_table(shapes, precision, threads or usable_cores(), default_cache_dir(), reporter)
-    dense = sum(table.cost(s, 0) for s in shapes)
-    chosen = sum(table.cost(s, m["rank"] if m["form"] == "lowrank" else 0) for s, m in zip(shapes, mods))
-    slower = sorted({m["name"].split(".")[-1] for s, m in zip(shapes, mods)
-                     if m["form"] == "lowrank" and table.cost(s, m["rank"]) >= table.cost(s, 0)})
-    return {"precision": precision, "threads": table.threads, "projection_us_dense": dense, "projection_us": chosen,
-            "predicted_projection_speedup": dense / chosen, "forms": table.summary(shapes),
-            "lowrank_slower_than_dense": slower, "table": str(table.path)}
+    return table.prediction(shapes, {m["name"]: m["rank"] for m in mods if m["form"] == "lowrank"})
 
 
 def _one_shot(source, shot: dict, out_dir, force: bool, runs_dir: str, cache_dir, evaluate: bool, reporter):

@@ -30,16 +30,15 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+from bdlora.bench.config import GENAI_PRECISIONS as PRECISIONS
 from bdlora.budgeted.allocate import break_even
 from bdlora.budgeted.costs import ModuleShape
 from bdlora.errors import UsageError
+from bdlora.export.genai.gptq import BLOCK_SIZE, nbits_node
 from bdlora.io import read_json, write_json
 from bdlora.reporter import SILENT, Reporter
 
-PRECISIONS = ("fp32", "int8", "int4")
 BITS = {"int8": 8, "int4": 4}
-BLOCK = 32  # MatMulNBits block along K (the exporter's)
-ACCURACY_LEVEL = 4  # int8 activations: the fast kernel path (the exporter's)
 STREAM_BYTES = 48 << 20  # weight bytes per measured graph: beyond the last-level cache of most CPUs
 MAX_COPIES, MIN_COPIES = 64, 4
 REPEATS, WARMUP = 25, 5
@@ -67,20 +66,17 @@ def grid(shape: ModuleShape) -> list[int]:
     return sorted(x for x in ranks if 1 <= x <= top)
 
 
-def _weights(k: int, n: int, precision: str, rng: np.random.Generator, name: str):
-    """Initializers and the node of one ``(1, K) -> (1, N)`` product at ``precision`` (random values)."""
+def _product(k: int, n: int, precision: str, rng: np.random.Generator, name: str, x: str, out: str):
+    """(node, initializers) of one ``(1, K) -> (1, N)`` product at ``precision`` (random values; at int8/int4 the
+    MatMulNBits node the calibrated export emits, ``gptq.nbits_node``)."""
     if precision == "fp32":
         w = numpy_helper.from_array(rng.standard_normal((k, n), dtype=np.float32), f"{name}.w")
-        return [w], lambda x, out: helper.make_node("MatMul", [x, w.name], [out], name=name)
-    bits, kb = BITS[precision], -(-k // BLOCK)
-    packed = rng.integers(0, 256, (n, kb, BLOCK * bits // 8), dtype=np.uint8)
+        return helper.make_node("MatMul", [x, w.name], [out], name=name), [w]
+    bits, kb = BITS[precision], -(-k // BLOCK_SIZE)
+    packed = rng.integers(0, 256, (n, kb, BLOCK_SIZE * bits // 8), dtype=np.uint8)
     scales = rng.random(n * kb, dtype=np.float32) * 0.01
     zp = rng.integers(0, 256, n * (kb if bits == 8 else -(-kb // 2)), dtype=np.uint8)
-    inits = [numpy_helper.from_array(packed, f"{name}.q"), numpy_helper.from_array(scales, f"{name}.s"),
-             numpy_helper.from_array(zp, f"{name}.z")]
-    return inits, lambda x, out: helper.make_node(
-        "MatMulNBits", [x, *(t.name for t in inits)], [out], name=name, domain="com.microsoft", K=k, N=n, bits=bits,
-        block_size=BLOCK, accuracy_level=ACCURACY_LEVEL)
+    return nbits_node(name, x, out, packed, scales, zp, k, n, bits)
 
 
 def form_bytes(k: int, n: int, rank: int, precision: str) -> int:
@@ -95,14 +91,13 @@ def form_graph(k: int, n: int, rank: int, precision: str, copies: int, seed: int
     for c in range(copies):
         out = f"y{c}"
         if rank == 0:
-            w, make = _weights(k, n, precision, rng, f"d{c}")
-            inits += w
-            nodes.append(make("x", out))
+            parts = [_product(k, n, precision, rng, f"d{c}", "x", out)]
         else:
-            wa, make_a = _weights(k, rank, precision, rng, f"a{c}")
-            wb, make_b = _weights(rank, n, precision, rng, f"b{c}")
-            inits += wa + wb
-            nodes += [make_a("x", f"h{c}"), make_b(f"h{c}", out)]
+            parts = [_product(k, rank, precision, rng, f"a{c}", "x", f"h{c}"),
+                     _product(rank, n, precision, rng, f"b{c}", f"h{c}", out)]
+        for node, w in parts:
+            nodes.append(node)
+            inits += w
         outs.append(helper.make_tensor_value_info(out, TensorProto.FLOAT, [1, n]))
     g = helper.make_graph(nodes, "form", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])], outs,
                           inits)
@@ -173,6 +168,19 @@ class LatencyTable:
             if self.cost(shape, r) < self.cost(shape, 0):
                 best = r
         return best
+
+    def prediction(self, shapes: list[ModuleShape], ranks: dict[str, int]) -> dict:
+        """What a structure (``ranks``: rank per module, 0 or absent = dense) costs at this precision: the
+        projections' decode microseconds dense and as structured, the predicted speed-up, the forms measured, and
+        which projections have a low-rank form slower than their dense one."""
+        dense = sum(self.cost(s, 0) for s in shapes)
+        chosen = sum(self.cost(s, ranks.get(s.name, 0)) for s in shapes)
+        slower = sorted({s.name.split(".")[-1] for s in shapes
+                         if ranks.get(s.name) and self.cost(s, ranks[s.name]) >= self.cost(s, 0)})
+        return {"precision": self.precision, "threads": self.threads, "projection_us_dense": dense,
+                "projection_us": chosen, "predicted_projection_speedup": dense / chosen,
+                "forms": self.summary(shapes), "lowrank_slower_than_dense": slower,
+                "table": str(self.path) if self.path else None}
 
     def summary(self, shapes: list[ModuleShape]) -> list[dict]:
         """One row per distinct (K, N): dense microseconds, the MAC break-even rank, the measured one."""
