@@ -76,13 +76,19 @@ def markdown(points: list[dict], reference: str | None) -> list[str]:
              "| variant | decode ms/token (p10-p90) | held-out ppl | speed vs teacher fp32 | ppl vs teacher fp32 | "
              "vs the teacher's export at its precision (speed, ppl) | front |", "|---|---|---|---|---|---|---|"]
     for p in points:
-        speed = f"{ref['ms'] / p['ms']:.2f}x" if ref else "-"
+        speed, rel = vs_reference(p, ref)
         ppl = f"{p['ppl']:.3f}" if p["ppl"] is not None else "-"
-        rel = f"{p['ppl'] / ref['ppl'] - 1:+.1%}" if ref and p["ppl"] is not None and ref["ppl"] else "-"
         mark = "-" if p["front"] is None else "**on the front**" if p["front"] else f"dominated by {p['dominated_by']}"
         ms = f"{p['ms']:.3f} ({p['p10_ms']:.3f}-{p['p90_ms']:.3f})"
         lines.append(f"| {p['name']} | {ms} | {ppl} | {speed} | {rel} | {same_precision_cell(p)} | {mark} |")
     return lines
+
+
+def vs_reference(p: dict, ref: dict | None) -> tuple[str, str]:
+    """(speed, perplexity change) of ``p`` against ``ref`` (the teacher's fp32) as table cells."""
+    speed = f"{ref['ms'] / p['ms']:.2f}x" if ref else "-"
+    rel = f"{p['ppl'] / ref['ppl'] - 1:+.1%}" if ref and p["ppl"] is not None and ref["ppl"] else "-"
+    return speed, rel
 
 
 def same_precision_cell(p: dict) -> str:

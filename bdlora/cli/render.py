@@ -2,7 +2,7 @@
 
 from rich.table import Table
 
-from bdlora.bench.front import prediction_line, same_precision_cell
+from bdlora.bench.front import prediction_line, same_precision_cell, vs_reference
 from bdlora.bench.report import noise_lines
 from bdlora.cli.app import out
 
@@ -216,9 +216,7 @@ def front(points: list[dict]) -> None:
         t.add_column(col, justify="left" if col in ("variant", "front") else "right")
     for p in points:
         ppl = p["ppl"]
-        t.add_row(p["name"], f"{p['ms']:.3f}", "-" if ppl is None else f"{ppl:.3f}",
-                  f"{ref['ms'] / p['ms']:.2f}x" if ref else "-",
-                  f"{ppl / ref['ppl'] - 1:+.1%}" if ref and ppl is not None and ref["ppl"] else "-",
+        t.add_row(p["name"], f"{p['ms']:.3f}", "-" if ppl is None else f"{ppl:.3f}", *vs_reference(p, ref),
                   same_precision_cell(p),
                   "-" if p["front"] is None else "[green]on the front[/]" if p["front"]
                   else f"dominated by {p['dominated_by']}")
