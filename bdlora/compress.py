@@ -15,10 +15,11 @@ from bdlora.budgeted.config import BudgetedConfig
 from bdlora.budgeted.costs import ModuleShape, compression_report, decide_module
 from bdlora.budgeted.layer import DeployedModule
 from bdlora.budgeted.model import build_deployed_model, compress_budgeted, dense_projections
+from bdlora.corpora import heldout_blocks
 from bdlora.deployed.folder import save_model_folder
 from bdlora.models import load_run_student
 from bdlora.outputs import check_out_dir
-from bdlora.perplexity import heldout_blocks, perplexity
+from bdlora.perplexity import perplexity
 from bdlora.reporter import SILENT, Reporter
 from bdlora.runs import RunDir, provenance_paths
 

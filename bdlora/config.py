@@ -27,6 +27,7 @@ METHODS = ("kd-full", "kd-lora", "budgeted")
 DEVICES = ("auto", "cpu", "cuda")
 LAYER_SELECTIONS = ("first", "middle", "last", "mixed", "scratch")
 PACKINGS = ("pack", "truncate")
+AUTOCASTS = ("bf16", "fp32")
 BUILTIN = "builtin"
 
 
@@ -37,7 +38,12 @@ class TrainConfig:
     teacher: str = BUILTIN
     """'builtin' (the embedded default, built on first use) or a local Hugging Face causal-LM folder."""
     data: str = BUILTIN
-    """'builtin' (the Python standard library) or a .txt/.jsonl/.parquet file, folder, or save_to_disk folder."""
+    """'builtin' (the Python standard library), 'prose' (English documentation, fetched once), 'teacher:N' (N
+    tokens sampled from the teacher, cached), a .txt/.jsonl/.parquet file, folder or save_to_disk folder, or a
+    mixture of these: builtin:0.5,prose:0.5."""
+    calib_data: str | None = None
+    """The corpus the whitened start and the quality allocation are calibrated on, as --data (default: --data);
+    e.g. teacher:65536 or builtin:0.5,prose:0.5."""
     student_layers: int | None = None
     """Decoder layers of the student (default: half the teacher's, rounded up)."""
     layer_selection: str = "mixed"
@@ -60,7 +66,8 @@ class TrainConfig:
     """Train on this many tokens in all instead of a step count (steps = tokens / (batch * grad_accum * seq_len *
     processes): the budget is global, as the paper's 2.55B tokens over two GPUs)."""
     lr: float | None = None
-    """Peak learning rate of AdamW (cosine decay, warm-up 3% capped at 2000 steps). Default 3e-4; builtin 2e-3."""
+    """Peak learning rate of AdamW (cosine decay, warm-up 3% of the steps, at least 10, capped at 2000). Default:
+    by teacher and start, 3e-4 for a real teacher; builtin 1e-3 from the whitened or SVD start, 2e-3 from zero."""
     weight_decay: float = 0.0
     """AdamW weight decay (the paper's 0)."""
     adam_beta1: float = 0.9
@@ -121,7 +128,9 @@ class TrainConfig:
     seed: int = 0
     """Seed of initialisation, LoRA factors and data order."""
     device: str = "auto"
-    """auto (CUDA if available), cpu or cuda. bf16 autocast on CUDA, fp32 on CPU."""
+    """auto (CUDA if available), cpu or cuda."""
+    autocast: str | None = None
+    """bf16 or fp32 forward and backward (weights and optimiser stay fp32). Default: bf16 on CUDA, fp32 on CPU."""
     out: str | None = None
     """Run directory (default: RUNS_DIR/<time>-<method>)."""
     runs_dir: str = "runs"
@@ -146,12 +155,14 @@ class TrainConfig:
         c.choice("layer_selection", self.layer_selection, LAYER_SELECTIONS)
         c.choice("packing", self.packing, PACKINGS)
         c.choice("device", self.device, DEVICES)
+        if self.autocast is not None:
+            c.choice("autocast", self.autocast, AUTOCASTS)
         if self.lora_init is not None:
             c.choice("lora_init", self.lora_init, LORA_INITS)
         if self.allocation is not None:
             c.choice("allocation", self.allocation, ALLOCATIONS)
         c.number("mac_ratio", self.mac_ratio, lo=1.0)
-        for name in ("teacher", "data", "student_init", "out", "runs_dir", "cache_dir"):
+        for name in ("teacher", "data", "calib_data", "student_init", "out", "runs_dir", "cache_dir"):
             c.text(name, getattr(self, name))
         for name in ("batch_size", "grad_accum", "max_steps", "tokens", "eval_tokens", "loss_chunk", "eval_every",
                      "student_layers", "keep_last", "calib_tokens"):
@@ -177,14 +188,28 @@ class TrainConfig:
 
 # Defaults for the embedded default teacher (4.5M parameters, 4 layers, hidden 256): the paper's rank 128 / alpha 256
 # and 1024-token sequences would dwarf a hidden size of 256, so rank and alpha keep the paper's alpha/r = 2 at r = 16.
-BUILTIN_DEFAULTS = {"seq_len": 128, "max_steps": 600, "lr": 2e-3, "lora_rank": 16, "lora_alpha": 32.0,
+BUILTIN_DEFAULTS = {"seq_len": 128, "max_steps": 600, "lora_rank": 16, "lora_alpha": 32.0,
                     "eval_every": 100, "eval_tokens": 32768, "batch_size": 16, "lora_init": "whitened",
                     "allocation": "quality", "calib_tokens": 8192}
 # Real teachers: the paper's rank 128 / alpha 256, 1024-token sequences and lr 3e-4, but a first-run budget (1000
 # steps of 8 x 1024 tokens, 1,048,576 validation tokens), not the paper's 2.55B tokens: that is recipes/paper.yaml.
-REAL_DEFAULTS = {"batch_size": 8, "seq_len": 1024, "max_steps": 1000, "lr": 3e-4, "lora_rank": BUDGETED.rank,
+REAL_DEFAULTS = {"batch_size": 8, "seq_len": 1024, "max_steps": 1000, "lora_rank": BUDGETED.rank,
                  "lora_alpha": BUDGETED.alpha, "eval_every": 200, "eval_tokens": 1 << 20, "lora_init": "whitened",
                  "allocation": "quality", "calib_tokens": 8192}
+
+# The peak learning rate follows the teacher and how the trained paths start (measured, docs/results.md "Learning
+# rate by start"): from nothing (LoRA's zero start, or kd-full's copied weights) the builtin student needs 2e-3; a
+# whitened or SVD start is already close to the teacher and needs healing, not learning: at 2e-3 the builtin
+# quickstart student ended at 29.65 (teacher 27.87), at 1e-3 27.77 and at 5e-4 27.77. Real teachers: the paper's
+# 3e-4 from zero, and from the whitened start the value measured on SmolLM2.
+DEFAULT_LR = {("builtin", "zero"): 2e-3, ("builtin", "start"): 1e-3, ("real", "zero"): 3e-4, ("real", "start"): 3e-4}
+
+
+def default_lr(builtin_teacher: bool, method: str, lora_init: str | None) -> float:
+    """The peak learning rate ``--lr`` defaults to (see ``DEFAULT_LR``)."""
+    start = "zero" if method == "kd-full" or lora_init in (None, "zero") else "start"
+    return DEFAULT_LR[("builtin" if builtin_teacher else "real", start)]
+
 
 OPTION_NAMES = tuple(f.name for f in fields(TrainConfig) if f.name != "extra")
 
@@ -276,7 +301,10 @@ def resolve_defaults(cfg: TrainConfig, builtin_teacher: bool) -> TrainConfig:
         if values.get(k) is None and not (k == "max_steps" and values.get("tokens") is not None):
             values[k] = v
             defaulted.append(k)
-    for k in ("teacher", "data", "student_init"):
+    if values.get("lr") is None:
+        values["lr"] = default_lr(builtin_teacher, values["method"], values["lora_init"])
+        defaulted.append("lr")
+    for k in ("teacher", "data", "calib_data", "student_init"):
         values[k] = resolve_path(values[k])
     if values["cache_dir"]:
         values["cache_dir"] = str(Path(values["cache_dir"]).expanduser().resolve())
@@ -292,13 +320,20 @@ class OneShotConfig:
     """Training-split tokens of --data the calibration (input Gram matrices, output Fisher diagonals) uses
     (default 8192)."""
     data: str = "builtin"
-    """Corpus to calibrate on and to measure held-out perplexity on, as bdlora train's --data (default builtin)."""
+    """Corpus to measure held-out perplexity on (and to calibrate on, unless --calib-data), as bdlora train's --data
+    (default builtin)."""
+    calib_data: str | None = None
+    """Corpus to calibrate on, as --data (default: --data); e.g. teacher:65536 or builtin:0.5,prose:0.5."""
     heldout_fraction: float | None = None
     """Held-out fraction of --data (default: the corpus's, 0.02 for the builtin one)."""
     seq_len: int = 128
     """Tokens per calibration and evaluation block (default 128)."""
     eval_tokens: int = 8192
     """Held-out tokens scored for the source's and the compressed model's perplexity (default 8192)."""
+    correct: bool = False
+    """After factoring, re-solve every low-rank pair's second factor layer by layer against the source's own
+    outputs on the calibration tokens, with the layers below already compressed (sequential least squares, as GPTQ
+    and SVD-LLM v2 do)."""
     precision: str | None = None
     """Allocate by measured decode time at this precision (fp32, int8, int4: the genai exporter's nodes timed in
     onnxruntime on this machine, cached) instead of by MACs; --mac-ratio is then the projections' decode-time
@@ -320,5 +355,7 @@ class OneShotConfig:
             c.choice("precision", self.precision, GENAI_PRECISIONS)
         c.integer("threads", self.threads, lo=1, hi=512)
         c.text("data", self.data)
+        c.text("calib_data", self.calib_data)
+        c.require(isinstance(self.correct, bool), f"--correct {shown(self.correct)}: must be true or false")
         c.done()
         return self

@@ -144,8 +144,9 @@ def _is_saved_dataset(path: Path) -> bool:
 class Corpus:
     """A named source of documents: ``builtin`` or a path (file, directory, or ``datasets.save_to_disk`` folder)."""
 
-    def __init__(self, spec: str | os.PathLike):
+    def __init__(self, spec: str | os.PathLike, what: str = "--data", name: str | None = None):
         self.spec = str(spec)
+        self.name = name or self.spec  # what the user named (``prose``, ``teacher:N``) when spec is its folder
         self.is_builtin = self.spec == BUILTIN
         if self.is_builtin:
             self.root = builtin_root()
@@ -154,8 +155,9 @@ class Corpus:
         else:
             path = Path(spec).expanduser()
             if not path.exists():
-                raise DataError(f"--data {spec}: no such file or directory (use 'builtin' or a path to .txt, "
-                                ".jsonl, .parquet files or a datasets.save_to_disk folder)")
+                raise DataError(f"{what} {spec}: no such file or directory (use 'builtin', 'prose', 'teacher:N', a "
+                                "path to .txt, .jsonl, .parquet files or a datasets.save_to_disk folder, or a mixture "
+                                "such as builtin:0.5,prose:0.5)")
             self.root = path if path.is_dir() else path.parent
             if _is_saved_dataset(path):
                 self.kind = "saved_dataset"
@@ -165,11 +167,11 @@ class Corpus:
                 self.files = _corpus_files(path)
                 bad = [p for p in self.files if p.suffix not in _TEXT_SUFFIXES]
                 if bad:
-                    raise DataError(f"--data {bad[0]}: unsupported file type '{bad[0].suffix}' "
+                    raise DataError(f"{what} {bad[0]}: unsupported file type '{bad[0].suffix}' "
                                     "(allowed: .txt, .jsonl with a 'text' field, .parquet with a 'text' column, "
                                     "or a datasets.save_to_disk folder)")
             if not self.files:
-                raise DataError(f"--data {spec}: no .txt, .jsonl or .parquet files found")
+                raise DataError(f"{what} {spec}: no .txt, .jsonl or .parquet files found")
         self.default_heldout_fraction = BUILTIN_HELDOUT_FRACTION if self.is_builtin else DEFAULT_HELDOUT_FRACTION
 
     def fingerprint(self) -> str:

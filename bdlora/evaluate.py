@@ -15,7 +15,7 @@ import numpy as np
 from bdlora import SCHEMA_VERSION, __version__, sources
 from bdlora.blocks import PackedBlocks
 from bdlora.config import BUILTIN, BUILTIN_DEFAULTS, REAL_DEFAULTS
-from bdlora.data import Corpus, tokenize_corpus
+from bdlora.corpora import PROSE, check_spec, default_heldout, load_tokens, settings_tokens
 from bdlora.errors import Checks, ModelError
 from bdlora.icl import TASKS, corpus_word_list, is_correct, summarise, task_examples
 from bdlora.reporter import SILENT, Reporter
@@ -51,6 +51,9 @@ class EvalConfig:
     """Corpus for perplexity and the probe word list (default: the run's corpus; builtin when unknown)."""
     heldout_fraction: float | None = None
     """With --data: the held-out fraction (default: the corpus' default)."""
+    domains: str | None = None
+    """Also score perplexity on these corpora, comma-separated (';' when one is a mixture; '' for none). Default:
+    prose for a general-purpose model (vocabulary of 32,000 or more), none for the builtin and tiny teachers."""
     shots: int = 10
     """Demonstrations per ICL prompt."""
     seeds: int = 3
@@ -322,12 +325,13 @@ def eval_data(run_cfg: dict | None, config, ecfg: EvalConfig) -> dict:
     if heldout is None and not ecfg.data:
         heldout = cfg.get("heldout_fraction")
     if heldout is None:
-        heldout = Corpus(d).default_heldout_fraction
+        heldout = default_heldout(d)
     max_pos = DecoderShape.of(config).max_positions
     return {"data": d, "heldout_fraction": heldout,
             "seq_len": min(ecfg.seq_len or cfg.get("seq_len") or defaults["seq_len"], max_pos),
             "eval_tokens": ecfg.tokens or cfg.get("eval_tokens") or defaults["eval_tokens"],
-            "cache_dir": cfg.get("cache_dir"), "teacher": cfg.get("teacher"),
+            "cache_dir": cfg.get("cache_dir"), "teacher": cfg.get("teacher"), "seed": cfg.get("seed") or 0,
+            "source_path": (cfg.get("extra") or {}).get("teacher_path") or cfg.get("source_path"),
             "source": "command line" if ecfg.data or ecfg.seq_len or ecfg.tokens else src}
 
 
@@ -344,11 +348,21 @@ def evaluate_target(path: str | Path, ecfg: EvalConfig, device: str = "cpu", rep
                  "model_type": _get(lm.config, "model_type"), "data": settings}
     if ecfg.ppl:
         reporter.stage(f"perplexity over {settings['eval_tokens']:,} held-out tokens of {settings['data']}")
-        corpus_tokens = tokenize_corpus(Corpus(settings["data"]), tok, settings["heldout_fraction"], cache)
+        corpus_tokens = settings_tokens(settings, tok)
         blocks = PackedBlocks(corpus_tokens.tokens("val"), settings["seq_len"], max_tokens=settings["eval_tokens"])
         nll, count = lm.nll(blocks)
         doc["ppl"] = {"val_ppl": math.exp(nll), "mean_nll": nll, "predicted_tokens": count,
                       "tokens": len(blocks) * blocks.seq_len, "seq_len": blocks.seq_len}
+        extra = other_domains(ecfg.domains, settings["data"], _get(lm.config, "vocab_size") or 0)
+        if extra:
+            doc["domains"] = {settings["data"]: doc["ppl"]}
+        for d in extra:
+            reporter.stage(f"perplexity over {settings['eval_tokens']:,} held-out tokens of {d}")
+            tokens = load_tokens(d, tok, None, cache, what="--domains")
+            b = PackedBlocks(tokens.tokens("val"), settings["seq_len"], max_tokens=settings["eval_tokens"])
+            nll, count = lm.nll(b)
+            doc["domains"][d] = {"val_ppl": math.exp(nll), "mean_nll": nll, "predicted_tokens": count,
+                                 "tokens": len(b) * b.seq_len, "seq_len": b.seq_len}
     if ecfg.icl:
         reporter.stage(f"building the ICL word list from {settings['data']}")
         words = corpus_word_list(settings["data"], settings["heldout_fraction"], cache)
@@ -362,6 +376,21 @@ def evaluate_target(path: str | Path, ecfg: EvalConfig, device: str = "cpu", rep
         doc["icl"] = res
     doc["seconds"] = time.time() - t0
     return doc
+
+
+GENERAL_VOCABULARY = 32000
+
+
+def other_domains(domains: str | None, data: str, vocab_size: int) -> list[str]:
+    """The corpora scored besides ``data``: ``domains`` as given, else prose for a general-purpose model (a
+    vocabulary of ``GENERAL_VOCABULARY`` or more: a pretrained LLM's, not the builtin or a test teacher's)."""
+    if domains is None:
+        names = [PROSE] if vocab_size >= GENERAL_VOCABULARY else []
+    else:
+        names = [d.strip() for d in domains.split(";" if ";" in domains else ",") if d.strip()]
+    for d in names:
+        check_spec(d, "--domains")
+    return [d for d in names if d != data]
 
 
 def _get(config, key: str):

@@ -28,6 +28,7 @@ demonstrations of each query are drawn per demonstration seed and never share th
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
@@ -38,7 +39,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bdlora.data import Corpus, default_cache_dir, is_heldout
+from bdlora.corpora import open_corpus, parse, teacher_tokens
+from bdlora.data import BUILTIN, default_cache_dir, is_heldout
 from bdlora.errors import DataError
 from bdlora.io import write_json
 
@@ -93,12 +95,16 @@ def build_word_list(documents, size: int = 400, min_len: int = 3, max_len: int =
 def corpus_word_list(data: str, heldout_fraction: float, cache_dir: Path | None = None, size: int = 400) -> list[str]:
     """``build_word_list`` over the training documents of a corpus (``--data`` spec), cached by corpus fingerprint."""
 
-    corpus = Corpus(data)
-    cache = (cache_dir or default_cache_dir()) / "icl" / f"words-{corpus.fingerprint()[:16]}-{heldout_fraction}" \
-                                                         f"-{size}.json"
+    # the corpora a user wrote (a mixture's components); teacher samples are not a word source: builtin then
+    specs = [p.spec for p in parse(data) if teacher_tokens(p.spec) is None] or [BUILTIN]
+    corpora = [open_corpus(s, cache_dir) for s in specs]
+    key = hashlib.sha256("|".join(c.fingerprint() for c in corpora).encode()).hexdigest()[:16]
+    cache = (cache_dir or default_cache_dir()) / "icl" / f"words-{key}-{heldout_fraction}-{size}.json"
     if cache.exists():
         return json.loads(cache.read_text())["words"]
-    words = build_word_list((d.text for d in corpus.documents() if not is_heldout(d.id, heldout_fraction)), size)
+    fraction = lambda c: heldout_fraction if heldout_fraction is not None else c.default_heldout_fraction  # noqa: E731
+    words = build_word_list((d.text for c in corpora for d in c.documents() if not is_heldout(d.id, fraction(c))),
+                            size)
     if len(words) < 20:
         raise DataError(f"--data {data}: only {len(words)} distinct lowercase words; the ICL probes need >= 20")
     write_json(cache, {"data": data, "heldout_fraction": heldout_fraction, "words": words})

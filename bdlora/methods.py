@@ -213,7 +213,7 @@ def measure_step_times(dense_student, teacher, x, cfg, device, warmup: int = 2, 
         for name, (model, opt) in setups.items():
             _sync(device)
             t = time.perf_counter()
-            loss, _ = kd_step(model, teacher, loss_fn, x, device)
+            loss, _ = kd_step(model, teacher, loss_fn, x, device, precision=cfg.autocast)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -13,28 +13,31 @@ the same corpus, whose settings the report keeps, so ``eval`` scores the same sl
 
 from __future__ import annotations
 
+import copy
 import time
 from pathlib import Path
 
 import torch
 
 from bdlora import SCHEMA_VERSION, __version__
-from bdlora.arch import projection_modules
+from bdlora.arch import projection_modules, set_module
 from bdlora.blocks import PackedBlocks
 from bdlora.budgeted.allocate import allocate
 from bdlora.budgeted.calibrate import calibration_blocks
+from bdlora.budgeted.correct import correct_sequential
 from bdlora.budgeted.costs import ModuleShape, compression_report, decide_module
 from bdlora.budgeted.layer import DeployedModule
 from bdlora.budgeted.lowrank import factors, gram_root, spectrum
 from bdlora.budgeted.model import build_deployed_model
 from bdlora.budgeted.start import calibrate_with_progress, compute_start, shapes_of, structure_report
 from bdlora.config import OneShotConfig
-from bdlora.data import Corpus, tokenize_corpus
+from bdlora.corpora import check_spec, default_heldout, load_tokens
 from bdlora.deployed.folder import save_model_folder
 from bdlora.errors import DataError, UsageError
 from bdlora.outputs import check_out_dir
 from bdlora.perplexity import perplexity
 from bdlora.reporter import SILENT, Reporter
+from bdlora.selfgen import TeacherSource
 from bdlora.student import build_student
 from bdlora.teacher import load_teacher
 
@@ -45,7 +48,8 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
     ``prediction(shapes, ranks)``, e.g. the measured
     decode-time table of ``bdlora.export.genai.latency``, passed in by the CLI): allocate by that cost instead of
     MACs; the last item then says what the allocation predicts (else None)."""
-    calib = calibrate_with_progress(model, calibration_blocks(train_blocks, cfg.calib_tokens), reporter)
+    blocks = calibration_blocks(train_blocks, cfg.calib_tokens)
+    calib = calibrate_with_progress(model, blocks, reporter)
     reporter.stage("whitened, loss-weighted spectra of every projection")
     mods = dict(projection_modules(model))
     shapes = [ModuleShape(n, m.in_features, m.out_features) for n, m in mods.items()]
@@ -77,24 +81,59 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
             deployed[s.name] = DeployedModule(dec, proj_in=a.to(dtype), proj_out=b.to(dtype), bias=bias)
         else:
             deployed[s.name] = DeployedModule(dec, weight=mod.weight.detach().clone(), bias=bias)
+    if cfg.correct:
+        cost_doc = {**(cost_doc or {}), "correction": correct_deployed(model, deployed, blocks, reporter)}
     return [d.decision for d in deployed.values()], deployed, calib.tokens, cost_doc
 
 
-def load_source(source: str, cfg: OneShotConfig, cache_dir: Path | None, reporter: Reporter, what: str):
-    """(model, tokenizer, path, training blocks, held-out blocks, held-out fraction) of a pretrained ``source`` and
-    ``cfg.data``: the model frozen in fp32, the corpus tokenised (cached) at ``cfg.seq_len`` capped by its
-    positions."""
+def correct_deployed(model, deployed: dict, blocks, reporter: Reporter = SILENT) -> dict:
+    """``--correct``: the second factor of every low-rank pair in ``deployed`` re-solved layer by layer against
+    ``model``'s outputs on the calibration ``blocks`` (``budgeted.correct``); returns the mean relative output error
+    of the pairs before and after."""
+    student = copy.deepcopy(model)
+    low_rank = {}
+    for name, dep in deployed.items():
+        if dep.proj_in is None:
+            continue
+        mod = dep.module().to(next(model.parameters()).device)
+        set_module(student, name, mod)
 
-    corpus = Corpus(cfg.data)  # checks the path before the model loads
+        def store(b, mod=mod, dep=dep):
+            mod.proj_out.weight.copy_(b)
+            dep.proj_out = b.detach().clone()
+
+        low_rank[name] = (mod, store)
+    reporter.stage(f"correcting {len(low_rank)} low-rank pairs layer by layer against the source's outputs")
+    errors = correct_sequential(model, student, blocks, low_rank, reporter)
+    del student
+    before = [e[0] for e in errors.values()]
+    after = [e[1] for e in errors.values()]
+    return {"method": "sequential least squares of each second factor", "modules": len(errors),
+            "mean_relative_error_before": sum(before) / max(1, len(before)),
+            "mean_relative_error_after": sum(after) / max(1, len(after))}
+
+
+def load_source(source: str, cfg: OneShotConfig, cache_dir: Path | None, reporter: Reporter, what: str):
+    """(model, tokenizer, path, calibration blocks, held-out blocks, held-out fraction) of a pretrained ``source``:
+    the model frozen in fp32; the training split of ``cfg.calib_data`` (default ``cfg.data``) and the held-out split
+    of ``cfg.data``, tokenised (cached) at ``cfg.seq_len`` capped by its positions."""
+
+    check_spec(cfg.data)  # checks the paths before the model loads
+    if cfg.calib_data:
+        check_spec(cfg.calib_data, "--calib-data")
     reporter.stage(f"loading {source}")
     model, tok, path = load_teacher(source, cache_dir, on_stage=reporter.stage, what=what)
     for p in model.parameters():
         p.requires_grad_(False)
     seq = min(cfg.seq_len, getattr(model.config, "max_position_embeddings", None) or cfg.seq_len)
-    heldout = corpus.default_heldout_fraction if cfg.heldout_fraction is None else cfg.heldout_fraction
-    reporter.stage(f"tokenising {cfg.data}")
-    data = tokenize_corpus(corpus, tok, heldout, cache_dir)
-    train_blocks = PackedBlocks(data.tokens("train"), seq)
+    heldout = default_heldout(cfg.data) if cfg.heldout_fraction is None else cfg.heldout_fraction
+    teacher = TeacherSource(Path(str(path)), model, tok)
+    data = load_tokens(cfg.data, tok, heldout, cache_dir, teacher=teacher, reporter=reporter)
+    calib = data
+    if cfg.calib_data and cfg.calib_data != cfg.data:
+        calib = load_tokens(cfg.calib_data, tok, None, cache_dir, what="--calib-data", teacher=teacher,
+                            reporter=reporter)
+    train_blocks = PackedBlocks(calib.tokens("train"), seq)
     val_blocks = PackedBlocks(data.tokens("val"), seq, max_tokens=cfg.eval_tokens)
     if len(val_blocks) < 1:
         raise DataError(f"--data {cfg.data}: the held-out slice has {data.meta['tokens']['val']} tokens, fewer than "
@@ -133,13 +172,17 @@ def compress_one_shot(source: str, cfg: OneShotConfig, out: str | Path, force: b
     check_out_dir(out, force, (path,))
     seq = train_blocks.seq_len
     decisions, deployed, tokens, cost_doc = one_shot_structure(model, train_blocks, cfg, reporter, cost_table)
-    settings = {"data": cfg.data, "teacher": source, "heldout_fraction": heldout, "seq_len": seq,
+    correction = (cost_doc or {}).pop("correction", None)
+    cost_doc = cost_doc or None
+    settings = {"data": cfg.data, "calib_data": cfg.calib_data or cfg.data, "teacher": source,
+                "source_path": str(path), "heldout_fraction": heldout, "seq_len": seq,
                 "eval_tokens": cfg.eval_tokens, "cache_dir": str(cache_dir) if cache_dir else None,
                 "origin": "the --one-shot options"}
     provenance = {"name": f"{Path(str(path)).name} one-shot {cfg.mac_ratio:g}x", "method": "one-shot",
                   "teacher": source, "source_path": str(path), "mac_ratio": cfg.mac_ratio, "calib_tokens": tokens,
-                  "lora_init": "whitened", "allocation": "quality", "data_settings": settings,
-                  **({"allocation_cost": cost_doc} if cost_doc else {})}
+                  "lora_init": "whitened", "allocation": "quality", "correct": cfg.correct, "data_settings": settings,
+                  **({"allocation_cost": cost_doc} if cost_doc else {}),
+                  **({"correction": correction} if correction else {})}
     compressed = build_deployed_model(model, deployed, provenance)
     report = compression_report(decisions, None, {}, baseline="source")
     report.update(schema_version=SCHEMA_VERSION, bdlora_version=__version__, source="compress --one-shot",

@@ -7,7 +7,6 @@ torch and lives in ``evaluate``)."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -15,7 +14,6 @@ import torch.nn.functional as F
 
 from bdlora.arch import hidden_and_head
 from bdlora.blocks import PackedBlocks
-from bdlora.data import Corpus, tokenize_corpus
 from bdlora.kv_cache import cache_argument, returned_cache
 
 
@@ -44,14 +42,6 @@ def perplexity(model, blocks: PackedBlocks, batch_size: int = 8, device: str | t
         device = next(model.parameters()).device
     nll, _ = mean_nll(model, blocks, batch_size=batch_size, device=device)
     return math.exp(nll)
-
-
-def heldout_blocks(run_config: dict, tokenizer) -> PackedBlocks:
-    """The held-out blocks a run was scored on (same corpus, split, sequence length and token count), from the
-    tokenised-corpus cache (re-tokenised if the cache was cleared)."""
-    cache = Path(run_config["cache_dir"]).expanduser() if run_config.get("cache_dir") else None
-    data = tokenize_corpus(Corpus(run_config["data"]), tokenizer, run_config["heldout_fraction"], cache)
-    return PackedBlocks(data.tokens("val"), run_config["seq_len"], max_tokens=run_config["eval_tokens"])
 
 
 class TorchLM:

@@ -35,7 +35,8 @@ def evaluate_with_teacher(path: str | Path, ecfg: EvalConfig, teacher: bool = Tr
         return doc
     same = dataclasses.replace(ecfg, data=doc["data"]["data"], heldout_fraction=doc["data"]["heldout_fraction"],
                                seq_len=doc["data"]["seq_len"], tokens=doc["data"]["eval_tokens"],
-                               onnx_file="model.onnx")
+                               onnx_file="model.onnx",
+                               domains=";".join(d for d in doc.get("domains") or {} if d != doc["data"]["data"]))
     cache = Path(doc["data"].get("cache_dir") or default_cache_dir()).expanduser() / EVALS
     key = _key(folder, same)
     stored = cache / f"teacher-{key}.json"
@@ -46,7 +47,7 @@ def evaluate_with_teacher(path: str | Path, ecfg: EvalConfig, teacher: bool = Tr
         reporter.stage(f"scoring the teacher {folder} on the same slice and prompts (once; cached)")
         found = evaluate_target(folder, same, device, reporter)
         write_json(stored, found)
-    doc["teacher"] = {"source": str(folder), **{k: found[k] for k in ("ppl", "icl") if k in found}}
+    doc["teacher"] = {"source": str(folder), **{k: found[k] for k in ("ppl", "domains", "icl") if k in found}}
     return doc
 
 

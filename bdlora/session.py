@@ -17,9 +17,10 @@ from bdlora.blocks import DocumentBlocks, PackedBlocks, training_blocks
 from bdlora.budgeted.calibrate import check_calib_tokens
 from bdlora.budgeted.start import needed
 from bdlora.config import BUILTIN, TrainConfig, resolve_defaults
-from bdlora.data import Corpus, tokenize_corpus
+from bdlora.corpora import check_spec, default_heldout, load_tokens
 from bdlora.errors import DataError, ModelError, UsageError
 from bdlora.reporter import SILENT, Reporter
+from bdlora.selfgen import TeacherSource
 from bdlora.student import build_student, check_same_vocabulary
 from bdlora.teacher import load_teacher
 
@@ -44,6 +45,11 @@ class Session:
     layer_indices: list[int]
     train_blocks: PackedBlocks | DocumentBlocks
     val_blocks: PackedBlocks
+    calib_blocks: PackedBlocks | None = None  # --calib-data's training split (None: calibrate on train_blocks)
+
+    @property
+    def calibration_source(self):
+        return self.calib_blocks if self.calib_blocks is not None else self.train_blocks
 
 
 def prepare(cfg: TrainConfig, reporter: Reporter = SILENT) -> Session:
@@ -52,15 +58,18 @@ def prepare(cfg: TrainConfig, reporter: Reporter = SILENT) -> Session:
     cfg.validate()
     device = resolve_device(cfg.device)
     cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else None
-    corpus = Corpus(cfg.data)  # checks the path before the (possibly long) teacher build
+    check_spec(cfg.data)  # checks the paths before the (possibly long) teacher build
+    if cfg.calib_data:
+        check_spec(cfg.calib_data, "--calib-data")
     reporter.stage(f"loading teacher {cfg.teacher}")
     teacher, tokenizer, teacher_path = load_teacher(cfg.teacher, cache, device=str(device), on_stage=reporter.stage,
                                                     on_step=reporter.teacher_step)
     cfg = _resolve_sizes(resolve_defaults(cfg, builtin_teacher=cfg.teacher == BUILTIN), teacher)
     student, idx = _build_student(cfg, teacher, tokenizer, cache, reporter)
     student.to(device)
-    reporter.stage(f"tokenising corpus {cfg.data} ({len(corpus.files)} files)")
-    data = tokenize_corpus(corpus, tokenizer, cfg.heldout_fraction, cache)
+    source = TeacherSource(teacher_path, teacher, tokenizer)  # what teacher:N samples from
+    data = load_tokens(cfg.data, tokenizer, cfg.heldout_fraction, cache, teacher=source, seed=cfg.seed,
+                       reporter=reporter)
     train_blocks = training_blocks(data.tokens("train"), cfg.seq_len, cfg.packing, tokenizer.eos_token_id)
     val_blocks = PackedBlocks(data.tokens("val"), cfg.seq_len, max_tokens=cfg.eval_tokens)
     if len(train_blocks) < 1:
@@ -69,14 +78,20 @@ def prepare(cfg: TrainConfig, reporter: Reporter = SILENT) -> Session:
     if len(val_blocks) < 1:
         raise DataError(f"--data {cfg.data}: the held-out slice has {data.meta['tokens']['val']} tokens, fewer "
                         f"than one block of {cfg.seq_len}; raise --heldout-fraction (now {cfg.heldout_fraction})")
+    calib_blocks = None
     if needed(cfg.method, cfg.lora_init, cfg.allocation):
+        if cfg.calib_data and cfg.calib_data != cfg.data:
+            calib = load_tokens(cfg.calib_data, tokenizer, None, cache, what="--calib-data", teacher=source,
+                                seed=cfg.seed, reporter=reporter)
+            calib_blocks = PackedBlocks(calib.tokens("train"), cfg.seq_len)
+        blocks = calib_blocks if calib_blocks is not None else train_blocks
         if "calib_tokens" in cfg.extra.get("defaulted", ()):  # a defaulted count fits the split; an explicit one must
-            cfg.calib_tokens = min(cfg.calib_tokens, len(train_blocks) * train_blocks.seq_len)
-        check_calib_tokens(train_blocks, cfg.calib_tokens)
+            cfg.calib_tokens = min(cfg.calib_tokens, len(blocks) * blocks.seq_len)
+        check_calib_tokens(blocks, cfg.calib_tokens, "--calib-data" if calib_blocks is not None else "--data")
     cfg.extra.update({"teacher_path": str(teacher_path), "layer_indices": idx,
                       "teacher_layers": teacher.config.num_hidden_layers, "data_cache": str(data.path),
                       "data_tokens": data.meta["tokens"]})
-    return Session(cfg, device, teacher, tokenizer, student, idx, train_blocks, val_blocks)
+    return Session(cfg, device, teacher, tokenizer, student, idx, train_blocks, val_blocks, calib_blocks)
 
 
 def _resolve_sizes(cfg: TrainConfig, teacher) -> TrainConfig:
@@ -96,7 +111,7 @@ def _resolve_sizes(cfg: TrainConfig, teacher) -> TrainConfig:
         world = D.env_from_launcher().world_size
         cfg.max_steps = max(1, cfg.tokens // (cfg.batch_size * cfg.grad_accum * cfg.seq_len * world))
     if cfg.heldout_fraction is None:
-        cfg.heldout_fraction = Corpus(cfg.data).default_heldout_fraction
+        cfg.heldout_fraction = default_heldout(cfg.data)  # None for a mixture: each component keeps its own
     return cfg
 
 

@@ -211,6 +211,14 @@ def pretrain(model, blocks: PackedBlocks, spec: BuiltinTeacherSpec, on_step=None
     model.eval()
 
 
+def teacher_folder(spec: str, cache_dir: Path | None = None) -> Path:
+    """The local folder ``--teacher spec`` loads from (the builtin teacher built, a preset or .gguf materialised,
+    on first use)."""
+    if spec == BUILTIN:
+        return build_builtin_teacher(cache_dir)
+    return Path(sources.resolve(spec, cache_dir))
+
+
 def load_teacher(spec: str, cache_dir: Path | None = None, device: str = "cpu", on_stage=None, on_step=None,
                  what: str = "--teacher"):
     """Return (model, tokenizer, path) for ``--teacher``: ``builtin``, a local HF folder, a ``.gguf`` file, a preset

@@ -156,7 +156,7 @@ def setup(cfg: TrainConfig, rep: Reporter, resume: RunDir | None, env: D.DistEnv
     start = None
     if has_start and resume is None and env.is_main:  # before the run directory exists: a bad target writes nothing
         start = compute_start(sess.student, cfg.lora_init, cfg.allocation, cfg.lora_rank, cfg.budget, cfg.mac_ratio,
-                              sess.train_blocks, cfg.calib_tokens, rep)
+                              sess.calibration_source, cfg.calib_tokens, rep)
     run_dir = resume if resume is not None else _new_run_dir(cfg, env)
     if start is not None:
         start.save(*run_dir.lora_start)
@@ -285,7 +285,8 @@ def _optimiser_step(run: Run, step: int, logs: dict) -> dict:
                    for t in run.sess.train_blocks.batch(run.sampler.indices(first, cfg.batch_size)))
         sync = run.ddp is None or micro == cfg.grad_accum - 1
         with (contextlib.nullcontext() if sync else run.ddp.no_sync()):
-            loss, parts = kd_step(run.model, run.sess.teacher, run.loss_fn, x, run.device, run.ddp, mask)
+            loss, parts = kd_step(run.model, run.sess.teacher, run.loss_fn, x, run.device, run.ddp, mask,
+                                  run.cfg.autocast)
             if not torch.isfinite(loss.detach()):
                 raise TrainingError(diverged(float(loss.detach()), step, run.start_step, cfg.lr))
             (loss / cfg.grad_accum).backward()

@@ -108,3 +108,32 @@ def test_right_padding_with_mask_equals_the_unpadded_document(tiny_model):
         grads.append(float(loss.detach()))
     assert math.isclose(grads[1], grads[3], rel_tol=1e-5)
     assert torch.allclose(grads[0], grads[2], atol=1e-6, rtol=1e-4)
+
+
+def test_a_bf16_step_on_the_cpu_is_within_tolerance_of_fp32(tiny_env):
+    """--autocast bf16 (issue 41): the same micro-batch's loss and gradients in bf16 autocast stay close to fp32
+    (the master weights stay fp32; only the matmuls run in bf16)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from bdlora.distill import kd_step
+
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_env["teacher"], dtype=torch.float32).eval()
+    student = copy.deepcopy(teacher).train()
+    with torch.no_grad():
+        for p in student.parameters():
+            p.mul_(0.9)
+    x = torch.randint(0, teacher.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+    loss_fn, cpu = DistillationLoss(3.0, 0.8, 1024), torch.device("cpu")
+    got = {}
+    for mode in ("fp32", "bf16"):
+        student.zero_grad()
+        loss, _ = kd_step(student, teacher, loss_fn, x, cpu, precision=mode)
+        loss.backward()
+        grad = torch.cat([p.grad.flatten() for p in student.parameters() if p.grad is not None])
+        assert all(p.dtype == torch.float32 for p in student.parameters())
+        got[mode] = (float(loss), grad)
+    (l32, g32), (l16, g16) = got["fp32"], got["bf16"]
+    assert l16 != l32 and abs(l16 - l32) / l32 < 0.02
+    assert F.cosine_similarity(g16, g32, dim=0) > 0.99

@@ -44,14 +44,14 @@ class Calibration:
         return self.grams[input_group(name)]
 
 
-def check_calib_tokens(blocks, tokens: int) -> int:
+def check_calib_tokens(blocks, tokens: int, what: str = "--data") -> int:
     """The number of ``seq_len`` blocks ``tokens`` calibration tokens take; more than the training split holds is
     an error naming what it holds."""
     seq = blocks.seq_len
     want = max(1, -(-tokens // seq))
     if len(blocks) < want:
         raise DataError(f"--calib-tokens {tokens}: the training split holds {len(blocks) * seq:,} tokens in "
-                        f"{len(blocks)} blocks of {seq}; lower --calib-tokens or give a larger --data")
+                        f"{len(blocks)} blocks of {seq}; lower --calib-tokens or give a larger {what}")
     return want
 
 

@@ -15,7 +15,7 @@ from bdlora.cli import render
 from bdlora.cli.app import command, err, out
 from bdlora.cli.options import from_dataclass
 from bdlora.cli.progress import RichReporter
-from bdlora.config import OneShotConfig
+from bdlora.config import BUILTIN, OneShotConfig
 from bdlora.data import default_cache_dir
 from bdlora.errors import Checks, UsageError, flag, usable_cores
 from bdlora.plan import DEFAULT_PLAN_STEPS, read_model_config
@@ -38,12 +38,14 @@ def plan(
                                                             "allocate for (default: the paper's rule at --budget).")]
     = None,
     calib_tokens: Annotated[int, typer.Option(help="--allocation quality: calibration tokens of --data.")] = 8192,
-    data: Annotated[str, typer.Option(help="--allocation quality: the corpus to calibrate on.")] = "builtin",
+    data: Annotated[str, typer.Option(help="--allocation quality: the corpus to calibrate on (as train's).")]
+    = BUILTIN,
+    calib_data: Annotated[Optional[str], typer.Option(help="--allocation quality: calibrate on this instead.")] = None,
     layers: Annotated[Optional[int], typer.Option(help="Student decoder layers (default: the config's).")] = None,
     steps: Annotated[int, typer.Option(help="Optimiser steps the schedule is simulated over.")] = DEFAULT_PLAN_STEPS,
-    precision: Annotated[Optional[str], typer.Option(help="Also predict the projections' deployed decode speed-up "
-                                                          "at fp32, int8 or int4: each form's decode time measured "
-                                                          "in onnxruntime on this machine (cached).")] = None,
+    precision: Annotated[Optional[str], typer.Option(help="Also predict the deployed decode speed-up at fp32, int8 "
+                                                          "or int4 (each form timed in onnxruntime here, cached).")]
+    = None,
     threads: Annotated[Optional[int], typer.Option(help="--precision: threads the decode times are measured at "
                                                         "(default: this machine's cores).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
@@ -54,22 +56,10 @@ def plan(
     --model and --allocation quality, from the model's own calibration."""
 
     rank = opts.pop("lora_rank")
-    c = Checks()  # every option's own range first, then what the model allows
-    BudgetedConfig(**opts, rank=rank).check(c)
-    c.integer("layers", layers, lo=1)
-    c.integer("steps", steps, lo=1)
-    c.choice("allocation", allocation, ALLOCATIONS)
-    c.number("mac_ratio", mac_ratio, lo=1.0)
-    c.integer("calib_tokens", calib_tokens, lo=1)
-    c.require(model_config is not None or model is not None, "--model-config or --model: name the model to plan")
-    c.require(allocation == "cost" or model is not None, "--allocation quality: needs --model (its weights and a "
-              "calibration decide the structure)")
-    if precision is not None:
-        c.choice("precision", precision, GENAI_PRECISIONS)
-    c.integer("threads", threads, lo=1, hi=512)
-    c.done()
+    _check_plan(opts, rank, model_config, model, allocation, mac_ratio, calib_tokens, layers, steps, precision,
+                threads)
     if allocation == "quality":
-        report = _quality_plan(model, rank, layers, mac_ratio, calib_tokens, data, opts, json_out)
+        report = _quality_plan(model, rank, layers, mac_ratio, calib_tokens, calib_data or data, opts, json_out)
         title = f"plan --allocation quality: {report['speedup_vs_dense']:.2f}x fewer projection MACs"
     else:
         config = read_model_config(model_config or _resolved(model))
@@ -86,6 +76,24 @@ def plan(
     render.compression_report(report, title=title)
     if precision:
         render.latency_forms(report["deployed"])
+
+
+def _check_plan(opts, rank, model_config, model, allocation, mac_ratio, calib_tokens, layers, steps, precision,
+                threads) -> None:
+    c = Checks()  # every option's own range first, then what the model allows
+    BudgetedConfig(**opts, rank=rank).check(c)
+    c.integer("layers", layers, lo=1)
+    c.integer("steps", steps, lo=1)
+    c.choice("allocation", allocation, ALLOCATIONS)
+    c.number("mac_ratio", mac_ratio, lo=1.0)
+    c.integer("calib_tokens", calib_tokens, lo=1)
+    c.require(model_config is not None or model is not None, "--model-config or --model: name the model to plan")
+    c.require(allocation == "cost" or model is not None, "--allocation quality: needs --model (its weights and a "
+              "calibration decide the structure)")
+    if precision is not None:
+        c.choice("precision", precision, GENAI_PRECISIONS)
+    c.integer("threads", threads, lo=1, hi=512)
+    c.done()
 
 
 def _resolved(model: str) -> str:

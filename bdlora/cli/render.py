@@ -231,6 +231,12 @@ def evaluation(doc: dict) -> None:
         beside = f" vs the teacher's [bold]{tp:.3f}[/] ({p['val_ppl'] / tp:.3f}x)" if tp else ""
         out.print(f"held-out perplexity: [bold]{p['val_ppl']:.3f}[/]{beside} ({p['tokens']:,} tokens of "
                   f"{doc['data']['data']}, blocks of {p['seq_len']}; {doc['kind']})")
+    for name, d in (doc.get("domains") or {}).items():
+        if name == doc["data"]["data"]:
+            continue
+        td = ((teacher.get("domains") or {}).get(name) or {}).get("val_ppl")
+        beside = f" vs the teacher's [bold]{td:.3f}[/] ({d['val_ppl'] / td:.3f}x)" if td else ""
+        out.print(f"held-out perplexity on {name}: [bold]{d['val_ppl']:.3f}[/]{beside} ({d['tokens']:,} tokens)")
     if doc.get("teacher_note"):
         out.print(f"(no teacher figures beside: {doc['teacher_note']})")
     if "icl" in doc:

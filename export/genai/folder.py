@@ -10,6 +10,7 @@ import onnx
 
 from bdlora import SCHEMA_VERSION
 from bdlora.blocks import PackedBlocks
+from bdlora.corpora import heldout_blocks, settings_tokens
 from bdlora.data import BUILTIN, Corpus, tokenize_corpus
 from bdlora.errors import UsageError, usable_cores
 from bdlora.export.defaults import CALIB_TOKENS, MAX_GENAI_THREADS, MAX_PPL_CHANGE
@@ -23,7 +24,6 @@ from bdlora.export.onnx.validate import ExportValidationError
 from bdlora.io import atomic_dir, write_json
 from bdlora.models import load_model_folder
 from bdlora.outputs import check_out_dir
-from bdlora.perplexity import heldout_blocks
 from bdlora.reporter import SILENT, Reporter
 from bdlora.runs import GENAI_CONFIG, ModelDir, OnnxDir, source_run
 from bdlora.runtime import DecoderShape, session
@@ -183,10 +183,7 @@ def data_settings(model_dir: Path, report: dict | None) -> dict:
 
 def corpus_blocks(settings: dict, tok, split: str, seq_len: int, tokens: int) -> PackedBlocks:
     """The first ``tokens`` of ``split`` of the corpus in ``settings`` (the builtin corpus when none), packed."""
-    corpus = Corpus(settings.get("data") or BUILTIN)
-    heldout = settings.get("heldout_fraction") or corpus.default_heldout_fraction
-    cache = Path(settings["cache_dir"]).expanduser() if settings.get("cache_dir") else None
-    data = tokenize_corpus(corpus, tok, heldout, cache)
+    data = settings_tokens(settings, tok)
     return PackedBlocks(data.tokens(split), seq_len, max_tokens=tokens)
 
 

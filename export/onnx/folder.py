@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from bdlora import SCHEMA_VERSION
+from bdlora.corpora import heldout_blocks
 from bdlora.errors import UsageError
 from bdlora.export.onnx.metadata import add_metadata, metadata_summary, module_table
 from bdlora.export.onnx.optimize import optimize_graph
@@ -18,7 +19,6 @@ from bdlora.export.onnx.validate import validate
 from bdlora.io import atomic_dir, write_json
 from bdlora.models import load_model_folder
 from bdlora.outputs import check_out_dir
-from bdlora.perplexity import heldout_blocks
 from bdlora.reporter import SILENT, Reporter
 from bdlora.runs import ModelDir, OnnxDir, source_run
 from bdlora.runtime import DecoderShape, score_blocks, session

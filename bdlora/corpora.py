@@ -1,0 +1,314 @@
+"""What ``--data`` and ``--calib-data`` name, beyond one corpus folder, and the one function every command reads
+tokens through (``load_tokens``).
+
+A spec is one of:
+
+- ``builtin``: the Python standard library's source (``bdlora.data``);
+- ``prose``: English prose, the reStructuredText documentation of Django (``PROSE``: 640 files, 6 MB of English,
+  BSD-3-Clause), fetched once from the package registry as the project's source distribution with ``pip download
+  --no-deps`` (nothing is installed) and kept in the cache with its licence;
+- a path: a .txt/.jsonl/.parquet file or folder, or a ``datasets.save_to_disk`` folder;
+- ``teacher:N``: N tokens sampled from the teacher itself (``bdlora.selfgen``), generated once per (teacher weights,
+  N, seed) and cached like a corpus;
+- a mixture ``A:w,B:w,...`` of any of the above (``builtin:0.5,/corpora/prose:0.5``; weights are normalised).
+
+A mixture is built from its components' token streams: each split takes, from every component, exactly
+``floor(w_i * T)`` tokens, where ``T`` is the largest total no component runs short of (nothing is repeated, so a
+small component bounds the total), in chunks of ``MIX_CHUNK`` tokens drawn evenly from the whole component and
+shuffled together with a fixed seed, so any prefix of a split (the held-out tokens ``--eval-tokens`` scores) holds
+the same proportions. Components keep their own held-out fractions unless one is given for all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from bdlora.blocks import PackedBlocks
+from bdlora.data import BUILTIN, BUILTIN_HELDOUT_FRACTION, Corpus, TokenizedCorpus, default_cache_dir, tokenize_corpus
+from bdlora.errors import DataError
+from bdlora.io import atomic_dir, write_json
+from bdlora.reporter import SILENT, Reporter
+
+PROSE = "prose"
+TEACHER_PREFIX = "teacher:"
+MIX_CHUNK = 1024
+MIX_SEED = 20261125
+MIX_VERSION = 1
+CORPUS_FILE = "corpus.json"
+
+
+@dataclass(frozen=True)
+class ProseSource:
+    requirement: str
+    sdist: str
+    sha256: str
+    docs: str  # the folder inside the sdist whose .txt files are the corpus
+    licence: str
+    licence_member: str
+    note: str
+
+
+# Django's documentation: technical English prose about web development, written for people (tutorials, how-tos,
+# reference pages, release notes), not Python source. Pinned by version and hash so every machine reads the same text.
+PROSE_SOURCE = ProseSource(
+    "django==5.2.8", "django-5.2.8.tar.gz", "23254866a5bb9a2cfa6004e8b809ec6246eba4b58a7589bc2772f1bcc8456c7f",
+    "django-5.2.8/docs/", "BSD-3-Clause", "django-5.2.8/LICENSE",
+    "The documentation of Django 5.2.8 (reStructuredText sources, docs/**/*.txt) from its source distribution on PyPI")
+
+
+@dataclass(frozen=True)
+class Part:
+    spec: str
+    weight: float
+
+
+def parse(spec: str, what: str = "--data") -> list[Part]:
+    """The components of ``spec`` with normalised weights; one component (weight 1) unless ``spec`` holds a comma
+    and is not itself an existing path."""
+    spec = str(spec)
+    if "," not in spec or Path(spec).expanduser().exists():
+        _check_single(spec, what)
+        return [Part(spec, 1.0)]
+    parts = []
+    for item in spec.split(","):
+        name, sep, w = item.strip().rpartition(":")
+        try:
+            weight = float(w) if sep else float("nan")
+        except ValueError:
+            weight = float("nan")
+        if not name or not math.isfinite(weight) or weight <= 0:
+            raise DataError(f"{what} {spec}: '{item}' is not CORPUS:WEIGHT with a positive weight (a mixture is "
+                            "e.g. builtin:0.5,prose:0.5)")
+        _check_single(name, what)
+        parts.append(Part(name, weight))
+    names = [p.spec for p in parts]
+    if len(set(names)) != len(names):
+        raise DataError(f"{what} {spec}: a corpus is named twice; give each once with its whole weight")
+    total = sum(p.weight for p in parts)
+    return [Part(p.spec, p.weight / total) for p in parts]
+
+
+def teacher_tokens(spec: str) -> int | None:
+    """N of a ``teacher:N`` spec (None for any other)."""
+    if not spec.startswith(TEACHER_PREFIX):
+        return None
+    return int(spec[len(TEACHER_PREFIX):])
+
+
+def _check_single(spec: str, what: str) -> None:
+    if spec.startswith(TEACHER_PREFIX):
+        n = spec[len(TEACHER_PREFIX):]
+        if not n.isdigit() or int(n) < 1:
+            raise DataError(f"{what} {spec}: teacher:N needs a positive whole number of tokens (e.g. teacher:65536)")
+        return
+    if spec in (BUILTIN, PROSE):
+        return
+    Corpus(spec, what=what)  # the path exists and holds a readable kind of corpus
+
+
+def check_spec(spec: str, what: str = "--data") -> list[Part]:
+    """Refuse a bad spec (unknown path, malformed mixture, bad N) before anything long starts."""
+    return parse(spec, what)
+
+
+def default_heldout(spec: str) -> float | None:
+    """The held-out fraction a spec uses when none is given: its corpus's own (0.02 for builtin, prose and teacher
+    samples; 0.002 for a user corpus); None for a mixture (each component keeps its own)."""
+    parts = parse(spec)
+    if len(parts) > 1:
+        return None
+    s = parts[0].spec
+    if s in (BUILTIN, PROSE) or s.startswith(TEACHER_PREFIX):
+        return BUILTIN_HELDOUT_FRACTION
+    return Corpus(s).default_heldout_fraction
+
+
+def open_corpus(spec: str, cache_dir: Path | None = None, what: str = "--data", teacher=None, seed: int = 0,
+                reporter: Reporter = SILENT) -> Corpus:
+    """The documents of one (non-mixture) spec: prose and teacher samples are materialised into the cache first.
+    ``teacher``: a ``selfgen.TeacherSource`` (needed for ``teacher:N``)."""
+    cache = Path(cache_dir or default_cache_dir())
+    n = teacher_tokens(spec)
+    if spec == PROSE:
+        corpus = Corpus(prose_dir(cache, reporter), what=what, name=PROSE)
+    elif n is not None:
+        from bdlora.selfgen import samples_dir
+
+        if teacher is None:
+            raise DataError(f"{what} {spec}: teacher samples need the teacher they are sampled from")
+        corpus = Corpus(samples_dir(teacher, n, seed, cache, reporter), what=what, name=spec)
+    else:
+        return Corpus(spec, what=what)
+    corpus.default_heldout_fraction = BUILTIN_HELDOUT_FRACTION  # hundreds of documents, as the builtin corpus
+    return corpus
+
+
+def load_tokens(spec: str, tokenizer, heldout_fraction: float | None = None, cache_dir: Path | None = None,
+                what: str = "--data", teacher=None, seed: int = 0, reporter: Reporter = SILENT) -> TokenizedCorpus:
+    """The train/val token streams of ``spec`` (tokenised once and cached): one corpus or a mixture."""
+    parts = parse(spec, what)
+    cache = Path(cache_dir or default_cache_dir())
+
+    def one(s: str) -> TokenizedCorpus:
+        corpus = open_corpus(s, cache, what, teacher, seed, reporter)
+        frac = corpus.default_heldout_fraction if heldout_fraction is None else heldout_fraction
+        reporter.stage(f"tokenising {s} ({len(corpus.files)} files)")
+        tokens = tokenize_corpus(corpus, tokenizer, frac, cache)
+        if sum(tokens.meta["tokens"].values()) == 0:
+            raise DataError(f"{what} {s}: the corpus is empty")
+        return tokens
+
+    if len(parts) == 1:
+        return one(parts[0].spec)
+    return mix([one(p.spec) for p in parts], [p.weight for p in parts], [p.spec for p in parts], cache, what)
+
+
+def mix_counts(available: list[int], weights: list[float]) -> list[int]:
+    """Tokens each component gives to a split: ``floor(w_i * T)`` with ``T = min_i(available_i / w_i)``, the
+    largest total no component runs short of."""
+    total = min(a / w for a, w in zip(available, weights))
+    return [min(a, math.floor(w * total + 1e-9)) for a, w in zip(available, weights)]
+
+
+def _chunks(n_avail: int, take: int, rng: np.random.Generator) -> list[tuple[int, int]]:
+    """(start, length) spans of a component's stream totalling exactly ``take`` tokens: whole ``MIX_CHUNK`` chunks
+    drawn without replacement across the whole stream, the last one cut short."""
+    n_chunks = n_avail // MIX_CHUNK
+    whole, rest = divmod(take, MIX_CHUNK)
+    want = whole + (1 if rest else 0)
+    if want > n_chunks:  # a component shorter than a few chunks: its first ``take`` tokens in one span
+        return [(0, take)] if take else []
+    idx = np.sort(rng.choice(n_chunks, size=want, replace=False))
+    spans = [(int(i) * MIX_CHUNK, MIX_CHUNK) for i in idx]
+    if rest:
+        spans[-1] = (spans[-1][0], rest)
+    return spans
+
+
+def mix(parts: list[TokenizedCorpus], weights: list[float], specs: list[str], cache: Path,
+        what: str = "--data") -> TokenizedCorpus:
+    """The mixture of tokenised components with ``weights`` (summing to 1), cached by its components' content keys
+    and weights."""
+    dtypes = {p.meta["dtype"] for p in parts}
+    key = hashlib.sha256(json.dumps([MIX_VERSION, MIX_CHUNK, [p.path.name for p in parts],
+                                     [round(w, 12) for w in weights]]).encode()).hexdigest()[:20]
+    out = cache / "data" / f"mixture-{key}"
+    if (out / "meta.json").exists():
+        return TokenizedCorpus(out, json.loads((out / "meta.json").read_text()))
+    dtype = "uint32" if "uint32" in dtypes else next(iter(dtypes))
+    components = [{"spec": s, "weight": w, "cache": p.path.name, "tokens": {}}
+                  for s, w, p in zip(specs, weights, parts)]
+    counts = {}
+    with atomic_dir(out) as tmp:
+        for split in ("train", "val"):
+            available = [p.meta["tokens"][split] for p in parts]
+            take = mix_counts(available, weights)
+            if sum(take) == 0 and split == "train":
+                raise DataError(f"{what}: a component of the mixture has no {split} tokens "
+                                f"({', '.join(f'{s}: {a:,}' for s, a in zip(specs, available))})")
+            rng = np.random.default_rng(MIX_SEED)
+            spans = [(i, s) for i, (p, t) in enumerate(zip(parts, take))
+                     for s in _chunks(len(p.tokens(split)), t, rng)]
+            order = rng.permutation(len(spans))
+            with open(tmp / f"{split}.bin", "wb") as fh:
+                for j in order:
+                    i, (start, length) = spans[j]
+                    fh.write(np.asarray(parts[i].tokens(split)[start : start + length], dtype=dtype).tobytes())
+            counts[split] = int(sum(take))
+            for c, t in zip(components, take):
+                c["tokens"][split] = int(t)
+        meta = {"format_version": 1, "corpus": ",".join(f"{s}:{w:g}" for s, w in zip(specs, weights)),
+                "corpus_kind": "mixture", "dtype": dtype, "tokens": counts, "mixture": components,
+                "chunk_tokens": MIX_CHUNK}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+    return TokenizedCorpus(out, meta)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The prose corpus
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def prose_dir(cache: Path, reporter: Reporter = SILENT) -> Path:
+    """The prose corpus as a folder of .txt files in the cache (with its LICENSE and ``corpus.json``), fetched
+    and extracted on first use."""
+    src = PROSE_SOURCE
+    out = Path(cache) / "corpora" / f"prose-{src.sdist.removesuffix('.tar.gz')}"
+    if (out / CORPUS_FILE).is_file():
+        return out
+    with tempfile.TemporaryDirectory(prefix="bdlora-prose-") as tmp:
+        reporter.stage(f"fetching {src.requirement}'s source distribution from the package registry (its "
+                       "documentation is the prose corpus; nothing is installed)")
+        sdist = fetch_sdist(src.requirement, src.sdist, Path(tmp))
+        digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
+        if digest != src.sha256:
+            raise DataError(f"--data prose: {src.sdist} from the registry has SHA-256 {digest[:16]}..., not the "
+                            f"pinned {src.sha256[:16]}...; refusing a changed corpus")
+        with atomic_dir(out) as dst:
+            files = extract_docs(sdist, src.docs, src.licence_member, dst)
+            write_json(dst / CORPUS_FILE, {"name": PROSE, "requirement": src.requirement, "sdist": src.sdist,
+                                           "sha256": digest, "licence": src.licence, "licence_file": "LICENSE",
+                                           "note": src.note, "files": files})
+    return out
+
+
+def fetch_sdist(requirement: str, name: str, dest: Path) -> Path:
+    """``pip download --no-deps --no-binary :all:`` of one requirement into ``dest`` (the index pip is configured
+    with)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--disable-pip-version-check",
+           "-q", "-d", str(dest), requirement]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    path = dest / name
+    if res.returncode != 0 or not path.is_file():
+        last = (res.stderr.strip().splitlines() or [f"no {name} downloaded"])[-1]
+        raise DataError(f"--data prose: could not fetch {requirement} from the package registry ({last[:200]}); "
+                        "pass a folder of your own text instead")
+    return path
+
+
+def extract_docs(sdist: Path, prefix: str, licence_member: str, dst: Path) -> int:
+    """The ``.txt`` files under ``prefix`` of a source tarball into ``dst`` (paths kept, nothing outside ``prefix``
+    and no links), and its licence as ``dst/LICENSE``; returns the number of documents."""
+    n = 0
+    with tarfile.open(sdist) as tar:
+        for m in tar.getmembers():
+            if m.isfile() and m.name.startswith(prefix) and m.name.endswith(".txt") and ".." not in m.name:
+                rel = Path(m.name[len(prefix):])
+                if rel.parts[0].startswith(("_", ".")) or rel.name == "requirements.txt":  # theme, build deps
+                    continue
+                (dst / "docs" / rel).parent.mkdir(parents=True, exist_ok=True)
+                (dst / "docs" / rel).write_bytes(tar.extractfile(m).read())
+                n += 1
+        (dst / "LICENSE").write_bytes(tar.extractfile(licence_member).read())
+    return n
+
+
+def settings_tokens(settings: dict, tokenizer, what: str = "--data") -> TokenizedCorpus:
+    """The tokens of the corpus a run (or a one-shot compression) recorded in ``settings`` (its config or
+    ``data_settings``: data, heldout_fraction, cache_dir, seed, and the teacher that ``teacher:N`` samples came
+    from); the builtin corpus when none is recorded."""
+    from bdlora.selfgen import TeacherSource
+
+    cache = Path(settings["cache_dir"]).expanduser() if settings.get("cache_dir") else None
+    path = (settings.get("extra") or {}).get("teacher_path") or settings.get("source_path")
+    teacher = TeacherSource(Path(path) if path and Path(path).is_dir() else None, spec=settings.get("teacher"),
+                            cache=cache)
+    return load_tokens(settings.get("data") or BUILTIN, tokenizer, settings.get("heldout_fraction"), cache, what,
+                       teacher=teacher, seed=int(settings.get("seed") or 0))
+
+
+def heldout_blocks(run_config: dict, tokenizer) -> PackedBlocks:
+    """The held-out blocks a run was scored on (same corpus, split, sequence length and token count), from the
+    tokenised-corpus cache (re-tokenised if the cache was cleared)."""
+    data = settings_tokens(run_config, tokenizer)
+    return PackedBlocks(data.tokens("val"), run_config["seq_len"], max_tokens=run_config["eval_tokens"])

@@ -1,0 +1,197 @@
+"""``--data teacher:N`` / ``--calib-data teacher:N``: a corpus sampled from the teacher itself.
+
+Self-generated calibration data carries what the model already does (its chat format, its own distribution of
+topics and styles) rather than one domain a user happened to have (Ji et al., ICLR 2025, find it beats external
+calibration data for pruning). A chat model (its tokenizer has a chat template) answers varied user requests built
+from ``REQUESTS`` x ``TOPICS`` (plus a few few-shot pattern prompts, as ICL-formatted calibration helps broadly:
+Bandari et al. 2024), and each document is the whole conversation in the model's template; a plain LM continues
+from its BOS (or EOS) token. Batches cycle through ``TEMPERATURES`` with nucleus sampling (top-p 0.95), each batch
+seeded from (seed, batch index), so the samples are a pure function of (teacher weights, N, seed) on one machine.
+
+The samples are written once into the cache as ``samples.jsonl`` with ``corpus.json`` (teacher, its weights' hash,
+N, seed, sampling settings, time taken), keyed by the teacher's weights, N and seed, and then read as any corpus.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bdlora.errors import DataError
+from bdlora.io import atomic_dir, write_json
+from bdlora.reporter import SILENT, Reporter
+from bdlora.teacher import load_teacher, teacher_folder
+
+GEN_VERSION = 1
+TEMPERATURES = (0.7, 0.9, 1.1)
+TOP_P = 0.95
+BATCH = 32
+MAX_NEW_TOKENS = 256
+CORPUS_FILE = "corpus.json"
+
+REQUESTS = (
+    "Explain {t} to a curious teenager.", "Write a short story about {t}.", "Give three surprising facts about {t}.",
+    "Describe {t} in a few sentences.", "Write a short poem about {t}.", "What are the pros and cons of {t}?",
+    "Summarize the history of {t}.", "Write a polite email asking a colleague about {t}.",
+    "List the steps someone should take to learn about {t}.", "Answer briefly: why does {t} matter?",
+    "Write a dialogue between two friends discussing {t}.", "Give me a simple analogy for {t}.",
+)
+TOPICS = (
+    "the ocean", "photosynthesis", "a city at night", "machine learning", "the Roman Empire", "climate change",
+    "baking bread", "the human heart", "black holes", "the stock market", "a rainy afternoon", "volcanoes",
+    "learning a new language", "honeybees", "the printing press", "electric cars", "friendship", "chess",
+    "the moon landing", "vaccines", "a mountain village", "recycling", "jazz music", "sleep", "the internet",
+    "ancient Egypt", "gardening", "earthquakes", "a job interview", "the water cycle", "prime numbers",
+    "a lost dog", "coffee", "the immune system", "renewable energy", "a library", "birds migrating", "time zones",
+)
+PATTERNS = (  # few-shot prompts in the shapes of ICL tasks: the model continues the pattern
+    "Continue the pattern and explain it: {a}, {b}, {c}, ...",
+    "Translate each word to French, then use it in a sentence: {a}, {b}, {c}.",
+    "Sort these words alphabetically and say what they have in common: {c}, {a}, {b}.",
+    "Give the opposite of each word: {a} ->, {b} ->, {c} ->",
+)
+WORDS = ("cold", "bright", "happy", "open", "early", "heavy", "quiet", "strong", "fast", "deep", "soft", "young")
+
+
+@dataclass
+class TeacherSource:
+    """The teacher a ``teacher:N`` corpus is sampled from: its folder (whose weights key the cache) and, when
+    already loaded, the model and tokenizer (loaded from the folder only if samples must be generated)."""
+
+    path: Path | None
+    model: object | None = None
+    tokenizer: object | None = None
+    spec: str | None = None  # resolved to ``path`` (builtin, preset, .gguf...) only when the samples are needed
+    cache: Path | None = None
+    _fingerprint: str | None = field(default=None, repr=False)
+
+    def folder(self) -> Path:
+        if self.path is None:
+            if not self.spec:
+                raise DataError("teacher:N: the model these samples came from is not recorded; give --data a corpus")
+            self.path = teacher_folder(self.spec, self.cache)
+        return Path(self.path)
+
+    def fingerprint(self) -> str:
+        """SHA-256 over the folder's config.json and weight files (streamed)."""
+        if self._fingerprint is None:
+            folder = self.folder()
+            files = [folder / "config.json", *sorted(folder.glob("*.safetensors"))]
+            h = hashlib.sha256()
+            for f in files:
+                if f.is_file():
+                    h.update(f.name.encode() + b"\0")
+                    with open(f, "rb") as fh:
+                        for chunk in iter(lambda: fh.read(1 << 22), b""):
+                            h.update(chunk)
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
+
+    def load(self):
+        if self.model is None or self.tokenizer is None:
+            self.model, self.tokenizer, _ = load_teacher(str(self.folder()), self.cache)
+        return self.model, self.tokenizer
+
+
+def samples_dir(teacher: TeacherSource, n_tokens: int, seed: int, cache: Path,
+                reporter: Reporter = SILENT) -> Path:
+    """The cached folder of ``n_tokens`` teacher samples for ``seed`` (generated now if absent)."""
+    key = hashlib.sha256(f"{GEN_VERSION}|{teacher.fingerprint()}|{n_tokens}|{seed}".encode()).hexdigest()[:20]
+    out = Path(cache) / "corpora" / f"teacher-{key}"
+    if (out / CORPUS_FILE).is_file():
+        return out
+    model, tok = teacher.load()
+    reporter.stage(f"sampling {n_tokens:,} tokens from the teacher (seed {seed}; generated once, then cached)")
+    t0 = time.time()
+    with atomic_dir(out) as tmp:
+        docs, generated = generate(model, tok, n_tokens, seed, reporter)
+        with open(tmp / "samples.jsonl", "w", encoding="utf-8") as fh:
+            for d in docs:
+                fh.write(json.dumps(d, ensure_ascii=False) + "\n")
+        write_json(tmp / CORPUS_FILE, {
+            "name": f"teacher:{n_tokens}", "teacher": str(teacher.folder()), "teacher_sha256": teacher.fingerprint(),
+            "tokens_requested": n_tokens, "tokens_generated": generated, "documents": len(docs), "seed": seed,
+            "temperatures": list(TEMPERATURES), "top_p": TOP_P, "max_new_tokens": MAX_NEW_TOKENS,
+            "chat_template": has_chat_template(tok), "seconds": time.time() - t0, "version": GEN_VERSION})
+    return out
+
+
+def has_chat_template(tok) -> bool:
+    return bool(getattr(tok, "chat_template", None))
+
+
+def prompts(seed: int, count: int) -> list[str]:
+    """``count`` user requests drawn with ``seed``: REQUESTS x TOPICS, and one in eight a PATTERNS prompt."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        if rng.random() < 0.125:
+            a, b, c = rng.choice(WORDS, size=3, replace=False)
+            out.append(PATTERNS[rng.integers(len(PATTERNS))].format(a=a, b=b, c=c))
+        else:
+            out.append(REQUESTS[rng.integers(len(REQUESTS))].format(t=TOPICS[rng.integers(len(TOPICS))]))
+    return out
+
+
+@torch.no_grad()
+def generate(model, tok, n_tokens: int, seed: int, reporter: Reporter = SILENT) -> tuple[list[dict], int]:
+    """Documents of sampled text until ``n_tokens`` new tokens are generated; returns (documents, tokens)."""
+    chat = has_chat_template(tok)
+    device = next(model.parameters()).device
+    max_pos = getattr(model.config, "max_position_embeddings", None) or 2048
+    eos = tok.eos_token_id
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+    start = tok.bos_token_id if tok.bos_token_id is not None else eos
+    if eos is None:
+        raise DataError("teacher:N: the teacher's tokenizer has no EOS token to end a sample with")
+    was_training = model.training
+    model.eval()
+    docs, total, batch_index = [], 0, 0
+    reporter.count(0, n_tokens, "tokens")
+    try:
+        while total < n_tokens:
+            temperature = TEMPERATURES[batch_index % len(TEMPERATURES)]
+            asks = prompts(seed * 1_000_003 + batch_index, BATCH) if chat else [None] * BATCH
+            ids = _prompt_ids(tok, asks, start, chat)
+            width = max(len(x) for x in ids)
+            new = max(1, min(MAX_NEW_TOKENS, max_pos - width))
+            x = torch.full((len(ids), width), pad, dtype=torch.long)
+            mask = torch.zeros_like(x)
+            for i, row in enumerate(ids):  # left-padded, so every prompt ends where generation starts
+                x[i, width - len(row):] = torch.tensor(row)
+                mask[i, width - len(row):] = 1
+            torch.manual_seed(seed * 1_000_003 + batch_index)
+            out = model.generate(input_ids=x.to(device), attention_mask=mask.to(device), do_sample=True,
+                                 temperature=temperature, top_p=TOP_P, top_k=0, max_new_tokens=new,
+                                 eos_token_id=eos, pad_token_id=pad)
+            for i, row in enumerate(out[:, width:].tolist()):
+                reply = row[: row.index(eos)] if eos in row else row
+                if not reply:
+                    continue
+                text = tok.decode(reply, skip_special_tokens=True)
+                if chat:
+                    text = tok.apply_chat_template([{"role": "user", "content": asks[i]},
+                                                    {"role": "assistant", "content": text}], tokenize=False)
+                docs.append({"id": f"teacher-{seed}-{batch_index}-{i}", "text": text, "temperature": temperature})
+                total += len(reply)
+                reporter.count(len(reply), n_tokens, "tokens")
+            batch_index += 1
+    finally:
+        model.train(was_training)
+    return docs, total
+
+
+def _prompt_ids(tok, asks: list, start: int, chat: bool) -> list[list[int]]:
+    if not chat:
+        return [[start] for _ in asks]
+    out = []
+    for a in asks:
+        ids = tok.apply_chat_template([{"role": "user", "content": a}], add_generation_prompt=True, tokenize=True)
+        out.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
+    return out
