@@ -16,7 +16,7 @@ from bdlora import SCHEMA_VERSION, __version__, sources
 from bdlora.blocks import PackedBlocks
 from bdlora.config import BUILTIN, BUILTIN_DEFAULTS, REAL_DEFAULTS
 from bdlora.corpora import PROSE, check_spec, default_heldout, load_tokens, settings_tokens
-from bdlora.errors import Checks, ModelError
+from bdlora.errors import Checks, DataError, ModelError
 from bdlora.icl import TASKS, corpus_word_list, is_correct, summarise, task_examples
 from bdlora.reporter import SILENT, Reporter
 from bdlora.runs import CONFIG, ModelDir, OnnxDir, RunDir, source_run
@@ -360,6 +360,9 @@ def evaluate_target(path: str | Path, ecfg: EvalConfig, device: str = "cpu", rep
             reporter.stage(f"perplexity over {settings['eval_tokens']:,} held-out tokens of {d}")
             tokens = load_tokens(d, tok, None, cache, what="--domains")
             b = PackedBlocks(tokens.tokens("val"), settings["seq_len"], max_tokens=settings["eval_tokens"])
+            if len(b) < 1:
+                raise DataError(f"--domains {d}: its held-out slice has {tokens.meta['tokens']['val']} tokens, fewer "
+                                f"than one block of {settings['seq_len']} (a larger corpus, or leave it out)")
             nll, count = lm.nll(b)
             doc["domains"][d] = {"val_ppl": math.exp(nll), "mean_nll": nll, "predicted_tokens": count,
                                  "tokens": len(b) * b.seq_len, "seq_len": b.seq_len}

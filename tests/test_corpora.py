@@ -143,6 +143,7 @@ def test_warm_up_never_starts_at_the_full_learning_rate():
 def test_learning_rate_follows_the_start_unless_given():
     assert default_lr(True, "budgeted", "whitened") == 1e-3 and default_lr(True, "budgeted", "zero") == 2e-3
     assert default_lr(True, "kd-full", None) == 2e-3 and default_lr(False, "budgeted", "zero") == 3e-4
+    assert default_lr(False, "budgeted", "whitened") == 1e-4 and default_lr(False, "kd-lora", "svd") == 1e-4
     cfg = resolve_defaults(TrainConfig(), builtin_teacher=True)
     assert cfg.lora_init == "whitened" and cfg.lr == 1e-3 and "lr" in cfg.extra["defaulted"]
     assert resolve_defaults(TrainConfig(lora_init="zero"), builtin_teacher=True).lr == 2e-3
@@ -222,3 +223,28 @@ def test_one_shot_takes_calib_data_and_correct(tiny_env, tmp_path):
     assert a["eval"]["compressed_val_ppl"] != b["eval"]["compressed_val_ppl"]
     bad = CliRunner().invoke(app, [*base, "--calib-data", "builtin:1,nowhere:1", "--out", str(tmp_path / "c")])
     assert bad.exit_code == 2 and "nowhere" in bad.output and not (tmp_path / "c").exists()
+
+
+def test_eval_scores_a_second_domain_for_the_model_and_its_teacher(tiny_env, tmp_path):
+    from tests.conftest import make_corpus, train_args
+
+    other = make_corpus(tmp_path / "other", n_docs=1500, seed=9)  # 0.2% held out: a few documents
+    run = tmp_path / "run"
+    args = train_args(tiny_env, run, "--method", "kd-lora", "--max-steps", "2", "--cache-dir", str(tmp_path / "c"),
+                      "--calib-data", f"{tiny_env['corpus']}:1,{other}:1")
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert json.loads((run / "config.json").read_text())["config"]["calib_data"].endswith(f"{other}:1")
+    res = CliRunner().invoke(app, ["eval", str(run), "--ppl", "--domains", str(other), "--json", str(tmp_path / "e")])
+    assert res.exit_code == 0, res.output
+    doc = json.loads((tmp_path / "e").read_text())
+    assert set(doc["domains"]) == {doc["data"]["data"], str(other)}
+    assert doc["domains"][doc["data"]["data"]] == doc["ppl"]
+    assert doc["domains"][str(other)]["tokens"] == doc["ppl"]["tokens"]
+    assert str(other) in doc["teacher"]["domains"] and "on " + str(other)[:20] in res.output.replace("\n", "")
+    small = make_corpus(tmp_path / "small", n_docs=20, seed=3)  # nothing held out at 0.2%
+    res = CliRunner().invoke(app, ["eval", str(run), "--ppl", "--domains", str(small), "--json", str(tmp_path / "g")])
+    assert res.exit_code == 2 and "fewer than one block" in res.output and not (tmp_path / "g").exists()
+    # the default for a small-vocabulary model: no second domain
+    res = CliRunner().invoke(app, ["eval", str(run), "--ppl", "--json", str(tmp_path / "f")])
+    assert res.exit_code == 0 and "domains" not in json.loads((tmp_path / "f").read_text())
