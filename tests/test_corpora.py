@@ -27,7 +27,7 @@ def _two_corpora(root, make_corpus):
 
 
 def test_mixture_takes_exactly_its_proportions_from_each_component(tiny_env, tmp_path):
-    from tests.conftest import make_corpus
+    from conftest import make_corpus
 
     a, b = _two_corpora(tmp_path, make_corpus)
     tok, cache = tiny_env["tokenizer"], tmp_path / "cache"
@@ -158,7 +158,7 @@ def test_sequential_correction_is_the_least_squares_solution_on_a_one_layer_mode
     from bdlora.arch import projection_modules, set_module
     from bdlora.budgeted.correct import correct_sequential
     from bdlora.deployed.modeling_bdlora import LowRankLinear
-    from tests.conftest import tiny_config
+    from conftest import tiny_config
 
     torch.manual_seed(0)
     tok = tiny_env["tokenizer"]
@@ -205,7 +205,7 @@ def test_sequential_correction_is_the_least_squares_solution_on_a_one_layer_mode
 
 
 def test_one_shot_takes_calib_data_and_correct(tiny_env, tmp_path):
-    from tests.conftest import make_corpus
+    from conftest import make_corpus
 
     other = make_corpus(tmp_path / "other", n_docs=40, seed=5)
     base = ["compress", str(tiny_env["teacher"]), "--one-shot", "--data", str(tiny_env["corpus"]), "--cache-dir",
@@ -226,7 +226,7 @@ def test_one_shot_takes_calib_data_and_correct(tiny_env, tmp_path):
 
 
 def test_eval_scores_a_second_domain_for_the_model_and_its_teacher(tiny_env, tmp_path):
-    from tests.conftest import make_corpus, train_args
+    from conftest import make_corpus, train_args
 
     other = make_corpus(tmp_path / "other", n_docs=1500, seed=9)  # 0.2% held out: a few documents
     run = tmp_path / "run"
