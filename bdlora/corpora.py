@@ -133,6 +133,21 @@ def default_heldout(spec: str) -> float | None:
     return Corpus(s).default_heldout_fraction
 
 
+GENERAL_VOCABULARY = 32000
+
+
+def other_domains(domains: str | None, data: str, vocab_size: int) -> list[str]:
+    """The corpora scored besides ``data``: ``domains`` as given, else prose for a general-purpose model (a
+    vocabulary of ``GENERAL_VOCABULARY`` or more: a pretrained LLM's, not the builtin or a test teacher's)."""
+    if domains is None:
+        names = [PROSE] if vocab_size >= GENERAL_VOCABULARY else []
+    else:
+        names = [d.strip() for d in domains.split(";" if ";" in domains else ",") if d.strip()]
+    for d in names:
+        check_spec(d, "--domains")
+    return [d for d in names if d != data]
+
+
 def open_corpus(spec: str, cache_dir: Path | None = None, what: str = "--data", teacher=None, seed: int = 0,
                 reporter: Reporter = SILENT) -> Corpus:
     """The documents of one (non-mixture) spec: prose and teacher samples are materialised into the cache first.

@@ -15,7 +15,7 @@ import numpy as np
 from bdlora import SCHEMA_VERSION, __version__, sources
 from bdlora.blocks import PackedBlocks
 from bdlora.config import BUILTIN, BUILTIN_DEFAULTS, REAL_DEFAULTS
-from bdlora.corpora import PROSE, check_spec, default_heldout, load_tokens, settings_tokens
+from bdlora.corpora import default_heldout, load_tokens, other_domains, settings_tokens
 from bdlora.errors import Checks, DataError, ModelError
 from bdlora.icl import TASKS, corpus_word_list, is_correct, summarise, task_examples
 from bdlora.reporter import SILENT, Reporter
@@ -350,9 +350,7 @@ def evaluate_target(path: str | Path, ecfg: EvalConfig, device: str = "cpu", rep
         reporter.stage(f"perplexity over {settings['eval_tokens']:,} held-out tokens of {settings['data']}")
         corpus_tokens = settings_tokens(settings, tok)
         blocks = PackedBlocks(corpus_tokens.tokens("val"), settings["seq_len"], max_tokens=settings["eval_tokens"])
-        nll, count = lm.nll(blocks)
-        doc["ppl"] = {"val_ppl": math.exp(nll), "mean_nll": nll, "predicted_tokens": count,
-                      "tokens": len(blocks) * blocks.seq_len, "seq_len": blocks.seq_len}
+        doc["ppl"] = _score(lm, blocks)
         extra = other_domains(ecfg.domains, settings["data"], _get(lm.config, "vocab_size") or 0)
         if extra:
             doc["domains"] = {settings["data"]: doc["ppl"]}
@@ -363,9 +361,7 @@ def evaluate_target(path: str | Path, ecfg: EvalConfig, device: str = "cpu", rep
             if len(b) < 1:
                 raise DataError(f"--domains {d}: its held-out slice has {tokens.meta['tokens']['val']} tokens, fewer "
                                 f"than one block of {settings['seq_len']} (a larger corpus, or leave it out)")
-            nll, count = lm.nll(b)
-            doc["domains"][d] = {"val_ppl": math.exp(nll), "mean_nll": nll, "predicted_tokens": count,
-                                 "tokens": len(b) * b.seq_len, "seq_len": b.seq_len}
+            doc["domains"][d] = _score(lm, b)
     if ecfg.icl:
         reporter.stage(f"building the ICL word list from {settings['data']}")
         words = corpus_word_list(settings["data"], settings["heldout_fraction"], cache)
@@ -381,19 +377,11 @@ def evaluate_target(path: str | Path, ecfg: EvalConfig, device: str = "cpu", rep
     return doc
 
 
-GENERAL_VOCABULARY = 32000
-
-
-def other_domains(domains: str | None, data: str, vocab_size: int) -> list[str]:
-    """The corpora scored besides ``data``: ``domains`` as given, else prose for a general-purpose model (a
-    vocabulary of ``GENERAL_VOCABULARY`` or more: a pretrained LLM's, not the builtin or a test teacher's)."""
-    if domains is None:
-        names = [PROSE] if vocab_size >= GENERAL_VOCABULARY else []
-    else:
-        names = [d.strip() for d in domains.split(";" if ";" in domains else ",") if d.strip()]
-    for d in names:
-        check_spec(d, "--domains")
-    return [d for d in names if d != data]
+def _score(lm, blocks: PackedBlocks) -> dict:
+    """Perplexity of ``lm`` over ``blocks``, as eval reports it."""
+    nll, count = lm.nll(blocks)
+    return {"val_ppl": math.exp(nll), "mean_nll": nll, "predicted_tokens": count,
+            "tokens": len(blocks) * blocks.seq_len, "seq_len": blocks.seq_len}
 
 
 def _get(config, key: str):

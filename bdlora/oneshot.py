@@ -48,8 +48,7 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
     ``prediction(shapes, ranks)``, e.g. the measured
     decode-time table of ``bdlora.export.genai.latency``, passed in by the CLI): allocate by that cost instead of
     MACs; the last item then says what the allocation predicts (else None)."""
-    blocks = calibration_blocks(train_blocks, cfg.calib_tokens)
-    calib = calibrate_with_progress(model, blocks, reporter)
+    calib = calibrate_with_progress(model, calibration_blocks(train_blocks, cfg.calib_tokens), reporter)
     reporter.stage("whitened, loss-weighted spectra of every projection")
     mods = dict(projection_modules(model))
     shapes = [ModuleShape(n, m.in_features, m.out_features) for n, m in mods.items()]
@@ -81,8 +80,6 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
             deployed[s.name] = DeployedModule(dec, proj_in=a.to(dtype), proj_out=b.to(dtype), bias=bias)
         else:
             deployed[s.name] = DeployedModule(dec, weight=mod.weight.detach().clone(), bias=bias)
-    if cfg.correct:
-        cost_doc = {**(cost_doc or {}), "correction": correct_deployed(model, deployed, blocks, reporter)}
     return [d.decision for d in deployed.values()], deployed, calib.tokens, cost_doc
 
 
@@ -172,8 +169,10 @@ def compress_one_shot(source: str, cfg: OneShotConfig, out: str | Path, force: b
     check_out_dir(out, force, (path,))
     seq = train_blocks.seq_len
     decisions, deployed, tokens, cost_doc = one_shot_structure(model, train_blocks, cfg, reporter, cost_table)
-    correction = (cost_doc or {}).pop("correction", None)
-    cost_doc = cost_doc or None
+    correction = None
+    if cfg.correct:  # on the same calibration blocks (drawn with a fixed seed)
+        blocks = calibration_blocks(train_blocks, cfg.calib_tokens)
+        correction = correct_deployed(model, deployed, blocks, reporter)
     settings = {"data": cfg.data, "calib_data": cfg.calib_data or cfg.data, "teacher": source,
                 "source_path": str(path), "heldout_fraction": heldout, "seq_len": seq,
                 "eval_tokens": cfg.eval_tokens, "cache_dir": str(cache_dir) if cache_dir else None,
