@@ -248,3 +248,14 @@ def test_eval_scores_a_second_domain_for_the_model_and_its_teacher(tiny_env, tmp
     # the default for a small-vocabulary model: no second domain
     res = CliRunner().invoke(app, ["eval", str(run), "--ppl", "--json", str(tmp_path / "f")])
     assert res.exit_code == 0 and "domains" not in json.loads((tmp_path / "f").read_text())
+
+
+def test_a_bad_autocast_or_calib_data_is_refused_before_any_run_folder(tiny_env, tmp_path):
+    from conftest import train_args
+
+    for flag, value, words in (("--autocast", "fp16", "allowed: bf16, fp32"),
+                               ("--calib-data", "builtin:1,nowhere:1", "nowhere")):
+        run = tmp_path / flag.strip("-")
+        res = CliRunner().invoke(app, train_args(tiny_env, run, "--max-steps", "1", flag, value))
+        assert res.exit_code == 2 and words in res.output and "Traceback" not in res.output, res.output
+        assert not run.exists()
