@@ -3,6 +3,7 @@ factors) against PyTorch for every projection form and base family, the folder t
 runtime's tokenizer, int8/int4 quality and its refusal threshold, and the CLI's errors."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -330,13 +331,37 @@ def test_export_genai_gptq_is_calibrated_on_the_training_split_and_runs_in_the_s
     assert nbits and all({a.name: a.i for a in n.attribute}["accuracy_level"] == 4 for n in nbits)
     zero_points = {i.name: i for i in graph.initializer}
     assert all(zero_points[n.input[3]].data_type == onnx.TensorProto.UINT8 for n in nbits)  # the fast kernel's
-    for args, needle in ((["--quant", "hqq"], "--quant hqq: unknown (allowed: rtn, gptq)"),
+    for args, needle in ((["--quant", "hqq"], "--quant hqq: unknown (allowed: rtn, gptq, affine)"),
                          (["--int8-share", "0.5"], "--int8-share 0.5: must be in [0, 1], and is chosen by --quant"),
                          (["--head-bits", "2"], "--head-bits 2: must be 4 or 8")):
         r = CliRunner().invoke(app, ["export", "genai", str(folder), "--precision", "int4", *args, "--out",
                                      str(tmp_path / "x")])
         assert r.exit_code == 2 and needle in r.stderr, (args, r.output)
         assert not (tmp_path / "x").exists()
+
+
+def test_export_genai_affine_keeps_every_matmul_in_the_fast_kernel(mixed_folder, tmp_path):
+    """--quant affine through the CLI (no calibration): every weight MatMul one MatMulNBits with integer zero points
+    and accuracy level 4; those whose blocks divide K read [x, block sums of x] (the offsets), the rest and the
+    8-bit head do not; validated against the fp32 graph; the default folder name says the method."""
+    folder, _ = mixed_folder
+    r = CliRunner().invoke(app, ["export", "genai", str(folder), "--precision", "int4", "--quant", "affine",
+                                 "--max-ppl-change", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    out = Path(str(folder) + ".genai-int4-affine")
+    q = info["quantization"]
+    graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
+    nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    inits = {i.name: i for i in graph.initializer}
+    assert q["method"] == "affine" and q["matmuls_fp32"] == 0 and len(nbits) == q["matmuls_quantized"]
+    k_of = {n.name: {a.name: a.i for a in n.attribute}["K"] for n in nbits}
+    carried = [n for n in nbits if n.input[0].endswith("/with_blocksum")]
+    assert len(carried) == q["offset_corrections"] > 0
+    assert all(k_of[n.name] % 33 == 0 for n in carried)  # K + K/32 columns
+    assert all(inits[n.input[3]].data_type == onnx.TensorProto.UINT8 for n in nbits)
+    assert all({a.name: a.i for a in n.attribute}["accuracy_level"] == 4 for n in nbits)
+    assert abs(info["validation"]["quality"]["ppl_change"]) < 1
 
 
 def test_builder_rows_are_left_out_when_the_builder_would_take_an_mlp_for_the_lm_head(tmp_path):

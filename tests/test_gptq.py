@@ -87,8 +87,9 @@ def test_a_genai_graph_quantised_by_gptq_runs_and_errs_less_than_round_to_neares
     import onnx
 
     from bdlora.bench.variants import synthetic_model
-    from bdlora.export.genai.gptq import input_grams, quantize_graph, weight_matmuls
+    from bdlora.export.genai.gptq import input_grams, weight_matmuls
     from bdlora.export.genai.graph import build_decoder
+    from bdlora.export.genai.quantize import quantize_graph
     from bdlora.runtime import DecoderShape, empty_past, run_decoder, session
 
     config = {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,

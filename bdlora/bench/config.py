@@ -10,7 +10,7 @@ from bdlora.errors import Checks, UsageError
 SCOPES = ("modules", "model", "both")
 RUNTIMES = ("ort", "genai", "both")
 GENAI_PRECISIONS = ("fp32", "int8", "int4")
-QUANT_METHODS = ("rtn", "gptq")
+QUANT_METHODS = ("rtn", "gptq", "affine")
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 
@@ -54,7 +54,7 @@ class BenchConfig:
     reported its perplexity on, at most 32768, so the front's figures are the run's; 8192 when it has no run; 0: no
     perplexity, no front)."""
     quant: str = "rtn"
-    """genai runtime: how int8/int4 weights are rounded, for the student and the teacher alike (rtn, gptq)."""
+    """genai runtime: how int8/int4 weights are rounded, for the student and the teacher alike (rtn, gptq, affine)."""
 
     def validate(self, max_positions: int | None = None) -> BenchConfig:
         """Every problem at once; with ``max_positions``, sequence lengths are bounded by the model's context."""

@@ -91,8 +91,10 @@ def export_genai(
                                                         "this machine's cores; 0 = none, and onnxruntime-genai then "
                                                         f"runs on one thread; at most {MAX_GENAI_THREADS}).")] = None,
     quant: Annotated[str, typer.Option(help="int8/int4 rounding: rtn (round-to-nearest, symmetric: what the "
-                                            "builder does) or gptq (GPTQ against each MatMul's measured input, "
-                                            "integer zero points: the same fast kernel).")] = "rtn",
+                                            "builder does), gptq (GPTQ against each MatMul's measured input, "
+                                            "integer zero points: the same fast kernel) or affine (a float offset "
+                                            "per block, Q4_1's grid, kept by a small correction beside the same "
+                                            "kernel).")] = "rtn",
     head_bits: Annotated[int, typer.Option(help="int4: bits of the LM head (8 or 4).")] = 8,
     int8_share: Annotated[float, typer.Option(help="int4 with --quant gptq: share of the projection weights kept at "
                                                    "8 bits, those whose rounding hurts most.")] = 0.0,
@@ -111,7 +113,7 @@ def export_genai(
     if not max_ppl_change >= 0 or max_ppl_change == float("inf"):
         raise UsageError(f"--max-ppl-change {max_ppl_change}: must be a finite fraction >= 0 (0.1 = 10%)")
     rep = RichReporter(err if json_out else out)
-    suffix = "" if precision == "fp32" else f"-{precision}" + ("-gptq" if quant == "gptq" else "")
+    suffix = "" if precision == "fp32" else f"-{precision}" + ("" if quant == "rtn" else f"-{quant}")
     if model_dir is not None and sources.is_named(model_dir):
         src = Path(sources.resolve(model_dir, None, "MODEL_DIR", rep.stage))
         dst = Path(out_dir) if out_dir else Path(Path(model_dir).name.removesuffix(".gguf") + f".genai{suffix}")

@@ -1,5 +1,6 @@
 """Weight-only quantisation of the genai graph to MatMulNBits (onnxruntime's blockwise int4/int8 MatMul, what the
-onnxruntime-genai builder emits for ``-p int4``), with onnxruntime's own quantiser.
+onnxruntime-genai builder emits for ``-p int4``): onnxruntime's own quantiser (round-to-nearest), or each weight
+MatMul rounded here (``quantize_graph``: GPTQ, affine).
 
 Choices (measured on SmolLM2-135M and the builtin student, see the README):
 - block size 32 along K, ``accuracy_level`` 4 (activations quantised to int8 inside the kernel: the fastest CPU
@@ -9,20 +10,37 @@ Choices (measured on SmolLM2-135M and the builtin student, see the README):
 - int8: every MatMul to 8 bits;
 - ``method`` "rtn": round-to-nearest on a symmetric grid by onnxruntime's own quantiser (what onnxruntime-genai's
   builder does); "gptq": GPTQ against each MatMul's measured input Gram matrix on an asymmetric grid with integer
-  zero points (``gptq``), the same nodes and kernel.
+  zero points (``gptq``), the same nodes and kernel; "affine": round-to-nearest on each block's own [min, max]
+  with a float offset (llama.cpp's Q4_1 grid; 8-bit MatMuls symmetric, Q8_0's), the offset restored by a rank-K/32
+  correction beside the same fast node (``affine``).
 """
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
+import onnx
+import torch
+from onnx import helper, numpy_helper
 from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-from bdlora.export.genai.gptq import ACCURACY_LEVEL, BLOCK_SIZE, quantize_graph
+from bdlora.export.genai.affine import affine_node, affine_rtn, affine_weights, blocksum_nodes, symmetric_rtn
+from bdlora.export.genai.gptq import (
+    ACCURACY_LEVEL,
+    BLOCK_SIZE,
+    dequantize,
+    gptq,
+    nbits_node,
+    output_error,
+    pack,
+    rtn,
+    weight_matmuls,
+)
 
 LM_HEAD = "/lm_head/MatMul"
 PRECISIONS = ("fp32", "int8", "int4")
-METHODS = ("rtn", "gptq")
+METHODS = ("rtn", "gptq", "affine")
 BITS = {"int8": 8, "int4": 4}
 
 
@@ -34,15 +52,21 @@ def quantize_nbits(model, precision: str, method: str = "rtn", grams: dict | Non
     if precision not in BITS:
         raise ValueError(f"precision {precision!r}: allowed {', '.join(PRECISIONS)}")
     head = 8 if precision == "int8" else head_bits
-    if method == "gptq":
+    if method in ("gptq", "affine"):
         out, detail = quantize_graph(model, grams, lambda name: head if name == LM_HEAD else BITS[precision],
-                                     int8_share=int8_share if precision == "int4" else 0.0)
+                                     method=method, int8_share=int8_share if precision == "int4" else 0.0)
         eight = [n for n, b in detail["bits"].items() if b == 8 and n != LM_HEAD]
-        return out, {**_describe(out, BLOCK_SIZE), "method": "gptq", "symmetric": False, "int8_share": int8_share,
-                     "int8_matmuls": eight, "relative_output_error": detail["relative_output_error"]}
+        described = {**_describe(out, BLOCK_SIZE), "method": method, "symmetric": False, "int8_matmuls": eight,
+                     "relative_output_error": detail["relative_output_error"]}
+        if method == "gptq":
+            return out, {**described, "int8_share": int8_share}
+        corrected = sum(n.op_type == "MatMulNBits" and n.input[0].endswith("/with_blocksum") for n in out.graph.node)
+        return out, {**described, "offset_corrections": corrected}
 
     def run(proto, bits: int, include=None, exclude=None):
-        q = MatMulNBitsQuantizer(proto, bits=bits, block_size=BLOCK_SIZE, is_symmetric=True,
+        copy = onnx.ModelProto()
+        copy.CopyFrom(proto)  # the quantiser rewrites the proto it is given
+        q = MatMulNBitsQuantizer(copy, bits=bits, block_size=BLOCK_SIZE, is_symmetric=True,
                                  accuracy_level=ACCURACY_LEVEL, nodes_to_include=include, nodes_to_exclude=exclude)
         q.process()
         return q.model.model
@@ -67,3 +91,82 @@ def _describe(out, block: int) -> dict:
     return {"op": "MatMulNBits", "block_size": block, "accuracy_level": ACCURACY_LEVEL,
             "matmuls_quantized": len(nodes), "matmuls_fp32": sum(n.op_type == "MatMul" for n in out.graph.node),
             "lm_head_bits": bits.get(LM_HEAD, 32)}
+
+
+def quantize_graph(proto: onnx.ModelProto, grams: dict[str, torch.Tensor], bits_of, method: str = "gptq",
+                   int8_share: float = 0.0, on_matmul=None) -> tuple[onnx.ModelProto, dict]:
+    """``proto`` with every weight MatMul whose ``bits_of(node name)`` is 4 or 8 replaced by MatMulNBits at that
+    width (``None`` keeps it fp32), rounded by ``method``: "gptq" or "rtn" on the same grid, or "affine" (``affine``:
+    a float offset per block at 4 bits, kept by a correction; ``grams`` may then be None and the errors are the
+    weights' own). ``int8_share``: of the
+    4-bit MatMuls, those whose rounding hurts most (relative output error per weight on the calibration inputs) go to
+    8 bits until they hold this share of the 4-bit weights. Returns the new proto and, per MatMul, its bits and the
+    output error of its rounding relative to the output's energy."""
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
+    g = out.graph
+    errors, replaced, drop = {}, {}, set()
+    todo = [(n, w) for n, w in weight_matmuls(out) if bits_of(n.name) in (4, 8)]
+    bits = {n.name: bits_of(n.name) for n, _ in todo}
+    for i, (node, w_init) in enumerate(todo):
+        replaced[node.name], errors[node.name] = _round_matmul(node, w_init, grams, bits[node.name], method)
+        drop.add(w_init.name)
+        if on_matmul:
+            on_matmul(i + 1, len(todo))
+    size = {n.name: int(np.prod(w.dims)) for n, w in todo}
+    fours = [n for n, _ in todo if bits[n.name] == 4]
+    budget = int8_share * sum(size[n.name] for n in fours)
+    for node in sorted(fours, key=lambda n: -errors[n.name] / size[n.name]):  # the most hurt per weight first
+        if size[node.name] > budget:
+            continue
+        budget -= size[node.name]
+        bits[node.name] = 8
+        w_init = next(w for n, w in todo if n is node)
+        replaced[node.name], errors[node.name] = _round_matmul(node, w_init, grams, 8, method)
+    nodes, summed = [], set()
+    for node in g.node:
+        if node.name not in replaced:
+            nodes.append(node)
+            continue
+        new, inits = replaced[node.name]
+        x = node.input[0]
+        if any(f"{x}/blocksum" in n.input for n in new) and x not in summed:
+            summed.add(x)  # the block sums of x, once, before the first MatMul whose offsets read them
+            _, sum_nodes, sum_inits = blocksum_nodes(x, int(next(w for n, w in todo if n is node).dims[0]))
+            nodes.extend(sum_nodes)
+            g.initializer.extend(sum_inits)
+        nodes.extend(new)
+        g.initializer.extend(inits)
+    del g.node[:]
+    g.node.extend(nodes)
+    still_used = {i for n in g.node for i in n.input}
+    keep = [t for t in g.initializer if t.name not in drop or t.name in still_used]
+    del g.initializer[:]
+    g.initializer.extend(keep)
+    if not any(o.domain == "com.microsoft" for o in out.opset_import):
+        out.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return out, {"method": method, "relative_output_error": errors, "bits": bits}
+
+
+def _round_matmul(node, w_init, grams, bits: int, method: str):
+    """(the MatMulNBits node and its initializers, relative output error) of one MatMul at ``bits``."""
+    b = torch.from_numpy(numpy_helper.to_array(w_init).astype(np.float64))  # (K, N): y = x @ B
+    w = b.T.contiguous()
+    h = grams[node.input[0]] if grams else None
+    k, n = b.shape
+    name, x, y = node.name + f"_Q{bits}", node.input[0], node.output[0]
+    if method == "affine" and bits == 4 and k % BLOCK_SIZE == 0:
+        codes, scales, zeros = affine_rtn(w, bits)
+        new = affine_node(name, x, y, f"{x}/blocksum", codes, scales, zeros, k=k, n=n, bits=bits)
+        w_hat = affine_weights(codes, scales, zeros, bits)
+    else:  # affine at 8 bits: Q8_0's symmetric grid; where blocks do not divide K: the integer grid
+        if method == "gptq":
+            codes, scales, zeros = gptq(w, h, bits)
+        else:
+            codes, scales, zeros = symmetric_rtn(w, bits) if method == "affine" and bits == 8 else rtn(w, bits)
+        node_, inits = nbits_node(name, x, y, *pack(codes, scales, zeros, bits), k=k, n=n, bits=bits)
+        new, w_hat = ([node_], inits), dequantize(codes, scales, zeros)
+    if h is None:  # no calibration: the weights' own relative error
+        return new, float(((w - w_hat) ** 2).sum() / max(float((w ** 2).sum()), 1e-30))
+    energy = float(torch.einsum("nk,kl,nl->", w, h, w))
+    return new, output_error(w, w_hat, h) / max(energy, 1e-30)
