@@ -9,7 +9,7 @@ state dict of a wrapped student. torch and transformers are imported by the func
 
 from __future__ import annotations
 
-from bdlora.errors import ModelError, UsageError
+from bdlora.errors import UsageError
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -100,24 +100,6 @@ def set_module(model, name: str, module) -> None:
 def unsupported(what: str, model_type: str) -> str:
     return (f"{what}: not a Llama/Mistral/Qwen2-style decoder (model_type {model_type}); bdlora adapts the "
             f"q/k/v/o/gate/up/down projections of the {', '.join(SUPPORTED_FAMILIES)} families")
-
-
-def check_architecture(model, what: str) -> None:
-    """Refuse a model outside the supported families, or one whose layers lack a projection (as ``nn.Linear`` or a
-    bdlora low-rank pair)."""
-    import torch
-
-    from bdlora.deployed.modeling_bdlora import LowRankLinear
-
-    if family_of(model) is None:
-        raise ModelError(unsupported(what, getattr(getattr(model, "config", None), "model_type",
-                                                   type(model).__name__)))
-    for i, layer in enumerate(base_model(model).model.layers):
-        for name in PROJECTIONS:
-            mod = getattr(getattr(layer, block_of(name)), name, None)
-            if not isinstance(mod, (torch.nn.Linear, LowRankLinear)):
-                raise ModelError(f"{what}: layer {i} has no nn.Linear '{name}' (expected the seven projections "
-                                 f"{', '.join(PROJECTIONS)})")
 
 
 def dense_state_dict(model) -> dict:

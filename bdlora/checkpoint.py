@@ -27,6 +27,7 @@ import torch
 
 from bdlora.errors import RunDirError
 from bdlora.io import atomic_dir, load_tensors, read_json, save_tensors, write_json, write_text
+from bdlora.runs import CKPT_OPTIMIZER, CKPT_RNG, CKPT_STATE, CKPT_TRAINABLE
 
 STATE_KEYS = ("step", "param_groups", "scheduler", "method", "rng", "files")
 _NAME = re.compile(r"step-(\d{8})")  # what save_checkpoint names a checkpoint, and nothing else
@@ -37,7 +38,7 @@ def checkpoint_folders(ckpt_root: Path) -> list[Path]:
     ``state.json``. Anything else there (a folder someone put or wrote under that name, another run) is never read
     as a checkpoint and never removed by the rotation."""
     found = [p for p in Path(ckpt_root).glob("step-*") if _NAME.fullmatch(p.name) and p.is_dir()
-             and not p.is_symlink() and (p / "state.json").is_file()]
+             and not p.is_symlink() and (p / CKPT_STATE).is_file()]
     return sorted(found)
 
 
@@ -75,15 +76,15 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, scheduler, met
     path = ckpt_root / f"step-{step:08d}"
     with atomic_dir(path) as tmp:
         trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        save_tensors(tmp / "trainable.safetensors", trainable)
+        save_tensors(tmp / CKPT_TRAINABLE, trainable)
         opt_state = optimizer.state_dict()
         flat = {f"{idx}.{k}": v if torch.is_tensor(v) else torch.tensor(v)
                 for idx, st in opt_state["state"].items() for k, v in st.items()}
-        save_tensors(tmp / "optimizer.safetensors", flat)
+        save_tensors(tmp / CKPT_OPTIMIZER, flat)
         rng_t, rng_meta = _rng_state()
-        save_tensors(tmp / "rng.safetensors", rng_t)
+        save_tensors(tmp / CKPT_RNG, rng_t)
         files = {f.name: sha256(f) for f in sorted(tmp.iterdir())}
-        write_json(tmp / "state.json", {"step": step, "param_groups": opt_state["param_groups"],
+        write_json(tmp / CKPT_STATE, {"step": step, "param_groups": opt_state["param_groups"],
                                          "scheduler": scheduler.state_dict(), "method": method.state(),
                                          "rng": rng_meta, "files": files, **extra})
     for old in checkpoint_folders(ckpt_root)[:-keep_last]:
@@ -94,7 +95,7 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, scheduler, met
 def verify_checkpoint(ckpt: Path) -> str | None:
     """None when the checkpoint is complete and every file matches its recorded SHA-256, else what is wrong."""
     try:
-        state = read_json(ckpt / "state.json")
+        state = read_json(ckpt / CKPT_STATE)
     except (OSError, ValueError) as e:
         return f"state.json unreadable ({type(e).__name__})"
     missing = [k for k in STATE_KEYS if not isinstance(state, dict) or k not in state]
@@ -139,18 +140,18 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler, method, max_steps: 
     """Restore a verified checkpoint. Its trainable tensors must be exactly the model's (names and shapes) and its
     step within the run's ``max_steps``: a checkpoint edited by hand (its checksums updated) is refused in one line
     instead of failing half-way through the restore."""
-    state = read_json(ckpt / "state.json")
+    state = read_json(ckpt / CKPT_STATE)
     if max_steps is not None and not 0 < state["step"] <= max_steps:
         raise RunDirError(f"{ckpt}: records step {state['step']}, outside this run's 1..{max_steps}; the checkpoint "
                           "is damaged")
-    trainable = load_tensors(ckpt / "trainable.safetensors")
+    trainable = load_tensors(ckpt / CKPT_TRAINABLE)
     params = dict(model.named_parameters())
-    _check_same_tensors(ckpt / "trainable.safetensors", trainable,
+    _check_same_tensors(ckpt / CKPT_TRAINABLE, trainable,
                         {n: p for n, p in params.items() if p.requires_grad})
     with torch.no_grad():
         for n, t in trainable.items():
             params[n].copy_(t)
-    flat = load_tensors(ckpt / "optimizer.safetensors")
+    flat = load_tensors(ckpt / CKPT_OPTIMIZER)
     opt_state: dict = {"state": {}, "param_groups": state["param_groups"]}
     for key, v in flat.items():
         idx, k = key.split(".", 1)
@@ -159,7 +160,7 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler, method, max_steps: 
         optimizer.load_state_dict(opt_state)
         scheduler.load_state_dict(state["scheduler"])
         method.load_state(state["method"])
-        _set_rng_state(load_tensors(ckpt / "rng.safetensors"), state["rng"])
+        _set_rng_state(load_tensors(ckpt / CKPT_RNG), state["rng"])
     except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as e:
         raise RunDirError(f"{ckpt}: its optimiser, scheduler, method or RNG state does not fit this run "
                           f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); the checkpoint "

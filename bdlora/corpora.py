@@ -38,13 +38,13 @@ from bdlora.data import BUILTIN, BUILTIN_HELDOUT_FRACTION, Corpus, TokenizedCorp
 from bdlora.errors import DataError
 from bdlora.io import atomic_dir, write_json
 from bdlora.reporter import SILENT, Reporter
+from bdlora.runs import CORPUS_FILE, CORPUS_META
 
 PROSE = "prose"
 TEACHER_PREFIX = "teacher:"
 MIX_CHUNK = 1024
 MIX_SEED = 20261125
 MIX_VERSION = 1
-CORPUS_FILE = "corpus.json"
 
 
 @dataclass(frozen=True)
@@ -218,8 +218,8 @@ def mix(parts: list[TokenizedCorpus], weights: list[float], specs: list[str], ca
     key = hashlib.sha256(json.dumps([MIX_VERSION, MIX_CHUNK, [p.path.name for p in parts],
                                      [round(w, 12) for w in weights]]).encode()).hexdigest()[:20]
     out = cache / "data" / f"mixture-{key}"
-    if (out / "meta.json").exists():
-        return TokenizedCorpus(out, json.loads((out / "meta.json").read_text()))
+    if (out / CORPUS_META).exists():
+        return TokenizedCorpus(out, json.loads((out / CORPUS_META).read_text()))
     dtype = "uint32" if "uint32" in dtypes else next(iter(dtypes))
     components = [{"spec": s, "weight": w, "cache": p.path.name, "tokens": {}}
                   for s, w, p in zip(specs, weights, parts)]
@@ -245,7 +245,7 @@ def mix(parts: list[TokenizedCorpus], weights: list[float], specs: list[str], ca
         meta = {"format_version": 1, "corpus": ",".join(f"{s}:{w:g}" for s, w in zip(specs, weights)),
                 "corpus_kind": "mixture", "dtype": dtype, "tokens": counts, "mixture": components,
                 "chunk_tokens": MIX_CHUNK}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        (tmp / CORPUS_META).write_text(json.dumps(meta, indent=2))
     return TokenizedCorpus(out, meta)
 
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from bdlora.errors import DataError
 from bdlora.io import atomic_dir
+from bdlora.runs import CORPUS_META
 
 FORMAT_VERSION = 1
 BUILTIN = "builtin"
@@ -343,8 +344,8 @@ def tokenize_corpus(
         f"{FORMAT_VERSION}|{corpus.fingerprint()}|{tokenizer_fingerprint(tokenizer)}|{heldout_fraction!r}".encode()
     ).hexdigest()[:20]
     out = cache_dir / f"tokens-{key}"
-    if (out / "meta.json").exists():
-        return TokenizedCorpus(out, json.loads((out / "meta.json").read_text()))
+    if (out / CORPUS_META).exists():
+        return TokenizedCorpus(out, json.loads((out / CORPUS_META).read_text()))
     dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
     with atomic_dir(out) as tmp:
         writer = _SplitWriter(tmp, dtype, tokenizer.eos_token_id, heldout_fraction)
@@ -367,7 +368,7 @@ def tokenize_corpus(
         meta = {"format_version": FORMAT_VERSION, "corpus": corpus.spec, "corpus_kind": corpus.kind,
                 "heldout_fraction": heldout_fraction, "dtype": np.dtype(dtype).name, "tokens": writer.counts,
                 "documents": writer.docs, "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        (tmp / CORPUS_META).write_text(json.dumps(meta, indent=2))
     return TokenizedCorpus(out, meta)
 
 

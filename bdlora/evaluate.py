@@ -19,7 +19,7 @@ from bdlora.corpora import default_heldout, load_tokens, other_domains, settings
 from bdlora.errors import Checks, DataError, ModelError
 from bdlora.icl import TASKS, corpus_word_list, is_correct, summarise, task_examples
 from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import CONFIG, ModelDir, OnnxDir, RunDir, source_run
+from bdlora.runs import CONFIG, MODEL_ONNX, TEACHER_JSON, ModelDir, OnnxDir, RunDir, source_run
 from bdlora.runtime import (
     DecoderShape,
     check_onnx_dir,
@@ -62,7 +62,7 @@ class EvalConfig:
     """Query prompts per task and seed."""
     tasks: list[str] | None = None
     """A subset of the 19 tasks (default: all)."""
-    onnx_file: str = "model.onnx"
+    onnx_file: str = MODEL_ONNX
     """ONNX folders: which graph to score (e.g. model_int8.onnx)."""
     batch_size: int = 32
     """Prompts per generation batch."""
@@ -266,7 +266,7 @@ def run_icl(lm, tokenizer, words: list[str], tasks=None, shots: int = 10, seeds:
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def load_eval_target(path: str | Path, onnx_file: str = "model.onnx", device: str = "cpu"):
+def load_eval_target(path: str | Path, onnx_file: str = MODEL_ONNX, device: str = "cpu"):
     """(lm, tokenizer, kind, run_config or None) for a run directory, a model folder (teacher, compressed,
     exported HF) or an ONNX folder. ``run_config`` is the training options of the run the model came from."""
 
@@ -288,9 +288,9 @@ def load_eval_target(path: str | Path, onnx_file: str = "model.onnx", device: st
     src = source_run(path, provenance) if provenance else None
     # a run's own held-out slice; a one-shot compression records the slice it was measured on instead
     run_cfg = src.config() if src is not None else provenance.get("data_settings")
-    if run_cfg is None and (path / "teacher.json").exists():
+    if run_cfg is None and (path / TEACHER_JSON).exists():
         run_cfg = {"data": BUILTIN, "teacher": BUILTIN}  # the embedded default teacher's own corpus
-    if OnnxDir(path).finished() or (path / "model.onnx").exists() or (path / onnx_file).exists():
+    if OnnxDir(path).finished() or (path / MODEL_ONNX).exists() or (path / onnx_file).exists():
         return _onnx_target(path, onnx_file, run_cfg)
     from bdlora.models import load_model_folder
     from bdlora.perplexity import TorchLM

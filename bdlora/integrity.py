@@ -187,11 +187,11 @@ def check_loadable(folder: Path) -> dict:
         return cfg
     sizes, bad = _declared(cfg)
     if bad:
-        raise ModelError(f"{folder / 'config.json'}: {'; '.join(bad)}")
+        raise ModelError(f"{folder / CONFIG}: {'; '.join(bad)}")
     on_disk = sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and p.suffix in (".bin", ".pt", ".pth"))
     declared = implied_parameters(sizes)
     if declared > 4 * on_disk:
-        raise ModelError(f"{folder / 'config.json'}: declares {declared:,} parameters, more than its weight files "
+        raise ModelError(f"{folder / CONFIG}: declares {declared:,} parameters, more than its weight files "
                          f"({on_disk:,} bytes) can hold: the config was edited or does not belong to these weights")
     return cfg
 

@@ -31,7 +31,7 @@ from bdlora.distill import DistillationLoss, kd_step
 from bdlora.io import save_tensors, write_json
 from bdlora.peft_compat import wrap_lora
 from bdlora.plots import plot_controller
-from bdlora.runs import ADAPTER, CONTROLLER_LOG, STUDENT_META
+from bdlora.runs import ADAPTER, CONTROLLER_LOG, META_FILE, STUDENT_META
 
 
 def save_dense_student(model: nn.Module, tokenizer, out_dir: Path, extra_config: dict | None = None) -> None:
@@ -168,7 +168,7 @@ class Budgeted(TrainingMethod):
         self.controller.load_state_dict(state["controller"])
 
     def save_student(self, model, tokenizer, out_dir):
-        save_dense_student(model, tokenizer, out_dir, {"method": self.name, "budgeted": "budgeted.json"})
+        save_dense_student(model, tokenizer, out_dir, {"method": self.name, "budgeted": META_FILE})
         save_budgeted(self.gated, self.cfg.budgeted(), out_dir)
 
     def mean_retained(self):

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from bdlora.arch import check_architecture
 from bdlora.budgeted.model import FACTORS_FILE, META_FILE, load_budgeted
+from bdlora.deployed.folder import check_architecture
 from bdlora.errors import ModelError, RunDirError
 from bdlora.integrity import check_loadable, check_model_folder
 from bdlora.peft_compat import load_adapter

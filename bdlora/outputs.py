@@ -13,6 +13,8 @@ from bdlora.errors import UsageError
 from bdlora.io import NotAFileError, check_replaceable
 from bdlora.runs import (
     BENCH_JSON,
+    CKPT_STATE,
+    CKPT_TRAINABLE,
     CONFIG,
     EXPORT_MARKER,
     GENAI_CONFIG,
@@ -66,7 +68,7 @@ def check_not_inside(out: str | os.PathLike, what: str = "--out") -> None:
 # named M/config.json replaced the model's config and the folder no longer loaded).
 _WEIGHT_SUFFIXES = (".safetensors", ".onnx", ".onnx.data", ".gguf", ".bin", ".pt")
 _ARTEFACT_MARKERS = ("summary.json", "compression.json", EXPORT_MARKER, BENCH_JSON, SWEEP_OPTIONS, GENAI_CONFIG,
-                     STUDENT_META, "state.json", "trainable.safetensors")
+                     STUDENT_META, CKPT_STATE, CKPT_TRAINABLE)
 
 
 def is_artefact(folder: str | os.PathLike) -> bool:

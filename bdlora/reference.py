@@ -14,6 +14,7 @@ from bdlora.data import BUILTIN, default_cache_dir
 from bdlora.evaluate import EvalConfig, evaluate_target
 from bdlora.io import read_json, write_json
 from bdlora.reporter import SILENT, Reporter
+from bdlora.runs import CONFIG, MODEL_ONNX
 from bdlora.teacher import builtin_teacher_dir
 
 EVALS = "evals"
@@ -35,7 +36,7 @@ def evaluate_with_teacher(path: str | Path, ecfg: EvalConfig, teacher: bool = Tr
         return doc
     same = dataclasses.replace(ecfg, data=doc["data"]["data"], heldout_fraction=doc["data"]["heldout_fraction"],
                                seq_len=doc["data"]["seq_len"], tokens=doc["data"]["eval_tokens"],
-                               onnx_file="model.onnx",
+                               onnx_file=MODEL_ONNX,
                                domains=";".join(d for d in doc.get("domains") or {} if d != doc["data"]["data"]))
     cache = Path(doc["data"].get("cache_dir") or default_cache_dir()).expanduser() / EVALS
     key = _key(folder, same)
@@ -57,7 +58,7 @@ def teacher_folder(spec: str | None, cache_dir: Path) -> tuple[Path | None, str]
         return None, "no teacher recorded for this model"
     if spec == BUILTIN:
         folder = builtin_teacher_dir(cache_dir)
-        return (folder, "") if (folder / "config.json").is_file() else (None, f"the builtin teacher is not built in "
+        return (folder, "") if (folder / CONFIG).is_file() else (None, f"the builtin teacher is not built in "
                                                                               f"{cache_dir}")
     if spec in sources.PRESETS:
         try:
@@ -65,7 +66,7 @@ def teacher_folder(spec: str | None, cache_dir: Path) -> tuple[Path | None, str]
         except Exception as e:  # noqa: BLE001  never fail the student's evaluation for the comparison
             return None, f"the teacher {spec} could not be loaded ({type(e).__name__})"
     folder = Path(spec)
-    return (folder, "") if (folder / "config.json").is_file() else (None, f"the teacher {spec} is not a folder here")
+    return (folder, "") if (folder / CONFIG).is_file() else (None, f"the teacher {spec} is not a folder here")
 
 
 def _same(a: Path, b: str | Path) -> bool:

@@ -41,6 +41,17 @@ SWEEP_OPTIONS = "sweep.json"  # a sweep's options: its resume contract
 STUDENT_META = "bdlora_student.json"  # a run's student/: how to rebuild it (method, teacher, layers, adapter)
 ADAPTER = "adapter"  # a kd-lora student's PEFT adapter folder, inside student/
 CONTROLLER_LOG = "controller.jsonl"
+MODEL_ONNX = "model.onnx"  # the graph of an export onnx / export genai folder (its weights: MODEL_ONNX + ".data")
+MODEL_INT8_ONNX = "model_int8.onnx"  # export onnx --int8: the dynamically quantised graph beside it
+TOKENIZER_JSON, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"  # transformers' tokenizer files
+TEACHER_JSON = "teacher.json"  # a built teacher's folder: what it is and how it was built (bdlora.teacher)
+FACTORS_FILE, META_FILE = "budgeted.safetensors", "budgeted.json"  # a budgeted student's gates and factors
+CORPUS_META = "meta.json"  # a tokenized corpus's cache folder: its source, tokenizer and splits
+CORPUS_FILE = "corpus.json"  # a text corpus folder bdlora fetched or generated: source, version, licence
+# a training checkpoint's folder (bdlora.checkpoint)
+CKPT_STATE, CKPT_TRAINABLE = "state.json", "trainable.safetensors"
+CKPT_OPTIMIZER, CKPT_RNG = "optimizer.safetensors", "rng.safetensors"
+PAPER_MAIN, PAPER_TABLE9, PAPER_ICL = "main.md", "table9.md", "icl.png"  # eval --paper / sweep merge outputs
 
 
 class Artefact:

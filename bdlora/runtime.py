@@ -16,7 +16,7 @@ from typing import ClassVar
 import numpy as np
 
 from bdlora.errors import ModelError, UsageError
-from bdlora.runs import CONFIG, EXPORT_MARKER, GENAI_CONFIG
+from bdlora.runs import CONFIG, EXPORT_MARKER, GENAI_CONFIG, MODEL_ONNX, TOKENIZER_CONFIG, TOKENIZER_JSON
 from bdlora.tokenizer import TextTokenizer, check_vocabulary
 
 
@@ -151,7 +151,7 @@ def check_signature(folder: str | Path, shape: DecoderShape, sess) -> None:
 
     problems = signature_problems(shape, *session_io(sess))
     if problems:
-        raise ModelError(f"{Path(folder) / 'config.json'}: declares {'; '.join(problems[:3])}: the config was "
+        raise ModelError(f"{Path(folder) / CONFIG}: declares {'; '.join(problems[:3])}: the config was "
                          "edited or does not belong to this graph")
 
 
@@ -291,7 +291,7 @@ def check_onnx_dir(path: Path, onnx_file: str, runtime: str = "ort") -> None:
         raise ModelError(f"{path}: no {onnx_file} (ONNX files there: {found}; pass a `{make}` output)")
     if not (path / CONFIG).is_file():
         raise ModelError(f"{path}: no config.json (pass a `{make}` output)")
-    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+    if not any((path / f).exists() for f in (TOKENIZER_JSON, TOKENIZER_CONFIG)):
         raise ModelError(f"{path}: no tokenizer files")
     if not (path / EXPORT_MARKER).is_file():  # written last: its absence means the export never finished
         raise ModelError(f"{path}: an unfinished export (no export.json, which `{make}` writes last); export again")
@@ -307,7 +307,7 @@ def check_onnx_dir(path: Path, onnx_file: str, runtime: str = "ort") -> None:
         check_genai_folder(path, onnx_file)
 
 
-def check_genai_folder(path: Path, onnx_file: str = "model.onnx") -> None:
+def check_genai_folder(path: Path, onnx_file: str = MODEL_ONNX) -> None:
     """config.json and genai_config.json against the genai graph's own signature (its weights live in the external
     data file, so reading the graph is cheap): onnxruntime-genai sizes its KV buffer from genai_config.json, so an
     edited value must be refused before a server listens, not discovered in the first request."""

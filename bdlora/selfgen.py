@@ -26,6 +26,7 @@ import torch
 from bdlora.errors import DataError
 from bdlora.io import atomic_dir, write_json
 from bdlora.reporter import SILENT, Reporter
+from bdlora.runs import CONFIG, CORPUS_FILE
 from bdlora.teacher import load_teacher, teacher_folder
 
 GEN_VERSION = 1
@@ -33,7 +34,6 @@ TEMPERATURES = (0.7, 0.9, 1.1)
 TOP_P = 0.95
 BATCH = 32
 MAX_NEW_TOKENS = 256
-CORPUS_FILE = "corpus.json"
 
 REQUESTS = (
     "Explain {t} to a curious teenager.", "Write a short story about {t}.", "Give three surprising facts about {t}.",
@@ -82,7 +82,7 @@ class TeacherSource:
         """SHA-256 over the folder's config.json and weight files (streamed)."""
         if self._fingerprint is None:
             folder = self.folder()
-            files = [folder / "config.json", *sorted(folder.glob("*.safetensors"))]
+            files = [folder / CONFIG, *sorted(folder.glob("*.safetensors"))]
             h = hashlib.sha256()
             for f in files:
                 if f.is_file():

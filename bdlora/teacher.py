@@ -28,13 +28,14 @@ from transformers import (
 )
 
 from bdlora import SCHEMA_VERSION, sources
-from bdlora.arch import check_architecture
 from bdlora.blocks import BlockSampler, PackedBlocks
 from bdlora.data import BUILTIN, Corpus, default_cache_dir, is_heldout, tokenize_corpus
+from bdlora.deployed.folder import check_architecture
 from bdlora.errors import ModelError, UsageError
 from bdlora.integrity import check_loadable
 from bdlora.io import atomic_dir, write_json
 from bdlora.perplexity import perplexity
+from bdlora.runs import TEACHER_JSON
 from bdlora.tokenizer import check_vocabulary
 
 EOS = "<|endoftext|>"
@@ -138,7 +139,7 @@ def build_builtin_teacher(
     """Build (or reuse) the embedded default teacher; returns its directory (HF model + tokenizer + teacher.json)."""
     spec = builtin_spec()
     out = builtin_teacher_dir(cache_dir)
-    if (out / "teacher.json").exists() and not force:
+    if (out / TEACHER_JSON).exists() and not force:
         return out
     stage = on_stage or (lambda s: None)
     t_start = time.time()
@@ -165,7 +166,7 @@ def build_builtin_teacher(
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        write_json(tmp / "teacher.json", {**info, "build_seconds": time.time() - t_start})
+        write_json(tmp / TEACHER_JSON, {**info, "build_seconds": time.time() - t_start})
     return out
 
 

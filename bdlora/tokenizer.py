@@ -15,6 +15,7 @@ from functools import cached_property
 from pathlib import Path
 
 from bdlora.errors import ModelError
+from bdlora.runs import TOKENIZER_CONFIG, TOKENIZER_JSON
 
 _CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
              (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
@@ -37,12 +38,12 @@ class TextTokenizer:
         from tokenizers import Tokenizer
 
         self.folder = Path(folder)
-        tj = self.folder / "tokenizer.json"
+        tj = self.folder / TOKENIZER_JSON
         if not tj.is_file():
             raise ModelError(f"{self.folder}: no tokenizer.json (bdlora needs a fast tokenizer)")
         try:
             self.backend_tokenizer = Tokenizer.from_file(str(tj))
-            cfg_path = self.folder / "tokenizer_config.json"
+            cfg_path = self.folder / TOKENIZER_CONFIG
             self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
         except Exception as e:  # noqa: BLE001  a damaged file is the folder's problem
             raise ModelError(f"{self.folder}: cannot read the tokenizer ({type(e).__name__}: {e})") from None

@@ -38,7 +38,7 @@ from bdlora.methods import METHOD_CLASSES, TrainingMethod
 from bdlora.outputs import check_new_out
 from bdlora.perplexity import perplexity
 from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import FAILED, RunDir
+from bdlora.runs import CONFIG, FAILED, RunDir
 from bdlora.session import Session, prepare
 
 # Options a resumed run may change (where/how often it writes or measures, never the weights); the rest are fixed
@@ -66,7 +66,7 @@ def resume_config(run: RunDir, overrides: dict | None = None) -> TrainConfig:
     try:
         cfg = TrainConfig(**values)
     except TypeError as e:
-        raise RunDirError(f"{run.path / 'config.json'}: not a bdlora training config ({e})") from None
+        raise RunDirError(f"{run.path / CONFIG}: not a bdlora training config ({e})") from None
     cfg.extra = {"world_size": stored.get("extra", {}).get("world_size", 1)}
     return cfg
 

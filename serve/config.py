@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bdlora.errors import Checks
+from bdlora.runs import MODEL_ONNX
 
 # Where and how the server listens (not part of ServeConfig: the app does not need them); the CLI's defaults.
 DEFAULT_HOST = "127.0.0.1"
@@ -18,7 +19,7 @@ class ServeConfig:
     """A `bdlora export onnx` folder."""
     model_name: str
     """Model id clients send (default: the folder name)."""
-    onnx_file: str = "model.onnx"
+    onnx_file: str = MODEL_ONNX
     """Graph to serve (model.onnx or model_int8.onnx), inside the folder."""
     runtime: str = "ort"
     """ort (a `bdlora export onnx` folder, onnxruntime with a batched KV cache) or genai (a `bdlora export genai`

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bdlora.runs import MODEL_ONNX
 from bdlora.runtime import DecoderShape, check_signature, empty_past, left_padded, run_bound, session
 from bdlora.serve.sequence import Request, Sequence, safe_emit, score_prompt
 from bdlora.tokenizer import TextTokenizer
@@ -35,7 +36,7 @@ from bdlora.tokenizer import TextTokenizer
 class Engine:
     """Owns the ONNX session and the worker thread. ``submit`` is thread-safe and never blocks on inference."""
 
-    def __init__(self, onnx_dir: str | Path, onnx_file: str = "model.onnx", max_batch: int = 16,
+    def __init__(self, onnx_dir: str | Path, onnx_file: str = MODEL_ONNX, max_batch: int = 16,
                  threads: int | None = None, on_fatal: Callable[[str], None] | None = None):
         self.dir = Path(onnx_dir)
         self.shape = DecoderShape.from_folder(self.dir)

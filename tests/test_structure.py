@@ -1,8 +1,10 @@
-"""The shape of the code base: no import cycles (function-level imports counted), the serving path, the bench worker
-and the CLI free of torch, modules and functions of a readable size, and architecture registration that stays
-automatic without making ``import bdlora`` load torch."""
+"""The shape of the code base: no import cycles (function-level imports counted), the leaves importing nothing
+above them, every repeated file name a constant of runs.py, the serving path, the bench worker and the CLI free of
+torch, modules and functions of a readable size, and architecture registration that is explicit (``import
+bdlora.deployed``) without making ``import bdlora`` load torch."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -101,7 +103,7 @@ def test_the_core_never_imports_the_exporters_or_the_server():
 def test_the_core_check_sees_function_level_imports():
     """The graph counts imports at any depth, so a function-level import of an exporter would be caught."""
     graph = import_graph()
-    assert "bdlora.deployed.modeling_bdlora" in graph["bdlora.deployed.folder"]  # imported inside register()
+    assert "bdlora.deployed.modeling_bdlora" in graph["bdlora.deployed.folder"]
     assert "bdlora.export.hf" in graph["bdlora.cli.export"]  # imported inside the command body
 
 
@@ -119,14 +121,56 @@ def test_serving_the_bench_worker_and_the_cli_load_without_torch(module):
 
 
 @pytest.mark.parametrize("first", ["bdlora", "transformers"])
-def test_import_bdlora_registers_the_architectures_whichever_comes_first(first):
-    second = "transformers" if first == "bdlora" else "bdlora"
-    code = (f"import {first}, {second}\n"
+def test_importing_bdlora_deployed_registers_the_architectures_explicitly(first):
+    """``import bdlora.deployed`` registers the bdlora_* types with AutoConfig / AutoModelForCausalLM, whichever of it
+    and transformers comes first; ``import bdlora`` alone loads neither transformers nor an import hook."""
+    code = (f"import sys, {first}\n"
+            "assert not any(type(f).__module__.startswith('bdlora') for f in sys.meta_path), sys.meta_path\n"
+            "assert ('transformers' in sys.modules) == (sys.argv[1] == 'transformers')\n"
+            "import bdlora.deployed\n"
             "from transformers import AutoConfig\n"
             "c = AutoConfig.for_model('bdlora_llama', bdlora_modules={'m': {'form': 'dense'}})\n"
             "assert type(c).__name__ == 'BdloraLlamaConfig', type(c)")
-    res = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True)
+    res = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code, first], capture_output=True,
+                         text=True)
     assert res.returncode == 0, res.stderr
+
+
+# Modules every other module may build on, which import no project module but the errors.
+LEAVES = ("bdlora.arch", "bdlora.errors", "bdlora.runs", "bdlora.io")
+
+
+def test_the_leaves_import_nothing_above_them():
+    graph = import_graph()
+    edges = sorted(f"{m} -> {t}" for m in LEAVES for t in graph[m] if t not in ("bdlora.errors", "bdlora.io"))
+    assert not edges, edges
+
+
+FILE_NAME = re.compile(r"^[\w.\-]+\.(onnx|json|jsonl|safetensors|data|md|png|jinja|txt|pt|bin)$")
+
+
+def file_name_literals() -> dict[str, list[str]]:
+    """Every string constant that is a file name (``model.onnx``, ``teacher.json``...), outside runs.py, by name:
+    where it is spelled (docstrings and f-string pieces are not constants of their own and do not count)."""
+    hits: dict[str, list[str]] = {}
+    for name, path in project_modules().items():
+        if name == "bdlora.runs":
+            continue
+        tree = ast.parse(path.read_text())
+        docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.FunctionDef,
+                                                                                  ast.AsyncFunctionDef, ast.ClassDef))
+                and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
+                    and FILE_NAME.match(node.value)):
+                hits.setdefault(node.value, []).append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    return hits
+
+
+def test_runs_owns_every_file_name_that_more_than_one_place_spells():
+    """A file name written or read in two places is a constant of bdlora.runs, so renaming it is one edit."""
+    repeated = {k: v for k, v in file_name_literals().items() if len(v) > 1}
+    assert not repeated, repeated
 
 
 def test_no_module_over_400_lines_and_no_long_functions():

@@ -31,7 +31,7 @@ from bdlora.export.genai.folder import calibration_blocks, data_settings, heldou
 from bdlora.models import load_model_folder
 from bdlora.reference import teacher_folder
 from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import GENAI_CONFIG
+from bdlora.runs import CONFIG, GENAI_CONFIG, MODEL_ONNX
 from bdlora.runtime import DecoderShape, score_blocks, session
 
 BUILDER_PRECISIONS = {"fp32": "fp32", "int4": "int4"}  # the builder's -p values we compare against
@@ -93,7 +93,7 @@ def builder_misreads(config) -> str | None:
 
 def run_builder(hf_folder: Path, out: Path, precision: str, threads: int, cache: Path) -> str | None:
     """Convert ``hf_folder`` with onnxruntime-genai's builder; None on success, else the reason it could not."""
-    misread = builder_misreads(json.loads((hf_folder / "config.json").read_text()))
+    misread = builder_misreads(json.loads((hf_folder / CONFIG).read_text()))
     if misread:
         return misread
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_folder), "-o", str(out), "-p",
@@ -154,7 +154,7 @@ def score_folders(folders: dict[str, Path], shapes: dict[str, DecoderShape], blo
     for key, folder in folders.items():
         shape = shapes[key]
         reporter.stage(f"held-out perplexity of {key} ({len(blocks) * blocks.seq_len:,} tokens)")
-        nll, _ = score_blocks(session(folder / "model.onnx"), shape, blocks)
+        nll, _ = score_blocks(session(folder / MODEL_ONNX), shape, blocks)
         out[key] = {"ppl": math.exp(nll), "tokens": len(blocks) * blocks.seq_len}
     return out
 

@@ -20,9 +20,9 @@ from bdlora.budgeted.layer import DeployedModule, GatedLoRALinear
 from bdlora.deployed.modeling_bdlora import FAMILIES
 from bdlora.errors import ConfigError, ModelError
 from bdlora.io import load_tensors, read_json, save_tensors, write_json
+from bdlora.runs import FACTORS_FILE, META_FILE
 
 TENSORS = ("lora_A", "lora_B", "gate_logits", "retention")
-FACTORS_FILE, META_FILE = "budgeted.safetensors", "budgeted.json"
 
 
 def apply_budgeted_lora(model: nn.Module, rank: int, alpha: float, gate_init: float = DEFAULTS.gate_init,

@@ -16,11 +16,26 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
-from bdlora._registration import quiet_transformers
 from bdlora.errors import BdloraError
 from bdlora.io import NotAFileError
 
-quiet_transformers()  # the CLI draws its own progress; stderr carries only its one-line errors
+
+def quiet_transformers() -> None:
+    """The CLI draws its own progress and reports problems in one line: transformers' own bars (5.x draws "Loading
+    weights" on every ``from_pretrained``) and its warnings and load-report tables would interleave with both on
+    stderr. Through the environment when transformers is not loaded yet (it reads both at import; the bench's and
+    torchrun's worker processes inherit them), directly when it is. Library users keep theirs."""
+    if "transformers" in sys.modules:
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()
+        logging.set_verbosity_error()
+    else:
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+quiet_transformers()
 
 # OSErrors that mean "the disk refused the write", not a bug: one line and exit 1, like any failure
 STORAGE_ERRORS = {errno.EFBIG: " (the file-size limit: see `ulimit -f`)", errno.ENOSPC: " (the disk is full)",

@@ -16,7 +16,7 @@ from bdlora.errors import UsageError
 from bdlora.evaluate import EvalConfig
 from bdlora.io import write_json
 from bdlora.outputs import check_new_out, check_out_file
-from bdlora.runs import RUNS_DIR, ModelDir, SweepDir, eval_json
+from bdlora.runs import PAPER_MAIN, RUNS_DIR, ModelDir, SweepDir, eval_json
 from bdlora.sweep.options import SweepOptions
 from bdlora.sweep.paper import OUTPUTS, merge_sweeps
 from bdlora.sweep.report import markdown
@@ -140,5 +140,5 @@ def sweep_merge(
     (table9.md) and Figure 2 (icl.png), members matched by name."""
 
     merge_sweeps(sweeps, str_list(labels) if labels else None, Path(out_dir), force=force)
-    out.print((Path(out_dir) / "main.md").read_text())
+    out.print((Path(out_dir) / PAPER_MAIN).read_text())
     out.print(f"[green]wrote[/] {out_dir}/{', '.join(OUTPUTS)}, merged.json")

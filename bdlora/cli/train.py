@@ -15,7 +15,7 @@ from bdlora.cli.options import from_dataclass
 from bdlora.cli.progress import RichReporter
 from bdlora.config import TrainConfig, field_docs, load_yaml, merge
 from bdlora.errors import UsageError
-from bdlora.runs import RunDir
+from bdlora.runs import TEACHER_JSON, RunDir
 
 H = field_docs(TrainConfig)
 
@@ -44,7 +44,7 @@ def teacher(
         info = describe_pretrained(preset, cache, on_stage=rep.stage, data=data)
     else:
         path = build_builtin_teacher(cache, force=force, on_stage=rep.stage, on_step=rep.teacher_step)
-        info = {**json.loads((path / "teacher.json").read_text()), "path": str(path)}
+        info = {**json.loads((path / TEACHER_JSON).read_text()), "path": str(path)}
     rep.finish()
     if json_out:
         print(json.dumps(info, indent=2))

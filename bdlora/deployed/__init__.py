@@ -4,12 +4,13 @@
   ``LowRankLinear``; self-contained (torch + transformers only), copied into every model folder so
   ``trust_remote_code=True`` works where bdlora is not installed;
 - ``folder``: writing a compressed model folder (``save_model_folder``) and registering the architectures with
-  transformers' Auto classes (``register``, run by the hook in ``bdlora._registration``).
+  transformers' Auto classes (``register``: ``AutoConfig.register`` / ``AutoModelForCausalLM.register``, run when
+  this package is imported, as every module that builds or loads a compressed model does).
 
 ``compress`` and ``compress --one-shot`` write these folders; the exporters (``bdlora.export``: hf, onnx, genai) and
 the bench read them. Nothing here imports ``bdlora.export`` or ``bdlora.serve``.
 """
 
-# transformers first: importing it runs bdlora's registration hook (see bdlora._registration), which imports
-# ``modeling_bdlora``; doing it here, before any submodule, means that module is never half-initialised then.
-import transformers  # noqa: E402, F401
+from bdlora.deployed.folder import register  # noqa: E402
+
+register()  # AutoConfig / AutoModelForCausalLM know the bdlora_* model types from here on

@@ -11,9 +11,12 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from bdlora.deployed.modeling_bdlora import FAMILIES
+from bdlora.arch import PROJECTIONS, base_model, block_of, family_of, unsupported
+from bdlora.deployed.modeling_bdlora import FAMILIES, LowRankLinear
+from bdlora.errors import ModelError
 from bdlora.integrity import DIGEST_KEY, digests
 from bdlora.io import atomic_dir, write_json
 from bdlora.runs import ModelDir
@@ -22,14 +25,25 @@ MODELING_FILE = Path(__file__).with_name("modeling_bdlora.py")
 
 
 def register() -> None:
-    """Register the bdlora architectures with the Auto classes (run when transformers is imported)."""
-
-    # not at module level: this runs inside the hook that fires while transformers finishes importing, and
-    # modeling_bdlora imports transformers itself (see bdlora/deployed/__init__.py)
-
+    """Register the bdlora architectures with the Auto classes (idempotent; run when ``bdlora.deployed`` is
+    imported)."""
     for cfg_cls, model_cls in FAMILIES.values():
         AutoConfig.register(cfg_cls.model_type, cfg_cls, exist_ok=True)
         AutoModelForCausalLM.register(cfg_cls, model_cls, exist_ok=True)
+
+
+def check_architecture(model, what: str) -> None:
+    """Refuse a model outside the supported families, or one whose layers lack a projection (as ``nn.Linear`` or a
+    bdlora low-rank pair)."""
+    if family_of(model) is None:
+        raise ModelError(unsupported(what, getattr(getattr(model, "config", None), "model_type",
+                                                   type(model).__name__)))
+    for i, layer in enumerate(base_model(model).model.layers):
+        for name in PROJECTIONS:
+            mod = getattr(getattr(layer, block_of(name)), name, None)
+            if not isinstance(mod, (torch.nn.Linear, LowRankLinear)):
+                raise ModelError(f"{what}: layer {i} has no nn.Linear '{name}' (expected the seven projections "
+                                 f"{', '.join(PROJECTIONS)})")
 
 
 def save_model_folder(model, tokenizer, out: Path, report: dict) -> Path:

@@ -5,8 +5,8 @@ compressed model folder and points ``auto_map`` at it, so
 
     AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
 
-works where bdlora is not installed. With bdlora imported, the classes are registered with ``AutoConfig`` /
-``AutoModelForCausalLM`` and load without remote code.
+works where bdlora is not installed. With ``bdlora.deployed`` imported, the classes are registered with
+``AutoConfig`` / ``AutoModelForCausalLM`` and load without remote code.
 
 One config/model pair per supported base family (``bdlora_mistral``, ``bdlora_llama``, ``bdlora_qwen2``). The config
 is the base family's config plus ``bdlora_modules``: for every replaced projection its deployment form, ``dense``

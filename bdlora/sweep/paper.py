@@ -19,10 +19,10 @@ from pathlib import Path
 from bdlora import SCHEMA_VERSION
 from bdlora.errors import UsageError
 from bdlora.io import atomic_path, write_json, write_text
-from bdlora.runs import SweepDir
+from bdlora.runs import PAPER_ICL, PAPER_MAIN, PAPER_TABLE9, SweepDir
 from bdlora.sweep.vary import show
 
-OUTPUTS = ("main.md", "table9.md", "icl.png")
+OUTPUTS = (PAPER_MAIN, PAPER_TABLE9, PAPER_ICL)
 
 
 def teacher_label(doc: dict) -> str:
@@ -173,9 +173,9 @@ def plot_icl(groups: list[tuple[str, dict]], path: Path) -> None:
 
 
 def write_paper_outputs(groups: list[tuple[str, dict]], folder: Path) -> None:
-    write_text(folder / "main.md", main_table(groups))
-    write_text(folder / "table9.md", table9(groups))
-    plot_icl(groups, folder / "icl.png")
+    write_text(folder / PAPER_MAIN, main_table(groups))
+    write_text(folder / PAPER_TABLE9, table9(groups))
+    plot_icl(groups, folder / PAPER_ICL)
 
 
 def merge_sweeps(dirs: list[str], labels: list[str] | None, out: Path, force: bool = False) -> dict:

@@ -3,6 +3,7 @@ writes), plus the search defaults it generates with (greedy, the model's EOS).""
 
 from __future__ import annotations
 
+from bdlora.runs import MODEL_ONNX
 from bdlora.runtime import DecoderSignature as Sig
 
 GENAI_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
@@ -12,7 +13,7 @@ def _ids(value) -> int | list[int]:
     return value[0] if isinstance(value, list) and len(value) == 1 else value
 
 
-def genai_config(config, base_type: str, context_length: int, filename: str = "model.onnx",
+def genai_config(config, base_type: str, context_length: int, filename: str = MODEL_ONNX,
                  threads: int | None = None) -> dict:
     """The config onnxruntime-genai reads for ``config`` (a transformers config of the base family ``base_type``).
     ``past_present_share_buffer``: past and present are one (batch, kv_heads, max_length, head_dim) buffer that

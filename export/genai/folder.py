@@ -25,7 +25,7 @@ from bdlora.io import atomic_dir, write_json
 from bdlora.models import load_model_folder
 from bdlora.outputs import check_out_dir
 from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import GENAI_CONFIG, ModelDir, OnnxDir, source_run
+from bdlora.runs import GENAI_CONFIG, MODEL_ONNX, ModelDir, OnnxDir, source_run
 from bdlora.runtime import DecoderShape, session
 
 QUALITY_TOKENS = 32768  # held-out tokens scored with the fp32 and quantised graphs when no training run is known
@@ -85,12 +85,12 @@ def write_genai_files(model, tok, folder: Path, precision: str, ctx: int, report
         qproto, info["quantization"] = quantize_nbits(copy, precision, quant, grams, head_bits, int8_share)
         if quant == "gptq":
             info["quantization"]["calibration_tokens"] = len(calibration) * calibration.seq_len
-        save_graph(qproto, folder / "model.onnx")
+        save_graph(qproto, folder / MODEL_ONNX)
         if fp32_path is not None:
             fp32_path.parent.mkdir(exist_ok=True)
             save_graph(proto, fp32_path)
     else:
-        save_graph(proto, folder / "model.onnx")
+        save_graph(proto, folder / MODEL_ONNX)
     return info
 
 
@@ -129,7 +129,7 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, precision: str =
         reporter.stage("emitting the genai graph (GroupQueryAttention, fused RMSNorm, shared-input first factors)"
                        + ("" if precision == "fp32" else f", quantising the projections to {precision} (MatMulNBits)"))
         t0 = time.time()
-        fp32 = tmp / "model.onnx" if precision == "fp32" else tmp / "fp32" / "model.onnx"
+        fp32 = tmp / MODEL_ONNX if precision == "fp32" else tmp / "fp32" / MODEL_ONNX
         calibration = None
         if quant == "gptq" and precision != "fp32":
             calibration = calibration_blocks(model_dir, report, tok, DecoderShape.of(model.config), calib_tokens)
@@ -139,11 +139,11 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, precision: str =
         info["export_seconds"] = time.time() - t0
         if run_validation:
             info["validation"] = _validate(tmp, model, tok, report, model_dir, precision, max_ppl_change, reporter)
-        if fp32 != tmp / "model.onnx":  # the fp32 reference graph served validation only
+        if fp32 != tmp / MODEL_ONNX:  # the fp32 reference graph served validation only
             for f in fp32.parent.iterdir():
                 f.unlink()
             fp32.parent.rmdir()
-        info["files"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.name.startswith("model.onnx")}
+        info["files"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.name.startswith(MODEL_ONNX)}
         write_json(tmp / OnnxDir.MARKER, info)
     return info
 
@@ -151,7 +151,7 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, precision: str =
 def _validate(tmp: Path, model, tok, report, model_dir: Path, precision: str, max_ppl_change: float,
               reporter: Reporter) -> dict:
     out: dict = {}
-    fp32 = session(tmp / ("model.onnx" if precision == "fp32" else "fp32/model.onnx"))
+    fp32 = session(tmp / (MODEL_ONNX if precision == "fp32" else f"fp32/{MODEL_ONNX}"))
     reporter.stage("validating the graph against PyTorch (prefill, decode, decode steps)")
     out["parity"] = v.graph_parity(model, fp32)
     reporter.stage("checking onnxruntime-genai's tokenizer against the model's")
@@ -163,7 +163,7 @@ def _validate(tmp: Path, model, tok, report, model_dir: Path, precision: str, ma
     run = source_run(model_dir, (report or {}).get("provenance", {}))
     blocks = _quality_blocks(run, tok, DecoderShape.of(model.config))
     reporter.stage(f"scoring {len(blocks)} held-out blocks with the fp32 and {precision} graphs")
-    q = v.quantized_quality(fp32, session(tmp / "model.onnx"), DecoderShape.of(model.config), blocks)
+    q = v.quantized_quality(fp32, session(tmp / MODEL_ONNX), DecoderShape.of(model.config), blocks)
     q["max_ppl_change"] = max_ppl_change
     out["quality"] = q
     if q["ppl_change"] > max_ppl_change:

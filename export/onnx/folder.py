@@ -20,7 +20,7 @@ from bdlora.io import atomic_dir, write_json
 from bdlora.models import load_model_folder
 from bdlora.outputs import check_out_dir
 from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import ModelDir, OnnxDir, source_run
+from bdlora.runs import MODEL_INT8_ONNX, MODEL_ONNX, ModelDir, OnnxDir, source_run
 from bdlora.runtime import DecoderShape, score_blocks, session
 
 QUANTIZE = ("int8",)
@@ -45,16 +45,16 @@ def export_onnx_folder(model_dir: str | Path, out: str | Path, opset: int = DEFA
     with atomic_dir(out) as tmp:
         reporter.stage(f"exporting to ONNX (opset {opset})")
         t0 = time.time()
-        info["matmuls_fused"] = export_decoder(model, tmp / "model.onnx", opset)
+        info["matmuls_fused"] = export_decoder(model, tmp / MODEL_ONNX, opset)
         if optimize:
             reporter.stage("fusing RMSNorm / residual / rotary subgraphs (onnxruntime transformer optimizer)")
-            info["ort_fusions"] = optimize_graph(tmp / "model.onnx", model)
-        add_metadata(tmp / "model.onnx", rows, summary)
+            info["ort_fusions"] = optimize_graph(tmp / MODEL_ONNX, model)
+        add_metadata(tmp / MODEL_ONNX, rows, summary)
         info["export_seconds"] = time.time() - t0
-        info["files"] = {"model.onnx": (tmp / "model.onnx").stat().st_size}
+        info["files"] = {"model.onnx": (tmp / MODEL_ONNX).stat().st_size}
         if run_validation:
             reporter.stage("validating against PyTorch")
-            info["validation"] = validate(model, session(tmp / "model.onnx"))
+            info["validation"] = validate(model, session(tmp / MODEL_ONNX))
         model.config.save_pretrained(tmp)
         if model.generation_config is not None:
             model.generation_config.save_pretrained(tmp)
@@ -69,9 +69,9 @@ def export_onnx_folder(model_dir: str | Path, out: str | Path, opset: int = DEFA
 
 def _quantize(tmp: Path, model, tok, report: dict | None, model_dir: Path, info: dict, reporter: Reporter) -> dict:
     reporter.stage("quantising to int8 (dynamic, weights)")
-    quantize_int8(tmp / "model.onnx", tmp / "model_int8.onnx")
-    info["files"]["model_int8.onnx"] = (tmp / "model_int8.onnx").stat().st_size
-    out = {"size_ratio": info["files"]["model_int8.onnx"] / info["files"]["model.onnx"]}
+    quantize_int8(tmp / MODEL_ONNX, tmp / MODEL_INT8_ONNX)
+    info["files"][MODEL_INT8_ONNX] = (tmp / MODEL_INT8_ONNX).stat().st_size
+    out = {"size_ratio": info["files"][MODEL_INT8_ONNX] / info["files"][MODEL_ONNX]}
     run = source_run(model_dir, (report or {}).get("provenance", {}))
     if run is None:
         return out
@@ -79,8 +79,8 @@ def _quantize(tmp: Path, model, tok, report: dict | None, model_dir: Path, info:
     blocks = heldout_blocks(run.config(), tok)
     reporter.stage("scoring the held-out slice with fp32 and int8 graphs")
     shape = DecoderShape.of(model.config)
-    nll32, arg32 = score_blocks(session(tmp / "model.onnx"), shape, blocks)
-    nll8, arg8 = score_blocks(session(tmp / "model_int8.onnx"), shape, blocks)
+    nll32, arg32 = score_blocks(session(tmp / MODEL_ONNX), shape, blocks)
+    nll8, arg8 = score_blocks(session(tmp / MODEL_INT8_ONNX), shape, blocks)
     return {**out, "val_ppl_fp32": math.exp(nll32), "val_ppl_int8": math.exp(nll8),
             "argmax_agreement": float((arg32 == arg8).mean()), "ppl_change": math.exp(nll8) / math.exp(nll32) - 1.0,
             "tokens": len(blocks) * blocks.seq_len}

@@ -10,13 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from bdlora.errors import UsageError
+from bdlora.runs import MODEL_ONNX
 from bdlora.runtime import DecoderShape
 
 EXTRA_HINT = ('needs the optional [optimum] extra: pip install "bdlora[optimum]" (optimum-onnx; it installs '
               "transformers 4.57, which bdlora also supports)")
 
 
-def load_ort_model(onnx_dir: str | Path, file_name: str = "model.onnx", **kwargs):
+def load_ort_model(onnx_dir: str | Path, file_name: str = MODEL_ONNX, **kwargs):
     """optimum's ORTModelForCausalLM for a bdlora ONNX folder (see ``BdloraORTModelForCausalLM``)."""
     return ort_model_class().from_pretrained(str(onnx_dir), file_name=file_name, use_cache=True,
                                              use_io_binding=False, **kwargs)
