@@ -31,6 +31,7 @@ from bdlora.serve.engine import Engine
 from bdlora.serve.engine_process import EngineProcess
 from bdlora.serve.genai_engine import GenaiEngine
 from bdlora.serve.handlers import ChatServing, CompletionServing
+from bdlora.serve.interface import ServingEngine
 from bdlora.serve.metrics import Metrics
 from bdlora.serve.protocol import (
     APIError,
@@ -45,7 +46,7 @@ from bdlora.serve.transport import BodyLimit, Front, head_deadline_protocol, lis
 
 class _State:
     def __init__(self):
-        self.engine: Engine | None = None
+        self.engine: ServingEngine | None = None
         self.load_error: str | None = None
 
 

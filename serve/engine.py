@@ -29,11 +29,12 @@ import numpy as np
 
 from bdlora.runs import MODEL_ONNX
 from bdlora.runtime import DecoderShape, check_signature, empty_past, left_padded, run_bound, session
+from bdlora.serve.interface import ServingEngine
 from bdlora.serve.sequence import Request, Sequence, safe_emit, score_prompt
 from bdlora.tokenizer import TextTokenizer
 
 
-class Engine:
+class Engine(ServingEngine):
     """Owns the ONNX session and the worker thread. ``submit`` is thread-safe and never blocks on inference."""
 
     def __init__(self, onnx_dir: str | Path, onnx_file: str = MODEL_ONNX, max_batch: int = 16,
@@ -65,18 +66,7 @@ class Engine:
 
     # --------------------------------------------------------------------------------------------------------------
 
-    def refuse(self, prompt_ids: list[int]) -> str | None:
-        """Why this runtime cannot continue this prompt exactly (None: it can). The onnxruntime graph takes any."""
-        return None
-
-    def submit(self, req: Request) -> None:
-        if self.error is not None:  # the worker is gone: answer now instead of queueing forever
-            safe_emit(req, "error", f"the engine stopped: {self.error}")
-            return
-        refused = self.refuse(req.prompt_ids)
-        if refused:
-            safe_emit(req, "error", refused)
-            return
+    def _accept(self, req: Request) -> None:  # the onnxruntime graph continues any prompt (no ``refuse``)
         self._waiting.put(req)
 
     def shutdown(self, timeout: float = 30.0) -> None:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from bdlora.runtime import DecoderShape
 from bdlora.serve.genai_engine import trailing_pad
+from bdlora.serve.interface import ServingEngine
 from bdlora.serve.sequence import Request, safe_emit
 from bdlora.tokenizer import TextTokenizer
 
@@ -94,7 +95,7 @@ def _child(conn, engine_cls, args: tuple, kw: dict) -> None:
         eng.shutdown()
 
 
-class EngineProcess:
+class EngineProcess(ServingEngine):
     """``engine_cls(*args, **kw)`` built and run in a child process; the same surface as ``Engine`` for the
     server (``held()`` and the model itself stay in the child)."""
 
@@ -154,14 +155,7 @@ class EngineProcess:
 
         return trailing_pad(self.pad, prompt_ids)
 
-    def submit(self, req: Request) -> None:
-        if self.error is not None:
-            safe_emit(req, "error", f"the engine stopped: {self.error}")
-            return
-        refused = self.refuse(req.prompt_ids)
-        if refused:
-            safe_emit(req, "error", refused)
-            return
+    def _accept(self, req: Request) -> None:
         with self._lock:
             self._pending[req.id] = req
             try:

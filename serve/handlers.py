@@ -17,8 +17,9 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from bdlora.serve.config import ServeConfig
-from bdlora.serve.engine import Engine, release_freed_memory
 from bdlora.serve.engine import Request as EngineRequest
+from bdlora.serve.engine import release_freed_memory
+from bdlora.serve.interface import ServingEngine
 from bdlora.serve.metrics import Metrics
 from bdlora.serve.protocol import (
     APIError,
@@ -76,7 +77,7 @@ class Serving:
     def __init__(self, cfg: ServeConfig, engine_ref, metrics: Metrics, load_error_ref):
         self.cfg, self.engine_ref, self.metrics, self.load_error_ref = cfg, engine_ref, metrics, load_error_ref
 
-    def engine(self) -> Engine:
+    def engine(self) -> ServingEngine:
         eng = self.engine_ref()
         if eng is None:
             err = self.load_error_ref()
@@ -84,10 +85,10 @@ class Serving:
                            type_="server_error")
         return eng
 
-    def prompt_limit(self, eng: Engine) -> int:
+    def prompt_limit(self, eng: ServingEngine) -> int:
         return self.cfg.max_prompt_tokens or eng.max_positions - 1
 
-    def check_text_size(self, eng: Engine, texts: list[str], param: str) -> None:
+    def check_text_size(self, eng: ServingEngine, texts: list[str], param: str) -> None:
         """Before anything is tokenised: a text of more bytes than ``limit`` tokens can stand for cannot fit, so it
         is refused at once (tokenising 4 MB of 'a' took seconds of a core and a gigabyte per request)."""
         limit, per_token = self.prompt_limit(eng), eng.tokenizer.max_token_bytes()
@@ -97,7 +98,7 @@ class Serving:
                                 f"(a token of this model stands for at most {per_token} bytes)", param,
                            "context_length_exceeded")
 
-    def check_prompt(self, eng: Engine, ids: list[int], params: SamplingParams) -> None:
+    def check_prompt(self, eng: ServingEngine, ids: list[int], params: SamplingParams) -> None:
         limit = self.prompt_limit(eng)
         if not ids:
             raise APIError(400, "prompt: empty (needs at least one token)", "prompt", "invalid_value")
@@ -114,7 +115,7 @@ class Serving:
         if refused:
             raise APIError(400, f"prompt: {refused}", "prompt", "invalid_value")
 
-    def submit(self, eng: Engine, prompts: list[list[int]], params: SamplingParams, stream: bool):
+    def submit(self, eng: ServingEngine, prompts: list[list[int]], params: SamplingParams, stream: bool):
         """One engine request per prompt, admitted together or not at all (a request of k prompts needs k free
         places in the queue); returns (requests, asyncio queues of their events)."""
         if eng.waiting + len(prompts) > self.cfg.max_waiting:

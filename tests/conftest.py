@@ -183,20 +183,27 @@ def free_port() -> int:
 def start_server(folder, *args, env=None, own_group=False):
     """``bdlora serve FOLDER ARGS`` on a free port; returns (process, base URL) once /health answers 200.
     ``own_group``: in a new session, so a test can signal its whole process group as a terminal's Ctrl-C does."""
-    import httpx
-
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "bdlora.cli", "serve", str(folder), "--port", str(port), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=own_group)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
+    wait_healthy(proc, url)
+    return proc, url
+
+
+def wait_healthy(proc, url: str, timeout: float = 180) -> None:
+    """Until ``url``/health answers 200; fails with the server's output if it exits first, kills it past
+    ``timeout``."""
+    import httpx
+
+    deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"server exited: {proc.stdout.read()[-3000:]}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
+                return
         except httpx.TransportError:
             pass
         time.sleep(0.2)

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from bdlora.cli import app as cli_app
 from bdlora.serve.loadtest import base_url
-from conftest import free_port, start_server
+from conftest import free_port, start_server, wait_healthy
 
 PROMPTS = ["alpha beta", "one two three", "red green", "monday tuesday wednesday", "sigma tau", "five six",
            "white black", "kappa", "nine ten one", "cyan magenta yellow"]
@@ -479,15 +479,7 @@ def test_a_dead_engine_stops_the_server_with_a_non_zero_exit(served_model, tmp_p
                              *served_model["args"]],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() is not None else ""
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
+    wait_healthy(proc, url)
     r = httpx.post(url + "/v1/completions", json={"model": "m.onnx", "prompt": "a", "max_tokens": 3}, timeout=60)
     assert r.status_code == 500, r.text
     assert r.json()["error"]["type"] == "server_error"
@@ -882,22 +874,9 @@ def test_malformed_requests_get_the_openai_error_shape_and_are_counted(server):
 
 
 def test_api_key_guards_the_api_and_leaves_health_open(served_model):
-    port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "BDLORA_API_KEY": "s3cret"}
-    proc = subprocess.Popen([sys.executable, "-m", "bdlora.cli", "serve", str(served_model["folder"]), "--port",
-                             str(port), "--docs", *served_model["args"]], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_server(served_model["folder"], "--docs", *served_model["args"],
+                             env={"BDLORA_API_KEY": "s3cret"})
     try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None and time.time() < deadline
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
         body = {"model": "m.onnx", "prompt": "kappa", "max_tokens": 3, "temperature": 0}
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
             r = httpx.post(url + "/v1/completions", json=body, headers=headers)

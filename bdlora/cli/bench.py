@@ -1,21 +1,19 @@
 """``bdlora bench``: the compressed model against its dense and LoRA forms under onnxruntime."""
 
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from bdlora.arch import check_lora_rank
 from bdlora.bench.config import BenchConfig
+from bdlora.bench.target import SYNTHETIC_LORA_RANK, compressed_target, synthetic_target
 from bdlora.cli import render
 from bdlora.cli.app import command, out
 from bdlora.cli.options import from_dataclass, int_list, str_list
 from bdlora.cli.progress import RichReporter
-from bdlora.errors import Checks, ModelError, UsageError
+from bdlora.errors import Checks, UsageError
 from bdlora.io import write_json
 from bdlora.outputs import check_out_dir, check_out_file
-from bdlora.plan import read_model_config
-from bdlora.runs import RUNS_DIR, BenchDir, ModelDir
+from bdlora.runs import RUNS_DIR, BenchDir
 
 
 @command(options=from_dataclass(BenchConfig, skip=("opt_level",), defaults=True))
@@ -28,7 +26,7 @@ def bench(
     budget: Annotated[Optional[float], typer.Option(help="Synthetic mode: the budget F.")] = None,
     layers: Annotated[Optional[int], typer.Option(help="Synthetic mode: student layers.")] = None,
     lora_rank: Annotated[Optional[int], typer.Option(help="LoRA rank of the lora variant (default: the trained "
-                                                           "rank; synthetic: 128).")] = None,
+                                                           f"rank; synthetic: {SYNTHETIC_LORA_RANK}).")] = None,
     also: Annotated[Optional[list[str]], typer.Option(
         "--also", help="genai runtime: another compressed folder (of the same teacher) whose compressed form joins "
                        "the same run and front at every precision. Repeatable.")] = None,
@@ -52,41 +50,22 @@ def bench(
     cfg = BenchConfig(**opts).validate()
     if json_path:
         check_out_file(json_path, force=force)
-    if model_config:
-        from bdlora.bench.variants import synthetic_model
-
-        if budget is None:
-            raise UsageError("--model-config needs --budget F (the structure to bench)")
-        config = read_model_config(model_config)
-        rank = check_lora_rank(lora_rank or 128, config, defaulted=lora_rank is None)
-        (model, report), tok, deploy = synthetic_model(config, budget, layers, rank), None, None
-        dst, inputs = Path(out_dir) if out_dir else Path(runs_dir) / f"bench-synthetic-F{budget}", ()
-    else:
-        src, model, tok, report = _compressed(model_dir, runs_dir)
-        rank = check_lora_rank(lora_rank or trained_lora_rank(report), model.config, lora_rank is None)
-        dst, inputs, deploy = (Path(out_dir) if out_dir else src.bench_out()), (src.path,), None
-    check_out_dir(dst, force, inputs)
+    target = (synthetic_target(model_config, budget, layers, lora_rank, out_dir, runs_dir) if model_config
+              else compressed_target(model_dir, lora_rank, out_dir, runs_dir))
+    check_out_dir(target.out, force, target.inputs)
     rep = RichReporter(out)
-    if cfg.runtime != "ort" and not model_config:  # the teacher and the slices of the quality/speed front
+    deploy = None
+    if cfg.runtime != "ort" and target.source is not None:  # the teacher and the slices of the quality/speed front
         from bdlora.bench.genai import deployment_for
 
-        deploy = deployment_for(src.path, report, tok, model, cfg, rep, also or [])
-    doc = run_bench(model, rank, cfg, dst, report, reporter=rep, tokenizer=tok, deploy=deploy)
+        deploy = deployment_for(target.source.path, target.report, target.tokenizer, target.model, cfg, rep,
+                                also or [])
+    doc = run_bench(target.model, target.lora_rank, cfg, target.out, target.report, reporter=rep,
+                    tokenizer=target.tokenizer, deploy=deploy)
     if json_path:
         write_json(json_path, doc)
     render.bench(doc)
-    out.print(f"[green]wrote[/] {dst / BenchDir.MARKER}, bench.md, bench.png")
-
-
-def _compressed(model_dir: str | None, runs_dir: str):
-    """(folder, model, tokenizer, compression report) of the compressed folder to bench."""
-    from bdlora.models import load_model_folder
-
-    src = ModelDir(model_dir) if model_dir else ModelDir.latest(runs_dir)
-    if not src.finished():
-        raise ModelError(f"{src.path}: no compression.json; bench needs a `bdlora compress` output (or use "
-                         "--model-config for synthetic mode)")
-    return (src, *load_model_folder(src.path))
+    out.print(f"[green]wrote[/] {target.out / BenchDir.MARKER}, bench.md, bench.png")
 
 
 def _check_own_options(model_config, budget, layers, lora_rank) -> None:
@@ -100,12 +79,3 @@ def _check_own_options(model_config, budget, layers, lora_rank) -> None:
     if not model_config and (budget is not None or layers is not None):
         raise UsageError(f"--{'budget' if budget is not None else 'layers'}: only with --model-config (synthetic "
                          "mode); a compressed folder has its own structure")
-
-
-def trained_lora_rank(report: dict) -> int:
-    """The LoRA rank the model was trained with (``compression.json``'s ``lora_rank``); folders written before it
-    was recorded give it back from the LoRA MACs (sum of r (d_in + d_out) over the modules)."""
-    if report.get("lora_rank"):
-        return int(report["lora_rank"])
-    per_rank = sum(m["in_features"] + m["out_features"] for m in report["modules"])
-    return max(1, round(report["lora_macs"] / max(1, per_rank)))

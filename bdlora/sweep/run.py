@@ -84,9 +84,23 @@ class _Indented:
 
 
 def _run_member(m: Member, opts: SweepOptions, sweep: SweepDir, reporter: Reporter) -> dict:
+    """Produce the member's compressed folder (trained and compressed, or compressed in one shot), then evaluate it
+    the one way every member is evaluated; each step is skipped when its output is already there (resume)."""
     rep = _Indented(reporter)
-    if m.method == "one-shot":
-        return _run_one_shot(m, opts, sweep, rep)
+    produce = _one_shot_member if m.method == "one-shot" else _trained_member
+    model_dir, summary, lora_rank = produce(m, opts, sweep, reporter, rep)
+    eval_path = sweep.path / f"{m.name}{EVAL}"
+    if eval_path.exists():
+        rep.stage("eval: done")
+    else:
+        write_json(eval_path, evaluate_target(model_dir.path, EvalConfig(examples=opts.eval_examples,
+                                                                         seeds=opts.eval_seeds), reporter=rep))
+    bench = _bench_member(m, opts, sweep, model_dir, lora_rank, rep) if opts.bench else None
+    return member_row(m, summary, model_dir.report(), read_json(eval_path), bench)
+
+
+def _trained_member(m: Member, opts: SweepOptions, sweep: SweepDir, reporter: Reporter, rep: Reporter):
+    """(compressed folder, training summary, LoRA rank) of a member that trains: train (or resume), compress."""
     run = sweep.member(m.run)
     if run.finished():
         rep.stage(f"train: done ({run.path})")
@@ -102,19 +116,12 @@ def _run_member(m: Member, opts: SweepOptions, sweep: SweepDir, reporter: Report
     else:
         compress_run(run, opts.thresholds(m, run.config().get("eps_zero")), out=model_dir.path,
                      force=model_dir.path.exists(), reporter=rep)
-    eval_path = sweep.path / f"{m.name}{EVAL}"
-    if eval_path.exists():
-        rep.stage("eval: done")
-    else:
-        write_json(eval_path, evaluate_target(model_dir.path, EvalConfig(examples=opts.eval_examples,
-                                                                         seeds=opts.eval_seeds), reporter=rep))
-    bench = _bench_member(m, opts, sweep, model_dir, run.config()["lora_rank"], rep) if opts.bench else None
-    return member_row(m, run.summary(), model_dir.report(), read_json(eval_path), bench)
+    return model_dir, run.summary(), run.config()["lora_rank"]
 
 
-def _run_one_shot(m: Member, opts: SweepOptions, sweep: SweepDir, rep: Reporter) -> dict:
-    """A member without training: the teacher compressed by ``compress --one-shot`` to the member's ratio."""
-
+def _one_shot_member(m: Member, opts: SweepOptions, sweep: SweepDir, reporter: Reporter, rep: Reporter):
+    """(compressed folder, summary, LoRA rank) of a member without training: the teacher compressed by ``compress
+    --one-shot`` to the member's ratio."""
     model_dir = ModelDir(sweep.path / f"{m.name}{COMPRESSED}")
     teacher = opts.train.get("teacher") or BUILTIN
     cache = Path(opts.train["cache_dir"]).expanduser() if opts.train.get("cache_dir") else None
@@ -123,17 +130,9 @@ def _run_one_shot(m: Member, opts: SweepOptions, sweep: SweepDir, rep: Reporter)
     else:
         compress_one_shot(teacher, opts.one_shot_config(m), model_dir.path, force=model_dir.path.exists(),
                           cache_dir=cache, reporter=rep)
-    report = model_dir.report()
-    eval_path = sweep.path / f"{m.name}{EVAL}"
-    if eval_path.exists():
-        rep.stage("eval: done")
-    else:
-        write_json(eval_path, evaluate_target(model_dir.path, EvalConfig(examples=opts.eval_examples,
-                                                                         seeds=opts.eval_seeds), reporter=rep))
     rank = resolve_defaults(opts.train_config(m), builtin_teacher=teacher == BUILTIN).lora_rank
-    bench = _bench_member(m, opts, sweep, model_dir, rank, rep) if opts.bench else None
-    summary = {"student_val_ppl": report["eval"]["student_val_ppl"], "train_seconds": 0.0}  # calibration only
-    return member_row(m, summary, report, read_json(eval_path), bench)
+    summary = {"student_val_ppl": model_dir.report()["eval"]["student_val_ppl"], "train_seconds": 0.0}  # no training
+    return model_dir, summary, rank
 
 
 def _bench_member(m: Member, opts: SweepOptions, sweep: SweepDir, model_dir: ModelDir, lora_rank: int,
