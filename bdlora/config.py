@@ -29,6 +29,8 @@ LAYER_SELECTIONS = ("first", "middle", "last", "mixed", "scratch")
 PACKINGS = ("pack", "truncate")
 AUTOCASTS = ("bf16", "fp32")
 BUILTIN = "builtin"
+CALIB_TOKENS = 8192  # training-split tokens the whitened start and the quality allocation are measured on
+EVAL_TOKENS = 8192  # held-out tokens of a one-shot compression's before/after perplexity
 
 
 @dataclass
@@ -190,12 +192,12 @@ class TrainConfig:
 # and 1024-token sequences would dwarf a hidden size of 256, so rank and alpha keep the paper's alpha/r = 2 at r = 16.
 BUILTIN_DEFAULTS = {"seq_len": 128, "max_steps": 600, "lora_rank": 16, "lora_alpha": 32.0,
                     "eval_every": 100, "eval_tokens": 32768, "batch_size": 16, "lora_init": "whitened",
-                    "allocation": "quality", "calib_tokens": 8192}
+                    "allocation": "quality", "calib_tokens": CALIB_TOKENS}
 # Real teachers: the paper's rank 128 / alpha 256, 1024-token sequences and lr 3e-4, but a first-run budget (1000
 # steps of 8 x 1024 tokens, 1,048,576 validation tokens), not the paper's 2.55B tokens: that is recipes/paper.yaml.
 REAL_DEFAULTS = {"batch_size": 8, "seq_len": 1024, "max_steps": 1000, "lora_rank": BUDGETED.rank,
                  "lora_alpha": BUDGETED.alpha, "eval_every": 200, "eval_tokens": 1 << 20, "lora_init": "whitened",
-                 "allocation": "quality", "calib_tokens": 8192}
+                 "allocation": "quality", "calib_tokens": CALIB_TOKENS}
 
 # The peak learning rate follows the teacher and how the trained paths start (measured, docs/results.md "Learning
 # rate by start"): from nothing (LoRA's zero start, or kd-full's copied weights) the builtin student needs 2e-3; a
@@ -317,10 +319,9 @@ def resolve_defaults(cfg: TrainConfig, builtin_teacher: bool) -> TrainConfig:
 class OneShotConfig:
     mac_ratio: float | None = None
     """Projection-MAC speed-up of the compressed model vs the source's dense projections (e.g. 1.5)."""
-    calib_tokens: int = 8192
-    """Training-split tokens of --data the calibration (input Gram matrices, output Fisher diagonals) uses
-    (default 8192)."""
-    data: str = "builtin"
+    calib_tokens: int = CALIB_TOKENS
+    """Training-split tokens of --data the calibration (input Gram matrices, output Fisher diagonals) uses."""
+    data: str = BUILTIN
     """Corpus to measure held-out perplexity on (and to calibrate on, unless --calib-data), as bdlora train's --data
     (default builtin)."""
     calib_data: str | None = None
@@ -329,8 +330,8 @@ class OneShotConfig:
     """Held-out fraction of --data (default: the corpus's, 0.02 for the builtin one)."""
     seq_len: int = 128
     """Tokens per calibration and evaluation block (default 128)."""
-    eval_tokens: int = 8192
-    """Held-out tokens scored for the source's and the compressed model's perplexity (default 8192)."""
+    eval_tokens: int = EVAL_TOKENS
+    """Held-out tokens scored for the source's and the compressed model's perplexity."""
     correct: bool = False
     """After factoring, re-solve every low-rank pair's second factor layer by layer against the source's own
     outputs on the calibration tokens, with the layers below already compressed (sequential least squares, as GPTQ

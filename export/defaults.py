@@ -7,4 +7,8 @@ MAX_PPL_CHANGE = 0.10  # `export genai --precision int8|int4`: refused if held-o
 # `export genai --threads`: the intra-op thread count a folder asks for, written for the machine it will run on, so not
 # bounded by this one's cores; above this it is a typo (100000 made onnxruntime-genai crash with exit 139 on load)
 MAX_GENAI_THREADS = 512
+GENAI_PRECISION = "fp32"  # `export genai --precision`
+QUANT = "rtn"  # `export genai --quant`: round-to-nearest, what onnxruntime-genai's builder does
+HEAD_BITS = 8  # `export genai --head-bits`: the LM head's width at int4 (4 is where small models degrade first)
+INT8_SHARE = 0.0  # `export genai --int8-share`: none of the int4 projection weights kept at 8 bits
 CALIB_TOKENS = 32768  # `export genai --quant gptq`: calibration tokens from the training split (128 blocks of 256)

@@ -17,6 +17,10 @@ import time
 
 import numpy as np
 
+CONCURRENCY = (1, 16)  # `bdlora loadtest --concurrency`: one client, then a batch's worth
+REQUESTS = 100  # completed requests per concurrency level
+MAX_TOKENS = 64  # max_tokens of every request
+TEMPERATURE = 0.0  # greedy: every level generates the same tokens
 DEFAULT_PROMPTS = ("def main(", "import os\n", "class Config:\n    def __init__(self", "for i in range(",
                    "# Licensed under", "return self.", "if __name__ ==", "with open(path) as f:\n")
 
@@ -133,8 +137,9 @@ def first_model(url: str, api_key: str | None = None) -> str:
                          "base URL (e.g. http://127.0.0.1:8000) or the model id with --model") from None
 
 
-def load_test(url: str, model: str | None = None, concurrency: int = 1, requests: int = 100, max_tokens: int = 64,
-              prompts=DEFAULT_PROMPTS, temperature: float = 0.0, timeout: float = 300.0, stream: bool = False,
+def load_test(url: str, model: str | None = None, concurrency: int = 1, requests: int = REQUESTS,
+              max_tokens: int = MAX_TOKENS, prompts=DEFAULT_PROMPTS, temperature: float = TEMPERATURE,
+              timeout: float = 300.0, stream: bool = False,
               api_key: str | None = None) -> dict:
     """Run one closed-loop load test; ``model`` defaults to the first id /v1/models lists."""
     url = base_url(url)

@@ -305,3 +305,25 @@ def test_the_import_rule_sees_what_it_should():
     rows = list(function_level_imports())
     assert any(t == "onnxruntime_genai" for _, _, t, _ in rows)  # some deferred imports exist and are seen
     assert any(m.startswith("bdlora.cli.") and t == "bdlora.bench.run" for m, _, t, _ in rows)  # command bodies
+
+
+def cli_default_literals() -> list[str]:
+    """Command parameters in bdlora/cli/ whose default is written there as a literal (a number or a non-empty
+    string): each default has one home, its config field or a named constant beside the code that uses it."""
+    found = []
+    for path in (ROOT / "bdlora" / "cli").glob("*.py"):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, ast.FunctionDef):
+                continue
+            args = fn.args.args + fn.args.kwonlyargs
+            defaults = [None] * (len(fn.args.args) - len(fn.args.defaults)) + fn.args.defaults + fn.args.kw_defaults
+            for a, d in zip(args, defaults):
+                annotated = isinstance(a.annotation, ast.Subscript) and "Annotated" in ast.unparse(a.annotation)
+                if (annotated and isinstance(d, ast.Constant) and d.value is not None and d.value != ""
+                        and not isinstance(d.value, bool)):
+                    found.append(f"{path.name}:{d.lineno} {a.arg} = {d.value!r}")
+    return found
+
+
+def test_no_default_is_spelled_in_the_cli():
+    assert not cli_default_literals(), cli_default_literals()

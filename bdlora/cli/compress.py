@@ -15,7 +15,7 @@ from bdlora.cli import render
 from bdlora.cli.app import command, err, out
 from bdlora.cli.options import from_dataclass
 from bdlora.cli.progress import RichReporter
-from bdlora.config import BUILTIN, OneShotConfig
+from bdlora.config import BUILTIN, CALIB_TOKENS, OneShotConfig
 from bdlora.data import default_cache_dir
 from bdlora.errors import Checks, UsageError, flag, usable_cores
 from bdlora.plan import DEFAULT_PLAN_STEPS, read_model_config
@@ -33,11 +33,12 @@ def plan(
                                                       "--allocation quality its calibration decides the structure.")]
     = None,
     allocation: Annotated[str, typer.Option(help="cost (the paper's cheapest-first rule, from shapes) or quality "
-                                                 "(measured on --model).")] = "cost",
+                                                 "(measured on --model).")] = ALLOCATIONS[0],
     mac_ratio: Annotated[Optional[float], typer.Option(help="--allocation quality: the projection-MAC speed-up to "
                                                             "allocate for (default: the paper's rule at --budget).")]
     = None,
-    calib_tokens: Annotated[int, typer.Option(help="--allocation quality: calibration tokens of --data.")] = 8192,
+    calib_tokens: Annotated[int, typer.Option(help="--allocation quality: calibration tokens of --data.")]
+    = CALIB_TOKENS,
     data: Annotated[str, typer.Option(help="--allocation quality: the corpus to calibrate on (as train's).")]
     = BUILTIN,
     calib_data: Annotated[Optional[str], typer.Option(help="--allocation quality: calibrate on this instead.")] = None,

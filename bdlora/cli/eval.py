@@ -17,7 +17,13 @@ from bdlora.evaluate import EvalConfig
 from bdlora.io import write_json
 from bdlora.outputs import check_new_out, check_out_file
 from bdlora.runs import PAPER_MAIN, RUNS_DIR, ModelDir, SweepDir, eval_json
-from bdlora.sweep.options import SweepOptions
+from bdlora.sweep.options import (
+    DEFAULT_BASELINES,
+    DEFAULT_BENCH_BATCH_SIZES,
+    DEFAULT_BENCH_SEQ_LENS,
+    DEFAULT_BUDGETS,
+    SweepOptions,
+)
 from bdlora.sweep.paper import OUTPUTS, merge_sweeps
 from bdlora.sweep.report import markdown
 from bdlora.sweep.vary import parse_axis
@@ -64,9 +70,10 @@ def eval_cmd(
 
 @command(options=from_dataclass(TrainConfig, names=SWEEP_TRAIN_OPTIONS))
 def sweep(
-    budgets: Annotated[str, typer.Option(help="Comma-separated budgets F of the budgeted members.")] = "0.0,0.4",
+    budgets: Annotated[str, typer.Option(help="Comma-separated budgets F of the budgeted members.")]
+    = ",".join(map(str, DEFAULT_BUDGETS)),
     baselines: Annotated[str, typer.Option(help="Comma-separated baselines (kd-full, kd-lora; '' for none).")]
-    = "kd-full,kd-lora",
+    = ",".join(DEFAULT_BASELINES),
     one_shot: Annotated[str, typer.Option("--one-shot", help="Comma-separated projection-MAC ratios: the teacher "
                                           "compressed without training (`compress --one-shot`) as members of their "
                                           "own, e.g. 1.5,1.9.")] = "",
@@ -80,8 +87,10 @@ def sweep(
     examples: Annotated[int, typer.Option(help="ICL query prompts per task and seed.")] = SweepOptions.eval_examples,
     seeds: Annotated[int, typer.Option(help="ICL demonstration seeds.")] = SweepOptions.eval_seeds,
     bench: Annotated[bool, typer.Option(help="Bench each compressed member (onnxruntime, CPU).")] = True,
-    bench_batch_sizes: Annotated[str, typer.Option(help="bench --batch-sizes.")] = "1",
-    bench_seq_lens: Annotated[str, typer.Option(help="bench --seq-lens.")] = "128",
+    bench_batch_sizes: Annotated[str, typer.Option(help="bench --batch-sizes.")]
+    = ",".join(map(str, DEFAULT_BENCH_BATCH_SIZES)),
+    bench_seq_lens: Annotated[str, typer.Option(help="bench --seq-lens.")]
+    = ",".join(map(str, DEFAULT_BENCH_SEQ_LENS)),
     bench_repeats: Annotated[int, typer.Option(help="bench --repeats.")] = SweepOptions.bench_repeats,
     out_dir: Annotated[Optional[str], typer.Option("--out", help="Sweep folder (default: RUNS_DIR/sweep-<time>).")]
     = None,

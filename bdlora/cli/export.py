@@ -11,7 +11,16 @@ from bdlora.cli import render
 from bdlora.cli.app import command, err, export_app, out
 from bdlora.cli.progress import RichReporter
 from bdlora.errors import UsageError
-from bdlora.export.defaults import CALIB_TOKENS, DEFAULT_OPSET, MAX_GENAI_THREADS, MAX_PPL_CHANGE
+from bdlora.export.defaults import (
+    CALIB_TOKENS,
+    DEFAULT_OPSET,
+    GENAI_PRECISION,
+    HEAD_BITS,
+    INT8_SHARE,
+    MAX_GENAI_THREADS,
+    MAX_PPL_CHANGE,
+    QUANT,
+)
 from bdlora.export.hf import export_hf as run_export
 from bdlora.runs import RUNS_DIR, ModelDir
 
@@ -80,7 +89,7 @@ def export_genai(
                                                             "latest), any HF Llama/Mistral/Qwen2 folder, a teacher "
                                                             "preset or a .gguf file.")] = None,
     precision: Annotated[str, typer.Option(help="fp32, int8 or int4 (MatMulNBits, block 32; int4 keeps the LM "
-                                                "head at 8 bits).")] = "fp32",
+                                                "head at 8 bits).")] = GENAI_PRECISION,
     out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: MODEL_DIR.genai, with "
                                                                  "-int8 / -int4 for those precisions).")] = None,
     context_length: Annotated[Optional[int], typer.Option(help="Longest sequence the folder generates (default: the "
@@ -94,10 +103,10 @@ def export_genai(
                                             "builder does), gptq (GPTQ against each MatMul's measured input, "
                                             "integer zero points: the same fast kernel) or affine (a float offset "
                                             "per block, Q4_1's grid, kept by a small correction beside the same "
-                                            "kernel).")] = "rtn",
-    head_bits: Annotated[int, typer.Option(help="int4: bits of the LM head (8 or 4).")] = 8,
+                                            "kernel).")] = QUANT,
+    head_bits: Annotated[int, typer.Option(help="int4: bits of the LM head (8 or 4).")] = HEAD_BITS,
     int8_share: Annotated[float, typer.Option(help="int4 with --quant gptq: share of the projection weights kept at "
-                                                   "8 bits, those whose rounding hurts most.")] = 0.0,
+                                                   "8 bits, those whose rounding hurts most.")] = INT8_SHARE,
     calib_tokens: Annotated[int, typer.Option(help="--quant gptq: calibration tokens from the model's training "
                                                    "corpus.")] = CALIB_TOKENS,
     no_validate: Annotated[bool, typer.Option("--no-validate", help="Skip the checks against PyTorch.")] = False,

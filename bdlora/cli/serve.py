@@ -15,7 +15,7 @@ from bdlora.outputs import check_out_file
 from bdlora.runs import RUNS_DIR, GenaiDir, OnnxDir
 from bdlora.runtime import check_onnx_dir
 from bdlora.serve.config import DEFAULT_DRAIN_SECONDS, DEFAULT_HOST, DEFAULT_PORT, ServeConfig
-from bdlora.serve.loadtest import base_url, first_model, load_test
+from bdlora.serve.loadtest import CONCURRENCY, MAX_TOKENS, REQUESTS, TEMPERATURE, base_url, first_model, load_test
 
 
 @command(options=from_dataclass(ServeConfig, skip=("onnx_dir", "model_name"), defaults=True))
@@ -57,11 +57,12 @@ def serve(
 def loadtest(
     url: Annotated[str, typer.Argument(help="Server base URL, e.g. http://127.0.0.1:8000 (or the .../v1 address "
                                             "`bdlora serve` prints).")],
-    concurrency: Annotated[str, typer.Option(help="Comma-separated numbers of concurrent clients.")] = "1,16",
-    requests: Annotated[int, typer.Option(help="Completed requests per concurrency level.")] = 100,
-    max_tokens: Annotated[int, typer.Option(help="max_tokens of every request.")] = 64,
+    concurrency: Annotated[str, typer.Option(help="Comma-separated numbers of concurrent clients.")]
+    = ",".join(map(str, CONCURRENCY)),
+    requests: Annotated[int, typer.Option(help="Completed requests per concurrency level.")] = REQUESTS,
+    max_tokens: Annotated[int, typer.Option(help="max_tokens of every request.")] = MAX_TOKENS,
     model: Annotated[Optional[str], typer.Option(help="Model id (default: the first /v1/models lists).")] = None,
-    temperature: Annotated[float, typer.Option(help="Sampling temperature of the requests.")] = 0.0,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature of the requests.")] = TEMPERATURE,
     stream: Annotated[bool, typer.Option(help="Stream the responses; adds time to first token and inter-token "
                                               "latency (p50/p90/p99).")] = False,
     api_key: Annotated[Optional[str], typer.Option(help="Bearer key of the server (default: $BDLORA_API_KEY).")]

@@ -13,7 +13,7 @@ from bdlora.cli import render
 from bdlora.cli.app import command, err, out
 from bdlora.cli.options import from_dataclass
 from bdlora.cli.progress import RichReporter
-from bdlora.config import TrainConfig, field_docs, load_yaml, merge
+from bdlora.config import BUILTIN, TrainConfig, field_docs, load_yaml, merge
 from bdlora.errors import UsageError
 from bdlora.runs import TEACHER_JSON, RunDir
 
@@ -25,7 +25,7 @@ def teacher(
     preset: Annotated[Optional[str], typer.Option(help="A pretrained teacher to materialise instead of the builtin "
                                                        "one: a preset (smollm2-135m) or a .gguf file.")] = None,
     data: Annotated[str, typer.Option(help="With --preset: the corpus its held-out perplexity is measured on.")]
-    = "builtin",
+    = BUILTIN,
     cache_dir: Annotated[Optional[str], typer.Option(help=H["cache_dir"])] = None,
     force: Annotated[bool, typer.Option(help="Rebuild the builtin teacher even if a cached one exists.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the teacher report as JSON.")] = False,

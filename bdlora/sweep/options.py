@@ -71,6 +71,11 @@ def family(budgets: list[float], baselines: list[str], vary: list[dict] = (),
     return members
 
 
+DEFAULT_BUDGETS = (0.0, 0.4)  # `sweep --budgets`: the paper's two operating points
+DEFAULT_BASELINES = ("kd-full", "kd-lora")  # `sweep --baselines`
+DEFAULT_BENCH_BATCH_SIZES, DEFAULT_BENCH_SEQ_LENS = (1,), (128,)  # `sweep --bench-batch-sizes / --bench-seq-lens`
+
+
 @dataclass
 class SweepOptions:
     budgets: list[float]
@@ -80,8 +85,8 @@ class SweepOptions:
     eval_examples: int = 50
     eval_seeds: int = 3
     bench: bool = True
-    bench_batch_sizes: list[int] = dataclasses.field(default_factory=lambda: [1])
-    bench_seq_lens: list[int] = dataclasses.field(default_factory=lambda: [128])
+    bench_batch_sizes: list[int] = dataclasses.field(default_factory=lambda: list(DEFAULT_BENCH_BATCH_SIZES))
+    bench_seq_lens: list[int] = dataclasses.field(default_factory=lambda: list(DEFAULT_BENCH_SEQ_LENS))
     bench_repeats: int = 20
     bench_decode_tokens: int = 32
     vary: list[dict] = dataclasses.field(default_factory=list)  # parsed --vary axes (see bdlora.sweep.vary)

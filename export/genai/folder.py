@@ -13,7 +13,15 @@ from bdlora.blocks import PackedBlocks
 from bdlora.corpora import heldout_blocks, settings_tokens
 from bdlora.data import BUILTIN, Corpus, tokenize_corpus
 from bdlora.errors import UsageError, usable_cores
-from bdlora.export.defaults import CALIB_TOKENS, MAX_GENAI_THREADS, MAX_PPL_CHANGE
+from bdlora.export.defaults import (
+    CALIB_TOKENS,
+    GENAI_PRECISION,
+    HEAD_BITS,
+    INT8_SHARE,
+    MAX_GENAI_THREADS,
+    MAX_PPL_CHANGE,
+    QUANT,
+)
 from bdlora.export.genai import validate as v
 from bdlora.export.genai.config import genai_config
 from bdlora.export.genai.gptq import input_grams
@@ -94,10 +102,10 @@ def write_genai_files(model, tok, folder: Path, precision: str, ctx: int, report
     return info
 
 
-def export_genai_folder(model_dir: str | Path, out: str | Path, precision: str = "fp32",
+def export_genai_folder(model_dir: str | Path, out: str | Path, precision: str = GENAI_PRECISION,
                         context_length: int | None = None, run_validation: bool = True, force: bool = False,
-                        max_ppl_change: float = MAX_PPL_CHANGE, threads: int | None = None, quant: str = "rtn",
-                        head_bits: int = 8, calib_tokens: int = CALIB_TOKENS, int8_share: float = 0.0,
+                        max_ppl_change: float = MAX_PPL_CHANGE, threads: int | None = None, quant: str = QUANT,
+                        head_bits: int = HEAD_BITS, calib_tokens: int = CALIB_TOKENS, int8_share: float = INT8_SHARE,
                         reporter: Reporter = SILENT) -> dict:
     """Export ``model_dir`` (a compressed student or any HF Llama/Mistral/Qwen2 folder) for onnxruntime-genai.
     ``threads``: intra-op threads written into genai_config.json (default: this machine's usable cores; 0 leaves
