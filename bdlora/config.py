@@ -112,6 +112,10 @@ class TrainConfig:
     mac_ratio: float | None = None
     """With --allocation quality: the deployed projection-MAC speed-up to allocate for (default: the one the
     paper's rule gives at --budget and --lora-rank, so both rules compare at equal MACs)."""
+    precision: str | None = None
+    """With --allocation quality: allocate by measured decode time at this precision (fp32, int8, int4: the genai
+    exporter's nodes timed in onnxruntime on this machine, cached) instead of MACs; --mac-ratio is then the
+    projection decode-time speed-up, and a low-rank pair no faster than its dense product there is never chosen."""
     calib_tokens: int | None = None
     """Training-split tokens the whitened init and the quality allocation are measured on (default 8192, or the
     whole split when smaller)."""
@@ -164,6 +168,11 @@ class TrainConfig:
         if self.allocation is not None:
             c.choice("allocation", self.allocation, ALLOCATIONS)
         c.number("mac_ratio", self.mac_ratio, lo=1.0)
+        if self.precision is not None:
+            c.choice("precision", self.precision, GENAI_PRECISIONS)
+            c.require(self.method == "budgeted" and self.allocation != "cost" and self.mac_ratio is not None,
+                      f"--precision {self.precision}: allocates a budgeted student's start by decode time; give "
+                      "--method budgeted --allocation quality --mac-ratio R")
         for name in ("teacher", "data", "calib_data", "student_init", "out", "runs_dir", "cache_dir"):
             c.text(name, getattr(self, name))
         for name in ("batch_size", "grad_accum", "max_steps", "tokens", "eval_tokens", "loss_chunk", "eval_every",

@@ -113,8 +113,10 @@ class Run:
 
 
 def train(cfg: TrainConfig, reporter: Reporter | None = None, resume: str | Path | None = None,
-          overrides: dict | None = None) -> dict:
+          overrides: dict | None = None, cost_table=None) -> dict:
     """Run (or continue) a distillation run; returns the summary dict (also written to ``summary.json``).
+    ``cost_table``: with ``--precision``, the measured decode-time table the start is allocated by (built by the
+    CLI from ``bdlora.export.genai.latency``, which the core does not import).
 
     Under torchrun (WORLD_SIZE > 1) every rank calls this: see ``bdlora.distributed`` for the contract."""
     env = D.env_from_launcher()
@@ -131,7 +133,7 @@ def train(cfg: TrainConfig, reporter: Reporter | None = None, resume: str | Path
     dist_device = D.init(env, cfg.device)
     run = None
     try:
-        run = setup(cfg, rep, run_dir, env, dist_device)
+        run = setup(cfg, rep, run_dir, env, dist_device, cost_table)
         try:
             loop(run)
             return finish(run)
@@ -146,17 +148,21 @@ def train(cfg: TrainConfig, reporter: Reporter | None = None, resume: str | Path
         D.shutdown(env, run)
 
 
-def setup(cfg: TrainConfig, rep: Reporter, resume: RunDir | None, env: D.DistEnv, dist_device) -> Run:
+def setup(cfg: TrainConfig, rep: Reporter, resume: RunDir | None, env: D.DistEnv, dist_device,
+          cost_table=None) -> Run:
     with D.main_first(env):  # rank 0 builds the caches (teacher, tokenised corpus) first
         sess = prepare(cfg, rep)
     cfg, device = sess.cfg, dist_device or sess.device
     sess.teacher.to(device)
     cfg.extra["world_size"] = env.world_size
     has_start = needed(cfg.method, cfg.lora_init, cfg.allocation)
+    if cfg.precision and cost_table is None and resume is None:
+        raise UsageError(f"--precision {cfg.precision}: the decode-time table is built by `bdlora train`; this "
+                         "caller passed none")
     start = None
     if has_start and resume is None and env.is_main:  # before the run directory exists: a bad target writes nothing
         start = compute_start(sess.student, cfg.lora_init, cfg.allocation, cfg.lora_rank, cfg.budget, cfg.mac_ratio,
-                              sess.calibration_source, cfg.calib_tokens, rep)
+                              sess.calibration_source, cfg.calib_tokens, rep, cost_table, cfg.precision)
     run_dir = resume if resume is not None else _new_run_dir(cfg, env)
     if start is not None:
         start.save(*run_dir.lora_start)

@@ -193,3 +193,31 @@ def test_bench_sets_the_prediction_beside_the_measured_speedup():
         prediction_line(p)
     assert predicted_vs_measured(points, {**cost, "precision": "int8"}) is None  # no int8 rows on this front
     assert predicted_vs_measured(points, {**cost, "precision": "fp32"})["measured_speedup"] == pytest.approx(20 / 15)
+
+
+def test_train_at_a_precision_starts_from_the_allocation_by_decode_time(tiny_env, tmp_path):
+    """train --precision int4 allocates the budgeted student's start by the cached decode-time table (nothing is
+    measured): the projection whose pair never pays there keeps its dense path, the others get the ranks the
+    measured-cost allocation gives; without --allocation quality and --mac-ratio it is refused in one line."""
+    from bdlora.budgeted.start import LowRankStart
+    from bdlora.errors import usable_cores
+    from bdlora.runs import RunDir
+    from conftest import train_args
+
+    cache = tiny_env["cache"]
+    shapes = _tiny_shapes(tiny_env["teacher"])
+    down = next(s for s in shapes if s.name.endswith("down_proj"))
+    path = _hand_table(cache, shapes, ((down.in_features, down.out_features),), threads=usable_cores())
+    before = path.read_text()
+    res = CliRunner().invoke(app, train_args(tiny_env, tmp_path / "r", "--method", "budgeted", "--allocation",
+                                             "quality", "--mac-ratio", "1.3", "--precision", "int4", "--max-steps",
+                                             "2", "--json"))
+    assert res.exit_code == 0, res.output
+    assert path.read_text() == before  # every form came from the cache
+    start = LowRankStart.load(tmp_path / "r" / "lora_start.json", tmp_path / "r" / "lora_start.safetensors")
+    removed = set(start.allocation.order)
+    assert removed and not any(n.endswith("down_proj") for n in removed)
+    assert RunDir(tmp_path / "r").config()["precision"] == "int4"
+    bad = CliRunner().invoke(app, train_args(tiny_env, tmp_path / "x", "--method", "budgeted", "--precision", "int4"))
+    assert bad.exit_code == 2 and "--precision int4: allocates a budgeted student's start by decode time" in bad.stderr
+    assert not (tmp_path / "x").exists()

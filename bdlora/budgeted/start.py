@@ -89,10 +89,13 @@ def calibrate_with_progress(model, blocks, reporter: Reporter = SILENT):
 
 
 def compute_start(model, init: str, allocation: str, rank: int, budget: float, mac_ratio: float | None,
-                  blocks=None, calib_tokens: int = 0, reporter: Reporter = SILENT) -> LowRankStart:
+                  blocks=None, calib_tokens: int = 0, reporter: Reporter = SILENT, cost_table=None,
+                  precision: str | None = None) -> LowRankStart:
     """The start of ``model``'s low-rank paths (before it is wrapped): calibrate if the init or the allocation
     needs it, allocate, then factor every projection at its rank (the allocated rank for modules the budget
-    removes, ``rank`` for the rest, each capped below its break-even rank)."""
+    removes, ``rank`` for the rest, each capped below its break-even rank). ``cost_table`` (as
+    ``oneshot.one_shot_structure``'s, measured at ``precision``): the quality allocation prices each form by it
+    instead of by MACs."""
     stage = reporter.stage
     shapes = shapes_of(model)
     weights = {n: m.weight for n, m in projection_modules(model)}
@@ -112,8 +115,15 @@ def compute_start(model, init: str, allocation: str, rank: int, budget: float, m
     alloc = None
     if allocation == "quality":
         target = mac_ratio or paper_mac_ratio(shapes, budget, rank)
-        stage(f"allocating {target:.2f}x fewer projection MACs by Fisher-weighted truncation error")
-        alloc = allocate(shapes, {n: sp.energy.numpy() for n, sp in spectra.items()}, target)
+        energy = {n: sp.energy.numpy() for n, sp in spectra.items()}
+        if cost_table is not None:
+            stage(f"allocating {target:.2f}x less projection decode time at {precision} by Fisher-weighted "
+                  "truncation error")
+            alloc = allocate(shapes, energy, target, cost=cost_table(shapes).cost,
+                             unit_name=f"{precision} microsecond")
+        else:
+            stage(f"allocating {target:.2f}x fewer projection MACs by Fisher-weighted truncation error")
+            alloc = allocate(shapes, energy, target)
     ranks = {s.name: max(1, min((alloc.ranks.get(s.name) if alloc else 0) or rank, break_even(s) - 1))
              for s in shapes}
     out = {}

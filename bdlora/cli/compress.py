@@ -181,15 +181,15 @@ def _one_shot(source, shot: dict, out_dir, force: bool, runs_dir: str, cache_dir
     out_path = Path(out_dir) if out_dir else one_shot_out(source, cfg.mac_ratio, runs_dir, cfg.precision)
     cache = Path(cache_dir).expanduser() if cache_dir else None
     return compress_one_shot(source, cfg, out_path, force=force, evaluate=evaluate, cache_dir=cache,
-                             reporter=reporter, cost_table=_cost_table(cfg, cache, reporter))
+                             reporter=reporter, cost_table=cost_table(cfg.precision, cfg.threads, cache, reporter))
 
 
-def _cost_table(cfg: OneShotConfig, cache: Path | None, reporter):
+def cost_table(precision: str | None, threads: int | None, cache: Path | None, reporter):
     """--precision: the measured decode-time table of the model's projection forms (built when the shapes are
-    known), else None (MACs)."""
-    if not cfg.precision:
+    known), else None (MACs). For compress --one-shot and train."""
+    if not precision:
         return None
     from bdlora.export.genai.latency import latency_table
 
-    threads = cfg.threads or usable_cores()
-    return lambda shapes: latency_table(shapes, cfg.precision, threads, cache or default_cache_dir(), reporter)
+    threads = threads or usable_cores()
+    return lambda shapes: latency_table(shapes, precision, threads, cache or default_cache_dir(), reporter)

@@ -11,10 +11,12 @@ import typer
 
 from bdlora.cli import render
 from bdlora.cli.app import command, err, out
+from bdlora.cli.compress import cost_table
 from bdlora.cli.options import from_dataclass
 from bdlora.cli.progress import RichReporter
 from bdlora.config import BUILTIN, TrainConfig, field_docs, load_yaml, merge
 from bdlora.errors import UsageError
+from bdlora.reporter import SILENT
 from bdlora.runs import TEACHER_JSON, RunDir
 
 H = field_docs(TrainConfig)
@@ -80,8 +82,11 @@ def train(
             raise UsageError(f"--resume {resume}: continues with the run's stored options; drop --config")
     cfg = merge(load_yaml(config) if config else {}, {} if resume else opts)
     rank0 = os.environ.get("RANK", "0") == "0"
-    summary = run_train(cfg, RichReporter(err if json_out else out) if rank0 else None, resume=resume,
-                        overrides={k: v for k, v in opts.items() if v is not None} if resume else None)
+    rep = RichReporter(err if json_out else out) if rank0 else None
+    cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else None
+    summary = run_train(cfg, rep, resume=resume,
+                        overrides={k: v for k, v in opts.items() if v is not None} if resume else None,
+                        cost_table=cost_table(cfg.precision, None, cache, rep or SILENT))
     if not rank0:
         return
     if json_out:
