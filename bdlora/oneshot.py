@@ -22,14 +22,13 @@ import torch
 from bdlora import SCHEMA_VERSION, __version__
 from bdlora.arch import projection_modules, set_module
 from bdlora.blocks import PackedBlocks
-from bdlora.budgeted.allocate import allocate
 from bdlora.budgeted.calibrate import calibration_blocks
 from bdlora.budgeted.correct import correct_sequential
 from bdlora.budgeted.costs import ModuleShape, compression_report, decide_module
 from bdlora.budgeted.layer import DeployedModule
 from bdlora.budgeted.lowrank import factors, gram_root, spectrum
 from bdlora.budgeted.model import build_deployed_model
-from bdlora.budgeted.start import calibrate_with_progress, compute_start, shapes_of, structure_report
+from bdlora.budgeted.start import allocate_by, calibrate_with_progress, compute_start, shapes_of, structure_report
 from bdlora.config import OneShotConfig
 from bdlora.corpora import check_spec, default_heldout, load_tokens
 from bdlora.deployed.folder import save_model_folder
@@ -58,17 +57,10 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
         root = roots.setdefault(id(gram), gram_root(gram)) if s.out_features > s.in_features else None
         spectra[s.name] = spectrum(mods[s.name].weight, gram, fisher=calib.fisher[s.name], root=root)
     energy = {n: sp.energy.numpy() for n, sp in spectra.items()}
-    cost_doc = None
-    if cost_table is not None:
-        table = cost_table(shapes)
-        reporter.stage(f"allocating {cfg.mac_ratio:g}x less projection decode time at {cfg.precision} by "
-                       "loss-weighted truncation error")
-        alloc = allocate(shapes, energy, cfg.mac_ratio, cost=table.cost, unit_name=f"{cfg.precision} microsecond")
-        cost_doc = {"cost": "measured decode time", **table.prediction(shapes, alloc.ranks),
-                    "mac_ratio": alloc.mac_ratio(shapes)}
-    else:
-        reporter.stage(f"allocating {cfg.mac_ratio:g}x fewer projection MACs by loss-weighted truncation error")
-        alloc = allocate(shapes, energy, cfg.mac_ratio)
+    table = cost_table(shapes) if cost_table is not None else None
+    alloc = allocate_by(shapes, energy, cfg.mac_ratio, reporter, table, cfg.precision)
+    cost_doc = None if table is None else {"cost": "measured decode time", **table.prediction(shapes, alloc.ranks),
+                                           "mac_ratio": alloc.mac_ratio(shapes)}
     deployed = {}
     for s in shapes:
         mod, r = mods[s.name], alloc.ranks[s.name]

@@ -130,6 +130,9 @@ def train(cfg: TrainConfig, reporter: Reporter | None = None, resume: str | Path
             raise UsageError(f"--resume {run_dir.path}: the run was trained on {stored_world} process(es), this "
                              f"launch has {env.world_size}; resume with the same number so the global batch and "
                              "data order stay the same")
+    if cfg.precision and cost_table is None and resume is None:  # before any teacher or corpus is loaded
+        raise UsageError(f"--precision {cfg.precision}: the decode-time table is built by `bdlora train`; this "
+                         "caller passed none")
     dist_device = D.init(env, cfg.device)
     run = None
     try:
@@ -156,9 +159,6 @@ def setup(cfg: TrainConfig, rep: Reporter, resume: RunDir | None, env: D.DistEnv
     sess.teacher.to(device)
     cfg.extra["world_size"] = env.world_size
     has_start = needed(cfg.method, cfg.lora_init, cfg.allocation)
-    if cfg.precision and cost_table is None and resume is None:
-        raise UsageError(f"--precision {cfg.precision}: the decode-time table is built by `bdlora train`; this "
-                         "caller passed none")
     start = None
     if has_start and resume is None and env.is_main:  # before the run directory exists: a bad target writes nothing
         start = compute_start(sess.student, cfg.lora_init, cfg.allocation, cfg.lora_rank, cfg.budget, cfg.mac_ratio,

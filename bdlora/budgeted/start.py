@@ -88,6 +88,19 @@ def calibrate_with_progress(model, blocks, reporter: Reporter = SILENT):
     return calibrate(model, blocks, on_progress=lambda k: reporter.count(k, len(blocks), "calibration blocks"))
 
 
+def allocate_by(shapes, energy: dict, target: float, reporter: Reporter = SILENT, table=None,
+                precision: str | None = None) -> Allocation:
+    """The quality allocation for ``target``: priced by MACs, or with ``table`` (a measured decode-time table at
+    ``precision``, ``bdlora.export.genai.latency``) by each form's decode time, so ``target`` is then the projections'
+    decode-time speed-up. Shared by the training start and ``compress --one-shot``."""
+    if table is not None:
+        reporter.stage(f"allocating {target:.2f}x less projection decode time at {precision} by loss-weighted "
+                       "truncation error")
+        return allocate(shapes, energy, target, cost=table.cost, unit_name=f"{precision} microsecond")
+    reporter.stage(f"allocating {target:.2f}x fewer projection MACs by loss-weighted truncation error")
+    return allocate(shapes, energy, target)
+
+
 def compute_start(model, init: str, allocation: str, rank: int, budget: float, mac_ratio: float | None,
                   blocks=None, calib_tokens: int = 0, reporter: Reporter = SILENT, cost_table=None,
                   precision: str | None = None) -> LowRankStart:
@@ -115,15 +128,8 @@ def compute_start(model, init: str, allocation: str, rank: int, budget: float, m
     alloc = None
     if allocation == "quality":
         target = mac_ratio or paper_mac_ratio(shapes, budget, rank)
-        energy = {n: sp.energy.numpy() for n, sp in spectra.items()}
-        if cost_table is not None:
-            stage(f"allocating {target:.2f}x less projection decode time at {precision} by Fisher-weighted "
-                  "truncation error")
-            alloc = allocate(shapes, energy, target, cost=cost_table(shapes).cost,
-                             unit_name=f"{precision} microsecond")
-        else:
-            stage(f"allocating {target:.2f}x fewer projection MACs by Fisher-weighted truncation error")
-            alloc = allocate(shapes, energy, target)
+        alloc = allocate_by(shapes, {n: sp.energy.numpy() for n, sp in spectra.items()}, target, reporter,
+                            cost_table(shapes) if cost_table is not None else None, precision)
     ranks = {s.name: max(1, min((alloc.ranks.get(s.name) if alloc else 0) or rank, break_even(s) - 1))
              for s in shapes}
     out = {}

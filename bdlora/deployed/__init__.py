@@ -11,6 +11,6 @@
 the bench read them. Nothing here imports ``bdlora.export`` or ``bdlora.serve``.
 """
 
-from bdlora.deployed.folder import register  # noqa: E402
+from bdlora.deployed.folder import register
 
 register()  # AutoConfig / AutoModelForCausalLM know the bdlora_* model types from here on

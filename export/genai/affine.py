@@ -83,12 +83,17 @@ def affine_weights(codes, scales, zeros, bits: int, block: int = BLOCK_SIZE) -> 
     return dequantize(codes, scales, z, block) + rounded.repeat_interleave(block, 1)[:, : codes.shape[1]]
 
 
+def blocksum_name(x: str) -> str:
+    """The name of ``x``'s block sums in the graph (one per distinct MatMul input)."""
+    return f"{x}/blocksum"
+
+
 def blocksum_nodes(x: str, k: int, block: int = BLOCK_SIZE) -> tuple[str, list, list]:
     """(output name, nodes, initializers) of the per-block sums of ``x`` (..., K) -> (..., K/block): a Reshape and a
     ReduceSum (``block`` must divide K)."""
     if k % block:
         raise ValueError(f"K {k}: block sums need whole blocks of {block}")
-    out = f"{x}/blocksum"
+    out = blocksum_name(x)
     shape = numpy_helper.from_array(np.array([0, 0, k // block, block], dtype=np.int64), f"{out}/shape")
     axes = numpy_helper.from_array(np.array([-1], dtype=np.int64), f"{out}/axes")
     nodes = [helper.make_node("Reshape", [x, shape.name], [f"{out}/blocks"], name=f"{out}/Reshape"),

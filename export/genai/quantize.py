@@ -12,7 +12,7 @@ Choices (measured on SmolLM2-135M and the builtin student, see the README):
   builder does); "gptq": GPTQ against each MatMul's measured input Gram matrix on an asymmetric grid with integer
   zero points (``gptq``), the same nodes and kernel; "affine": round-to-nearest on each block's own [min, max]
   with a float offset (llama.cpp's Q4_1 grid; 8-bit MatMuls symmetric, Q8_0's), the offset restored by a rank-K/32
-  correction beside the same fast node (``affine``).
+  correction carried in the same fast node (``affine``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,14 @@ import torch
 from onnx import helper, numpy_helper
 from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-from bdlora.export.genai.affine import affine_node, affine_rtn, affine_weights, blocksum_nodes, symmetric_rtn
+from bdlora.export.genai.affine import (
+    affine_node,
+    affine_rtn,
+    affine_weights,
+    blocksum_name,
+    blocksum_nodes,
+    symmetric_rtn,
+)
 from bdlora.export.genai.gptq import (
     ACCURACY_LEVEL,
     BLOCK_SIZE,
@@ -130,7 +137,7 @@ def quantize_graph(proto: onnx.ModelProto, grams: dict[str, torch.Tensor], bits_
             continue
         new, inits = replaced[node.name]
         x = node.input[0]
-        if any(f"{x}/blocksum" in n.input for n in new) and x not in summed:
+        if any(blocksum_name(x) in n.input for n in new) and x not in summed:
             summed.add(x)  # the block sums of x, once, before the first MatMul whose offsets read them
             _, sum_nodes, sum_inits = blocksum_nodes(x, int(next(w for n, w in todo if n is node).dims[0]))
             nodes.extend(sum_nodes)
@@ -157,7 +164,7 @@ def _round_matmul(node, w_init, grams, bits: int, method: str):
     name, x, y = node.name + f"_Q{bits}", node.input[0], node.output[0]
     if method == "affine" and bits == 4 and k % BLOCK_SIZE == 0:
         codes, scales, zeros = affine_rtn(w, bits)
-        new = affine_node(name, x, y, f"{x}/blocksum", codes, scales, zeros, k=k, n=n, bits=bits)
+        new = affine_node(name, x, y, blocksum_name(x), codes, scales, zeros, k=k, n=n, bits=bits)
         w_hat = affine_weights(codes, scales, zeros, bits)
     else:  # affine at 8 bits: Q8_0's symmetric grid; where blocks do not divide K: the integer grid
         if method == "gptq":
