@@ -2,7 +2,8 @@
 and the exporters read the same values)."""
 
 DEFAULT_OPSET = 17  # ONNX opset of `export onnx`
-MIN_OPSET = 14  # the ops the TorchScript exporter emits for the attention need >= 14
+MIN_OPSET = 14  # the plain layout's ops (Split/Unsqueeze/ReduceSum with input axes, LessOrEqual) need >= 13
+MAX_OPSET = 21  # the newest opset the emitted graphs are checked at (onnxruntime-genai's builder's)
 MAX_PPL_CHANGE = 0.10  # `export genai --precision int8|int4`: refused if held-out perplexity rises more than this
 # `export genai --threads`: the intra-op thread count a folder asks for, written for the machine it will run on, so not
 # bounded by this one's cores; above this it is a typo (100000 made onnxruntime-genai crash with exit 139 on load)

@@ -106,7 +106,7 @@ def test_a_genai_graph_on_a_q4_1_grid_quantises_far_closer_than_round_to_nearest
     from onnx import numpy_helper
 
     from bdlora.bench.variants import synthetic_model
-    from bdlora.export.genai.graph import build_decoder
+    from bdlora.export.decoder import DecoderLayout, build_decoder
     from bdlora.export.genai.quantize import quantize_nbits
     from bdlora.runtime import DecoderShape, empty_past, run_decoder, session
 
@@ -114,7 +114,7 @@ def test_a_genai_graph_on_a_q4_1_grid_quantises_far_closer_than_round_to_nearest
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "max_position_embeddings": 64, "tie_word_embeddings": False, "rope_theta": 10000.0}
     model, _ = synthetic_model(config, 1.0, None, rank=8)  # every projection dense
-    proto = build_decoder(model, 64)
+    proto = build_decoder(model, DecoderLayout.genai(64))
     weights = {nd.input[1] for nd in proto.graph.node if nd.op_type == "MatMul"}
     for t in proto.graph.initializer:  # snap each weight MatMul's (K, N) matrix to Q4_1 along K
         if t.name in weights:

@@ -6,7 +6,7 @@ from typer.testing import CliRunner
 
 from bdlora.bench.config import BenchConfig
 from bdlora.bench.run import run_bench
-from bdlora.bench.variants import ProjectionStack, dense_variant, floor_variant, lora_variant, synthetic_model
+from bdlora.bench.variants import dense_variant, floor_variant, lora_variant, synthetic_model
 from bdlora.budgeted.config import BudgetedConfig
 from bdlora.cli import app
 from bdlora.deployed.folder import save_model_folder
@@ -70,15 +70,37 @@ def test_bench_report_schema_and_signatures(tiny_model, tmp_path):
 
 
 @pytest.mark.parametrize("budget", [0.0, 0.4])
-def test_synthetic_mode_builds_the_planned_structure(budget):
+def test_synthetic_mode_builds_the_planned_structure(budget, tmp_path):
     model, report = synthetic_model(TINY, budget, layers=2, rank=4)
     expected = plan(TINY, BudgetedConfig(budget=budget, rank=4), layers=2)
     assert report["modules"] == expected["modules"]
     forms = model.config.bdlora_modules
     for m in expected["modules"]:
         assert forms[m["name"]] == ({"form": "lowrank", "rank": m["rank"]} if m["rank"] else {"form": "dense"})
-    stack = ProjectionStack(model)
-    assert len(stack.mods) == 14
+
+    # the modules scope's graph: every projection alone, each computing its own module's output exactly
+    import numpy as np
+    import onnx
+
+    from bdlora.arch import projection_modules
+    from bdlora.export.decoder import build_projection_stack
+    from bdlora.export.decoder.graph import STACK_INPUTS
+    from bdlora.runtime import session
+
+    path = tmp_path / "stack.onnx"
+    onnx.save(build_projection_stack(model), str(path))
+    sess = session(path)
+    feeds = {i.name: np.random.default_rng(0).standard_normal((3, i.shape[1]), dtype=np.float32)
+             for i in sess.get_inputs()}
+    assert len(feeds) == 4 * 2  # x_a, x_o, x_m, x_d per layer
+    got = sess.run(None, feeds)
+    named = projection_modules(model)
+    assert [o.name for o in sess.get_outputs()] == [f"y{k}" for k in range(len(named))] and len(named) == 14
+    with torch.no_grad():
+        for k, (name, m) in enumerate(named):
+            layer = name.split("layers.")[1].split(".")[0]
+            x = torch.from_numpy(feeds[f"{STACK_INPUTS[name.rsplit('.', 1)[-1]]}.{layer}"])
+            np.testing.assert_allclose(got[k], m(x).numpy(), atol=1e-5)
 
 
 def test_cli_bench_synthetic_and_bad_input(tmp_path, tiny_model, tiny_env):

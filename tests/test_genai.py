@@ -15,8 +15,8 @@ from bdlora.bench.variants import dense_variant, lora_variant, synthetic_model
 from bdlora.cli import app
 from bdlora.deployed.folder import save_model_folder
 from bdlora.errors import usable_cores
+from bdlora.export.decoder import DecoderLayout, build_decoder
 from bdlora.export.genai import export_genai_folder
-from bdlora.export.genai.graph import build_decoder
 from bdlora.export.genai.validate import GENAI_SHAPES, graph_parity
 from bdlora.export.onnx.validate import TOLERANCE, ExportValidationError
 from bdlora.runtime import DecoderSignature, session
@@ -33,7 +33,7 @@ def _config(family: str, **kw) -> dict:
 
 
 def _session(model, tmp_path, name="m"):
-    proto = build_decoder(model, 64)
+    proto = build_decoder(model, DecoderLayout.genai(64))
     onnx.save_model(proto, str(tmp_path / f"{name}.onnx"), save_as_external_data=True, location=f"{name}.data")
     return proto, session(tmp_path / f"{name}.onnx")
 

@@ -87,8 +87,8 @@ def test_a_genai_graph_quantised_by_gptq_runs_and_errs_less_than_round_to_neares
     import onnx
 
     from bdlora.bench.variants import synthetic_model
+    from bdlora.export.decoder import DecoderLayout, build_decoder
     from bdlora.export.genai.gptq import input_grams, weight_matmuls
-    from bdlora.export.genai.graph import build_decoder
     from bdlora.export.genai.quantize import quantize_graph
     from bdlora.runtime import DecoderShape, empty_past, run_decoder, session
 
@@ -97,7 +97,7 @@ def test_a_genai_graph_quantised_by_gptq_runs_and_errs_less_than_round_to_neares
               "max_position_embeddings": 64, "tie_word_embeddings": False, "rope_theta": 10000.0}
     model, _ = synthetic_model(config, 0.5, None, rank=8)
     shape = DecoderShape.of(model.config)
-    proto = build_decoder(model, 64)
+    proto = build_decoder(model, DecoderLayout.genai(64))
 
     class Blocks:  # stands in for PackedBlocks: token rows the graph runs on
         seq_len = 24

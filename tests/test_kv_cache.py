@@ -12,7 +12,7 @@ from packaging.version import Version
 from peft import LoraConfig
 from transformers import DynamicCache, MistralForCausalLM
 
-from bdlora.export.onnx.trace import DecoderWithCache
+from bdlora.export.onnx.validate import torch_forward
 from bdlora.kv_cache import RENAMED_IN, cache_argument, returned_cache
 from bdlora.peft_compat import wrap_lora
 from bdlora.perplexity import TorchLM
@@ -45,15 +45,16 @@ def test_cached_decoding_is_exact_and_warns_nothing(model):
         nxt, past = lm.step(ids[:, 4:5], np.ones((1, 5), np.int64), np.array([[4]]), past)
         scored = lm.score(ids[:, 5:6], np.ones((1, 6), np.int64), np.array([[5]]), past)
         assert past.get_seq_length() == 5  # score rolls its token back
-        wrapper = DecoderWithCache(model)
-        kv = [torch.zeros(1, 2, 0, 8) for _ in range(4)]
-        out = wrapper(torch.from_numpy(ids), torch.ones(1, 6, dtype=torch.int64), torch.arange(6)[None], *kv)
+        kv = [torch.zeros(1, 2, 0, 8) for _ in range(4)]  # what export validation feeds the model, flat
+        with torch.no_grad():
+            out = torch_forward(model, torch.from_numpy(ids), torch.ones(1, 6, dtype=torch.int64),
+                                torch.arange(6)[None], kv)
     with torch.no_grad():
         full = model(input_ids=torch.from_numpy(ids)).logits.numpy()
     np.testing.assert_allclose(logits, full[:, 3], atol=1e-5)
     np.testing.assert_allclose(nxt, full[:, 4], atol=1e-5)
     np.testing.assert_allclose(scored[:, 0], full[:, 5], atol=1e-5)
-    np.testing.assert_allclose(out[0].detach().numpy(), full, atol=1e-5)
+    np.testing.assert_allclose(out[0], full, atol=1e-5)
     assert [tuple(t.shape) for t in out[1:]] == [(1, 2, 6, 8)] * 4
 
 

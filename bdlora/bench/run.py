@@ -20,7 +20,6 @@ needs (per-session pools distorted interleaved timings by up to 2x).
 
 from __future__ import annotations
 
-import copy
 from dataclasses import asdict
 from pathlib import Path
 
@@ -37,10 +36,9 @@ from bdlora.bench.launch import run_timing_process
 from bdlora.bench.report import markdown, plot
 from bdlora.bench.variants import dense_variant, export_projection_stack, floor_variant, lora_variant
 from bdlora.errors import usable_cores
+from bdlora.export.onnx.folder import export_decoder
 from bdlora.export.onnx.metadata import module_table
-from bdlora.export.onnx.optimize import optimize_graph
 from bdlora.export.onnx.quantize import quantize_int8
-from bdlora.export.onnx.trace import export_decoder
 from bdlora.io import atomic_dir, write_json, write_text
 from bdlora.reporter import SILENT, Reporter
 from bdlora.runs import BENCH_JSON
@@ -127,9 +125,7 @@ def bench_model(models: dict[str, nn.Module], workdir: Path, cfg: BenchConfig, t
     for name, m in models.items():
         graphs[name] = workdir / f"model-{name}.onnx"
         reporter.stage(f"exporting the {name} decoder")
-        export_decoder(copy.deepcopy(m), graphs[name])
-        if cfg.optimize:
-            optimize_graph(graphs[name], m)
+        export_decoder(m, graphs[name], fused=cfg.optimize)
     if cfg.int8:
         for name in ("dense", "compressed"):
             reporter.stage(f"quantising the {name} decoder to int8")

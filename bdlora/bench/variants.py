@@ -6,16 +6,17 @@
     compressed  the model as compressed
     floor       (model scope only, a control) every projection at rank 1: what the rest of the model costs
 
-plus ``ProjectionStack``, the replaced projections alone (the modules scope), and the synthetic model of a budget.
+plus the replaced projections alone (the modules scope: ``export_projection_stack``) and the synthetic model of a
+budget.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-import warnings
 from pathlib import Path
 
+import onnx
 import torch
 import torch.nn as nn
 
@@ -24,10 +25,8 @@ from bdlora.budgeted.config import BudgetedConfig
 from bdlora.budgeted.costs import deployed_form
 from bdlora.deployed.modeling_bdlora import FAMILIES, DenseLoRALinear, LowRankLinear
 from bdlora.errors import ModelError
-from bdlora.export.onnx.metadata import module_table
-from bdlora.export.onnx.trace import postprocess
+from bdlora.export.decoder import build_projection_stack
 from bdlora.plan import plan
-from bdlora.runtime import DecoderShape
 
 
 def _dense_weight(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -80,47 +79,9 @@ def floor_variant(model: nn.Module) -> nn.Module:
     return out.eval()
 
 
-class ProjectionStack(nn.Module):
-    """The replaced projections alone (the paper's measure). Each layer reads its own inputs, wired as in the
-    decoder: q/k/v read x_a.l (N, hidden; the attention-normed state), o reads x_o.l (N, heads * head_dim),
-    gate/up read x_m.l (N, hidden; the MLP-normed state), down reads x_d.l (N, intermediate). Every module's output
-    is a graph output. (Sharing inputs beyond that would let the shared-input fusion merge projections that no real
-    decoder can merge.)"""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        named = projection_modules(model)
-        self.mods = nn.ModuleList(m for _, m in named)
-        self.kinds = [n.rsplit(".", 1)[-1] for n, _ in named]
-        self.layer = [int(n.split("layers.")[1].split(".")[0]) for n, _ in named]
-        self.num_layers = max(self.layer) + 1
-
-    SOURCE = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj": 2, "up_proj": 2, "down_proj": 3}
-
-    def input_names(self) -> list[str]:
-        return [f"{x}.{i}" for i in range(self.num_layers) for x in ("x_a", "x_o", "x_m", "x_d")]
-
-    def forward(self, *xs):
-        # xs: per layer (x_a, x_o, x_m, x_d)
-        return tuple(m(xs[4 * i + self.SOURCE[k]]) for m, k, i in zip(self.mods, self.kinds, self.layer))
-
-
-def export_projection_stack(model: nn.Module, path: Path, opset: int = 17, fuse: bool = True) -> None:
-    c = model.config
-    heads = c.num_attention_heads
-    hd = DecoderShape.of(c).head_dim
-    stack = ProjectionStack(model).eval()
-    ex = [torch.randn(2, d) for _ in range(stack.num_layers)
-          for d in (c.hidden_size, heads * hd, c.hidden_size, c.intermediate_size)]
-    outs = [f"y{i}" for i in range(len(stack.mods))]
-    ins = stack.input_names()
-    axes = {n: {0: "tokens"} for n in [*ins, *outs]}
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(stack, tuple(ex), str(path), input_names=ins, output_names=outs,
-                          dynamic_axes=axes, opset_version=opset, dynamo=False)
-    rows = [{**r, "name": f"mods.{i}"} for i, r in enumerate(module_table(model))]
-    postprocess(path, rows, fuse)
+def export_projection_stack(model: nn.Module, path: Path) -> None:
+    """The replaced projections alone (the paper's measure; ``build_projection_stack``) into ``path``."""
+    onnx.save(build_projection_stack(model), str(path))
 
 
 def synthetic_model(config: dict, budget: float, layers: int | None, rank: int, seed: int = 0, **plan_kw):

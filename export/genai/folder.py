@@ -13,6 +13,7 @@ from bdlora.blocks import PackedBlocks
 from bdlora.corpora import heldout_blocks, settings_tokens
 from bdlora.data import BUILTIN, Corpus, tokenize_corpus
 from bdlora.errors import UsageError, usable_cores
+from bdlora.export.decoder import DecoderLayout, build_decoder
 from bdlora.export.defaults import (
     CALIB_TOKENS,
     GENAI_PRECISION,
@@ -25,7 +26,6 @@ from bdlora.export.defaults import (
 from bdlora.export.genai import validate as v
 from bdlora.export.genai.config import genai_config
 from bdlora.export.genai.gptq import input_grams
-from bdlora.export.genai.graph import build_decoder
 from bdlora.export.genai.quantize import METHODS, PRECISIONS, quantize_nbits
 from bdlora.export.onnx.metadata import metadata_props, metadata_summary, module_table, set_metadata
 from bdlora.export.onnx.validate import ExportValidationError
@@ -70,7 +70,7 @@ def write_genai_files(model, tok, folder: Path, precision: str, ctx: int, report
     cfg = model.config
     base = (getattr(cfg, "bdlora", None) or {}).get("base_model_type", cfg.model_type)
     rows = module_table(model)
-    proto = build_decoder(model, ctx)
+    proto = build_decoder(model, DecoderLayout.genai(ctx))
     set_metadata(proto, metadata_props(rows, metadata_summary(model, rows, report)))
     info: dict = {"nodes": len(proto.graph.node)}
     write_json(folder / GENAI_CONFIG, genai_config(cfg, base, ctx, threads=threads))

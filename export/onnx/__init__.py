@@ -1,9 +1,10 @@
 """ONNX export of a (compressed) student as a decoder with KV cache (SPEC 8), in parts:
 
-- ``signature``: input/output names, dynamic axes, opsets, example inputs;
-- ``trace``: the flat-tensor wrapper, the hand-built 4D mask and the TorchScript export;
+- the graph itself comes from ``bdlora.export.decoder`` (the one emitter, plain layout: position ids, separate
+  past/present);
+- ``signature``: opsets and the example inputs validation feeds (names and axes: ``bdlora.runtime``);
 - ``metadata``: the per-module shape table and summary stored in the graph and on its nodes;
-- graph passes ``fuse`` (shared-input MatMuls), ``optimize`` (onnxruntime's fusions), ``quantize`` (int8);
+- ``quantize``: dynamic int8;
 - ``validate``: parity with PyTorch within a stated tolerance, or a typed error;
 - ``folder``: ``bdlora export onnx`` (a model folder in, a validated ONNX folder out);
 - ``optimum``: loading the folder in optimum's ORTModelForCausalLM (the optional [optimum] extra).
@@ -11,9 +12,8 @@
 Running the graph (sessions, caches, greedy decoding, scoring) is ``bdlora.runtime``, which needs no torch.
 """
 
-from bdlora.export.onnx.folder import export_onnx_folder
+from bdlora.export.onnx.folder import export_decoder, export_onnx_folder
 from bdlora.export.onnx.optimum import load_ort_model
-from bdlora.export.onnx.trace import export_decoder
 from bdlora.export.onnx.validate import ExportValidationError, validate
 
 __all__ = ["ExportValidationError", "export_decoder", "export_onnx_folder", "load_ort_model", "validate"]

@@ -7,14 +7,15 @@ import math
 import time
 from pathlib import Path
 
+import onnx
+
 from bdlora import SCHEMA_VERSION
 from bdlora.corpora import heldout_blocks
 from bdlora.errors import UsageError
-from bdlora.export.onnx.metadata import add_metadata, metadata_summary, module_table
-from bdlora.export.onnx.optimize import optimize_graph
+from bdlora.export.decoder import DecoderLayout, decoder_graph
+from bdlora.export.onnx.metadata import metadata_props, metadata_summary, module_table, set_metadata
 from bdlora.export.onnx.quantize import quantize_int8
 from bdlora.export.onnx.signature import DEFAULT_OPSET, check_opset
-from bdlora.export.onnx.trace import export_decoder
 from bdlora.export.onnx.validate import validate
 from bdlora.io import atomic_dir, write_json
 from bdlora.models import load_model_folder
@@ -24,13 +25,30 @@ from bdlora.runs import MODEL_INT8_ONNX, MODEL_ONNX, ModelDir, OnnxDir, source_r
 from bdlora.runtime import DecoderShape, score_blocks, session
 
 QUANTIZE = ("int8",)
+FUSED_OPS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "RotaryEmbedding")
+PROTOBUF_LIMIT = 2**31 - 1  # bytes: a larger graph keeps its weights in an external-data file beside it
+
+
+def export_decoder(model, path: Path, opset: int = DEFAULT_OPSET, fused: bool = False,
+                   meta: dict[str, str] | None = None) -> int:
+    """Emit ``model``'s decoder in the plain layout (position ids, separate past/present) into ``path``, with
+    onnxruntime's fused norm and rotary ops if ``fused`` and ``meta`` as its metadata; returns the number of MatMuls
+    the shared first stages saved."""
+    check_opset(opset)
+    proto, saved = decoder_graph(model, DecoderLayout.plain(model.config, opset, fused))
+    if meta:
+        set_metadata(proto, meta)
+    big = sum(len(t.raw_data) for t in proto.graph.initializer) > PROTOBUF_LIMIT
+    onnx.save_model(proto, str(path), save_as_external_data=big, all_tensors_to_one_file=True,
+                    location=path.name + ".data")
+    return saved
 
 
 def export_onnx_folder(model_dir: str | Path, out: str | Path, opset: int = DEFAULT_OPSET, quantize: str | None = None,
                        run_validation: bool = True, force: bool = False, reporter: Reporter = SILENT,
                        optimize: bool = False) -> dict:
-    """Export, (optionally) fuse with onnxruntime's optimizer, add metadata, validate, (optionally) quantise; the
-    folder is written atomically and returned as its export.json document."""
+    """Emit (``optimize``: with onnxruntime's fused RMSNorm, residual+RMSNorm and rotary ops), validate, (optionally)
+    quantise; the folder is written atomically and returned as its export.json document."""
     check_opset(opset)
     if quantize not in (None, *QUANTIZE):
         raise UsageError(f"--quantize {quantize}: unknown (allowed: {', '.join(QUANTIZE)})")
@@ -43,13 +61,13 @@ def export_onnx_folder(model_dir: str | Path, out: str | Path, opset: int = DEFA
     info: dict = {"schema_version": SCHEMA_VERSION, "source": str(model_dir.resolve()), "opset": opset,
                   "summary": summary}
     with atomic_dir(out) as tmp:
-        reporter.stage(f"exporting to ONNX (opset {opset})")
+        reporter.stage(f"emitting the ONNX decoder (opset {opset})")
         t0 = time.time()
-        info["matmuls_fused"] = export_decoder(model, tmp / MODEL_ONNX, opset)
+        info["matmuls_fused"] = export_decoder(model, tmp / MODEL_ONNX, opset, optimize,
+                                               metadata_props(rows, summary))
         if optimize:
-            reporter.stage("fusing RMSNorm / residual / rotary subgraphs (onnxruntime transformer optimizer)")
-            info["ort_fusions"] = optimize_graph(tmp / MODEL_ONNX, model)
-        add_metadata(tmp / MODEL_ONNX, rows, summary)
+            nodes = onnx.load(str(tmp / MODEL_ONNX), load_external_data=False).graph.node
+            info["fused_ops"] = {op: sum(n.op_type == op for n in nodes) for op in FUSED_OPS}
         info["export_seconds"] = time.time() - t0
         info["files"] = {"model.onnx": (tmp / MODEL_ONNX).stat().st_size}
         if run_validation:

@@ -6,7 +6,6 @@ module's name, form and rank in the ``doc_string`` of its nodes."""
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import onnx
@@ -57,21 +56,6 @@ def metadata_summary(model: nn.Module, rows: list[dict], report: dict | None) ->
     return summary
 
 
-def _scope(name: str) -> str:
-    """Module name -> the TorchScript exporter's node-name scope (``model.layers.0.mlp`` -> ``model/layers.0/mlp``)."""
-    return re.sub(r"layers/(\d+)", r"layers.\1", name.replace(".", "/"))
-
-
-def tag_nodes(m, rows: list[dict]) -> None:
-    """Where the graph keeps module scopes in node names, put the module's name, form and rank in ``doc_string``."""
-    tags = [(f"/{_scope(r['name'])}/", r) for r in rows]
-    for node in m.graph.node:
-        for scope, r in tags:
-            if scope in node.name:
-                node.doc_string = json.dumps({"bdlora_module": r["name"], "form": r["form"], "rank": r["rank"]})
-                break
-
-
 def metadata_props(rows: list[dict], summary: dict) -> dict[str, str]:
     return {"bdlora.modules": json.dumps(rows), "bdlora.summary": json.dumps(summary), "bdlora.version": __version__}
 
@@ -87,9 +71,3 @@ def set_metadata(model_proto, meta: dict[str, str]) -> None:
 
 def read_metadata(onnx_path: Path) -> dict[str, str]:
     return {p.key: p.value for p in onnx.load(str(onnx_path), load_external_data=False).metadata_props}
-
-
-def add_metadata(onnx_path: Path, rows: list[dict], summary: dict) -> None:
-    m = onnx.load(str(onnx_path), load_external_data=False)
-    set_metadata(m, metadata_props(rows, summary))
-    onnx.save(m, str(onnx_path))

@@ -19,8 +19,8 @@ def quantize_int8(src: Path, dst: Path) -> None:
     pre = dst.with_suffix(".pre.onnx")
     try:
         quant_pre_process(str(src), str(pre), skip_optimization=True, skip_symbolic_shape=True)
-        # contrib ops (after --optimize) have no ONNX type inference: their outputs are fp32 activations, and the
-        # quantizer's per-tensor warnings about them (on the root logger) say nothing actionable
+        # contrib ops (--optimize's fused norms and rotary) have no ONNX type inference: their outputs are fp32
+        # activations, and the quantizer's per-tensor warnings about them (on the root logger) say nothing actionable
         root = logging.getLogger()
         level = root.level
         root.setLevel(logging.ERROR)

@@ -1,29 +1,20 @@
 """The declared signature of an exported bdlora decoder (optimum-onnx's pattern: names and dynamic axes first):
 ``bdlora.runtime.DecoderSignature`` names the inputs, outputs and cache; this module adds the opset bounds and
-example inputs for tracing.
+the example inputs validation feeds.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.onnx._constants import ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET
 
 from bdlora.errors import UsageError
-from bdlora.export.defaults import DEFAULT_OPSET, MIN_OPSET  # noqa: F401  (re-exported: trace, folder)
-from bdlora.runtime import DecoderShape, DecoderSignature
-
-
-def max_opset() -> int:
-    return int(ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET)
+from bdlora.export.defaults import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET  # noqa: F401  (re-exported: folder)
+from bdlora.runtime import DecoderShape
 
 
 def check_opset(opset: int) -> None:
-    if isinstance(opset, bool) or not isinstance(opset, int) or not MIN_OPSET <= opset <= max_opset():
-        raise UsageError(f"--opset {opset}: the exporter supports opsets {MIN_OPSET}..{max_opset()}")
-
-
-def dynamic_axes(num_layers: int) -> dict[str, dict[int, str]]:
-    return DecoderSignature(num_layers).dynamic_axes()
+    if isinstance(opset, bool) or not isinstance(opset, int) or not MIN_OPSET <= opset <= MAX_OPSET:
+        raise UsageError(f"--opset {opset}: the exporter supports opsets {MIN_OPSET}..{MAX_OPSET}")
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor, seq_len: int) -> torch.Tensor:

@@ -53,8 +53,8 @@ def validate(model: nn.Module, sess, shapes=VALIDATION_SHAPES, tolerance: float 
     for b, s, p in shapes:
         pad = min(2, p + s - 1) if b > 1 and left_pad else 0
         ids, mask, pos, pasts = example_inputs(model.config, b, s, p, pad_first=pad, seed=b * 100 + s * 10 + p)
-        ref = _forward(model, ids, mask, pos, pasts)
-        ref64 = _forward(reference64, ids, mask, pos, [t.double() for t in pasts])
+        ref = torch_forward(model, ids, mask, pos, pasts)
+        ref64 = torch_forward(reference64, ids, mask, pos, [t.double() for t in pasts])
         got = run_decoder(sess, ids.numpy(), mask.numpy(), pos.numpy(), [t.numpy() for t in pasts])
         real = mask[:, -s:].bool().numpy()  # (B, seq) query positions that are real tokens
         kv_real = mask.bool().numpy()  # (B, past + seq) cache positions that hold real tokens
@@ -85,7 +85,7 @@ def max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
     return float(d.max()) if d.size and np.isfinite(d).all() else (0.0 if not d.size else float("inf"))
 
 
-def _forward(model, ids, mask, pos, pasts) -> list[np.ndarray]:
+def torch_forward(model, ids, mask, pos, pasts) -> list[np.ndarray]:
     """[logits, present key 0, value 0, ...] of the model's own cached forward, as float arrays."""
 
     cache = DynamicCache()

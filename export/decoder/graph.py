@@ -1,0 +1,205 @@
+"""Every decoder graph bdlora writes, emitted node by node over the declared ``DecoderSignature`` (onnxruntime-genai's
+builder's way: plain code, no tracing): the genai folder's (``DecoderLayout.genai``), the ONNX folder's and bench's
+(``DecoderLayout.plain``), and the projections alone (``build_projection_stack``, bench's modules scope).
+
+Shared by both layouts: the embedding Gather, RMSNorms with the residual adds (``SimplifiedLayerNormalization`` /
+``SkipSimplifiedLayerNormalization`` when fused, plain ops otherwise), every projection in its deployed form
+(``builder.emit_group``: one first-stage MatMul per shared input), SiLU as Sigmoid x Mul, the LM head. The attention
+part is the layout's (``attention``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch.nn as nn
+from onnx import TensorProto, helper
+
+from bdlora.arch import projection_modules
+from bdlora.errors import ModelError
+from bdlora.export.decoder.attention import (
+    MS,
+    ROPE,
+    gqa_attention,
+    gqa_mask,
+    plain_attention,
+    plain_mask,
+    plain_rotary_tables,
+    rotary_caches,
+)
+from bdlora.export.decoder.builder import GraphBuilder, Projection, emit_group, emit_packed_qkv
+from bdlora.export.defaults import MAX_OPSET
+from bdlora.runtime import DecoderShape
+from bdlora.runtime import DecoderSignature as Sig
+
+# the signature's symbolic dims, spelled as onnxruntime-genai's model builder spells them in its graphs
+GENAI_DIMS = {"batch": "batch_size", "seq": "sequence_length", "past": "past_sequence_length",
+              "total": "total_sequence_length"}
+
+
+@dataclass(frozen=True)
+class DecoderLayout:
+    """What differs between the decoder graphs: the attention part (``gqa`` for onnxruntime-genai, ``plain`` with
+    position ids for onnxruntime sessions and optimum), whether norms and rotary use onnxruntime's contrib ops
+    (``fused``; always for ``gqa``, whose attention is one itself), the opset and the rotary table's length."""
+
+    attention: str
+    positions: int
+    fused: bool = True
+    opset: int = MAX_OPSET
+
+    @classmethod
+    def genai(cls, context_length: int) -> DecoderLayout:
+        return cls("gqa", context_length)
+
+    @classmethod
+    def plain(cls, config, opset: int, fused: bool = False) -> DecoderLayout:
+        return cls("plain", int(config.max_position_embeddings), fused, opset)
+
+    @property
+    def signature(self) -> Sig:
+        return Sig(0, position_ids=self.attention == "plain")
+
+
+def _f32(t) -> np.ndarray:
+    return t.detach().float().cpu().numpy()
+
+
+def _norm(g: GraphBuilder, layout: DecoderLayout, x: str, delta: str | None, weight: str, eps: float,
+          name: str) -> tuple[str, str]:
+    """RMSNorm of ``x + delta`` (``delta`` None: of ``x``); returns (normed, the residual stream x + delta)."""
+    if layout.fused and delta is None:
+        return g.one("SimplifiedLayerNormalization", [x, weight], name, axis=-1, epsilon=eps, stash_type=1), x
+    if layout.fused:
+        normed, _, _, residual = g.node("SkipSimplifiedLayerNormalization", [x, delta, weight], name, n_out=4,
+                                        domain=MS, epsilon=eps)
+        return normed, residual
+    residual = x if delta is None else g.one("Add", [x, delta], f"{name}/residual/Add")
+    ms = g.reduce_mean(g.one("Mul", [residual, residual], f"{name}/Square"), f"{name}/ReduceMean")
+    eps_c = g.const(f"/model/constants/FLOAT/eps{eps!r}", eps, np.float32)
+    inv = g.one("Reciprocal", [g.one("Sqrt", [g.one("Add", [ms, eps_c], f"{name}/eps")], f"{name}/Sqrt")],
+                f"{name}/Reciprocal")
+    return g.one("Mul", [g.one("Mul", [residual, inv], f"{name}/normed"), weight], f"{name}/weight"), residual
+
+
+def _layer(g: GraphBuilder, layout: DecoderLayout, i: int, layer: nn.Module, residual: str, mlp_prev: str | None,
+           attn_inputs: tuple, cfg, hd: int) -> tuple[str, str]:
+    """One decoder layer; returns (residual stream before its MLP add, MLP output): the next norm adds them."""
+    s, eps = f"/model/layers.{i}", float(cfg.rms_norm_eps)
+    w_in = g.init(f"model.layers.{i}.input_layernorm.weight", _f32(layer.input_layernorm.weight))
+    normed, residual = _norm(g, layout, residual, mlp_prev, w_in, eps, f"{s}/input_layernorm")
+    at = layer.self_attn
+    projs = [Projection.of(f"model.layers.{i}.self_attn.{n}", getattr(at, n))
+             for n in ("q_proj", "k_proj", "v_proj")]
+    if layout.attention == "gqa":
+        attn = gqa_attention(g, i, emit_packed_qkv(g, normed, projs, f"{s}/self_attn"), *attn_inputs, cfg,
+                             at.scaling)
+    else:
+        q, k, v = emit_group(g, normed, projs, f"{s}/self_attn")
+        attn = plain_attention(g, i, q, k, v, *attn_inputs, cfg, hd, float(at.scaling), layout.fused)
+    (o,) = emit_group(g, attn, [Projection.of(f"model.layers.{i}.self_attn.o_proj", at.o_proj)], f"{s}/self_attn")
+    w_post = g.init(f"model.layers.{i}.post_attention_layernorm.weight", _f32(layer.post_attention_layernorm.weight))
+    normed, residual = _norm(g, layout, residual, o, w_post, eps, f"{s}/post_attention_layernorm")
+    mlp = layer.mlp
+    gate, up = emit_group(g, normed, [Projection.of(f"model.layers.{i}.mlp.{n}", getattr(mlp, n))
+                                      for n in ("gate_proj", "up_proj")], f"{s}/mlp")
+    act = g.one("Mul", [gate, g.one("Sigmoid", [gate], f"{s}/mlp/act_fn/Sigmoid")], f"{s}/mlp/act_fn/Mul")
+    hidden = g.one("Mul", [act, up], f"{s}/mlp/Mul")
+    (down,) = emit_group(g, hidden, [Projection.of(f"model.layers.{i}.mlp.down_proj", mlp.down_proj)], f"{s}/mlp")
+    return residual, down
+
+
+def _io(layout: DecoderLayout, vocab: int, layers: int, kv_heads: int, hd: int) -> tuple[list, list]:
+    sig = Sig(layers, position_ids=layout.signature.position_ids)
+    dims = GENAI_DIMS if layout.attention == "gqa" else {}
+
+    def dim(d: str) -> str:
+        return dims.get(d, d)
+
+    batch, seq = (dim(d) for d in sig.TOKENS_DIMS)
+    kv_shape = [batch, kv_heads, dim(sig.PAST_DIMS[2]), hd]
+    present_shape = [batch, kv_heads, dim(sig.PRESENT_DIMS[2]), hd]
+    inputs = [helper.make_tensor_value_info(sig.INPUT_IDS, TensorProto.INT64, [batch, seq]),
+              helper.make_tensor_value_info(sig.ATTENTION_MASK, TensorProto.INT64, [dim(d) for d in sig.MASK_DIMS])]
+    if sig.position_ids:
+        inputs.append(helper.make_tensor_value_info(sig.POSITION_IDS, TensorProto.INT64, [batch, seq]))
+    outputs = [helper.make_tensor_value_info(sig.LOGITS, TensorProto.FLOAT, [batch, seq, vocab])]
+    inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in sig.cache_inputs]
+    outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, present_shape) for n in sig.cache_outputs]
+    return inputs, outputs
+
+
+def _model(g: GraphBuilder, name: str, inputs: list, outputs: list):
+    graph = helper.make_graph(g.nodes, name, inputs, outputs, initializer=g.inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", g.opset), helper.make_opsetid(MS, 1)],
+                             producer_name="bdlora")
+
+
+def build_decoder(model: nn.Module, layout: DecoderLayout):
+    """The decoder ``ModelProto`` of ``model`` (a HF Llama/Mistral/Qwen2 causal LM, any projection forms) in
+    ``layout``."""
+    return decoder_graph(model, layout)[0]
+
+
+def decoder_graph(model: nn.Module, layout: DecoderLayout):
+    """(ModelProto, MatMuls saved by the shared first stages)."""
+    cfg = model.config
+    layers = model.model.layers
+    hd = layers[0].self_attn.head_dim
+    if layout.attention == "gqa" and hd % 16:
+        raise ModelError(f"head dim {hd}: onnxruntime's GroupQueryAttention (the genai runtime's attention) needs a "
+                         "multiple of 16; use `bdlora export onnx` for this model")
+    g = GraphBuilder(layout.opset)
+    cos, sin = rotary_caches(model, layout.positions)
+    g.init(ROPE[0], cos)
+    g.init(ROPE[1], sin)
+    if layout.attention == "gqa":
+        attn_inputs: tuple = (gqa_mask(g),)
+    else:
+        attn_inputs = (plain_mask(g, cfg), None if layout.fused else plain_rotary_tables(g))
+    emb = g.init("model.embed_tokens.weight", _f32(model.model.embed_tokens.weight))
+    residual, mlp_out = g.one("Gather", [emb, Sig.INPUT_IDS], "/model/embed_tokens/Gather"), None
+    for i, layer in enumerate(layers):
+        residual, mlp_out = _layer(g, layout, i, layer, residual, mlp_out, attn_inputs, cfg, hd)
+    w_norm = g.init("model.norm.weight", _f32(model.model.norm.weight))
+    final, _ = _norm(g, layout, residual, mlp_out, w_norm, float(cfg.rms_norm_eps), "/model/norm")
+    head = model.lm_head
+    w_head = g.init("lm_head.weight", _f32(head.weight).T)
+    if head.bias is None:
+        g.node("MatMul", [final, w_head], "/lm_head/MatMul", outputs=[Sig.LOGITS])
+    else:
+        logits = g.one("MatMul", [final, w_head], "/lm_head/MatMul")
+        g.node("Add", [logits, g.init("lm_head.bias", _f32(head.bias))], "/lm_head/Add", outputs=[Sig.LOGITS])
+    inputs, outputs = _io(layout, head.weight.shape[0], len(layers), cfg.num_key_value_heads, hd)
+    return _model(g, f"bdlora_{layout.attention}_decoder", inputs, outputs), g.fused
+
+
+# which input each projection reads in a decoder layer: x_a (attention-normed), x_o (attention output), x_m
+# (MLP-normed), x_d (the MLP's hidden state); projections that share one are emitted as one group
+STACK_INPUTS = {"q_proj": "x_a", "k_proj": "x_a", "v_proj": "x_a", "o_proj": "x_o", "gate_proj": "x_m",
+                "up_proj": "x_m", "down_proj": "x_d"}
+
+
+def build_projection_stack(model: nn.Module, opset: int = MAX_OPSET):
+    """The replaced projections alone (the paper's measure), wired as in the decoder: per layer inputs ``x_a.l``,
+    ``x_o.l``, ``x_m.l``, ``x_d.l`` (tokens, width), each group of projections reading one input emitted as in the
+    decoder, every projection's output a graph output (``y0``, ``y1``, ... in ``projection_modules`` order)."""
+    s, cfg = DecoderShape.of(model.config), model.config
+    widths = {"x_a": s.hidden, "x_o": s.heads * s.head_dim, "x_m": s.hidden, "x_d": cfg.intermediate_size}
+    g = GraphBuilder(opset)
+    groups: dict[str, list[tuple[int, Projection]]] = {}
+    for k, (name, m) in enumerate(projection_modules(model)):
+        layer = int(name.split("layers.")[1].split(".")[0])
+        groups.setdefault(f"{STACK_INPUTS[name.rsplit('.', 1)[-1]]}.{layer}", []).append((k, Projection.of(name, m)))
+    outputs = {}
+    for x, members in groups.items():
+        ys = emit_group(g, x, [p for _, p in members], f"/stack/{x}")
+        outputs.update({k: y for (k, _), y in zip(members, ys)})
+    renamed = {y: f"y{k}" for k, y in outputs.items()}  # each projection's last node writes its graph output
+    for node in g.nodes:
+        node.output[:] = [renamed.get(o, o) for o in node.output]
+    inputs = [helper.make_tensor_value_info(x, TensorProto.FLOAT, ["tokens", widths[x.split(".")[0]]])
+              for x in sorted(groups, key=lambda n: (int(n.split(".")[1]), list(widths).index(n.split(".")[0])))]
+    outs = [helper.make_tensor_value_info(f"y{k}", TensorProto.FLOAT, ["tokens", None]) for k in sorted(outputs)]
+    return _model(g, "bdlora_projection_stack", inputs, outs)
