@@ -14,7 +14,7 @@ import ast
 import dataclasses
 import inspect
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -53,23 +53,22 @@ class TrainConfig:
     student_init: str | None = None
     """Checkpoint the student's layers come from (default: the teacher); must share the teacher's tokenizer."""
     seq_len: int | None = None
-    """Tokens per training sequence (default 1024, capped by the model; builtin 128)."""
+    """Tokens per training sequence (a default is capped by the model's positions)."""
     packing: str = "pack"
     """How documents become sequences: 'pack' (EOS-separated documents cut into seq_len blocks, nanoGPT) or
     'truncate' (one document per sequence, its first seq_len tokens, shorter ones padded and the padding left out of
     the loss: the paper's). --tokens counts sequence slots either way."""
     batch_size: int | None = None
-    """Sequences per micro-batch (default 8; builtin 16)."""
+    """Sequences per micro-batch."""
     grad_accum: int = 1
     """Micro-batches per optimiser step."""
     max_steps: int | None = None
-    """Optimiser steps (default 1000; builtin 600). Mutually exclusive with --tokens."""
+    """Optimiser steps; mutually exclusive with --tokens."""
     tokens: int | None = None
     """Train on this many tokens in all instead of a step count (steps = tokens / (batch * grad_accum * seq_len *
     processes): the budget is global, as the paper's 2.55B tokens over two GPUs)."""
     lr: float | None = None
-    """Peak learning rate of AdamW (cosine decay, warm-up 3% of the steps, at least 10, capped at 2000). Default:
-    by teacher and start: from the whitened or SVD start 1e-4 (builtin 1e-3), from zero 3e-4 (builtin 2e-3)."""
+    """Peak learning rate of AdamW (cosine decay, warm-up 3% of the steps, at least 10, capped at 2000)."""
     weight_decay: float = 0.0
     """AdamW weight decay (the paper's 0)."""
     adam_beta1: float = 0.9
@@ -85,9 +84,9 @@ class TrainConfig:
     loss_chunk: int = 1024
     """Positions per LM-head chunk of the KD loss."""
     lora_rank: int | None = None
-    """LoRA rank r (kd-lora) / r_max (budgeted). Default 128; builtin 16."""
+    """LoRA rank r (kd-lora) / r_max (budgeted)."""
     lora_alpha: float | None = None
-    """LoRA alpha; the low-rank path is scaled by alpha / r. Default 256; builtin 32."""
+    """LoRA alpha; the low-rank path is scaled by alpha / r."""
     budget: float = BUDGETED.budget
     """F, the dense fraction retained after the decay (budgeted)."""
     decay_start: float = BUDGETED.decay_start
@@ -104,11 +103,11 @@ class TrainConfig:
     """How the low-rank paths start (kd-lora, budgeted): zero (LoRA's B = 0: learnt from nothing; the paper),
     whitened (each projection's activation-aware truncated SVD, measured on --calib-tokens; the frozen dense path
     holds the residual W - B A, so the student is unchanged until the budget removes the dense path) or svd (plain
-    truncated SVD). Default whitened; the paper recipe pins zero."""
+    truncated SVD). The paper recipe pins zero."""
     allocation: str | None = None
     """Which dense paths the budget removes (budgeted): cost (the paper: cheapest first, one --lora-rank for all) or
-    quality (per-module ranks where the Fisher-weighted truncation error per MAC saved is least). Default quality;
-    the paper recipe pins cost."""
+    quality (per-module ranks where the Fisher-weighted truncation error per MAC saved is least). The paper recipe
+    pins cost."""
     mac_ratio: float | None = None
     """With --allocation quality: the deployed projection-MAC speed-up to allocate for (default: the one the
     paper's rule gives at --budget and --lora-rank, so both rules compare at equal MACs)."""
@@ -117,14 +116,15 @@ class TrainConfig:
     exporter's nodes timed in onnxruntime on this machine, cached) instead of MACs; --mac-ratio is then the
     projection decode-time speed-up, and a low-rank pair no faster than its dense product there is never chosen."""
     calib_tokens: int | None = None
-    """Training-split tokens the whitened init and the quality allocation are measured on (default 8192, or the
-    whole split when smaller)."""
+    """Training-split tokens the whitened init and the quality allocation are measured on (a default is cut to the
+    whole split when that is smaller)."""
     eval_every: int | None = None
-    """Validation perplexity every N steps (default 200; builtin 100) and at the end."""
+    """Validation perplexity every N steps and at the end."""
     eval_tokens: int | None = None
-    """Held-out tokens scored for perplexity (default 1,048,576; builtin 32,768)."""
+    """Held-out tokens scored for perplexity."""
     heldout_fraction: float | None = None
-    """Fraction of documents (by MD5 of their id) held out (default 0.002; builtin 0.02)."""
+    """Fraction of documents (by MD5 of their id) held out (default: the corpus's own, 0.02 for the builtin corpus
+    and 0.002 for others)."""
     save_every: int = 200
     """Checkpoint every N steps (0: only the final student)."""
     keep_last: int = 2
@@ -143,8 +143,9 @@ class TrainConfig:
     """Where run directories are created."""
     cache_dir: str | None = None
     """Cache of tokenised corpora and the builtin teacher (default ~/.cache/bdlora or $BDLORA_CACHE)."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Resolved, derived values (not user options)."""
+    defaulted: tuple[str, ...] = ()
+    """The options the teacher's defaults filled (resolved by ``resolve_defaults``, not a user option): where a
+    value may be fitted to the teacher or data, a defaulted one is, an explicit one is checked."""
 
     def budgeted(self) -> BudgetedConfig:
         """The Budgeted LoRA settings of this run (rank and alpha resolved)."""
@@ -217,13 +218,32 @@ REAL_DEFAULTS = {"batch_size": 8, "seq_len": 1024, "max_steps": 1000, "lora_rank
 DEFAULT_LR = {("builtin", "zero"): 2e-3, ("builtin", "start"): 1e-3, ("real", "zero"): 3e-4, ("real", "start"): 1e-4}
 
 
+def _shown(v) -> str:
+    return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def defaults_help() -> dict[str, str]:
+    """The per-teacher defaults as ``bdlora train --help`` shows them, written from ``REAL_DEFAULTS``,
+    ``BUILTIN_DEFAULTS`` and ``DEFAULT_LR`` (each value's one home)."""
+    notes = {}
+    for k in REAL_DEFAULTS.keys() | BUILTIN_DEFAULTS.keys():
+        real, builtin = REAL_DEFAULTS.get(k), BUILTIN_DEFAULTS.get(k)
+        notes[k] = (f"Default {_shown(real)}." if real == builtin else
+                    f"Default {_shown(real)}; builtin teacher {_shown(builtin)}.")
+    lr = {k: _shown(v) for k, v in DEFAULT_LR.items()}
+    notes["lr"] = (f"Default by teacher and start: from the whitened or SVD start {lr['real', 'start']} (builtin "
+                   f"teacher {lr['builtin', 'start']}), from zero {lr['real', 'zero']} (builtin teacher "
+                   f"{lr['builtin', 'zero']}).")
+    return notes
+
+
 def default_lr(builtin_teacher: bool, method: str, lora_init: str | None) -> float:
     """The peak learning rate ``--lr`` defaults to (see ``DEFAULT_LR``)."""
     start = "zero" if method == "kd-full" or lora_init in (None, "zero") else "start"
     return DEFAULT_LR[("builtin" if builtin_teacher else "real", start)]
 
 
-OPTION_NAMES = tuple(f.name for f in fields(TrainConfig) if f.name != "extra")
+OPTION_NAMES = tuple(f.name for f in fields(TrainConfig) if f.name != "defaulted")
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -320,7 +340,7 @@ def resolve_defaults(cfg: TrainConfig, builtin_teacher: bool) -> TrainConfig:
         values[k] = resolve_path(values[k])
     if values["cache_dir"]:
         values["cache_dir"] = str(Path(values["cache_dir"]).expanduser().resolve())
-    values["extra"] = {**values["extra"], "defaulted": defaulted}
+    values["defaulted"] = tuple(defaulted)
     return TrainConfig(**values)
 
 

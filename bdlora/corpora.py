@@ -309,20 +309,20 @@ def extract_docs(sdist: Path, prefix: str, licence_member: str, dst: Path) -> in
 
 
 def settings_tokens(settings: dict, tokenizer, what: str = "--data") -> TokenizedCorpus:
-    """The tokens of the corpus a run (or a one-shot compression) recorded in ``settings`` (its config or
-    ``data_settings``: data, heldout_fraction, cache_dir, seed, and the teacher that ``teacher:N`` samples came
-    from); the builtin corpus when none is recorded."""
+    """The tokens of the corpus a run (or a one-shot compression) recorded in ``settings`` (``RunDir.data_settings``
+    or a compression's ``data_settings``: data, heldout_fraction, cache_dir, seed, and ``source_path``, the teacher
+    checkpoint that ``teacher:N`` samples came from); the builtin corpus when none is recorded."""
     from bdlora.selfgen import TeacherSource
 
     cache = Path(settings["cache_dir"]).expanduser() if settings.get("cache_dir") else None
-    path = (settings.get("extra") or {}).get("teacher_path") or settings.get("source_path")
+    path = settings.get("source_path")
     teacher = TeacherSource(Path(path) if path and Path(path).is_dir() else None, spec=settings.get("teacher"),
                             cache=cache)
     return load_tokens(settings.get("data") or BUILTIN, tokenizer, settings.get("heldout_fraction"), cache, what,
                        teacher=teacher, seed=int(settings.get("seed") or 0))
 
 
-def heldout_blocks(run_config: dict, tokenizer) -> PackedBlocks:
+def heldout_blocks(run_config: dict, tokenizer) -> PackedBlocks:  # run_config: RunDir.data_settings()
     """The held-out blocks a run was scored on (same corpus, split, sequence length and token count), from the
     tokenised-corpus cache (re-tokenised if the cache was cleared)."""
     data = settings_tokens(run_config, tokenizer)

@@ -282,12 +282,12 @@ def load_eval_target(path: str | Path, onnx_file: str = MODEL_ONNX, device: str 
         from bdlora.perplexity import TorchLM
 
         model, tok, _ = load_run_student(run, device)
-        return TorchLM(model, device), tok, "run", run.config()
+        return TorchLM(model, device), tok, "run", run.data_settings()
     folder = ModelDir(path)
     provenance = folder.report().get("provenance", {}) if folder.finished() else {}
     src = source_run(path, provenance) if provenance else None
     # a run's own held-out slice; a one-shot compression records the slice it was measured on instead
-    run_cfg = src.config() if src is not None else provenance.get("data_settings")
+    run_cfg = src.data_settings() if src is not None else provenance.get("data_settings")
     if run_cfg is None and (path / TEACHER_JSON).exists():
         run_cfg = {"data": BUILTIN, "teacher": BUILTIN}  # the embedded default teacher's own corpus
     if OnnxDir(path).finished() or (path / MODEL_ONNX).exists() or (path / onnx_file).exists():
@@ -331,7 +331,7 @@ def eval_data(run_cfg: dict | None, config, ecfg: EvalConfig) -> dict:
             "seq_len": min(ecfg.seq_len or cfg.get("seq_len") or defaults["seq_len"], max_pos),
             "eval_tokens": ecfg.tokens or cfg.get("eval_tokens") or defaults["eval_tokens"],
             "cache_dir": cfg.get("cache_dir"), "teacher": cfg.get("teacher"), "seed": cfg.get("seed") or 0,
-            "source_path": (cfg.get("extra") or {}).get("teacher_path") or cfg.get("source_path"),
+            "source_path": cfg.get("source_path"),
             "source": "command line" if ecfg.data or ecfg.seq_len or ecfg.tokens else src}
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import dataclass, fields
 from datetime import datetime
 from pathlib import Path
 
@@ -115,6 +116,27 @@ class Artefact:
 FAILED = "failed.json"  # in a run folder whose training failed after a checkpoint
 
 
+@dataclass(frozen=True)
+class RunFacts:
+    """What a training run resolved when it started, beside its options in config.json (under ``"run"``): the
+    processes it trains on (a resume must match), the teacher checkpoint it loaded, the teacher layers the student
+    kept, and the tokenised corpus's cache and token counts. Written by ``train``, read through ``RunDir``."""
+
+    world_size: int = 1
+    teacher_path: str | None = None
+    layer_indices: tuple[int, ...] = ()
+    teacher_layers: int | None = None
+    data_cache: str | None = None
+    data_tokens: dict | None = None
+
+    @classmethod
+    def of(cls, stored: dict) -> RunFacts:
+        known = {f.name: stored[f.name] for f in fields(cls) if f.name in stored}
+        if "layer_indices" in known:
+            known["layer_indices"] = tuple(known["layer_indices"] or ())
+        return cls(**known)
+
+
 class RunDir(Artefact):
     """``bdlora train``'s run directory: config.json, metrics.jsonl, controller.jsonl (budgeted), checkpoints/,
     student/ and, written last, summary.json."""
@@ -169,6 +191,20 @@ class RunDir(Artefact):
         if not isinstance(cfg, dict):
             raise RunDirError(f"{self.config_file}: has no 'config' mapping; the run is damaged")
         return cfg
+
+    def facts(self) -> RunFacts:
+        """What the run resolved when it started (``RunFacts``)."""
+        doc = self.read(CONFIG)
+        stored = doc.get("run")
+        if stored is None:  # runs written before RunFacts kept these among the options, under "extra"
+            stored = (doc.get("config") or {}).get("extra") or {}
+        return RunFacts.of(stored)
+
+    def data_settings(self) -> dict:
+        """What a corpus reader needs to rebuild the run's data: its options and the teacher checkpoint it loaded
+        (``source_path``, which ``teacher:N`` samples came from); a one-shot compression records the same mapping
+        as its provenance's ``data_settings``."""
+        return {**self.config(), "source_path": self.facts().teacher_path}
 
     def summary(self) -> dict:
         return self.read("summary.json")

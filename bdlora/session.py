@@ -20,6 +20,7 @@ from bdlora.config import BUILTIN, TrainConfig, resolve_defaults
 from bdlora.corpora import check_spec, default_heldout, load_tokens
 from bdlora.errors import DataError, ModelError, UsageError
 from bdlora.reporter import SILENT, Reporter
+from bdlora.runs import RunFacts
 from bdlora.selfgen import TeacherSource
 from bdlora.student import build_student, check_same_vocabulary
 from bdlora.teacher import load_teacher
@@ -46,6 +47,7 @@ class Session:
     train_blocks: PackedBlocks | DocumentBlocks
     val_blocks: PackedBlocks
     calib_blocks: PackedBlocks | None = None  # --calib-data's training split (None: calibrate on train_blocks)
+    facts: RunFacts = RunFacts()  # what was resolved on the way (teacher checkpoint, corpus cache, ...)
 
     @property
     def calibration_source(self):
@@ -85,19 +87,19 @@ def prepare(cfg: TrainConfig, reporter: Reporter = SILENT) -> Session:
                                 seed=cfg.seed, reporter=reporter)
             calib_blocks = PackedBlocks(calib.tokens("train"), cfg.seq_len)
         blocks = calib_blocks if calib_blocks is not None else train_blocks
-        if "calib_tokens" in cfg.extra.get("defaulted", ()):  # a defaulted count fits the split; an explicit one must
+        if "calib_tokens" in cfg.defaulted:  # a defaulted count fits the split; an explicit one must
             cfg.calib_tokens = min(cfg.calib_tokens, len(blocks) * blocks.seq_len)
         check_calib_tokens(blocks, cfg.calib_tokens, "--calib-data" if calib_blocks is not None else "--data")
-    cfg.extra.update({"teacher_path": str(teacher_path), "layer_indices": idx,
-                      "teacher_layers": teacher.config.num_hidden_layers, "data_cache": str(data.path),
-                      "data_tokens": data.meta["tokens"]})
-    return Session(cfg, device, teacher, tokenizer, student, idx, train_blocks, val_blocks, calib_blocks)
+    facts = RunFacts(teacher_path=str(teacher_path), layer_indices=tuple(idx),
+                     teacher_layers=teacher.config.num_hidden_layers, data_cache=str(data.path),
+                     data_tokens=data.meta["tokens"])
+    return Session(cfg, device, teacher, tokenizer, student, idx, train_blocks, val_blocks, calib_blocks, facts)
 
 
 def _resolve_sizes(cfg: TrainConfig, teacher) -> TrainConfig:
     """Student depth, sequence length (capped by the model's positions when defaulted), steps from --tokens and
     the held-out fraction, each checked against the teacher."""
-    n_teacher, defaulted = teacher.config.num_hidden_layers, cfg.extra.get("defaulted", ())
+    n_teacher, defaulted = teacher.config.num_hidden_layers, cfg.defaulted
     cfg.student_layers = max(1, math.ceil(n_teacher / 2)) if cfg.student_layers is None else cfg.student_layers
     if cfg.student_layers > n_teacher:
         raise UsageError(f"--student-layers {cfg.student_layers}: must be between 1 and the teacher's {n_teacher}")

@@ -38,7 +38,7 @@ from bdlora.methods import METHOD_CLASSES, TrainingMethod
 from bdlora.outputs import check_new_out
 from bdlora.perplexity import perplexity
 from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import CONFIG, FAILED, RunDir
+from bdlora.runs import CONFIG, FAILED, RunDir, RunFacts
 from bdlora.session import Session, prepare
 
 # Options a resumed run may change (where/how often it writes or measures, never the weights); the rest are fixed
@@ -67,7 +67,6 @@ def resume_config(run: RunDir, overrides: dict | None = None) -> TrainConfig:
         cfg = TrainConfig(**values)
     except TypeError as e:
         raise RunDirError(f"{run.path / CONFIG}: not a bdlora training config ({e})") from None
-    cfg.extra = {"world_size": stored.get("extra", {}).get("world_size", 1)}
     return cfg
 
 
@@ -125,7 +124,7 @@ def train(cfg: TrainConfig, reporter: Reporter | None = None, resume: str | Path
     if resume is not None:
         run_dir = RunDir(resume)
         cfg = resume_config(run_dir, overrides)
-        stored_world = cfg.extra.pop("world_size", 1)
+        stored_world = run_dir.facts().world_size
         if stored_world != env.world_size:
             raise UsageError(f"--resume {run_dir.path}: the run was trained on {stored_world} process(es), this "
                              f"launch has {env.world_size}; resume with the same number so the global batch and "
@@ -157,13 +156,13 @@ def setup(cfg: TrainConfig, rep: Reporter, resume: RunDir | None, env: D.DistEnv
         sess = prepare(cfg, rep)
     cfg, device = sess.cfg, dist_device or sess.device
     sess.teacher.to(device)
-    cfg.extra["world_size"] = env.world_size
+    sess.facts = dataclasses.replace(sess.facts, world_size=env.world_size)
     has_start = needed(cfg.method, cfg.lora_init, cfg.allocation)
     start = None
     if has_start and resume is None and env.is_main:  # before the run directory exists: a bad target writes nothing
         start = compute_start(sess.student, cfg.lora_init, cfg.allocation, cfg.lora_rank, cfg.budget, cfg.mac_ratio,
                               sess.calibration_source, cfg.calib_tokens, rep, cost_table, cfg.precision)
-    run_dir = resume if resume is not None else _new_run_dir(cfg, env)
+    run_dir = resume if resume is not None else _new_run_dir(cfg, sess.facts, env)
     if start is not None:
         start.save(*run_dir.lora_start)
     D.barrier(env)
@@ -187,7 +186,7 @@ def setup(cfg: TrainConfig, rep: Reporter, resume: RunDir | None, env: D.DistEnv
     return run
 
 
-def _new_run_dir(cfg: TrainConfig, env: D.DistEnv) -> RunDir:
+def _new_run_dir(cfg: TrainConfig, facts: RunFacts, env: D.DistEnv) -> RunDir:
     """A new run directory (made by rank 0, its path broadcast) with its config.json."""
     if env.is_main and cfg.out:
         check_new_out(cfg.out)
@@ -195,7 +194,7 @@ def _new_run_dir(cfg: TrainConfig, env: D.DistEnv) -> RunDir:
     run_dir = RunDir(D.broadcast_object(env, str(path) if path else None))
     if env.is_main:
         run_dir.path.mkdir(parents=True, exist_ok=True)
-        _write_config(run_dir, cfg)
+        _write_config(run_dir, cfg, facts)
     return run_dir
 
 
@@ -208,9 +207,9 @@ def _read_start(run_dir: RunDir) -> LowRankStart:
                           f"({type(e).__name__}); the run is damaged") from None
 
 
-def _write_config(run_dir: RunDir, cfg: TrainConfig) -> None:
+def _write_config(run_dir: RunDir, cfg: TrainConfig, facts: RunFacts) -> None:
     write_json(run_dir.config_file, {"schema_version": SCHEMA_VERSION, "bdlora_version": __version__,
-                                              "config": dataclasses.asdict(cfg)})
+                                     "config": dataclasses.asdict(cfg), "run": dataclasses.asdict(facts)})
 
 
 def _resume(run: Run, run_dir: RunDir) -> None:
@@ -227,7 +226,7 @@ def _resume(run: Run, run_dir: RunDir) -> None:
         logs = [run_dir.metrics_log] + ([run_dir.path / run.method.log_name] if run.method.log_name else [])
         for log in logs:
             truncate_jsonl(log, run.start_step, on_warning=run.reporter.stage)
-        _write_config(run_dir, run.cfg)
+        _write_config(run_dir, run.cfg, run.sess.facts)
     run.reporter.stage(f"resuming {run_dir.path} at step {run.start_step} ({ckpt.name})")
 
 

@@ -145,7 +145,7 @@ def test_learning_rate_follows_the_start_unless_given():
     assert default_lr(True, "kd-full", None) == 2e-3 and default_lr(False, "budgeted", "zero") == 3e-4
     assert default_lr(False, "budgeted", "whitened") == 1e-4 and default_lr(False, "kd-lora", "svd") == 1e-4
     cfg = resolve_defaults(TrainConfig(), builtin_teacher=True)
-    assert cfg.lora_init == "whitened" and cfg.lr == 1e-3 and "lr" in cfg.extra["defaulted"]
+    assert cfg.lora_init == "whitened" and cfg.lr == 1e-3 and "lr" in cfg.defaulted
     assert resolve_defaults(TrainConfig(lora_init="zero"), builtin_teacher=True).lr == 2e-3
     assert resolve_defaults(TrainConfig(lr=5e-4), builtin_teacher=True).lr == 5e-4
 

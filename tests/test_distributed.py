@@ -164,6 +164,24 @@ def test_resume_refuses_incompatible_options_and_accepts_compatible_ones(tiny_en
                                              "--save-every", "2"))
     assert res.exit_code == 0
     (run / "summary.json").unlink()
+    # what the run resolved is stored beside its options, typed (RunFacts), and a resume must match its processes
+    from bdlora.runs import RunDir, RunFacts
+
+    doc = json.loads((run / "config.json").read_text())
+    facts = RunDir(run).facts()
+    assert facts.world_size == 1 and facts.teacher_path == str(tiny_env["teacher"].resolve())
+    teacher_layers = json.loads((tiny_env["teacher"] / "config.json").read_text())["num_hidden_layers"]
+    assert facts.teacher_layers == teacher_layers and len(facts.layer_indices) == doc["config"]["student_layers"]
+    assert all(0 <= i < teacher_layers for i in facts.layer_indices) and facts.data_tokens["train"] > 0
+    assert set(doc["run"]) == {f for f in RunFacts.__dataclass_fields__} and "extra" not in doc["config"]
+    assert RunDir(run).data_settings()["source_path"] == facts.teacher_path
+    legacy = {**doc, "config": {**doc["config"], "extra": {**doc["run"], "world_size": 2}}}
+    del legacy["run"]  # a run written before RunFacts: the same facts among its options
+    (run / "config.json").write_text(json.dumps(legacy))
+    assert RunDir(run).facts().world_size == 2
+    res = CliRunner().invoke(app, ["train", "--resume", str(run)])
+    assert res.exit_code == 2 and "the run was trained on 2 process(es), this launch has 1" in res.output
+    (run / "config.json").write_text(json.dumps(doc))
     for extra, needle in [(["--method", "kd-full"], "--method kd-full: this run was started with --method budgeted"),
                           (["--teacher", str(tmp_path)], "--teacher"), (["--lora-rank", "8"], "--lora-rank 8")]:
         res = CliRunner().invoke(app, ["train", "--resume", str(run), *extra])

@@ -327,3 +327,17 @@ def cli_default_literals() -> list[str]:
 
 def test_no_default_is_spelled_in_the_cli():
     assert not cli_default_literals(), cli_default_literals()
+
+
+def test_per_teacher_defaults_have_one_home():
+    """The per-teacher defaults ``--help`` shows are written from the dicts that resolve them, and no option's
+    docstring repeats one (a changed default is one edit, and --help follows it)."""
+    from bdlora.config import BUILTIN_DEFAULTS, DEFAULT_LR, REAL_DEFAULTS, TrainConfig, _shown, defaults_help, field_docs
+
+    notes, docs = defaults_help(), field_docs(TrainConfig)
+    assert notes.keys() == REAL_DEFAULTS.keys() | BUILTIN_DEFAULTS.keys() | {"lr"}
+    for k in REAL_DEFAULTS.keys() | BUILTIN_DEFAULTS.keys():
+        assert _shown(REAL_DEFAULTS[k]) in notes[k] and _shown(BUILTIN_DEFAULTS[k]) in notes[k]
+        assert not re.search(r"\b(default|builtin)\b[^.;]*\d", docs.get(k, ""), re.I), (k, docs[k])
+    assert all(_shown(v) in notes["lr"] for v in DEFAULT_LR.values())
+    assert not re.search(r"\d", re.sub(r"warm-up.*?2000", "", docs["lr"]))

@@ -11,7 +11,7 @@ from bdlora.cli import render
 from bdlora.cli.app import command, err, out
 from bdlora.cli.options import float_list, from_dataclass, int_list, str_list
 from bdlora.cli.progress import RichReporter
-from bdlora.config import TrainConfig, load_yaml, merge
+from bdlora.config import TrainConfig, defaults_help, load_yaml, merge
 from bdlora.errors import UsageError
 from bdlora.evaluate import EvalConfig
 from bdlora.io import write_json
@@ -68,7 +68,7 @@ def eval_cmd(
     out.print(f"[green]wrote[/] {dst}")
 
 
-@command(options=from_dataclass(TrainConfig, names=SWEEP_TRAIN_OPTIONS))
+@command(options=from_dataclass(TrainConfig, names=SWEEP_TRAIN_OPTIONS, notes=defaults_help()))
 def sweep(
     budgets: Annotated[str, typer.Option(help="Comma-separated budgets F of the budgeted members.")]
     = ",".join(map(str, DEFAULT_BUDGETS)),
@@ -112,7 +112,7 @@ def sweep(
     else:
         cfg = merge(load_yaml(config) if config else {}, {**opts, "runs_dir": runs_dir}).validate()
         train_opts = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("method", "budget", "out",
-                                                                                   "extra")}
+                                                                                   "defaulted")}
         sopts = SweepOptions(budgets=float_list(budgets, "--budgets"), baselines=str_list(baselines) or [],
                              train=train_opts, eps_lr=eps_lr, eval_examples=examples, eval_seeds=seeds, bench=bench,
                              bench_batch_sizes=int_list(bench_batch_sizes, "--bench-batch-sizes"),

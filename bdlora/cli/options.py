@@ -25,10 +25,11 @@ def _base_type(tp):
 
 
 def from_dataclass(cls, names=None, skip=(), rename: dict | None = None, defaults: bool = False,
-                   panel: str | None = None) -> list[inspect.Parameter]:
+                   panel: str | None = None, notes: dict[str, str] | None = None) -> list[inspect.Parameter]:
     """One keyword option per field of ``cls`` (``names`` or all but ``skip``), ``--field-name`` with the field's
-    docstring as help. With ``defaults`` the option's default is the field's (shown in --help); otherwise None,
-    meaning "not given" (so YAML values and per-teacher defaults can fill it)."""
+    docstring as help, followed by its entry in ``notes`` (e.g. per-teacher defaults). With ``defaults`` the
+    option's default is the field's (shown in --help); otherwise None, meaning "not given" (so YAML values and
+    per-teacher defaults can fill it)."""
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     rename = rename or {}
@@ -43,7 +44,8 @@ def from_dataclass(cls, names=None, skip=(), rename: dict | None = None, default
             default = ",".join(map(str, default))
         dashed = opt.replace("_", "-")
         decl = f"--{dashed}/--no-{dashed}" if tp is bool else f"--{dashed}"
-        option = typer.Option(decl, help=docs.get(f.name, ""), rich_help_panel=panel)
+        text = " ".join(t for t in (docs.get(f.name, ""), (notes or {}).get(f.name, "")) if t)
+        option = typer.Option(decl, help=text, rich_help_panel=panel)
         annotation = Annotated[tp if defaults and default is not None else Optional[tp], option]
         params.append(inspect.Parameter(opt, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation))
     return params

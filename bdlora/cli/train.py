@@ -14,7 +14,7 @@ from bdlora.cli.app import command, err, out
 from bdlora.cli.compress import cost_table
 from bdlora.cli.options import from_dataclass
 from bdlora.cli.progress import RichReporter
-from bdlora.config import BUILTIN, TrainConfig, field_docs, load_yaml, merge
+from bdlora.config import BUILTIN, TrainConfig, defaults_help, field_docs, load_yaml, merge
 from bdlora.errors import UsageError
 from bdlora.reporter import SILENT
 from bdlora.runs import TEACHER_JSON, RunDir
@@ -54,7 +54,7 @@ def teacher(
     render.teacher(info)
 
 
-@command(options=from_dataclass(TrainConfig, skip=("extra",)))
+@command(options=from_dataclass(TrainConfig, skip=("defaulted",), notes=defaults_help()))
 def train(
     config: Annotated[Optional[str], typer.Option(help="YAML file holding any of these options, or a recipe "
                                                        "shipped with bdlora (paper: the paper's full budget); flags "

@@ -115,7 +115,7 @@ class SweepOptions:
     def train_config(self, m: Member, out: str | None = None):
         """The training options of a member: the shared ones, its grid point, its method and budget."""
 
-        values = {k: v for k, v in self.train.items() if k in TrainConfig.__dataclass_fields__ and k != "extra"}
+        values = {k: v for k, v in self.train.items() if k in TrainConfig.__dataclass_fields__ and k != "defaulted"}
         values.update(m.train_settings)
         values.update(method=m.method, out=out)
         if m.budget is not None:

@@ -24,7 +24,7 @@ COMPRESS_OPTIONS = ("eps_lr", "gate_threshold", "svd_max_rank")  # compress-time
 # Options a grid may not vary, and what to use instead: one sweep measures one teacher on one held-out split.
 FIXED = {
     "method": "--baselines (and --budgets for budgeted)", "budget": "--budgets", "out": "--out",
-    "runs_dir": "--runs-dir", "cache_dir": "--cache-dir", "extra": "nothing",
+    "runs_dir": "--runs-dir", "cache_dir": "--cache-dir", "defaulted": "nothing",
     "teacher": "one sweep per teacher, combined with `bdlora sweep-merge`",
     "data": "one sweep per corpus (members must be evaluated on the same held-out split)",
     "eval_tokens": "one value per sweep (members must be evaluated alike)",

@@ -186,7 +186,7 @@ def data_settings(model_dir: Path, report: dict | None) -> dict:
     """The corpus settings of the run (or one-shot compression) a model folder came from ({} when unknown)."""
     provenance = (report or {}).get("provenance", {})
     run = source_run(model_dir, provenance)
-    return run.config() if run is not None else provenance.get("data_settings") or {}
+    return run.data_settings() if run is not None else provenance.get("data_settings") or {}
 
 
 def corpus_blocks(settings: dict, tok, split: str, seq_len: int, tokens: int) -> PackedBlocks:
@@ -214,7 +214,7 @@ def _quality_blocks(run, tok, shape):
     the first ``QUALITY_TOKENS`` of the builtin corpus's held-out slice in blocks of 128 tokens."""
 
     if run is not None:
-        blocks = heldout_blocks(run.config(), tok)
+        blocks = heldout_blocks(run.data_settings(), tok)
         if len(blocks):
             return blocks
     corpus = Corpus(BUILTIN)

@@ -94,7 +94,7 @@ def _quantize(tmp: Path, model, tok, report: dict | None, model_dir: Path, info:
     if run is None:
         return out
 
-    blocks = heldout_blocks(run.config(), tok)
+    blocks = heldout_blocks(run.data_settings(), tok)
     reporter.stage("scoring the held-out slice with fp32 and int8 graphs")
     shape = DecoderShape.of(model.config)
     nll32, arg32 = score_blocks(session(tmp / MODEL_ONNX), shape, blocks)
