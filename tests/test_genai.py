@@ -118,8 +118,8 @@ def test_export_folder_generates_like_torch(mixed_folder):
     rows = json.loads(meta["bdlora.modules"])
     assert len(rows) == 2 * 7 and {r["form"] for r in rows} == set(info["summary"]["forms"])
     assert sorted(p.name for p in (root / "fp32").iterdir()) == [
-        "compression.json", "config.json", "export.json", "genai_config.json", "model.onnx", "model.onnx.data",
-        "tokenizer.json", "tokenizer_config.json"]
+        "compression.json", "config.json", "export.json", "genai_config.json", "generation_config.json", "model.onnx",
+        "model.onnx.data", "tokenizer.json", "tokenizer_config.json"]
     # the runtime itself, as a user drives it: greedy 10 tokens, decoded by its tokenizer
     m = og.Model(str(root / "fp32"))
     tok = og.Tokenizer(m)

@@ -117,8 +117,9 @@ def compression_report(report: dict, title: str) -> None:
 def onnx_export(info: dict, dst) -> None:
     t = _kv(f"ONNX export: {dst}")
     t.add_row("opset / export time", f"{info['opset']} / {info['export_seconds']:.1f} s")
-    if info.get("ort_fusions"):
-        t.add_row("onnxruntime fusions", ", ".join(f"{v} {k}" for k, v in info["ort_fusions"].items()))
+    fused = info.get("fused_ops") or info.get("ort_fusions")  # exports before the one emitter ran the optimizer
+    if fused:
+        t.add_row("onnxruntime fused ops", ", ".join(f"{v} {k}" for k, v in fused.items()))
     for name, size in info["files"].items():
         t.add_row(name, f"{size / 1e6:.2f} MB")
     if "validation" in info:
@@ -130,8 +131,9 @@ def onnx_export(info: dict, dst) -> None:
         t.add_row("max |ONNX - torch| (logits, K/V)", f"{v['max_abs_diff']:.2e} (tolerance {v['tolerance']:.2g}{why}, "
                   f"{len(v['shapes'])} shapes incl. left padding)")
     q = info.get("int8") or {}
-    if "val_ppl_int8" in q:
-        t.add_row("held-out ppl fp32 -> int8", f"{q['val_ppl_fp32']:.3f} -> {q['val_ppl_int8']:.3f} "
+    if "val_ppl_fp32" in q:
+        quantized = q.get("val_ppl_quantized", q.get("val_ppl_int8"))  # the key of exports before one harness
+        t.add_row("held-out ppl fp32 -> int8", f"{q['val_ppl_fp32']:.3f} -> {quantized:.3f} "
                   f"({100 * q['ppl_change']:+.2f}%)")
     s = info["summary"]
     t.add_row("modules", ", ".join(f"{v} {k}" for k, v in s["forms"].items()))

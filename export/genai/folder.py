@@ -23,17 +23,18 @@ from bdlora.export.defaults import (
     MAX_PPL_CHANGE,
     QUANT,
 )
+from bdlora.export.files import write_model_files
 from bdlora.export.genai import validate as v
 from bdlora.export.genai.config import genai_config
 from bdlora.export.genai.gptq import input_grams
 from bdlora.export.genai.quantize import METHODS, PRECISIONS, quantize_nbits
 from bdlora.export.onnx.metadata import metadata_props, metadata_summary, module_table, set_metadata
-from bdlora.export.onnx.validate import ExportValidationError
+from bdlora.export.onnx.validate import ExportValidationError, quantized_quality
 from bdlora.io import atomic_dir, write_json
 from bdlora.models import load_model_folder
 from bdlora.outputs import check_out_dir
 from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import GENAI_CONFIG, MODEL_ONNX, ModelDir, OnnxDir, source_run
+from bdlora.runs import GENAI_CONFIG, MODEL_ONNX, OnnxDir, source_run
 from bdlora.runtime import DecoderShape, session
 
 QUALITY_TOKENS = 32768  # held-out tokens scored with the fp32 and quantised graphs when no training run is known
@@ -74,11 +75,7 @@ def write_genai_files(model, tok, folder: Path, precision: str, ctx: int, report
     set_metadata(proto, metadata_props(rows, metadata_summary(model, rows, report)))
     info: dict = {"nodes": len(proto.graph.node)}
     write_json(folder / GENAI_CONFIG, genai_config(cfg, base, ctx, threads=threads))
-    if tok is not None:
-        tok.save_pretrained(folder)
-    cfg.save_pretrained(folder)
-    if report is not None:
-        write_json(folder / ModelDir.MARKER, report)
+    write_model_files(folder, model, tok, report)
     if precision != "fp32":
         copy = onnx.ModelProto()
         copy.CopyFrom(proto)  # saving with external data rewrites a proto's tensors in place
@@ -171,7 +168,7 @@ def _validate(tmp: Path, model, tok, report, model_dir: Path, precision: str, ma
     run = source_run(model_dir, (report or {}).get("provenance", {}))
     blocks = _quality_blocks(run, tok, DecoderShape.of(model.config))
     reporter.stage(f"scoring {len(blocks)} held-out blocks with the fp32 and {precision} graphs")
-    q = v.quantized_quality(fp32, session(tmp / MODEL_ONNX), DecoderShape.of(model.config), blocks)
+    q = quantized_quality(fp32, session(tmp / MODEL_ONNX), DecoderShape.of(model.config), blocks)
     q["max_ppl_change"] = max_ppl_change
     out["quality"] = q
     if q["ppl_change"] > max_ppl_change:

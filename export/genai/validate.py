@@ -5,7 +5,6 @@ the Hugging Face one, and, for int8/int4, the held-out perplexity change and arg
 from __future__ import annotations
 
 import copy
-import math
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from bdlora.export.onnx.validate import NOISE_FACTOR, TOLERANCE, ExportValidationError, max_abs_diff, validate
-from bdlora.runtime import DecoderShape, run_decoder, score_blocks
+from bdlora.runtime import DecoderShape, run_decoder
 
 # GroupQueryAttention takes right-aligned batches (positions come from the mask's row sums) and, on CPU, several
 # new tokens after a past only for batch 1: the shapes a genai runtime feeds it.
@@ -107,12 +106,3 @@ def tokenizer_roundtrip(folder: Path, tokenizer) -> dict:
             raise ExportValidationError(f"onnxruntime-genai's tokenizer decodes {want[:12]}... as {back!r}, the "
                                         f"model's tokenizer as {ref!r}")
     return {"texts": len(TEXTS), "identical": True}
-
-
-def quantized_quality(fp32_sess, q_sess, shape: DecoderShape, blocks) -> dict:
-    """Held-out NLL of the fp32 and quantised graphs on the same blocks, and how often their argmax agrees."""
-    nll32, arg32 = score_blocks(fp32_sess, shape, blocks)
-    nllq, argq = score_blocks(q_sess, shape, blocks)
-    return {"val_ppl_fp32": math.exp(nll32), "val_ppl_quantized": math.exp(nllq),
-            "ppl_change": math.exp(nllq - nll32) - 1.0, "argmax_agreement": float((arg32 == argq).mean()),
-            "tokens": len(blocks) * blocks.seq_len}

@@ -3,7 +3,6 @@ compression.json, and export.json written last), validated against PyTorch befor
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -13,16 +12,17 @@ from bdlora import SCHEMA_VERSION
 from bdlora.corpora import heldout_blocks
 from bdlora.errors import UsageError
 from bdlora.export.decoder import DecoderLayout, decoder_graph
+from bdlora.export.files import write_model_files
 from bdlora.export.onnx.metadata import metadata_props, metadata_summary, module_table, set_metadata
 from bdlora.export.onnx.quantize import quantize_int8
 from bdlora.export.onnx.signature import DEFAULT_OPSET, check_opset
-from bdlora.export.onnx.validate import validate
+from bdlora.export.onnx.validate import quantized_quality, validate
 from bdlora.io import atomic_dir, write_json
 from bdlora.models import load_model_folder
 from bdlora.outputs import check_out_dir
 from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import MODEL_INT8_ONNX, MODEL_ONNX, ModelDir, OnnxDir, source_run
-from bdlora.runtime import DecoderShape, score_blocks, session
+from bdlora.runs import MODEL_INT8_ONNX, MODEL_ONNX, OnnxDir, source_run
+from bdlora.runtime import DecoderShape, session
 
 QUANTIZE = ("int8",)
 FUSED_OPS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "RotaryEmbedding")
@@ -73,12 +73,7 @@ def export_onnx_folder(model_dir: str | Path, out: str | Path, opset: int = DEFA
         if run_validation:
             reporter.stage("validating against PyTorch")
             info["validation"] = validate(model, session(tmp / MODEL_ONNX))
-        model.config.save_pretrained(tmp)
-        if model.generation_config is not None:
-            model.generation_config.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        if report is not None:
-            write_json(tmp / ModelDir.MARKER, report)
+        write_model_files(tmp, model, tok, report)
         if quantize == "int8":
             info["int8"] = _quantize(tmp, model, tok, report, model_dir, info, reporter)
         write_json(tmp / OnnxDir.MARKER, info)
@@ -96,9 +91,5 @@ def _quantize(tmp: Path, model, tok, report: dict | None, model_dir: Path, info:
 
     blocks = heldout_blocks(run.data_settings(), tok)
     reporter.stage("scoring the held-out slice with fp32 and int8 graphs")
-    shape = DecoderShape.of(model.config)
-    nll32, arg32 = score_blocks(session(tmp / MODEL_ONNX), shape, blocks)
-    nll8, arg8 = score_blocks(session(tmp / MODEL_INT8_ONNX), shape, blocks)
-    return {**out, "val_ppl_fp32": math.exp(nll32), "val_ppl_int8": math.exp(nll8),
-            "argmax_agreement": float((arg32 == arg8).mean()), "ppl_change": math.exp(nll8) / math.exp(nll32) - 1.0,
-            "tokens": len(blocks) * blocks.seq_len}
+    return {**out, **quantized_quality(session(tmp / MODEL_ONNX), session(tmp / MODEL_INT8_ONNX),
+                                       DecoderShape.of(model.config), blocks)}

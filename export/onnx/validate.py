@@ -1,8 +1,10 @@
-"""Validation of an exported graph against PyTorch (optimum-onnx's pattern: an explicit tolerance, a typed error)."""
+"""Validation of an exported graph, one harness for both folders: parity with PyTorch (optimum-onnx's pattern: an
+explicit tolerance, a typed error), and a quantised graph's held-out perplexity against its fp32 graph's."""
 
 from __future__ import annotations
 
 import copy
+import math
 
 import numpy as np
 import torch
@@ -12,7 +14,7 @@ from transformers import DynamicCache
 from bdlora.errors import BdloraError
 from bdlora.export.onnx.signature import example_inputs
 from bdlora.kv_cache import cache_argument, returned_cache
-from bdlora.runtime import run_decoder
+from bdlora.runtime import DecoderShape, run_decoder, score_blocks
 
 TOLERANCE = 1e-4  # max |ONNX - torch| on logits and present key/values, fp32
 # ... unless PyTorch's own fp32 forward is further than TOLERANCE / NOISE_FACTOR from its float64 forward: deep
@@ -94,3 +96,12 @@ def torch_forward(model, ids, mask, pos, pasts) -> list[np.ndarray]:
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{cache_argument(model): cache})
     kv = [t for layer in returned_cache(out).layers for t in (layer.keys, layer.values)]
     return [out.logits.numpy()] + [t.numpy() for t in kv]
+
+
+def quantized_quality(fp32_sess, q_sess, shape: DecoderShape, blocks) -> dict:
+    """Held-out NLL of the fp32 and quantised graphs on the same blocks, and how often their argmax agrees."""
+    nll32, arg32 = score_blocks(fp32_sess, shape, blocks)
+    nllq, argq = score_blocks(q_sess, shape, blocks)
+    return {"val_ppl_fp32": math.exp(nll32), "val_ppl_quantized": math.exp(nllq),
+            "ppl_change": math.exp(nllq - nll32) - 1.0, "argmax_agreement": float((arg32 == argq).mean()),
+            "tokens": len(blocks) * blocks.seq_len}

@@ -1,0 +1,21 @@
+"""What every exported folder (ONNX, genai) holds beside its graph, written by one function, so ``eval``, ``serve``
+and ``bench`` read either kind the same way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bdlora.io import write_json
+from bdlora.runs import ModelDir
+
+
+def write_model_files(folder: Path, model, tokenizer, report: dict | None) -> None:
+    """config.json (+ generation_config.json), the tokenizer's files and, for a compressed model, its report
+    (compression.json) into ``folder``."""
+    model.config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    if report is not None:
+        write_json(folder / ModelDir.MARKER, report)
