@@ -37,7 +37,7 @@ class BenchConfig:
     int8: bool = False
     """Model scope: also time dynamic-int8 graphs of dense and compressed."""
     optimize: bool = False
-    """Model scope: onnxruntime transformer-optimizer fusions on every variant."""
+    """Model scope: every variant's norms and rotary as onnxruntime's fused contrib ops (export onnx --optimize)."""
     runtime: str = "ort"
     """ort (our ONNX graphs, InferenceSession), genai (bdlora export genai folders driven by og.Generator, beside
     onnxruntime-genai's own builder) or both."""

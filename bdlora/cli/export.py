@@ -56,8 +56,8 @@ def export_onnx(
                                                           "quantisation) and report its perplexity change.")] = None,
     no_validate: Annotated[bool, typer.Option("--no-validate", help="Skip the parity check against PyTorch.")]
     = False,
-    optimize: Annotated[bool, typer.Option("--optimize", help="Fuse RMSNorm, residual+RMSNorm and rotary subgraphs "
-                                                              "into onnxruntime contrib ops (faster decode; the "
+    optimize: Annotated[bool, typer.Option("--optimize", help="Emit RMSNorm, residual+RMSNorm and rotary as "
+                                                              "onnxruntime's fused contrib ops (faster decode; the "
                                                               "graph then needs onnxruntime).")] = False,
     force: Annotated[bool, typer.Option(help="Replace an existing non-empty --out.")] = False,
     runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,
