@@ -19,6 +19,7 @@ from bdlora.export.decoder import DecoderLayout, build_decoder
 from bdlora.export.genai import export_genai_folder
 from bdlora.export.genai.validate import GENAI_SHAPES, graph_parity
 from bdlora.export.onnx.validate import TOLERANCE, ExportValidationError
+from bdlora.models import load_model_folder
 from bdlora.runtime import DecoderSignature, session
 from conftest import compressed_student
 
@@ -293,10 +294,16 @@ def test_bench_puts_the_student_and_its_teachers_exports_on_one_front(tiny_env, 
         assert r.exit_code == 0, r.output
     r = CliRunner().invoke(app, ["bench", str(tmp_path / "s"), "--runtime", "genai", "--batch-sizes", "1",
                                  "--seq-lens", "16", "--decode-tokens", "2", "--repeats", "2", "--warmup", "0",
-                                 "--quality-tokens", "512", "--also", str(tmp_path / "other"), "--out",
-                                 str(tmp_path / "b")])
+                                 "--quality-tokens", "512", "--also", str(tmp_path / "other"), "--icl",
+                                 "--icl-examples", "1", "--out", str(tmp_path / "b")])
     assert r.exit_code == 0, r.output
     doc = json.loads((tmp_path / "b" / "bench.json").read_text())
+    # --icl: the student's, the other student's and the teacher's rows at every precision carry an ICL composite;
+    # dense/lora compute the student's function and the builder's graphs have no plain twin
+    with_icl = {k for k, v in doc["quality"].items() if "icl" in v}
+    assert with_icl == {f"{n}{p}" for n in ("compressed", "other", "teacher") for p in ("", "-int8", "-int4")}
+    assert all(0.0 <= doc["quality"][k]["icl"] <= 100.0 and doc["quality"][k]["icl_examples"] == 1 for k in with_icl)
+    assert "| ICL |" in (tmp_path / "b" / "bench.md").read_text()
     names = {p["name"] for p in doc["front"]}
     assert {"teacher", "teacher-int8", "teacher-int4", "compressed", "compressed-int8", "compressed-int4",
             "teacher-builder-fp32", "teacher-builder-int4", "other", "other-int8", "other-int4"} <= names, (
@@ -394,3 +401,35 @@ def test_builder_rows_are_left_out_when_the_builder_would_take_an_mlp_for_the_lm
     graph = onnx.load(str(tmp_path / "out" / "model.onnx"), load_external_data=False).graph
     head = next(n for n in graph.node if "logits" in n.output)
     assert head.input[0].startswith("/model/layers.0/"), head.input
+
+
+@pytest.mark.parametrize("quant", ["rtn", "affine"])
+def test_the_plain_twin_of_a_quantised_genai_graph_computes_the_same_logits(mixed_folder, quant):
+    """bench --icl probes each row on its plain-layout twin: the same weights rounded the same way, only the attention
+    op differs, so on what both layouts take (batch 1, no padding, a prompt then decode steps) the logits agree to
+    fp32 rounding (far below what int4 itself moves them)."""
+    import onnxruntime as ort
+
+    from bdlora.bench.icl import plain_twin
+    from bdlora.export.genai.quantize import quantize_nbits
+    from bdlora.runtime import DecoderShape, empty_past, run_decoder
+
+    folder, _ = mixed_folder
+    model, _, _ = load_model_folder(folder)
+    shape = DecoderShape.of(model.config)
+    genai, _ = quantize_nbits(build_decoder(model, DecoderLayout.genai(64)), "int4", quant)
+    twin = plain_twin(model, "int4", quant)
+    fp32 = plain_twin(model, "fp32", quant)
+    sessions = [ort.InferenceSession(p.SerializeToString(), providers=["CPUExecutionProvider"])
+                for p in (genai, twin, fp32)]
+    ids = np.random.default_rng(3).integers(0, shape.vocab_size, (1, 7))
+    outs = []
+    for sess in sessions:
+        past, logits = empty_past(shape, 1), []
+        for t0, t1 in ((0, 5), (5, 6), (6, 7)):
+            res = run_decoder(sess, ids[:, t0:t1], np.ones((1, t1), np.int64), np.arange(t0, t1)[None], past)
+            logits.append(res[0])
+            past = res[1:]
+        outs.append(np.concatenate(logits, 1))
+    assert np.abs(outs[0] - outs[1]).max() < 1e-3
+    assert np.abs(outs[1] - outs[2]).max() > 20 * np.abs(outs[0] - outs[1]).max()  # int4 moved them; the twin didn't

@@ -55,6 +55,11 @@ class BenchConfig:
     perplexity, no front)."""
     quant: str = "rtn"
     """genai runtime: how int8/int4 weights are rounded, for the student and the teacher alike (rtn, gptq, affine)."""
+    icl: bool = False
+    """genai runtime: also the ICL composite (eval's 19 probes, 10-shot, 3 seeds) of the student's and the
+    teacher's row at every precision, beside its perplexity (each on a plain-layout twin rounded the same way)."""
+    icl_examples: int = 50
+    """With --icl: prompts per probe and seed (eval's default 50; fewer is faster and noisier)."""
 
     def validate(self, max_positions: int | None = None) -> BenchConfig:
         """Every problem at once; with ``max_positions``, sequence lengths are bounded by the model's context."""
@@ -81,6 +86,9 @@ class BenchConfig:
             c.choice("genai_precisions", p, GENAI_PRECISIONS)
         c.integer("quality_tokens", self.quality_tokens, lo=0)
         c.choice("quant", self.quant, QUANT_METHODS)
+        c.integer("icl_examples", self.icl_examples, lo=1)
+        c.require(not self.icl or self.runtime in ("genai", "both"),
+                  f"--icl: the ICL of the front's rows needs --runtime genai or both (not {self.runtime})")
         c.require(self.runtime == "ort" or self.provider == "cpu",
                   f"--runtime {self.runtime}: the genai bench runs on cpu (--provider {self.provider})")
         c.done()

@@ -39,7 +39,8 @@ def front_points(results: list[dict], quality: dict[str, dict], batch: int = 1, 
         return []
     seq = seq if seq is not None else min(r["seq"] for r in rows)
     points = [{"name": r["variant"], "ms": r["median_ms"], "p10_ms": r["p10_ms"], "p90_ms": r["p90_ms"],
-               "ppl": (quality.get(r["variant"]) or {}).get("ppl"), "batch": batch, "seq": seq}
+               "ppl": (quality.get(r["variant"]) or {}).get("ppl"), "batch": batch, "seq": seq,
+               **{k: v for k, v in (quality.get(r["variant"]) or {}).items() if k in ("icl", "icl_std")}}
               for r in rows if r["seq"] == seq]
     return [{**p, **same_precision(p, points)} for p in dominance(sorted(points, key=lambda p: p["ms"]))]
 
@@ -71,16 +72,20 @@ def markdown(points: list[dict], reference: str | None) -> list[str]:
     if not points:
         return []
     ref = next((p for p in points if p["name"] == reference), None)
+    icl = any("icl" in p for p in points)
     lines = ["", f"Quality/speed front (onnxruntime-genai, decode at batch {points[0]['batch']} after a "
-                 f"{points[0]['seq']}-token prompt; held-out perplexity of each graph):", "",
-             "| variant | decode ms/token (p10-p90) | held-out ppl | speed vs teacher fp32 | ppl vs teacher fp32 | "
-             "vs the teacher's export at its precision (speed, ppl) | front |", "|---|---|---|---|---|---|---|"]
+                 f"{points[0]['seq']}-token prompt; held-out perplexity of each graph"
+                 + ("; ICL composite % ± std over seeds, on each row's plain-layout twin" if icl else "") + "):", "",
+             "| variant | decode ms/token (p10-p90) | held-out ppl | " + ("ICL | " if icl else "")
+             + "speed vs teacher fp32 | ppl vs teacher fp32 | vs the teacher's export at its precision (speed, ppl) | "
+             "front |", "|---|---|---|" + ("---|" if icl else "") + "---|---|---|---|"]
     for p in points:
         speed, rel = vs_reference(p, ref)
         ppl = f"{p['ppl']:.3f}" if p["ppl"] is not None else "-"
         mark = "-" if p["front"] is None else "**on the front**" if p["front"] else f"dominated by {p['dominated_by']}"
         ms = f"{p['ms']:.3f} ({p['p10_ms']:.3f}-{p['p90_ms']:.3f})"
-        lines.append(f"| {p['name']} | {ms} | {ppl} | {speed} | {rel} | {same_precision_cell(p)} | {mark} |")
+        cell = (f"{p['icl']:.1f} ± {p['icl_std']:.1f} | " if "icl" in p else "- | ") if icl else ""
+        lines.append(f"| {p['name']} | {ms} | {ppl} | {cell}{speed} | {rel} | {same_precision_cell(p)} | {mark} |")
     return lines
 
 

@@ -23,11 +23,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from bdlora.bench.launch import run_timing_process
-from bdlora.data import default_cache_dir
+from bdlora.corpora import default_heldout
+from bdlora.data import BUILTIN, default_cache_dir
 from bdlora.deployed.modeling_bdlora import FAMILIES
 from bdlora.errors import BdloraError, UsageError
 from bdlora.export.defaults import CALIB_TOKENS
 from bdlora.export.genai.folder import calibration_blocks, data_settings, heldout_for, write_genai_files
+from bdlora.icl import corpus_word_list
 from bdlora.models import load_model_folder
 from bdlora.reference import teacher_folder
 from bdlora.reporter import SILENT, Reporter
@@ -180,6 +182,7 @@ class Deployment:
     heldout: object | None = None
     calibration: object | None = None
     others: dict[str, nn.Module] = field(default_factory=dict)  # more students on the same front (bench --also)
+    words: list[str] | None = None  # --icl: the probes' word list, from the held-out documents of the same corpus
 
 
 def deployment_for(model_dir: Path, report: dict, tok, model: nn.Module, cfg, reporter: Reporter = SILENT,
@@ -212,4 +215,9 @@ def deployment_for(model_dir: Path, report: dict, tok, model: nn.Module, cfg, re
         deploy.heldout = heldout_for(model_dir, report, tok, shape, tokens)
     if cfg.quant == "gptq":
         deploy.calibration = calibration_blocks(model_dir, report, tok, shape, CALIB_TOKENS)
+    if cfg.icl:
+        data = settings.get("data") or BUILTIN
+        cache = Path(settings["cache_dir"]).expanduser() if settings.get("cache_dir") else None
+        reporter.stage(f"building the ICL word list from {data}")
+        deploy.words = corpus_word_list(data, settings.get("heldout_fraction") or default_heldout(data), cache)
     return deploy

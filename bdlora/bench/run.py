@@ -32,6 +32,7 @@ from bdlora.bench.config import BenchConfig, provider_name
 from bdlora.bench.front import front_points, predicted_vs_measured
 from bdlora.bench.front import plot as plot_front
 from bdlora.bench.genai import Deployment, export_variants, score_folders, time_genai
+from bdlora.bench.icl import icl_of_rows
 from bdlora.bench.launch import run_timing_process
 from bdlora.bench.report import markdown, plot
 from bdlora.bench.variants import dense_variant, export_projection_stack, floor_variant, lora_variant
@@ -226,6 +227,12 @@ def bench_genai(models: dict[str, nn.Module], tokenizer, workdir: Path, cfg: Ben
         owner.update({k: "teacher" if k.startswith("teacher-builder") else "dense" for k in folders if k not in owner})
         dims = {k: DecoderShape.of(models[owner[k]].config) for k in folders}
         quality = score_folders(folders, dims, deploy.heldout, reporter)
+    if deploy.words is not None:  # dense and lora compute the compressed model's function: its ICL is theirs
+        rows = {k: m for k, m in models.items() if k not in ("dense", "lora")}
+        icl = icl_of_rows(rows, tokenizer, cfg.genai_precisions, deploy.words, cfg.icl_examples, workdir, cfg.quant,
+                          deploy.calibration, reporter)
+        for key, figures in icl.items():
+            quality.setdefault(key, {}).update(figures)
     return _rows("genai", times), notes, quality
 
 

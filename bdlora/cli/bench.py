@@ -48,6 +48,9 @@ def bench(
     opts["genai_precisions"] = str_list(opts["genai_precisions"]) or []
     _check_own_options(model_config, budget, layers, lora_rank)
     cfg = BenchConfig(**opts).validate()
+    if cfg.icl and model_config:
+        raise UsageError("--icl: synthetic mode (--model-config) has random weights and no tokenizer to probe; give "
+                         "a compressed folder")
     if json_path:
         check_out_file(json_path, force=force)
     target = (synthetic_target(model_config, budget, layers, lora_rank, out_dir, runs_dir) if model_config

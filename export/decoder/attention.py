@@ -105,9 +105,36 @@ def plain_mask(g: GraphBuilder, cfg) -> str:
                            g.const("/model/constants/FLOAT/min", np.finfo(np.float32).min, np.float32)], f"{m}/Where")
 
 
-def plain_rotary_tables(g: GraphBuilder) -> tuple[str, str]:
-    """cos and sin at each (batch, seq) position id, (batch, seq, 1, head_dim) with the halves repeated, gathered
-    once for every layer from the (positions, head_dim / 2) caches."""
+def static_rotary(model: nn.Module) -> tuple[np.ndarray, float] | None:
+    """(inv_freq, attention_scaling) of a rotary embedding whose angles are ``position * inv_freq`` (default,
+    linear, llama3, yarn...: the scaling is in ``inv_freq``); None for the types that change it with the length."""
+    rot = model.model.rotary_emb
+    if not hasattr(rot, "inv_freq") or getattr(rot, "rope_type", "default") in ("dynamic", "longrope"):
+        return None
+    return rot.inv_freq.detach().float().cpu().numpy(), float(getattr(rot, "attention_scaling", 1.0))
+
+
+def plain_rotary_tables(g: GraphBuilder, model: nn.Module) -> tuple[str, str]:
+    """cos and sin at each (batch, seq) position id, (batch, seq, 1, head_dim) with the halves repeated, computed
+    once for every layer: from the position ids as PyTorch computes them (``position * inv_freq``, so any position
+    the model takes, as in PyTorch), or for a length-dependent RoPE gathered from the (positions, head_dim / 2)
+    caches."""
+    static = static_rotary(model)
+    if static is not None:
+        inv, scaling = static
+        r = "/model/rotary"
+        pos = g.one("Unsqueeze", [g.one("Cast", [Sig.POSITION_IDS], f"{r}/Cast", to=TensorProto.FLOAT),
+                                  g.const("/model/constants/axes/-1", [-1])], f"{r}/positions")  # (B, S, 1)
+        freqs = g.one("Mul", [pos, g.init(f"{r}.inv_freq", inv.astype(np.float32))], f"{r}/freqs")
+        emb = g.one("Concat", [freqs, freqs], f"{r}/Concat", axis=-1)
+        out = []
+        for fn in ("Cos", "Sin"):
+            t = g.one(fn, [emb], f"{r}/{fn}")
+            if scaling != 1.0:
+                t = g.one("Mul", [t, g.const(f"/model/constants/FLOAT/rope{scaling!r}", scaling, np.float32)],
+                          f"{r}/{fn}/scaling")
+            out.append(g.one("Unsqueeze", [t, g.const("/model/constants/axes/2", [2])], f"{r}/{fn.lower()}"))
+        return out[0], out[1]
     out = []
     for table in ROPE:
         full = g.one("Concat", [table, table], f"/model/rotary/{table}/Concat", axis=-1)

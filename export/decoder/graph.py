@@ -11,8 +11,10 @@ part is the layout's (``attention``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+import onnx
 import torch.nn as nn
 from onnx import TensorProto, helper
 
@@ -27,6 +29,7 @@ from bdlora.export.decoder.attention import (
     plain_mask,
     plain_rotary_tables,
     rotary_caches,
+    static_rotary,
 )
 from bdlora.export.decoder.builder import GraphBuilder, Projection, emit_group, emit_packed_qkv
 from bdlora.export.defaults import MAX_OPSET
@@ -136,6 +139,16 @@ def _model(g: GraphBuilder, name: str, inputs: list, outputs: list):
                              producer_name="bdlora")
 
 
+PROTOBUF_LIMIT = 2**31 - 1  # bytes: a larger graph keeps its weights in an external-data file beside it
+
+
+def save_graph(proto, path) -> None:
+    """``proto`` at ``path``, its weights inside unless they pass protobuf's 2 GB limit (then ``<name>.data``)."""
+    big = sum(len(t.raw_data) for t in proto.graph.initializer) > PROTOBUF_LIMIT
+    onnx.save_model(proto, str(path), save_as_external_data=big, all_tensors_to_one_file=True,
+                    location=Path(path).name + ".data")
+
+
 def build_decoder(model: nn.Module, layout: DecoderLayout):
     """The decoder ``ModelProto`` of ``model`` (a HF Llama/Mistral/Qwen2 causal LM, any projection forms) in
     ``layout``."""
@@ -151,13 +164,14 @@ def decoder_graph(model: nn.Module, layout: DecoderLayout):
         raise ModelError(f"head dim {hd}: onnxruntime's GroupQueryAttention (the genai runtime's attention) needs a "
                          "multiple of 16; use `bdlora export onnx` for this model")
     g = GraphBuilder(layout.opset)
-    cos, sin = rotary_caches(model, layout.positions)
-    g.init(ROPE[0], cos)
-    g.init(ROPE[1], sin)
+    if layout.attention == "gqa" or layout.fused or static_rotary(model) is None:  # else computed from positions
+        cos, sin = rotary_caches(model, layout.positions)
+        g.init(ROPE[0], cos)
+        g.init(ROPE[1], sin)
     if layout.attention == "gqa":
         attn_inputs: tuple = (gqa_mask(g),)
     else:
-        attn_inputs = (plain_mask(g, cfg), None if layout.fused else plain_rotary_tables(g))
+        attn_inputs = (plain_mask(g, cfg), None if layout.fused else plain_rotary_tables(g, model))
     emb = g.init("model.embed_tokens.weight", _f32(model.model.embed_tokens.weight))
     residual, mlp_out = g.one("Gather", [emb, Sig.INPUT_IDS], "/model/embed_tokens/Gather"), None
     for i, layer in enumerate(layers):

@@ -11,7 +11,7 @@ import onnx
 from bdlora import SCHEMA_VERSION
 from bdlora.corpora import heldout_blocks
 from bdlora.errors import UsageError
-from bdlora.export.decoder import DecoderLayout, decoder_graph
+from bdlora.export.decoder import DecoderLayout, decoder_graph, save_graph
 from bdlora.export.files import write_model_files
 from bdlora.export.onnx.metadata import metadata_props, metadata_summary, module_table, set_metadata
 from bdlora.export.onnx.quantize import quantize_int8
@@ -26,7 +26,6 @@ from bdlora.runtime import DecoderShape, session
 
 QUANTIZE = ("int8",)
 FUSED_OPS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "RotaryEmbedding")
-PROTOBUF_LIMIT = 2**31 - 1  # bytes: a larger graph keeps its weights in an external-data file beside it
 
 
 def export_decoder(model, path: Path, opset: int = DEFAULT_OPSET, fused: bool = False,
@@ -38,9 +37,7 @@ def export_decoder(model, path: Path, opset: int = DEFAULT_OPSET, fused: bool = 
     proto, saved = decoder_graph(model, DecoderLayout.plain(model.config, opset, fused))
     if meta:
         set_metadata(proto, meta)
-    big = sum(len(t.raw_data) for t in proto.graph.initializer) > PROTOBUF_LIMIT
-    onnx.save_model(proto, str(path), save_as_external_data=big, all_tensors_to_one_file=True,
-                    location=path.name + ".data")
+    save_graph(proto, path)
     return saved
 
 

@@ -1,0 +1,59 @@
+"""ICL beside every row of the quality/speed front (``bench --runtime genai --icl``): what the student and the
+teacher can still *do* at each precision they ship in, not only their perplexity.
+
+The probes run batched and left padded (``evaluate.run_icl``), which onnxruntime's GroupQueryAttention (the genai
+graph's attention) does not take: it derives positions from the mask's row sums and, on the CPU, takes several new
+tokens after a past only at batch 1. So each row's model is emitted again by the one decoder emitter in the plain
+layout (explicit position ids; ``export onnx``'s graph) and rounded exactly as its genai folder was (same
+quantiser, method, calibration and LM-head bits): the same weights and kernels, only the attention op differs, in
+fp32. The builder's rows (onnxruntime-genai's own graphs) have no plain twin and carry no ICL figure.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from bdlora.evaluate import OrtLM, run_icl
+from bdlora.export.decoder import DecoderLayout, decoder_graph, save_graph
+from bdlora.export.defaults import MAX_OPSET
+from bdlora.export.genai.gptq import input_grams
+from bdlora.export.genai.quantize import quantize_nbits
+from bdlora.reporter import SILENT, Reporter
+from bdlora.runtime import DecoderShape, session
+
+ICL_SHOTS, ICL_SEEDS = 10, 3  # eval's protocol (SPEC 7): 10-shot, 3 demonstration seeds
+
+
+def plain_twin(model: nn.Module, precision: str, quant: str, calibration=None, grams: dict | None = None):
+    """``model``'s decoder in the plain layout at ``precision``, rounded as ``write_genai_files`` rounds its genai
+    graph (``grams``: filled on the first gptq call and reused for the other precisions)."""
+    proto, _ = decoder_graph(model, DecoderLayout.plain(model.config, MAX_OPSET))
+    if precision == "fp32":
+        return proto
+    grams = {} if grams is None else grams
+    if quant == "gptq" and not grams:
+        grams.update(input_grams(proto, DecoderShape.of(model.config), calibration))
+    return quantize_nbits(proto, precision, quant, grams)[0]
+
+
+def icl_of_rows(models: dict[str, nn.Module], tok, precisions: list[str], words: list[str], examples: int,
+                work, quant: str = "rtn", calibration=None, reporter: Reporter = SILENT) -> dict[str, dict]:
+    """{row: {"icl", "icl_std", "icl_examples"}} for every model at every precision (rows named as the genai bench
+    names its folders: ``compressed``, ``compressed-int4``, ``teacher-int8``...): the ICL composite (macro mean over
+    the 19 probes, %) and its std over demonstration seeds, ``examples`` prompts per task and seed."""
+    out = {}
+    for name, m in models.items():
+        grams: dict = {}
+        for p in precisions:
+            key = name if p == "fp32" else f"{name}-{p}"
+            path = work / f"icl-{key}.onnx"
+            reporter.stage(f"ICL of {key}: {ICL_SEEDS} seeds x {examples} prompts per probe (plain-layout twin)")
+            save_graph(plain_twin(m, p, quant, calibration, grams), path)
+            try:
+                res = run_icl(OrtLM(session(path), m.config), tok, words, shots=ICL_SHOTS, seeds=ICL_SEEDS,
+                              examples=examples)
+            finally:
+                for f in (path, path.with_name(path.name + ".data")):
+                    f.unlink(missing_ok=True)
+            out[key] = {"icl": res["macro"]["mean"], "icl_std": res["macro"]["std"], "icl_examples": examples}
+    return out
