@@ -285,3 +285,41 @@ def test_documented_ablation_commands_define_the_papers_grids():
         members = family(float_list(flags["--budgets"], "--budgets") or [], str_list(flags["--baselines"]) or [],
                          varies)
         assert (len(members), len({m.run for m in members})) == (n_members, n_runs), line
+
+
+def test_sweep_front_puts_the_whole_family_and_the_teachers_exports_on_one_front(tiny_env, tmp_path):
+    """Issue 40: ``sweep --front`` times every member (here two one-shot students of a head-dim-16 teacher) beside the
+    teacher's own exports at every precision in one onnxruntime-genai run; the points carry member names, each is
+    on the front or dominated, and sweep.md tables them; --resume keeps the finished front."""
+    import torch
+    from transformers import MistralForCausalLM
+
+    from conftest import tiny_config
+
+    tok = tiny_env["tokenizer"]
+    torch.manual_seed(0)
+    teacher = MistralForCausalLM(tiny_config(len(tok), layers=2, hidden=64, eos_token_id=tok.eos_token_id,
+                                             bos_token_id=tok.bos_token_id)).eval()
+    teacher.save_pretrained(tmp_path / "teacher")
+    tok.save_pretrained(tmp_path / "teacher")
+    env = {**tiny_env, "teacher": tmp_path / "teacher"}
+    out = tmp_path / "sweep"
+    res = CliRunner().invoke(app, sweep_args(env, out, "--budgets", "", "--baselines", "", "--one-shot", "1.2,1.5",
+                                             "--no-bench", "--front", "--bench-seq-lens", "8", "--bench-repeats",
+                                             "1"))
+    assert res.exit_code == 0, res.output
+    doc = json.loads((out / "results.json").read_text())
+    names = {p["name"] for p in doc["front"]["points"]}
+    assert {f"{m}{p}" for m in ("one-shot-1.2x", "one-shot-1.5x", "teacher") for p in ("", "-int8", "-int4")} <= names
+    assert not any(n.startswith("compressed") for n in names)  # the first member's rows carry its name
+    for p in doc["front"]["points"]:
+        assert p["front"] in (True, False) and (p["dominated_by"] is None) == p["front"]
+        assert p["dominated_by"] is None or p["dominated_by"] in names
+    assert (out / "front.png").stat().st_size > 10_000 and (out / "front.bench" / "bench.json").is_file()
+    assert "Quality/speed front" in (out / "sweep.md").read_text() and "| one-shot-1.5x-int4 |" in (
+        out / "sweep.md").read_text()
+    stamp = (out / "front.bench" / "bench.json").stat().st_mtime_ns
+    (out / "results.json").unlink()
+    res = CliRunner().invoke(app, ["sweep", "--resume", str(out)])
+    assert res.exit_code == 0 and "front: done" in res.output, res.output
+    assert (out / "front.bench" / "bench.json").stat().st_mtime_ns == stamp

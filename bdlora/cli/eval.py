@@ -92,6 +92,8 @@ def sweep(
     bench_seq_lens: Annotated[str, typer.Option(help="bench --seq-lens.")]
     = ",".join(map(str, DEFAULT_BENCH_SEQ_LENS)),
     bench_repeats: Annotated[int, typer.Option(help="bench --repeats.")] = SweepOptions.bench_repeats,
+    front: Annotated[bool, typer.Option(help="Then the family and the teacher's own exports (fp32/int8/int4) in one "
+                                             "onnxruntime-genai run: one quality/speed front.")] = SweepOptions.front,
     out_dir: Annotated[Optional[str], typer.Option("--out", help="Sweep folder (default: RUNS_DIR/sweep-<time>).")]
     = None,
     runs_dir: Annotated[str, typer.Option(help="Where runs and sweeps live.")] = RUNS_DIR,
@@ -117,7 +119,8 @@ def sweep(
                              train=train_opts, eps_lr=eps_lr, eval_examples=examples, eval_seeds=seeds, bench=bench,
                              bench_batch_sizes=int_list(bench_batch_sizes, "--bench-batch-sizes"),
                              bench_seq_lens=int_list(bench_seq_lens, "--bench-seq-lens"), bench_repeats=bench_repeats,
-                             vary=[parse_axis(v) for v in vary or []], one_shot=float_list(one_shot, "--one-shot"))
+                             vary=[parse_axis(v) for v in vary or []], one_shot=float_list(one_shot, "--one-shot"),
+                             front=front)
         if out_dir:
             check_new_out(out_dir)
         doc = run_sweep(sopts.validate(), SweepDir.new(runs_dir, out_dir), rep)

@@ -91,6 +91,7 @@ class SweepOptions:
     bench_decode_tokens: int = 32
     vary: list[dict] = dataclasses.field(default_factory=list)  # parsed --vary axes (see bdlora.sweep.vary)
     one_shot: list[float] = dataclasses.field(default_factory=list)  # --one-shot ratios: untrained members
+    front: bool = False  # --front: the whole family on one onnxruntime-genai quality/speed front (sweep.front)
 
     def thresholds(self, m: Member, eps_zero: float | None) -> BudgetedConfig:
         """The compress settings of a member: --eps-lr and its compress-time grid point; dense paths are dropped

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bdlora.bench.front import markdown as front_markdown
 from bdlora.io import atomic_path
 from bdlora.sweep.options import Member
 from bdlora.sweep.vary import show
@@ -97,6 +98,9 @@ def markdown(doc: dict) -> str:
               "demonstration seeds (the paper's form); log p(target) is the teacher-forced log-probability of the "
               "answer (nats). The student init row (when the students were initialised from a checkpoint other than "
               "the teacher) is the paper's Figure 2 reference line.", ""]
+    if doc.get("front"):
+        lines += front_markdown(doc["front"]["points"], "teacher") + ["", f"(one run: {doc['front']['bench']}; "
+                                                                         "plot: front.png)", ""]
     return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@ finishes a half-done family without redoing finished work. The teacher is evalua
     DIR/teacher.eval.json              the teacher, same data and probes
     DIR/sweep.md, sweep.json results   the paper-style table; pareto.png
     DIR/main.md, table9.md, icl.png    the paper's Table 5 layout, per-task ICL (Table 9) and Figure 2
+    DIR/front.bench/, front.png        --front: the family and the teacher's exports on one quality/speed front
 
 With ``--vary`` (bdlora.sweep.vary) every method runs at every grid point; members differing only in compress-time
 thresholds share one training run (``DIR/<run>/``) and get their own ``<member>.compressed``, eval and bench.
@@ -37,6 +38,7 @@ from bdlora.models import load_model_folder
 from bdlora.oneshot import compress_one_shot
 from bdlora.reporter import SILENT, Reporter
 from bdlora.runs import BENCH, COMPRESSED, EVAL, SWEEP_OPTIONS, BenchDir, ModelDir, SweepDir
+from bdlora.sweep.front import bench_front
 from bdlora.sweep.options import Member, SweepOptions
 from bdlora.sweep.paper import teacher_label, write_paper_outputs
 from bdlora.sweep.report import icl_fields, markdown, member_row, plot_pareto
@@ -62,6 +64,8 @@ def run_sweep(opts: SweepOptions | None, sweep: SweepDir, reporter: Reporter = S
     teacher_row = _eval_teacher(opts, sweep, rows, reporter)
     doc = {"schema_version": SCHEMA_VERSION, "sweep_dir": str(sweep.path), "options": dataclasses.asdict(opts),
            "teacher": teacher_row, "members": rows}
+    if opts.front and rows:
+        doc["front"] = bench_front(opts, sweep, [r["name"] for r in rows], reporter)
     write_text(sweep.path / "sweep.md", markdown(doc))
     plot_pareto(doc, sweep.path / "pareto.png")
     write_paper_outputs([(teacher_label(doc), doc)], sweep.path)

@@ -1,0 +1,51 @@
+"""The whole sweep family on one quality/speed front (``sweep --front``): after the members, one onnxruntime-genai
+bench of the first member with every other member beside it (``bench --also``), the teacher's own exports at every
+precision (ours and the builder's) in the same interleaved run, every graph scored on the same held-out slice. Its
+points, named by member, are drawn as ``DIR/front.png`` and tabled in ``sweep.md``; the bench itself is
+``DIR/front.bench/``. Skipped when that folder is finished (``--resume``)."""
+
+from __future__ import annotations
+
+import shutil
+
+from bdlora.bench.config import BenchConfig
+from bdlora.bench.front import plot
+from bdlora.bench.genai import deployment_for
+from bdlora.bench.run import run_bench
+from bdlora.bench.target import trained_lora_rank
+from bdlora.io import read_json
+from bdlora.models import load_model_folder
+from bdlora.reporter import SILENT, Reporter
+from bdlora.runs import BENCH, COMPRESSED, BenchDir, SweepDir
+
+FRONT_PNG = "front.png"
+
+
+def member_name(row: str, first: str) -> str:
+    """A bench row's name on the family's front: the first member's rows (``compressed``, ``compressed-int4``) get
+    its name; the others already carry theirs (``--also``), the teacher's rows are the teacher's."""
+    return first + row.removeprefix("compressed") if row == "compressed" or row.startswith("compressed-") else row
+
+
+def bench_front(opts, sweep: SweepDir, names: list[str], reporter: Reporter = SILENT) -> dict:
+    """Bench the family ``names`` (members with a compressed folder) on one front; {"bench", "points"}."""
+    folders = [sweep.path / f"{n}{COMPRESSED}" for n in names]
+    out = sweep.path / f"front{BENCH}"
+    if (out / BenchDir.MARKER).exists():
+        reporter.stage("front: done")
+    else:
+        if out.exists():
+            shutil.rmtree(out)
+        reporter.stage(f"the family on one quality/speed front: {', '.join(names)} and the teacher's exports")
+        model, tok, report = load_model_folder(folders[0])
+        cfg = BenchConfig(runtime="genai", batch_sizes=[1], seq_lens=[min(opts.bench_seq_lens)],
+                          decode_tokens=opts.bench_decode_tokens, repeats=opts.bench_repeats, warmup=1)
+        deploy = deployment_for(folders[0], report, tok, model, cfg, reporter, also=[str(f) for f in folders[1:]])
+        run_bench(model, trained_lora_rank(report), cfg, out, report, reporter=reporter, tokenizer=tok, deploy=deploy)
+    doc = read_json(out / BenchDir.MARKER)
+    points = [{**p, "name": member_name(p["name"], names[0]),
+               "dominated_by": p["dominated_by"] and member_name(p["dominated_by"], names[0])}
+              for p in doc.get("front", [])]
+    plot(points, sweep.path / FRONT_PNG, title="the sweep family and the teacher's exports (onnxruntime-genai, "
+                                                "decode ms/token at batch 1)")
+    return {"bench": str(out), "points": points}
