@@ -160,8 +160,11 @@ def test_200_concurrent_requests_unmixed(server, served_model):
 
     async def run():
         sem = asyncio.Semaphore(64)  # bounded client concurrency, loopback only
-        async with httpx.AsyncClient(base_url=server, timeout=120,
-                                     limits=httpx.Limits(max_connections=64)) as client:
+        # correctness under load, not latency: a generous read timeout, and no kept-alive connection reused after
+        # 5 s idle (the server closes one idle for --request-timeout, 30 s; reusing it as it closes is a client race
+        # a busy machine can hit)
+        async with httpx.AsyncClient(base_url=server, timeout=600,
+                                     limits=httpx.Limits(max_connections=64, keepalive_expiry=5.0)) as client:
             async def one(prompt, n):
                 async with sem:
                     r = await client.post("/v1/completions", json={"model": "m.onnx", "prompt": prompt,
