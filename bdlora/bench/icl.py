@@ -24,10 +24,13 @@ from bdlora.runtime import DecoderShape, session
 ICL_SHOTS, ICL_SEEDS = 10, 3  # eval's protocol (SPEC 7): 10-shot, 3 demonstration seeds
 
 
-def plain_twin(model: nn.Module, precision: str, quant: str, calibration=None, grams: dict | None = None):
+def plain_twin(model: nn.Module, precision: str, quant: str, calibration=None, grams: dict | None = None,
+               proto=None):
     """``model``'s decoder in the plain layout at ``precision``, rounded as ``write_genai_files`` rounds its genai
-    graph (``grams``: filled on the first gptq call and reused for the other precisions)."""
-    proto, _ = decoder_graph(model, DecoderLayout.plain(model.config, MAX_OPSET))
+    graph (``grams``: filled on the first gptq call and reused for the other precisions; ``proto``: the model's
+    fp32 plain graph when already emitted, which the quantisers copy, never change)."""
+    if proto is None:
+        proto, _ = decoder_graph(model, DecoderLayout.plain(model.config, MAX_OPSET))
     if precision == "fp32":
         return proto
     grams = {} if grams is None else grams
@@ -44,11 +47,12 @@ def icl_of_rows(models: dict[str, nn.Module], tok, precisions: list[str], words:
     out = {}
     for name, m in models.items():
         grams: dict = {}
+        base, _ = decoder_graph(m, DecoderLayout.plain(m.config, MAX_OPSET))  # emitted once, rounded per precision
         for p in precisions:
             key = name if p == "fp32" else f"{name}-{p}"
             path = work / f"icl-{key}.onnx"
             reporter.stage(f"ICL of {key}: {ICL_SEEDS} seeds x {examples} prompts per probe (plain-layout twin)")
-            save_graph(plain_twin(m, p, quant, calibration, grams), path)
+            save_graph(plain_twin(m, p, quant, calibration, grams, base), path)
             try:
                 res = run_icl(OrtLM(session(path), m.config), tok, words, shots=ICL_SHOTS, seeds=ICL_SEEDS,
                               examples=examples)

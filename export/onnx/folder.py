@@ -6,8 +6,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import onnx
-
 from bdlora import SCHEMA_VERSION
 from bdlora.corpora import heldout_blocks
 from bdlora.errors import UsageError
@@ -29,16 +27,19 @@ FUSED_OPS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization",
 
 
 def export_decoder(model, path: Path, opset: int = DEFAULT_OPSET, fused: bool = False,
-                   meta: dict[str, str] | None = None) -> int:
+                   meta: dict[str, str] | None = None) -> dict:
     """Emit ``model``'s decoder in the plain layout (position ids, separate past/present) into ``path``, with
-    onnxruntime's fused norm and rotary ops if ``fused`` and ``meta`` as its metadata; returns the number of MatMuls
-    the shared first stages saved."""
+    onnxruntime's fused norm and rotary ops if ``fused`` and ``meta`` as its metadata; returns what was emitted:
+    the number of MatMuls the shared first stages saved and (``fused``) the count of each fused op."""
     check_opset(opset)
     proto, saved = decoder_graph(model, DecoderLayout.plain(model.config, opset, fused))
     if meta:
         set_metadata(proto, meta)
+    emitted: dict = {"matmuls_fused": saved}
+    if fused:
+        emitted["fused_ops"] = {op: sum(n.op_type == op for n in proto.graph.node) for op in FUSED_OPS}
     save_graph(proto, path)
-    return saved
+    return emitted
 
 
 def export_onnx_folder(model_dir: str | Path, out: str | Path, opset: int = DEFAULT_OPSET, quantize: str | None = None,
@@ -60,11 +61,7 @@ def export_onnx_folder(model_dir: str | Path, out: str | Path, opset: int = DEFA
     with atomic_dir(out) as tmp:
         reporter.stage(f"emitting the ONNX decoder (opset {opset})")
         t0 = time.time()
-        info["matmuls_fused"] = export_decoder(model, tmp / MODEL_ONNX, opset, optimize,
-                                               metadata_props(rows, summary))
-        if optimize:
-            nodes = onnx.load(str(tmp / MODEL_ONNX), load_external_data=False).graph.node
-            info["fused_ops"] = {op: sum(n.op_type == op for n in nodes) for op in FUSED_OPS}
+        info.update(export_decoder(model, tmp / MODEL_ONNX, opset, optimize, metadata_props(rows, summary)))
         info["export_seconds"] = time.time() - t0
         info["files"] = {"model.onnx": (tmp / MODEL_ONNX).stat().st_size}
         if run_validation:
