@@ -89,6 +89,21 @@ def tiny_config(vocab_size: int, layers: int = 4, hidden: int = 32, **kw):
     return MistralConfig(**base)
 
 
+def genai_teacher(tok, folder=None, seed: int = 0):
+    """A 2-layer tiny Mistral with head dim 16 (what GroupQueryAttention, the genai graph's attention, takes), seeded;
+    with ``folder``, saved there with ``tok`` as a teacher folder."""
+    import torch
+    from transformers import MistralForCausalLM
+
+    torch.manual_seed(seed)
+    teacher = MistralForCausalLM(tiny_config(len(tok), layers=2, hidden=64, eos_token_id=tok.eos_token_id,
+                                             bos_token_id=tok.bos_token_id)).eval()
+    if folder is not None:
+        teacher.save_pretrained(folder)
+        tok.save_pretrained(folder)
+    return teacher
+
+
 def train_tokenizer(corpus_dir, vocab_size: int = 320):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

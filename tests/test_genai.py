@@ -71,15 +71,10 @@ def test_shared_input_first_factors_are_one_matmul(tmp_path):
 @pytest.fixture(scope="module")
 def mixed_folder(tiny_env, tmp_path_factory):
     """A mixed compressed student of a 2-layer, hidden-64 teacher (head dim 16: GroupQueryAttention's minimum)."""
-    from transformers import MistralForCausalLM
-
-    from conftest import tiny_config
+    from conftest import genai_teacher
 
     root = tmp_path_factory.mktemp("genai")
-    tok = tiny_env["tokenizer"]
-    torch.manual_seed(0)
-    teacher = MistralForCausalLM(tiny_config(len(tok), layers=2, hidden=64, eos_token_id=tok.eos_token_id,
-                                             bos_token_id=tok.bos_token_id)).eval()
+    teacher = genai_teacher(tiny_env["tokenizer"])
     _, model, report = compressed_student(teacher, D_MIXED, seed=1)
     return save_model_folder(model, tiny_env["tokenizer"], root / "mixed", report), root
 
@@ -276,16 +271,9 @@ def test_bench_puts_the_student_and_its_teachers_exports_on_one_front(tiny_env, 
     """Issue 40: a one-shot student of a (head dim 16) teacher, benched in onnxruntime-genai at fp32, int8 and int4
     beside the teacher exported the same way and by onnxruntime-genai's builder: every folder timed and scored on the
     same held-out slice, every point marked on the front or dominated, the plot written."""
-    from transformers import MistralForCausalLM
+    from conftest import genai_teacher
 
-    from conftest import tiny_config
-
-    tok = tiny_env["tokenizer"]
-    torch.manual_seed(0)
-    teacher = MistralForCausalLM(tiny_config(len(tok), layers=2, hidden=64, eos_token_id=tok.eos_token_id,
-                                             bos_token_id=tok.bos_token_id)).eval()
-    teacher.save_pretrained(tmp_path / "teacher")
-    tok.save_pretrained(tmp_path / "teacher")
+    genai_teacher(tiny_env["tokenizer"], tmp_path / "teacher")
     for ratio, name in (("1.4", "s"), ("1.2", "other")):
         r = CliRunner().invoke(app, ["compress", str(tmp_path / "teacher"), "--one-shot", "--mac-ratio", ratio,
                                      "--data", str(tiny_env["corpus"]), "--cache-dir", str(tiny_env["cache"]),

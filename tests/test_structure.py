@@ -332,7 +332,15 @@ def test_no_default_is_spelled_in_the_cli():
 def test_per_teacher_defaults_have_one_home():
     """The per-teacher defaults ``--help`` shows are written from the dicts that resolve them, and no option's
     docstring repeats one (a changed default is one edit, and --help follows it)."""
-    from bdlora.config import BUILTIN_DEFAULTS, DEFAULT_LR, REAL_DEFAULTS, TrainConfig, _shown, defaults_help, field_docs
+    from bdlora.config import (
+        BUILTIN_DEFAULTS,
+        DEFAULT_LR,
+        REAL_DEFAULTS,
+        TrainConfig,
+        _shown,
+        defaults_help,
+        field_docs,
+    )
 
     notes, docs = defaults_help(), field_docs(TrainConfig)
     assert notes.keys() == REAL_DEFAULTS.keys() | BUILTIN_DEFAULTS.keys() | {"lr"}

@@ -291,17 +291,9 @@ def test_sweep_front_puts_the_whole_family_and_the_teachers_exports_on_one_front
     """Issue 40: ``sweep --front`` times every member (here two one-shot students of a head-dim-16 teacher) beside the
     teacher's own exports at every precision in one onnxruntime-genai run; the points carry member names, each is
     on the front or dominated, and sweep.md tables them; --resume keeps the finished front."""
-    import torch
-    from transformers import MistralForCausalLM
+    from conftest import genai_teacher
 
-    from conftest import tiny_config
-
-    tok = tiny_env["tokenizer"]
-    torch.manual_seed(0)
-    teacher = MistralForCausalLM(tiny_config(len(tok), layers=2, hidden=64, eos_token_id=tok.eos_token_id,
-                                             bos_token_id=tok.bos_token_id)).eval()
-    teacher.save_pretrained(tmp_path / "teacher")
-    tok.save_pretrained(tmp_path / "teacher")
+    genai_teacher(tiny_env["tokenizer"], tmp_path / "teacher")
     env = {**tiny_env, "teacher": tmp_path / "teacher"}
     out = tmp_path / "sweep"
     res = CliRunner().invoke(app, sweep_args(env, out, "--budgets", "", "--baselines", "", "--one-shot", "1.2,1.5",
