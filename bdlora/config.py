@@ -83,6 +83,10 @@ class TrainConfig:
     """KD weight lambda in L = lambda L_KD + (1 - lambda) L_CE."""
     loss_chunk: int = 1024
     """Positions per LM-head chunk of the KD loss."""
+    kd_topk: int = 0
+    """Distil from the teacher's K most likely next tokens at tau (the rest of its mass as one bucket), computed
+    once per training sequence and cached (CACHE/kd-topk), so later epochs, reruns and sweep members on the same
+    teacher and data skip the teacher's forward; 0: the full vocabulary, the teacher run at every step (the paper)."""
     lora_rank: int | None = None
     """LoRA rank r (kd-lora) / r_max (budgeted)."""
     lora_alpha: float | None = None
@@ -181,6 +185,7 @@ class TrainConfig:
             c.integer(name, getattr(self, name), lo=1)
         c.integer("seq_len", self.seq_len, lo=2, what=" (a block needs a token and its successor)")
         c.integer("save_every", self.save_every, lo=0)
+        c.integer("kd_topk", self.kd_topk, lo=0)
         c.integer("seed", self.seed, lo=0)
         c.require(self.max_steps is None or self.tokens is None, "--max-steps and --tokens: give one, not both")
         c.number("lr", self.lr, lo=0.0, lo_open=True)

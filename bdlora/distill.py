@@ -62,28 +62,59 @@ class DistillationLoss(nn.Module):
         ce = F.cross_entropy(zs, y, reduction="sum")
         return torch.stack([kd, ce])
 
-    def forward(self, student_hidden, student_head, teacher_hidden, teacher_head, input_ids,
-                attention_mask=None) -> tuple[torch.Tensor, dict[str, float]]:
-        omega = next_token_positions(input_ids, attention_mask)  # (B, T-1)
-        hs = student_hidden[:, :-1][omega]  # (N, H)
-        ht = teacher_hidden[:, :-1][omega].to(hs.dtype)  # (N, H)
-        y = input_ids[:, 1:][omega]  # (N,)
+    def _chunk_sums_topk(self, student_head, hs, t_logp, t_index, y):
+        """Sums over one chunk of positions: (KL over the teacher's top-k tokens plus one bucket for the rest of
+        the vocabulary, CE of the student)."""
+        zs = student_head(hs).float()  # (n, V)
+        log_ps = F.log_softmax(zs / self.temperature, dim=-1)
+        ps_top = log_ps.gather(-1, t_index)  # (n, K)
+        kd = (t_logp.exp() * (t_logp - ps_top)).sum()
+        if t_index.shape[-1] < zs.shape[-1]:  # the bucket: teacher mass outside the top k against the student's
+            rest_t = (1.0 - t_logp.exp().sum(-1)).clamp_min(0.0)
+            log_rest_s = log_ps.scatter(-1, t_index, float("-inf")).logsumexp(-1)  # finite: V - K > 0 terms
+            kd = kd + (torch.xlogy(rest_t, rest_t) - rest_t * log_rest_s).sum()
+        ce = F.cross_entropy(zs, y, reduction="sum")
+        return torch.stack([kd, ce])
+
+    def _reduce(self, chunk_sums, student_head, hs, targets, y) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss from per-chunk sums over all positions (each chunk recomputed in backward when large)."""
         n = y.numel()
         if n == 0:
             raise ValueError("no non-padding position with a next token in the batch")
         sums = torch.zeros(2, device=hs.device)
         recompute = 3 * 4 * n * student_head.weight.shape[0] > self.checkpoint_bytes
         for i in range(0, n, self.chunk_size):
-            args = (student_head, teacher_head, hs[i : i + self.chunk_size], ht[i : i + self.chunk_size],
+            args = (student_head, hs[i : i + self.chunk_size], *(t[i : i + self.chunk_size] for t in targets),
                     y[i : i + self.chunk_size])
             if recompute and torch.is_grad_enabled() and hs.requires_grad:
-                sums = sums + checkpoint(self._chunk_sums, *args, use_reentrant=False)
+                sums = sums + checkpoint(chunk_sums, *args, use_reentrant=False)
             else:
-                sums = sums + self._chunk_sums(*args)
+                sums = sums + chunk_sums(*args)
         kd = self.temperature**2 * sums[0] / n
         ce = sums[1] / n
         loss = self.kd_weight * kd + (1 - self.kd_weight) * ce
         return loss, {"kd": float(kd.detach()), "ce": float(ce.detach()), "positions": n}
+
+    def forward(self, student_hidden, student_head, teacher_hidden, teacher_head, input_ids,
+                attention_mask=None) -> tuple[torch.Tensor, dict[str, float]]:
+        omega = next_token_positions(input_ids, attention_mask)  # (B, T-1)
+        hs = student_hidden[:, :-1][omega]  # (N, H)
+        ht = teacher_hidden[:, :-1][omega].to(hs.dtype)  # (N, H)
+
+        def sums(student_head, hs, ht, y):
+            return self._chunk_sums(student_head, teacher_head, hs, ht, y)
+
+        return self._reduce(sums, student_head, hs, (ht,), input_ids[:, 1:][omega])
+
+    def forward_topk(self, student_hidden, student_head, t_logp, t_index, input_ids,
+                     attention_mask=None) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss against the teacher's top-k targets (``bdlora.kdcache``): ``t_logp`` / ``t_index`` (B, T-1, K)
+        are the teacher's K largest log-probabilities at tau and their token ids. The KL runs over the partition
+        {each top-k token, everything else}, a lower bound of the full KL that equals it at K = V."""
+        omega = next_token_positions(input_ids, attention_mask)
+        hs = student_hidden[:, :-1][omega]
+        return self._reduce(self._chunk_sums_topk, student_head, hs, (t_logp[omega].float(), t_index[omega]),
+                            input_ids[:, 1:][omega])
 
 
 MIN_WARMUP_STEPS = 10
@@ -128,17 +159,23 @@ def autocast(device: torch.device, mode: str | None = None):
 
 
 def kd_step(model, teacher, loss_fn: DistillationLoss, x: torch.Tensor, device: torch.device, ddp=None,
-            mask: torch.Tensor | None = None, precision: str | None = None):
+            mask: torch.Tensor | None = None, precision: str | None = None, topk=None):
     """One micro-batch's loss (teacher forward without gradients, then the student); with ``ddp`` the student's
     hidden states come through DistributedDataParallel (gradient all-reduce). ``mask`` marks real tokens of
     right-padded sequences (``--packing truncate``): causal attention keeps padding out of every real position, so
-    only the loss needs it. ``precision``: ``--autocast``. Returns (loss, parts)."""
-    with torch.no_grad(), autocast(device, precision):
-        th, thead = hidden_and_head(teacher, x)
+    only the loss needs it. ``precision``: ``--autocast``. ``topk``: a ``kdcache.TeacherTopK`` (``--kd-topk``),
+    whose cached targets replace the teacher's forward. Returns (loss, parts)."""
+    if topk is not None:
+        targets = topk.targets(x)
+    else:
+        with torch.no_grad(), autocast(device, precision):
+            th, thead = hidden_and_head(teacher, x)
     with autocast(device, precision):
         if ddp is None:
             sh, shead = hidden_and_head(model, x)
         else:
             sh = ddp(x)
             shead = base_model(model).lm_head
+        if topk is not None:
+            return loss_fn.forward_topk(sh, shead, *targets, x, mask)
         return loss_fn(sh, shead, th, thead, x, mask)

@@ -33,12 +33,15 @@ from bdlora.checkpoint import (
 from bdlora.config import TrainConfig, resolve_path
 from bdlora.distill import DistillationLoss, diverged, kd_step, warmup_cosine
 from bdlora.errors import RunDirError, TrainingError, UsageError
+from bdlora.data import default_cache_dir
 from bdlora.io import atomic_dir, write_json
+from bdlora.kdcache import TeacherTopK, cache_dir
 from bdlora.methods import METHOD_CLASSES, TrainingMethod
 from bdlora.outputs import check_new_out
 from bdlora.perplexity import perplexity
 from bdlora.reporter import SILENT, Reporter
 from bdlora.runs import CONFIG, FAILED, RunDir, RunFacts
+from bdlora.selfgen import TeacherSource
 from bdlora.session import Session, prepare
 
 # Options a resumed run may change (where/how often it writes or measures, never the weights); the rest are fixed
@@ -89,6 +92,7 @@ class Run:
     reporter: Reporter
     run: RunDir | None = None
     start: LowRankStart | None = None  # where the low-rank paths began (None: the SPEC's zero start)
+    topk: TeacherTopK | None = None  # --kd-topk: the teacher's cached top-k targets
     start_step: int = 0
     step: int = 0  # optimiser steps done so far (for a failure report)
     prior_seconds: float = 0.0
@@ -157,6 +161,7 @@ def setup(cfg: TrainConfig, rep: Reporter, resume: RunDir | None, env: D.DistEnv
     cfg, device = sess.cfg, dist_device or sess.device
     sess.teacher.to(device)
     sess.facts = dataclasses.replace(sess.facts, world_size=env.world_size)
+    topk = _topk_cache(cfg, sess, device)  # before the run directory exists: a bad --kd-topk writes nothing
     has_start = needed(cfg.method, cfg.lora_init, cfg.allocation)
     start = None
     if has_start and resume is None and env.is_main:  # before the run directory exists: a bad target writes nothing
@@ -178,12 +183,28 @@ def setup(cfg: TrainConfig, rep: Reporter, resume: RunDir | None, env: D.DistEnv
               torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.max_steps)),
               DistillationLoss(cfg.temperature, cfg.kd_weight, cfg.loss_chunk),
               BlockSampler(len(sess.train_blocks), cfg.seed), env, device, rep, run=run_dir, start=start)
+    run.topk = topk
     if resume is not None:
         _resume(run, resume)
     if env.enabled:
         rep.stage(f"data parallel: {env.world_size} processes ({dist.get_backend()}), global batch "
                   f"{run.global_batch} x {cfg.seq_len} = {run.tokens_per_step:,} tokens")
     return run
+
+
+def _topk_cache(cfg: TrainConfig, sess: Session, device) -> TeacherTopK | None:
+    """``--kd-topk K``: the cache of the teacher's top-k targets (None for full-vocabulary KD)."""
+    if not cfg.kd_topk:
+        return None
+    vocab = sess.teacher.get_output_embeddings().weight.shape[0]
+    if cfg.kd_topk > vocab:
+        raise UsageError(f"--kd-topk {cfg.kd_topk}: must be between 1 and the teacher's vocabulary ({vocab}); "
+                         "0 distils from the full vocabulary")
+    source = TeacherSource(Path(sess.facts.teacher_path))
+    root = cache_dir(Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir(), source.fingerprint(),
+                     cfg.kd_topk, cfg.temperature, cfg.autocast)
+    return TeacherTopK(sess.teacher, cfg.kd_topk, cfg.temperature, root, device, cfg.autocast, cfg.loss_chunk,
+                       {"teacher": sess.facts.teacher_path, "teacher_sha256": source.fingerprint()})
 
 
 def _new_run_dir(cfg: TrainConfig, facts: RunFacts, env: D.DistEnv) -> RunDir:
@@ -291,7 +312,7 @@ def _optimiser_step(run: Run, step: int, logs: dict) -> dict:
         sync = run.ddp is None or micro == cfg.grad_accum - 1
         with (contextlib.nullcontext() if sync else run.ddp.no_sync()):
             loss, parts = kd_step(run.model, run.sess.teacher, run.loss_fn, x, run.device, run.ddp, mask,
-                                  run.cfg.autocast)
+                                  run.cfg.autocast, run.topk)
             if not torch.isfinite(loss.detach()):
                 raise TrainingError(diverged(float(loss.detach()), step, run.start_step, cfg.lr))
             (loss / cfg.grad_accum).backward()
@@ -336,7 +357,7 @@ def finish(run: Run) -> dict:
         "train_seconds": train_seconds, "tokens_per_s": steps_here * run.tokens_per_step / max(run.t1 - run.t0, 1e-9),
         "resumed_from": run.start_step or None, "trainable_parameters": sum(p.numel() for p in run.params),
         **(start_summary(run.start, shapes_of(run.sess.student)) if run.start else {"lora_init": "zero"}),
-        **run.method.summary(run.model),
+        **run.method.summary(run.model), **({"kd_topk": run.topk.stats()} if run.topk else {}),
     }
     batch = torch.from_numpy(run.sess.train_blocks.get(run.sampler.indices(0, cfg.batch_size))).to(run.device)
     run.method.finalize(run.run.path, summary, run.sess.teacher, batch, run.device, run.reporter.stage)

@@ -37,8 +37,9 @@ def test_sweep_runs_a_family_and_resumes_without_retraining(tiny_env, tmp_path):
     # the budget drops at once with no EMA lag, so 4 steps reach the F = 0 structure; a checkpoint every 2 steps
     yaml = tmp_path / "sweep.yaml"
     # the paper's removal rule, so F = 0 means every dense path dropped
+    # and the teacher's top-k targets cached (--kd-topk): the second member to train reads the first one's
     yaml.write_text("decay_start: 0.0\ndecay_end: 0.0\nretention_ema: 0.0\nsave_every: 2\nmeasure_step_time: false\n"
-                    "allocation: cost\n")
+                    "allocation: cost\nkd_topk: 24\n")
     res = CliRunner().invoke(app, sweep_args(tiny_env, out, "--config", str(yaml), "--budgets", "0.0", "--baselines",
                                              "kd-lora", "--one-shot", "1.5", "--bench-seq-lens", "8",
                                              "--bench-repeats", "1"))
@@ -59,6 +60,8 @@ def test_sweep_runs_a_family_and_resumes_without_retraining(tiny_env, tmp_path):
     assert f0["measured"]["modules_prefill"]["speedup_vs_dense"] > 0 and "model_decode" in f0["measured"]
     assert doc["teacher"]["val_ppl"] > 0 and (out / "pareto.png").stat().st_size > 0
     assert "| budgeted-F0 |" in (out / "sweep.md").read_text()
+    cached = [json.loads((out / m / "summary.json").read_text())["kd_topk"] for m in ("kd-lora", "budgeted-F0")]
+    assert sorted(c["sequences_computed"] for c in cached) == [0, 4 * 4]  # 4 steps of 4 sequences, computed once
 
     # half-finish the family: kd-lora's training stopped after its step-2 checkpoint, F0 lost its eval and bench
     f0_summary = (out / "budgeted-F0" / "summary.json").stat().st_mtime_ns

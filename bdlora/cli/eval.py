@@ -30,7 +30,7 @@ from bdlora.sweep.vary import parse_axis
 
 SWEEP_TRAIN_OPTIONS = ("teacher", "student_init", "data", "student_layers", "layer_selection", "seq_len", "batch_size",
                        "max_steps", "tokens", "lr", "temperature", "kd_weight", "lora_rank", "lora_alpha",
-                       "eval_tokens", "heldout_fraction", "seed", "device", "cache_dir")
+                       "eval_tokens", "heldout_fraction", "seed", "device", "cache_dir", "kd_topk")
 
 
 @command(name="eval", options=from_dataclass(EvalConfig, skip=("ppl", "icl"), defaults=True))
