@@ -13,8 +13,8 @@ concurrent runs that fill the same entry write identical files and an interrupte
 whole. The entry depends on the tokens alone (the teacher runs without a mask; causal attention keeps right padding
 out of every real position), so packed blocks, truncated documents and mixtures share one cache. (ours)
 
-Size: K x 8 bytes per token (32 x 8 = 256 B: 100k training tokens take 26 MB), so this is for the CPU-scale runs
-that reuse their data, not for a single pass over billions of tokens.
+Size: K x 8 bytes per token (K = 64: 512 B; the builtin quickstart's 1.2M training tokens took 600 MB), so this is
+for the CPU-scale runs that reuse their data, not for a single pass over billions of tokens.
 """
 
 from __future__ import annotations
