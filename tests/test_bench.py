@@ -123,7 +123,8 @@ def test_cli_bench_synthetic_and_bad_input(tmp_path, tiny_model, tiny_env):
                         (["--seq-lens", "a,b"], "--seq-lens 'a,b': need comma-separated integers"),
                         (["--icl"], "--icl: the ICL of the front's rows needs --runtime genai or both (not ort)"),
                         (["--icl", "--runtime", "genai"], "--icl: synthetic mode (--model-config) has random weights"),
-                        (["--icl-examples", "0"], "--icl-examples 0: must be")]:
+                        (["--icl-examples", "0"], "--icl-examples 0: must be"),
+                        (["--head-bits", "6"], "--head-bits 6: unknown (allowed: 4, 8)")]:
         r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "x"), *bad])
         assert r.exit_code == 2 and needle in r.stderr, (bad, r.output)
         assert not (tmp_path / "x").exists()  # refused before anything is written

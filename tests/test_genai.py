@@ -391,22 +391,25 @@ def test_builder_rows_are_left_out_when_the_builder_would_take_an_mlp_for_the_lm
     assert head.input[0].startswith("/model/layers.0/"), head.input
 
 
-@pytest.mark.parametrize("quant", ["rtn", "affine"])
-def test_the_plain_twin_of_a_quantised_genai_graph_computes_the_same_logits(mixed_folder, quant):
+@pytest.mark.parametrize("quant,head_bits", [("rtn", 8), ("affine", 8), ("affine", 4)])
+def test_the_plain_twin_of_a_quantised_genai_graph_computes_the_same_logits(mixed_folder, quant, head_bits):
     """bench --icl probes each row on its plain-layout twin: the same weights rounded the same way, only the attention
     op differs, so on what both layouts take (batch 1, no padding, a prompt then decode steps) the logits agree to
     fp32 rounding (far below what int4 itself moves them)."""
     import onnxruntime as ort
 
     from bdlora.bench.icl import plain_twin
-    from bdlora.export.genai.quantize import quantize_nbits
+    from bdlora.export.genai.quantize import LM_HEAD, quantize_nbits
     from bdlora.runtime import DecoderShape, empty_past, run_decoder
 
     folder, _ = mixed_folder
     model, _, _ = load_model_folder(folder)
     shape = DecoderShape.of(model.config)
-    genai, _ = quantize_nbits(build_decoder(model, DecoderLayout.genai(64)), "int4", quant)
-    twin = plain_twin(model, "int4", quant)
+    genai, _ = quantize_nbits(build_decoder(model, DecoderLayout.genai(64)), "int4", quant, head_bits=head_bits)
+    twin = plain_twin(model, "int4", quant, head_bits=head_bits)
+    for proto in (genai, twin):  # bench --head-bits: the LM head at those bits in both layouts
+        head = next(n for n in proto.graph.node if n.op_type == "MatMulNBits" and n.name.startswith(LM_HEAD))
+        assert next(a.i for a in head.attribute if a.name == "bits") == head_bits
     fp32 = plain_twin(model, "fp32", quant)
     sessions = [ort.InferenceSession(p.SerializeToString(), providers=["CPUExecutionProvider"])
                 for p in (genai, twin, fp32)]

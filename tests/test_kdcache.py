@@ -13,8 +13,16 @@ from bdlora.cli import app
 from bdlora.distill import DistillationLoss
 from bdlora.kdcache import TeacherTopK, cache_dir, row_key, teacher_topk
 from bdlora.train import train
-from tests.conftest import train_args
-from tests.test_train import _cfg
+from conftest import train_args
+
+
+def _cfg(env, out, **kw):
+    from bdlora.config import TrainConfig
+
+    base = dict(teacher=str(env["teacher"]), data=str(env["corpus"]), cache_dir=str(env["cache"]), seq_len=32,
+                batch_size=4, eval_tokens=512, heldout_fraction=0.1, lora_rank=4, lora_alpha=8.0, out=str(out),
+                lr=3e-3, measure_step_time=False, save_every=0)
+    return TrainConfig(**{**base, **kw})
 
 
 def _heads(B=2, T=7, H=8, V=23, seed=0):

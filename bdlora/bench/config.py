@@ -55,6 +55,9 @@ class BenchConfig:
     perplexity, no front)."""
     quant: str = "rtn"
     """genai runtime: how int8/int4 weights are rounded, for the student and the teacher alike (rtn, gptq, affine)."""
+    head_bits: int = 8
+    """genai runtime: the LM head's bits in every int4 folder, the student's and the teacher's alike (8 or 4; the
+    head is a third of an int4 model's bytes at SmolLM2's size)."""
     icl: bool = False
     """genai runtime: also the ICL composite (eval's 19 probes, 10-shot, 3 seeds) of the student's and the
     teacher's row at every precision, beside its perplexity (each on a plain-layout twin rounded the same way)."""
@@ -86,6 +89,7 @@ class BenchConfig:
             c.choice("genai_precisions", p, GENAI_PRECISIONS)
         c.integer("quality_tokens", self.quality_tokens, lo=0)
         c.choice("quant", self.quant, QUANT_METHODS)
+        c.choice("head_bits", self.head_bits, (4, 8))
         c.integer("icl_examples", self.icl_examples, lo=1)
         c.require(not self.icl or self.runtime in ("genai", "both"),
                   f"--icl: the ICL of the front's rows needs --runtime genai or both (not {self.runtime})")

@@ -112,11 +112,11 @@ def run_builder(hf_folder: Path, out: Path, precision: str, threads: int, cache:
 
 def export_variants(models: dict[str, nn.Module], tok, precisions: list[str], work: Path, threads: int,
                     peers: bool, reporter: Reporter = SILENT, teacher: Path | None = None, quant: str = "rtn",
-                    calibration=None) -> tuple[dict[str, Path], dict]:
+                    calibration=None, head_bits: int = 8) -> tuple[dict[str, Path], dict]:
     """Every variant at every precision as a genai folder, plus the builder's peer folders; (folders, notes).
     ``models`` may hold "teacher" (the model the student came from; ``teacher`` its HF folder, which the builder
     converts as a user would: ``teacher-builder-<precision>``). ``quant``/``calibration``: how int8/int4 are
-    rounded (``write_genai_files``)."""
+    rounded (``write_genai_files``); ``head_bits``: the LM head's bits at int4."""
 
     folders: dict[str, Path] = {}
     tok = tok if tok is not None else _stand_in_tokenizer()
@@ -129,7 +129,7 @@ def export_variants(models: dict[str, nn.Module], tok, precisions: list[str], wo
             folders[key] = work / f"genai-{key}"
             folders[key].mkdir()
             write_genai_files(m, tok, folders[key], p, ctx, threads=threads, quant=quant, calibration=calibration,
-                              grams=grams, reporter=reporter)
+                              head_bits=head_bits, grams=grams, reporter=reporter)
     notes: dict = {}
     if peers:
         hf = work / "hf-dense"

@@ -25,7 +25,7 @@ ICL_SHOTS, ICL_SEEDS = 10, 3  # eval's protocol (SPEC 7): 10-shot, 3 demonstrati
 
 
 def plain_twin(model: nn.Module, precision: str, quant: str, calibration=None, grams: dict | None = None,
-               proto=None):
+               proto=None, head_bits: int = 8):
     """``model``'s decoder in the plain layout at ``precision``, rounded as ``write_genai_files`` rounds its genai
     graph (``grams``: filled on the first gptq call and reused for the other precisions; ``proto``: the model's
     fp32 plain graph when already emitted, which the quantisers copy, never change)."""
@@ -36,11 +36,12 @@ def plain_twin(model: nn.Module, precision: str, quant: str, calibration=None, g
     grams = {} if grams is None else grams
     if quant == "gptq" and not grams:
         grams.update(input_grams(proto, DecoderShape.of(model.config), calibration))
-    return quantize_nbits(proto, precision, quant, grams)[0]
+    return quantize_nbits(proto, precision, quant, grams, head_bits)[0]
 
 
 def icl_of_rows(models: dict[str, nn.Module], tok, precisions: list[str], words: list[str], examples: int,
-                work, quant: str = "rtn", calibration=None, reporter: Reporter = SILENT) -> dict[str, dict]:
+                work, quant: str = "rtn", calibration=None, reporter: Reporter = SILENT,
+                head_bits: int = 8) -> dict[str, dict]:
     """{row: {"icl", "icl_std", "icl_examples"}} for every model at every precision (rows named as the genai bench
     names its folders: ``compressed``, ``compressed-int4``, ``teacher-int8``...): the ICL composite (macro mean over
     the 19 probes, %) and its std over demonstration seeds, ``examples`` prompts per task and seed."""
@@ -52,7 +53,7 @@ def icl_of_rows(models: dict[str, nn.Module], tok, precisions: list[str], words:
             key = name if p == "fp32" else f"{name}-{p}"
             path = work / f"icl-{key}.onnx"
             reporter.stage(f"ICL of {key}: {ICL_SEEDS} seeds x {examples} prompts per probe (plain-layout twin)")
-            save_graph(plain_twin(m, p, quant, calibration, grams, base), path)
+            save_graph(plain_twin(m, p, quant, calibration, grams, base, head_bits), path)
             try:
                 res = run_icl(OrtLM(session(path), m.config), tok, words, shots=ICL_SHOTS, seeds=ICL_SEEDS,
                               examples=examples)
