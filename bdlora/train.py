@@ -31,9 +31,9 @@ from bdlora.checkpoint import (
     truncate_jsonl,
 )
 from bdlora.config import TrainConfig, resolve_path
+from bdlora.data import default_cache_dir
 from bdlora.distill import DistillationLoss, diverged, kd_step, warmup_cosine
 from bdlora.errors import RunDirError, TrainingError, UsageError
-from bdlora.data import default_cache_dir
 from bdlora.io import atomic_dir, write_json
 from bdlora.kdcache import TeacherTopK, cache_dir
 from bdlora.methods import METHOD_CLASSES, TrainingMethod
