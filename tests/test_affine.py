@@ -1,5 +1,5 @@
 """int4 on an affine grid (export/genai/affine.py): Q4_1-grid weights given back exactly, the float offsets carried by
-one MatMulNBits node at integer zero points (the fast kernel) with the block sums of its input, and a genai graph
+one MatMulNBits node at integer zero points (the fast kernel) with the block means of its input, and a genai graph
 whose weights sit on a Q4_1 grid quantised far closer than round-to-nearest."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from bdlora.export.genai.affine import (
     affine_node,
     affine_rtn,
     affine_weights,
-    blocksum_nodes,
+    augment_nodes,
     split_offset,
     symmetric_rtn,
 )
@@ -66,20 +66,23 @@ def test_q8_0_weights_are_given_back_exactly():
     assert torch.allclose(dequantize(codes, scales, zeros), w, rtol=0, atol=1e-12)
 
 
-def test_block_sums_and_the_one_node_compute_the_affine_weights():
-    """Reshape + ReduceSum give x's block sums; the Concat + MatMulNBits node computes ``x @ W_hat^T`` where W_hat
-    holds the integer-grid weights plus the 4-bit-rounded offsets (``affine_weights``) to the kernel's float error
-    (accuracy level 0: fp32 activations); the offsets' rounding costs under 1/20 of round-to-nearest's error."""
+def test_block_means_and_the_one_node_compute_the_affine_weights():
+    """AveragePool + Concat give ``[x, block means of x]``; the MatMulNBits node reading it computes ``x @ W_hat^T``
+    where W_hat holds the integer-grid weights plus the 4-bit-rounded offsets (``affine_weights``) to the kernel's
+    float error (accuracy level 0: fp32 activations); the offsets' rounding costs under 1/20 of round-to-nearest's
+    error."""
     n, k = 48, 96
     w = q4_1(n, k, 1)
     x = np.random.default_rng(0).standard_normal((2, 3, k)).astype(np.float32)
-    s, sum_nodes, sum_inits = blocksum_nodes("x", k)
-    sums = run(sum_nodes + [helper.make_node("Identity", [s], ["y"])], sum_inits, k, k // 32, x)
-    np.testing.assert_allclose(sums, x.reshape(2, 3, k // 32, 32).sum(-1), rtol=1e-5, atol=1e-5)
+    aug, aug_nodes = augment_nodes("x", k)
+    assert [nd.op_type for nd in aug_nodes] == ["AveragePool", "Concat"]
+    both = run(aug_nodes + [helper.make_node("Identity", [aug], ["y"])], [], k, k + k // 32, x)
+    np.testing.assert_array_equal(both[..., :k], x)
+    np.testing.assert_allclose(both[..., k:], x.reshape(2, 3, k // 32, 32).mean(-1), rtol=1e-5, atol=1e-6)
     codes, scales, zeros = affine_rtn(w, 4)
-    nodes, inits = affine_node("q", "x", "y", s, codes, scales, zeros, k=k, n=n, bits=4, accuracy_level=0)
-    assert [nd.op_type for nd in nodes] == ["Concat", "MatMulNBits"]
-    y = run(sum_nodes + nodes, sum_inits + inits, k, n, x)
+    nodes, inits = affine_node("q", "x", "y", codes, scales, zeros, k=k, n=n, bits=4, accuracy_level=0)
+    assert [nd.op_type for nd in nodes] == ["MatMulNBits"] and nodes[0].input[0] == aug
+    y = run(aug_nodes + nodes, inits, k, n, x)
     w_hat = affine_weights(codes, scales, zeros, 4)
     np.testing.assert_allclose(y, x @ w_hat.numpy().T, rtol=1e-4, atol=1e-5)
     err_affine = float(((w_hat - w) ** 2).sum())
@@ -88,14 +91,15 @@ def test_block_sums_and_the_one_node_compute_the_affine_weights():
 
 
 def test_offsets_on_the_integer_grid_need_no_correction_and_bad_k_is_refused():
-    """Blocks whose offsets are whole steps (symmetric grids) keep the plain node; block sums need whole blocks."""
+    """Blocks whose offsets are whole steps (symmetric grids) keep the plain node on x itself; block means need
+    whole blocks."""
     w = torch.tensor([[-1.0, 0.0, 1.0] * 10 + [0.5, -0.5]], dtype=torch.float64)
     codes, scales, zeros = affine_rtn(w, 4)
     z, offset = split_offset(scales, torch.round(zeros), 4)
-    nodes, _ = affine_node("q", "x", "y", "x/blocksum", codes, scales, torch.round(zeros), k=32, n=1, bits=4)
-    assert [nd.op_type for nd in nodes] == ["MatMulNBits"] and not bool(offset.any())
-    with pytest.raises(ValueError, match="K 40: block sums need whole blocks of 32"):
-        blocksum_nodes("x", 40)
+    nodes, _ = affine_node("q", "x", "y", codes, scales, torch.round(zeros), k=32, n=1, bits=4)
+    assert [nd.op_type for nd in nodes] == ["MatMulNBits"] and nodes[0].input[0] == "x" and not bool(offset.any())
+    with pytest.raises(ValueError, match="K 40: block means need whole blocks of 32"):
+        augment_nodes("x", 40)
 
 
 def test_a_genai_graph_on_a_q4_1_grid_quantises_far_closer_than_round_to_nearest(tmp_path):

@@ -337,7 +337,7 @@ def test_export_genai_gptq_is_calibrated_on_the_training_split_and_runs_in_the_s
 
 def test_export_genai_affine_keeps_every_matmul_in_the_fast_kernel(mixed_folder, tmp_path):
     """--quant affine through the CLI (no calibration): every weight MatMul one MatMulNBits with integer zero points
-    and accuracy level 4; those whose blocks divide K read [x, block sums of x] (the offsets), the rest and the
+    and accuracy level 4; those whose blocks divide K read [x, block means of x] (the offsets), the rest and the
     8-bit head do not; validated against the fp32 graph; the default folder name says the method."""
     folder, _ = mixed_folder
     r = CliRunner().invoke(app, ["export", "genai", str(folder), "--precision", "int4", "--quant", "affine",
@@ -351,7 +351,7 @@ def test_export_genai_affine_keeps_every_matmul_in_the_fast_kernel(mixed_folder,
     inits = {i.name: i for i in graph.initializer}
     assert q["method"] == "affine" and q["matmuls_fp32"] == 0 and len(nbits) == q["matmuls_quantized"]
     k_of = {n.name: {a.name: a.i for a in n.attribute}["K"] for n in nbits}
-    carried = [n for n in nbits if n.input[0].endswith("/with_blocksum")]
+    carried = [n for n in nbits if n.input[0].endswith("/with_blockmeans")]
     assert len(carried) == q["offset_corrections"] > 0
     assert all(k_of[n.name] % 33 == 0 for n in carried)  # K + K/32 columns
     assert all(inits[n.input[3]].data_type == onnx.TensorProto.UINT8 for n in nbits)

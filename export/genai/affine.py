@@ -13,11 +13,12 @@ the offset is added back as a correction of rank K/32: for block b of row n,
     sum_k x_k s (q_k - z_f) = sum_k x_k s (q_k - z) + s (z - z_f) * sum_{k in b} x_k
 
 so ``y = x W_int^T + blocksum(x) O^T`` with ``O[n, b] = s[n, b] (z[n, b] - z_f[n, b])`` (at most half a step
-where the block holds 0). Both terms are one MatMulNBits node: its input is ``[x, blocksum(x)]`` (a Reshape and a
-ReduceSum over x, then a Concat) and its weights ``[W_int, O]``, ``O`` rounded to 4 bits in blocks of its own: K/32
-more columns (3% more weights). What it costs is the three small nodes per MatMul, a fixed time that matters on a
-small model (SmolLM2-135M: decode 12% slower than round-to-nearest, see docs/commands.md). Blocks must divide K: a
-MatMul whose K they do not (a low-rank second factor of odd rank) keeps the integer grid of round-to-nearest.
+where the block holds 0). Both terms are one MatMulNBits node: its input is ``[x, blockmean(x)]`` (an AveragePool
+and a Concat, made once per distinct input and shared by the MatMuls that read it) and its weights
+``[W_int, 32 O]``, the offsets rounded to 4 bits in blocks of their own: K/32 more columns (3% more weights). What
+it costs is a fixed time per MatMul (the two small nodes in front, and a slower MatMulNBits) that matters on a small
+model (see docs/commands.md). Blocks must divide K: a MatMul whose K they do not (a low-rank second factor of odd
+rank) keeps the integer grid of round-to-nearest.
 
 8-bit MatMuls take the symmetric grid ``s = max |w| / 127`` with zero point 128: llama.cpp's Q8_0 (SmolLM2's
 embedding, which is its LM head), exact on such weights, and at 8 bits the offset is worth nothing measurable.
@@ -25,10 +26,9 @@ embedding, which is its LM head), exact on such weights, and at 8 bits the offse
 
 from __future__ import annotations
 
-import numpy as np
 import onnx
 import torch
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from bdlora.export.genai.gptq import ACCURACY_LEVEL, BLOCK_SIZE, dequantize, nbits_node, pack, rtn
 
@@ -78,35 +78,38 @@ def split_offset(scales: torch.Tensor, zeros: torch.Tensor, bits: int) -> tuple[
 def affine_weights(codes, scales, zeros, bits: int, block: int = BLOCK_SIZE) -> torch.Tensor:
     """(N, K) float64: the weights ``affine_node`` computes with, its rounded offsets included."""
     z, offset = split_offset(scales, zeros, bits)
-    o_codes, o_scales, o_zeros = rtn(offset, bits)
-    rounded = dequantize(o_codes, o_scales, o_zeros, block)
+    o_codes, o_scales, o_zeros = rtn(offset * block, bits)
+    rounded = dequantize(o_codes, o_scales, o_zeros, block) / block
     return dequantize(codes, scales, z, block) + rounded.repeat_interleave(block, 1)[:, : codes.shape[1]]
 
 
-def blocksum_name(x: str) -> str:
-    """The name of ``x``'s block sums in the graph (one per distinct MatMul input)."""
-    return f"{x}/blocksum"
+AUGMENTED = "/with_blockmeans"
 
 
-def blocksum_nodes(x: str, k: int, block: int = BLOCK_SIZE) -> tuple[str, list, list]:
-    """(output name, nodes, initializers) of the per-block sums of ``x`` (..., K) -> (..., K/block): a Reshape and a
-    ReduceSum (``block`` must divide K)."""
+def augmented_name(x: str) -> str:
+    """The name of ``[x, blockmean(x)]`` in the graph (one per distinct MatMul input, shared by its MatMuls)."""
+    return x + AUGMENTED
+
+
+def augment_nodes(x: str, k: int, block: int = BLOCK_SIZE) -> tuple[str, list]:
+    """(output name, nodes) of ``[x, blockmean(x)]`` (..., K) -> (..., K + K/block): an AveragePool over the last
+    axis (kernel and stride ``block``; x is (batch, seq, K), which pooling reads as (N, C, length)) and a Concat: one
+    node fewer than a Reshape and a ReduceSum, though on SmolLM2's decode no faster (docs/commands.md)."""
     if k % block:
-        raise ValueError(f"K {k}: block sums need whole blocks of {block}")
-    out = blocksum_name(x)
-    shape = numpy_helper.from_array(np.array([0, 0, k // block, block], dtype=np.int64), f"{out}/shape")
-    axes = numpy_helper.from_array(np.array([-1], dtype=np.int64), f"{out}/axes")
-    nodes = [helper.make_node("Reshape", [x, shape.name], [f"{out}/blocks"], name=f"{out}/Reshape"),
-             helper.make_node("ReduceSum", [f"{out}/blocks", axes.name], [out], name=f"{out}/ReduceSum", keepdims=0)]
-    return out, nodes, [shape, axes]
+        raise ValueError(f"K {k}: block means need whole blocks of {block}")
+    means = f"{x}/blockmeans"
+    nodes = [helper.make_node("AveragePool", [x], [means], name=f"{means}/AveragePool", kernel_shape=[block],
+                              strides=[block]),
+             helper.make_node("Concat", [x, means], [augmented_name(x)], name=f"{means}/Concat", axis=-1)]
+    return augmented_name(x), nodes
 
 
-def affine_node(name: str, x: str, out: str, blocksum: str, codes, scales, zeros, k: int, n: int, bits: int,
+def affine_node(name: str, x: str, out: str, codes, scales, zeros, k: int, n: int, bits: int,
                 accuracy_level: int = ACCURACY_LEVEL) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
     """One MatMulNBits node at integer zero points that also carries the offsets: where the float offsets differ
-    from the integer ones, its input is ``[x, blocksum(x)]`` (a Concat; ``blocksum`` the name of x's block sums,
-    ``block`` must divide K) and its weights ``[W_int, O]``, the offsets ``O`` rounded to ``bits`` in blocks of
-    their own (under 1/30 of a row's offset range: the offsets are at most half a step each)."""
+    from the integer ones, it reads ``[x, blockmean(x)]`` (``augmented_name(x)``, made by ``augment_nodes``;
+    ``block`` must divide K) and its weights are ``[W_int, block * O]``, the offsets rounded to ``bits`` in blocks
+    of their own (under 1/30 of a row's offset range: the offsets are at most half a step each)."""
     z, offset = split_offset(scales, zeros, bits)
     if not bool(offset.abs().max() > 0):
         node, inits = nbits_node(name, x, out, *pack(codes, scales, z, bits), k=k, n=n, bits=bits,
@@ -114,10 +117,9 @@ def affine_node(name: str, x: str, out: str, blocksum: str, codes, scales, zeros
         return [node], inits
     if k % BLOCK_SIZE:
         raise ValueError(f"K {k}: offsets need whole blocks of {BLOCK_SIZE}")
-    o_codes, o_scales, o_zeros = rtn(offset, bits)
-    cat = helper.make_node("Concat", [x, blocksum], [f"{name}/with_blocksum"], name=f"{name}/Concat", axis=-1)
-    node, inits = nbits_node(name, cat.output[0], out, *pack(torch.cat([codes, o_codes], 1),
-                                                             torch.cat([scales, o_scales], 1),
-                                                             torch.cat([z, o_zeros], 1), bits),
+    o_codes, o_scales, o_zeros = rtn(offset * BLOCK_SIZE, bits)  # the input carries means: sum = block * mean
+    node, inits = nbits_node(name, augmented_name(x), out, *pack(torch.cat([codes, o_codes], 1),
+                                                                 torch.cat([scales, o_scales], 1),
+                                                                 torch.cat([z, o_zeros], 1), bits),
                              k=k + offset.shape[1], n=n, bits=bits, accuracy_level=accuracy_level)
-    return [cat, node], inits
+    return [node], inits

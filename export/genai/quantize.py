@@ -26,11 +26,12 @@ from onnx import helper, numpy_helper
 from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
 from bdlora.export.genai.affine import (
+    AUGMENTED,
     affine_node,
     affine_rtn,
     affine_weights,
-    blocksum_name,
-    blocksum_nodes,
+    augment_nodes,
+    augmented_name,
     symmetric_rtn,
 )
 from bdlora.export.genai.gptq import (
@@ -67,7 +68,7 @@ def quantize_nbits(model, precision: str, method: str = "rtn", grams: dict | Non
                      "relative_output_error": detail["relative_output_error"]}
         if method == "gptq":
             return out, {**described, "int8_share": int8_share}
-        corrected = sum(n.op_type == "MatMulNBits" and n.input[0].endswith("/with_blocksum") for n in out.graph.node)
+        corrected = sum(n.op_type == "MatMulNBits" and n.input[0].endswith(AUGMENTED) for n in out.graph.node)
         return out, {**described, "offset_corrections": corrected}
 
     def run(proto, bits: int, include=None, exclude=None):
@@ -130,18 +131,16 @@ def quantize_graph(proto: onnx.ModelProto, grams: dict[str, torch.Tensor], bits_
         bits[node.name] = 8
         w_init = next(w for n, w in todo if n is node)
         replaced[node.name], errors[node.name] = _round_matmul(node, w_init, grams, 8, method)
-    nodes, summed = [], set()
+    nodes, augmented = [], set()
     for node in g.node:
         if node.name not in replaced:
             nodes.append(node)
             continue
         new, inits = replaced[node.name]
         x = node.input[0]
-        if any(blocksum_name(x) in n.input for n in new) and x not in summed:
-            summed.add(x)  # the block sums of x, once, before the first MatMul whose offsets read them
-            _, sum_nodes, sum_inits = blocksum_nodes(x, int(next(w for n, w in todo if n is node).dims[0]))
-            nodes.extend(sum_nodes)
-            g.initializer.extend(sum_inits)
+        if any(augmented_name(x) in n.input for n in new) and x not in augmented:
+            augmented.add(x)  # [x, block means of x], once, before the first MatMul whose offsets read them
+            nodes.extend(augment_nodes(x, int(next(w for n, w in todo if n is node).dims[0]))[1])
         nodes.extend(new)
         g.initializer.extend(inits)
     del g.node[:]
@@ -164,7 +163,7 @@ def _round_matmul(node, w_init, grams, bits: int, method: str):
     name, x, y = node.name + f"_Q{bits}", node.input[0], node.output[0]
     if method == "affine" and bits == 4 and k % BLOCK_SIZE == 0:
         codes, scales, zeros = affine_rtn(w, bits)
-        new = affine_node(name, x, y, blocksum_name(x), codes, scales, zeros, k=k, n=n, bits=bits)
+        new = affine_node(name, x, y, codes, scales, zeros, k=k, n=n, bits=bits)
         w_hat = affine_weights(codes, scales, zeros, bits)
     else:  # affine at 8 bits: Q8_0's symmetric grid; where blocks do not divide K: the integer grid
         if method == "gptq":
