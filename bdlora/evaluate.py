@@ -19,7 +19,7 @@ from bdlora.corpora import default_heldout, load_tokens, other_domains, settings
 from bdlora.errors import Checks, DataError, ModelError
 from bdlora.icl import TASKS, corpus_word_list, is_correct, summarise, task_examples
 from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import CONFIG, MODEL_ONNX, TEACHER_JSON, ModelDir, OnnxDir, RunDir, source_run
+from bdlora.runs import CONFIG, MODEL_ONNX, TEACHER_JSON, ModelDir, OnnxDir, RunDir, recorded_data_settings
 from bdlora.runtime import (
     DecoderShape,
     check_onnx_dir,
@@ -285,9 +285,8 @@ def load_eval_target(path: str | Path, onnx_file: str = MODEL_ONNX, device: str 
         return TorchLM(model, device), tok, "run", run.data_settings()
     folder = ModelDir(path)
     provenance = folder.report().get("provenance", {}) if folder.finished() else {}
-    src = source_run(path, provenance) if provenance else None
-    # a run's own held-out slice; a one-shot compression records the slice it was measured on instead
-    run_cfg = src.data_settings() if src is not None else provenance.get("data_settings")
+    # a run's own held-out slice, else the one its compression recorded
+    run_cfg = recorded_data_settings(path, provenance) if provenance else None
     if run_cfg is None and (path / TEACHER_JSON).exists():
         run_cfg = {"data": BUILTIN, "teacher": BUILTIN}  # the embedded default teacher's own corpus
     if OnnxDir(path).finished() or (path / MODEL_ONNX).exists() or (path / onnx_file).exists():

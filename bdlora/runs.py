@@ -365,3 +365,11 @@ def source_run(folder: str | os.PathLike, provenance: dict) -> RunDir | None:
         if run.started():
             return run
     return None
+
+
+def recorded_data_settings(folder: str | os.PathLike, provenance: dict) -> dict | None:
+    """The corpus settings a model folder's figures come from (``RunDir.data_settings``): its source run's while it
+    exists, else the copy its compression recorded in the provenance (every compression records one, so a folder
+    keeps its held-out slice when the run is deleted or the folder moved); None when neither is known."""
+    run = source_run(folder, provenance)
+    return run.data_settings() if run is not None else provenance.get("data_settings")

@@ -226,6 +226,31 @@ def test_cli_compress_every_method(tiny_env, tmp_path, method):
     assert (tmp_path / "share" / "modeling_bdlora.py").exists()
 
 
+def test_a_compressed_folder_keeps_its_heldout_slice_when_the_run_is_gone(tiny_env, tmp_path):
+    """compress records the run's corpus settings in the provenance: moved away and with its run deleted, the folder
+    is still scored on the run's held-out slice (eval gives compress's own figure), not on a fallback corpus."""
+    import shutil
+
+    from bdlora.export.genai.folder import data_settings
+    from bdlora.runs import ModelDir, RunDir
+
+    run = _train(tiny_env, tmp_path / "run", "budgeted", budget=0.0, retention_ema=0.0, allocation="cost")
+    recorded = RunDir(run).data_settings()
+    res = CliRunner().invoke(app, ["compress", str(run), "--svd-max-rank", "8", "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    moved = tmp_path / "elsewhere" / "student"
+    moved.parent.mkdir()
+    shutil.move(tmp_path / "run.compressed", moved)
+    shutil.rmtree(run)
+    assert data_settings(moved, ModelDir(moved).report()) == recorded
+    assert recorded["data"] == str(tiny_env["corpus"])
+    r = CliRunner().invoke(app, ["eval", str(moved), "--ppl", "--json", str(tmp_path / "e.json")])
+    assert r.exit_code == 0, r.output
+    scored = json.loads((tmp_path / "e.json").read_text())["ppl"]["val_ppl"]
+    assert scored == pytest.approx(report["eval"]["compressed_val_ppl"], rel=1e-4)
+
+
 def test_cli_compress_bad_input(tiny_env, tmp_path):
     r = CliRunner().invoke(app, ["compress", str(tmp_path), "--eps-zero", "0.9"])
     assert r.exit_code == 2 and "--eps-zero 0.9 >= --eps-lr 0.7" in r.stderr

@@ -34,7 +34,7 @@ from bdlora.io import atomic_dir, write_json
 from bdlora.models import load_model_folder
 from bdlora.outputs import check_out_dir
 from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import GENAI_CONFIG, MODEL_ONNX, OnnxDir, source_run
+from bdlora.runs import GENAI_CONFIG, MODEL_ONNX, OnnxDir, recorded_data_settings
 from bdlora.runtime import DecoderShape, session
 
 QUALITY_TOKENS = 32768  # held-out tokens scored with the fp32 and quantised graphs when no training run is known
@@ -165,8 +165,8 @@ def _validate(tmp: Path, model, tok, report, model_dir: Path, precision: str, ma
         reporter.stage("generating with og.Generator against PyTorch's greedy tokens")
         out["generator"] = v.generator_greedy(tmp, model, tok)
         return out
-    run = source_run(model_dir, (report or {}).get("provenance", {}))
-    blocks = _quality_blocks(run, tok, DecoderShape.of(model.config))
+    settings = recorded_data_settings(model_dir, (report or {}).get("provenance", {}))
+    blocks = _quality_blocks(settings, tok, DecoderShape.of(model.config))
     reporter.stage(f"scoring {len(blocks)} held-out blocks with the fp32 and {precision} graphs")
     q = quantized_quality(fp32, session(tmp / MODEL_ONNX), DecoderShape.of(model.config), blocks)
     q["max_ppl_change"] = max_ppl_change
@@ -181,9 +181,7 @@ def _validate(tmp: Path, model, tok, report, model_dir: Path, precision: str, ma
 
 def data_settings(model_dir: Path, report: dict | None) -> dict:
     """The corpus settings of the run (or one-shot compression) a model folder came from ({} when unknown)."""
-    provenance = (report or {}).get("provenance", {})
-    run = source_run(model_dir, provenance)
-    return run.data_settings() if run is not None else provenance.get("data_settings") or {}
+    return recorded_data_settings(model_dir, (report or {}).get("provenance", {})) or {}
 
 
 def corpus_blocks(settings: dict, tok, split: str, seq_len: int, tokens: int) -> PackedBlocks:
@@ -206,12 +204,12 @@ def heldout_for(model_dir: Path, report: dict | None, tok, shape: DecoderShape, 
     return corpus_blocks(settings, tok, "val", min(settings.get("seq_len") or 128, shape.max_positions), tokens)
 
 
-def _quality_blocks(run, tok, shape):
-    """The run's held-out blocks (those its perplexity was reported on) when the model came from a training run, else
-    the first ``QUALITY_TOKENS`` of the builtin corpus's held-out slice in blocks of 128 tokens."""
+def _quality_blocks(settings: dict | None, tok, shape):
+    """The held-out blocks the model's perplexity was reported on (``settings``: its run's or compression's corpus
+    settings), else the first ``QUALITY_TOKENS`` of the builtin corpus's held-out slice in blocks of 128 tokens."""
 
-    if run is not None:
-        blocks = heldout_blocks(run.data_settings(), tok)
+    if settings is not None:
+        blocks = heldout_blocks(settings, tok)
         if len(blocks):
             return blocks
     corpus = Corpus(BUILTIN)

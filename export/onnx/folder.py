@@ -19,7 +19,7 @@ from bdlora.io import atomic_dir, write_json
 from bdlora.models import load_model_folder
 from bdlora.outputs import check_out_dir
 from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import MODEL_INT8_ONNX, MODEL_ONNX, OnnxDir, source_run
+from bdlora.runs import MODEL_INT8_ONNX, MODEL_ONNX, OnnxDir, recorded_data_settings
 from bdlora.runtime import DecoderShape, session
 
 QUANTIZE = ("int8",)
@@ -79,11 +79,11 @@ def _quantize(tmp: Path, model, tok, report: dict | None, model_dir: Path, info:
     quantize_int8(tmp / MODEL_ONNX, tmp / MODEL_INT8_ONNX)
     info["files"][MODEL_INT8_ONNX] = (tmp / MODEL_INT8_ONNX).stat().st_size
     out = {"size_ratio": info["files"][MODEL_INT8_ONNX] / info["files"][MODEL_ONNX]}
-    run = source_run(model_dir, (report or {}).get("provenance", {}))
-    if run is None:
+    settings = recorded_data_settings(model_dir, (report or {}).get("provenance", {}))
+    if settings is None:
         return out
 
-    blocks = heldout_blocks(run.data_settings(), tok)
+    blocks = heldout_blocks(settings, tok)
     reporter.stage("scoring the held-out slice with fp32 and int8 graphs")
     return {**out, **quantized_quality(session(tmp / MODEL_ONNX), session(tmp / MODEL_INT8_ONNX),
                                        DecoderShape.of(model.config), blocks)}
