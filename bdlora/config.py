@@ -158,6 +158,10 @@ class TrainConfig:
                               gate_init=self.gate_init, budget=self.budget, decay_start=self.decay_start,
                               decay_end=self.decay_end, retention_ema=self.retention_ema, eps_zero=self.eps_zero)
 
+    def cache_root(self) -> Path | None:
+        """The cache folder given by --cache-dir (user-expanded), or None for the default one."""
+        return Path(self.cache_dir).expanduser() if self.cache_dir else None
+
     def validate(self) -> TrainConfig:
         """Every problem of the user-facing options at once, as one ConfigError (values from YAML included, so a
         ``"0.4"`` string or a ``true`` batch size is refused like a bad flag)."""
@@ -184,9 +188,8 @@ class TrainConfig:
                      "student_layers", "keep_last", "calib_tokens"):
             c.integer(name, getattr(self, name), lo=1)
         c.integer("seq_len", self.seq_len, lo=2, what=" (a block needs a token and its successor)")
-        c.integer("save_every", self.save_every, lo=0)
-        c.integer("kd_topk", self.kd_topk, lo=0)
-        c.integer("seed", self.seed, lo=0)
+        for name in ("save_every", "kd_topk", "seed"):
+            c.integer(name, getattr(self, name), lo=0)
         c.require(self.max_steps is None or self.tokens is None, "--max-steps and --tokens: give one, not both")
         c.number("lr", self.lr, lo=0.0, lo_open=True)
         c.number("weight_decay", self.weight_decay, lo=0.0)

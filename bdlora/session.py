@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -59,7 +58,7 @@ def prepare(cfg: TrainConfig, reporter: Reporter = SILENT) -> Session:
     for bad input; creates nothing but caches."""
     cfg.validate()
     device = resolve_device(cfg.device)
-    cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else None
+    cache = cfg.cache_root()
     check_spec(cfg.data)  # checks the paths before the (possibly long) teacher build
     if cfg.calib_data:
         check_spec(cfg.calib_data, "--calib-data")

@@ -201,7 +201,7 @@ def _topk_cache(cfg: TrainConfig, sess: Session, device) -> TeacherTopK | None:
         raise UsageError(f"--kd-topk {cfg.kd_topk}: must be between 1 and the teacher's vocabulary ({vocab}); "
                          "0 distils from the full vocabulary")
     source = TeacherSource(Path(sess.facts.teacher_path))
-    root = cache_dir(Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir(), source.fingerprint(),
+    root = cache_dir(cfg.cache_root() or default_cache_dir(), source.fingerprint(),
                      cfg.kd_topk, cfg.temperature, cfg.autocast)
     return TeacherTopK(sess.teacher, cfg.kd_topk, cfg.temperature, root, device, cfg.autocast, cfg.loss_chunk,
                        {"teacher": sess.facts.teacher_path, "teacher_sha256": source.fingerprint()})
