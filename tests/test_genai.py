@@ -424,3 +424,29 @@ def test_the_plain_twin_of_a_quantised_genai_graph_computes_the_same_logits(mixe
         outs.append(np.concatenate(logits, 1))
     assert np.abs(outs[0] - outs[1]).max() < 1e-3
     assert np.abs(outs[1] - outs[2]).max() > 20 * np.abs(outs[0] - outs[1]).max()  # int4 moved them; the twin didn't
+
+
+def test_bench_teacher_quant_rounds_the_teachers_folders_its_own_way(mixed_folder, tmp_path):
+    """bench --teacher-quant: the teacher's int4 folder rounded by its method (affine: MatMulNBits reading
+    [x, block means of x]), every other model's by --quant (gptq: the plain integer-grid nodes, calibrated); a bad
+    method is refused in one line before anything is written."""
+    from bdlora.bench.config import BenchConfig
+    from bdlora.bench.genai import export_variants
+    from bdlora.blocks import PackedBlocks
+
+    folder, _ = mixed_folder
+    model, tok, _ = load_model_folder(folder)
+    cfg = BenchConfig(quant="gptq", teacher_quant="affine")
+    assert (cfg.quant_of("teacher"), cfg.quant_of("compressed"), BenchConfig(quant="gptq").quant_of("teacher")) == \
+        ("affine", "gptq", "gptq")
+    calib = PackedBlocks(np.random.default_rng(0).integers(0, model.config.vocab_size, 512), 32)
+    folders, _ = export_variants({"teacher": model, "compressed": model}, tok, ["int4"], tmp_path, 1, False,
+                                 quant=cfg.quant_of, calibration=calib)
+    reads = {}
+    for key in ("teacher-int4", "compressed-int4"):
+        graph = onnx.load(str(folders[key] / "model.onnx"), load_external_data=False).graph
+        reads[key] = {n.input[0].endswith("/with_blockmeans") for n in graph.node if n.op_type == "MatMulNBits"}
+    assert reads == {"teacher-int4": {True, False}, "compressed-int4": {False}}  # the 8-bit head reads x itself
+    r = CliRunner().invoke(app, ["bench", str(folder), "--runtime", "genai", "--teacher-quant", "hqq",
+                                 "--out", str(tmp_path / "b")])
+    assert r.exit_code == 2 and "--teacher-quant 'hqq'" in r.stderr and not (tmp_path / "b").exists(), r.output

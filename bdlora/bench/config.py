@@ -54,7 +54,11 @@ class BenchConfig:
     reported its perplexity on, at most 32768, so the front's figures are the run's; 8192 when it has no run; 0: no
     perplexity, no front)."""
     quant: str = "rtn"
-    """genai runtime: how int8/int4 weights are rounded, for the student and the teacher alike (rtn, gptq, affine)."""
+    """genai runtime: how int8/int4 weights are rounded (rtn, gptq, affine), for the student and, unless
+    --teacher-quant says otherwise, the teacher."""
+    teacher_quant: str | None = None
+    """genai runtime: how the teacher's int8/int4 weights are rounded (default: as --quant), so each side of the
+    front is at its best: e.g. affine for a teacher from a Q4_1 GGUF, gptq for a trained student."""
     head_bits: int = 8
     """genai runtime: the LM head's bits in every int4 folder, the student's and the teacher's alike (8 or 4; the
     head is a third of an int4 model's bytes at SmolLM2's size)."""
@@ -89,6 +93,8 @@ class BenchConfig:
             c.choice("genai_precisions", p, GENAI_PRECISIONS)
         c.integer("quality_tokens", self.quality_tokens, lo=0)
         c.choice("quant", self.quant, QUANT_METHODS)
+        if self.teacher_quant is not None:
+            c.choice("teacher_quant", self.teacher_quant, QUANT_METHODS)
         c.choice("head_bits", self.head_bits, (4, 8))
         c.integer("icl_examples", self.icl_examples, lo=1)
         c.require(not self.icl or self.runtime in ("genai", "both"),
@@ -98,6 +104,10 @@ class BenchConfig:
         c.done()
         provider_name(self.provider)
         return self
+
+    def quant_of(self, model: str) -> str:
+        """How ``model``'s int8/int4 weights are rounded (a front row's model: "teacher", "compressed", an --also)."""
+        return self.teacher_quant if model == "teacher" and self.teacher_quant else self.quant
 
 
 def provider_name(provider: str) -> str:
@@ -110,5 +120,3 @@ def provider_name(provider: str) -> str:
         raise UsageError(f"--provider {provider}: onnxruntime here has {', '.join(available)} (install "
                          "onnxruntime-gpu, the [gpu] extra, for cuda)")
     return PROVIDERS[provider]
-
-

@@ -111,12 +111,12 @@ def run_builder(hf_folder: Path, out: Path, precision: str, threads: int, cache:
 
 
 def export_variants(models: dict[str, nn.Module], tok, precisions: list[str], work: Path, threads: int,
-                    peers: bool, reporter: Reporter = SILENT, teacher: Path | None = None, quant: str = "rtn",
+                    peers: bool, reporter: Reporter = SILENT, teacher: Path | None = None, quant=lambda name: "rtn",
                     calibration=None, head_bits: int = 8) -> tuple[dict[str, Path], dict]:
     """Every variant at every precision as a genai folder, plus the builder's peer folders; (folders, notes).
     ``models`` may hold "teacher" (the model the student came from; ``teacher`` its HF folder, which the builder
-    converts as a user would: ``teacher-builder-<precision>``). ``quant``/``calibration``: how int8/int4 are
-    rounded (``write_genai_files``); ``head_bits``: the LM head's bits at int4."""
+    converts as a user would: ``teacher-builder-<precision>``). ``quant`` (model name -> method)/``calibration``: how
+    int8/int4 are rounded (``write_genai_files``); ``head_bits``: the LM head's bits at int4."""
 
     folders: dict[str, Path] = {}
     tok = tok if tok is not None else _stand_in_tokenizer()
@@ -128,8 +128,8 @@ def export_variants(models: dict[str, nn.Module], tok, precisions: list[str], wo
             reporter.stage(f"exporting the {key} genai folder")
             folders[key] = work / f"genai-{key}"
             folders[key].mkdir()
-            write_genai_files(m, tok, folders[key], p, ctx, threads=threads, quant=quant, calibration=calibration,
-                              head_bits=head_bits, grams=grams, reporter=reporter)
+            write_genai_files(m, tok, folders[key], p, ctx, threads=threads, quant=quant(name),
+                              calibration=calibration, head_bits=head_bits, grams=grams, reporter=reporter)
     notes: dict = {}
     if peers:
         hf = work / "hf-dense"
@@ -213,7 +213,7 @@ def deployment_for(model_dir: Path, report: dict, tok, model: nn.Module, cfg, re
         tokens = min(settings.get("eval_tokens") or DEFAULT_QUALITY_TOKENS, MAX_QUALITY_TOKENS)
     if tokens:
         deploy.heldout = heldout_for(model_dir, report, tok, shape, tokens)
-    if cfg.quant == "gptq":
+    if "gptq" in (cfg.quant, cfg.teacher_quant):
         deploy.calibration = calibration_blocks(model_dir, report, tok, shape, CALIB_TOKENS)
     if cfg.icl:
         data = settings.get("data") or BUILTIN

@@ -40,11 +40,12 @@ def plain_twin(model: nn.Module, precision: str, quant: str, calibration=None, g
 
 
 def icl_of_rows(models: dict[str, nn.Module], tok, precisions: list[str], words: list[str], examples: int,
-                work, quant: str = "rtn", calibration=None, reporter: Reporter = SILENT,
+                work, quant=lambda name: "rtn", calibration=None, reporter: Reporter = SILENT,
                 head_bits: int = 8) -> dict[str, dict]:
     """{row: {"icl", "icl_std", "icl_examples"}} for every model at every precision (rows named as the genai bench
     names its folders: ``compressed``, ``compressed-int4``, ``teacher-int8``...): the ICL composite (macro mean over
-    the 19 probes, %) and its std over demonstration seeds, ``examples`` prompts per task and seed."""
+    the 19 probes, %) and its std over demonstration seeds, ``examples`` prompts per task and seed; ``quant``: model
+    name -> rounding method."""
     out = {}
     for name, m in models.items():
         grams: dict = {}
@@ -53,7 +54,7 @@ def icl_of_rows(models: dict[str, nn.Module], tok, precisions: list[str], words:
             key = name if p == "fp32" else f"{name}-{p}"
             path = work / f"icl-{key}.onnx"
             reporter.stage(f"ICL of {key}: {ICL_SEEDS} seeds x {examples} prompts per probe (plain-layout twin)")
-            save_graph(plain_twin(m, p, quant, calibration, grams, base, head_bits), path)
+            save_graph(plain_twin(m, p, quant(name), calibration, grams, base, head_bits), path)
             try:
                 res = run_icl(OrtLM(session(path), m.config), tok, words, shots=ICL_SHOTS, seeds=ICL_SEEDS,
                               examples=examples)
