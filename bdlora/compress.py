@@ -68,7 +68,7 @@ def compress_run(run: RunDir | str | Path, cfg: BudgetedConfig, out: str | Path 
                   provenance=provenance)
     if evaluate:
         reporter.stage("scoring the held-out slice (uncompressed vs compressed)")
-        blocks = heldout_blocks(run.data_settings(), tok)
+        blocks = heldout_blocks(provenance["data_settings"], tok)
         report["eval"] = {"student_val_ppl": perplexity(model, blocks), "compressed_val_ppl":
                           perplexity(compressed, blocks), "tokens": len(blocks) * blocks.seq_len}
     reporter.stage(f"writing {out}")

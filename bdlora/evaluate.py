@@ -286,7 +286,7 @@ def load_eval_target(path: str | Path, onnx_file: str = MODEL_ONNX, device: str 
     folder = ModelDir(path)
     provenance = folder.report().get("provenance", {}) if folder.finished() else {}
     # a run's own held-out slice, else the one its compression recorded
-    run_cfg = recorded_data_settings(path, provenance) if provenance else None
+    run_cfg = recorded_data_settings(path, provenance)
     if run_cfg is None and (path / TEACHER_JSON).exists():
         run_cfg = {"data": BUILTIN, "teacher": BUILTIN}  # the embedded default teacher's own corpus
     if OnnxDir(path).finished() or (path / MODEL_ONNX).exists() or (path / onnx_file).exists():
