@@ -4,6 +4,7 @@ by the two tensor helpers when they are called)."""
 
 from __future__ import annotations
 
+import atexit
 import glob
 import json
 import os
@@ -106,6 +107,71 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
+
+
+class OutputBusyError(OSError):
+    """Another live process is writing the same output: two writers to one path would both succeed and one output
+    would vanish (the second rename replaces the first), so the later one is refused before it does any work."""
+
+
+# One writer per output. A claim is an exclusive advisory lock (flock) on a hidden ``.<name>.lock`` beside the output,
+# taken before any work and held until the command ends (``release_claims``) or the process exits; the kernel drops
+# it when a writer dies, even by SIGKILL, so a crashed writer never blocks the next one. Claims are re-entrant within
+# a process (a command checks its output twice). Local file systems only, like flock itself.
+_CLAIMS: dict[Path, int] = {}
+
+
+def _lock_path(path: Path) -> Path:
+    return path.parent / f".{path.name}.lock"
+
+
+def claim(path: str | os.PathLike) -> None:
+    """Claim ``path`` for writing by this process, or raise ``OutputBusyError`` naming the live writer. Creates the
+    missing parent folders (the lock file lives beside the output)."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): outputs are still renamed into place whole
+        return
+    path = Path(os.path.abspath(path))
+    if path in _CLAIMS:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = _lock_path(path)
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, FILE_MODE)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise OutputBusyError(f"{path}: another bdlora command ({holder}) is writing it now; wait for it to "
+                                  "finish or choose another output") from None
+        # the holder before us may have removed the lock file after we opened it: then our lock is on a dead inode
+        # and a third writer could lock a new file at the same name; take the lock again on what is there now
+        try:
+            same = os.stat(lock).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+    _CLAIMS[path] = fd
+
+
+def release_claims() -> None:
+    """Drop every claim this process holds and remove its lock files (called when a command ends, and at exit)."""
+    for path, fd in list(_CLAIMS.items()):
+        try:
+            os.unlink(_lock_path(path))  # while still locked: a waiter that opened it re-checks the inode
+        except OSError:
+            pass
+        os.close(fd)
+        del _CLAIMS[path]
+
+
+atexit.register(release_claims)
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:

@@ -2,7 +2,9 @@
 replaced or lost. An output never overlaps an input, never lands inside another model, run or export folder (a
 sweep's folder holds its members by design), never replaces anything but a regular file (a rename onto a device, a
 FIFO or a link replaces the node itself), and replaces an existing file or folder only with ``--force``, a folder
-only if bdlora wrote it."""
+only if bdlora wrote it. Each check ends by claiming the output for this process (one writer per output: a second
+command writing the same path at the same time is refused before it does any work); what depends on the path's
+current contents is checked after the claim, since a command that held it may have just finished writing it."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import os
 from pathlib import Path
 
 from bdlora.errors import UsageError
-from bdlora.io import NotAFileError, check_replaceable
+from bdlora.io import NotAFileError, OutputBusyError, check_replaceable, claim
 from bdlora.runs import (
     BENCH_JSON,
     CKPT_STATE,
@@ -28,12 +30,13 @@ from bdlora.runs import (
 def check_new_out(out: str | os.PathLike) -> None:
     """``train --out`` and ``sweep --out``: a new (or empty) folder outside any other run."""
     path = Path(out)
+    check_not_inside(path)
+    _check_creatable(path, "--out")
+    _claim(path, "--out")
     if path.exists() and not path.is_dir():
         raise UsageError(f"--out {path}: is a file, not a folder (choose a new directory)")
     if path.exists() and any(path.iterdir()):
         raise UsageError(f"--out {path}: exists and is not empty (choose a new directory or --resume it)")
-    check_not_inside(path)
-    _check_creatable(path, "--out")
 
 
 def check_out_dir(out: str | os.PathLike, force: bool, inputs: tuple = ()) -> None:
@@ -46,6 +49,8 @@ def check_out_dir(out: str | os.PathLike, force: bool, inputs: tuple = ()) -> No
         if o == s or s in o.parents or o in s.parents:
             raise UsageError(f"--out {out}: overlaps the input {src}; inputs are never modified")
     check_not_inside(out)
+    _check_creatable(out, "--out")
+    _claim(out, "--out")
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: is a file, not a folder (choose a folder path)")
     if out.exists() and any(out.iterdir()):
@@ -54,7 +59,6 @@ def check_out_dir(out: str | os.PathLike, force: bool, inputs: tuple = ()) -> No
         if not is_artefact(out):
             raise UsageError(f"--out {out}: is not a folder bdlora wrote; --force replaces only those (choose a new "
                              "folder)")
-    _check_creatable(out, "--out")
 
 
 def check_not_inside(out: str | os.PathLike, what: str = "--out") -> None:
@@ -114,9 +118,19 @@ def check_out_file(path: str | os.PathLike, what: str = "--json", force: bool = 
     if inside is not None:
         raise UsageError(f"{what} {path}: is inside the model/run folder {inside}, whose files are never replaced "
                          "(name a file outside it)")
+    _check_creatable(path, what)
+    _claim(path, what)
+    if path.is_dir():
+        raise UsageError(f"{what} {path}: is a folder (name a file)")
     if path.exists() and not force:
         raise UsageError(f"{what} {path}: exists (use --force to replace it)")
-    _check_creatable(path, what)
+
+
+def _claim(path: Path, what: str) -> None:
+    try:
+        claim(path)
+    except OutputBusyError as e:
+        raise UsageError(f"{what} {e}") from None
 
 
 def _check_creatable(path: Path, what: str) -> None:

@@ -22,6 +22,7 @@ resolves) and then the absolute one, so a command run from any working directory
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 from dataclasses import dataclass, fields
@@ -238,17 +239,19 @@ class RunDir(Artefact):
 
     @staticmethod
     def new(method: str, runs_dir: str | os.PathLike = RUNS_DIR, out: str | os.PathLike | None = None) -> RunDir:
-        """``out`` (checked first by ``outputs.check_new_out``), or ``runs_dir/<time>-<method>`` (never an existing
-        folder)."""
+        """``out`` (checked and claimed first by ``outputs.check_new_out``), or a new ``runs_dir/<time>-<method>``,
+        made here by an exclusive mkdir: two runs started in the same second get two folders, never one."""
         if out:
             return RunDir(out)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        path = Path(runs_dir) / f"{stamp}-{method}"
-        i = 1
-        while path.exists():
-            path = Path(runs_dir) / f"{stamp}-{method}-{i}"
-            i += 1
-        return RunDir(path)
+        Path(runs_dir).mkdir(parents=True, exist_ok=True)
+        for i in itertools.count():
+            path = Path(runs_dir) / (f"{stamp}-{method}" + (f"-{i}" if i else ""))
+            try:
+                path.mkdir()
+            except FileExistsError:
+                continue
+            return RunDir(path)
 
 
 class ModelDir(Artefact):

@@ -466,3 +466,82 @@ def test_every_artefact_file_is_readable_by_others(made, tiny_env):
     assert any(p.suffix == ".safetensors" for p in files) and any(p.suffix == ".onnx" for p in files)
     modes = {str(p): oct(stat.S_IMODE(p.stat().st_mode)) for p in files}
     assert set(modes.values()) == {oct(0o666 & ~_UMASK)}, modes
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# One writer per output (issue 53, case 1): two commands writing one new --out both printed "wrote" and exited 0,
+# and one output vanished
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class Holder:
+    """Another live process holding the claim on ``path``, as a command writing it does (until ``release``)."""
+
+    def __init__(self, path: Path):
+        import subprocess
+        import sys
+
+        code = ("import sys; from bdlora.io import claim; claim(sys.argv[1]); print('held', flush=True); "
+                "sys.stdin.read()")
+        self.proc = subprocess.Popen([sys.executable, "-c", code, str(path)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "held"
+
+    def release(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+@pytest.mark.parametrize("cmd", [c for c in OUT_WRITERS if c != "train"] + ["export genai"])
+def test_an_output_another_command_is_writing_is_refused_before_any_work(made, tmp_path, cmd):
+    writers = {**OUT_WRITERS, "export genai": PARSED["export genai"]}
+    out = tmp_path / "out"
+    holder = Holder(out)
+    try:
+        res = CliRunner().invoke(app, writers[cmd](made, str(out)))
+        assert res.exit_code == 2, res.output
+        err = res.stderr.strip()
+        assert len(err.splitlines()) == 1 and f"{out}: another bdlora command (pid {holder.proc.pid} on" in err, err
+        assert "is writing it now" in err and not out.exists()
+    finally:
+        holder.release()
+    assert not (tmp_path / ".out.lock").exists()  # the holder's lock file went with it
+
+
+def test_two_commands_writing_one_new_output_at_once_leave_one_whole_winner(made, tmp_path):
+    """The case as reported: ``compress RUN --out X --eps-lr 0.7 & compress RUN --out X --eps-lr 0.3``. Whatever the
+    timing, exactly one writes X (the other is refused while the first writes, or finds X written) and X is that
+    one's output."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "x"
+    argv = [[sys.executable, "-m", "bdlora.cli", "compress", str(made["run"]), "--no-eval", "--svd-max-rank", "8",
+             "--out", str(out), "--eps-lr", eps] for eps in ("0.7", "0.3")]
+    procs = [subprocess.Popen(a, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for a in argv]
+    done = [(p.wait(300), *p.communicate()) for p in procs]
+    assert sorted(code for code, _, _ in done) == [0, 2], done
+    (winner,) = [eps for (code, _, _), eps in zip(done, (0.7, 0.3)) if code == 0]
+    (loser_err,) = [err for code, _, err in done if code == 2]
+    assert len(loser_err.strip().splitlines()) == 1 and "Traceback" not in loser_err, loser_err
+    assert "is writing it now" in loser_err or "exists and is not empty" in loser_err, loser_err
+    report = json.loads((out / "compression.json").read_text())
+    assert report["thresholds"]["eps_lr"] == winner, report.get("thresholds")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x"]  # no temp or lock left beside it
+
+
+def test_two_runs_started_in_the_same_second_get_two_folders(tmp_path, monkeypatch):
+    from datetime import datetime
+
+    from bdlora import runs
+
+    class Frozen(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime(2026, 1, 2, 3, 4, 5)
+
+    monkeypatch.setattr(runs, "datetime", Frozen)
+    made = [runs.RunDir.new("budgeted", tmp_path).path for _ in range(3)]
+    assert [p.name for p in made] == ["20260102-030405-budgeted", "20260102-030405-budgeted-1",
+                                      "20260102-030405-budgeted-2"]
+    assert all(p.is_dir() for p in made)

@@ -17,7 +17,7 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from bdlora.errors import BdloraError
-from bdlora.io import NotAFileError
+from bdlora.io import NotAFileError, release_claims
 
 
 def quiet_transformers() -> None:
@@ -118,6 +118,8 @@ def command(target: typer.Typer = app, name: str | None = None, options=()):
                 err.print(f"[bold red]interrupted[/]{': ' + str(e) if str(e) else ''}", highlight=False,
                           soft_wrap=True)
                 raise typer.Exit(130) from None
+            finally:
+                release_claims()  # the outputs this command claimed are whole or gone: another command may write them
 
         sig = inspect.signature(fn)
         own = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
