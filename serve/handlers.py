@@ -88,6 +88,15 @@ class Serving:
     def prompt_limit(self, eng: ServingEngine) -> int:
         return self.cfg.max_prompt_tokens or eng.max_positions - 1
 
+    # list and object fields, and items, a request holds besides its prompt or messages (stop strings, options)
+    FIELDS = 64
+
+    def body_bounds(self) -> tuple[int, int]:
+        """(lists and objects, items) the largest valid request to this server holds, checked on the raw body
+        before it is parsed (``app.parse_body``). Raises 503 while the model loads: until then no limit is known,
+        and no body is parsed."""
+        raise NotImplementedError
+
     def check_text_size(self, eng: ServingEngine, texts: list[str], param: str) -> None:
         """Before anything is tokenised: a text of more bytes than ``limit`` tokens can stand for cannot fit, so it
         is refused at once (tokenising 4 MB of 'a' took seconds of a core and a gigabyte per request)."""
@@ -220,11 +229,22 @@ class Serving:
 
 
 def _json_of(whole, results) -> bytes:
-    return whole(results).model_dump_json().encode()
+    """The answer's JSON, its choices serialised one at a time: pydantic holds the interpreter for a whole call, and
+    one call over a 17.5 MB answer (64 echoed prompts with 20 logprobs) left the event loop no turn for its length."""
+    response = whole(results)
+    head = response.model_dump_json(exclude={"choices"})
+    parts = [c.model_dump_json() for c in response.choices]
+    return (head[:-1] + ("," if head != "{}" else "") + '"choices":[' + ",".join(parts) + "]}").encode()
 
 
 class CompletionServing(Serving):
     endpoint = "/v1/completions"
+
+    def body_bounds(self) -> tuple[int, int]:
+        """At most --max-prompts prompts (each its own list when they are token ids), each of at most the prompt
+        limit's ids."""
+        limit = self.prompt_limit(self.engine())
+        return self.cfg.max_prompts + self.FIELDS, self.cfg.max_prompts * limit + self.FIELDS
 
     async def __call__(self, body: CompletionRequest, request: Request):
         eng = self.engine()
@@ -242,10 +262,13 @@ class CompletionServing(Serving):
             elif len(x) > self.prompt_limit(eng):
                 raise APIError(400, f"prompt: {len(x)} tokens, above the limit of {self.prompt_limit(eng)}",
                                "prompt", "context_length_exceeded")
-        ids = await asyncio.to_thread(
-            lambda: [eng.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in prompts])
-        for x in ids:
-            self.check_prompt(eng, x, params)
+        def prepared() -> list[list[int]]:  # off the loop: up to max_prompts x the prompt limit ids to check
+            ids = [eng.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in prompts]
+            for x in ids:
+                self.check_prompt(eng, x, params)
+            return ids
+
+        ids = await asyncio.to_thread(prepared)
         base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.cfg.model_name}
 
         def chunk(text, finish, start=False, usage_only=False):
@@ -307,6 +330,11 @@ def legacy_logprobs(tok, prompt_ids, prompt_scores, generated, scores, offset: i
 
 class ChatServing(Serving):
     endpoint = "/v1/chat/completions"
+
+    def body_bounds(self) -> tuple[int, int]:
+        """At most one message per token of the prompt limit, each an object of at most three members."""
+        limit = self.prompt_limit(self.engine())
+        return limit + self.FIELDS, 3 * limit + self.FIELDS
 
     async def __call__(self, body: ChatCompletionRequest, request: Request):
         eng = self.engine()

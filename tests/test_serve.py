@@ -1026,10 +1026,13 @@ def test_oversize_prompts_are_refused_before_tokenising_and_never_stall_others(s
         bad, ok = asyncio.run(_beside(url, hostile, {"model": "m.onnx", "prompt": "kappa", "max_tokens": 2}, 20))
         assert ok.status_code == 200, ok.text
         errors = [r.json()["error"] for r in bad]
-        assert [r.status_code for r in bad] == [400] * 10
-        assert {e["code"] for e in errors} == {"context_length_exceeded"}
+        assert [r.status_code for r in bad] == [400] * 8 + [413, 400]
+        assert [e["code"] for e in errors] == ["context_length_exceeded"] * 8 + ["request_too_large",
+                                                                                 "context_length_exceeded"]
         assert all(e["message"].startswith("prompt: 4,000,000 bytes, more than the 4,095 tokens") for e in errors[:8])
-        assert errors[8]["message"].startswith("messages: 100,000 messages, more than the 4,095 tokens")
+        # 100k messages are more objects than any valid request holds: refused before the body is parsed (issue 53)
+        assert errors[8]["message"].startswith("request body: 100,002 lists and objects, more than the 4,159 a "
+                                               "valid request to this server can hold")
         assert errors[9]["message"].startswith("messages: 3,800,000 bytes, more than the 4,095 tokens")
         # a prompt just within the byte bound is tokenised and judged by its tokens, as before
         r = httpx.post(url + "/v1/completions", json={"model": "m.onnx", "prompt": "alpha " * 5000})
@@ -1089,3 +1092,69 @@ def test_echo_with_logprobs_at_scale_is_whole_and_leaves_the_server_answering(se
         assert len(choices) == 64 and all(len(c["logprobs"]["tokens"]) == 500 for c in choices)
         assert choices[0]["logprobs"] == choices[63]["logprobs"]  # the same prompt scores the same
         assert all(1 <= len(t) <= 21 for t in choices[0]["logprobs"]["top_logprobs"][1:])  # top 20 + the token
+
+
+def _json_values():
+    text = st.text(alphabet=st.sampled_from('ab[]{},:"\\ \u00e9\u2028\n'), max_size=8)
+    scalars = st.one_of(text, st.integers(-5, 10**6), st.booleans(), st.none(), st.floats(allow_nan=False))
+    return st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=5),
+                                                         st.dictionaries(text, inner, max_size=4)), max_leaves=30)
+
+
+def _structure_of(v) -> tuple[int, int]:
+    """(lists and objects, commas) of ``v`` written as JSON, from the value itself."""
+    if isinstance(v, list):
+        inner = [_structure_of(x) for x in v]
+        return 1 + sum(c for c, _ in inner), max(len(v) - 1, 0) + sum(s for _, s in inner)
+    if isinstance(v, dict):
+        inner = [_structure_of(x) for x in v.values()]
+        return 1 + sum(c for c, _ in inner), max(len(v) - 1, 0) + sum(s for _, s in inner)
+    return 0, 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(_json_values(), st.booleans())
+def test_a_bodys_structure_is_counted_without_parsing_it(value, ascii_only):
+    """``body_structure`` counts the lists, objects and commas outside strings exactly, whatever the strings hold
+    (brackets, commas, escaped quotes and backslashes, non-ASCII)."""
+    from bdlora.serve.app import body_structure
+
+    raw = json.dumps(value, ensure_ascii=ascii_only).encode()
+    assert body_structure(raw) == _structure_of(value)
+
+
+def test_token_id_bodies_beyond_any_valid_request_are_refused_before_they_are_parsed(served_model, monkeypatch):
+    """Issue 53 case 2: 8 clients posting ``{"prompt": [[5]] * 600000}`` (3 MB) each made 600k Python lists (2 GB of
+    RSS) on the server, and a flat list of 1.39M ids took 0.44 s of the event loop, before any bound was checked. Such
+    bodies (here a million ids, 3 MB, under the byte limit) are now refused from the body's structure (413) before
+    they are parsed; a request at the bounds is served."""
+    from fastapi.testclient import TestClient
+
+    from bdlora.serve import app as serve_app
+
+    parsed = []
+    real = serve_app._validate
+    monkeypatch.setattr(serve_app, "_validate", lambda model, raw: (parsed.append(len(raw)), real(model, raw))[1])
+    cfg = serve_app.ServeConfig(str(served_model["folder"]), "m.onnx", runtime=served_model["runtime"],
+                                max_prompts=4, max_prompt_tokens=64)
+    application = serve_app.create_app(cfg, loader=lambda: engine(served_model))
+    with TestClient(application) as client:
+        deadline = time.time() + 60
+        while client.get("/health").status_code != 200:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        hostile = [({"model": "m.onnx", "prompt": [[5]] * 600_000}, "600,002 lists and objects, more than the 68 "),
+                   ({"model": "m.onnx", "prompt": [5] * 1_000_000}, "1,000,001 items, more than the 320 "),
+                   ({"model": "m.onnx", "prompt": [[5] * 64] * 4 + [[5]]}, None)]  # one prompt too many: parsed
+        for body, needle in hostile[:2]:
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 413, r.text
+            assert r.json()["error"]["code"] == "request_too_large"
+            assert needle in r.json()["error"]["message"], r.json()
+        assert parsed == []  # refused from the bytes: nothing was materialised
+        at_bound = {"model": "m.onnx", "prompt": [[5] * 63 + [6]] * 4, "max_tokens": 1}
+        r = client.post("/v1/completions", json=at_bound)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 4, r.text
+        r = client.post("/v1/completions", json=hostile[2][0])
+        assert r.status_code == 400 and "5 prompts, above this server's limit of 4" in r.json()["error"]["message"]
+        assert len(parsed) == 2
