@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from bdlora.errors import DataError
+
 if TYPE_CHECKING:
     import torch
 
@@ -34,6 +36,17 @@ class PackedBlocks:
         import torch
 
         return torch.from_numpy(self.get(indices)), None
+
+
+def scored_blocks(tokens: np.ndarray, seq_len: int, max_tokens: int | None, what: str,
+                  split: str = "held-out slice") -> PackedBlocks:
+    """``PackedBlocks`` of a slice that is scored or calibrated on, refused in one line (naming ``what``, e.g.
+    ``--data DIR``) when it is shorter than one block: scoring no token gave perplexity exp(0) = 1.000."""
+    blocks = PackedBlocks(tokens, seq_len, max_tokens=max_tokens)
+    if len(blocks) < 1:
+        raise DataError(f"{what}: its {split} has {len(tokens):,} tokens, fewer than one block of {seq_len} (a "
+                        "corpus with more documents, a larger --heldout-fraction, or another --data)")
+    return blocks
 
 
 class DocumentBlocks:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bdlora.blocks import PackedBlocks
+from bdlora.blocks import PackedBlocks, scored_blocks
 from bdlora.data import BUILTIN, BUILTIN_HELDOUT_FRACTION, Corpus, TokenizedCorpus, default_cache_dir, tokenize_corpus
 from bdlora.errors import DataError
 from bdlora.io import atomic_dir, write_json
@@ -326,4 +326,5 @@ def heldout_blocks(run_config: dict, tokenizer) -> PackedBlocks:  # run_config: 
     """The held-out blocks a run was scored on (same corpus, split, sequence length and token count), from the
     tokenised-corpus cache (re-tokenised if the cache was cleared)."""
     data = settings_tokens(run_config, tokenizer)
-    return PackedBlocks(data.tokens("val"), run_config["seq_len"], max_tokens=run_config["eval_tokens"])
+    return scored_blocks(data.tokens("val"), run_config["seq_len"], run_config["eval_tokens"],
+                         f"the run's corpus ({run_config.get('data') or BUILTIN})")

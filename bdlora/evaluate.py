@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 
 from bdlora import SCHEMA_VERSION, __version__, sources
-from bdlora.blocks import PackedBlocks
+from bdlora.blocks import PackedBlocks, scored_blocks
 from bdlora.config import BUILTIN, BUILTIN_DEFAULTS, REAL_DEFAULTS
 from bdlora.corpora import default_heldout, load_tokens, other_domains, settings_tokens
-from bdlora.errors import Checks, DataError, ModelError
+from bdlora.errors import Checks, ModelError
 from bdlora.icl import TASKS, corpus_word_list, is_correct, summarise, task_examples
 from bdlora.reporter import SILENT, Reporter
 from bdlora.runs import CONFIG, MODEL_ONNX, TEACHER_JSON, ModelDir, OnnxDir, RunDir, recorded_data_settings
@@ -348,7 +348,8 @@ def evaluate_target(path: str | Path, ecfg: EvalConfig, device: str = "cpu", rep
     if ecfg.ppl:
         reporter.stage(f"perplexity over {settings['eval_tokens']:,} held-out tokens of {settings['data']}")
         corpus_tokens = settings_tokens(settings, tok)
-        blocks = PackedBlocks(corpus_tokens.tokens("val"), settings["seq_len"], max_tokens=settings["eval_tokens"])
+        blocks = scored_blocks(corpus_tokens.tokens("val"), settings["seq_len"], settings["eval_tokens"],
+                               f"--data {settings['data']}")
         doc["ppl"] = _score(lm, blocks)
         extra = other_domains(ecfg.domains, settings["data"], _get(lm.config, "vocab_size") or 0)
         if extra:
@@ -356,10 +357,7 @@ def evaluate_target(path: str | Path, ecfg: EvalConfig, device: str = "cpu", rep
         for d in extra:
             reporter.stage(f"perplexity over {settings['eval_tokens']:,} held-out tokens of {d}")
             tokens = load_tokens(d, tok, None, cache, what="--domains")
-            b = PackedBlocks(tokens.tokens("val"), settings["seq_len"], max_tokens=settings["eval_tokens"])
-            if len(b) < 1:
-                raise DataError(f"--domains {d}: its held-out slice has {tokens.meta['tokens']['val']} tokens, fewer "
-                                f"than one block of {settings['seq_len']} (a larger corpus, or leave it out)")
+            b = scored_blocks(tokens.tokens("val"), settings["seq_len"], settings["eval_tokens"], f"--domains {d}")
             doc["domains"][d] = _score(lm, b)
     if ecfg.icl:
         reporter.stage(f"building the ICL word list from {settings['data']}")

@@ -21,7 +21,7 @@ import torch
 
 from bdlora import SCHEMA_VERSION, __version__
 from bdlora.arch import projection_modules, set_module
-from bdlora.blocks import PackedBlocks
+from bdlora.blocks import PackedBlocks, scored_blocks
 from bdlora.budgeted.calibrate import calibration_blocks
 from bdlora.budgeted.correct import correct_sequential
 from bdlora.budgeted.costs import ModuleShape, compression_report, decide_module
@@ -32,7 +32,7 @@ from bdlora.budgeted.start import allocate_by, calibrate_with_progress, compute_
 from bdlora.config import OneShotConfig
 from bdlora.corpora import check_spec, default_heldout, load_tokens
 from bdlora.deployed.folder import save_model_folder
-from bdlora.errors import DataError, UsageError
+from bdlora.errors import UsageError
 from bdlora.outputs import check_out_dir
 from bdlora.perplexity import perplexity
 from bdlora.reporter import SILENT, Reporter
@@ -123,10 +123,7 @@ def load_source(source: str, cfg: OneShotConfig, cache_dir: Path | None, reporte
         calib = load_tokens(cfg.calib_data, tok, None, cache_dir, what="--calib-data", teacher=teacher,
                             reporter=reporter)
     train_blocks = PackedBlocks(calib.tokens("train"), seq)
-    val_blocks = PackedBlocks(data.tokens("val"), seq, max_tokens=cfg.eval_tokens)
-    if len(val_blocks) < 1:
-        raise DataError(f"--data {cfg.data}: the held-out slice has {data.meta['tokens']['val']} tokens, fewer than "
-                        f"one block of {seq}")
+    val_blocks = scored_blocks(data.tokens("val"), seq, cfg.eval_tokens, f"--data {cfg.data}")
     return model, tok, path, train_blocks, val_blocks, heldout
 
 

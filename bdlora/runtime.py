@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from bdlora.errors import ModelError, UsageError
+from bdlora.errors import DataError, ModelError, UsageError
 from bdlora.runs import CONFIG, EXPORT_MARKER, GENAI_CONFIG, MODEL_ONNX, TOKENIZER_CONFIG, TOKENIZER_JSON
 from bdlora.tokenizer import TextTokenizer, check_vocabulary
 
@@ -267,6 +267,8 @@ def score_blocks(sess, shape: DecoderShape, blocks, batch_size: int = 8) -> tupl
         total += float((logz - tgt).sum())
         count += tgt.size
         preds.append(logits.argmax(-1).reshape(-1))
+    if count == 0:  # callers build blocks with blocks.scored_blocks; this is the last guard
+        raise DataError("no tokens to score: the held-out slice is shorter than one block")
     return total / count, np.concatenate(preds)
 
 

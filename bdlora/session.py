@@ -12,7 +12,7 @@ import torch
 
 from bdlora import distributed as D
 from bdlora.arch import check_lora_rank
-from bdlora.blocks import DocumentBlocks, PackedBlocks, training_blocks
+from bdlora.blocks import DocumentBlocks, PackedBlocks, scored_blocks, training_blocks
 from bdlora.budgeted.calibrate import check_calib_tokens
 from bdlora.budgeted.start import needed
 from bdlora.config import BUILTIN, TrainConfig, resolve_defaults
@@ -72,13 +72,10 @@ def prepare(cfg: TrainConfig, reporter: Reporter = SILENT) -> Session:
     data = load_tokens(cfg.data, tokenizer, cfg.heldout_fraction, cache, teacher=source, seed=cfg.seed,
                        reporter=reporter)
     train_blocks = training_blocks(data.tokens("train"), cfg.seq_len, cfg.packing, tokenizer.eos_token_id)
-    val_blocks = PackedBlocks(data.tokens("val"), cfg.seq_len, max_tokens=cfg.eval_tokens)
     if len(train_blocks) < 1:
         raise DataError(f"--data {cfg.data}: {data.meta['tokens']['train']} training tokens, fewer than one "
                         + (f"block of --seq-len {cfg.seq_len}" if cfg.packing == "pack" else "document"))
-    if len(val_blocks) < 1:
-        raise DataError(f"--data {cfg.data}: the held-out slice has {data.meta['tokens']['val']} tokens, fewer "
-                        f"than one block of {cfg.seq_len}; raise --heldout-fraction (now {cfg.heldout_fraction})")
+    val_blocks = scored_blocks(data.tokens("val"), cfg.seq_len, cfg.eval_tokens, f"--data {cfg.data}")
     calib_blocks = None
     if needed(cfg.method, cfg.lora_init, cfg.allocation):
         if cfg.calib_data and cfg.calib_data != cfg.data:

@@ -332,6 +332,10 @@ CASES = out_cases() + json_cases() + [
     Case("compress of an unfinished run", lambda m, t: (shutil.copytree(m["run"], t / "r"), (t / "r/summary.json")
                                                         .unlink(), ["compress", str(t / "r"), "--out",
                                                                     str(t / "out")])[2], "not a finished bdlora run"),
+    # issue 53, case 3: an empty held-out slice scored perplexity 1.000 with exit 0 (an ONNX folder: a traceback)
+    *[Case(f"eval {key}: a one-document corpus has no held-out slice", lambda m, t, key=key: [
+        "eval", str(m[key]), "--ppl", "--data", str(m["env"]["corpus"] / "doc000.txt"), "--json", str(t / "out")],
+        "its held-out slice has 0 tokens, fewer than one block of 32") for key in ("compressed", "onnx")],
     Case("train diverges (--lr 1e30)", lambda m, t: train(m, t, "--lr", "1e30"), "lower --lr (now 1e+30); ", code=1),
     Case("train: a teacher with NaN weights", nan_teacher, "on the calibration tokens are not finite"),
     Case("train: a teacher with NaN weights, the paper's zero start", lambda m, t: [

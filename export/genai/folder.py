@@ -9,7 +9,7 @@ from pathlib import Path
 import onnx
 
 from bdlora import SCHEMA_VERSION
-from bdlora.blocks import PackedBlocks
+from bdlora.blocks import PackedBlocks, scored_blocks
 from bdlora.corpora import heldout_blocks, settings_tokens
 from bdlora.data import BUILTIN, Corpus, tokenize_corpus
 from bdlora.errors import UsageError, usable_cores
@@ -187,7 +187,9 @@ def data_settings(model_dir: Path, report: dict | None) -> dict:
 def corpus_blocks(settings: dict, tok, split: str, seq_len: int, tokens: int) -> PackedBlocks:
     """The first ``tokens`` of ``split`` of the corpus in ``settings`` (the builtin corpus when none), packed."""
     data = settings_tokens(settings, tok)
-    return PackedBlocks(data.tokens(split), seq_len, max_tokens=tokens)
+    return scored_blocks(data.tokens(split), seq_len, tokens,
+                         f"the model's corpus ({settings.get('data') or BUILTIN})",
+                         "held-out slice" if split == "val" else "training split")
 
 
 def calibration_blocks(model_dir: Path, report: dict | None, tok, shape: DecoderShape, tokens: int):
@@ -209,9 +211,7 @@ def _quality_blocks(settings: dict | None, tok, shape):
     settings), else the first ``QUALITY_TOKENS`` of the builtin corpus's held-out slice in blocks of 128 tokens."""
 
     if settings is not None:
-        blocks = heldout_blocks(settings, tok)
-        if len(blocks):
-            return blocks
+        return heldout_blocks(settings, tok)
     corpus = Corpus(BUILTIN)
     data = tokenize_corpus(corpus, tok, corpus.default_heldout_fraction, None)
     return PackedBlocks(data.tokens("val"), min(128, shape.max_positions), max_tokens=QUALITY_TOKENS)
