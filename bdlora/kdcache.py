@@ -20,6 +20,7 @@ for the CPU-scale runs that reuse their data, not for a single pass over billion
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +63,30 @@ def row_key(ids: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(ids, dtype=np.int64).tobytes()).hexdigest()[:32]
 
 
+# a stored top-k row's probabilities may sum past 1 by this much (float32 rounding of K log-probabilities)
+MASS_TOLERANCE = 1e-3
+
+
+def valid_targets(logp: torch.Tensor, index: torch.Tensor, positions: int, k: int, vocab: int) -> bool:
+    """Whether (logp, index) is what ``teacher_topk`` writes for ``positions`` positions: float32 and int32 of shape
+    (positions, k); finite log-probabilities, each row in non-increasing order with at most unit mass; token ids in
+    [0, vocab), distinct within a row."""
+    if logp.dtype != torch.float32 or index.dtype != torch.int32:
+        return False
+    if logp.shape != (positions, k) or index.shape != (positions, k):
+        return False
+    if positions == 0:
+        return True
+    if not torch.isfinite(logp).all() or (logp.diff(dim=-1) > 0).any():
+        return False
+    if (torch.logsumexp(logp.double(), dim=-1) > math.log1p(MASS_TOLERANCE)).any():
+        return False
+    if (index < 0).any() or (index >= vocab).any():
+        return False
+    ordered = index.sort(dim=-1).values
+    return not (ordered.diff(dim=-1) == 0).any()
+
+
 class TeacherTopK:
     """The teacher's top-k targets of training sequences: read from the cache when there, else computed on the
     sequences that miss (one teacher forward for all of them) and stored. ``hits`` / ``misses`` count sequences."""
@@ -70,7 +95,8 @@ class TeacherTopK:
                  precision: str | None = None, chunk: int = 1024, describe: dict | None = None):
         self.teacher, self.k, self.temperature = teacher, k, temperature
         self.root, self.device, self.precision, self.chunk = Path(root), device, precision, chunk
-        self.hits = self.misses = 0
+        self.hits = self.misses = self.replaced = 0
+        self.vocab = teacher.get_output_embeddings().out_features
         if not (self.root / META).exists():
             write_json(self.root / META, {"format_version": FORMAT_VERSION, "k": k, "temperature": temperature,
                                           "autocast": precision, **(describe or {})})
@@ -79,15 +105,22 @@ class TeacherTopK:
         return self.root / key[:2] / f"{key}.safetensors"
 
     def _read(self, f: Path, positions: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A stored entry, or None when absent or unreadable (then it is computed again and replaced)."""
+        """A stored entry, or None when absent, unreadable or not what ``teacher_topk`` writes (then it is computed
+        again and replaced; ``replaced`` counts those). Checked by value, not only by shape: entries rewritten
+        with log-probabilities of +5 were read and the run ended at perplexity 1256 instead of 279, and an index
+        past the vocabulary failed the run with a traceback on every rerun."""
         if not f.exists():
             return None
         try:
             t = load_tensors(f)
-            logp, index = t["logp"], t["index"].long()
+            logp, index = t["logp"], t["index"]
         except Exception:  # noqa: BLE001 - a damaged entry is recomputed, never trusted
+            self.replaced += 1
             return None
-        return (logp, index) if logp.shape == index.shape == (positions, self.k) else None
+        if not valid_targets(logp, index, positions, self.k, self.vocab):
+            self.replaced += 1
+            return None
+        return logp, index.long()
 
     def targets(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(logp float32, index int64), each (B, T-1, K), on ``x``'s device."""
@@ -113,4 +146,4 @@ class TeacherTopK:
     def stats(self) -> dict:
         total = self.hits + self.misses
         return {"k": self.k, "dir": str(self.root), "sequences_read": self.hits, "sequences_computed": self.misses,
-                "hit_rate": self.hits / total if total else None}
+                "entries_replaced": self.replaced, "hit_rate": self.hits / total if total else None}

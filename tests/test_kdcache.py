@@ -115,6 +115,41 @@ def test_a_damaged_entry_is_computed_again(tiny_model, tmp_path):
     assert (again.hits, again.misses) == (1, 1) and torch.equal(logp2, logp)
 
 
+DAMAGES = {  # issue 53, case 4: entries of the right shape whose values no teacher_topk writes
+    "logp +5": lambda logp, index: (torch.full_like(logp, 5.0), index),
+    "logp NaN": lambda logp, index: (logp.masked_fill(torch.ones_like(logp, dtype=torch.bool), float("nan")), index),
+    "logp -inf": lambda logp, index: (torch.full_like(logp, -float("inf")), index),
+    "logp rising": lambda logp, index: (logp.flip(-1), index),
+    "index 50000": lambda logp, index: (logp, torch.full_like(index, 50000)),
+    "index -3": lambda logp, index: (logp, torch.full_like(index, -3)),
+    "index repeated": lambda logp, index: (logp, index[:, :1].expand_as(index).contiguous()),
+    "index as float": lambda logp, index: (logp, index.float()),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_an_entry_with_impossible_values_is_computed_again_and_replaced(tiny_model, tmp_path, damage):
+    """Before: read 16/16 and trusted (+5 ended a run at perplexity 1256 instead of 279; NaN failed the run blaming
+    the model; an index of 50000 or -3 was a traceback), and never replaced, so every rerun failed again."""
+    from bdlora.io import load_tensors, save_tensors
+
+    cpu = torch.device("cpu")
+    x = torch.randint(0, tiny_model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    logp, index = TeacherTopK(tiny_model, 4, 1.0, tmp_path, cpu).targets(x)
+    key = row_key(x[1].numpy())
+    f = tmp_path / key[:2] / f"{key}.safetensors"
+    stored = load_tensors(f)
+    bad_logp, bad_index = DAMAGES[damage](stored["logp"], stored["index"])
+    save_tensors(f, {"logp": bad_logp, "index": bad_index})
+    again = TeacherTopK(tiny_model, 4, 1.0, tmp_path, cpu)
+    logp2, index2 = again.targets(x)
+    assert (again.hits, again.misses, again.replaced) == (1, 1, 1)
+    assert torch.equal(logp2, logp) and torch.equal(index2, index)
+    third = TeacherTopK(tiny_model, 4, 1.0, tmp_path, cpu)  # the entry on disk was replaced by a good one
+    third.targets(x)
+    assert (third.hits, third.misses, third.replaced) == (2, 0, 0)
+
+
 def test_cache_folder_is_keyed_by_teacher_and_settings(tmp_path):
     base = cache_dir(tmp_path, "abc", 32, 3.0, None)
     assert base == cache_dir(tmp_path, "abc", 32, 3.0, None)
