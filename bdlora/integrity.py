@@ -1,6 +1,7 @@
 """Integrity of a model folder before anything reads or republishes it: safetensors files whose header matches their
 size, a ``config.json`` that is a JSON object naming a model type, and (for folders bdlora wrote) the SHA-256 of
-every weight file recorded in ``compression.json`` at save time. Standard library only.
+every weight file recorded in ``compression.json`` at save time, and of the tokenizer's vocabulary files (there and
+in an export's ``export.json``). Standard library only.
 
 A half-copied or edited weight file would otherwise load with random or garbage weights (transformers only warns)
 or be republished by ``export hf`` as if it were whole.
@@ -18,6 +19,10 @@ from bdlora.errors import ModelError, shown
 from bdlora.runs import CONFIG
 
 DIGEST_KEY = "weights_sha256"  # in compression.json: {file name: hex digest}
+TOKENIZER_KEY = "tokenizer_sha256"  # in compression.json and export.json: {file name: hex digest}
+# The files that decide which ids a text becomes (the fast tokenizer's one file, or a slow one's vocabulary, merges
+# or sentencepiece model). tokenizer_config.json is left out: a chat template added there changes no id.
+TOKENIZER_IDENTITY = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model", "spiece.model")
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own bound on the JSON header
 
 
@@ -36,6 +41,26 @@ def weight_files(folder: Path) -> list[Path]:
 def digests(folder: Path) -> dict[str, str]:
     """{file name: SHA-256} of every weight file of ``folder`` (recorded by ``save_model_folder``)."""
     return {p.name: sha256(p) for p in weight_files(folder)}
+
+
+def tokenizer_digests(folder: Path) -> dict[str, str]:
+    """{file name: SHA-256} of the tokenizer files of ``folder`` that decide its ids (``TOKENIZER_IDENTITY``)."""
+    return {name: sha256(Path(folder) / name) for name in TOKENIZER_IDENTITY if (Path(folder) / name).is_file()}
+
+
+def check_tokenizer(folder: Path, recorded: dict | None, where: str) -> None:
+    """The folder's tokenizer is the one recorded in ``where`` (compression.json or export.json) when it was
+    written: a foreign tokenizer of the same or a smaller vocabulary loads and runs, and turns text into other ids
+    (eval reported perplexity 1261 where the model's own tokenizer gives 115.6). Folders written before the record
+    existed (``recorded`` None) are not checked."""
+    if not recorded:
+        return
+    found = tokenizer_digests(folder)
+    if found != recorded:
+        changed = sorted(n for n in set(found) | set(recorded) if found.get(n) != recorded.get(n))
+        raise ModelError(f"{folder}: its tokenizer ({', '.join(changed)}) differs from the one recorded in {where} "
+                         "when the folder was written; a tokenizer from another model maps text to other ids (copy "
+                         "this model's own tokenizer back)")
 
 
 def check_safetensors(path: Path) -> dict[str, tuple[int, ...]]:
@@ -208,6 +233,7 @@ def check_model_folder(folder: Path, report: dict | None = None) -> None:
         shapes.update(check_safetensors(p))
     check_declared_forms(folder, cfg, set(shapes))
     check_declared_sizes(folder, cfg, shapes)
+    check_tokenizer(folder, (report or {}).get(TOKENIZER_KEY), "compression.json")
     recorded = (report or {}).get(DIGEST_KEY)
     if not recorded:
         return

@@ -16,6 +16,7 @@ from typing import ClassVar
 import numpy as np
 
 from bdlora.errors import DataError, ModelError, UsageError
+from bdlora.integrity import TOKENIZER_KEY, check_tokenizer
 from bdlora.runs import CONFIG, EXPORT_MARKER, GENAI_CONFIG, MODEL_ONNX, TOKENIZER_CONFIG, TOKENIZER_JSON
 from bdlora.tokenizer import TextTokenizer, check_vocabulary
 
@@ -305,6 +306,11 @@ def check_onnx_dir(path: Path, onnx_file: str, runtime: str = "ort") -> None:
             raise ModelError(f"{path}: its {what} does not load ({type(e).__name__}: "
                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
     check_vocabulary(path, len(loaded["tokenizer"]), loaded[CONFIG].vocab_size)
+    try:
+        recorded = json.loads((path / EXPORT_MARKER).read_text()).get(TOKENIZER_KEY)
+    except (ValueError, AttributeError):
+        raise ModelError(f"{path}: its export.json is not a JSON object; the export is damaged") from None
+    check_tokenizer(path, recorded, EXPORT_MARKER)
     if runtime == "genai":
         check_genai_folder(path, onnx_file)
 

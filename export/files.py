@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bdlora.integrity import TOKENIZER_KEY, tokenizer_digests
 from bdlora.io import write_json
 from bdlora.runs import ModelDir
 
@@ -19,3 +20,9 @@ def write_model_files(folder: Path, model, tokenizer, report: dict | None) -> No
         tokenizer.save_pretrained(folder)
     if report is not None:
         write_json(folder / ModelDir.MARKER, report)
+
+
+def identity(folder: Path) -> dict:
+    """What export.json records of the folder's own files, checked by every reader (``runtime.check_onnx_dir``):
+    the SHA-256 of the tokenizer files it was validated with."""
+    return {TOKENIZER_KEY: tokenizer_digests(folder)}

@@ -118,6 +118,12 @@ def train_tokenizer(corpus_dir, vocab_size: int = 320):
                                    pad_token="<|endoftext|>")
 
 
+def put_foreign_tokenizer(folder, corpus) -> None:
+    """Replace ``folder``'s tokenizer by another trained on the same corpus with a smaller vocabulary (so every id it
+    makes is valid for the model): it loads and runs, and maps text to other ids."""
+    train_tokenizer(corpus, vocab_size=300).save_pretrained(folder)
+
+
 @pytest.fixture(scope="session")
 def tiny_env(tmp_path_factory):
     from transformers import MistralForCausalLM

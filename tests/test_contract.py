@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from bdlora.cli import app
-from conftest import train_args
+from conftest import put_foreign_tokenizer, train_args
 
 
 @pytest.fixture(scope="module")
@@ -336,6 +336,14 @@ CASES = out_cases() + json_cases() + [
     *[Case(f"eval {key}: a one-document corpus has no held-out slice", lambda m, t, key=key: [
         "eval", str(m[key]), "--ppl", "--data", str(m["env"]["corpus"] / "doc000.txt"), "--json", str(t / "out")],
         "its held-out slice has 0 tokens, fewer than one block of 32") for key in ("compressed", "onnx")],
+    # issue 53, case 5: a foreign tokenizer of a smaller vocabulary was accepted (eval 1261 where its own gave 115.6)
+    *[Case(f"eval {key}: a foreign tokenizer copied in", lambda m, t, key=key: (
+        put_foreign_tokenizer(copy(m, key, t, "m"), m["env"]["corpus"]),
+        ["eval", str(t / "m"), "--ppl", "--json", str(t / "out")])[1],
+        "its tokenizer (tokenizer.json) differs from the one recorded in") for key in ("compressed", "onnx")],
+    Case("serve: an ONNX folder with a foreign tokenizer", lambda m, t: (
+        put_foreign_tokenizer(copy(m, "onnx", t, "m"), m["env"]["corpus"]),
+        ["serve", str(t / "m"), "--port", "9"])[1], "differs from the one recorded in export.json"),
     Case("train diverges (--lr 1e30)", lambda m, t: train(m, t, "--lr", "1e30"), "lower --lr (now 1e+30); ", code=1),
     Case("train: a teacher with NaN weights", nan_teacher, "on the calibration tokens are not finite"),
     Case("train: a teacher with NaN weights, the paper's zero start", lambda m, t: [

@@ -450,3 +450,22 @@ def test_bench_teacher_quant_rounds_the_teachers_folders_its_own_way(mixed_folde
     r = CliRunner().invoke(app, ["bench", str(folder), "--runtime", "genai", "--teacher-quant", "hqq",
                                  "--out", str(tmp_path / "b")])
     assert r.exit_code == 2 and "--teacher-quant 'hqq'" in r.stderr and not (tmp_path / "b").exists(), r.output
+
+
+def test_a_foreign_tokenizer_in_a_genai_folder_is_refused_by_every_reader(mixed_folder, tiny_env, tmp_path):
+    """Issue 53, case 5: export.json records the tokenizer the folder was validated with; its readers (serve, and
+    bench through the same check) refuse another one copied in (a smaller vocabulary: it loaded and ran)."""
+    from bdlora.errors import ModelError
+    from bdlora.runtime import check_onnx_dir
+    from conftest import put_foreign_tokenizer
+
+    folder, _ = mixed_folder
+    out = tmp_path / "g"
+    export_genai_folder(folder, out, run_validation=False)
+    check_onnx_dir(out, "model.onnx", "genai")  # its own tokenizer passes
+    put_foreign_tokenizer(out, tiny_env["corpus"])
+    with pytest.raises(ModelError, match="its tokenizer \\(tokenizer.json\\) differs from the one recorded in "
+                                         "export.json"):
+        check_onnx_dir(out, "model.onnx", "genai")
+    res = CliRunner().invoke(app, ["serve", str(out), "--runtime", "genai", "--port", "9"])
+    assert res.exit_code == 2 and "differs from the one recorded in export.json" in res.stderr

@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from bdlora.arch import PROJECTIONS, base_model, block_of, family_of, unsupported
 from bdlora.deployed.modeling_bdlora import FAMILIES, LowRankLinear
 from bdlora.errors import ModelError
-from bdlora.integrity import DIGEST_KEY, digests
+from bdlora.integrity import DIGEST_KEY, TOKENIZER_KEY, digests, tokenizer_digests
 from bdlora.io import atomic_dir, write_json
 from bdlora.runs import ModelDir
 
@@ -52,5 +52,6 @@ def save_model_folder(model, tokenizer, out: Path, report: dict) -> Path:
         model.save_pretrained(tmp, safe_serialization=True)
         shutil.copy(MODELING_FILE, tmp / MODELING_FILE.name)
         tokenizer.save_pretrained(tmp)
-        write_json(tmp / ModelDir.MARKER, {**report, DIGEST_KEY: digests(tmp)})  # checked by every later reader
+        write_json(tmp / ModelDir.MARKER, {**report, DIGEST_KEY: digests(tmp),  # checked by every later reader
+                                           TOKENIZER_KEY: tokenizer_digests(tmp)})
     return out

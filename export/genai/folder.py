@@ -23,7 +23,7 @@ from bdlora.export.defaults import (
     MAX_PPL_CHANGE,
     QUANT,
 )
-from bdlora.export.files import write_model_files
+from bdlora.export.files import identity, write_model_files
 from bdlora.export.genai import validate as v
 from bdlora.export.genai.config import genai_config
 from bdlora.export.genai.gptq import input_grams
@@ -149,6 +149,7 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, precision: str =
                 f.unlink()
             fp32.parent.rmdir()
         info["files"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.name.startswith(MODEL_ONNX)}
+        info.update(identity(tmp))
         write_json(tmp / OnnxDir.MARKER, info)
     return info
 

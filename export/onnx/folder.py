@@ -10,7 +10,7 @@ from bdlora import SCHEMA_VERSION
 from bdlora.corpora import heldout_blocks
 from bdlora.errors import UsageError
 from bdlora.export.decoder import DecoderLayout, decoder_graph, save_graph
-from bdlora.export.files import write_model_files
+from bdlora.export.files import identity, write_model_files
 from bdlora.export.onnx.metadata import metadata_props, metadata_summary, module_table, set_metadata
 from bdlora.export.onnx.quantize import quantize_int8
 from bdlora.export.onnx.signature import DEFAULT_OPSET, check_opset
@@ -70,6 +70,7 @@ def export_onnx_folder(model_dir: str | Path, out: str | Path, opset: int = DEFA
         write_model_files(tmp, model, tok, report)
         if quantize == "int8":
             info["int8"] = _quantize(tmp, model, tok, report, model_dir, info, reporter)
+        info.update(identity(tmp))
         write_json(tmp / OnnxDir.MARKER, info)
     return info
 
