@@ -392,7 +392,7 @@ class OneShotConfig:
         c.number("heldout_fraction", self.heldout_fraction, 0.0, 1.0, lo_open=True, hi_open=True)
         if self.precision is not None:
             c.choice("precision", self.precision, GENAI_PRECISIONS)
-        c.integer("threads", self.threads, lo=1, hi=512)
+        c.threads("threads", self.threads)
         c.text("data", self.data)
         c.text("calib_data", self.calib_data)
         c.require(isinstance(self.correct, bool), f"--correct {shown(self.correct)}: must be true or false")

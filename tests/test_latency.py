@@ -3,6 +3,7 @@ its cache, its interpolation), the allocation taking it as its cost (a pair that
 never chosen), ``compress --one-shot --precision`` and ``plan --precision`` reading it from the cache."""
 
 import json
+import math
 
 import numpy as np
 import onnxruntime as ort
@@ -221,3 +222,57 @@ def test_train_at_a_precision_starts_from_the_allocation_by_decode_time(tiny_env
     bad = CliRunner().invoke(app, train_args(tiny_env, tmp_path / "x", "--method", "budgeted", "--precision", "int4"))
     assert bad.exit_code == 2 and "--precision int4: allocates a budgeted student's start by decode time" in bad.stderr
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("damage", ["nan", "inf", "zero", "negative", "text", "bool", "bad key", "deep"])
+def test_a_damaged_latency_table_is_measured_again_never_used(tiny_env, tmp_path, monkeypatch, damage):
+    """Issue 53, case 6: NaN in a cached table made plan print ``predicted_projection_speedup: NaN`` with exit 0,
+    zeros a ZeroDivisionError, deep nesting a RecursionError. Damaged entries are dropped and measured again (here
+    by a stand-in for the timing, which this test is not about) and the table is rewritten whole."""
+    monkeypatch.setenv("BDLORA_CACHE", str(tmp_path))
+    remeasured = []
+
+    def fake(k, n, rank, precision, threads):
+        remeasured.append(f"{k}x{n}@{rank}")
+        return k * n / 100 if rank == 0 else 0.5 + rank * (k + n) / 100
+
+    monkeypatch.setattr(lat, "measure_form", fake)
+    shapes = _tiny_shapes(tiny_env["teacher"])
+    path = _hand_table(tmp_path, shapes, (), precision="int8", threads=1)
+    good = json.loads(path.read_text())
+    victim = sorted(good["us"])[0]
+    values = {"nan": float("nan"), "inf": float("inf"), "zero": 0, "negative": -3.0, "text": "fast", "bool": True}
+    if damage == "deep":
+        path.write_text('{"us": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    elif damage == "bad key":
+        path.write_text(json.dumps({**good, "us": {**good["us"], "64x64@-1": 1.0, "q_proj": 2.0}}))
+    else:
+        path.write_text(json.dumps({**good, "us": {**good["us"], victim: values[damage]}}))
+    res = CliRunner().invoke(app, ["plan", "--model-config", str(tiny_env["teacher"]), "--budget", "0.4",
+                                   "--lora-rank", "4", "--precision", "int8", "--threads", "1", "--json"])
+    assert res.exit_code == 0, res.output
+    speedup = json.loads(res.stdout)["deployed"]["predicted_projection_speedup"]
+    assert math.isfinite(speedup) and speedup > 0
+    if damage == "deep":
+        assert sorted(remeasured) == sorted(good["us"])
+    elif damage == "bad key":
+        assert remeasured == []  # the valid entries were all there
+    else:
+        assert remeasured == [victim]
+    rewritten = json.loads(path.read_text())["us"]
+    if damage != "bad key":
+        assert rewritten == pytest.approx(good["us"])
+
+
+def test_a_table_measured_on_more_threads_than_cores_is_refused(tiny_env, tmp_path, monkeypatch):
+    """Issue 53, minor: ``plan``/``compress --precision int8 --threads 64`` on 2 cores was accepted and the table
+    measured so cached as if it were real (bench refused the same value)."""
+    from bdlora.errors import usable_cores
+
+    monkeypatch.setenv("BDLORA_CACHE", str(tmp_path))
+    many = str(usable_cores() + 1)
+    for argv in (["plan", "--model-config", str(tiny_env["teacher"]), "--precision", "int8", "--threads", many],
+                 shot_args(tiny_env, tmp_path / "s", "--mac-ratio", "1.3", "--precision", "int8", "--threads", many)):
+        res = CliRunner().invoke(app, argv)
+        assert res.exit_code == 2 and f"--threads {many}: " in res.stderr and "cores" in res.stderr, res.output
+    assert not (tmp_path / "latency").exists() and not (tmp_path / "s").exists()

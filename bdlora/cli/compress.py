@@ -93,7 +93,7 @@ def _check_plan(opts, rank, model_config, model, allocation, mac_ratio, calib_to
               "calibration decide the structure)")
     if precision is not None:
         c.choice("precision", precision, GENAI_PRECISIONS)
-    c.integer("threads", threads, lo=1, hi=512)
+    c.threads("threads", threads)
     c.done()
 
 

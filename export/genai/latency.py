@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import math
 import platform
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +34,7 @@ from onnx import TensorProto, helper, numpy_helper
 from bdlora.bench.config import GENAI_PRECISIONS as PRECISIONS
 from bdlora.budgeted.allocate import break_even
 from bdlora.budgeted.costs import ModuleShape
-from bdlora.errors import UsageError
+from bdlora.errors import UsageError, usable_cores
 from bdlora.export.genai.gptq import BLOCK_SIZE, nbits_node
 from bdlora.io import read_json, write_json
 from bdlora.reporter import SILENT, Reporter
@@ -200,23 +201,44 @@ def table_path(cache: Path, precision: str, threads: int) -> Path:
     return cache / "latency" / f"{precision}-t{threads}-{tag}.json"
 
 
+_ENTRY = re.compile(r"[1-9]\d{0,6}x[1-9]\d{0,6}@(?:0|[1-9]\d{0,6})")
+MAX_US = 1e9  # a quarter of an hour for one projection: no measurement, a damaged value
+
+
+def read_table(path: Path) -> tuple[dict[str, float], int]:
+    """(the valid entries of a cached table, how many were dropped). An entry is kept only when its key names a
+    form (``KxN@R``) and its value is a finite time in (0, MAX_US] microseconds: NaN made plan print a NaN speed-up
+    with exit 0, zero a division by zero, and a table nested past the recursion limit a traceback. A table that
+    does not parse at all counts as one dropped entry."""
+    try:
+        doc = read_json(path)
+        items = doc["us"].items()
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return {}, 1
+    kept: dict[str, float] = {}
+    for k, v in items:
+        if isinstance(k, str) and _ENTRY.fullmatch(k) and isinstance(v, (int, float)) and not isinstance(v, bool) \
+                and math.isfinite(v) and 0 < v <= MAX_US:
+            kept[k] = float(v)
+    return kept, len(doc["us"]) - len(kept)
+
+
 def latency_table(shapes: list[ModuleShape], precision: str, threads: int, cache: Path,
                   reporter: Reporter = SILENT) -> LatencyTable:
     """The table for ``shapes`` at ``precision`` and ``threads``, read from the cache and completed by measuring the
     forms it lacks (the dense product and the rank ``grid`` of every distinct (K, N))."""
     if precision not in PRECISIONS:
         raise UsageError(f"--precision {precision}: must be one of {', '.join(PRECISIONS)}")
-    if threads < 1:
-        raise UsageError(f"--threads {threads}: must be a positive integer")
+    if not 1 <= threads <= usable_cores():  # a table measured on more threads than cores would be cached as real
+        raise UsageError(f"--threads {threads}: must be between 1 and the cores this process may use "
+                         f"({usable_cores()})")
     path = table_path(Path(cache), precision, threads)
     table = LatencyTable(precision, threads, path=path)
     if path.is_file():
-        try:
-            doc = read_json(path)
-            table.us = {str(k): float(v) for k, v in doc["us"].items()}
-        except (ValueError, KeyError, TypeError, AttributeError):
-            reporter.stage(f"{path}: unreadable latency table, measuring again")
-            table.us = {}
+        table.us, dropped = read_table(path)
+        if dropped:
+            reporter.stage(f"{path}: {dropped} damaged entr{'y' if dropped == 1 else 'ies'} (not a positive finite "
+                           "time of a KxN@R form), measuring again")
     todo = []
     for k, n in dict.fromkeys((s.in_features, s.out_features) for s in shapes):
         for r in [0, *grid(ModuleShape("", k, n))]:
