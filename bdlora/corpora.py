@@ -42,6 +42,9 @@ from bdlora.runs import CORPUS_FILE, CORPUS_META
 
 PROSE = "prose"
 TEACHER_PREFIX = "teacher:"
+# teacher:N generates N tokens with the teacher before training starts: beyond this it is a typo, not a corpus
+# (teacher:1000000000000 started generating with no end in sight)
+MAX_TEACHER_TOKENS = 100_000_000
 MIX_CHUNK = 1024
 MIX_SEED = 20261125
 MIX_VERSION = 1
@@ -94,8 +97,14 @@ def parse(spec: str, what: str = "--data") -> list[Part]:
     names = [p.spec for p in parts]
     if len(set(names)) != len(names):
         raise DataError(f"{what} {spec}: a corpus is named twice; give each once with its whole weight")
-    total = sum(p.weight for p in parts)
-    return [Part(p.spec, p.weight / total) for p in parts]
+    top = max(p.weight for p in parts)  # scaled first: weights of 1e308 summed to inf and divided to zero
+    total = sum(p.weight / top for p in parts)
+    parts = [Part(p.spec, p.weight / top / total) for p in parts]
+    for part, item in zip(parts, spec.split(",")):
+        if part.weight == 0.0:
+            raise DataError(f"{what} {spec}: '{item.strip()}': a weight this small next to the others is zero in "
+                            "floating point (give weights within a factor of 1e300 of each other)")
+    return parts
 
 
 def teacher_tokens(spec: str) -> int | None:
@@ -108,8 +117,10 @@ def teacher_tokens(spec: str) -> int | None:
 def _check_single(spec: str, what: str) -> None:
     if spec.startswith(TEACHER_PREFIX):
         n = spec[len(TEACHER_PREFIX):]
-        if not n.isdigit() or int(n) < 1:
-            raise DataError(f"{what} {spec}: teacher:N needs a positive whole number of tokens (e.g. teacher:65536)")
+        # ASCII digits only: "²".isdigit() is true and int("²") a ValueError
+        if not (n.isascii() and n.isdigit()) or not 1 <= int(n) <= MAX_TEACHER_TOKENS:
+            raise DataError(f"{what} {spec}: teacher:N needs a whole number of tokens from 1 to "
+                            f"{MAX_TEACHER_TOKENS:,} (e.g. teacher:65536)")
         return
     if spec in (BUILTIN, PROSE):
         return

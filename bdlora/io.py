@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import glob
+import hashlib
 import json
 import os
 import shutil
@@ -122,7 +123,8 @@ _CLAIMS: dict[Path, int] = {}
 
 
 def _lock_path(path: Path) -> Path:
-    return path.parent / f".{path.name}.lock"
+    name = path.name if len(path.name.encode()) <= 200 else hashlib.sha256(path.name.encode()).hexdigest()[:32]
+    return path.parent / f".{name}.lock"  # a long name is hashed: the lock's must fit where the output's does
 
 
 def claim(path: str | os.PathLike) -> None:

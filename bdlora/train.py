@@ -156,6 +156,8 @@ def train(cfg: TrainConfig, reporter: Reporter | None = None, resume: str | Path
 
 def setup(cfg: TrainConfig, rep: Reporter, resume: RunDir | None, env: D.DistEnv, dist_device,
           cost_table=None) -> Run:
+    if resume is None and env.is_main and cfg.out:  # refused (and claimed) before the teacher loads and calibrates,
+        check_new_out(cfg.out)  # not ~40 s later when the run folder is made
     with D.main_first(env):  # rank 0 builds the caches (teacher, tokenised corpus) first
         sess = prepare(cfg, rep)
     cfg, device = sess.cfg, dist_device or sess.device

@@ -25,6 +25,15 @@ DEFAULT_PROMPTS = ("def main(", "import os\n", "class Config:\n    def __init__(
                    "# Licensed under", "return self.", "if __name__ ==", "with open(path) as f:\n")
 
 
+def _count(usage) -> int:
+    """``usage.completion_tokens`` of a server's answer, which must be a whole number (a server answering "lots" was
+    a TypeError traceback when the counts were added up)."""
+    n = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise RuntimeError(f"usage.completion_tokens is not a whole number of tokens: {str(n)[:40]!r}")
+    return n
+
+
 def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(np.array(values) * 1000.0, q)) if values else None
 
@@ -47,7 +56,7 @@ async def _one_stream(client, body: dict) -> tuple[float, list[float], int]:
             if "error" in chunk:
                 raise RuntimeError(f"stream error: {chunk['error'].get('message')}")
             if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
+                tokens = _count(chunk["usage"])
             if any(c.get("text") for c in chunk.get("choices", [])):
                 now = time.perf_counter()
                 if ttft is None:
@@ -89,7 +98,7 @@ async def _run(url: str, model: str, concurrency: int, requests: int, max_tokens
                         r = await client.post("/v1/completions", json=body)
                         if r.status_code != 200 or len(r.json().get("choices", [])) != 1:
                             raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
-                        n = r.json()["usage"]["completion_tokens"]
+                        n = _count(r.json()["usage"])
                 except Exception as e:  # noqa: BLE001  a transport or protocol failure is a failed request, counted
                     failures.append(f"{type(e).__name__}: {e}")
                     continue

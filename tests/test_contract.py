@@ -344,6 +344,32 @@ CASES = out_cases() + json_cases() + [
     Case("serve: an ONNX folder with a foreign tokenizer", lambda m, t: (
         put_foreign_tokenizer(copy(m, "onnx", t, "m"), m["env"]["corpus"]),
         ["serve", str(t / "m"), "--port", "9"])[1], "differs from the one recorded in export.json"),
+    # issue 53, case 7: tracebacks, and the minor cases
+    Case("train --data teacher:²", lambda m, t: train(m, t, "--data", "teacher:²"),
+         "teacher:N needs a whole number of tokens from 1 to 100,000,000"),
+    Case("eval --domains teacher:²", lambda m, t: ["eval", str(m["compressed"]), "--ppl", "--domains", "teacher:²",
+                                                   "--json", str(t / "out")], "--domains teacher:²: teacher:N needs"),
+    Case("train --data teacher:1000000000000", lambda m, t: train(m, t, "--data", "teacher:1000000000000"),
+         "teacher:N needs a whole number of tokens from 1 to 100,000,000"),
+    Case("train --data builtin:-1 is printed as written", lambda m, t: train(m, t, "--data", "builtin:-1"),
+         "--data builtin:-1:"),
+    Case("--json with a 300-byte name", lambda m, t: ["eval", str(m["compressed"]), "--ppl", "--json",
+                                                      str(t / ("a" * 300 + ".json"))],
+         "a name in this path (305 bytes) is longer than the file system allows"),
+    Case("--data with a 300-byte name", lambda m, t: train(m, t, "--data", str(t / ("a" * 300))),
+         "a name in this path (300 bytes) is longer than the file system allows"),
+    Case("a model folder with a 300-byte name", lambda m, t: ["eval", str(t / ("a" * 300)), "--ppl"],
+         "is longer than the file system allows"),
+    Case("bench --genai-precisions fp32,fp32", lambda m, t: [
+        "bench", str(m["compressed"]), "--runtime", "genai", "--genai-precisions", "fp32,fp32",
+        "--out", str(t / "out")],
+         "--genai-precisions fp32,fp32: fp32 given twice"),
+    Case("export genai --precision fp32 --quant gptq", lambda m, t: [
+        "export", "genai", str(m["compressed"]), "--precision", "fp32", "--quant", "gptq", "--out", str(t / "out")],
+        "--quant gptq: rounds quantised graphs only"),
+    Case("export genai --precision int8 --head-bits 4", lambda m, t: [
+        "export", "genai", str(m["compressed"]), "--precision", "int8", "--head-bits", "4", "--out", str(t / "out")],
+        "--head-bits 4: sets the LM head's bits of an int4 graph; at --precision int8"),
     Case("train diverges (--lr 1e30)", lambda m, t: train(m, t, "--lr", "1e30"), "lower --lr (now 1e+30); ", code=1),
     Case("train: a teacher with NaN weights", nan_teacher, "on the calibration tokens are not finite"),
     Case("train: a teacher with NaN weights, the paper's zero start", lambda m, t: [
@@ -557,3 +583,63 @@ def test_two_runs_started_in_the_same_second_get_two_folders(tmp_path, monkeypat
     assert [p.name for p in made] == ["20260102-030405-budgeted", "20260102-030405-budgeted-1",
                                       "20260102-030405-budgeted-2"]
     assert all(p.is_dir() for p in made)
+
+
+def test_a_folder_whose_path_reads_as_markup_is_evaluated(made, tmp_path):
+    """Issue 53, case 7: a model folder whose path contains ``[/]`` was a rich MarkupError (eval could not run)."""
+    folder = copy(made, "compressed", tmp_path / "a[", "]b")
+    res = CliRunner().invoke(app, ["eval", str(folder), "--ppl", "--json", str(tmp_path / "e.json")])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "e.json").read_text())["ppl"]["val_ppl"] > 1.0
+
+
+def test_train_refuses_an_out_inside_a_model_folder_before_loading_anything(made, tmp_path, monkeypatch):
+    """Issue 53, minor: ``train --out`` inside a compressed folder was refused only after the teacher had loaded and
+    the start was calibrated (~40 s)."""
+    from bdlora import train as train_module
+
+    def never(*args, **kwargs):
+        raise AssertionError("the teacher was loaded before --out was checked")
+
+    monkeypatch.setattr(train_module, "prepare", never)
+    folder = copy(made, "compressed", tmp_path)
+    res = CliRunner().invoke(app, train_args(made["env"], folder / "run", "--max-steps", "1"))
+    assert res.exit_code == 2 and "is inside the model/run folder" in res.stderr, res.output
+
+
+def test_loadtest_counts_a_server_answering_nonsense_as_failures(tmp_path):
+    """Issue 53, case 7: a server answering ``"completion_tokens": "lots"`` was a TypeError traceback."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Liar(BaseHTTPRequestHandler):
+        def _answer(self, doc):
+            body = json.dumps(doc).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):  # noqa: N802
+            self._answer({"object": "list", "data": [{"id": "m"}]})
+
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self._answer({"choices": [{"text": "x"}], "usage": {"completion_tokens": "lots"}})
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Liar)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        res = CliRunner().invoke(app, ["loadtest", url, "--concurrency", "1", "--requests", "3", "--max-tokens", "2",
+                                       "--json", str(tmp_path / "l.json")])
+    finally:
+        server.shutdown()
+    assert res.exception is None or isinstance(res.exception, SystemExit), res.exception
+    assert "Traceback" not in res.output
+    rows = json.loads((tmp_path / "l.json").read_text())["results"]
+    assert rows[0]["failures"] == 3 and "completion_tokens is not a whole number" in rows[0]["first_failure"]

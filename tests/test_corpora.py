@@ -259,3 +259,14 @@ def test_a_bad_autocast_or_calib_data_is_refused_before_any_run_folder(tiny_env,
         res = CliRunner().invoke(app, train_args(tiny_env, run, "--max-steps", "1", flag, value))
         assert res.exit_code == 2 and words in res.output and "Traceback" not in res.output, res.output
         assert not run.exists()
+
+
+def test_mixture_weights_at_the_float_limit_are_normalised():
+    """Issue 53, case 7: ``builtin:1e308,DIR:1e308`` summed to inf and divided to zero (ZeroDivisionError)."""
+    from bdlora.corpora import parse
+    from bdlora.errors import DataError
+
+    parts = parse("builtin:1e308,prose:1e308")
+    assert [p.weight for p in parts] == [0.5, 0.5]
+    with pytest.raises(DataError, match="prose:1e-300.*a weight this small next to the others is zero"):
+        parse("builtin:1e308,prose:1e-300")

@@ -91,6 +91,9 @@ class BenchConfig:
                   + ", ".join(GENAI_PRECISIONS))
         for p in self.genai_precisions:
             c.choice("genai_precisions", p, GENAI_PRECISIONS)
+        twice = sorted({p for p in self.genai_precisions if self.genai_precisions.count(p) > 1})
+        c.require(not twice, f"--genai-precisions {','.join(map(str, self.genai_precisions))}: "
+                             f"{', '.join(map(str, twice))} given twice (each precision is one folder)")
         c.integer("quality_tokens", self.quality_tokens, lo=0)
         c.choice("quant", self.quant, QUANT_METHODS)
         if self.teacher_quant is not None:

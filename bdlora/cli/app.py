@@ -10,6 +10,7 @@ import inspect
 import os
 import re
 import sys
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -83,8 +84,10 @@ export_app = typer.Typer(no_args_is_help=True, help="Export a compressed model (
 app.add_typer(export_app, name="export")
 
 # Piped output (logs, CI) gets a wide console so tables are not cropped at 80 columns.
-out = Console(width=None if sys.stdout.isatty() else 150)
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
+# emoji off: rich turned "--data builtin:-1" into a thumbs-down. Text from the user (paths, corpus specs, names) is
+# passed through rich.markup.escape wherever it is printed: a folder named "a[/]b" was a MarkupError traceback.
+out = Console(width=None if sys.stdout.isatty() else 150, emoji=False)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 150, emoji=False)
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:
@@ -107,6 +110,10 @@ def command(target: typer.Typer = app, name: str | None = None, options=()):
             except NotAFileError as e:  # something not a regular file appeared at an output path while we worked
                 raise fail(str(e), 1) from None
             except Exception as e:  # noqa: BLE001 - re-raised unless the disk refused a write
+                if isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG:  # a path the user gave: bad usage
+                    name = max(Path(e.filename or "").parts or [""], key=lambda part: len(part.encode()))
+                    raise fail(f"{e.filename}: a name in this path ({len(name.encode())} bytes) is longer than the "
+                               "file system allows (usually 255 bytes)", 2) from None
                 code = storage_errno(e)
                 if code is None:
                     raise
@@ -115,7 +122,7 @@ def command(target: typer.Typer = app, name: str | None = None, options=()):
                 raise fail(f"could not write{where}: {os.strerror(code)}{STORAGE_ERRORS[code]}; the partial "
                            "output was discarded (artefacts are renamed into place only when whole)", 1) from None
             except KeyboardInterrupt as e:
-                err.print(f"[bold red]interrupted[/]{': ' + str(e) if str(e) else ''}", highlight=False,
+                err.print(f"[bold red]interrupted[/]{': ' + escape(str(e)) if str(e) else ''}", highlight=False,
                           soft_wrap=True)
                 raise typer.Exit(130) from None
             finally:

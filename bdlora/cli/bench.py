@@ -3,6 +3,7 @@
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from bdlora.bench.config import BenchConfig
 from bdlora.bench.target import SYNTHETIC_LORA_RANK, compressed_target, synthetic_target
@@ -68,7 +69,7 @@ def bench(
     if json_path:
         write_json(json_path, doc)
     render.bench(doc)
-    out.print(f"[green]wrote[/] {target.out / BenchDir.MARKER}, bench.md, bench.png")
+    out.print(f"[green]wrote[/] {escape(str(target.out / BenchDir.MARKER))}, bench.md, bench.png")
 
 
 def _check_own_options(model_config, budget, layers, lora_rank) -> None:

@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from bdlora import sources
 from bdlora.arch import check_lora_rank
@@ -158,7 +159,7 @@ def compress(
     render.compression_report(report, title=title)
     if report.get("provenance", {}).get("allocation_cost"):
         render.latency_forms(report["provenance"]["allocation_cost"])
-    out.print(f"[green]wrote[/] {folder}")
+    out.print(f"[green]wrote[/] {escape(str(folder))}")
 
 
 def _deployed_prediction(report: dict, precision: str, threads: int | None, reporter) -> dict:

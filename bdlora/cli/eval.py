@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from bdlora.cli import render
 from bdlora.cli.app import command, err, out
@@ -65,7 +66,7 @@ def eval_cmd(
     doc = evaluate_with_teacher(src, ecfg, vs_teacher, reporter=RichReporter(out))
     write_json(dst, doc)
     render.evaluation(doc)
-    out.print(f"[green]wrote[/] {dst}")
+    out.print(f"[green]wrote[/] {escape(str(dst))}")
 
 
 @command(options=from_dataclass(TrainConfig, names=SWEEP_TRAIN_OPTIONS, notes=defaults_help()))
@@ -128,7 +129,8 @@ def sweep(
         print(json.dumps(doc, indent=2))
         return
     out.print(markdown(doc))
-    out.print(f"[green]wrote[/] {doc['sweep_dir']}/sweep.md, results.json, pareto.png, main.md, table9.md, icl.png")
+    out.print(f"[green]wrote[/] {escape(str(doc['sweep_dir']))}/sweep.md, results.json, pareto.png, main.md, "
+              "table9.md, icl.png")
 
 
 def _check_resume_alone(resume: str, opts: dict, config, vary) -> None:
@@ -153,4 +155,4 @@ def sweep_merge(
 
     merge_sweeps(sweeps, str_list(labels) if labels else None, Path(out_dir), force=force)
     out.print((Path(out_dir) / PAPER_MAIN).read_text())
-    out.print(f"[green]wrote[/] {out_dir}/{', '.join(OUTPUTS)}, merged.json")
+    out.print(f"[green]wrote[/] {escape(str(out_dir))}/{', '.join(OUTPUTS)}, merged.json")

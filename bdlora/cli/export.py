@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from bdlora import sources
 from bdlora.cli import render
@@ -42,7 +43,8 @@ def export_hf(
     src = _source(model_dir, runs_dir)
     dst = Path(out_dir) if out_dir else ModelDir(src).hf_out()
     run_export(src, dst, force=force)
-    out.print(f"[green]wrote[/] {dst} (load with AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True))")
+    out.print(f"[green]wrote[/] {escape(str(dst))} (load with AutoModelForCausalLM.from_pretrained(path, "
+              "trust_remote_code=True))")
 
 
 @command(export_app, "onnx")

@@ -1,6 +1,7 @@
 """Progress on the terminal: the ``Reporter`` of every long command, drawn with rich."""
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from bdlora.reporter import Reporter
@@ -17,7 +18,7 @@ class RichReporter(Reporter):
 
     def stage(self, message: str) -> None:
         self._close_teacher()
-        self.c.print(f"[cyan]>[/] {message}")
+        self.c.print(f"[cyan]>[/] {escape(message)}")
 
     def teacher_step(self, step, total, loss):
         if self.tprogress is None:

@@ -1,5 +1,6 @@
 """Every table the CLI prints (rich), one function per report. Commands compute; these only format."""
 
+from rich.markup import escape
 from rich.table import Table
 
 from bdlora.bench.front import prediction_line, same_precision_cell, vs_reference
@@ -16,7 +17,7 @@ def _kv(title: str) -> Table:
 
 def teacher(info: dict) -> None:
     t = _kv("teacher")
-    t.add_row("path", str(info["path"]))
+    t.add_row("path", escape(str(info["path"])))
     t.add_row("parameters", f"{info['parameters']:,}")
     if info.get("note"):
         t.add_row("source", f"{info['note']} ({info.get('requirement')}, licence {info.get('licence')})")
@@ -218,10 +219,10 @@ def front(points: list[dict]) -> None:
         t.add_column(col, justify="left" if col in ("variant", "front") else "right")
     for p in points:
         ppl = p["ppl"]
-        t.add_row(p["name"], f"{p['ms']:.3f}", "-" if ppl is None else f"{ppl:.3f}", *vs_reference(p, ref),
+        t.add_row(escape(p["name"]), f"{p['ms']:.3f}", "-" if ppl is None else f"{ppl:.3f}", *vs_reference(p, ref),
                   same_precision_cell(p),
                   "-" if p["front"] is None else "[green]on the front[/]" if p["front"]
-                  else f"dominated by {p['dominated_by']}")
+                  else f"dominated by {escape(str(p['dominated_by']))}")
     out.print(t)
 
 
@@ -232,15 +233,16 @@ def evaluation(doc: dict) -> None:
         p, tp = doc["ppl"], (teacher.get("ppl") or {}).get("val_ppl")
         beside = f" vs the teacher's [bold]{tp:.3f}[/] ({p['val_ppl'] / tp:.3f}x)" if tp else ""
         out.print(f"held-out perplexity: [bold]{p['val_ppl']:.3f}[/]{beside} ({p['tokens']:,} tokens of "
-                  f"{doc['data']['data']}, blocks of {p['seq_len']}; {doc['kind']})")
+                  f"{escape(str(doc['data']['data']))}, blocks of {p['seq_len']}; {doc['kind']})")
     for name, d in (doc.get("domains") or {}).items():
         if name == doc["data"]["data"]:
             continue
         td = ((teacher.get("domains") or {}).get(name) or {}).get("val_ppl")
         beside = f" vs the teacher's [bold]{td:.3f}[/] ({d['val_ppl'] / td:.3f}x)" if td else ""
-        out.print(f"held-out perplexity on {name}: [bold]{d['val_ppl']:.3f}[/]{beside} ({d['tokens']:,} tokens)")
+        out.print(f"held-out perplexity on {escape(name)}: [bold]{d['val_ppl']:.3f}[/]{beside} "
+                  f"({d['tokens']:,} tokens)")
     if doc.get("teacher_note"):
-        out.print(f"(no teacher figures beside: {doc['teacher_note']})")
+        out.print(f"(no teacher figures beside: {escape(doc['teacher_note'])})")
     if "icl" in doc:
         _icl_table(doc["icl"], teacher.get("icl"))
 
@@ -269,7 +271,8 @@ def _icl_table(r: dict, teacher: dict | None) -> None:
 
 def loadtest(rows: list[dict], url: str, max_tokens: int) -> None:
     stream = bool(rows[0].get("stream"))
-    t = Table(title=f"loadtest {url} ({rows[0]['model']}, max_tokens {max_tokens}{', streaming' if stream else ''})")
+    t = Table(title=f"loadtest {escape(url)} ({escape(str(rows[0]['model']))}, max_tokens {max_tokens}"
+                    f"{', streaming' if stream else ''})")
     cols = ["clients", "requests", "failed", "req/s", "tok/s", "p50 ms", "p90 ms", "p99 ms"]
     keys = ["p50_ms", "p90_ms", "p99_ms"]
     if stream:

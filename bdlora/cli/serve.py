@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from bdlora.cli import render
 from bdlora.cli.app import command, err, fail
@@ -49,7 +50,8 @@ def serve(
     check_onnx_dir(src, cfg.onnx_file, cfg.runtime)
     sock = listening_socket(host, port)
     auth = "API key required" if cfg.api_key else "no API key (--api-key or $BDLORA_API_KEY to require one)"
-    err.print(f"[cyan]>[/] serving {src} as '{cfg.model_name}' on http://{host}:{port}/v1 ({auth})", highlight=False)
+    err.print(f"[cyan]>[/] serving {escape(str(src))} as '{escape(cfg.model_name)}' on http://{host}:{port}/v1 "
+              f"({auth})", highlight=False)
     run_server(cfg, host, port, drain_seconds, sock=sock)
 
 

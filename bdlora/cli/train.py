@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from bdlora.cli import render
 from bdlora.cli.app import command, err, out
@@ -110,5 +111,5 @@ def _launch_torchrun(nproc: int) -> int:
         args.append(a)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "bdlora.cli", *args]
-    err.print(f"[cyan]>[/] launching {nproc} processes: {' '.join(cmd[2:])}", highlight=False, soft_wrap=True)
+    err.print(f"[cyan]>[/] launching {nproc} processes: {escape(' '.join(cmd[2:]))}", highlight=False, soft_wrap=True)
     return subprocess.call(cmd)

@@ -113,6 +113,14 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, precision: str =
         raise UsageError(f"--quant {quant}: unknown (allowed: {', '.join(METHODS)})")
     if head_bits not in (4, 8):
         raise UsageError(f"--head-bits {head_bits}: must be 4 or 8")
+    # options that do nothing at this precision are refused, not silently ignored
+    if precision == "fp32" and quant != QUANT:
+        raise UsageError(f"--quant {quant}: rounds quantised graphs only; --precision fp32 has nothing to round (give "
+                         "--precision int8 or int4)")
+    if precision != "int4" and head_bits != HEAD_BITS:
+        raise UsageError(f"--head-bits {head_bits}: sets the LM head's bits of an int4 graph; at --precision "
+                         f"{precision} the head keeps {'fp32' if precision == 'fp32' else '8 bits'} (give --precision "
+                         "int4)")
     if not isinstance(calib_tokens, int) or calib_tokens < 1:
         raise UsageError(f"--calib-tokens {calib_tokens}: must be a positive integer")
     if not 0.0 <= int8_share <= 1.0 or (int8_share and quant != "gptq"):
