@@ -16,7 +16,7 @@ from pathlib import Path
 
 from bdlora.arch import SUPPORTED_FAMILIES, unsupported
 from bdlora.errors import ModelError, shown
-from bdlora.runs import CONFIG
+from bdlora.runs import CONFIG, ModelDir
 
 DIGEST_KEY = "weights_sha256"  # in compression.json: {file name: hex digest}
 TOKENIZER_KEY = "tokenizer_sha256"  # in compression.json and export.json: {file name: hex digest}
@@ -233,7 +233,7 @@ def check_model_folder(folder: Path, report: dict | None = None) -> None:
         shapes.update(check_safetensors(p))
     check_declared_forms(folder, cfg, set(shapes))
     check_declared_sizes(folder, cfg, shapes)
-    check_tokenizer(folder, (report or {}).get(TOKENIZER_KEY), "compression.json")
+    check_tokenizer(folder, (report or {}).get(TOKENIZER_KEY), ModelDir.MARKER)
     recorded = (report or {}).get(DIGEST_KEY)
     if not recorded:
         return

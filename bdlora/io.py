@@ -5,6 +5,7 @@ by the two tensor helpers when they are called)."""
 from __future__ import annotations
 
 import atexit
+import fcntl
 import glob
 import hashlib
 import json
@@ -108,6 +109,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
+        release(path)
 
 
 class OutputBusyError(OSError):
@@ -130,10 +132,6 @@ def _lock_path(path: Path) -> Path:
 def claim(path: str | os.PathLike) -> None:
     """Claim ``path`` for writing by this process, or raise ``OutputBusyError`` naming the live writer. Creates the
     missing parent folders (the lock file lives beside the output)."""
-    try:
-        import fcntl
-    except ImportError:  # no flock (Windows): outputs are still renamed into place whole
-        return
     path = Path(os.path.abspath(path))
     if path in _CLAIMS:
         return
@@ -162,15 +160,23 @@ def claim(path: str | os.PathLike) -> None:
     _CLAIMS[path] = fd
 
 
+def release(path: str | os.PathLike) -> None:
+    """Drop this process's claim on ``path`` (if any) and remove its lock file: the output is in place, or gone."""
+    path = Path(os.path.abspath(path))
+    fd = _CLAIMS.pop(path, None)
+    if fd is None:
+        return
+    try:
+        os.unlink(_lock_path(path))  # while still locked: a waiter that opened it re-checks the inode
+    except OSError:
+        pass
+    os.close(fd)
+
+
 def release_claims() -> None:
-    """Drop every claim this process holds and remove its lock files (called when a command ends, and at exit)."""
-    for path, fd in list(_CLAIMS.items()):
-        try:
-            os.unlink(_lock_path(path))  # while still locked: a waiter that opened it re-checks the inode
-        except OSError:
-            pass
-        os.close(fd)
-        del _CLAIMS[path]
+    """Drop every claim this process holds (called when a command ends, and at exit)."""
+    for path in list(_CLAIMS):
+        release(path)
 
 
 atexit.register(release_claims)
@@ -225,6 +231,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+        release(path)
 
 
 def _shares(t, all_tensors: dict) -> bool:

@@ -34,7 +34,7 @@ from bdlora.config import TrainConfig, resolve_path
 from bdlora.data import default_cache_dir
 from bdlora.distill import DistillationLoss, diverged, kd_step, warmup_cosine
 from bdlora.errors import RunDirError, TrainingError, UsageError
-from bdlora.io import atomic_dir, write_json
+from bdlora.io import atomic_dir, release, write_json
 from bdlora.kdcache import TeacherTopK, cache_dir
 from bdlora.methods import METHOD_CLASSES, TrainingMethod
 from bdlora.outputs import check_new_out
@@ -152,6 +152,8 @@ def train(cfg: TrainConfig, reporter: Reporter | None = None, resume: str | Path
             raise
     finally:
         D.shutdown(env, run)
+        if cfg.out:
+            release(cfg.out)  # the run folder is finished, kept as failed or gone: another command may write it
 
 
 def setup(cfg: TrainConfig, rep: Reporter, resume: RunDir | None, env: D.DistEnv, dist_device,

@@ -69,8 +69,8 @@ def test_mix_counts_never_exceed_a_component_and_keep_the_proportions(available,
     ("builtin:x,prose:0.5", "CORPUS:WEIGHT"),
     ("builtin:-1,prose:1", "positive weight"),
     ("builtin:0.5,builtin:0.5", "named twice"),
-    ("teacher:abc", "positive whole number"),
-    ("teacher:0", "positive whole number"),
+    ("teacher:abc", "a whole number of tokens from 1 to"),
+    ("teacher:0", "a whole number of tokens from 1 to"),
 ])
 def test_bad_specs_are_refused_in_one_line(spec, words):
     with pytest.raises(DataError, match=words):

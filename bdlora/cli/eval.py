@@ -129,8 +129,7 @@ def sweep(
         print(json.dumps(doc, indent=2))
         return
     out.print(markdown(doc))
-    out.print(f"[green]wrote[/] {escape(str(doc['sweep_dir']))}/sweep.md, results.json, pareto.png, main.md, "
-              "table9.md, icl.png")
+    out.print(f"[green]wrote[/] {escape(str(doc['sweep_dir']))}/sweep.md, results.json, pareto.png, main.md, ...")
 
 
 def _check_resume_alone(resume: str, opts: dict, config, vary) -> None:

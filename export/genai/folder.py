@@ -99,14 +99,9 @@ def write_genai_files(model, tok, folder: Path, precision: str, ctx: int, report
     return info
 
 
-def export_genai_folder(model_dir: str | Path, out: str | Path, precision: str = GENAI_PRECISION,
-                        context_length: int | None = None, run_validation: bool = True, force: bool = False,
-                        max_ppl_change: float = MAX_PPL_CHANGE, threads: int | None = None, quant: str = QUANT,
-                        head_bits: int = HEAD_BITS, calib_tokens: int = CALIB_TOKENS, int8_share: float = INT8_SHARE,
-                        reporter: Reporter = SILENT) -> dict:
-    """Export ``model_dir`` (a compressed student or any HF Llama/Mistral/Qwen2 folder) for onnxruntime-genai.
-    ``threads``: intra-op threads written into genai_config.json (default: this machine's usable cores; 0 leaves
-    them out, and onnxruntime-genai then runs the folder on one thread)."""
+def _check_options(precision: str, quant: str, head_bits: int, calib_tokens: int, int8_share: float,
+                   threads: int | None) -> None:
+    """Refuse, in one line, a bad value or an option that does nothing at this precision (never ignore it)."""
     if precision not in PRECISIONS:
         raise UsageError(f"--precision {precision}: unknown (allowed: {', '.join(PRECISIONS)})")
     if quant not in METHODS:
@@ -129,6 +124,17 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, precision: str =
     if threads is not None and not 0 <= threads <= MAX_GENAI_THREADS:
         raise UsageError(f"--threads {threads}: must be in [0, {MAX_GENAI_THREADS}] (0 = leave the thread count to "
                          "the runtime)")
+
+
+def export_genai_folder(model_dir: str | Path, out: str | Path, precision: str = GENAI_PRECISION,
+                        context_length: int | None = None, run_validation: bool = True, force: bool = False,
+                        max_ppl_change: float = MAX_PPL_CHANGE, threads: int | None = None, quant: str = QUANT,
+                        head_bits: int = HEAD_BITS, calib_tokens: int = CALIB_TOKENS, int8_share: float = INT8_SHARE,
+                        reporter: Reporter = SILENT) -> dict:
+    """Export ``model_dir`` (a compressed student or any HF Llama/Mistral/Qwen2 folder) for onnxruntime-genai.
+    ``threads``: intra-op threads written into genai_config.json (default: this machine's usable cores; 0 leaves
+    them out, and onnxruntime-genai then runs the folder on one thread)."""
+    _check_options(precision, quant, head_bits, calib_tokens, int8_share, threads)
     threads = (usable_cores() if threads is None else threads) or None  # None: no count in genai_config.json
     model_dir, out = Path(model_dir), Path(out)
     check_out_dir(out, force, (model_dir,))
