@@ -229,12 +229,7 @@ class Serving:
 
 
 def _json_of(whole, results) -> bytes:
-    """The answer's JSON, its choices serialised one at a time: pydantic holds the interpreter for a whole call, and
-    one call over a 17.5 MB answer (64 echoed prompts with 20 logprobs) left the event loop no turn for its length."""
-    response = whole(results)
-    head = response.model_dump_json(exclude={"choices"})
-    parts = [c.model_dump_json() for c in response.choices]
-    return (head[:-1] + ("," if head != "{}" else "") + '"choices":[' + ",".join(parts) + "]}").encode()
+    return whole(results).model_dump_json().encode()
 
 
 class CompletionServing(Serving):
