@@ -1,7 +1,7 @@
-"""The decoder architectures bdlora adapts (Llama / Mistral / Qwen2 families) and how to reach their parts.
+"""How to reach the parts of the decoders bdlora adapts (the families of ``bdlora.families``' table).
 
-One place for: the seven projection names and which block holds each, the supported families and the check that a
-model is one of them (by ``isinstance`` on transformers' classes, which bdlora's compressed classes subclass), the
+One place for: the seven projection names and which block holds each, the check that a model is of a family the
+table loads (by ``isinstance`` on transformers' classes, which bdlora's compressed classes subclass), the
 unwrap of a PEFT-wrapped model, the final hidden states + LM head without full-vocabulary logits, and the plain
 state dict of a wrapped student. torch and transformers are imported by the functions that need them, so
 ``plan``, the CLI and serving can read the names without loading torch.
@@ -10,11 +10,12 @@ state dict of a wrapped student. torch and transformers are imported by the func
 from __future__ import annotations
 
 from bdlora.errors import UsageError
+from bdlora.families import ATTENTION as ATTENTION_PROJECTIONS
+from bdlora.families import FAMILIES, LOADED
+from bdlora.families import MLP as MLP_PROJECTIONS
 
-ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 PROJECTIONS = ATTENTION_PROJECTIONS + MLP_PROJECTIONS
-SUPPORTED_FAMILIES = ("mistral", "llama", "qwen2")
+SUPPORTED_FAMILIES = LOADED
 # tensors a training wrapper adds beside the dense weights (PEFT LoRA, bdlora gated modules)
 ADAPTER_TENSORS = ("lora_", "gate_logits", "retention", "lora_dropout")
 
@@ -73,10 +74,10 @@ def hidden_and_head(model, input_ids, attention_mask=None):
 
 
 def family_classes() -> dict:
-    """model_type -> transformers' causal-LM class of each supported family."""
-    from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+    """model_type -> transformers' causal-LM class of each family whose weights bdlora loads (the table's)."""
+    import transformers
 
-    return {"mistral": MistralForCausalLM, "llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM}
+    return {t: getattr(transformers, FAMILIES[t].causal_lm) for t in LOADED}
 
 
 def family_of(model) -> str | None:
@@ -98,8 +99,8 @@ def set_module(model, name: str, module) -> None:
 
 
 def unsupported(what: str, model_type: str) -> str:
-    return (f"{what}: not a Llama/Mistral/Qwen2-style decoder (model_type {model_type}); bdlora adapts the "
-            f"q/k/v/o/gate/up/down projections of the {', '.join(SUPPORTED_FAMILIES)} families")
+    return (f"{what}: not a family bdlora adapts (model_type {model_type}); bdlora adapts the q/k/v/o/gate/up/down "
+            f"projections of the {', '.join(SUPPORTED_FAMILIES)} families")
 
 
 def dense_state_dict(model) -> dict:

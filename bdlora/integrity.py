@@ -16,6 +16,7 @@ from pathlib import Path
 
 from bdlora.arch import SUPPORTED_FAMILIES, unsupported
 from bdlora.errors import ModelError, shown
+from bdlora.families import BDLORA_PREFIX
 from bdlora.runs import CONFIG, ModelDir
 
 DIGEST_KEY = "weights_sha256"  # in compression.json: {file name: hex digest}
@@ -177,7 +178,7 @@ def check_config(folder: Path) -> dict:
         raise ModelError(f"{f}: not valid JSON ({type(e).__name__}); the folder is damaged") from None
     if not isinstance(cfg, dict) or not isinstance(cfg.get("model_type"), str):
         raise ModelError(f"{f}: not a model config (a JSON object with a model_type); the folder is damaged")
-    known = SUPPORTED_FAMILIES + tuple(f"bdlora_{family}" for family in SUPPORTED_FAMILIES)
+    known = SUPPORTED_FAMILIES + tuple(f"{BDLORA_PREFIX}{family}" for family in SUPPORTED_FAMILIES)
     if cfg["model_type"] not in known:  # named here: transformers would say it "does not recognize" it, or prompt
         raise ModelError(unsupported(str(folder), shown(cfg["model_type"])) + " (and their compressed forms "
                          f"{', '.join(known[len(SUPPORTED_FAMILIES):])})")

@@ -10,15 +10,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bdlora.arch import SUPPORTED_FAMILIES
 from bdlora.budgeted.config import BudgetedConfig
 from bdlora.budgeted.controller import BudgetController
 from bdlora.budgeted.costs import compression_report, decide_module, shapes_from_config, training_compute_proxy
-from bdlora.errors import Checks, ModelError
+from bdlora.errors import Checks, ModelError, UsageError
+from bdlora.families import family
 from bdlora.runs import CONFIG
 
-# plan needs shapes only, so it also reads Qwen3 configs (explicit head_dim); the other commands need weights
-PLAN_MODEL_TYPES = (*SUPPORTED_FAMILIES, "qwen3")
 DEFAULT_PLAN_STEPS = 10_000
 
 
@@ -35,9 +33,10 @@ def read_model_config(path: str | Path) -> dict:
     if not isinstance(config, dict) or "model_type" not in config:
         raise ModelError(f"--model-config {path}: not a Hugging Face config.json (no model_type)")
     base = (config.get("bdlora") or {}).get("base_model_type", config["model_type"])
-    if base not in PLAN_MODEL_TYPES:
-        raise ModelError(f"--model-config {path}: model_type {config['model_type']!r} has no q/k/v/o/gate/up/down "
-                         f"projections bdlora adapts (supported: {', '.join(PLAN_MODEL_TYPES)})")
+    try:  # plan needs shapes only: every family of the table, those without a bdlora architecture too
+        family(base, f"--model-config {path}: model_type", loaded=False)
+    except UsageError as e:
+        raise ModelError(str(e)) from None
     return config
 
 

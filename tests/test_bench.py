@@ -85,6 +85,7 @@ def test_synthetic_mode_builds_the_planned_structure(budget, tmp_path):
     from bdlora.arch import projection_modules
     from bdlora.export.decoder import build_projection_stack
     from bdlora.export.decoder.graph import STACK_INPUTS
+    from bdlora.families import Anatomy
     from bdlora.runtime import session
 
     path = tmp_path / "stack.onnx"
@@ -99,7 +100,8 @@ def test_synthetic_mode_builds_the_planned_structure(budget, tmp_path):
     with torch.no_grad():
         for k, (name, m) in enumerate(named):
             layer = name.split("layers.")[1].split(".")[0]
-            x = torch.from_numpy(feeds[f"{STACK_INPUTS[name.rsplit('.', 1)[-1]]}.{layer}"])
+            group = Anatomy().input_group(name.rsplit(".", 1)[-1])
+            x = torch.from_numpy(feeds[f"{STACK_INPUTS[group]}.{layer}"])
             np.testing.assert_allclose(got[k], m(x).numpy(), atol=1e-5)
 
 

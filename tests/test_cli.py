@@ -78,7 +78,7 @@ def test_teacher_without_projections(tiny_env, tmp_path):
     GPT2LMHeadModel(cfg).save_pretrained(d)
     tiny_env["tokenizer"].save_pretrained(d)
     out = tmp_path / "run"
-    _assert_usage_error(_run(_args_with(tiny_env, out, **{"--teacher": str(d)})), "not a Llama/Mistral/Qwen2", out)
+    _assert_usage_error(_run(_args_with(tiny_env, out, **{"--teacher": str(d)})), "not a family bdlora adapts", out)
 
 
 def test_mismatched_vocabularies(tiny_env, tmp_path):

@@ -137,13 +137,52 @@ def test_importing_bdlora_deployed_registers_the_architectures_explicitly(first)
 
 
 # Modules every other module may build on, which import no project module but the errors.
-LEAVES = ("bdlora.arch", "bdlora.errors", "bdlora.runs", "bdlora.io")
+LEAVES = ("bdlora.arch", "bdlora.errors", "bdlora.runs", "bdlora.io", "bdlora.families")
 
 
 def test_the_leaves_import_nothing_above_them():
     graph = import_graph()
-    edges = sorted(f"{m} -> {t}" for m in LEAVES for t in graph[m] if t not in ("bdlora.errors", "bdlora.io"))
+    edges = sorted(f"{m} -> {t}" for m in LEAVES for t in graph[m]
+                   if t not in ("bdlora.errors", "bdlora.io", "bdlora.families"))
     assert not edges, edges
+
+
+def test_one_family_table():
+    """A model family is one entry of bdlora.families: no other module spells a family's model_type, and bdlora's
+    own architecture (remote code that cannot import the table) covers exactly the families whose weights it loads,
+    each subclassing the causal-LM class the table names."""
+    from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES
+    from bdlora.families import BDLORA_PREFIX, FAMILIES, LOADED
+
+    assert tuple(BDLORA_CLASSES) == LOADED
+    for family, (cfg_cls, model_cls) in BDLORA_CLASSES.items():
+        assert cfg_cls.model_type == f"{BDLORA_PREFIX}{family}"
+        assert FAMILIES[family].causal_lm in [c.__name__ for c in model_cls.__mro__]
+    hits = []
+    for name, path in project_modules().items():
+        if name in ("bdlora.families", "bdlora.deployed.modeling_bdlora"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in FAMILIES:
+                hits.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value!r}")
+    assert not hits, hits
+
+
+def test_a_family_the_table_lacks_is_refused_naming_those_it_has(tmp_path):
+    from typer.testing import CliRunner
+
+    from bdlora.cli import app
+    from bdlora.errors import UsageError
+    from bdlora.families import family
+
+    with pytest.raises(UsageError, match="model_type 'gpt2': not a family bdlora adapts \\(it adapts mistral, llama, "
+                                         "qwen2 \\(qwen3: plan only\\)\\)"):
+        family("gpt2")
+    assert family("bdlora_qwen2").model_type == "qwen2" and family("qwen3", loaded=False).genai_type is None
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "hidden_size": 8}')
+    res = CliRunner().invoke(app, ["plan", "--model-config", str(tmp_path)])
+    assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1
+    assert "model_type 'gpt2': not a family bdlora adapts (it adapts mistral, llama, qwen2, qwen3)" in res.stderr
 
 
 FILE_NAME = re.compile(r"^[\w.\-]+\.(onnx|json|jsonl|safetensors|data|md|png|jinja|txt|pt|bin)$")

@@ -25,10 +25,11 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from bdlora.bench.launch import run_timing_process
 from bdlora.corpora import default_heldout
 from bdlora.data import BUILTIN, default_cache_dir
-from bdlora.deployed.modeling_bdlora import FAMILIES
+from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES
 from bdlora.errors import BdloraError, UsageError
 from bdlora.export.defaults import CALIB_TOKENS
 from bdlora.export.genai.folder import calibration_blocks, data_settings, heldout_for, write_genai_files
+from bdlora.families import FAMILIES, base_type
 from bdlora.icl import corpus_word_list
 from bdlora.models import load_model_folder
 from bdlora.reference import teacher_folder
@@ -60,7 +61,7 @@ def save_base_folder(dense: nn.Module, tok, folder: Path) -> None:
     cfg = dense.config
     base = (getattr(cfg, "bdlora", None) or {}).get("base_model_type", cfg.model_type)
 
-    cfg_cls, _ = FAMILIES[base]
+    cfg_cls, _ = BDLORA_CLASSES[base]
     base_cfg_cls = next(c for c in cfg_cls.__mro__[1:] if not c.__name__.startswith("Bdlora"))  # e.g. LlamaConfig
     keep = {k: v for k, v in cfg.to_dict().items()
             if k not in ("bdlora_modules", "bdlora", "auto_map", "architectures", "model_type")}
@@ -81,6 +82,9 @@ def builder_misreads(config) -> str | None:
     perplexity ~650 where the model has ~95 (the builtin teacher: SwiGLU 1024, vocabulary 1024). Its rows would
     be a wrong graph, timed; bench leaves them out and says why."""
     get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    known = FAMILIES.get(base_type(str(get("model_type") or "")))
+    if known is None or not known.builder:
+        return f"onnxruntime-genai's builder does not convert model_type {get('model_type')!r} (bdlora.families)"
     heads, hidden = get("num_attention_heads") or 1, get("hidden_size")
     head_dim = get("head_dim") or (hidden or 0) // heads
     outs = {"intermediate_size": get("intermediate_size"), "hidden_size": hidden, "query width": heads * head_dim,

@@ -23,9 +23,10 @@ import torch.nn as nn
 from bdlora.arch import projection_modules, set_module
 from bdlora.budgeted.config import BudgetedConfig
 from bdlora.budgeted.costs import deployed_form
-from bdlora.deployed.modeling_bdlora import FAMILIES, DenseLoRALinear, LowRankLinear
-from bdlora.errors import ModelError
+from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES, DenseLoRALinear, LowRankLinear
+from bdlora.errors import ModelError, UsageError
 from bdlora.export.decoder import build_projection_stack
+from bdlora.families import family as table_family
 from bdlora.plan import plan
 
 
@@ -88,10 +89,11 @@ def synthetic_model(config: dict, budget: float, layers: int | None, rank: int, 
     """A compressed-architecture model with random weights in the structure ``plan`` predicts for F."""
 
     report = plan(config, BudgetedConfig(budget=budget, rank=rank, **plan_kw), layers=layers)
-    family = config["model_type"]
-    if family not in FAMILIES:
-        raise ModelError(f"--model-config: synthetic bench builds {', '.join(FAMILIES)} models, not {family!r}")
-    cfg_cls, model_cls = FAMILIES[family]
+    try:
+        family = table_family(config["model_type"], "--model-config: synthetic bench of model_type").model_type
+    except UsageError as e:
+        raise ModelError(str(e)) from None
+    cfg_cls, model_cls = BDLORA_CLASSES[family]
     modules = {m["name"]: deployed_form(m["rank"]) for m in report["modules"]}
     base = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "auto_map")}
     if layers is not None:

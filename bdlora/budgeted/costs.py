@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from bdlora.arch import PROJECTIONS, projection_name
+from bdlora.arch import projection_name
 from bdlora.budgeted.config import DEFAULTS, BudgetedConfig
 from bdlora.errors import ModelError
+from bdlora.families import FAMILIES, Anatomy, base_type
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,8 @@ class ModuleShape:
 
 
 def shapes_from_config(config: dict, layers: int | None = None) -> list[ModuleShape]:
-    """The seven projections of each decoder layer, in the ``named_modules()`` order of HF Llama/Mistral/Qwen2
-    (self_attn q, k, v, o; mlp gate, up, down)."""
+    """The projections of each decoder layer, in the ``named_modules()`` order its family's anatomy declares (the
+    table's default when ``config`` names no family it has: self_attn q, k, v, o; mlp gate, up, down)."""
     try:
         hidden = int(config["hidden_size"])
         inter = int(config["intermediate_size"])
@@ -44,7 +45,9 @@ def shapes_from_config(config: dict, layers: int | None = None) -> list[ModuleSh
         "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
         "down_proj": (inter, hidden),
     }
-    return [ModuleShape(projection_name(i, p), *dims[p]) for i in range(n_layers) for p in PROJECTIONS]
+    known = FAMILIES.get(base_type(str(config.get("model_type", ""))))
+    anatomy = known.anatomy if known is not None else Anatomy()
+    return [ModuleShape(projection_name(i, p), *dims[p]) for i in range(n_layers) for p in anatomy.projections]
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -17,8 +17,10 @@ from bdlora.arch import PROJECTIONS, dense_state_dict, is_projection, set_module
 from bdlora.budgeted.config import DEFAULTS, BudgetedConfig
 from bdlora.budgeted.costs import compression_report, deployed_form
 from bdlora.budgeted.layer import DeployedModule, GatedLoRALinear
-from bdlora.deployed.modeling_bdlora import FAMILIES
-from bdlora.errors import ConfigError, ModelError
+from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES
+from bdlora.errors import ModelError
+from bdlora.families import base_type
+from bdlora.families import family as table_family
 from bdlora.io import load_tensors, read_json, save_tensors, write_json
 from bdlora.runs import FACTORS_FILE, META_FILE
 
@@ -103,10 +105,8 @@ def load_budgeted(student_dir: Path, model: nn.Module) -> nn.Module:
 def build_deployed_model(base: nn.Module, deployed: dict[str, DeployedModule], provenance: dict):
     """The bdlora HF architecture holding the ``deployed`` projections and every other weight of ``base``."""
 
-    family = base.config.model_type.removeprefix("bdlora_")
-    if family not in FAMILIES:
-        raise ConfigError([f"base model_type {family!r}: no bdlora architecture (supported: {', '.join(FAMILIES)})"])
-    cfg_cls, model_cls = FAMILIES[family]
+    family = table_family(base_type(base.config.model_type), "base model_type").model_type
+    cfg_cls, model_cls = BDLORA_CLASSES[family]
     config = cfg_cls(bdlora_modules={n: deployed_form(c.decision.rank) for n, c in deployed.items()},
                      bdlora={"base_model_type": family, **provenance}, **_base_config_dict(base.config))
     config.auto_map = {"AutoConfig": f"modeling_bdlora.{cfg_cls.__name__}",

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bdlora.arch import PROJECTIONS, base_model, block_of, family_of, unsupported
-from bdlora.deployed.modeling_bdlora import FAMILIES, LowRankLinear
+from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES, LowRankLinear
 from bdlora.errors import ModelError
 from bdlora.integrity import DIGEST_KEY, TOKENIZER_KEY, digests, tokenizer_digests
 from bdlora.io import atomic_dir, write_json
@@ -27,7 +27,7 @@ MODELING_FILE = Path(__file__).with_name("modeling_bdlora.py")
 def register() -> None:
     """Register the bdlora architectures with the Auto classes (idempotent; run when ``bdlora.deployed`` is
     imported)."""
-    for cfg_cls, model_cls in FAMILIES.values():
+    for cfg_cls, model_cls in BDLORA_CLASSES.values():
         AutoConfig.register(cfg_cls.model_type, cfg_cls, exist_ok=True)
         AutoModelForCausalLM.register(cfg_cls, model_cls, exist_ok=True)
 

@@ -111,8 +111,10 @@ class BdloraQwen2ForCausalLM(BdloraModelMixin, Qwen2ForCausalLM):
     config_class = BdloraQwen2Config
 
 
-# base model_type -> (config class, model class)
-FAMILIES = {
+# base model_type -> (config class, model class): bdlora's architecture of each family of bdlora.families' table
+# whose weights it loads (this file ships as remote code in every model folder, so it cannot import the table;
+# tests/test_structure.py holds the two to the same families)
+BDLORA_CLASSES = {
     "mistral": (BdloraMistralConfig, BdloraMistralForCausalLM),
     "llama": (BdloraLlamaConfig, BdloraLlamaForCausalLM),
     "qwen2": (BdloraQwen2Config, BdloraQwen2ForCausalLM),

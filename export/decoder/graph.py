@@ -33,6 +33,7 @@ from bdlora.export.decoder.attention import (
 )
 from bdlora.export.decoder.builder import GraphBuilder, Projection, emit_group, emit_packed_qkv
 from bdlora.export.defaults import MAX_OPSET
+from bdlora.families import Anatomy, family
 from bdlora.runtime import DecoderShape
 from bdlora.runtime import DecoderSignature as Sig
 
@@ -87,29 +88,31 @@ def _norm(g: GraphBuilder, layout: DecoderLayout, x: str, delta: str | None, wei
 
 
 def _layer(g: GraphBuilder, layout: DecoderLayout, i: int, layer: nn.Module, residual: str, mlp_prev: str | None,
-           attn_inputs: tuple, cfg, hd: int) -> tuple[str, str]:
+           attn_inputs: tuple, cfg, hd: int, anatomy: Anatomy) -> tuple[str, str]:
     """One decoder layer; returns (residual stream before its MLP add, MLP output): the next norm adds them."""
     s, eps = f"/model/layers.{i}", float(cfg.rms_norm_eps)
+    qkv, o_proj, gate_up, down_proj = anatomy.shared_inputs
     w_in = g.init(f"model.layers.{i}.input_layernorm.weight", _f32(layer.input_layernorm.weight))
     normed, residual = _norm(g, layout, residual, mlp_prev, w_in, eps, f"{s}/input_layernorm")
     at = layer.self_attn
-    projs = [Projection.of(f"model.layers.{i}.self_attn.{n}", getattr(at, n))
-             for n in ("q_proj", "k_proj", "v_proj")]
+    projs = [Projection.of(f"model.layers.{i}.self_attn.{n}", getattr(at, n)) for n in qkv]
     if layout.attention == "gqa":
         attn = gqa_attention(g, i, emit_packed_qkv(g, normed, projs, f"{s}/self_attn"), *attn_inputs, cfg,
                              at.scaling)
     else:
         q, k, v = emit_group(g, normed, projs, f"{s}/self_attn")
         attn = plain_attention(g, i, q, k, v, *attn_inputs, cfg, hd, float(at.scaling), layout.fused)
-    (o,) = emit_group(g, attn, [Projection.of(f"model.layers.{i}.self_attn.o_proj", at.o_proj)], f"{s}/self_attn")
+    (o,) = emit_group(g, attn, [Projection.of(f"model.layers.{i}.self_attn.{n}", getattr(at, n)) for n in o_proj],
+                      f"{s}/self_attn")
     w_post = g.init(f"model.layers.{i}.post_attention_layernorm.weight", _f32(layer.post_attention_layernorm.weight))
     normed, residual = _norm(g, layout, residual, o, w_post, eps, f"{s}/post_attention_layernorm")
     mlp = layer.mlp
-    gate, up = emit_group(g, normed, [Projection.of(f"model.layers.{i}.mlp.{n}", getattr(mlp, n))
-                                      for n in ("gate_proj", "up_proj")], f"{s}/mlp")
+    gate, up = emit_group(g, normed, [Projection.of(f"model.layers.{i}.mlp.{n}", getattr(mlp, n)) for n in gate_up],
+                          f"{s}/mlp")
     act = g.one("Mul", [gate, g.one("Sigmoid", [gate], f"{s}/mlp/act_fn/Sigmoid")], f"{s}/mlp/act_fn/Mul")
     hidden = g.one("Mul", [act, up], f"{s}/mlp/Mul")
-    (down,) = emit_group(g, hidden, [Projection.of(f"model.layers.{i}.mlp.down_proj", mlp.down_proj)], f"{s}/mlp")
+    (down,) = emit_group(g, hidden, [Projection.of(f"model.layers.{i}.mlp.{n}", getattr(mlp, n)) for n in down_proj],
+                         f"{s}/mlp")
     return residual, down
 
 
@@ -158,6 +161,7 @@ def build_decoder(model: nn.Module, layout: DecoderLayout):
 def decoder_graph(model: nn.Module, layout: DecoderLayout):
     """(ModelProto, MatMuls saved by the shared first stages)."""
     cfg = model.config
+    anatomy = emitted_anatomy(cfg)
     layers = model.model.layers
     hd = layers[0].self_attn.head_dim
     if layout.attention == "gqa" and hd % 16:
@@ -175,7 +179,7 @@ def decoder_graph(model: nn.Module, layout: DecoderLayout):
     emb = g.init("model.embed_tokens.weight", _f32(model.model.embed_tokens.weight))
     residual, mlp_out = g.one("Gather", [emb, Sig.INPUT_IDS], "/model/embed_tokens/Gather"), None
     for i, layer in enumerate(layers):
-        residual, mlp_out = _layer(g, layout, i, layer, residual, mlp_out, attn_inputs, cfg, hd)
+        residual, mlp_out = _layer(g, layout, i, layer, residual, mlp_out, attn_inputs, cfg, hd, anatomy)
     w_norm = g.init("model.norm.weight", _f32(model.model.norm.weight))
     final, _ = _norm(g, layout, residual, mlp_out, w_norm, float(cfg.rms_norm_eps), "/model/norm")
     head = model.lm_head
@@ -189,10 +193,23 @@ def decoder_graph(model: nn.Module, layout: DecoderLayout):
     return _model(g, f"bdlora_{layout.attention}_decoder", inputs, outputs), g.fused
 
 
-# which input each projection reads in a decoder layer: x_a (attention-normed), x_o (attention output), x_m
-# (MLP-normed), x_d (the MLP's hidden state); projections that share one are emitted as one group
-STACK_INPUTS = {"q_proj": "x_a", "k_proj": "x_a", "v_proj": "x_a", "o_proj": "x_o", "gate_proj": "x_m",
-                "up_proj": "x_m", "down_proj": "x_d"}
+# the inputs of a decoder layer's projection groups (its anatomy's shared_inputs, in order): x_a (attention-normed),
+# x_o (attention output), x_m (MLP-normed), x_d (the MLP's hidden state)
+STACK_INPUTS = ("x_a", "x_o", "x_m", "x_d")
+EMITTED_ACTIVATIONS = ("silu",)  # the gated MLP activations the emitter writes (SiLU as Sigmoid x Mul)
+
+
+def emitted_anatomy(cfg) -> Anatomy:
+    """The anatomy of ``cfg``'s family from the table, refused in one line when the emitter cannot write it."""
+    base = (getattr(cfg, "bdlora", None) or {}).get("base_model_type", cfg.model_type)
+    anatomy = family(base, "model_type").anatomy
+    if anatomy.activation not in EMITTED_ACTIVATIONS or getattr(cfg, "hidden_act", "silu") != anatomy.activation:
+        raise ModelError(f"hidden_act {getattr(cfg, 'hidden_act', None)!r}: the graph emitter writes "
+                         f"{', '.join(EMITTED_ACTIVATIONS)}-gated MLPs only")
+    if len(anatomy.shared_inputs) != len(STACK_INPUTS):
+        raise ModelError(f"model_type {base!r}: its projection groups {anatomy.shared_inputs} are not the four the "
+                         "emitter wires (attention input, attention output, MLP input, MLP hidden state)")
+    return anatomy
 
 
 def build_projection_stack(model: nn.Module, opset: int = MAX_OPSET):
@@ -202,10 +219,12 @@ def build_projection_stack(model: nn.Module, opset: int = MAX_OPSET):
     s, cfg = DecoderShape.of(model.config), model.config
     widths = {"x_a": s.hidden, "x_o": s.heads * s.head_dim, "x_m": s.hidden, "x_d": cfg.intermediate_size}
     g = GraphBuilder(opset)
+    anatomy = emitted_anatomy(cfg)
     groups: dict[str, list[tuple[int, Projection]]] = {}
     for k, (name, m) in enumerate(projection_modules(model)):
         layer = int(name.split("layers.")[1].split(".")[0])
-        groups.setdefault(f"{STACK_INPUTS[name.rsplit('.', 1)[-1]]}.{layer}", []).append((k, Projection.of(name, m)))
+        x = STACK_INPUTS[anatomy.input_group(name.rsplit(".", 1)[-1])]
+        groups.setdefault(f"{x}.{layer}", []).append((k, Projection.of(name, m)))
     outputs = {}
     for x, members in groups.items():
         ys = emit_group(g, x, [p for _, p in members], f"/stack/{x}")

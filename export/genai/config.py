@@ -3,10 +3,9 @@ writes), plus the search defaults it generates with (greedy, the model's EOS).""
 
 from __future__ import annotations
 
+from bdlora.families import family, genai_families
 from bdlora.runs import MODEL_ONNX
 from bdlora.runtime import DecoderSignature as Sig
-
-GENAI_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
 
 
 def _ids(value) -> int | list[int]:
@@ -18,8 +17,9 @@ def genai_config(config, base_type: str, context_length: int, filename: str = MO
     """The config onnxruntime-genai reads for ``config`` (a transformers config of the base family ``base_type``).
     ``past_present_share_buffer``: past and present are one (batch, kv_heads, max_length, head_dim) buffer that
     GroupQueryAttention writes in place, so no cache is copied between steps."""
-    if base_type not in GENAI_TYPES:
-        raise ValueError(f"model type {base_type!r}: onnxruntime-genai export supports {', '.join(GENAI_TYPES)}")
+    genai_type = family(base_type).genai_type
+    if genai_type is None:
+        raise ValueError(f"model type {base_type!r}: onnxruntime-genai export supports {', '.join(genai_families())}")
     heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
     eos = config.eos_token_id if config.eos_token_id is not None else 0
@@ -48,7 +48,7 @@ def genai_config(config, base_type: str, context_length: int, filename: str = MO
             },
             "eos_token_id": _ids(eos),
             "pad_token_id": pad,
-            "type": GENAI_TYPES[base_type],
+            "type": genai_type,
             "vocab_size": int(config.vocab_size),
         },
         "search": {
