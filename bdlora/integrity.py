@@ -14,6 +14,7 @@ import json
 import struct
 from pathlib import Path
 
+from bdlora import forms
 from bdlora.arch import SUPPORTED_FAMILIES, unsupported
 from bdlora.errors import ModelError, shown
 from bdlora.families import BDLORA_PREFIX
@@ -84,16 +85,23 @@ def check_safetensors(path: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_declared_forms(folder: Path, cfg: dict, names: set[str]) -> None:
-    """Every projection ``bdlora_modules`` declares has exactly the tensors of its form (dense: ``weight``; low-rank:
-    ``proj_in.weight`` and ``proj_out.weight``): an edited form would otherwise load randomly initialised."""
+def check_declared_forms(folder: Path, cfg: dict, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Every projection ``bdlora_modules`` declares names a registered form (``bdlora.forms``; else one line naming
+    those there are: an unknown form loaded as dense before) and has exactly that form's tensors, consistent with
+    what the declaration says (a low-rank pair's rank): an edited form would otherwise load randomly initialised."""
     problems = []
-    for module, spec in (cfg.get("bdlora_modules") or {}).items():
-        lowrank = isinstance(spec, dict) and spec.get("form") == "lowrank"
-        want = {f"{module}.proj_in.weight", f"{module}.proj_out.weight"} if lowrank else {f"{module}.weight"}
-        other = {f"{module}.weight"} if lowrank else {f"{module}.proj_in.weight", f"{module}.proj_out.weight"}
-        if not want <= names or other & names:
-            problems.append(f"{module} is declared {'lowrank' if lowrank else 'dense'}")
+    modules = cfg.get("bdlora_modules") or {}
+    if not isinstance(modules, dict):
+        raise ModelError(f"{folder / CONFIG}: bdlora_modules is {shown(modules)}, not a table of forms; the folder is "
+                         "damaged")
+    for module, spec in modules.items():
+        form = forms.declared(spec, f"{folder / CONFIG}: bdlora_modules[{module}]")
+        want = form.tensors(module)
+        other = set().union(*(f.tensors(module) for f in forms.FORMS.values() if f is not form)) - want
+        if not want <= set(shapes) or other & set(shapes):
+            problems.append(f"{module} is declared {form.name}")
+        elif (problem := form.problem(spec, shapes, module)) is not None:
+            problems.append(problem)
     if problems:
         raise ModelError(f"{folder}: the weights do not match config.json ({'; '.join(problems[:3])}"
                          f"{' ...' if len(problems) > 3 else ''}, its tensors say otherwise); the folder is damaged "
@@ -232,7 +240,7 @@ def check_model_folder(folder: Path, report: dict | None = None) -> None:
     shapes: dict[str, tuple[int, ...]] = {}
     for p in files:
         shapes.update(check_safetensors(p))
-    check_declared_forms(folder, cfg, set(shapes))
+    check_declared_forms(folder, cfg, shapes)
     check_declared_sizes(folder, cfg, shapes)
     check_tokenizer(folder, (report or {}).get(TOKENIZER_KEY), ModelDir.MARKER)
     recorded = (report or {}).get(DIGEST_KEY)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import typing
 from collections.abc import Callable
@@ -60,6 +61,14 @@ def write(path: Path, data) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     (path.write_bytes if isinstance(data, bytes) else path.write_text)(data)
     return path
+
+
+def edit_forms(folder: Path, edit) -> None:
+    """Rewrite the first module's declaration in ``folder``'s config.json with ``edit(spec)``."""
+    cfg = json.loads((folder / "config.json").read_text())
+    name = next(iter(cfg["bdlora_modules"]))
+    cfg["bdlora_modules"][name] = edit(cfg["bdlora_modules"][name])
+    (folder / "config.json").write_text(json.dumps(cfg))
 
 
 def half(path: Path) -> None:
@@ -374,6 +383,13 @@ CASES = out_cases() + json_cases() + [
     Case("export genai --precision int8 --head-bits 4", lambda m, t: [
         "export", "genai", str(m["compressed"]), "--precision", "int8", "--head-bits", "4", "--out", str(t / "out")],
         "--head-bits 4: sets the LM head's bits of an int4 graph; at --precision int8"),
+    # issue 51, part 1: a form the registry lacks, or one declared inconsistently, was loaded as dense (random)
+    *[Case(f"{cmd}: config.json declares an unknown form", lambda m, t, cmd=cmd: (
+        edit_forms(copy(m, "compressed", t, "m"), lambda spec: {"form": "channels", "keep": 8}),
+        [*cmd.split(), str(t / "m"), "--out", str(t / "out")] if cmd != "eval"
+        else ["eval", str(t / "m"), "--ppl", "--json", str(t / "out")])[1],
+        "unknown projection form 'channels' (bdlora knows dense, lowrank)") for cmd in ("eval", "export onnx",
+                                                                                        "export hf")],
     Case("train diverges (--lr 1e30)", lambda m, t: train(m, t, "--lr", "1e30"), "lower --lr (now 1e+30); ", code=1),
     Case("train: a teacher with NaN weights", nan_teacher, "on the calibration tokens are not finite"),
     Case("train: a teacher with NaN weights, the paper's zero start", lambda m, t: [
@@ -647,3 +663,23 @@ def test_loadtest_counts_a_server_answering_nonsense_as_failures(tmp_path):
     assert "Traceback" not in res.output
     rows = json.loads((tmp_path / "l.json").read_text())["results"]
     assert rows[0]["failures"] == 3 and "completion_tokens is not a whole number" in rows[0]["first_failure"]
+
+
+def test_a_low_rank_declaration_its_tensors_contradict_is_refused(tiny_model, tiny_env, tmp_path):
+    """A low-rank module declared with another rank than its tensors hold (or none) is refused in one line."""
+    from bdlora.deployed.folder import save_model_folder
+    from bdlora.errors import ModelError
+    from bdlora.integrity import check_model_folder
+    from conftest import compressed_student
+
+    _, model, report = compressed_student(tiny_model, [0.0, 1.0, 0.2], seed=1)
+    folder = save_model_folder(model, tiny_env["tokenizer"], tmp_path / "m", report)
+    cfg = json.loads((folder / "config.json").read_text())
+    name, spec = next((n, s) for n, s in cfg["bdlora_modules"].items() if s["form"] == "lowrank")
+    for bad, needle in ((spec["rank"] + 1, f"is declared lowrank with rank {spec['rank'] + 1}, but its proj_in holds"),
+                        (0, "is declared lowrank with rank 0 (a positive integer)"),
+                        ("4", "is declared lowrank with rank '4' (a positive integer)")):
+        cfg["bdlora_modules"][name] = {**spec, "rank": bad}
+        (folder / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ModelError, match=re.escape(needle)):
+            check_model_folder(folder, json.loads((folder / "compression.json").read_text()))

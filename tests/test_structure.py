@@ -388,3 +388,18 @@ def test_per_teacher_defaults_have_one_home():
         assert not re.search(r"\b(default|builtin)\b[^.;]*\d", docs.get(k, ""), re.I), (k, docs[k])
     assert all(_shown(v) in notes["lr"] for v in DEFAULT_LR.values())
     assert not re.search(r"\d", re.sub(r"warm-up.*?2000", "", docs["lr"]))
+
+
+def test_one_form_registry():
+    """A projection form is declared in bdlora.forms; the remote-code architecture builds exactly those forms, refuses
+    any other (an unknown form loaded as a randomly initialised dense projection), and names its low-rank class as
+    the registry does."""
+    from bdlora.deployed import modeling_bdlora as m
+    from bdlora.forms import FORMS, LOWRANK
+
+    assert m.KNOWN_FORMS == tuple(FORMS) and m.LowRankLinear.__name__ == LOWRANK.module_class
+    cfg = m.BdloraMistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                num_attention_heads=2, num_key_value_heads=1,
+                                bdlora_modules={"model.layers.0.mlp.up_proj": {"form": "channels"}})
+    with pytest.raises(ValueError, match="unknown projection form 'channels' \\(this file builds dense, lowrank\\)"):
+        m.BdloraMistralForCausalLM(cfg)

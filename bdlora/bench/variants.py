@@ -27,15 +27,18 @@ from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES, DenseLoRALinear, Low
 from bdlora.errors import ModelError, UsageError
 from bdlora.export.decoder import build_projection_stack
 from bdlora.families import family as table_family
+from bdlora.forms import DENSE, LOWRANK, describe
 from bdlora.plan import plan
 
 
 def _dense_weight(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if isinstance(m, LowRankLinear):
-        return m.proj_out.weight @ m.proj_in.weight, m.proj_out.bias
-    if isinstance(m, DenseLoRALinear):
-        return m.base.weight + m.lora_B @ m.lora_A, m.base.bias
-    return m.weight, m.bias
+    """The effective (out, in) weight and the bias of a projection of any form."""
+    form, _, _, _, bias = describe(m)
+    if form == LOWRANK.name:
+        return m.proj_out.weight @ m.proj_in.weight, bias
+    if form == DENSE.name:
+        return m.weight, bias
+    return m.base.weight + m.lora_B @ m.lora_A, bias  # dense+lora
 
 
 @torch.no_grad()

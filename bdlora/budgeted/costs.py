@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from bdlora import forms
 from bdlora.arch import projection_name
 from bdlora.budgeted.config import DEFAULTS, BudgetedConfig
 from bdlora.errors import ModelError
@@ -93,12 +94,12 @@ class ModuleDecision:
 
     @property
     def form(self) -> str:
-        return "lowrank" if self.rank else "dense"
+        return forms.of_rank(self.rank).name
 
 
 def deployed_form(rank: int) -> dict:
     """The ``bdlora_modules`` config entry of a module deployed at ``rank`` (0 = dense)."""
-    return {"form": "lowrank", "rank": int(rank)} if rank else {"form": "dense"}
+    return forms.of_rank(rank).spec(rank)
 
 
 def decide_module(shape: ModuleShape, d: float, lora_rank_kept: int, lora_rank_max: int,
@@ -118,7 +119,7 @@ def decide_module(shape: ModuleShape, d: float, lora_rank_kept: int, lora_rank_m
         case, rank = "kept", 0
     if rank and rank * (i + o) >= i * o:
         case, rank = "merged-cheaper", 0
-    after = rank * (i + o) if rank else i * o
+    after = forms.of_rank(rank).macs(i, o, rank)
     return ModuleDecision(shape.name, i, o, float(d), case, lora_rank_kept, k if case == "svd" else 0, rank,
                           before, after, before + bias, after + bias, lora_rank_max)
 

@@ -15,8 +15,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bdlora.arch import PROJECTIONS, base_model, block_of, family_of, unsupported
-from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES, LowRankLinear
+from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES
 from bdlora.errors import ModelError
+from bdlora.forms import FORMS, describe
 from bdlora.integrity import DIGEST_KEY, TOKENIZER_KEY, digests, tokenizer_digests
 from bdlora.io import atomic_dir, write_json
 from bdlora.runs import ModelDir
@@ -41,9 +42,16 @@ def check_architecture(model, what: str) -> None:
     for i, layer in enumerate(base_model(model).model.layers):
         for name in PROJECTIONS:
             mod = getattr(getattr(layer, block_of(name)), name, None)
-            if not isinstance(mod, (torch.nn.Linear, LowRankLinear)):
+            if not isinstance(mod, torch.nn.Module) or _form(mod) not in FORMS:
                 raise ModelError(f"{what}: layer {i} has no nn.Linear '{name}' (expected the seven projections "
                                  f"{', '.join(PROJECTIONS)})")
+
+
+def _form(module) -> str | None:
+    try:
+        return describe(module)[0]
+    except TypeError:
+        return None
 
 
 def save_model_folder(model, tokenizer, out: Path, report: dict) -> Path:

@@ -76,9 +76,17 @@ class BdloraModelMixin:
         self.post_init()
 
 
+# the forms this file builds (bdlora.forms declares them; tests/test_structure.py holds the two together)
+KNOWN_FORMS = ("dense", "lowrank")
+
+
 def _replace_modules(model: nn.Module, modules: dict) -> None:
     for name, spec in modules.items():
-        if spec.get("form") != "lowrank":
+        form = spec.get("form") if isinstance(spec, dict) else None
+        if form not in KNOWN_FORMS:  # never load an unknown form as dense: its weights would be random
+            raise ValueError(f"bdlora_modules[{name}]: unknown projection form {form!r} (this file builds "
+                             f"{', '.join(KNOWN_FORMS)}); the folder was written by a newer bdlora or edited")
+        if form != "lowrank":
             continue
         parent_name, child = name.rsplit(".", 1)
         parent = model.get_submodule(parent_name)

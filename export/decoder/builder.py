@@ -17,7 +17,7 @@ import numpy as np
 import torch.nn as nn
 from onnx import helper, numpy_helper
 
-from bdlora.deployed.modeling_bdlora import DenseLoRALinear, LowRankLinear
+from bdlora.forms import DENSE, LOWRANK, describe
 
 
 @dataclass
@@ -38,15 +38,17 @@ class Projection:
         def f(t):
             return None if t is None else t.detach().float().cpu().numpy()
 
-        if isinstance(m, LowRankLinear):
-            return cls(name, m.out_features, lora_a=f(m.proj_in.weight), lora_b=f(m.proj_out.weight),
-                       bias=f(m.proj_out.bias), form="lowrank", rank=m.rank)
-        if isinstance(m, nn.Linear):
-            return cls(name, m.out_features, weight=f(m.weight), bias=f(m.bias))
-        if isinstance(m, DenseLoRALinear):
-            return cls(name, m.base.out_features, weight=f(m.base.weight), lora_a=f(m.lora_A),
-                       lora_b=f(m.lora_B), bias=f(m.base.bias), form="dense+lora", rank=m.lora_rank)
-        raise TypeError(f"{name}: unsupported projection module {type(m).__name__}")
+        try:  # how each form is emitted: its tensors as the dense and low-rank parts of one projection
+            form, _, out, rank, bias = describe(m)
+        except TypeError as e:
+            raise TypeError(f"{name}: {e}") from None
+        if form == LOWRANK.name:
+            return cls(name, out, lora_a=f(m.proj_in.weight), lora_b=f(m.proj_out.weight), bias=f(bias),
+                       form=form, rank=rank)
+        if form == DENSE.name:
+            return cls(name, out, weight=f(m.weight), bias=f(bias))
+        return cls(name, out, weight=f(m.base.weight), lora_a=f(m.lora_A), lora_b=f(m.lora_B), bias=f(bias),
+                   form=form, rank=rank)  # dense+lora: the bench's unmerged adapter
 
     def first_stage(self) -> list[np.ndarray]:
         """The (in, k) column blocks this projection adds to its group's shared first MatMul."""

@@ -13,23 +13,17 @@ import torch.nn as nn
 
 from bdlora import __version__
 from bdlora.arch import projection_modules
-from bdlora.deployed.modeling_bdlora import DenseLoRALinear, LowRankLinear
+from bdlora.forms import DENSE, FORMS, LOWRANK, describe
 
 
 def module_row(name: str, m: nn.Module) -> dict | None:
-    """One projection as deployed: dense, low-rank, or dense + unmerged LoRA adapter (bench's lora variant)."""
-
-    if isinstance(m, LowRankLinear):
-        form, i, o, r, bias = "lowrank", m.in_features, m.out_features, m.rank, m.proj_out.bias
-        macs = r * (i + o)
-    elif isinstance(m, nn.Linear):
-        form, i, o, r, bias = "dense", m.in_features, m.out_features, 0, m.bias
-        macs = i * o
-    elif isinstance(m, DenseLoRALinear):
-        form, i, o, r, bias = "dense+lora", m.base.in_features, m.base.out_features, m.lora_rank, m.base.bias
-        macs = i * o + r * (i + o)
-    else:
+    """One projection as deployed: a registered form (``bdlora.forms``), or dense + unmerged LoRA adapter (bench's
+    lora variant)."""
+    try:
+        form, i, o, r, bias = describe(m)
+    except TypeError:
         return None
+    macs = DENSE.macs(i, o) + LOWRANK.macs(i, o, r) if form == "dense+lora" else FORMS[form].macs(i, o, r)
     return {"name": name, "form": form, "in_features": i, "out_features": o, "rank": r, "macs_per_token": macs,
             "parameters": macs + (o if bias is not None else 0)}
 
