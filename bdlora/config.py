@@ -18,13 +18,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from bdlora.bench.config import GENAI_PRECISIONS
 from bdlora.budgeted.config import ALLOCATIONS, LORA_INITS, BudgetedConfig
 from bdlora.budgeted.config import DEFAULTS as BUDGETED
 from bdlora.errors import Checks, ConfigError, shown
 
 METHODS = ("kd-full", "kd-lora", "budgeted")
 DEVICES = ("auto", "cpu", "cuda")
+GENAI_PRECISIONS = ("fp32", "int8", "int4")  # what a model ships at (--precision, export genai, bench): lowest user
 LAYER_SELECTIONS = ("first", "middle", "last", "mixed", "scratch")
 PACKINGS = ("pack", "truncate")
 AUTOCASTS = ("bf16", "fp32")

@@ -100,6 +100,44 @@ def test_the_core_never_imports_the_exporters_or_the_server():
     assert not edges, edges
 
 
+# The package layers, lowest first: a module imports only its own layer and those below (function-level imports
+# included), so the precision and method tuples live with their lowest user (bdlora.config, bdlora.export.schemes).
+LAYERS = ((), ("bdlora.export",), ("bdlora.bench", "bdlora.sweep"), ("bdlora.serve", "bdlora.cli"))
+
+
+def layer_of(module: str) -> int:
+    for i in range(len(LAYERS) - 1, 0, -1):
+        if any(module == p or module.startswith(p + ".") for p in LAYERS[i]):
+            return i
+    return 0  # the core
+
+
+def test_the_package_layers_point_one_way():
+    graph = import_graph()
+    assert layer_of("bdlora.config") == 0 and layer_of("bdlora.export.schemes") == 1
+    assert layer_of("bdlora.bench.config") == 2 and layer_of("bdlora.cli.app") == layer_of("bdlora.serve.app") == 3
+    edges = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets if layer_of(t) > layer_of(m))
+    assert not edges, edges
+
+
+def test_no_scheme_name_is_compared_outside_the_scheme_table():
+    """Which scheme needs calibration, rounds where, emits what: asked of ``bdlora.export.schemes``, never spelled as
+    ``quant == "gptq"`` (it was, in eight places)."""
+    from bdlora.export.schemes import METHODS
+
+    hits = []
+    for name, path in project_modules().items():
+        if name == "bdlora.export.schemes":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                consts = [c for side in sides for c in ast.walk(side) if isinstance(c, ast.Constant)]
+                if any(c.value in METHODS for c in consts):
+                    hits.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not hits, hits
+
+
 def test_the_core_check_sees_function_level_imports():
     """The graph counts imports at any depth, so a function-level import of an exporter would be caught."""
     graph = import_graph()

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from bdlora.config import GENAI_PRECISIONS
 from bdlora.errors import Checks, UsageError
+from bdlora.export.schemes import METHODS as QUANT_METHODS
 
 SCOPES = ("modules", "model", "both")
 RUNTIMES = ("ort", "genai", "both")
-GENAI_PRECISIONS = ("fp32", "int8", "int4")
-QUANT_METHODS = ("rtn", "gptq", "affine")
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 

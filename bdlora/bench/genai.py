@@ -29,6 +29,7 @@ from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES
 from bdlora.errors import BdloraError, UsageError
 from bdlora.export.defaults import CALIB_TOKENS
 from bdlora.export.genai.folder import calibration_blocks, data_settings, heldout_for, write_genai_files
+from bdlora.export.schemes import scheme
 from bdlora.families import FAMILIES, base_type
 from bdlora.icl import corpus_word_list
 from bdlora.models import load_model_folder
@@ -217,7 +218,7 @@ def deployment_for(model_dir: Path, report: dict, tok, model: nn.Module, cfg, re
         tokens = min(settings.get("eval_tokens") or DEFAULT_QUALITY_TOKENS, MAX_QUALITY_TOKENS)
     if tokens:
         deploy.heldout = heldout_for(model_dir, report, tok, shape, tokens)
-    if "gptq" in (cfg.quant, cfg.teacher_quant):
+    if any(scheme(q).calibrated for q in (cfg.quant, cfg.teacher_quant) if q is not None):
         deploy.calibration = calibration_blocks(model_dir, report, tok, shape, CALIB_TOKENS)
     if cfg.icl:
         data = settings.get("data") or BUILTIN

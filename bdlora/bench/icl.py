@@ -18,6 +18,7 @@ from bdlora.export.decoder import DecoderLayout, decoder_graph, save_graph
 from bdlora.export.defaults import MAX_OPSET
 from bdlora.export.genai.gptq import input_grams
 from bdlora.export.genai.quantize import quantize_nbits
+from bdlora.export.schemes import scheme
 from bdlora.reporter import SILENT, Reporter
 from bdlora.runtime import DecoderShape, session
 
@@ -34,7 +35,7 @@ def plain_twin(model: nn.Module, precision: str, quant: str, calibration=None, g
     if precision == "fp32":
         return proto
     grams = {} if grams is None else grams
-    if quant == "gptq" and not grams:
+    if scheme(quant).calibrated and not grams:
         grams.update(input_grams(proto, DecoderShape.of(model.config), calibration))
     return quantize_nbits(proto, precision, quant, grams, head_bits)[0]
 

@@ -9,14 +9,13 @@ from rich.markup import escape
 
 from bdlora import sources
 from bdlora.arch import check_lora_rank
-from bdlora.bench.config import GENAI_PRECISIONS
 from bdlora.budgeted.config import ALLOCATIONS, THRESHOLDS, BudgetedConfig
 from bdlora.budgeted.costs import ModuleShape
 from bdlora.cli import render
 from bdlora.cli.app import command, err, out
 from bdlora.cli.options import from_dataclass
 from bdlora.cli.progress import RichReporter
-from bdlora.config import BUILTIN, CALIB_TOKENS, OneShotConfig
+from bdlora.config import BUILTIN, CALIB_TOKENS, GENAI_PRECISIONS, OneShotConfig
 from bdlora.data import default_cache_dir
 from bdlora.errors import Checks, UsageError, flag, usable_cores
 from bdlora.plan import DEFAULT_PLAN_STEPS, read_model_config

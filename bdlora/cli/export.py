@@ -23,6 +23,7 @@ from bdlora.export.defaults import (
     QUANT,
 )
 from bdlora.export.hf import export_hf as run_export
+from bdlora.export.schemes import SCHEMES
 from bdlora.runs import RUNS_DIR, ModelDir
 
 
@@ -101,11 +102,8 @@ def export_genai(
     threads: Annotated[Optional[int], typer.Option(help="Intra-op threads written into genai_config.json (default: "
                                                         "this machine's cores; 0 = none, and onnxruntime-genai then "
                                                         f"runs on one thread; at most {MAX_GENAI_THREADS}).")] = None,
-    quant: Annotated[str, typer.Option(help="int8/int4 rounding: rtn (round-to-nearest, symmetric: what the "
-                                            "builder does), gptq (GPTQ against each MatMul's measured input, "
-                                            "integer zero points: the same fast kernel) or affine (a float offset "
-                                            "per block, Q4_1's grid, kept by a small correction beside the same "
-                                            "kernel).")] = QUANT,
+    quant: Annotated[str, typer.Option(help="int8/int4 rounding: " + "; ".join(
+        f"{s.name}: {s.summary}" for s in SCHEMES.values()) + ".")] = QUANT,
     head_bits: Annotated[int, typer.Option(help="int4: bits of the LM head (8 or 4).")] = HEAD_BITS,
     int8_share: Annotated[float, typer.Option(help="int4 with --quant gptq: share of the projection weights kept at "
                                                    "8 bits, those whose rounding hurts most.")] = INT8_SHARE,
@@ -124,7 +122,7 @@ def export_genai(
     if not max_ppl_change >= 0 or max_ppl_change == float("inf"):
         raise UsageError(f"--max-ppl-change {max_ppl_change}: must be a finite fraction >= 0 (0.1 = 10%)")
     rep = RichReporter(err if json_out else out)
-    suffix = "" if precision == "fp32" else f"-{precision}" + ("" if quant == "rtn" else f"-{quant}")
+    suffix = "" if precision == "fp32" else f"-{precision}" + ("" if quant == QUANT else f"-{quant}")
     if model_dir is not None and sources.is_named(model_dir):
         src = Path(sources.resolve(model_dir, None, "MODEL_DIR", rep.stage))
         dst = Path(out_dir) if out_dir else Path(Path(model_dir).name.removesuffix(".gguf") + f".genai{suffix}")

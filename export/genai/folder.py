@@ -27,9 +27,10 @@ from bdlora.export.files import identity, write_model_files
 from bdlora.export.genai import validate as v
 from bdlora.export.genai.config import genai_config
 from bdlora.export.genai.gptq import input_grams
-from bdlora.export.genai.quantize import METHODS, PRECISIONS, quantize_nbits
+from bdlora.export.genai.quantize import PRECISIONS, quantize_nbits
 from bdlora.export.onnx.metadata import metadata_props, metadata_summary, module_table, set_metadata
 from bdlora.export.onnx.validate import ExportValidationError, quantized_quality
+from bdlora.export.schemes import scheme
 from bdlora.io import atomic_dir, write_json
 from bdlora.models import load_model_folder
 from bdlora.outputs import check_out_dir
@@ -80,15 +81,16 @@ def write_genai_files(model, tok, folder: Path, precision: str, ctx: int, report
         copy = onnx.ModelProto()
         copy.CopyFrom(proto)  # saving with external data rewrites a proto's tensors in place
         grams = {} if grams is None else grams
-        if quant == "gptq" and not grams:
+        calibrated = scheme(quant).calibrated
+        if calibrated and not grams:
             reporter.stage(f"calibrating: the input of every MatMul over {len(calibration) * calibration.seq_len:,} "
                            "tokens (fp32 graph)")
             grams.update(input_grams(proto, DecoderShape.of(cfg), calibration,
                                      on_block=lambda d, t: reporter.count(1, t, "blocks")))  # count: increments
-        if quant == "gptq":
-            reporter.stage(f"GPTQ: rounding every MatMul to {precision} against its input")
+        if calibrated:
+            reporter.stage(f"{quant}: rounding every MatMul to {precision} against its input")
         qproto, info["quantization"] = quantize_nbits(copy, precision, quant, grams, head_bits, int8_share)
-        if quant == "gptq":
+        if calibrated:
             info["quantization"]["calibration_tokens"] = len(calibration) * calibration.seq_len
         save_graph(qproto, folder / MODEL_ONNX)
         if fp32_path is not None:
@@ -104,8 +106,7 @@ def _check_options(precision: str, quant: str, head_bits: int, calib_tokens: int
     """Refuse, in one line, a bad value or an option that does nothing at this precision (never ignore it)."""
     if precision not in PRECISIONS:
         raise UsageError(f"--precision {precision}: unknown (allowed: {', '.join(PRECISIONS)})")
-    if quant not in METHODS:
-        raise UsageError(f"--quant {quant}: unknown (allowed: {', '.join(METHODS)})")
+    s = scheme(quant)
     if head_bits not in (4, 8):
         raise UsageError(f"--head-bits {head_bits}: must be 4 or 8")
     # options that do nothing at this precision are refused, not silently ignored
@@ -118,7 +119,7 @@ def _check_options(precision: str, quant: str, head_bits: int, calib_tokens: int
                          "int4)")
     if not isinstance(calib_tokens, int) or calib_tokens < 1:
         raise UsageError(f"--calib-tokens {calib_tokens}: must be a positive integer")
-    if not 0.0 <= int8_share <= 1.0 or (int8_share and quant != "gptq"):
+    if not 0.0 <= int8_share <= 1.0 or (int8_share and not s.calibrated):
         raise UsageError(f"--int8-share {int8_share}: must be in [0, 1], and is chosen by --quant gptq's measured "
                          "errors (give --quant gptq)")
     if threads is not None and not 0 <= threads <= MAX_GENAI_THREADS:
@@ -150,7 +151,7 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, precision: str =
         t0 = time.time()
         fp32 = tmp / MODEL_ONNX if precision == "fp32" else tmp / "fp32" / MODEL_ONNX
         calibration = None
-        if quant == "gptq" and precision != "fp32":
+        if scheme(quant).calibrated and precision != "fp32":
             calibration = calibration_blocks(model_dir, report, tok, DecoderShape.of(model.config), calib_tokens)
         info.update(write_genai_files(model, tok, tmp, precision, ctx, report, threads=threads, fp32_path=fp32,
                                       quant=quant, calibration=calibration, head_bits=head_bits,

@@ -31,9 +31,9 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from bdlora.bench.config import GENAI_PRECISIONS as PRECISIONS
 from bdlora.budgeted.allocate import break_even
 from bdlora.budgeted.costs import ModuleShape
+from bdlora.config import GENAI_PRECISIONS as PRECISIONS
 from bdlora.errors import UsageError, usable_cores
 from bdlora.export.genai.gptq import BLOCK_SIZE, nbits_node
 from bdlora.io import read_json, write_json

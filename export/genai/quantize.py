@@ -25,6 +25,7 @@ import torch
 from onnx import helper, numpy_helper
 from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
+from bdlora.config import GENAI_PRECISIONS as PRECISIONS
 from bdlora.export.genai.affine import (
     AUGMENTED,
     affine_node,
@@ -45,10 +46,9 @@ from bdlora.export.genai.gptq import (
     rtn,
     weight_matmuls,
 )
+from bdlora.export.schemes import scheme
 
 LM_HEAD = "/lm_head/MatMul"
-PRECISIONS = ("fp32", "int8", "int4")
-METHODS = ("rtn", "gptq", "affine")
 BITS = {"int8": 8, "int4": 4}
 
 
@@ -60,13 +60,14 @@ def quantize_nbits(model, precision: str, method: str = "rtn", grams: dict | Non
     if precision not in BITS:
         raise ValueError(f"precision {precision!r}: allowed {', '.join(PRECISIONS)}")
     head = 8 if precision == "int8" else head_bits
-    if method in ("gptq", "affine"):
+    s = scheme(method)
+    if s.rounds_here:
         out, detail = quantize_graph(model, grams, lambda name: head if name == LM_HEAD else BITS[precision],
                                      method=method, int8_share=int8_share if precision == "int4" else 0.0)
         eight = [n for n, b in detail["bits"].items() if b == 8 and n != LM_HEAD]
-        described = {**_describe(out, BLOCK_SIZE), "method": method, "symmetric": False, "int8_matmuls": eight,
+        described = {**_describe(out, BLOCK_SIZE), "method": method, "symmetric": s.symmetric, "int8_matmuls": eight,
                      "relative_output_error": detail["relative_output_error"]}
-        if method == "gptq":
+        if s.calibrated:
             return out, {**described, "int8_share": int8_share}
         corrected = sum(n.op_type == "MatMulNBits" and n.input[0].endswith(AUGMENTED) for n in out.graph.node)
         return out, {**described, "offset_corrections": corrected}
@@ -89,7 +90,7 @@ def quantize_nbits(model, precision: str, method: str = "rtn", grams: dict | Non
             out = run(run(model, 4, exclude=[LM_HEAD]), head, include=[LM_HEAD])
     finally:
         root.setLevel(level)
-    return out, {**_describe(out, BLOCK_SIZE), "method": "rtn", "symmetric": True}
+    return out, {**_describe(out, BLOCK_SIZE), "method": s.name, "symmetric": s.symmetric}
 
 
 def _describe(out, block: int) -> dict:
@@ -161,15 +162,16 @@ def _round_matmul(node, w_init, grams, bits: int, method: str):
     h = grams[node.input[0]] if grams else None
     k, n = b.shape
     name, x, y = node.name + f"_Q{bits}", node.input[0], node.output[0]
-    if method == "affine" and bits == 4 and k % BLOCK_SIZE == 0:
+    s = scheme(method)
+    if s.block_offsets and bits == 4 and k % BLOCK_SIZE == 0:
         codes, scales, zeros = affine_rtn(w, bits)
         new = affine_node(name, x, y, codes, scales, zeros, k=k, n=n, bits=bits)
         w_hat = affine_weights(codes, scales, zeros, bits)
-    else:  # affine at 8 bits: Q8_0's symmetric grid; where blocks do not divide K: the integer grid
-        if method == "gptq":
+    else:  # block offsets at 8 bits: Q8_0's symmetric grid; where blocks do not divide K: the integer grid
+        if s.calibrated:
             codes, scales, zeros = gptq(w, h, bits)
         else:
-            codes, scales, zeros = symmetric_rtn(w, bits) if method == "affine" and bits == 8 else rtn(w, bits)
+            codes, scales, zeros = symmetric_rtn(w, bits) if s.block_offsets and bits == 8 else rtn(w, bits)
         node_, inits = nbits_node(name, x, y, *pack(codes, scales, zeros, bits), k=k, n=n, bits=bits)
         new, w_hat = ([node_], inits), dequantize(codes, scales, zeros)
     if h is None:  # no calibration: the weights' own relative error
