@@ -118,9 +118,10 @@ class OutputBusyError(OSError):
 
 
 # One writer per output. A claim is an exclusive advisory lock (flock) on a hidden ``.<name>.lock`` beside the output,
-# taken before any work and held until the command ends (``release_claims``) or the process exits; the kernel drops
-# it when a writer dies, even by SIGKILL, so a crashed writer never blocks the next one. Claims are re-entrant within
-# a process (a command checks its output twice). Local file systems only, like flock itself.
+# taken before any work (``outputs.check_*``) and held until the output is renamed into place or discarded
+# (``atomic_dir``/``atomic_path`` release it), the command ends (``release_claims``) or the process exits; the kernel
+# drops it when a writer dies, even by SIGKILL, so a crashed writer never blocks the next one. Claims are re-entrant
+# within a process (a command checks its output twice). Local file systems only, like flock itself.
 _CLAIMS: dict[Path, int] = {}
 
 

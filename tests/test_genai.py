@@ -453,8 +453,9 @@ def test_bench_teacher_quant_rounds_the_teachers_folders_its_own_way(mixed_folde
 
 
 def test_a_foreign_tokenizer_in_a_genai_folder_is_refused_by_every_reader(mixed_folder, tiny_env, tmp_path):
-    """Issue 53, case 5: export.json records the tokenizer the folder was validated with; its readers (serve, and
-    bench through the same check) refuse another one copied in (a smaller vocabulary: it loaded and ran)."""
+    """Issue 53, case 5: export.json records the tokenizer the folder was validated with; its reader (serve
+    --runtime genai, through runtime.check_onnx_dir) refuses another one copied in (a smaller vocabulary: it loaded
+    and ran)."""
     from bdlora.errors import ModelError
     from bdlora.runtime import check_onnx_dir
     from conftest import put_foreign_tokenizer
