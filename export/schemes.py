@@ -45,5 +45,6 @@ def scheme(name, what: str = "--quant") -> Scheme:
     """The scheme ``name``, else a one-line refusal naming those there are."""
     found = SCHEMES.get(name) if isinstance(name, str) else None
     if found is None:
-        raise UsageError(f"{what} {shown(name)}: unknown (allowed: {', '.join(METHODS)})")
+        raise UsageError(f"{what} {name if isinstance(name, str) else shown(name)}: unknown (allowed: "
+                         f"{', '.join(METHODS)})")
     return found
