@@ -95,9 +95,9 @@ def check_declared_forms(folder: Path, cfg: dict, shapes: dict[str, tuple[int, .
         raise ModelError(f"{folder / CONFIG}: bdlora_modules is {shown(modules)}, not a table of forms; the folder is "
                          "damaged")
     for module, spec in modules.items():
-        form = forms.declared(spec, f"{folder / CONFIG}: bdlora_modules[{module}]")
+        form = forms.declared(spec, f"{folder / CONFIG}: bdlora_modules[{module}]", module)
         want = form.tensors(module)
-        other = set().union(*(f.tensors(module) for f in forms.FORMS.values() if f is not form)) - want
+        other = set().union(*(f.tensors(module) for f in forms.ALL.values() if f is not form)) - want
         if not want <= set(shapes) or other & set(shapes):
             problems.append(f"{module} is declared {form.name}")
         elif (problem := form.problem(spec, shapes, module)) is not None:
@@ -164,9 +164,12 @@ def check_declared_sizes(folder: Path, cfg: dict, shapes: dict[str, tuple[int, .
         held["num_attention_heads x head_dim"] = attn[1]
     if kv is not None:
         held["num_key_value_heads x head_dim"] = kv[1]
-    if mlp is not None and "intermediate_size" in sizes:
-        held["intermediate_size"] = mlp[1]
-    declared = {**sizes, "num_attention_heads x head_dim": sizes["num_attention_heads"] * sizes["head_dim"],
+    site = (cfg.get("bdlora_modules") or {}).get("model.layers.0.mlp")
+    keep = site.get("keep") if isinstance(site, dict) else None  # a pruned first MLP holds its declared channels
+    if mlp is not None and "intermediate_size" in sizes and (keep is None or type(keep) is int):
+        held["intermediate_size" if keep is None else "model.layers.0.mlp keep"] = mlp[1]
+    declared = {**sizes, "model.layers.0.mlp keep": keep,
+                "num_attention_heads x head_dim": sizes["num_attention_heads"] * sizes["head_dim"],
                 "num_key_value_heads x head_dim": sizes["num_key_value_heads"] * sizes["head_dim"]}
     wrong = [f"{k} {declared[k]:,} but the weights hold {v:,}" for k, v in held.items() if declared[k] != v]
     if not wrong and layers != set(range(len(layers))):

@@ -17,22 +17,26 @@ import copy
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from bdlora import SCHEMA_VERSION, __version__
 from bdlora.arch import projection_modules, set_module
 from bdlora.blocks import PackedBlocks, scored_blocks
+from bdlora.budgeted.allocate import mac_cost
 from bdlora.budgeted.calibrate import calibration_blocks
+from bdlora.budgeted.channels import channel_order, probe_shapes, prune, site_options
 from bdlora.budgeted.correct import correct_sequential
-from bdlora.budgeted.costs import ModuleShape, compression_report, decide_module
+from bdlora.budgeted.costs import ModuleShape, compression_report, decide_module, prune_decision
 from bdlora.budgeted.layer import DeployedModule
 from bdlora.budgeted.lowrank import factors, gram_root, spectrum
 from bdlora.budgeted.model import build_deployed_model
 from bdlora.budgeted.start import allocate_by, calibrate_with_progress, compute_start, shapes_of, structure_report
-from bdlora.config import OneShotConfig
 from bdlora.corpora import check_spec, default_heldout, load_tokens
 from bdlora.deployed.folder import save_model_folder
 from bdlora.errors import UsageError
+from bdlora.forms import MLP_PROJECTIONS
+from bdlora.oneshot_config import OneShotConfig
 from bdlora.outputs import check_out_dir
 from bdlora.perplexity import perplexity
 from bdlora.reporter import SILENT, Reporter
@@ -43,23 +47,35 @@ from bdlora.teacher import load_teacher
 
 def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Reporter = SILENT, cost_table=None):
     """(decisions, {name: DeployedModule}, calibration tokens, allocation cost) of ``model`` at ``cfg.mac_ratio``:
-    calibrate, allocate, factor. ``cost_table`` (shapes -> an object with ``cost(shape, rank)`` and
-    ``prediction(shapes, ranks)``, e.g. the measured
-    decode-time table of ``bdlora.export.genai.latency``, passed in by the CLI): allocate by that cost instead of
-    MACs; the last item then says what the allocation predicts (else None)."""
+    calibrate, allocate among ``cfg.forms``, factor (and prune). ``cost_table`` (shapes, dense=(K, N) pairs -> an
+    object with ``cost(shape, rank)`` and ``prediction(shapes, ranks, keep)``, e.g. the measured decode-time table of
+    ``bdlora.export.genai.latency``, passed in by the CLI): allocate by that cost instead of MACs; the last item then
+    says what the allocation predicts (else None)."""
     calib = calibrate_with_progress(model, calibration_blocks(train_blocks, cfg.calib_tokens), reporter)
     reporter.stage("whitened, loss-weighted spectra of every projection")
     mods = dict(projection_modules(model))
     shapes = [ModuleShape(n, m.in_features, m.out_features) for n, m in mods.items()]
+    lowrank = "lowrank" in cfg.form_names
     roots, spectra = {}, {}
-    for s in shapes:
+    for s in shapes if lowrank else ():
         gram = calib.gram(s.name)
         root = roots.setdefault(id(gram), gram_root(gram)) if s.out_features > s.in_features else None
         spectra[s.name] = spectrum(mods[s.name].weight, gram, fisher=calib.fisher[s.name], root=root)
-    energy = {n: sp.energy.numpy() for n, sp in spectra.items()}
-    table = cost_table(shapes) if cost_table is not None else None
-    alloc = allocate_by(shapes, energy, cfg.mac_ratio, reporter, table, cfg.precision)
-    cost_doc = None if table is None else {"cost": "measured decode time", **table.prediction(shapes, alloc.ranks),
+    energy = {s.name: spectra[s.name].energy.numpy() if lowrank else np.zeros(0) for s in shapes}
+    orders = {}
+    if "channels" in cfg.form_names:
+        reporter.stage("ranking every MLP's channels by loss-weighted activation energy")
+        orders = {n.rsplit(".", 1)[0]: channel_order(m.weight, calib.gram(n), calib.fisher[n])
+                  for n, m in mods.items() if n.endswith("down_proj")}
+    table = None
+    if cost_table is not None:  # with channels, the narrower dense products it interpolates between are timed too
+        table = cost_table(shapes, dense=probe_shapes(shapes)) if orders else cost_table(shapes)
+    cost = table.cost if table is not None else mac_cost
+    sites = {site: site_options([s for s in shapes if s.name.startswith(site + ".")], order, cost)
+             for site, order in orders.items()}
+    alloc = allocate_by(shapes, energy, cfg.mac_ratio, reporter, table, cfg.precision, sites, lowrank)
+    cost_doc = None if table is None else {"cost": "measured decode time",
+                                           **table.prediction(shapes, alloc.ranks, alloc.shape),
                                            "mac_ratio": alloc.mac_ratio(shapes)}
     deployed = {}
     for s in shapes:
@@ -72,7 +88,26 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
             deployed[s.name] = DeployedModule(dec, proj_in=a.to(dtype), proj_out=b.to(dtype), bias=bias)
         else:
             deployed[s.name] = DeployedModule(dec, weight=mod.weight.detach().clone(), bias=bias)
+    for site, keep in alloc.keep.items():
+        deployed.update(pruned_site(site, keep, mods, orders[site], calib.gram(f"{site}.down_proj")))
     return [d.decision for d in deployed.values()], deployed, calib.tokens, cost_doc
+
+
+def pruned_site(site: str, keep: int, mods: dict, order, gram) -> dict[str, DeployedModule]:
+    """The three projections of an MLP ``site`` keeping ``keep`` channels (``budgeted.channels.prune``: down
+    refitted), as deployed modules with their decisions."""
+    names = [f"{site}.{p}" for p in MLP_PROJECTIONS]
+    kept = order.kept(keep)
+    weights = prune(*(mods[n].weight for n in names), gram, kept)
+    out = {}
+    for n, w in zip(names, weights):
+        m = mods[n]
+        bias = None if m.bias is None else m.bias.detach().clone()
+        if bias is not None and not n.endswith("down_proj"):
+            bias = bias[kept].clone()
+        dec = prune_decision(ModuleShape(n, m.in_features, m.out_features), keep, has_bias=bias is not None)
+        out[n] = DeployedModule(dec, weight=w, bias=bias)
+    return out
 
 
 def correct_deployed(model, deployed: dict, blocks, reporter: Reporter = SILENT) -> dict:
@@ -82,6 +117,8 @@ def correct_deployed(model, deployed: dict, blocks, reporter: Reporter = SILENT)
     student = copy.deepcopy(model)
     low_rank = {}
     for name, dep in deployed.items():
+        if dep.decision.channels:  # a pruned MLP: the layers above are corrected against its narrower outputs
+            set_module(student, name, dep.module().to(next(model.parameters()).device))
         if dep.proj_in is None:
             continue
         mod = dep.module().to(next(model.parameters()).device)

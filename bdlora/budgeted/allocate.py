@@ -66,21 +66,32 @@ def options(shape: ModuleShape, energy: np.ndarray, step: int = RANK_STEP,
 @dataclass
 class Allocation:
     """Per-module ranks (0: stays dense), the order modules leave their dense form in (the controller's removal
-    score: position in ``order``), and the predicted error of each chosen form."""
+    score: position in ``order``), the predicted error of each chosen form, and the MLP sites that keep fewer
+    channels (``keep``: site -> channels; their projections are at rank 0, dense at the narrower width)."""
 
     ranks: dict[str, int]
     order: list[str]
     errors: dict[str, float] = field(default_factory=dict)
+    keep: dict[str, int] = field(default_factory=dict)
+
+    def shape(self, s: ModuleShape) -> ModuleShape:
+        """``s`` as deployed: narrower when its MLP keeps fewer channels."""
+        k = self.keep.get(s.name.rsplit(".", 1)[0])
+        if not k:
+            return s
+        return ModuleShape(s.name, s.in_features, k) if s.out_features > s.in_features else \
+            ModuleShape(s.name, k, s.out_features)
 
     def macs(self, shapes: list[ModuleShape]) -> int:
-        return sum(s.lora_cost(self.ranks[s.name]) if self.ranks.get(s.name) else s.dense_cost for s in shapes)
+        return sum(s.lora_cost(self.ranks[s.name]) if self.ranks.get(s.name) else self.shape(s).dense_cost
+                   for s in shapes)
 
     def mac_ratio(self, shapes: list[ModuleShape]) -> float:
         return sum(s.dense_cost for s in shapes) / self.macs(shapes)
 
     def cost_ratio(self, shapes: list[ModuleShape], cost: Cost) -> float:
         """The projections' speed-up by ``cost`` (dense total over the chosen forms' total)."""
-        return sum(cost(s, 0) for s in shapes) / sum(cost(s, self.ranks.get(s.name, 0)) for s in shapes)
+        return sum(cost(s, 0) for s in shapes) / sum(cost(self.shape(s), self.ranks.get(s.name, 0)) for s in shapes)
 
     def scores(self, names: list[str]) -> list[float]:
         """Removal scores for ``BudgetController``: the dropped modules first, in allocation order."""
@@ -88,53 +99,109 @@ class Allocation:
         return [float(pos.get(n, len(pos) + i)) for i, n in enumerate(names)]
 
     def to_json(self) -> dict:
-        return {"ranks": self.ranks, "order": self.order, "errors": self.errors}
+        return {"ranks": self.ranks, "order": self.order, "errors": self.errors, "keep": self.keep}
 
     @classmethod
     def from_json(cls, doc: dict) -> Allocation:
         return cls({k: int(v) for k, v in doc["ranks"].items()}, list(doc["order"]),
-                   {k: float(v) for k, v in doc.get("errors", {}).items()})
+                   {k: float(v) for k, v in doc.get("errors", {}).items()},
+                   {k: int(v) for k, v in (doc.get("keep") or {}).items()})
 
 
 BUCKETS = 1 << 16  # the MAC budget's resolution in the allocation (module costs are rounded up to 1/65536 of it)
 
+Option = tuple[object, float, float]  # (what is chosen, its cost, its error)
 
-def allocate(shapes: list[ModuleShape], energy: dict[str, np.ndarray], mac_ratio: float,
-             step: int = RANK_STEP, cost: Cost = mac_cost, unit_name: str = "MAC") -> Allocation:
-    """The per-module forms meeting ``sum cost <= dense total / mac_ratio`` with the least total error (``cost``:
-    MACs by default, or measured decode time): a knapsack solved exactly by dynamic programming over the budget in
-    ``BUCKETS`` steps (each module's cost rounded up, so the result always meets the budget; at most one bucket per
-    module is left unspent). The removal order puts the modules that leave their dense form first, cheapest error
-    per unit of cost saved first. Deterministic."""
-    dense = sum(cost(s, 0) for s in shapes)
-    target = dense / mac_ratio
-    opts = [options(s, energy[s.name], step, cost) for s in shapes]
-    cheapest = sum(min(c for _, c, _ in o) for o in opts)
+
+def knapsack(items: list[list[Option]], target: float, beyond: Callable[[float], str]) -> list[int]:
+    """The option of each item (each list's first option: the item as it is) meeting ``sum cost <= target`` with the
+    least total error: exact dynamic programming over the budget in ``BUCKETS`` steps (each cost rounded up, so the
+    result always meets the budget; at most one bucket per item is left unspent). Ties keep the earlier option.
+    ``beyond(cheapest total)`` is the refusal when even the cheapest options exceed the budget."""
+    cheapest = sum(min(c for _, c, _ in o) for o in items)
     if cheapest > target:
-        raise UsageError(f"--mac-ratio {mac_ratio:g}: beyond reach; the cheapest form of every projection gives "
-                         f"{dense / cheapest:.2f}x fewer projection {unit_name}s")
+        raise UsageError(beyond(cheapest))
     unit = target / BUCKETS
-    best = np.zeros(BUCKETS + 1)  # best[b]: least error of the modules so far within b buckets
-    choice = np.zeros((len(shapes), BUCKETS + 1), dtype=np.int16)
-    for m, o in enumerate(opts):
+    best = np.zeros(BUCKETS + 1)  # best[b]: least error of the items so far within b buckets
+    choice = np.zeros((len(items), BUCKETS + 1), dtype=np.int32)
+    for m, o in enumerate(items):
         new = np.full(BUCKETS + 1, np.inf)
-        for k, (_, macs, err) in enumerate(o):
-            need = int(np.ceil(macs / unit - 1e-9))
+        for k, (_, c, err) in enumerate(o):
+            need = int(np.ceil(c / unit - 1e-9))
             if need > BUCKETS:
                 continue
             cand = np.full(BUCKETS + 1, np.inf)
             cand[need:] = best[: BUCKETS + 1 - need] + err
-            better = cand < new  # ties keep the earlier option: dense first, then the larger rank
+            better = cand < new
             new[better], choice[m, better] = cand[better], k
         best = new
     picked, b = [], BUCKETS
-    for m in range(len(shapes) - 1, -1, -1):
+    for m in range(len(items) - 1, -1, -1):
         k = int(choice[m, b])
         picked.append(k)
-        b -= int(np.ceil(opts[m][k][1] / unit - 1e-9))
+        b -= int(np.ceil(items[m][k][1] / unit - 1e-9))
     picked.reverse()
-    ranks = {s.name: o[k][0] for s, o, k in zip(shapes, opts, picked)}
-    errors = {s.name: o[k][2] for s, o, k in zip(shapes, opts, picked)}
-    saved = {s.name: o[0][1] - o[k][1] for s, o, k in zip(shapes, opts, picked)}
+    return picked
+
+
+def pareto(options: list[Option]) -> list[Option]:
+    """The options no other is both cheaper (or as cheap) and better than, the first (the item as it is) kept first:
+    dropping the rest never changes the knapsack's optimum."""
+    first, rest = options[0], sorted(options[1:], key=lambda o: (o[1], o[2]))
+    kept: list[Option] = []
+    for o in rest:  # by cost: each kept option is better than every cheaper one
+        if (o[1] < first[1] or o[2] < first[2]) and (not kept or o[2] < kept[-1][2]):
+            kept.append(o)
+    return [first, *kept]
+
+
+def combine(groups: list[list[Option]]) -> list[Option]:
+    """One item's options from several items chosen together (their options' products, pruned to the Pareto front
+    after each step): the choice is a tuple, one per group."""
+    out: list[Option] = [((), 0.0, 0.0)]
+    for g in groups:
+        out = pareto([((*a, b), ca + cb, ea + eb) for a, ca, ea in out for b, cb, eb in g])
+    return out
+
+
+def allocate(shapes: list[ModuleShape], energy: dict[str, np.ndarray], mac_ratio: float,
+             step: int = RANK_STEP, cost: Cost = mac_cost, unit_name: str = "MAC",
+             sites: dict[str, list[Option]] | None = None, lowrank: bool = True) -> Allocation:
+    """The per-module forms meeting ``sum cost <= dense total / mac_ratio`` with the least total error (``cost``:
+    MACs by default, or measured decode time), by ``knapsack``. ``sites`` (an MLP site -> its channel options,
+    ``budgeted.channels``): that site's three projections become one item choosing between their low-rank forms
+    (combined) and keeping fewer channels. The removal order puts the modules that leave their dense form first,
+    cheapest error per unit of cost saved first. ``lowrank`` False: no projection becomes a pair (only the sites'
+    channels are chosen). Deterministic."""
+    sites = sites or {}
+    dense = sum(cost(s, 0) for s in shapes)
+    per = {s.name: [((s.name, r), c, e) for r, c, e in options(s, energy[s.name], step, cost)[: None if lowrank
+                                                                                               else 1]]
+           for s in shapes}
+    items, members = [], []
+    for site in dict.fromkeys(s.name.rsplit(".", 1)[0] for s in shapes):
+        names = [s.name for s in shapes if s.name.rsplit(".", 1)[0] == site]
+        if site in sites:
+            items.append(pareto(combine([per[n] for n in names]) + [((k,), c, e) for k, c, e in sites[site]]))
+            members.append((site, names))
+        else:
+            items += [[((n_r,), c, e) for n_r, c, e in per[n]] for n in names]
+            members += [(None, [n]) for n in names]
+    picked = knapsack(items, dense / mac_ratio, lambda cheapest: (
+        f"--mac-ratio {mac_ratio:g}: beyond reach; the cheapest form of every projection gives "
+        f"{dense / cheapest:.2f}x fewer projection {unit_name}s"))
+    ranks, errors, saved, keep = {}, {}, {}, {}
+    by = {s.name: s for s in shapes}
+    for (site, names), o, k in zip(members, items, picked):
+        chosen, c, e = o[k]
+        if isinstance(chosen[0], int):  # the site keeps chosen[0] channels
+            keep[site] = chosen[0]
+            ranks.update({n: 0 for n in names})
+            errors[site] = e
+            continue
+        for n, r in chosen:
+            ranks[n] = r
+            errors[n] = next(err for (_, rr), _, err in per[n] if rr == r)
+            saved[n] = cost(by[n], 0) - cost(by[n], r)
     order = sorted((n for n, r in ranks.items() if r), key=lambda n: (errors[n] / saved[n], n))
-    return Allocation(ranks, order, errors)
+    return Allocation(ranks, order, errors, keep)

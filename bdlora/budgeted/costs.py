@@ -91,10 +91,27 @@ class ModuleDecision:
     params_before: int
     params_after: int
     lora_rank_max: int = 0  # r_max of the training module (its LoRA path's rank before hardening)
+    channels: int = 0  # the intermediate channels its MLP keeps (case "pruned"; 0: the MLP is whole)
 
     @property
     def form(self) -> str:
         return forms.of_rank(self.rank).name
+
+
+def prune_decision(shape: ModuleShape, keep: int, has_bias: bool = False) -> ModuleDecision:
+    """A gate/up/down projection of an MLP keeping ``keep`` of its channels (``forms.CHANNELS``): dense at the
+    reduced width (gate and up lose outputs, down inputs)."""
+    i, o = shape.in_features, shape.out_features
+    narrow = (i, keep) if shape.name.endswith(("gate_proj", "up_proj")) else (keep, o)
+    after = narrow[0] * narrow[1]
+    bias = narrow[1] if has_bias else 0
+    return ModuleDecision(shape.name, i, o, 1.0, "pruned", 0, 0, 0, shape.dense_cost, after,
+                          shape.dense_cost + (o if has_bias else 0), after + bias, 0, keep)
+
+
+def site_forms(decisions) -> dict[str, dict]:
+    """The ``bdlora_modules`` entries of the sites the decisions prune (``model.layers.N.mlp``: channels kept)."""
+    return {d.name.rsplit(".", 1)[0]: forms.CHANNELS.spec(d.channels) for d in decisions if d.channels}
 
 
 def deployed_form(rank: int) -> dict:
@@ -160,6 +177,7 @@ def compression_report(decisions: list[ModuleDecision], budget: float | None = N
         "dense_svd": sum(m.case == "svd" for m in decisions),
         "dense_dropped": sum(m.case == "dropped" for m in decisions),
         "merged_cheaper": sum(m.case == "merged-cheaper" for m in decisions),
+        "mlp_pruned": len(site_forms(decisions)),  # MLP sites keeping fewer channels (their 3 modules: "pruned")
         "avg_lora_rank": sum(m.lora_rank for m in decisions) / n,
         "dense_macs": D,
         "lora_macs": L,

@@ -183,8 +183,8 @@ class DeployedModule:
         """A standalone torch module computing the deployed form (tests compare it with the training module)."""
 
         dec = self.decision
-        if self.weight is not None:
-            mod = nn.Linear(dec.in_features, dec.out_features, bias=self.bias is not None)
+        if self.weight is not None:  # its own shape: a pruned MLP's projection is narrower than the decision's
+            mod = nn.Linear(self.weight.shape[1], self.weight.shape[0], bias=self.bias is not None)
         else:
             mod = LowRankLinear(dec.in_features, dec.out_features, dec.rank, bias=self.bias is not None)
         mod.load_state_dict({k.split(".", 1)[1]: v for k, v in self.state("m").items()})

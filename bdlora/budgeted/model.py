@@ -15,7 +15,7 @@ import torch.nn as nn
 from bdlora import SCHEMA_VERSION
 from bdlora.arch import PROJECTIONS, dense_state_dict, is_projection, set_module
 from bdlora.budgeted.config import DEFAULTS, BudgetedConfig
-from bdlora.budgeted.costs import compression_report, deployed_form
+from bdlora.budgeted.costs import compression_report, deployed_form, site_forms
 from bdlora.budgeted.layer import DeployedModule, GatedLoRALinear
 from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES
 from bdlora.errors import ModelError
@@ -107,7 +107,9 @@ def build_deployed_model(base: nn.Module, deployed: dict[str, DeployedModule], p
 
     family = table_family(base_type(base.config.model_type), "base model_type").model_type
     cfg_cls, model_cls = BDLORA_CLASSES[family]
-    config = cfg_cls(bdlora_modules={n: deployed_form(c.decision.rank) for n, c in deployed.items()},
+    modules = {n: deployed_form(c.decision.rank) for n, c in deployed.items()}
+    modules.update(site_forms([c.decision for c in deployed.values()]))  # MLPs keeping fewer channels
+    config = cfg_cls(bdlora_modules=modules,
                      bdlora={"base_model_type": family, **provenance}, **_base_config_dict(base.config))
     config.auto_map = {"AutoConfig": f"modeling_bdlora.{cfg_cls.__name__}",
                        "AutoModelForCausalLM": f"modeling_bdlora.{model_cls.__name__}"}

@@ -89,16 +89,18 @@ def calibrate_with_progress(model, blocks, reporter: Reporter = SILENT):
 
 
 def allocate_by(shapes, energy: dict, target: float, reporter: Reporter = SILENT, table=None,
-                precision: str | None = None) -> Allocation:
+                precision: str | None = None, sites: dict | None = None, lowrank: bool = True) -> Allocation:
     """The quality allocation for ``target``: priced by MACs, or with ``table`` (a measured decode-time table at
     ``precision``, ``bdlora.export.genai.latency``) by each form's decode time, so ``target`` is then the projections'
-    decode-time speed-up. Shared by the training start and ``compress --one-shot``."""
+    decode-time speed-up. Shared by the training start and ``compress --one-shot``. ``sites``/``lowrank``: see
+    ``allocate`` (MLPs that may keep fewer channels; whether projections may become pairs)."""
+    what = "loss-weighted truncation error" + (" and channel-drop error" if sites else "")
     if table is not None:
-        reporter.stage(f"allocating {target:.2f}x less projection decode time at {precision} by loss-weighted "
-                       "truncation error")
-        return allocate(shapes, energy, target, cost=table.cost, unit_name=f"{precision} microsecond")
-    reporter.stage(f"allocating {target:.2f}x fewer projection MACs by loss-weighted truncation error")
-    return allocate(shapes, energy, target)
+        reporter.stage(f"allocating {target:.2f}x less projection decode time at {precision} by {what}")
+        return allocate(shapes, energy, target, cost=table.cost, unit_name=f"{precision} microsecond", sites=sites,
+                        lowrank=lowrank)
+    reporter.stage(f"allocating {target:.2f}x fewer projection MACs by {what}")
+    return allocate(shapes, energy, target, sites=sites, lowrank=lowrank)
 
 
 def compute_start(model, init: str, allocation: str, rank: int, budget: float, mac_ratio: float | None,

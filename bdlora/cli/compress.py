@@ -15,9 +15,10 @@ from bdlora.cli import render
 from bdlora.cli.app import command, err, out
 from bdlora.cli.options import from_dataclass
 from bdlora.cli.progress import RichReporter
-from bdlora.config import BUILTIN, CALIB_TOKENS, GENAI_PRECISIONS, OneShotConfig
+from bdlora.config import BUILTIN, CALIB_TOKENS, GENAI_PRECISIONS
 from bdlora.data import default_cache_dir
 from bdlora.errors import Checks, UsageError, flag, usable_cores
+from bdlora.oneshot_config import OneShotConfig
 from bdlora.plan import DEFAULT_PLAN_STEPS, read_model_config
 from bdlora.plan import plan as run_plan
 from bdlora.runs import RUNS_DIR, RunDir, one_shot_out
@@ -192,4 +193,5 @@ def cost_table(precision: str | None, threads: int | None, cache: Path | None, r
     from bdlora.export.genai.latency import latency_table
 
     threads = threads or usable_cores()
-    return lambda shapes: latency_table(shapes, precision, threads, cache or default_cache_dir(), reporter)
+    return lambda shapes, dense=(): latency_table(shapes, precision, threads, cache or default_cache_dir(), reporter,
+                                                  dense)

@@ -96,6 +96,11 @@ def compression_report(report: dict, title: str) -> None:
     s.add_row("dense kept / SVD / dropped", f"{report['dense_kept']}/{n} / {report['dense_svd']}/{n} / "
               f"{report['dense_dropped']}/{n}" + (f" ({report['merged_cheaper']} merged-cheaper)"
                                                   if report["merged_cheaper"] else ""))
+    if report.get("mlp_pruned"):
+        downs = [m for m in report["modules"] if m.get("channels") and m["name"].endswith("down_proj")]
+        kept = [m["channels"] for m in downs]
+        s.add_row("MLPs keeping fewer channels", f"{report['mlp_pruned']} (kept {min(kept):,} to {max(kept):,} of "
+                  f"{downs[0]['in_features']:,})")
     s.add_row("average LoRA rank kept", f"{report['avg_lora_rank']:.1f}")
     s.add_row("MAC speed-up vs dense", f"{report['speedup_vs_dense']:.2f}x")
     s.add_row("MAC speed-up vs LoRA", f"{report['speedup_vs_lora']:.2f}x")

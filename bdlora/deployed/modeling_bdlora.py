@@ -10,9 +10,10 @@ works where bdlora is not installed. With ``bdlora.deployed`` imported, the clas
 
 One config/model pair per supported base family (``bdlora_mistral``, ``bdlora_llama``, ``bdlora_qwen2``). The config
 is the base family's config plus ``bdlora_modules``: for every replaced projection its deployment form, ``dense``
-or ``lowrank`` with its rank. The model is the base family's model with exactly those modules: a low-rank module is
-two bias-free ``nn.Linear`` layers in sequence (``proj_in``: d_in -> r, ``proj_out``: r -> d_out), the second
-carrying any bias.
+or ``lowrank`` with its rank, and for every MLP kept narrower than ``intermediate_size`` its ``channels`` (``keep``).
+The model is the base family's model with exactly those modules: a low-rank module is two bias-free ``nn.Linear``
+layers in sequence (``proj_in``: d_in -> r, ``proj_out``: r -> d_out), the second carrying any bias; a pruned MLP
+is the family's MLP with gate/up of ``keep`` outputs and down of ``keep`` inputs.
 """
 
 from __future__ import annotations
@@ -76,17 +77,32 @@ class BdloraModelMixin:
         self.post_init()
 
 
-# the forms this file builds (bdlora.forms declares them; tests/test_structure.py holds the two together)
-KNOWN_FORMS = ("dense", "lowrank")
+# the forms this file builds (bdlora.forms declares them; tests/test_structure.py holds the two together): one
+# projection's (dense, lowrank), then a site's (channels: an MLP keeping ``keep`` intermediate channels)
+KNOWN_FORMS = ("dense", "lowrank", "channels")
+SITES = {"channels": "mlp"}
 
 
 def _replace_modules(model: nn.Module, modules: dict) -> None:
+    """Sites first (a pruned MLP's projections get their reduced width), then each projection's form (a low-rank
+    pair takes the width its projection has by then)."""
     for name, spec in modules.items():
         form = spec.get("form") if isinstance(spec, dict) else None
         if form not in KNOWN_FORMS:  # never load an unknown form as dense: its weights would be random
-            raise ValueError(f"bdlora_modules[{name}]: unknown projection form {form!r} (this file builds "
+            raise ValueError(f"bdlora_modules[{name}]: unknown form {form!r} (this file builds "
                              f"{', '.join(KNOWN_FORMS)}); the folder was written by a newer bdlora or edited")
-        if form != "lowrank":
+        if (form in SITES) != (name.rsplit(".", 1)[-1] in SITES.values()):
+            raise ValueError(f"bdlora_modules[{name}]: form {form!r} cannot be declared there")
+    for name, spec in modules.items():
+        if spec["form"] == "channels":
+            mlp, keep = model.get_submodule(name), int(spec["keep"])
+            hidden = mlp.gate_proj.in_features
+            for proj in ("gate_proj", "up_proj"):
+                old = getattr(mlp, proj)
+                setattr(mlp, proj, nn.Linear(hidden, keep, bias=old.bias is not None))
+            mlp.down_proj = nn.Linear(keep, hidden, bias=mlp.down_proj.bias is not None)
+    for name, spec in modules.items():
+        if spec["form"] != "lowrank":
             continue
         parent_name, child = name.rsplit(".", 1)
         parent = model.get_submodule(parent_name)

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 from bdlora.budgeted.config import DEFAULTS as BUDGETED
 from bdlora.budgeted.config import BudgetedConfig
-from bdlora.config import BUILTIN, BUILTIN_DEFAULTS, REAL_DEFAULTS, OneShotConfig, TrainConfig
+from bdlora.config import BUILTIN, BUILTIN_DEFAULTS, REAL_DEFAULTS, TrainConfig
 from bdlora.errors import Checks, UsageError
+from bdlora.oneshot_config import OneShotConfig
 from bdlora.sweep.vary import check_axes, grid, label
 
 BASELINES = ("kd-full", "kd-lora")

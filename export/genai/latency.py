@@ -151,7 +151,7 @@ class LatencyTable:
     def cost(self, shape: ModuleShape, rank: int) -> float:
         k, n = shape.in_features, shape.out_features
         if rank == 0:
-            return self.us[_key(k, n, 0)]
+            return self.us[_key(k, n, 0)] if _key(k, n, 0) in self.us else self.dense_between(k, n)
         ranks = self.measured_ranks(k, n)
         if not ranks:
             raise KeyError(f"no measured ranks for {k}x{n}")
@@ -162,6 +162,20 @@ class LatencyTable:
             return float(ys[-1] + slope * (rank - xs[-1]))
         return float(np.interp(rank, xs, ys))
 
+    def dense_between(self, k: int, n: int) -> float:
+        """A dense (K, N) product not measured itself (a pruned MLP's narrower width): interpolated linearly between
+        the measured dense products sharing K (or N), extrapolated along the nearest segment."""
+        for fixed, varies in ((0, 1), (1, 0)):
+            known = sorted((int(p[varies]), v) for key, v in self.us.items() if key.endswith("@0")
+                           for p in [key[:-2].split("x")] if int(p[fixed]) == (k, n)[fixed])
+            if len(known) >= 2:
+                xs, ys = np.array([x for x, _ in known], float), np.array([y for _, y in known])
+                x = (k, n)[varies]
+                i = int(np.clip(np.searchsorted(xs, x), 1, len(xs) - 1))  # the segment x lies in (or nearest)
+                slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
+                return float(max(ys[i - 1] + slope * (x - xs[i - 1]), 1e-3))
+        raise KeyError(f"no measured dense products to interpolate {k}x{n} between")
+
     def pays(self, shape: ModuleShape) -> int:
         """The largest rank whose pair decodes faster than the dense product (0: none does)."""
         best = 0
@@ -170,12 +184,13 @@ class LatencyTable:
                 best = r
         return best
 
-    def prediction(self, shapes: list[ModuleShape], ranks: dict[str, int]) -> dict:
-        """What a structure (``ranks``: rank per module, 0 or absent = dense) costs at this precision: the
-        projections' decode microseconds dense and as structured, the predicted speed-up, the forms measured, and
-        which projections have a low-rank form slower than their dense one."""
+    def prediction(self, shapes: list[ModuleShape], ranks: dict[str, int], shape_of=None) -> dict:
+        """What a structure (``ranks``: rank per module, 0 or absent = dense; ``shape_of``: each module's deployed
+        shape, narrower in a pruned MLP) costs at this precision: the projections' decode microseconds dense and as
+        structured, the predicted speed-up, the forms measured, and which projections have a low-rank form slower
+        than their dense one."""
         dense = sum(self.cost(s, 0) for s in shapes)
-        chosen = sum(self.cost(s, ranks.get(s.name, 0)) for s in shapes)
+        chosen = sum(self.cost(shape_of(s) if shape_of else s, ranks.get(s.name, 0)) for s in shapes)
         slower = sorted({s.name.split(".")[-1] for s in shapes
                          if ranks.get(s.name) and self.cost(s, ranks[s.name]) >= self.cost(s, 0)})
         return {"precision": self.precision, "threads": self.threads, "projection_us_dense": dense,
@@ -224,9 +239,10 @@ def read_table(path: Path) -> tuple[dict[str, float], int]:
 
 
 def latency_table(shapes: list[ModuleShape], precision: str, threads: int, cache: Path,
-                  reporter: Reporter = SILENT) -> LatencyTable:
+                  reporter: Reporter = SILENT, dense=()) -> LatencyTable:
     """The table for ``shapes`` at ``precision`` and ``threads``, read from the cache and completed by measuring the
-    forms it lacks (the dense product and the rank ``grid`` of every distinct (K, N))."""
+    forms it lacks (the dense product and the rank ``grid`` of every distinct (K, N)); ``dense``: further (K, N)
+    products measured dense only (the narrower widths a pruned MLP interpolates between)."""
     if precision not in PRECISIONS:
         raise UsageError(f"--precision {precision}: must be one of {', '.join(PRECISIONS)}")
     if not 1 <= threads <= usable_cores():  # a table measured on more threads than cores would be cached as real
@@ -244,6 +260,7 @@ def latency_table(shapes: list[ModuleShape], precision: str, threads: int, cache
         for r in [0, *grid(ModuleShape("", k, n))]:
             if _key(k, n, r) not in table.us:
                 todo.append((k, n, r))
+    todo += [(k, n, 0) for k, n in dict.fromkeys(dense) if _key(k, n, 0) not in table.us and (k, n, 0) not in todo]
     if todo:
         reporter.stage(f"measuring {len(todo)} projection forms at {precision} on {threads} thread(s) (cached in "
                        f"{path.parent})")

@@ -1,0 +1,117 @@
+"""Pruned MLP channels (``forms.CHANNELS``): which intermediate channels a gated MLP keeps, what dropping the others
+costs in the allocation's units, and the narrower projections (Minitron's width pruning, SliceGPT's deleted columns:
+plain smaller dense products that every runtime runs at full speed).
+
+The error of dropping a set D of channels is measured as the low-rank error is (``lowrank``): the down projection's
+output change ``W_D h_D`` weighted by its output Fisher diagonal, summed over the calibration tokens,
+
+    e(D) = sum_{j, l in D} C_jl M_jl,    C = H^T H (down's input Gram),  M = W^T diag(f) W,
+
+so a channel and a rank compare in one knapsack. Channels are ranked by their own term ``C_jj M_jj`` (activation
+energy times loss-weighted column norm: Wanda's score with the Fisher in place of a unit output weight); e(D) of
+each prefix of that order is exact (cross terms included), from two cumulative sums of the permuted ``C * M``.
+
+The kept channels' down projection is then refitted to them: ``W' = (W C_{:,S} + delta W_S) (C_SS + delta I)^-1``,
+the least squares fit of the MLP's output on the calibration inputs with a ridge towards the source's own columns
+(each output row's fit is independent of its Fisher weight, so one solve serves all). Gate and up rows of the kept
+channels are unchanged, so their outputs are exactly the source's; only down changes. The allocation prices the
+drop without the refit (an upper bound).
+
+Why multiples of ``CHANNEL_STEP``: the down projection's K is the kept width, and MatMulNBits quantises its input in
+blocks of 32; a width that is not a multiple pads its last block (work for nothing) and the int4 kernels run whole
+blocks. The grid runs from 32 to the full width less 32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from bdlora.budgeted.allocate import Cost, Option
+from bdlora.budgeted.costs import ModuleShape
+from bdlora.budgeted.lowrank import FISHER_DAMPING, damped
+
+CHANNEL_STEP = 32  # kept widths are multiples of the int4 block (MatMulNBits' block size along K)
+REFIT_DAMPING = 1e-2  # of the kept channels' mean Gram diagonal (GPTQ's percdamp): a ridge on the refit
+
+
+@dataclass
+class ChannelOrder:
+    """One MLP's channels, least important first, and ``error[n]``: the loss-weighted error of dropping the first
+    ``n`` of them (``error[0] = 0``; ``len(error) = width + 1``)."""
+
+    order: np.ndarray
+    error: np.ndarray
+
+    @property
+    def width(self) -> int:
+        return len(self.order)
+
+    def kept(self, keep: int) -> torch.Tensor:
+        """The indices of the ``keep`` channels kept, ascending (the source's order)."""
+        return torch.from_numpy(np.sort(self.order[self.width - keep:]).copy())
+
+
+def channel_order(down: torch.Tensor, gram: torch.Tensor, fisher: torch.Tensor | None) -> ChannelOrder:
+    """The order and prefix errors of a down projection ``down`` (hidden, width) under its input Gram ``gram``
+    (width, width) and output Fisher diagonal ``fisher`` (hidden), damped as ``lowrank.spectrum`` damps them."""
+    w = down.detach().double()
+    phi2 = torch.ones(w.shape[0], dtype=torch.float64)
+    if fisher is not None:
+        f = fisher.double()
+        mean = float(f.mean())
+        phi2 = f + (FISHER_DAMPING * mean if mean > 0 else 1.0)
+    p = damped(gram) * (w.T @ (phi2[:, None] * w))  # C * M, (width, width), positive semi-definite
+    order = torch.argsort(torch.diagonal(p), stable=True)
+    s = p[order][:, order].cumsum(0).cumsum(1)
+    error = torch.cat([torch.zeros(1, dtype=torch.float64), torch.diagonal(s).clamp_min(0)])
+    return ChannelOrder(order.numpy(), error.numpy())
+
+
+def keep_grid(width: int, step: int = CHANNEL_STEP) -> list[int]:
+    """The kept widths the allocation may choose: multiples of ``step`` below ``width``."""
+    return list(range(step, width, step))
+
+
+def narrowed(shape: ModuleShape, keep: int) -> ModuleShape:
+    """``shape`` (gate, up: hidden -> width; down: width -> hidden) with ``keep`` channels."""
+    gate_or_up = shape.name.endswith(("gate_proj", "up_proj"))
+    return ModuleShape(shape.name, shape.in_features, keep) if gate_or_up else \
+        ModuleShape(shape.name, keep, shape.out_features)
+
+
+def site_options(shapes: list[ModuleShape], order: ChannelOrder, cost: Cost) -> list[Option]:
+    """(keep, cost of the three narrower dense products, error) of every kept width of one MLP site."""
+    return [(k, sum(cost(narrowed(s, k), 0) for s in shapes), float(order.error[order.width - k]))
+            for k in keep_grid(order.width)]
+
+
+def probe_shapes(shapes: list[ModuleShape]) -> list[tuple[int, int]]:
+    """(K, N) of the narrower dense products a measured table times so that any kept width interpolates between
+    measurements: a quarter, a half and three quarters of each MLP's width, on the channel grid."""
+    out = []
+    for s in shapes:
+        if s.name.endswith("down_proj"):
+            width, hidden = s.in_features, s.out_features
+            for q in (4, 2, 4 / 3):
+                k = max(CHANNEL_STEP, int(width / q) // CHANNEL_STEP * CHANNEL_STEP)
+                out += [(hidden, k), (k, hidden)]
+    return list(dict.fromkeys(out))
+
+
+@torch.no_grad()
+def prune(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, gram: torch.Tensor, kept: torch.Tensor,
+          refit: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gate rows, up rows, down columns) of the ``kept`` channels, down refitted by ridge least squares on the
+    calibration Gram (``refit``; else its columns as they are), each in its source dtype."""
+    g, u = gate[kept].clone(), up[kept].clone()
+    if not refit:
+        return g, u, down[:, kept].clone()
+    c, w = gram.double(), down.double()
+    css = c[kept][:, kept]
+    delta = REFIT_DAMPING * float(torch.diagonal(css).mean().clamp_min(1e-12))
+    css = css + delta * torch.eye(len(kept), dtype=torch.float64)
+    rhs = c[kept] @ w.T + delta * w[:, kept].T  # (keep, hidden): C_{S,:} W^T + delta W_S^T
+    return g, u, torch.linalg.solve(css, rhs).T.to(down.dtype).contiguous()

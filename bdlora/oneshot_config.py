@@ -1,0 +1,83 @@
+"""The options of ``compress --one-shot`` (a pretrained model compressed without training): a dataclass whose
+field docstrings the CLI turns into help text, and a validator that collects every problem and raises once, as
+``config.TrainConfig``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bdlora.config import BUILTIN, CALIB_TOKENS, EVAL_TOKENS, GENAI_PRECISIONS
+from bdlora.errors import Checks, shown
+
+ALLOCATED_FORMS = ("lowrank", "channels")  # what --forms may name (bdlora.forms: a projection's or a site's form)
+
+
+@dataclass
+class OneShotConfig:
+    mac_ratio: float | None = None
+    """Projection-MAC speed-up of the compressed model vs the source's dense projections (e.g. 1.5)."""
+    calib_tokens: int = CALIB_TOKENS
+    """Training-split tokens of --data the calibration (input Gram matrices, output Fisher diagonals) uses."""
+    data: str = BUILTIN
+    """Corpus to measure held-out perplexity on (and to calibrate on, unless --calib-data), as bdlora train's --data
+    (default builtin)."""
+    calib_data: str | None = None
+    """Corpus to calibrate on, as --data (default: --data); e.g. teacher:65536 or builtin:0.5,prose:0.5."""
+    heldout_fraction: float | None = None
+    """Held-out fraction of --data (default: the corpus's, 0.02 for the builtin one)."""
+    seq_len: int = 128
+    """Tokens per calibration and evaluation block (default 128)."""
+    eval_tokens: int = EVAL_TOKENS
+    """Held-out tokens scored for the source's and the compressed model's perplexity."""
+    correct: bool = False
+    """After factoring, re-solve every low-rank pair's second factor layer by layer against the source's own
+    outputs on the calibration tokens, with the layers below already compressed (sequential least squares, as GPTQ
+    and SVD-LLM v2 do)."""
+    precision: str | None = None
+    """Allocate by measured decode time at this precision (fp32, int8, int4: the genai exporter's nodes timed in
+    onnxruntime on this machine, cached) instead of by MACs; --mac-ratio is then the projections' decode-time
+    speed-up, and a low-rank pair that is no faster than its dense product at that precision is never chosen."""
+    forms: str = "lowrank"
+    """The structures the allocation chooses among, comma-separated: lowrank (a projection as a rank-r pair) and
+    channels (an MLP keeping fewer intermediate channels: gate, up and down as narrower dense products, down refitted
+    to the kept channels), each site taking whichever costs least quality for what it saves; e.g.
+    lowrank,channels."""
+    threads: int | None = None
+    """--precision: the thread count the decode times are measured at (default: this machine's cores, what
+    export genai writes)."""
+
+    def validate(self) -> OneShotConfig:
+        c = Checks()
+        if self.mac_ratio is None:
+            c.add("--mac-ratio: --one-shot needs the projection-MAC speed-up to compress to (e.g. --mac-ratio 1.5)")
+        c.number("mac_ratio", self.mac_ratio, lo=1.0)
+        for name in ("calib_tokens", "eval_tokens"):
+            c.integer(name, getattr(self, name), lo=1)
+        c.integer("seq_len", self.seq_len, lo=2, what=" (a block needs a token and its successor)")
+        c.number("heldout_fraction", self.heldout_fraction, 0.0, 1.0, lo_open=True, hi_open=True)
+        if self.precision is not None:
+            c.choice("precision", self.precision, GENAI_PRECISIONS)
+        c.threads("threads", self.threads)
+        c.text("data", self.data)
+        problem = forms_problem(self.forms)
+        c.require(problem is None, problem or "")
+        c.text("calib_data", self.calib_data)
+        c.require(isinstance(self.correct, bool), f"--correct {shown(self.correct)}: must be true or false")
+        c.done()
+        return self
+
+    @property
+    def form_names(self) -> tuple[str, ...]:
+        return tuple(f.strip() for f in self.forms.split(","))
+
+
+def forms_problem(forms) -> str | None:
+    """Why ``--forms`` is not a comma-separated set of ``ALLOCATED_FORMS`` (None when it is)."""
+    names = [f.strip() for f in forms.split(",")] if isinstance(forms, str) else None
+    if not names or any(n not in ALLOCATED_FORMS for n in names):
+        bad = shown(forms) if not names else ", ".join(repr(n) for n in names if n not in ALLOCATED_FORMS)
+        return f"--forms {bad}: allowed {', '.join(ALLOCATED_FORMS)}, comma-separated"
+    if len(set(names)) < len(names):
+        return f"--forms {forms}: {next(n for n in names if names.count(n) > 1)} given twice"
+    return None
