@@ -18,6 +18,7 @@ from bdlora.budgeted.start import needed
 from bdlora.config import BUILTIN, TrainConfig, resolve_defaults
 from bdlora.corpora import check_spec, default_heldout, load_tokens
 from bdlora.errors import DataError, ModelError, UsageError
+from bdlora.forms import LOWRANK
 from bdlora.reporter import SILENT, Reporter
 from bdlora.runs import RunFacts
 from bdlora.selfgen import TeacherSource
@@ -123,6 +124,11 @@ def _build_student(cfg: TrainConfig, teacher, tokenizer, cache, reporter: Report
         if source.config.vocab_size != teacher.config.vocab_size:
             raise ModelError(f"--student-init {cfg.student_init}: embedding rows {source.config.vocab_size} != "
                              f"teacher's {teacher.config.vocab_size}")
+        pairs = [n for n, m in source.named_modules() if type(m).__name__ == LOWRANK.module_class]
+        if pairs:  # a student trains dense projections (narrower ones from a pruned folder are fine)
+            raise ModelError(f"--student-init {cfg.student_init}: holds {len(pairs)} low-rank pairs (first "
+                             f"{pairs[0]}); a student starts from dense projections: give the teacher or a folder "
+                             "compressed with --forms channels")
     if cfg.student_layers > source.config.num_hidden_layers:
         raise UsageError(f"--student-layers {cfg.student_layers}: must be between 1 and the source's "
                          f"{source.config.num_hidden_layers} layers")

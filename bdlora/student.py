@@ -52,6 +52,9 @@ def build_student(source_model, n_layers: int, mode: str = "mixed", seed: int = 
     config.num_hidden_layers = n_layers
     if getattr(config, "layer_types", None) is not None:  # per-layer attention kinds (e.g. Qwen2 sliding window)
         config.layer_types = [config.layer_types[i] for i in idx]
+    if getattr(config, "bdlora_modules", None):  # a compressed source: each kept layer's forms, renumbered
+        config.bdlora_modules = {f"model.layers.{j}.{k.split('.', 3)[3]}": v for j, i in enumerate(idx)
+                                 for k, v in config.bdlora_modules.items() if k.startswith(f"model.layers.{i}.")}
     torch.manual_seed(seed)
     student = type(source_model)(config)
     if mode == "scratch":

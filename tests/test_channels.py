@@ -239,3 +239,43 @@ def test_forms_is_checked_in_one_line(tiny_env, tmp_path):
         r = shot(tiny_env, tiny_env["teacher"], tmp_path / "x", "--mac-ratio", "1.3", "--forms", forms)
         assert r.exit_code == 2 and needle in r.stderr, r.stderr
         assert not (tmp_path / "x").exists()
+
+
+def test_a_pruned_folder_heals_as_a_student_and_compresses_to_the_same_sites(tiny_env, tmp_path):
+    """Prune, then heal (Minitron's order): --student-init takes a folder compressed with --forms channels, kd-lora
+    trains it against the teacher, and compress keeps every pruned MLP at its width. A folder with low-rank pairs is
+    refused as a start in one line."""
+    from conftest import train_args
+
+    r = shot(tiny_env, tiny_env["teacher"], tmp_path / "p", "--mac-ratio", "1.3", "--forms", "channels")
+    assert r.exit_code == 0, r.output
+    sites = {k: v for k, v in json.loads((tmp_path / "p" / "config.json").read_text())["bdlora_modules"].items()
+             if k.endswith(".mlp")}
+    assert sites
+    r = CliRunner().invoke(app, train_args(tiny_env, tmp_path / "run", "--method", "kd-lora", "--student-init",
+                                           str(tmp_path / "p"), "--student-layers", "4", "--max-steps", "4"))
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, ["compress", str(tmp_path / "run"), "--out", str(tmp_path / "healed"), "--json"])
+    assert r.exit_code == 0, r.output
+    healed = json.loads((tmp_path / "healed" / "config.json").read_text())["bdlora_modules"]
+    assert {k: v for k, v in healed.items() if k.endswith(".mlp")} == sites
+    report = json.loads(r.stdout)
+    assert report["eval"]["compressed_val_ppl"] == pytest.approx(report["eval"]["student_val_ppl"], rel=1e-4)
+    r = CliRunner().invoke(app, ["eval", str(tmp_path / "healed"), "--ppl", "--json", str(tmp_path / "e.json")])
+    assert r.exit_code == 0, r.output
+    # a shallower student of the pruned folder keeps the widths of the layers it takes
+    r = CliRunner().invoke(app, train_args(tiny_env, tmp_path / "run3", "--method", "kd-full", "--student-init",
+                                           str(tmp_path / "p"), "--student-layers", "2", "--max-steps", "2"))
+    assert r.exit_code == 0, r.output
+    layers = json.loads((tmp_path / "run3" / "summary.json").read_text())["layer_indices"]
+    r = CliRunner().invoke(app, ["compress", str(tmp_path / "run3"), "--out", str(tmp_path / "shallow")])
+    assert r.exit_code == 0, r.output
+    shallow = json.loads((tmp_path / "shallow" / "config.json").read_text())["bdlora_modules"]
+    assert {k: v for k, v in shallow.items() if k.endswith(".mlp")} == {
+        f"model.layers.{j}.mlp": sites[f"model.layers.{i}.mlp"] for j, i in enumerate(layers)
+        if f"model.layers.{i}.mlp" in sites}
+    r = shot(tiny_env, tiny_env["teacher"], tmp_path / "low", "--mac-ratio", "1.3")
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, train_args(tiny_env, tmp_path / "run2", "--method", "kd-lora", "--student-init",
+                                           str(tmp_path / "low"), "--max-steps", "2"))
+    assert r.exit_code == 2 and "low-rank pairs" in r.stderr and "--forms channels" in r.stderr, r.output

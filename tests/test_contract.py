@@ -385,10 +385,10 @@ CASES = out_cases() + json_cases() + [
         "--head-bits 4: sets the LM head's bits of an int4 graph; at --precision int8"),
     # issue 51, part 1: a form the registry lacks, or one declared inconsistently, was loaded as dense (random)
     *[Case(f"{cmd}: config.json declares an unknown form", lambda m, t, cmd=cmd: (
-        edit_forms(copy(m, "compressed", t, "m"), lambda spec: {"form": "channels", "keep": 8}),
+        edit_forms(copy(m, "compressed", t, "m"), lambda spec: {"form": "sparse24"}),
         [*cmd.split(), str(t / "m"), "--out", str(t / "out")] if cmd != "eval"
         else ["eval", str(t / "m"), "--ppl", "--json", str(t / "out")])[1],
-        "unknown projection form 'channels' (bdlora knows dense, lowrank)") for cmd in ("eval", "export onnx",
+        "unknown form 'sparse24' (bdlora knows dense, lowrank, channels)") for cmd in ("eval", "export onnx",
                                                                                         "export hf")],
     Case("train diverges (--lr 1e30)", lambda m, t: train(m, t, "--lr", "1e30"), "lower --lr (now 1e+30); ", code=1),
     Case("train: a teacher with NaN weights", nan_teacher, "on the calibration tokens are not finite"),

@@ -433,11 +433,15 @@ def test_one_form_registry():
     any other (an unknown form loaded as a randomly initialised dense projection), and names its low-rank class as
     the registry does."""
     from bdlora.deployed import modeling_bdlora as m
-    from bdlora.forms import FORMS, LOWRANK
+    from bdlora.forms import FORMS, LOWRANK, SITE_FORMS
 
-    assert m.KNOWN_FORMS == tuple(FORMS) and m.LowRankLinear.__name__ == LOWRANK.module_class
-    cfg = m.BdloraMistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                num_attention_heads=2, num_key_value_heads=1,
-                                bdlora_modules={"model.layers.0.mlp.up_proj": {"form": "channels"}})
-    with pytest.raises(ValueError, match="unknown projection form 'channels' \\(this file builds dense, lowrank\\)"):
-        m.BdloraMistralForCausalLM(cfg)
+    assert m.KNOWN_FORMS == tuple(FORMS) + tuple(SITE_FORMS) and m.LowRankLinear.__name__ == LOWRANK.module_class
+    assert m.SITES == {f.name: f.site for f in SITE_FORMS.values()}
+    for modules, needle in (({"model.layers.0.mlp.up_proj": {"form": "sparse24"}},
+                             "unknown form 'sparse24' \\(this file builds dense, lowrank, channels\\)"),
+                            ({"model.layers.0.mlp.up_proj": {"form": "channels", "keep": 8}},
+                             "form 'channels' cannot be declared there")):
+        cfg = m.BdloraMistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=1, bdlora_modules=modules)
+        with pytest.raises(ValueError, match=needle):
+            m.BdloraMistralForCausalLM(cfg)

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from bdlora import SCHEMA_VERSION
-from bdlora.arch import PROJECTIONS, dense_state_dict, is_projection, set_module
+from bdlora.arch import PROJECTIONS, base_model, dense_state_dict, is_projection, set_module
 from bdlora.budgeted.config import DEFAULTS, BudgetedConfig
 from bdlora.budgeted.costs import compression_report, deployed_form, site_forms
 from bdlora.budgeted.layer import DeployedModule, GatedLoRALinear
@@ -21,6 +21,7 @@ from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES
 from bdlora.errors import ModelError
 from bdlora.families import base_type
 from bdlora.families import family as table_family
+from bdlora.forms import CHANNELS
 from bdlora.io import load_tensors, read_json, save_tensors, write_json
 from bdlora.runs import FACTORS_FILE, META_FILE
 
@@ -108,7 +109,8 @@ def build_deployed_model(base: nn.Module, deployed: dict[str, DeployedModule], p
     family = table_family(base_type(base.config.model_type), "base model_type").model_type
     cfg_cls, model_cls = BDLORA_CLASSES[family]
     modules = {n: deployed_form(c.decision.rank) for n, c in deployed.items()}
-    modules.update(site_forms([c.decision for c in deployed.values()]))  # MLPs keeping fewer channels
+    # MLPs keeping fewer channels: pruned now (one-shot decisions) or already (a student started from a pruned folder)
+    modules.update({**narrow_mlps(base), **site_forms([c.decision for c in deployed.values()])})
     config = cfg_cls(bdlora_modules=modules,
                      bdlora={"base_model_type": family, **provenance}, **_base_config_dict(base.config))
     config.auto_map = {"AutoConfig": f"modeling_bdlora.{cfg_cls.__name__}",
@@ -125,6 +127,20 @@ def build_deployed_model(base: nn.Module, deployed: dict[str, DeployedModule], p
     assert not missing and not unexpected, (missing, unexpected)
     model.tie_weights()
     return model.eval()
+
+
+def narrow_mlps(model: nn.Module) -> dict[str, dict]:
+    """The ``channels`` site entries of ``model``'s MLPs narrower than its ``intermediate_size`` (its down projection's
+    input width, through any PEFT or gated wrapper)."""
+    base = base_model(model)
+    width = int(base.config.intermediate_size)
+    out = {}
+    for i, layer in enumerate(base.model.layers):
+        down = layer.mlp.down_proj
+        k = int(getattr(down, "in_features", width))
+        if k != width:
+            out[f"model.layers.{i}.mlp"] = CHANNELS.spec(k)
+    return out
 
 
 def _base_config_dict(config) -> dict:

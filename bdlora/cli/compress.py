@@ -179,7 +179,8 @@ def _one_shot(source, shot: dict, out_dir, force: bool, runs_dir: str, cache_dir
         raise UsageError("--one-shot: name the pretrained model to compress (a folder, a .gguf file, a preset such "
                          "as smollm2-135m, or a hub id)")
     cfg = OneShotConfig(**{k: v for k, v in shot.items() if v is not None}).validate()
-    out_path = Path(out_dir) if out_dir else one_shot_out(source, cfg.mac_ratio, runs_dir, cfg.precision)
+    out_path = Path(out_dir) if out_dir else one_shot_out(source, cfg.mac_ratio, runs_dir, cfg.precision,
+                                                                  cfg.forms)
     cache = Path(cache_dir).expanduser() if cache_dir else None
     return compress_one_shot(source, cfg, out_path, force=force, evaluate=evaluate, cache_dir=cache,
                              reporter=reporter, cost_table=cost_table(cfg.precision, cfg.threads, cache, reporter))
