@@ -12,9 +12,9 @@ import torch.nn as nn
 
 from bdlora import SCHEMA_VERSION, __version__
 from bdlora.budgeted.config import BudgetedConfig
-from bdlora.budgeted.costs import ModuleShape, compression_report, decide_module
+from bdlora.budgeted.costs import ModuleShape, compression_report, decide_module, prune_decision
 from bdlora.budgeted.layer import DeployedModule
-from bdlora.budgeted.model import build_deployed_model, compress_budgeted, dense_projections
+from bdlora.budgeted.model import build_deployed_model, compress_budgeted, dense_projections, narrow_mlps
 from bdlora.corpora import heldout_blocks
 from bdlora.deployed.folder import save_model_folder
 from bdlora.models import load_run_student
@@ -30,9 +30,16 @@ def compress_dense(model: nn.Module, lora_rank: int, provenance: dict):
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
     deployed = {}
+    narrow, width = narrow_mlps(model), int(model.config.intermediate_size)  # a student started from a pruned folder
     for name, mod in dense_projections(model).items():
-        dec = decide_module(ModuleShape(name, mod.in_features, mod.out_features), 1.0, lora_rank, lora_rank,
-                            has_bias=mod.bias is not None)
+        keep = narrow.get(name.rsplit(".", 1)[0], {}).get("keep")
+        if keep:  # reported against the full-width MLP it was pruned from
+            gate_or_up = name.endswith(("gate_proj", "up_proj"))
+            full = ModuleShape(name, *((mod.in_features, width) if gate_or_up else (width, mod.out_features)))
+            dec = prune_decision(full, keep, has_bias=mod.bias is not None)
+        else:
+            dec = decide_module(ModuleShape(name, mod.in_features, mod.out_features), 1.0, lora_rank, lora_rank,
+                                has_bias=mod.bias is not None)
         bias = None if mod.bias is None else mod.bias.detach().clone()
         deployed[name] = DeployedModule(dec, weight=mod.weight.detach().clone(), bias=bias)
     report = compression_report([c.decision for c in deployed.values()], provenance.get("budget"), {},

@@ -207,9 +207,51 @@ def test_every_reader_takes_a_pruned_folder(tiny_env, pruned, tmp_path):
         r = CliRunner().invoke(app, ["export", "genai", str(folder), "--precision", precision, "--out",
                                      str(tmp_path / f"g-{precision}"), "--json"])
         assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, ["export", "hf", str(folder), "--out", str(tmp_path / "hf")])
+    assert r.exit_code == 0, r.output
+    _serves_its_greedy_generation(tmp_path / "o", tiny_env["tokenizer"])
     r = CliRunner().invoke(app, ["bench", str(folder), "--scope", "model", "--batch-sizes", "1", "--seq-lens", "16",
                                  "--repeats", "1", "--warmup", "0", "--out", str(tmp_path / "bench")])
     assert r.exit_code == 0, r.output
+    # genai: the student's own builder row cannot exist (one MLP width per layer there), and says so; the teacher's
+    r = CliRunner().invoke(app, ["bench", str(folder), "--runtime", "genai", "--genai-precisions", "int4",
+                                 "--batch-sizes", "1", "--seq-lens", "16", "--decode-tokens", "2", "--repeats", "1",
+                                 "--warmup", "0", "--quality-tokens", "512", "--out", str(tmp_path / "g")])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "g" / "bench.json").read_text())
+    assert "keep fewer channels" in doc["genai_notes"]["builder-int4"]
+    assert {"compressed-int4", "teacher-int4", "teacher-builder-int4"} <= {p["name"] for p in doc["front"]}
+
+
+def _serves_its_greedy_generation(onnx_dir, tok):
+    """``bdlora serve`` answers a greedy completion with the tokens the served graph itself picks step by step."""
+    import httpx
+
+    from bdlora.runtime import DecoderShape, run_decoder, session
+    from conftest import start_server
+
+    cfg = json.loads((onnx_dir / "config.json").read_text())
+    shape = DecoderShape.of(cfg)
+    sess = session(onnx_dir / "model.onnx")
+    ids = tok("the quick brown")["input_ids"]
+    x, pasts, want = np.array([ids]), [np.zeros((1, shape.kv_heads, 0, shape.head_dim), np.float32)
+                                       for _ in range(2 * cfg["num_hidden_layers"])], []
+    mask, pos = np.ones_like(x), np.arange(len(ids))[None]
+    for _ in range(6):
+        res = run_decoder(sess, x, mask, pos, pasts)
+        want.append(int(res[0][0, -1].argmax()))
+        pasts, x = res[1:], np.array([[want[-1]]])
+        mask, pos = np.concatenate([mask, np.ones((1, 1), np.int64)], 1), pos[:, -1:] + 1
+    proc, url = start_server(onnx_dir)
+    try:
+        body = httpx.post(url + "/v1/completions", json={"model": onnx_dir.name, "prompt": ids, "max_tokens": 6,
+                                                          "temperature": 0}, timeout=60).json()
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    eos = tok.eos_token_id
+    assert body["choices"][0]["text"] == tok.decode(want[: want.index(eos)] if eos in want else want,
+                                                    skip_special_tokens=True), body
 
 
 def test_a_site_form_declared_inconsistently_is_refused(pruned, tmp_path):
@@ -261,6 +303,10 @@ def test_a_pruned_folder_heals_as_a_student_and_compresses_to_the_same_sites(tin
     assert {k: v for k, v in healed.items() if k.endswith(".mlp")} == sites
     report = json.loads(r.stdout)
     assert report["eval"]["compressed_val_ppl"] == pytest.approx(report["eval"]["student_val_ppl"], rel=1e-4)
+    # its report counts the pruned MLPs against the teacher's full width, as the one-shot folder's did
+    first = json.loads((tmp_path / "p" / "compression.json").read_text())
+    assert report["mlp_pruned"] == first["mlp_pruned"] and report["dense_macs"] == first["dense_macs"]
+    assert report["compressed_macs"] == first["compressed_macs"]
     r = CliRunner().invoke(app, ["eval", str(tmp_path / "healed"), "--ppl", "--json", str(tmp_path / "e.json")])
     assert r.exit_code == 0, r.output
     # a shallower student of the pruned folder keeps the widths of the layers it takes

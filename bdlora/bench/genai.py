@@ -23,6 +23,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from bdlora.bench.launch import run_timing_process
+from bdlora.budgeted.model import narrow_mlps
 from bdlora.corpora import default_heldout
 from bdlora.data import BUILTIN, default_cache_dir
 from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES
@@ -137,9 +138,16 @@ def export_variants(models: dict[str, nn.Module], tok, precisions: list[str], wo
                               calibration=calibration, head_bits=head_bits, grams=grams, reporter=reporter)
     notes: dict = {}
     if peers:
-        hf = work / "hf-dense"
-        save_base_folder(models["dense"], tok, hf)
-        sources = [("builder", hf)] + ([("teacher-builder", teacher)] if teacher is not None else [])
+        sources = [("teacher-builder", teacher)] if teacher is not None else []
+        narrow = narrow_mlps(models["dense"])
+        if narrow:  # the builder writes one MLP width for every layer: the student's own row cannot be built
+            for p in [p for p in precisions if p in BUILDER_PRECISIONS]:
+                notes[f"builder-{p}"] = (f"onnxruntime-genai's builder writes one MLP width for every layer; "
+                                         f"{len(narrow)} of this model's MLPs keep fewer channels (--forms channels)")
+        else:
+            hf = work / "hf-dense"
+            save_base_folder(models["dense"], tok, hf)
+            sources.insert(0, ("builder", hf))
         for prefix, src in sources:
             for p in [p for p in precisions if p in BUILDER_PRECISIONS]:
                 key = f"{prefix}-{p}"
