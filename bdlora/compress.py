@@ -34,8 +34,7 @@ def compress_dense(model: nn.Module, lora_rank: int, provenance: dict):
     for name, mod in dense_projections(model).items():
         keep = narrow.get(name.rsplit(".", 1)[0], {}).get("keep")
         if keep:  # reported against the full-width MLP it was pruned from
-            gate_or_up = name.endswith(("gate_proj", "up_proj"))
-            full = ModuleShape(name, *((mod.in_features, width) if gate_or_up else (width, mod.out_features)))
+            full = ModuleShape(name, mod.in_features, mod.out_features).narrowed(width)
             dec = prune_decision(full, keep, has_bias=mod.bias is not None)
         else:
             dec = decide_module(ModuleShape(name, mod.in_features, mod.out_features), 1.0, lora_rank, lora_rank,

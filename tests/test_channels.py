@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from bdlora.budgeted.allocate import allocate, knapsack, mac_cost
-from bdlora.budgeted.channels import channel_order, keep_grid, narrowed, probe_shapes, prune, site_options
+from bdlora.budgeted.channels import channel_order, keep_grid, probe_shapes, prune, site_options
 from bdlora.budgeted.costs import ModuleShape
 from bdlora.budgeted.lowrank import FISHER_DAMPING, damped
 from bdlora.cli import app
@@ -120,7 +120,7 @@ def test_the_allocation_chooses_per_mlp_between_low_rank_and_fewer_channels_by_e
         costly.ranks.values())
     only = allocate(MLP, energy, 1.5, sites=_site(100.0), lowrank=False)
     assert only.keep == {"model.layers.0.mlp": 160} and not any(only.ranks.values())
-    assert [narrowed(s, 32) for s in MLP] == [ModuleShape(MLP[0].name, 64, 32), ModuleShape(MLP[1].name, 64, 32),
+    assert [s.narrowed(32) for s in MLP] == [ModuleShape(MLP[0].name, 64, 32), ModuleShape(MLP[1].name, 64, 32),
                                               ModuleShape(MLP[2].name, 32, 64)]
     assert keep_grid(100) == [32, 64, 96] and probe_shapes(MLP) == [(64, 64), (64, 128), (128, 64), (64, 192),
                                                                      (192, 64)]

@@ -77,10 +77,7 @@ class Allocation:
     def shape(self, s: ModuleShape) -> ModuleShape:
         """``s`` as deployed: narrower when its MLP keeps fewer channels."""
         k = self.keep.get(s.name.rsplit(".", 1)[0])
-        if not k:
-            return s
-        return ModuleShape(s.name, s.in_features, k) if s.out_features > s.in_features else \
-            ModuleShape(s.name, k, s.out_features)
+        return s.narrowed(k) if k else s
 
     def macs(self, shapes: list[ModuleShape]) -> int:
         return sum(s.lora_cost(self.ranks[s.name]) if self.ranks.get(s.name) else self.shape(s).dense_cost

@@ -75,16 +75,9 @@ def keep_grid(width: int, step: int = CHANNEL_STEP) -> list[int]:
     return list(range(step, width, step))
 
 
-def narrowed(shape: ModuleShape, keep: int) -> ModuleShape:
-    """``shape`` (gate, up: hidden -> width; down: width -> hidden) with ``keep`` channels."""
-    gate_or_up = shape.name.endswith(("gate_proj", "up_proj"))
-    return ModuleShape(shape.name, shape.in_features, keep) if gate_or_up else \
-        ModuleShape(shape.name, keep, shape.out_features)
-
-
 def site_options(shapes: list[ModuleShape], order: ChannelOrder, cost: Cost) -> list[Option]:
     """(keep, cost of the three narrower dense products, error) of every kept width of one MLP site."""
-    return [(k, sum(cost(narrowed(s, k), 0) for s in shapes), float(order.error[order.width - k]))
+    return [(k, sum(cost(s.narrowed(k), 0) for s in shapes), float(order.error[order.width - k]))
             for k in keep_grid(order.width)]
 
 

@@ -27,6 +27,13 @@ class ModuleShape:
     def lora_cost(self, rank: int) -> int:
         return rank * (self.in_features + self.out_features)
 
+    def narrowed(self, keep: int) -> ModuleShape:
+        """This gate/up (hidden -> width) or down (width -> hidden) projection of an MLP keeping ``keep``
+        channels."""
+        if self.name.endswith(("gate_proj", "up_proj")):
+            return ModuleShape(self.name, self.in_features, keep)
+        return ModuleShape(self.name, keep, self.out_features)
+
 
 def shapes_from_config(config: dict, layers: int | None = None) -> list[ModuleShape]:
     """The projections of each decoder layer, in the ``named_modules()`` order its family's anatomy declares (the
@@ -102,9 +109,9 @@ def prune_decision(shape: ModuleShape, keep: int, has_bias: bool = False) -> Mod
     """A gate/up/down projection of an MLP keeping ``keep`` of its channels (``forms.CHANNELS``): dense at the
     reduced width (gate and up lose outputs, down inputs)."""
     i, o = shape.in_features, shape.out_features
-    narrow = (i, keep) if shape.name.endswith(("gate_proj", "up_proj")) else (keep, o)
-    after = narrow[0] * narrow[1]
-    bias = narrow[1] if has_bias else 0
+    narrow = shape.narrowed(keep)
+    after = narrow.dense_cost
+    bias = narrow.out_features if has_bias else 0
     return ModuleDecision(shape.name, i, o, 1.0, "pruned", 0, 0, 0, shape.dense_cost, after,
                           shape.dense_cost + (o if has_bias else 0), after + bias, 0, keep)
 
