@@ -52,10 +52,11 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
     ``bdlora.export.genai.latency``, passed in by the CLI): allocate by that cost instead of MACs; the last item then
     says what the allocation predicts (else None)."""
     calib = calibrate_with_progress(model, calibration_blocks(train_blocks, cfg.calib_tokens), reporter)
-    reporter.stage("whitened, loss-weighted spectra of every projection")
     mods = dict(projection_modules(model))
     shapes = [ModuleShape(n, m.in_features, m.out_features) for n, m in mods.items()]
     lowrank = "lowrank" in cfg.form_names
+    if lowrank:
+        reporter.stage("whitened, loss-weighted spectra of every projection")
     roots, spectra = {}, {}
     for s in shapes if lowrank else ():
         gram = calib.gram(s.name)
