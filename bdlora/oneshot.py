@@ -78,8 +78,14 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
     cost_doc = None if table is None else {"cost": "measured decode time",
                                            **table.prediction(shapes, alloc.ranks, alloc.shape),
                                            "mac_ratio": alloc.mac_ratio(shapes)}
+    pruned = {}  # the projections of every MLP keeping fewer channels, built once
+    for site, keep in alloc.keep.items():
+        pruned.update(pruned_site(site, keep, mods, orders[site], calib.gram(f"{site}.down_proj")))
     deployed = {}
     for s in shapes:
+        if s.name in pruned:
+            deployed[s.name] = pruned[s.name]
+            continue
         mod, r = mods[s.name], alloc.ranks[s.name]
         bias = None if mod.bias is None else mod.bias.detach().clone()
         dec = decide_module(s, 0.0 if r else 1.0, r, 0, has_bias=bias is not None)
@@ -89,8 +95,6 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
             deployed[s.name] = DeployedModule(dec, proj_in=a.to(dtype), proj_out=b.to(dtype), bias=bias)
         else:
             deployed[s.name] = DeployedModule(dec, weight=mod.weight.detach().clone(), bias=bias)
-    for site, keep in alloc.keep.items():
-        deployed.update(pruned_site(site, keep, mods, orders[site], calib.gram(f"{site}.down_proj")))
     return [d.decision for d in deployed.values()], deployed, calib.tokens, cost_doc
 
 
