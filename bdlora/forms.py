@@ -99,10 +99,25 @@ class Channels:
         return None
 
 
+@dataclass(frozen=True)
+class Removed:
+    """A decoder layer removed whole (ShortGPT's and Minitron's depth pruning; chosen by ``budgeted.layers``). It
+    is not declared in ``bdlora_modules``: the folder holds a shallower model of the same architecture (every reader
+    takes it as it is), whose provenance names the source layers kept (``layer_indices``) and those removed
+    (``removed_layers``); the compression report's rows of its projections say this form, at no MACs."""
+
+    name: str = "removed"
+    site: str = "layer"
+
+    def macs(self, in_features: int, out_features: int, rank: int = 0) -> int:
+        return 0
+
+
 FORMS: dict[str, Dense | LowRank] = {f.name: f for f in (Dense(), LowRank())}  # what one projection takes
 SITE_FORMS: dict[str, Channels] = {f.name: f for f in (Channels(),)}  # what a block of projections takes
 ALL: dict[str, Dense | LowRank | Channels] = {**FORMS, **SITE_FORMS}
 DENSE, LOWRANK, CHANNELS = FORMS["dense"], FORMS["lowrank"], SITE_FORMS["channels"]
+REMOVED = Removed()  # a report row's form only: a removed layer leaves nothing in the folder to declare
 
 
 def is_site(module: str) -> bool:

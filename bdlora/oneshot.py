@@ -27,8 +27,9 @@ from bdlora.budgeted.allocate import mac_cost
 from bdlora.budgeted.calibrate import calibration_blocks
 from bdlora.budgeted.channels import channel_order, probe_shapes, prune, site_options
 from bdlora.budgeted.correct import correct_sequential
-from bdlora.budgeted.costs import ModuleShape, compression_report, decide_module, prune_decision
+from bdlora.budgeted.costs import ModuleShape, compression_report, decide_module, prune_decision, removed_decision
 from bdlora.budgeted.layer import DeployedModule
+from bdlora.budgeted.layers import removal_errors, renumbered
 from bdlora.budgeted.lowrank import factors, gram_root, spectrum
 from bdlora.budgeted.model import build_deployed_model
 from bdlora.budgeted.start import allocate_by, calibrate_with_progress, compute_start, shapes_of, structure_report
@@ -41,17 +42,20 @@ from bdlora.outputs import check_out_dir
 from bdlora.perplexity import perplexity
 from bdlora.reporter import SILENT, Reporter
 from bdlora.selfgen import TeacherSource
-from bdlora.student import build_student
+from bdlora.student import build_student, take_layers
 from bdlora.teacher import load_teacher
 
 
 def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Reporter = SILENT, cost_table=None):
-    """(decisions, {name: DeployedModule}, calibration tokens, allocation cost) of ``model`` at ``cfg.mac_ratio``:
-    calibrate, allocate among ``cfg.forms``, factor (and prune). ``cost_table`` (shapes, dense=(K, N) pairs -> an
-    object with ``cost(shape, rank)`` and ``prediction(shapes, ranks, keep)``, e.g. the measured decode-time table of
-    ``bdlora.export.genai.latency``, passed in by the CLI): allocate by that cost instead of MACs; the last item then
-    says what the allocation predicts (else None)."""
-    calib = calibrate_with_progress(model, calibration_blocks(train_blocks, cfg.calib_tokens), reporter)
+    """(decisions, {name: DeployedModule}, calibration tokens, facts) of ``model`` at ``cfg.mac_ratio``: calibrate,
+    allocate among ``cfg.forms``, factor (and prune); the modules of removed layers have decisions but nothing
+    deployed. ``cost_table`` (shapes, dense=(K, N) pairs -> an object with ``cost(shape, rank)`` and
+    ``prediction(shapes, ranks, shape_of, gone)``, e.g. the measured decode-time table of
+    ``bdlora.export.genai.latency``, passed in by the CLI): allocate by that cost instead of MACs. ``facts``, for the
+    provenance: what the allocation predicts at that cost (``allocation_cost``) and, with layers, each one's removal
+    error (``allocation.removal_errors``)."""
+    calib = calibrate_with_progress(model, calibration_blocks(train_blocks, cfg.calib_tokens), reporter,
+                                    residual="layers" in cfg.form_names)
     mods = dict(projection_modules(model))
     shapes = [ModuleShape(n, m.in_features, m.out_features) for n, m in mods.items()]
     lowrank = "lowrank" in cfg.form_names
@@ -74,28 +78,35 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
     cost = table.cost if table is not None else mac_cost
     sites = {site: site_options([s for s in shapes if s.name.startswith(site + ".")], order, cost)
              for site, order in orders.items()}
-    alloc = allocate_by(shapes, energy, cfg.mac_ratio, reporter, table, cfg.precision, sites, lowrank)
+    layers = removal_errors(calib) if "layers" in cfg.form_names else None
+    alloc = allocate_by(shapes, energy, cfg.mac_ratio, reporter, table, cfg.precision, sites, lowrank, layers)
+    gone = {s.name for s in shapes if alloc.gone(s.name)}
     cost_doc = None if table is None else {"cost": "measured decode time",
-                                           **table.prediction(shapes, alloc.ranks, alloc.shape),
+                                           **table.prediction(shapes, alloc.ranks, alloc.shape, gone),
                                            "mac_ratio": alloc.mac_ratio(shapes)}
     pruned = {}  # the projections of every MLP keeping fewer channels, built once
     for site, keep in alloc.keep.items():
         pruned.update(pruned_site(site, keep, mods, orders[site], calib.gram(f"{site}.down_proj")))
-    deployed = {}
+    deployed, removed = {}, {}
     for s in shapes:
-        if s.name in pruned:
-            deployed[s.name] = pruned[s.name]
-            continue
-        mod, r = mods[s.name], alloc.ranks[s.name]
-        bias = None if mod.bias is None else mod.bias.detach().clone()
-        dec = decide_module(s, 0.0 if r else 1.0, r, 0, has_bias=bias is not None)
-        if r:
-            a, b = factors(mod.weight, spectra[s.name], r)
-            dtype = mod.weight.dtype
-            deployed[s.name] = DeployedModule(dec, proj_in=a.to(dtype), proj_out=b.to(dtype), bias=bias)
+        if s.name in gone:  # its layer goes: nothing deployed
+            removed[s.name] = removed_decision(s, has_bias=mods[s.name].bias is not None)
         else:
-            deployed[s.name] = DeployedModule(dec, weight=mod.weight.detach().clone(), bias=bias)
-    return [d.decision for d in deployed.values()], deployed, calib.tokens, cost_doc
+            deployed[s.name] = pruned.get(s.name) or factored(s, mods[s.name], alloc.ranks[s.name], spectra)
+    decisions = [removed[s.name] if s.name in removed else deployed[s.name].decision for s in shapes]
+    facts = {**({"allocation_cost": cost_doc} if cost_doc else {}),
+             **({"allocation": {"removal_errors": layers}} if layers else {})}
+    return decisions, deployed, calib.tokens, facts
+
+
+def factored(s: ModuleShape, mod, r: int, spectra: dict) -> DeployedModule:
+    """Projection ``mod`` deployed at rank ``r`` (0: dense, as it is) with its decision."""
+    bias = None if mod.bias is None else mod.bias.detach().clone()
+    dec = decide_module(s, 0.0 if r else 1.0, r, 0, has_bias=bias is not None)
+    if not r:
+        return DeployedModule(dec, weight=mod.weight.detach().clone(), bias=bias)
+    a, b = factors(mod.weight, spectra[s.name], r)
+    return DeployedModule(dec, proj_in=a.to(mod.weight.dtype), proj_out=b.to(mod.weight.dtype), bias=bias)
 
 
 def pruned_site(site: str, keep: int, mods: dict, order, gram) -> dict[str, DeployedModule]:
@@ -115,11 +126,13 @@ def pruned_site(site: str, keep: int, mods: dict, order, gram) -> dict[str, Depl
     return out
 
 
-def correct_deployed(model, deployed: dict, blocks, reporter: Reporter = SILENT) -> dict:
+def correct_deployed(model, deployed: dict, blocks, reporter: Reporter = SILENT, removed=()) -> dict:
     """``--correct``: the second factor of every low-rank pair in ``deployed`` re-solved layer by layer against
-    ``model``'s outputs on the calibration ``blocks`` (``budgeted.correct``); returns the mean relative output error
-    of the pairs before and after."""
+    ``model``'s outputs on the calibration ``blocks`` (``budgeted.correct``), the ``removed`` layers skipped on the
+    compressed side; returns the mean relative output error of the pairs before and after."""
     student = copy.deepcopy(model)
+    for i in removed:  # the layers above are corrected against the stream without it
+        student.model.layers[i] = Skipped()
     low_rank = {}
     for name, dep in deployed.items():
         if dep.decision.channels:  # a pruned MLP: the layers above are corrected against its narrower outputs
@@ -142,6 +155,13 @@ def correct_deployed(model, deployed: dict, blocks, reporter: Reporter = SILENT)
     return {"method": "sequential least squares of each second factor", "modules": len(errors),
             "mean_relative_error_before": sum(before) / max(1, len(before)),
             "mean_relative_error_after": sum(after) / max(1, len(after))}
+
+
+class Skipped(torch.nn.Module):
+    """A removed decoder layer standing in the compressed side of ``correct_deployed``: the stream passes."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
 
 
 def load_source(source: str, cfg: OneShotConfig, cache_dir: Path | None, reporter: Reporter, what: str):
@@ -199,11 +219,12 @@ def compress_one_shot(source: str, cfg: OneShotConfig, out: str | Path, force: b
     model, tok, path, train_blocks, val_blocks, heldout = load_source(source, cfg, cache_dir, reporter, "compress")
     check_out_dir(out, force, (path,))
     seq = train_blocks.seq_len
-    decisions, deployed, tokens, cost_doc = one_shot_structure(model, train_blocks, cfg, reporter, cost_table)
+    decisions, deployed, tokens, facts = one_shot_structure(model, train_blocks, cfg, reporter, cost_table)
+    removed = sorted({int(d.name.split(".")[2]) for d in decisions if d.case == "removed"})
     correction = None
     if cfg.correct:  # on the same calibration blocks (drawn with a fixed seed)
         blocks = calibration_blocks(train_blocks, cfg.calib_tokens)
-        correction = correct_deployed(model, deployed, blocks, reporter)
+        correction = correct_deployed(model, deployed, blocks, reporter, removed)
     settings = {"data": cfg.data, "calib_data": cfg.calib_data or cfg.data, "teacher": source,
                 "source_path": str(path), "heldout_fraction": heldout, "seq_len": seq,
                 "eval_tokens": cfg.eval_tokens, "cache_dir": str(cache_dir) if cache_dir else None,
@@ -211,9 +232,13 @@ def compress_one_shot(source: str, cfg: OneShotConfig, out: str | Path, force: b
     provenance = {"name": f"{Path(str(path)).name} one-shot {cfg.mac_ratio:g}x", "method": "one-shot",
                   "teacher": source, "source_path": str(path), "mac_ratio": cfg.mac_ratio, "calib_tokens": tokens,
                   "lora_init": "whitened", "allocation": "quality", "correct": cfg.correct, "data_settings": settings,
-                  **({"allocation_cost": cost_doc} if cost_doc else {}),
-                  **({"correction": correction} if correction else {})}
-    compressed = build_deployed_model(model, deployed, provenance)
+                  **facts, **({"correction": correction} if correction else {})}
+    base = model
+    if removed:  # a shallower model of the same architecture: the forms of the layers kept, renumbered
+        kept = [i for i in range(model.config.num_hidden_layers) if i not in removed]
+        provenance.update(layer_indices=kept, removed_layers=removed, student_layers=len(kept))
+        base, deployed = take_layers(model, kept), renumbered(deployed, kept)
+    compressed = build_deployed_model(base, deployed, provenance)
     report = compression_report(decisions, None, {}, baseline="source")
     report.update(schema_version=SCHEMA_VERSION, bdlora_version=__version__, source="compress --one-shot",
                   provenance=provenance)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from bdlora.config import BUILTIN, CALIB_TOKENS, EVAL_TOKENS, GENAI_PRECISIONS
 from bdlora.errors import Checks, shown
 
-ALLOCATED_FORMS = ("lowrank", "channels")  # what --forms may name (bdlora.forms: a projection's or a site's form)
+ALLOCATED_FORMS = ("lowrank", "channels", "layers")  # what --forms may name (bdlora.forms: a projection's, an MLP's
+# or a whole decoder layer's form)
 
 
 @dataclass
@@ -39,10 +40,10 @@ class OneShotConfig:
     onnxruntime on this machine, cached) instead of by MACs; --mac-ratio is then the projections' decode-time
     speed-up, and a low-rank pair that is no faster than its dense product at that precision is never chosen."""
     forms: str = "lowrank"
-    """The structures the allocation chooses among, comma-separated: lowrank (a projection as a rank-r pair) and
+    """The structures the allocation chooses among, comma-separated: lowrank (a projection as a rank-r pair),
     channels (an MLP keeping fewer intermediate channels: gate, up and down as narrower dense products, down refitted
-    to the kept channels), each site taking whichever costs least quality for what it saves; e.g.
-    lowrank,channels."""
+    to the kept channels) and layers (a decoder layer removed whole), each site taking whichever costs least quality
+    for what it saves; e.g. lowrank,channels,layers."""
     threads: int | None = None
     """--precision: the thread count the decode times are measured at (default: this machine's cores, what
     export genai writes)."""

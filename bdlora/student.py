@@ -46,10 +46,15 @@ def check_same_vocabulary(tok_a, tok_b, what: str) -> None:
 def build_student(source_model, n_layers: int, mode: str = "mixed", seed: int = 0):
     """A new causal LM with the source's architecture and ``n_layers`` decoder layers, warm-started from the
     selected source layers (or randomly initialised for ``scratch``). Returns (student, selected indices)."""
-    source_layers = source_model.config.num_hidden_layers
-    idx = select_layers(mode, source_layers, n_layers)
+    idx = select_layers(mode, source_model.config.num_hidden_layers, n_layers)
+    return take_layers(source_model, idx, seed, scratch=mode == "scratch"), idx
+
+
+def take_layers(source_model, idx: list[int], seed: int = 0, scratch: bool = False):
+    """The source with only its decoder layers ``idx`` (ascending), renumbered 0.. in that order: embeddings, final
+    norm, LM head and each kept layer copied (random weights with ``scratch``); the source is not changed."""
     config = copy.deepcopy(source_model.config)
-    config.num_hidden_layers = n_layers
+    config.num_hidden_layers = len(idx)
     if getattr(config, "layer_types", None) is not None:  # per-layer attention kinds (e.g. Qwen2 sliding window)
         config.layer_types = [config.layer_types[i] for i in idx]
     if getattr(config, "bdlora_modules", None):  # a compressed source: each kept layer's forms, renumbered
@@ -57,8 +62,8 @@ def build_student(source_model, n_layers: int, mode: str = "mixed", seed: int = 
                                  for k, v in config.bdlora_modules.items() if k.startswith(f"model.layers.{i}.")}
     torch.manual_seed(seed)
     student = type(source_model)(config)
-    if mode == "scratch":
-        return student.to(torch.float32), idx
+    if scratch:
+        return student.to(torch.float32)
     src, dst = source_model.model, student.model
     dst.embed_tokens.load_state_dict(src.embed_tokens.state_dict())
     dst.norm.load_state_dict(src.norm.state_dict())
@@ -67,4 +72,4 @@ def build_student(source_model, n_layers: int, mode: str = "mixed", seed: int = 
     if not student.config.tie_word_embeddings:
         student.lm_head.load_state_dict(source_model.lm_head.state_dict())
     student.tie_weights()
-    return student.to(torch.float32), idx
+    return student.to(torch.float32)

@@ -276,7 +276,7 @@ def test_a_site_form_declared_inconsistently_is_refused(pruned, tmp_path):
 
 
 def test_forms_is_checked_in_one_line(tiny_env, tmp_path):
-    for forms, needle in (("lowrank,pruned", "--forms 'pruned': allowed lowrank, channels"),
+    for forms, needle in (("lowrank,pruned", "--forms 'pruned': allowed lowrank, channels, layers"),
                           ("channels,channels", "--forms channels,channels: channels given twice")):
         r = shot(tiny_env, tiny_env["teacher"], tmp_path / "x", "--mac-ratio", "1.3", "--forms", forms)
         assert r.exit_code == 2 and needle in r.stderr, r.stderr

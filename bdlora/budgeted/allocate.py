@@ -67,12 +67,18 @@ def options(shape: ModuleShape, energy: np.ndarray, step: int = RANK_STEP,
 class Allocation:
     """Per-module ranks (0: stays dense), the order modules leave their dense form in (the controller's removal
     score: position in ``order``), the predicted error of each chosen form, and the MLP sites that keep fewer
-    channels (``keep``: site -> channels; their projections are at rank 0, dense at the narrower width)."""
+    channels (``keep``: site -> channels; their projections are at rank 0, dense at the narrower width) and the
+    decoder layers removed (``removed``: ``model.layers.N``; their projections are at rank 0 and cost nothing)."""
 
     ranks: dict[str, int]
     order: list[str]
     errors: dict[str, float] = field(default_factory=dict)
     keep: dict[str, int] = field(default_factory=dict)
+    removed: list[str] = field(default_factory=list)
+
+    def gone(self, name: str) -> bool:
+        """Whether projection ``name`` goes with its removed layer."""
+        return ".".join(name.split(".")[:3]) in self.removed
 
     def shape(self, s: ModuleShape) -> ModuleShape:
         """``s`` as deployed: narrower when its MLP keeps fewer channels."""
@@ -81,14 +87,15 @@ class Allocation:
 
     def macs(self, shapes: list[ModuleShape]) -> int:
         return sum(s.lora_cost(self.ranks[s.name]) if self.ranks.get(s.name) else self.shape(s).dense_cost
-                   for s in shapes)
+                   for s in shapes if not self.gone(s.name))
 
     def mac_ratio(self, shapes: list[ModuleShape]) -> float:
         return sum(s.dense_cost for s in shapes) / self.macs(shapes)
 
     def cost_ratio(self, shapes: list[ModuleShape], cost: Cost) -> float:
         """The projections' speed-up by ``cost`` (dense total over the chosen forms' total)."""
-        return sum(cost(s, 0) for s in shapes) / sum(cost(self.shape(s), self.ranks.get(s.name, 0)) for s in shapes)
+        return sum(cost(s, 0) for s in shapes) / sum(cost(self.shape(s), self.ranks.get(s.name, 0)) for s in shapes
+                                                     if not self.gone(s.name))
 
     def scores(self, names: list[str]) -> list[float]:
         """Removal scores for ``BudgetController``: the dropped modules first, in allocation order."""
@@ -96,13 +103,14 @@ class Allocation:
         return [float(pos.get(n, len(pos) + i)) for i, n in enumerate(names)]
 
     def to_json(self) -> dict:
-        return {"ranks": self.ranks, "order": self.order, "errors": self.errors, "keep": self.keep}
+        return {"ranks": self.ranks, "order": self.order, "errors": self.errors, "keep": self.keep,
+                "removed": self.removed}
 
     @classmethod
     def from_json(cls, doc: dict) -> Allocation:
         return cls({k: int(v) for k, v in doc["ranks"].items()}, list(doc["order"]),
                    {k: float(v) for k, v in doc.get("errors", {}).items()},
-                   {k: int(v) for k, v in (doc.get("keep") or {}).items()})
+                   {k: int(v) for k, v in (doc.get("keep") or {}).items()}, list(doc.get("removed") or ()))
 
 
 BUCKETS = 1 << 16  # the MAC budget's resolution in the allocation (module costs are rounded up to 1/65536 of it)
@@ -110,34 +118,61 @@ BUCKETS = 1 << 16  # the MAC budget's resolution in the allocation (module costs
 Option = tuple[object, float, float]  # (what is chosen, its cost, its error)
 
 
-def knapsack(items: list[list[Option]], target: float, beyond: Callable[[float], str]) -> list[int]:
+Group = tuple[int, int, float, float]  # items[start:stop] replaced together by one alternative of (cost, error)
+
+
+def knapsack(items: list[list[Option]], target: float, beyond: Callable[[float], str],
+             groups: list[Group] = ()) -> list[int]:
     """The option of each item (each list's first option: the item as it is) meeting ``sum cost <= target`` with the
     least total error: exact dynamic programming over the budget in ``BUCKETS`` steps (each cost rounded up, so the
     result always meets the budget; at most one bucket per item is left unspent). Ties keep the earlier option.
-    ``beyond(cheapest total)`` is the refusal when even the cheapest options exceed the budget."""
-    cheapest = sum(min(c for _, c, _ in o) for o in items)
+    ``groups`` (disjoint ranges of consecutive items, e.g. a decoder layer's): each may instead take its alternative
+    (a removed layer: its items cost nothing); its items are then picked as -1. ``beyond(cheapest total)`` is the
+    refusal when even the cheapest options exceed the budget."""
+    in_group = {m: g for g in groups for m in range(g[0], g[1])}
+    cheapest = sum(min(c for _, c, _ in o) for m, o in enumerate(items) if m not in in_group) + sum(
+        min(c, sum(min(cc for _, cc, _ in o) for o in items[a:b])) for a, b, c, _ in groups)
     if cheapest > target:
         raise UsageError(beyond(cheapest))
     unit = target / BUCKETS
+
+    def need(c: float) -> int:
+        return int(np.ceil(c / unit - 1e-9))
+
+    starts = {g[0]: g for g in groups}
+    ends = {g[1] - 1: i for i, g in enumerate(groups)}
     best = np.zeros(BUCKETS + 1)  # best[b]: least error of the items so far within b buckets
     choice = np.zeros((len(items), BUCKETS + 1), dtype=np.int32)
+    replaced = np.zeros((len(groups), BUCKETS + 1), dtype=bool)
+    before = best
     for m, o in enumerate(items):
+        if m in starts:
+            before = best
         new = np.full(BUCKETS + 1, np.inf)
         for k, (_, c, err) in enumerate(o):
-            need = int(np.ceil(c / unit - 1e-9))
-            if need > BUCKETS:
+            if need(c) > BUCKETS:
                 continue
             cand = np.full(BUCKETS + 1, np.inf)
-            cand[need:] = best[: BUCKETS + 1 - need] + err
+            cand[need(c):] = best[: BUCKETS + 1 - need(c)] + err
             better = cand < new
             new[better], choice[m, better] = cand[better], k
+        if m in ends and need(groups[ends[m]][2]) <= BUCKETS:
+            _, _, c, err = groups[ends[m]]
+            alt = np.full(BUCKETS + 1, np.inf)
+            alt[need(c):] = before[: BUCKETS + 1 - need(c)] + err
+            replaced[ends[m]] = alt < new
+            new = np.minimum(new, alt)
         best = new
-    picked, b = [], BUCKETS
-    for m in range(len(items) - 1, -1, -1):
-        k = int(choice[m, b])
-        picked.append(k)
-        b -= int(np.ceil(items[m][k][1] / unit - 1e-9))
-    picked.reverse()
+    picked, b, m = [0] * len(items), BUCKETS, len(items) - 1
+    while m >= 0:
+        if m in ends and replaced[ends[m], b]:
+            first, _, c, _ = groups[ends[m]]
+            picked[first : m + 1] = [-1] * (m + 1 - first)
+            b, m = b - need(c), first - 1
+            continue
+        picked[m] = int(choice[m, b])
+        b -= need(items[m][picked[m]][1])
+        m -= 1
     return picked
 
 
@@ -163,13 +198,15 @@ def combine(groups: list[list[Option]]) -> list[Option]:
 
 def allocate(shapes: list[ModuleShape], energy: dict[str, np.ndarray], mac_ratio: float,
              step: int = RANK_STEP, cost: Cost = mac_cost, unit_name: str = "MAC",
-             sites: dict[str, list[Option]] | None = None, lowrank: bool = True) -> Allocation:
+             sites: dict[str, list[Option]] | None = None, lowrank: bool = True,
+             layers: dict[str, float] | None = None) -> Allocation:
     """The per-module forms meeting ``sum cost <= dense total / mac_ratio`` with the least total error (``cost``:
     MACs by default, or measured decode time), by ``knapsack``. ``sites`` (an MLP site -> its channel options,
     ``budgeted.channels``): that site's three projections become one item choosing between their low-rank forms
     (combined) and keeping fewer channels. The removal order puts the modules that leave their dense form first,
     cheapest error per unit of cost saved first. ``lowrank`` False: no projection becomes a pair (only the sites'
-    channels are chosen). Deterministic."""
+    channels are chosen). ``layers`` (``model.layers.N`` -> the error of removing it, ``budgeted.layers``): each
+    such layer may instead be removed, its projections then costing nothing. Deterministic."""
     sites = sites or {}
     dense = sum(cost(s, 0) for s in shapes)
     per = {s.name: [((s.name, r), c, e) for r, c, e in options(s, energy[s.name], step, cost)[: None if lowrank
@@ -184,12 +221,20 @@ def allocate(shapes: list[ModuleShape], energy: dict[str, np.ndarray], mac_ratio
         else:
             items += [[((n_r,), c, e) for n_r, c, e in per[n]] for n in names]
             members += [(None, [n]) for n in names]
+    groups = layer_groups(members, layers or {})
     picked = knapsack(items, dense / mac_ratio, lambda cheapest: (
         f"--mac-ratio {mac_ratio:g}: beyond reach; the cheapest form of every projection gives "
-        f"{dense / cheapest:.2f}x fewer projection {unit_name}s"))
-    ranks, errors, saved, keep = {}, {}, {}, {}
+        f"{dense / cheapest:.2f}x fewer projection {unit_name}s"), groups)
+    ranks, errors, saved, keep, removed = {}, {}, {}, {}, []
     by = {s.name: s for s in shapes}
     for (site, names), o, k in zip(members, items, picked):
+        if k < 0:  # the layer goes
+            ranks.update({n: 0 for n in names})
+            layer = ".".join(names[0].split(".")[:3])
+            if layer not in removed:
+                removed.append(layer)
+                errors[layer] = layers[layer]
+            continue
         chosen, c, e = o[k]
         if isinstance(chosen[0], int):  # the site keeps chosen[0] channels
             keep[site] = chosen[0]
@@ -201,4 +246,18 @@ def allocate(shapes: list[ModuleShape], energy: dict[str, np.ndarray], mac_ratio
             errors[n] = next(err for (_, rr), _, err in per[n] if rr == r)
             saved[n] = cost(by[n], 0) - cost(by[n], r)
     order = sorted((n for n, r in ranks.items() if r), key=lambda n: (errors[n] / saved[n], n))
-    return Allocation(ranks, order, errors, keep)
+    return Allocation(ranks, order, errors, keep, removed)
+
+
+def layer_groups(members: list[tuple], layers: dict[str, float]) -> list[Group]:
+    """The knapsack groups of the decoder layers that may be removed: the range of consecutive items holding each
+    one's projections, its alternative costing nothing at its removal error."""
+    of = [".".join(names[0].split(".")[:3]) for _, names in members]
+    groups = []
+    for layer, err in layers.items():
+        at = [m for m, x in enumerate(of) if x == layer]
+        if at:
+            if at != list(range(at[0], at[-1] + 1)):
+                raise ValueError(f"{layer}: its projections are not consecutive in the allocation's items")
+            groups.append((at[0], at[-1] + 1, 0.0, float(err)))
+    return sorted(groups)

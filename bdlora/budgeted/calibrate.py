@@ -3,14 +3,17 @@
 One forward and backward pass over ``--calib-tokens`` tokens of the run's own training split accumulates, per
 projection, the Gram matrix of its inputs ``C = X^T X`` (float64; projections that read the same tensor, q/k/v and
 gate/up, share one) and the Fisher diagonal of its outputs ``f = sum_t g_t^2`` (g the gradient of the next-token
-loss with respect to the module's output; no weight gradient is computed). The blocks are drawn from the training
-split with a fixed seed, so two processes (or a rerun) calibrate on the same tokens; under torchrun only rank 0
-calibrates and the others read its factors (``methods.LowRankInit``), so every process starts bit-identical.
+loss with respect to the module's output; no weight gradient is computed). With ``residual`` it also accumulates,
+per decoder layer, the energy of the update it adds to the residual stream ``sum_t (h_out - h_in)^2`` and the
+Fisher diagonal of its output, per hidden dimension: what removing the layer costs (``budgeted.layers``). The
+blocks are drawn from the training split with a fixed seed, so two processes (or a rerun) calibrate on the same
+tokens; under torchrun only rank 0 calibrates and the others read its factors (``methods.LowRankInit``), so every
+process starts bit-identical.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -39,6 +42,8 @@ class Calibration:
     grams: dict[str, torch.Tensor]  # input group -> (d_in, d_in) float64
     fisher: dict[str, torch.Tensor]  # module -> (d_out,) float64
     tokens: int
+    residual: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # layer -> (update
+    # energy, output Fisher diagonal), each (hidden,) float64; only with ``calibrate(..., residual=True)``
 
     def gram(self, name: str) -> torch.Tensor:
         return self.grams[input_group(name)]
@@ -63,10 +68,11 @@ def calibration_blocks(blocks, tokens: int) -> np.ndarray:
     return blocks.get(idx)
 
 
-def calibrate(model, blocks: np.ndarray, fisher: bool = True, on_progress=None) -> Calibration:
+def calibrate(model, blocks: np.ndarray, fisher: bool = True, on_progress=None, residual: bool = False) -> Calibration:
     """Gram matrices (and with ``fisher`` the output Fisher diagonals) of every projection of ``model`` over the
-    token ``blocks`` (n, T). The model's weights are not changed and get no gradient. ``on_progress(k)`` is called
-    after each batch with the number of blocks it held."""
+    token ``blocks`` (n, T); with ``residual`` (and ``fisher``) each decoder layer's update energy and output Fisher.
+    The model's weights are not changed and get no gradient. ``on_progress(k)`` is called after each batch with the
+    number of blocks it held."""
     mods = dict(projection_modules(model))
     grams: dict[str, torch.Tensor] = {}
     fish: dict[str, torch.Tensor] = {}
@@ -79,6 +85,10 @@ def calibrate(model, blocks: np.ndarray, fisher: bool = True, on_progress=None) 
             hooks.append(mod.register_forward_hook(_gram_hook(grams, group)))
         if fisher:
             hooks.append(mod.register_full_backward_hook(_fisher_hook(fish, name)))
+    updates: dict[int, list] = {}
+    if residual and fisher:
+        for i, layer in enumerate(model.model.layers):
+            hooks.append(layer.register_forward_hook(_residual_hook(updates, i), with_kwargs=True))
     embed = model.get_input_embeddings()
     if fisher:  # gradients flow from the loss to every module output without any weight requiring one
         hooks.append(embed.register_forward_hook(lambda m, i, o: o.detach().requires_grad_()))
@@ -105,11 +115,12 @@ def calibrate(model, blocks: np.ndarray, fisher: bool = True, on_progress=None) 
         for q in trainable:
             q.requires_grad_(True)
         model.train(was_training)
-    bad = [k for k, v in (*grams.items(), *fish.items()) if not bool(torch.isfinite(v).all())]
+    bad = [k for k, v in (*grams.items(), *fish.items(), *((f"layer {i}", u[0] + u[1]) for i, u in updates.items()))
+           if not bool(torch.isfinite(v).all())]
     if bad:
         raise ModelError(f"the model's activations or gradients on the calibration tokens are not finite (first at "
                          f"{bad[0]}): its weights hold NaN or infinity (check the --teacher / --student-init weights)")
-    return Calibration(grams, fish, int(blocks.size))
+    return Calibration(grams, fish, int(blocks.size), {i: (u[0], u[1]) for i, u in sorted(updates.items())})
 
 
 def _gram_hook(grams: dict, group: str):
@@ -125,4 +136,21 @@ def _fisher_hook(fish: dict, name: str):
         g = grad_output[0].detach().reshape(-1, grad_output[0].shape[-1]).double()
         f = g.square().sum(0)
         fish[name] = fish[name] + f if name in fish else f
+    return hook
+
+
+def _residual_hook(updates: dict, index: int):
+    """Adds the layer's update energy now and, through a hook on its output tensor, its output's squared gradient
+    during the backward pass."""
+
+    def hook(module, args, kwargs, output):
+        h_in = (args[0] if args else kwargs["hidden_states"]).detach()
+        out = output[0] if isinstance(output, tuple) else output
+        d = (out.detach() - h_in).reshape(-1, out.shape[-1]).double().square().sum(0)
+        entry = updates.setdefault(index, [torch.zeros_like(d), torch.zeros_like(d)])
+        entry[0] += d
+        if out.requires_grad:
+            def grad_hook(g, entry=entry):
+                entry[1] += g.detach().reshape(-1, g.shape[-1]).double().square().sum(0)
+            out.register_hook(grad_hook)
     return hook

@@ -89,7 +89,7 @@ class ModuleDecision:
     in_features: int
     out_features: int
     d: float
-    case: str  # dropped | svd | kept | merged-cheaper
+    case: str  # dropped | svd | kept | merged-cheaper | pruned | removed
     lora_rank: int  # LoRA ranks kept after gate hardening
     svd_rank: int  # 0 unless case == svd
     rank: int  # rank of the deployed low-rank pair (0 when dense)
@@ -102,7 +102,7 @@ class ModuleDecision:
 
     @property
     def form(self) -> str:
-        return forms.of_rank(self.rank).name
+        return forms.REMOVED.name if self.case == "removed" else forms.of_rank(self.rank).name
 
 
 def prune_decision(shape: ModuleShape, keep: int, has_bias: bool = False) -> ModuleDecision:
@@ -114,6 +114,13 @@ def prune_decision(shape: ModuleShape, keep: int, has_bias: bool = False) -> Mod
     bias = narrow.out_features if has_bias else 0
     return ModuleDecision(shape.name, i, o, 1.0, "pruned", 0, 0, 0, shape.dense_cost, after,
                           shape.dense_cost + (o if has_bias else 0), after + bias, 0, keep)
+
+
+def removed_decision(shape: ModuleShape, has_bias: bool = False) -> ModuleDecision:
+    """A projection of a decoder layer removed whole (``forms.REMOVED``): nothing left to compute or store."""
+    i, o = shape.in_features, shape.out_features
+    return ModuleDecision(shape.name, i, o, 0.0, "removed", 0, 0, 0, shape.dense_cost, 0,
+                          shape.dense_cost + (o if has_bias else 0), 0)
 
 
 def site_forms(decisions) -> dict[str, dict]:
@@ -185,6 +192,7 @@ def compression_report(decisions: list[ModuleDecision], budget: float | None = N
         "dense_dropped": sum(m.case == "dropped" for m in decisions),
         "merged_cheaper": sum(m.case == "merged-cheaper" for m in decisions),
         "mlp_pruned": len(site_forms(decisions)),  # MLP sites keeping fewer channels (their 3 modules: "pruned")
+        "layers_removed": len({m.name.rsplit(".", 2)[0] for m in decisions if m.case == "removed"}),
         "avg_lora_rank": sum(m.lora_rank for m in decisions) / n,
         "dense_macs": D,
         "lora_macs": L,

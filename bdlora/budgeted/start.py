@@ -81,26 +81,29 @@ def paper_mac_ratio(shapes: list[ModuleShape], budget: float, rank: int) -> floa
     return compression_report(decisions, budget)["speedup_vs_dense"]
 
 
-def calibrate_with_progress(model, blocks, reporter: Reporter = SILENT):
-    """``calibrate`` with a stage line and a progress bar."""
+def calibrate_with_progress(model, blocks, reporter: Reporter = SILENT, residual: bool = False):
+    """``calibrate`` with a stage line and a progress bar (``residual``: each layer's update too)."""
     reporter.stage(f"calibrating on {blocks.size:,} training tokens (input Gram matrices, output Fisher diagonals)")
     reporter.count(0, len(blocks), "calibration blocks")
-    return calibrate(model, blocks, on_progress=lambda k: reporter.count(k, len(blocks), "calibration blocks"))
+    return calibrate(model, blocks, on_progress=lambda k: reporter.count(k, len(blocks), "calibration blocks"),
+                     residual=residual)
 
 
 def allocate_by(shapes, energy: dict, target: float, reporter: Reporter = SILENT, table=None,
-                precision: str | None = None, sites: dict | None = None, lowrank: bool = True) -> Allocation:
+                precision: str | None = None, sites: dict | None = None, lowrank: bool = True,
+                layers: dict | None = None) -> Allocation:
     """The quality allocation for ``target``: priced by MACs, or with ``table`` (a measured decode-time table at
     ``precision``, ``bdlora.export.genai.latency``) by each form's decode time, so ``target`` is then the projections'
     decode-time speed-up. Shared by the training start and ``compress --one-shot``. ``sites``/``lowrank``: see
-    ``allocate`` (MLPs that may keep fewer channels; whether projections may become pairs)."""
-    what = "loss-weighted truncation error" + (" and channel-drop error" if sites else "")
+    ``allocate`` (MLPs that may keep fewer channels; whether projections may become pairs; layers that may go)."""
+    parts = [p for p, on in (("truncation", lowrank), ("channel-drop", sites), ("layer-removal", layers)) if on]
+    what = "loss-weighted " + " and ".join(parts) + " error"
     if table is not None:
         reporter.stage(f"allocating {target:.2f}x less projection decode time at {precision} by {what}")
         return allocate(shapes, energy, target, cost=table.cost, unit_name=f"{precision} microsecond", sites=sites,
-                        lowrank=lowrank)
+                        lowrank=lowrank, layers=layers)
     reporter.stage(f"allocating {target:.2f}x fewer projection MACs by {what}")
-    return allocate(shapes, energy, target, sites=sites, lowrank=lowrank)
+    return allocate(shapes, energy, target, sites=sites, lowrank=lowrank, layers=layers)
 
 
 def compute_start(model, init: str, allocation: str, rank: int, budget: float, mac_ratio: float | None,

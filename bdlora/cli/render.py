@@ -101,6 +101,10 @@ def compression_report(report: dict, title: str) -> None:
         kept = [m["channels"] for m in downs]
         s.add_row("MLPs keeping fewer channels", f"{report['mlp_pruned']} (kept {min(kept):,} to {max(kept):,} of "
                   f"{downs[0]['in_features']:,})")
+    if report.get("layers_removed"):
+        gone = (report.get("provenance") or {}).get("removed_layers") or []
+        s.add_row("decoder layers removed", f"{report['layers_removed']}" + (
+            f" (source layers {', '.join(map(str, gone))})" if gone else ""))
     s.add_row("average LoRA rank kept", f"{report['avg_lora_rank']:.1f}")
     s.add_row("MAC speed-up vs dense", f"{report['speedup_vs_dense']:.2f}x")
     s.add_row("MAC speed-up vs LoRA", f"{report['speedup_vs_lora']:.2f}x")

@@ -184,13 +184,14 @@ class LatencyTable:
                 best = r
         return best
 
-    def prediction(self, shapes: list[ModuleShape], ranks: dict[str, int], shape_of=None) -> dict:
+    def prediction(self, shapes: list[ModuleShape], ranks: dict[str, int], shape_of=None, gone=()) -> dict:
         """What a structure (``ranks``: rank per module, 0 or absent = dense; ``shape_of``: each module's deployed
-        shape, narrower in a pruned MLP) costs at this precision: the projections' decode microseconds dense and as
-        structured, the predicted speed-up, the forms measured, and which projections have a low-rank form slower
-        than their dense one."""
+        shape, narrower in a pruned MLP; ``gone``: the modules of removed layers) costs at this precision: the
+        projections' decode microseconds dense and as structured, the predicted speed-up, the forms measured, and
+        which projections have a low-rank form slower than their dense one."""
         dense = sum(self.cost(s, 0) for s in shapes)
-        chosen = sum(self.cost(shape_of(s) if shape_of else s, ranks.get(s.name, 0)) for s in shapes)
+        chosen = sum(self.cost(shape_of(s) if shape_of else s, ranks.get(s.name, 0)) for s in shapes
+                     if s.name not in gone)
         slower = sorted({s.name.split(".")[-1] for s in shapes
                          if ranks.get(s.name) and self.cost(s, ranks[s.name]) >= self.cost(s, 0)})
         return {"precision": self.precision, "threads": self.threads, "projection_us_dense": dense,

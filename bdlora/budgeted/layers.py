@@ -1,0 +1,54 @@
+"""Removed decoder layers (``--forms layers``): what dropping a whole layer costs in the allocation's units, and the
+model without it (ShortGPT's and Minitron's depth pruning: a shallower model of the same architecture, which every
+runtime, onnxruntime-genai's own builder included, runs with nothing new).
+
+A decoder layer adds an update ``u_t = h_out - h_in`` to the residual stream; removing it changes the stream at that
+point by exactly ``-u_t`` (its attention and its MLP together, the MLP's input included). Its error is that change
+weighted as every other form's error is (``lowrank``, ``channels``): by the Fisher diagonal ``f`` of the layer's
+output (the squared gradient of the next-token loss, summed over the calibration tokens), damped as the spectra damp
+it,
+
+    e(layer) = sum_i (f_i + 0.01 mean(f)) sum_t u_ti^2,
+
+so a removed layer, a pruned MLP and a rank-r pair compare in one knapsack. Both sums come from the same forward and
+backward pass as the Gram matrices (``calibrate(..., residual=True)``). Like the other errors it is a first-order
+estimate at the layer's output (how the layers above react is not modelled); a removed layer's projections cost
+nothing, so the allocation prices it against the low-rank and channel forms of its seven projections together
+(``allocate.knapsack``'s groups). The projection budget does not count the layer's attention, norms and KV cache,
+which go with it: a removed layer saves more decode time than it is priced at.
+"""
+
+from __future__ import annotations
+
+from bdlora.budgeted.lowrank import FISHER_DAMPING
+
+
+def layer_prefix(index: int) -> str:
+    return f"model.layers.{index}"
+
+
+def removal_errors(calib) -> dict[str, float]:
+    """``model.layers.N`` -> the loss-weighted error of removing layer N (``calib`` measured with ``residual``)."""
+    out = {}
+    for i, (update, fisher) in calib.residual.items():
+        mean = float(fisher.mean())
+        phi2 = fisher + (FISHER_DAMPING * mean if mean > 0 else 1.0)
+        out[layer_prefix(i)] = float((phi2 * update).sum())
+    return out
+
+
+def layer_of(name: str) -> str:
+    """``model.layers.N`` of a projection's or site's name."""
+    return ".".join(name.split(".")[:3])
+
+
+def renumbered(names: dict, kept: list[int]) -> dict:
+    """``names`` (keyed by the source's module names) keyed by the shallower model's: layer ``kept[j]`` becomes
+    layer ``j``; entries of removed layers are dropped."""
+    new = {i: j for j, i in enumerate(kept)}
+    out = {}
+    for name, v in names.items():
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"] and int(parts[2]) in new:
+            out[".".join([*parts[:2], str(new[int(parts[2])]), *parts[3:]])] = v
+    return out

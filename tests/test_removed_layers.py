@@ -1,0 +1,213 @@
+"""Removed decoder layers (issue 51, item 2): the error of removing a layer measured in the other forms' units (the
+loss-weighted update it adds to the residual stream), one exact knapsack in which a layer's alternative is to go
+whole, and a shallower folder that every reader takes (the genai builder's own row included: its layers stay
+uniform)."""
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from bdlora.budgeted.allocate import allocate, knapsack
+from bdlora.budgeted.calibrate import calibrate
+from bdlora.budgeted.costs import ModuleShape
+from bdlora.budgeted.layers import removal_errors, renumbered
+from bdlora.budgeted.lowrank import FISHER_DAMPING
+from bdlora.cli import app
+from bdlora.student import take_layers
+
+
+def test_the_removal_error_is_the_loss_weighted_update_of_the_layer(tiny_model):
+    """calibrate(..., residual=True) holds, per layer, sum_t u_t^2 and sum_t g_t^2 of its output, as a direct
+    forward and backward pass finds them; the removal error is their damped product."""
+    torch.manual_seed(0)
+    x = torch.randint(0, tiny_model.config.vocab_size, (3, 16))
+    calib = calibrate(tiny_model, x.numpy(), residual=True)
+    layers = tiny_model.model.layers
+    assert sorted(calib.residual) == list(range(len(layers)))
+    seen = {}
+
+    def keep(i):
+        def hook(module, args, kwargs, out):
+            out.retain_grad()
+            seen[i] = ((args[0] if args else kwargs["hidden_states"]).detach(), out)
+        return hook
+
+    handles = [layer.register_forward_hook(keep(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        h0 = tiny_model.get_input_embeddings()(x).detach().requires_grad_()
+        logits = tiny_model(inputs_embeds=h0, use_cache=False).logits
+        torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
+                                          reduction="sum").backward()
+    finally:
+        for h in handles:
+            h.remove()
+    for i, (h_in, out) in seen.items():
+        u = (out.detach() - h_in).double().reshape(-1, out.shape[-1])
+        g = out.grad.double().reshape(-1, out.shape[-1])
+        torch.testing.assert_close(calib.residual[i][0], u.square().sum(0), rtol=1e-5, atol=1e-9)
+        torch.testing.assert_close(calib.residual[i][1], g.square().sum(0), rtol=1e-5, atol=1e-12)
+        f = calib.residual[i][1]
+        want = float(((f + FISHER_DAMPING * f.mean()) * calib.residual[i][0]).sum())
+        assert removal_errors(calib)[f"model.layers.{i}"] == pytest.approx(want, rel=1e-12)
+    assert calibrate(tiny_model, x.numpy()).residual == {}  # only when asked
+
+
+@given(st.lists(st.lists(st.tuples(st.integers(1, 30_000), st.floats(0, 100)), min_size=1, max_size=3),
+                min_size=2, max_size=6), st.data())
+@settings(max_examples=60, deadline=None)
+def test_the_knapsack_with_removable_groups_is_exact(raw, data):
+    """Disjoint ranges of consecutive items that may go whole at an alternative (cost, error): the least total error
+    within a 65,536 budget, as brute force over every choice finds it."""
+    items = [[(k, float(c), float(e)) for k, (c, e) in enumerate(o)] for o in raw]
+    cuts = sorted(set(data.draw(st.lists(st.integers(0, len(items)), max_size=4))))
+    groups = [(a, b, float(data.draw(st.integers(0, 20_000))), float(data.draw(st.floats(0, 200))))
+              for a, b in zip(cuts, cuts[1:]) if b > a]
+    in_group = {m: g for g, (a, b, _, _) in enumerate(groups) for m in range(a, b)}
+
+    def total(choice, removed):
+        cost = sum(groups[g][2] for g in removed) + sum(items[m][k][1] for m, k in enumerate(choice)
+                                                       if in_group.get(m) not in removed)
+        err = sum(groups[g][3] for g in removed) + sum(items[m][k][2] for m, k in enumerate(choice)
+                                                      if in_group.get(m) not in removed)
+        return cost, err
+
+    best = None
+    for removed in itertools.chain.from_iterable(itertools.combinations(range(len(groups)), n)
+                                                 for n in range(len(groups) + 1)):
+        for choice in itertools.product(*[range(len(o)) for o in items]):
+            cost, err = total(choice, set(removed))
+            if cost <= 65_536 and (best is None or err < best):
+                best = err
+    if best is None:
+        with pytest.raises(Exception, match="beyond"):
+            knapsack(items, 65_536, lambda c: f"beyond {c}", groups)
+        return
+    picked = knapsack(items, 65_536, lambda c: f"beyond {c}", groups)
+    removed = {g for g, (a, b, _, _) in enumerate(groups) if picked[a] == -1}
+    assert all((picked[m] == -1) == (in_group.get(m) in removed) for m in range(len(items)))
+    cost, err = total([max(k, 0) for k in picked], removed)
+    assert cost <= 65_536 and err == pytest.approx(best, abs=1e-9)
+
+
+LAYER = [ModuleShape(f"model.layers.{i}.{p}", 32, 32) for i in range(3)
+         for p in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj")]
+
+
+def test_the_allocation_removes_the_layer_that_costs_least():
+    """Three layers of three 32x32 projections, each spectrum losing 1 per dropped component. At 1.45x fewer MACs,
+    removing the middle layer (error 5) beats truncating ranks (six rank-8 pairs at least: error 144) but not at
+    error 500; with low rank off only layers go. (Exactly 1.5x does not fit: each cost is rounded up to a bucket.)"""
+    energy = {s.name: np.ones(32) for s in LAYER}
+    cheap = allocate(LAYER, energy, 1.45, layers={"model.layers.0": 900.0, "model.layers.1": 5.0,
+                                                 "model.layers.2": 700.0})
+    assert cheap.removed == ["model.layers.1"] and not any(cheap.ranks.values())
+    assert cheap.errors["model.layers.1"] == 5.0 and cheap.gone("model.layers.1.mlp.down_proj")
+    assert cheap.macs(LAYER) == 6 * 32 * 32 and cheap.mac_ratio(LAYER) == 1.5
+    costly = allocate(LAYER, energy, 1.45, layers={f"model.layers.{i}": 500.0 for i in range(3)})
+    assert costly.removed == [] and any(costly.ranks.values())
+    assert sorted(costly.ranks.values()) == sorted(allocate(LAYER, energy, 1.45).ranks.values())
+    only = allocate(LAYER, energy, 2.5, lowrank=False, layers={"model.layers.0": 3.0, "model.layers.1": 1.0,
+                                                               "model.layers.2": 2.0})
+    assert sorted(only.removed) == ["model.layers.1", "model.layers.2"] and only.mac_ratio(LAYER) == 3.0
+    with pytest.raises(Exception, match="beyond reach"):
+        allocate(LAYER, energy, 4.0, lowrank=False, layers={"model.layers.0": 1.0})
+    assert renumbered({"model.layers.2.mlp.down_proj": 1, "model.layers.1.mlp": 2, "lm_head": 3}, [0, 2]) == {
+        "model.layers.1.mlp.down_proj": 1}
+
+
+def deep_teacher(tok, folder):
+    """A 4-layer tiny Mistral with head dim 16 (what the genai graph's attention takes), saved as a teacher folder."""
+    from transformers import MistralForCausalLM
+
+    from conftest import tiny_config
+
+    torch.manual_seed(3)
+    teacher = MistralForCausalLM(tiny_config(len(tok), layers=4, hidden=64, eos_token_id=tok.eos_token_id,
+                                             bos_token_id=tok.bos_token_id)).eval()
+    teacher.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return teacher
+
+
+def shot(env, teacher, out, *extra):
+    return CliRunner().invoke(app, [
+        "compress", str(teacher), "--one-shot", "--data", str(env["corpus"]), "--cache-dir", str(env["cache"]),
+        "--seq-len", "32", "--calib-tokens", "512", "--eval-tokens", "512", "--heldout-fraction", "0.1",
+        "--out", str(out), "--json", *extra])
+
+
+@pytest.fixture(scope="module")
+def shallow(tiny_env, tmp_path_factory):
+    root = tmp_path_factory.mktemp("layers")
+    teacher = deep_teacher(tiny_env["tokenizer"], root / "teacher")
+    r = shot(tiny_env, root / "teacher", root / "s", "--mac-ratio", "1.3", "--forms", "layers")
+    assert r.exit_code == 0, r.output
+    return root, teacher, json.loads(r.stdout)
+
+
+def test_a_removed_layer_leaves_a_shallower_folder_equal_to_the_source_without_it(shallow):
+    """1.3x by layers alone on 4 equal layers: one layer goes (3/4 of the projection MACs is the cheapest way to
+    1.3x). The folder is the source's other three layers, untouched, renumbered: its logits equal those of the
+    source with that layer taken out, with and without remote code; the report's rows of the removed projections
+    cost nothing."""
+    from transformers import AutoModelForCausalLM
+
+    root, teacher, report = shallow
+    removed = report["provenance"]["removed_layers"]
+    kept = report["provenance"]["layer_indices"]
+    assert len(removed) == 1 and sorted(removed + kept) == [0, 1, 2, 3] and report["layers_removed"] == 1
+    assert report["speedup_vs_dense"] == pytest.approx(4 / 3)
+    cfg = json.loads((root / "s" / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 3
+    rows = [m for m in report["modules"] if m["case"] == "removed"]
+    assert len(rows) == 7 and all(m["form"] == "removed" and m["macs_after"] == 0 and m["params_after"] == 0
+                                  and m["name"].startswith(f"model.layers.{removed[0]}.") for m in rows)
+    x = torch.randint(0, teacher.config.vocab_size, (2, 12))
+    want = take_layers(teacher, kept).eval()
+    for remote in (False, True):
+        got = AutoModelForCausalLM.from_pretrained(root / "s", dtype=torch.float32, trust_remote_code=remote).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(got(x).logits, want(x).logits, rtol=0, atol=0)
+    # the layer removed is the one whose update the loss weighs least, per the calibration
+    errors = report["provenance"]["allocation"]["removal_errors"]
+    assert min(errors, key=errors.get) == f"model.layers.{removed[0]}" and len(errors) == 4
+
+
+def test_every_reader_takes_a_shallower_folder(tiny_env, shallow, tmp_path):
+    """eval, export onnx/genai (validated against PyTorch), and bench --runtime genai, whose own-builder row of the
+    student exists (its layers are uniform), beside the teacher's."""
+    root, _, report = shallow
+    folder = root / "s"
+    r = CliRunner().invoke(app, ["eval", str(folder), "--ppl", "--json", str(tmp_path / "eval.json")])
+    assert r.exit_code == 0, r.output
+    ev = json.loads((tmp_path / "eval.json").read_text())
+    assert ev["ppl"]["val_ppl"] == pytest.approx(report["eval"]["compressed_val_ppl"], rel=1e-5)
+    r = CliRunner().invoke(app, ["export", "onnx", str(folder), "--out", str(tmp_path / "o"), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "o" / "config.json").read_text())["num_hidden_layers"] == 3
+    r = CliRunner().invoke(app, ["bench", str(folder), "--runtime", "genai", "--genai-precisions", "int4",
+                                 "--batch-sizes", "1", "--seq-lens", "16", "--decode-tokens", "2", "--repeats", "1",
+                                 "--warmup", "0", "--quality-tokens", "512", "--out", str(tmp_path / "g")])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "g" / "bench.json").read_text())
+    assert {"compressed-int4", "builder-int4", "teacher-int4"} <= {p["name"] for p in doc["front"]}
+
+
+def test_layers_beside_low_rank_and_channels_with_correction(tiny_env, shallow, tmp_path):
+    """All three forms in one allocation, with --correct (the layers above a removed one corrected against the
+    stream without it): the folder meets its ratio and loads."""
+    root, _, _ = shallow
+    r = shot(tiny_env, root / "teacher", tmp_path / "all", "--mac-ratio", "1.6", "--forms",
+             "lowrank,channels,layers", "--correct")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert report["speedup_vs_dense"] >= 1.6 and report["provenance"]["correction"]["modules"] >= 0
+    cfg = json.loads((tmp_path / "all" / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 4 - report["layers_removed"]
+    assert report["eval"]["compressed_val_ppl"] < 10 * report["eval"]["student_val_ppl"]
