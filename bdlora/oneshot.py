@@ -51,7 +51,8 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
     allocate among ``cfg.forms``, factor (and prune); the modules of removed layers have decisions but nothing
     deployed. ``cost_table`` (shapes, dense=(K, N) pairs -> an object with ``cost(shape, rank)`` and
     ``prediction(shapes, ranks, shape_of, gone)``, e.g. the measured decode-time table of
-    ``bdlora.export.genai.latency``, passed in by the CLI): allocate by that cost instead of MACs. ``facts``, for the
+    ``bdlora.export.genai.latency``, passed in by the CLI; given ``config``, its prediction covers the whole decode
+    step): allocate by that cost instead of MACs. ``facts``, for the
     provenance: what the allocation predicts at that cost (``allocation_cost``) and, with layers, each one's removal
     error (``allocation.removal_errors``)."""
     calib = calibrate_with_progress(model, calibration_blocks(train_blocks, cfg.calib_tokens), reporter,
@@ -74,7 +75,7 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
                   for n, m in mods.items() if n.endswith("down_proj")}
     table = None
     if cost_table is not None:  # with channels, the narrower dense products it interpolates between are timed too
-        table = cost_table(shapes, dense=probe_shapes(shapes)) if orders else cost_table(shapes)
+        table = cost_table(shapes, dense=probe_shapes(shapes) if orders else (), config=model.config.to_dict())
     cost = table.cost if table is not None else mac_cost
     sites = {site: site_options([s for s in shapes if s.name.startswith(site + ".")], order, cost)
              for site, order in orders.items()}

@@ -107,14 +107,26 @@ def test_allocation_by_a_measured_cost_meets_it_and_never_picks_a_pair_slower_th
             assert total <= sum(e for _, _, e in combo) * (1 + 1e-9) + 1e-12
 
 
-def _hand_table(cache, shapes, slow_pairs: tuple[tuple[int, int], ...], threads=1, precision="int4"):
+def _hand_table(cache, shapes, slow_pairs: tuple[tuple[int, int], ...], threads=1, precision="int4", teacher=None):
     """A cached table with known values: dense K N / 100 us; a pair 0.5 + r (K + N) / 100 us, except the shapes in
-    ``slow_pairs``, whose pairs cost twice the dense product (they never pay)."""
+    ``slow_pairs``, whose pairs cost twice the dense product (they never pay). With ``teacher`` (a folder), the
+    half-width MLP products and the decode step's overhead (``test_whole_decode.hand_overhead``) too, so plan and
+    the one-shot allocation time nothing."""
+    from bdlora.export.genai.whole import half_width
+
     us = {}
     for k, n in {(s.in_features, s.out_features) for s in shapes}:
         us[f"{k}x{n}@0"] = k * n / 100
         for r in lat.grid(ModuleShape("", k, n)):
             us[f"{k}x{n}@{r}"] = 2 * k * n / 100 if (k, n) in slow_pairs else 0.5 + r * (k + n) / 100
+    if teacher is not None:
+        from test_whole_decode import hand_overhead
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(teacher).to_dict()
+        hidden, half = config["hidden_size"], half_width(config)
+        us.update({f"{hidden}x{half}@0": hidden * half / 100, f"{half}x{hidden}@0": hidden * half / 100})
+        hand_overhead(cache, config, precision, threads)
     path = lat.table_path(cache, precision, threads)
     write_json(path, {"version": lat.TABLE_VERSION, "us": us})
     return path
@@ -134,7 +146,7 @@ def test_one_shot_at_a_precision_allocates_by_the_cached_decode_times(tiny_env, 
     cache = tmp_path / "cache"
     shapes = _tiny_shapes(tiny_env["teacher"])
     down = next(s for s in shapes if s.name.endswith("down_proj"))
-    path = _hand_table(cache, shapes, ((down.in_features, down.out_features),))
+    path = _hand_table(cache, shapes, ((down.in_features, down.out_features),), teacher=tiny_env["teacher"])
     before = path.read_text()
     env = {**tiny_env, "cache": cache}
     res = CliRunner().invoke(app, shot_args(env, tmp_path / "s", "--mac-ratio", "1.3", "--precision", "int4",
@@ -158,7 +170,7 @@ def test_one_shot_at_a_precision_allocates_by_the_cached_decode_times(tiny_env, 
 def test_plan_predicts_the_deployed_projection_speedup_from_the_table(tiny_env, tmp_path, monkeypatch):
     monkeypatch.setenv("BDLORA_CACHE", str(tmp_path))
     shapes = _tiny_shapes(tiny_env["teacher"])
-    path = _hand_table(tmp_path, shapes, (), precision="int8", threads=1)
+    path = _hand_table(tmp_path, shapes, (), precision="int8", threads=1, teacher=tiny_env["teacher"])
     res = CliRunner().invoke(app, ["plan", "--model-config", str(tiny_env["teacher"]), "--budget", "0.4",
                                    "--lora-rank", "4", "--precision", "int8", "--threads", "1", "--json"])
     assert res.exit_code == 0, res.output
@@ -238,7 +250,7 @@ def test_a_damaged_latency_table_is_measured_again_never_used(tiny_env, tmp_path
 
     monkeypatch.setattr(lat, "measure_form", fake)
     shapes = _tiny_shapes(tiny_env["teacher"])
-    path = _hand_table(tmp_path, shapes, (), precision="int8", threads=1)
+    path = _hand_table(tmp_path, shapes, (), precision="int8", threads=1, teacher=tiny_env["teacher"])
     good = json.loads(path.read_text())
     victim = sorted(good["us"])[0]
     values = {"nan": float("nan"), "inf": float("inf"), "zero": 0, "negative": -3.0, "text": "fast", "bool": True}

@@ -135,15 +135,19 @@ def plot(points: list[dict], path: Path, title: str = "") -> None:
 
 def predicted_vs_measured(points: list[dict], cost: dict) -> dict | None:
     """What a one-shot allocation by measured decode time (``compress --one-shot --precision P``) predicted against
-    what the front measured at P: the student's decode is predicted as the teacher's measured decode at P minus the
-    projection time the allocation saved by its table; None when the front lacks either row at P."""
+    what the front measured at P: the whole-step speed-up the allocation predicted (projections from the latency
+    table, the rest of each layer and the step from ``export.genai.whole``), or for a folder written before it the
+    teacher's measured decode at P less the projection time saved; None when the front lacks either row at P."""
     p = cost.get("precision")
     suffix = "" if p == "fp32" else f"-{p}"
     ms = {x["name"]: x["ms"] for x in points}
     student, teacher = ms.get(f"compressed{suffix}"), ms.get(f"teacher{suffix}")
     if p is None or student is None or teacher is None:
         return None
-    predicted_ms = teacher - (cost["projection_us_dense"] - cost["projection_us"]) / 1000.0
+    if cost.get("predicted_decode_speedup"):  # the whole step, predicted without the teacher's measured time
+        predicted_ms = teacher / cost["predicted_decode_speedup"]
+    else:  # older folders: the teacher's measured step less the projection time saved
+        predicted_ms = teacher - (cost["projection_us_dense"] - cost["projection_us"]) / 1000.0
     if predicted_ms <= 0:
         return None
     predicted, measured = teacher / predicted_ms, teacher / student

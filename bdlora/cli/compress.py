@@ -60,18 +60,20 @@ def plan(
     rank = opts.pop("lora_rank")
     _check_plan(opts, rank, model_config, model, allocation, mac_ratio, calib_tokens, layers, steps, precision,
                 threads)
+    config = read_model_config(model_config or _resolved(model))
     if allocation == "quality":
         report = _quality_plan(model, rank, layers, mac_ratio, calib_tokens, calib_data or data, opts, json_out)
         title = f"plan --allocation quality: {report['speedup_vs_dense']:.2f}x fewer projection MACs"
     else:
-        config = read_model_config(model_config or _resolved(model))
         opts["rank"] = check_lora_rank(rank, config)
         report = run_plan(config, BudgetedConfig(**opts), layers=layers, steps=steps)
         title = f"plan: F = {opts['budget']}"
     if precision:
-        report["deployed"] = _deployed_prediction(report, precision, threads, RichReporter(err if json_out else out))
+        report["deployed"] = _deployed_prediction(report, precision, threads, RichReporter(err if json_out else out),
+                                                  config)
+        report["predicted_decode_speedup"] = report["deployed"]["predicted_decode_speedup"]
         title += (f"; {report['deployed']['predicted_projection_speedup']:.2f}x less projection decode time at "
-                  f"{precision}")
+                  f"{precision}, {report['predicted_decode_speedup']:.2f}x faster whole decode")
     if json_out:
         print(json.dumps(report, indent=2))
         return
@@ -162,13 +164,12 @@ def compress(
     out.print(f"[green]wrote[/] {escape(str(folder))}")
 
 
-def _deployed_prediction(report: dict, precision: str, threads: int | None, reporter) -> dict:
-    """The planned structure's projection decode time at ``precision`` from the measured table of its forms."""
-    from bdlora.export.genai.latency import latency_table
-
+def _deployed_prediction(report: dict, precision: str, threads: int | None, reporter, config: dict) -> dict:
+    """The planned structure's decode time at ``precision`` from the measured table of its forms: its projections,
+    and the whole step against the dense model of ``config`` (``whole``)."""
     mods = report["modules"]
     shapes = [ModuleShape(m["name"], m["in_features"], m["out_features"]) for m in mods]
-    table = latency_table(shapes, precision, threads or usable_cores(), default_cache_dir(), reporter)
+    table = cost_table(precision, threads, None, reporter)(shapes, config=config)
     return table.prediction(shapes, {m["name"]: m["rank"] for m in mods if m["form"] == "lowrank"})
 
 
@@ -193,6 +194,18 @@ def cost_table(precision: str | None, threads: int | None, cache: Path | None, r
         return None
     from bdlora.export.genai.latency import latency_table
 
-    threads = threads or usable_cores()
-    return lambda shapes, dense=(): latency_table(shapes, precision, threads, cache or default_cache_dir(), reporter,
-                                                  dense)
+    threads, root = threads or usable_cores(), cache or default_cache_dir()
+
+    def build(shapes, dense=(), config: dict | None = None):
+        """The table of ``shapes`` (and the ``dense`` products); with ``config`` (the model's), also the decode
+        step's cost outside the projections, so its predictions cover the whole step."""
+        from bdlora.export.genai.whole import decode_overhead, half_width
+
+        if config is None:
+            return latency_table(shapes, precision, threads, root, reporter, dense)
+        hidden, half = int(config["hidden_size"]), half_width(config)
+        table = latency_table(shapes, precision, threads, root, reporter, (*dense, (hidden, half), (half, hidden)))
+        table.whole = (decode_overhead(config, table, precision, threads, root, reporter=reporter), config)
+        return table
+
+    return build

@@ -74,6 +74,13 @@ def latency_forms(doc: dict) -> None:
     out.print(t)
     out.print(f"projections: {doc['projection_us_dense']:.0f} us dense -> {doc['projection_us']:.0f} us "
               f"({doc['predicted_projection_speedup']:.2f}x predicted at {doc['precision']})")
+    if doc.get("predicted_decode_speedup"):
+        o = doc["overhead"]
+        out.print(f"whole decode step: {doc['decode_us_teacher']:.0f} us for the dense model -> "
+                  f"{doc['decode_us']:.0f} "
+                  f"us ([bold]{doc['predicted_decode_speedup']:.2f}x[/] predicted; {doc['decode_layers']} of "
+                  f"{doc['teacher_layers']} layers, each {o['per_layer_us']:.0f} us outside its projections, "
+                  f"{o['fixed_us']:.0f} us per step for embedding, head and generator, head at {o['head_bits']} bits)")
     if doc.get("lowrank_slower_than_dense"):
         out.print(f"[yellow]low rank slower than dense at {doc['precision']} for: "
                   f"{', '.join(doc['lowrank_slower_than_dense'])}[/]")

@@ -143,6 +143,7 @@ class LatencyTable:
     threads: int
     us: dict[str, float] = field(default_factory=dict)
     path: Path | None = None
+    whole: object | None = None  # (whole.Overhead, the model's config dict): prediction() adds the whole decode step
 
     def measured_ranks(self, k: int, n: int) -> list[int]:
         pre = f"{k}x{n}@"
@@ -194,10 +195,16 @@ class LatencyTable:
                      if s.name not in gone)
         slower = sorted({s.name.split(".")[-1] for s in shapes
                          if ranks.get(s.name) and self.cost(s, ranks[s.name]) >= self.cost(s, 0)})
-        return {"precision": self.precision, "threads": self.threads, "projection_us_dense": dense,
-                "projection_us": chosen, "predicted_projection_speedup": dense / chosen,
-                "forms": self.summary(shapes), "lowrank_slower_than_dense": slower,
-                "table": str(self.path) if self.path else None}
+        doc = {"precision": self.precision, "threads": self.threads, "projection_us_dense": dense,
+               "projection_us": chosen, "predicted_projection_speedup": dense / chosen,
+               "forms": self.summary(shapes), "lowrank_slower_than_dense": slower,
+               "table": str(self.path) if self.path else None}
+        if self.whole is not None:  # the whole decode step: the projections and everything around them
+            from bdlora.export.genai.whole import decode_prediction
+
+            overhead, config = self.whole
+            doc.update(decode_prediction(overhead, self, config, shapes, ranks, shape_of, gone))
+        return doc
 
     def summary(self, shapes: list[ModuleShape]) -> list[dict]:
         """One row per distinct (K, N): dense microseconds, the MAC break-even rank, the measured one."""

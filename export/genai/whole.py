@@ -1,0 +1,195 @@
+"""What a whole decode step costs beyond its projections, measured, so that a structure's *whole* decode speed-up can
+be predicted (``plan --precision P``, ``compress --one-shot --precision P``) and a removed layer is priced with its
+attention, norms and KV cache.
+
+The latency table (``latency``) times each projection form alone. A decode step at batch 1 after ``CONTEXT`` tokens
+also runs, per layer, attention over the cache, two norms, the rotary embedding, the MLP's activation and product and
+two residual adds, and once per step the embedding, the final norm, the LM head and the generator's own work. Those
+are measured on three synthetic genai graphs of the model's shapes (random weights: speed does not depend on
+values), exported by this toolkit's exporter at the precision (round-to-nearest, the LM head at ``head_bits``) and
+timed by ``og.Generator`` as ``bench --runtime genai`` times a folder, decode ms/token:
+
+- ``t_hi``, ``t_lo``: the model's own depth ``hi`` and half of it, ``lo``, dense layers of full MLP width;
+- ``t_half``: ``hi`` layers whose MLPs keep half their channels.
+
+The model's own depth, because a step's time is not linear in the depth on a CPU: SmolLM2's int4 layers (about 2 MB
+each) measured 230 us a layer between 2 and 8 layers, whose weights stay in the last-level cache, and 334 us between
+4 and 16; the latency table times every product streaming from memory, as a whole model's weights do.
+
+With ``P(w)`` a layer's projections at MLP width ``w`` from the table, the step is modelled as
+``fixed + sum over layers (P(w_l) + a + m w_l / W)`` (``a``: the width-independent rest of a layer, ``m``: the rest
+that scales with the MLP width ``W``), so ``a + m = (t_hi - t_lo) / (hi - lo) - P(W)``,
+``m = 2 ((t_hi - t_half) / hi - (P(W) - P(W/2)))`` and ``fixed = t_lo - lo (P(W) + a + m)`` (each at least 0, and
+``m`` at most ``a + m``: on a tiny model the timing noise can exceed them); a removed layer saves its
+``P + a + m``. The fit is cached per shapes, precision, threads, head bits, onnxruntime version and CPU beside the
+latency table. The graphs are timed in a separate process, interleaved (``bench.genai.time_genai``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+
+from bdlora.budgeted.costs import ModuleShape
+from bdlora.export.genai.latency import TABLE_VERSION, cpu_name
+from bdlora.io import read_json, write_json
+from bdlora.reporter import SILENT, Reporter
+
+CONTEXT = 128  # tokens in the cache when the step is timed (bench's default decode shape: batch 1 after 128)
+STEPS, REPEATS, WARMUP = 32, 15, 3  # decode tokens per timing, timed repeats, untimed ones
+OVERHEAD_VERSION = 3
+
+
+@dataclass
+class Overhead:
+    """Decode microseconds outside the projections: ``fixed`` per step, ``per_layer`` per layer at full MLP width,
+    of which ``per_width`` scales with the kept share of the MLP's channels; with the raw timings it was fitted
+    from."""
+
+    precision: str
+    threads: int
+    head_bits: int
+    fixed: float
+    per_layer: float
+    per_width: float
+    timings_ms: dict
+    path: str | None = None
+
+    def layer(self, width_share: float = 1.0) -> float:
+        """One layer's decode time outside its projections, its MLP keeping ``width_share`` of its channels."""
+        return self.per_layer - self.per_width * (1.0 - width_share)
+
+
+def shape_key(config: dict) -> dict:
+    """The shapes a decode step's cost depends on (the same whether read from config.json or a loaded config)."""
+    from bdlora.families import base_type
+
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    return {"family": base_type(str(config.get("model_type", ""))), "hidden": hidden,
+            "mlp": int(config["intermediate_size"]), "heads": heads,
+            "kv": int(config.get("num_key_value_heads") or heads), "head_dim": int(config.get("head_dim") or
+                                                                                  hidden // heads),
+            "vocab": int(config["vocab_size"]), "tied": bool(config.get("tie_word_embeddings", True))}
+
+
+def overhead_path(cache: Path, config: dict, precision: str, threads: int, head_bits: int) -> Path:
+    tag = hashlib.sha256(json.dumps([OVERHEAD_VERSION, TABLE_VERSION, ort.__version__, cpu_name(), shape_key(config),
+                                     head_bits, CONTEXT], sort_keys=True).encode()).hexdigest()[:12]
+    return Path(cache) / "latency" / f"overhead-{precision}-t{threads}-{tag}.json"
+
+
+def _dense_model(config: dict, layers: int, width: int, seed: int = 0):
+    """A random dense model of ``config``'s family with ``layers`` layers whose MLPs keep ``width`` channels."""
+    from bdlora.budgeted.costs import shapes_from_config
+    from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES
+    from bdlora.families import base_type
+    from bdlora.families import family as table_family
+
+    family = table_family(base_type(str(config["model_type"])), "model_type").model_type
+    cfg_cls, model_cls = BDLORA_CLASSES[family]
+    base = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "auto_map", "bdlora",
+                                                          "bdlora_modules")}
+    base["num_hidden_layers"] = layers
+    full = int(config["intermediate_size"])
+    sites = {} if width == full else {
+        s.name.rsplit(".", 1)[0]: {"form": "channels", "keep": width}
+        for s in shapes_from_config({**config, "num_hidden_layers": layers}) if s.name.endswith("down_proj")}
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(bdlora_modules=sites, bdlora={"base_model_type": family}, **base))
+    return model.eval()
+
+
+def _layer_projections(config: dict, table, width: int) -> float:
+    from bdlora.budgeted.costs import shapes_from_config
+
+    shapes = [s for s in shapes_from_config({**config, "num_hidden_layers": 1})]
+    return sum(table.cost(s.narrowed(width) if ".mlp." in s.name else s, 0) for s in shapes)
+
+
+def fit(t_lo: float, t_hi: float, t_half: float, lo: int, hi: int, p_full: float, p_half: float) -> tuple:
+    """(fixed, per_layer, per_width) microseconds from the three timings (ms/token) and a layer's projection
+    microseconds at full and half MLP width (the module docstring's model)."""
+    t_lo, t_hi, t_half = (1000.0 * t for t in (t_lo, t_hi, t_half))
+    per_layer = max(0.0, (t_hi - t_lo) / (hi - lo) - p_full)  # at 0 when timing noise exceeds it (tiny models)
+    per_width = min(per_layer, max(0.0, 2.0 * ((t_hi - t_half) / hi - (p_full - p_half))))
+    fixed = max(0.0, t_lo - lo * (p_full + per_layer))
+    return fixed, per_layer, per_width
+
+
+def half_width(config: dict) -> int:
+    from bdlora.budgeted.channels import CHANNEL_STEP
+
+    return max(CHANNEL_STEP, int(config["intermediate_size"]) // 2 // CHANNEL_STEP * CHANNEL_STEP)
+
+
+def decode_overhead(config: dict, table, precision: str, threads: int, cache: Path, head_bits: int = 8,
+                    reporter: Reporter = SILENT) -> Overhead:
+    """The fitted overhead of ``config``'s shapes at ``precision`` (``table``: the latency table at the same
+    precision and threads, holding the dense and half-width products), from the cache or measured."""
+    from bdlora.bench.genai import _stand_in_tokenizer, time_genai
+    from bdlora.export.genai.folder import write_genai_files
+
+    path = overhead_path(cache, config, precision, threads, head_bits)
+    if path.is_file():
+        try:
+            return Overhead(**{**read_json(path), "path": str(path)})
+        except (TypeError, ValueError):
+            reporter.stage(f"{path}: damaged, measuring again")
+    hi = max(2, int(config["num_hidden_layers"]))  # the model's own depth: its weights stream as the model's do
+    lo = hi // 2
+    full, half = int(config["intermediate_size"]), half_width(config)
+    graphs = {"lo": (lo, full), "hi": (hi, full), "half": (hi, half)}
+    work = Path(tempfile.mkdtemp(prefix="bdlora-overhead-"))
+    try:
+        folders = {}
+        for name, (layers, width) in graphs.items():
+            reporter.stage(f"exporting a synthetic {layers}-layer graph (MLP width {width}) at {precision} to time "
+                           "the decode step outside the projections")
+            folders[name] = work / name
+            folders[name].mkdir()
+            write_genai_files(_dense_model(config, layers, width), _stand_in_tokenizer(), folders[name], precision,
+                              CONTEXT + STEPS + 8, threads=threads, quant="rtn", head_bits=head_bits)
+        rows = time_genai(folders, [["decode", 1, CONTEXT]], REPEATS, WARMUP, STEPS, int(config["vocab_size"]),
+                          work, reporter)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    ms = {r["variant"]: float(np.median(r["ms"])) for r in rows}
+    fixed, per_layer, per_width = fit(ms["lo"], ms["hi"], ms["half"], lo, hi, _layer_projections(config, table, full),
+                                      _layer_projections(config, table, half))
+    out = Overhead(precision, threads, head_bits, fixed, per_layer, per_width,
+                   {"lo": [lo, ms["lo"]], "hi": [hi, ms["hi"]], "half": [hi, half, ms["half"]]})
+    write_json(path, {k: v for k, v in asdict(out).items() if k != "path"})
+    out.path = str(path)
+    return out
+
+
+def decode_prediction(overhead: Overhead, table, config: dict, shapes: list[ModuleShape], ranks: dict,
+                      shape_of=None, gone=()) -> dict:
+    """The whole decode step of the teacher (``config``: every layer dense) and of a structure over ``shapes``
+    (its layers' projections; ``ranks``, ``shape_of``, ``gone`` as ``LatencyTable.prediction``), in microseconds,
+    and the predicted speed-up. A layer's rest scales with the share of its MLP's channels kept."""
+    from bdlora.budgeted.costs import shapes_from_config
+
+    full = int(config["intermediate_size"])
+    teacher_shapes = shapes_from_config(config)
+    teacher = overhead.fixed + int(config["num_hidden_layers"]) * overhead.per_layer + sum(
+        table.cost(s, 0) for s in teacher_shapes)
+    kept = [s for s in shapes if s.name not in gone]
+    chosen = sum(table.cost(shape_of(s) if shape_of else s, ranks.get(s.name, 0)) for s in kept)
+    widths = {s.name.rsplit(".", 2)[0]: (shape_of(s) if shape_of else s).in_features for s in kept
+              if s.name.endswith("down_proj")}
+    layers = dict.fromkeys(s.name.rsplit(".", 2)[0] for s in kept)
+    student = overhead.fixed + chosen + sum(overhead.layer(widths.get(n, full) / full) for n in layers)
+    return {"decode_us_teacher": teacher, "decode_us": student, "predicted_decode_speedup": teacher / student,
+            "decode_layers": len(layers), "teacher_layers": int(config["num_hidden_layers"]),
+            "overhead": {"fixed_us": overhead.fixed, "per_layer_us": overhead.per_layer,
+                         "per_layer_width_us": overhead.per_width, "head_bits": overhead.head_bits,
+                         "timings_ms": overhead.timings_ms, "cache": overhead.path}}
