@@ -112,7 +112,7 @@ def _hand_table(cache, shapes, slow_pairs: tuple[tuple[int, int], ...], threads=
     ``slow_pairs``, whose pairs cost twice the dense product (they never pay). With ``teacher`` (a folder), the
     half-width MLP products and the decode step's overhead (``test_whole_decode.hand_overhead``) too, so plan and
     the one-shot allocation time nothing."""
-    from bdlora.export.genai.whole import half_width
+    from bdlora.bench.whole import half_width
 
     us = {}
     for k, n in {(s.in_features, s.out_features) for s in shapes}:

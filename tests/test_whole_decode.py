@@ -7,10 +7,10 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from bdlora.bench.whole import Overhead, WholeStep, decode_prediction, fit, overhead_path
 from bdlora.budgeted.costs import ModuleShape, shapes_from_config
 from bdlora.cli import app
 from bdlora.export.genai import latency as lat
-from bdlora.export.genai.whole import Overhead, decode_prediction, fit, overhead_path
 
 
 def test_the_fit_recovers_a_known_decode_step():
@@ -58,7 +58,7 @@ def test_a_removed_layer_saves_its_rest_and_a_narrower_mlp_part_of_it():
     assert doc["predicted_decode_speedup"] == pytest.approx(doc["decode_us_teacher"] / doc["decode_us"])
     assert doc["decode_layers"] == 3 and doc["teacher_layers"] == 4
     # the table's own prediction carries the whole step once it has the overhead
-    table.whole = (o, CONFIG)
+    table.whole = WholeStep(o, CONFIG)
     pred = table.prediction(shapes, ranks, shape_of, gone)
     assert pred["predicted_decode_speedup"] == pytest.approx(doc["predicted_decode_speedup"])
     assert pred["projection_us"] == pytest.approx(chosen)
@@ -108,7 +108,7 @@ def hand_overhead(cache, config: dict, precision: str, threads: int, fixed=500.0
 
 
 def test_shape_of_half_width_is_on_the_channel_grid():
-    from bdlora.export.genai.whole import half_width
+    from bdlora.bench.whole import half_width
 
     assert half_width(CONFIG) == 128 and half_width({**CONFIG, "intermediate_size": 100}) == 32
     assert ModuleShape("model.layers.0.mlp.down_proj", 256, 64).narrowed(128).in_features == 128

@@ -136,7 +136,7 @@ def plot(points: list[dict], path: Path, title: str = "") -> None:
 def predicted_vs_measured(points: list[dict], cost: dict) -> dict | None:
     """What a one-shot allocation by measured decode time (``compress --one-shot --precision P``) predicted against
     what the front measured at P: the whole-step speed-up the allocation predicted (projections from the latency
-    table, the rest of each layer and the step from ``export.genai.whole``), or for a folder written before it the
+    table, the rest of each layer and the step from ``bench.whole``), or for a folder written before it the
     teacher's measured decode at P less the projection time saved; None when the front lacks either row at P."""
     p = cost.get("precision")
     suffix = "" if p == "fp32" else f"-{p}"

@@ -199,13 +199,13 @@ def cost_table(precision: str | None, threads: int | None, cache: Path | None, r
     def build(shapes, dense=(), config: dict | None = None):
         """The table of ``shapes`` (and the ``dense`` products); with ``config`` (the model's), also the decode
         step's cost outside the projections, so its predictions cover the whole step."""
-        from bdlora.export.genai.whole import decode_overhead, half_width
+        from bdlora.bench.whole import WholeStep, decode_overhead, half_width
 
         if config is None:
             return latency_table(shapes, precision, threads, root, reporter, dense)
         hidden, half = int(config["hidden_size"]), half_width(config)
         table = latency_table(shapes, precision, threads, root, reporter, (*dense, (hidden, half), (half, hidden)))
-        table.whole = (decode_overhead(config, table, precision, threads, root, reporter=reporter), config)
+        table.whole = WholeStep(decode_overhead(config, table, precision, threads, root, reporter=reporter), config)
         return table
 
     return build

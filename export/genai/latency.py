@@ -143,7 +143,7 @@ class LatencyTable:
     threads: int
     us: dict[str, float] = field(default_factory=dict)
     path: Path | None = None
-    whole: object | None = None  # (whole.Overhead, the model's config dict): prediction() adds the whole decode step
+    whole: object | None = None  # a ``bench.whole.WholeStep``: prediction() then covers the whole decode step
 
     def measured_ranks(self, k: int, n: int) -> list[int]:
         pre = f"{k}x{n}@"
@@ -200,10 +200,7 @@ class LatencyTable:
                "forms": self.summary(shapes), "lowrank_slower_than_dense": slower,
                "table": str(self.path) if self.path else None}
         if self.whole is not None:  # the whole decode step: the projections and everything around them
-            from bdlora.export.genai.whole import decode_prediction
-
-            overhead, config = self.whole
-            doc.update(decode_prediction(overhead, self, config, shapes, ranks, shape_of, gone))
+            doc.update(self.whole.prediction(self, shapes, ranks, shape_of, gone))
         return doc
 
     def summary(self, shapes: list[ModuleShape]) -> list[dict]:

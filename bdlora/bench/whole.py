@@ -1,6 +1,6 @@
 """What a whole decode step costs beyond its projections, measured, so that a structure's *whole* decode speed-up can
 be predicted (``plan --precision P``, ``compress --one-shot --precision P``) and a removed layer is priced with its
-attention, norms and KV cache.
+attention, norms and KV cache. In the bench package: it exports and times graphs as ``bench --runtime genai`` does.
 
 The latency table (``latency``) times each projection form alone. A decode step at batch 1 after ``CONTEXT`` tokens
 also runs, per layer, attention over the cache, two norms, the rotary embedding, the MLP's activation and product and
@@ -38,8 +38,14 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from bdlora.budgeted.costs import ModuleShape
+from bdlora.bench.genai import _stand_in_tokenizer, time_genai
+from bdlora.budgeted.channels import CHANNEL_STEP
+from bdlora.budgeted.costs import ModuleShape, shapes_from_config
+from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES
+from bdlora.export.genai.folder import write_genai_files
 from bdlora.export.genai.latency import TABLE_VERSION, cpu_name
+from bdlora.families import base_type
+from bdlora.families import family as table_family
 from bdlora.io import read_json, write_json
 from bdlora.reporter import SILENT, Reporter
 
@@ -70,8 +76,6 @@ class Overhead:
 
 def shape_key(config: dict) -> dict:
     """The shapes a decode step's cost depends on (the same whether read from config.json or a loaded config)."""
-    from bdlora.families import base_type
-
     hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     return {"family": base_type(str(config.get("model_type", ""))), "hidden": hidden,
             "mlp": int(config["intermediate_size"]), "heads": heads,
@@ -88,11 +92,6 @@ def overhead_path(cache: Path, config: dict, precision: str, threads: int, head_
 
 def _dense_model(config: dict, layers: int, width: int, seed: int = 0):
     """A random dense model of ``config``'s family with ``layers`` layers whose MLPs keep ``width`` channels."""
-    from bdlora.budgeted.costs import shapes_from_config
-    from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES
-    from bdlora.families import base_type
-    from bdlora.families import family as table_family
-
     family = table_family(base_type(str(config["model_type"])), "model_type").model_type
     cfg_cls, model_cls = BDLORA_CLASSES[family]
     base = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "auto_map", "bdlora",
@@ -108,8 +107,6 @@ def _dense_model(config: dict, layers: int, width: int, seed: int = 0):
 
 
 def _layer_projections(config: dict, table, width: int) -> float:
-    from bdlora.budgeted.costs import shapes_from_config
-
     shapes = [s for s in shapes_from_config({**config, "num_hidden_layers": 1})]
     return sum(table.cost(s.narrowed(width) if ".mlp." in s.name else s, 0) for s in shapes)
 
@@ -125,8 +122,6 @@ def fit(t_lo: float, t_hi: float, t_half: float, lo: int, hi: int, p_full: float
 
 
 def half_width(config: dict) -> int:
-    from bdlora.budgeted.channels import CHANNEL_STEP
-
     return max(CHANNEL_STEP, int(config["intermediate_size"]) // 2 // CHANNEL_STEP * CHANNEL_STEP)
 
 
@@ -134,9 +129,6 @@ def decode_overhead(config: dict, table, precision: str, threads: int, cache: Pa
                     reporter: Reporter = SILENT) -> Overhead:
     """The fitted overhead of ``config``'s shapes at ``precision`` (``table``: the latency table at the same
     precision and threads, holding the dense and half-width products), from the cache or measured."""
-    from bdlora.bench.genai import _stand_in_tokenizer, time_genai
-    from bdlora.export.genai.folder import write_genai_files
-
     path = overhead_path(cache, config, precision, threads, head_bits)
     if path.is_file():
         try:
@@ -171,13 +163,23 @@ def decode_overhead(config: dict, table, precision: str, threads: int, cache: Pa
     return out
 
 
+@dataclass
+class WholeStep:
+    """What ``LatencyTable.whole`` holds: the fitted overhead of one model's shapes, so the table's prediction covers
+    the whole decode step (``LatencyTable.prediction`` calls ``prediction``)."""
+
+    overhead: Overhead
+    config: dict
+
+    def prediction(self, table, shapes, ranks, shape_of=None, gone=()) -> dict:
+        return decode_prediction(self.overhead, table, self.config, shapes, ranks, shape_of, gone)
+
+
 def decode_prediction(overhead: Overhead, table, config: dict, shapes: list[ModuleShape], ranks: dict,
                       shape_of=None, gone=()) -> dict:
     """The whole decode step of the teacher (``config``: every layer dense) and of a structure over ``shapes``
     (its layers' projections; ``ranks``, ``shape_of``, ``gone`` as ``LatencyTable.prediction``), in microseconds,
     and the predicted speed-up. A layer's rest scales with the share of its MLP's channels kept."""
-    from bdlora.budgeted.costs import shapes_from_config
-
     full = int(config["intermediate_size"])
     teacher_shapes = shapes_from_config(config)
     teacher = overhead.fixed + int(config["num_hidden_layers"]) * overhead.per_layer + sum(
