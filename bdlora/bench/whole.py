@@ -9,12 +9,14 @@ are measured on three synthetic genai graphs of the model's shapes (random weigh
 values), exported by this toolkit's exporter at the precision (round-to-nearest, the LM head at ``head_bits``) and
 timed by ``og.Generator`` as ``bench --runtime genai`` times a folder, decode ms/token:
 
-- ``t_hi``, ``t_lo``: the model's own depth ``hi`` and half of it, ``lo``, dense layers of full MLP width;
+- ``t_hi``, ``t_lo``: the model's own depth ``hi`` (fewer layers once they hold ``STREAM_BYTES``) and half of
+  it, ``lo``, dense layers of full MLP width;
 - ``t_half``: ``hi`` layers whose MLPs keep half their channels.
 
 The model's own depth, because a step's time is not linear in the depth on a CPU: SmolLM2's int4 layers (about 2 MB
 each) measured 230 us a layer between 2 and 8 layers, whose weights stay in the last-level cache, and 334 us between
-4 and 16; the latency table times every product streaming from memory, as a whole model's weights do.
+4 and 16; the latency table times every product streaming from memory, as a whole model's weights do. Past
+``STREAM_BYTES`` of layers every further one streams too, so a larger model's fit uses fewer layers (1B at int4: 5).
 
 With ``P(w)`` a layer's projections at MLP width ``w`` from the table, the step is modelled as
 ``fixed + sum over layers (P(w_l) + a + m w_l / W)`` (``a``: the width-independent rest of a layer, ``m``: the rest
@@ -86,7 +88,8 @@ def shape_key(config: dict) -> dict:
 
 def overhead_path(cache: Path, config: dict, precision: str, threads: int, head_bits: int) -> Path:
     tag = hashlib.sha256(json.dumps([OVERHEAD_VERSION, TABLE_VERSION, ort.__version__, cpu_name(), shape_key(config),
-                                     head_bits, CONTEXT], sort_keys=True).encode()).hexdigest()[:12]
+                                     depths(config, precision), head_bits, CONTEXT], sort_keys=True).encode()
+                         ).hexdigest()[:12]
     return Path(cache) / "latency" / f"overhead-{precision}-t{threads}-{tag}.json"
 
 
@@ -121,6 +124,20 @@ def fit(t_lo: float, t_hi: float, t_half: float, lo: int, hi: int, p_full: float
     return fixed, per_layer, per_width
 
 
+STREAM_BYTES = 128 << 20  # layer weights the deeper graph holds at least: far beyond any last-level cache
+BYTES_PER_WEIGHT = {"fp32": 4.0, "int8": 1.0, "int4": 0.5}
+
+
+def depths(config: dict, precision: str) -> tuple[int, int]:
+    """(hi, lo): the model's own depth, or fewer layers when ``STREAM_BYTES`` of them already stream from memory
+    (a 1B model's full-depth graph does not fit this exporter in 24 GB; its layers stream from the first few), and
+    half of it."""
+    layer = sum(s.dense_cost for s in shapes_from_config({**config, "num_hidden_layers": 1}))
+    enough = -(-STREAM_BYTES // int(layer * BYTES_PER_WEIGHT[precision]))
+    hi = max(2, min(int(config["num_hidden_layers"]), max(4, enough)))
+    return hi, hi // 2
+
+
 def half_width(config: dict) -> int:
     return max(CHANNEL_STEP, int(config["intermediate_size"]) // 2 // CHANNEL_STEP * CHANNEL_STEP)
 
@@ -135,8 +152,7 @@ def decode_overhead(config: dict, table, precision: str, threads: int, cache: Pa
             return Overhead(**{**read_json(path), "path": str(path)})
         except (TypeError, ValueError):
             reporter.stage(f"{path}: damaged, measuring again")
-    hi = max(2, int(config["num_hidden_layers"]))  # the model's own depth: its weights stream as the model's do
-    lo = hi // 2
+    hi, lo = depths(config, precision)
     full, half = int(config["intermediate_size"]), half_width(config)
     graphs = {"lo": (lo, full), "hi": (hi, full), "half": (hi, half)}
     work = Path(tempfile.mkdtemp(prefix="bdlora-overhead-"))
