@@ -211,3 +211,33 @@ def test_layers_beside_low_rank_and_channels_with_correction(tiny_env, shallow, 
     cfg = json.loads((tmp_path / "all" / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 4 - report["layers_removed"]
     assert report["eval"]["compressed_val_ppl"] < 10 * report["eval"]["student_val_ppl"]
+
+
+def test_plan_of_a_folder_predicts_its_whole_decode_step(shallow, tmp_path, monkeypatch):
+    """plan FOLDER --precision P reads the folder's own structure (the removed layer included) and predicts its whole
+    step against the source's full depth; with a hand-made table and overhead nothing is timed and the figures are
+    exact: teacher = fixed + 4 (rest + a layer's dense projections), the folder = fixed + 3 of them."""
+    from test_latency import _hand_table
+
+    from bdlora.budgeted.costs import shapes_from_config
+    from bdlora.export.genai.latency import LatencyTable
+
+    root, _, report = shallow
+    monkeypatch.setenv("BDLORA_CACHE", str(tmp_path))
+    config = json.loads((root / "teacher" / "config.json").read_text())
+    shapes = shapes_from_config(config)
+    path = _hand_table(tmp_path, shapes, (), precision="int4", threads=1, teacher=root / "teacher")
+    r = CliRunner().invoke(app, ["plan", str(root / "s"), "--precision", "int4", "--threads", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    assert "exporting a synthetic" not in r.stderr and "measuring" not in r.stderr
+    doc = json.loads(r.stdout)
+    table = LatencyTable("int4", 1, json.loads(path.read_text())["us"])
+    layer = sum(table.cost(s, 0) for s in shapes if s.name.startswith("model.layers.0."))
+    d = doc["deployed"]
+    assert d["decode_layers"] == 3 and d["teacher_layers"] == 4
+    assert d["decode_us_teacher"] == pytest.approx(500 + 4 * (100 + layer))  # hand_overhead's fixed and rest
+    assert d["decode_us"] == pytest.approx(500 + 3 * (100 + layer))
+    assert doc["predicted_decode_speedup"] == pytest.approx((500 + 4 * (100 + layer)) / (500 + 3 * (100 + layer)))
+    assert doc["speedup_vs_dense"] == report["speedup_vs_dense"]
+    bad = CliRunner().invoke(app, ["plan", str(tmp_path), "--precision", "int4"])
+    assert bad.exit_code == 2 and "not a compressed folder" in bad.stderr

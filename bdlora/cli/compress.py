@@ -28,6 +28,9 @@ PLAN_FIELDS = ("budget", "rank", "eps_lr", "eps_zero", "svd_max_rank", "decay_st
 
 @command(options=from_dataclass(BudgetedConfig, names=PLAN_FIELDS, rename={"rank": "lora_rank"}, defaults=True))
 def plan(
+    folder: Annotated[Optional[str], typer.Argument(help="A compressed folder (compress's output): its own structure "
+                                                        "(with --precision, its predicted decode speed-up).",
+                                                   show_default=False)] = None,
     model_config: Annotated[Optional[str], typer.Option(help="Hugging Face config.json (or a folder holding one): "
                                                              "the paper's rule, from shapes alone.")] = None,
     model: Annotated[Optional[str], typer.Option(help="A pretrained model (folder, .gguf, preset, hub id): with "
@@ -55,19 +58,21 @@ def plan(
 ):
     """Predict what `compress` would produce before any training: per-module case and rank, MAC speed-ups vs dense
     and vs LoRA, parameter reduction and the training-compute proxy. From a config alone for the paper's rule; with
-    --model and --allocation quality, from the model's own calibration."""
+    --model and --allocation quality, from the model's own calibration; for a compressed FOLDER, its own structure.
+    With --precision, each form's decode time measured here and the whole decode step predicted."""
 
     rank = opts.pop("lora_rank")
-    _check_plan(opts, rank, model_config, model, allocation, mac_ratio, calib_tokens, layers, steps, precision,
-                threads)
-    config = read_model_config(model_config or _resolved(model))
-    if allocation == "quality":
-        report = _quality_plan(model, rank, layers, mac_ratio, calib_tokens, calib_data or data, opts, json_out)
-        title = f"plan --allocation quality: {report['speedup_vs_dense']:.2f}x fewer projection MACs"
+    _check_plan(opts, rank, model_config or folder, model, allocation, mac_ratio, calib_tokens, layers, steps,
+                precision, threads)
+    if folder is not None and (model_config or model):
+        raise UsageError(f"plan {folder}: a compressed folder is planned from its own report; drop "
+                         f"{'--model-config' if model_config else '--model'}")
+    if folder is not None:
+        report, config = _folder_report(folder)
+        title = f"plan {folder}: {report['speedup_vs_dense']:.2f}x fewer projection MACs"
     else:
-        opts["rank"] = check_lora_rank(rank, config)
-        report = run_plan(config, BudgetedConfig(**opts), layers=layers, steps=steps)
-        title = f"plan: F = {opts['budget']}"
+        report, config, title = _planned(model_config, model, allocation, rank, layers, mac_ratio, calib_tokens,
+                                         calib_data or data, steps, opts, json_out)
     if precision:
         report["deployed"] = _deployed_prediction(report, precision, threads, RichReporter(err if json_out else out),
                                                   config)
@@ -80,6 +85,16 @@ def plan(
     render.compression_report(report, title=title)
     if precision:
         render.latency_forms(report["deployed"])
+
+
+def _planned(model_config, model, allocation, rank, layers, mac_ratio, calib_tokens, data, steps, opts, json_out):
+    """(report, config, title) of a structure planned from shapes (the paper's rule) or a model's calibration."""
+    config = read_model_config(model_config or _resolved(model))
+    if allocation == "quality":
+        report = _quality_plan(model, rank, layers, mac_ratio, calib_tokens, data, opts, json_out)
+        return report, config, f"plan --allocation quality: {report['speedup_vs_dense']:.2f}x fewer projection MACs"
+    opts["rank"] = check_lora_rank(rank, config)
+    return run_plan(config, BudgetedConfig(**opts), layers=layers, steps=steps), config, f"plan: F = {opts['budget']}"
 
 
 def _check_plan(opts, rank, model_config, model, allocation, mac_ratio, calib_tokens, layers, steps, precision,
@@ -165,12 +180,35 @@ def compress(
 
 
 def _deployed_prediction(report: dict, precision: str, threads: int | None, reporter, config: dict) -> dict:
-    """The planned structure's decode time at ``precision`` from the measured table of its forms: its projections,
-    and the whole step against the dense model of ``config`` (``whole``)."""
+    """The planned structure's decode time at ``precision`` from the measured table of its forms (low-rank pairs,
+    MLPs keeping fewer channels, removed layers): its projections, and the whole step against the dense model of
+    ``config`` (``bench.whole``)."""
+    from bdlora.budgeted.channels import probe_shapes
+
     mods = report["modules"]
     shapes = [ModuleShape(m["name"], m["in_features"], m["out_features"]) for m in mods]
-    table = cost_table(precision, threads, None, reporter)(shapes, config=config)
-    return table.prediction(shapes, {m["name"]: m["rank"] for m in mods if m["form"] == "lowrank"})
+    narrow = {m["name"]: m["channels"] for m in mods if m.get("channels")}
+    table = cost_table(precision, threads, None, reporter)(shapes, dense=probe_shapes(shapes) if narrow else (),
+                                                           config=config)
+    return table.prediction(shapes, {m["name"]: m["rank"] for m in mods if m["form"] == "lowrank"},
+                            lambda s: s.narrowed(narrow[s.name]) if s.name in narrow else s,
+                            {m["name"] for m in mods if m["case"] == "removed"})
+
+
+def _folder_report(folder: str) -> tuple[dict, dict]:
+    """(compression.json, the config of the dense model it came from) of a compressed folder: its own config at the
+    source's depth (the layers its report covers, removed ones included, or the highest source layer it kept)."""
+    from bdlora.runs import ModelDir
+
+    src = ModelDir(folder)
+    if not src.finished():
+        raise UsageError(f"plan {folder}: not a compressed folder (no compression.json); give compress's output, or "
+                         "--model-config / --model to plan from shapes")
+    report, config = src.report(), read_model_config(folder)
+    prov = report.get("provenance") or {}
+    depth = len({m["name"].rsplit(".", 2)[0] for m in report["modules"]})
+    depth = max(depth, int(prov.get("teacher_layers") or 0), 1 + max(prov.get("layer_indices") or [-1]))
+    return report, {**config, "num_hidden_layers": depth}
 
 
 def _one_shot(source, shot: dict, out_dir, force: bool, runs_dir: str, cache_dir, evaluate: bool, reporter):
