@@ -80,7 +80,8 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
     sites = {site: site_options([s for s in shapes if s.name.startswith(site + ".")], order, cost)
              for site, order in orders.items()}
     layers = removal_errors(calib) if "layers" in cfg.form_names else None
-    alloc = allocate_by(shapes, energy, cfg.mac_ratio, reporter, table, cfg.precision, sites, lowrank, layers)
+    rest, fixed = whole_step(model, table) if cfg.speedup is not None else (None, 0.0)
+    alloc = allocate_by(shapes, energy, cfg.ratio, reporter, table, cfg.precision, sites, lowrank, layers, rest, fixed)
     gone = {s.name for s in shapes if alloc.gone(s.name)}
     cost_doc = None if table is None else {"cost": "measured decode time",
                                            **table.prediction(shapes, alloc.ranks, alloc.shape, gone),
@@ -98,6 +99,18 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
     facts = {**({"allocation_cost": cost_doc} if cost_doc else {}),
              **({"allocation": {"removal_errors": layers}} if layers else {})}
     return decisions, deployed, calib.tokens, facts
+
+
+def whole_step(model, table) -> tuple[dict, float]:
+    """``--speedup``: each layer's decode time outside its projections and the step's fixed time, from the table's
+    fitted whole step (``LatencyTable.whole``, which the CLI's table carries)."""
+    whole = getattr(table, "whole", None)
+    if whole is None:
+        raise UsageError("--speedup: needs the whole decode step measured at --precision (pass a cost_table given the "
+                         "model's config, as the CLI does)")
+    o = whole.overhead
+    return {f"model.layers.{i}": (o.per_layer - o.per_width, o.per_width)
+            for i in range(model.config.num_hidden_layers)}, o.fixed
 
 
 def factored(s: ModuleShape, mod, r: int, spectra: dict) -> DeployedModule:
@@ -207,8 +220,9 @@ def quality_plan(source: str, cfg: OneShotConfig, layers: int | None, rank: int,
 def compress_one_shot(source: str, cfg: OneShotConfig, out: str | Path, force: bool = False,
                       cache_dir: Path | None = None, evaluate: bool = True,
                       reporter: Reporter = SILENT, cost_table=None) -> tuple[dict, Path]:
-    """Compress a pretrained ``source`` (anything ``--teacher`` takes) to ``cfg.mac_ratio``; returns (report,
-    folder). The source is never modified. ``cost_table``: see ``one_shot_structure`` (``cfg.precision``)."""
+    """Compress a pretrained ``source`` (anything ``--teacher`` takes) to ``cfg.mac_ratio`` (or ``cfg.speedup``);
+    returns (report, folder). The source is never modified. ``cost_table``: see ``one_shot_structure``
+    (``cfg.precision``)."""
 
     cfg.validate()
     if cfg.precision and cost_table is None:
@@ -230,8 +244,10 @@ def compress_one_shot(source: str, cfg: OneShotConfig, out: str | Path, force: b
                 "source_path": str(path), "heldout_fraction": heldout, "seq_len": seq,
                 "eval_tokens": cfg.eval_tokens, "cache_dir": str(cache_dir) if cache_dir else None,
                 "origin": "the --one-shot options"}
-    provenance = {"name": f"{Path(str(path)).name} one-shot {cfg.mac_ratio:g}x", "method": "one-shot",
+    dial = f"{cfg.mac_ratio:g}x" if cfg.speedup is None else f"{cfg.speedup:g}x decode"
+    provenance = {"name": f"{Path(str(path)).name} one-shot {dial}", "method": "one-shot",
                   "teacher": source, "source_path": str(path), "mac_ratio": cfg.mac_ratio, "calib_tokens": tokens,
+                  **({"speedup": cfg.speedup} if cfg.speedup is not None else {}),
                   "lora_init": "whitened", "allocation": "quality", "correct": cfg.correct, "data_settings": settings,
                   **facts, **({"correction": correction} if correction else {})}
     base = model

@@ -18,6 +18,10 @@ ALLOCATED_FORMS = ("lowrank", "channels", "layers")  # what --forms may name (bd
 class OneShotConfig:
     mac_ratio: float | None = None
     """Projection-MAC speed-up of the compressed model vs the source's dense projections (e.g. 1.5)."""
+    speedup: float | None = None
+    """With --precision, instead of --mac-ratio: the predicted whole decode speed-up over the source's export at that
+    precision (e.g. 1.3): each layer's attention, norms and activation work and the step's fixed cost are priced
+    beside the projections, so a removed layer saves its whole time and a narrower MLP its share."""
     calib_tokens: int = CALIB_TOKENS
     """Training-split tokens of --data the calibration (input Gram matrices, output Fisher diagonals) uses."""
     data: str = BUILTIN
@@ -50,9 +54,16 @@ class OneShotConfig:
 
     def validate(self) -> OneShotConfig:
         c = Checks()
-        if self.mac_ratio is None:
-            c.add("--mac-ratio: --one-shot needs the projection-MAC speed-up to compress to (e.g. --mac-ratio 1.5)")
+        if self.mac_ratio is None and self.speedup is None:
+            c.add("--mac-ratio: --one-shot needs the projection-MAC speed-up to compress to (e.g. --mac-ratio 1.5; "
+                  "or with --precision, --speedup S: the whole decode speed-up)")
+        if self.mac_ratio is not None and self.speedup is not None:
+            c.add(f"--speedup {shown(self.speedup)}: give --mac-ratio or --speedup, not both")
+        if self.speedup is not None and self.precision is None:
+            c.add(f"--speedup {shown(self.speedup)}: needs --precision P (the decode step it predicts is measured "
+                  "at P)")
         c.number("mac_ratio", self.mac_ratio, lo=1.0)
+        c.number("speedup", self.speedup, lo=1.0)
         for name in ("calib_tokens", "eval_tokens"):
             c.integer(name, getattr(self, name), lo=1)
         c.integer("seq_len", self.seq_len, lo=2, what=" (a block needs a token and its successor)")
@@ -67,6 +78,11 @@ class OneShotConfig:
         c.require(isinstance(self.correct, bool), f"--correct {shown(self.correct)}: must be true or false")
         c.done()
         return self
+
+    @property
+    def ratio(self) -> float:
+        """The dial: --mac-ratio, or --speedup."""
+        return self.mac_ratio if self.mac_ratio is not None else self.speedup
 
     @property
     def form_names(self) -> tuple[str, ...]:

@@ -241,3 +241,47 @@ def test_plan_of_a_folder_predicts_its_whole_decode_step(shallow, tmp_path, monk
     assert doc["speedup_vs_dense"] == report["speedup_vs_dense"]
     bad = CliRunner().invoke(app, ["plan", str(tmp_path), "--precision", "int4"])
     assert bad.exit_code == 2 and "not a compressed folder" in bad.stderr
+
+
+def test_speedup_allocates_for_the_whole_decode_step(tiny_env, shallow, tmp_path, monkeypatch):
+    """compress --one-shot --speedup S --precision P: the allocation's budget is the whole step's (a hand-made table
+    and overhead: nothing timed), and the folder's predicted whole-step speed-up meets S; --speedup without
+    --precision, or beside --mac-ratio, is one line."""
+    from test_latency import _hand_table
+
+    from bdlora.budgeted.costs import shapes_from_config
+
+    root, _, _ = shallow
+    config = json.loads((root / "teacher" / "config.json").read_text())
+    _hand_table(tmp_path / "c", shapes_from_config(config), (), precision="int4", threads=1, teacher=root / "teacher")
+    env = {**tiny_env, "cache": tmp_path / "c"}
+    r = shot(env, root / "teacher", tmp_path / "d", "--speedup", "1.4", "--precision", "int4", "--threads", "1",
+             "--forms", "lowrank,channels,layers")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    cost = report["provenance"]["allocation_cost"]
+    assert report["provenance"]["speedup"] == 1.4 and report["provenance"]["mac_ratio"] is None
+    assert cost["predicted_decode_speedup"] >= 1.4 - 1e-9 and "whole decode time" in r.stderr
+    for extra, needle in ((("--speedup", "1.3"), "--speedup 1.3: needs --precision P"),
+                          (("--speedup", "1.3", "--mac-ratio", "1.3", "--precision", "int4"), "not both")):
+        bad = shot(env, root / "teacher", tmp_path / "x", *extra)
+        assert bad.exit_code == 2 and needle in bad.stderr, bad.output
+        assert not (tmp_path / "x").exists()
+
+
+def test_pruned_mlps_above_a_removed_layer_are_declared_at_their_new_index(tiny_env, shallow, tmp_path):
+    """Layers and channels together (2.5x is beyond channels alone here): every pruned MLP keeps its width at the
+    index its layer has in the shallower folder, which loads and scores (the report keeps the source's numbering)."""
+    root, _, _ = shallow
+    r = shot(tiny_env, root / "teacher", tmp_path / "cl", "--mac-ratio", "2.5", "--forms", "channels,layers")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    kept, removed = report["provenance"]["layer_indices"], report["provenance"]["removed_layers"]
+    pruned = {int(m["name"].split(".")[2]): m["channels"] for m in report["modules"]
+              if m["case"] == "pruned" and m["name"].endswith("down_proj")}
+    assert removed and pruned and max(pruned) > min(removed)
+    sites = {k: v for k, v in json.loads((tmp_path / "cl" / "config.json").read_text())["bdlora_modules"].items()
+             if k.endswith(".mlp")}
+    assert sites == {f"model.layers.{kept.index(i)}.mlp": {"form": "channels", "keep": k} for i, k in pruned.items()}
+    e = CliRunner().invoke(app, ["eval", str(tmp_path / "cl"), "--ppl", "--json", str(tmp_path / "e.json")])
+    assert e.exit_code == 0, e.output

@@ -196,46 +196,48 @@ def combine(groups: list[list[Option]]) -> list[Option]:
     return out
 
 
+Rest = tuple[float, float]  # a decoder layer's decode time outside its projections: (width-independent, MLP-width)
+
+
 def allocate(shapes: list[ModuleShape], energy: dict[str, np.ndarray], mac_ratio: float,
              step: int = RANK_STEP, cost: Cost = mac_cost, unit_name: str = "MAC",
              sites: dict[str, list[Option]] | None = None, lowrank: bool = True,
-             layers: dict[str, float] | None = None) -> Allocation:
+             layers: dict[str, float] | None = None, rest: dict[str, Rest] | None = None,
+             fixed: float = 0.0) -> Allocation:
     """The per-module forms meeting ``sum cost <= dense total / mac_ratio`` with the least total error (``cost``:
     MACs by default, or measured decode time), by ``knapsack``. ``sites`` (an MLP site -> its channel options,
     ``budgeted.channels``): that site's three projections become one item choosing between their low-rank forms
     (combined) and keeping fewer channels. The removal order puts the modules that leave their dense form first,
     cheapest error per unit of cost saved first. ``lowrank`` False: no projection becomes a pair (only the sites'
     channels are chosen). ``layers`` (``model.layers.N`` -> the error of removing it, ``budgeted.layers``): each
-    such layer may instead be removed, its projections then costing nothing. Deterministic."""
-    sites = sites or {}
-    dense = sum(cost(s, 0) for s in shapes)
+    such layer may instead be removed, its projections then costing nothing. ``rest`` (``model.layers.N`` -> its
+    decode time outside the projections, ``bench.whole``) and ``fixed`` (the step's own): the budget is then the
+    whole step's, ``(dense + rests + fixed) / mac_ratio - fixed``; a removed layer saves its rest, an MLP keeping k
+    of W channels the k/W share of its width-scaled part. Deterministic."""
+    sites, rest = sites or {}, rest or {}
     per = {s.name: [((s.name, r), c, e) for r, c, e in options(s, energy[s.name], step, cost)[: None if lowrank
                                                                                                else 1]]
            for s in shapes}
-    items, members = [], []
-    for site in dict.fromkeys(s.name.rsplit(".", 1)[0] for s in shapes):
-        names = [s.name for s in shapes if s.name.rsplit(".", 1)[0] == site]
-        if site in sites:
-            items.append(pareto(combine([per[n] for n in names]) + [((k,), c, e) for k, c, e in sites[site]]))
-            members.append((site, names))
-        else:
-            items += [[((n_r,), c, e) for n_r, c, e in per[n]] for n in names]
-            members += [(None, [n]) for n in names]
+    items, members = _items(shapes, per, sites, rest)
+    total = sum(cost(s, 0) for s in shapes) + sum(a + m for a, m in rest.values()) + fixed
     groups = layer_groups(members, layers or {})
-    picked = knapsack(items, dense / mac_ratio, lambda cheapest: (
-        f"--mac-ratio {mac_ratio:g}: beyond reach; the cheapest form of every projection gives "
-        f"{dense / cheapest:.2f}x fewer projection {unit_name}s"), groups)
+    picked = knapsack(items, total / mac_ratio - fixed, lambda cheapest: (
+        f"--{'speedup' if rest else 'mac-ratio'} {mac_ratio:g}: beyond reach; the cheapest form of every "
+        f"{'layer' if rest else 'projection'} gives {total / (cheapest + fixed):.2f}x less "
+        f"{'decode time' if rest else f'projection {unit_name}s'}"), groups)
     ranks, errors, saved, keep, removed = {}, {}, {}, {}, []
     by = {s.name: s for s in shapes}
     for (site, names), o, k in zip(members, items, picked):
         if k < 0:  # the layer goes
-            ranks.update({n: 0 for n in names})
+            ranks.update({n: 0 for n in names if site != "rest"})
             layer = ".".join(names[0].split(".")[:3])
             if layer not in removed:
                 removed.append(layer)
                 errors[layer] = layers[layer]
             continue
         chosen, c, e = o[k]
+        if site == "rest":
+            continue
         if isinstance(chosen[0], int):  # the site keeps chosen[0] channels
             keep[site] = chosen[0]
             ranks.update({n: 0 for n in names})
@@ -247,6 +249,33 @@ def allocate(shapes: list[ModuleShape], energy: dict[str, np.ndarray], mac_ratio
             saved[n] = cost(by[n], 0) - cost(by[n], r)
     order = sorted((n for n, r in ranks.items() if r), key=lambda n: (errors[n] / saved[n], n))
     return Allocation(ranks, order, errors, keep, removed)
+
+
+def _items(shapes, per: dict, sites: dict, rest: dict) -> tuple[list, list]:
+    """The knapsack's items and who each is: one per projection, one per MLP site (its projections' combined low-rank
+    forms and its kept widths, each with its width's share of the layer's rest), and with ``rest`` one per layer after
+    its projections (the rest of it that no site carries)."""
+    items, members = [], []
+    site_names = list(dict.fromkeys(s.name.rsplit(".", 1)[0] for s in shapes))
+    for i, site in enumerate(site_names):
+        names = [s.name for s in shapes if s.name.rsplit(".", 1)[0] == site]
+        layer = ".".join(site.split(".")[:3])
+        if site in sites:
+            width = next(s.in_features for s in shapes if s.name == f"{site}.down_proj")
+            m = rest[layer][1] if layer in rest else 0.0
+            items.append(pareto([(x, c + m, e) for x, c, e in combine([per[n] for n in names])]
+                                + [((k,), c + m * k / width, e) for k, c, e in sites[site]]))
+            members.append((site, names))
+        else:
+            items += [[((n_r,), c, e) for n_r, c, e in per[n]] for n in names]
+            members += [(None, [n]) for n in names]
+        last = i + 1 == len(site_names) or not site_names[i + 1].startswith(layer + ".")
+        if last and layer in rest:
+            a, m = rest[layer]
+            own = a + (0.0 if f"{layer}.mlp" in sites else m)
+            items.append([(((f"{layer}.rest", 0),), own, 0.0)])
+            members.append(("rest", [f"{layer}.rest"]))
+    return items, members
 
 
 def layer_groups(members: list[tuple], layers: dict[str, float]) -> list[Group]:

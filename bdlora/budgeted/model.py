@@ -110,7 +110,9 @@ def build_deployed_model(base: nn.Module, deployed: dict[str, DeployedModule], p
     cfg_cls, model_cls = BDLORA_CLASSES[family]
     modules = {n: deployed_form(c.decision.rank) for n, c in deployed.items()}
     # MLPs keeping fewer channels: pruned now (one-shot decisions) or already (a student started from a pruned folder)
-    modules.update({**narrow_mlps(base), **site_forms([c.decision for c in deployed.values()])})
+    # (keyed by the deployed names: a one-shot above a removed layer is renumbered, its decisions are not)
+    modules.update({**narrow_mlps(base), **{n.rsplit(".", 1)[0]: spec for n, c in deployed.items()
+                                            for spec in site_forms([c.decision]).values()}})
     config = cfg_cls(bdlora_modules=modules,
                      bdlora={"base_model_type": family, **provenance}, **_base_config_dict(base.config))
     config.auto_map = {"AutoConfig": f"modeling_bdlora.{cfg_cls.__name__}",

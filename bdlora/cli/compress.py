@@ -158,7 +158,9 @@ def compress(
     reporter = RichReporter(err if json_out else out)
     if one_shot:
         report, folder = _one_shot(run_dir, shot, out_dir, force, runs_dir, cache_dir, not no_eval, reporter)
-        title = f"compress --one-shot {run_dir} ({report['provenance']['mac_ratio']:g}x)"
+        prov = report["provenance"]
+        dial = f"{prov['speedup']:g}x decode" if prov.get("speedup") else f"{prov['mac_ratio']:g}x"
+        title = f"compress --one-shot {run_dir} ({dial})"
     else:
         given = [flag(k) for k, v in shot.items() if v is not None]
         if given:
@@ -218,8 +220,8 @@ def _one_shot(source, shot: dict, out_dir, force: bool, runs_dir: str, cache_dir
         raise UsageError("--one-shot: name the pretrained model to compress (a folder, a .gguf file, a preset such "
                          "as smollm2-135m, or a hub id)")
     cfg = OneShotConfig(**{k: v for k, v in shot.items() if v is not None}).validate()
-    out_path = Path(out_dir) if out_dir else one_shot_out(source, cfg.mac_ratio, runs_dir, cfg.precision,
-                                                                  cfg.forms)
+    out_path = Path(out_dir) if out_dir else one_shot_out(source, cfg.ratio, runs_dir, cfg.precision, cfg.forms,
+                                                          cfg.speedup is not None)
     cache = Path(cache_dir).expanduser() if cache_dir else None
     return compress_one_shot(source, cfg, out_path, force=force, evaluate=evaluate, cache_dir=cache,
                              reporter=reporter, cost_table=cost_table(cfg.precision, cfg.threads, cache, reporter))
