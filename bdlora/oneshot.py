@@ -47,14 +47,13 @@ from bdlora.teacher import load_teacher
 
 
 def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Reporter = SILENT, cost_table=None):
-    """(decisions, {name: DeployedModule}, calibration tokens, facts) of ``model`` at ``cfg.mac_ratio``: calibrate,
-    allocate among ``cfg.forms``, factor (and prune); the modules of removed layers have decisions but nothing
-    deployed. ``cost_table`` (shapes, dense=(K, N) pairs -> an object with ``cost(shape, rank)`` and
-    ``prediction(shapes, ranks, shape_of, gone)``, e.g. the measured decode-time table of
-    ``bdlora.export.genai.latency``, passed in by the CLI; given ``config``, its prediction covers the whole decode
-    step): allocate by that cost instead of MACs. ``facts``, for the
-    provenance: what the allocation predicts at that cost (``allocation_cost``) and, with layers, each one's removal
-    error (``allocation.removal_errors``)."""
+    """(decisions, {name: DeployedModule}, calibration tokens, facts) of ``model`` at ``cfg.mac_ratio`` (or
+    ``cfg.speedup``): calibrate, allocate among ``cfg.forms``, factor (and prune); the modules of removed layers have
+    decisions but nothing deployed. ``cost_table`` (shapes, dense=(K, N) pairs, config -> an object with
+    ``cost(shape, rank)`` and ``prediction(shapes, ranks, shape_of, gone)``, e.g. the measured decode-time table of
+    ``bdlora.export.genai.latency``, passed in by the CLI; given the model's config, its prediction covers the whole
+    decode step): allocate by that cost instead of MACs. ``facts``, for the provenance: what the allocation predicts
+    at that cost (``allocation_cost``) and, with layers, each one's removal error (``allocation.removal_errors``)."""
     calib = calibrate_with_progress(model, calibration_blocks(train_blocks, cfg.calib_tokens), reporter,
                                     residual="layers" in cfg.form_names)
     mods = dict(projection_modules(model))
