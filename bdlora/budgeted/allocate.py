@@ -223,8 +223,8 @@ def allocate(shapes: list[ModuleShape], energy: dict[str, np.ndarray], mac_ratio
     groups = layer_groups(members, layers or {})
     picked = knapsack(items, total / mac_ratio - fixed, lambda cheapest: (
         f"--{'speedup' if rest else 'mac-ratio'} {mac_ratio:g}: beyond reach; the cheapest form of every "
-        f"{'layer' if rest else 'projection'} gives {total / (cheapest + fixed):.2f}x less "
-        f"{'decode time' if rest else f'projection {unit_name}s'}"), groups)
+        f"{'layer' if rest else 'projection'} gives {total / (cheapest + fixed):.2f}x "
+        f"{'less decode time' if rest else f'fewer projection {unit_name}s'}"), groups)
     ranks, errors, saved, keep, removed = {}, {}, {}, {}, []
     by = {s.name: s for s in shapes}
     for (site, names), o, k in zip(members, items, picked):

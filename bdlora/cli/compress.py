@@ -21,7 +21,7 @@ from bdlora.errors import Checks, UsageError, flag, usable_cores
 from bdlora.oneshot_config import OneShotConfig
 from bdlora.plan import DEFAULT_PLAN_STEPS, read_model_config
 from bdlora.plan import plan as run_plan
-from bdlora.runs import RUNS_DIR, RunDir, one_shot_out
+from bdlora.runs import RUNS_DIR, ModelDir, RunDir, one_shot_out
 
 PLAN_FIELDS = ("budget", "rank", "eps_lr", "eps_zero", "svd_max_rank", "decay_start", "decay_end", "retention_ema")
 
@@ -200,8 +200,6 @@ def _deployed_prediction(report: dict, precision: str, threads: int | None, repo
 def _folder_report(folder: str) -> tuple[dict, dict]:
     """(compression.json, the config of the dense model it came from) of a compressed folder: its own config at the
     source's depth (the layers its report covers, removed ones included, or the highest source layer it kept)."""
-    from bdlora.runs import ModelDir
-
     src = ModelDir(folder)
     if not src.finished():
         raise UsageError(f"plan {folder}: not a compressed folder (no compression.json); give compress's output, or "
