@@ -25,6 +25,11 @@ def block_of(projection: str) -> str:
     return "self_attn" if projection in ATTENTION_PROJECTIONS else "mlp"
 
 
+def layer_of(name: str) -> str:
+    """``model.layers.N`` of a projection's or an MLP site's name (or of the layer's own)."""
+    return ".".join(name.split(".")[:3])
+
+
 def projection_name(layer: int, projection: str) -> str:
     return f"model.layers.{layer}.{block_of(projection)}.{projection}"
 

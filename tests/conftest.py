@@ -89,14 +89,14 @@ def tiny_config(vocab_size: int, layers: int = 4, hidden: int = 32, **kw):
     return MistralConfig(**base)
 
 
-def genai_teacher(tok, folder=None, seed: int = 0):
-    """A 2-layer tiny Mistral with head dim 16 (what GroupQueryAttention, the genai graph's attention, takes), seeded;
-    with ``folder``, saved there with ``tok`` as a teacher folder."""
+def genai_teacher(tok, folder=None, seed: int = 0, layers: int = 2):
+    """A tiny Mistral (2 layers by default) with head dim 16 (what GroupQueryAttention, the genai graph's attention,
+    takes), seeded; with ``folder``, saved there with ``tok`` as a teacher folder."""
     import torch
     from transformers import MistralForCausalLM
 
     torch.manual_seed(seed)
-    teacher = MistralForCausalLM(tiny_config(len(tok), layers=2, hidden=64, eos_token_id=tok.eos_token_id,
+    teacher = MistralForCausalLM(tiny_config(len(tok), layers=layers, hidden=64, eos_token_id=tok.eos_token_id,
                                              bos_token_id=tok.bos_token_id)).eval()
     if folder is not None:
         teacher.save_pretrained(folder)

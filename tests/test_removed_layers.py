@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_channels import shot
 from typer.testing import CliRunner
 
 from bdlora.budgeted.allocate import allocate, knapsack
@@ -121,31 +122,12 @@ def test_the_allocation_removes_the_layer_that_costs_least():
         "model.layers.1.mlp.down_proj": 1}
 
 
-def deep_teacher(tok, folder):
-    """A 4-layer tiny Mistral with head dim 16 (what the genai graph's attention takes), saved as a teacher folder."""
-    from transformers import MistralForCausalLM
-
-    from conftest import tiny_config
-
-    torch.manual_seed(3)
-    teacher = MistralForCausalLM(tiny_config(len(tok), layers=4, hidden=64, eos_token_id=tok.eos_token_id,
-                                             bos_token_id=tok.bos_token_id)).eval()
-    teacher.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return teacher
-
-
-def shot(env, teacher, out, *extra):
-    return CliRunner().invoke(app, [
-        "compress", str(teacher), "--one-shot", "--data", str(env["corpus"]), "--cache-dir", str(env["cache"]),
-        "--seq-len", "32", "--calib-tokens", "512", "--eval-tokens", "512", "--heldout-fraction", "0.1",
-        "--out", str(out), "--json", *extra])
-
-
 @pytest.fixture(scope="module")
 def shallow(tiny_env, tmp_path_factory):
+    from conftest import genai_teacher
+
     root = tmp_path_factory.mktemp("layers")
-    teacher = deep_teacher(tiny_env["tokenizer"], root / "teacher")
+    teacher = genai_teacher(tiny_env["tokenizer"], root / "teacher", seed=3, layers=4)  # 4 layers, head dim 16
     r = shot(tiny_env, root / "teacher", root / "s", "--mac-ratio", "1.3", "--forms", "layers")
     assert r.exit_code == 0, r.output
     return root, teacher, json.loads(r.stdout)

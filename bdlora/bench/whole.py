@@ -40,6 +40,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
+from bdlora.arch import layer_of
 from bdlora.bench.genai import _stand_in_tokenizer, time_genai
 from bdlora.budgeted.channels import CHANNEL_STEP
 from bdlora.budgeted.costs import ModuleShape, shapes_from_config
@@ -110,8 +111,8 @@ def _dense_model(config: dict, layers: int, width: int, seed: int = 0):
 
 
 def _layer_projections(config: dict, table, width: int) -> float:
-    shapes = [s for s in shapes_from_config({**config, "num_hidden_layers": 1})]
-    return sum(table.cost(s.narrowed(width) if ".mlp." in s.name else s, 0) for s in shapes)
+    return sum(table.cost(s.narrowed(width) if ".mlp." in s.name else s, 0)
+               for s in shapes_from_config({**config, "num_hidden_layers": 1}))
 
 
 def fit(t_lo: float, t_hi: float, t_half: float, lo: int, hi: int, p_full: float, p_half: float) -> tuple:
@@ -202,9 +203,9 @@ def decode_prediction(overhead: Overhead, table, config: dict, shapes: list[Modu
         table.cost(s, 0) for s in teacher_shapes)
     kept = [s for s in shapes if s.name not in gone]
     chosen = sum(table.cost(shape_of(s) if shape_of else s, ranks.get(s.name, 0)) for s in kept)
-    widths = {s.name.rsplit(".", 2)[0]: (shape_of(s) if shape_of else s).in_features for s in kept
+    widths = {layer_of(s.name): (shape_of(s) if shape_of else s).in_features for s in kept
               if s.name.endswith("down_proj")}
-    layers = dict.fromkeys(s.name.rsplit(".", 2)[0] for s in kept)
+    layers = dict.fromkeys(layer_of(s.name) for s in kept)
     student = overhead.fixed + chosen + sum(overhead.layer(widths.get(n, full) / full) for n in layers)
     return {"decode_us_teacher": teacher, "decode_us": student, "predicted_decode_speedup": teacher / student,
             "decode_layers": len(layers), "teacher_layers": int(config["num_hidden_layers"]),

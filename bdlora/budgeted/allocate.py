@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from bdlora.arch import layer_of
 from bdlora.budgeted.costs import ModuleShape
 from bdlora.errors import UsageError
 
@@ -78,7 +79,7 @@ class Allocation:
 
     def gone(self, name: str) -> bool:
         """Whether projection ``name`` goes with its removed layer."""
-        return ".".join(name.split(".")[:3]) in self.removed
+        return layer_of(name) in self.removed
 
     def shape(self, s: ModuleShape) -> ModuleShape:
         """``s`` as deployed: narrower when its MLP keeps fewer channels."""
@@ -139,7 +140,7 @@ def knapsack(items: list[list[Option]], target: float, beyond: Callable[[float],
     def need(c: float) -> int:
         return int(np.ceil(c / unit - 1e-9))
 
-    starts = {g[0]: g for g in groups}
+    starts = {g[0] for g in groups}
     ends = {g[1] - 1: i for i, g in enumerate(groups)}
     best = np.zeros(BUCKETS + 1)  # best[b]: least error of the items so far within b buckets
     choice = np.zeros((len(items), BUCKETS + 1), dtype=np.int32)
@@ -150,16 +151,16 @@ def knapsack(items: list[list[Option]], target: float, beyond: Callable[[float],
             before = best
         new = np.full(BUCKETS + 1, np.inf)
         for k, (_, c, err) in enumerate(o):
-            if need(c) > BUCKETS:
+            n = need(c)
+            if n > BUCKETS:
                 continue
             cand = np.full(BUCKETS + 1, np.inf)
-            cand[need(c):] = best[: BUCKETS + 1 - need(c)] + err
+            cand[n:] = best[: BUCKETS + 1 - n] + err
             better = cand < new
             new[better], choice[m, better] = cand[better], k
-        if m in ends and need(groups[ends[m]][2]) <= BUCKETS:
-            _, _, c, err = groups[ends[m]]
+        if m in ends and (n := need(groups[ends[m]][2])) <= BUCKETS:
             alt = np.full(BUCKETS + 1, np.inf)
-            alt[need(c):] = before[: BUCKETS + 1 - need(c)] + err
+            alt[n:] = before[: BUCKETS + 1 - n] + groups[ends[m]][3]
             replaced[ends[m]] = alt < new
             new = np.minimum(new, alt)
         best = new
@@ -230,7 +231,7 @@ def allocate(shapes: list[ModuleShape], energy: dict[str, np.ndarray], mac_ratio
     for (site, names), o, k in zip(members, items, picked):
         if k < 0:  # the layer goes
             ranks.update({n: 0 for n in names if site != "rest"})
-            layer = ".".join(names[0].split(".")[:3])
+            layer = layer_of(names[0])
             if layer not in removed:
                 removed.append(layer)
                 errors[layer] = layers[layer]
@@ -259,7 +260,7 @@ def _items(shapes, per: dict, sites: dict, rest: dict) -> tuple[list, list]:
     site_names = list(dict.fromkeys(s.name.rsplit(".", 1)[0] for s in shapes))
     for i, site in enumerate(site_names):
         names = [s.name for s in shapes if s.name.rsplit(".", 1)[0] == site]
-        layer = ".".join(site.split(".")[:3])
+        layer = layer_of(site)
         if site in sites:
             width = next(s.in_features for s in shapes if s.name == f"{site}.down_proj")
             m = rest[layer][1] if layer in rest else 0.0
@@ -281,7 +282,7 @@ def _items(shapes, per: dict, sites: dict, rest: dict) -> tuple[list, list]:
 def layer_groups(members: list[tuple], layers: dict[str, float]) -> list[Group]:
     """The knapsack groups of the decoder layers that may be removed: the range of consecutive items holding each
     one's projections, its alternative costing nothing at its removal error."""
-    of = [".".join(names[0].split(".")[:3]) for _, names in members]
+    of = [layer_of(names[0]) for _, names in members]
     groups = []
     for layer, err in layers.items():
         at = [m for m, x in enumerate(of) if x == layer]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from bdlora import forms
-from bdlora.arch import projection_name
+from bdlora.arch import layer_of, projection_name
 from bdlora.budgeted.config import DEFAULTS, BudgetedConfig
 from bdlora.errors import ModelError
 from bdlora.families import FAMILIES, Anatomy, base_type
@@ -192,7 +192,7 @@ def compression_report(decisions: list[ModuleDecision], budget: float | None = N
         "dense_dropped": sum(m.case == "dropped" for m in decisions),
         "merged_cheaper": sum(m.case == "merged-cheaper" for m in decisions),
         "mlp_pruned": len(site_forms(decisions)),  # MLP sites keeping fewer channels (their 3 modules: "pruned")
-        "layers_removed": len({m.name.rsplit(".", 2)[0] for m in decisions if m.case == "removed"}),
+        "layers_removed": len({layer_of(m.name) for m in decisions if m.case == "removed"}),
         "avg_lora_rank": sum(m.lora_rank for m in decisions) / n,
         "dense_macs": D,
         "lora_macs": L,

@@ -37,11 +37,6 @@ def removal_errors(calib) -> dict[str, float]:
     return out
 
 
-def layer_of(name: str) -> str:
-    """``model.layers.N`` of a projection's or site's name."""
-    return ".".join(name.split(".")[:3])
-
-
 def renumbered(names: dict, kept: list[int]) -> dict:
     """``names`` (keyed by the source's module names) keyed by the shallower model's: layer ``kept[j]`` becomes
     layer ``j``; entries of removed layers are dropped."""

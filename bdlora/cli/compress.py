@@ -8,7 +8,7 @@ import typer
 from rich.markup import escape
 
 from bdlora import sources
-from bdlora.arch import check_lora_rank
+from bdlora.arch import check_lora_rank, layer_of
 from bdlora.budgeted.config import ALLOCATIONS, THRESHOLDS, BudgetedConfig
 from bdlora.budgeted.costs import ModuleShape
 from bdlora.cli import render
@@ -206,7 +206,7 @@ def _folder_report(folder: str) -> tuple[dict, dict]:
                          "--model-config / --model to plan from shapes")
     report, config = src.report(), read_model_config(folder)
     prov = report.get("provenance") or {}
-    depth = len({m["name"].rsplit(".", 2)[0] for m in report["modules"]})
+    depth = len({layer_of(m["name"]) for m in report["modules"]})
     depth = max(depth, int(prov.get("teacher_layers") or 0), 1 + max(prov.get("layer_indices") or [-1]))
     return report, {**config, "num_hidden_layers": depth}
 
