@@ -160,3 +160,23 @@ def test_a_narrower_mlp_carries_its_share_of_the_rest():
     keep = a.keep["model.layers.0.mlp"]
     assert 3 * 64 * keep + 1000 + 4000 * keep / 256 <= total / 1.25
     assert 3 * 64 * (keep + 32) + 1000 + 4000 * (keep + 32) / 256 > total / 1.25  # the widest that fits
+
+
+@pytest.mark.parametrize("damage", ["nan", "negative", "text", "missing", "not json"])
+def test_a_damaged_overhead_is_never_used(tmp_path, damage):
+    """Like the latency table's entries: a cached fit with a NaN, a negative or a non-number time, a field missing,
+    or not JSON at all is refused (and so measured again), never turned into a prediction."""
+    from bdlora.bench.whole import read_overhead
+
+    path = hand_overhead(tmp_path, CONFIG, "int4", 1)
+    assert read_overhead(path).per_layer == 100.0
+    doc = json.loads(path.read_text())
+    if damage == "not json":
+        path.write_text("{")
+    elif damage == "missing":
+        del doc["fixed"]
+        path.write_text(json.dumps(doc))
+    else:
+        doc["per_layer"] = {"nan": float("nan"), "negative": -1.0, "text": "fast"}[damage]
+        path.write_text(json.dumps(doc))
+    assert read_overhead(path) is None

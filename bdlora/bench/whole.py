@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
@@ -149,10 +150,10 @@ def decode_overhead(config: dict, table, precision: str, threads: int, cache: Pa
     precision and threads, holding the dense and half-width products), from the cache or measured."""
     path = overhead_path(cache, config, precision, threads, head_bits)
     if path.is_file():
-        try:
-            return Overhead(**{**read_json(path), "path": str(path)})
-        except (TypeError, ValueError):
-            reporter.stage(f"{path}: damaged, measuring again")
+        cached = read_overhead(path)
+        if cached is not None:
+            return cached
+        reporter.stage(f"{path}: damaged (not three finite, non-negative times), measuring again")
     hi, lo = depths(config, precision)
     full, half = int(config["intermediate_size"]), half_width(config)
     graphs = {"lo": (lo, full), "hi": (hi, full), "half": (hi, half)}
@@ -178,6 +179,21 @@ def decode_overhead(config: dict, table, precision: str, threads: int, cache: Pa
     write_json(path, {k: v for k, v in asdict(out).items() if k != "path"})
     out.path = str(path)
     return out
+
+
+def read_overhead(path: Path) -> Overhead | None:
+    """The cached fit at ``path``, or None when it is damaged: not JSON, fields missing or extra, or times that are
+    not finite and non-negative with the width-scaled part within the layer's rest (the checks the latency table's
+    entries get: a NaN here made every prediction NaN)."""
+    try:
+        o = Overhead(**{**read_json(path), "path": str(path)})
+    except (TypeError, ValueError, RecursionError, UnicodeDecodeError):
+        return None
+    times = (o.fixed, o.per_layer, o.per_width)
+    if not all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t >= 0
+               for t in times) or o.per_width > o.per_layer:
+        return None
+    return o
 
 
 @dataclass
