@@ -3,7 +3,9 @@ declaring what it stores and computes, chosen in one place). A form says how it 
 (``bdlora_modules``: ``{"form": NAME, ...}``), which tensors it stores, its MACs and parameters per token, and what
 makes a declaration of it inconsistent. ``costs`` (the compression rules and their report), ``integrity`` (every
 folder a command reads), the metadata of both exported graphs and ``describe`` (what an exporter emits for a
-module) read this registry; a folder naming a form it lacks is refused in one line naming those it has.
+module) read this registry; a folder naming a form it lacks is refused in one line naming those it has. A
+projection's entry may also say ``"bits": 8``: the width its weights keep in an int4 export (``--forms bits``, the
+allocation's per-module bits); the PyTorch module does not change.
 Standard library only (``describe`` takes a torch module without importing torch).
 
 The PyTorch classes of the forms live in ``deployed/modeling_bdlora.py``, which ships as remote code in every model
@@ -17,6 +19,23 @@ from dataclasses import dataclass
 
 from bdlora.errors import ModelError, shown
 
+WIDE_BITS = 8  # ``"bits": 8`` on a projection: it ships at 8 bits in an int4 export (chosen by ``--forms bits``)
+
+
+def bits_problem(spec: dict, module: str) -> str | None:
+    """Why a projection's optional ``bits`` is not a width an int4 export can give it (None when absent or valid)."""
+    if "bits" not in spec:
+        return None
+    bits = spec["bits"]
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (4, WIDE_BITS):
+        return f"{module} is declared at {shown(bits)} bits (4 or {WIDE_BITS}: its width in an int4 export)"
+    return None
+
+
+def with_bits(spec: dict, bits: int) -> dict:
+    """``spec`` carrying ``bits`` when a module ships wider than its export's precision (0: the precision's own)."""
+    return {**spec, "bits": int(bits)} if bits else spec
+
 
 @dataclass(frozen=True)
 class Dense:
@@ -25,8 +44,8 @@ class Dense:
     name: str = "dense"
     module_class: str = "Linear"
 
-    def spec(self, rank: int = 0) -> dict:
-        return {"form": self.name}
+    def spec(self, rank: int = 0, bits: int = 0) -> dict:
+        return with_bits({"form": self.name}, bits)
 
     def tensors(self, module: str) -> set[str]:
         return {f"{module}.weight"}
@@ -35,7 +54,7 @@ class Dense:
         return in_features * out_features
 
     def problem(self, spec: dict, shapes: dict[str, tuple[int, ...]], module: str) -> str | None:
-        return None
+        return bits_problem(spec, module)
 
 
 @dataclass(frozen=True)
@@ -45,8 +64,8 @@ class LowRank:
     name: str = "lowrank"
     module_class: str = "LowRankLinear"
 
-    def spec(self, rank: int = 0) -> dict:
-        return {"form": self.name, "rank": int(rank)}
+    def spec(self, rank: int = 0, bits: int = 0) -> dict:
+        return with_bits({"form": self.name, "rank": int(rank)}, bits)
 
     def tensors(self, module: str) -> set[str]:
         return {f"{module}.proj_in.weight", f"{module}.proj_out.weight"}
@@ -61,7 +80,7 @@ class LowRank:
         held = shapes.get(f"{module}.proj_in.weight")
         if held is not None and (len(held) != 2 or held[0] != rank):
             return f"{module} is declared lowrank with rank {rank}, but its proj_in holds {held}"
-        return None
+        return bits_problem(spec, module)
 
 
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # gate and up read the MLP input; down reads their product

@@ -24,6 +24,7 @@ from bdlora import SCHEMA_VERSION, __version__
 from bdlora.arch import projection_modules, set_module
 from bdlora.blocks import PackedBlocks, scored_blocks
 from bdlora.budgeted.allocate import mac_cost
+from bdlora.budgeted.bits import wide_options
 from bdlora.budgeted.calibrate import calibration_blocks
 from bdlora.budgeted.channels import channel_order, probe_shapes, prune, site_options
 from bdlora.budgeted.correct import correct_sequential
@@ -74,30 +75,45 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
                   for n, m in mods.items() if n.endswith("down_proj")}
     table = None
     if cost_table is not None:  # with channels, the narrower dense products it interpolates between are timed too
-        table = cost_table(shapes, dense=probe_shapes(shapes) if orders else (), config=model.config.to_dict())
+        table = cost_table(shapes, dense=probe_shapes(shapes) if orders else (), config=model.config.to_dict(),
+                           **({"wide": True} if "bits" in cfg.form_names else {}))
     cost = table.cost if table is not None else mac_cost
     sites = {site: site_options([s for s in shapes if s.name.startswith(site + ".")], order, cost)
              for site, order in orders.items()}
     layers = removal_errors(calib) if "layers" in cfg.form_names else None
     rest, fixed = whole_step(model, table) if cfg.speedup is not None else (None, 0.0)
-    alloc = allocate_by(shapes, energy, cfg.ratio, reporter, table, cfg.precision, sites, lowrank, layers, rest, fixed)
+    wide = None
+    if "bits" in cfg.form_names:
+        reporter.stage("rounding every projection to 4 and 8 bits: its loss-weighted output error")
+        wide = wide_options(shapes, {n: m.weight for n, m in mods.items()}, calib, table)
+    alloc = allocate_by(shapes, energy, cfg.ratio, reporter, table, cfg.precision, sites, lowrank, layers, rest, fixed,
+                        wide)
     gone = {s.name for s in shapes if alloc.gone(s.name)}
     cost_doc = None if table is None else {"cost": "measured decode time",
-                                           **table.prediction(shapes, alloc.ranks, alloc.shape, gone),
+                                           **table.prediction(shapes, alloc.ranks, alloc.shape, gone, alloc.bits),
                                            "mac_ratio": alloc.mac_ratio(shapes)}
+    decisions, deployed = deploy(shapes, alloc, mods, orders, calib, spectra)
+    facts = {**({"allocation_cost": cost_doc} if cost_doc else {}),
+             **({"allocation": {"removal_errors": layers}} if layers else {}),
+             **({"rounding": {"scheme": "rtn", "error_given_back_at_8_bits": {n: g for n, (_, g) in wide.items()}}}
+                if wide else {})}
+    return decisions, deployed, calib.tokens, facts
+
+
+def deploy(shapes: list[ModuleShape], alloc, mods: dict, orders: dict, calib, spectra: dict) -> tuple[list, dict]:
+    """(a decision per projection, {name: DeployedModule}) of ``alloc``: pruned MLPs, pairs, dense projections (at
+    their allocated bits); the projections of removed layers get a decision and nothing deployed."""
     pruned = {}  # the projections of every MLP keeping fewer channels, built once
     for site, keep in alloc.keep.items():
         pruned.update(pruned_site(site, keep, mods, orders[site], calib.gram(f"{site}.down_proj")))
     deployed, removed = {}, {}
     for s in shapes:
-        if s.name in gone:  # its layer goes: nothing deployed
+        if alloc.gone(s.name):  # its layer goes: nothing deployed
             removed[s.name] = removed_decision(s, has_bias=mods[s.name].bias is not None)
         else:
             deployed[s.name] = pruned.get(s.name) or factored(s, mods[s.name], alloc.ranks[s.name], spectra)
-    decisions = [removed[s.name] if s.name in removed else deployed[s.name].decision for s in shapes]
-    facts = {**({"allocation_cost": cost_doc} if cost_doc else {}),
-             **({"allocation": {"removal_errors": layers}} if layers else {})}
-    return decisions, deployed, calib.tokens, facts
+            deployed[s.name].decision.bits = alloc.bits.get(s.name, 0)
+    return [removed[s.name] if s.name in removed else deployed[s.name].decision for s in shapes], deployed
 
 
 def whole_step(model, table) -> tuple[dict, float]:

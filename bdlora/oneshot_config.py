@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from bdlora.config import BUILTIN, CALIB_TOKENS, EVAL_TOKENS, GENAI_PRECISIONS
 from bdlora.errors import Checks, shown
 
-ALLOCATED_FORMS = ("lowrank", "channels", "layers")  # what --forms may name (bdlora.forms: a projection's, an MLP's
-# or a whole decoder layer's form)
+ALLOCATED_FORMS = ("lowrank", "channels", "layers", "bits")  # what --forms may name (bdlora.forms: a projection's, an
+# MLP's or a whole decoder layer's form, or a projection's width in an int4 export)
 
 
 @dataclass
@@ -46,8 +46,9 @@ class OneShotConfig:
     forms: str = "lowrank"
     """The structures the allocation chooses among, comma-separated: lowrank (a projection as a rank-r pair),
     channels (an MLP keeping fewer intermediate channels: gate, up and down as narrower dense products, down refitted
-    to the kept channels) and layers (a decoder layer removed whole), each site taking whichever costs least quality
-    for what it saves; e.g. lowrank,channels,layers."""
+    to the kept channels), layers (a decoder layer removed whole) and bits (with --precision int4: a dense projection
+    kept at 8 bits, its measured rounding error bought back at the int8 time), each site taking whichever costs least
+    quality for what it saves; e.g. lowrank,channels,layers,bits."""
     threads: int | None = None
     """--precision: the thread count the decode times are measured at (default: this machine's cores, what
     export genai writes)."""
@@ -74,6 +75,9 @@ class OneShotConfig:
         c.text("data", self.data)
         problem = forms_problem(self.forms)
         c.require(problem is None, problem or "")
+        if problem is None and "bits" in self.form_names and self.precision != "int4":
+            c.add(f"--forms {self.forms}: bits chooses which projections an int4 export keeps at 8 bits; give "
+                  "--precision int4")
         c.text("calib_data", self.calib_data)
         c.require(isinstance(self.correct, bool), f"--correct {shown(self.correct)}: must be true or false")
         c.done()

@@ -204,21 +204,22 @@ class WholeStep:
     overhead: Overhead
     config: dict
 
-    def prediction(self, table, shapes, ranks, shape_of=None, gone=()) -> dict:
-        return decode_prediction(self.overhead, table, self.config, shapes, ranks, shape_of, gone)
+    def prediction(self, table, shapes, ranks, shape_of=None, gone=(), bits=None) -> dict:
+        return decode_prediction(self.overhead, table, self.config, shapes, ranks, shape_of, gone, bits)
 
 
 def decode_prediction(overhead: Overhead, table, config: dict, shapes: list[ModuleShape], ranks: dict,
-                      shape_of=None, gone=()) -> dict:
+                      shape_of=None, gone=(), bits=None) -> dict:
     """The whole decode step of the teacher (``config``: every layer dense) and of a structure over ``shapes``
-    (its layers' projections; ``ranks``, ``shape_of``, ``gone`` as ``LatencyTable.prediction``), in microseconds,
-    and the predicted speed-up. A layer's rest scales with the share of its MLP's channels kept."""
+    (its layers' projections; ``ranks``, ``shape_of``, ``gone``, ``bits`` as ``LatencyTable.prediction``), in
+    microseconds, and the predicted speed-up. A layer's rest scales with the share of its MLP's channels kept."""
     full = int(config["intermediate_size"])
     teacher_shapes = shapes_from_config(config)
     teacher = overhead.fixed + int(config["num_hidden_layers"]) * overhead.per_layer + sum(
         table.cost(s, 0) for s in teacher_shapes)
     kept = [s for s in shapes if s.name not in gone]
-    chosen = sum(table.cost(shape_of(s) if shape_of else s, ranks.get(s.name, 0)) for s in kept)
+    bits = bits or {}
+    chosen = sum(table.cost(shape_of(s) if shape_of else s, ranks.get(s.name, 0), bits.get(s.name, 0)) for s in kept)
     widths = {layer_of(s.name): (shape_of(s) if shape_of else s).in_features for s in kept
               if s.name.endswith("down_proj")}
     layers = dict.fromkeys(layer_of(s.name) for s in kept)

@@ -25,6 +25,7 @@ import numpy as np
 from bdlora.arch import layer_of
 from bdlora.budgeted.costs import ModuleShape
 from bdlora.errors import UsageError
+from bdlora.forms import WIDE_BITS
 
 RANK_STEP = 8  # ranks above 8 are multiples of 8 (GEMM kernels run them at full speed; the search stays small)
 
@@ -76,6 +77,12 @@ class Allocation:
     errors: dict[str, float] = field(default_factory=dict)
     keep: dict[str, int] = field(default_factory=dict)
     removed: list[str] = field(default_factory=list)
+    wide: list[str] = field(default_factory=list)  # projections kept at 8 bits in an int4 export (``--forms bits``)
+
+    @property
+    def bits(self) -> dict[str, int]:
+        """Projection -> its bits where wider than the export's precision (``LatencyTable.prediction``'s)."""
+        return {n: WIDE_BITS for n in self.wide}
 
     def gone(self, name: str) -> bool:
         """Whether projection ``name`` goes with its removed layer."""
@@ -105,13 +112,14 @@ class Allocation:
 
     def to_json(self) -> dict:
         return {"ranks": self.ranks, "order": self.order, "errors": self.errors, "keep": self.keep,
-                "removed": self.removed}
+                "removed": self.removed, "wide": self.wide}
 
     @classmethod
     def from_json(cls, doc: dict) -> Allocation:
         return cls({k: int(v) for k, v in doc["ranks"].items()}, list(doc["order"]),
                    {k: float(v) for k, v in doc.get("errors", {}).items()},
-                   {k: int(v) for k, v in (doc.get("keep") or {}).items()}, list(doc.get("removed") or ()))
+                   {k: int(v) for k, v in (doc.get("keep") or {}).items()}, list(doc.get("removed") or ()),
+                   list(doc.get("wide") or ()))
 
 
 BUCKETS = 1 << 16  # the MAC budget's resolution in the allocation (module costs are rounded up to 1/65536 of it)
@@ -204,7 +212,7 @@ def allocate(shapes: list[ModuleShape], energy: dict[str, np.ndarray], mac_ratio
              step: int = RANK_STEP, cost: Cost = mac_cost, unit_name: str = "MAC",
              sites: dict[str, list[Option]] | None = None, lowrank: bool = True,
              layers: dict[str, float] | None = None, rest: dict[str, Rest] | None = None,
-             fixed: float = 0.0) -> Allocation:
+             fixed: float = 0.0, wide: dict[str, tuple[float, float]] | None = None) -> Allocation:
     """The per-module forms meeting ``sum cost <= dense total / mac_ratio`` with the least total error (``cost``:
     MACs by default, or measured decode time), by ``knapsack``. ``sites`` (an MLP site -> its channel options,
     ``budgeted.channels``): that site's three projections become one item choosing between their low-rank forms
@@ -214,10 +222,13 @@ def allocate(shapes: list[ModuleShape], energy: dict[str, np.ndarray], mac_ratio
     such layer may instead be removed, its projections then costing nothing. ``rest`` (``model.layers.N`` -> its
     decode time outside the projections, ``bench.whole``) and ``fixed`` (the step's own): the budget is then the
     whole step's, ``(dense + rests + fixed) / mac_ratio - fixed``; a removed layer saves its rest, an MLP keeping k
-    of W channels the k/W share of its width-scaled part. Deterministic."""
-    sites, rest = sites or {}, rest or {}
-    per = {s.name: [((s.name, r), c, e) for r, c, e in options(s, energy[s.name], step, cost)[: None if lowrank
-                                                                                               else 1]]
+    of W channels the k/W share of its width-scaled part. ``wide`` (projection -> (its dense time at 8 bits, the
+    rounding error that gives back), ``budgeted.bits``): it may instead stay dense at 8 bits in an int4 export, at
+    that error below its 4-bit forms'. Deterministic."""
+    sites, rest, wide = sites or {}, rest or {}, wide or {}
+    per = {s.name: [((s.name, r, 0), c, e) for r, c, e in options(s, energy[s.name], step, cost)[: None if lowrank
+                                                                                                  else 1]]
+           + ([((s.name, 0, WIDE_BITS), wide[s.name][0], -wide[s.name][1])] if s.name in wide else [])
            for s in shapes}
     items, members = _items(shapes, per, sites, rest)
     total = sum(cost(s, 0) for s in shapes) + sum(a + m for a, m in rest.values()) + fixed
@@ -226,7 +237,7 @@ def allocate(shapes: list[ModuleShape], energy: dict[str, np.ndarray], mac_ratio
         f"--{'speedup' if rest else 'mac-ratio'} {mac_ratio:g}: beyond reach; the cheapest form of every "
         f"{'layer' if rest else 'projection'} gives {total / (cheapest + fixed):.2f}x "
         f"{'less decode time' if rest else f'fewer projection {unit_name}s'}"), groups)
-    ranks, errors, saved, keep, removed = {}, {}, {}, {}, []
+    ranks, errors, saved, keep, removed, eight = {}, {}, {}, {}, [], []
     by = {s.name: s for s in shapes}
     for (site, names), o, k in zip(members, items, picked):
         if k < 0:  # the layer goes
@@ -244,12 +255,14 @@ def allocate(shapes: list[ModuleShape], energy: dict[str, np.ndarray], mac_ratio
             ranks.update({n: 0 for n in names})
             errors[site] = e
             continue
-        for n, r in chosen:
+        for n, r, b in chosen:
             ranks[n] = r
-            errors[n] = next(err for (_, rr), _, err in per[n] if rr == r)
+            errors[n] = next(err for (_, rr, bb), _, err in per[n] if (rr, bb) == (r, b))
             saved[n] = cost(by[n], 0) - cost(by[n], r)
+            if b:
+                eight.append(n)
     order = sorted((n for n, r in ranks.items() if r), key=lambda n: (errors[n] / saved[n], n))
-    return Allocation(ranks, order, errors, keep, removed)
+    return Allocation(ranks, order, errors, keep, removed, eight)
 
 
 def _items(shapes, per: dict, sites: dict, rest: dict) -> tuple[list, list]:
@@ -274,7 +287,7 @@ def _items(shapes, per: dict, sites: dict, rest: dict) -> tuple[list, list]:
         if last and layer in rest:
             a, m = rest[layer]
             own = a + (0.0 if f"{layer}.mlp" in sites else m)
-            items.append([(((f"{layer}.rest", 0),), own, 0.0)])
+            items.append([(((f"{layer}.rest", 0, 0),), own, 0.0)])
             members.append(("rest", [f"{layer}.rest"]))
     return items, members
 

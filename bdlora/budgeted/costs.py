@@ -99,6 +99,7 @@ class ModuleDecision:
     params_after: int
     lora_rank_max: int = 0  # r_max of the training module (its LoRA path's rank before hardening)
     channels: int = 0  # the intermediate channels its MLP keeps (case "pruned"; 0: the MLP is whole)
+    bits: int = 0  # its weights' width in an int4 export when wider than 4 (forms.WIDE_BITS; 0: the precision's own)
 
     @property
     def form(self) -> str:
@@ -128,9 +129,10 @@ def site_forms(decisions) -> dict[str, dict]:
     return {d.name.rsplit(".", 1)[0]: forms.CHANNELS.spec(d.channels) for d in decisions if d.channels}
 
 
-def deployed_form(rank: int) -> dict:
-    """The ``bdlora_modules`` config entry of a module deployed at ``rank`` (0 = dense)."""
-    return forms.of_rank(rank).spec(rank)
+def deployed_form(rank: int, bits: int = 0) -> dict:
+    """The ``bdlora_modules`` config entry of a module deployed at ``rank`` (0 = dense) and ``bits`` (0: the export's
+    precision; 8: kept at 8 bits in an int4 export)."""
+    return forms.of_rank(rank).spec(rank, bits)
 
 
 def decide_module(shape: ModuleShape, d: float, lora_rank_kept: int, lora_rank_max: int,
@@ -193,6 +195,7 @@ def compression_report(decisions: list[ModuleDecision], budget: float | None = N
         "merged_cheaper": sum(m.case == "merged-cheaper" for m in decisions),
         "mlp_pruned": len(site_forms(decisions)),  # MLP sites keeping fewer channels (their 3 modules: "pruned")
         "layers_removed": len({layer_of(m.name) for m in decisions if m.case == "removed"}),
+        "int8_modules": sum(m.bits == forms.WIDE_BITS for m in decisions),  # kept at 8 bits in an int4 export
         "avg_lora_rank": sum(m.lora_rank for m in decisions) / n,
         "dense_macs": D,
         "lora_macs": L,

@@ -58,6 +58,15 @@ def gram_root(gram: torch.Tensor, damping: float = DAMPING) -> torch.Tensor:
     return (q * lam.clamp_min(0).sqrt()) @ q.T
 
 
+def output_weights(fisher: torch.Tensor | None, d_out: int, fisher_damping: float = FISHER_DAMPING) -> torch.Tensor:
+    """Phi's diagonal: the square root of the damped output Fisher diagonal (ones without one)."""
+    if fisher is None:
+        return torch.ones(d_out, dtype=torch.float64)
+    f = fisher.double()
+    mean = float(f.mean())
+    return (f + (fisher_damping * mean if mean > 0 else 1.0)).sqrt()
+
+
 def spectrum(weight: torch.Tensor, gram: torch.Tensor | None, damping: float = DAMPING,
              fisher: torch.Tensor | None = None, fisher_damping: float = FISHER_DAMPING,
              root: torch.Tensor | None = None) -> Spectrum:
@@ -65,11 +74,7 @@ def spectrum(weight: torch.Tensor, gram: torch.Tensor | None, damping: float = D
     diagonal ``fisher`` (d_out; None: unweighted). ``root`` is ``gram_root(gram)`` when the caller has it
     (projections sharing an input share it)."""
     d_out, d_in = weight.shape
-    phi = torch.ones(d_out, dtype=torch.float64)
-    if fisher is not None:
-        f = fisher.double()
-        mean = float(f.mean())
-        phi = (f + (fisher_damping * mean if mean > 0 else 1.0)).sqrt()
+    phi = output_weights(fisher, d_out, fisher_damping)
     w = phi[:, None] * weight.detach().double()  # Phi W
     if d_out <= d_in:  # (d_out, d_out): U directly
         m = w @ w.T if gram is None else w @ damped(gram, damping) @ w.T

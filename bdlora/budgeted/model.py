@@ -108,7 +108,7 @@ def build_deployed_model(base: nn.Module, deployed: dict[str, DeployedModule], p
 
     family = table_family(base_type(base.config.model_type), "base model_type").model_type
     cfg_cls, model_cls = BDLORA_CLASSES[family]
-    modules = {n: deployed_form(c.decision.rank) for n, c in deployed.items()}
+    modules = {n: deployed_form(c.decision.rank, c.decision.bits) for n, c in deployed.items()}
     # MLPs keeping fewer channels: pruned now (one-shot decisions) or already (a student started from a pruned folder)
     # (keyed by the deployed names: a one-shot above a removed layer is renumbered, its decisions are not)
     modules.update({**narrow_mlps(base), **{n.rsplit(".", 1)[0]: spec for n, c in deployed.items()

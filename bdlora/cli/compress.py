@@ -183,18 +183,20 @@ def compress(
 
 def _deployed_prediction(report: dict, precision: str, threads: int | None, reporter, config: dict) -> dict:
     """The planned structure's decode time at ``precision`` from the measured table of its forms (low-rank pairs,
-    MLPs keeping fewer channels, removed layers): its projections, and the whole step against the dense model of
-    ``config`` (``bench.whole``)."""
+    MLPs keeping fewer channels, removed layers, projections kept at 8 bits): its projections, and the whole step
+    against the dense model of ``config`` (``bench.whole``)."""
     from bdlora.budgeted.channels import probe_shapes
 
     mods = report["modules"]
     shapes = [ModuleShape(m["name"], m["in_features"], m["out_features"]) for m in mods]
     narrow = {m["name"]: m["channels"] for m in mods if m.get("channels")}
+    # the projections kept at 8 bits weigh in an int4 export only (at int8 every one is 8 bits, at fp32 none is)
+    bits = {m["name"]: m["bits"] for m in mods if m.get("bits")} if precision == "int4" else {}
     table = cost_table(precision, threads, None, reporter)(shapes, dense=probe_shapes(shapes) if narrow else (),
-                                                           config=config)
+                                                           config=config, wide=bool(bits))
     return table.prediction(shapes, {m["name"]: m["rank"] for m in mods if m["form"] == "lowrank"},
                             lambda s: s.narrowed(narrow[s.name]) if s.name in narrow else s,
-                            {m["name"] for m in mods if m["case"] == "removed"})
+                            {m["name"] for m in mods if m["case"] == "removed"}, bits)
 
 
 def _folder_report(folder: str) -> tuple[dict, dict]:
@@ -234,16 +236,22 @@ def cost_table(precision: str | None, threads: int | None, cache: Path | None, r
 
     threads, root = threads or usable_cores(), cache or default_cache_dir()
 
-    def build(shapes, dense=(), config: dict | None = None):
+    def build(shapes, dense=(), config: dict | None = None, wide: bool = False):
         """The table of ``shapes`` (and the ``dense`` products); with ``config`` (the model's), also the decode
-        step's cost outside the projections, so its predictions cover the whole step."""
+        step's cost outside the projections, so its predictions cover the whole step; with ``wide`` (int4), the
+        int8 times of the dense products beside it (``--forms bits``: a projection kept at 8 bits)."""
         from bdlora.bench.whole import WholeStep, decode_overhead, half_width
 
         if config is None:
-            return latency_table(shapes, precision, threads, root, reporter, dense)
+            return _with_wide(latency_table(shapes, precision, threads, root, reporter, dense), wide, shapes)
         hidden, half = int(config["hidden_size"]), half_width(config)
         table = latency_table(shapes, precision, threads, root, reporter, (*dense, (hidden, half), (half, hidden)))
         table.whole = WholeStep(decode_overhead(config, table, precision, threads, root, reporter=reporter), config)
+        return _with_wide(table, wide, shapes)
+
+    def _with_wide(table, wide: bool, shapes):
+        if wide and precision == "int4":
+            table.wide = latency_table(shapes, "int8", threads, root, reporter, ranks=False)
         return table
 
     return build

@@ -32,9 +32,10 @@ class Projection:
     bias: np.ndarray | None = None
     form: str = "dense"
     rank: int = 0
+    bits: int = 0  # declared wider than an int4 export's 4 bits (``bdlora_modules``' "bits"; 0: the precision's)
 
     @classmethod
-    def of(cls, name: str, m: nn.Module) -> Projection:
+    def of(cls, name: str, m: nn.Module, bits: int = 0) -> Projection:
         def f(t):
             return None if t is None else t.detach().float().cpu().numpy()
 
@@ -44,9 +45,9 @@ class Projection:
             raise TypeError(f"{name}: {e}") from None
         if form == LOWRANK.name:
             return cls(name, out, lora_a=f(m.proj_in.weight), lora_b=f(m.proj_out.weight), bias=f(bias),
-                       form=form, rank=rank)
+                       form=form, rank=rank, bits=bits)
         if form == DENSE.name:
-            return cls(name, out, weight=f(m.weight), bias=f(bias))
+            return cls(name, out, weight=f(m.weight), bias=f(bias), bits=bits)
         return cls(name, out, weight=f(m.base.weight), lora_a=f(m.lora_A), lora_b=f(m.lora_B), bias=f(bias),
                    form=form, rank=rank)  # dense+lora: the bench's unmerged adapter
 
@@ -95,12 +96,28 @@ class GraphBuilder:
 
 
 def _doc(projs: list[Projection]) -> str:
-    return json.dumps([{"bdlora_module": p.name, "form": p.form, "rank": p.rank} for p in projs])
+    return json.dumps([{"bdlora_module": p.name, "form": p.form, "rank": p.rank,
+                        **({"bits": p.bits} if p.bits else {})} for p in projs])
+
+
+def node_bits(doc: str) -> int:
+    """The bits a MatMul's projections are declared at (its ``doc_string``, written by ``_doc``; 0: none)."""
+    try:
+        return max((int(p.get("bits") or 0) for p in json.loads(doc)), default=0) if doc else 0
+    except (ValueError, TypeError, AttributeError):
+        return 0
 
 
 def emit_group(g: GraphBuilder, x: str, projs: list[Projection], scope: str) -> list[str]:
     """Outputs of projections sharing the input ``x``: one MatMul over every first-stage block, a Split, then each
-    low-rank piece's second factor, the dense and low-rank parts added, then the bias."""
+    low-rank piece's second factor, the dense and low-rank parts added, then the bias. Projections declared at
+    different bits get one first-stage MatMul per width (a MatMulNBits node has one)."""
+    if len({p.bits for p in projs}) > 1:
+        outs = {}
+        for bits in dict.fromkeys(p.bits for p in projs):
+            part = [p for p in projs if p.bits == bits]
+            outs.update(zip((p.name for p in part), emit_group(g, x, part, scope)))
+        return [outs[p.name] for p in projs]
     blocks = [b for p in projs for b in p.first_stage()]
     g.fused += len(blocks) - 1
     first = f"{scope}/{'_'.join(p.name.rsplit('.', 1)[-1].removesuffix('_proj') for p in projs)}_in"
@@ -131,7 +148,7 @@ def emit_group(g: GraphBuilder, x: str, projs: list[Projection], scope: str) -> 
 def emit_packed_qkv(g: GraphBuilder, x: str, projs: list[Projection], scope: str) -> str:
     """q, k, v packed on the last axis (GroupQueryAttention's input). All-dense q/k/v (with their biases) stay one
     MatMul (+ one Add), as onnxruntime-genai's builder emits them."""
-    if all(p.form == "dense" for p in projs):
+    if all(p.form == "dense" for p in projs) and len({p.bits for p in projs}) == 1:
         g.fused += len(projs) - 1
         w = g.init(f"{scope}/qkv_proj.weight", np.concatenate([p.weight.T for p in projs], axis=1))
         y = g.one("MatMul", [x, w], f"{scope}/qkv_proj/MatMul", doc=_doc(projs))

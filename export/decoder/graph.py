@@ -87,6 +87,12 @@ def _norm(g: GraphBuilder, layout: DecoderLayout, x: str, delta: str | None, wei
     return g.one("Mul", [g.one("Mul", [residual, inv], f"{name}/normed"), weight], f"{name}/weight"), residual
 
 
+def _projection(cfg, name: str, module: nn.Module) -> Projection:
+    """``module`` as emitted, with the bits its folder declares for it (``bdlora_modules``; ``--forms bits``)."""
+    spec = (getattr(cfg, "bdlora_modules", None) or {}).get(name) or {}
+    return Projection.of(name, module, int(spec.get("bits") or 0))
+
+
 def _layer(g: GraphBuilder, layout: DecoderLayout, i: int, layer: nn.Module, residual: str, mlp_prev: str | None,
            attn_inputs: tuple, cfg, hd: int, anatomy: Anatomy) -> tuple[str, str]:
     """One decoder layer; returns (residual stream before its MLP add, MLP output): the next norm adds them."""
@@ -95,24 +101,24 @@ def _layer(g: GraphBuilder, layout: DecoderLayout, i: int, layer: nn.Module, res
     w_in = g.init(f"model.layers.{i}.input_layernorm.weight", _f32(layer.input_layernorm.weight))
     normed, residual = _norm(g, layout, residual, mlp_prev, w_in, eps, f"{s}/input_layernorm")
     at = layer.self_attn
-    projs = [Projection.of(f"model.layers.{i}.self_attn.{n}", getattr(at, n)) for n in qkv]
+    projs = [_projection(cfg, f"model.layers.{i}.self_attn.{n}", getattr(at, n)) for n in qkv]
     if layout.attention == "gqa":
         attn = gqa_attention(g, i, emit_packed_qkv(g, normed, projs, f"{s}/self_attn"), *attn_inputs, cfg,
                              at.scaling)
     else:
         q, k, v = emit_group(g, normed, projs, f"{s}/self_attn")
         attn = plain_attention(g, i, q, k, v, *attn_inputs, cfg, hd, float(at.scaling), layout.fused)
-    (o,) = emit_group(g, attn, [Projection.of(f"model.layers.{i}.self_attn.{n}", getattr(at, n)) for n in o_proj],
+    (o,) = emit_group(g, attn, [_projection(cfg, f"model.layers.{i}.self_attn.{n}", getattr(at, n)) for n in o_proj],
                       f"{s}/self_attn")
     w_post = g.init(f"model.layers.{i}.post_attention_layernorm.weight", _f32(layer.post_attention_layernorm.weight))
     normed, residual = _norm(g, layout, residual, o, w_post, eps, f"{s}/post_attention_layernorm")
     mlp = layer.mlp
-    gate, up = emit_group(g, normed, [Projection.of(f"model.layers.{i}.mlp.{n}", getattr(mlp, n)) for n in gate_up],
+    gate, up = emit_group(g, normed, [_projection(cfg, f"model.layers.{i}.mlp.{n}", getattr(mlp, n)) for n in gate_up],
                           f"{s}/mlp")
     act = g.one("Mul", [gate, g.one("Sigmoid", [gate], f"{s}/mlp/act_fn/Sigmoid")], f"{s}/mlp/act_fn/Mul")
     hidden = g.one("Mul", [act, up], f"{s}/mlp/Mul")
-    (down,) = emit_group(g, hidden, [Projection.of(f"model.layers.{i}.mlp.{n}", getattr(mlp, n)) for n in down_proj],
-                         f"{s}/mlp")
+    downs = [_projection(cfg, f"model.layers.{i}.mlp.{n}", getattr(mlp, n)) for n in down_proj]
+    (down,) = emit_group(g, hidden, downs, f"{s}/mlp")
     return residual, down
 
 

@@ -36,6 +36,7 @@ from bdlora.budgeted.costs import ModuleShape
 from bdlora.config import GENAI_PRECISIONS as PRECISIONS
 from bdlora.errors import UsageError, usable_cores
 from bdlora.export.genai.gptq import BLOCK_SIZE, nbits_node
+from bdlora.export.genai.quantize import rtn_rounded
 from bdlora.io import read_json, write_json
 from bdlora.reporter import SILENT, Reporter
 
@@ -144,12 +145,18 @@ class LatencyTable:
     us: dict[str, float] = field(default_factory=dict)
     path: Path | None = None
     whole: object | None = None  # a ``bench.whole.WholeStep``: prediction() then covers the whole decode step
+    wide: LatencyTable | None = None  # int4: the int8 table, pricing the projections kept at 8 bits (--forms bits)
 
     def measured_ranks(self, k: int, n: int) -> list[int]:
         pre = f"{k}x{n}@"
         return sorted(int(key[len(pre):]) for key in self.us if key.startswith(pre) and key[len(pre):] != "0")
 
-    def cost(self, shape: ModuleShape, rank: int) -> float:
+    def cost(self, shape: ModuleShape, rank: int, bits: int = 0) -> float:
+        """Microseconds of ``shape`` at ``rank`` (0: dense); ``bits`` 8 in an int4 table: at 8 bits (``wide``)."""
+        if bits and bits != BITS.get(self.precision):
+            if self.wide is None or BITS.get(self.wide.precision) != bits:
+                raise KeyError(f"no {bits}-bit table beside this {self.precision} one")
+            return self.wide.cost(shape, rank)
         k, n = shape.in_features, shape.out_features
         if rank == 0:
             return self.us[_key(k, n, 0)] if _key(k, n, 0) in self.us else self.dense_between(k, n)
@@ -185,14 +192,22 @@ class LatencyTable:
                 best = r
         return best
 
-    def prediction(self, shapes: list[ModuleShape], ranks: dict[str, int], shape_of=None, gone=()) -> dict:
+    def rounded(self, weight, bits: int):
+        """``weight`` (out, in) as the default int8/int4 export rounds it to ``bits``: what the rounding error of
+        ``--forms bits`` is measured with."""
+        return rtn_rounded(weight, bits)
+
+    def prediction(self, shapes: list[ModuleShape], ranks: dict[str, int], shape_of=None, gone=(),
+                   bits: dict | None = None) -> dict:
         """What a structure (``ranks``: rank per module, 0 or absent = dense; ``shape_of``: each module's deployed
-        shape, narrower in a pruned MLP; ``gone``: the modules of removed layers) costs at this precision: the
-        projections' decode microseconds dense and as structured, the predicted speed-up, the forms measured, and
-        which projections have a low-rank form slower than their dense one."""
+        shape, narrower in a pruned MLP; ``gone``: the modules of removed layers; ``bits``: the modules kept at 8
+        bits in an int4 export) costs at this precision: the projections' decode microseconds dense and as
+        structured, the predicted speed-up, the forms measured, and which projections have a low-rank form slower
+        than their dense one."""
+        bits = bits or {}
         dense = sum(self.cost(s, 0) for s in shapes)
-        chosen = sum(self.cost(shape_of(s) if shape_of else s, ranks.get(s.name, 0)) for s in shapes
-                     if s.name not in gone)
+        chosen = sum(self.cost(shape_of(s) if shape_of else s, ranks.get(s.name, 0), bits.get(s.name, 0))
+                     for s in shapes if s.name not in gone)
         slower = sorted({s.name.split(".")[-1] for s in shapes
                          if ranks.get(s.name) and self.cost(s, ranks[s.name]) >= self.cost(s, 0)})
         doc = {"precision": self.precision, "threads": self.threads, "projection_us_dense": dense,
@@ -200,7 +215,9 @@ class LatencyTable:
                "forms": self.summary(shapes), "lowrank_slower_than_dense": slower,
                "table": str(self.path) if self.path else None}
         if self.whole is not None:  # the whole decode step: the projections and everything around them
-            doc.update(self.whole.prediction(self, shapes, ranks, shape_of, gone))
+            doc.update(self.whole.prediction(self, shapes, ranks, shape_of, gone, bits))
+        if bits:
+            doc["int8_modules"] = sum(b == 8 for b in bits.values())
         return doc
 
     def summary(self, shapes: list[ModuleShape]) -> list[dict]:
@@ -244,10 +261,11 @@ def read_table(path: Path) -> tuple[dict[str, float], int]:
 
 
 def latency_table(shapes: list[ModuleShape], precision: str, threads: int, cache: Path,
-                  reporter: Reporter = SILENT, dense=()) -> LatencyTable:
+                  reporter: Reporter = SILENT, dense=(), ranks: bool = True) -> LatencyTable:
     """The table for ``shapes`` at ``precision`` and ``threads``, read from the cache and completed by measuring the
-    forms it lacks (the dense product and the rank ``grid`` of every distinct (K, N)); ``dense``: further (K, N)
-    products measured dense only (the narrower widths a pruned MLP interpolates between)."""
+    forms it lacks (the dense product and the rank ``grid`` of every distinct (K, N); with ``ranks`` False the dense
+    products only); ``dense``: further (K, N) products measured dense only (the narrower widths a pruned MLP
+    interpolates between)."""
     if precision not in PRECISIONS:
         raise UsageError(f"--precision {precision}: must be one of {', '.join(PRECISIONS)}")
     if not 1 <= threads <= usable_cores():  # a table measured on more threads than cores would be cached as real
@@ -262,7 +280,7 @@ def latency_table(shapes: list[ModuleShape], precision: str, threads: int, cache
                            "time of a KxN@R form), measuring again")
     todo = []
     for k, n in dict.fromkeys((s.in_features, s.out_features) for s in shapes):
-        for r in [0, *grid(ModuleShape("", k, n))]:
+        for r in [0, *(grid(ModuleShape("", k, n)) if ranks else ())]:
             if _key(k, n, r) not in table.us:
                 todo.append((k, n, r))
     todo += [(k, n, 0) for k, n in dict.fromkeys(dense) if _key(k, n, 0) not in table.us and (k, n, 0) not in todo]

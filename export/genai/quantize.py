@@ -23,9 +23,11 @@ import numpy as np
 import onnx
 import torch
 from onnx import helper, numpy_helper
+from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
 from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
 from bdlora.config import GENAI_PRECISIONS as PRECISIONS
+from bdlora.export.decoder.builder import node_bits
 from bdlora.export.genai.affine import (
     AUGMENTED,
     affine_node,
@@ -61,12 +63,17 @@ def quantize_nbits(model, precision: str, method: str = "rtn", grams: dict | Non
         raise ValueError(f"precision {precision!r}: allowed {', '.join(PRECISIONS)}")
     head = 8 if precision == "int8" else head_bits
     s = scheme(method)
+    # the MatMuls whose projections the folder keeps at 8 bits (``--forms bits``): at int4 only
+    wide = [n.name for n in model.graph.node if n.op_type == "MatMul" and node_bits(n.doc_string) == 8] \
+        if precision == "int4" else []
     if s.rounds_here:
-        out, detail = quantize_graph(model, grams, lambda name: head if name == LM_HEAD else BITS[precision],
-                                     method=method, int8_share=int8_share if precision == "int4" else 0.0)
+        out, detail = quantize_graph(model, grams, lambda name: head if name == LM_HEAD else 8 if name in wide
+                                     else BITS[precision], method=method,
+                                     int8_share=int8_share if precision == "int4" else 0.0)
+        _keep_docs(model, out)
         eight = [n for n, b in detail["bits"].items() if b == 8 and n != LM_HEAD]
         described = {**_describe(out, BLOCK_SIZE), "method": method, "symmetric": s.symmetric, "int8_matmuls": eight,
-                     "relative_output_error": detail["relative_output_error"]}
+                     "declared_int8_matmuls": len(wide), "relative_output_error": detail["relative_output_error"]}
         if s.calibrated:
             return out, {**described, "int8_share": int8_share}
         corrected = sum(n.op_type == "MatMulNBits" and n.input[0].endswith(AUGMENTED) for n in out.graph.node)
@@ -84,13 +91,44 @@ def quantize_nbits(model, precision: str, method: str = "rtn", grams: dict | Non
     level = root.level
     root.setLevel(logging.ERROR)  # the quantiser logs every node it visits at INFO on the root logger
     try:
-        if precision == "int8" or head == 4:
+        eights = ([LM_HEAD] if head == 8 else []) + wide
+        if precision == "int8" or not eights:
             out = run(model, BITS[precision])
         else:
-            out = run(run(model, 4, exclude=[LM_HEAD]), head, include=[LM_HEAD])
+            out = run(run(model, 4, exclude=eights), 8, include=eights)
     finally:
         root.setLevel(level)
-    return out, {**_describe(out, BLOCK_SIZE), "method": s.name, "symmetric": s.symmetric}
+    _keep_docs(model, out)
+    return out, {**_describe(out, BLOCK_SIZE), "method": s.name, "symmetric": s.symmetric,
+                 "declared_int8_matmuls": len(wide)}
+
+
+def _keep_docs(before: onnx.ModelProto, after: onnx.ModelProto) -> None:
+    """Each quantised MatMul (``NAME_Q4``/``NAME_Q8``) keeps its source's doc string: the projections it computes."""
+    docs = {n.name: n.doc_string for n in before.graph.node if n.op_type == "MatMul" and n.doc_string}
+    for n in after.graph.node:
+        if n.op_type == "MatMulNBits" and not n.doc_string:
+            n.doc_string = docs.get(n.name.rsplit("_Q", 1)[0], "")
+
+
+def rtn_rounded(weight: np.ndarray, bits: int) -> np.ndarray:
+    """``weight`` (out, in) as the default export (``method`` "rtn") holds it at ``bits`` (4 or 8): onnxruntime's
+    own blockwise symmetric round-to-nearest (the kernel its MatMulNBitsQuantizer calls), blocks of ``BLOCK_SIZE``
+    along the input, zero point 2^(bits-1); what ``--forms bits`` measures each projection's rounding error with."""
+    w = np.ascontiguousarray(np.asarray(weight, dtype=np.float32).T)  # (K, N), as the MatMul holds it
+    k, n = w.shape
+    kb = -(-k // BLOCK_SIZE)
+    if kb * BLOCK_SIZE != k:
+        w = np.ascontiguousarray(np.pad(w, ((0, kb * BLOCK_SIZE - k), (0, 0))))
+    per = 8 // bits
+    packed = np.zeros((n, kb, BLOCK_SIZE // per), np.uint8)
+    scales = np.zeros((n, kb), np.float32)
+    zp = np.zeros((n, -(-kb // per)), np.uint8)
+    {4: quantize_matmul_4bits, 8: quantize_matmul_8bits}[bits](packed, w, scales, zp, BLOCK_SIZE, n, kb * BLOCK_SIZE,
+                                                                True)
+    codes = np.stack([packed & 15, packed >> 4], -1) if bits == 4 else packed
+    q = codes.reshape(n, kb, BLOCK_SIZE).astype(np.float32) - (1 << (bits - 1))
+    return (q * scales[:, :, None]).reshape(n, kb * BLOCK_SIZE)[:, :k]
 
 
 def _describe(out, block: int) -> dict:

@@ -1,0 +1,164 @@
+"""Per-module bits (``--forms bits``): the export's rounding reproduced exactly, its error measured in the
+allocation's units, the choice under a hand-made table, and a folder's declared widths kept by the int4 export."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+from test_channels import shot
+from test_latency import _hand_table, _tiny_shapes
+from typer.testing import CliRunner
+
+import bdlora.export.genai.latency as lat
+from bdlora.budgeted.allocate import allocate
+from bdlora.budgeted.bits import rounding_error
+from bdlora.budgeted.costs import ModuleShape
+from bdlora.budgeted.lowrank import FISHER_DAMPING
+from bdlora.cli import app
+from bdlora.export.genai.quantize import quantize_nbits, rtn_rounded
+from bdlora.io import write_json
+
+
+@pytest.mark.parametrize("k", [96, 80])  # 80: the last block of 32 is padded, as the exporter pads it
+@pytest.mark.parametrize("precision,bits", [("int4", 4), ("int8", 8)])
+def test_rtn_rounded_is_the_weight_the_exported_node_multiplies_by(k, precision, bits):
+    """The rounding ``--forms bits`` measures with is the default export's: an identity batch through the quantised
+    MatMulNBits node returns rtn_rounded's weight (one-hot activations survive the kernel's int8 step exactly)."""
+    w = np.random.default_rng(k).standard_normal((40, k)).astype(np.float32)  # (out, in)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="/m/MatMul")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [k, k])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [k, 40])],
+                          [numpy_helper.from_array(w.T.copy(), "w")])
+    q, _ = quantize_nbits(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), precision, "rtn")
+    sess = ort.InferenceSession(q.SerializeToString(), providers=["CPUExecutionProvider"])
+    y = sess.run(None, {"x": np.eye(k, dtype=np.float32)})[0]
+    hat = rtn_rounded(w, bits)
+    np.testing.assert_allclose(y.T, hat, atol=1e-6)
+    step = np.abs(w).max() / (1 << (bits - 1))
+    assert 0 < np.abs(w - hat).max() <= step  # rounded, on its block's grid
+
+
+def test_rounding_error_is_the_loss_weighted_output_error_on_the_calibration_inputs():
+    """||Phi (W - W_hat) X^T||^2 with Phi the damped Fisher weights: the units of a low-rank truncation's error."""
+    g = torch.Generator().manual_seed(0)
+    w, x, f = torch.randn(24, 64, generator=g), torch.randn(200, 64, generator=g), torch.rand(24, generator=g)
+    hat = rtn_rounded(w.numpy(), 4)
+    phi = (f.double() + FISHER_DAMPING * float(f.mean())).sqrt()
+    direct = float(((phi[:, None] * (w.double() - torch.from_numpy(hat).double())) @ x.double().T).pow(2).sum())
+    assert rounding_error(w, hat, x.double().T @ x.double(), f, damping=0.0) == pytest.approx(direct, rel=1e-9)
+    assert rounding_error(w, rtn_rounded(w.numpy(), 8), x.double().T @ x.double(), f) < direct / 100
+
+
+def test_the_allocation_buys_8_bits_where_the_error_given_back_pays_most():
+    """Three 64x64 projections at 4096 MACs; c is rank 8 plus a tiny tail, so taking it to a pair frees room for
+    one 8-bit projection (6000): a (gain 10) is widened, not b (gain 1); c goes to the largest rank that leaves
+    the room (16: its error 16e-6 below rank 8's 24e-6)."""
+    shapes = [ModuleShape(n, 64, 64) for n in "abc"]
+    big, tiny = np.full(64, 100.0), np.concatenate([np.full(8, 100.0), np.full(56, 1e-6)])
+    energy = {"a": big, "b": big, "c": tiny}
+    alloc = allocate(shapes, energy, 1.0, wide={"a": (6000.0, 10.0), "b": (6000.0, 1.0)})
+    assert alloc.ranks == {"a": 0, "b": 0, "c": 16} and alloc.wide == ["a"] and alloc.bits == {"a": 8}
+    assert alloc.errors["a"] == -10.0 and alloc.errors["c"] == pytest.approx(48 * 1e-6)
+    # with no room (the same budget without c's pair) nothing is widened; without `wide` nothing can be
+    assert allocate(shapes, {n: big for n in "abc"}, 1.0, wide={"a": (6000.0, 10.0)}).wide == []
+    assert allocate(shapes, energy, 1.0).wide == []
+    assert type(alloc).from_json(alloc.to_json()) == alloc
+
+
+def _wide_table(cache, shapes, threads=1):
+    """The int8 table beside ``_hand_table``'s int4 one: every dense product 1.25x its 4-bit time."""
+    us = {f"{k}x{n}@0": 1.25 * k * n / 100 for k, n in {(s.in_features, s.out_features) for s in shapes}}
+    path = lat.table_path(cache, "int8", threads)
+    write_json(path, {"version": lat.TABLE_VERSION, "us": us})
+    return path
+
+
+@pytest.fixture(scope="module")
+def widened(tiny_env, tmp_path_factory):
+    """A one-shot student of a genai-shaped teacher with --forms lowrank,bits at int4 (hand-made tables)."""
+    from conftest import genai_teacher
+
+    root = tmp_path_factory.mktemp("bits")
+    genai_teacher(tiny_env["tokenizer"], root / "teacher")
+    cache = root / "cache"
+    shapes = _tiny_shapes(root / "teacher")
+    _hand_table(cache, shapes, (), teacher=root / "teacher")
+    _wide_table(cache, shapes)
+    r = shot({**tiny_env, "cache": cache}, root / "teacher", root / "s", "--mac-ratio", "1.2", "--precision", "int4",
+             "--threads", "1", "--forms", "lowrank,bits")
+    assert r.exit_code == 0, r.output
+    return root, json.loads(r.stdout), shapes
+
+
+def test_a_one_shot_with_bits_declares_its_8_bit_projections_and_prices_them_at_int8(widened):
+    root, report, shapes = widened
+    wide = {m["name"] for m in report["modules"] if m["bits"] == 8}
+    assert wide and report["int8_modules"] == len(wide)
+    assert all(m["form"] == "dense" for m in report["modules"] if m["name"] in wide)
+    declared = json.loads((root / "s" / "config.json").read_text())["bdlora_modules"]
+    assert {n for n, spec in declared.items() if spec.get("bits") == 8} == wide
+    gains = report["provenance"]["rounding"]["error_given_back_at_8_bits"]
+    assert gains.keys() == {s.name for s in shapes} and all(gains[n] > 0 for n in wide)
+    doc = report["provenance"]["allocation_cost"]
+    us4 = {k: v for k, v in json.loads(lat.table_path(root / "cache", "int4", 1).read_text())["us"].items()}
+    four, eight = lat.LatencyTable("int4", 1, us4), lat.LatencyTable("int8", 1, {
+        k: 1.25 * v for k, v in us4.items() if k.endswith("@0")})
+    four.wide = eight
+    by = {s.name: s for s in shapes}
+    ranks = {m["name"]: m["rank"] for m in report["modules"]}
+    assert doc["projection_us"] == pytest.approx(sum(four.cost(by[n], r, 8 if n in wide else 0)
+                                                     for n, r in ranks.items()))
+    assert doc["predicted_projection_speedup"] >= 1.2 and doc["int8_modules"] == len(wide)
+    r = CliRunner().invoke(app, ["plan", str(root / "s"), "--precision", "int4", "--threads", "1", "--json"],
+                           env={"BDLORA_CACHE": str(root / "cache")})
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["deployed"]["projection_us"] == pytest.approx(doc["projection_us"])
+
+
+def test_the_int4_export_keeps_the_declared_projections_at_8_bits(widened, tmp_path):
+    """export genai --precision int4: each declared projection's MatMuls (its own first stage, split from the
+    others reading its input; a pair's second factor) are 8-bit MatMulNBits, every other one 4-bit; the graph passes
+    the export's parity check against PyTorch."""
+    root, report, _ = widened
+    wide = {m["name"] for m in report["modules"] if m["bits"] == 8}
+    r = CliRunner().invoke(app, ["export", "genai", str(root / "s"), "--precision", "int4", "--max-ppl-change", "5",
+                                 "--out", str(tmp_path / "g"), "--json"])
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    assert info["validation"]["parity"]["decode_max_abs_diff"] <= info["validation"]["parity"]["decode_tolerance"]
+    graph = onnx.load(str(tmp_path / "g" / "model.onnx"), load_external_data=False).graph
+    bits = {}
+    for n in graph.node:
+        if n.op_type == "MatMulNBits" and n.doc_string:
+            b = {a.name: a.i for a in n.attribute}["bits"]
+            for p in json.loads(n.doc_string):
+                bits.setdefault(p["bdlora_module"], set()).add(b)
+    assert {n for n, b in bits.items() if b == {8}} == wide
+    assert all(b == {4} for n, b in bits.items() if n not in wide)
+    assert info["quantization"]["declared_int8_matmuls"] == sum(
+        1 for n in graph.node if n.op_type == "MatMulNBits" and n.doc_string and
+        {a.name: a.i for a in n.attribute}["bits"] == 8)
+
+
+def test_bits_needs_int4_and_a_declared_width_must_be_4_or_8(widened, tiny_env, tmp_path):
+    root, _, _ = widened
+    r = shot(tiny_env, root / "teacher", tmp_path / "x", "--mac-ratio", "1.2", "--forms", "lowrank,bits")
+    assert r.exit_code == 2 and "--forms lowrank,bits: bits chooses which projections an int4 export keeps at 8 " \
+        "bits; give --precision int4" in r.stderr, r.output
+    assert not (tmp_path / "x").exists()
+    import shutil
+
+    shutil.copytree(root / "s", tmp_path / "edited")
+    cfg_path = tmp_path / "edited" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    name = next(n for n, spec in cfg["bdlora_modules"].items() if spec.get("bits") == 8)
+    cfg["bdlora_modules"][name]["bits"] = 5
+    cfg_path.write_text(json.dumps(cfg))
+    r = CliRunner().invoke(app, ["eval", str(tmp_path / "edited")])
+    assert r.exit_code != 0 and f"{name} is declared at 5 bits (4 or 8: its width in an int4 export)" in r.output
