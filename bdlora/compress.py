@@ -14,7 +14,13 @@ from bdlora import SCHEMA_VERSION, __version__
 from bdlora.budgeted.config import BudgetedConfig
 from bdlora.budgeted.costs import ModuleShape, compression_report, decide_module, prune_decision
 from bdlora.budgeted.layer import DeployedModule
-from bdlora.budgeted.model import build_deployed_model, compress_budgeted, dense_projections, narrow_mlps
+from bdlora.budgeted.model import (
+    build_deployed_model,
+    compress_budgeted,
+    declared_bits,
+    dense_projections,
+    narrow_mlps,
+)
 from bdlora.corpora import heldout_blocks
 from bdlora.deployed.folder import save_model_folder
 from bdlora.models import load_run_student
@@ -31,6 +37,7 @@ def compress_dense(model: nn.Module, lora_rank: int, provenance: dict):
         model = model.merge_and_unload()
     deployed = {}
     narrow, width = narrow_mlps(model), int(model.config.intermediate_size)  # a student started from a pruned folder
+    bits = declared_bits(model)  # ... or from one keeping some projections at 8 bits
     for name, mod in dense_projections(model).items():
         keep = narrow.get(name.rsplit(".", 1)[0], {}).get("keep")
         if keep:  # reported against the full-width MLP it was pruned from
@@ -39,6 +46,7 @@ def compress_dense(model: nn.Module, lora_rank: int, provenance: dict):
         else:
             dec = decide_module(ModuleShape(name, mod.in_features, mod.out_features), 1.0, lora_rank, lora_rank,
                                 has_bias=mod.bias is not None)
+        dec.bits = bits.get(name, 0)
         bias = None if mod.bias is None else mod.bias.detach().clone()
         deployed[name] = DeployedModule(dec, weight=mod.weight.detach().clone(), bias=bias)
     report = compression_report([c.decision for c in deployed.values()], provenance.get("budget"), {},

@@ -162,3 +162,28 @@ def test_bits_needs_int4_and_a_declared_width_must_be_4_or_8(widened, tiny_env, 
     cfg_path.write_text(json.dumps(cfg))
     r = CliRunner().invoke(app, ["eval", str(tmp_path / "edited")])
     assert r.exit_code != 0 and f"{name} is declared at 5 bits (4 or 8: its width in an int4 export)" in r.output
+
+
+def test_a_folder_with_8_bit_projections_heals_as_a_student_and_keeps_them(tiny_env, tmp_path):
+    """--forms channels,bits (no pairs: a student starts from dense projections), healed by kd-lora from the folder:
+    the compressed run declares the same projections at 8 bits and counts them."""
+    from conftest import train_args
+
+    cache = tmp_path / "cache"
+    shapes = _tiny_shapes(tiny_env["teacher"])
+    _hand_table(cache, shapes, (), teacher=tiny_env["teacher"])
+    _wide_table(cache, shapes)
+    r = shot({**tiny_env, "cache": cache}, tiny_env["teacher"], tmp_path / "p", "--mac-ratio", "1.3", "--precision",
+             "int4", "--threads", "1", "--forms", "channels,bits")
+    assert r.exit_code == 0, r.output
+    declared = json.loads((tmp_path / "p" / "config.json").read_text())["bdlora_modules"]
+    wide = {n: spec for n, spec in declared.items() if spec.get("bits") == 8}
+    assert wide and json.loads(r.stdout)["int8_modules"] == len(wide)
+    r = CliRunner().invoke(app, train_args(tiny_env, tmp_path / "run", "--method", "kd-lora", "--student-init",
+                                           str(tmp_path / "p"), "--student-layers", "4", "--max-steps", "2"))
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, ["compress", str(tmp_path / "run"), "--out", str(tmp_path / "healed"), "--json"])
+    assert r.exit_code == 0, r.output
+    healed = json.loads((tmp_path / "healed" / "config.json").read_text())["bdlora_modules"]
+    assert {n: spec for n, spec in healed.items() if spec.get("bits") == 8} == wide
+    assert json.loads(r.stdout)["int8_modules"] == len(wide)

@@ -145,6 +145,13 @@ def narrow_mlps(model: nn.Module) -> dict[str, dict]:
     return out
 
 
+def declared_bits(model: nn.Module) -> dict[str, int]:
+    """The projections ``model``'s config keeps at 8 bits in an int4 export (a student started from a folder
+    compressed with ``--forms bits``: its compressed folder keeps them, as it keeps a pruned MLP's width)."""
+    modules = getattr(base_model(model).config, "bdlora_modules", None) or {}
+    return {n: int(spec["bits"]) for n, spec in modules.items() if isinstance(spec, dict) and spec.get("bits")}
+
+
 def _base_config_dict(config) -> dict:
     cfg = config.to_dict()
     for k in ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path", "bdlora_modules",
@@ -160,6 +167,9 @@ def compress_budgeted(model: nn.Module, cfg: BudgetedConfig, provenance: dict):
     if not gated:
         raise ModelError("the student has no gated modules to compress")
     deployed = {n: m.to_deployed(n, cfg) for n, m in gated.items()}
+    for n, bits in declared_bits(model).items():
+        if n in deployed:
+            deployed[n].decision.bits = bits
     report = compression_report([c.decision for c in deployed.values()], provenance.get("budget"),
                                 cfg.thresholds())
     return build_deployed_model(model, deployed, {**provenance, "thresholds": report["thresholds"]}), report
