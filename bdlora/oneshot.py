@@ -55,10 +55,14 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
     ``bdlora.export.genai.latency``, passed in by the CLI; given the model's config, its prediction covers the whole
     decode step): allocate by that cost instead of MACs. ``facts``, for the provenance: what the allocation predicts
     at that cost (``allocation_cost``) and, with layers, each one's removal error (``allocation.removal_errors``)."""
-    calib = calibrate_with_progress(model, calibration_blocks(train_blocks, cfg.calib_tokens), reporter,
-                                    residual="layers" in cfg.form_names)
     mods = dict(projection_modules(model))
     shapes = [ModuleShape(n, m.in_features, m.out_features) for n, m in mods.items()]
+    table, bits = None, "bits" in cfg.form_names
+    if cost_table is not None:  # with channels, the narrower dense products it interpolates between are timed too
+        table = cost_table(shapes, dense=probe_shapes(shapes) if "channels" in cfg.form_names else (),
+                           config=model.config.to_dict(), **({"wide": True} if bits else {}))
+    calib = calibrate_with_progress(model, calibration_blocks(train_blocks, cfg.calib_tokens), reporter,
+                                    residual="layers" in cfg.form_names, rounded=table.rounded if bits else None)
     lowrank = "lowrank" in cfg.form_names
     if lowrank:
         reporter.stage("whitened, loss-weighted spectra of every projection")
@@ -73,19 +77,12 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
         reporter.stage("ranking every MLP's channels by loss-weighted activation energy")
         orders = {n.rsplit(".", 1)[0]: channel_order(m.weight, calib.gram(n), calib.fisher[n])
                   for n, m in mods.items() if n.endswith("down_proj")}
-    table = None
-    if cost_table is not None:  # with channels, the narrower dense products it interpolates between are timed too
-        table = cost_table(shapes, dense=probe_shapes(shapes) if orders else (), config=model.config.to_dict(),
-                           **({"wide": True} if "bits" in cfg.form_names else {}))
     cost = table.cost if table is not None else mac_cost
     sites = {site: site_options([s for s in shapes if s.name.startswith(site + ".")], order, cost)
              for site, order in orders.items()}
     layers = removal_errors(calib) if "layers" in cfg.form_names else None
     rest, fixed = whole_step(model, table) if cfg.speedup is not None else (None, 0.0)
-    wide = None
-    if "bits" in cfg.form_names:
-        reporter.stage("rounding every projection to 4 and 8 bits: its loss-weighted output error")
-        wide = wide_options(shapes, {n: m.weight for n, m in mods.items()}, calib, table)
+    wide = wide_options(shapes, calib, table) if bits else None
     alloc = allocate_by(shapes, energy, cfg.ratio, reporter, table, cfg.precision, sites, lowrank, layers, rest, fixed,
                         wide)
     gone = {s.name for s in shapes if alloc.gone(s.name)}

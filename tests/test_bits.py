@@ -16,8 +16,9 @@ from test_latency import _hand_table, _tiny_shapes
 from typer.testing import CliRunner
 
 import bdlora.export.genai.latency as lat
+from bdlora.arch import projection_modules
 from bdlora.budgeted.allocate import allocate
-from bdlora.budgeted.bits import rounding_error
+from bdlora.budgeted.calibrate import calibrate
 from bdlora.budgeted.costs import ModuleShape
 from bdlora.budgeted.lowrank import FISHER_DAMPING
 from bdlora.cli import app
@@ -44,15 +45,37 @@ def test_rtn_rounded_is_the_weight_the_exported_node_multiplies_by(k, precision,
     assert 0 < np.abs(w - hat).max() <= step  # rounded, on its block's grid
 
 
-def test_rounding_error_is_the_loss_weighted_output_error_on_the_calibration_inputs():
-    """||Phi (W - W_hat) X^T||^2 with Phi the damped Fisher weights: the units of a low-rank truncation's error."""
-    g = torch.Generator().manual_seed(0)
-    w, x, f = torch.randn(24, 64, generator=g), torch.randn(200, 64, generator=g), torch.rand(24, generator=g)
-    hat = rtn_rounded(w.numpy(), 4)
-    phi = (f.double() + FISHER_DAMPING * float(f.mean())).sqrt()
-    direct = float(((phi[:, None] * (w.double() - torch.from_numpy(hat).double())) @ x.double().T).pow(2).sum())
-    assert rounding_error(w, hat, x.double().T @ x.double(), f, damping=0.0) == pytest.approx(direct, rel=1e-9)
-    assert rounding_error(w, rtn_rounded(w.numpy(), 8), x.double().T @ x.double(), f) < direct / 100
+def test_the_rounding_error_is_measured_token_by_token_in_the_calibration_pass(tiny_env):
+    """calibrate(..., rounded=) gives each projection's error at 4 and 8 bits: sum_t sum_i (g_ti^2 + d) dy_ti^2 with
+    dy the output change of the rounded weight and g the loss's gradient at the same token (d: the damping of the
+    batch's mean g^2), times the tokens. Checked against swapping the weight and running the model again."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_env["teacher"]).eval()
+    blocks = np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 16))
+    calib = calibrate(model, blocks, rounded=rtn_rounded)
+    name = "model.layers.1.mlp.down_proj"
+    mod = model.get_submodule(name)
+    seen = {}
+    h = mod.register_forward_hook(lambda m, i, o: seen.__setitem__("y", o))
+    x = torch.from_numpy(blocks)
+    logits = model(input_ids=x).logits
+    seen["y"].retain_grad()
+    torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
+                                      reduction="sum").backward()
+    g2, y = seen["y"].grad.double().square(), seen["y"].detach().double()
+    g2 = g2 + FISHER_DAMPING * float(g2.mean())
+    source = mod.weight.detach().clone()
+    for bits in (4, 8):
+        with torch.no_grad():
+            mod.weight.copy_(torch.from_numpy(rtn_rounded(source.numpy(), bits)))
+            model(input_ids=x)
+            mod.weight.copy_(source)
+        direct = float((g2 * (seen["y"].double() - y).square()).sum()) * blocks.size
+        assert calib.rounding[name][bits] == pytest.approx(direct, rel=1e-5)
+    h.remove()
+    assert calib.rounding[name][8] < calib.rounding[name][4] / 50
+    assert set(calib.rounding) == {n for n, _ in projection_modules(model)}
 
 
 def test_the_allocation_buys_8_bits_where_the_error_given_back_pays_most():

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from bdlora.arch import projection_modules
+from bdlora.budgeted.lowrank import FISHER_DAMPING
 from bdlora.errors import DataError, ModelError
 
 CALIB_SEED = 20261124
@@ -44,6 +45,8 @@ class Calibration:
     tokens: int
     residual: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # layer -> (update
     # energy, output Fisher diagonal), each (hidden,) float64; only with ``calibrate(..., residual=True)``
+    rounding: dict[str, dict[int, float]] = field(default_factory=dict)  # module -> {bits: the loss-weighted output
+    # error of its weight rounded to that width}; only with ``calibrate(..., rounded=...)`` (``_rounding_hooks``)
 
     def gram(self, name: str) -> torch.Tensor:
         return self.grams[input_group(name)]
@@ -68,14 +71,18 @@ def calibration_blocks(blocks, tokens: int) -> np.ndarray:
     return blocks.get(idx)
 
 
-def calibrate(model, blocks: np.ndarray, fisher: bool = True, on_progress=None, residual: bool = False) -> Calibration:
+def calibrate(model, blocks: np.ndarray, fisher: bool = True, on_progress=None, residual: bool = False,
+              rounded=None, bits: tuple[int, ...] = (4, 8)) -> Calibration:
     """Gram matrices (and with ``fisher`` the output Fisher diagonals) of every projection of ``model`` over the
-    token ``blocks`` (n, T); with ``residual`` (and ``fisher``) each decoder layer's update energy and output Fisher.
+    token ``blocks`` (n, T); with ``residual`` (and ``fisher``) each decoder layer's update energy and output Fisher;
+    with ``rounded`` (``(weight (out, in) array, bits) -> the weight as an export rounds it``, and ``fisher``) each
+    projection's rounding error at every width of ``bits`` (``_rounding_hooks``).
     The model's weights are not changed and get no gradient. ``on_progress(k)`` is called after each batch with the
     number of blocks it held."""
     mods = dict(projection_modules(model))
     grams: dict[str, torch.Tensor] = {}
     fish: dict[str, torch.Tensor] = {}
+    rounding: dict[str, dict[int, float]] = {}
     hooks = []
     seen: set[str] = set()
     for name, mod in mods.items():
@@ -85,6 +92,8 @@ def calibrate(model, blocks: np.ndarray, fisher: bool = True, on_progress=None, 
             hooks.append(mod.register_forward_hook(_gram_hook(grams, group)))
         if fisher:
             hooks.append(mod.register_full_backward_hook(_fisher_hook(fish, name)))
+        if fisher and rounded is not None:
+            hooks += _rounding_hooks(mod, name, rounding, rounded, bits)
     updates: dict[int, list] = {}
     if residual and fisher:
         for i, layer in enumerate(model.model.layers):
@@ -120,7 +129,9 @@ def calibrate(model, blocks: np.ndarray, fisher: bool = True, on_progress=None, 
     if bad:
         raise ModelError(f"the model's activations or gradients on the calibration tokens are not finite (first at "
                          f"{bad[0]}): its weights hold NaN or infinity (check the --teacher / --student-init weights)")
-    return Calibration(grams, fish, int(blocks.size), {i: (u[0], u[1]) for i, u in sorted(updates.items())})
+    tokens = int(blocks.size)
+    return Calibration(grams, fish, tokens, {i: (u[0], u[1]) for i, u in sorted(updates.items())},
+                       {n: {b: e * tokens for b, e in r.items()} for n, r in rounding.items()})
 
 
 def _gram_hook(grams: dict, group: str):
@@ -137,6 +148,37 @@ def _fisher_hook(fish: dict, name: str):
         f = g.square().sum(0)
         fish[name] = fish[name] + f if name in fish else f
     return hook
+
+
+def _rounding_hooks(mod, name: str, rounding: dict, rounded, bits: tuple[int, ...]) -> list:
+    """Hooks adding, per width b of ``bits``, ``sum_t sum_i (g_ti^2 + d) ((W - Q_b(W)) x_t)_i^2`` over the tokens:
+    the rounding's output change weighted by the loss's squared gradient *at the same token* (d: ``FISHER_DAMPING``
+    of the batch's mean squared gradient, as the spectrum damps the Fisher). Token by token, not the Fisher diagonal
+    times the output change's energy as the other forms' errors are: a weight's rounding error scales with its
+    inputs, and a few tokens carry inputs hundreds of times larger (SmolLM2's attention sinks: its layer-11 down
+    projection makes them) where the loss's gradient is small, which the product of the two sums counts as if they
+    met (22x too high there, 5x over all projections, measured). ``calibrate`` multiplies the sum by the tokens, the
+    scale the product of sums has when the two are independent, so it compares with the other forms' errors."""
+    seen: dict = {}
+
+    def forward(module, inputs, output):
+        seen["x"] = inputs[0].detach()
+
+    def backward(module, grad_input, grad_output):
+        x = seen.pop("x", None)
+        if x is None:
+            return
+        g2 = grad_output[0].detach().double().square()
+        g2 = g2 + FISHER_DAMPING * float(g2.mean())
+        w = module.weight.detach()
+        for b in bits:
+            delta = (w - torch.as_tensor(np.asarray(rounded(w.float().cpu().numpy(), b)), dtype=w.dtype,
+                                         device=w.device)).to(x.dtype)
+            e = float((g2 * (x @ delta.T).double().square()).sum())
+            rounding.setdefault(name, {}).setdefault(b, 0.0)
+            rounding[name][b] += e
+
+    return [mod.register_forward_hook(forward), mod.register_full_backward_hook(backward)]
 
 
 def _residual_hook(updates: dict, index: int):

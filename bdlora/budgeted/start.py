@@ -81,12 +81,14 @@ def paper_mac_ratio(shapes: list[ModuleShape], budget: float, rank: int) -> floa
     return compression_report(decisions, budget)["speedup_vs_dense"]
 
 
-def calibrate_with_progress(model, blocks, reporter: Reporter = SILENT, residual: bool = False):
-    """``calibrate`` with a stage line and a progress bar (``residual``: each layer's update too)."""
-    reporter.stage(f"calibrating on {blocks.size:,} training tokens (input Gram matrices, output Fisher diagonals)")
+def calibrate_with_progress(model, blocks, reporter: Reporter = SILENT, residual: bool = False, rounded=None):
+    """``calibrate`` with a stage line and a progress bar (``residual``: each layer's update too; ``rounded``: each
+    projection's rounding error at 4 and 8 bits)."""
+    reporter.stage(f"calibrating on {blocks.size:,} training tokens (input Gram matrices, output Fisher diagonals"
+                   f"{', rounding errors at 4 and 8 bits' if rounded else ''})")
     reporter.count(0, len(blocks), "calibration blocks")
     return calibrate(model, blocks, on_progress=lambda k: reporter.count(k, len(blocks), "calibration blocks"),
-                     residual=residual)
+                     residual=residual, rounded=rounded)
 
 
 def allocate_by(shapes, energy: dict, target: float, reporter: Reporter = SILENT, table=None,
