@@ -164,6 +164,9 @@ def test_the_int4_export_keeps_the_declared_projections_at_8_bits(widened, tmp_p
                 bits.setdefault(p["bdlora_module"], set()).add(b)
     assert {n for n, b in bits.items() if b == {8}} == wide
     assert all(b == {4} for n, b in bits.items() if n not in wide)
+    model = onnx.load(str(tmp_path / "g" / "model.onnx"), load_external_data=False)
+    rows = json.loads(next(p.value for p in model.metadata_props if p.key == "bdlora.modules"))
+    assert {r["name"] for r in rows if r.get("bits") == 8} == wide  # the per-module metadata says it too
     assert info["quantization"]["declared_int8_matmuls"] == sum(
         1 for n in graph.node if n.op_type == "MatMulNBits" and n.doc_string and
         {a.name: a.i for a in n.attribute}["bits"] == 8)

@@ -29,8 +29,15 @@ def module_row(name: str, m: nn.Module) -> dict | None:
 
 
 def module_table(model: nn.Module) -> list[dict]:
-    """Every projection of the model as deployed."""
-    return [row for row in (module_row(n, m) for n, m in projection_modules(model)) if row is not None]
+    """Every projection of the model as deployed (with ``bits`` where its folder keeps it at 8 bits in an int4
+    export: ``--forms bits``)."""
+    declared = getattr(model.config, "bdlora_modules", None) or {}
+    rows = [row for row in (module_row(n, m) for n, m in projection_modules(model)) if row is not None]
+    for row in rows:
+        bits = (declared.get(row["name"]) or {}).get("bits")
+        if bits:
+            row["bits"] = int(bits)
+    return rows
 
 
 def metadata_summary(model: nn.Module, rows: list[dict], report: dict | None) -> dict:
