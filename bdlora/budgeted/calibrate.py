@@ -79,21 +79,10 @@ def calibrate(model, blocks: np.ndarray, fisher: bool = True, on_progress=None, 
     projection's rounding error at every width of ``bits`` (``_rounding_hooks``).
     The model's weights are not changed and get no gradient. ``on_progress(k)`` is called after each batch with the
     number of blocks it held."""
-    mods = dict(projection_modules(model))
     grams: dict[str, torch.Tensor] = {}
     fish: dict[str, torch.Tensor] = {}
     rounding: dict[str, dict[int, float]] = {}
-    hooks = []
-    seen: set[str] = set()
-    for name, mod in mods.items():
-        group = input_group(name)
-        if group not in seen:
-            seen.add(group)
-            hooks.append(mod.register_forward_hook(_gram_hook(grams, group)))
-        if fisher:
-            hooks.append(mod.register_full_backward_hook(_fisher_hook(fish, name)))
-        if fisher and rounded is not None:
-            hooks += _rounding_hooks(mod, name, rounding, rounded, bits)
+    hooks = _projection_hooks(model, grams, fish if fisher else None, rounding, rounded if fisher else None, bits)
     updates: dict[int, list] = {}
     if residual and fisher:
         for i, layer in enumerate(model.model.layers):
@@ -132,6 +121,22 @@ def calibrate(model, blocks: np.ndarray, fisher: bool = True, on_progress=None, 
     tokens = int(blocks.size)
     return Calibration(grams, fish, tokens, {i: (u[0], u[1]) for i, u in sorted(updates.items())},
                        {n: {b: e * tokens for b, e in r.items()} for n, r in rounding.items()})
+
+
+def _projection_hooks(model, grams: dict, fish: dict | None, rounding: dict, rounded, bits) -> list:
+    """The hooks filling ``grams`` (one per input group), ``fish`` (None: no Fisher) and, with ``rounded``,
+    ``rounding`` on every projection of ``model``."""
+    hooks, seen = [], set()
+    for name, mod in projection_modules(model):
+        group = input_group(name)
+        if group not in seen:
+            seen.add(group)
+            hooks.append(mod.register_forward_hook(_gram_hook(grams, group)))
+        if fish is not None:
+            hooks.append(mod.register_full_backward_hook(_fisher_hook(fish, name)))
+        if rounded is not None:
+            hooks += _rounding_hooks(mod, name, rounding, rounded, bits)
+    return hooks
 
 
 def _gram_hook(grams: dict, group: str):
