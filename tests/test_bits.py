@@ -213,3 +213,24 @@ def test_a_folder_with_8_bit_projections_heals_as_a_student_and_keeps_them(tiny_
     healed = json.loads((tmp_path / "healed" / "config.json").read_text())["bdlora_modules"]
     assert {n: spec for n, spec in healed.items() if spec.get("bits") == 8} == wide
     assert json.loads(r.stdout)["int8_modules"] == len(wide)
+
+
+def test_all_four_forms_in_one_knapsack_give_a_folder_every_reader_takes(tiny_env, tmp_path):
+    """--forms lowrank,channels,layers,bits at --speedup: every 8-bit projection is dense and in a layer that stays,
+    the folder loads and scores, and its int4 export keeps the declared widths."""
+    cache = tmp_path / "cache"
+    shapes = _tiny_shapes(tiny_env["teacher"])
+    _hand_table(cache, shapes, (), teacher=tiny_env["teacher"])
+    _wide_table(cache, shapes)
+    r = shot({**tiny_env, "cache": cache}, tiny_env["teacher"], tmp_path / "s", "--speedup", "1.2", "--precision",
+             "int4", "--threads", "1", "--forms", "lowrank,channels,layers,bits")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    rows = {m["name"]: m for m in report["modules"]}
+    wide = {n for n, m in rows.items() if m["bits"] == 8}
+    assert wide and report["mlp_pruned"] and any(m["form"] == "lowrank" for m in rows.values())
+    assert report["int8_modules"] == len(wide)
+    assert all(rows[n]["form"] == "dense" and rows[n]["case"] != "removed" for n in wide)
+    assert report["provenance"]["allocation_cost"]["predicted_decode_speedup"] >= 1.2
+    r = CliRunner().invoke(app, ["eval", str(tmp_path / "s"), "--ppl", "--json", str(tmp_path / "e.json")])
+    assert r.exit_code == 0, r.output
