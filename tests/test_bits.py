@@ -144,14 +144,15 @@ def test_a_one_shot_with_bits_declares_its_8_bit_projections_and_prices_them_at_
     assert json.loads(r.stdout)["deployed"]["projection_us"] == pytest.approx(doc["projection_us"])
 
 
-def test_the_int4_export_keeps_the_declared_projections_at_8_bits(widened, tmp_path):
+@pytest.mark.parametrize("quant", ["rtn", "affine"])  # onnxruntime's quantiser, and the graph rounded here
+def test_the_int4_export_keeps_the_declared_projections_at_8_bits(widened, tmp_path, quant):
     """export genai --precision int4: each declared projection's MatMuls (its own first stage, split from the
     others reading its input; a pair's second factor) are 8-bit MatMulNBits, every other one 4-bit; the graph passes
     the export's parity check against PyTorch."""
     root, report, _ = widened
     wide = {m["name"] for m in report["modules"] if m["bits"] == 8}
     r = CliRunner().invoke(app, ["export", "genai", str(root / "s"), "--precision", "int4", "--max-ppl-change", "5",
-                                 "--out", str(tmp_path / "g"), "--json"])
+                                 "--quant", quant, "--out", str(tmp_path / "g"), "--json"])
     assert r.exit_code == 0, r.output
     info = json.loads(r.stdout)
     assert info["validation"]["parity"]["decode_max_abs_diff"] <= info["validation"]["parity"]["decode_tolerance"]
