@@ -78,8 +78,11 @@ def write_genai_files(model, tok, folder: Path, precision: str, ctx: int, report
     write_json(folder / GENAI_CONFIG, genai_config(cfg, base, ctx, threads=threads))
     write_model_files(folder, model, tok, report)
     if precision != "fp32":
-        copy = onnx.ModelProto()
-        copy.CopyFrom(proto)  # saving with external data rewrites a proto's tensors in place
+        if fp32_path is not None:  # the fp32 reference first, then the same proto is rounded in place: no copy of it
+            fp32_path.parent.mkdir(exist_ok=True)
+            save_graph(proto, fp32_path)
+            if any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer):
+                onnx.load_external_data_for_model(proto, str(fp32_path.parent))  # saving moved them to disk
         grams = {} if grams is None else grams
         calibrated = scheme(quant).calibrated
         if calibrated and not grams:
@@ -89,13 +92,11 @@ def write_genai_files(model, tok, folder: Path, precision: str, ctx: int, report
                                      on_block=lambda d, t: reporter.count(1, t, "blocks")))  # count: increments
         if calibrated:
             reporter.stage(f"{quant}: rounding every MatMul to {precision} against its input")
-        qproto, info["quantization"] = quantize_nbits(copy, precision, quant, grams, head_bits, int8_share)
+        qproto, info["quantization"] = quantize_nbits(proto, precision, quant, grams, head_bits, int8_share,
+                                                      in_place=True)
         if calibrated:
             info["quantization"]["calibration_tokens"] = len(calibration) * calibration.seq_len
         save_graph(qproto, folder / MODEL_ONNX)
-        if fp32_path is not None:
-            fp32_path.parent.mkdir(exist_ok=True)
-            save_graph(proto, fp32_path)
     else:
         save_graph(proto, folder / MODEL_ONNX)
     return info

@@ -55,10 +55,11 @@ BITS = {"int8": 8, "int4": 4}
 
 
 def quantize_nbits(model, precision: str, method: str = "rtn", grams: dict | None = None, head_bits: int = 8,
-                   int8_share: float = 0.0):
+                   int8_share: float = 0.0, in_place: bool = False):
     """``model`` (an in-memory ``ModelProto``, weights inside) with its MatMuls as MatMulNBits; returns the new
     proto and a description of what was quantised. ``grams``: the input Gram matrix of every MatMul (``method``
-    gptq; ``gptq.input_grams``)."""
+    gptq; ``gptq.input_grams``). ``in_place``: ``model`` is the caller's to give away, and is rewritten instead of
+    copied (a copy of the fp32 graph is the model's size again: 1.2B parameters hold 5 GB)."""
     if precision not in BITS:
         raise ValueError(f"precision {precision!r}: allowed {', '.join(PRECISIONS)}")
     head = 8 if precision == "int8" else head_bits
@@ -66,11 +67,12 @@ def quantize_nbits(model, precision: str, method: str = "rtn", grams: dict | Non
     # the MatMuls whose projections the folder keeps at 8 bits (``--forms bits``): at int4 only
     wide = [n.name for n in model.graph.node if n.op_type == "MatMul" and node_bits(n.doc_string) == 8] \
         if precision == "int4" else []
+    docs = {n.name: n.doc_string for n in model.graph.node if n.op_type == "MatMul" and n.doc_string}
     if s.rounds_here:
         out, detail = quantize_graph(model, grams, lambda name: head if name == LM_HEAD else 8 if name in wide
                                      else BITS[precision], method=method,
-                                     int8_share=int8_share if precision == "int4" else 0.0)
-        _keep_docs(model, out)
+                                     int8_share=int8_share if precision == "int4" else 0.0, in_place=in_place)
+        _keep_docs(docs, out)
         eight = [n for n, b in detail["bits"].items() if b == 8 and n != LM_HEAD]
         described = {**_describe(out, BLOCK_SIZE), "method": method, "symmetric": s.symmetric, "int8_matmuls": eight,
                      "declared_int8_matmuls": len(wide), "relative_output_error": detail["relative_output_error"]}
@@ -79,10 +81,11 @@ def quantize_nbits(model, precision: str, method: str = "rtn", grams: dict | Non
         corrected = sum(n.op_type == "MatMulNBits" and n.input[0].endswith(AUGMENTED) for n in out.graph.node)
         return out, {**described, "offset_corrections": corrected}
 
-    def run(proto, bits: int, include=None, exclude=None):
-        copy = onnx.ModelProto()
-        copy.CopyFrom(proto)  # the quantiser rewrites the proto it is given
-        q = MatMulNBitsQuantizer(copy, bits=bits, block_size=BLOCK_SIZE, is_symmetric=True,
+    def run(proto, bits: int, include=None, exclude=None, copy: bool = False):
+        if copy:  # the quantiser rewrites the proto it is given
+            proto, given = onnx.ModelProto(), proto
+            proto.CopyFrom(given)
+        q = MatMulNBitsQuantizer(proto, bits=bits, block_size=BLOCK_SIZE, is_symmetric=True,
                                  accuracy_level=ACCURACY_LEVEL, nodes_to_include=include, nodes_to_exclude=exclude)
         q.process()
         return q.model.model
@@ -93,19 +96,19 @@ def quantize_nbits(model, precision: str, method: str = "rtn", grams: dict | Non
     try:
         eights = ([LM_HEAD] if head == 8 else []) + wide
         if precision == "int8" or not eights:
-            out = run(model, BITS[precision])
-        else:
-            out = run(run(model, 4, exclude=eights), 8, include=eights)
+            out = run(model, BITS[precision], copy=not in_place)
+        else:  # the first pass's output is ours: the second rewrites it
+            out = run(run(model, 4, exclude=eights, copy=not in_place), 8, include=eights)
     finally:
         root.setLevel(level)
-    _keep_docs(model, out)
+    _keep_docs(docs, out)
     return out, {**_describe(out, BLOCK_SIZE), "method": s.name, "symmetric": s.symmetric,
                  "declared_int8_matmuls": len(wide)}
 
 
-def _keep_docs(before: onnx.ModelProto, after: onnx.ModelProto) -> None:
-    """Each quantised MatMul (``NAME_Q4``/``NAME_Q8``) keeps its source's doc string: the projections it computes."""
-    docs = {n.name: n.doc_string for n in before.graph.node if n.op_type == "MatMul" and n.doc_string}
+def _keep_docs(docs: dict[str, str], after: onnx.ModelProto) -> None:
+    """Each quantised MatMul (``NAME_Q4``/``NAME_Q8``) keeps its source's doc string (``docs``, by node name): the
+    projections it computes."""
     for n in after.graph.node:
         if n.op_type == "MatMulNBits" and not n.doc_string:
             n.doc_string = docs.get(n.name.rsplit("_Q", 1)[0], "")
@@ -141,16 +144,18 @@ def _describe(out, block: int) -> dict:
 
 
 def quantize_graph(proto: onnx.ModelProto, grams: dict[str, torch.Tensor], bits_of, method: str = "gptq",
-                   int8_share: float = 0.0, on_matmul=None) -> tuple[onnx.ModelProto, dict]:
+                   int8_share: float = 0.0, on_matmul=None, in_place: bool = False) -> tuple[onnx.ModelProto, dict]:
     """``proto`` with every weight MatMul whose ``bits_of(node name)`` is 4 or 8 replaced by MatMulNBits at that
     width (``None`` keeps it fp32), rounded by ``method``: "gptq" or "rtn" on the same grid, or "affine" (``affine``:
     a float offset per block at 4 bits, kept by a correction; ``grams`` may then be None and the errors are the
     weights' own). ``int8_share``: of the
     4-bit MatMuls, those whose rounding hurts most (relative output error per weight on the calibration inputs) go to
-    8 bits until they hold this share of the 4-bit weights. Returns the new proto and, per MatMul, its bits and the
-    output error of its rounding relative to the output's energy."""
-    out = onnx.ModelProto()
-    out.CopyFrom(proto)
+    8 bits until they hold this share of the 4-bit weights. Returns the new proto (``in_place``: ``proto`` itself,
+    rewritten) and, per MatMul, its bits and the output error of its rounding relative to the output's energy."""
+    out = proto
+    if not in_place:
+        out = onnx.ModelProto()
+        out.CopyFrom(proto)
     g = out.graph
     errors, replaced, drop = {}, {}, set()
     todo = [(n, w) for n, w in weight_matmuls(out) if bits_of(n.name) in (4, 8)]
