@@ -143,9 +143,17 @@ def _io(layout: DecoderLayout, vocab: int, layers: int, kv_heads: int, hd: int) 
 
 
 def _model(g: GraphBuilder, name: str, inputs: list, outputs: list):
-    graph = helper.make_graph(g.nodes, name, inputs, outputs, initializer=g.inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", g.opset), helper.make_opsetid(MS, 1)],
-                             producer_name="bdlora")
+    """The model proto of ``g``'s nodes and initialisers. The weights are moved into it one at a time (each of the
+    builder's copies dropped once the graph holds it): handed to ``make_graph`` and then ``make_model``, which copy
+    them, a graph's weights were held three times at once (SmolLM2: 2.95 GB for a 0.54 GB graph)."""
+    model = helper.make_model(helper.make_graph(g.nodes, name, inputs, outputs),
+                              opset_imports=[helper.make_opsetid("", g.opset), helper.make_opsetid(MS, 1)],
+                              producer_name="bdlora")
+    inits, g.inits = g.inits, []
+    inits.reverse()
+    while inits:
+        model.graph.initializer.append(inits.pop())
+    return model
 
 
 PROTOBUF_LIMIT = 2**31 - 1  # bytes: a larger graph keeps its weights in an external-data file beside it
