@@ -132,7 +132,7 @@ BYTES_PER_WEIGHT = {"fp32": 4.0, "int8": 1.0, "int4": 0.5}
 
 def depths(config: dict, precision: str) -> tuple[int, int]:
     """(hi, lo): the model's own depth, or fewer layers when ``STREAM_BYTES`` of them already stream from memory
-    (a 1B model's full-depth graph does not fit this exporter in 24 GB; its layers stream from the first few), and
+    (a 1B model's layers stream from memory from the first few, and its full-depth export nearly fills 24 GB), and
     half of it."""
     layer = sum(s.dense_cost for s in shapes_from_config({**config, "num_hidden_layers": 1}))
     enough = -(-STREAM_BYTES // int(layer * BYTES_PER_WEIGHT[precision]))
