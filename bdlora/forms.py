@@ -32,6 +32,11 @@ def bits_problem(spec: dict, module: str) -> str | None:
     return None
 
 
+def declared_bits(modules) -> dict[str, int]:
+    """Projection -> its declared width, for every ``bdlora_modules`` entry that declares one (``--forms bits``)."""
+    return {n: int(s["bits"]) for n, s in (modules or {}).items() if isinstance(s, dict) and s.get("bits")}
+
+
 def with_bits(spec: dict, bits: int) -> dict:
     """``spec`` carrying ``bits`` when a module ships wider than its export's precision (0: the precision's own)."""
     return {**spec, "bits": int(bits)} if bits else spec

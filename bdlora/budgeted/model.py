@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from bdlora import SCHEMA_VERSION
+from bdlora import SCHEMA_VERSION, forms
 from bdlora.arch import PROJECTIONS, base_model, dense_state_dict, is_projection, set_module
 from bdlora.budgeted.config import DEFAULTS, BudgetedConfig
 from bdlora.budgeted.costs import compression_report, deployed_form, site_forms
@@ -148,8 +148,7 @@ def narrow_mlps(model: nn.Module) -> dict[str, dict]:
 def declared_bits(model: nn.Module) -> dict[str, int]:
     """The projections ``model``'s config keeps at 8 bits in an int4 export (a student started from a folder
     compressed with ``--forms bits``: its compressed folder keeps them, as it keeps a pruned MLP's width)."""
-    modules = getattr(base_model(model).config, "bdlora_modules", None) or {}
-    return {n: int(spec["bits"]) for n, spec in modules.items() if isinstance(spec, dict) and spec.get("bits")}
+    return forms.declared_bits(getattr(base_model(model).config, "bdlora_modules", None))
 
 
 def _base_config_dict(config) -> dict:

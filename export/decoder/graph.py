@@ -34,6 +34,7 @@ from bdlora.export.decoder.attention import (
 from bdlora.export.decoder.builder import GraphBuilder, Projection, emit_group, emit_packed_qkv
 from bdlora.export.defaults import MAX_OPSET
 from bdlora.families import Anatomy, family
+from bdlora.forms import declared_bits
 from bdlora.runtime import DecoderShape
 from bdlora.runtime import DecoderSignature as Sig
 
@@ -89,8 +90,7 @@ def _norm(g: GraphBuilder, layout: DecoderLayout, x: str, delta: str | None, wei
 
 def _projection(cfg, name: str, module: nn.Module) -> Projection:
     """``module`` as emitted, with the bits its folder declares for it (``bdlora_modules``; ``--forms bits``)."""
-    spec = (getattr(cfg, "bdlora_modules", None) or {}).get(name) or {}
-    return Projection.of(name, module, int(spec.get("bits") or 0))
+    return Projection.of(name, module, declared_bits(getattr(cfg, "bdlora_modules", None)).get(name, 0))
 
 
 def _layer(g: GraphBuilder, layout: DecoderLayout, i: int, layer: nn.Module, residual: str, mlp_prev: str | None,

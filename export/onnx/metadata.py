@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from bdlora import __version__
 from bdlora.arch import projection_modules
-from bdlora.forms import DENSE, FORMS, LOWRANK, describe
+from bdlora.forms import DENSE, FORMS, LOWRANK, declared_bits, describe
 
 
 def module_row(name: str, m: nn.Module) -> dict | None:
@@ -31,12 +31,11 @@ def module_row(name: str, m: nn.Module) -> dict | None:
 def module_table(model: nn.Module) -> list[dict]:
     """Every projection of the model as deployed (with ``bits`` where its folder keeps it at 8 bits in an int4
     export: ``--forms bits``)."""
-    declared = getattr(model.config, "bdlora_modules", None) or {}
+    bits = declared_bits(getattr(model.config, "bdlora_modules", None))
     rows = [row for row in (module_row(n, m) for n, m in projection_modules(model)) if row is not None]
     for row in rows:
-        bits = (declared.get(row["name"]) or {}).get("bits")
-        if bits:
-            row["bits"] = int(bits)
+        if row["name"] in bits:
+            row["bits"] = bits[row["name"]]
     return rows
 
 
