@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
-from test_channels import shot
+from test_channels import healed_and_compressed, shot
 from test_latency import _hand_table, _tiny_shapes
 from typer.testing import CliRunner
 
@@ -102,6 +102,14 @@ def _wide_table(cache, shapes, threads=1):
     return path
 
 
+def tabled_shot(env, teacher, cache, out, *extra):
+    """compress --one-shot --precision int4 of ``teacher`` against hand-made int4 and int8 tables in ``cache``."""
+    shapes = _tiny_shapes(teacher)
+    _hand_table(cache, shapes, (), teacher=teacher)
+    _wide_table(cache, shapes)
+    return shot({**env, "cache": cache}, teacher, out, "--precision", "int4", "--threads", "1", *extra)
+
+
 @pytest.fixture(scope="module")
 def widened(tiny_env, tmp_path_factory):
     """A one-shot student of a genai-shaped teacher with --forms lowrank,bits at int4 (hand-made tables)."""
@@ -109,14 +117,10 @@ def widened(tiny_env, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("bits")
     genai_teacher(tiny_env["tokenizer"], root / "teacher")
-    cache = root / "cache"
-    shapes = _tiny_shapes(root / "teacher")
-    _hand_table(cache, shapes, (), teacher=root / "teacher")
-    _wide_table(cache, shapes)
-    r = shot({**tiny_env, "cache": cache}, root / "teacher", root / "s", "--mac-ratio", "1.2", "--precision", "int4",
-             "--threads", "1", "--forms", "lowrank,bits")
+    r = tabled_shot(tiny_env, root / "teacher", root / "cache", root / "s", "--mac-ratio", "1.2", "--forms",
+                    "lowrank,bits")
     assert r.exit_code == 0, r.output
-    return root, json.loads(r.stdout), shapes
+    return root, json.loads(r.stdout), _tiny_shapes(root / "teacher")
 
 
 def test_a_one_shot_with_bits_declares_its_8_bit_projections_and_prices_them_at_int8(widened):
@@ -194,23 +198,13 @@ def test_bits_needs_int4_and_a_declared_width_must_be_4_or_8(widened, tiny_env, 
 def test_a_folder_with_8_bit_projections_heals_as_a_student_and_keeps_them(tiny_env, tmp_path):
     """--forms channels,bits (no pairs: a student starts from dense projections), healed by kd-lora from the folder:
     the compressed run declares the same projections at 8 bits and counts them."""
-    from conftest import train_args
-
-    cache = tmp_path / "cache"
-    shapes = _tiny_shapes(tiny_env["teacher"])
-    _hand_table(cache, shapes, (), teacher=tiny_env["teacher"])
-    _wide_table(cache, shapes)
-    r = shot({**tiny_env, "cache": cache}, tiny_env["teacher"], tmp_path / "p", "--mac-ratio", "1.3", "--precision",
-             "int4", "--threads", "1", "--forms", "channels,bits")
+    r = tabled_shot(tiny_env, tiny_env["teacher"], tmp_path / "cache", tmp_path / "p", "--mac-ratio", "1.3",
+                    "--forms", "channels,bits")
     assert r.exit_code == 0, r.output
     declared = json.loads((tmp_path / "p" / "config.json").read_text())["bdlora_modules"]
     wide = {n: spec for n, spec in declared.items() if spec.get("bits") == 8}
     assert wide and json.loads(r.stdout)["int8_modules"] == len(wide)
-    r = CliRunner().invoke(app, train_args(tiny_env, tmp_path / "run", "--method", "kd-lora", "--student-init",
-                                           str(tmp_path / "p"), "--student-layers", "4", "--max-steps", "2"))
-    assert r.exit_code == 0, r.output
-    r = CliRunner().invoke(app, ["compress", str(tmp_path / "run"), "--out", str(tmp_path / "healed"), "--json"])
-    assert r.exit_code == 0, r.output
+    r = healed_and_compressed(tiny_env, tmp_path / "p", tmp_path, steps=2)
     healed = json.loads((tmp_path / "healed" / "config.json").read_text())["bdlora_modules"]
     assert {n: spec for n, spec in healed.items() if spec.get("bits") == 8} == wide
     assert json.loads(r.stdout)["int8_modules"] == len(wide)
@@ -218,13 +212,9 @@ def test_a_folder_with_8_bit_projections_heals_as_a_student_and_keeps_them(tiny_
 
 def test_all_four_forms_in_one_knapsack_give_a_folder_every_reader_takes(tiny_env, tmp_path):
     """--forms lowrank,channels,layers,bits at --speedup: every 8-bit projection is dense and in a layer that stays,
-    the folder loads and scores, and its int4 export keeps the declared widths."""
-    cache = tmp_path / "cache"
-    shapes = _tiny_shapes(tiny_env["teacher"])
-    _hand_table(cache, shapes, (), teacher=tiny_env["teacher"])
-    _wide_table(cache, shapes)
-    r = shot({**tiny_env, "cache": cache}, tiny_env["teacher"], tmp_path / "s", "--speedup", "1.2", "--precision",
-             "int4", "--threads", "1", "--forms", "lowrank,channels,layers,bits")
+    and the folder loads and scores (the int4 export of declared widths: the test above)."""
+    r = tabled_shot(tiny_env, tiny_env["teacher"], tmp_path / "cache", tmp_path / "s", "--speedup", "1.2", "--forms",
+                    "lowrank,channels,layers,bits")
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)
     rows = {m["name"]: m for m in report["modules"]}

@@ -283,6 +283,19 @@ def test_forms_is_checked_in_one_line(tiny_env, tmp_path):
         assert not (tmp_path / "x").exists()
 
 
+def healed_and_compressed(env, folder, tmp_path, steps: int):
+    """kd-lora healing of the compressed ``folder`` as a student (``--student-init``, 4 layers) into
+    ``tmp_path/run``, then ``compress`` of that run into ``tmp_path/healed``: compress's CLI result."""
+    from conftest import train_args
+
+    r = CliRunner().invoke(app, train_args(env, tmp_path / "run", "--method", "kd-lora", "--student-init",
+                                           str(folder), "--student-layers", "4", "--max-steps", str(steps)))
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, ["compress", str(tmp_path / "run"), "--out", str(tmp_path / "healed"), "--json"])
+    assert r.exit_code == 0, r.output
+    return r
+
+
 def test_a_pruned_folder_heals_as_a_student_and_compresses_to_the_same_sites(tiny_env, tmp_path):
     """Prune, then heal (Minitron's order): --student-init takes a folder compressed with --forms channels, kd-lora
     trains it against the teacher, and compress keeps every pruned MLP at its width. A folder with low-rank pairs is
@@ -294,11 +307,7 @@ def test_a_pruned_folder_heals_as_a_student_and_compresses_to_the_same_sites(tin
     sites = {k: v for k, v in json.loads((tmp_path / "p" / "config.json").read_text())["bdlora_modules"].items()
              if k.endswith(".mlp")}
     assert sites
-    r = CliRunner().invoke(app, train_args(tiny_env, tmp_path / "run", "--method", "kd-lora", "--student-init",
-                                           str(tmp_path / "p"), "--student-layers", "4", "--max-steps", "4"))
-    assert r.exit_code == 0, r.output
-    r = CliRunner().invoke(app, ["compress", str(tmp_path / "run"), "--out", str(tmp_path / "healed"), "--json"])
-    assert r.exit_code == 0, r.output
+    r = healed_and_compressed(tiny_env, tmp_path / "p", tmp_path, steps=4)
     healed = json.loads((tmp_path / "healed" / "config.json").read_text())["bdlora_modules"]
     assert {k: v for k, v in healed.items() if k.endswith(".mlp")} == sites
     report = json.loads(r.stdout)

@@ -176,12 +176,11 @@ def _rounding_hooks(mod, name: str, rounding: dict, rounded, bits: tuple[int, ..
         g2 = grad_output[0].detach().double().square()
         g2 = g2 + FISHER_DAMPING * float(g2.mean())
         w = module.weight.detach()
+        errors = rounding.setdefault(name, {})
         for b in bits:
             delta = (w - torch.as_tensor(np.asarray(rounded(w.float().cpu().numpy(), b)), dtype=w.dtype,
                                          device=w.device)).to(x.dtype)
-            e = float((g2 * (x @ delta.T).double().square()).sum())
-            rounding.setdefault(name, {}).setdefault(b, 0.0)
-            rounding[name][b] += e
+            errors[b] = errors.get(b, 0.0) + float((g2 * (x @ delta.T).double().square()).sum())
 
     return [mod.register_forward_hook(forward), mod.register_full_backward_hook(backward)]
 
