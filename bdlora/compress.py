@@ -12,14 +12,14 @@ import torch.nn as nn
 
 from bdlora import SCHEMA_VERSION, __version__
 from bdlora.budgeted.config import BudgetedConfig
-from bdlora.budgeted.costs import ModuleShape, compression_report, decide_module, prune_decision
+from bdlora.budgeted.costs import ModuleShape, compression_report, decide_module, is_attention, prune_decision
 from bdlora.budgeted.layer import DeployedModule
 from bdlora.budgeted.model import (
     build_deployed_model,
     compress_budgeted,
     declared_bits,
     dense_projections,
-    narrow_mlps,
+    narrow_sites,
 )
 from bdlora.corpora import heldout_blocks
 from bdlora.deployed.folder import save_model_folder
@@ -30,19 +30,29 @@ from bdlora.reporter import SILENT, Reporter
 from bdlora.runs import RunDir, provenance_paths
 
 
+def unpruned(config, shape: ModuleShape, keep: int) -> tuple[ModuleShape, int]:
+    """(the shape ``shape`` had before its block was pruned to ``keep``, the source's key/value heads for an
+    attention projection (0 for an MLP one)), from the model's config."""
+    if not is_attention(shape.name):
+        return shape.narrowed(int(config.intermediate_size)), 0
+    heads = int(config.num_attention_heads)
+    of = int(getattr(config, "num_key_value_heads", None) or heads)
+    return shape.grouped(of, keep), of  # every width scaled back by of / keep
+
+
 def compress_dense(model: nn.Module, lora_rank: int, provenance: dict):
     """kd-lora (PEFT adapter merged into dense: the LoRA baseline's deployment form) and kd-full (unchanged): every
     projection deployed dense, in the same architecture and with the same report keys."""
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
     deployed = {}
-    narrow, width = narrow_mlps(model), int(model.config.intermediate_size)  # a student started from a pruned folder
+    narrow = narrow_sites(model)  # a student started from a pruned folder
     bits = declared_bits(model)  # ... or from one keeping some projections at 8 bits
     for name, mod in dense_projections(model).items():
         keep = narrow.get(name.rsplit(".", 1)[0], {}).get("keep")
-        if keep:  # reported against the full-width MLP it was pruned from
-            full = ModuleShape(name, mod.in_features, mod.out_features).narrowed(width)
-            dec = prune_decision(full, keep, has_bias=mod.bias is not None)
+        if keep:  # reported against the full-width block it was pruned from
+            full, of = unpruned(model.config, ModuleShape(name, mod.in_features, mod.out_features), keep)
+            dec = prune_decision(full, keep, has_bias=mod.bias is not None, of=of)
         else:
             dec = decide_module(ModuleShape(name, mod.in_features, mod.out_features), 1.0, lora_rank, lora_rank,
                                 has_bias=mod.bias is not None)

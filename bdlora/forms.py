@@ -89,6 +89,7 @@ class LowRank:
 
 
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # gate and up read the MLP input; down reads their product
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")  # q, k, v read the attention input; o its output
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,42 @@ class Channels:
 
 
 @dataclass(frozen=True)
+class Groups:
+    """An attention block keeping ``keep`` of its key/value groups, each with its query heads (grouped-query
+    attention's unit: a KV head and the ``heads / kv_heads`` query heads reading it): q, k and v lose the dropped
+    heads' rows, o the same columns, so the site is four smaller dense products and a smaller KV cache (LLM-Pruner's
+    and Minitron's head pruning, at the granularity GQA allows). Declared on the attention site
+    (``model.layers.N.self_attn``); its projections stay declared ``dense``. The attention of a kept head does not
+    depend on the others, so only o changes (refitted, ``budgeted.groups``)."""
+
+    name: str = "groups"
+    module_class: str = "Linear"  # four plain nn.Linear of the reduced width
+    site: str = "self_attn"
+
+    def spec(self, keep: int = 0) -> dict:
+        return {"form": self.name, "keep": int(keep)}
+
+    def tensors(self, module: str) -> set[str]:
+        return {f"{module}.{p}.weight" for p in ATTENTION_PROJECTIONS}
+
+    def macs(self, hidden: int, keep: int, group_width: int, kv_width: int) -> int:
+        """MACs of the four products keeping ``keep`` groups of ``group_width`` query and ``kv_width`` key (and
+        value) columns each."""
+        return keep * hidden * 2 * (group_width + kv_width)
+
+    def problem(self, spec: dict, shapes: dict[str, tuple[int, ...]], module: str) -> str | None:
+        keep = spec.get("keep")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            return f"{module} is declared groups with keep {shown(keep)} (a positive integer)"
+        q, k, v, o = (shapes.get(f"{module}.{p}.weight") for p in ATTENTION_PROJECTIONS)
+        if any(s is None or len(s) != 2 for s in (q, k, v, o)):
+            return f"{module} is declared groups but does not hold q, k, v and o weights"
+        if k != v or k[0] % keep or q[0] % k[0] or o[1] != q[0] or q[1] != k[1] or o[0] != q[1]:
+            return f"{module} is declared groups keeping {keep}, but holds q {q}, k {k}, v {v}, o {o}"
+        return None
+
+
+@dataclass(frozen=True)
 class Removed:
     """A decoder layer removed whole (ShortGPT's and Minitron's depth pruning; chosen by ``budgeted.layers``). It
     is not declared in ``bdlora_modules``: the folder holds a shallower model of the same architecture (every reader
@@ -138,15 +175,20 @@ class Removed:
 
 
 FORMS: dict[str, Dense | LowRank] = {f.name: f for f in (Dense(), LowRank())}  # what one projection takes
-SITE_FORMS: dict[str, Channels] = {f.name: f for f in (Channels(),)}  # what a block of projections takes
-ALL: dict[str, Dense | LowRank | Channels] = {**FORMS, **SITE_FORMS}
-DENSE, LOWRANK, CHANNELS = FORMS["dense"], FORMS["lowrank"], SITE_FORMS["channels"]
+SITE_FORMS: dict[str, Channels | Groups] = {f.name: f for f in (Channels(), Groups())}  # what a block takes
+ALL: dict[str, Dense | LowRank | Channels | Groups] = {**FORMS, **SITE_FORMS}
+DENSE, LOWRANK, CHANNELS, GROUPS = FORMS["dense"], FORMS["lowrank"], SITE_FORMS["channels"], SITE_FORMS["groups"]
 REMOVED = Removed()  # a report row's form only: a removed layer leaves nothing in the folder to declare
 
 
 def is_site(module: str) -> bool:
-    """Whether a ``bdlora_modules`` key names a site (an MLP block) rather than one projection."""
+    """Whether a ``bdlora_modules`` key names a site (an MLP or attention block) rather than one projection."""
     return module.rsplit(".", 1)[-1] in {f.site for f in SITE_FORMS.values()}
+
+
+def site_form(module: str) -> Channels | Groups | None:
+    """The site form that may be declared on ``module`` (channels on an MLP, groups on an attention block)."""
+    return next((f for f in SITE_FORMS.values() if module.rsplit(".", 1)[-1] == f.site), None)
 
 
 def form_named(name, where: str, module: str | None = None) -> Dense | LowRank | Channels:
@@ -156,8 +198,9 @@ def form_named(name, where: str, module: str | None = None) -> Dense | LowRank |
     if found is None:
         raise ModelError(f"{where}: unknown form {shown(name)} (bdlora knows {', '.join(ALL)}); the folder was "
                          "written by a newer bdlora or edited")
-    if module is not None and is_site(module) != (found.name in SITE_FORMS):
-        allowed = SITE_FORMS if is_site(module) else FORMS
+    site = site_form(module) if module is not None else None
+    if module is not None and (found.name not in FORMS if site is None else found is not site):
+        allowed = [site.name] if site is not None else FORMS
         raise ModelError(f"{where}: form {found.name} cannot be declared on {module} (there: {', '.join(allowed)})")
     return found
 

@@ -168,9 +168,18 @@ def check_declared_sizes(folder: Path, cfg: dict, shapes: dict[str, tuple[int, .
     keep = site.get("keep") if isinstance(site, dict) else None  # a pruned first MLP holds its declared channels
     if mlp is not None and "intermediate_size" in sizes and (keep is None or type(keep) is int):
         held["intermediate_size" if keep is None else "model.layers.0.mlp keep"] = mlp[1]
+    attn_site = (cfg.get("bdlora_modules") or {}).get("model.layers.0.self_attn")
+    groups = attn_site.get("keep") if isinstance(attn_site, dict) else None  # a pruned first attention block
+    kv = groups if type(groups) is int and groups > 0 else sizes["num_key_value_heads"]
     declared = {**sizes, "model.layers.0.mlp keep": keep,
-                "num_attention_heads x head_dim": sizes["num_attention_heads"] * sizes["head_dim"],
-                "num_key_value_heads x head_dim": sizes["num_key_value_heads"] * sizes["head_dim"]}
+                "num_attention_heads x head_dim": kv * sizes["num_attention_heads"] // max(
+                    1, sizes["num_key_value_heads"]) * sizes["head_dim"],
+                "num_key_value_heads x head_dim": kv * sizes["head_dim"]}
+    for site, spec in (cfg.get("bdlora_modules") or {}).items():  # every pruned attention block caches keep heads
+        k_rows = _dims(shapes, f"{site}.k_proj")
+        if isinstance(spec, dict) and spec.get("form") == "groups" and type(spec.get("keep")) is int and k_rows:
+            held[f"{site} keep x head_dim"], declared[f"{site} keep x head_dim"] = k_rows[1], \
+                spec["keep"] * sizes["head_dim"]
     wrong = [f"{k} {declared[k]:,} but the weights hold {v:,}" for k, v in held.items() if declared[k] != v]
     if not wrong and layers != set(range(len(layers))):
         wrong.append(f"layers numbered {sorted(layers)[:3]}... are not 0..{len(layers) - 1}")

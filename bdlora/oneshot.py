@@ -29,6 +29,9 @@ from bdlora.budgeted.calibrate import calibration_blocks
 from bdlora.budgeted.channels import channel_order, probe_shapes, prune, site_options
 from bdlora.budgeted.correct import correct_sequential
 from bdlora.budgeted.costs import ModuleShape, compression_report, decide_module, prune_decision, removed_decision
+from bdlora.budgeted.groups import group_options, group_order
+from bdlora.budgeted.groups import probe_shapes as group_probes
+from bdlora.budgeted.groups import prune as prune_groups
 from bdlora.budgeted.layer import DeployedModule
 from bdlora.budgeted.layers import removal_errors, renumbered
 from bdlora.budgeted.lowrank import factors, gram_root, spectrum
@@ -37,7 +40,7 @@ from bdlora.budgeted.start import allocate_by, calibrate_with_progress, compute_
 from bdlora.corpora import check_spec, default_heldout, load_tokens
 from bdlora.deployed.folder import save_model_folder
 from bdlora.errors import UsageError
-from bdlora.forms import MLP_PROJECTIONS
+from bdlora.forms import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
 from bdlora.oneshot_config import OneShotConfig
 from bdlora.outputs import check_out_dir
 from bdlora.perplexity import perplexity
@@ -58,9 +61,11 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
     mods = dict(projection_modules(model))
     shapes = [ModuleShape(n, m.in_features, m.out_features) for n, m in mods.items()]
     table, bits = None, "bits" in cfg.form_names
-    if cost_table is not None:  # with channels, the narrower dense products it interpolates between are timed too
-        table = cost_table(shapes, dense=probe_shapes(shapes) if "channels" in cfg.form_names else (),
-                           config=model.config.to_dict(), **({"wide": True} if bits else {}))
+    kv = int(getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads)
+    if cost_table is not None:  # with channels or groups, the narrower dense products it interpolates between too
+        probes = [*(probe_shapes(shapes) if "channels" in cfg.form_names else ()),
+                  *(group_probes(shapes, kv) if "groups" in cfg.form_names else ())]
+        table = cost_table(shapes, dense=probes, config=model.config.to_dict(), **({"wide": True} if bits else {}))
     calib = calibrate_with_progress(model, calibration_blocks(train_blocks, cfg.calib_tokens), reporter,
                                     residual="layers" in cfg.form_names, rounded=table.rounded if bits else None)
     lowrank = "lowrank" in cfg.form_names
@@ -77,14 +82,19 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
         reporter.stage("ranking every MLP's channels by loss-weighted activation energy")
         orders = {n.rsplit(".", 1)[0]: channel_order(m.weight, calib.gram(n), calib.fisher[n])
                   for n, m in mods.items() if n.endswith("down_proj")}
+    if "groups" in cfg.form_names:
+        reporter.stage("ranking every attention block's key/value groups by loss-weighted output energy")
+        hd = model.model.layers[0].self_attn.head_dim
+        orders.update({n.rsplit(".", 1)[0]: group_order(m.weight, calib.gram(n), calib.fisher[n], kv, hd)
+                       for n, m in mods.items() if n.endswith("o_proj") and kv > 1})
     cost = table.cost if table is not None else mac_cost
-    sites = {site: site_options([s for s in shapes if s.name.startswith(site + ".")], order, cost)
-             for site, order in orders.items()}
+    sites = {site: (site_options if site.endswith(".mlp") else group_options)(
+        [s for s in shapes if s.name.startswith(site + ".")], order, cost) for site, order in orders.items()}
     layers = removal_errors(calib) if "layers" in cfg.form_names else None
     rest, fixed = whole_step(model, table) if cfg.speedup is not None else (None, 0.0)
     wide = wide_options(shapes, calib, table) if bits else None
     alloc = allocate_by(shapes, energy, cfg.ratio, reporter, table, cfg.precision, sites, lowrank, layers, rest, fixed,
-                        wide)
+                        wide, kv)
     gone = {s.name for s in shapes if alloc.gone(s.name)}
     cost_doc = None if table is None else {"cost": "measured decode time",
                                            **table.prediction(shapes, alloc.ranks, alloc.shape, gone, alloc.bits),
@@ -100,9 +110,11 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
 def deploy(shapes: list[ModuleShape], alloc, mods: dict, orders: dict, calib, spectra: dict) -> tuple[list, dict]:
     """(a decision per projection, {name: DeployedModule}) of ``alloc``: pruned MLPs, pairs, dense projections (at
     their allocated bits); the projections of removed layers get a decision and nothing deployed."""
-    pruned = {}  # the projections of every MLP keeping fewer channels, built once
+    pruned = {}  # the projections of every MLP keeping fewer channels or attention fewer groups, built once
     for site, keep in alloc.keep.items():
-        pruned.update(pruned_site(site, keep, mods, orders[site], calib.gram(f"{site}.down_proj")))
+        pruned.update(pruned_site(site, keep, mods, orders[site], calib.gram(f"{site}.down_proj")) if
+                      site.endswith(".mlp") else pruned_attention(site, keep, mods, orders[site],
+                                                                  calib.gram(f"{site}.o_proj")))
     deployed, removed = {}, {}
     for s in shapes:
         if alloc.gone(s.name):  # its layer goes: nothing deployed
@@ -152,6 +164,25 @@ def pruned_site(site: str, keep: int, mods: dict, order, gram) -> dict[str, Depl
     return out
 
 
+def pruned_attention(site: str, keep: int, mods: dict, order, gram) -> dict[str, DeployedModule]:
+    """The four projections of an attention ``site`` keeping ``keep`` key/value groups (``budgeted.groups.prune``:
+    o refitted), as deployed modules with their decisions; q, k and v keep their kept rows' biases."""
+    names = [f"{site}.{p}" for p in ATTENTION_PROJECTIONS]
+    weights = prune_groups(*(mods[n].weight for n in names), gram, order, keep)
+    rows = {"q_proj": order.rows(keep, order.ratio * order.head_dim), "k_proj": order.rows(keep, order.head_dim),
+            "v_proj": order.rows(keep, order.head_dim)}
+    out = {}
+    for n, w in zip(names, weights):
+        m = mods[n]
+        bias = None if m.bias is None else m.bias.detach().clone()
+        if bias is not None and n.rsplit(".", 1)[-1] in rows:
+            bias = bias[rows[n.rsplit(".", 1)[-1]]].clone()
+        dec = prune_decision(ModuleShape(n, m.in_features, m.out_features), keep, has_bias=bias is not None,
+                             of=order.groups)
+        out[n] = DeployedModule(dec, weight=w, bias=bias)
+    return out
+
+
 def correct_deployed(model, deployed: dict, blocks, reporter: Reporter = SILENT, removed=()) -> dict:
     """``--correct``: the second factor of every low-rank pair in ``deployed`` re-solved layer by layer against
     ``model``'s outputs on the calibration ``blocks`` (``budgeted.correct``), the ``removed`` layers skipped on the
@@ -161,7 +192,7 @@ def correct_deployed(model, deployed: dict, blocks, reporter: Reporter = SILENT,
         student.model.layers[i] = Skipped()
     low_rank = {}
     for name, dep in deployed.items():
-        if dep.decision.channels:  # a pruned MLP: the layers above are corrected against its narrower outputs
+        if dep.decision.channels or dep.decision.groups:  # pruned: the layers above see its narrower outputs
             set_module(student, name, dep.module().to(next(model.parameters()).device))
         if dep.proj_in is None:
             continue

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from bdlora.config import BUILTIN, CALIB_TOKENS, EVAL_TOKENS, GENAI_PRECISIONS
 from bdlora.errors import Checks, shown
 
-ALLOCATED_FORMS = ("lowrank", "channels", "layers", "bits")  # what --forms may name (bdlora.forms: a projection's, an
-# MLP's or a whole decoder layer's form, or a projection's width in an int4 export)
+ALLOCATED_FORMS = ("lowrank", "channels", "groups", "layers", "bits")  # what --forms may name (bdlora.forms: a
+# projection's, an MLP's, an attention block's or a whole decoder layer's form, or a projection's width at int4)
 
 
 @dataclass
@@ -46,9 +46,11 @@ class OneShotConfig:
     forms: str = "lowrank"
     """The structures the allocation chooses among, comma-separated: lowrank (a projection as a rank-r pair),
     channels (an MLP keeping fewer intermediate channels: gate, up and down as narrower dense products, down refitted
-    to the kept channels), layers (a decoder layer removed whole) and bits (with --precision int4: a dense projection
+    to the kept channels), groups (an attention block keeping fewer key/value heads with their query heads: q, k, v
+    and o as narrower dense products and a smaller KV cache, o refitted), layers (a decoder layer removed whole) and
+    bits (with --precision int4: a dense projection
     kept at 8 bits, its measured rounding error bought back at the int8 time), each site taking whichever costs least
-    quality for what it saves; e.g. lowrank,channels,layers,bits."""
+    quality for what it saves; e.g. lowrank,channels,groups,layers,bits."""
     threads: int | None = None
     """--precision: the thread count the decode times are measured at (default: this machine's cores, what
     export genai writes)."""

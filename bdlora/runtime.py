@@ -100,6 +100,11 @@ class DecoderShape:
     hidden: int
     vocab_size: int
     max_positions: int
+    pruned_kv: tuple[tuple[int, int], ...] = ()  # (layer, its key/value heads) of attention blocks pruned (groups)
+
+    def kv(self, layer: int) -> int:
+        """The key/value heads layer ``layer`` caches (fewer where its attention keeps fewer groups)."""
+        return dict(self.pruned_kv).get(layer, self.kv_heads)
 
     @classmethod
     def of(cls, config) -> DecoderShape:
@@ -116,11 +121,23 @@ class DecoderShape:
         return cls(layers=int(get("num_hidden_layers")), heads=heads,
                    kv_heads=int(get("num_key_value_heads") or heads),
                    head_dim=int(get("head_dim") or hidden // heads), hidden=hidden,
-                   vocab_size=int(get("vocab_size")), max_positions=int(get("max_position_embeddings") or 1 << 30))
+                   vocab_size=int(get("vocab_size")), max_positions=int(get("max_position_embeddings") or 1 << 30),
+                   pruned_kv=_pruned_kv(get("bdlora_modules")))
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> DecoderShape:
         return cls.of(json.loads((Path(folder) / CONFIG).read_text()))
+
+
+def _pruned_kv(modules) -> tuple[tuple[int, int], ...]:
+    """(layer, key/value heads kept) of every ``model.layers.N.self_attn`` a config declares ``groups``."""
+    out = []
+    for name, spec in (modules if isinstance(modules, dict) else {}).items():
+        parts = name.split(".")
+        if (len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and parts[3] == "self_attn"
+                and isinstance(spec, dict) and spec.get("form") == "groups" and type(spec.get("keep")) is int):
+            out.append((int(parts[2]), spec["keep"]))
+    return tuple(sorted(out))
 
 
 def signature_problems(shape: DecoderShape, inputs: dict[str, list], outputs: dict[str, list]) -> list[str]:
@@ -130,14 +147,15 @@ def signature_problems(shape: DecoderShape, inputs: dict[str, list], outputs: di
     size every cache the caller builds (or fail inside onnxruntime with its own error)."""
     sig = DecoderSignature.of_inputs(list(inputs))
     held = {"num_hidden_layers": sig.layers}
-    first = inputs.get(sig.past(0, "key")) or []
-    if len(first) == 4:
-        held["num_key_value_heads"], held["head_dim"] = first[1], first[3]
+    declared = {"num_hidden_layers": shape.layers, "head_dim": shape.head_dim, "vocab_size": shape.vocab_size}
+    for i in range(min(sig.layers, shape.layers)):  # each layer's cache: fewer heads where its attention is pruned
+        dims = inputs.get(sig.past(i, "key")) or []
+        if len(dims) == 4:
+            what = "num_key_value_heads" if shape.kv(i) == shape.kv_heads else f"layer {i}'s key/value heads"
+            held[what], declared[what], held["head_dim"] = dims[1], shape.kv(i), dims[3]
     logits = outputs.get(sig.LOGITS) or []
     if logits:
         held["vocab_size"] = logits[-1]
-    declared = {"num_hidden_layers": shape.layers, "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim,
-                "vocab_size": shape.vocab_size}
     return [f"{k} {declared[k]:,} but the graph has {v:,}" for k, v in held.items()
             if isinstance(v, int) and v != declared[k]]
 
@@ -175,8 +193,8 @@ def session(path: str | Path, threads: int | None = None, opt_level: str = "all"
 
 
 def empty_past(shape: DecoderShape, batch: int) -> list[np.ndarray]:
-    """The zero-length past K/V of a first call: 2 x layers arrays (batch, kv_heads, 0, head_dim)."""
-    return [np.zeros((batch, shape.kv_heads, 0, shape.head_dim), dtype=np.float32) for _ in range(2 * shape.layers)]
+    """The zero-length past K/V of a first call: 2 x layers arrays (batch, the layer's kv heads, 0, head_dim)."""
+    return [np.zeros((batch, shape.kv(i // 2), 0, shape.head_dim), dtype=np.float32) for i in range(2 * shape.layers)]
 
 
 def left_padded(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

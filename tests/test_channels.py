@@ -219,7 +219,7 @@ def test_every_reader_takes_a_pruned_folder(tiny_env, pruned, tmp_path):
                                  "--warmup", "0", "--quality-tokens", "512", "--out", str(tmp_path / "g")])
     assert r.exit_code == 0, r.output
     doc = json.loads((tmp_path / "g" / "bench.json").read_text())
-    assert "keep fewer channels" in doc["genai_notes"]["builder-int4"]
+    assert "blocks are pruned" in doc["genai_notes"]["builder-int4"]
     assert {"compressed-int4", "teacher-int4", "teacher-builder-int4"} <= {p["name"] for p in doc["front"]}
 
 
@@ -227,15 +227,14 @@ def _serves_its_greedy_generation(onnx_dir, tok):
     """``bdlora serve`` answers a greedy completion with the tokens the served graph itself picks step by step."""
     import httpx
 
-    from bdlora.runtime import DecoderShape, run_decoder, session
+    from bdlora.runtime import DecoderShape, empty_past, run_decoder, session
     from conftest import start_server
 
     cfg = json.loads((onnx_dir / "config.json").read_text())
     shape = DecoderShape.of(cfg)
     sess = session(onnx_dir / "model.onnx")
     ids = tok("the quick brown")["input_ids"]
-    x, pasts, want = np.array([ids]), [np.zeros((1, shape.kv_heads, 0, shape.head_dim), np.float32)
-                                       for _ in range(2 * cfg["num_hidden_layers"])], []
+    x, pasts, want = np.array([ids]), empty_past(shape, 1), []  # each layer's own heads (fewer where pruned)
     mask, pos = np.ones_like(x), np.arange(len(ids))[None]
     for _ in range(6):
         res = run_decoder(sess, x, mask, pos, pasts)
@@ -276,7 +275,7 @@ def test_a_site_form_declared_inconsistently_is_refused(pruned, tmp_path):
 
 
 def test_forms_is_checked_in_one_line(tiny_env, tmp_path):
-    for forms, needle in (("lowrank,pruned", "--forms 'pruned': allowed lowrank, channels, layers"),
+    for forms, needle in (("lowrank,pruned", "--forms 'pruned': allowed lowrank, channels, groups, layers"),
                           ("channels,channels", "--forms channels,channels: channels given twice")):
         r = shot(tiny_env, tiny_env["teacher"], tmp_path / "x", "--mac-ratio", "1.3", "--forms", forms)
         assert r.exit_code == 2 and needle in r.stderr, r.stderr

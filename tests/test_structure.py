@@ -438,7 +438,7 @@ def test_one_form_registry():
     assert m.KNOWN_FORMS == tuple(FORMS) + tuple(SITE_FORMS) and m.LowRankLinear.__name__ == LOWRANK.module_class
     assert m.SITES == {f.name: f.site for f in SITE_FORMS.values()}
     for modules, needle in (({"model.layers.0.mlp.up_proj": {"form": "sparse24"}},
-                             "unknown form 'sparse24' \\(this file builds dense, lowrank, channels\\)"),
+                             "unknown form 'sparse24' \\(this file builds dense, lowrank, channels, groups\\)"),
                             ({"model.layers.0.mlp.up_proj": {"form": "channels", "keep": 8}},
                              "form 'channels' cannot be declared there")):
         cfg = m.BdloraMistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

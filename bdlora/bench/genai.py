@@ -23,7 +23,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from bdlora.bench.launch import run_timing_process
-from bdlora.budgeted.model import narrow_mlps
+from bdlora.budgeted.model import narrow_sites
 from bdlora.corpora import default_heldout
 from bdlora.data import BUILTIN, default_cache_dir
 from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES
@@ -139,11 +139,12 @@ def export_variants(models: dict[str, nn.Module], tok, precisions: list[str], wo
     notes: dict = {}
     if peers:
         sources = [("teacher-builder", teacher)] if teacher is not None else []
-        narrow = narrow_mlps(models["dense"])
-        if narrow:  # the builder writes one MLP width for every layer: the student's own row cannot be built
+        narrow = narrow_sites(models["dense"])
+        if narrow:  # the builder writes one MLP width and head count for every layer: no builder row of the student
             for p in [p for p in precisions if p in BUILDER_PRECISIONS]:
-                notes[f"builder-{p}"] = (f"onnxruntime-genai's builder writes one MLP width for every layer; "
-                                         f"{len(narrow)} of this model's MLPs keep fewer channels (--forms channels)")
+                notes[f"builder-{p}"] = (f"onnxruntime-genai's builder writes one MLP width and head count for every "
+                                         f"layer; {len(narrow)} of this model's blocks are pruned (--forms channels, "
+                                         "groups)")
         else:
             hf = work / "hf-dense"
             save_base_folder(models["dense"], tok, hf)

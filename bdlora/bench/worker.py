@@ -91,9 +91,18 @@ def _bound_run(sess, feeds: dict):
     return run
 
 
+def cache_heads(sess, names: list[str], default: int) -> list[int]:
+    """The key/value heads of each cache input of ``sess`` as its graph declares them (a student whose attention
+    keeps fewer groups caches fewer heads in those layers than the dense model it is timed beside)."""
+    dims = {i.name: i.shape for i in sess.get_inputs()}
+    return [dims[n][1] if n in dims and isinstance(dims[n][1], int) else default for n in names]
+
+
 def time_model(spec: dict, sessions: dict) -> list[dict]:
     d = spec["dims"]
     layers, kv, hd, vocab = d["layers"], d["kv_heads"], d["head_dim"], d["vocab"]
+    names = DecoderSignature(layers).cache_inputs
+    heads = {n: cache_heads(sess, names, kv) for n, sess in sessions.items()}
     steps = int(spec["decode_tokens"])
     rng = np.random.default_rng(0)
     out = []
@@ -103,21 +112,23 @@ def time_model(spec: dict, sessions: dict) -> list[dict]:
             feeds = {sig.INPUT_IDS: rng.integers(0, vocab, (b, s), dtype=np.int64),
                      sig.ATTENTION_MASK: np.ones((b, s), np.int64),
                      sig.POSITION_IDS: np.broadcast_to(np.arange(s, dtype=np.int64), (b, s)).copy()}
-            feeds.update({n: np.zeros((b, kv, 0, hd), np.float32) for n in sig.cache_inputs})
-            jobs = {n: _bound_run(sess, feeds) for n, sess in sessions.items()}
+            jobs = {n: _bound_run(sess, {**feeds, **{c: np.zeros((b, h, 0, hd), np.float32)
+                                                     for c, h in zip(sig.cache_inputs, heads[n])}})
+                    for n, sess in sessions.items()}
             times = time_interleaved(jobs, spec["repeats"], spec["warmup"])
         else:  # decode ``steps`` tokens after a cache of ``s`` tokens, feeding each step's cache back
-            past = [rng.standard_normal((b, kv, s, hd), dtype=np.float32) for _ in range(2 * layers)]
+            full = [rng.standard_normal((b, kv, s, hd), dtype=np.float32) for _ in range(2 * layers)]
+            pasts = {n: [p if p.shape[1] == h else p[:, :h].copy() for p, h in zip(full, heads[n])] for n in sessions}
 
-            def decode(sess, past=past, b=b, s=s):
+            def decode(sess, name, b=b, s=s, pasts=pasts):
                 # as serve and greedy generation run it: presents stay onnxruntime values bound as the next past
-                cache, tok = past, np.zeros((b, 1), np.int64)
+                cache, tok = pasts[name], np.zeros((b, 1), np.int64)
                 for t in range(steps):
                     logits, cache = run_bound(sess, tok, np.ones((b, s + t + 1), np.int64),
                                               np.full((b, 1), s + t, np.int64), cache)
                     tok = logits[:, -1].argmax(-1)[:, None].astype(np.int64)
 
-            jobs = {n: (lambda sess=sess: decode(sess)) for n, sess in sessions.items()}
+            jobs = {n: (lambda sess=sess, n=n: decode(sess, n)) for n, sess in sessions.items()}
             times = time_interleaved(jobs, max(1, spec["repeats"] // 2), min(spec["warmup"], 1))
             times = {k: [t / steps for t in v] for k, v in times.items()}  # ms per generated token
         out += [{"variant": k, "phase": phase, "batch": b, "seq": s, "ms": v} for k, v in times.items()]

@@ -78,6 +78,7 @@ class Allocation:
     keep: dict[str, int] = field(default_factory=dict)
     removed: list[str] = field(default_factory=list)
     wide: list[str] = field(default_factory=list)  # projections kept at 8 bits in an int4 export (``--forms bits``)
+    kv_heads: int = 0  # the source's key/value heads per layer (an attention site's ``keep`` counts groups of them)
 
     @property
     def bits(self) -> dict[str, int]:
@@ -89,9 +90,9 @@ class Allocation:
         return layer_of(name) in self.removed
 
     def shape(self, s: ModuleShape) -> ModuleShape:
-        """``s`` as deployed: narrower when its MLP keeps fewer channels."""
+        """``s`` as deployed: narrower when its MLP keeps fewer channels or its attention fewer groups."""
         k = self.keep.get(s.name.rsplit(".", 1)[0])
-        return s.narrowed(k) if k else s
+        return s.pruned(k, self.kv_heads) if k else s
 
     def macs(self, shapes: list[ModuleShape]) -> int:
         return sum(s.lora_cost(self.ranks[s.name]) if self.ranks.get(s.name) else self.shape(s).dense_cost
@@ -112,14 +113,14 @@ class Allocation:
 
     def to_json(self) -> dict:
         return {"ranks": self.ranks, "order": self.order, "errors": self.errors, "keep": self.keep,
-                "removed": self.removed, "wide": self.wide}
+                "removed": self.removed, "wide": self.wide, "kv_heads": self.kv_heads}
 
     @classmethod
     def from_json(cls, doc: dict) -> Allocation:
         return cls({k: int(v) for k, v in doc["ranks"].items()}, list(doc["order"]),
                    {k: float(v) for k, v in doc.get("errors", {}).items()},
                    {k: int(v) for k, v in (doc.get("keep") or {}).items()}, list(doc.get("removed") or ()),
-                   list(doc.get("wide") or ()))
+                   list(doc.get("wide") or ()), int(doc.get("kv_heads") or 0))
 
 
 BUCKETS = 1 << 16  # the MAC budget's resolution in the allocation (module costs are rounded up to 1/65536 of it)
@@ -212,7 +213,8 @@ def allocate(shapes: list[ModuleShape], energy: dict[str, np.ndarray], mac_ratio
              step: int = RANK_STEP, cost: Cost = mac_cost, unit_name: str = "MAC",
              sites: dict[str, list[Option]] | None = None, lowrank: bool = True,
              layers: dict[str, float] | None = None, rest: dict[str, Rest] | None = None,
-             fixed: float = 0.0, wide: dict[str, tuple[float, float]] | None = None) -> Allocation:
+             fixed: float = 0.0, wide: dict[str, tuple[float, float]] | None = None,
+             kv_heads: int = 0) -> Allocation:
     """The per-module forms meeting ``sum cost <= dense total / mac_ratio`` with the least total error (``cost``:
     MACs by default, or measured decode time), by ``knapsack``. ``sites`` (an MLP site -> its channel options,
     ``budgeted.channels``): that site's three projections become one item choosing between their low-rank forms
@@ -224,7 +226,8 @@ def allocate(shapes: list[ModuleShape], energy: dict[str, np.ndarray], mac_ratio
     whole step's, ``(dense + rests + fixed) / mac_ratio - fixed``; a removed layer saves its rest, an MLP keeping k
     of W channels the k/W share of its width-scaled part. ``wide`` (projection -> (its dense time at 8 bits, the
     rounding error that gives back), ``budgeted.bits``): it may instead stay dense at 8 bits in an int4 export, at
-    that error below its 4-bit forms'. Deterministic."""
+    that error below its 4-bit forms'. ``sites`` may hold attention sites too (``model.layers.N.self_attn`` -> its
+    options of kept key/value groups, ``budgeted.groups``; ``kv_heads``: the source's per layer). Deterministic."""
     sites, rest, wide = sites or {}, rest or {}, wide or {}
     per = {s.name: [((s.name, r, 0), c, e) for r, c, e in options(s, energy[s.name], step, cost)[: None if lowrank
                                                                                                   else 1]]
@@ -250,7 +253,7 @@ def allocate(shapes: list[ModuleShape], energy: dict[str, np.ndarray], mac_ratio
         chosen, c, e = o[k]
         if site == "rest":
             continue
-        if isinstance(chosen[0], int):  # the site keeps chosen[0] channels
+        if isinstance(chosen[0], int):  # the site keeps chosen[0] channels (an MLP) or groups (an attention block)
             keep[site] = chosen[0]
             ranks.update({n: 0 for n in names})
             errors[site] = e
@@ -262,7 +265,7 @@ def allocate(shapes: list[ModuleShape], energy: dict[str, np.ndarray], mac_ratio
             if b:
                 eight.append(n)
     order = sorted((n for n, r in ranks.items() if r), key=lambda n: (errors[n] / saved[n], n))
-    return Allocation(ranks, order, errors, keep, removed, eight)
+    return Allocation(ranks, order, errors, keep, removed, eight, kv_heads)
 
 
 def _items(shapes, per: dict, sites: dict, rest: dict) -> tuple[list, list]:
@@ -274,9 +277,10 @@ def _items(shapes, per: dict, sites: dict, rest: dict) -> tuple[list, list]:
     for i, site in enumerate(site_names):
         names = [s.name for s in shapes if s.name.rsplit(".", 1)[0] == site]
         layer = layer_of(site)
-        if site in sites:
-            width = next(s.in_features for s in shapes if s.name == f"{site}.down_proj")
-            m = rest[layer][1] if layer in rest else 0.0
+        if site in sites:  # an MLP (with its width's share of the layer's rest) or an attention block
+            mlp = site.endswith(".mlp")
+            width = next(s.in_features for s in shapes if s.name == f"{site}.down_proj") if mlp else 1
+            m = rest[layer][1] if layer in rest and mlp else 0.0
             items.append(pareto([(x, c + m, e) for x, c, e in combine([per[n] for n in names])]
                                 + [((k,), c + m * k / width, e) for k, c, e in sites[site]]))
             members.append((site, names))

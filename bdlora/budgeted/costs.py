@@ -34,6 +34,24 @@ class ModuleShape:
             return ModuleShape(self.name, self.in_features, keep)
         return ModuleShape(self.name, keep, self.out_features)
 
+    def grouped(self, keep: int, of: int) -> ModuleShape:
+        """This q/k/v (hidden -> heads) or o (heads -> hidden) projection of an attention block keeping ``keep`` of
+        its ``of`` key/value groups (each group's query and KV heads go together, so every width scales by
+        keep / of)."""
+        if self.name.endswith("o_proj"):
+            return ModuleShape(self.name, self.in_features * keep // of, self.out_features)
+        return ModuleShape(self.name, self.in_features, self.out_features * keep // of)
+
+    def pruned(self, keep: int, of: int = 0) -> ModuleShape:
+        """``narrowed(keep)`` for an MLP projection; ``grouped(keep, of)`` for an attention one (``of``: the
+        source's key/value heads)."""
+        return self.grouped(keep, of) if is_attention(self.name) else self.narrowed(keep)
+
+
+def is_attention(name: str) -> bool:
+    """Whether projection ``name`` belongs to an attention block (``...self_attn.q_proj``)."""
+    return ".self_attn." in name
+
 
 def shapes_from_config(config: dict, layers: int | None = None) -> list[ModuleShape]:
     """The projections of each decoder layer, in the ``named_modules()`` order its family's anatomy declares (the
@@ -99,6 +117,7 @@ class ModuleDecision:
     params_after: int
     lora_rank_max: int = 0  # r_max of the training module (its LoRA path's rank before hardening)
     channels: int = 0  # the intermediate channels its MLP keeps (case "pruned"; 0: the MLP is whole)
+    groups: int = 0  # the key/value groups its attention keeps (case "pruned"; 0: the attention is whole)
     bits: int = 0  # its weights' width in an int4 export when wider than 4 (forms.WIDE_BITS; 0: the precision's own)
 
     @property
@@ -106,15 +125,17 @@ class ModuleDecision:
         return forms.REMOVED.name if self.case == "removed" else forms.of_rank(self.rank).name
 
 
-def prune_decision(shape: ModuleShape, keep: int, has_bias: bool = False) -> ModuleDecision:
-    """A gate/up/down projection of an MLP keeping ``keep`` of its channels (``forms.CHANNELS``): dense at the
-    reduced width (gate and up lose outputs, down inputs)."""
+def prune_decision(shape: ModuleShape, keep: int, has_bias: bool = False, of: int = 0) -> ModuleDecision:
+    """A gate/up/down projection of an MLP keeping ``keep`` of its channels (``forms.CHANNELS``), or with ``of`` a
+    q/k/v/o projection of an attention block keeping ``keep`` of its ``of`` key/value groups (``forms.GROUPS``):
+    dense at the reduced width."""
     i, o = shape.in_features, shape.out_features
-    narrow = shape.narrowed(keep)
+    narrow = shape.pruned(keep, of)
     after = narrow.dense_cost
     bias = narrow.out_features if has_bias else 0
     return ModuleDecision(shape.name, i, o, 1.0, "pruned", 0, 0, 0, shape.dense_cost, after,
-                          shape.dense_cost + (o if has_bias else 0), after + bias, 0, keep)
+                          shape.dense_cost + (o if has_bias else 0), after + bias, 0,
+                          0 if of else keep, keep if of else 0)
 
 
 def removed_decision(shape: ModuleShape, has_bias: bool = False) -> ModuleDecision:
@@ -125,8 +146,10 @@ def removed_decision(shape: ModuleShape, has_bias: bool = False) -> ModuleDecisi
 
 
 def site_forms(decisions) -> dict[str, dict]:
-    """The ``bdlora_modules`` entries of the sites the decisions prune (``model.layers.N.mlp``: channels kept)."""
-    return {d.name.rsplit(".", 1)[0]: forms.CHANNELS.spec(d.channels) for d in decisions if d.channels}
+    """The ``bdlora_modules`` entries of the sites the decisions prune (``model.layers.N.mlp``: channels kept;
+    ``model.layers.N.self_attn``: key/value groups kept)."""
+    return {d.name.rsplit(".", 1)[0]: forms.CHANNELS.spec(d.channels) if d.channels else forms.GROUPS.spec(d.groups)
+            for d in decisions if d.channels or d.groups}
 
 
 def deployed_form(rank: int, bits: int = 0) -> dict:
@@ -185,6 +208,7 @@ def compression_report(decisions: list[ModuleDecision], budget: float | None = N
     p_after = sum(m.params_after for m in decisions)
     n = len(decisions)
     kept = sum(m.case in ("kept", "merged-cheaper") for m in decisions)
+    sites = site_forms(decisions)  # their projections' case is "pruned"
     return {
         "budget": budget,
         "thresholds": thresholds or {},
@@ -193,7 +217,8 @@ def compression_report(decisions: list[ModuleDecision], budget: float | None = N
         "dense_svd": sum(m.case == "svd" for m in decisions),
         "dense_dropped": sum(m.case == "dropped" for m in decisions),
         "merged_cheaper": sum(m.case == "merged-cheaper" for m in decisions),
-        "mlp_pruned": len(site_forms(decisions)),  # MLP sites keeping fewer channels (their 3 modules: "pruned")
+        "mlp_pruned": sum(f["form"] == "channels" for f in sites.values()),  # MLPs keeping fewer channels
+        "attention_pruned": sum(f["form"] == "groups" for f in sites.values()),  # ... fewer key/value groups
         "layers_removed": len({layer_of(m.name) for m in decisions if m.case == "removed"}),
         "int8_modules": sum(m.bits == forms.WIDE_BITS for m in decisions),  # kept at 8 bits in an int4 export
         "avg_lora_rank": sum(m.lora_rank for m in decisions) / n,

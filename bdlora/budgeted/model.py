@@ -21,7 +21,7 @@ from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES
 from bdlora.errors import ModelError
 from bdlora.families import base_type
 from bdlora.families import family as table_family
-from bdlora.forms import CHANNELS
+from bdlora.forms import CHANNELS, GROUPS
 from bdlora.io import load_tensors, read_json, save_tensors, write_json
 from bdlora.runs import FACTORS_FILE, META_FILE
 
@@ -109,9 +109,9 @@ def build_deployed_model(base: nn.Module, deployed: dict[str, DeployedModule], p
     family = table_family(base_type(base.config.model_type), "base model_type").model_type
     cfg_cls, model_cls = BDLORA_CLASSES[family]
     modules = {n: deployed_form(c.decision.rank, c.decision.bits) for n, c in deployed.items()}
-    # MLPs keeping fewer channels: pruned now (one-shot decisions) or already (a student started from a pruned folder)
+    # MLPs and attention blocks pruned now (one-shot decisions) or already (a student started from a pruned folder)
     # (keyed by the deployed names: a one-shot above a removed layer is renumbered, its decisions are not)
-    modules.update({**narrow_mlps(base), **{n.rsplit(".", 1)[0]: spec for n, c in deployed.items()
+    modules.update({**narrow_sites(base), **{n.rsplit(".", 1)[0]: spec for n, c in deployed.items()
                                             for spec in site_forms([c.decision]).values()}})
     config = cfg_cls(bdlora_modules=modules,
                      bdlora={"base_model_type": family, **provenance}, **_base_config_dict(base.config))
@@ -131,17 +131,25 @@ def build_deployed_model(base: nn.Module, deployed: dict[str, DeployedModule], p
     return model.eval()
 
 
-def narrow_mlps(model: nn.Module) -> dict[str, dict]:
-    """The ``channels`` site entries of ``model``'s MLPs narrower than its ``intermediate_size`` (its down projection's
-    input width, through any PEFT or gated wrapper)."""
+def narrow_sites(model: nn.Module) -> dict[str, dict]:
+    """The site entries of ``model``'s pruned blocks: ``channels`` for an MLP narrower than its ``intermediate_size``
+    (its down projection's input width), ``groups`` for an attention block with fewer key/value heads than its
+    ``num_key_value_heads`` (its k projection's output width over the head size), through any PEFT or gated
+    wrapper."""
     base = base_model(model)
-    width = int(base.config.intermediate_size)
+    cfg = base.config
+    width = int(cfg.intermediate_size)
+    heads = int(cfg.num_attention_heads)
+    kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
     out = {}
     for i, layer in enumerate(base.model.layers):
-        down = layer.mlp.down_proj
-        k = int(getattr(down, "in_features", width))
+        k = int(getattr(layer.mlp.down_proj, "in_features", width))
         if k != width:
             out[f"model.layers.{i}.mlp"] = CHANNELS.spec(k)
+        g = int(getattr(layer.self_attn.k_proj, "out_features", kv * hd)) // hd
+        if g != kv:
+            out[f"model.layers.{i}.self_attn"] = GROUPS.spec(g)
     return out
 
 

@@ -94,23 +94,24 @@ def calibrate_with_progress(model, blocks, reporter: Reporter = SILENT, residual
 def allocate_by(shapes, energy: dict, target: float, reporter: Reporter = SILENT, table=None,
                 precision: str | None = None, sites: dict | None = None, lowrank: bool = True,
                 layers: dict | None = None, rest: dict | None = None, fixed: float = 0.0,
-                wide: dict | None = None) -> Allocation:
+                wide: dict | None = None, kv_heads: int = 0) -> Allocation:
     """The quality allocation for ``target``: priced by MACs, or with ``table`` (a measured decode-time table at
     ``precision``, ``bdlora.export.genai.latency``) by each form's decode time, so ``target`` is then the projections'
     decode-time speed-up. Shared by the training start and ``compress --one-shot``. ``sites``/``lowrank``/``layers``
     /``rest``/``fixed``/``wide``: see ``allocate`` (MLPs that may keep fewer channels; whether projections may become
     pairs; layers that may go; with ``rest``, ``target`` is the whole decode step's speed-up; projections that may
-    ship at 8 bits)."""
-    parts = [p for p, on in (("truncation", lowrank), ("channel-drop", sites), ("layer-removal", layers),
-                             ("rounding", wide)) if on]
+    ship at 8 bits; attention blocks that may keep fewer of their ``kv_heads`` groups)."""
+    mlps = any(s.endswith(".mlp") for s in sites or {})
+    parts = [p for p, on in (("truncation", lowrank), ("channel-drop", mlps), ("group-drop", len(sites or {}) > mlps),
+                             ("layer-removal", layers), ("rounding", wide)) if on]
     what = "loss-weighted " + " and ".join(parts) + " error"
     if table is not None:
         reporter.stage(f"allocating {target:.2f}x less {'whole' if rest else 'projection'} decode time at {precision} "
                        f"by {what}")
         return allocate(shapes, energy, target, cost=table.cost, unit_name=f"{precision} microsecond", sites=sites,
-                        lowrank=lowrank, layers=layers, rest=rest, fixed=fixed, wide=wide)
+                        lowrank=lowrank, layers=layers, rest=rest, fixed=fixed, wide=wide, kv_heads=kv_heads)
     reporter.stage(f"allocating {target:.2f}x fewer projection MACs by {what}")
-    return allocate(shapes, energy, target, sites=sites, lowrank=lowrank, layers=layers)
+    return allocate(shapes, energy, target, sites=sites, lowrank=lowrank, layers=layers, kv_heads=kv_heads)
 
 
 def compute_start(model, init: str, allocation: str, rank: int, budget: float, mac_ratio: float | None,

@@ -183,19 +183,24 @@ def compress(
 
 def _deployed_prediction(report: dict, precision: str, threads: int | None, reporter, config: dict) -> dict:
     """The planned structure's decode time at ``precision`` from the measured table of its forms (low-rank pairs,
-    MLPs keeping fewer channels, removed layers, projections kept at 8 bits): its projections, and the whole step
+    MLPs keeping fewer channels, attention blocks keeping fewer groups, removed layers, projections kept at 8 bits):
+    its projections, and the whole step
     against the dense model of ``config`` (``bench.whole``)."""
     from bdlora.budgeted.channels import probe_shapes
+    from bdlora.budgeted.groups import probe_shapes as group_probes
 
     mods = report["modules"]
     shapes = [ModuleShape(m["name"], m["in_features"], m["out_features"]) for m in mods]
+    kv = int(config.get("num_key_value_heads") or config["num_attention_heads"])
     narrow = {m["name"]: m["channels"] for m in mods if m.get("channels")}
+    grouped = {m["name"]: m["groups"] for m in mods if m.get("groups")}
     # the projections kept at 8 bits weigh in an int4 export only (at int8 every one is 8 bits, at fp32 none is)
     bits = {m["name"]: m["bits"] for m in mods if m.get("bits")} if precision == "int4" else {}
-    table = cost_table(precision, threads, None, reporter)(shapes, dense=probe_shapes(shapes) if narrow else (),
-                                                           config=config, wide=bool(bits))
+    probes = [*(probe_shapes(shapes) if narrow else ()), *(group_probes(shapes, kv) if grouped else ())]
+    table = cost_table(precision, threads, None, reporter)(shapes, dense=probes, config=config, wide=bool(bits))
     return table.prediction(shapes, {m["name"]: m["rank"] for m in mods if m["form"] == "lowrank"},
-                            lambda s: s.narrowed(narrow[s.name]) if s.name in narrow else s,
+                            lambda s: s.narrowed(narrow[s.name]) if s.name in narrow else
+                            s.grouped(grouped[s.name], kv) if s.name in grouped else s,
                             {m["name"] for m in mods if m["case"] == "removed"}, bits)
 
 

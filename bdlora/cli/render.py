@@ -108,6 +108,12 @@ def compression_report(report: dict, title: str) -> None:
         kept = [m["channels"] for m in downs]
         s.add_row("MLPs keeping fewer channels", f"{report['mlp_pruned']} (kept {min(kept):,} to {max(kept):,} of "
                   f"{downs[0]['in_features']:,})")
+    if report.get("attention_pruned"):
+        ks = [m for m in report["modules"] if m.get("groups") and m["name"].endswith("k_proj")]
+        kept = [m["groups"] for m in ks]
+        heads = ks[0]["out_features"] // max(1, ks[0]["macs_after"] // ks[0]["in_features"] // ks[0]["groups"])
+        s.add_row("attention blocks keeping fewer KV heads", f"{report['attention_pruned']} (kept {min(kept)} to "
+                  f"{max(kept)} of {heads})")
     if report.get("layers_removed"):
         gone = (report.get("provenance") or {}).get("removed_layers") or []
         s.add_row("decoder layers removed", f"{report['layers_removed']}" + (

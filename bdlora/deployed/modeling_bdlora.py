@@ -10,10 +10,12 @@ works where bdlora is not installed. With ``bdlora.deployed`` imported, the clas
 
 One config/model pair per supported base family (``bdlora_mistral``, ``bdlora_llama``, ``bdlora_qwen2``). The config
 is the base family's config plus ``bdlora_modules``: for every replaced projection its deployment form, ``dense``
-or ``lowrank`` with its rank, and for every MLP kept narrower than ``intermediate_size`` its ``channels`` (``keep``).
+or ``lowrank`` with its rank, for every MLP kept narrower than ``intermediate_size`` its ``channels`` (``keep``), and
+for every attention block keeping fewer key/value heads its ``groups`` (``keep``).
 The model is the base family's model with exactly those modules: a low-rank module is two bias-free ``nn.Linear``
 layers in sequence (``proj_in``: d_in -> r, ``proj_out``: r -> d_out), the second carrying any bias; a pruned MLP
-is the family's MLP with gate/up of ``keep`` outputs and down of ``keep`` inputs.
+is the family's MLP with gate/up of ``keep`` outputs and down of ``keep`` inputs; a pruned attention block has q, k, v
+and o of ``keep`` key/value heads (the heads each layer caches may differ).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class DenseLoRALinear(nn.Module):
         self.lora_rank = lora_A.shape[0]
         self.lora_A = nn.Parameter(lora_A, requires_grad=False)  # (r, d_in)
         self.lora_B = nn.Parameter(lora_B, requires_grad=False)  # (d_out, r)
+        self.in_features, self.out_features = base.in_features, base.out_features
 
     def forward(self, x):
         return self.base(x) + nn.functional.linear(nn.functional.linear(x, self.lora_A), self.lora_B)
@@ -78,9 +81,10 @@ class BdloraModelMixin:
 
 
 # the forms this file builds (bdlora.forms declares them; tests/test_structure.py holds the two together): one
-# projection's (dense, lowrank), then a site's (channels: an MLP keeping ``keep`` intermediate channels)
-KNOWN_FORMS = ("dense", "lowrank", "channels")
-SITES = {"channels": "mlp"}
+# projection's (dense, lowrank), then a site's (channels: an MLP keeping ``keep`` intermediate channels; groups: an
+# attention block keeping ``keep`` key/value heads with their query heads)
+KNOWN_FORMS = ("dense", "lowrank", "channels", "groups")
+SITES = {"channels": "mlp", "groups": "self_attn"}
 
 
 def _replace_modules(model: nn.Module, modules: dict) -> None:
@@ -91,7 +95,7 @@ def _replace_modules(model: nn.Module, modules: dict) -> None:
         if form not in KNOWN_FORMS:  # never load an unknown form as dense: its weights would be random
             raise ValueError(f"bdlora_modules[{name}]: unknown form {form!r} (this file builds "
                              f"{', '.join(KNOWN_FORMS)}); the folder was written by a newer bdlora or edited")
-        if (form in SITES) != (name.rsplit(".", 1)[-1] in SITES.values()):
+        if SITES.get(form) != (name.rsplit(".", 1)[-1] if name.rsplit(".", 1)[-1] in SITES.values() else None):
             raise ValueError(f"bdlora_modules[{name}]: form {form!r} cannot be declared there")
     for name, spec in modules.items():
         if spec["form"] == "channels":
@@ -101,6 +105,8 @@ def _replace_modules(model: nn.Module, modules: dict) -> None:
                 old = getattr(mlp, proj)
                 setattr(mlp, proj, nn.Linear(hidden, keep, bias=old.bias is not None))
             mlp.down_proj = nn.Linear(keep, hidden, bias=mlp.down_proj.bias is not None)
+        elif spec["form"] == "groups":
+            _keep_groups(model.get_submodule(name), int(spec["keep"]))
     for name, spec in modules.items():
         if spec["form"] != "lowrank":
             continue
@@ -109,6 +115,17 @@ def _replace_modules(model: nn.Module, modules: dict) -> None:
         old = getattr(parent, child)
         setattr(parent, child, LowRankLinear(old.in_features, old.out_features, int(spec["rank"]),
                                              bias=old.bias is not None))
+
+
+def _keep_groups(attn: nn.Module, keep: int) -> None:
+    """``attn`` (a Llama/Mistral/Qwen2 attention block) keeping ``keep`` key/value heads and their query heads: the
+    family's forward reshapes q, k and v by ``head_dim`` and repeats each KV head ``num_key_value_groups`` times, so
+    narrower projections are all it takes (the cache of this layer holds ``keep`` heads)."""
+    hd, ratio = attn.head_dim, attn.num_key_value_groups
+    hidden = attn.q_proj.in_features
+    for proj, width in (("q_proj", keep * ratio * hd), ("k_proj", keep * hd), ("v_proj", keep * hd)):
+        setattr(attn, proj, nn.Linear(hidden, width, bias=getattr(attn, proj).bias is not None))
+    attn.o_proj = nn.Linear(keep * ratio * hd, hidden, bias=attn.o_proj.bias is not None)
 
 
 class BdloraMistralConfig(BdloraConfigMixin, MistralConfig):

@@ -62,14 +62,17 @@ def gqa_mask(g: GraphBuilder) -> tuple[str, str]:
     return seqlens_k, g.one("Cast", [width], "/model/attn_mask/total_seq_len", to=TensorProto.INT32)
 
 
-def gqa_attention(g: GraphBuilder, i: int, qkv: str, mask: tuple[str, str], cfg, scaling: float) -> str:
+def gqa_attention(g: GraphBuilder, i: int, qkv: str, mask: tuple[str, str], cfg, scaling: float,
+                  heads: tuple[int, int]) -> str:
+    """One layer's GroupQueryAttention of ``heads`` (query heads, key/value heads: the layer's own, fewer where its
+    attention keeps fewer groups; the runtime sizes each layer's cache from the graph's inputs)."""
     s = f"/model/layers.{i}/self_attn"
     window = sliding_window(cfg)
     out, _, _ = g.node(
         "GroupQueryAttention", [qkv, "", "", Sig.past(i, "key"), Sig.past(i, "value"), *mask, *ROPE],
         f"{s}/GroupQueryAttention", domain=MS,
         outputs=[f"{s}/GroupQueryAttention/output_0", Sig.present(i, "key"), Sig.present(i, "value")],
-        num_heads=cfg.num_attention_heads, kv_num_heads=cfg.num_key_value_heads, scale=float(scaling),
+        num_heads=heads[0], kv_num_heads=heads[1], scale=float(scaling),
         do_rotary=1, rotary_interleaved=0, local_window_size=window or -1)
     return out
 
@@ -156,11 +159,12 @@ def _heads(g: GraphBuilder, x: str, n: int, hd: int, name: str) -> str:
     return g.one("Reshape", [x, g.const(f"/model/constants/INT64/[0,0,{n},{hd}]", [0, 0, n, hd])], name)
 
 
-def plain_attention(g: GraphBuilder, i: int, q: str, k: str, v: str, mask: str, tables, cfg, hd: int,
-                    scaling: float, fused: bool) -> str:
-    """One layer's attention from its projected q, k, v (batch, seq, width); writes ``present.{i}.key/value``."""
+def plain_attention(g: GraphBuilder, i: int, q: str, k: str, v: str, mask: str, tables, layer_heads: tuple[int, int],
+                    hd: int, scaling: float, fused: bool) -> str:
+    """One layer's attention from its projected q, k, v (batch, seq, width) with ``layer_heads`` (query heads,
+    key/value heads); writes ``present.{i}.key/value``."""
     s = f"/model/layers.{i}/self_attn"
-    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    heads, kv = layer_heads
     if fused:
         q, k = (g.one("RotaryEmbedding", [x, Sig.POSITION_IDS, *ROPE], f"{s}/{n}_rotary", domain=MS,
                       interleaved=0) for x, n in ((q, "q"), (k, "k")))

@@ -35,7 +35,6 @@ from bdlora.export.decoder.builder import GraphBuilder, Projection, emit_group, 
 from bdlora.export.defaults import MAX_OPSET
 from bdlora.families import Anatomy, family
 from bdlora.forms import declared_bits
-from bdlora.runtime import DecoderShape
 from bdlora.runtime import DecoderSignature as Sig
 
 # the signature's symbolic dims, spelled as onnxruntime-genai's model builder spells them in its graphs
@@ -101,13 +100,14 @@ def _layer(g: GraphBuilder, layout: DecoderLayout, i: int, layer: nn.Module, res
     w_in = g.init(f"model.layers.{i}.input_layernorm.weight", _f32(layer.input_layernorm.weight))
     normed, residual = _norm(g, layout, residual, mlp_prev, w_in, eps, f"{s}/input_layernorm")
     at = layer.self_attn
+    heads = layer_heads(at, hd)  # fewer where the attention keeps fewer groups (--forms groups)
     projs = [_projection(cfg, f"model.layers.{i}.self_attn.{n}", getattr(at, n)) for n in qkv]
     if layout.attention == "gqa":
         attn = gqa_attention(g, i, emit_packed_qkv(g, normed, projs, f"{s}/self_attn"), *attn_inputs, cfg,
-                             at.scaling)
+                             at.scaling, heads)
     else:
         q, k, v = emit_group(g, normed, projs, f"{s}/self_attn")
-        attn = plain_attention(g, i, q, k, v, *attn_inputs, cfg, hd, float(at.scaling), layout.fused)
+        attn = plain_attention(g, i, q, k, v, *attn_inputs, heads, hd, float(at.scaling), layout.fused)
     (o,) = emit_group(g, attn, [_projection(cfg, f"model.layers.{i}.self_attn.{n}", getattr(at, n)) for n in o_proj],
                       f"{s}/self_attn")
     w_post = g.init(f"model.layers.{i}.post_attention_layernorm.weight", _f32(layer.post_attention_layernorm.weight))
@@ -122,7 +122,14 @@ def _layer(g: GraphBuilder, layout: DecoderLayout, i: int, layer: nn.Module, res
     return residual, down
 
 
-def _io(layout: DecoderLayout, vocab: int, layers: int, kv_heads: int, hd: int) -> tuple[list, list]:
+def layer_heads(attn: nn.Module, hd: int) -> tuple[int, int]:
+    """(query heads, key/value heads) of one attention block, from its q and k projections' widths."""
+    return attn.q_proj.out_features // hd, attn.k_proj.out_features // hd
+
+
+def _io(layout: DecoderLayout, vocab: int, kv_heads: list[int], hd: int) -> tuple[list, list]:
+    """The graph's inputs and outputs; ``kv_heads``: each layer's cached key/value heads."""
+    layers = len(kv_heads)
     sig = Sig(layers, position_ids=layout.signature.position_ids)
     dims = GENAI_DIMS if layout.attention == "gqa" else {}
 
@@ -130,15 +137,16 @@ def _io(layout: DecoderLayout, vocab: int, layers: int, kv_heads: int, hd: int) 
         return dims.get(d, d)
 
     batch, seq = (dim(d) for d in sig.TOKENS_DIMS)
-    kv_shape = [batch, kv_heads, dim(sig.PAST_DIMS[2]), hd]
-    present_shape = [batch, kv_heads, dim(sig.PRESENT_DIMS[2]), hd]
+    past, present = dim(sig.PAST_DIMS[2]), dim(sig.PRESENT_DIMS[2])
     inputs = [helper.make_tensor_value_info(sig.INPUT_IDS, TensorProto.INT64, [batch, seq]),
               helper.make_tensor_value_info(sig.ATTENTION_MASK, TensorProto.INT64, [dim(d) for d in sig.MASK_DIMS])]
     if sig.position_ids:
         inputs.append(helper.make_tensor_value_info(sig.POSITION_IDS, TensorProto.INT64, [batch, seq]))
     outputs = [helper.make_tensor_value_info(sig.LOGITS, TensorProto.FLOAT, [batch, seq, vocab])]
-    inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in sig.cache_inputs]
-    outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, present_shape) for n in sig.cache_outputs]
+    inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, [batch, kv_heads[k // 2], past, hd])
+               for k, n in enumerate(sig.cache_inputs)]
+    outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, [batch, kv_heads[k // 2], present, hd])
+                for k, n in enumerate(sig.cache_outputs)]
     return inputs, outputs
 
 
@@ -203,7 +211,7 @@ def decoder_graph(model: nn.Module, layout: DecoderLayout):
     else:
         logits = g.one("MatMul", [final, w_head], "/lm_head/MatMul")
         g.node("Add", [logits, g.init("lm_head.bias", _f32(head.bias))], "/lm_head/Add", outputs=[Sig.LOGITS])
-    inputs, outputs = _io(layout, head.weight.shape[0], len(layers), cfg.num_key_value_heads, hd)
+    inputs, outputs = _io(layout, head.weight.shape[0], [layer_heads(x.self_attn, hd)[1] for x in layers], hd)
     return _model(g, f"bdlora_{layout.attention}_decoder", inputs, outputs), g.fused
 
 
@@ -230,15 +238,16 @@ def build_projection_stack(model: nn.Module, opset: int = MAX_OPSET):
     """The replaced projections alone (the paper's measure), wired as in the decoder: per layer inputs ``x_a.l``,
     ``x_o.l``, ``x_m.l``, ``x_d.l`` (tokens, width), each group of projections reading one input emitted as in the
     decoder, every projection's output a graph output (``y0``, ``y1``, ... in ``projection_modules`` order)."""
-    s, cfg = DecoderShape.of(model.config), model.config
-    widths = {"x_a": s.hidden, "x_o": s.heads * s.head_dim, "x_m": s.hidden, "x_d": cfg.intermediate_size}
+    cfg = model.config
     g = GraphBuilder(opset)
     anatomy = emitted_anatomy(cfg)
     groups: dict[str, list[tuple[int, Projection]]] = {}
+    width: dict[str, int] = {}
     for k, (name, m) in enumerate(projection_modules(model)):
         layer = int(name.split("layers.")[1].split(".")[0])
         x = STACK_INPUTS[anatomy.input_group(name.rsplit(".", 1)[-1])]
         groups.setdefault(f"{x}.{layer}", []).append((k, Projection.of(name, m)))
+        width[f"{x}.{layer}"] = m.in_features  # the layer's own (a pruned block's projections are narrower)
     outputs = {}
     for x, members in groups.items():
         ys = emit_group(g, x, [p for _, p in members], f"/stack/{x}")
@@ -246,7 +255,7 @@ def build_projection_stack(model: nn.Module, opset: int = MAX_OPSET):
     renamed = {y: f"y{k}" for k, y in outputs.items()}  # each projection's last node writes its graph output
     for node in g.nodes:
         node.output[:] = [renamed.get(o, o) for o in node.output]
-    inputs = [helper.make_tensor_value_info(x, TensorProto.FLOAT, ["tokens", widths[x.split(".")[0]]])
-              for x in sorted(groups, key=lambda n: (int(n.split(".")[1]), list(widths).index(n.split(".")[0])))]
+    inputs = [helper.make_tensor_value_info(x, TensorProto.FLOAT, ["tokens", width[x]])
+              for x in sorted(groups, key=lambda n: (int(n.split(".")[1]), STACK_INPUTS.index(n.split(".")[0])))]
     outs = [helper.make_tensor_value_info(f"y{k}", TensorProto.FLOAT, ["tokens", None]) for k in sorted(outputs)]
     return _model(g, "bdlora_projection_stack", inputs, outs)

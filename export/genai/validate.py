@@ -36,7 +36,7 @@ def graph_parity(model: nn.Module, sess, steps: int = 6) -> dict:
         ref = model(ids).logits.numpy()
         noise = max_abs_diff(copy.deepcopy(model).double()(ids).logits.numpy(), ref)
     bound = max(out["tolerance"], TOLERANCE, NOISE_FACTOR * noise)  # as in ``validate``: torch's own fp32 error
-    past = [np.zeros((1, shape.kv_heads, 0, shape.head_dim), np.float32) for _ in range(2 * shape.layers)]
+    past = [np.zeros((1, shape.kv(i // 2), 0, shape.head_dim), np.float32) for i in range(2 * shape.layers)]
     worst, t = 0.0, 0
     for n in [8] + [1] * steps:
         x = ids[:, t : t + n].numpy()

@@ -33,5 +33,5 @@ def example_inputs(config, batch: int, seq: int, past: int, pad_first: int = 0, 
     if pad_first:
         mask[0, :pad_first] = 0
     pos = position_ids_from_mask(mask, seq)
-    pasts = [torch.randn(batch, shape.kv_heads, past, shape.head_dim, generator=g) for _ in range(2 * shape.layers)]
+    pasts = [torch.randn(batch, shape.kv(i // 2), past, shape.head_dim, generator=g) for i in range(2 * shape.layers)]
     return ids, mask, pos, pasts

@@ -1,0 +1,107 @@
+"""Pruned attention groups (``forms.GROUPS``): which key/value groups an attention block keeps (each KV head with the
+``heads / kv_heads`` query heads reading it, grouped-query attention's unit), what dropping the others costs in the
+allocation's units, and the narrower projections (LLM-Pruner's and Minitron's head pruning: plain smaller dense
+products and a smaller KV cache, which every runtime runs with nothing new).
+
+A query head's attention output depends on its own query, key and value rows only, so dropping a set D of groups
+changes the block's output by exactly ``-W_o[:, cols(D)] a[cols(D)]`` (``a`` the o projection's input, ``cols`` the
+query columns of those groups). Its error is measured as a pruned MLP's (``channels``): by the o projection's output
+Fisher diagonal, summed over the calibration tokens,
+
+    e(D) = sum_{j, l in cols(D)} C_jl M_jl,    C = A^T A (o's input Gram),  M = W_o^T diag(f) W_o,
+
+summed here over each pair of groups' column blocks, so a group, a channel and a rank compare in one knapsack.
+Groups are ranked by their own block's term; e(D) of each prefix of that order is exact (cross terms included).
+
+The kept groups' o projection is then refitted to them (``channels.prune``'s ridge least squares on the Gram): the
+kept heads' outputs are exactly the source's, only o changes. The allocation prices the drop without the refit (an
+upper bound). The time a smaller cache saves inside the attention op is not priced (only the four products are):
+a pruned block saves more decode time than it is priced at, the more so at long contexts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from bdlora.budgeted.allocate import Cost, Option
+from bdlora.budgeted.channels import prune as refit_prune
+from bdlora.budgeted.costs import ModuleShape
+from bdlora.budgeted.lowrank import FISHER_DAMPING, damped
+
+
+@dataclass
+class GroupOrder:
+    """One attention block's key/value groups, least important first, and ``error[n]``: the loss-weighted error of
+    dropping the first ``n`` of them (``error[0] = 0``; ``len(error) = groups + 1``); ``head_dim`` and ``ratio``
+    (query heads per group) say which rows and columns a group holds."""
+
+    order: np.ndarray
+    error: np.ndarray
+    head_dim: int
+    ratio: int
+
+    @property
+    def groups(self) -> int:
+        return len(self.order)
+
+    def kept(self, keep: int) -> torch.Tensor:
+        """The indices of the ``keep`` groups kept, ascending (the source's order)."""
+        return torch.from_numpy(np.sort(self.order[self.groups - keep:]).copy())
+
+    def rows(self, keep: int, per: int) -> torch.Tensor:
+        """The rows (or o's columns) of the kept groups in a projection holding ``per`` of them per group."""
+        return torch.cat([torch.arange(g * per, (g + 1) * per) for g in self.kept(keep).tolist()])
+
+
+def group_order(o_proj: torch.Tensor, gram: torch.Tensor, fisher: torch.Tensor | None, kv_heads: int,
+                head_dim: int) -> GroupOrder:
+    """The order and prefix errors of the groups of an o projection ``o_proj`` (hidden, heads * head_dim) under its
+    input Gram ``gram`` and output Fisher diagonal ``fisher`` (hidden), damped as ``channels`` damps them."""
+    w = o_proj.detach().double()
+    phi2 = torch.ones(w.shape[0], dtype=torch.float64)
+    if fisher is not None:
+        f = fisher.double()
+        mean = float(f.mean())
+        phi2 = f + (FISHER_DAMPING * mean if mean > 0 else 1.0)
+    p = damped(gram) * (w.T @ (phi2[:, None] * w))  # C * M over o's input columns
+    width = p.shape[0] // kv_heads
+    blocks = p.reshape(kv_heads, width, kv_heads, width).sum(dim=(1, 3))  # (groups, groups)
+    order = torch.argsort(torch.diagonal(blocks), stable=True)
+    s = blocks[order][:, order].cumsum(0).cumsum(1)
+    error = torch.cat([torch.zeros(1, dtype=torch.float64), torch.diagonal(s).clamp_min(0)])
+    return GroupOrder(order.numpy(), error.numpy(), head_dim, width // head_dim)
+
+
+def group_options(shapes: list[ModuleShape], order: GroupOrder, cost: Cost) -> list[Option]:
+    """(keep, cost of the four narrower dense products, error) of every kept number of groups of one attention site
+    (1 to all but one)."""
+    return [(k, sum(cost(s.grouped(k, order.groups), 0) for s in shapes), float(order.error[order.groups - k]))
+            for k in range(1, order.groups)]
+
+
+def probe_shapes(shapes: list[ModuleShape], kv_heads: int) -> list[tuple[int, int]]:
+    """(K, N) of the narrower products a measured table times so that any kept number of groups interpolates
+    between measurements: a quarter, a half and three quarters of the groups (at least one, fewer than all)."""
+    keeps = sorted({min(kv_heads - 1, max(1, round(kv_heads * q))) for q in (0.25, 0.5, 0.75)}) if kv_heads > 1 else []
+    out = []
+    for s in shapes:
+        if ".self_attn." in s.name:
+            for k in keeps:
+                g = s.grouped(k, kv_heads)
+                out.append((g.in_features, g.out_features))
+    return list(dict.fromkeys(out))
+
+
+@torch.no_grad()
+def prune(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, gram: torch.Tensor,
+          order: GroupOrder, keep: int, refit: bool = True) -> tuple[torch.Tensor, ...]:
+    """(q rows, k rows, v rows, o columns) of the ``keep`` groups kept, o refitted by ridge least squares on its
+    input Gram (``refit``; else its columns as they are), each in its source dtype."""
+    qrows = order.rows(keep, order.ratio * order.head_dim)
+    kvrows = order.rows(keep, order.head_dim)
+    # o's columns are q's rows: channels.prune's refit with o as the "down" projection and q's rows as the channels
+    _, _, o_kept = refit_prune(q, q, o, gram, qrows, refit)
+    return q[qrows].clone(), k[kvrows].clone(), v[kvrows].clone(), o_kept
