@@ -7,6 +7,9 @@ A spec is one of:
 - ``prose``: English prose, the reStructuredText documentation of Django (``PROSE``: 640 files, 6 MB of English,
   BSD-3-Clause), fetched once from the package registry as the project's source distribution with ``pip download
   --no-deps`` (nothing is installed) and kept in the cache with its licence;
+- ``fortunes``: English of another kind (quotations, literature, poems, jokes: BSD fortune's files from Debian's
+  ``fortunes`` package, ``bdlora.fortunes``), fetched once and cached with its licence: the domain a model
+  calibrated or healed on ``builtin:1,prose:1`` never saw;
 - a path: a .txt/.jsonl/.parquet file or folder, or a ``datasets.save_to_disk`` folder;
 - ``teacher:N``: N tokens sampled from the teacher itself (``bdlora.selfgen``), generated once per (teacher weights,
   N, seed) and cached like a corpus;
@@ -36,11 +39,15 @@ import numpy as np
 from bdlora.blocks import PackedBlocks, scored_blocks
 from bdlora.data import BUILTIN, BUILTIN_HELDOUT_FRACTION, Corpus, TokenizedCorpus, default_cache_dir, tokenize_corpus
 from bdlora.errors import DataError
+from bdlora.fortunes import FORTUNES, fortunes_dir
+from bdlora.fortunes import HELDOUT_FRACTION as FORTUNES_HELDOUT
 from bdlora.io import atomic_dir, write_json
 from bdlora.reporter import SILENT, Reporter
 from bdlora.runs import CORPUS_FILE, CORPUS_META
 
 PROSE = "prose"
+BUILTIN_CORPORA = (BUILTIN, PROSE, FORTUNES)  # the corpora bdlora names (the first ships with Python, the others are
+# fetched once from a package registry and cached)
 TEACHER_PREFIX = "teacher:"
 # teacher:N generates N tokens with the teacher before training starts: beyond this it is a typo, not a corpus
 # (teacher:1000000000000 started generating with no end in sight)
@@ -122,7 +129,7 @@ def _check_single(spec: str, what: str) -> None:
             raise DataError(f"{what} {spec}: teacher:N needs a whole number of tokens from 1 to "
                             f"{MAX_TEACHER_TOKENS:,} (e.g. teacher:65536)")
         return
-    if spec in (BUILTIN, PROSE):
+    if spec in BUILTIN_CORPORA:
         return
     Corpus(spec, what=what)  # the path exists and holds a readable kind of corpus
 
@@ -139,12 +146,22 @@ def default_heldout(spec: str) -> float | None:
     if len(parts) > 1:
         return None
     s = parts[0].spec
+    if s == FORTUNES:
+        return FORTUNES_HELDOUT
     if s in (BUILTIN, PROSE) or s.startswith(TEACHER_PREFIX):
         return BUILTIN_HELDOUT_FRACTION
     return Corpus(s).default_heldout_fraction
 
 
 GENERAL_VOCABULARY = 32000
+
+
+def unseen_corpus(*specs: str | None) -> str | None:
+    """The first builtin corpus (fortunes, prose, builtin: the kind of English furthest from the others first) that
+    none of ``specs`` (a run's --data and --calib-data, mixtures included) names: the default second domain a
+    student is scored on; None when every one was seen."""
+    seen = {p.spec for s in specs if s for p in parse(s)}
+    return next((c for c in (FORTUNES, PROSE, BUILTIN) if c not in seen), None)
 
 
 def other_domains(domains: str | None, data: str, vocab_size: int) -> list[str]:
@@ -167,6 +184,10 @@ def open_corpus(spec: str, cache_dir: Path | None = None, what: str = "--data", 
     n = teacher_tokens(spec)
     if spec == PROSE:
         corpus = Corpus(prose_dir(cache, reporter), what=what, name=PROSE)
+    elif spec == FORTUNES:
+        corpus = Corpus(fortunes_dir(cache, reporter), what=what, name=FORTUNES)
+        corpus.default_heldout_fraction = FORTUNES_HELDOUT
+        return corpus
     elif n is not None:
         from bdlora.selfgen import samples_dir
 

@@ -62,6 +62,10 @@ class BenchConfig:
     head_bits: int = 8
     """genai runtime: the LM head's bits in every int4 folder, the student's and the teacher's alike (8 or 4; the
     head is a third of an int4 model's bytes at SmolLM2's size)."""
+    eval_data: str | None = None
+    """genai runtime: a second corpus every front row is also scored on (its held-out split), a domain no row was
+    calibrated or healed on, with the front marked on it too (default for a general-purpose model: the first of
+    fortunes, prose, builtin that the model's run neither trained nor calibrated on; none: no second domain)."""
     icl: bool = False
     """genai runtime: also the ICL composite (eval's 19 probes, 10-shot, 3 seeds) of the student's and the
     teacher's row at every precision, beside its perplexity (each on a plain-layout twin rounded the same way)."""
@@ -99,6 +103,7 @@ class BenchConfig:
         if self.teacher_quant is not None:
             c.choice("teacher_quant", self.teacher_quant, QUANT_METHODS)
         c.choice("head_bits", self.head_bits, (4, 8))
+        c.text("eval_data", self.eval_data)
         c.integer("icl_examples", self.icl_examples, lo=1)
         c.require(not self.icl or self.runtime in ("genai", "both"),
                   f"--icl: the ICL of the front's rows needs --runtime genai or both (not {self.runtime})")
@@ -109,8 +114,10 @@ class BenchConfig:
         return self
 
     def quant_of(self, model: str) -> str:
-        """How ``model``'s int8/int4 weights are rounded (a front row's model: "teacher", "compressed", an --also)."""
-        return self.teacher_quant if model == "teacher" and self.teacher_quant else self.quant
+        """How ``model``'s int8/int4 weights are rounded (a front row's model: "teacher", "compressed", an --also, a
+        ``peer-`` healed dense model, rounded as the teacher is)."""
+        reference = model == "teacher" or model.startswith("peer-")
+        return self.teacher_quant if reference and self.teacher_quant else self.quant
 
 
 def provider_name(provider: str) -> str:

@@ -14,20 +14,20 @@ from pathlib import Path
 from bdlora.io import atomic_path
 
 
-def dominance(points: list[dict]) -> list[dict]:
-    """``points`` ({"name", "ms", "ppl"}) with "front" (bool) and "dominated_by" (the dominating point with the
-    lowest perplexity, ties broken by speed; None on the front) added. Points without a perplexity are left out of
-    the comparison (front None)."""
-    scored = [p for p in points if p.get("ppl") is not None]
+def dominance(points: list[dict], key: str = "ppl", mark: str = "") -> list[dict]:
+    """``points`` ({"name", "ms", key}) with "front{mark}" (bool) and "dominated_by{mark}" (the dominating point with
+    the lowest ``key``, ties broken by speed; None on the front) added. Points without ``key`` are left out of the
+    comparison (front None). ``key`` "ppl_unseen" (mark "_unseen"): the same on the unseen domain."""
+    scored = [p for p in points if p.get(key) is not None]
     out = []
     for p in points:
-        if p.get("ppl") is None:
-            out.append({**p, "front": None, "dominated_by": None})
+        if p.get(key) is None:
+            out.append({**p, f"front{mark}": None, f"dominated_by{mark}": None})
             continue
-        better = [q for q in scored if q is not p and q["ms"] <= p["ms"] and q["ppl"] <= p["ppl"]
-                  and (q["ms"] < p["ms"] or q["ppl"] < p["ppl"])]
-        best = min(better, key=lambda q: (q["ppl"], q["ms"], q["name"])) if better else None
-        out.append({**p, "front": best is None, "dominated_by": best["name"] if best else None})
+        better = [q for q in scored if q is not p and q["ms"] <= p["ms"] and q[key] <= p[key]
+                  and (q["ms"] < p["ms"] or q[key] < p[key])]
+        best = min(better, key=lambda q: (q[key], q["ms"], q["name"])) if better else None
+        out.append({**p, f"front{mark}": best is None, f"dominated_by{mark}": best["name"] if best else None})
     return out
 
 
@@ -40,9 +40,12 @@ def front_points(results: list[dict], quality: dict[str, dict], batch: int = 1, 
     seq = seq if seq is not None else min(r["seq"] for r in rows)
     points = [{"name": r["variant"], "ms": r["median_ms"], "p10_ms": r["p10_ms"], "p90_ms": r["p90_ms"],
                "ppl": (quality.get(r["variant"]) or {}).get("ppl"), "batch": batch, "seq": seq,
-               **{k: v for k, v in (quality.get(r["variant"]) or {}).items() if k in ("icl", "icl_std")}}
+               **{k: v for k, v in (quality.get(r["variant"]) or {}).items() if k in ("icl", "icl_std", "ppl_unseen")}}
               for r in rows if r["seq"] == seq]
-    return [{**p, **same_precision(p, points)} for p in dominance(sorted(points, key=lambda p: p["ms"]))]
+    points = dominance(sorted(points, key=lambda p: p["ms"]))
+    if any(p.get("ppl_unseen") is not None for p in points):  # marked on the domain no row was fitted to as well
+        points = dominance(points, "ppl_unseen", "_unseen")
+    return [{**p, **same_precision(p, points), **same_precision(p, points, PEER)} for p in points]
 
 
 def precision_of(name: str) -> str:
@@ -51,42 +54,71 @@ def precision_of(name: str) -> str:
     return tail if tail in ("int8", "int4", "fp32") else "fp32"
 
 
-def same_precision(p: dict, points: list[dict]) -> dict:
+PEER = "peer-"  # the prefix of a healed dense peer's rows (bench --peer FOLDER)
+
+
+def same_precision(p: dict, points: list[dict], against: str = "teacher") -> dict:
     """How ``p`` compares with the teacher's own export at its precision (ours: ``teacher``, ``teacher-int8``,
-    ``teacher-int4``): {"vs_teacher": name, "speed_vs_teacher": x, "ppl_vs_teacher": relative change}, or {} for
-    the teacher's own rows and when that export is not on the front."""
-    if p["name"].startswith("teacher"):
+    ``teacher-int4``), or with ``against=PEER`` the first healed dense peer's (``peer-NAME``, ``peer-NAME-int4``):
+    {"vs_teacher": name, "speed_vs_teacher": x, "ppl_vs_teacher": relative change, "ppl_unseen_vs_teacher": ...}
+    (``_peer`` for a peer), or {} for the reference's own rows and when it is not on the front."""
+    tag = "peer" if against == PEER else "teacher"
+    if p["name"].startswith(("teacher", PEER)):
         return {}
     prec = precision_of(p["name"])
-    ref_name = "teacher" if prec == "fp32" else f"teacher-{prec}"
-    ref = next((q for q in points if q["name"] == ref_name), None)
-    if ref is None:
+    suffix = "" if prec == "fp32" else f"-{prec}"
+    refs = [q for q in points if q["name"].startswith(against) and not q["name"].startswith("teacher-builder")
+            and precision_of(q["name"]) == prec and (against == PEER or q["name"] == f"teacher{suffix}")]
+    if not refs:
         return {}
-    rel = p["ppl"] / ref["ppl"] - 1 if p.get("ppl") is not None and ref.get("ppl") else None
-    return {"vs_teacher": ref_name, "speed_vs_teacher": ref["ms"] / p["ms"], "ppl_vs_teacher": rel}
+    ref = refs[0]
+    out = {f"vs_{tag}": ref["name"], f"speed_vs_{tag}": ref["ms"] / p["ms"]}
+    for key in ("ppl", "ppl_unseen"):
+        if key in p or key in ref:
+            ok = p.get(key) is not None and ref.get(key)
+            out[f"{key}_vs_{tag}"] = p[key] / ref[key] - 1 if ok else None
+    return out
 
 
-def markdown(points: list[dict], reference: str | None) -> list[str]:
-    """The front as a table: decode ms/token, perplexity, both relative to ``reference`` (the teacher's fp32), and
-    the dominance mark."""
+def markdown(points: list[dict], reference: str | None, unseen: str | None = None) -> list[str]:
+    """The front as a table: decode ms/token, perplexity (and on the unseen domain ``unseen``), both relative to
+    ``reference`` (the teacher's fp32), against the teacher's export and the healed dense peer at the same precision,
+    and the dominance mark on each domain."""
     if not points:
         return []
     ref = next((p for p in points if p["name"] == reference), None)
     icl = any("icl" in p for p in points)
+    two = any(p.get("ppl_unseen") is not None for p in points)
+    peer = any("vs_peer" in p for p in points)
     lines = ["", f"Quality/speed front (onnxruntime-genai, decode at batch {points[0]['batch']} after a "
                  f"{points[0]['seq']}-token prompt; held-out perplexity of each graph"
+                 + (f", and on {unseen}, a corpus no row was calibrated or healed on" if two else "")
                  + ("; ICL composite % ± std over seeds, on each row's plain-layout twin" if icl else "") + "):", "",
-             "| variant | decode ms/token (p10-p90) | held-out ppl | " + ("ICL | " if icl else "")
-             + "speed vs teacher fp32 | ppl vs teacher fp32 | vs the teacher's export at its precision (speed, ppl) | "
-             "front |", "|---|---|---|" + ("---|" if icl else "") + "---|---|---|---|"]
+             "| variant | decode ms/token (p10-p90) | held-out ppl | " + ("unseen ppl | " if two else "")
+             + ("ICL | " if icl else "") + "speed vs teacher fp32 | ppl vs teacher fp32 | vs the teacher's export at "
+             "its precision (speed, ppl" + (", unseen" if two else "") + ") | "
+             + ("vs the healed dense peer at its precision | " if peer else "") + "front |",
+             "|---|---|---|" + ("---|" if two else "") + ("---|" if icl else "") + "---|---|---|"
+             + ("---|" if peer else "") + "---|"]
     for p in points:
         speed, rel = vs_reference(p, ref)
         ppl = f"{p['ppl']:.3f}" if p["ppl"] is not None else "-"
-        mark = "-" if p["front"] is None else "**on the front**" if p["front"] else f"dominated by {p['dominated_by']}"
+        cells = (f"{p['ppl_unseen']:.3f} | " if p.get("ppl_unseen") is not None else "- | ") if two else ""
+        cells += (f"{p['icl']:.1f} ± {p['icl_std']:.1f} | " if "icl" in p else "- | ") if icl else ""
         ms = f"{p['ms']:.3f} ({p['p10_ms']:.3f}-{p['p90_ms']:.3f})"
-        cell = (f"{p['icl']:.1f} ± {p['icl_std']:.1f} | " if "icl" in p else "- | ") if icl else ""
-        lines.append(f"| {p['name']} | {ms} | {ppl} | {cell}{speed} | {rel} | {same_precision_cell(p)} | {mark} |")
+        peer_cell = f" {same_precision_cell(p, 'peer')} |" if peer else ""
+        lines.append(f"| {p['name']} | {ms} | {ppl} | {cells}{speed} | {rel} | {same_precision_cell(p)} |{peer_cell} "
+                     f"{front_mark(p, two)} |")
     return lines
+
+
+def front_mark(p: dict, two: bool) -> str:
+    """On the front or dominated (by whom), on the held-out domain and, with ``two``, on the unseen one."""
+    def one(mark: str) -> str:
+        front = p.get(f"front{mark}")
+        return "-" if front is None else "**on the front**" if front else f"dominated by {p[f'dominated_by{mark}']}"
+
+    return f"{one('')}; unseen: {one('_unseen')}" if two else one("")
 
 
 def vs_reference(p: dict, ref: dict | None) -> tuple[str, str]:
@@ -96,41 +128,52 @@ def vs_reference(p: dict, ref: dict | None) -> tuple[str, str]:
     return speed, rel
 
 
-def same_precision_cell(p: dict) -> str:
-    if "vs_teacher" not in p:
+def same_precision_cell(p: dict, tag: str = "teacher") -> str:
+    if f"vs_{tag}" not in p:
         return "-"
-    rel = "-" if p.get("ppl_vs_teacher") is None else f"{p['ppl_vs_teacher']:+.1%}"
-    return f"{p['speed_vs_teacher']:.2f}x, {rel} ({p['vs_teacher']})"
+    rels = [p.get(f"{k}_vs_{tag}") for k in ("ppl", "ppl_unseen") if f"{k}_vs_{tag}" in p]
+    shown = ", ".join("-" if r is None else f"{r:+.1%}" for r in rels)
+    return f"{p[f'speed_vs_{tag}']:.2f}x, {shown} ({p[f'vs_{tag}']})"
 
 
-def plot(points: list[dict], path: Path, title: str = "") -> None:
-    """Decode ms/token against perplexity: every point labelled, the front joined, students and teachers apart."""
+def plot(points: list[dict], path: Path, title: str = "", unseen: str | None = None) -> None:
+    """Decode ms/token against perplexity: every point labelled, the front joined, students and teachers apart; a
+    second panel for the unseen domain ``unseen`` when the points were scored on it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    scored = [p for p in points if p.get("ppl") is not None]
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    for p in scored:  # squares: the teacher's exports; triangles: the student's dense form by the builder
-        kind = "teacher" if p["name"].startswith("teacher") else "builder" if p["name"].startswith("builder") else ""
-        ax.scatter(p["ms"], p["ppl"], marker={"teacher": "s", "builder": "^"}.get(kind, "o"), s=40,
-                   color={"teacher": "#555555", "builder": "#999999"}.get(kind, "#1f77b4"), zorder=3)
-        ax.annotate(p["name"], (p["ms"], p["ppl"]), fontsize=7, xytext=(4, 3), textcoords="offset points")
-    front = sorted((p for p in scored if p["front"]), key=lambda p: p["ms"])
-    if front:
-        ax.plot([p["ms"] for p in front], [p["ppl"] for p in front], color="#d62728", lw=1, zorder=2,
-                label="front (nothing both faster and better)")
-        ax.legend(fontsize=8)
-    ax.set_xlabel("decode ms per token (batch 1)")
-    ax.set_ylabel("held-out perplexity")
-    ax.set_title(title or "quality/speed front: squares the teacher's exports, circles the student's (triangles: its "
-                          "dense form by the builder)", fontsize=9)
-    ax.grid(alpha=0.3)
+    panels = [("ppl", "", "held-out perplexity")]
+    if any(p.get("ppl_unseen") is not None for p in points):
+        panels.append(("ppl_unseen", "_unseen", f"perplexity on {unseen or 'the unseen domain'} (never fitted)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(8 * len(panels), 5.5), squeeze=False)
+    for ax, (key, mark, label) in zip(axes[0], panels):
+        _panel(ax, points, key, mark, label)
+    fig.suptitle(title or "quality/speed front: squares the teacher's exports, diamonds the healed dense peer's, "
+                          "circles the student's (triangles: its dense form by the builder)", fontsize=9)
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=120)
     plt.close(fig)
+
+
+def _panel(ax, points: list[dict], key: str, mark: str, label: str) -> None:
+    scored = [p for p in points if p.get(key) is not None]
+    for p in scored:
+        kind = next((k for k in ("teacher", "builder", PEER) if p["name"].startswith(k)), "")
+        ax.scatter(p["ms"], p[key], marker={"teacher": "s", "builder": "^", PEER: "D"}.get(kind, "o"), s=40,
+                   color={"teacher": "#555555", "builder": "#999999", PEER: "#2ca02c"}.get(kind, "#1f77b4"),
+                   zorder=3)
+        ax.annotate(p["name"], (p["ms"], p[key]), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    front = sorted((p for p in scored if p.get(f"front{mark}")), key=lambda p: p["ms"])
+    if front:
+        ax.plot([p["ms"] for p in front], [p[key] for p in front], color="#d62728", lw=1, zorder=2,
+                label="front (nothing both faster and better)")
+        ax.legend(fontsize=8)
+    ax.set_xlabel("decode ms per token (batch 1)")
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
 
 
 def predicted_vs_measured(points: list[dict], cost: dict) -> dict | None:

@@ -22,14 +22,21 @@ import torch.nn as nn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from bdlora.bench.front import PEER
 from bdlora.bench.launch import run_timing_process
 from bdlora.budgeted.model import narrow_sites
-from bdlora.corpora import default_heldout
+from bdlora.corpora import GENERAL_VOCABULARY, default_heldout, unseen_corpus
 from bdlora.data import BUILTIN, default_cache_dir
 from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES
 from bdlora.errors import BdloraError, UsageError
 from bdlora.export.defaults import CALIB_TOKENS
-from bdlora.export.genai.folder import calibration_blocks, data_settings, heldout_for, write_genai_files
+from bdlora.export.genai.folder import (
+    calibration_blocks,
+    corpus_blocks,
+    data_settings,
+    heldout_for,
+    write_genai_files,
+)
 from bdlora.export.schemes import scheme
 from bdlora.families import FAMILIES, base_type
 from bdlora.icl import corpus_word_list
@@ -196,11 +203,24 @@ class Deployment:
     heldout: object | None = None
     calibration: object | None = None
     others: dict[str, nn.Module] = field(default_factory=dict)  # more students on the same front (bench --also)
+    # and healed dense peers (bench --peer: ``peer-NAME``, rounded as the teacher)
+    unseen: tuple[str, object] | None = None  # (corpus, its held-out blocks): the second domain every row is scored on
     words: list[str] | None = None  # --icl: the probes' word list, from the held-out documents of the same corpus
 
 
+def unseen_data(eval_data: str | None, settings: dict, vocab_size: int) -> str | None:
+    """The second domain of the front (``--eval-data``): as given ("none": no second domain), else for a
+    general-purpose model the first builtin corpus its run neither trained nor calibrated on
+    (``corpora.unseen_corpus``; a tiny model with its own small vocabulary gets none unless asked)."""
+    if eval_data is not None:
+        return None if eval_data == "none" else eval_data
+    if vocab_size < GENERAL_VOCABULARY:
+        return None
+    return unseen_corpus(settings.get("data") or BUILTIN, settings.get("calib_data"))
+
+
 def deployment_for(model_dir: Path, report: dict, tok, model: nn.Module, cfg, reporter: Reporter = SILENT,
-                   also: list[str] = ()):
+                   also: list[str] = (), peers: list[str] = ()):
     """The teacher (from the run's or one-shot's provenance; None when it cannot be found here), the held-out
     blocks and (``--quant gptq``) the calibration blocks of a compressed folder's quality/speed front (``cfg``:
     the ``BenchConfig``)."""
@@ -216,17 +236,24 @@ def deployment_for(model_dir: Path, report: dict, tok, model: nn.Module, cfg, re
             reporter.stage(f"loading the teacher {folder}")
             deploy.teacher, _, _ = load_model_folder(folder)
             deploy.teacher_dir = folder
-    for other in also:
-        name = Path(other).name.removesuffix(".compressed")
-        reporter.stage(f"loading {other} (as {name})")
-        deploy.others[name], other_tok, _ = load_model_folder(other)
-        if other_tok.get_vocab() != tok.get_vocab():
-            raise UsageError(f"--also {other}: its tokenizer is not {model_dir}'s (the front compares one slice)")
+    for flag, folders, prefix in (("--also", also, ""), ("--peer", peers, PEER)):
+        for other in folders:
+            name = prefix + Path(other).name.removesuffix(".compressed")
+            reporter.stage(f"loading {other} (as {name})")
+            deploy.others[name], other_tok, _ = load_model_folder(other)
+            if other_tok.get_vocab() != tok.get_vocab():
+                raise UsageError(f"{flag} {other}: its tokenizer is not {model_dir}'s (the front compares one slice)")
     tokens = cfg.quality_tokens
     if tokens is None:  # the run's own held-out figures (train's and eval's), not a slice of them
         tokens = min(settings.get("eval_tokens") or DEFAULT_QUALITY_TOKENS, MAX_QUALITY_TOKENS)
     if tokens:
         deploy.heldout = heldout_for(model_dir, report, tok, shape, tokens)
+        unseen = unseen_data(cfg.eval_data, settings, shape.vocab_size)
+        if unseen:
+            reporter.stage(f"the unseen domain every row is also scored on: {unseen}")
+            deploy.unseen = (unseen, corpus_blocks({"data": unseen, "heldout_fraction": default_heldout(unseen),
+                                                    "cache_dir": settings.get("cache_dir")}, tok, "val",
+                                                   deploy.heldout.seq_len, tokens))
     if any(scheme(q).calibrated for q in (cfg.quant, cfg.teacher_quant) if q is not None):
         deploy.calibration = calibration_blocks(model_dir, report, tok, shape, CALIB_TOKENS)
     if cfg.icl:

@@ -41,7 +41,7 @@ def markdown(doc: dict) -> str:
             lines.append(f"| {r['phase']} | {r['batch']}x{r['seq']} | {d8['median_ms'] if d8 else float('nan'):.3f} "
                          f"| {r['median_ms']:.3f} | {r.get('speedup_vs_dense', float('nan')):.2f}x | "
                          f"{r.get('speedup_vs_dense_int8', float('nan')):.2f}x |")
-    front = front_markdown(doc.get("front") or [], "teacher")
+    front = front_markdown(doc.get("front") or [], "teacher", doc.get("unseen_data"))
     if doc.get("prediction"):
         front += ["", prediction_line(doc["prediction"])]
     return "\n".join(lines + genai_markdown(doc, idx) + front + noise_lines(doc)) + "\n"

@@ -228,6 +228,10 @@ def bench_genai(models: dict[str, nn.Module], tokenizer, workdir: Path, cfg: Ben
         owner.update({k: "teacher" if k.startswith("teacher-builder") else "dense" for k in folders if k not in owner})
         dims = {k: DecoderShape.of(models[owner[k]].config) for k in folders}
         quality = score_folders(folders, dims, deploy.heldout, reporter)
+        if deploy.unseen is not None:  # the same graphs on a corpus none of them was fitted to
+            corpus, blocks = deploy.unseen
+            for key, q in score_folders(folders, dims, blocks, reporter).items():
+                quality[key].update(ppl_unseen=q["ppl"], unseen_data=corpus, unseen_tokens=q["tokens"])
     if deploy.words is not None:  # dense and lora compute the compressed model's function: its ICL is theirs
         rows = {k: m for k, m in models.items() if k not in ("dense", "lora")}
         icl = icl_of_rows(rows, tokenizer, cfg.genai_precisions, deploy.words, cfg.icl_examples, workdir, cfg.quant_of,
@@ -280,7 +284,9 @@ def run_bench(model: nn.Module, lora_rank: int, cfg: BenchConfig, out: Path, rep
         if quality:
             doc["quality"] = quality
             doc["front"] = front_points(results, quality)
-            plot_front(doc["front"], tmp / "bench_front.png")
+            if deploy is not None and deploy.unseen is not None:
+                doc["unseen_data"] = deploy.unseen[0]
+            plot_front(doc["front"], tmp / "bench_front.png", unseen=doc.get("unseen_data"))
             cost = ((report or {}).get("provenance") or {}).get("allocation_cost")
             pred = predicted_vs_measured(doc["front"], cost) if cost else None
             if pred:

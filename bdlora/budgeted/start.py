@@ -101,8 +101,8 @@ def allocate_by(shapes, energy: dict, target: float, reporter: Reporter = SILENT
     /``rest``/``fixed``/``wide``: see ``allocate`` (MLPs that may keep fewer channels; whether projections may become
     pairs; layers that may go; with ``rest``, ``target`` is the whole decode step's speed-up; projections that may
     ship at 8 bits; attention blocks that may keep fewer of their ``kv_heads`` groups)."""
-    mlps = any(s.endswith(".mlp") for s in sites or {})
-    parts = [p for p, on in (("truncation", lowrank), ("channel-drop", mlps), ("group-drop", len(sites or {}) > mlps),
+    mlps, attention = (any(s.endswith(".mlp") == mlp for s in sites or {}) for mlp in (True, False))
+    parts = [p for p, on in (("truncation", lowrank), ("channel-drop", mlps), ("group-drop", attention),
                              ("layer-removal", layers), ("rounding", wide)) if on]
     what = "loss-weighted " + " and ".join(parts) + " error"
     if table is not None:

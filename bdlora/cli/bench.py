@@ -31,6 +31,11 @@ def bench(
     also: Annotated[Optional[list[str]], typer.Option(
         "--also", help="genai runtime: another compressed folder (of the same teacher) whose compressed form joins "
                        "the same run and front at every precision. Repeatable.")] = None,
+    peer: Annotated[Optional[list[str]], typer.Option(
+        "--peer", help="genai runtime: a healed dense model folder (e.g. the compressed folder of a `train --method "
+                       "kd-lora` run with the same data and steps) that joins the front at every precision as "
+                       "peer-NAME, rounded as the teacher is; every student is compared with it at its precision. "
+                       "Repeatable.")] = None,
     json_path: Annotated[Optional[str], typer.Option("--json", help="Also write the JSON report here.")] = None,
     out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: MODEL_DIR.bench).")]
     = None,
@@ -49,6 +54,10 @@ def bench(
     opts["genai_precisions"] = str_list(opts["genai_precisions"]) or []
     _check_own_options(model_config, budget, layers, lora_rank)
     cfg = BenchConfig(**opts).validate()
+    if cfg.eval_data not in (None, "none"):  # a bad corpus is refused before anything is exported
+        from bdlora.corpora import check_spec
+
+        check_spec(cfg.eval_data, "--eval-data")
     if cfg.icl and model_config:
         raise UsageError("--icl: synthetic mode (--model-config) has random weights and no tokenizer to probe; give "
                          "a compressed folder")
@@ -63,7 +72,7 @@ def bench(
         from bdlora.bench.genai import deployment_for
 
         deploy = deployment_for(target.source.path, target.report, target.tokenizer, target.model, cfg, rep,
-                                also or [])
+                                also or [], peer or [])
     doc = run_bench(target.model, target.lora_rank, cfg, target.out, target.report, reporter=rep,
                     tokenizer=target.tokenizer, deploy=deploy)
     if json_path:

@@ -184,8 +184,7 @@ def compress(
 def _deployed_prediction(report: dict, precision: str, threads: int | None, reporter, config: dict) -> dict:
     """The planned structure's decode time at ``precision`` from the measured table of its forms (low-rank pairs,
     MLPs keeping fewer channels, attention blocks keeping fewer groups, removed layers, projections kept at 8 bits):
-    its projections, and the whole step
-    against the dense model of ``config`` (``bench.whole``)."""
+    its projections, and the whole step against the dense model of ``config`` (``bench.whole``)."""
     from bdlora.budgeted.channels import probe_shapes
     from bdlora.budgeted.groups import probe_shapes as group_probes
 

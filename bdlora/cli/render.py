@@ -3,7 +3,7 @@
 from rich.markup import escape
 from rich.table import Table
 
-from bdlora.bench.front import prediction_line, same_precision_cell, vs_reference
+from bdlora.bench.front import front_mark, prediction_line, same_precision_cell, vs_reference
 from bdlora.bench.report import noise_lines
 from bdlora.cli.app import out
 
@@ -232,19 +232,23 @@ def bench(doc: dict) -> None:
 
 
 def front(points: list[dict]) -> None:
-    """The quality/speed front: every deployed form, fastest first, each on the front or dominated by whom."""
+    """The quality/speed front: every deployed form, fastest first, each on the front or dominated by whom (on the
+    held-out domain and on the unseen one, when scored), against the teacher and the healed dense peer."""
     ref = next((p for p in points if p["name"] == "teacher"), None)
+    two = any(p.get("ppl_unseen") is not None for p in points)
+    peer = any("vs_peer" in p for p in points)
     t = Table(title=f"quality/speed front (onnxruntime-genai, decode at batch {points[0]['batch']} after "
                     f"{points[0]['seq']} tokens)")
-    for col in ("variant", "ms/token", "ppl", "speed vs teacher", "ppl vs teacher", "vs teacher, same precision",
-                "front"):
+    cols = ["variant", "ms/token", "ppl", *(["unseen ppl"] if two else []), "speed vs teacher", "ppl vs teacher",
+            "vs teacher, same precision", *(["vs healed dense peer"] if peer else []), "front"]
+    for col in cols:
         t.add_column(col, justify="left" if col in ("variant", "front") else "right")
     for p in points:
-        ppl = p["ppl"]
-        t.add_row(escape(p["name"]), f"{p['ms']:.3f}", "-" if ppl is None else f"{ppl:.3f}", *vs_reference(p, ref),
-                  same_precision_cell(p),
-                  "-" if p["front"] is None else "[green]on the front[/]" if p["front"]
-                  else f"dominated by {escape(str(p['dominated_by']))}")
+        ppl, unseen = p["ppl"], p.get("ppl_unseen")
+        t.add_row(escape(p["name"]), f"{p['ms']:.3f}", "-" if ppl is None else f"{ppl:.3f}",
+                  *([("-" if unseen is None else f"{unseen:.3f}")] if two else []), *vs_reference(p, ref),
+                  same_precision_cell(p), *([same_precision_cell(p, "peer")] if peer else []),
+                  escape(front_mark(p, two)).replace("**on the front**", "[green]on the front[/]"))
     out.print(t)
 
 
