@@ -165,10 +165,12 @@ def unseen_corpus(*specs: str | None) -> str | None:
 
 
 def other_domains(domains: str | None, data: str, vocab_size: int) -> list[str]:
-    """The corpora scored besides ``data``: ``domains`` as given, else prose for a general-purpose model (a
-    vocabulary of ``GENERAL_VOCABULARY`` or more: a pretrained LLM's, not the builtin or a test teacher's)."""
+    """The corpora scored besides ``data``: ``domains`` as given, else for a general-purpose model (a vocabulary of
+    ``GENERAL_VOCABULARY`` or more: a pretrained LLM's, not the builtin or a test teacher's) prose and the builtin
+    corpus ``data`` does not name (``unseen_corpus``: fortunes for a model healed on builtin and prose)."""
     if domains is None:
-        names = [PROSE] if vocab_size >= GENERAL_VOCABULARY else []
+        names = list(dict.fromkeys(x for x in (PROSE, unseen_corpus(data)) if x)) if (
+            vocab_size >= GENERAL_VOCABULARY) else []
     else:
         names = [d.strip() for d in domains.split(";" if ";" in domains else ",") if d.strip()]
     for d in names:

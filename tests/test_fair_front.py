@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from bdlora.bench.front import PEER, dominance, front_mark, markdown, same_precision
 from bdlora.bench.genai import unseen_data
 from bdlora.cli import app
-from bdlora.corpora import unseen_corpus
+from bdlora.corpora import other_domains, unseen_corpus
 from bdlora.errors import DataError
 from bdlora.fortunes import FORTUNES_SOURCE, DebSource, deb_member, entries, fortunes_dir
 
@@ -55,6 +55,9 @@ def test_the_unseen_default_is_the_builtin_corpus_the_run_never_saw():
     assert unseen_data(None, {}, big) == "fortunes"  # a folder with no recorded data: the builtin corpus only
     assert unseen_data(None, {"data": "builtin"}, 320) is None  # a tiny model of its own vocabulary: only if asked
     assert unseen_data("prose", {"data": "builtin"}, 320) == "prose" and unseen_data("none", {}, big) is None
+    # eval's default second domains for a general-purpose model: prose and the corpus its data never named
+    assert other_domains(None, "builtin", big) == ["prose", "fortunes"] and other_domains(None, "builtin", 320) == []
+    assert other_domains(None, "fortunes", big) == ["prose"] and other_domains("prose", "builtin", 320) == ["prose"]
 
 
 def _deb(files: dict[str, str], licence: str = "BSD") -> bytes:

@@ -299,13 +299,17 @@ def test_sweep_front_puts_the_whole_family_and_the_teachers_exports_on_one_front
     genai_teacher(tiny_env["tokenizer"], tmp_path / "teacher")
     env = {**tiny_env, "teacher": tmp_path / "teacher"}
     out = tmp_path / "sweep"
-    res = CliRunner().invoke(app, sweep_args(env, out, "--budgets", "", "--baselines", "", "--one-shot", "1.2,1.5",
-                                             "--no-bench", "--front", "--bench-seq-lens", "8", "--bench-repeats",
-                                             "1"))
+    res = CliRunner().invoke(app, sweep_args(env, out, "--budgets", "", "--baselines", "kd-lora", "--one-shot",
+                                             "1.2,1.5", "--no-bench", "--front", "--bench-seq-lens", "8",
+                                             "--bench-repeats", "1"))
     assert res.exit_code == 0, res.output
     doc = json.loads((out / "results.json").read_text())
     names = {p["name"] for p in doc["front"]["points"]}
-    assert {f"{m}{p}" for m in ("one-shot-1.2x", "one-shot-1.5x", "teacher") for p in ("", "-int8", "-int4")} <= names
+    assert {f"{m}{p}" for m in ("one-shot-1.2x", "one-shot-1.5x", "teacher", "peer-kd-lora")
+            for p in ("", "-int8", "-int4")} <= names, names
+    # the kd-lora baseline is the healed dense peer every student is compared with at its precision
+    assert all(p["vs_peer"] == f"peer-kd-lora{p['name'][len('one-shot-1.5x'):]}" for p in doc["front"]["points"]
+               if p["name"].startswith("one-shot-1.5x"))
     assert not any(n.startswith("compressed") for n in names)  # the first member's rows carry its name
     for p in doc["front"]["points"]:
         assert p["front"] in (True, False) and (p["dominated_by"] is None) == p["front"]

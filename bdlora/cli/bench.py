@@ -11,6 +11,7 @@ from bdlora.cli import render
 from bdlora.cli.app import command, out
 from bdlora.cli.options import from_dataclass, int_list, str_list
 from bdlora.cli.progress import RichReporter
+from bdlora.corpora import check_spec
 from bdlora.errors import Checks, UsageError
 from bdlora.io import write_json
 from bdlora.outputs import check_out_dir, check_out_file
@@ -54,13 +55,7 @@ def bench(
     opts["genai_precisions"] = str_list(opts["genai_precisions"]) or []
     _check_own_options(model_config, budget, layers, lora_rank)
     cfg = BenchConfig(**opts).validate()
-    if cfg.eval_data not in (None, "none"):  # a bad corpus is refused before anything is exported
-        from bdlora.corpora import check_spec
-
-        check_spec(cfg.eval_data, "--eval-data")
-    if cfg.icl and model_config:
-        raise UsageError("--icl: synthetic mode (--model-config) has random weights and no tokenizer to probe; give "
-                         "a compressed folder")
+    _check_mode(cfg, model_config)
     if json_path:
         check_out_file(json_path, force=force)
     target = (synthetic_target(model_config, budget, layers, lora_rank, out_dir, runs_dir) if model_config
@@ -79,6 +74,15 @@ def bench(
         write_json(json_path, doc)
     render.bench(doc)
     out.print(f"[green]wrote[/] {escape(str(target.out / BenchDir.MARKER))}, bench.md, bench.png")
+
+
+def _check_mode(cfg: BenchConfig, model_config) -> None:
+    """What the options ask of the model and the data, before anything is exported."""
+    if cfg.icl and model_config:
+        raise UsageError("--icl: synthetic mode (--model-config) has random weights and no tokenizer to probe; give "
+                         "a compressed folder")
+    if cfg.eval_data not in (None, "none"):  # a bad corpus is refused at once
+        check_spec(cfg.eval_data, "--eval-data")
 
 
 def _check_own_options(model_config, budget, layers, lora_rank) -> None:

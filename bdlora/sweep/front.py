@@ -27,8 +27,13 @@ def member_name(row: str, first: str) -> str:
     return first + row.removeprefix("compressed") if row == "compressed" or row.startswith("compressed-") else row
 
 
-def bench_front(opts, sweep: SweepDir, names: list[str], reporter: Reporter = SILENT) -> dict:
-    """Bench the family ``names`` (members with a compressed folder) on one front; {"bench", "points"}."""
+def bench_front(opts, sweep: SweepDir, names: list[str], reporter: Reporter = SILENT, peers: list[str] = ()) -> dict:
+    """Bench the family ``names`` (members with a compressed folder) on one front, the kd-lora baseline members
+    (``peers``: the dense model healed with the same data and steps) as its healed dense peers (``bench --peer``),
+    every row also scored on the builtin corpus the sweep never trained on (``--eval-data``'s default);
+    {"bench", "points"}."""
+    if not names:  # only baselines: the first is the bench's subject
+        names, peers = list(peers[:1]), list(peers[1:])
     folders = [sweep.path / f"{n}{COMPRESSED}" for n in names]
     out = sweep.path / f"front{BENCH}"
     if (out / BenchDir.MARKER).exists():
@@ -40,12 +45,13 @@ def bench_front(opts, sweep: SweepDir, names: list[str], reporter: Reporter = SI
         model, tok, report = load_model_folder(folders[0])
         cfg = BenchConfig(runtime="genai", batch_sizes=[1], seq_lens=[min(opts.bench_seq_lens)],
                           decode_tokens=opts.bench_decode_tokens, repeats=opts.bench_repeats, warmup=1)
-        deploy = deployment_for(folders[0], report, tok, model, cfg, reporter, also=[str(f) for f in folders[1:]])
+        deploy = deployment_for(folders[0], report, tok, model, cfg, reporter, also=[str(f) for f in folders[1:]],
+                                peers=[str(sweep.path / f"{n}{COMPRESSED}") for n in peers])
         run_bench(model, trained_lora_rank(report), cfg, out, report, reporter=reporter, tokenizer=tok, deploy=deploy)
     doc = read_json(out / BenchDir.MARKER)
     points = [{**p, "name": member_name(p["name"], names[0]),
-               "dominated_by": p["dominated_by"] and member_name(p["dominated_by"], names[0])}
+               **{k: p[k] and member_name(p[k], names[0]) for k in ("dominated_by", "dominated_by_unseen") if k in p}}
               for p in doc.get("front", [])]
-    plot(points, sweep.path / FRONT_PNG, title="the sweep family and the teacher's exports (onnxruntime-genai, "
-                                                "decode ms/token at batch 1)")
-    return {"bench": str(out), "points": points}
+    plot(points, sweep.path / FRONT_PNG, unseen=doc.get("unseen_data"),
+         title="the sweep family and the teacher's exports (onnxruntime-genai, decode ms/token at batch 1)")
+    return {"bench": str(out), "points": points, "unseen_data": doc.get("unseen_data")}

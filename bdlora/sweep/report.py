@@ -99,8 +99,9 @@ def markdown(doc: dict) -> str:
               "answer (nats). The student init row (when the students were initialised from a checkpoint other than "
               "the teacher) is the paper's Figure 2 reference line.", ""]
     if doc.get("front"):
-        lines += front_markdown(doc["front"]["points"], "teacher") + ["", f"(one run: {doc['front']['bench']}; "
-                                                                         "plot: front.png)", ""]
+        front = doc["front"]
+        lines += front_markdown(front["points"], "teacher", front.get("unseen_data")) + [
+            "", f"(one run: {front['bench']}; plot: front.png)", ""]
     return "\n".join(lines)
 
 

@@ -65,7 +65,8 @@ def run_sweep(opts: SweepOptions | None, sweep: SweepDir, reporter: Reporter = S
     doc = {"schema_version": SCHEMA_VERSION, "sweep_dir": str(sweep.path), "options": dataclasses.asdict(opts),
            "teacher": teacher_row, "members": rows}
     if opts.front and rows:
-        doc["front"] = bench_front(opts, sweep, [r["name"] for r in rows], reporter)
+        doc["front"] = bench_front(opts, sweep, [r["name"] for r in rows if r.get("method") != "kd-lora"],
+                                   reporter, peers=[r["name"] for r in rows if r.get("method") == "kd-lora"])
     write_text(sweep.path / "sweep.md", markdown(doc))
     plot_pareto(doc, sweep.path / "pareto.png")
     write_paper_outputs([(teacher_label(doc), doc)], sweep.path)
