@@ -148,3 +148,25 @@ def test_bench_puts_the_healed_dense_peer_and_the_unseen_domain_on_the_front(tin
     r = CliRunner().invoke(app, ["bench", str(tmp_path / "s"), "--runtime", "genai", "--eval-data",
                                  str(tmp_path / "nowhere"), "--out", str(tmp_path / "b2")])
     assert r.exit_code == 2 and "--eval-data" in r.stderr and not (tmp_path / "b2").exists(), r.output
+
+
+def test_train_like_copies_a_runs_data_steps_and_seed(tiny_env, tmp_path):
+    """``train --like RUN --method kd-lora``: the dense peer healed with the budgeted run's own teacher, data, split,
+    steps, batch, sequence length and seed, whatever the defaults; a flag still overrides; a folder that is not a run
+    is refused in one line."""
+    from conftest import train_args
+
+    r = CliRunner().invoke(app, train_args(tiny_env, tmp_path / "a", "--method", "budgeted", "--max-steps", "3",
+                                           "--seed", "5", "--batch-size", "2"))
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, ["train", "--like", str(tmp_path / "a"), "--method", "kd-lora", "--lora-rank", "4",
+                                 "--lora-alpha", "8", "--lr", "3e-3", "--no-measure-step-time", "--eval-tokens",
+                                 "256", "--out", str(tmp_path / "b")])
+    assert r.exit_code == 0, r.output
+    a, b = (json.loads((tmp_path / n / "config.json").read_text())["config"] for n in ("a", "b"))
+    for k in ("teacher", "data", "heldout_fraction", "seq_len", "batch_size", "max_steps", "seed"):
+        assert a[k] == b[k], k
+    assert (a["max_steps"], a["seed"], a["batch_size"], b["method"], b["eval_tokens"]) == (3, 5, 2, "kd-lora", 256)
+    r = CliRunner().invoke(app, ["train", "--like", str(tmp_path), "--method", "kd-lora", "--out",
+                                 str(tmp_path / "c")])
+    assert r.exit_code == 2 and "not a bdlora run directory" in r.stderr and not (tmp_path / "c").exists()

@@ -65,6 +65,10 @@ def train(
                                                         "verified checkpoint (its stored options are used).")] = None,
     nproc: Annotated[Optional[int], typer.Option(help="Data-parallel processes on this machine: re-launches this "
                                                       "command under torchrun (gloo on CPU, NCCL on GPUs).")] = None,
+    like: Annotated[Optional[str], typer.Option(help="A run directory whose teacher, data, steps, batch, sequence "
+                                                     "length, depth and seed this run copies (flags override): the "
+                                                     "healed dense peer of a budgeted run is `--like RUN --method "
+                                                     "kd-lora`.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
     **opts,
 ):
@@ -78,10 +82,13 @@ def train(
             raise UsageError("--nproc: already running under a distributed launcher (torchrun); drop --nproc")
         raise typer.Exit(_launch_torchrun(nproc))
     if resume is not None:
+        if like:
+            raise UsageError(f"--resume {resume}: continues with the run's stored options; drop --like")
         RunDir(resume).require_resumable()
         if config:
             raise UsageError(f"--resume {resume}: continues with the run's stored options; drop --config")
-    cfg = merge(load_yaml(config) if config else {}, {} if resume else opts)
+    base = {**(load_yaml(config) if config else {}), **(like_run(like) if like else {})}
+    cfg = merge(base, {} if resume else opts)
     rank0 = os.environ.get("RANK", "0") == "0"
     rep = RichReporter(err if json_out else out) if rank0 else None
     cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else None
@@ -94,6 +101,19 @@ def train(
         print(json.dumps(summary, indent=2))
         return
     render.train_summary(summary)
+
+
+LIKE_KEYS = ("teacher", "data", "heldout_fraction", "seq_len", "batch_size", "grad_accum", "max_steps", "seed",
+             "student_layers", "eval_tokens", "eval_every", "cache_dir")  # what "the same data and steps" means
+
+
+def like_run(run: str) -> dict:
+    """The options of ``LIKE_KEYS`` that run directory ``run`` was started with (``train --like``)."""
+    r = RunDir(run)
+    if not r.started():
+        raise UsageError(f"--like {run}: not a bdlora run directory (no run config.json)")
+    stored = r.config()
+    return {k: stored[k] for k in LIKE_KEYS if stored.get(k) is not None}
 
 
 def _launch_torchrun(nproc: int) -> int:
