@@ -28,7 +28,8 @@ class OneShotConfig:
     """Corpus to measure held-out perplexity on (and to calibrate on, unless --calib-data), as bdlora train's --data
     (default builtin)."""
     calib_data: str | None = None
-    """Corpus to calibrate on, as --data (default: --data); e.g. teacher:65536 or builtin:0.5,prose:0.5."""
+    """Corpus to calibrate on, as --data (default: --data; for a general-purpose model scored on builtin,
+    builtin:1,prose:1); e.g. teacher:65536 or builtin:0.5,prose:0.5."""
     heldout_fraction: float | None = None
     """Held-out fraction of --data (default: the corpus's, 0.02 for the builtin one)."""
     seq_len: int = 128
