@@ -16,7 +16,7 @@ from bdlora import SCHEMA_VERSION, __version__, sources
 from bdlora.blocks import PackedBlocks, scored_blocks
 from bdlora.config import BUILTIN, BUILTIN_DEFAULTS, REAL_DEFAULTS
 from bdlora.corpora import default_heldout, load_tokens, other_domains, settings_tokens
-from bdlora.errors import Checks, ModelError
+from bdlora.errors import Checks, DataError, ModelError
 from bdlora.icl import TASKS, corpus_word_list, is_correct, summarise, task_examples
 from bdlora.reporter import SILENT, Reporter
 from bdlora.runs import CONFIG, MODEL_ONNX, TEACHER_JSON, ModelDir, OnnxDir, RunDir, recorded_data_settings
@@ -356,7 +356,14 @@ def evaluate_target(path: str | Path, ecfg: EvalConfig, device: str = "cpu", rep
             doc["domains"] = {settings["data"]: doc["ppl"]}
         for d in extra:
             reporter.stage(f"perplexity over {settings['eval_tokens']:,} held-out tokens of {d}")
-            tokens = load_tokens(d, tok, None, cache, what="--domains")
+            try:
+                tokens = load_tokens(d, tok, None, cache, what="--domains")
+            except DataError as e:  # a default domain that cannot be fetched here is said, not fatal
+                if ecfg.domains is not None:
+                    raise
+                reporter.stage(f"skipped {d}: {e}")
+                doc.setdefault("domains_skipped", {})[d] = str(e)
+                continue
             b = scored_blocks(tokens.tokens("val"), settings["seq_len"], settings["eval_tokens"], f"--domains {d}")
             doc["domains"][d] = _score(lm, b)
     if ecfg.icl:

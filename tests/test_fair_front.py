@@ -170,3 +170,32 @@ def test_train_like_copies_a_runs_data_steps_and_seed(tiny_env, tmp_path):
     r = CliRunner().invoke(app, ["train", "--like", str(tmp_path), "--method", "kd-lora", "--out",
                                  str(tmp_path / "c")])
     assert r.exit_code == 2 and "not a bdlora run directory" in r.stderr and not (tmp_path / "c").exists()
+
+
+def test_a_default_domain_that_cannot_be_fetched_is_said_not_fatal(tiny_env, tmp_path, monkeypatch):
+    """eval's default second domains for a general-purpose vocabulary (prose and the unseen builtin corpus) are
+    fetched on first use; where the archive cannot be reached they are skipped and named in the report, while a
+    domain asked for with --domains still fails in one line."""
+    from transformers import MistralForCausalLM
+
+    import bdlora.evaluate as ev
+    from conftest import tiny_config
+
+    MistralForCausalLM(tiny_config(32_000, layers=1, hidden=16)).save_pretrained(tmp_path / "m")
+    tiny_env["tokenizer"].save_pretrained(tmp_path / "m")
+    real = ev.load_tokens
+
+    def offline(spec, *a, what="--data", **k):
+        if what == "--domains":
+            raise DataError(f"--data {spec}: could not fetch it (offline)")
+        return real(spec, *a, what=what, **k)
+
+    monkeypatch.setattr(ev, "load_tokens", offline)
+    args = ["eval", str(tmp_path / "m"), "--ppl", "--data", str(tiny_env["corpus"]), "--heldout-fraction", "0.1",
+            "--tokens", "256", "--seq-len", "32"]
+    r = CliRunner().invoke(app, [*args, "--json", str(tmp_path / "e.json")])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "e.json").read_text())
+    assert set(doc["domains_skipped"]) == {"prose", "fortunes"} and doc["ppl"]["val_ppl"] > 1
+    r = CliRunner().invoke(app, [*args, "--domains", "fortunes", "--json", str(tmp_path / "f.json")])
+    assert r.exit_code == 2 and "could not fetch" in r.stderr and not (tmp_path / "f.json").exists()

@@ -28,7 +28,7 @@ from bdlora.budgeted.model import narrow_sites
 from bdlora.corpora import GENERAL_VOCABULARY, default_heldout, unseen_corpus
 from bdlora.data import BUILTIN, default_cache_dir
 from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES
-from bdlora.errors import BdloraError, UsageError
+from bdlora.errors import BdloraError, DataError, UsageError
 from bdlora.export.defaults import CALIB_TOKENS
 from bdlora.export.genai.folder import (
     calibration_blocks,
@@ -251,9 +251,14 @@ def deployment_for(model_dir: Path, report: dict, tok, model: nn.Module, cfg, re
         unseen = unseen_data(cfg.eval_data, settings, shape.vocab_size)
         if unseen:
             reporter.stage(f"the unseen domain every row is also scored on: {unseen}")
-            deploy.unseen = (unseen, corpus_blocks({"data": unseen, "heldout_fraction": default_heldout(unseen),
-                                                    "cache_dir": settings.get("cache_dir")}, tok, "val",
-                                                   deploy.heldout.seq_len, tokens))
+            try:
+                deploy.unseen = (unseen, corpus_blocks({"data": unseen, "heldout_fraction": default_heldout(unseen),
+                                                        "cache_dir": settings.get("cache_dir")}, tok, "val",
+                                                       deploy.heldout.seq_len, tokens))
+            except DataError as e:  # the default corpus cannot be fetched here: said, not fatal; --eval-data is
+                if cfg.eval_data is not None:
+                    raise
+                reporter.stage(f"no unseen domain: {e}")
     if any(scheme(q).calibrated for q in (cfg.quant, cfg.teacher_quant) if q is not None):
         deploy.calibration = calibration_blocks(model_dir, report, tok, shape, CALIB_TOKENS)
     if cfg.icl:
