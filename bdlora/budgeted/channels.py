@@ -31,7 +31,7 @@ import torch
 
 from bdlora.budgeted.allocate import Cost, Option
 from bdlora.budgeted.costs import ModuleShape
-from bdlora.budgeted.lowrank import FISHER_DAMPING, damped
+from bdlora.budgeted.lowrank import damped, output_weights
 
 CHANNEL_STEP = 32  # kept widths are multiples of the int4 block (MatMulNBits' block size along K)
 REFIT_DAMPING = 1e-2  # of the kept channels' mean Gram diagonal (GPTQ's percdamp): a ridge on the refit
@@ -54,16 +54,19 @@ class ChannelOrder:
         return torch.from_numpy(np.sort(self.order[self.width - keep:]).copy())
 
 
+def drop_products(w: torch.Tensor, gram: torch.Tensor, fisher: torch.Tensor | None) -> torch.Tensor:
+    """``C * M`` (elementwise) over the input columns of a projection ``w`` (out, in): ``C`` its damped input Gram,
+    ``M = W^T diag(f) W`` with ``f`` its output Fisher diagonal damped as ``lowrank.spectrum`` damps it (ones when
+    unmeasured). Dropping a set D of input columns costs ``sum_{j, l in D}`` of it (positive semi-definite)."""
+    w = w.detach().double()
+    phi2 = output_weights(fisher, w.shape[0]) ** 2
+    return damped(gram) * (w.T @ (phi2[:, None] * w))
+
+
 def channel_order(down: torch.Tensor, gram: torch.Tensor, fisher: torch.Tensor | None) -> ChannelOrder:
     """The order and prefix errors of a down projection ``down`` (hidden, width) under its input Gram ``gram``
     (width, width) and output Fisher diagonal ``fisher`` (hidden), damped as ``lowrank.spectrum`` damps them."""
-    w = down.detach().double()
-    phi2 = torch.ones(w.shape[0], dtype=torch.float64)
-    if fisher is not None:
-        f = fisher.double()
-        mean = float(f.mean())
-        phi2 = f + (FISHER_DAMPING * mean if mean > 0 else 1.0)
-    p = damped(gram) * (w.T @ (phi2[:, None] * w))  # C * M, (width, width), positive semi-definite
+    p = drop_products(down, gram, fisher)
     order = torch.argsort(torch.diagonal(p), stable=True)
     s = p[order][:, order].cumsum(0).cumsum(1)
     error = torch.cat([torch.zeros(1, dtype=torch.float64), torch.diagonal(s).clamp_min(0)])
@@ -99,12 +102,16 @@ def prune(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, gram: torch.
           refit: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(gate rows, up rows, down columns) of the ``kept`` channels, down refitted by ridge least squares on the
     calibration Gram (``refit``; else its columns as they are), each in its source dtype."""
-    g, u = gate[kept].clone(), up[kept].clone()
-    if not refit:
-        return g, u, down[:, kept].clone()
-    c, w = gram.double(), down.double()
+    return gate[kept].clone(), up[kept].clone(), refit_columns(down, gram, kept) if refit else down[:, kept].clone()
+
+
+@torch.no_grad()
+def refit_columns(w: torch.Tensor, gram: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """The ``kept`` input columns of projection ``w`` (out, in) refitted to them: ridge least squares of its output
+    on the calibration inputs (``gram``), towards its own columns, in its dtype."""
+    c, w64 = gram.double(), w.double()
     css = c[kept][:, kept]
     delta = REFIT_DAMPING * float(torch.diagonal(css).mean().clamp_min(1e-12))
     css = css + delta * torch.eye(len(kept), dtype=torch.float64)
-    rhs = c[kept] @ w.T + delta * w[:, kept].T  # (keep, hidden): C_{S,:} W^T + delta W_S^T
-    return g, u, torch.linalg.solve(css, rhs).T.to(down.dtype).contiguous()
+    rhs = c[kept] @ w64.T + delta * w64[:, kept].T  # (keep, out): C_{S,:} W^T + delta W_S^T
+    return torch.linalg.solve(css, rhs).T.to(w.dtype).contiguous()

@@ -27,9 +27,8 @@ import numpy as np
 import torch
 
 from bdlora.budgeted.allocate import Cost, Option
-from bdlora.budgeted.channels import prune as refit_prune
+from bdlora.budgeted.channels import drop_products, refit_columns
 from bdlora.budgeted.costs import ModuleShape
-from bdlora.budgeted.lowrank import FISHER_DAMPING, damped
 
 
 @dataclass
@@ -60,13 +59,7 @@ def group_order(o_proj: torch.Tensor, gram: torch.Tensor, fisher: torch.Tensor |
                 head_dim: int) -> GroupOrder:
     """The order and prefix errors of the groups of an o projection ``o_proj`` (hidden, heads * head_dim) under its
     input Gram ``gram`` and output Fisher diagonal ``fisher`` (hidden), damped as ``channels`` damps them."""
-    w = o_proj.detach().double()
-    phi2 = torch.ones(w.shape[0], dtype=torch.float64)
-    if fisher is not None:
-        f = fisher.double()
-        mean = float(f.mean())
-        phi2 = f + (FISHER_DAMPING * mean if mean > 0 else 1.0)
-    p = damped(gram) * (w.T @ (phi2[:, None] * w))  # C * M over o's input columns
+    p = drop_products(o_proj, gram, fisher)  # C * M over o's input columns
     width = p.shape[0] // kv_heads
     blocks = p.reshape(kv_heads, width, kv_heads, width).sum(dim=(1, 3))  # (groups, groups)
     order = torch.argsort(torch.diagonal(blocks), stable=True)
@@ -102,6 +95,5 @@ def prune(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, gr
     input Gram (``refit``; else its columns as they are), each in its source dtype."""
     qrows = order.rows(keep, order.ratio * order.head_dim)
     kvrows = order.rows(keep, order.head_dim)
-    # o's columns are q's rows: channels.prune's refit with o as the "down" projection and q's rows as the channels
-    _, _, o_kept = refit_prune(q, q, o, gram, qrows, refit)
+    o_kept = refit_columns(o, gram, qrows) if refit else o[:, qrows].clone()  # o's columns are q's rows
     return q[qrows].clone(), k[kvrows].clone(), v[kvrows].clone(), o_kept

@@ -20,7 +20,7 @@ which go with it: a removed layer saves more decode time than it is priced at.
 
 from __future__ import annotations
 
-from bdlora.budgeted.lowrank import FISHER_DAMPING
+from bdlora.budgeted.lowrank import output_weights
 
 
 def layer_prefix(index: int) -> str:
@@ -31,8 +31,7 @@ def removal_errors(calib) -> dict[str, float]:
     """``model.layers.N`` -> the loss-weighted error of removing layer N (``calib`` measured with ``residual``)."""
     out = {}
     for i, (update, fisher) in calib.residual.items():
-        mean = float(fisher.mean())
-        phi2 = fisher + (FISHER_DAMPING * mean if mean > 0 else 1.0)
+        phi2 = output_weights(fisher, len(fisher)) ** 2
         out[layer_prefix(i)] = float((phi2 * update).sum())
     return out
 
