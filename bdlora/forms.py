@@ -92,8 +92,33 @@ MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # gate and up read the 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")  # q, k, v read the attention input; o its output
 
 
+class SiteForm:
+    """What a site form's declaration is: ``{"form": NAME, "keep": K}`` over the weights of its ``projections``."""
+
+    name: str
+    projections: tuple[str, ...]
+
+    def spec(self, keep: int = 0) -> dict:
+        return {"form": self.name, "keep": int(keep)}
+
+    def tensors(self, module: str) -> set[str]:
+        return {f"{module}.{p}.weight" for p in self.projections}
+
+    def held(self, spec: dict, shapes: dict[str, tuple[int, ...]], module: str) -> tuple[list, str | None]:
+        """(each projection's 2-D weight shape, why the declaration is refused before the shapes are compared)."""
+        keep = spec.get("keep")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            return [], f"{module} is declared {self.name} with keep {shown(keep)} (a positive integer)"
+        held = [shapes.get(f"{module}.{p}.weight") for p in self.projections]
+        if any(s is None or len(s) != 2 for s in held):
+            *first, last = (p.removesuffix("_proj") for p in self.projections)
+            names = f"{', '.join(first)} and {last}"
+            return [], f"{module} is declared {self.name} but does not hold {names} weights"
+        return held, None
+
+
 @dataclass(frozen=True)
-class Channels:
+class Channels(SiteForm):
     """A gated MLP keeping ``keep`` of its intermediate channels: gate and up lose the same rows, down the same
     columns, so the site is three smaller *dense* products that every runtime runs at full speed with no extra node
     (Minitron's and SliceGPT's structure). Declared on the MLP site (``model.layers.N.mlp``); its projections stay
@@ -102,30 +127,23 @@ class Channels:
     name: str = "channels"
     module_class: str = "Linear"  # three plain nn.Linear of the reduced width
     site: str = "mlp"
-
-    def spec(self, keep: int = 0) -> dict:
-        return {"form": self.name, "keep": int(keep)}
-
-    def tensors(self, module: str) -> set[str]:
-        return {f"{module}.{p}.weight" for p in MLP_PROJECTIONS}
+    projections: tuple[str, ...] = MLP_PROJECTIONS
 
     def macs(self, hidden: int, keep: int) -> int:
         return 3 * hidden * keep
 
     def problem(self, spec: dict, shapes: dict[str, tuple[int, ...]], module: str) -> str | None:
-        keep = spec.get("keep")
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            return f"{module} is declared channels with keep {shown(keep)} (a positive integer)"
-        gate, up, down = (shapes.get(f"{module}.{p}.weight") for p in MLP_PROJECTIONS)
-        if any(s is None or len(s) != 2 for s in (gate, up, down)):
-            return f"{module} is declared channels but does not hold gate, up and down weights"
+        held, why = self.held(spec, shapes, module)
+        if why:
+            return why
+        (gate, up, down), keep = held, spec["keep"]
         if gate[0] != keep or up[0] != keep or down[1] != keep or gate[1] != up[1] or down[0] != gate[1]:
             return f"{module} is declared channels keeping {keep}, but holds gate {gate}, up {up}, down {down}"
         return None
 
 
 @dataclass(frozen=True)
-class Groups:
+class Groups(SiteForm):
     """An attention block keeping ``keep`` of its key/value groups, each with its query heads (grouped-query
     attention's unit: a KV head and the ``heads / kv_heads`` query heads reading it): q, k and v lose the dropped
     heads' rows, o the same columns, so the site is four smaller dense products and a smaller KV cache (LLM-Pruner's
@@ -136,12 +154,7 @@ class Groups:
     name: str = "groups"
     module_class: str = "Linear"  # four plain nn.Linear of the reduced width
     site: str = "self_attn"
-
-    def spec(self, keep: int = 0) -> dict:
-        return {"form": self.name, "keep": int(keep)}
-
-    def tensors(self, module: str) -> set[str]:
-        return {f"{module}.{p}.weight" for p in ATTENTION_PROJECTIONS}
+    projections: tuple[str, ...] = ATTENTION_PROJECTIONS
 
     def macs(self, hidden: int, keep: int, group_width: int, kv_width: int) -> int:
         """MACs of the four products keeping ``keep`` groups of ``group_width`` query and ``kv_width`` key (and
@@ -149,12 +162,10 @@ class Groups:
         return keep * hidden * 2 * (group_width + kv_width)
 
     def problem(self, spec: dict, shapes: dict[str, tuple[int, ...]], module: str) -> str | None:
-        keep = spec.get("keep")
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            return f"{module} is declared groups with keep {shown(keep)} (a positive integer)"
-        q, k, v, o = (shapes.get(f"{module}.{p}.weight") for p in ATTENTION_PROJECTIONS)
-        if any(s is None or len(s) != 2 for s in (q, k, v, o)):
-            return f"{module} is declared groups but does not hold q, k, v and o weights"
+        held, why = self.held(spec, shapes, module)
+        if why:
+            return why
+        (q, k, v, o), keep = held, spec["keep"]
         if k != v or k[0] % keep or q[0] % k[0] or o[1] != q[0] or q[1] != k[1] or o[0] != q[1]:
             return f"{module} is declared groups keeping {keep}, but holds q {q}, k {k}, v {v}, o {o}"
         return None
