@@ -195,6 +195,19 @@ def test_every_reader_takes_a_pruned_folder(tiny_env, pruned, tmp_path):
     against PyTorch before writing; bench times it."""
     root, report = pruned
     folder = root / "s"
+    scored_and_exported(folder, report, tmp_path)
+    r = CliRunner().invoke(app, ["export", "hf", str(folder), "--out", str(tmp_path / "hf")])
+    assert r.exit_code == 0, r.output
+    _serves_its_greedy_generation(tmp_path / "o", tiny_env["tokenizer"])
+    # genai: the student's own builder row cannot exist (one MLP width per layer there), and says so; the teacher's
+    doc = benched(folder, tmp_path)
+    assert "blocks are pruned" in doc["genai_notes"]["builder-int4"]
+    assert {"compressed-int4", "teacher-int4", "teacher-builder-int4"} <= {p["name"] for p in doc["front"]}
+
+
+def scored_and_exported(folder, report, tmp_path, genai=("fp32", "int4")) -> None:
+    """eval of ``folder`` scores the slice its report did (to 1e-5); export onnx (into ``tmp_path/o``) validates its
+    graph against PyTorch; export genai at each of ``genai`` succeeds (it validates against PyTorch before writing)."""
     r = CliRunner().invoke(app, ["eval", str(folder), "--ppl", "--json", str(tmp_path / "eval.json")])
     assert r.exit_code == 0, r.output
     ev = json.loads((tmp_path / "eval.json").read_text())
@@ -203,24 +216,24 @@ def test_every_reader_takes_a_pruned_folder(tiny_env, pruned, tmp_path):
     assert r.exit_code == 0, r.output
     meta = json.loads((tmp_path / "o" / "export.json").read_text())
     assert meta["validation"]["max_abs_diff"] <= meta["validation"]["tolerance"]
-    for precision in ("fp32", "int4"):
+    for precision in genai:
         r = CliRunner().invoke(app, ["export", "genai", str(folder), "--precision", precision, "--out",
                                      str(tmp_path / f"g-{precision}"), "--json"])
         assert r.exit_code == 0, r.output
-    r = CliRunner().invoke(app, ["export", "hf", str(folder), "--out", str(tmp_path / "hf")])
-    assert r.exit_code == 0, r.output
-    _serves_its_greedy_generation(tmp_path / "o", tiny_env["tokenizer"])
-    r = CliRunner().invoke(app, ["bench", str(folder), "--scope", "model", "--batch-sizes", "1", "--seq-lens", "16",
-                                 "--repeats", "1", "--warmup", "0", "--out", str(tmp_path / "bench")])
-    assert r.exit_code == 0, r.output
-    # genai: the student's own builder row cannot exist (one MLP width per layer there), and says so; the teacher's
+
+
+def benched(folder, tmp_path, ort: bool = True) -> dict:
+    """``folder`` through bench (the ort model scope, with ``ort``) and bench --runtime genai at int4 beside its
+    teacher: the genai run's bench.json."""
+    if ort:
+        r = CliRunner().invoke(app, ["bench", str(folder), "--scope", "model", "--batch-sizes", "1", "--seq-lens",
+                                     "16", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path / "bench")])
+        assert r.exit_code == 0, r.output
     r = CliRunner().invoke(app, ["bench", str(folder), "--runtime", "genai", "--genai-precisions", "int4",
                                  "--batch-sizes", "1", "--seq-lens", "16", "--decode-tokens", "2", "--repeats", "1",
                                  "--warmup", "0", "--quality-tokens", "512", "--out", str(tmp_path / "g")])
     assert r.exit_code == 0, r.output
-    doc = json.loads((tmp_path / "g" / "bench.json").read_text())
-    assert "blocks are pruned" in doc["genai_notes"]["builder-int4"]
-    assert {"compressed-int4", "teacher-int4", "teacher-builder-int4"} <= {p["name"] for p in doc["front"]}
+    return json.loads((tmp_path / "g" / "bench.json").read_text())
 
 
 def _serves_its_greedy_generation(onnx_dir, tok):

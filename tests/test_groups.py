@@ -8,12 +8,13 @@ import json
 import shutil
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
-from test_channels import healed_and_compressed, shot
+from test_channels import _serves_its_greedy_generation, benched, healed_and_compressed, scored_and_exported, shot
 from typer.testing import CliRunner
 
 from bdlora.budgeted.allocate import allocate, mac_cost
@@ -181,38 +182,16 @@ def test_every_reader_takes_a_grouped_folder(tiny_env, grouped, tmp_path):
     """eval scores the slice the report did; export onnx and export genai (fp32 and int4) validate their graphs,
     whose pruned layers cache fewer heads, against PyTorch; serve answers with the graph's own greedy tokens; bench
     times it beside the teacher in both runtimes (genai sizes each layer's cache from the graph)."""
-    from test_channels import _serves_its_greedy_generation
-
     root, report = grouped
     folder = root / "s"
-    r = CliRunner().invoke(app, ["eval", str(folder), "--ppl", "--json", str(tmp_path / "eval.json")])
-    assert r.exit_code == 0, r.output
-    ev = json.loads((tmp_path / "eval.json").read_text())
-    assert ev["ppl"]["val_ppl"] == pytest.approx(report["eval"]["compressed_val_ppl"], rel=1e-5)
-    r = CliRunner().invoke(app, ["export", "onnx", str(folder), "--out", str(tmp_path / "o"), "--json"])
-    assert r.exit_code == 0, r.output
-    meta = json.loads((tmp_path / "o" / "export.json").read_text())
-    assert meta["validation"]["max_abs_diff"] <= meta["validation"]["tolerance"]
-    import onnx
-
+    scored_and_exported(folder, report, tmp_path)
     graph = onnx.load(str(tmp_path / "o" / "model.onnx")).graph
     heads = [i.type.tensor_type.shape.dim[1].dim_value for i in graph.input if i.name.endswith(".key")]
     pruned_layers = {int(s.split(".")[2]) for s in json.loads((folder / "config.json").read_text())["bdlora_modules"]
                      if s.endswith(".self_attn")}
     assert heads == [1 if i in pruned_layers else 2 for i in range(len(heads))]
-    for precision in ("fp32", "int4"):
-        r = CliRunner().invoke(app, ["export", "genai", str(folder), "--precision", precision, "--out",
-                                     str(tmp_path / f"g-{precision}"), "--json"])
-        assert r.exit_code == 0, r.output
     _serves_its_greedy_generation(tmp_path / "o", tiny_env["tokenizer"])
-    r = CliRunner().invoke(app, ["bench", str(folder), "--scope", "model", "--batch-sizes", "1", "--seq-lens", "16",
-                                 "--repeats", "1", "--warmup", "0", "--out", str(tmp_path / "bench")])
-    assert r.exit_code == 0, r.output
-    r = CliRunner().invoke(app, ["bench", str(folder), "--runtime", "genai", "--genai-precisions", "int4",
-                                 "--batch-sizes", "1", "--seq-lens", "16", "--decode-tokens", "2", "--repeats", "1",
-                                 "--warmup", "0", "--quality-tokens", "512", "--out", str(tmp_path / "g")])
-    assert r.exit_code == 0, r.output
-    doc = json.loads((tmp_path / "g" / "bench.json").read_text())
+    doc = benched(folder, tmp_path)
     assert "blocks are pruned" in doc["genai_notes"]["builder-int4"]
     assert {"compressed-int4", "teacher-int4"} <= {p["name"] for p in doc["front"]}
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_channels import shot
+from test_channels import benched, scored_and_exported, shot
 from typer.testing import CliRunner
 
 from bdlora.budgeted.allocate import allocate, knapsack
@@ -166,18 +166,9 @@ def test_every_reader_takes_a_shallower_folder(tiny_env, shallow, tmp_path):
     student exists (its layers are uniform), beside the teacher's."""
     root, _, report = shallow
     folder = root / "s"
-    r = CliRunner().invoke(app, ["eval", str(folder), "--ppl", "--json", str(tmp_path / "eval.json")])
-    assert r.exit_code == 0, r.output
-    ev = json.loads((tmp_path / "eval.json").read_text())
-    assert ev["ppl"]["val_ppl"] == pytest.approx(report["eval"]["compressed_val_ppl"], rel=1e-5)
-    r = CliRunner().invoke(app, ["export", "onnx", str(folder), "--out", str(tmp_path / "o"), "--json"])
-    assert r.exit_code == 0, r.output
+    scored_and_exported(folder, report, tmp_path, genai=())
     assert json.loads((tmp_path / "o" / "config.json").read_text())["num_hidden_layers"] == 3
-    r = CliRunner().invoke(app, ["bench", str(folder), "--runtime", "genai", "--genai-precisions", "int4",
-                                 "--batch-sizes", "1", "--seq-lens", "16", "--decode-tokens", "2", "--repeats", "1",
-                                 "--warmup", "0", "--quality-tokens", "512", "--out", str(tmp_path / "g")])
-    assert r.exit_code == 0, r.output
-    doc = json.loads((tmp_path / "g" / "bench.json").read_text())
+    doc = benched(folder, tmp_path, ort=False)
     assert {"compressed-int4", "builder-int4", "teacher-int4"} <= {p["name"] for p in doc["front"]}
 
 
