@@ -227,3 +227,17 @@ def test_a_grouped_folder_heals_as_a_student_and_compresses_to_the_same_sites(ti
     report = json.loads(r.stdout)
     assert report["attention_pruned"] == first["attention_pruned"] and report["dense_macs"] == first["dense_macs"]
     assert report["compressed_macs"] == first["compressed_macs"]
+
+
+def test_the_report_table_names_the_pruned_attention_blocks():
+    from bdlora.budgeted.costs import compression_report, prune_decision
+    from bdlora.cli import render
+
+    shapes = {"q_proj": (576, 576), "k_proj": (576, 192), "v_proj": (576, 192), "o_proj": (576, 576)}
+    decisions = [prune_decision(ModuleShape(f"model.layers.{i}.self_attn.{p}", *s), keep, of=3)
+                 for i, keep in ((0, 1), (1, 2)) for p, s in shapes.items()]
+    report = compression_report(decisions, baseline="source")
+    assert report["attention_pruned"] == 2 and report["mlp_pruned"] == 0
+    with render.out.capture() as cap:
+        render.compression_report(report, title="t")
+    assert "attention blocks keeping fewer KV heads" in cap.get() and "2 (kept 1 to 2 of 3)" in cap.get()

@@ -111,7 +111,8 @@ def compression_report(report: dict, title: str) -> None:
     if report.get("attention_pruned"):
         ks = [m for m in report["modules"] if m.get("groups") and m["name"].endswith("k_proj")]
         kept = [m["groups"] for m in ks]
-        heads = ks[0]["out_features"] // max(1, ks[0]["macs_after"] // ks[0]["in_features"] // ks[0]["groups"])
+        k = ks[0]  # its source width over its kept width (macs_after / in_features), times the groups kept
+        heads = k["groups"] * k["out_features"] * k["in_features"] // k["macs_after"]
         s.add_row("attention blocks keeping fewer KV heads", f"{report['attention_pruned']} (kept {min(kept)} to "
                   f"{max(kept)} of {heads})")
     if report.get("layers_removed"):
