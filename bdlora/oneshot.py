@@ -26,11 +26,10 @@ from bdlora.blocks import PackedBlocks, scored_blocks
 from bdlora.budgeted.allocate import mac_cost
 from bdlora.budgeted.bits import wide_options
 from bdlora.budgeted.calibrate import calibration_blocks
-from bdlora.budgeted.channels import channel_order, probe_shapes, prune, site_options
+from bdlora.budgeted.channels import channel_order, prune, site_options
 from bdlora.budgeted.correct import correct_sequential
 from bdlora.budgeted.costs import ModuleShape, compression_report, decide_module, prune_decision, removed_decision
-from bdlora.budgeted.groups import group_options, group_order
-from bdlora.budgeted.groups import probe_shapes as group_probes
+from bdlora.budgeted.groups import group_options, group_order, site_probes
 from bdlora.budgeted.groups import prune as prune_groups
 from bdlora.budgeted.layer import DeployedModule
 from bdlora.budgeted.layers import removal_errors, renumbered
@@ -64,8 +63,7 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
     table, bits = None, "bits" in cfg.form_names
     kv = int(getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads)
     if cost_table is not None:  # with channels or groups, the narrower dense products it interpolates between too
-        probes = [*(probe_shapes(shapes) if "channels" in cfg.form_names else ()),
-                  *(group_probes(shapes, kv) if "groups" in cfg.form_names else ())]
+        probes = site_probes(shapes, kv, "channels" in cfg.form_names, "groups" in cfg.form_names)
         table = cost_table(shapes, dense=probes, config=model.config.to_dict(), **({"wide": True} if bits else {}))
     calib = calibrate_with_progress(model, calibration_blocks(train_blocks, cfg.calib_tokens), reporter,
                                     residual="layers" in cfg.form_names, rounded=table.rounded if bits else None)

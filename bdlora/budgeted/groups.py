@@ -28,6 +28,7 @@ import torch
 
 from bdlora.budgeted.allocate import Cost, Option
 from bdlora.budgeted.channels import drop_products, refit_columns
+from bdlora.budgeted.channels import probe_shapes as channel_probes
 from bdlora.budgeted.costs import ModuleShape
 
 
@@ -86,6 +87,12 @@ def probe_shapes(shapes: list[ModuleShape], kv_heads: int) -> list[tuple[int, in
                 g = s.grouped(k, kv_heads)
                 out.append((g.in_features, g.out_features))
     return list(dict.fromkeys(out))
+
+
+def site_probes(shapes: list[ModuleShape], kv_heads: int, channels: bool, groups: bool) -> list[tuple[int, int]]:
+    """The narrower dense products a measured table must time for MLPs keeping fewer channels (``channels``) and
+    attention blocks keeping fewer of their ``kv_heads`` groups (``groups``)."""
+    return [*(channel_probes(shapes) if channels else ()), *(probe_shapes(shapes, kv_heads) if groups else ())]
 
 
 @torch.no_grad()

@@ -185,8 +185,7 @@ def _deployed_prediction(report: dict, precision: str, threads: int | None, repo
     """The planned structure's decode time at ``precision`` from the measured table of its forms (low-rank pairs,
     MLPs keeping fewer channels, attention blocks keeping fewer groups, removed layers, projections kept at 8 bits):
     its projections, and the whole step against the dense model of ``config`` (``bench.whole``)."""
-    from bdlora.budgeted.channels import probe_shapes
-    from bdlora.budgeted.groups import probe_shapes as group_probes
+    from bdlora.budgeted.groups import site_probes
 
     mods = report["modules"]
     shapes = [ModuleShape(m["name"], m["in_features"], m["out_features"]) for m in mods]
@@ -195,7 +194,7 @@ def _deployed_prediction(report: dict, precision: str, threads: int | None, repo
     grouped = {m["name"]: m["groups"] for m in mods if m.get("groups")}
     # the projections kept at 8 bits weigh in an int4 export only (at int8 every one is 8 bits, at fp32 none is)
     bits = {m["name"]: m["bits"] for m in mods if m.get("bits")} if precision == "int4" else {}
-    probes = [*(probe_shapes(shapes) if narrow else ()), *(group_probes(shapes, kv) if grouped else ())]
+    probes = site_probes(shapes, kv, bool(narrow), bool(grouped))
     table = cost_table(precision, threads, None, reporter)(shapes, dense=probes, config=config, wide=bool(bits))
     return table.prediction(shapes, {m["name"]: m["rank"] for m in mods if m["form"] == "lowrank"},
                             lambda s: s.narrowed(narrow[s.name]) if s.name in narrow else
