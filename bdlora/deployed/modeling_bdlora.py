@@ -8,7 +8,8 @@ compressed model folder and points ``auto_map`` at it, so
 works where bdlora is not installed. With ``bdlora.deployed`` imported, the classes are registered with
 ``AutoConfig`` / ``AutoModelForCausalLM`` and load without remote code.
 
-One config/model pair per supported base family (``bdlora_mistral``, ``bdlora_llama``, ``bdlora_qwen2``). The config
+One config/model pair per supported base family (``bdlora_mistral``, ``bdlora_llama``, ``bdlora_qwen2``,
+``bdlora_gemma3_text``). The config
 is the base family's config plus ``bdlora_modules``: for every replaced projection its deployment form, ``dense``
 or ``lowrank`` with its rank, for every MLP kept narrower than ``intermediate_size`` its ``channels`` (``keep``), and
 for every attention block keeping fewer key/value heads its ``groups`` (``keep``).
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -118,7 +121,7 @@ def _replace_modules(model: nn.Module, modules: dict) -> None:
 
 
 def _keep_groups(attn: nn.Module, keep: int) -> None:
-    """``attn`` (a Llama/Mistral/Qwen2 attention block) keeping ``keep`` key/value heads and their query heads: the
+    """``attn`` (a Llama/Mistral/Qwen2/Gemma 3 attention block) keeping ``keep`` key/value heads and their query heads: the
     family's forward reshapes q, k and v by ``head_dim`` and repeats each KV head ``num_key_value_groups`` times, so
     narrower projections are all it takes (the cache of this layer holds ``keep`` heads)."""
     hd, ratio = attn.head_dim, attn.num_key_value_groups
@@ -140,6 +143,10 @@ class BdloraQwen2Config(BdloraConfigMixin, Qwen2Config):
     model_type = "bdlora_qwen2"
 
 
+class BdloraGemma3TextConfig(BdloraConfigMixin, Gemma3TextConfig):
+    model_type = "bdlora_gemma3_text"
+
+
 class BdloraMistralForCausalLM(BdloraModelMixin, MistralForCausalLM):
     config_class = BdloraMistralConfig
 
@@ -152,6 +159,10 @@ class BdloraQwen2ForCausalLM(BdloraModelMixin, Qwen2ForCausalLM):
     config_class = BdloraQwen2Config
 
 
+class BdloraGemma3ForCausalLM(BdloraModelMixin, Gemma3ForCausalLM):
+    config_class = BdloraGemma3TextConfig
+
+
 # base model_type -> (config class, model class): bdlora's architecture of each family of bdlora.families' table
 # whose weights it loads (this file ships as remote code in every model folder, so it cannot import the table;
 # tests/test_structure.py holds the two to the same families)
@@ -159,4 +170,5 @@ BDLORA_CLASSES = {
     "mistral": (BdloraMistralConfig, BdloraMistralForCausalLM),
     "llama": (BdloraLlamaConfig, BdloraLlamaForCausalLM),
     "qwen2": (BdloraQwen2Config, BdloraQwen2ForCausalLM),
+    "gemma3_text": (BdloraGemma3TextConfig, BdloraGemma3ForCausalLM),
 }

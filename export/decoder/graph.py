@@ -22,12 +22,14 @@ from bdlora.arch import projection_modules
 from bdlora.errors import ModelError
 from bdlora.export.decoder.attention import (
     MS,
-    ROPE,
     gqa_attention,
     gqa_mask,
+    kind_window,
+    layer_kinds,
     plain_attention,
     plain_mask,
     plain_rotary_tables,
+    rope_names,
     rotary_caches,
     static_rotary,
 )
@@ -92,33 +94,86 @@ def _projection(cfg, name: str, module: nn.Module) -> Projection:
     return Projection.of(name, module, declared_bits(getattr(cfg, "bdlora_modules", None)).get(name, 0))
 
 
+def _norm_weight(g: GraphBuilder, name: str, module: nn.Module, anatomy: Anatomy) -> str:
+    """An RMSNorm's scale as the graph multiplies by it (``norm_offset + weight``: Gemma's ``1 + w``)."""
+    return g.init(f"{name}.weight", _f32(module.weight) + np.float32(anatomy.norm_offset))
+
+
+def _head_norm(g: GraphBuilder, layout: DecoderLayout, x: str, heads: int, hd: int, weight: str, eps: float,
+               name: str) -> str:
+    """RMSNorm over each head of ``x`` (batch, seq, heads * head_dim): the query/key norms of ``qk_norm``."""
+    split = g.one("Reshape", [x, g.const(f"/model/constants/INT64/[0,0,{heads},{hd}]", [0, 0, heads, hd])],
+                  f"{name}/Reshape")
+    normed, _ = _norm(g, layout, split, None, weight, eps, name)
+    return g.one("Reshape", [normed, g.const("/model/constants/INT64/[0,0,-1]", [0, 0, -1])], f"{name}/Merge")
+
+
+def _activation(g: GraphBuilder, layout: DecoderLayout, x: str, anatomy: Anatomy, s: str) -> str:
+    """The gated MLP's activation: SiLU as Sigmoid x Mul; tanh-approximated GELU as onnxruntime's ``FastGelu``
+    (fused layouts) or its formula ``x / 2 (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))``."""
+    if anatomy.activation == "silu":
+        return g.one("Mul", [x, g.one("Sigmoid", [x], f"{s}/act_fn/Sigmoid")], f"{s}/act_fn/Mul")
+    if layout.fused:
+        return g.one("FastGelu", [x], f"{s}/act_fn/FastGelu", domain=MS)
+    c = "/model/constants/FLOAT/gelu"
+    cube = g.one("Mul", [g.one("Mul", [x, x], f"{s}/act_fn/Square"), x], f"{s}/act_fn/Cube")
+    inner = g.one("Add", [x, g.one("Mul", [cube, g.const(f"{c}0.044715", 0.044715, np.float32)], f"{s}/act_fn/c")],
+                  f"{s}/act_fn/Add")
+    t = g.one("Tanh", [g.one("Mul", [inner, g.const(f"{c}k", np.sqrt(2 / np.pi), np.float32)], f"{s}/act_fn/k")],
+              f"{s}/act_fn/Tanh")
+    half = g.one("Mul", [x, g.const(f"{c}0.5", 0.5, np.float32)], f"{s}/act_fn/half")
+    return g.one("Mul", [half, g.one("Add", [t, g.const(f"{c}1", 1.0, np.float32)], f"{s}/act_fn/one")],
+                 f"{s}/act_fn/Mul")
+
+
+def _attention(g: GraphBuilder, layout: DecoderLayout, i: int, at: nn.Module, normed: str, attn_inputs: tuple, cfg,
+               hd: int, anatomy: Anatomy) -> str:
+    """One layer's attention output (before o_proj) from its normed input; ``attn_inputs``: the layer kind's (mask,
+    rotary tables, window, rotary cache names)."""
+    s, eps = f"/model/layers.{i}/self_attn", float(cfg.rms_norm_eps)
+    heads = layer_heads(at, hd)  # fewer where the attention keeps fewer groups (--forms groups)
+    projs = [_projection(cfg, f"model.layers.{i}.self_attn.{n}", getattr(at, n)) for n in anatomy.shared_inputs[0]]
+    mask, tables, window, rope = attn_inputs
+    if layout.attention == "gqa" and not anatomy.qk_norm:
+        return gqa_attention(g, i, [emit_packed_qkv(g, normed, projs, s)], mask, (window, rope), at.scaling, heads)
+    q, k, v = emit_group(g, normed, projs, s)
+    if anatomy.qk_norm:
+        q = _head_norm(g, layout, q, heads[0], hd, _norm_weight(g, f"model.layers.{i}.self_attn.q_norm", at.q_norm,
+                                                                 anatomy), eps, f"{s}/q_norm")
+        k = _head_norm(g, layout, k, heads[1], hd, _norm_weight(g, f"model.layers.{i}.self_attn.k_norm", at.k_norm,
+                                                                 anatomy), eps, f"{s}/k_norm")
+    if layout.attention == "gqa":
+        return gqa_attention(g, i, [q, k, v], mask, (window, rope), at.scaling, heads)
+    return plain_attention(g, i, q, k, v, mask, tables, heads, hd, float(at.scaling), layout.fused, rope)
+
+
 def _layer(g: GraphBuilder, layout: DecoderLayout, i: int, layer: nn.Module, residual: str, mlp_prev: str | None,
            attn_inputs: tuple, cfg, hd: int, anatomy: Anatomy) -> tuple[str, str]:
-    """One decoder layer; returns (residual stream before its MLP add, MLP output): the next norm adds them."""
+    """One decoder layer; returns (residual stream before its MLP add, MLP output): the next norm adds them. With
+    ``sandwich_norms`` each block's output is normed before its add (Gemma's four norms per layer)."""
     s, eps = f"/model/layers.{i}", float(cfg.rms_norm_eps)
-    qkv, o_proj, gate_up, down_proj = anatomy.shared_inputs
-    w_in = g.init(f"model.layers.{i}.input_layernorm.weight", _f32(layer.input_layernorm.weight))
+    _, o_proj, gate_up, down_proj = anatomy.shared_inputs
+    w_in = _norm_weight(g, f"model.layers.{i}.input_layernorm", layer.input_layernorm, anatomy)
     normed, residual = _norm(g, layout, residual, mlp_prev, w_in, eps, f"{s}/input_layernorm")
     at = layer.self_attn
-    heads = layer_heads(at, hd)  # fewer where the attention keeps fewer groups (--forms groups)
-    projs = [_projection(cfg, f"model.layers.{i}.self_attn.{n}", getattr(at, n)) for n in qkv]
-    if layout.attention == "gqa":
-        attn = gqa_attention(g, i, emit_packed_qkv(g, normed, projs, f"{s}/self_attn"), *attn_inputs, cfg,
-                             at.scaling, heads)
-    else:
-        q, k, v = emit_group(g, normed, projs, f"{s}/self_attn")
-        attn = plain_attention(g, i, q, k, v, *attn_inputs, heads, hd, float(at.scaling), layout.fused)
+    attn = _attention(g, layout, i, at, normed, attn_inputs, cfg, hd, anatomy)
     (o,) = emit_group(g, attn, [_projection(cfg, f"model.layers.{i}.self_attn.{n}", getattr(at, n)) for n in o_proj],
                       f"{s}/self_attn")
-    w_post = g.init(f"model.layers.{i}.post_attention_layernorm.weight", _f32(layer.post_attention_layernorm.weight))
-    normed, residual = _norm(g, layout, residual, o, w_post, eps, f"{s}/post_attention_layernorm")
+    if anatomy.sandwich_norms:
+        w_post = _norm_weight(g, f"model.layers.{i}.post_attention_layernorm", layer.post_attention_layernorm, anatomy)
+        o, _ = _norm(g, layout, o, None, w_post, eps, f"{s}/post_attention_layernorm")
+    w_mlp = _norm_weight(g, f"model.layers.{i}.{anatomy.mlp_norm}", getattr(layer, anatomy.mlp_norm), anatomy)
+    normed, residual = _norm(g, layout, residual, o, w_mlp, eps, f"{s}/{anatomy.mlp_norm}")
     mlp = layer.mlp
     gate, up = emit_group(g, normed, [_projection(cfg, f"model.layers.{i}.mlp.{n}", getattr(mlp, n)) for n in gate_up],
                           f"{s}/mlp")
-    act = g.one("Mul", [gate, g.one("Sigmoid", [gate], f"{s}/mlp/act_fn/Sigmoid")], f"{s}/mlp/act_fn/Mul")
-    hidden = g.one("Mul", [act, up], f"{s}/mlp/Mul")
+    hidden = g.one("Mul", [_activation(g, layout, gate, anatomy, f"{s}/mlp"), up], f"{s}/mlp/Mul")
     downs = [_projection(cfg, f"model.layers.{i}.mlp.{n}", getattr(mlp, n)) for n in down_proj]
     (down,) = emit_group(g, hidden, downs, f"{s}/mlp")
+    if anatomy.sandwich_norms:
+        w_post = _norm_weight(g, f"model.layers.{i}.post_feedforward_layernorm", layer.post_feedforward_layernorm,
+                              anatomy)
+        down, _ = _norm(g, layout, down, None, w_post, eps, f"{s}/post_feedforward_layernorm")
     return residual, down
 
 
@@ -190,19 +245,18 @@ def decoder_graph(model: nn.Module, layout: DecoderLayout):
         raise ModelError(f"head dim {hd}: onnxruntime's GroupQueryAttention (the genai runtime's attention) needs a "
                          "multiple of 16; use `bdlora export onnx` for this model")
     g = GraphBuilder(layout.opset)
-    if layout.attention == "gqa" or layout.fused or static_rotary(model) is None:  # else computed from positions
-        cos, sin = rotary_caches(model, layout.positions)
-        g.init(ROPE[0], cos)
-        g.init(ROPE[1], sin)
-    if layout.attention == "gqa":
-        attn_inputs: tuple = (gqa_mask(g),)
-    else:
-        attn_inputs = (plain_mask(g, cfg), None if layout.fused else plain_rotary_tables(g, model))
+    kinds = layer_kinds(model, anatomy.per_layer_attention)
+    masks: dict = {}
+    inputs_of = {kind: _kind_inputs(g, model, layout, kind, masks) for kind in dict.fromkeys(kinds)}
     emb = g.init("model.embed_tokens.weight", _f32(model.model.embed_tokens.weight))
     residual, mlp_out = g.one("Gather", [emb, Sig.INPUT_IDS], "/model/embed_tokens/Gather"), None
+    if anatomy.embed_scale:  # in fp32, as transformers scales (sqrt(hidden) cast to the weights' dtype)
+        scale = np.float32(cfg.hidden_size**0.5)
+        residual = g.one("Mul", [residual, g.const(f"/model/constants/FLOAT/embed{scale!r}", scale, np.float32)],
+                         "/model/embed_tokens/scale")
     for i, layer in enumerate(layers):
-        residual, mlp_out = _layer(g, layout, i, layer, residual, mlp_out, attn_inputs, cfg, hd, anatomy)
-    w_norm = g.init("model.norm.weight", _f32(model.model.norm.weight))
+        residual, mlp_out = _layer(g, layout, i, layer, residual, mlp_out, inputs_of[kinds[i]], cfg, hd, anatomy)
+    w_norm = _norm_weight(g, "model.norm", model.model.norm, anatomy)
     final, _ = _norm(g, layout, residual, mlp_out, w_norm, float(cfg.rms_norm_eps), "/model/norm")
     head = model.lm_head
     w_head = g.init("lm_head.weight", _f32(head.weight).T)
@@ -215,19 +269,40 @@ def decoder_graph(model: nn.Module, layout: DecoderLayout):
     return _model(g, f"bdlora_{layout.attention}_decoder", inputs, outputs), g.fused
 
 
+def _kind_inputs(g: GraphBuilder, model: nn.Module, layout: DecoderLayout, kind: str | None, masks: dict) -> tuple:
+    """What every layer of one attention kind reads: (mask, rotary tables of the unfused plain layout, sliding window,
+    rotary cache names). ``masks``: those built so far (GroupQueryAttention's one, or the plain layout's per window)."""
+    cfg, window, rope = model.config, kind_window(model.config, kind), rope_names(kind)
+    if layout.attention == "gqa" or layout.fused or static_rotary(model, kind) is None:  # else from positions
+        for name, table in zip(rope, rotary_caches(model, layout.positions, kind)):
+            g.init(name, table)
+    if layout.attention == "gqa":
+        if "gqa" not in masks:
+            masks["gqa"] = gqa_mask(g)  # from the 2-D mask; each node applies its own window
+        return masks["gqa"], None, window, rope
+    if window not in masks:
+        masks[window] = plain_mask(g, window)
+    return masks[window], None if layout.fused else plain_rotary_tables(g, model, kind), window, rope
+
+
 # the inputs of a decoder layer's projection groups (its anatomy's shared_inputs, in order): x_a (attention-normed),
 # x_o (attention output), x_m (MLP-normed), x_d (the MLP's hidden state)
 STACK_INPUTS = ("x_a", "x_o", "x_m", "x_d")
-EMITTED_ACTIVATIONS = ("silu",)  # the gated MLP activations the emitter writes (SiLU as Sigmoid x Mul)
+EMITTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the gated MLP activations the emitter writes (_activation)
 
 
 def emitted_anatomy(cfg) -> Anatomy:
     """The anatomy of ``cfg``'s family from the table, refused in one line when the emitter cannot write it."""
     base = (getattr(cfg, "bdlora", None) or {}).get("base_model_type", cfg.model_type)
     anatomy = family(base, "model_type").anatomy
-    if anatomy.activation not in EMITTED_ACTIVATIONS or getattr(cfg, "hidden_act", "silu") != anatomy.activation:
-        raise ModelError(f"hidden_act {getattr(cfg, 'hidden_act', None)!r}: the graph emitter writes "
-                         f"{', '.join(EMITTED_ACTIVATIONS)}-gated MLPs only")
+    act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None) or "silu"
+    if anatomy.activation not in EMITTED_ACTIVATIONS or act != anatomy.activation:
+        raise ModelError(f"hidden_act {act!r}: the graph emitter writes {', '.join(EMITTED_ACTIVATIONS)}-gated MLPs "
+                         f"only ({base!r} declares {anatomy.activation!r})")
+    capped = [k for k in ("attn_logit_softcapping", "final_logit_softcapping") if getattr(cfg, k, None)]
+    if capped:
+        raise ModelError(f"{', '.join(capped)} {getattr(cfg, capped[0])!r}: the graph emitter writes no logit "
+                         "soft-capping (set it to null only if the model was trained without it)")
     if len(anatomy.shared_inputs) != len(STACK_INPUTS):
         raise ModelError(f"model_type {base!r}: its projection groups {anatomy.shared_inputs} are not the four the "
                          "emitter wires (attention input, attention output, MLP input, MLP hidden state)")
