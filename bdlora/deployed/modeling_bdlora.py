@@ -121,9 +121,9 @@ def _replace_modules(model: nn.Module, modules: dict) -> None:
 
 
 def _keep_groups(attn: nn.Module, keep: int) -> None:
-    """``attn`` (a Llama/Mistral/Qwen2/Gemma 3 attention block) keeping ``keep`` key/value heads and their query heads: the
-    family's forward reshapes q, k and v by ``head_dim`` and repeats each KV head ``num_key_value_groups`` times, so
-    narrower projections are all it takes (the cache of this layer holds ``keep`` heads)."""
+    """``attn`` (a Llama/Mistral/Qwen2/Gemma 3 attention block) keeping ``keep`` key/value heads and their query
+    heads: the family's forward reshapes q, k and v by ``head_dim`` and repeats each KV head ``num_key_value_groups``
+    times, so narrower projections are all it takes (the cache of this layer holds ``keep`` heads)."""
     hd, ratio = attn.head_dim, attn.num_key_value_groups
     hidden = attn.q_proj.in_features
     for proj, width in (("q_proj", keep * ratio * hd), ("k_proj", keep * hd), ("v_proj", keep * hd)):

@@ -271,8 +271,9 @@ def decoder_graph(model: nn.Module, layout: DecoderLayout):
 
 def _kind_inputs(g: GraphBuilder, model: nn.Module, layout: DecoderLayout, kind: str | None, masks: dict) -> tuple:
     """What every layer of one attention kind reads: (mask, rotary tables of the unfused plain layout, sliding window,
-    rotary cache names). ``masks``: those built so far (GroupQueryAttention's one, or the plain layout's per window)."""
-    cfg, window, rope = model.config, kind_window(model.config, kind), rope_names(kind)
+    rotary cache names). ``masks``: those built so far (GroupQueryAttention's one, or the plain layout's, per
+    window)."""
+    window, rope = kind_window(model.config, kind), rope_names(kind)
     if layout.attention == "gqa" or layout.fused or static_rotary(model, kind) is None:  # else from positions
         for name, table in zip(rope, rotary_caches(model, layout.positions, kind)):
             g.init(name, table)
