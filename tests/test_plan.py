@@ -115,7 +115,7 @@ def test_cli_plan_bad_options(tmp_path, args, needle):
     ("not json", "not valid JSON"),
     ('{"hidden_size": 3}', "no model_type"),
     ('{"model_type": "gpt2", "n_embd": 8}',
-     "model_type 'gpt2': not a family bdlora adapts (it adapts mistral, llama, qwen2, qwen3)"),
+     "model_type 'gpt2': not a family bdlora adapts (it adapts mistral, llama, qwen2, gemma3_text, qwen3)"),
 ])
 def test_cli_plan_not_a_config(tmp_path, content, needle):
     cfg = tmp_path / "config.json"

@@ -134,7 +134,7 @@ def test_teacher_command_and_training_from_a_gguf(tiny_env, tiny_gguf, tmp_path)
 @pytest.mark.parametrize("spec,needle", [
     ("missing.gguf", "no such .gguf file"),
     ("garbage.gguf", "could not convert this GGUF file"),
-    ("nobody-here/no-such-model", "pass a local model folder, a .gguf file or a preset (smollm2-135m)"),
+    ("nobody-here/no-such-model", "pass a local model folder, a .gguf file or a preset (smollm2-135m, gemma3-270m)"),
     ("not/a/path/at/all", "no such directory"),
 ])
 def test_teacher_sources_fail_in_one_line(tiny_env, tmp_path, monkeypatch, spec, needle):
@@ -206,7 +206,7 @@ def test_a_teacher_declaring_sizes_its_weights_lack_is_refused_before_loading(ti
 
 def test_unknown_preset_is_one_line(tmp_path):
     res = CliRunner().invoke(app, ["teacher", "--preset", "llama-9000", "--cache-dir", str(tmp_path)])
-    assert res.exit_code == 2 and "--preset llama-9000: unknown (allowed: smollm2-135m, or a .gguf file)" in res.stderr
+    assert res.exit_code == 2 and "--preset llama-9000: unknown (allowed: smollm2-135m, gemma3-270m, or a .gguf file)" in res.stderr
     assert not any(tmp_path.iterdir())
 
 

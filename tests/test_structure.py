@@ -214,13 +214,14 @@ def test_a_family_the_table_lacks_is_refused_naming_those_it_has(tmp_path):
     from bdlora.families import family
 
     with pytest.raises(UsageError, match="model_type 'gpt2': not a family bdlora adapts \\(it adapts mistral, llama, "
-                                         "qwen2 \\(qwen3: plan only\\)\\)"):
+                                         "qwen2, gemma3_text \\(qwen3: plan only\\)\\)"):
         family("gpt2")
     assert family("bdlora_qwen2").model_type == "qwen2" and family("qwen3", loaded=False).genai_type is None
     (tmp_path / "config.json").write_text('{"model_type": "gpt2", "hidden_size": 8}')
     res = CliRunner().invoke(app, ["plan", "--model-config", str(tmp_path)])
     assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1
-    assert "model_type 'gpt2': not a family bdlora adapts (it adapts mistral, llama, qwen2, qwen3)" in res.stderr
+    assert ("model_type 'gpt2': not a family bdlora adapts (it adapts mistral, llama, qwen2, gemma3_text, qwen3)"
+            in res.stderr)
 
 
 FILE_NAME = re.compile(r"^[\w.\-]+\.(onnx|json|jsonl|safetensors|data|md|png|jinja|txt|pt|bin)$")

@@ -135,7 +135,7 @@ ONE_SHOT_FIELDS = tuple(p.name for p in ONE_SHOT)
 def compress(
     run_dir: Annotated[Optional[str], typer.Argument(
         metavar="[RUN_DIR | SOURCE]", help="A finished run (default: the latest under --runs-dir); with --one-shot, a "
-        "pretrained model: a Hugging Face folder, a .gguf file, a preset (smollm2-135m) or a hub id.")] = None,
+        "pretrained model: a Hugging Face folder, a .gguf file, a preset (smollm2-135m, gemma3-270m) or a hub id.")] = None,
     out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: RUN_DIR.compressed; "
                                                                  "runs/SOURCE.oneshot-Rx.compressed).")] = None,
     force: Annotated[bool, typer.Option(help="Replace an existing non-empty --out.")] = False,
@@ -221,7 +221,7 @@ def _one_shot(source, shot: dict, out_dir, force: bool, runs_dir: str, cache_dir
 
     if not source:
         raise UsageError("--one-shot: name the pretrained model to compress (a folder, a .gguf file, a preset such "
-                         "as smollm2-135m, or a hub id)")
+                         "as smollm2-135m or gemma3-270m, or a hub id)")
     cfg = OneShotConfig(**{k: v for k, v in shot.items() if v is not None}).validate()
     out_path = Path(out_dir) if out_dir else one_shot_out(source, cfg.ratio, runs_dir, cfg.precision, cfg.forms,
                                                           cfg.speedup is not None)
