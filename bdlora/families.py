@@ -114,5 +114,15 @@ def family(model_type: str, what: str = "model_type", loaded: bool = True) -> Fa
     return found
 
 
+def with_layers(config: dict, layers: int) -> dict:
+    """``config`` (a config.json mapping) of a model of ``layers`` decoder layers: a family whose layers have kinds
+    (``layer_types``) keeps its pattern, cycled, so its config stays one transformers accepts."""
+    out = {**config, "num_hidden_layers": int(layers)}
+    kinds = config.get("layer_types")
+    if isinstance(kinds, list) and kinds:
+        out["layer_types"] = [kinds[i % len(kinds)] for i in range(int(layers))]
+    return out
+
+
 def genai_families() -> tuple[str, ...]:
     return tuple(t for t, f in FAMILIES.items() if f.weights and f.genai_type)

@@ -91,22 +91,15 @@ def gemma3_teacher(tiny_env, tmp_path_factory):
     tiny corpus, saved as a teacher folder."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
+    from conftest import pretrained
+
     tok = tiny_env["tokenizer"]
     torch.manual_seed(0)
     cfg = gemma3_config(len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                         pad_token_id=tok.pad_token_id, max_position_embeddings=128)
     cfg.pop("model_type")
     model = Gemma3ForCausalLM(Gemma3TextConfig(**cfg))
-    ids = tok("\n".join(p.read_text() for p in sorted(tiny_env["corpus"].glob("*.txt"))))["input_ids"]
-    data = torch.tensor(ids[: (len(ids) // 32) * 32]).view(-1, 32)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(30):
-        batch = data[torch.randint(0, len(data), (8,), generator=g)]
-        loss = model(batch, labels=batch).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    model = pretrained(model, tiny_env)
     folder = tmp_path_factory.mktemp("gemma3") / "teacher"
     model.eval().save_pretrained(folder)
     tok.save_pretrained(folder)

@@ -19,6 +19,7 @@ from bdlora.export.decoder import DecoderLayout, build_decoder
 from bdlora.export.genai import export_genai_folder
 from bdlora.export.genai.validate import GENAI_SHAPES, graph_parity
 from bdlora.export.onnx.validate import TOLERANCE, ExportValidationError
+from bdlora.export.settings import GenaiExportSettings
 from bdlora.models import load_model_folder
 from bdlora.runtime import DecoderSignature, session
 from conftest import compressed_student
@@ -84,7 +85,7 @@ def test_the_genai_graph_and_its_config_follow_the_decoder_signature(mixed_folde
     and genai_config.json's templates name exactly the graph's cache inputs and outputs."""
     folder, _ = mixed_folder
     out = tmp_path / "g"
-    export_genai_folder(folder, out, run_validation=False)
+    export_genai_folder(folder, out, GenaiExportSettings(validate=False))
     graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
     sig = DecoderSignature(2, position_ids=False)
     assert [i.name for i in graph.input] == sig.inputs and [o.name for o in graph.output] == sig.outputs
@@ -131,7 +132,7 @@ def test_export_folder_generates_like_torch(mixed_folder):
 @pytest.mark.parametrize("precision,bits", [("int8", 8), ("int4", 4)])
 def test_quantized_export_reports_quality(mixed_folder, precision, bits):
     folder, root = mixed_folder
-    info = export_genai_folder(folder, root / precision, precision=precision)
+    info = export_genai_folder(folder, root / precision, GenaiExportSettings(precision))
     q, quant = info["validation"]["quality"], info["quantization"]
     assert quant["op"] == "MatMulNBits" and quant["lm_head_bits"] == 8 and quant["matmuls_fp32"] == 0
     assert quant["matmuls_quantized"] == sum(1 for n in onnx.load(str(root / precision / "model.onnx"),
@@ -145,12 +146,24 @@ def test_quantized_export_reports_quality(mixed_folder, precision, bits):
     assert not (root / precision / "fp32").exists()  # the fp32 reference graph served validation only
 
 
-def test_quality_threshold_refuses_and_writes_nothing(mixed_folder):
-    folder, root = mixed_folder
-    with pytest.raises(ExportValidationError, match="above --max-ppl-change -1"):
-        export_genai_folder(folder, root / "refused", precision="int4", max_ppl_change=-1.0)
-    assert not (root / "refused").exists()
-    assert not [p for p in root.iterdir() if p.name.startswith(".refused")]
+def test_quality_threshold_refuses_and_writes_nothing(tiny_env, tmp_path):
+    """A student trained on the tiny corpus (so rounding costs it perplexity on that corpus's held-out slice) at int4
+    with a 4-bit head, against a gate of 0.1%: refused in one line, and neither the folder nor its temporary twin is
+    left."""
+    from conftest import genai_teacher, pretrained, train_args
+
+    pretrained(genai_teacher(tiny_env["tokenizer"]), tiny_env).save_pretrained(tmp_path / "teacher")
+    tiny_env["tokenizer"].save_pretrained(tmp_path / "teacher")
+    r = CliRunner().invoke(app, train_args(tiny_env, tmp_path / "run", "--teacher", str(tmp_path / "teacher"),
+                                           "--method", "budgeted", "--student-layers", "2", "--max-steps", "4"))
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, ["compress", str(tmp_path / "run"), "--out", str(tmp_path / "c")])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, ["export", "genai", str(tmp_path / "c"), "--precision", "int4", "--head-bits", "4",
+                                 "--max-ppl-change", "0.001", "--out", str(tmp_path / "refused")])
+    assert r.exit_code != 0 and "above --max-ppl-change 0.001" in r.output, r.output
+    assert not (tmp_path / "refused").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".refused")]
 
 
 def test_head_dim_gqa_cannot_take_is_one_line(tiny_env, tmp_path):
@@ -192,7 +205,7 @@ def test_generator_divergence_beyond_a_tie_is_an_error(mixed_folder, tmp_path):
     from bdlora.models import load_model_folder
 
     folder, root = mixed_folder
-    export_genai_folder(folder, tmp_path / "g", run_validation=False)
+    export_genai_folder(folder, tmp_path / "g", GenaiExportSettings(validate=False))
     model, tok, _ = load_model_folder(folder)
     with torch.no_grad():
         model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight))
@@ -406,11 +419,11 @@ def test_the_plain_twin_of_a_quantised_genai_graph_computes_the_same_logits(mixe
     model, _, _ = load_model_folder(folder)
     shape = DecoderShape.of(model.config)
     genai, _ = quantize_nbits(build_decoder(model, DecoderLayout.genai(64)), "int4", quant, head_bits=head_bits)
-    twin = plain_twin(model, "int4", quant, head_bits=head_bits)
+    twin = plain_twin(model, GenaiExportSettings("int4", quant, head_bits))
     for proto in (genai, twin):  # bench --head-bits: the LM head at those bits in both layouts
         head = next(n for n in proto.graph.node if n.op_type == "MatMulNBits" and n.name.startswith(LM_HEAD))
         assert next(a.i for a in head.attribute if a.name == "bits") == head_bits
-    fp32 = plain_twin(model, "fp32", quant)
+    fp32 = plain_twin(model, GenaiExportSettings())
     sessions = [ort.InferenceSession(p.SerializeToString(), providers=["CPUExecutionProvider"])
                 for p in (genai, twin, fp32)]
     ids = np.random.default_rng(3).integers(0, shape.vocab_size, (1, 7))
@@ -441,7 +454,7 @@ def test_bench_teacher_quant_rounds_the_teachers_folders_its_own_way(mixed_folde
         ("affine", "gptq", "gptq")
     calib = PackedBlocks(np.random.default_rng(0).integers(0, model.config.vocab_size, 512), 32)
     folders, _ = export_variants({"teacher": model, "compressed": model}, tok, ["int4"], tmp_path, 1, False,
-                                 quant=cfg.quant_of, calibration=calib)
+                                 settings=cfg.settings_for, calibration=calib)
     reads = {}
     for key in ("teacher-int4", "compressed-int4"):
         graph = onnx.load(str(folders[key] / "model.onnx"), load_external_data=False).graph
@@ -462,7 +475,7 @@ def test_a_foreign_tokenizer_in_a_genai_folder_is_refused_by_every_reader(mixed_
 
     folder, _ = mixed_folder
     out = tmp_path / "g"
-    export_genai_folder(folder, out, run_validation=False)
+    export_genai_folder(folder, out, GenaiExportSettings(validate=False))
     check_onnx_dir(out, "model.onnx", "genai")  # its own tokenizer passes
     put_foreign_tokenizer(out, tiny_env["corpus"])
     with pytest.raises(ModelError, match="its tokenizer \\(tokenizer.json\\) differs from the one recorded in "
@@ -470,3 +483,31 @@ def test_a_foreign_tokenizer_in_a_genai_folder_is_refused_by_every_reader(mixed_
         check_onnx_dir(out, "model.onnx", "genai")
     res = CliRunner().invoke(app, ["serve", str(out), "--runtime", "genai", "--port", "9"])
     assert res.exit_code == 2 and "differs from the one recorded in export.json" in res.stderr
+
+
+def test_one_settings_object_checks_every_option_and_says_every_problem_at_once():
+    """GenaiExportSettings is what export genai builds and the bench holds: every bad value and every option that
+    does nothing at its precision refused together; the bench derives each row's settings from its own flags (the
+    teacher rounded its way, --int8-share only where a calibrated scheme chooses it)."""
+    from bdlora.bench.config import BenchConfig
+    from bdlora.errors import Checks, ConfigError
+    from bdlora.export.settings import DEFAULT
+
+    with pytest.raises(ConfigError) as e:
+        GenaiExportSettings("int8", "rtn", head_bits=4, int8_share=0.2, threads=513, max_ppl_change=-1).check(
+            Checks()).done()
+    problems = e.value.problems
+    assert len(problems) == 4 and problems[0].startswith("--head-bits 4: sets the LM head's bits of an int4 graph")
+    assert any(p.startswith("--int8-share 0.2: is chosen by a calibrated scheme") for p in problems)
+    assert any(p.startswith("--threads 513: must be") for p in problems)
+    assert any(p.startswith("--max-ppl-change -1: must be a finite fraction") for p in problems)
+    assert GenaiExportSettings("int4", "gptq").suffix == "-int4-gptq" and DEFAULT.suffix == ""
+    assert GenaiExportSettings("int4", "gptq", 4, 0.1).at("fp32") == DEFAULT
+    cfg = BenchConfig(runtime="genai", quant="gptq", teacher_quant="affine", head_bits=4, int8_share=0.1).validate()
+    student, teacher = cfg.settings_for("compressed", "int4"), cfg.settings_for("teacher", "int4")
+    assert (student.quant, student.head_bits, student.int8_share, student.validate) == ("gptq", 4, 0.1, False)
+    assert (teacher.quant, teacher.head_bits, teacher.int8_share) == ("affine", 4, 0.0)
+    assert cfg.settings_for("compressed", "int8").head_bits == 8 and cfg.settings_for("teacher", "fp32") == \
+        GenaiExportSettings(validate=False)
+    r = CliRunner().invoke(app, ["bench", "--runtime", "genai", "--int8-share", "0.1"])
+    assert r.exit_code == 2 and "--int8-share 0.1: is chosen by a calibrated scheme" in r.output

@@ -39,6 +39,7 @@ def served_model(request, tiny_env, tmp_path_factory):
     from bdlora.deployed.folder import save_model_folder
     from bdlora.export.genai import export_genai_folder
     from bdlora.export.onnx import export_onnx_folder
+    from bdlora.export.settings import GenaiExportSettings
     from bdlora.runtime import DecoderShape, run_decoder, session
     from conftest import compressed_student, tiny_config
 
@@ -51,7 +52,10 @@ def served_model(request, tiny_env, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"serve-{runtime}")
     folder = save_model_folder(model, tok, root / "m", report)
     served = root / runtime / "m.onnx"
-    (export_onnx_folder if runtime == "ort" else export_genai_folder)(folder, served, run_validation=False)
+    if runtime == "ort":
+        export_onnx_folder(folder, served, run_validation=False)
+    else:
+        export_genai_folder(folder, served, GenaiExportSettings(validate=False))
     sess = session(served / "model.onnx")
     shape = DecoderShape.of(model.config)
     kv, hd = shape.kv_heads, shape.head_dim

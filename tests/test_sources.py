@@ -206,7 +206,8 @@ def test_a_teacher_declaring_sizes_its_weights_lack_is_refused_before_loading(ti
 
 def test_unknown_preset_is_one_line(tmp_path):
     res = CliRunner().invoke(app, ["teacher", "--preset", "llama-9000", "--cache-dir", str(tmp_path)])
-    assert res.exit_code == 2 and "--preset llama-9000: unknown (allowed: smollm2-135m, gemma3-270m, or a .gguf file)" in res.stderr
+    assert res.exit_code == 2
+    assert "--preset llama-9000: unknown (allowed: smollm2-135m, gemma3-270m, or a .gguf file)" in res.stderr
     assert not any(tmp_path.iterdir())
 
 

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from bdlora.config import GENAI_PRECISIONS
 from bdlora.errors import Checks, UsageError
 from bdlora.export.schemes import METHODS as QUANT_METHODS
+from bdlora.export.schemes import SCHEMES
+from bdlora.export.settings import DEFAULT as GENAI
+from bdlora.export.settings import GenaiExportSettings
 
 SCOPES = ("modules", "model", "both")
 RUNTIMES = ("ort", "genai", "both")
@@ -53,15 +56,18 @@ class BenchConfig:
     """genai runtime: held-out tokens each folder's perplexity is measured on (default: as many as the model's run
     reported its perplexity on, at most 32768, so the front's figures are the run's; 8192 when it has no run; 0: no
     perplexity, no front)."""
-    quant: str = "rtn"
+    quant: str = GENAI.quant
     """genai runtime: how int8/int4 weights are rounded (rtn, gptq, affine), for the student and, unless
     --teacher-quant says otherwise, the teacher."""
     teacher_quant: str | None = None
     """genai runtime: how the teacher's int8/int4 weights are rounded (default: as --quant), so each side of the
     front is at its best: e.g. affine for a teacher from a Q4_1 GGUF, gptq for a trained student."""
-    head_bits: int = 8
+    head_bits: int = GENAI.head_bits
     """genai runtime: the LM head's bits in every int4 folder, the student's and the teacher's alike (8 or 4; the
     head is a third of an int4 model's bytes at SmolLM2's size)."""
+    int8_share: float = GENAI.int8_share
+    """genai runtime: in every int4 folder rounded by a calibrated scheme (gptq), the share of the projection weights
+    kept at 8 bits where rounding hurts most (as export genai --int8-share)."""
     eval_data: str | None = None
     """genai runtime: a second corpus every front row is also scored on (its held-out split), a domain no row was
     calibrated or healed on, with the front marked on it too (default for a general-purpose model: the first of
@@ -99,10 +105,15 @@ class BenchConfig:
         c.require(not twice, f"--genai-precisions {','.join(map(str, self.genai_precisions))}: "
                              f"{', '.join(map(str, twice))} given twice (each precision is one folder)")
         c.integer("quality_tokens", self.quality_tokens, lo=0)
-        c.choice("quant", self.quant, QUANT_METHODS)
+        if c.choice("quant", self.quant, QUANT_METHODS):
+            GenaiExportSettings("int4", self.quant, self.head_bits, self.int8_share if SCHEMES[self.quant].calibrated
+                                else 0.0).check(c)
         if self.teacher_quant is not None:
             c.choice("teacher_quant", self.teacher_quant, QUANT_METHODS)
-        c.choice("head_bits", self.head_bits, (4, 8))
+        calibrated = [q for q in (self.quant, self.teacher_quant) if q in SCHEMES and SCHEMES[q].calibrated]
+        c.require(not self.int8_share or calibrated or self.quant not in SCHEMES,
+                  f"--int8-share {self.int8_share}: is chosen by a calibrated scheme's measured errors (give --quant "
+                  f"or --teacher-quant {', '.join(s.name for s in SCHEMES.values() if s.calibrated)})")
         c.text("eval_data", self.eval_data)
         c.integer("icl_examples", self.icl_examples, lo=1)
         c.require(not self.icl or self.runtime in ("genai", "both"),
@@ -118,6 +129,21 @@ class BenchConfig:
         ``peer-`` healed dense model, rounded as the teacher is)."""
         reference = model == "teacher" or model.startswith("peer-")
         return self.teacher_quant if reference and self.teacher_quant else self.quant
+
+    def settings_for(self, model: str, precision: str, **changes) -> GenaiExportSettings:
+        """How the bench exports ``model`` at ``precision`` (what ``export genai`` would be given; the bench times
+        and scores its folders itself, so none validates against PyTorch)."""
+        quant = self.quant_of(model)
+        if precision == "fp32":
+            return GENAI.at("fp32", validate=False, **changes)
+        return GenaiExportSettings(precision, quant, self.head_bits if precision == "int4" else GENAI.head_bits,
+                                   self.int8_share if precision == "int4" and SCHEMES[quant].calibrated else 0.0,
+                                   validate=False, **changes)
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether any folder of the run rounds against measured inputs."""
+        return any(SCHEMES[q].calibrated for q in (self.quant, self.teacher_quant) if q is not None)
 
 
 def provider_name(provider: str) -> str:

@@ -22,6 +22,7 @@ import torch.nn as nn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from bdlora.bench.config import BenchConfig
 from bdlora.bench.front import PEER
 from bdlora.bench.launch import run_timing_process
 from bdlora.budgeted.model import narrow_sites
@@ -29,7 +30,6 @@ from bdlora.corpora import GENERAL_VOCABULARY, default_heldout, unseen_corpus
 from bdlora.data import BUILTIN, default_cache_dir
 from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES
 from bdlora.errors import BdloraError, DataError, UsageError
-from bdlora.export.defaults import CALIB_TOKENS
 from bdlora.export.genai.folder import (
     calibration_blocks,
     corpus_blocks,
@@ -37,7 +37,7 @@ from bdlora.export.genai.folder import (
     heldout_for,
     write_genai_files,
 )
-from bdlora.export.schemes import scheme
+from bdlora.export.settings import DEFAULT as GENAI
 from bdlora.families import FAMILIES, base_type
 from bdlora.icl import corpus_word_list
 from bdlora.models import load_model_folder
@@ -124,12 +124,13 @@ def run_builder(hf_folder: Path, out: Path, precision: str, threads: int, cache:
 
 
 def export_variants(models: dict[str, nn.Module], tok, precisions: list[str], work: Path, threads: int,
-                    peers: bool, reporter: Reporter = SILENT, teacher: Path | None = None, quant=lambda name: "rtn",
-                    calibration=None, head_bits: int = 8) -> tuple[dict[str, Path], dict]:
+                    peers: bool, reporter: Reporter = SILENT, teacher: Path | None = None,
+                    settings=BenchConfig().settings_for, calibration=None) -> tuple[dict[str, Path], dict]:
     """Every variant at every precision as a genai folder, plus the builder's peer folders; (folders, notes).
     ``models`` may hold "teacher" (the model the student came from; ``teacher`` its HF folder, which the builder
-    converts as a user would: ``teacher-builder-<precision>``). ``quant`` (model name -> method)/``calibration``: how
-    int8/int4 are rounded (``write_genai_files``); ``head_bits``: the LM head's bits at int4."""
+    converts as a user would: ``teacher-builder-<precision>``). ``settings`` (model name, precision -> its
+    ``GenaiExportSettings``) and ``calibration`` (the blocks a calibrated scheme rounds against): how each folder is
+    written (``write_genai_files``)."""
 
     folders: dict[str, Path] = {}
     tok = tok if tok is not None else _stand_in_tokenizer()
@@ -141,8 +142,8 @@ def export_variants(models: dict[str, nn.Module], tok, precisions: list[str], wo
             reporter.stage(f"exporting the {key} genai folder")
             folders[key] = work / f"genai-{key}"
             folders[key].mkdir()
-            write_genai_files(m, tok, folders[key], p, ctx, threads=threads, quant=quant(name),
-                              calibration=calibration, head_bits=head_bits, grams=grams, reporter=reporter)
+            write_genai_files(m, tok, folders[key], settings(name, p, context_length=ctx, threads=threads),
+                              calibration=calibration, grams=grams, reporter=reporter)
     notes: dict = {}
     if peers:
         sources = [("teacher-builder", teacher)] if teacher is not None else []
@@ -259,8 +260,8 @@ def deployment_for(model_dir: Path, report: dict, tok, model: nn.Module, cfg, re
                 if cfg.eval_data is not None:
                     raise
                 reporter.stage(f"no unseen domain: {e}")
-    if any(scheme(q).calibrated for q in (cfg.quant, cfg.teacher_quant) if q is not None):
-        deploy.calibration = calibration_blocks(model_dir, report, tok, shape, CALIB_TOKENS)
+    if cfg.calibrated:
+        deploy.calibration = calibration_blocks(model_dir, report, tok, shape, GENAI.calib_tokens)
     if cfg.icl:
         data = settings.get("data") or BUILTIN
         cache = Path(settings["cache_dir"]).expanduser() if settings.get("cache_dir") else None

@@ -13,40 +13,42 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from bdlora.bench.config import BenchConfig
 from bdlora.evaluate import OrtLM, run_icl
 from bdlora.export.decoder import DecoderLayout, decoder_graph, save_graph
 from bdlora.export.defaults import MAX_OPSET
 from bdlora.export.genai.gptq import input_grams
 from bdlora.export.genai.quantize import quantize_nbits
-from bdlora.export.schemes import scheme
+from bdlora.export.settings import GenaiExportSettings
 from bdlora.reporter import SILENT, Reporter
 from bdlora.runtime import DecoderShape, session
 
 ICL_SHOTS, ICL_SEEDS = 10, 3  # eval's protocol (SPEC 7): 10-shot, 3 demonstration seeds
 
 
-def plain_twin(model: nn.Module, precision: str, quant: str, calibration=None, grams: dict | None = None,
-               proto=None, head_bits: int = 8):
-    """``model``'s decoder in the plain layout at ``precision``, rounded as ``write_genai_files`` rounds its genai
-    graph (``grams``: filled on the first gptq call and reused for the other precisions; ``proto``: the model's
-    fp32 plain graph when already emitted, which the quantisers copy, never change)."""
+def plain_twin(model: nn.Module, settings: GenaiExportSettings, calibration=None, grams: dict | None = None,
+               proto=None):
+    """``model``'s decoder in the plain layout, rounded as ``write_genai_files`` rounds its genai graph with the same
+    ``settings`` (``grams``: filled on the first calibrated call and reused for the other precisions; ``proto``: the
+    model's fp32 plain graph when already emitted, which the quantisers copy, never change)."""
     if proto is None:
         proto, _ = decoder_graph(model, DecoderLayout.plain(model.config, MAX_OPSET))
-    if precision == "fp32":
+    if settings.precision == "fp32":
         return proto
     grams = {} if grams is None else grams
-    if scheme(quant).calibrated and not grams:
+    if settings.calibrated and not grams:
         grams.update(input_grams(proto, DecoderShape.of(model.config), calibration))
-    return quantize_nbits(proto, precision, quant, grams, head_bits)[0]
+    return quantize_nbits(proto, settings.precision, settings.quant, grams, settings.head_bits,
+                          settings.int8_share)[0]
 
 
 def icl_of_rows(models: dict[str, nn.Module], tok, precisions: list[str], words: list[str], examples: int,
-                work, quant=lambda name: "rtn", calibration=None, reporter: Reporter = SILENT,
-                head_bits: int = 8) -> dict[str, dict]:
+                work, settings=BenchConfig().settings_for, calibration=None,
+                reporter: Reporter = SILENT) -> dict[str, dict]:
     """{row: {"icl", "icl_std", "icl_examples"}} for every model at every precision (rows named as the genai bench
     names its folders: ``compressed``, ``compressed-int4``, ``teacher-int8``...): the ICL composite (macro mean over
-    the 19 probes, %) and its std over demonstration seeds, ``examples`` prompts per task and seed; ``quant``: model
-    name -> rounding method."""
+    the 19 probes, %) and its std over demonstration seeds, ``examples`` prompts per task and seed; ``settings``:
+    (model name, precision) -> how its genai folder is rounded."""
     out = {}
     for name, m in models.items():
         grams: dict = {}
@@ -55,7 +57,7 @@ def icl_of_rows(models: dict[str, nn.Module], tok, precisions: list[str], words:
             key = name if p == "fp32" else f"{name}-{p}"
             path = work / f"icl-{key}.onnx"
             reporter.stage(f"ICL of {key}: {ICL_SEEDS} seeds x {examples} prompts per probe (plain-layout twin)")
-            save_graph(plain_twin(m, p, quant(name), calibration, grams, base, head_bits), path)
+            save_graph(plain_twin(m, settings(name, p), calibration, grams, base), path)
             try:
                 res = run_icl(OrtLM(session(path), m.config), tok, words, shots=ICL_SHOTS, seeds=ICL_SEEDS,
                               examples=examples)

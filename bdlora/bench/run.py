@@ -217,8 +217,8 @@ def bench_genai(models: dict[str, nn.Module], tokenizer, workdir: Path, cfg: Ben
     deploy = deploy or Deployment()
     models = {**models, **deploy.others, **({"teacher": deploy.teacher} if deploy.teacher is not None else {})}
     folders, notes = export_variants(models, tokenizer, cfg.genai_precisions, workdir, threads, cfg.peers, reporter,
-                                     teacher=deploy.teacher_dir, quant=cfg.quant_of, calibration=deploy.calibration,
-                                     head_bits=cfg.head_bits)
+                                     teacher=deploy.teacher_dir, settings=cfg.settings_for,
+                                     calibration=deploy.calibration)
     shapes = [[phase, b, s] for b in cfg.batch_sizes for s in cfg.seq_lens for phase in ("prefill", "decode")]
     vocab = DecoderShape.of(next(iter(models.values())).config).vocab_size
     times = time_genai(folders, shapes, cfg.repeats, cfg.warmup, cfg.decode_tokens, vocab, workdir, reporter)
@@ -234,8 +234,8 @@ def bench_genai(models: dict[str, nn.Module], tokenizer, workdir: Path, cfg: Ben
                 quality[key].update(ppl_unseen=q["ppl"], unseen_data=corpus, unseen_tokens=q["tokens"])
     if deploy.words is not None:  # dense and lora compute the compressed model's function: its ICL is theirs
         rows = {k: m for k, m in models.items() if k not in ("dense", "lora")}
-        icl = icl_of_rows(rows, tokenizer, cfg.genai_precisions, deploy.words, cfg.icl_examples, workdir, cfg.quant_of,
-                          deploy.calibration, reporter, cfg.head_bits)
+        icl = icl_of_rows(rows, tokenizer, cfg.genai_precisions, deploy.words, cfg.icl_examples, workdir,
+                          cfg.settings_for, deploy.calibration, reporter)
         for key, figures in icl.items():
             quality.setdefault(key, {}).update(figures)
     return _rows("genai", times), notes, quality

@@ -27,6 +27,7 @@ from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES, DenseLoRALinear, Low
 from bdlora.errors import ModelError, UsageError
 from bdlora.export.decoder import build_projection_stack
 from bdlora.families import family as table_family
+from bdlora.families import with_layers
 from bdlora.forms import DENSE, LOWRANK, describe
 from bdlora.plan import plan
 
@@ -98,9 +99,8 @@ def synthetic_model(config: dict, budget: float, layers: int | None, rank: int, 
         raise ModelError(str(e)) from None
     cfg_cls, model_cls = BDLORA_CLASSES[family]
     modules = {m["name"]: deployed_form(m["rank"]) for m in report["modules"]}
-    base = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "auto_map")}
-    if layers is not None:
-        base["num_hidden_layers"] = layers
+    base = {k: v for k, v in (config if layers is None else with_layers(config, layers)).items()
+            if k not in ("model_type", "architectures", "auto_map")}
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(bdlora_modules=modules, bdlora={"base_model_type": family, "budget": budget},
                               **base))

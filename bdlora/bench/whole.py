@@ -48,7 +48,8 @@ from bdlora.budgeted.costs import ModuleShape, shapes_from_config
 from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES
 from bdlora.export.genai.folder import write_genai_files
 from bdlora.export.genai.latency import TABLE_VERSION, cpu_name
-from bdlora.families import base_type
+from bdlora.export.settings import GenaiExportSettings
+from bdlora.families import base_type, with_layers
 from bdlora.families import family as table_family
 from bdlora.io import read_json, write_json
 from bdlora.reporter import SILENT, Reporter
@@ -99,9 +100,9 @@ def _dense_model(config: dict, layers: int, width: int, seed: int = 0):
     """A random dense model of ``config``'s family with ``layers`` layers whose MLPs keep ``width`` channels."""
     family = table_family(base_type(str(config["model_type"])), "model_type").model_type
     cfg_cls, model_cls = BDLORA_CLASSES[family]
-    base = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "auto_map", "bdlora",
-                                                          "bdlora_modules")}
-    base["num_hidden_layers"] = layers
+    base = {k: v for k, v in with_layers(config, layers).items()
+            if k not in ("model_type", "architectures", "auto_map", "bdlora", "bdlora_modules")}
+    base["max_position_embeddings"] = max(int(base.get("max_position_embeddings") or 0), CONTEXT + STEPS + 8)
     full = int(config["intermediate_size"])
     sites = {} if width == full else {
         s.name.rsplit(".", 1)[0]: {"form": "channels", "keep": width}
@@ -165,8 +166,10 @@ def decode_overhead(config: dict, table, precision: str, threads: int, cache: Pa
                            "the decode step outside the projections")
             folders[name] = work / name
             folders[name].mkdir()
-            write_genai_files(_dense_model(config, layers, width), _stand_in_tokenizer(), folders[name], precision,
-                              CONTEXT + STEPS + 8, threads=threads, quant="rtn", head_bits=head_bits)
+            write_genai_files(_dense_model(config, layers, width), _stand_in_tokenizer(), folders[name],
+                              GenaiExportSettings(precision, head_bits=head_bits if precision == "int4" else 8,
+                                                  context_length=CONTEXT + STEPS + 8, threads=threads,
+                                                  validate=False))
         rows = time_genai(folders, [["decode", 1, CONTEXT]], REPEATS, WARMUP, STEPS, int(config["vocab_size"]),
                           work, reporter)
     finally:

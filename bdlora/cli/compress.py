@@ -135,7 +135,8 @@ ONE_SHOT_FIELDS = tuple(p.name for p in ONE_SHOT)
 def compress(
     run_dir: Annotated[Optional[str], typer.Argument(
         metavar="[RUN_DIR | SOURCE]", help="A finished run (default: the latest under --runs-dir); with --one-shot, a "
-        "pretrained model: a Hugging Face folder, a .gguf file, a preset (smollm2-135m, gemma3-270m) or a hub id.")] = None,
+        "pretrained model: a Hugging Face folder, a .gguf file, a preset (smollm2-135m, gemma3-270m) or a hub "
+        "id.")] = None,
     out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: RUN_DIR.compressed; "
                                                                  "runs/SOURCE.oneshot-Rx.compressed).")] = None,
     force: Annotated[bool, typer.Option(help="Replace an existing non-empty --out.")] = False,

@@ -11,19 +11,12 @@ from bdlora import sources
 from bdlora.cli import render
 from bdlora.cli.app import command, err, export_app, out
 from bdlora.cli.progress import RichReporter
-from bdlora.errors import UsageError
-from bdlora.export.defaults import (
-    CALIB_TOKENS,
-    DEFAULT_OPSET,
-    GENAI_PRECISION,
-    HEAD_BITS,
-    INT8_SHARE,
-    MAX_GENAI_THREADS,
-    MAX_PPL_CHANGE,
-    QUANT,
-)
+from bdlora.errors import Checks
+from bdlora.export.defaults import DEFAULT_OPSET, MAX_GENAI_THREADS
 from bdlora.export.hf import export_hf as run_export
 from bdlora.export.schemes import SCHEMES
+from bdlora.export.settings import DEFAULT as GENAI
+from bdlora.export.settings import GenaiExportSettings
 from bdlora.runs import RUNS_DIR, ModelDir
 
 
@@ -51,8 +44,8 @@ def export_hf(
 @command(export_app, "onnx")
 def export_onnx(
     model_dir: Annotated[Optional[str], typer.Argument(help="Model folder: a `bdlora compress` output (default: the "
-                                                            "latest), any HF Llama/Mistral/Qwen2 folder, a teacher "
-                                                            "preset or a .gguf file.")] = None,
+                                                            "latest), any HF folder of a family bdlora adapts, a "
+                                                            "teacher preset or a .gguf file.")] = None,
     out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: MODEL_DIR.onnx).")] = None,
     opset: Annotated[int, typer.Option(help="ONNX opset (14 up to the exporter's maximum).")] = DEFAULT_OPSET,
     quantize: Annotated[Optional[str], typer.Option(help="int8: also write model_int8.onnx (dynamic weight "
@@ -89,26 +82,26 @@ def export_onnx(
 @command(export_app, "genai")
 def export_genai(
     model_dir: Annotated[Optional[str], typer.Argument(help="Model folder: a `bdlora compress` output (default: the "
-                                                            "latest), any HF Llama/Mistral/Qwen2 folder, a teacher "
-                                                            "preset or a .gguf file.")] = None,
+                                                            "latest), any HF folder of a family bdlora adapts, a "
+                                                            "teacher preset or a .gguf file.")] = None,
     precision: Annotated[str, typer.Option(help="fp32, int8 or int4 (MatMulNBits, block 32; int4 keeps the LM "
-                                                "head at 8 bits).")] = GENAI_PRECISION,
+                                                "head at 8 bits).")] = GENAI.precision,
     out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: MODEL_DIR.genai, with "
                                                                  "-int8 / -int4 for those precisions).")] = None,
     context_length: Annotated[Optional[int], typer.Option(help="Longest sequence the folder generates (default: the "
                                                                "model's positions, at most 4096).")] = None,
     max_ppl_change: Annotated[float, typer.Option(help="int8/int4: refuse the export if held-out perplexity rises by "
-                                                       "more than this fraction over fp32.")] = MAX_PPL_CHANGE,
+                                                       "more than this fraction over fp32.")] = GENAI.max_ppl_change,
     threads: Annotated[Optional[int], typer.Option(help="Intra-op threads written into genai_config.json (default: "
                                                         "this machine's cores; 0 = none, and onnxruntime-genai then "
                                                         f"runs on one thread; at most {MAX_GENAI_THREADS}).")] = None,
     quant: Annotated[str, typer.Option(help="int8/int4 rounding: " + "; ".join(
-        f"{s.name}: {s.summary}" for s in SCHEMES.values()) + ".")] = QUANT,
-    head_bits: Annotated[int, typer.Option(help="int4: bits of the LM head (8 or 4).")] = HEAD_BITS,
+        f"{s.name}: {s.summary}" for s in SCHEMES.values()) + ".")] = GENAI.quant,
+    head_bits: Annotated[int, typer.Option(help="int4: bits of the LM head (8 or 4).")] = GENAI.head_bits,
     int8_share: Annotated[float, typer.Option(help="int4 with --quant gptq: share of the projection weights kept at "
-                                                   "8 bits, those whose rounding hurts most.")] = INT8_SHARE,
+                                                   "8 bits, those whose rounding hurts most.")] = GENAI.int8_share,
     calib_tokens: Annotated[int, typer.Option(help="--quant gptq: calibration tokens from the model's training "
-                                                   "corpus.")] = CALIB_TOKENS,
+                                                   "corpus.")] = GENAI.calib_tokens,
     no_validate: Annotated[bool, typer.Option("--no-validate", help="Skip the checks against PyTorch.")] = False,
     force: Annotated[bool, typer.Option(help="Replace an existing non-empty --out.")] = False,
     runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,
@@ -119,20 +112,18 @@ def export_genai(
     generation, tokenizer; quantised: perplexity change)."""
     from bdlora.export.genai import export_genai_folder
 
-    if not max_ppl_change >= 0 or max_ppl_change == float("inf"):
-        raise UsageError(f"--max-ppl-change {max_ppl_change}: must be a finite fraction >= 0 (0.1 = 10%)")
+    settings = GenaiExportSettings(precision, quant, head_bits, int8_share, calib_tokens, context_length, threads,
+                                   max_ppl_change, not no_validate)
+    settings.check(Checks()).done()
     rep = RichReporter(err if json_out else out)
-    suffix = "" if precision == "fp32" else f"-{precision}" + ("" if quant == QUANT else f"-{quant}")
+    suffix = settings.suffix
     if model_dir is not None and sources.is_named(model_dir):
         src = Path(sources.resolve(model_dir, None, "MODEL_DIR", rep.stage))
         dst = Path(out_dir) if out_dir else Path(Path(model_dir).name.removesuffix(".gguf") + f".genai{suffix}")
     else:
         src = _source(model_dir, runs_dir)
         dst = Path(out_dir) if out_dir else Path(str(ModelDir(src).genai_out()) + suffix)
-    info = export_genai_folder(src, dst, precision=precision, context_length=context_length,
-                               run_validation=not no_validate, force=force, max_ppl_change=max_ppl_change,
-                               threads=threads, quant=quant, head_bits=head_bits, calib_tokens=calib_tokens,
-                               int8_share=int8_share, reporter=rep)
+    info = export_genai_folder(src, dst, settings, force=force, reporter=rep)
     if json_out:
         print(json.dumps(info, indent=2))
         return

@@ -26,7 +26,8 @@ H = field_docs(TrainConfig)
 @command()
 def teacher(
     preset: Annotated[Optional[str], typer.Option(help="A pretrained teacher to materialise instead of the builtin "
-                                                       "one: a preset (smollm2-135m, gemma3-270m) or a .gguf file.")] = None,
+                                                       "one: a preset (smollm2-135m, gemma3-270m) or a .gguf "
+                                                       "file.")] = None,
     data: Annotated[str, typer.Option(help="With --preset: the corpus its held-out perplexity is measured on.")]
     = BUILTIN,
     cache_dir: Annotated[Optional[str], typer.Option(help=H["cache_dir"])] = None,

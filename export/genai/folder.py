@@ -4,6 +4,7 @@ genai_config.json, tokenizer files, config.json, export.json written last), vali
 from __future__ import annotations
 
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import onnx
@@ -12,25 +13,16 @@ from bdlora import SCHEMA_VERSION
 from bdlora.blocks import PackedBlocks, scored_blocks
 from bdlora.corpora import heldout_blocks, settings_tokens
 from bdlora.data import BUILTIN, Corpus, tokenize_corpus
-from bdlora.errors import UsageError, usable_cores
+from bdlora.errors import Checks, UsageError, usable_cores
 from bdlora.export.decoder import DecoderLayout, build_decoder
-from bdlora.export.defaults import (
-    CALIB_TOKENS,
-    GENAI_PRECISION,
-    HEAD_BITS,
-    INT8_SHARE,
-    MAX_GENAI_THREADS,
-    MAX_PPL_CHANGE,
-    QUANT,
-)
 from bdlora.export.files import identity, write_model_files
 from bdlora.export.genai import validate as v
 from bdlora.export.genai.config import genai_config
 from bdlora.export.genai.gptq import input_grams
-from bdlora.export.genai.quantize import PRECISIONS, quantize_nbits
+from bdlora.export.genai.quantize import quantize_nbits
 from bdlora.export.onnx.metadata import metadata_props, metadata_summary, module_table, set_metadata
 from bdlora.export.onnx.validate import ExportValidationError, quantized_quality
-from bdlora.export.schemes import scheme
+from bdlora.export.settings import GenaiExportSettings
 from bdlora.io import atomic_dir, write_json
 from bdlora.models import load_model_folder
 from bdlora.outputs import check_out_dir
@@ -57,25 +49,25 @@ def context_length_of(config, context_length: int | None) -> int:
     return ctx
 
 
-def write_genai_files(model, tok, folder: Path, precision: str, ctx: int, report: dict | None = None,
-                      threads: int | None = None, fp32_path: Path | None = None, quant: str = "rtn",
-                      calibration=None, head_bits: int = 8, int8_share: float = 0.0, grams: dict | None = None,
+def write_genai_files(model, tok, folder: Path, settings: GenaiExportSettings, report: dict | None = None,
+                      fp32_path: Path | None = None, calibration=None, grams: dict | None = None,
                       reporter: Reporter = SILENT) -> dict:
-    """Write the genai files of ``model`` into the existing ``folder``: the graph at ``precision`` as model.onnx
-    (+ .data), genai_config.json, config, tokenizer (if given) and compression.json (if ``report``); with
-    ``fp32_path`` a quantised export also writes its fp32 graph there (the quality reference). ``quant`` rtn or
-    gptq (then ``calibration``: packed token blocks whose activations give each MatMul's input Gram matrix);
-    ``head_bits``: the LM head's width at int4; ``int8_share`` (gptq): the share of int4 weights kept at 8 bits where
-    rounding hurts most; ``grams``: input Gram matrices measured before (one model exported at several precisions
-    is calibrated once), filled in when empty. Returns what was written (nodes, quantisation)."""
+    """Write the genai files of ``model`` into the existing ``folder`` as ``settings`` say: the graph as model.onnx
+    (+ .data), genai_config.json (``settings.threads``: the intra-op threads it asks for, 0 or None none), config,
+    tokenizer (if given) and compression.json (if ``report``); with ``fp32_path`` a quantised export also writes its
+    fp32 graph there (the quality reference). A calibrated scheme rounds against ``calibration`` (packed token
+    blocks whose activations give each MatMul's input Gram matrix); ``grams``: input Gram matrices measured before
+    (one model exported at several precisions is calibrated once), filled in when empty. Returns what was written
+    (nodes, quantisation)."""
 
+    precision, ctx = settings.precision, context_length_of(model.config, settings.context_length)
     cfg = model.config
     base = (getattr(cfg, "bdlora", None) or {}).get("base_model_type", cfg.model_type)
     rows = module_table(model)
     proto = build_decoder(model, DecoderLayout.genai(ctx))
     set_metadata(proto, metadata_props(rows, metadata_summary(model, rows, report)))
     info: dict = {"nodes": len(proto.graph.node)}
-    write_json(folder / GENAI_CONFIG, genai_config(cfg, base, ctx, threads=threads))
+    write_json(folder / GENAI_CONFIG, genai_config(cfg, base, ctx, threads=settings.threads or None))
     write_model_files(folder, model, tok, report)
     if precision != "fp32":
         if fp32_path is not None:  # the fp32 reference first, then the same proto is rounded in place: no copy of it
@@ -84,16 +76,16 @@ def write_genai_files(model, tok, folder: Path, precision: str, ctx: int, report
             if any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer):
                 onnx.load_external_data_for_model(proto, str(fp32_path.parent))  # saving moved them to disk
         grams = {} if grams is None else grams
-        calibrated = scheme(quant).calibrated
+        calibrated = settings.calibrated
         if calibrated and not grams:
             reporter.stage(f"calibrating: the input of every MatMul over {len(calibration) * calibration.seq_len:,} "
                            "tokens (fp32 graph)")
             grams.update(input_grams(proto, DecoderShape.of(cfg), calibration,
                                      on_block=lambda d, t: reporter.count(1, t, "blocks")))  # count: increments
         if calibrated:
-            reporter.stage(f"{quant}: rounding every MatMul to {precision} against its input")
-        qproto, info["quantization"] = quantize_nbits(proto, precision, quant, grams, head_bits, int8_share,
-                                                      in_place=True)
+            reporter.stage(f"{settings.quant}: rounding every MatMul to {precision} against its input")
+        qproto, info["quantization"] = quantize_nbits(proto, precision, settings.quant, grams, settings.head_bits,
+                                                      settings.int8_share, in_place=True)
         if calibrated:
             info["quantization"]["calibration_tokens"] = len(calibration) * calibration.seq_len
         save_graph(qproto, folder / MODEL_ONNX)
@@ -102,64 +94,38 @@ def write_genai_files(model, tok, folder: Path, precision: str, ctx: int, report
     return info
 
 
-def _check_options(precision: str, quant: str, head_bits: int, calib_tokens: int, int8_share: float,
-                   threads: int | None) -> None:
-    """Refuse, in one line, a bad value or an option that does nothing at this precision (never ignore it)."""
-    if precision not in PRECISIONS:
-        raise UsageError(f"--precision {precision}: unknown (allowed: {', '.join(PRECISIONS)})")
-    s = scheme(quant)
-    if head_bits not in (4, 8):
-        raise UsageError(f"--head-bits {head_bits}: must be 4 or 8")
-    # options that do nothing at this precision are refused, not silently ignored
-    if precision == "fp32" and quant != QUANT:
-        raise UsageError(f"--quant {quant}: rounds quantised graphs only; --precision fp32 has nothing to round (give "
-                         "--precision int8 or int4)")
-    if precision != "int4" and head_bits != HEAD_BITS:
-        raise UsageError(f"--head-bits {head_bits}: sets the LM head's bits of an int4 graph; at --precision "
-                         f"{precision} the head keeps {'fp32' if precision == 'fp32' else '8 bits'} (give --precision "
-                         "int4)")
-    if not isinstance(calib_tokens, int) or calib_tokens < 1:
-        raise UsageError(f"--calib-tokens {calib_tokens}: must be a positive integer")
-    if not 0.0 <= int8_share <= 1.0 or (int8_share and not s.calibrated):
-        raise UsageError(f"--int8-share {int8_share}: must be in [0, 1], and is chosen by --quant gptq's measured "
-                         "errors (give --quant gptq)")
-    if threads is not None and not 0 <= threads <= MAX_GENAI_THREADS:
-        raise UsageError(f"--threads {threads}: must be in [0, {MAX_GENAI_THREADS}] (0 = leave the thread count to "
-                         "the runtime)")
-
-
-def export_genai_folder(model_dir: str | Path, out: str | Path, precision: str = GENAI_PRECISION,
-                        context_length: int | None = None, run_validation: bool = True, force: bool = False,
-                        max_ppl_change: float = MAX_PPL_CHANGE, threads: int | None = None, quant: str = QUANT,
-                        head_bits: int = HEAD_BITS, calib_tokens: int = CALIB_TOKENS, int8_share: float = INT8_SHARE,
-                        reporter: Reporter = SILENT) -> dict:
-    """Export ``model_dir`` (a compressed student or any HF Llama/Mistral/Qwen2 folder) for onnxruntime-genai.
-    ``threads``: intra-op threads written into genai_config.json (default: this machine's usable cores; 0 leaves
-    them out, and onnxruntime-genai then runs the folder on one thread)."""
-    _check_options(precision, quant, head_bits, calib_tokens, int8_share, threads)
-    threads = (usable_cores() if threads is None else threads) or None  # None: no count in genai_config.json
+def export_genai_folder(model_dir: str | Path, out: str | Path, settings: GenaiExportSettings = GenaiExportSettings(),
+                        force: bool = False, reporter: Reporter = SILENT) -> dict:
+    """Export ``model_dir`` (a compressed student or any folder of a family the table has) for onnxruntime-genai as
+    ``settings`` say (``threads`` None: this machine's usable cores; 0 leaves them out, and onnxruntime-genai then
+    runs the folder on one thread)."""
+    settings.check(Checks()).done()
+    threads = usable_cores() if settings.threads is None else settings.threads
     model_dir, out = Path(model_dir), Path(out)
     check_out_dir(out, force, (model_dir,))
     reporter.stage(f"loading {model_dir}")
     model, tok, report = load_model_folder(model_dir)
-    ctx = context_length_of(model.config, context_length)
+    ctx = context_length_of(model.config, settings.context_length)
+    settings = replace(settings, threads=threads, context_length=ctx)
+    precision = settings.precision
     info: dict = {"schema_version": SCHEMA_VERSION, "runtime": "onnxruntime-genai", "source": str(model_dir.resolve()),
-                  "precision": precision, "context_length": ctx, "intra_op_threads": threads,
-                  "summary": metadata_summary(model, module_table(model), report)}
+                  "precision": precision, "context_length": ctx, "intra_op_threads": threads or None,
+                  "settings": asdict(settings), "summary": metadata_summary(model, module_table(model), report)}
     with atomic_dir(out) as tmp:
         reporter.stage("emitting the genai graph (GroupQueryAttention, fused RMSNorm, shared-input first factors)"
                        + ("" if precision == "fp32" else f", quantising the projections to {precision} (MatMulNBits)"))
         t0 = time.time()
         fp32 = tmp / MODEL_ONNX if precision == "fp32" else tmp / "fp32" / MODEL_ONNX
         calibration = None
-        if scheme(quant).calibrated and precision != "fp32":
-            calibration = calibration_blocks(model_dir, report, tok, DecoderShape.of(model.config), calib_tokens)
-        info.update(write_genai_files(model, tok, tmp, precision, ctx, report, threads=threads, fp32_path=fp32,
-                                      quant=quant, calibration=calibration, head_bits=head_bits,
-                                      int8_share=int8_share, reporter=reporter))
+        if settings.calibrated:
+            calibration = calibration_blocks(model_dir, report, tok, DecoderShape.of(model.config),
+                                             settings.calib_tokens)
+        info.update(write_genai_files(model, tok, tmp, settings, report, fp32_path=fp32, calibration=calibration,
+                                      reporter=reporter))
         info["export_seconds"] = time.time() - t0
-        if run_validation:
-            info["validation"] = _validate(tmp, model, tok, report, model_dir, precision, max_ppl_change, reporter)
+        if settings.validate:
+            info["validation"] = _validate(tmp, model, tok, report, model_dir, precision, settings.max_ppl_change,
+                                           reporter)
         if fp32 != tmp / MODEL_ONNX:  # the fp32 reference graph served validation only
             for f in fp32.parent.iterdir():
                 f.unlink()

@@ -1,0 +1,92 @@
+"""``GenaiExportSettings``: how a model becomes an onnxruntime-genai folder (precision, rounding scheme, LM head bits,
+8-bit share, calibration, context, threads, the quality gate), every default in one place. ``bdlora export genai``
+builds one from its flags, ``export_genai_folder`` and ``write_genai_files`` take it, and ``BenchConfig`` holds one
+for every folder the bench writes. Standard library only, so the torch-free CLI shows the defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from bdlora.config import GENAI_PRECISIONS
+from bdlora.errors import Checks
+from bdlora.export.defaults import MAX_GENAI_THREADS
+from bdlora.export.schemes import METHODS, SCHEMES, Scheme
+
+
+@dataclass(frozen=True)
+class GenaiExportSettings:
+    precision: str = "fp32"
+    """fp32, int8 or int4 (MatMulNBits; the LM head at ``head_bits``)."""
+    quant: str = "rtn"
+    """How int8/int4 weights are rounded (``bdlora.export.schemes``): round-to-nearest, what onnxruntime-genai's
+    builder does."""
+    head_bits: int = 8
+    """int4: the LM head's bits (4 is where small models degrade first)."""
+    int8_share: float = 0.0
+    """int4 with a calibrated scheme: the share of the projection weights kept at 8 bits, those whose rounding hurts
+    most."""
+    calib_tokens: int = 32768
+    """A calibrated scheme: training-split tokens each MatMul's input is measured on (128 blocks of 256)."""
+    context_length: int | None = None
+    """Longest sequence the folder generates (None: the model's positions, at most 4096)."""
+    threads: int | None = None
+    """Intra-op threads written into genai_config.json (None: this machine's cores; 0: none, and onnxruntime-genai
+    then runs on one thread)."""
+    max_ppl_change: float = 0.10
+    """int8/int4: the export is refused if held-out perplexity rises by more than this fraction over fp32."""
+    validate: bool = True
+    """Check the folder against PyTorch before it is published."""
+
+    @property
+    def scheme(self) -> Scheme:
+        return SCHEMES[self.quant]
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether this export rounds against measured inputs (a calibrated scheme at int8/int4)."""
+        return self.precision != "fp32" and self.scheme.calibrated
+
+    def at(self, precision: str, **changes) -> GenaiExportSettings:
+        """The same settings at another precision (options that do nothing there back at their defaults)."""
+        if precision == "fp32":
+            changes = {"quant": DEFAULT.quant, "int8_share": DEFAULT.int8_share, **changes}
+        if precision != "int4":
+            changes = {"head_bits": DEFAULT.head_bits, **changes}
+        return replace(self, precision=precision, **changes)
+
+    @property
+    def suffix(self) -> str:
+        """The folder suffix ``export genai`` and the bench give this export (``-int4``, ``-int4-gptq``)."""
+        if self.precision == "fp32":
+            return ""
+        return f"-{self.precision}" + ("" if self.quant == DEFAULT.quant else f"-{self.quant}")
+
+    def check(self, c: Checks) -> Checks:
+        """Every bad value, and every option that would do nothing at this precision (refused, never ignored)."""
+        c.choice("precision", self.precision, GENAI_PRECISIONS)
+        if not c.choice("quant", self.quant, METHODS):
+            return c
+        c.choice("head_bits", self.head_bits, (4, 8))
+        c.require(self.precision != "fp32" or self.quant == DEFAULT.quant,
+                  f"--quant {self.quant}: rounds quantised graphs only; --precision fp32 has nothing to round (give "
+                  "--precision int8 or int4)")
+        c.require(self.precision not in GENAI_PRECISIONS or self.precision == "int4"
+                  or self.head_bits == DEFAULT.head_bits,
+                  f"--head-bits {self.head_bits}: sets the LM head's bits of an int4 graph; at --precision "
+                  f"{self.precision} the head keeps {'fp32' if self.precision == 'fp32' else '8 bits'} (give "
+                  "--precision int4)")
+        c.integer("calib_tokens", self.calib_tokens, lo=1)
+        if c.number("int8_share", self.int8_share, lo=0.0, hi=1.0):
+            c.require(not self.int8_share or self.scheme.calibrated,
+                      f"--int8-share {self.int8_share}: is chosen by a calibrated scheme's measured errors (give "
+                      f"--quant {', '.join(s.name for s in SCHEMES.values() if s.calibrated)})")
+        c.integer("context_length", self.context_length, lo=1)
+        c.integer("threads", self.threads, lo=0, hi=MAX_GENAI_THREADS,
+                  what=" (0 = leave the thread count to the runtime)")
+        c.require(isinstance(self.max_ppl_change, int | float) and 0 <= self.max_ppl_change < float("inf"),
+                  f"--max-ppl-change {self.max_ppl_change}: must be a finite fraction >= 0 (0.1 = 10%)")
+        return c
+
+
+DEFAULT = GenaiExportSettings()
