@@ -13,22 +13,29 @@ if TYPE_CHECKING:
     import torch
 
 class PackedBlocks:
-    """A token stream viewed as consecutive ``seq_len`` blocks (the tail that does not fill a block is dropped)."""
+    """A token stream viewed as consecutive ``seq_len`` blocks (the tail that does not fill a block is dropped).
+    With ``bos`` (a model whose tokenizer starts every text with it, ``data.bos_first``), each block is ``bos``
+    followed by the next ``seq_len - 1`` tokens of the stream: the model sees position 0 as it was trained to."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, max_tokens: int | None = None):
+    def __init__(self, tokens: np.ndarray, seq_len: int, max_tokens: int | None = None, bos: int | None = None):
+        self.bos = bos
+        self.stride = seq_len - 1 if bos is not None else seq_len  # stream tokens per block
         if max_tokens is not None:
-            tokens = tokens[: max(seq_len, (max_tokens // seq_len) * seq_len)]
+            tokens = tokens[: max(1, max_tokens // seq_len) * self.stride]
         self.tokens = tokens
         self.seq_len = seq_len
-        self.num_blocks = len(tokens) // seq_len
+        self.num_blocks = len(tokens) // self.stride if self.stride > 0 else 0
 
     def __len__(self) -> int:
         return self.num_blocks
 
     def get(self, indices) -> np.ndarray:
         """(len(indices), seq_len) int64 array of the selected blocks."""
-        s = self.seq_len
-        return np.stack([np.asarray(self.tokens[i * s : (i + 1) * s], dtype=np.int64) for i in indices])
+        s = self.stride
+        rows = [np.asarray(self.tokens[i * s : (i + 1) * s], dtype=np.int64) for i in indices]
+        if self.bos is not None:
+            rows = [np.concatenate([[self.bos], r]) for r in rows]
+        return np.stack(rows)
 
 
     def batch(self, indices) -> tuple[torch.Tensor, None]:
@@ -39,10 +46,10 @@ class PackedBlocks:
 
 
 def scored_blocks(tokens: np.ndarray, seq_len: int, max_tokens: int | None, what: str,
-                  split: str = "held-out slice") -> PackedBlocks:
+                  split: str = "held-out slice", bos: int | None = None) -> PackedBlocks:
     """``PackedBlocks`` of a slice that is scored or calibrated on, refused in one line (naming ``what``, e.g.
     ``--data DIR``) when it is shorter than one block: scoring no token gave perplexity exp(0) = 1.000."""
-    blocks = PackedBlocks(tokens, seq_len, max_tokens=max_tokens)
+    blocks = PackedBlocks(tokens, seq_len, max_tokens=max_tokens, bos=bos)
     if len(blocks) < 1:
         raise DataError(f"{what}: its {split} has {len(tokens):,} tokens, fewer than one block of {seq_len} (a "
                         "corpus with more documents, a larger --heldout-fraction, or another --data)")
@@ -54,18 +61,19 @@ class DocumentBlocks:
     and masked. Right padding under causal attention never changes a real position's logits, so the mask only keeps
     the padding out of the loss. Documents are found by their EOS separators in the token stream (scanned in chunks,
     so a memmapped corpus larger than RAM works); a document needs a token and its successor, so bare EOS are
-    skipped."""
+    skipped. With ``bos``, each document is preceded by it (its first ``seq_len - 1`` tokens follow)."""
 
     CHUNK = 1 << 24
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, eos: int):
+    def __init__(self, tokens: np.ndarray, seq_len: int, eos: int, bos: int | None = None):
         ends = [np.flatnonzero(np.asarray(tokens[i : i + self.CHUNK]) == eos) + i
                 for i in range(0, len(tokens), self.CHUNK)]
         ends = np.concatenate(ends) if ends else np.zeros(0, dtype=np.int64)
         starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64) if len(ends) else ends
         keep = ends > starts
-        self.tokens, self.seq_len, self.eos = tokens, seq_len, eos
-        self.starts, self.stops = starts[keep], np.minimum(ends[keep] + 1, starts[keep] + seq_len)
+        self.tokens, self.seq_len, self.eos, self.bos = tokens, seq_len, eos, bos
+        room = seq_len - (bos is not None)
+        self.starts, self.stops = starts[keep], np.minimum(ends[keep] + 1, starts[keep] + room)
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -78,6 +86,8 @@ class DocumentBlocks:
         mask = np.zeros_like(ids)
         for row, i in enumerate(indices):
             doc = np.asarray(self.tokens[self.starts[i] : self.stops[i]], dtype=np.int64)
+            if self.bos is not None:
+                doc = np.concatenate([[self.bos], doc])
             ids[row, : len(doc)], mask[row, : len(doc)] = doc, 1
         return torch.from_numpy(ids), torch.from_numpy(mask)
 
@@ -85,8 +95,10 @@ class DocumentBlocks:
         return self.batch(indices)[0].numpy()
 
 
-def training_blocks(tokens: np.ndarray, seq_len: int, packing: str, eos: int) -> PackedBlocks | DocumentBlocks:
-    return DocumentBlocks(tokens, seq_len, eos) if packing == "truncate" else PackedBlocks(tokens, seq_len)
+def training_blocks(tokens: np.ndarray, seq_len: int, packing: str, eos: int,
+                    bos: int | None = None) -> PackedBlocks | DocumentBlocks:
+    return DocumentBlocks(tokens, seq_len, eos, bos) if packing == "truncate" else PackedBlocks(tokens, seq_len,
+                                                                                                bos=bos)
 
 
 class BlockSampler:

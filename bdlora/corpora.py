@@ -253,7 +253,7 @@ def mix(parts: list[TokenizedCorpus], weights: list[float], specs: list[str], ca
                                      [round(w, 12) for w in weights]]).encode()).hexdigest()[:20]
     out = cache / "data" / f"mixture-{key}"
     if (out / CORPUS_META).exists():
-        return TokenizedCorpus(out, json.loads((out / CORPUS_META).read_text()))
+        return TokenizedCorpus(out, json.loads((out / CORPUS_META).read_text()), parts[0].bos)
     dtype = "uint32" if "uint32" in dtypes else next(iter(dtypes))
     components = [{"spec": s, "weight": w, "cache": p.path.name, "tokens": {}}
                   for s, w, p in zip(specs, weights, parts)]
@@ -280,7 +280,7 @@ def mix(parts: list[TokenizedCorpus], weights: list[float], specs: list[str], ca
                 "corpus_kind": "mixture", "dtype": dtype, "tokens": counts, "mixture": components,
                 "chunk_tokens": MIX_CHUNK}
         (tmp / CORPUS_META).write_text(json.dumps(meta, indent=2))
-    return TokenizedCorpus(out, meta)
+    return TokenizedCorpus(out, meta, parts[0].bos)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -361,4 +361,4 @@ def heldout_blocks(run_config: dict, tokenizer) -> PackedBlocks:  # run_config: 
     tokenised-corpus cache (re-tokenised if the cache was cleared)."""
     data = settings_tokens(run_config, tokenizer)
     return scored_blocks(data.tokens("val"), run_config["seq_len"], run_config["eval_tokens"],
-                         f"the run's corpus ({run_config.get('data') or BUILTIN})")
+                         f"the run's corpus ({run_config.get('data') or BUILTIN})", bos=data.bos)

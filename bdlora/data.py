@@ -308,10 +308,25 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def bos_first(tokenizer) -> int | None:
+    """The BOS id the tokenizer starts every encoded text with, or None when it adds none (SmolLM2's, the builtin
+    teacher's). A model whose tokenizer adds one was trained with it at position 0 and is scored and trained that way
+    (``PackedBlocks(bos=...)``): Gemma 3 270M's held-out perplexity on the builtin corpus in blocks of 128 is 20.9
+    with it and 160.7 without (512: 12.6 and 29.4)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    ids = tokenizer("a")["input_ids"]
+    return int(bos) if ids and ids[0] == bos else None
+
+
 @dataclass
 class TokenizedCorpus:
     path: Path
     meta: dict
+    bos: int | None = None
+    """The tokenizer's BOS when every sequence of this model starts with one (``bos_first``): the blocks cut from
+    this corpus start with it."""
 
     def tokens(self, split: str) -> np.ndarray:
         n = self.meta["tokens"][split]
@@ -345,7 +360,7 @@ def tokenize_corpus(
     ).hexdigest()[:20]
     out = cache_dir / f"tokens-{key}"
     if (out / CORPUS_META).exists():
-        return TokenizedCorpus(out, json.loads((out / CORPUS_META).read_text()))
+        return TokenizedCorpus(out, json.loads((out / CORPUS_META).read_text()), bos_first(tokenizer))
     dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
     with atomic_dir(out) as tmp:
         writer = _SplitWriter(tmp, dtype, tokenizer.eos_token_id, heldout_fraction)
@@ -369,7 +384,7 @@ def tokenize_corpus(
                 "heldout_fraction": heldout_fraction, "dtype": np.dtype(dtype).name, "tokens": writer.counts,
                 "documents": writer.docs, "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)}
         (tmp / CORPUS_META).write_text(json.dumps(meta, indent=2))
-    return TokenizedCorpus(out, meta)
+    return TokenizedCorpus(out, meta, bos_first(tokenizer))
 
 
 class _SplitWriter:

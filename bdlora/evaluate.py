@@ -16,6 +16,7 @@ from bdlora import SCHEMA_VERSION, __version__, sources
 from bdlora.blocks import PackedBlocks, scored_blocks
 from bdlora.config import BUILTIN, BUILTIN_DEFAULTS, REAL_DEFAULTS
 from bdlora.corpora import default_heldout, load_tokens, other_domains, settings_tokens
+from bdlora.data import bos_first
 from bdlora.errors import Checks, DataError, ModelError
 from bdlora.icl import TASKS, corpus_word_list, is_correct, summarise, task_examples
 from bdlora.reporter import SILENT, Reporter
@@ -124,20 +125,29 @@ def newline_token_ids(tokenizer) -> set[int]:
     return {i for i in range(len(tokenizer)) if "\n" in tokenizer.decode([i])}
 
 
-def _with_answer(tokenizer, prompt_ids: list[int], prompt: str, target: str) -> tuple[list[int], int]:
+def encode_prompt(tokenizer, text: str, bos: int | None) -> list[int]:
+    """``text``'s tokens as the model reads a sequence: after ``bos`` when its tokenizer starts every text with one
+    (``data.bos_first``: Gemma's), its special tokens otherwise left out."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return [bos, *ids] if bos is not None else ids
+
+
+def _with_answer(tokenizer, prompt_ids: list[int], prompt: str, target: str,
+                 bos: int | None = None) -> tuple[list[int], int]:
     """(tokens of prompt + target + "\\n", how many of them the prompt's own tokens share): BPE may merge the
     prompt's end into the answer, so the answer is the tokens after that shared prefix."""
-    full = tokenizer(prompt + target + "\n", add_special_tokens=False)["input_ids"]
+    full = encode_prompt(tokenizer, prompt + target + "\n", bos)
     k = 0
     while k < min(len(prompt_ids), len(full)) and full[k] == prompt_ids[k]:
         k += 1
     return full, k
 
 
-def _answer_tokens(tokenizer, prompt_ids: list[int], prompt: str, target: str) -> list[int] | None:
+def _answer_tokens(tokenizer, prompt_ids: list[int], prompt: str, target: str,
+                   bos: int | None = None) -> list[int] | None:
     """The tokens spelling ``target + "\\n"`` after the prompt, or None when tokenising prompt and answer together
     does not extend the prompt's own tokens (a BPE merge across the boundary: scored by ``target_logprobs``)."""
-    full, k = _with_answer(tokenizer, prompt_ids, prompt, target)
+    full, k = _with_answer(tokenizer, prompt_ids, prompt, target, bos)
     return full[k:] if k == len(prompt_ids) < len(full) else None
 
 
@@ -171,9 +181,10 @@ def greedy_continuations(lm, tokenizer, prompts: list[str], max_new_tokens: int,
     stop_ids = newline_token_ids(tokenizer) if stop_ids is None else stop_ids
     stop = np.zeros(max(stop_ids, default=0) + 1 if stop_ids else 1, dtype=bool)
     stop[list(stop_ids)] = True
-    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    bos = bos_first(tokenizer)
+    encoded = [encode_prompt(tokenizer, p, bos) for p in prompts]
     answers = [None] * len(prompts) if targets is None else [
-        _answer_tokens(tokenizer, e, p, t) for e, p, t in zip(encoded, prompts, targets)]
+        _answer_tokens(tokenizer, e, p, t, bos) for e, p, t in zip(encoded, prompts, targets)]
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
     results: list[str] = [""] * len(prompts)
     logprobs: list[float | None] = [None] * len(prompts)
@@ -216,9 +227,9 @@ def greedy_continuations(lm, tokenizer, prompts: list[str], max_new_tokens: int,
 def target_logprobs(lm, tokenizer, prompts: list[str], targets: list[str], batch_size: int = 32) -> list[float]:
     """Teacher-forced log-probability (nats) of ``target + "\\n"`` after each prompt: a continuous companion to exact
     match (ours, not in the paper) that still ranks models whose greedy answers are all wrong. Left padded."""
-    seqs, n_tgt = [], []
+    seqs, n_tgt, bos = [], [], bos_first(tokenizer)
     for p, t in zip(prompts, targets):
-        full, k = _with_answer(tokenizer, tokenizer(p, add_special_tokens=False)["input_ids"], p, t)
+        full, k = _with_answer(tokenizer, encode_prompt(tokenizer, p, bos), p, t, bos)
         seqs.append(full)
         n_tgt.append(len(full) - k)  # tokens that spell the answer (BPE may merge across the boundary)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
@@ -349,7 +360,7 @@ def evaluate_target(path: str | Path, ecfg: EvalConfig, device: str = "cpu", rep
         reporter.stage(f"perplexity over {settings['eval_tokens']:,} held-out tokens of {settings['data']}")
         corpus_tokens = settings_tokens(settings, tok)
         blocks = scored_blocks(corpus_tokens.tokens("val"), settings["seq_len"], settings["eval_tokens"],
-                               f"--data {settings['data']}")
+                               f"--data {settings['data']}", bos=corpus_tokens.bos)
         doc["ppl"] = _score(lm, blocks)
         extra = other_domains(ecfg.domains, settings["data"], _get(lm.config, "vocab_size") or 0)
         if extra:
@@ -364,7 +375,8 @@ def evaluate_target(path: str | Path, ecfg: EvalConfig, device: str = "cpu", rep
                 reporter.stage(f"skipped {d}: {e}")
                 doc.setdefault("domains_skipped", {})[d] = str(e)
                 continue
-            b = scored_blocks(tokens.tokens("val"), settings["seq_len"], settings["eval_tokens"], f"--domains {d}")
+            b = scored_blocks(tokens.tokens("val"), settings["seq_len"], settings["eval_tokens"], f"--domains {d}",
+                              bos=tokens.bos)
             doc["domains"][d] = _score(lm, b)
     if ecfg.icl:
         reporter.stage(f"building the ICL word list from {settings['data']}")

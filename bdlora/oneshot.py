@@ -250,8 +250,8 @@ def load_source(source: str, cfg: OneShotConfig, cache_dir: Path | None, reporte
     if cfg.calib_data and cfg.calib_data != cfg.data:
         calib = load_tokens(cfg.calib_data, tok, None, cache_dir, what="--calib-data", teacher=teacher,
                             reporter=reporter)
-    train_blocks = PackedBlocks(calib.tokens("train"), seq)
-    val_blocks = scored_blocks(data.tokens("val"), seq, cfg.eval_tokens, f"--data {cfg.data}")
+    train_blocks = PackedBlocks(calib.tokens("train"), seq, bos=calib.bos)
+    val_blocks = scored_blocks(data.tokens("val"), seq, cfg.eval_tokens, f"--data {cfg.data}", bos=data.bos)
     return model, tok, path, train_blocks, val_blocks, heldout
 
 

@@ -72,17 +72,18 @@ def prepare(cfg: TrainConfig, reporter: Reporter = SILENT) -> Session:
     source = TeacherSource(teacher_path, teacher, tokenizer)  # what teacher:N samples from
     data = load_tokens(cfg.data, tokenizer, cfg.heldout_fraction, cache, teacher=source, seed=cfg.seed,
                        reporter=reporter)
-    train_blocks = training_blocks(data.tokens("train"), cfg.seq_len, cfg.packing, tokenizer.eos_token_id)
+    train_blocks = training_blocks(data.tokens("train"), cfg.seq_len, cfg.packing, tokenizer.eos_token_id,
+                                   data.bos)
     if len(train_blocks) < 1:
         raise DataError(f"--data {cfg.data}: {data.meta['tokens']['train']} training tokens, fewer than one "
                         + (f"block of --seq-len {cfg.seq_len}" if cfg.packing == "pack" else "document"))
-    val_blocks = scored_blocks(data.tokens("val"), cfg.seq_len, cfg.eval_tokens, f"--data {cfg.data}")
+    val_blocks = scored_blocks(data.tokens("val"), cfg.seq_len, cfg.eval_tokens, f"--data {cfg.data}", bos=data.bos)
     calib_blocks = None
     if needed(cfg.method, cfg.lora_init, cfg.allocation):
         if cfg.calib_data and cfg.calib_data != cfg.data:
             calib = load_tokens(cfg.calib_data, tokenizer, None, cache, what="--calib-data", teacher=source,
                                 seed=cfg.seed, reporter=reporter)
-            calib_blocks = PackedBlocks(calib.tokens("train"), cfg.seq_len)
+            calib_blocks = PackedBlocks(calib.tokens("train"), cfg.seq_len, bos=calib.bos)
         blocks = calib_blocks if calib_blocks is not None else train_blocks
         if "calib_tokens" in cfg.defaulted:  # a defaulted count fits the split; an explicit one must
             cfg.calib_tokens = min(cfg.calib_tokens, len(blocks) * blocks.seq_len)

@@ -148,8 +148,8 @@ def build_builtin_teacher(
     tokenizer = train_builtin_tokenizer(corpus, spec.vocab_size, corpus.default_heldout_fraction)
     stage("tokenising the builtin corpus")
     data = tokenize_corpus(corpus, tokenizer, corpus.default_heldout_fraction, cache_dir)
-    train_blocks = PackedBlocks(data.tokens("train"), spec.seq_len)
-    val_blocks = PackedBlocks(data.tokens("val"), spec.seq_len, max_tokens=spec.eval_tokens)
+    train_blocks = PackedBlocks(data.tokens("train"), spec.seq_len, bos=data.bos)
+    val_blocks = PackedBlocks(data.tokens("val"), spec.seq_len, max_tokens=spec.eval_tokens, bos=data.bos)
     model = builtin_model(spec, tokenizer)
     stage(f"pretraining the teacher ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
           f"{spec.steps} steps of {spec.batch_size}x{spec.seq_len} tokens)")
@@ -160,8 +160,8 @@ def build_builtin_teacher(
         "parameters": sum(p.numel() for p in model.parameters()),
         "train_tokens_seen": spec.steps * spec.batch_size * spec.seq_len, "corpus_tokens": data.meta["tokens"],
         "val_ppl": perplexity(model, val_blocks),
-        "unigram_ppl": unigram_perplexity(data.tokens("train"), val_blocks.tokens[: len(val_blocks) * spec.seq_len],
-                                          len(tokenizer)),
+        "unigram_ppl": unigram_perplexity(data.tokens("train"),
+                                          val_blocks.tokens[: len(val_blocks) * val_blocks.stride], len(tokenizer)),
     }
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
@@ -259,6 +259,11 @@ def load_teacher(spec: str, cache_dir: Path | None = None, device: str = "cpu", 
 PRETRAINED_PPL_TOKENS = 8192  # held-out builtin-corpus tokens scored by `bdlora teacher --preset` (seq 512)
 
 
+# heldout.json's format: 2 scores blocks that start with BOS where the tokenizer starts every text with one (Gemma);
+# a figure of an older version is measured again
+HELDOUT_VERSION = 2
+
+
 def describe_pretrained(spec: str, cache_dir: Path | None = None, on_stage=None, data: str = BUILTIN) -> dict:
     """Materialise a preset or .gguf teacher (``bdlora.sources``) and report it; its held-out perplexity on ``data``
     (default: the builtin corpus) is measured once per corpus and kept in the folder's ``heldout.json``."""
@@ -269,14 +274,15 @@ def describe_pretrained(spec: str, cache_dir: Path | None = None, on_stage=None,
     path = Path(sources.resolve(spec, cache, "--preset", on_stage))
     report = path / "heldout.json"  # not teacher.json: that file marks the builtin teacher's folder
     known = json.loads(report.read_text()) if report.is_file() else {}
-    if known.get("data") != data:
+    if known.get("data") != data or known.get("version") != HELDOUT_VERSION:
         model, tok, _ = load_teacher(str(path), cache, what="--preset")
         stage = on_stage or (lambda msg: None)
         stage(f"held-out perplexity over {PRETRAINED_PPL_TOKENS:,} tokens of {data}")
         corpus = Corpus(data)
         tokens = tokenize_corpus(corpus, tok, corpus.default_heldout_fraction, cache)
         seq = min(512, model.config.max_position_embeddings)
-        blocks = PackedBlocks(tokens.tokens("val"), seq, max_tokens=PRETRAINED_PPL_TOKENS)
+        blocks = PackedBlocks(tokens.tokens("val"), seq, max_tokens=PRETRAINED_PPL_TOKENS, bos=tokens.bos)
         write_json(report, {"val_ppl": perplexity(model, blocks), "ppl_tokens": len(blocks) * seq, "seq_len": seq,
-                            "data": data})  # the parameter count is source.json's
+                            "data": data, "bos_first": tokens.bos is not None,
+                            "version": HELDOUT_VERSION})  # the parameter count is source.json's
     return {**(sources.source_note(path) or {}), **json.loads(report.read_text()), "path": str(path)}

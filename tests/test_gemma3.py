@@ -133,3 +133,34 @@ def test_a_gemma3_teacher_goes_through_the_chain(tiny_env, gemma3_teacher, tmp_p
     r = shot(tiny_env, gemma3_teacher, tmp_path / "s", "--mac-ratio", "1.2")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["speedup_vs_dense"] >= 1.2
+
+
+def test_a_model_whose_tokenizer_starts_with_bos_sees_it_at_the_start_of_every_block(tiny_env):
+    """Gemma's tokenizer starts every text with BOS and the model is never run without it (its held-out perplexity
+    in blocks of 128: 20.9 with, 160.7 without): packed blocks, documents and every corpus a tokenizer like it
+    tokenises start each sequence with BOS; a tokenizer that adds none (the builtin's, SmolLM2's) keeps them as
+    they were."""
+    import copy
+
+    import numpy as np
+    from tokenizers.processors import TemplateProcessing
+
+    from bdlora.blocks import DocumentBlocks, PackedBlocks
+    from bdlora.data import Corpus, bos_first, tokenize_corpus
+
+    stream = np.arange(100)
+    b = PackedBlocks(stream, 10, bos=7)
+    assert len(b) == 11 and b.get([0, 1]).tolist() == [[7, *range(0, 9)], [7, *range(9, 18)]]
+    assert len(PackedBlocks(stream, 10, max_tokens=30, bos=7)) == 3 and len(PackedBlocks(stream, 10)) == 10
+    docs = DocumentBlocks(np.array([5, 6, 0, 8, 9, 10, 11, 12, 0]), 4, eos=0, bos=7)
+    ids, mask = docs.batch([0, 1])
+    assert ids.tolist() == [[7, 5, 6, 0], [7, 8, 9, 10]] and mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 1]]
+    plain = tiny_env["tokenizer"]
+    assert bos_first(plain) is None
+    tok = copy.deepcopy(plain)
+    tok.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{tok.bos_token} $A", special_tokens=[(tok.bos_token, tok.bos_token_id)])
+    assert bos_first(tok) == tok.bos_token_id
+    corpus = Corpus(str(tiny_env["corpus"]))
+    data = tokenize_corpus(corpus, tok, 0.1, tiny_env["cache"])
+    assert data.bos == tok.bos_token_id and tokenize_corpus(corpus, plain, 0.1, tiny_env["cache"]).bos is None

@@ -172,7 +172,7 @@ def corpus_blocks(settings: dict, tok, split: str, seq_len: int, tokens: int) ->
     data = settings_tokens(settings, tok)
     return scored_blocks(data.tokens(split), seq_len, tokens,
                          f"the model's corpus ({settings.get('data') or BUILTIN})",
-                         "held-out slice" if split == "val" else "training split")
+                         "held-out slice" if split == "val" else "training split", bos=data.bos)
 
 
 def calibration_blocks(model_dir: Path, report: dict | None, tok, shape: DecoderShape, tokens: int):
@@ -197,4 +197,4 @@ def _quality_blocks(settings: dict | None, tok, shape):
         return heldout_blocks(settings, tok)
     corpus = Corpus(BUILTIN)
     data = tokenize_corpus(corpus, tok, corpus.default_heldout_fraction, None)
-    return PackedBlocks(data.tokens("val"), min(128, shape.max_positions), max_tokens=QUALITY_TOKENS)
+    return PackedBlocks(data.tokens("val"), min(128, shape.max_positions), max_tokens=QUALITY_TOKENS, bos=data.bos)
