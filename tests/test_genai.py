@@ -189,7 +189,7 @@ def test_cli_export_genai(mixed_folder, tmp_path):
     r = CliRunner().invoke(app, ["export", "genai", str(folder), "--out", str(tmp_path / "o"), "--threads", "-2"])
     assert r.exit_code == 2 and "--threads -2: must be in [0, 512]" in r.stderr
     r = CliRunner().invoke(app, ["export", "genai", str(folder), "--out", str(tmp_path / "o"), "--precision", "int3"])
-    assert r.exit_code == 2 and "--precision int3: unknown (allowed: fp32, int8, int4)" in r.stderr
+    assert r.exit_code == 2 and "--precision 'int3': unknown (allowed: fp32, int8, int4)" in r.stderr
     r = CliRunner().invoke(app, ["export", "genai", str(folder), "--out", str(tmp_path / "o"), "--context-length",
                                  "100000"])
     assert r.exit_code == 2 and "--context-length 100000: must be in [1, 128]" in r.stderr
@@ -339,9 +339,11 @@ def test_export_genai_gptq_is_calibrated_on_the_training_split_and_runs_in_the_s
     assert nbits and all({a.name: a.i for a in n.attribute}["accuracy_level"] == 4 for n in nbits)
     zero_points = {i.name: i for i in graph.initializer}
     assert all(zero_points[n.input[3]].data_type == onnx.TensorProto.UINT8 for n in nbits)  # the fast kernel's
-    for args, needle in ((["--quant", "hqq"], "--quant hqq: unknown (allowed: rtn, gptq, affine)"),
-                         (["--int8-share", "0.5"], "--int8-share 0.5: must be in [0, 1], and is chosen by --quant"),
-                         (["--head-bits", "2"], "--head-bits 2: must be 4 or 8")):
+    for args, needle in ((["--quant", "hqq"], "--quant 'hqq': unknown (allowed: rtn, gptq, affine)"),
+                         (["--int8-share", "0.5"], "--int8-share 0.5: is chosen by a calibrated scheme's measured "
+                                                   "errors (give --quant gptq)"),
+                         (["--int8-share", "1.5", "--quant", "gptq"], "--int8-share 1.5: must be in [0, 1]"),
+                         (["--head-bits", "2"], "--head-bits 2: unknown (allowed: 4, 8)")):
         r = CliRunner().invoke(app, ["export", "genai", str(folder), "--precision", "int4", *args, "--out",
                                      str(tmp_path / "x")])
         assert r.exit_code == 2 and needle in r.stderr, (args, r.output)

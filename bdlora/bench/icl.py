@@ -17,8 +17,7 @@ from bdlora.bench.config import BenchConfig
 from bdlora.evaluate import OrtLM, run_icl
 from bdlora.export.decoder import DecoderLayout, decoder_graph, save_graph
 from bdlora.export.defaults import MAX_OPSET
-from bdlora.export.genai.gptq import input_grams
-from bdlora.export.genai.quantize import quantize_nbits
+from bdlora.export.genai.folder import rounded
 from bdlora.export.settings import GenaiExportSettings
 from bdlora.reporter import SILENT, Reporter
 from bdlora.runtime import DecoderShape, session
@@ -35,11 +34,7 @@ def plain_twin(model: nn.Module, settings: GenaiExportSettings, calibration=None
         proto, _ = decoder_graph(model, DecoderLayout.plain(model.config, MAX_OPSET))
     if settings.precision == "fp32":
         return proto
-    grams = {} if grams is None else grams
-    if settings.calibrated and not grams:
-        grams.update(input_grams(proto, DecoderShape.of(model.config), calibration))
-    return quantize_nbits(proto, settings.precision, settings.quant, grams, settings.head_bits,
-                          settings.int8_share)[0]
+    return rounded(proto, settings, DecoderShape.of(model.config), calibration, grams)[0]
 
 
 def icl_of_rows(models: dict[str, nn.Module], tok, precisions: list[str], words: list[str], examples: int,

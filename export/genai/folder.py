@@ -75,23 +75,33 @@ def write_genai_files(model, tok, folder: Path, settings: GenaiExportSettings, r
             save_graph(proto, fp32_path)
             if any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer):
                 onnx.load_external_data_for_model(proto, str(fp32_path.parent))  # saving moved them to disk
-        grams = {} if grams is None else grams
-        calibrated = settings.calibrated
-        if calibrated and not grams:
-            reporter.stage(f"calibrating: the input of every MatMul over {len(calibration) * calibration.seq_len:,} "
-                           "tokens (fp32 graph)")
-            grams.update(input_grams(proto, DecoderShape.of(cfg), calibration,
-                                     on_block=lambda d, t: reporter.count(1, t, "blocks")))  # count: increments
-        if calibrated:
-            reporter.stage(f"{settings.quant}: rounding every MatMul to {precision} against its input")
-        qproto, info["quantization"] = quantize_nbits(proto, precision, settings.quant, grams, settings.head_bits,
-                                                      settings.int8_share, in_place=True)
-        if calibrated:
-            info["quantization"]["calibration_tokens"] = len(calibration) * calibration.seq_len
+        qproto, info["quantization"] = rounded(proto, settings, DecoderShape.of(cfg), calibration, grams, reporter,
+                                               in_place=True)
         save_graph(qproto, folder / MODEL_ONNX)
     else:
         save_graph(proto, folder / MODEL_ONNX)
     return info
+
+
+def rounded(proto, settings: GenaiExportSettings, shape: DecoderShape, calibration=None, grams: dict | None = None,
+            reporter: Reporter = SILENT, in_place: bool = False):
+    """(the fp32 decoder ``proto`` rounded as ``settings`` say, what was done): a calibrated scheme first measures
+    every MatMul's input Gram matrix on ``calibration`` (unless ``grams`` already holds them: one model rounded at
+    several precisions, or in both layouts, is calibrated once; filled in here). The genai folder and the bench's
+    plain-layout ICL twins are rounded by this one function."""
+    grams = {} if grams is None else grams
+    if settings.calibrated and not grams:
+        reporter.stage(f"calibrating: the input of every MatMul over {len(calibration) * calibration.seq_len:,} "
+                       "tokens (fp32 graph)")
+        grams.update(input_grams(proto, shape, calibration,
+                                 on_block=lambda d, t: reporter.count(1, t, "blocks")))  # count: increments
+    if settings.calibrated:
+        reporter.stage(f"{settings.quant}: rounding every MatMul to {settings.precision} against its input")
+    out, info = quantize_nbits(proto, settings.precision, settings.quant, grams, settings.head_bits,
+                               settings.int8_share, in_place=in_place)
+    if settings.calibrated:
+        info["calibration_tokens"] = len(calibration) * calibration.seq_len
+    return out, info
 
 
 def export_genai_folder(model_dir: str | Path, out: str | Path, settings: GenaiExportSettings = GenaiExportSettings(),
