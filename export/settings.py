@@ -81,7 +81,7 @@ class GenaiExportSettings:
             c.require(not self.int8_share or self.scheme.calibrated,
                       f"--int8-share {self.int8_share}: is chosen by a calibrated scheme's measured errors (give "
                       f"--quant {', '.join(s.name for s in SCHEMES.values() if s.calibrated)})")
-        c.integer("context_length", self.context_length, lo=1)
+        c.integer("context_length", self.context_length)  # its bound is the model's positions: context_length_of
         c.integer("threads", self.threads, lo=0, hi=MAX_GENAI_THREADS,
                   what=" (0 = leave the thread count to the runtime)")
         c.require(isinstance(self.max_ppl_change, int | float) and 0 <= self.max_ppl_change < float("inf"),
