@@ -6,8 +6,8 @@ Layout of a tokenised corpus (a cache directory, keyed by a hash of corpus conte
                          followed by the tokenizer's EOS token. Training reads it (``bdlora.blocks``) as packed
                          blocks that may cross document boundaries (nanoGPT's packing, the default) or, with
                          ``--packing truncate``, one document per sequence cut to ``seq_len`` (the paper's
-                         "truncated to sequences of length 1024"). Held-out perplexity always reads packed blocks,
-                         so it is comparable across runs.
+                         "truncated to sequences of length 1024"). Held-out perplexity always reads packed blocks
+                         (each after BOS when the tokenizer starts every text with one), comparable across runs.
     meta.json            dtype, token and document counts per split, the fingerprint; written last, so a
                          directory without it is an interrupted build and is rebuilt.
 
@@ -31,11 +31,11 @@ import numpy as np
 from bdlora.errors import DataError
 from bdlora.io import atomic_dir
 from bdlora.runs import CORPUS_META
+from bdlora.tokenizer import bos_first
 
 FORMAT_VERSION = 1
 BUILTIN = "builtin"
-# The builtin corpus has ~1.8k documents; 0.2% of them would leave a handful of files for validation. 2% keeps
-# ~70k held-out tokens (enough for a stable perplexity) while training on the other 98%. (ours)
+# 0.2% of the builtin corpus's ~1.8k documents leaves a handful for validation; 2% keeps ~70k held-out tokens (ours)
 BUILTIN_HELDOUT_FRACTION = 0.02
 DEFAULT_HELDOUT_FRACTION = 0.002
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
@@ -45,9 +45,8 @@ _TEXT_SUFFIXES = {".txt", ".jsonl", ".parquet"}
 # Memory bounds of tokenisation (issue: a 200 MB single-line .txt was killed at 22 GB). A fast tokenizer needs a few
 # hundred bytes of working memory per byte of text it encodes in one call, so no call sees more than PIECE_CHARS of
 # one document or BATCH_CHARS in all: a longer document is read and encoded in consecutive pieces (cut after a
-# newline, else after a space, else anywhere), and its tokens are concatenated with one EOS after the last piece.
-# Documents shorter than a piece (every file of the builtin corpus) are encoded whole, exactly as before. A JSONL
-# record must be parsed whole, so a line longer than MAX_JSONL_LINE is refused with its line number. (ours)
+# newline, else after a space, else anywhere), and its tokens are concatenated with one EOS after the last piece;
+# shorter documents are encoded whole. A JSONL record is parsed whole: a longer line than MAX_JSONL_LINE is refused.
 PIECE_CHARS = 1 << 20
 BATCH_CHARS = 1 << 20
 MAX_JSONL_LINE = 64 << 20
@@ -308,25 +307,11 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def bos_first(tokenizer) -> int | None:
-    """The BOS id the tokenizer starts every encoded text with, or None when it adds none (SmolLM2's, the builtin
-    teacher's). A model whose tokenizer adds one was trained with it at position 0 and is scored and trained that way
-    (``PackedBlocks(bos=...)``): Gemma 3 270M's held-out perplexity on the builtin corpus in blocks of 128 is 20.9
-    with it and 160.7 without (512: 12.6 and 29.4)."""
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is None:
-        return None
-    ids = tokenizer("a")["input_ids"]
-    return int(bos) if ids and ids[0] == bos else None
-
-
 @dataclass
 class TokenizedCorpus:
     path: Path
     meta: dict
-    bos: int | None = None
-    """The tokenizer's BOS when every sequence of this model starts with one (``bos_first``): the blocks cut from
-    this corpus start with it."""
+    bos: int | None = None  # the BOS every sequence of its model starts with (tokenizer.bos_first), else None
 
     def tokens(self, split: str) -> np.ndarray:
         n = self.meta["tokens"][split]

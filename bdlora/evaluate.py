@@ -16,7 +16,6 @@ from bdlora import SCHEMA_VERSION, __version__, sources
 from bdlora.blocks import PackedBlocks, scored_blocks
 from bdlora.config import BUILTIN, BUILTIN_DEFAULTS, REAL_DEFAULTS
 from bdlora.corpora import default_heldout, load_tokens, other_domains, settings_tokens
-from bdlora.data import bos_first
 from bdlora.errors import Checks, DataError, ModelError
 from bdlora.icl import TASKS, corpus_word_list, is_correct, summarise, task_examples
 from bdlora.reporter import SILENT, Reporter
@@ -33,7 +32,7 @@ from bdlora.runtime import (
     score_blocks,
     session,
 )
-from bdlora.tokenizer import TextTokenizer
+from bdlora.tokenizer import TextTokenizer, bos_first, encode_prompt
 
 
 @dataclass
@@ -123,13 +122,6 @@ class OrtLM:
 def newline_token_ids(tokenizer) -> set[int]:
     """Token ids whose text contains a newline (generation of a row stops at the first of them)."""
     return {i for i in range(len(tokenizer)) if "\n" in tokenizer.decode([i])}
-
-
-def encode_prompt(tokenizer, text: str, bos: int | None) -> list[int]:
-    """``text``'s tokens as the model reads a sequence: after ``bos`` when its tokenizer starts every text with one
-    (``data.bos_first``: Gemma's), its special tokens otherwise left out."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return [bos, *ids] if bos is not None else ids
 
 
 def _with_answer(tokenizer, prompt_ids: list[int], prompt: str, target: str,

@@ -146,7 +146,8 @@ def test_a_model_whose_tokenizer_starts_with_bos_sees_it_at_the_start_of_every_b
     from tokenizers.processors import TemplateProcessing
 
     from bdlora.blocks import DocumentBlocks, PackedBlocks
-    from bdlora.data import Corpus, bos_first, tokenize_corpus
+    from bdlora.data import Corpus, tokenize_corpus
+    from bdlora.tokenizer import bos_first
 
     stream = np.arange(100)
     b = PackedBlocks(stream, 10, bos=7)
