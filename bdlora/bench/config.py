@@ -106,8 +106,7 @@ class BenchConfig:
                              f"{', '.join(map(str, twice))} given twice (each precision is one folder)")
         c.integer("quality_tokens", self.quality_tokens, lo=0)
         if c.choice("quant", self.quant, QUANT_METHODS):
-            GenaiExportSettings("int4", self.quant, self.head_bits, self.int8_share if SCHEMES[self.quant].calibrated
-                                else 0.0).check(c)
+            self.settings_for("compressed", "int4").check(c)  # the student's int4 folder, as it will be written
         if self.teacher_quant is not None:
             c.choice("teacher_quant", self.teacher_quant, QUANT_METHODS)
         calibrated = [q for q in (self.quant, self.teacher_quant) if q in SCHEMES and SCHEMES[q].calibrated]

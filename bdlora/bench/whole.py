@@ -167,9 +167,8 @@ def decode_overhead(config: dict, table, precision: str, threads: int, cache: Pa
             folders[name] = work / name
             folders[name].mkdir()
             write_genai_files(_dense_model(config, layers, width), _stand_in_tokenizer(), folders[name],
-                              GenaiExportSettings(precision, head_bits=head_bits if precision == "int4" else 8,
-                                                  context_length=CONTEXT + STEPS + 8, threads=threads,
-                                                  validate=False))
+                              GenaiExportSettings(head_bits=head_bits, context_length=CONTEXT + STEPS + 8,
+                                                  threads=threads, validate=False).at(precision))
         rows = time_genai(folders, [["decode", 1, CONTEXT]], REPEATS, WARMUP, STEPS, int(config["vocab_size"]),
                           work, reporter)
     finally:
