@@ -220,3 +220,26 @@ def test_export_onnx_of_a_gguf_teacher(tiny_env, tiny_gguf, tmp_path, monkeypatc
     info = json.loads(res.stdout)
     assert info["validation"]["max_abs_diff"] <= info["validation"]["tolerance"]
     assert (tmp_path / "t.onnx" / "model.onnx").is_file() and set(info["summary"]["forms"]) == {"dense"}
+
+
+def test_chunks_that_do_not_assemble_to_the_declared_checksum_are_refused(tmp_path):
+    """A chunked preset (Gemma 3's four wheels) is checked against the SHA-256 its index wheel declares before
+    transformers reads a byte: a chunk from another release is refused in one line naming both digests."""
+    import hashlib
+    import zipfile
+
+    from bdlora.errors import ModelError
+    from bdlora.sources import PRESETS, _check_assembled
+
+    preset = PRESETS["gemma3-270m"]
+    gguf = tmp_path / preset.member
+    gguf.write_bytes(b"GGUF chunk of another release")
+    wheel = tmp_path / "index.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(preset.checksums, f"{'0' * 64}  {preset.member}\n")
+    with pytest.raises(ModelError, match=r"preset gemma3-270m: the chunks assemble to SHA-256 [0-9a-f]{16}\.\.\., "
+                                         r"but index.whl declares 0{16}\.\.\. for gemma-3-270m-q4_k_m.gguf"):
+        _check_assembled(preset, wheel, gguf)
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(preset.checksums, f"{hashlib.sha256(gguf.read_bytes()).hexdigest()}  {preset.member}\n")
+    _check_assembled(preset, wheel, gguf)  # the right digest passes
