@@ -21,6 +21,7 @@ from typing import Any
 from bdlora.budgeted.config import ALLOCATIONS, LORA_INITS, BudgetedConfig
 from bdlora.budgeted.config import DEFAULTS as BUDGETED
 from bdlora.errors import Checks, ConfigError, shown
+from bdlora.schemes import quant_problem
 
 METHODS = ("kd-full", "kd-lora", "budgeted")
 DEVICES = ("auto", "cpu", "cuda")
@@ -119,6 +120,9 @@ class TrainConfig:
     """With --allocation quality: allocate by measured decode time at this precision (fp32, int8, int4: the genai
     exporter's nodes timed in onnxruntime on this machine, cached) instead of MACs; --mac-ratio is then the
     projection decode-time speed-up, and a low-rank pair no faster than its dense product there is never chosen."""
+    quant: str | None = None
+    """With --precision int8 or int4: the scheme export genai will round with (rtn, gptq, affine; default rtn),
+    whose node layout is what is timed."""
     calib_tokens: int | None = None
     """Training-split tokens the whitened init and the quality allocation are measured on (a default is cut to the
     whole split when that is smaller)."""
@@ -182,6 +186,7 @@ class TrainConfig:
             c.require(self.method == "budgeted" and self.allocation != "cost" and self.mac_ratio is not None,
                       f"--precision {self.precision}: allocates a budgeted student's start by decode time; give "
                       "--method budgeted --allocation quality --mac-ratio R")
+        quant_problem(c, self.quant, self.precision)
         for name in ("teacher", "data", "calib_data", "student_init", "out", "runs_dir", "cache_dir"):
             c.text(name, getattr(self, name))
         for name in ("batch_size", "grad_accum", "max_steps", "tokens", "eval_tokens", "loss_chunk", "eval_every",

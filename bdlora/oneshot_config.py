@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from bdlora.config import BUILTIN, CALIB_TOKENS, EVAL_TOKENS, GENAI_PRECISIONS
 from bdlora.errors import Checks, shown
+from bdlora.schemes import quant_problem
 
 ALLOCATED_FORMS = ("lowrank", "channels", "groups", "layers", "bits")  # what --forms may name (bdlora.forms: a
 # projection's, an MLP's, an attention block's or a whole decoder layer's form, or a projection's width at int4)
@@ -52,6 +53,10 @@ class OneShotConfig:
     bits (with --precision int4: a dense projection
     kept at 8 bits, its measured rounding error bought back at the int8 time), each site taking whichever costs least
     quality for what it saves; e.g. lowrank,channels,groups,layers,bits."""
+    quant: str | None = None
+    """--precision int8 or int4: the scheme export genai will round with (rtn, gptq, affine; default rtn). Its node
+    layout is what is timed (affine's 4-bit MatMuls read block means and hold 3% more columns), and with --forms bits
+    its grid measures each projection's rounding error."""
     threads: int | None = None
     """--precision: the thread count the decode times are measured at (default: this machine's cores, what
     export genai writes)."""
@@ -74,6 +79,7 @@ class OneShotConfig:
         c.number("heldout_fraction", self.heldout_fraction, 0.0, 1.0, lo_open=True, hi_open=True)
         if self.precision is not None:
             c.choice("precision", self.precision, GENAI_PRECISIONS)
+        quant_problem(c, self.quant, self.precision)
         c.threads("threads", self.threads)
         c.text("data", self.data)
         problem = forms_problem(self.forms)

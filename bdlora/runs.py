@@ -336,13 +336,14 @@ class SweepDir(Artefact):
 
 
 def one_shot_out(source: str, mac_ratio: float, runs_dir: str | os.PathLike = RUNS_DIR,
-                 precision: str | None = None, forms: str = "lowrank", decode: bool = False) -> Path:
+                 precision: str | None = None, forms: str = "lowrank", decode: bool = False,
+                 quant: str | None = None) -> Path:
     """Where ``compress SOURCE --one-shot`` writes by default: ``runs/<source>.oneshot-<R>x.compressed`` (with
-    ``--precision P``: ``oneshot-P-<R>x``; with ``--forms`` other than lowrank, the forms joined by ``+`` before the
-    ratio; ``decode`` (``--speedup``): ``decode`` before it; a compressed folder like any other, so ``export``,
-    ``bench`` and ``eval`` find it as the latest)."""
+    ``--precision P``: ``oneshot-P-<R>x``, and ``--quant Q``: ``oneshot-P-Q-<R>x``; with ``--forms`` other than
+    lowrank, the forms joined by ``+`` before the ratio; ``decode`` (``--speedup``): ``decode`` before it; a
+    compressed folder like any other, so ``export``, ``bench`` and ``eval`` find it as the latest)."""
     name = Path(source.rstrip("/")).name.removesuffix(".gguf").replace("/", "-") or "model"
-    tags = [t for t in (precision, None if forms == "lowrank" else forms.replace(",", "+").replace(" ", ""),
+    tags = [t for t in (precision, quant, None if forms == "lowrank" else forms.replace(",", "+").replace(" ", ""),
                         "decode" if decode else None) if t]
     return Path(runs_dir) / f"{name}.oneshot-{''.join(t + '-' for t in tags)}{mac_ratio:g}x{COMPRESSED}"
 

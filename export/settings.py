@@ -1,7 +1,8 @@
 """``GenaiExportSettings``: how a model becomes an onnxruntime-genai folder (precision, rounding scheme, LM head bits,
 8-bit share, calibration, context, threads, the quality gate), every default in one place. ``bdlora export genai``
-builds one from its flags, ``export_genai_folder`` and ``write_genai_files`` take it, and ``BenchConfig`` holds one
-for every folder the bench writes. Standard library only, so the torch-free CLI shows the defaults.
+builds one from its flags, ``export_genai_folder`` and ``write_genai_files`` take it, and
+``BenchConfig.settings_for`` derives one for every folder the bench writes (from the bench's flags, per model and
+precision). Standard library only, so the torch-free CLI shows the defaults.
 """
 
 from __future__ import annotations
@@ -11,15 +12,15 @@ from dataclasses import dataclass, replace
 from bdlora.config import GENAI_PRECISIONS
 from bdlora.errors import Checks
 from bdlora.export.defaults import MAX_GENAI_THREADS
-from bdlora.export.schemes import METHODS, SCHEMES, Scheme
+from bdlora.schemes import DEFAULT_SCHEME, METHODS, SCHEMES, Scheme
 
 
 @dataclass(frozen=True)
 class GenaiExportSettings:
     precision: str = "fp32"
     """fp32, int8 or int4 (MatMulNBits; the LM head at ``head_bits``)."""
-    quant: str = "rtn"
-    """How int8/int4 weights are rounded (``bdlora.export.schemes``): round-to-nearest, what onnxruntime-genai's
+    quant: str = DEFAULT_SCHEME
+    """How int8/int4 weights are rounded (``bdlora.schemes``): round-to-nearest, what onnxruntime-genai's
     builder does."""
     head_bits: int = 8
     """int4: the LM head's bits (4 is where small models degrade first)."""
@@ -50,9 +51,9 @@ class GenaiExportSettings:
     def at(self, precision: str, **changes) -> GenaiExportSettings:
         """The same settings at another precision (options that do nothing there back at their defaults)."""
         if precision == "fp32":
-            changes = {"quant": DEFAULT.quant, "int8_share": DEFAULT.int8_share, **changes}
+            changes = {"quant": DEFAULT.quant, **changes}
         if precision != "int4":
-            changes = {"head_bits": DEFAULT.head_bits, **changes}
+            changes = {"head_bits": DEFAULT.head_bits, "int8_share": DEFAULT.int8_share, **changes}
         return replace(self, precision=precision, **changes)
 
     @property

@@ -244,7 +244,7 @@ def test_a_damaged_latency_table_is_measured_again_never_used(tiny_env, tmp_path
     monkeypatch.setenv("BDLORA_CACHE", str(tmp_path))
     remeasured = []
 
-    def fake(k, n, rank, precision, threads):
+    def fake(k, n, rank, precision, threads, layout="nbits"):
         remeasured.append(f"{k}x{n}@{rank}")
         return k * n / 100 if rank == 0 else 0.5 + rank * (k + n) / 100
 
@@ -288,3 +288,104 @@ def test_a_table_measured_on_more_threads_than_cores_is_refused(tiny_env, tmp_pa
         res = CliRunner().invoke(app, argv)
         assert res.exit_code == 2 and f"--threads {many}: " in res.stderr and "cores" in res.stderr, res.output
     assert not (tmp_path / "latency").exists() and not (tmp_path / "s").exists()
+
+
+def _matmuls(k: int, n: int, rank: int, seed: int = 0):
+    """A fp32 graph of one form as the decoder holds it (activations (1, S, K); dense or the pair K -> rank -> N),
+    weights with an offset so that the affine grid's block offsets are not zero."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    dims = [(k, n)] if rank == 0 else [(k, rank), (rank, n)]
+    inits = [numpy_helper.from_array((rng.standard_normal(d) * 0.1 + 0.05).astype(np.float32), f"W{i}")
+             for i, d in enumerate(dims)]
+    names = ["x", *(f"h{i}" for i in range(len(dims) - 1)), "y"]
+    nodes = [helper.make_node("MatMul", [names[i], f"W{i}"], [names[i + 1]], name=f"/m{i}/MatMul")
+             for i in range(len(dims))]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, None, k])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, None, n])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), [numpy_helper.to_array(w) for w in inits]
+
+
+@pytest.mark.parametrize("quant", ["rtn", "affine"])
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+@pytest.mark.parametrize("rank", [0, 8, 32])
+def test_each_scheme_is_timed_in_the_nodes_its_export_writes(quant, precision, rank):
+    """The latency table times a form in its scheme's node layout: the same op sequence and MatMulNBits widths as
+    ``quantize_nbits`` writes for that form (affine at int4: an AveragePool and a Concat before every MatMul whose
+    K blocks divide, K/32 more columns; a rank-8 second factor keeps the plain node), and ``LatencyTable.rounded``
+    rounds as the written graph computes (one-hot rows read its weights back, to 1e-6)."""
+    from bdlora.export.genai.quantize import quantize_nbits
+    from bdlora.schemes import SCHEMES
+
+    proto, weights = _matmuls(96, 40, rank)
+    written, _ = quantize_nbits(proto, precision, quant)
+    timed = lat.form_graph(96, 40, rank, precision, 1, layout=SCHEMES[quant].layout(precision))
+
+    def layout(p):
+        return [(n.op_type, next((a.i for a in n.attribute if a.name == "K"), None)) for n in p.graph.node]
+
+    assert layout(timed) == layout(written)
+    assert sum(op == "AveragePool" for op, _ in layout(written)) == (
+        (1 + (rank == 32) if rank else 1) if quant == "affine" and precision == "int4" else 0)
+    sess = ort.InferenceSession(written.SerializeToString(), providers=["CPUExecutionProvider"])
+    table = lat.LatencyTable(precision, 1, scheme=quant)
+    if rank == 0:  # one-hot rows: the graph's weights, as rounded
+        got = sess.run(None, {"x": np.eye(96, dtype=np.float32)[None]})[0][0]
+        assert np.abs(got - table.rounded(weights[0].T, lat.BITS[precision]).T).max() < 1e-6
+    timed_sess = ort.InferenceSession(timed.SerializeToString(), providers=["CPUExecutionProvider"])
+    ys = timed_sess.run(None, {i.name: np.ones(i.shape, np.float32) for i in timed_sess.get_inputs()})
+    assert [y.shape[-1] for y in ys] == [40]
+
+
+def test_a_schemes_table_is_its_own_cache_and_calibrated_schemes_time_their_uncalibrated_twin(tmp_path, monkeypatch):
+    """affine at int4 is measured in its own layout and cached apart; at int8 (the plain symmetric node) it shares
+    round-to-nearest's table; gptq is timed as round-to-nearest (the same nodes, no calibration needed)."""
+    from bdlora.schemes import SCHEMES
+
+    assert SCHEMES["gptq"].timed_as("int4").name == "rtn" and SCHEMES["affine"].timed_as("int4").name == "affine"
+    assert [SCHEMES[q].layout("int4") for q in ("rtn", "gptq", "affine")] == ["nbits", "nbits", "nbits+means"]
+    assert {SCHEMES[q].layout("int8") for q in SCHEMES} == {"nbits"} and SCHEMES["affine"].layout("fp32") == "matmul"
+    seen = []
+    monkeypatch.setattr(lat, "measure_form", lambda k, n, r, p, t, layout: seen.append((p, layout)) or 1.0 + r)
+    shapes = [ModuleShape("q", 64, 64)]
+    plain = lat.latency_table(shapes, "int4", 1, tmp_path, ranks=False)
+    means = lat.latency_table(shapes, "int4", 1, tmp_path, ranks=False, quant="affine")
+    assert seen == [("int4", "nbits"), ("int4", "nbits+means")] and plain.path != means.path
+    assert means.scheme == "affine" and "nbits-means" in means.path.name
+    assert lat.latency_table(shapes, "int4", 1, tmp_path, ranks=False, quant="gptq").path == plain.path
+    assert lat.latency_table(shapes, "int8", 1, tmp_path, ranks=False, quant="affine").path == \
+        lat.latency_table(shapes, "int8", 1, tmp_path, ranks=False).path
+    assert len(seen) == 3  # gptq at int4 read rtn's cache; int8 measured once for both schemes
+
+
+def test_quant_beside_a_latency_precision_is_checked_in_one_line_and_named_in_the_output(tiny_env, tmp_path,
+                                                                                       monkeypatch):
+    """``--quant`` on plan, compress --one-shot and train: an unknown scheme, or one without --precision int8/int4,
+    is refused in one line before any work; a one-shot's default folder names it; plan --quant affine prices the
+    structure in affine's node layout and says so."""
+    from bdlora.runs import one_shot_out
+
+    monkeypatch.setenv("BDLORA_CACHE", str(tmp_path))
+    cfg = str(tiny_env["teacher"])
+    for argv, needle in (
+            (["plan", "--model-config", cfg, "--quant", "affine"], "--quant affine: names the scheme"),
+            (["plan", "--model-config", cfg, "--precision", "fp32", "--quant", "gptq"], "--precision fp32 rounds"),
+            (shot_args(tiny_env, tmp_path / "s", "--mac-ratio", "1.3", "--precision", "int4", "--quant", "q4k"),
+             "--quant 'q4k': unknown (allowed: rtn, gptq, affine)"),
+            (["train", "--teacher", cfg, "--quant", "affine", "--out", str(tmp_path / "t")], "--quant affine: names")):
+        res = CliRunner().invoke(app, argv)
+        assert res.exit_code == 2 and needle in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.output
+    assert not (tmp_path / "latency").exists() and not (tmp_path / "s").exists() and not (tmp_path / "t").exists()
+    assert one_shot_out("smollm2-135m", 1.3, "runs", "int4", "channels", True, "affine").name == \
+        "smollm2-135m.oneshot-int4-affine-channels-decode-1.3x.compressed"
+    from conftest import tiny_config
+
+    tiny_config(320, layers=2, hidden=64).save_pretrained(tmp_path / "genai")  # head dim 16: GroupQueryAttention's
+    res = CliRunner().invoke(app, ["plan", "--model-config", str(tmp_path / "genai"), "--budget", "0.4",
+                                   "--lora-rank", "4", "--precision", "int4", "--quant", "affine", "--threads", "1",
+                                   "--json"])
+    assert res.exit_code == 0, res.output
+    deployed = json.loads(res.stdout)["deployed"]
+    assert (deployed["scheme"], deployed["layout"]) == ("affine", "nbits+means")
+    assert "int4-nbits-means-t1-" in deployed["table"] and deployed["predicted_decode_speedup"] > 0

@@ -101,7 +101,7 @@ def test_the_core_never_imports_the_exporters_or_the_server():
 
 
 # The package layers, lowest first: a module imports only its own layer and those below (function-level imports
-# included), so the precision and method tuples live with their lowest user (bdlora.config, bdlora.export.schemes).
+# included), so the precision and method tuples live with their lowest user (bdlora.config, bdlora.schemes).
 LAYERS = ((), ("bdlora.export",), ("bdlora.bench", "bdlora.sweep"), ("bdlora.serve", "bdlora.cli"))
 
 
@@ -114,20 +114,20 @@ def layer_of(module: str) -> int:
 
 def test_the_package_layers_point_one_way():
     graph = import_graph()
-    assert layer_of("bdlora.config") == 0 and layer_of("bdlora.export.schemes") == 1
+    assert layer_of("bdlora.config") == 0 and layer_of("bdlora.schemes") == 0
     assert layer_of("bdlora.bench.config") == 2 and layer_of("bdlora.cli.app") == layer_of("bdlora.serve.app") == 3
     edges = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets if layer_of(t) > layer_of(m))
     assert not edges, edges
 
 
 def test_no_scheme_name_is_compared_outside_the_scheme_table():
-    """Which scheme needs calibration, rounds where, emits what: asked of ``bdlora.export.schemes``, never spelled as
+    """Which scheme needs calibration, rounds where, emits what: asked of ``bdlora.schemes``, never spelled as
     ``quant == "gptq"`` (it was, in eight places)."""
-    from bdlora.export.schemes import METHODS
+    from bdlora.schemes import METHODS
 
     hits = []
     for name, path in project_modules().items():
-        if name == "bdlora.export.schemes":
+        if name == "bdlora.schemes":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Compare):

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 from bdlora.config import GENAI_PRECISIONS
 from bdlora.errors import Checks, UsageError
-from bdlora.export.schemes import METHODS as QUANT_METHODS
-from bdlora.export.schemes import SCHEMES
 from bdlora.export.settings import DEFAULT as GENAI
 from bdlora.export.settings import GenaiExportSettings
+from bdlora.schemes import METHODS as QUANT_METHODS
+from bdlora.schemes import SCHEMES
 
 SCOPES = ("modules", "model", "both")
 RUNTIMES = ("ort", "genai", "both")

@@ -6,8 +6,9 @@ The latency table (``latency``) times each projection form alone. A decode step 
 also runs, per layer, attention over the cache, two norms, the rotary embedding, the MLP's activation and product and
 two residual adds, and once per step the embedding, the final norm, the LM head and the generator's own work. Those
 are measured on three synthetic genai graphs of the model's shapes (random weights: speed does not depend on
-values), exported by this toolkit's exporter at the precision (round-to-nearest, the LM head at ``head_bits``) and
-timed by ``og.Generator`` as ``bench --runtime genai`` times a folder, decode ms/token:
+values), exported by this toolkit's exporter at the precision (in the scheme's node layout, ``Scheme.timed_as``:
+round-to-nearest, or the block-offset layout of affine; the LM head at ``head_bits``) and timed by
+``og.Generator`` as ``bench --runtime genai`` times a folder, decode ms/token:
 
 - ``t_hi``, ``t_lo``: the model's own depth ``hi`` (fewer layers once they hold ``STREAM_BYTES``) and half of
   it, ``lo``, dense layers of full MLP width;
@@ -23,8 +24,8 @@ With ``P(w)`` a layer's projections at MLP width ``w`` from the table, the step 
 that scales with the MLP width ``W``), so ``a + m = (t_hi - t_lo) / (hi - lo) - P(W)``,
 ``m = 2 ((t_hi - t_half) / hi - (P(W) - P(W/2)))`` and ``fixed = t_lo - lo (P(W) + a + m)`` (each at least 0, and
 ``m`` at most ``a + m``: on a tiny model the timing noise can exceed them); a removed layer saves its
-``P + a + m``. The fit is cached per shapes, precision, threads, head bits, onnxruntime version and CPU beside the
-latency table. The graphs are timed in a separate process, interleaved (``bench.genai.time_genai``).
+``P + a + m``. The fit is cached per shapes, precision, node layout, threads, head bits, onnxruntime version and
+CPU beside the latency table. The graphs are timed in a separate process, interleaved (``bench.genai.time_genai``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from bdlora.families import base_type, with_layers
 from bdlora.families import family as table_family
 from bdlora.io import read_json, write_json
 from bdlora.reporter import SILENT, Reporter
+from bdlora.schemes import DEFAULT_SCHEME, scheme
 
 CONTEXT = 128  # tokens in the cache when the step is timed (bench's default decode shape: batch 1 after 128)
 STEPS, REPEATS, WARMUP = 32, 15, 3  # decode tokens per timing, timed repeats, untimed ones
@@ -89,10 +91,12 @@ def shape_key(config: dict) -> dict:
             "vocab": int(config["vocab_size"]), "tied": bool(config.get("tie_word_embeddings", True))}
 
 
-def overhead_path(cache: Path, config: dict, precision: str, threads: int, head_bits: int) -> Path:
+def overhead_path(cache: Path, config: dict, precision: str, threads: int, head_bits: int,
+                  layout: str = "nbits") -> Path:
+    plain = layout in ("matmul", "nbits")  # the plain layouts keep the key they always had
     tag = hashlib.sha256(json.dumps([OVERHEAD_VERSION, TABLE_VERSION, ort.__version__, cpu_name(), shape_key(config),
-                                     depths(config, precision), head_bits, CONTEXT], sort_keys=True).encode()
-                         ).hexdigest()[:12]
+                                     depths(config, precision), head_bits, CONTEXT, *([] if plain else [layout])],
+                                    sort_keys=True).encode()).hexdigest()[:12]
     return Path(cache) / "latency" / f"overhead-{precision}-t{threads}-{tag}.json"
 
 
@@ -148,8 +152,10 @@ def half_width(config: dict) -> int:
 def decode_overhead(config: dict, table, precision: str, threads: int, cache: Path, head_bits: int = 8,
                     reporter: Reporter = SILENT) -> Overhead:
     """The fitted overhead of ``config``'s shapes at ``precision`` (``table``: the latency table at the same
-    precision and threads, holding the dense and half-width products), from the cache or measured."""
-    path = overhead_path(cache, config, precision, threads, head_bits)
+    precision and threads, holding the dense and half-width products; its scheme's node layout is the graphs'),
+    from the cache or measured."""
+    timed = scheme(getattr(table, "scheme", DEFAULT_SCHEME)).timed_as(precision)
+    path = overhead_path(cache, config, precision, threads, head_bits, timed.layout(precision))
     if path.is_file():
         cached = read_overhead(path)
         if cached is not None:
@@ -158,6 +164,9 @@ def decode_overhead(config: dict, table, precision: str, threads: int, cache: Pa
     hi, lo = depths(config, precision)
     full, half = int(config["intermediate_size"]), half_width(config)
     graphs = {"lo": (lo, full), "hi": (hi, full), "half": (hi, half)}
+    rounding = {} if precision == "fp32" else {"quant": timed.name}
+    settings = GenaiExportSettings(head_bits=head_bits, context_length=CONTEXT + STEPS + 8, threads=threads,
+                                   validate=False).at(precision, **rounding)
     work = Path(tempfile.mkdtemp(prefix="bdlora-overhead-"))
     try:
         folders = {}
@@ -166,9 +175,7 @@ def decode_overhead(config: dict, table, precision: str, threads: int, cache: Pa
                            "the decode step outside the projections")
             folders[name] = work / name
             folders[name].mkdir()
-            write_genai_files(_dense_model(config, layers, width), _stand_in_tokenizer(), folders[name],
-                              GenaiExportSettings(head_bits=head_bits, context_length=CONTEXT + STEPS + 8,
-                                                  threads=threads, validate=False).at(precision))
+            write_genai_files(_dense_model(config, layers, width), _stand_in_tokenizer(), folders[name], settings)
         rows = time_genai(folders, [["decode", 1, CONTEXT]], REPEATS, WARMUP, STEPS, int(config["vocab_size"]),
                           work, reporter)
     finally:

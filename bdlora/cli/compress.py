@@ -22,6 +22,7 @@ from bdlora.oneshot_config import OneShotConfig
 from bdlora.plan import DEFAULT_PLAN_STEPS, read_model_config
 from bdlora.plan import plan as run_plan
 from bdlora.runs import RUNS_DIR, ModelDir, RunDir, one_shot_out
+from bdlora.schemes import DEFAULT_SCHEME, quant_problem
 
 PLAN_FIELDS = ("budget", "rank", "eps_lr", "eps_zero", "svd_max_rank", "decay_start", "decay_end", "retention_ema")
 
@@ -53,6 +54,8 @@ def plan(
     = None,
     threads: Annotated[Optional[int], typer.Option(help="--precision: threads the decode times are measured at "
                                                         "(default: this machine's cores).")] = None,
+    quant: Annotated[Optional[str], typer.Option(help="--precision int8/int4: time the nodes of this export genai "
+                                                      "--quant scheme (rtn, gptq, affine; default rtn).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
     **opts,
 ):
@@ -63,7 +66,7 @@ def plan(
 
     rank = opts.pop("lora_rank")
     _check_plan(opts, rank, model_config or folder, model, allocation, mac_ratio, calib_tokens, layers, steps,
-                precision, threads)
+                precision, threads, quant)
     if folder is not None and (model_config or model):
         raise UsageError(f"plan {folder}: a compressed folder is planned from its own report; drop "
                          f"{'--model-config' if model_config else '--model'}")
@@ -75,7 +78,7 @@ def plan(
                                          calib_data or data, steps, opts, json_out)
     if precision:
         report["deployed"] = _deployed_prediction(report, precision, threads, RichReporter(err if json_out else out),
-                                                  config)
+                                                  config, quant)
         report["predicted_decode_speedup"] = report["deployed"]["predicted_decode_speedup"]
         title += (f"; {report['deployed']['predicted_projection_speedup']:.2f}x less projection decode time at "
                   f"{precision}, {report['predicted_decode_speedup']:.2f}x faster whole decode")
@@ -98,7 +101,7 @@ def _planned(model_config, model, allocation, rank, layers, mac_ratio, calib_tok
 
 
 def _check_plan(opts, rank, model_config, model, allocation, mac_ratio, calib_tokens, layers, steps, precision,
-                threads) -> None:
+                threads, quant) -> None:
     c = Checks()  # every option's own range first, then what the model allows
     BudgetedConfig(**opts, rank=rank).check(c)
     c.integer("layers", layers, lo=1)
@@ -111,6 +114,7 @@ def _check_plan(opts, rank, model_config, model, allocation, mac_ratio, calib_to
               "calibration decide the structure)")
     if precision is not None:
         c.choice("precision", precision, GENAI_PRECISIONS)
+    quant_problem(c, quant, precision)
     c.threads("threads", threads)
     c.done()
 
@@ -182,7 +186,8 @@ def compress(
     out.print(f"[green]wrote[/] {escape(str(folder))}")
 
 
-def _deployed_prediction(report: dict, precision: str, threads: int | None, reporter, config: dict) -> dict:
+def _deployed_prediction(report: dict, precision: str, threads: int | None, reporter, config: dict,
+                         quant: str | None = None) -> dict:
     """The planned structure's decode time at ``precision`` from the measured table of its forms (low-rank pairs,
     MLPs keeping fewer channels, attention blocks keeping fewer groups, removed layers, projections kept at 8 bits):
     its projections, and the whole step against the dense model of ``config`` (``bench.whole``)."""
@@ -196,7 +201,7 @@ def _deployed_prediction(report: dict, precision: str, threads: int | None, repo
     # the projections kept at 8 bits weigh in an int4 export only (at int8 every one is 8 bits, at fp32 none is)
     bits = {m["name"]: m["bits"] for m in mods if m.get("bits")} if precision == "int4" else {}
     probes = site_probes(shapes, kv, bool(narrow), bool(grouped))
-    table = cost_table(precision, threads, None, reporter)(shapes, dense=probes, config=config, wide=bool(bits))
+    table = cost_table(precision, threads, None, reporter, quant)(shapes, dense=probes, config=config, wide=bool(bits))
     return table.prediction(shapes, {m["name"]: m["rank"] for m in mods if m["form"] == "lowrank"},
                             lambda s: s.narrowed(narrow[s.name]) if s.name in narrow else
                             s.grouped(grouped[s.name], kv) if s.name in grouped else s,
@@ -225,20 +230,22 @@ def _one_shot(source, shot: dict, out_dir, force: bool, runs_dir: str, cache_dir
                          "as smollm2-135m or gemma3-270m, or a hub id)")
     cfg = OneShotConfig(**{k: v for k, v in shot.items() if v is not None}).validate()
     out_path = Path(out_dir) if out_dir else one_shot_out(source, cfg.ratio, runs_dir, cfg.precision, cfg.forms,
-                                                          cfg.speedup is not None)
+                                                          cfg.speedup is not None, cfg.quant)
     cache = Path(cache_dir).expanduser() if cache_dir else None
     return compress_one_shot(source, cfg, out_path, force=force, evaluate=evaluate, cache_dir=cache,
-                             reporter=reporter, cost_table=cost_table(cfg.precision, cfg.threads, cache, reporter))
+                             reporter=reporter, cost_table=cost_table(cfg.precision, cfg.threads, cache, reporter,
+                                                                      cfg.quant))
 
 
-def cost_table(precision: str | None, threads: int | None, cache: Path | None, reporter):
+def cost_table(precision: str | None, threads: int | None, cache: Path | None, reporter, quant: str | None = None):
     """--precision: the measured decode-time table of the model's projection forms (built when the shapes are
-    known), else None (MACs). For compress --one-shot and train."""
+    known) in the node layout of the scheme ``quant`` (--quant; default rtn), else None (MACs). For compress
+    --one-shot, plan and train."""
     if not precision:
         return None
     from bdlora.export.genai.latency import latency_table
 
-    threads, root = threads or usable_cores(), cache or default_cache_dir()
+    threads, root, quant = threads or usable_cores(), cache or default_cache_dir(), quant or DEFAULT_SCHEME
 
     def build(shapes, dense=(), config: dict | None = None, wide: bool = False):
         """The table of ``shapes`` (and the ``dense`` products); with ``config`` (the model's), also the decode
@@ -247,15 +254,17 @@ def cost_table(precision: str | None, threads: int | None, cache: Path | None, r
         from bdlora.bench.whole import WholeStep, decode_overhead, half_width
 
         if config is None:
-            return _with_wide(latency_table(shapes, precision, threads, root, reporter, dense), wide, shapes)
+            return _with_wide(latency_table(shapes, precision, threads, root, reporter, dense, quant=quant), wide,
+                              shapes)
         hidden, half = int(config["hidden_size"]), half_width(config)
-        table = latency_table(shapes, precision, threads, root, reporter, (*dense, (hidden, half), (half, hidden)))
+        table = latency_table(shapes, precision, threads, root, reporter, (*dense, (hidden, half), (half, hidden)),
+                              quant=quant)
         table.whole = WholeStep(decode_overhead(config, table, precision, threads, root, reporter=reporter), config)
         return _with_wide(table, wide, shapes)
 
     def _with_wide(table, wide: bool, shapes):
         if wide and precision == "int4":
-            table.wide = latency_table(shapes, "int8", threads, root, reporter, ranks=False)
+            table.wide = latency_table(shapes, "int8", threads, root, reporter, ranks=False, quant=quant)
         return table
 
     return build

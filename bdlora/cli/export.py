@@ -14,10 +14,10 @@ from bdlora.cli.progress import RichReporter
 from bdlora.errors import Checks
 from bdlora.export.defaults import DEFAULT_OPSET, MAX_GENAI_THREADS
 from bdlora.export.hf import export_hf as run_export
-from bdlora.export.schemes import SCHEMES
 from bdlora.export.settings import DEFAULT as GENAI
 from bdlora.export.settings import GenaiExportSettings
 from bdlora.runs import RUNS_DIR, ModelDir
+from bdlora.schemes import SCHEMES
 
 
 def _source(model_dir: Optional[str], runs_dir: str) -> Path:

@@ -64,8 +64,9 @@ def train_summary(s: dict) -> None:
 
 def latency_forms(doc: dict) -> None:
     """The measured decode time of each projection shape's forms at the deployed precision, and the prediction."""
-    t = Table(title=f"decode time per projection form at {doc['precision']}, {doc['threads']} thread(s), measured "
-                    "in onnxruntime")
+    scheme = f" ({doc['scheme']}: {doc['layout']})" if doc.get("scheme") and doc["precision"] != "fp32" else ""
+    t = Table(title=f"decode time per projection form at {doc['precision']}{scheme}, {doc['threads']} thread(s), "
+                    "measured in onnxruntime")
     for col in ("shape K x N", "dense us", "rank 8 us", "MAC break-even rank", "measured break-even rank"):
         t.add_column(col, justify="right")
     for f in doc["forms"]:

@@ -95,7 +95,7 @@ def train(
     cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else None
     summary = run_train(cfg, rep, resume=resume,
                         overrides={k: v for k, v in opts.items() if v is not None} if resume else None,
-                        cost_table=cost_table(cfg.precision, None, cache, rep or SILENT))
+                        cost_table=cost_table(cfg.precision, None, cache, rep or SILENT, cfg.quant))
     if not rank0:
         return
     if json_out:

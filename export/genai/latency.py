@@ -5,15 +5,21 @@ MACs price a rank-r pair at r (K + N) against K N for the dense product. At int8
 milliseconds and each MatMulNBits node has a fixed cost MACs do not see, so a pair that is 2x cheaper in MACs can be
 no faster than the dense node it replaces (SmolLM2-135M at int4: the students' MAC speed-up vanished in deployment).
 So the cost of each form is measured: one ``(1, K)`` row through the node(s) the genai exporter emits for that form
-(``MatMul`` at fp32; ``MatMulNBits`` with blocks of 32, uint8 zero points and accuracy level 4 at int8/int4), at
-the deployed thread count, in a graph of ``C`` independent copies with distinct random weights (so the weights
+(``MatMul`` at fp32; ``MatMulNBits`` with blocks of 32, uint8 zero points and accuracy level 4 at int8/int4; the
+node layout of the scheme the export rounds with, ``Scheme.layout``: with block offsets at int4, each node reads
+``[x, block means of x]`` through its own AveragePool and Concat and carries K/32 more columns), at the deployed
+thread count, in a graph of ``C`` independent copies with distinct random weights (so the weights
 stream from memory as a model's do, not from a warm cache) timed against a graph of one copy:
 ``(t_C - t_1) / (C - 1)`` is the form's time with the per-call overhead cancelled. Weight values do not change the
 time of these kernels, so random bytes stand in for them.
 
 Ranks are measured on a coarse grid (1, 8, 16, 32, 64, then doubling, and the largest rank below the MAC break-even)
-and interpolated linearly between grid points; the table is cached per (form, precision, threads, onnxruntime
-version, CPU) under ``<cache>/latency/`` and only missing forms are measured.
+and interpolated linearly between grid points; the table is cached per (form, precision, node layout, threads,
+onnxruntime version, CPU) under ``<cache>/latency/`` and only missing forms are measured.
+
+The block-offset layout is priced per projection, its AveragePool and Concat included: in the deployed graph the
+MatMuls reading one input share them (q, k and v; gate and up), so a dense layer is priced a few small nodes above
+what it runs; the whole-step fit (``bench.whole``) measures real graphs of the same layout and absorbs the rest.
 """
 
 from __future__ import annotations
@@ -35,10 +41,12 @@ from bdlora.budgeted.allocate import break_even
 from bdlora.budgeted.costs import ModuleShape
 from bdlora.config import GENAI_PRECISIONS as PRECISIONS
 from bdlora.errors import UsageError, usable_cores
+from bdlora.export.genai.affine import augment_nodes
 from bdlora.export.genai.gptq import BLOCK_SIZE, nbits_node
-from bdlora.export.genai.quantize import rtn_rounded
+from bdlora.export.genai.quantize import scheme_rounded
 from bdlora.io import read_json, write_json
 from bdlora.reporter import SILENT, Reporter
+from bdlora.schemes import DEFAULT_SCHEME, scheme
 
 BITS = {"int8": 8, "int4": 4}
 STREAM_BYTES = 48 << 20  # weight bytes per measured graph: beyond the last-level cache of most CPUs
@@ -68,17 +76,25 @@ def grid(shape: ModuleShape) -> list[int]:
     return sorted(x for x in ranks if 1 <= x <= top)
 
 
-def _product(k: int, n: int, precision: str, rng: np.random.Generator, name: str, x: str, out: str):
-    """(node, initializers) of one ``(1, K) -> (1, N)`` product at ``precision`` (random values; at int8/int4 the
-    MatMulNBits node the calibrated export emits, ``gptq.nbits_node``)."""
+def _product(k: int, n: int, precision: str, rng: np.random.Generator, name: str, x: str, out: str,
+             layout: str = "nbits") -> tuple[list, list]:
+    """(nodes, initializers) of one ``(1, K) -> (1, N)`` product at ``precision`` in ``layout`` (random values; at
+    int8/int4 the MatMulNBits node the calibrated export emits, ``gptq.nbits_node``; ``nbits+means`` where blocks
+    divide K: the node reads ``[x, block means]``, made here for it alone, and holds K/32 more columns, as
+    ``affine.affine_node`` writes it)."""
     if precision == "fp32":
         w = numpy_helper.from_array(rng.standard_normal((k, n), dtype=np.float32), f"{name}.w")
-        return helper.make_node("MatMul", [x, w.name], [out], name=name), [w]
+        return [helper.make_node("MatMul", [x, w.name], [out], name=name)], [w]
+    front = []
+    if layout == "nbits+means" and k % BLOCK_SIZE == 0:
+        x, front = augment_nodes(x, k)
+        k += k // BLOCK_SIZE
     bits, kb = BITS[precision], -(-k // BLOCK_SIZE)
     packed = rng.integers(0, 256, (n, kb, BLOCK_SIZE * bits // 8), dtype=np.uint8)
     scales = rng.random(n * kb, dtype=np.float32) * 0.01
     zp = rng.integers(0, 256, n * (kb if bits == 8 else -(-kb // 2)), dtype=np.uint8)
-    return nbits_node(name, x, out, packed, scales, zp, k, n, bits)
+    node, inits = nbits_node(name, x, out, packed, scales, zp, k, n, bits)
+    return [*front, node], inits
 
 
 def form_bytes(k: int, n: int, rank: int, precision: str) -> int:
@@ -86,23 +102,29 @@ def form_bytes(k: int, n: int, rank: int, precision: str) -> int:
     return int((k * n if rank == 0 else rank * (k + n)) * per) + 1
 
 
-def form_graph(k: int, n: int, rank: int, precision: str, copies: int, seed: int = 0) -> onnx.ModelProto:
-    """``copies`` independent instances of one form (dense: ``rank`` 0; else the pair K -> rank -> N) on one input."""
+def form_graph(k: int, n: int, rank: int, precision: str, copies: int, seed: int = 0,
+               layout: str = "nbits") -> onnx.ModelProto:
+    """``copies`` independent instances of one form (dense: ``rank`` 0; else the pair K -> rank -> N) in ``layout``
+    (``Scheme.layout``), on one input ``x`` (1, K); in ``nbits+means`` each copy reads its own input ``x<c>`` (the
+    same values), so that onnxruntime does not merge the copies' identical AveragePools into one, shaped (1, 1, K)
+    as the decoder's activations are (the pooling reads the last axis as its length)."""
     rng = np.random.default_rng(seed)
     nodes, inits, outs = [], [], []
+    own = layout == "nbits+means"
     for c in range(copies):
-        out = f"y{c}"
+        x, out = f"x{c}" if own else "x", f"y{c}"
         if rank == 0:
-            parts = [_product(k, n, precision, rng, f"d{c}", "x", out)]
+            parts = [_product(k, n, precision, rng, f"d{c}", x, out, layout)]
         else:
-            parts = [_product(k, rank, precision, rng, f"a{c}", "x", f"h{c}"),
-                     _product(rank, n, precision, rng, f"b{c}", f"h{c}", out)]
-        for node, w in parts:
-            nodes.append(node)
+            parts = [_product(k, rank, precision, rng, f"a{c}", x, f"h{c}", layout),
+                     _product(rank, n, precision, rng, f"b{c}", f"h{c}", out, layout)]
+        for made, w in parts:
+            nodes += made
             inits += w
-        outs.append(helper.make_tensor_value_info(out, TensorProto.FLOAT, [1, n]))
-    g = helper.make_graph(nodes, "form", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])], outs,
-                          inits)
+        outs.append(helper.make_tensor_value_info(out, TensorProto.FLOAT, [1, 1, n] if own else [1, n]))
+    inputs = [helper.make_tensor_value_info(f"x{c}" if own else "x", TensorProto.FLOAT, [1, 1, k] if own else [1, k])
+              for c in range(copies if own else 1)]
+    g = helper.make_graph(nodes, "form", inputs, outs, inits)
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
 
 
@@ -112,7 +134,8 @@ def _median_run_us(proto: onnx.ModelProto, k: int, threads: int) -> float:
     so.inter_op_num_threads = 1
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    x = {"x": np.random.default_rng(1).standard_normal((1, k), dtype=np.float32)}
+    value = np.random.default_rng(1).standard_normal(k, dtype=np.float32)
+    x = {i.name: value.reshape(i.shape) for i in sess.get_inputs()}
     for _ in range(WARMUP):
         sess.run(None, x)
     times = []
@@ -123,11 +146,11 @@ def _median_run_us(proto: onnx.ModelProto, k: int, threads: int) -> float:
     return float(np.median(times)) * 1e6
 
 
-def measure_form(k: int, n: int, rank: int, precision: str, threads: int) -> float:
-    """Decode-time microseconds of one instance of a form (see the module docstring)."""
+def measure_form(k: int, n: int, rank: int, precision: str, threads: int, layout: str = "nbits") -> float:
+    """Decode-time microseconds of one instance of a form in ``layout`` (see the module docstring)."""
     copies = int(min(MAX_COPIES, max(MIN_COPIES, math.ceil(STREAM_BYTES / form_bytes(k, n, rank, precision)))))
-    one = _median_run_us(form_graph(k, n, rank, precision, 1), k, threads)
-    many = _median_run_us(form_graph(k, n, rank, precision, copies), k, threads)
+    one = _median_run_us(form_graph(k, n, rank, precision, 1, layout=layout), k, threads)
+    many = _median_run_us(form_graph(k, n, rank, precision, copies, layout=layout), k, threads)
     return max((many - one) / (copies - 1), 1e-3)
 
 
@@ -137,8 +160,9 @@ def _key(k: int, n: int, rank: int) -> str:
 
 @dataclass
 class LatencyTable:
-    """Measured decode microseconds of each form at one precision and thread count; ``cost(shape, rank)`` (rank 0:
-    dense) is what ``budgeted.allocate.allocate`` takes, interpolated between measured ranks."""
+    """Measured decode microseconds of each form at one precision and thread count, in the node layout of
+    ``scheme`` (the export's ``--quant``); ``cost(shape, rank)`` (rank 0: dense) is what
+    ``budgeted.allocate.allocate`` takes, interpolated between measured ranks."""
 
     precision: str
     threads: int
@@ -146,6 +170,7 @@ class LatencyTable:
     path: Path | None = None
     whole: object | None = None  # a ``bench.whole.WholeStep``: prediction() then covers the whole decode step
     wide: LatencyTable | None = None  # int4: the int8 table, pricing the projections kept at 8 bits (--forms bits)
+    scheme: str = DEFAULT_SCHEME  # whose node layout was timed (and whose grid ``rounded`` rounds on)
 
     def measured_ranks(self, k: int, n: int) -> list[int]:
         pre = f"{k}x{n}@"
@@ -193,9 +218,9 @@ class LatencyTable:
         return best
 
     def rounded(self, weight, bits: int):
-        """``weight`` (out, in) as the default int8/int4 export rounds it to ``bits``: what the rounding error of
-        ``--forms bits`` is measured with."""
-        return rtn_rounded(weight, bits)
+        """``weight`` (out, in) as the export's scheme rounds it to ``bits`` without calibration
+        (``quantize.scheme_rounded``): what the rounding error of ``--forms bits`` is measured with."""
+        return scheme_rounded(weight, bits, self.scheme)
 
     def prediction(self, shapes: list[ModuleShape], ranks: dict[str, int], shape_of=None, gone=(),
                    bits: dict | None = None) -> dict:
@@ -210,7 +235,9 @@ class LatencyTable:
                      for s in shapes if s.name not in gone)
         slower = sorted({s.name.split(".")[-1] for s in shapes
                          if ranks.get(s.name) and self.cost(s, ranks[s.name]) >= self.cost(s, 0)})
-        doc = {"precision": self.precision, "threads": self.threads, "projection_us_dense": dense,
+        doc = {"precision": self.precision, "scheme": self.scheme,
+               "layout": scheme(self.scheme).layout(self.precision), "threads": self.threads,
+               "projection_us_dense": dense,
                "projection_us": chosen, "predicted_projection_speedup": dense / chosen,
                "forms": self.summary(shapes), "lowrank_slower_than_dense": slower,
                "table": str(self.path) if self.path else None}
@@ -233,9 +260,11 @@ class LatencyTable:
         return rows
 
 
-def table_path(cache: Path, precision: str, threads: int) -> Path:
+def table_path(cache: Path, precision: str, threads: int, layout: str = "nbits") -> Path:
+    """The cached table of ``precision`` in ``layout`` (the plain layouts keep the names they always had)."""
     tag = hashlib.sha256(f"{TABLE_VERSION}|{ort.__version__}|{cpu_name()}".encode()).hexdigest()[:12]
-    return cache / "latency" / f"{precision}-t{threads}-{tag}.json"
+    named = "" if layout in ("matmul", "nbits") else "-" + layout.replace("+", "-")
+    return cache / "latency" / f"{precision}{named}-t{threads}-{tag}.json"
 
 
 _ENTRY = re.compile(r"[1-9]\d{0,6}x[1-9]\d{0,6}@(?:0|[1-9]\d{0,6})")
@@ -261,18 +290,20 @@ def read_table(path: Path) -> tuple[dict[str, float], int]:
 
 
 def latency_table(shapes: list[ModuleShape], precision: str, threads: int, cache: Path,
-                  reporter: Reporter = SILENT, dense=(), ranks: bool = True) -> LatencyTable:
-    """The table for ``shapes`` at ``precision`` and ``threads``, read from the cache and completed by measuring the
-    forms it lacks (the dense product and the rank ``grid`` of every distinct (K, N); with ``ranks`` False the dense
-    products only); ``dense``: further (K, N) products measured dense only (the narrower widths a pruned MLP
-    interpolates between)."""
+                  reporter: Reporter = SILENT, dense=(), ranks: bool = True,
+                  quant: str = DEFAULT_SCHEME) -> LatencyTable:
+    """The table for ``shapes`` at ``precision`` and ``threads`` in the node layout of the scheme ``quant``, read
+    from the cache and completed by measuring the forms it lacks (the dense product and the rank ``grid`` of every
+    distinct (K, N); with ``ranks`` False the dense products only); ``dense``: further (K, N) products measured
+    dense only (the narrower widths a pruned MLP interpolates between)."""
+    layout = scheme(quant).layout(precision) if precision in PRECISIONS else "nbits"
     if precision not in PRECISIONS:
         raise UsageError(f"--precision {precision}: must be one of {', '.join(PRECISIONS)}")
     if not 1 <= threads <= usable_cores():  # a table measured on more threads than cores would be cached as real
         raise UsageError(f"--threads {threads}: must be between 1 and the cores this process may use "
                          f"({usable_cores()})")
-    path = table_path(Path(cache), precision, threads)
-    table = LatencyTable(precision, threads, path=path)
+    path = table_path(Path(cache), precision, threads, layout)
+    table = LatencyTable(precision, threads, scheme=quant, path=path)
     if path.is_file():
         table.us, dropped = read_table(path)
         if dropped:
@@ -285,12 +316,12 @@ def latency_table(shapes: list[ModuleShape], precision: str, threads: int, cache
                 todo.append((k, n, r))
     todo += [(k, n, 0) for k, n in dict.fromkeys(dense) if _key(k, n, 0) not in table.us and (k, n, 0) not in todo]
     if todo:
-        reporter.stage(f"measuring {len(todo)} projection forms at {precision} on {threads} thread(s) (cached in "
-                       f"{path.parent})")
+        reporter.stage(f"measuring {len(todo)} projection forms at {precision} ({layout}) on {threads} thread(s) "
+                       f"(cached in {path.parent})")
         reporter.count(0, len(todo), "forms")
         for k, n, r in todo:
-            table.us[_key(k, n, r)] = measure_form(k, n, r, precision, threads)
+            table.us[_key(k, n, r)] = measure_form(k, n, r, precision, threads, layout)
             reporter.count(1, len(todo), "forms")
-        write_json(path, {"version": TABLE_VERSION, "precision": precision, "threads": threads, "cpu": cpu_name(),
-                          "us": table.us})
+        write_json(path, {"version": TABLE_VERSION, "precision": precision, "layout": layout, "threads": threads,
+                          "cpu": cpu_name(), "us": table.us})
     return table

@@ -48,7 +48,7 @@ from bdlora.export.genai.gptq import (
     rtn,
     weight_matmuls,
 )
-from bdlora.export.schemes import scheme
+from bdlora.schemes import DEFAULT_SCHEME, scheme
 
 LM_HEAD = "/lm_head/MatMul"
 BITS = {"int8": 8, "int4": 4}
@@ -132,6 +132,21 @@ def rtn_rounded(weight: np.ndarray, bits: int) -> np.ndarray:
     codes = np.stack([packed & 15, packed >> 4], -1) if bits == 4 else packed
     q = codes.reshape(n, kb, BLOCK_SIZE).astype(np.float32) - (1 << (bits - 1))
     return (q * scales[:, :, None]).reshape(n, kb * BLOCK_SIZE)[:, :k]
+
+
+def scheme_rounded(weight: np.ndarray, bits: int, method: str = DEFAULT_SCHEME) -> np.ndarray:
+    """``weight`` (out, in) rounded to ``bits`` as ``method`` rounds it without calibration: the default's
+    onnxruntime kernel (``rtn_rounded``); the affine grid with its offsets (as ``affine_node`` computes, Q8_0 at 8
+    bits); a calibrated scheme on its own grid with no input to weigh by (GPTQ with an identity Gram matrix is
+    round-to-nearest on its asymmetric grid), which over-states the error it will have after calibration."""
+    s = scheme(method)
+    if not s.rounds_here:
+        return rtn_rounded(weight, bits)
+    w = torch.from_numpy(np.asarray(weight, dtype=np.float64))
+    if s.block_offsets and bits == 4 and w.shape[1] % BLOCK_SIZE == 0:
+        return affine_weights(*affine_rtn(w, bits), bits).numpy()
+    codes, scales, zeros = symmetric_rtn(w, bits) if s.block_offsets else rtn(w, bits)
+    return dequantize(codes, scales, zeros).numpy()
 
 
 def _describe(out, block: int) -> dict:

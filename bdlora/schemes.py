@@ -1,0 +1,81 @@
+"""The quantisation schemes of the int8/int4 genai graphs, declared once (``export genai --quant``, ``bench --quant``
+and ``--teacher-quant``): whether a scheme needs calibration (the input Gram matrix of every MatMul), who rounds
+(onnxruntime's own quantiser or ``quantize.quantize_graph``), its grid, and which nodes it emits. Every reader asks a
+``Scheme``; no other module compares a scheme's name. Imports nothing heavy, so the torch-free CLI shows them.
+
+Adding a scheme (docs/design.md, "Adding a quantisation scheme"): one ``Scheme`` here; where it rounds in
+``quantize_graph``, its branch of ``quantize._round_matmul`` keyed on these attributes; a new node layout, its
+branch of ``latency.form_graph``. A leaf of the core: the core's ``--quant`` options (``compress --one-shot``,
+``plan``, ``train``'s start) validate against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bdlora.errors import UsageError, shown
+
+
+@dataclass(frozen=True)
+class Scheme:
+    name: str
+    summary: str
+    """What it does, for --help and the docs."""
+    calibrated: bool = False
+    """Rounds each MatMul against its measured input (the calibration blocks' Gram matrices)."""
+    rounds_here: bool = True
+    """Rounded by ``quantize.quantize_graph`` (False: by onnxruntime's MatMulNBitsQuantizer)."""
+    symmetric: bool = False
+    """A grid centred on zero (no zero points)."""
+    block_offsets: bool = False
+    """At 4 bits, a float offset per block of 32, restored by extra input columns (``[x, block means]``) in the same
+    fast MatMulNBits node; at 8 bits the symmetric grid (llama.cpp's Q4_1 and Q8_0)."""
+
+    def layout(self, precision: str) -> str:
+        """The nodes each weight MatMul becomes at ``precision``, which is what the latency table times for this
+        scheme (``export.genai.latency``): ``matmul`` (fp32), ``nbits`` (one MatMulNBits node) or ``nbits+means``
+        (block offsets at 4 bits: the node reads ``[x, block means of x]``, made by an AveragePool and a Concat in
+        front of it, and carries K/32 more columns)."""
+        if precision == "fp32":
+            return "matmul"
+        return "nbits+means" if self.block_offsets and precision == "int4" else "nbits"
+
+    def timed_as(self, precision: str) -> Scheme:
+        """The scheme whose folder is timed for this one's decode cost at ``precision``: itself, or for a calibrated
+        scheme the uncalibrated one emitting the same nodes (its values differ, its kernels and bytes do not), so a
+        latency probe needs no calibration data."""
+        if not self.calibrated:
+            return self
+        return next(s for s in SCHEMES.values() if not s.calibrated and s.layout(precision) == self.layout(precision))
+
+
+SCHEMES: dict[str, Scheme] = {s.name: s for s in (
+    Scheme("rtn", "round-to-nearest on a symmetric grid by onnxruntime's quantiser (what onnxruntime-genai's builder "
+                  "does)", rounds_here=False, symmetric=True),
+    Scheme("gptq", "GPTQ against each MatMul's measured input, asymmetric grid with integer zero points",
+           calibrated=True),
+    Scheme("affine", "round-to-nearest on each block's own [min, max] with a float offset (the GGUF Q4_1 grid)",
+           block_offsets=True),
+)}
+METHODS = tuple(SCHEMES)
+DEFAULT_SCHEME = "rtn"  # what export genai, bench and the latency table use unless --quant says otherwise
+
+
+def scheme(name, what: str = "--quant") -> Scheme:
+    """The scheme ``name``, else a one-line refusal naming those there are."""
+    found = SCHEMES.get(name) if isinstance(name, str) else None
+    if found is None:
+        raise UsageError(f"{what} {name if isinstance(name, str) else shown(name)}: unknown (allowed: "
+                         f"{', '.join(METHODS)})")
+    return found
+
+
+def quant_problem(c, quant: str | None, precision: str | None) -> None:
+    """Add to the ``Checks`` ``c`` what is wrong with ``--quant`` beside a latency ``--precision`` (compress
+    --one-shot, plan, train's start): an unknown scheme, or one given where no int8/int4 time is measured."""
+    if quant is None:
+        return
+    if c.choice("quant", quant, METHODS):
+        c.require(precision in ("int8", "int4"),
+                  f"--quant {quant}: names the scheme whose int8/int4 nodes --precision times; give --precision "
+                  f"int8 or int4" + (f" (--precision {precision} rounds nothing)" if precision else ""))
