@@ -35,8 +35,8 @@ def cli(*args, timeout=300) -> subprocess.CompletedProcess:
                           timeout=timeout, env=env)
 
 
-@pytest.mark.parametrize("method", ["budgeted", pytest.param("kd-full", marks=pytest.mark.slow),
-                                    pytest.param("kd-lora", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("method", ["budgeted", pytest.param("kd-full", marks=pytest.mark.full),
+                                    pytest.param("kd-lora", marks=pytest.mark.full)])
 def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(tiny_env, tmp_path, method):
     # --tokens is a global budget: 512 tokens = 4 steps of 4 x 32 on one process, and on two processes of 2 x 32 each
     common = ["--method", method, "--tokens", "512", "--eval-every", "4", "--save-every", "2", *FAST_BUDGET]
