@@ -48,6 +48,12 @@ def front_points(results: list[dict], quality: dict[str, dict], batch: int = 1, 
     return [{**p, **same_precision(p, points), **same_precision(p, points, PEER)} for p in points]
 
 
+def row_name(model: str, precision: str) -> str:
+    """The genai bench's name of ``model``'s row (and folder) at ``precision``: ``compressed``, ``compressed-int4``,
+    ``teacher-int8``, ``peer-NAME-int4`` (fp32 carries no suffix); ``precision_of`` reads it back."""
+    return model if precision == "fp32" else f"{model}-{precision}"
+
+
 def precision_of(name: str) -> str:
     """``compressed-int4`` -> int4; ``teacher`` / ``other`` -> fp32 (the variant naming of the genai bench)."""
     tail = name.rsplit("-", 1)[-1]
@@ -66,9 +72,8 @@ def same_precision(p: dict, points: list[dict], against: str = "teacher") -> dic
     if p["name"].startswith(("teacher", PEER)):
         return {}
     prec = precision_of(p["name"])
-    suffix = "" if prec == "fp32" else f"-{prec}"
     refs = [q for q in points if q["name"].startswith(against) and not q["name"].startswith("teacher-builder")
-            and precision_of(q["name"]) == prec and (against == PEER or q["name"] == f"teacher{suffix}")]
+            and precision_of(q["name"]) == prec and (against == PEER or q["name"] == row_name("teacher", prec))]
     if not refs:
         return {}
     ref = refs[0]
@@ -182,10 +187,11 @@ def predicted_vs_measured(points: list[dict], cost: dict) -> dict | None:
     table, the rest of each layer and the step from ``bench.whole``), or for a folder written before it the
     teacher's measured decode at P less the projection time saved; None when the front lacks either row at P."""
     p = cost.get("precision")
-    suffix = "" if p == "fp32" else f"-{p}"
+    if p is None:
+        return None
     ms = {x["name"]: x["ms"] for x in points}
-    student, teacher = ms.get(f"compressed{suffix}"), ms.get(f"teacher{suffix}")
-    if p is None or student is None or teacher is None:
+    student, teacher = ms.get(row_name("compressed", p)), ms.get(row_name("teacher", p))
+    if student is None or teacher is None:
         return None
     if cost.get("predicted_decode_speedup"):  # the whole step, predicted without the teacher's measured time
         predicted_ms = teacher / cost["predicted_decode_speedup"]

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from bdlora.bench.config import BenchConfig
-from bdlora.bench.front import PEER
+from bdlora.bench.front import PEER, row_name
 from bdlora.bench.launch import run_timing_process
 from bdlora.budgeted.model import narrow_sites
 from bdlora.corpora import GENERAL_VOCABULARY, default_heldout, unseen_corpus
@@ -138,7 +138,7 @@ def export_variants(models: dict[str, nn.Module], tok, precisions: list[str], wo
         ctx = int(min(getattr(m.config, "max_position_embeddings", 4096) or 4096, 4096))
         grams: dict = {}  # gptq: one calibration per model, whatever the precisions
         for p in precisions:
-            key = name if p == "fp32" else f"{name}-{p}"
+            key = row_name(name, p)
             reporter.stage(f"exporting the {key} genai folder")
             folders[key] = work / f"genai-{key}"
             folders[key].mkdir()

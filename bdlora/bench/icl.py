@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from bdlora.bench.config import BenchConfig
+from bdlora.bench.front import row_name
 from bdlora.evaluate import OrtLM, run_icl
 from bdlora.export.decoder import DecoderLayout, decoder_graph, save_graph
 from bdlora.export.defaults import MAX_OPSET
@@ -49,7 +50,7 @@ def icl_of_rows(models: dict[str, nn.Module], tok, precisions: list[str], words:
         grams: dict = {}
         base, _ = decoder_graph(m, DecoderLayout.plain(m.config, MAX_OPSET))  # emitted once, rounded per precision
         for p in precisions:
-            key = name if p == "fp32" else f"{name}-{p}"
+            key = row_name(name, p)
             path = work / f"icl-{key}.onnx"
             reporter.stage(f"ICL of {key}: {ICL_SEEDS} seeds x {examples} prompts per probe (plain-layout twin)")
             save_graph(plain_twin(m, settings(name, p), calibration, grams, base), path)

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from bdlora.bench.front import markdown as front_markdown
-from bdlora.bench.front import prediction_line
+from bdlora.bench.front import prediction_line, row_name
 from bdlora.io import atomic_path
 
 
@@ -80,9 +80,8 @@ def genai_markdown(doc: dict, idx: dict) -> list[str]:
     for r in rows:
         precision = r["variant"].partition("-")[2] or "fp32"
         k = (r["phase"], r["batch"], r["seq"])
-        suffix = "" if precision == "fp32" else f"-{precision}"
-        b, d = idx.get(("genai", f"builder-{precision}", *k)), idx.get(("genai", f"dense{suffix}", *k))
-        lo = idx.get(("genai", f"lora{suffix}", *k))
+        b, d = idx.get(("genai", f"builder-{precision}", *k)), idx.get(("genai", row_name("dense", precision), *k))
+        lo = idx.get(("genai", row_name("lora", precision), *k))
         shape = f"{r['batch']}x{r['seq']}" if r["phase"] == "prefill" else f"{r['batch']}x1 (cache {r['seq']})"
         vs_b = f"{r['speedup_vs_builder']:.2f}x" if "speedup_vs_builder" in r else "-"
         vs_d = f"{d['median_ms'] / r['median_ms']:.2f}x" if d else "-"

@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from bdlora import SCHEMA_VERSION, __version__
 from bdlora.bench.config import BenchConfig, provider_name
-from bdlora.bench.front import front_points, predicted_vs_measured
+from bdlora.bench.front import front_points, predicted_vs_measured, row_name
 from bdlora.bench.front import plot as plot_front
 from bdlora.bench.genai import Deployment, export_variants, score_folders, time_genai
 from bdlora.bench.icl import icl_of_rows
@@ -196,7 +196,7 @@ def add_ratios(results: list[dict], macs: dict) -> None:
             r["fraction_of_limit_vs_builder"] = r["speedup_vs_builder"] / r["mac_ratio_vs_dense"]
             mark_noise(r, builder, r["fraction_of_limit_vs_builder"])
         if precision:  # quantised on top of low rank: vs the fp32 dense and the dense graph at the same precision
-            same = index.get((key[0], f"dense-{precision}", *key[1:]))
+            same = index.get((key[0], row_name("dense", precision), *key[1:]))
             if same is not None:
                 r[f"speedup_vs_dense_{precision}"] = same["median_ms"] / r["median_ms"]
             continue
@@ -224,7 +224,7 @@ def bench_genai(models: dict[str, nn.Module], tokenizer, workdir: Path, cfg: Ben
     times = time_genai(folders, shapes, cfg.repeats, cfg.warmup, cfg.decode_tokens, vocab, workdir, reporter)
     quality = {}
     if deploy.heldout is not None:
-        owner = {(n if p == "fp32" else f"{n}-{p}"): n for n in models for p in cfg.genai_precisions}
+        owner = {row_name(n, p): n for n in models for p in cfg.genai_precisions}
         owner.update({k: "teacher" if k.startswith("teacher-builder") else "dense" for k in folders if k not in owner})
         dims = {k: DecoderShape.of(models[owner[k]].config) for k in folders}
         quality = score_folders(folders, dims, deploy.heldout, reporter)
