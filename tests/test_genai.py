@@ -413,7 +413,7 @@ def test_the_plain_twin_of_a_quantised_genai_graph_computes_the_same_logits(mixe
     fp32 rounding (far below what int4 itself moves them)."""
     import onnxruntime as ort
 
-    from bdlora.bench.icl import plain_twin
+    from bdlora.export.genai.folder import plain_graph
     from bdlora.export.genai.quantize import LM_HEAD, quantize_nbits
     from bdlora.runtime import DecoderShape, empty_past, run_decoder
 
@@ -421,11 +421,11 @@ def test_the_plain_twin_of_a_quantised_genai_graph_computes_the_same_logits(mixe
     model, _, _ = load_model_folder(folder)
     shape = DecoderShape.of(model.config)
     genai, _ = quantize_nbits(build_decoder(model, DecoderLayout.genai(64)), "int4", quant, head_bits=head_bits)
-    twin = plain_twin(model, GenaiExportSettings("int4", quant, head_bits))
+    twin = plain_graph(model, GenaiExportSettings("int4", quant, head_bits))
     for proto in (genai, twin):  # bench --head-bits: the LM head at those bits in both layouts
         head = next(n for n in proto.graph.node if n.op_type == "MatMulNBits" and n.name.startswith(LM_HEAD))
         assert next(a.i for a in head.attribute if a.name == "bits") == head_bits
-    fp32 = plain_twin(model, GenaiExportSettings())
+    fp32 = plain_graph(model, GenaiExportSettings())
     sessions = [ort.InferenceSession(p.SerializeToString(), providers=["CPUExecutionProvider"])
                 for p in (genai, twin, fp32)]
     ids = np.random.default_rng(3).integers(0, shape.vocab_size, (1, 7))

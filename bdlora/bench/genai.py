@@ -34,8 +34,8 @@ from bdlora.export.genai.folder import (
     calibration_blocks,
     corpus_blocks,
     data_settings,
+    deployment,
     heldout_for,
-    write_genai_files,
 )
 from bdlora.export.settings import DEFAULT as GENAI
 from bdlora.families import FAMILIES, base_type
@@ -130,7 +130,7 @@ def export_variants(models: dict[str, nn.Module], tok, precisions: list[str], wo
     ``models`` may hold "teacher" (the model the student came from; ``teacher`` its HF folder, which the builder
     converts as a user would: ``teacher-builder-<precision>``). ``settings`` (model name, precision -> its
     ``GenaiExportSettings``) and ``calibration`` (the blocks a calibrated scheme rounds against): how each folder is
-    written (``write_genai_files``)."""
+    written (``export.genai.folder.deployment``)."""
 
     folders: dict[str, Path] = {}
     tok = tok if tok is not None else _stand_in_tokenizer()
@@ -140,10 +140,9 @@ def export_variants(models: dict[str, nn.Module], tok, precisions: list[str], wo
         for p in precisions:
             key = row_name(name, p)
             reporter.stage(f"exporting the {key} genai folder")
-            folders[key] = work / f"genai-{key}"
-            folders[key].mkdir()
-            write_genai_files(m, tok, folders[key], settings(name, p, context_length=ctx, threads=threads),
-                              calibration=calibration, grams=grams, reporter=reporter)
+            folders[key] = deployment(m, tok, work / f"genai-{key}", settings(name, p, context_length=ctx,
+                                                                               threads=threads),
+                                      calibration=calibration, grams=grams, reporter=reporter)
     notes: dict = {}
     if peers:
         sources = [("teacher-builder", teacher)] if teacher is not None else []

@@ -5,37 +5,27 @@ The probes run batched and left padded (``evaluate.run_icl``), which onnxruntime
 graph's attention) does not take: it derives positions from the mask's row sums and, on the CPU, takes several new
 tokens after a past only at batch 1. So each row's model is emitted again by the one decoder emitter in the plain
 layout (explicit position ids; ``export onnx``'s graph) and rounded exactly as its genai folder was (same
-quantiser, method, calibration and LM-head bits): the same weights and kernels, only the attention op differs, in
-fp32. The builder's rows (onnxruntime-genai's own graphs) have no plain twin and carry no ICL figure.
+quantiser, method, calibration and LM-head bits; both written by ``export.genai.folder.deployment``): the same
+weights and kernels, only the attention op differs, in fp32. The builder's rows (onnxruntime-genai's own graphs)
+have no plain twin and carry no ICL figure.
 """
 
 from __future__ import annotations
+
+import shutil
 
 import torch.nn as nn
 
 from bdlora.bench.config import BenchConfig
 from bdlora.bench.front import row_name
 from bdlora.evaluate import OrtLM, run_icl
-from bdlora.export.decoder import DecoderLayout, decoder_graph, save_graph
+from bdlora.export.decoder import DecoderLayout, decoder_graph
 from bdlora.export.defaults import MAX_OPSET
-from bdlora.export.genai.folder import rounded
-from bdlora.export.settings import GenaiExportSettings
+from bdlora.export.genai.folder import deployment
 from bdlora.reporter import SILENT, Reporter
-from bdlora.runtime import DecoderShape, session
+from bdlora.runtime import session
 
 ICL_SHOTS, ICL_SEEDS = 10, 3  # eval's protocol (SPEC 7): 10-shot, 3 demonstration seeds
-
-
-def plain_twin(model: nn.Module, settings: GenaiExportSettings, calibration=None, grams: dict | None = None,
-               proto=None):
-    """``model``'s decoder in the plain layout, rounded as ``write_genai_files`` rounds its genai graph with the same
-    ``settings`` (``grams``: filled on the first calibrated call and reused for the other precisions; ``proto``: the
-    model's fp32 plain graph when already emitted, which the quantisers copy, never change)."""
-    if proto is None:
-        proto, _ = decoder_graph(model, DecoderLayout.plain(model.config, MAX_OPSET))
-    if settings.precision == "fp32":
-        return proto
-    return rounded(proto, settings, DecoderShape.of(model.config), calibration, grams)[0]
 
 
 def icl_of_rows(models: dict[str, nn.Module], tok, precisions: list[str], words: list[str], examples: int,
@@ -51,14 +41,12 @@ def icl_of_rows(models: dict[str, nn.Module], tok, precisions: list[str], words:
         base, _ = decoder_graph(m, DecoderLayout.plain(m.config, MAX_OPSET))  # emitted once, rounded per precision
         for p in precisions:
             key = row_name(name, p)
-            path = work / f"icl-{key}.onnx"
             reporter.stage(f"ICL of {key}: {ICL_SEEDS} seeds x {examples} prompts per probe (plain-layout twin)")
-            save_graph(plain_twin(m, settings(name, p), calibration, grams, base), path)
             try:
+                path = deployment(m, None, work / f"icl-{key}", settings(name, p), "plain", calibration, grams, base)
                 res = run_icl(OrtLM(session(path), m.config), tok, words, shots=ICL_SHOTS, seeds=ICL_SEEDS,
                               examples=examples)
             finally:
-                for f in (path, path.with_name(path.name + ".data")):
-                    f.unlink(missing_ok=True)
+                shutil.rmtree(work / f"icl-{key}", ignore_errors=True)
             out[key] = {"icl": res["macro"]["mean"], "icl_std": res["macro"]["std"], "icl_examples": examples}
     return out

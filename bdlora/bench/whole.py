@@ -47,7 +47,7 @@ from bdlora.bench.genai import _stand_in_tokenizer, time_genai
 from bdlora.budgeted.channels import CHANNEL_STEP
 from bdlora.budgeted.costs import ModuleShape, shapes_from_config
 from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES
-from bdlora.export.genai.folder import write_genai_files
+from bdlora.export.genai.folder import deployment
 from bdlora.export.genai.latency import TABLE_VERSION, cpu_name
 from bdlora.export.settings import GenaiExportSettings
 from bdlora.families import base_type, with_layers
@@ -173,9 +173,8 @@ def decode_overhead(config: dict, table, precision: str, threads: int, cache: Pa
         for name, (layers, width) in graphs.items():
             reporter.stage(f"exporting a synthetic {layers}-layer graph (MLP width {width}) at {precision} to time "
                            "the decode step outside the projections")
-            folders[name] = work / name
-            folders[name].mkdir()
-            write_genai_files(_dense_model(config, layers, width), _stand_in_tokenizer(), folders[name], settings)
+            folders[name] = deployment(_dense_model(config, layers, width), _stand_in_tokenizer(), work / name,
+                                       settings)
         rows = time_genai(folders, [["decode", 1, CONTEXT]], REPEATS, WARMUP, STEPS, int(config["vocab_size"]),
                           work, reporter)
     finally:

@@ -14,7 +14,9 @@ from bdlora.blocks import PackedBlocks, scored_blocks
 from bdlora.corpora import heldout_blocks, settings_tokens
 from bdlora.data import BUILTIN, Corpus, tokenize_corpus
 from bdlora.errors import Checks, UsageError, usable_cores
-from bdlora.export.decoder import DecoderLayout, build_decoder
+from bdlora.export.decoder import DecoderLayout, build_decoder, decoder_graph
+from bdlora.export.decoder import save_graph as save_plain
+from bdlora.export.defaults import MAX_OPSET
 from bdlora.export.files import identity, write_model_files
 from bdlora.export.genai import validate as v
 from bdlora.export.genai.config import genai_config
@@ -102,6 +104,39 @@ def rounded(proto, settings: GenaiExportSettings, shape: DecoderShape, calibrati
     if settings.calibrated:
         info["calibration_tokens"] = len(calibration) * calibration.seq_len
     return out, info
+
+
+LAYOUTS = ("genai", "plain")
+
+
+def deployment(model, tok, folder: Path, settings: GenaiExportSettings, layout: str = "genai", calibration=None,
+               grams: dict | None = None, proto=None, reporter: Reporter = SILENT) -> Path:
+    """``model`` written as it deploys under ``settings`` (precision, scheme, head bits, 8-bit share, context,
+    threads) into ``folder`` (made if missing); the one writer behind ``export genai``, the bench's rows, its ICL
+    twins and the whole-step probes. ``layout`` "genai": the onnxruntime-genai folder (``write_genai_files``; no
+    tokenizer files when ``tok`` is None), returned; "plain": the decoder in ``export onnx``'s layout (explicit
+    position ids: what batched, left-padded scoring takes) rounded exactly as the genai graph is (``plain_graph``),
+    saved as ``folder/model.onnx``, whose path is returned. ``calibration``/``grams``: as ``rounded``; ``proto``: the
+    model's fp32 plain graph when already emitted (one model at several precisions)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r}: allowed {', '.join(LAYOUTS)}")
+    folder.mkdir(parents=True, exist_ok=True)
+    if layout == "genai":
+        write_genai_files(model, tok, folder, settings, calibration=calibration, grams=grams, reporter=reporter)
+        return folder
+    save_plain(plain_graph(model, settings, calibration, grams, proto), folder / MODEL_ONNX)
+    return folder / MODEL_ONNX
+
+
+def plain_graph(model, settings: GenaiExportSettings, calibration=None, grams: dict | None = None, proto=None):
+    """``model``'s decoder in the plain layout, rounded as ``write_genai_files`` rounds its genai graph with the same
+    ``settings`` (``grams``: filled on the first calibrated call and reused; ``proto``: the model's fp32 plain graph
+    when already emitted, which the quantisers copy, never change)."""
+    if proto is None:
+        proto, _ = decoder_graph(model, DecoderLayout.plain(model.config, MAX_OPSET))
+    if settings.precision == "fp32":
+        return proto
+    return rounded(proto, settings, DecoderShape.of(model.config), calibration, grams)[0]
 
 
 def export_genai_folder(model_dir: str | Path, out: str | Path, settings: GenaiExportSettings = GenaiExportSettings(),
