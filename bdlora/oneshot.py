@@ -36,8 +36,7 @@ from bdlora.budgeted.layers import removal_errors, renumbered
 from bdlora.budgeted.lowrank import factors, gram_root, spectrum
 from bdlora.budgeted.model import build_deployed_model
 from bdlora.budgeted.start import allocate_by, calibrate_with_progress, compute_start, shapes_of, structure_report
-from bdlora.corpora import GENERAL_VOCABULARY, check_spec, default_heldout, load_tokens
-from bdlora.data import BUILTIN
+from bdlora.corpora import GENERAL_CALIB_DATA, check_spec, default_heldout, general_calib_data, load_tokens
 from bdlora.deployed.folder import save_model_folder
 from bdlora.errors import UsageError
 from bdlora.forms import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
@@ -220,12 +219,6 @@ class Skipped(torch.nn.Module):
         return hidden_states
 
 
-# What a general-purpose model (a pretrained LLM's vocabulary) calibrates on by default: the two builtin corpora that
-# are not the unseen one (fortunes stays unseen for the front). Measured on SmolLM2 at one-shot 1.2x, 8,192 tokens:
-# against builtin alone, prose 13.70 -> 12.59 and fortunes 106.0 -> 104.1 at builtin 23.34 -> 23.53.
-GENERAL_CALIB_DATA = "builtin:1,prose:1"
-
-
 def load_source(source: str, cfg: OneShotConfig, cache_dir: Path | None, reporter: Reporter, what: str):
     """(model, tokenizer, path, calibration blocks, held-out blocks, held-out fraction) of a pretrained ``source``:
     the model frozen in fp32; the training split of ``cfg.calib_data`` (default ``cfg.data``; for a general-purpose
@@ -239,7 +232,7 @@ def load_source(source: str, cfg: OneShotConfig, cache_dir: Path | None, reporte
     model, tok, path = load_teacher(source, cache_dir, on_stage=reporter.stage, what=what)
     for p in model.parameters():
         p.requires_grad_(False)
-    if cfg.calib_data is None and cfg.data == BUILTIN and model.config.vocab_size >= GENERAL_VOCABULARY:
+    if general_calib_data(cfg.data, cfg.calib_data, model.config.vocab_size) != cfg.calib_data:
         cfg.calib_data = GENERAL_CALIB_DATA  # recorded in the folder's data settings as what it calibrated on
         reporter.stage(f"calibrating a general-purpose model on {GENERAL_CALIB_DATA} (--calib-data to choose)")
     seq = min(cfg.seq_len, getattr(model.config, "max_position_embeddings", None) or cfg.seq_len)

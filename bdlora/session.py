@@ -5,6 +5,7 @@ creates nothing but caches; ``train`` then opens the run directory and runs the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ from bdlora.blocks import DocumentBlocks, PackedBlocks, scored_blocks, training_
 from bdlora.budgeted.calibrate import check_calib_tokens
 from bdlora.budgeted.start import needed
 from bdlora.config import BUILTIN, TrainConfig, resolve_defaults
-from bdlora.corpora import check_spec, default_heldout, load_tokens
+from bdlora.corpora import check_spec, default_heldout, general_calib_data, load_tokens
 from bdlora.errors import DataError, ModelError, UsageError
 from bdlora.forms import LOWRANK
 from bdlora.reporter import SILENT, Reporter
@@ -80,6 +81,11 @@ def prepare(cfg: TrainConfig, reporter: Reporter = SILENT) -> Session:
     val_blocks = scored_blocks(data.tokens("val"), cfg.seq_len, cfg.eval_tokens, f"--data {cfg.data}", bos=data.bos)
     calib_blocks = None
     if needed(cfg.method, cfg.lora_init, cfg.allocation):
+        general = general_calib_data(cfg.data, cfg.calib_data, teacher.config.vocab_size)
+        if general != cfg.calib_data:  # recorded in the run's config.json as what the start calibrated on
+            cfg = dataclasses.replace(cfg, calib_data=general, defaulted=(*cfg.defaulted, "calib_data"))
+            reporter.stage(f"calibrating the start of a general-purpose teacher on {general} (--calib-data to "
+                           "choose)")
         if cfg.calib_data and cfg.calib_data != cfg.data:
             calib = load_tokens(cfg.calib_data, tokenizer, None, cache, what="--calib-data", teacher=source,
                                 seed=cfg.seed, reporter=reporter)

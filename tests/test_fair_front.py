@@ -199,3 +199,39 @@ def test_a_default_domain_that_cannot_be_fetched_is_said_not_fatal(tiny_env, tmp
     assert set(doc["domains_skipped"]) == {"prose", "fortunes"} and doc["ppl"]["val_ppl"] > 1
     r = CliRunner().invoke(app, [*args, "--domains", "fortunes", "--json", str(tmp_path / "f.json")])
     assert r.exit_code == 2 and "could not fetch" in r.stderr and not (tmp_path / "f.json").exists()
+
+
+def test_trains_start_calibrates_a_general_purpose_teacher_on_the_builtin_mixture(tiny_env, tmp_path, monkeypatch):
+    """Issue 54, item 3: a general-purpose teacher (a vocabulary of 32,000 or more) healed on the default --data
+    builtin has its start calibrated on builtin:1,prose:1, as compress --one-shot does, so fortunes stays unseen; the
+    run's config.json records it as defaulted. An explicit --calib-data, or a small vocabulary, is left alone.
+    (The corpora themselves are redirected to the tiny fixture corpus: what is checked is which spec is asked for.)"""
+    from transformers import MistralForCausalLM
+
+    import bdlora.session as session
+    from bdlora.corpora import GENERAL_CALIB_DATA, general_calib_data
+    from conftest import tiny_config, train_args
+
+    assert general_calib_data("builtin", None, 32_000) == GENERAL_CALIB_DATA == "builtin:1,prose:1"
+    assert general_calib_data("builtin", None, 31_999) is None and general_calib_data("prose", None, 50_000) is None
+    assert general_calib_data("builtin", "prose", 50_000) == "prose"
+    MistralForCausalLM(tiny_config(32_000, layers=2, hidden=16)).save_pretrained(tmp_path / "m")
+    tiny_env["tokenizer"].save_pretrained(tmp_path / "m")
+    asked, real = [], session.load_tokens
+
+    def redirected(spec, tok, *a, **k):
+        asked.append(spec)
+        return real(str(tiny_env["corpus"]), tok, *a, **k)
+
+    monkeypatch.setattr(session, "load_tokens", redirected)
+    env = {**tiny_env, "teacher": tmp_path / "m"}
+    for out, extra, calib in (("a", [], GENERAL_CALIB_DATA), ("b", ["--calib-data", "fortunes"], "fortunes")):
+        asked.clear()
+        args = train_args(env, tmp_path / out, "--method", "budgeted", "--max-steps", "1", "--mac-ratio", "1.2",
+                          "--calib-tokens", "256", *extra)
+        args[args.index("--data") + 1] = "builtin"
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 0, r.output
+        cfg = json.loads((tmp_path / out / "config.json").read_text())["config"]
+        assert asked == ["builtin", calib] and cfg["calib_data"] == calib
+        assert ("calib_data" in cfg["defaulted"]) == (not extra)
