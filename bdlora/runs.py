@@ -348,6 +348,13 @@ def one_shot_out(source: str, mac_ratio: float, runs_dir: str | os.PathLike = RU
     return Path(runs_dir) / f"{name}.oneshot-{''.join(t + '-' for t in tags)}{mac_ratio:g}x{COMPRESSED}"
 
 
+def row_name(model: str, precision: str) -> str:
+    """The genai bench's name of ``model``'s row at ``precision``, and of the folder it exports for it (``genai-``
+    before it): ``compressed``, ``compressed-int4``, ``teacher-int8``, ``peer-NAME-int4`` (fp32 carries no suffix;
+    ``bench.front.precision_of`` reads it back)."""
+    return model if precision == "fp32" else f"{model}-{precision}"
+
+
 def eval_json(source: str | os.PathLike) -> Path:
     """Where ``bdlora eval`` writes its report for ``source``: beside it, ``<name>.eval.json``."""
     source = Path(source)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bdlora.io import atomic_path
+from bdlora.runs import row_name
 
 
 def dominance(points: list[dict], key: str = "ppl", mark: str = "") -> list[dict]:
@@ -46,12 +47,6 @@ def front_points(results: list[dict], quality: dict[str, dict], batch: int = 1, 
     if any(p.get("ppl_unseen") is not None for p in points):  # marked on the domain no row was fitted to as well
         points = dominance(points, "ppl_unseen", "_unseen")
     return [{**p, **same_precision(p, points), **same_precision(p, points, PEER)} for p in points]
-
-
-def row_name(model: str, precision: str) -> str:
-    """The genai bench's name of ``model``'s row (and folder) at ``precision``: ``compressed``, ``compressed-int4``,
-    ``teacher-int8``, ``peer-NAME-int4`` (fp32 carries no suffix); ``precision_of`` reads it back."""
-    return model if precision == "fp32" else f"{model}-{precision}"
 
 
 def precision_of(name: str) -> str:

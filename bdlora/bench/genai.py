@@ -23,7 +23,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from bdlora.bench.config import BenchConfig
-from bdlora.bench.front import PEER, row_name
+from bdlora.bench.front import PEER
 from bdlora.bench.launch import run_timing_process
 from bdlora.budgeted.model import narrow_sites
 from bdlora.corpora import GENERAL_VOCABULARY, default_heldout, unseen_corpus
@@ -43,7 +43,7 @@ from bdlora.icl import corpus_word_list
 from bdlora.models import load_model_folder
 from bdlora.reference import teacher_folder
 from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import CONFIG, GENAI_CONFIG, MODEL_ONNX
+from bdlora.runs import CONFIG, GENAI_CONFIG, MODEL_ONNX, row_name
 from bdlora.runtime import DecoderShape, score_blocks, session
 
 BUILDER_PRECISIONS = {"fp32": "fp32", "int4": "int4"}  # the builder's -p values we compare against

@@ -17,12 +17,12 @@ import shutil
 import torch.nn as nn
 
 from bdlora.bench.config import BenchConfig
-from bdlora.bench.front import row_name
 from bdlora.evaluate import OrtLM, run_icl
 from bdlora.export.decoder import DecoderLayout, decoder_graph
 from bdlora.export.defaults import MAX_OPSET
 from bdlora.export.genai.folder import deployment
 from bdlora.reporter import SILENT, Reporter
+from bdlora.runs import row_name
 from bdlora.runtime import session
 
 ICL_SHOTS, ICL_SEEDS = 10, 3  # eval's protocol (SPEC 7): 10-shot, 3 demonstration seeds

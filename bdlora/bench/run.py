@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from bdlora import SCHEMA_VERSION, __version__
 from bdlora.bench.config import BenchConfig, provider_name
-from bdlora.bench.front import front_points, predicted_vs_measured, row_name
+from bdlora.bench.front import front_points, predicted_vs_measured
 from bdlora.bench.front import plot as plot_front
 from bdlora.bench.genai import Deployment, export_variants, score_folders, time_genai
 from bdlora.bench.icl import icl_of_rows
@@ -42,7 +42,7 @@ from bdlora.export.onnx.metadata import module_table
 from bdlora.export.onnx.quantize import quantize_int8
 from bdlora.io import atomic_dir, write_json, write_text
 from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import BENCH_JSON
+from bdlora.runs import BENCH_JSON, row_name
 from bdlora.runtime import DecoderShape
 
 # --------------------------------------------------------------------------------------------------------------------
