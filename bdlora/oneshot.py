@@ -262,6 +262,21 @@ def quality_plan(source: str, cfg: OneShotConfig, layers: int | None, rank: int,
     return report
 
 
+def forms_plan(source: str, cfg: OneShotConfig, cache_dir: Path | None = None, reporter: Reporter = SILENT,
+               cost_table=None) -> tuple[dict, dict]:
+    """``plan --model SOURCE --allocation quality --forms F``: (report, the source's config) of the structure
+    ``compress --one-shot`` with the same options would write (calibrated, allocated among ``cfg.forms``,
+    factored), reported as compress reports it and not written; with ``cost_table``, its allocation cost and
+    prediction in ``provenance.allocation_cost``."""
+    model, _, _, train_blocks, _, _ = load_source(source, cfg, cache_dir, reporter, "--model")
+    decisions, _, tokens, facts = one_shot_structure(model, train_blocks, cfg, reporter, cost_table)
+    report = compression_report(decisions, None, {}, baseline="source")
+    report.update(source="plan --allocation quality --forms", provenance={
+        "teacher": source, "forms": cfg.forms, "mac_ratio": cfg.mac_ratio, "speedup": cfg.speedup,
+        "calib_data": cfg.calib_data or cfg.data, "calib_tokens": tokens, **facts})
+    return report, model.config.to_dict()
+
+
 def compress_one_shot(source: str, cfg: OneShotConfig, out: str | Path, force: bool = False,
                       cache_dir: Path | None = None, evaluate: bool = True,
                       reporter: Reporter = SILENT, cost_table=None) -> tuple[dict, Path]:

@@ -182,3 +182,41 @@ def test_the_smollm2_cpu_recipe_ships_and_its_rank_choice_holds():
     kv, dense = ModuleShape("k_proj", 576, 192), 576 * 192
     assert decide_module(kv, 0.0, 128, 128, BudgetedConfig()).macs_after / dense == pytest.approx(0.889, abs=1e-3)
     assert decide_module(kv, 0.0, 64, 64, BudgetedConfig()).macs_after / dense == pytest.approx(0.444, abs=1e-3)
+
+
+def test_plan_forms_is_the_one_shot_structure_unwritten(tiny_env, tmp_path, monkeypatch):
+    """Issue 51: ``plan --model M --allocation quality --forms F`` reports the structure ``compress --one-shot`` with
+    the same options writes (every module's case, form, rank and kept channels identical), and writes nothing; its
+    options are refused in one line where they cannot apply."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from bdlora.cli import app
+
+    monkeypatch.setenv("BDLORA_CACHE", str(tmp_path / "cache"))
+    common = ["--data", str(tiny_env["corpus"]), "--calib-tokens", "512", "--mac-ratio", "1.3", "--forms",
+              "lowrank,channels,layers"]
+    res = CliRunner().invoke(app, ["plan", "--model", str(tiny_env["teacher"]), "--allocation", "quality",
+                                   *common, "--json"])
+    assert res.exit_code == 0, res.output
+    planned = json.loads(res.stdout)
+    res = CliRunner().invoke(app, ["compress", str(tiny_env["teacher"]), "--one-shot", *common, "--no-eval",
+                                   "--out", str(tmp_path / "shot"), "--json"])
+    assert res.exit_code == 0, res.output
+    written = json.loads(res.stdout)
+
+    def structure(report):
+        return [(m["name"], m["case"], m["form"], m.get("rank"), m.get("channels")) for m in report["modules"]]
+
+    assert structure(planned) == structure(written) and planned["speedup_vs_dense"] == pytest.approx(1.3, rel=0.05)
+    assert planned["provenance"]["forms"] == "lowrank,channels,layers" and not (tmp_path / "runs").exists()
+    teacher = str(tiny_env["teacher"])
+    for args, needle in ((["--model-config", teacher, "--forms", "channels", "--mac-ratio", "1.3"],
+                          "--forms channels: plans the one-shot structure of --model"),
+                         (["--model", teacher, "--allocation", "quality", "--forms", "channels"],
+                          "give --mac-ratio R (or with --precision P, --speedup S)"),
+                         (["--model", teacher, "--allocation", "quality", "--forms", "rows", "--mac-ratio", "1.3"],
+                          "--forms 'rows': allowed")):
+        res = CliRunner().invoke(app, ["plan", *args])
+        assert res.exit_code == 2 and needle in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.output

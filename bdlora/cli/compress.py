@@ -18,7 +18,7 @@ from bdlora.cli.progress import RichReporter
 from bdlora.config import BUILTIN, CALIB_TOKENS, GENAI_PRECISIONS
 from bdlora.data import default_cache_dir
 from bdlora.errors import Checks, UsageError, flag, usable_cores
-from bdlora.oneshot_config import OneShotConfig
+from bdlora.oneshot_config import OneShotConfig, forms_problem
 from bdlora.plan import DEFAULT_PLAN_STEPS, read_model_config
 from bdlora.plan import plan as run_plan
 from bdlora.runs import RUNS_DIR, ModelDir, RunDir, one_shot_out
@@ -27,7 +27,12 @@ from bdlora.schemes import DEFAULT_SCHEME, quant_problem
 PLAN_FIELDS = ("budget", "rank", "eps_lr", "eps_zero", "svd_max_rank", "decay_start", "decay_end", "retention_ema")
 
 
-@command(options=from_dataclass(BudgetedConfig, names=PLAN_FIELDS, rename={"rank": "lora_rank"}, defaults=True))
+PLAN_FORMS = ("forms", "speedup")  # with --model and --allocation quality: the one-shot structure over any forms
+
+
+@command(options=from_dataclass(BudgetedConfig, names=PLAN_FIELDS, rename={"rank": "lora_rank"}, defaults=True)
+         + from_dataclass(OneShotConfig, names=PLAN_FORMS, panel="--model --allocation quality over any forms",
+                          notes={"forms": "plan: the structure compress --one-shot would write (nothing written)."}))
 def plan(
     folder: Annotated[Optional[str], typer.Argument(help="A compressed folder (compress's output): its own structure "
                                                         "(with --precision, its predicted decode speed-up).",
@@ -64,15 +69,15 @@ def plan(
     --model and --allocation quality, from the model's own calibration; for a compressed FOLDER, its own structure.
     With --precision, each form's decode time measured here and the whole decode step predicted."""
 
-    rank = opts.pop("lora_rank")
+    rank, shot = opts.pop("lora_rank"), {k: opts.pop(k) for k in PLAN_FORMS}
     _check_plan(opts, rank, model_config or folder, model, allocation, mac_ratio, calib_tokens, layers, steps,
-                precision, threads, quant)
-    if folder is not None and (model_config or model):
-        raise UsageError(f"plan {folder}: a compressed folder is planned from its own report; drop "
-                         f"{'--model-config' if model_config else '--model'}")
+                precision, threads, quant, shot)
     if folder is not None:
-        report, config = _folder_report(folder)
-        title = f"plan {folder}: {report['speedup_vs_dense']:.2f}x fewer projection MACs"
+        report, config, title = _folder_report(folder, "--model-config" if model_config else model and "--model")
+    elif any(v is not None for v in shot.values()):
+        report, config, title = _forms_plan(model, shot, json_out, mac_ratio=mac_ratio, calib_tokens=calib_tokens,
+                                            data=data, calib_data=calib_data, precision=precision, quant=quant,
+                                            threads=threads)
     else:
         report, config, title = _planned(model_config, model, allocation, rank, layers, mac_ratio, calib_tokens,
                                          calib_data or data, steps, opts, json_out)
@@ -101,8 +106,17 @@ def _planned(model_config, model, allocation, rank, layers, mac_ratio, calib_tok
 
 
 def _check_plan(opts, rank, model_config, model, allocation, mac_ratio, calib_tokens, layers, steps, precision,
-                threads, quant) -> None:
+                threads, quant, shot: dict) -> None:
     c = Checks()  # every option's own range first, then what the model allows
+    if any(v is not None for v in shot.values()):
+        given = " ".join(f"{flag(k)} {v}" for k, v in shot.items() if v is not None)
+        c.require(model is not None and allocation == "quality" and layers is None,
+                  f"{given}: plans the one-shot structure of --model (with --allocation quality, at the model's "
+                  "depth: no --layers)")
+        c.require(mac_ratio is not None or shot["speedup"] is not None,
+                  f"{given}: give --mac-ratio R (or with --precision P, --speedup S)")
+        problem = forms_problem(shot["forms"]) if shot["forms"] is not None else None
+        c.require(problem is None, problem or "")
     BudgetedConfig(**opts, rank=rank).check(c)
     c.integer("layers", layers, lo=1)
     c.integer("steps", steps, lo=1)
@@ -121,6 +135,17 @@ def _check_plan(opts, rank, model_config, model, allocation, mac_ratio, calib_to
 
 def _resolved(model: str) -> str:
     return sources.resolve(model, what="--model")
+
+
+def _forms_plan(model: str, shot: dict, json_out: bool, **options) -> tuple[dict, dict, str]:
+    """(report, config, title) of ``plan --model M --allocation quality --forms F``: the one-shot structure."""
+    from bdlora.oneshot import forms_plan
+
+    cfg = OneShotConfig(**options, **{k: v for k, v in shot.items() if v is not None}).validate()
+    reporter = RichReporter(err if json_out else out)
+    report, config = forms_plan(model, cfg, reporter=reporter,
+                                cost_table=cost_table(cfg.precision, cfg.threads, None, reporter, cfg.quant))
+    return report, config, f"plan --forms {cfg.forms}: {report['speedup_vs_dense']:.2f}x fewer projection MACs"
 
 
 def _quality_plan(model, rank, layers, mac_ratio, calib_tokens, data, opts, json_out) -> dict:
@@ -208,9 +233,12 @@ def _deployed_prediction(report: dict, precision: str, threads: int | None, repo
                             {m["name"] for m in mods if m["case"] == "removed"}, bits)
 
 
-def _folder_report(folder: str) -> tuple[dict, dict]:
-    """(compression.json, the config of the dense model it came from) of a compressed folder: its own config at the
-    source's depth (the layers its report covers, removed ones included, or the highest source layer it kept)."""
+def _folder_report(folder: str, other: str | None = None) -> tuple[dict, dict, str]:
+    """(compression.json, the config of the dense model it came from, title) of a compressed folder: its own config
+    at the source's depth (the layers its report covers, removed ones included, or the highest source layer it
+    kept). ``other``: the flag of a model given beside it (refused)."""
+    if other:
+        raise UsageError(f"plan {folder}: a compressed folder is planned from its own report; drop {other}")
     src = ModelDir(folder)
     if not src.finished():
         raise UsageError(f"plan {folder}: not a compressed folder (no compression.json); give compress's output, or "
@@ -219,7 +247,8 @@ def _folder_report(folder: str) -> tuple[dict, dict]:
     prov = report.get("provenance") or {}
     depth = len({layer_of(m["name"]) for m in report["modules"]})
     depth = max(depth, int(prov.get("teacher_layers") or 0), 1 + max(prov.get("layer_indices") or [-1]))
-    return report, {**config, "num_hidden_layers": depth}
+    title = f"plan {folder}: {report['speedup_vs_dense']:.2f}x fewer projection MACs"
+    return report, {**config, "num_hidden_layers": depth}, title
 
 
 def _one_shot(source, shot: dict, out_dir, force: bool, runs_dir: str, cache_dir, evaluate: bool, reporter):
