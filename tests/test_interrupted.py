@@ -74,6 +74,22 @@ def test_an_export_killed_half_way_leaves_nothing_that_looks_whole(folder, tmp_p
 
 
 @pytest.mark.slow
+def test_sigterm_mid_export_is_taken_as_ctrl_c_and_leaves_nothing_behind(folder, tmp_path):
+    """``kill`` (SIGTERM: a scheduler's or a container's stop) mid-export: the command stops as Ctrl-C stops it, its
+    temp folder is removed and its claim released (no hidden leftovers, unlike SIGKILL's), one line, exit 143."""
+    out = tmp_path / "m.genai"
+    proc = cli("export", "genai", str(folder), "--out", str(out))
+    deadline = time.time() + 240
+    while not any((t / "model.onnx").exists() for t in temps(out)):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and err.strip().splitlines()[-1] == "interrupted: terminated (SIGTERM)", err
+    assert not out.exists() and temps(out) == [] and not list(tmp_path.glob(".*.lock")), sorted(tmp_path.iterdir())
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(EXPORTS))
 def test_the_file_size_limit_during_an_export_is_one_line_and_leaves_nothing(folder, tmp_path, kind):
     out = tmp_path / f"m.{kind}"

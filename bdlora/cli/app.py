@@ -9,6 +9,7 @@ import functools
 import inspect
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -124,7 +125,7 @@ def command(target: typer.Typer = app, name: str | None = None, options=()):
             except KeyboardInterrupt as e:
                 err.print(f"[bold red]interrupted[/]{': ' + escape(str(e)) if str(e) else ''}", highlight=False,
                           soft_wrap=True)
-                raise typer.Exit(130) from None
+                raise typer.Exit(143 if isinstance(e, Terminated) else 130) from None
             finally:
                 release_claims()  # the outputs this command claimed are whole or gone: another command may write them
 
@@ -139,5 +140,17 @@ def command(target: typer.Typer = app, name: str | None = None, options=()):
     return deco
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a scheduler's or a container's stop) taken as Ctrl-C is: every ``finally`` and context
+    manager runs, so temp folders and timing workers go and claims are released (a killed bench used to leave its
+    hidden work folder, GBs for a large model, behind); exit 143. Training and the server install their own handlers
+    while they run (checkpoint on stop; drain) and restore this one after."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated("terminated (SIGTERM)")
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, _terminated)
     app()
