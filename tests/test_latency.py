@@ -206,6 +206,14 @@ def test_bench_sets_the_prediction_beside_the_measured_speedup():
         prediction_line(p)
     assert predicted_vs_measured(points, {**cost, "precision": "int8"}) is None  # no int8 rows on this front
     assert predicted_vs_measured(points, {**cost, "precision": "fp32"})["measured_speedup"] == pytest.approx(20 / 15)
+    # a prediction made in one scheme's nodes says so when the bench rounded either side another way
+    same = predicted_vs_measured(points, {**cost, "scheme": "affine"}, ("affine", "affine"))
+    assert same["predicted_scheme"] == "affine" and "not the same graphs" not in prediction_line(same)
+    mixed = predicted_vs_measured(points, cost, ("gptq", "affine"))  # a folder from before: rtn's nodes
+    assert mixed["measured_schemes"] == {"student": "gptq", "teacher": "affine"}
+    assert "predicted in rtn's nodes, measured with the student rounded by gptq and the teacher by affine: not the " \
+           "same graphs" in prediction_line(mixed)
+    assert "not the same" not in prediction_line(predicted_vs_measured(points, cost, ("gptq", "rtn")))  # rtn's nodes
 
 
 def test_train_at_a_precision_starts_from_the_allocation_by_decode_time(tiny_env, tmp_path):

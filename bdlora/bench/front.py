@@ -13,6 +13,7 @@ from pathlib import Path
 
 from bdlora.io import atomic_path
 from bdlora.runs import row_name
+from bdlora.schemes import DEFAULT_SCHEME, scheme
 
 
 def dominance(points: list[dict], key: str = "ppl", mark: str = "") -> list[dict]:
@@ -176,11 +177,13 @@ def _panel(ax, points: list[dict], key: str, mark: str, label: str) -> None:
     ax.grid(alpha=0.3)
 
 
-def predicted_vs_measured(points: list[dict], cost: dict) -> dict | None:
+def predicted_vs_measured(points: list[dict], cost: dict, schemes: tuple[str, str] | None = None) -> dict | None:
     """What a one-shot allocation by measured decode time (``compress --one-shot --precision P``) predicted against
     what the front measured at P: the whole-step speed-up the allocation predicted (projections from the latency
     table, the rest of each layer and the step from ``bench.whole``), or for a folder written before it the
-    teacher's measured decode at P less the projection time saved; None when the front lacks either row at P."""
+    teacher's measured decode at P less the projection time saved; None when the front lacks either row at P.
+    ``schemes``: how the bench rounded (the student's, the teacher's); the prediction was made for both in the
+    nodes of one scheme (``cost["scheme"]``, rtn when a folder predates it), and says so when they differ."""
     p = cost.get("precision")
     if p is None:
         return None
@@ -195,14 +198,23 @@ def predicted_vs_measured(points: list[dict], cost: dict) -> dict | None:
     if predicted_ms <= 0:
         return None
     predicted, measured = teacher / predicted_ms, teacher / student
-    return {"precision": p, "table_threads": cost.get("threads"), "teacher_ms": teacher, "student_ms": student,
-            "predicted_student_ms": predicted_ms, "predicted_speedup": predicted, "measured_speedup": measured,
-            "relative_error": predicted / measured - 1.0,
-            "predicted_projection_speedup": cost["predicted_projection_speedup"]}
+    out = {"precision": p, "table_threads": cost.get("threads"), "teacher_ms": teacher, "student_ms": student,
+           "predicted_student_ms": predicted_ms, "predicted_speedup": predicted, "measured_speedup": measured,
+           "relative_error": predicted / measured - 1.0,
+           "predicted_projection_speedup": cost["predicted_projection_speedup"],
+           "predicted_scheme": cost.get("scheme") or DEFAULT_SCHEME}
+    if schemes is not None and p != "fp32":
+        out["measured_schemes"] = {"student": schemes[0], "teacher": schemes[1]}
+    return out
 
 
 def prediction_line(pred: dict) -> str:
+    measured, predicted = pred.get("measured_schemes") or {}, pred.get("predicted_scheme") or DEFAULT_SCHEME
+    layouts = {scheme(v).layout(pred["precision"]) for v in measured.values()}  # gptq runs rtn's nodes: the same
+    caveat = (f"; predicted in {predicted}'s nodes, measured with the student rounded by {measured['student']} and "
+              f"the teacher by {measured['teacher']}: not the same graphs"
+              if layouts - {scheme(predicted).layout(pred["precision"])} else "")
     return (f"predicted by the decode-time allocation at {pred['precision']}: {pred['predicted_speedup']:.2f}x faster "
             f"decode than the teacher's {pred['precision']} export (projections alone "
             f"{pred['predicted_projection_speedup']:.2f}x); measured {pred['measured_speedup']:.2f}x "
-            f"({pred['relative_error']:+.0%})")
+            f"({pred['relative_error']:+.0%}{caveat})")

@@ -288,7 +288,8 @@ def run_bench(model: nn.Module, lora_rank: int, cfg: BenchConfig, out: Path, rep
                 doc["unseen_data"] = deploy.unseen[0]
             plot_front(doc["front"], tmp / "bench_front.png", unseen=doc.get("unseen_data"))
             cost = ((report or {}).get("provenance") or {}).get("allocation_cost")
-            pred = predicted_vs_measured(doc["front"], cost) if cost else None
+            pred = predicted_vs_measured(doc["front"], cost, (cfg.quant_of("compressed"), cfg.quant_of("teacher"))) \
+                if cost else None
             if pred:
                 doc["prediction"] = pred
         if report is not None:
