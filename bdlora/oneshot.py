@@ -36,7 +36,7 @@ from bdlora.budgeted.layers import removal_errors, renumbered
 from bdlora.budgeted.lowrank import factors, gram_root, spectrum
 from bdlora.budgeted.model import build_deployed_model
 from bdlora.budgeted.start import allocate_by, calibrate_with_progress, compute_start, shapes_of, structure_report
-from bdlora.corpora import GENERAL_CALIB_DATA, check_spec, default_heldout, general_calib_data, load_tokens
+from bdlora.corpora import check_spec, default_heldout, general_calib_data, load_tokens
 from bdlora.deployed.folder import save_model_folder
 from bdlora.errors import UsageError
 from bdlora.forms import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
@@ -232,9 +232,10 @@ def load_source(source: str, cfg: OneShotConfig, cache_dir: Path | None, reporte
     model, tok, path = load_teacher(source, cache_dir, on_stage=reporter.stage, what=what)
     for p in model.parameters():
         p.requires_grad_(False)
-    if general_calib_data(cfg.data, cfg.calib_data, model.config.vocab_size) != cfg.calib_data:
-        cfg.calib_data = GENERAL_CALIB_DATA  # recorded in the folder's data settings as what it calibrated on
-        reporter.stage(f"calibrating a general-purpose model on {GENERAL_CALIB_DATA} (--calib-data to choose)")
+    general = general_calib_data(cfg.data, cfg.calib_data, model.config.vocab_size)
+    if general != cfg.calib_data:
+        cfg.calib_data = general  # recorded in the folder's data settings as what it calibrated on
+        reporter.stage(f"calibrating a general-purpose model on {general} (--calib-data to choose)")
     seq = min(cfg.seq_len, getattr(model.config, "max_position_embeddings", None) or cfg.seq_len)
     heldout = default_heldout(cfg.data) if cfg.heldout_fraction is None else cfg.heldout_fraction
     teacher = TeacherSource(Path(str(path)), model, tok)

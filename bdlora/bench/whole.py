@@ -54,7 +54,7 @@ from bdlora.families import base_type, with_layers
 from bdlora.families import family as table_family
 from bdlora.io import read_json, write_json
 from bdlora.reporter import SILENT, Reporter
-from bdlora.schemes import DEFAULT_SCHEME, scheme
+from bdlora.schemes import scheme
 
 CONTEXT = 128  # tokens in the cache when the step is timed (bench's default decode shape: batch 1 after 128)
 STEPS, REPEATS, WARMUP = 32, 15, 3  # decode tokens per timing, timed repeats, untimed ones
@@ -154,7 +154,7 @@ def decode_overhead(config: dict, table, precision: str, threads: int, cache: Pa
     """The fitted overhead of ``config``'s shapes at ``precision`` (``table``: the latency table at the same
     precision and threads, holding the dense and half-width products; its scheme's node layout is the graphs'),
     from the cache or measured."""
-    timed = scheme(getattr(table, "scheme", DEFAULT_SCHEME)).timed_as(precision)
+    timed = scheme(table.scheme).timed_as(precision)
     path = overhead_path(cache, config, precision, threads, head_bits, timed.layout(precision))
     if path.is_file():
         cached = read_overhead(path)
@@ -164,9 +164,8 @@ def decode_overhead(config: dict, table, precision: str, threads: int, cache: Pa
     hi, lo = depths(config, precision)
     full, half = int(config["intermediate_size"]), half_width(config)
     graphs = {"lo": (lo, full), "hi": (hi, full), "half": (hi, half)}
-    rounding = {} if precision == "fp32" else {"quant": timed.name}
-    settings = GenaiExportSettings(head_bits=head_bits, context_length=CONTEXT + STEPS + 8, threads=threads,
-                                   validate=False).at(precision, **rounding)
+    settings = GenaiExportSettings(quant=timed.name, head_bits=head_bits, context_length=CONTEXT + STEPS + 8,
+                                   threads=threads, validate=False).at(precision)  # at fp32: no scheme
     work = Path(tempfile.mkdtemp(prefix="bdlora-overhead-"))
     try:
         folders = {}

@@ -296,12 +296,12 @@ def latency_table(shapes: list[ModuleShape], precision: str, threads: int, cache
     from the cache and completed by measuring the forms it lacks (the dense product and the rank ``grid`` of every
     distinct (K, N); with ``ranks`` False the dense products only); ``dense``: further (K, N) products measured
     dense only (the narrower widths a pruned MLP interpolates between)."""
-    layout = scheme(quant).layout(precision) if precision in PRECISIONS else "nbits"
     if precision not in PRECISIONS:
         raise UsageError(f"--precision {precision}: must be one of {', '.join(PRECISIONS)}")
     if not 1 <= threads <= usable_cores():  # a table measured on more threads than cores would be cached as real
         raise UsageError(f"--threads {threads}: must be between 1 and the cores this process may use "
                          f"({usable_cores()})")
+    layout = scheme(quant).layout(precision)
     path = table_path(Path(cache), precision, threads, layout)
     table = LatencyTable(precision, threads, scheme=quant, path=path)
     if path.is_file():
