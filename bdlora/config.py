@@ -21,6 +21,7 @@ from typing import Any
 from bdlora.budgeted.config import ALLOCATIONS, LORA_INITS, BudgetedConfig
 from bdlora.budgeted.config import DEFAULTS as BUDGETED
 from bdlora.errors import Checks, ConfigError, shown
+from bdlora.forms import train_forms_problems
 from bdlora.schemes import quant_problem
 
 METHODS = ("kd-full", "kd-lora", "budgeted")
@@ -123,6 +124,14 @@ class TrainConfig:
     quant: str | None = None
     """With --precision int8 or int4: the scheme export genai will round with (rtn, gptq, affine; default rtn),
     whose node layout is what is timed."""
+    forms: str | None = None
+    """The structures the start allocates among, as compress --one-shot's --forms (lowrank, channels, groups, layers,
+    bits). Beyond lowrank (or with --speedup) the student starts as the structure a one-shot with these options
+    writes of its layers, and the run heals it: budgeted (--allocation quality) moves the projections it makes low
+    rank through the budget schedule; kd-lora and kd-full heal a structure without lowrank."""
+    speedup: float | None = None
+    """With --forms and --precision, instead of --mac-ratio: the predicted whole decode speed-up over the student's
+    dense export at that precision (attention, norms and the LM head priced beside the projections)."""
     calib_tokens: int | None = None
     """Training-split tokens the whitened init and the quality allocation are measured on (a default is cut to the
     whole split when that is smaller)."""
@@ -155,6 +164,11 @@ class TrainConfig:
     """The options the teacher's defaults filled (resolved by ``resolve_defaults``, not a user option): where a
     value may be fitted to the teacher or data, a defaulted one is, an explicit one is checked."""
 
+    @property
+    def structured(self) -> bool:
+        """Whether the student starts as a one-shot structure (``--forms`` beyond lowrank, or ``--speedup``)."""
+        return self.forms not in (None, "lowrank") or self.speedup is not None
+
     def budgeted(self) -> BudgetedConfig:
         """The Budgeted LoRA settings of this run (rank and alpha resolved)."""
         return BudgetedConfig(rank=BUDGETED.rank if self.lora_rank is None else self.lora_rank,
@@ -181,12 +195,15 @@ class TrainConfig:
         if self.allocation is not None:
             c.choice("allocation", self.allocation, ALLOCATIONS)
         c.number("mac_ratio", self.mac_ratio, lo=1.0)
+        c.number("speedup", self.speedup, lo=1.0)
         if self.precision is not None:
             c.choice("precision", self.precision, GENAI_PRECISIONS)
-            c.require(self.method == "budgeted" and self.allocation != "cost" and self.mac_ratio is not None,
+            c.require(self.structured or (self.method == "budgeted" and self.allocation != "cost"
+                                          and self.mac_ratio is not None),
                       f"--precision {self.precision}: allocates a budgeted student's start by decode time; give "
-                      "--method budgeted --allocation quality --mac-ratio R")
+                      "--method budgeted --allocation quality --mac-ratio R (or --forms F)")
         quant_problem(c, self.quant, self.precision)
+        train_forms_problems(c, self)
         for name in ("teacher", "data", "calib_data", "student_init", "out", "runs_dir", "cache_dir"):
             c.text(name, getattr(self, name))
         for name in ("batch_size", "grad_accum", "max_steps", "tokens", "eval_tokens", "loss_chunk", "eval_every",

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 from bdlora.errors import ModelError, shown
 
+ALLOCATED_FORMS = ("lowrank", "channels", "groups", "layers", "bits")  # what --forms may name (bdlora.forms: a
+# projection's, an MLP's, an attention block's or a whole decoder layer's form, or a projection's width at int4)
 WIDE_BITS = 8  # ``"bits": 8`` on a projection: it ships at 8 bits in an int4 export (chosen by ``--forms bits``)
 
 
@@ -241,3 +243,49 @@ def describe(module) -> tuple[str, int, int, int, object]:
     if hasattr(module, "in_features") and hasattr(module, "weight") and module.weight.dim() == 2:  # nn.Linear
         return DENSE.name, module.in_features, module.out_features, 0, module.bias
     raise TypeError(f"unsupported projection module {cls} (forms: {', '.join(FORMS)})")
+
+
+def forms_problem(forms) -> str | None:
+    """Why ``--forms`` is not a comma-separated set of ``ALLOCATED_FORMS`` (None when it is)."""
+    names = [f.strip() for f in forms.split(",")] if isinstance(forms, str) else None
+    if not names or any(n not in ALLOCATED_FORMS for n in names):
+        bad = shown(forms) if not names else ", ".join(repr(n) for n in names if n not in ALLOCATED_FORMS)
+        return f"--forms {bad}: allowed {', '.join(ALLOCATED_FORMS)}, comma-separated"
+    if len(set(names)) < len(names):
+        return f"--forms {forms}: {next(n for n in names if names.count(n) > 1)} given twice"
+    return None
+
+
+def train_forms_problems(c, cfg) -> None:
+    """``train --forms`` and ``--speedup`` (a ``config.TrainConfig``): a known set of forms the method can train
+    from, one dial; each problem added to ``c`` (an ``errors.Checks``)."""
+    if cfg.speedup is not None:
+        c.require(cfg.forms is not None and cfg.precision is not None and cfg.mac_ratio is None,
+                  f"--speedup {shown(cfg.speedup)}: with --forms F and --precision P, instead of --mac-ratio")
+    if cfg.forms is None:
+        return
+    problem = forms_problem(cfg.forms)
+    if problem is not None:
+        c.add(problem)
+        return
+    names = [f.strip() for f in cfg.forms.split(",")]
+    if cfg.method == "budgeted":
+        c.require(cfg.allocation != "cost" and "lowrank" in names,
+                  f"--forms {cfg.forms}: budgeted moves the projections the allocation makes low rank; give "
+                  "--allocation quality and lowrank among the forms (or --method kd-lora to heal a pruned start)")
+    else:
+        c.require("lowrank" not in names and cfg.structured,
+                  f"--forms {cfg.forms}: {cfg.method} heals a dense structure; name channels, groups, layers or "
+                  "bits without lowrank (budgeted moves projections to low rank)")
+    c.require(cfg.method != "budgeted" or cfg.lora_init in (None, "whitened"),
+              f"--forms {cfg.forms}: the start's low-rank paths are the one-shot's whitened factors; --lora-init "
+              f"{cfg.lora_init} cannot start them (drop it, or give whitened)")
+    c.require(cfg.forms == "lowrank" or cfg.mac_ratio is not None or cfg.speedup is not None,
+              f"--forms {cfg.forms}: needs the dial the start allocates for: --mac-ratio R (or --precision P "
+              "--speedup S)")
+    c.require("bits" not in names or cfg.precision == "int4",
+              f"--forms {cfg.forms}: bits chooses which projections an int4 export keeps at 8 bits; give "
+              "--precision int4")
+    c.require(not (cfg.structured and cfg.student_init),
+              f"--forms {cfg.forms}: the start prunes the teacher's layers; --student-init {cfg.student_init} "
+              "is a structure already (give one or the other)")

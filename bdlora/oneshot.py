@@ -50,13 +50,14 @@ from bdlora.teacher import load_teacher
 
 
 def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Reporter = SILENT, cost_table=None):
-    """(decisions, {name: DeployedModule}, calibration tokens, facts) of ``model`` at ``cfg.mac_ratio`` (or
-    ``cfg.speedup``): calibrate, allocate among ``cfg.forms``, factor (and prune); the modules of removed layers have
-    decisions but nothing deployed. ``cost_table`` (shapes, dense=(K, N) pairs, config -> an object with
-    ``cost(shape, rank)`` and ``prediction(shapes, ranks, shape_of, gone)``, e.g. the measured decode-time table of
-    ``bdlora.export.genai.latency``, passed in by the CLI; given the model's config, its prediction covers the whole
-    decode step): allocate by that cost instead of MACs. ``facts``, for the provenance: what the allocation predicts
-    at that cost (``allocation_cost``) and, with layers, each one's removal error (``allocation.removal_errors``)."""
+    """(decisions, {name: DeployedModule}, calibration tokens, facts, the allocation) of ``model`` at
+    ``cfg.mac_ratio`` (or ``cfg.speedup``): calibrate, allocate among ``cfg.forms``, factor (and prune); the
+    modules of removed layers have decisions but nothing deployed. ``cost_table`` (shapes, dense=(K, N) pairs,
+    config -> an object with ``cost(shape, rank)`` and ``prediction(shapes, ranks, shape_of, gone)``, e.g. the
+    measured decode-time table of ``bdlora.export.genai.latency``, passed in by the CLI; given the model's config,
+    its prediction covers the whole decode step): allocate by that cost instead of MACs. ``facts``, for the
+    provenance: what the allocation predicts at that cost (``allocation_cost``) and, with layers, each one's
+    removal error (``allocation.removal_errors``)."""
     mods = dict(projection_modules(model))
     shapes = [ModuleShape(n, m.in_features, m.out_features) for n, m in mods.items()]
     table, bits = None, "bits" in cfg.form_names
@@ -102,7 +103,7 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
              **({"allocation": {"removal_errors": layers}} if layers else {}),
              **({"rounding": {"scheme": "rtn", "error_given_back_at_8_bits": {n: g for n, (_, g) in wide.items()}}}
                 if wide else {})}
-    return decisions, deployed, calib.tokens, facts
+    return decisions, deployed, calib.tokens, facts, alloc
 
 
 def deploy(shapes: list[ModuleShape], alloc, mods: dict, orders: dict, calib, spectra: dict) -> tuple[list, dict]:
@@ -270,7 +271,7 @@ def forms_plan(source: str, cfg: OneShotConfig, cache_dir: Path | None = None, r
     factored), reported as compress reports it and not written; with ``cost_table``, its allocation cost and
     prediction in ``provenance.allocation_cost``."""
     model, _, _, train_blocks, _, _ = load_source(source, cfg, cache_dir, reporter, "--model")
-    decisions, _, tokens, facts = one_shot_structure(model, train_blocks, cfg, reporter, cost_table)
+    decisions, _, tokens, facts, _ = one_shot_structure(model, train_blocks, cfg, reporter, cost_table)
     report = compression_report(decisions, None, {}, baseline="source")
     report.update(source="plan --allocation quality --forms", provenance={
         "teacher": source, "forms": cfg.forms, "mac_ratio": cfg.mac_ratio, "speedup": cfg.speedup,
@@ -295,7 +296,7 @@ def compress_one_shot(source: str, cfg: OneShotConfig, out: str | Path, force: b
     model, tok, path, train_blocks, val_blocks, heldout = load_source(source, cfg, cache_dir, reporter, "compress")
     check_out_dir(out, force, (path,))
     seq = train_blocks.seq_len
-    decisions, deployed, tokens, facts = one_shot_structure(model, train_blocks, cfg, reporter, cost_table)
+    decisions, deployed, tokens, facts, _ = one_shot_structure(model, train_blocks, cfg, reporter, cost_table)
     removed = sorted({int(d.name.split(".")[2]) for d in decisions if d.case == "removed"})
     correction = None
     if cfg.correct:  # on the same calibration blocks (drawn with a fixed seed)

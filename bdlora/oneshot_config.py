@@ -9,10 +9,8 @@ from dataclasses import dataclass
 
 from bdlora.config import BUILTIN, CALIB_TOKENS, EVAL_TOKENS, GENAI_PRECISIONS
 from bdlora.errors import Checks, shown
+from bdlora.forms import forms_problem
 from bdlora.schemes import quant_problem
-
-ALLOCATED_FORMS = ("lowrank", "channels", "groups", "layers", "bits")  # what --forms may name (bdlora.forms: a
-# projection's, an MLP's, an attention block's or a whole decoder layer's form, or a projection's width at int4)
 
 
 @dataclass
@@ -100,14 +98,3 @@ class OneShotConfig:
     @property
     def form_names(self) -> tuple[str, ...]:
         return tuple(f.strip() for f in self.forms.split(","))
-
-
-def forms_problem(forms) -> str | None:
-    """Why ``--forms`` is not a comma-separated set of ``ALLOCATED_FORMS`` (None when it is)."""
-    names = [f.strip() for f in forms.split(",")] if isinstance(forms, str) else None
-    if not names or any(n not in ALLOCATED_FORMS for n in names):
-        bad = shown(forms) if not names else ", ".join(repr(n) for n in names if n not in ALLOCATED_FORMS)
-        return f"--forms {bad}: allowed {', '.join(ALLOCATED_FORMS)}, comma-separated"
-    if len(set(names)) < len(names):
-        return f"--forms {forms}: {next(n for n in names if names.count(n) > 1)} given twice"
-    return None

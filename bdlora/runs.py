@@ -172,6 +172,12 @@ class RunDir(Artefact):
         (safetensors). Written once before the first step; ``--resume`` reads them, never recomputes."""
         return self.path / "lora_start.json", self.path / "lora_start.safetensors"
 
+    @property
+    def structure(self) -> Path:
+        """``train --forms``: the structured student the run started from (a model folder, ``bdlora.forms_start``).
+        Written once before the first step; every process and ``--resume`` read it, never recompute it."""
+        return self.path / "structure"
+
     def started(self) -> bool:
         """A run's config.json (``{"config": {...options}}``), not a model folder's (``{"model_type": ...}``)."""
         f = self.config_file

@@ -80,7 +80,7 @@ def prepare(cfg: TrainConfig, reporter: Reporter = SILENT) -> Session:
                         + (f"block of --seq-len {cfg.seq_len}" if cfg.packing == "pack" else "document"))
     val_blocks = scored_blocks(data.tokens("val"), cfg.seq_len, cfg.eval_tokens, f"--data {cfg.data}", bos=data.bos)
     calib_blocks = None
-    if needed(cfg.method, cfg.lora_init, cfg.allocation):
+    if needed(cfg.method, cfg.lora_init, cfg.allocation) or cfg.structured:
         general = general_calib_data(cfg.data, cfg.calib_data, teacher.config.vocab_size)
         if general != cfg.calib_data:  # recorded in the run's config.json as what the start calibrated on
             cfg = dataclasses.replace(cfg, calib_data=general, defaulted=(*cfg.defaulted, "calib_data"))

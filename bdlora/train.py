@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bdlora import SCHEMA_VERSION, __version__
+from bdlora import SCHEMA_VERSION, __version__, forms_start
 from bdlora import distributed as D
 from bdlora.blocks import BlockSampler
-from bdlora.budgeted.start import LowRankStart, compute_start, needed, shapes_of
+from bdlora.budgeted.start import LowRankStart, needed, shapes_of
 from bdlora.budgeted.start import summary as start_summary
 from bdlora.checkpoint import (
     StopRequest,
@@ -33,7 +33,7 @@ from bdlora.checkpoint import (
 from bdlora.config import TrainConfig, resolve_path
 from bdlora.data import default_cache_dir
 from bdlora.distill import DistillationLoss, diverged, kd_step, warmup_cosine
-from bdlora.errors import RunDirError, TrainingError, UsageError
+from bdlora.errors import ModelError, RunDirError, TrainingError, UsageError
 from bdlora.io import atomic_dir, release, write_json
 from bdlora.kdcache import TeacherTopK, cache_dir
 from bdlora.methods import METHOD_CLASSES, TrainingMethod
@@ -43,6 +43,7 @@ from bdlora.reporter import SILENT, Reporter
 from bdlora.runs import CONFIG, FAILED, RunDir, RunFacts
 from bdlora.selfgen import TeacherSource
 from bdlora.session import Session, prepare
+from bdlora.teacher import load_teacher
 
 # Options a resumed run may change (where/how often it writes or measures, never the weights); the rest are fixed
 RESUME_MUTABLE = ("save_every", "keep_last", "eval_every", "device", "measure_step_time", "cache_dir")
@@ -167,14 +168,18 @@ def setup(cfg: TrainConfig, rep: Reporter, resume: RunDir | None, env: D.DistEnv
     sess.facts = dataclasses.replace(sess.facts, world_size=env.world_size)
     topk = _topk_cache(cfg, sess, device)  # before the run directory exists: a bad --kd-topk writes nothing
     has_start = needed(cfg.method, cfg.lora_init, cfg.allocation)
-    start = None
-    if has_start and resume is None and env.is_main:  # before the run directory exists: a bad target writes nothing
-        start = compute_start(sess.student, cfg.lora_init, cfg.allocation, cfg.lora_rank, cfg.budget, cfg.mac_ratio,
-                              sess.calibration_source, cfg.calib_tokens, rep, cost_table, cfg.precision)
+    start = shaped = None
+    if resume is None and env.is_main:  # before the run directory exists: a bad target writes nothing
+        shaped, start = forms_start.run_start(cfg, sess.student, sess.calibration_source, rep, cost_table,
+                                              has_start)
     run_dir = resume if resume is not None else _new_run_dir(cfg, sess.facts, env)
+    if shaped is not None:
+        forms_start.save(shaped, sess.tokenizer, run_dir)
     if start is not None:
         start.save(*run_dir.lora_start)
     D.barrier(env)
+    if cfg.structured:  # every process (and a resumed run) trains the structure read back from the run directory
+        _load_structure(sess, run_dir, write=resume is None and env.is_main)
     if has_start:  # every process (and a resumed run) reads the same stored factors
         start = _read_start(run_dir)
     torch.manual_seed(cfg.seed)
@@ -194,6 +199,22 @@ def setup(cfg: TrainConfig, rep: Reporter, resume: RunDir | None, env: D.DistEnv
         rep.stage(f"data parallel: {env.world_size} processes ({dist.get_backend()}), global batch "
                   f"{run.global_batch} x {cfg.seq_len} = {run.tokens_per_step:,} tokens")
     return run
+
+
+def _load_structure(sess: Session, run_dir: RunDir, write: bool) -> None:
+    """The run's saved ``--forms`` structure as the session's student (its layers, recorded in config.json)."""
+    folder = run_dir.structure
+    try:
+        model, _, _ = load_teacher(str(folder), None, device="cpu", what="the run's structured start")
+        kept = forms_start.kept_layers(run_dir)
+    except (OSError, ValueError, KeyError, ModelError) as e:
+        raise RunDirError(f"{run_dir.path}: its structured start ({folder.name}/) does not load ({e}); the run is "
+                          "damaged") from None
+    sess.student = model.to(sess.device)
+    sess.layer_indices = [sess.layer_indices[i] for i in kept]
+    sess.facts = dataclasses.replace(sess.facts, layer_indices=tuple(sess.layer_indices))
+    if write:
+        _write_config(run_dir, sess.cfg, sess.facts)
 
 
 def _topk_cache(cfg: TrainConfig, sess: Session, device) -> TeacherTopK | None:

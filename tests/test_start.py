@@ -188,7 +188,7 @@ def test_a_run_stores_its_start_and_resume_never_recomputes_it(tiny_env, tmp_pat
     def recompute(*a, **k):
         raise Stop("a resumed run recomputed its start")
 
-    monkeypatch.setattr("bdlora.train.compute_start", recompute)
+    monkeypatch.setattr("bdlora.forms_start.compute_start", recompute)
     resumed = train(TrainConfig(), resume=tmp_path / "b")
     assert resumed["resumed_from"] == 4
     from safetensors.torch import load_file

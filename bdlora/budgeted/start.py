@@ -159,6 +159,8 @@ def start_gated(gated: dict, start: LowRankStart) -> None:
     if start.init == "zero":
         return
     for name, m in gated.items():
+        if name not in start.factors:  # a ``--forms`` start factors only the projections it makes low rank
+            continue
         a, b = start.factors[name]
         m.start_from(a, b)
 

@@ -18,7 +18,8 @@ from bdlora.cli.progress import RichReporter
 from bdlora.config import BUILTIN, CALIB_TOKENS, GENAI_PRECISIONS
 from bdlora.data import default_cache_dir
 from bdlora.errors import Checks, UsageError, flag, usable_cores
-from bdlora.oneshot_config import OneShotConfig, forms_problem
+from bdlora.forms import forms_problem
+from bdlora.oneshot_config import OneShotConfig
 from bdlora.plan import DEFAULT_PLAN_STEPS, read_model_config
 from bdlora.plan import plan as run_plan
 from bdlora.runs import RUNS_DIR, ModelDir, RunDir, one_shot_out

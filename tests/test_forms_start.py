@@ -1,0 +1,137 @@
+"""``train --forms F``: the student starts as the structure ``compress --one-shot`` with the same options writes,
+then trains from it (kd-lora heals a pruned structure; budgeted moves the projections the allocation makes low rank
+through its schedule while the pruned sites stay fixed)."""
+
+import json
+
+import pytest
+import torch
+from conftest import train_args
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from bdlora.cli import app
+
+CALIB = ("--calib-tokens", "512")
+
+
+def shot(env, out, *extra):
+    return CliRunner().invoke(app, [
+        "compress", str(env["teacher"]), "--one-shot", "--data", str(env["corpus"]), "--cache-dir", str(env["cache"]),
+        "--seq-len", "32", *CALIB, "--eval-tokens", "512", "--heldout-fraction", "0.1", "--out", str(out), "--json",
+        *extra])
+
+
+def modules(folder) -> dict:
+    return json.loads((folder / "config.json").read_text())["bdlora_modules"]
+
+
+def test_kd_lora_heals_the_one_shot_structure_of_the_same_options(tiny_env, tmp_path):
+    """The run's start is the one-shot folder of the same options, weight for weight (one code path); kd-lora heals
+    it and compress keeps every pruned site and the removed layer; the summary names the teacher layers kept."""
+    opts = ("--forms", "channels,groups,layers", "--mac-ratio", "1.5")
+    r = shot(tiny_env, tmp_path / "shot", *opts)
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, train_args(tiny_env, tmp_path / "run", "--method", "kd-lora", "--student-layers", "4",
+                                           "--max-steps", "3", *CALIB, *opts))
+    assert r.exit_code == 0, r.output
+    start = tmp_path / "run" / "structure"
+    declared = modules(tmp_path / "shot")
+    assert modules(start) == declared
+    assert any(k.endswith(".mlp") for k in declared)
+    a, b = load_file(tmp_path / "shot" / "model.safetensors"), load_file(start / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+    shot_prov = json.loads((tmp_path / "shot" / "compression.json").read_text())["provenance"]
+    kept = shot_prov.get("layer_indices", list(range(4)))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["layer_indices"] == kept
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["run"]["layer_indices"] == kept
+    r = CliRunner().invoke(app, ["compress", str(tmp_path / "run"), "--out", str(tmp_path / "healed"), "--json"])
+    assert r.exit_code == 0, r.output
+    healed = modules(tmp_path / "healed")
+    assert {k: v for k, v in healed.items() if k.endswith((".mlp", ".self_attn"))} == {
+        k: v for k, v in declared.items() if k.endswith((".mlp", ".self_attn"))}
+    assert json.loads((tmp_path / "healed" / "config.json").read_text())["num_hidden_layers"] == len(kept)
+    r = CliRunner().invoke(app, ["eval", str(tmp_path / "healed"), "--ppl", "--json", str(tmp_path / "e.json")])
+    assert r.exit_code == 0, r.output
+
+
+def test_budgeted_moves_the_allocated_projections_to_low_rank_beside_fixed_pruned_sites(tiny_env, tmp_path):
+    """budgeted with --forms lowrank,channels: the pruned MLPs are narrower from step 0, the projections the
+    allocation makes low rank start from the one-shot's factors (the student unchanged at d = 1) and end at d = 0,
+    every other gated module stays dense; compress gives pairs exactly there and keeps the pruned widths."""
+    r = CliRunner().invoke(app, train_args(tiny_env, tmp_path / "run", "--method", "budgeted", "--allocation",
+                                           "quality", "--student-layers", "4", "--max-steps", "4", "--decay-start",
+                                           "0", "--decay-end", "0.5", "--retention-ema", "0", *CALIB, "--forms", "lowrank,channels",
+                                           "--mac-ratio", "1.6"))
+    assert r.exit_code == 0, r.output
+    report = json.loads((tmp_path / "run" / "structure" / "compression.json").read_text())
+    low = report["provenance"]["low_rank_in_training"]
+    sites = {k: v for k, v in modules(tmp_path / "run" / "structure").items() if k.endswith(".mlp")}
+    assert low and sites  # both forms chosen at this dial
+    start = json.loads((tmp_path / "run" / "lora_start.json").read_text())
+    assert {n for n, r in start["allocation"]["ranks"].items() if r} == set(low)
+    # at d = 1 the gated student is the structure: its pairs' residual W - B A sits in the dense path
+    from transformers import AutoModelForCausalLM
+
+    from bdlora.budgeted.start import LowRankStart
+    from bdlora.config import TrainConfig
+    from bdlora.methods import Budgeted
+
+    structured = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "structure", dtype=torch.float32).eval()
+    ids = torch.randint(0, structured.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = structured(input_ids=ids).logits
+        lora = LowRankStart.load(tmp_path / "run" / "lora_start.json", tmp_path / "run" / "lora_start.safetensors")
+        gated = Budgeted(TrainConfig(lora_rank=4, lora_alpha=8.0, measure_step_time=False)).wrap(structured, lora)
+        torch.testing.assert_close(gated(input_ids=ids).logits, want, rtol=0, atol=1e-5)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    d = {m["name"]: m["d"] for m in summary["modules"]}
+    assert {n for n, v in d.items() if v == 0.0} == set(low)
+    r = CliRunner().invoke(app, ["compress", str(tmp_path / "run"), "--out", str(tmp_path / "c"), "--json"])
+    assert r.exit_code == 0, r.output
+    out = modules(tmp_path / "c")
+    assert {n for n, v in out.items() if v.get("form") == "lowrank"} == set(low)
+    assert {k: v for k, v in out.items() if k.endswith(".mlp")} == sites
+    for n in low:
+        assert out[n]["rank"] == start["ranks"][n]
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (("--method", "kd-lora", "--forms", "lowrank,channels", "--mac-ratio", "1.3"), "kd-lora heals a dense structure"),
+    (("--method", "budgeted", "--forms", "channels", "--mac-ratio", "1.3"), "lowrank among the forms"),
+    (("--method", "kd-lora", "--forms", "channels"), "needs the dial"),
+    (("--method", "kd-lora", "--forms", "channels", "--speedup", "1.2"), "--speedup 1.2: with --forms F and --precision"),
+    (("--method", "kd-lora", "--forms", "channels", "--mac-ratio", "1.3", "--student-init", "x"), "is a structure"),
+    (("--method", "kd-lora", "--forms", "bits", "--mac-ratio", "1.3"), "give --precision int4"),
+    (("--method", "kd-lora", "--forms", "pruned", "--mac-ratio", "1.3"), "--forms 'pruned': allowed lowrank"),
+])
+def test_forms_refusals_are_one_line_and_write_nothing(tiny_env, tmp_path, extra, needle):
+    r = CliRunner().invoke(app, train_args(tiny_env, tmp_path / "run", "--max-steps", "2", *extra))
+    assert r.exit_code == 2 and needle in r.stderr, r.output
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_speedup_allocates_the_start_for_the_whole_decode_step(tiny_env, tmp_path):
+    """train --forms F --precision int4 --speedup S: the start's allocation is priced by the measured table (here a
+    hand-made one and its decode-step overhead: nothing timed) and its predicted whole-step speed-up meets S."""
+    from conftest import genai_teacher
+    from test_latency import _hand_table
+
+    from bdlora.budgeted.costs import shapes_from_config
+    from bdlora.errors import usable_cores
+
+    genai_teacher(tiny_env["tokenizer"], tmp_path / "teacher", seed=3, layers=4)  # head dim 16, what genai takes
+    config = json.loads((tmp_path / "teacher" / "config.json").read_text())
+    _hand_table(tmp_path / "c", shapes_from_config(config), (), threads=usable_cores(), teacher=tmp_path / "teacher")
+    env = {**tiny_env, "teacher": tmp_path / "teacher", "cache": tmp_path / "c"}
+    r = CliRunner().invoke(app, train_args(env, tmp_path / "run", "--method", "kd-lora", "--student-layers", "4",
+                                           "--max-steps", "2", *CALIB, "--forms", "channels,layers", "--precision",
+                                           "int4", "--speedup", "1.3"))
+    assert r.exit_code == 0, r.output
+    prov = json.loads((tmp_path / "run" / "structure" / "compression.json").read_text())["provenance"]
+    assert prov["speedup"] == 1.3 and prov["mac_ratio"] is None
+    assert prov["allocation_cost"]["predicted_decode_speedup"] >= 1.3 - 1e-9 and "whole decode time" in r.output
