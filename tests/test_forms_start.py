@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
-from conftest import train_args
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from bdlora.cli import app
+from conftest import train_args
 
 CALIB = ("--calib-tokens", "512")
 
@@ -64,8 +64,8 @@ def test_budgeted_moves_the_allocated_projections_to_low_rank_beside_fixed_prune
     every other gated module stays dense; compress gives pairs exactly there and keeps the pruned widths."""
     r = CliRunner().invoke(app, train_args(tiny_env, tmp_path / "run", "--method", "budgeted", "--allocation",
                                            "quality", "--student-layers", "4", "--max-steps", "4", "--decay-start",
-                                           "0", "--decay-end", "0.5", "--retention-ema", "0", *CALIB, "--forms", "lowrank,channels",
-                                           "--mac-ratio", "1.6"))
+                                           "0", "--decay-end", "0.5", "--retention-ema", "0", *CALIB, "--forms",
+                                           "lowrank,channels", "--mac-ratio", "1.6"))
     assert r.exit_code == 0, r.output
     report = json.loads((tmp_path / "run" / "structure" / "compression.json").read_text())
     low = report["provenance"]["low_rank_in_training"]
@@ -103,7 +103,7 @@ def test_budgeted_moves_the_allocated_projections_to_low_rank_beside_fixed_prune
     (("--method", "kd-lora", "--forms", "lowrank,channels", "--mac-ratio", "1.3"), "kd-lora heals a dense structure"),
     (("--method", "budgeted", "--forms", "channels", "--mac-ratio", "1.3"), "lowrank among the forms"),
     (("--method", "kd-lora", "--forms", "channels"), "needs the dial"),
-    (("--method", "kd-lora", "--forms", "channels", "--speedup", "1.2"), "--speedup 1.2: with --forms F and --precision"),
+    (("--method", "kd-lora", "--forms", "channels", "--speedup", "1.2"), "--speedup 1.2: with --forms F and"),
     (("--method", "kd-lora", "--forms", "channels", "--mac-ratio", "1.3", "--student-init", "x"), "is a structure"),
     (("--method", "kd-lora", "--forms", "bits", "--mac-ratio", "1.3"), "give --precision int4"),
     (("--method", "kd-lora", "--forms", "pruned", "--mac-ratio", "1.3"), "--forms 'pruned': allowed lowrank"),
@@ -118,11 +118,11 @@ def test_forms_refusals_are_one_line_and_write_nothing(tiny_env, tmp_path, extra
 def test_speedup_allocates_the_start_for_the_whole_decode_step(tiny_env, tmp_path):
     """train --forms F --precision int4 --speedup S: the start's allocation is priced by the measured table (here a
     hand-made one and its decode-step overhead: nothing timed) and its predicted whole-step speed-up meets S."""
-    from conftest import genai_teacher
     from test_latency import _hand_table
 
     from bdlora.budgeted.costs import shapes_from_config
     from bdlora.errors import usable_cores
+    from conftest import genai_teacher
 
     genai_teacher(tiny_env["tokenizer"], tmp_path / "teacher", seed=3, layers=4)  # head dim 16, what genai takes
     config = json.loads((tmp_path / "teacher" / "config.json").read_text())
@@ -135,3 +135,39 @@ def test_speedup_allocates_the_start_for_the_whole_decode_step(tiny_env, tmp_pat
     prov = json.loads((tmp_path / "run" / "structure" / "compression.json").read_text())["provenance"]
     assert prov["speedup"] == 1.3 and prov["mac_ratio"] is None
     assert prov["allocation_cost"]["predicted_decode_speedup"] >= 1.3 - 1e-9 and "whole decode time" in r.output
+
+
+def test_a_resumed_forms_run_reads_its_structure_and_ends_bit_identical(tiny_env, tmp_path, monkeypatch):
+    """A --forms run stopped after a checkpoint resumes from the structure it saved (never recomputed) and
+    ends with the same weights as the run that was not stopped; its layers stay the structure's."""
+    from safetensors.torch import load_file
+
+    from bdlora.config import TrainConfig
+    from bdlora.reporter import Reporter
+    from bdlora.train import train
+
+    common = dict(teacher=str(tiny_env["teacher"]), data=str(tiny_env["corpus"]), cache_dir=str(tiny_env["cache"]),
+                  seq_len=32, batch_size=4, eval_tokens=512, heldout_fraction=0.1, lr=3e-3, max_steps=6,
+                  eval_every=6, save_every=2, calib_tokens=512, method="kd-lora", student_layers=4, forms="layers",
+                  mac_ratio=1.3, lora_rank=4, lora_alpha=8.0,
+                  measure_step_time=False)
+    full = train(TrainConfig(out=str(tmp_path / "a"), **common))
+
+    class StopAt(Reporter):
+        def step(self, step, metrics):
+            if step == 3:
+                raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(TrainConfig(out=str(tmp_path / "b"), **common), reporter=StopAt())
+
+    def recompute(*a, **k):
+        raise AssertionError("a resumed run recomputed its structure")
+
+    monkeypatch.setattr("bdlora.forms_start.structure", recompute)
+    resumed = train(TrainConfig(), resume=tmp_path / "b")
+    assert resumed["resumed_from"] == 2 and resumed["layer_indices"] == full["layer_indices"]
+    assert len(full["layer_indices"]) < 4  # a layer removed: the kept ones map back to the teacher's
+    for f in ("student/model.safetensors", "student/adapter/adapter_model.safetensors", "structure/model.safetensors"):
+        a, b = load_file(tmp_path / "a" / f), load_file(tmp_path / "b" / f)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f
