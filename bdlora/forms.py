@@ -245,15 +245,33 @@ def describe(module) -> tuple[str, int, int, int, object]:
     raise TypeError(f"unsupported projection module {cls} (forms: {', '.join(FORMS)})")
 
 
+def form_names(forms: str) -> tuple[str, ...]:
+    """The names a ``--forms`` value lists."""
+    return tuple(f.strip() for f in forms.split(","))
+
+
 def forms_problem(forms) -> str | None:
     """Why ``--forms`` is not a comma-separated set of ``ALLOCATED_FORMS`` (None when it is)."""
-    names = [f.strip() for f in forms.split(",")] if isinstance(forms, str) else None
+    names = list(form_names(forms)) if isinstance(forms, str) else None
     if not names or any(n not in ALLOCATED_FORMS for n in names):
         bad = shown(forms) if not names else ", ".join(repr(n) for n in names if n not in ALLOCATED_FORMS)
         return f"--forms {bad}: allowed {', '.join(ALLOCATED_FORMS)}, comma-separated"
     if len(set(names)) < len(names):
         return f"--forms {forms}: {next(n for n in names if names.count(n) > 1)} given twice"
     return None
+
+
+def check_forms(c, forms: str, precision: str | None) -> tuple[str, ...] | None:
+    """``--forms`` beside ``--precision`` (one-shot, plan, train): why it is not a known set, or names bits without
+    an int4 export, added to ``c`` (an ``errors.Checks``); its names when they are known."""
+    problem = forms_problem(forms)
+    if problem is not None:
+        c.add(problem)
+        return None
+    names = form_names(forms)
+    c.require("bits" not in names or precision == "int4",
+              f"--forms {forms}: bits chooses which projections an int4 export keeps at 8 bits; give --precision int4")
+    return names
 
 
 def train_forms_problems(c, cfg) -> None:
@@ -264,11 +282,9 @@ def train_forms_problems(c, cfg) -> None:
                   f"--speedup {shown(cfg.speedup)}: with --forms F and --precision P, instead of --mac-ratio")
     if cfg.forms is None:
         return
-    problem = forms_problem(cfg.forms)
-    if problem is not None:
-        c.add(problem)
+    names = check_forms(c, cfg.forms, cfg.precision)
+    if names is None:
         return
-    names = [f.strip() for f in cfg.forms.split(",")]
     if cfg.method == "budgeted":
         c.require(cfg.allocation != "cost" and "lowrank" in names,
                   f"--forms {cfg.forms}: budgeted moves the projections the allocation makes low rank; give "
@@ -283,9 +299,6 @@ def train_forms_problems(c, cfg) -> None:
     c.require(cfg.forms == "lowrank" or cfg.mac_ratio is not None or cfg.speedup is not None,
               f"--forms {cfg.forms}: needs the dial the start allocates for: --mac-ratio R (or --precision P "
               "--speedup S)")
-    c.require("bits" not in names or cfg.precision == "int4",
-              f"--forms {cfg.forms}: bits chooses which projections an int4 export keeps at 8 bits; give "
-              "--precision int4")
     c.require(not (cfg.structured and cfg.student_init),
               f"--forms {cfg.forms}: the start prunes the teacher's layers; --student-init {cfg.student_init} "
               "is a structure already (give one or the other)")

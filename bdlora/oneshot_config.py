@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from bdlora.config import BUILTIN, CALIB_TOKENS, EVAL_TOKENS, GENAI_PRECISIONS
 from bdlora.errors import Checks, shown
-from bdlora.forms import forms_problem
+from bdlora.forms import check_forms, form_names
 from bdlora.schemes import quant_problem
 
 
@@ -80,11 +80,7 @@ class OneShotConfig:
         quant_problem(c, self.quant, self.precision)
         c.threads("threads", self.threads)
         c.text("data", self.data)
-        problem = forms_problem(self.forms)
-        c.require(problem is None, problem or "")
-        if problem is None and "bits" in self.form_names and self.precision != "int4":
-            c.add(f"--forms {self.forms}: bits chooses which projections an int4 export keeps at 8 bits; give "
-                  "--precision int4")
+        check_forms(c, self.forms, self.precision)
         c.text("calib_data", self.calib_data)
         c.require(isinstance(self.correct, bool), f"--correct {shown(self.correct)}: must be true or false")
         c.done()
@@ -97,4 +93,4 @@ class OneShotConfig:
 
     @property
     def form_names(self) -> tuple[str, ...]:
-        return tuple(f.strip() for f in self.forms.split(","))
+        return form_names(self.forms)
