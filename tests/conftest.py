@@ -172,6 +172,27 @@ def tiny_model(tiny_env):
     return AutoModelForCausalLM.from_pretrained(tiny_env["teacher"], dtype=torch.float32).eval()
 
 
+def stop_at(step: int):
+    """A reporter that interrupts a training run (KeyboardInterrupt, as Ctrl-C does) when it reports ``step``."""
+    from bdlora.reporter import Reporter
+
+    class StopAt(Reporter):
+        def step(self, at, metrics):
+            if at == step:
+                raise KeyboardInterrupt
+
+    return StopAt()
+
+
+def assert_same_tensors(a, b, files) -> None:
+    """Each of ``files`` (safetensors, relative to folders ``a`` and ``b``) holds the same tensors, bit for bit."""
+    from safetensors.torch import load_file
+
+    for f in files:
+        x, y = load_file(a / f), load_file(b / f)
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), f
+
+
 def train_args(env, out, *extra):
     """CLI arguments of a short, fast training run on the tiny fixtures."""
     return ["train", "--teacher", str(env["teacher"]), "--data", str(env["corpus"]), "--cache-dir",

@@ -73,16 +73,11 @@ def test_cuda_bf16_training_matches_the_cpu_within_tolerance(runs):
 
 def test_a_cuda_run_resumes_where_it_stopped(cache, runs, tmp_path):
     from bdlora.config import TrainConfig
-    from bdlora.reporter import Reporter
     from bdlora.train import train
-
-    class StopAt(Reporter):
-        def step(self, step, metrics):
-            if step == STEPS - 1:
-                raise KeyboardInterrupt
+    from conftest import stop_at
 
     with pytest.raises(KeyboardInterrupt):
-        train(_cfg(cache, tmp_path / "r", "cuda"), reporter=StopAt())
+        train(_cfg(cache, tmp_path / "r", "cuda"), reporter=stop_at(STEPS - 1))
     resumed = train(TrainConfig(), resume=tmp_path / "r")
     assert resumed["resumed_from"] == 3 and resumed["steps"] == STEPS
     whole = runs["cuda"][0]

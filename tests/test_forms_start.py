@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from bdlora.cli import app
-from conftest import train_args
+from conftest import assert_same_tensors, stop_at, train_args
 
 CALIB = ("--calib-tokens", "512")
 
@@ -140,10 +140,7 @@ def test_speedup_allocates_the_start_for_the_whole_decode_step(tiny_env, tmp_pat
 def test_a_resumed_forms_run_reads_its_structure_and_ends_bit_identical(tiny_env, tmp_path, monkeypatch):
     """A --forms run stopped after a checkpoint resumes from the structure it saved (never recomputed) and
     ends with the same weights as the run that was not stopped; its layers stay the structure's."""
-    from safetensors.torch import load_file
-
     from bdlora.config import TrainConfig
-    from bdlora.reporter import Reporter
     from bdlora.train import train
 
     common = dict(teacher=str(tiny_env["teacher"]), data=str(tiny_env["corpus"]), cache_dir=str(tiny_env["cache"]),
@@ -153,13 +150,8 @@ def test_a_resumed_forms_run_reads_its_structure_and_ends_bit_identical(tiny_env
                   measure_step_time=False)
     full = train(TrainConfig(out=str(tmp_path / "a"), **common))
 
-    class StopAt(Reporter):
-        def step(self, step, metrics):
-            if step == 3:
-                raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        train(TrainConfig(out=str(tmp_path / "b"), **common), reporter=StopAt())
+        train(TrainConfig(out=str(tmp_path / "b"), **common), reporter=stop_at(3))
 
     def recompute(*a, **k):
         raise AssertionError("a resumed run recomputed its structure")
@@ -168,6 +160,6 @@ def test_a_resumed_forms_run_reads_its_structure_and_ends_bit_identical(tiny_env
     resumed = train(TrainConfig(), resume=tmp_path / "b")
     assert resumed["resumed_from"] == 2 and resumed["layer_indices"] == full["layer_indices"]
     assert len(full["layer_indices"]) < 4  # a layer removed: the kept ones map back to the teacher's
-    for f in ("student/model.safetensors", "student/adapter/adapter_model.safetensors", "structure/model.safetensors"):
-        a, b = load_file(tmp_path / "a" / f), load_file(tmp_path / "b" / f)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f
+    assert_same_tensors(tmp_path / "a", tmp_path / "b", ("student/model.safetensors",
+                                                         "student/adapter/adapter_model.safetensors",
+                                                         "structure/model.safetensors"))

@@ -19,7 +19,7 @@ from bdlora.config import TrainConfig
 from bdlora.data import Corpus, tokenize_corpus
 from bdlora.methods import Budgeted, KDLoRA
 from bdlora.student import build_student
-from conftest import train_args
+from conftest import assert_same_tensors, stop_at, train_args
 
 TH = BudgetedConfig(eps_zero=1e-3, eps_lr=0.7, gate_threshold=0.3, svd_max_rank=8)
 
@@ -175,15 +175,8 @@ def test_a_run_stores_its_start_and_resume_never_recomputes_it(tiny_env, tmp_pat
     class Stop(Exception):
         pass
 
-    from bdlora.reporter import Reporter
-
-    class StopAt(Reporter):
-        def step(self, step, metrics):
-            if step == 6:
-                raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        train(_cfg(out=str(tmp_path / "b"), **common), reporter=StopAt())
+        train(_cfg(out=str(tmp_path / "b"), **common), reporter=stop_at(6))
 
     def recompute(*a, **k):
         raise Stop("a resumed run recomputed its start")
@@ -191,11 +184,8 @@ def test_a_run_stores_its_start_and_resume_never_recomputes_it(tiny_env, tmp_pat
     monkeypatch.setattr("bdlora.forms_start.compute_start", recompute)
     resumed = train(TrainConfig(), resume=tmp_path / "b")
     assert resumed["resumed_from"] == 4
-    from safetensors.torch import load_file
-
-    for f in ("student/model.safetensors", "student/budgeted.safetensors", "lora_start.safetensors"):
-        a, b = load_file(tmp_path / "a" / f), load_file(tmp_path / "b" / f)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f
+    assert_same_tensors(tmp_path / "a", tmp_path / "b",
+                        ("student/model.safetensors", "student/budgeted.safetensors", "lora_start.safetensors"))
 
 
 def test_calibration_beyond_the_training_split_is_one_line(tiny_env, tmp_path):

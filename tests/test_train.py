@@ -11,6 +11,7 @@ from bdlora.models import load_run_student
 from bdlora.reporter import Reporter
 from bdlora.student import build_student
 from bdlora.train import train
+from conftest import assert_same_tensors, stop_at
 
 
 def _cfg(env, out, **kw):
@@ -19,15 +20,6 @@ def _cfg(env, out, **kw):
                 lr=3e-3, measure_step_time=False, max_steps=12, eval_every=6, save_every=0)
     base.update(kw)
     return TrainConfig(**base)
-
-
-class StopAt(Reporter):
-    def __init__(self, step):
-        self.at = step
-
-    def step(self, step, metrics):
-        if step == self.at:
-            raise KeyboardInterrupt
 
 
 @pytest.mark.parametrize("init", ["zero", "whitened"])
@@ -65,17 +57,13 @@ def test_short_run_lowers_validation_loss(tiny_env, tmp_path):
 def test_resume_equals_uninterrupted(tiny_env, tmp_path, method):
     full = train(_cfg(tiny_env, tmp_path / "a", method=method, save_every=4))
     with pytest.raises(KeyboardInterrupt):
-        train(_cfg(tiny_env, tmp_path / "b", method=method, save_every=4), reporter=StopAt(10))
+        train(_cfg(tiny_env, tmp_path / "b", method=method, save_every=4), reporter=stop_at(10))
     assert not (tmp_path / "b" / "summary.json").exists()
     resumed = train(TrainConfig(), resume=tmp_path / "b")
     assert resumed["resumed_from"] == 8 and resumed["steps"] == 12
-    a = load_file(tmp_path / "a" / "student" / "model.safetensors")
-    b = load_file(tmp_path / "b" / "student" / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    for extra in ("adapter/adapter_model.safetensors", "budgeted.safetensors"):
-        if (tmp_path / "a" / "student" / extra).exists():
-            ea, eb = load_file(tmp_path / "a" / "student" / extra), load_file(tmp_path / "b" / "student" / extra)
-            assert all(torch.equal(ea[k], eb[k]) for k in ea)
+    assert_same_tensors(tmp_path / "a" / "student", tmp_path / "b" / "student", ["model.safetensors"] + [
+        f for f in ("adapter/adapter_model.safetensors", "budgeted.safetensors")
+        if (tmp_path / "a" / "student" / f).exists()])
     assert resumed["student_val_ppl"] == full["student_val_ppl"]
     ma = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
     mb = (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
