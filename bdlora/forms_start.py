@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 
 from bdlora.arch import projection_modules
-from bdlora.budgeted.allocate import Allocation, break_even
+from bdlora.budgeted.allocate import Allocation
 from bdlora.budgeted.costs import ModuleShape, compression_report
 from bdlora.budgeted.layers import renumbered
 from bdlora.budgeted.model import build_deployed_model
-from bdlora.budgeted.start import LowRankStart, compute_start, shapes_of
+from bdlora.budgeted.start import LowRankStart, capped_rank, compute_start, shapes_of
 from bdlora.config import TrainConfig
 from bdlora.deployed.folder import save_model_folder
 from bdlora.oneshot import factored, one_shot_structure
@@ -100,7 +100,7 @@ def kept_layers(run: RunDir) -> list[int]:
 def gated_start(s: Structure, rank: int) -> LowRankStart:
     """The budgeted run's start of a structure: each projection made low rank at its one-shot rank and factors,
     every other gated path at ``rank`` (capped below its break-even) with no factors (LoRA's ``B = 0``)."""
-    ranks = {sh.name: max(1, min(rank, break_even(sh) - 1)) for sh in shapes_of(s.model)}
+    ranks = {sh.name: capped_rank(sh, rank) for sh in shapes_of(s.model)}
     ranks.update({n: int(a.shape[0]) for n, (a, _) in s.pairs.items()})
     return LowRankStart("whitened", ranks, dict(s.pairs), s.allocation, int(s.report["provenance"]["calib_tokens"]))
 

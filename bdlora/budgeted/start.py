@@ -143,8 +143,7 @@ def compute_start(model, init: str, allocation: str, rank: int, budget: float, m
         target = mac_ratio or paper_mac_ratio(shapes, budget, rank)
         alloc = allocate_by(shapes, {n: sp.energy.numpy() for n, sp in spectra.items()}, target, reporter,
                             cost_table(shapes) if cost_table is not None else None, precision)
-    ranks = {s.name: max(1, min((alloc.ranks.get(s.name) if alloc else 0) or rank, break_even(s) - 1))
-             for s in shapes}
+    ranks = {s.name: capped_rank(s, (alloc.ranks.get(s.name) if alloc else 0) or rank) for s in shapes}
     out = {}
     for s in shapes if init != "zero" else ():
         sp = spectra[s.name] if init == "whitened" else spectrum(weights[s.name], None)
@@ -152,6 +151,11 @@ def compute_start(model, init: str, allocation: str, rank: int, budget: float, m
         a, b = factors(weights[s.name], sp, ranks[s.name])
         out[s.name] = (a.float().contiguous(), b.float().contiguous())
     return LowRankStart(init, ranks, out, alloc, calib.tokens if calib is not None else 0)
+
+
+def capped_rank(shape: ModuleShape, rank: int) -> int:
+    """A module's LoRA rank at ``rank``: at least 1, below the rank where its pair costs its dense product."""
+    return max(1, min(rank, break_even(shape) - 1))
 
 
 def start_gated(gated: dict, start: LowRankStart) -> None:
