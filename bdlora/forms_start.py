@@ -42,12 +42,12 @@ from bdlora.student import take_layers
 class Structure:
     """The structured student (the bdlora architecture; projections made low rank still dense), the one-shot's
     factors of those projections ``{name: (A (r, d_in), B (d_out, r))}``, the allocation the controller follows
-    (their ranks and removal order; None when none is low rank), the student's layers kept and the report."""
+    (their ranks and removal order; None when none is low rank) and the report (its provenance names the student's
+    layers kept, ``student_layers_kept``)."""
 
     model: torch.nn.Module
     pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]
     allocation: Allocation | None
-    kept: list[int]
     report: dict
 
 
@@ -84,7 +84,7 @@ def structure(student, blocks, cfg: TrainConfig, reporter: Reporter = SILENT, co
     report = compression_report(decisions, None, {}, baseline="source")
     report.update(source="train --forms", provenance=provenance)
     allocation = Allocation({n: int(a.shape[0]) for n, (a, _) in pairs.items()}, order) if pairs else None
-    return Structure(build_deployed_model(base, deployed, provenance), pairs, allocation, kept, report)
+    return Structure(build_deployed_model(base, deployed, provenance), pairs, allocation, report)
 
 
 def save(s: Structure, tokenizer, run: RunDir) -> Path:
