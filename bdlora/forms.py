@@ -5,7 +5,9 @@ makes a declaration of it inconsistent. ``costs`` (the compression rules and the
 folder a command reads), the metadata of both exported graphs and ``describe`` (what an exporter emits for a
 module) read this registry; a folder naming a form it lacks is refused in one line naming those it has. A
 projection's entry may also say ``"bits": 8``: the width its weights keep in an int4 export (``--forms bits``, the
-allocation's per-module bits); the PyTorch module does not change.
+allocation's per-module bits); the PyTorch module does not change. The LM head's width in an int4 export is
+declared beside them, ``config.json``'s ``bdlora_head_bits`` (4 or 8; absent: the export's default, 8), chosen by
+the same allocation with ``--forms bits --speedup S``.
 Standard library only (``describe`` takes a torch module without importing torch).
 
 The PyTorch classes of the forms live in ``deployed/modeling_bdlora.py``, which ships as remote code in every model
@@ -22,6 +24,25 @@ from bdlora.errors import ModelError, shown
 ALLOCATED_FORMS = ("lowrank", "channels", "groups", "layers", "bits")  # what --forms may name (bdlora.forms: a
 # projection's, an MLP's, an attention block's or a whole decoder layer's form, or a projection's width at int4)
 WIDE_BITS = 8  # ``"bits": 8`` on a projection: it ships at 8 bits in an int4 export (chosen by ``--forms bits``)
+HEAD = "lm_head"  # the LM head, a site of ``--forms bits`` when the budget is the whole step (``--speedup``)
+HEAD_BITS = "bdlora_head_bits"  # config.json: the LM head's bits in an int4 export (4 or 8), where a folder says
+
+
+def head_bits_problem(config: dict) -> str | None:
+    """Why a folder's declared LM head width (``HEAD_BITS``) is not one an int4 export can give (None: absent or
+    valid)."""
+    if config.get(HEAD_BITS) is None:
+        return None
+    bits = config[HEAD_BITS]
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (4, WIDE_BITS):
+        return f"{HEAD_BITS} is {shown(bits)} (4 or {WIDE_BITS}: the LM head's width in an int4 export)"
+    return None
+
+
+def declared_head_bits(config) -> int:
+    """The LM head's bits a model's config (a dict or a config object) declares for an int4 export (0: none)."""
+    value = config.get(HEAD_BITS) if isinstance(config, dict) else getattr(config, HEAD_BITS, None)
+    return int(value) if value else 0
 
 
 def bits_problem(spec: dict, module: str) -> str | None:

@@ -84,7 +84,8 @@ def structure(student, blocks, cfg: TrainConfig, reporter: Reporter = SILENT, co
     report = compression_report(decisions, None, {}, baseline="source")
     report.update(source="train --forms", provenance=provenance)
     allocation = Allocation({n: int(a.shape[0]) for n, (a, _) in pairs.items()}, order) if pairs else None
-    return Structure(build_deployed_model(base, deployed, provenance), pairs, allocation, report)
+    return Structure(build_deployed_model(base, deployed, provenance, facts.get("head_bits", 0)), pairs, allocation,
+                     report)
 
 
 def save(s: Structure, tokenizer, run: RunDir) -> Path:

@@ -90,6 +90,8 @@ def check_declared_forms(folder: Path, cfg: dict, shapes: dict[str, tuple[int, .
     those there are: an unknown form loaded as dense before) and has exactly that form's tensors, consistent with
     what the declaration says (a low-rank pair's rank): an edited form would otherwise load randomly initialised."""
     problems = []
+    if (head := forms.head_bits_problem(cfg)) is not None:
+        raise ModelError(f"{folder / CONFIG}: {head}; the folder is damaged or its config was edited")
     modules = cfg.get("bdlora_modules") or {}
     if not isinstance(modules, dict):
         raise ModelError(f"{folder / CONFIG}: bdlora_modules is {shown(modules)}, not a table of forms; the folder is "

@@ -24,7 +24,7 @@ from bdlora import SCHEMA_VERSION, __version__
 from bdlora.arch import projection_modules, set_module
 from bdlora.blocks import PackedBlocks, scored_blocks
 from bdlora.budgeted.allocate import mac_cost
-from bdlora.budgeted.bits import wide_options
+from bdlora.budgeted.bits import head_option, wide_options
 from bdlora.budgeted.calibrate import calibration_blocks
 from bdlora.budgeted.channels import channel_order, prune, site_options
 from bdlora.budgeted.correct import correct_sequential
@@ -60,13 +60,16 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
     removal error (``allocation.removal_errors``)."""
     mods = dict(projection_modules(model))
     shapes = [ModuleShape(n, m.in_features, m.out_features) for n, m in mods.items()]
-    table, bits = None, "bits" in cfg.form_names
+    table, bits, config = None, "bits" in cfg.form_names, model.config.to_dict()
+    head = bits and cfg.speedup is not None  # the LM head's width is bought against the whole step only
     kv = int(getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads)
     if cost_table is not None:  # with channels or groups, the narrower dense products it interpolates between too
         probes = site_probes(shapes, kv, "channels" in cfg.form_names, "groups" in cfg.form_names)
-        table = cost_table(shapes, dense=probes, config=model.config.to_dict(), **({"wide": True} if bits else {}))
+        table = cost_table(shapes, dense=probes, config=config, **({"wide": True} if bits else {}),
+                           **({"head": True} if head else {}))
     calib = calibrate_with_progress(model, calibration_blocks(train_blocks, cfg.calib_tokens), reporter,
-                                    residual="layers" in cfg.form_names, rounded=table.rounded if bits else None)
+                                    residual="layers" in cfg.form_names, rounded=table.rounded if bits else None,
+                                    head=head)
     lowrank = "lowrank" in cfg.form_names
     if lowrank:
         reporter.stage("whitened, loss-weighted spectra of every projection")
@@ -92,18 +95,28 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
     layers = removal_errors(calib) if "layers" in cfg.form_names else None
     rest, fixed = whole_step(model, table) if cfg.speedup is not None else (None, 0.0)
     wide = wide_options(shapes, calib, table) if bits else None
+    head_cost = head_option(config, calib, table) if head else None
     alloc = allocate_by(shapes, energy, cfg.ratio, reporter, table, cfg.precision, sites, lowrank, layers, rest, fixed,
-                        wide, kv)
+                        wide, kv, head_cost)
     gone = {s.name for s in shapes if alloc.gone(s.name)}
     cost_doc = None if table is None else {"cost": "measured decode time",
-                                           **table.prediction(shapes, alloc.ranks, alloc.shape, gone, alloc.bits),
+                                           **table.prediction(shapes, alloc.ranks, alloc.shape, gone, alloc.bits,
+                                                              alloc.head_bits),
                                            "mac_ratio": alloc.mac_ratio(shapes)}
     decisions, deployed = deploy(shapes, alloc, mods, orders, calib, spectra)
     facts = {**({"allocation_cost": cost_doc} if cost_doc else {}),
              **({"allocation": {"removal_errors": layers}} if layers else {}),
-             **({"rounding": {"scheme": "rtn", "error_given_back_at_8_bits": {n: g for n, (_, g) in wide.items()}}}
-                if wide else {})}
+             **({"rounding": rounding_facts(wide, head_cost, alloc)} if wide else {}),
+             **({"head_bits": alloc.head_bits} if head else {})}
     return decisions, deployed, calib.tokens, facts, alloc
+
+
+def rounding_facts(wide: dict, head_cost: tuple | None, alloc) -> dict:
+    """The provenance of ``--forms bits``: each projection's error given back at 8 bits and, with the LM head among
+    the sites (``--speedup``), its two widths' times, the error 4 bits add and the width chosen."""
+    return {"scheme": "rtn", "error_given_back_at_8_bits": {n: g for n, (_, g) in wide.items()},
+            **({"lm_head": {"us_at_8_bits": head_cost[0], "us_at_4_bits": head_cost[1],
+                            "error_added_at_4_bits": head_cost[2], "bits": alloc.head_bits}} if head_cost else {})}
 
 
 def deploy(shapes: list[ModuleShape], alloc, mods: dict, orders: dict, calib, spectra: dict) -> tuple[list, dict]:
@@ -317,7 +330,7 @@ def compress_one_shot(source: str, cfg: OneShotConfig, out: str | Path, force: b
         kept = [i for i in range(model.config.num_hidden_layers) if i not in removed]
         provenance.update(layer_indices=kept, removed_layers=removed, student_layers=len(kept))
         base, deployed = take_layers(model, kept), renumbered(deployed, kept)
-    compressed = build_deployed_model(base, deployed, provenance)
+    compressed = build_deployed_model(base, deployed, provenance, facts.get("head_bits", 0))
     report = compression_report(decisions, None, {}, baseline="source")
     report.update(schema_version=SCHEMA_VERSION, bdlora_version=__version__, source="compress --one-shot",
                   provenance=provenance)

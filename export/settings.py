@@ -12,7 +12,10 @@ from dataclasses import dataclass, replace
 from bdlora.config import GENAI_PRECISIONS
 from bdlora.errors import Checks
 from bdlora.export.defaults import MAX_GENAI_THREADS
+from bdlora.forms import declared_head_bits
 from bdlora.schemes import DEFAULT_SCHEME, METHODS, SCHEMES, Scheme
+
+HEAD_BITS = 8  # the LM head's bits in an int4 graph when neither --head-bits nor the folder says
 
 
 @dataclass(frozen=True)
@@ -22,8 +25,9 @@ class GenaiExportSettings:
     quant: str = DEFAULT_SCHEME
     """How int8/int4 weights are rounded (``bdlora.schemes``): round-to-nearest, what onnxruntime-genai's
     builder does."""
-    head_bits: int = 8
-    """int4: the LM head's bits (4 is where small models degrade first)."""
+    head_bits: int | None = None
+    """int4: the LM head's bits, 8 or 4 (4 is where small models degrade first); None: what the model's folder
+    declares (``bdlora_head_bits``, chosen by ``compress --one-shot --forms bits --speedup S``), else 8."""
     int8_share: float = 0.0
     """int4 with a calibrated scheme: the share of the projection weights kept at 8 bits, those whose rounding hurts
     most."""
@@ -56,6 +60,14 @@ class GenaiExportSettings:
             changes = {"head_bits": DEFAULT.head_bits, "int8_share": DEFAULT.int8_share, **changes}
         return replace(self, precision=precision, **changes)
 
+    def resolved(self, config) -> GenaiExportSettings:
+        """These settings for one model (``config``: its config object or dict): ``head_bits`` None becomes the
+        width its folder declares for the LM head at int4, else ``HEAD_BITS``."""
+        if self.head_bits is not None:
+            return self
+        declared = declared_head_bits(config) if self.precision == "int4" else 0
+        return replace(self, head_bits=declared or HEAD_BITS)
+
     @property
     def suffix(self) -> str:
         """The folder suffix ``export genai`` and the bench give this export (``-int4``, ``-int4-gptq``)."""
@@ -68,12 +80,13 @@ class GenaiExportSettings:
         c.choice("precision", self.precision, GENAI_PRECISIONS)
         if not c.choice("quant", self.quant, METHODS):
             return c
-        c.choice("head_bits", self.head_bits, (4, 8))
+        if self.head_bits is not None:
+            c.choice("head_bits", self.head_bits, (4, 8))
         c.require(self.precision != "fp32" or self.quant == DEFAULT.quant,
                   f"--quant {self.quant}: rounds quantised graphs only; --precision fp32 has nothing to round (give "
                   "--precision int8 or int4)")
         c.require(self.precision not in GENAI_PRECISIONS or self.precision == "int4"
-                  or self.head_bits == DEFAULT.head_bits,
+                  or self.head_bits in (None, HEAD_BITS),
                   f"--head-bits {self.head_bits}: sets the LM head's bits of an int4 graph; at --precision "
                   f"{self.precision} the head keeps {'fp32' if self.precision == 'fp32' else '8 bits'} (give "
                   "--precision int4)")

@@ -62,9 +62,10 @@ class BenchConfig:
     teacher_quant: str | None = None
     """genai runtime: how the teacher's int8/int4 weights are rounded (default: as --quant), so each side of the
     front is at its best: e.g. affine for a teacher from a Q4_1 GGUF, gptq for a trained student."""
-    head_bits: int = GENAI.head_bits
+    head_bits: int | None = GENAI.head_bits
     """genai runtime: the LM head's bits in every int4 folder, the student's and the teacher's alike (8 or 4; the
-    head is a third of an int4 model's bytes at SmolLM2's size)."""
+    head is a third of an int4 model's bytes at SmolLM2's size); default: what each folder declares (a student
+    compressed with --forms bits --speedup may ship a 4-bit head: its row says so), else 8."""
     int8_share: float = GENAI.int8_share
     """genai runtime: in every int4 folder rounded by a calibrated scheme (gptq), the share of the projection weights
     kept at 8 bits where rounding hurts most (as export genai --int8-share)."""

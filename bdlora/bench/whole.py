@@ -44,6 +44,7 @@ import torch
 
 from bdlora.arch import layer_of
 from bdlora.bench.genai import _stand_in_tokenizer, time_genai
+from bdlora.budgeted.bits import head_shape
 from bdlora.budgeted.channels import CHANNEL_STEP
 from bdlora.budgeted.costs import ModuleShape, shapes_from_config
 from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES
@@ -211,15 +212,17 @@ class WholeStep:
     overhead: Overhead
     config: dict
 
-    def prediction(self, table, shapes, ranks, shape_of=None, gone=(), bits=None) -> dict:
-        return decode_prediction(self.overhead, table, self.config, shapes, ranks, shape_of, gone, bits)
+    def prediction(self, table, shapes, ranks, shape_of=None, gone=(), bits=None, head_bits: int = 0) -> dict:
+        return decode_prediction(self.overhead, table, self.config, shapes, ranks, shape_of, gone, bits, head_bits)
 
 
 def decode_prediction(overhead: Overhead, table, config: dict, shapes: list[ModuleShape], ranks: dict,
-                      shape_of=None, gone=(), bits=None) -> dict:
+                      shape_of=None, gone=(), bits=None, head_bits: int = 0) -> dict:
     """The whole decode step of the teacher (``config``: every layer dense) and of a structure over ``shapes``
-    (its layers' projections; ``ranks``, ``shape_of``, ``gone``, ``bits`` as ``LatencyTable.prediction``), in
-    microseconds, and the predicted speed-up. A layer's rest scales with the share of its MLP's channels kept."""
+    (its layers' projections; ``ranks``, ``shape_of``, ``gone``, ``bits``, ``head_bits`` as
+    ``LatencyTable.prediction``), in microseconds, and the predicted speed-up. A layer's rest scales with the share of
+    its MLP's channels kept; a head at other bits than the overhead was timed with changes the step by the two
+    widths' times of its product in ``table`` (``budgeted.bits.head_shape``)."""
     full = int(config["intermediate_size"])
     teacher_shapes = shapes_from_config(config)
     teacher = overhead.fixed + int(config["num_hidden_layers"]) * overhead.per_layer + sum(
@@ -231,7 +234,10 @@ def decode_prediction(overhead: Overhead, table, config: dict, shapes: list[Modu
               if s.name.endswith("down_proj")}
     layers = dict.fromkeys(layer_of(s.name) for s in kept)
     student = overhead.fixed + chosen + sum(overhead.layer(widths.get(n, full) / full) for n in layers)
+    if head_bits and head_bits != overhead.head_bits:
+        student += table.cost(head_shape(config), 0, head_bits) - table.cost(head_shape(config), 0, overhead.head_bits)
     return {"decode_us_teacher": teacher, "decode_us": student, "predicted_decode_speedup": teacher / student,
+            **({"head_bits": head_bits} if head_bits else {}),
             "decode_layers": len(layers), "teacher_layers": int(config["num_hidden_layers"]),
             "overhead": {"fixed_us": overhead.fixed, "per_layer_us": overhead.per_layer,
                          "per_layer_width_us": overhead.per_width, "head_bits": overhead.head_bits,

@@ -25,7 +25,7 @@ import numpy as np
 from bdlora.arch import layer_of
 from bdlora.budgeted.costs import ModuleShape
 from bdlora.errors import UsageError
-from bdlora.forms import WIDE_BITS
+from bdlora.forms import HEAD, WIDE_BITS
 
 RANK_STEP = 8  # ranks above 8 are multiples of 8 (GEMM kernels run them at full speed; the search stays small)
 
@@ -79,6 +79,8 @@ class Allocation:
     removed: list[str] = field(default_factory=list)
     wide: list[str] = field(default_factory=list)  # projections kept at 8 bits in an int4 export (``--forms bits``)
     kv_heads: int = 0  # the source's key/value heads per layer (an attention site's ``keep`` counts groups of them)
+    head_bits: int = 0  # the LM head's bits in an int4 export where the allocation chose them (``--forms bits
+    # --speedup``: 4 or 8); 0: not chosen (the export's default, 8)
 
     @property
     def bits(self) -> dict[str, int]:
@@ -113,14 +115,14 @@ class Allocation:
 
     def to_json(self) -> dict:
         return {"ranks": self.ranks, "order": self.order, "errors": self.errors, "keep": self.keep,
-                "removed": self.removed, "wide": self.wide, "kv_heads": self.kv_heads}
+                "removed": self.removed, "wide": self.wide, "kv_heads": self.kv_heads, "head_bits": self.head_bits}
 
     @classmethod
     def from_json(cls, doc: dict) -> Allocation:
         return cls({k: int(v) for k, v in doc["ranks"].items()}, list(doc["order"]),
                    {k: float(v) for k, v in doc.get("errors", {}).items()},
                    {k: int(v) for k, v in (doc.get("keep") or {}).items()}, list(doc.get("removed") or ()),
-                   list(doc.get("wide") or ()), int(doc.get("kv_heads") or 0))
+                   list(doc.get("wide") or ()), int(doc.get("kv_heads") or 0), int(doc.get("head_bits") or 0))
 
 
 BUCKETS = 1 << 16  # the MAC budget's resolution in the allocation (module costs are rounded up to 1/65536 of it)
@@ -214,7 +216,7 @@ def allocate(shapes: list[ModuleShape], energy: dict[str, np.ndarray], mac_ratio
              sites: dict[str, list[Option]] | None = None, lowrank: bool = True,
              layers: dict[str, float] | None = None, rest: dict[str, Rest] | None = None,
              fixed: float = 0.0, wide: dict[str, tuple[float, float]] | None = None,
-             kv_heads: int = 0) -> Allocation:
+             kv_heads: int = 0, head: tuple[float, float, float] | None = None) -> Allocation:
     """The per-module forms meeting ``sum cost <= dense total / mac_ratio`` with the least total error (``cost``:
     MACs by default, or measured decode time), by ``knapsack``. ``sites`` (an MLP site -> its channel options,
     ``budgeted.channels``): that site's three projections become one item choosing between their low-rank forms
@@ -227,22 +229,40 @@ def allocate(shapes: list[ModuleShape], energy: dict[str, np.ndarray], mac_ratio
     of W channels the k/W share of its width-scaled part. ``wide`` (projection -> (its dense time at 8 bits, the
     rounding error that gives back), ``budgeted.bits``): it may instead stay dense at 8 bits in an int4 export, at
     that error below its 4-bit forms'. ``sites`` may hold attention sites too (``model.layers.N.self_attn`` -> its
-    options of kept key/value groups, ``budgeted.groups``; ``kv_heads``: the source's per layer). Deterministic."""
+    options of kept key/value groups, ``budgeted.groups``; ``kv_heads``: the source's per layer). ``head`` (with
+    ``rest``: the LM head's (time at 8 bits, time at 4 bits, the error 4 bits add), ``budgeted.bits.head_option``):
+    the head is one more item, at 8 bits (the teacher's export, whose time ``fixed`` holds) or at 4. Deterministic."""
     sites, rest, wide = sites or {}, rest or {}, wide or {}
+    if head is not None and not rest:
+        raise ValueError("the LM head is priced against the whole decode step: give rest (the layers' rests)")
     per = {s.name: [((s.name, r, 0), c, e) for r, c, e in options(s, energy[s.name], step, cost)[: None if lowrank
                                                                                                   else 1]]
            + ([((s.name, 0, WIDE_BITS), wide[s.name][0], -wide[s.name][1])] if s.name in wide else [])
            for s in shapes}
     items, members = _items(shapes, per, sites, rest)
     total = sum(cost(s, 0) for s in shapes) + sum(a + m for a, m in rest.values()) + fixed
+    if head is not None:  # the head's 8-bit time leaves the fixed part and becomes its item's
+        fixed -= head[0]
+        items.append([(((HEAD, 0, WIDE_BITS),), head[0], 0.0), (((HEAD, 0, 4),), head[1], head[2])])
+        members.append(("head", [HEAD]))
     groups = layer_groups(members, layers or {})
     picked = knapsack(items, total / mac_ratio - fixed, lambda cheapest: (
         f"--{'speedup' if rest else 'mac-ratio'} {mac_ratio:g}: beyond reach; the cheapest form of every "
         f"{'layer' if rest else 'projection'} gives {total / (cheapest + fixed):.2f}x "
         f"{'less decode time' if rest else f'fewer projection {unit_name}s'}"), groups)
-    ranks, errors, saved, keep, removed, eight = {}, {}, {}, {}, [], []
+    return _allocation(shapes, members, items, picked, per, cost, layers, kv_heads)
+
+
+def _allocation(shapes, members: list, items: list, picked: list[int], per: dict, cost: Cost, layers: dict | None,
+                kv_heads: int) -> Allocation:
+    """The ``Allocation`` the knapsack's ``picked`` options of ``items`` (who each is: ``members``) make."""
+    ranks, errors, saved, keep, removed, eight, head_bits = {}, {}, {}, {}, [], [], 0
     by = {s.name: s for s in shapes}
     for (site, names), o, k in zip(members, items, picked):
+        if site == "head":
+            (chosen,), _, errors[HEAD] = o[k]
+            head_bits = chosen[2]
+            continue
         if k < 0:  # the layer goes
             ranks.update({n: 0 for n in names if site != "rest"})
             layer = layer_of(names[0])
@@ -265,7 +285,7 @@ def allocate(shapes: list[ModuleShape], energy: dict[str, np.ndarray], mac_ratio
             if b:
                 eight.append(n)
     order = sorted((n for n, r in ranks.items() if r), key=lambda n: (errors[n] / saved[n], n))
-    return Allocation(ranks, order, errors, keep, removed, eight, kv_heads)
+    return Allocation(ranks, order, errors, keep, removed, eight, kv_heads, head_bits)
 
 
 def _items(shapes, per: dict, sites: dict, rest: dict) -> tuple[list, list]:

@@ -22,9 +22,11 @@ import torch.nn.functional as F
 from bdlora.arch import projection_modules
 from bdlora.budgeted.lowrank import FISHER_DAMPING
 from bdlora.errors import DataError, ModelError
+from bdlora.forms import HEAD  # the LM head's key in ``Calibration.rounding`` (``calibrate(..., head=True)``)
 
 CALIB_SEED = 20261124
 CALIB_BATCH = 8
+HEAD_CHUNK = 256  # tokens per product of the head's rounding error: (tokens, vocabulary) float64 per chunk
 
 
 def input_group(name: str) -> str:
@@ -46,7 +48,8 @@ class Calibration:
     residual: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # layer -> (update
     # energy, output Fisher diagonal), each (hidden,) float64; only with ``calibrate(..., residual=True)``
     rounding: dict[str, dict[int, float]] = field(default_factory=dict)  # module -> {bits: the loss-weighted output
-    # error of its weight rounded to that width}; only with ``calibrate(..., rounded=...)`` (``_rounding_hooks``)
+    # error of its weight rounded to that width}; only with ``calibrate(..., rounded=...)`` (``_rounding_hooks``);
+    # with ``head=True`` also the LM head's, under ``HEAD``
 
     def gram(self, name: str) -> torch.Tensor:
         return self.grams[input_group(name)]
@@ -72,17 +75,20 @@ def calibration_blocks(blocks, tokens: int) -> np.ndarray:
 
 
 def calibrate(model, blocks: np.ndarray, fisher: bool = True, on_progress=None, residual: bool = False,
-              rounded=None, bits: tuple[int, ...] = (4, 8)) -> Calibration:
+              rounded=None, bits: tuple[int, ...] = (4, 8), head: bool = False) -> Calibration:
     """Gram matrices (and with ``fisher`` the output Fisher diagonals) of every projection of ``model`` over the
     token ``blocks`` (n, T); with ``residual`` (and ``fisher``) each decoder layer's update energy and output Fisher;
     with ``rounded`` (``(weight (out, in) array, bits) -> the weight as an export rounds it``, and ``fisher``) each
-    projection's rounding error at every width of ``bits`` (``_rounding_hooks``).
-    The model's weights are not changed and get no gradient. ``on_progress(k)`` is called after each batch with the
-    number of blocks it held."""
+    projection's rounding error at every width of ``bits`` (``_rounding_hooks``), and with ``head`` the LM head's
+    (its weight rounded once; the logits' change weighted by the loss's squared gradient there, ``HEAD_CHUNK`` tokens
+    at a time so a 262k-token vocabulary stays a few hundred MB). The model's weights are not changed and get no
+    gradient. ``on_progress(k)`` is called after each batch with the number of blocks it held."""
     grams: dict[str, torch.Tensor] = {}
     fish: dict[str, torch.Tensor] = {}
     rounding: dict[str, dict[int, float]] = {}
     hooks = _projection_hooks(model, grams, fish if fisher else None, rounding, rounded if fisher else None, bits)
+    if head and rounded is not None and fisher:
+        hooks += _rounding_hooks(model.get_output_embeddings(), HEAD, rounding, rounded, bits, once=True)
     updates: dict[int, list] = {}
     if residual and fisher:
         for i, layer in enumerate(model.model.layers):
@@ -155,7 +161,7 @@ def _fisher_hook(fish: dict, name: str):
     return hook
 
 
-def _rounding_hooks(mod, name: str, rounding: dict, rounded, bits: tuple[int, ...]) -> list:
+def _rounding_hooks(mod, name: str, rounding: dict, rounded, bits: tuple[int, ...], once: bool = False) -> list:
     """Hooks adding, per width b of ``bits``, ``sum_t sum_i (g_ti^2 + d) ((W - Q_b(W)) x_t)_i^2`` over the tokens:
     the rounding's output change weighted by the loss's squared gradient *at the same token* (d: ``FISHER_DAMPING``
     of the batch's mean squared gradient, as the spectrum damps the Fisher). Token by token, not the Fisher diagonal
@@ -163,8 +169,20 @@ def _rounding_hooks(mod, name: str, rounding: dict, rounded, bits: tuple[int, ..
     inputs, and a few tokens carry inputs hundreds of times larger (SmolLM2's attention sinks: its layer-11 down
     projection makes them) where the loss's gradient is small, which the product of the two sums counts as if they
     met (22x too high there, 5x over all projections, measured). ``calibrate`` multiplies the sum by the tokens, the
-    scale the product of sums has when the two are independent, so it compares with the other forms' errors."""
+    scale the product of sums has when the two are independent, so it compares with the other forms' errors.
+    ``once``: the rounded weights are computed at the first batch and kept (the LM head: one matrix, rounded once
+    instead of once per batch), and the products run ``HEAD_CHUNK`` tokens at a time."""
     seen: dict = {}
+    deltas: dict[int, torch.Tensor] = {}
+
+    def delta_of(w, b: int, dtype):
+        if b in deltas:
+            return deltas[b]
+        d = (w - torch.as_tensor(np.asarray(rounded(w.float().cpu().numpy(), b)), dtype=w.dtype,
+                                 device=w.device)).to(dtype)
+        if once:
+            deltas[b] = d
+        return d
 
     def forward(module, inputs, output):
         seen["x"] = inputs[0].detach()
@@ -173,14 +191,17 @@ def _rounding_hooks(mod, name: str, rounding: dict, rounded, bits: tuple[int, ..
         x = seen.pop("x", None)
         if x is None:
             return
-        g2 = grad_output[0].detach().double().square()
-        g2 = g2 + FISHER_DAMPING * float(g2.mean())
+        g = grad_output[0].detach().reshape(-1, grad_output[0].shape[-1])
+        x = x.reshape(-1, x.shape[-1])
+        damping = FISHER_DAMPING * float(g.double().square().mean())
         w = module.weight.detach()
         errors = rounding.setdefault(name, {})
+        step = HEAD_CHUNK if once else len(x)
         for b in bits:
-            delta = (w - torch.as_tensor(np.asarray(rounded(w.float().cpu().numpy(), b)), dtype=w.dtype,
-                                         device=w.device)).to(x.dtype)
-            errors[b] = errors.get(b, 0.0) + float((g2 * (x @ delta.T).double().square()).sum())
+            delta = delta_of(w, b, x.dtype)
+            for i in range(0, len(x), step):
+                g2 = g[i : i + step].double().square() + damping
+                errors[b] = errors.get(b, 0.0) + float((g2 * (x[i : i + step] @ delta.T).double().square()).sum())
 
     return [mod.register_forward_hook(forward), mod.register_full_backward_hook(backward)]
 

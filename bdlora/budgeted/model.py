@@ -103,8 +103,11 @@ def load_budgeted(student_dir: Path, model: nn.Module) -> nn.Module:
     return model
 
 
-def build_deployed_model(base: nn.Module, deployed: dict[str, DeployedModule], provenance: dict):
-    """The bdlora HF architecture holding the ``deployed`` projections and every other weight of ``base``."""
+def build_deployed_model(base: nn.Module, deployed: dict[str, DeployedModule], provenance: dict, head_bits: int = 0):
+    """The bdlora HF architecture holding the ``deployed`` projections and every other weight of ``base``;
+    ``head_bits`` (4 or 8): the LM head's width in an int4 export, declared in its config (``forms.HEAD_BITS``; 0:
+    what ``base`` declares, if anything: a student started from such a folder keeps it, as it keeps a pruned
+    width)."""
 
     family = table_family(base_type(base.config.model_type), "base model_type").model_type
     cfg_cls, model_cls = BDLORA_CLASSES[family]
@@ -118,6 +121,8 @@ def build_deployed_model(base: nn.Module, deployed: dict[str, DeployedModule], p
     config.auto_map = {"AutoConfig": f"modeling_bdlora.{cfg_cls.__name__}",
                        "AutoModelForCausalLM": f"modeling_bdlora.{model_cls.__name__}"}
     config.architectures = [model_cls.__name__]
+    if head_bits:
+        setattr(config, forms.HEAD_BITS, int(head_bits))
     model = model_cls(config)
     state = {k: v for k, v in dense_state_dict(base).items() if not any(k.startswith(n + ".") for n in deployed)}
     for n, c in deployed.items():

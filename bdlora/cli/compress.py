@@ -9,6 +9,7 @@ from rich.markup import escape
 
 from bdlora import sources
 from bdlora.arch import check_lora_rank, layer_of
+from bdlora.budgeted.bits import head_shape
 from bdlora.budgeted.config import ALLOCATIONS, THRESHOLDS, BudgetedConfig
 from bdlora.budgeted.costs import ModuleShape
 from bdlora.cli import render
@@ -18,7 +19,7 @@ from bdlora.cli.progress import RichReporter
 from bdlora.config import BUILTIN, CALIB_TOKENS, GENAI_PRECISIONS
 from bdlora.data import default_cache_dir
 from bdlora.errors import Checks, UsageError, flag, usable_cores
-from bdlora.forms import forms_problem
+from bdlora.forms import declared_head_bits, forms_problem
 from bdlora.oneshot_config import OneShotConfig
 from bdlora.plan import DEFAULT_PLAN_STEPS, read_model_config
 from bdlora.plan import plan as run_plan
@@ -226,12 +227,14 @@ def _deployed_prediction(report: dict, precision: str, threads: int | None, repo
     grouped = {m["name"]: m["groups"] for m in mods if m.get("groups")}
     # the projections kept at 8 bits weigh in an int4 export only (at int8 every one is 8 bits, at fp32 none is)
     bits = {m["name"]: m["bits"] for m in mods if m.get("bits")} if precision == "int4" else {}
+    head = declared_head_bits(config) if precision == "int4" else 0  # the LM head's declared width (int4 only)
     probes = site_probes(shapes, kv, bool(narrow), bool(grouped))
-    table = cost_table(precision, threads, None, reporter, quant)(shapes, dense=probes, config=config, wide=bool(bits))
+    table = cost_table(precision, threads, None, reporter, quant)(shapes, dense=probes, config=config,
+                                                                  wide=bool(bits) or bool(head), head=bool(head))
     return table.prediction(shapes, {m["name"]: m["rank"] for m in mods if m["form"] == "lowrank"},
                             lambda s: s.narrowed(narrow[s.name]) if s.name in narrow else
                             s.grouped(grouped[s.name], kv) if s.name in grouped else s,
-                            {m["name"] for m in mods if m["case"] == "removed"}, bits)
+                            {m["name"] for m in mods if m["case"] == "removed"}, bits, head)
 
 
 def _folder_report(folder: str, other: str | None = None) -> tuple[dict, dict, str]:
@@ -277,24 +280,26 @@ def cost_table(precision: str | None, threads: int | None, cache: Path | None, r
 
     threads, root, quant = threads or usable_cores(), cache or default_cache_dir(), quant or DEFAULT_SCHEME
 
-    def build(shapes, dense=(), config: dict | None = None, wide: bool = False):
+    def build(shapes, dense=(), config: dict | None = None, wide: bool = False, head: bool = False):
         """The table of ``shapes`` (and the ``dense`` products); with ``config`` (the model's), also the decode
         step's cost outside the projections, so its predictions cover the whole step; with ``wide`` (int4), the
-        int8 times of the dense products beside it (``--forms bits``: a projection kept at 8 bits)."""
+        int8 times of the dense products beside it (``--forms bits``: a projection kept at 8 bits); with ``head``
+        (and ``config``), the LM head's product at both widths too (``budgeted.bits.head_option``)."""
         from bdlora.bench.whole import WholeStep, decode_overhead, half_width
 
         if config is None:
             return _with_wide(latency_table(shapes, precision, threads, root, reporter, dense, quant=quant), wide,
                               shapes)
         hidden, half = int(config["hidden_size"]), half_width(config)
-        table = latency_table(shapes, precision, threads, root, reporter, (*dense, (hidden, half), (half, hidden)),
-                              quant=quant)
+        heads = [(head_shape(config).in_features, head_shape(config).out_features)] if head else []
+        table = latency_table(shapes, precision, threads, root, reporter,
+                              (*dense, (hidden, half), (half, hidden), *heads), quant=quant)
         table.whole = WholeStep(decode_overhead(config, table, precision, threads, root, reporter=reporter), config)
-        return _with_wide(table, wide, shapes)
+        return _with_wide(table, wide, shapes, heads)
 
-    def _with_wide(table, wide: bool, shapes):
+    def _with_wide(table, wide: bool, shapes, heads=()):
         if wide and precision == "int4":
-            table.wide = latency_table(shapes, "int8", threads, root, reporter, ranks=False, quant=quant)
+            table.wide = latency_table(shapes, "int8", threads, root, reporter, heads, ranks=False, quant=quant)
         return table
 
     return build

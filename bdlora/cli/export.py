@@ -97,7 +97,9 @@ def export_genai(
                                                         f"runs on one thread; at most {MAX_GENAI_THREADS}).")] = None,
     quant: Annotated[str, typer.Option(help="int8/int4 rounding: " + "; ".join(
         f"{s.name}: {s.summary}" for s in SCHEMES.values()) + ".")] = GENAI.quant,
-    head_bits: Annotated[int, typer.Option(help="int4: bits of the LM head (8 or 4).")] = GENAI.head_bits,
+    head_bits: Annotated[Optional[int], typer.Option(help="int4: bits of the LM head, 8 or 4 (default: what the "
+                                                          "folder declares, from compress --one-shot --forms bits "
+                                                          "--speedup; else 8).")] = GENAI.head_bits,
     int8_share: Annotated[float, typer.Option(help="int4 with --quant gptq: share of the projection weights kept at "
                                                    "8 bits, those whose rounding hurts most.")] = GENAI.int8_share,
     calib_tokens: Annotated[int, typer.Option(help="--quant gptq: calibration tokens from the model's training "

@@ -62,6 +62,7 @@ def write_genai_files(model, tok, folder: Path, settings: GenaiExportSettings, r
     (one model exported at several precisions is calibrated once), filled in when empty. Returns what was written
     (nodes, quantisation)."""
 
+    settings = settings.resolved(model.config)  # the LM head at the bits the folder declares, unless told
     precision, ctx = settings.precision, context_length_of(model.config, settings.context_length)
     cfg = model.config
     base = (getattr(cfg, "bdlora", None) or {}).get("base_model_type", cfg.model_type)
@@ -132,6 +133,7 @@ def plain_graph(model, settings: GenaiExportSettings, calibration=None, grams: d
     """``model``'s decoder in the plain layout, rounded as ``write_genai_files`` rounds its genai graph with the same
     ``settings`` (``grams``: filled on the first calibrated call and reused; ``proto``: the model's fp32 plain graph
     when already emitted, which the quantisers copy, never change)."""
+    settings = settings.resolved(model.config)
     if proto is None:
         proto, _ = decoder_graph(model, DecoderLayout.plain(model.config, MAX_OPSET))
     if settings.precision == "fp32":
@@ -151,7 +153,7 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, settings: GenaiE
     reporter.stage(f"loading {model_dir}")
     model, tok, report = load_model_folder(model_dir)
     ctx = context_length_of(model.config, settings.context_length)
-    settings = replace(settings, threads=threads, context_length=ctx)
+    settings = replace(settings.resolved(model.config), threads=threads, context_length=ctx)
     precision = settings.precision
     info: dict = {"schema_version": SCHEMA_VERSION, "runtime": "onnxruntime-genai", "source": str(model_dir.resolve()),
                   "precision": precision, "context_length": ctx, "intra_op_threads": threads or None,
