@@ -198,3 +198,20 @@ def test_train_forms_bits_starts_from_the_4_bit_head_and_its_compressed_folder_k
                                  "--max-ppl-change", "5", "--out", str(tmp_path / "g"), "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["quantization"]["lm_head_bits"] == _head_bits(tmp_path / "g") == 4
+
+
+def test_bench_ships_each_int4_row_with_its_own_head_and_says_so(headed, tmp_path):
+    """bench --runtime genai at int4: the student's rows ship the declared 4-bit head, the teacher's the default 8,
+    and the bench's notes say the student's head is rounding; --head-bits 8 puts every row at 8 and says nothing."""
+    root, _, _ = headed
+    common = ["--runtime", "genai", "--genai-precisions", "int4", "--batch-sizes", "1", "--seq-lens", "16",
+              "--decode-tokens", "2", "--repeats", "1", "--warmup", "0", "--no-peers", "--quality-tokens", "0"]
+    r = CliRunner().invoke(app, ["bench", str(root / "s"), *common, "--out", str(tmp_path / "b")])
+    assert r.exit_code == 0, r.output
+    notes = read_json(tmp_path / "b" / "bench.json").get("genai_notes") or {}
+    # the student's forms (compressed, its merged dense form, its LoRA form) carry its declaration; the teacher not
+    assert set(notes) == {"compressed-int4", "dense-int4", "lora-int4"}
+    assert all(why.startswith("LM head at 4 bits") for why in notes.values())
+    r = CliRunner().invoke(app, ["bench", str(root / "s"), *common, "--head-bits", "8", "--out", str(tmp_path / "c")])
+    assert r.exit_code == 0, r.output
+    assert not read_json(tmp_path / "c" / "bench.json").get("genai_notes")

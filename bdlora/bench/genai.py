@@ -133,6 +133,7 @@ def export_variants(models: dict[str, nn.Module], tok, precisions: list[str], wo
     written (``export.genai.folder.deployment``)."""
 
     folders: dict[str, Path] = {}
+    notes: dict = {}
     tok = tok if tok is not None else _stand_in_tokenizer()
     for name, m in models.items():
         ctx = int(min(getattr(m.config, "max_position_embeddings", 4096) or 4096, 4096))
@@ -140,10 +141,13 @@ def export_variants(models: dict[str, nn.Module], tok, precisions: list[str], wo
         for p in precisions:
             key = row_name(name, p)
             reporter.stage(f"exporting the {key} genai folder")
-            folders[key] = deployment(m, tok, work / f"genai-{key}", settings(name, p, context_length=ctx,
-                                                                               threads=threads),
-                                      calibration=calibration, grams=grams, reporter=reporter)
-    notes: dict = {}
+            given = settings(name, p, context_length=ctx, threads=threads)
+            head = given.resolved(m.config).head_bits
+            if p == "int4" and given.head_bits is None and head != GENAI.resolved({}).head_bits:
+                notes[key] = (f"LM head at {head} bits, as the folder declares (--forms bits chose it): rounding, "
+                              "not structure; --head-bits 4 puts every int4 row's head there")
+            folders[key] = deployment(m, tok, work / f"genai-{key}", given, calibration=calibration, grams=grams,
+                                      reporter=reporter)
     if peers:
         sources = [("teacher-builder", teacher)] if teacher is not None else []
         narrow = narrow_sites(models["dense"])
