@@ -337,13 +337,17 @@ def eval_data(run_cfg: dict | None, config, ecfg: EvalConfig) -> dict:
             "source": "command line" if ecfg.data or ecfg.seq_len or ecfg.tokens else src}
 
 
-def evaluate_target(path: str | Path, ecfg: EvalConfig, device: str = "cpu", reporter: Reporter = SILENT) -> dict:
-    """``bdlora eval``: held-out perplexity and/or the ICL probes of one model; returns the eval document."""
+def evaluate_target(path: str | Path, ecfg: EvalConfig, device: str = "cpu", reporter: Reporter = SILENT,
+                    samples_from: dict | None = None) -> dict:
+    """``bdlora eval``: held-out perplexity and/or the ICL probes of one model; the eval document. ``samples_from``
+    (``teacher``, ``source_path``, ``cache_dir``): whose ``teacher:N`` samples ``--data`` holds where ``path`` says
+    none (a teacher scored beside its student): the student's samples, never new ones of the model scored."""
     ecfg.validate()
     t0 = time.time()
     reporter.stage(f"loading {path}")
     lm, tok, kind, run_cfg = load_eval_target(path, ecfg.onnx_file, device)
     settings = eval_data(run_cfg, lm.config, ecfg)
+    settings.update({k: v for k, v in (samples_from or {}).items() if v and not settings.get(k)})
     cache = Path(settings["cache_dir"]).expanduser() if settings["cache_dir"] else None
     doc: dict = {"schema_version": SCHEMA_VERSION, "bdlora_version": __version__, "source": str(path),
                  "kind": kind, "onnx_file": ecfg.onnx_file if kind == "onnx" else None,

@@ -304,3 +304,21 @@ def test_eval_bad_input(tiny_env, tmp_path, extra, needle):
     assert res.exit_code == 2 and needle in res.output, res.output
     res = CliRunner().invoke(app, ["eval", str(tmp_path / "nothing")])
     assert res.exit_code == 2 and "no such model folder" in res.output
+
+
+def test_the_teacher_beside_a_run_healed_on_its_own_samples_is_scored_on_the_same_samples(tiny_env, tmp_path):
+    """eval --vs-teacher of a run whose --data mixes in teacher:N: the teacher is scored on the run's held-out slice
+    of the same samples (it stopped with 'the model these samples came from is not recorded' before)."""
+    from conftest import train_args
+
+    run = tmp_path / "run"
+    args = train_args(tiny_env, run, "--method", "kd-lora", "--max-steps", "2", "--data",
+                      f"{tiny_env['corpus']}:1,teacher:2048:1")
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    summary = json.loads((run / "summary.json").read_text())
+    res = CliRunner().invoke(app, ["eval", str(run), "--ppl", "--json", str(tmp_path / "e.json")])
+    assert res.exit_code == 0, res.output
+    doc = json.loads((tmp_path / "e.json").read_text())
+    assert doc["ppl"]["val_ppl"] == pytest.approx(summary["student_val_ppl"], rel=1e-5)
+    assert doc["teacher"]["ppl"]["val_ppl"] == pytest.approx(summary["teacher_val_ppl"], rel=1e-5)
