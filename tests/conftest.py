@@ -24,6 +24,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.fixture(autouse=True)
+def _a_quiet_machine(monkeypatch):
+    """The latency table keeps out of its cache what it times beside another process (``latency.quiet``); the
+    tests' own workers are such processes, so every test takes the machine as quiet (test_latency tests the guard
+    itself by setting ``others_busy`` back)."""
+    import bdlora.export.genai.latency as lat
+
+    monkeypatch.setattr(lat, "others_busy", lambda seconds=0.5: 0.0)
+
+
 def _has_optimum() -> bool:
     import importlib.util
 

@@ -48,6 +48,26 @@ def test_rank_grid_and_interpolation():
     assert t.pays(s) == 11  # 20 + 22.5 (r - 8) < 100 up to r = 11
 
 
+def test_forms_timed_beside_another_process_are_used_but_never_cached(tmp_path, monkeypatch):
+    """A table measured while other processes hold more than BUSY_CORES is used by the run and not written to the
+    cache (checked before and after the timings: a job may start between); a quiet machine's is cached. The real
+    others_busy (the conftest's stand-in undone) reads /proc/stat, this process's own time left out."""
+    monkeypatch.undo()
+    value = lat.others_busy(0.05)
+    assert value is None or value >= 0.0
+    monkeypatch.setattr(lat, "measure_form", lambda k, n, r, p, t, layout: 1.0 + r)
+    a = [ModuleShape("q", 64, 64)]
+    seen = []
+    rep = type("R", (), {"stage": lambda self, m: seen.append(m), "count": lambda self, *a: None})()
+    for busy in ([1.5, 0.0], [0.0, 1.5]):
+        monkeypatch.setattr(lat, "others_busy", lambda seconds=0.5, b=iter(busy): next(b))
+        t = lat.latency_table(a, "int8", 1, tmp_path, rep)
+        assert t.us["64x64@0"] == 1.0 and not t.path.exists()
+    assert sum("other processes are using 1.5 cores" in m and "not cached" in m for m in seen) == 2
+    monkeypatch.setattr(lat, "others_busy", lambda seconds=0.5: 0.2)
+    assert lat.latency_table(a, "int8", 1, tmp_path, rep).path.is_file()
+
+
 def test_the_table_is_measured_once_per_form_and_cached(tmp_path, monkeypatch):
     calls = []
     real = lat.measure_form

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import platform
 import re
 import time
@@ -49,6 +50,7 @@ from bdlora.reporter import SILENT, Reporter
 from bdlora.schemes import DEFAULT_SCHEME, scheme
 
 BITS = {"int8": 8, "int4": 4}
+BUSY_CORES = 0.5  # CPU other processes may use while forms are timed before the times are kept out of the cache
 STREAM_BYTES = 48 << 20  # weight bytes per measured graph: beyond the last-level cache of most CPUs
 MAX_COPIES, MIN_COPIES = 64, 4
 REPEATS, WARMUP = 25, 5
@@ -152,6 +154,34 @@ def measure_form(k: int, n: int, rank: int, precision: str, threads: int, layout
     one = _median_run_us(form_graph(k, n, rank, precision, 1, layout=layout), k, threads)
     many = _median_run_us(form_graph(k, n, rank, precision, copies, layout=layout), k, threads)
     return max((many - one) / (copies - 1), 1e-3)
+
+
+def others_busy(seconds: float = 0.5) -> float | None:
+    """Cores' worth of CPU time the machine's *other* processes used over ``seconds`` (``/proc/stat``'s busy time
+    less this process's own), or None where that cannot be read (not Linux)."""
+    def sample():
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        own = os.times()
+        return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK"), own.user + own.system, \
+            time.monotonic()
+    try:
+        b0, o0, t0 = sample()
+        time.sleep(seconds)
+        b1, o1, t1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0.0, (b1 - b0) - (o1 - o0)) / max(t1 - t0, 1e-9)
+
+
+def quiet(reporter: Reporter, what: str) -> bool:
+    """Whether the machine is quiet enough for times to be cached (``others_busy`` at most ``BUSY_CORES``); if not,
+    says so: times taken beside another job would misprice every later allocation that reads them."""
+    busy = others_busy()
+    if busy is None or busy <= BUSY_CORES:
+        return True
+    reporter.stage(f"other processes are using {busy:.1f} cores: {what} timed for this run only and not cached "
+                   "(times taken beside another job would misprice every later run); run it on a quiet machine")
+    return False
 
 
 def _key(k: int, n: int, rank: int) -> str:
@@ -318,10 +348,12 @@ def latency_table(shapes: list[ModuleShape], precision: str, threads: int, cache
     if todo:
         reporter.stage(f"measuring {len(todo)} projection forms at {precision} ({layout}) on {threads} thread(s) "
                        f"(cached in {path.parent})")
+        calm = quiet(reporter, f"the {len(todo)} forms are")
         reporter.count(0, len(todo), "forms")
         for k, n, r in todo:
             table.us[_key(k, n, r)] = measure_form(k, n, r, precision, threads, layout)
             reporter.count(1, len(todo), "forms")
-        write_json(path, {"version": TABLE_VERSION, "precision": precision, "layout": layout, "threads": threads,
-                          "cpu": cpu_name(), "us": table.us})
+        if calm and quiet(reporter, f"the {len(todo)} forms were"):  # before and after: a job may start between
+            write_json(path, {"version": TABLE_VERSION, "precision": precision, "layout": layout,
+                              "threads": threads, "cpu": cpu_name(), "us": table.us})
     return table
