@@ -38,6 +38,7 @@ from bdlora.export.genai.folder import (
     heldout_for,
 )
 from bdlora.export.settings import DEFAULT as GENAI
+from bdlora.export.settings import HEAD_BITS
 from bdlora.families import FAMILIES, base_type
 from bdlora.icl import corpus_word_list
 from bdlora.models import load_model_folder
@@ -142,11 +143,11 @@ def export_variants(models: dict[str, nn.Module], tok, precisions: list[str], wo
             key = row_name(name, p)
             reporter.stage(f"exporting the {key} genai folder")
             given = settings(name, p, context_length=ctx, threads=threads)
-            head = given.resolved(m.config).head_bits
-            if p == "int4" and given.head_bits is None and head != GENAI.resolved({}).head_bits:
-                notes[key] = (f"LM head at {head} bits, as the folder declares (--forms bits chose it): rounding, "
-                              "not structure; --head-bits 4 puts every int4 row's head there")
-            folders[key] = deployment(m, tok, work / f"genai-{key}", given, calibration=calibration, grams=grams,
+            shipped = given.resolved(m.config)  # the head at the bits the folder declares, unless --head-bits
+            if p == "int4" and given.head_bits is None and shipped.head_bits != HEAD_BITS:
+                notes[key] = (f"LM head at {shipped.head_bits} bits, as the folder declares (--forms bits chose it): "
+                              "rounding, not structure; --head-bits 4 puts every int4 row's head there")
+            folders[key] = deployment(m, tok, work / f"genai-{key}", shipped, calibration=calibration, grams=grams,
                                       reporter=reporter)
     if peers:
         sources = [("teacher-builder", teacher)] if teacher is not None else []

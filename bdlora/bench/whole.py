@@ -235,7 +235,8 @@ def decode_prediction(overhead: Overhead, table, config: dict, shapes: list[Modu
     layers = dict.fromkeys(layer_of(s.name) for s in kept)
     student = overhead.fixed + chosen + sum(overhead.layer(widths.get(n, full) / full) for n in layers)
     if head_bits and head_bits != overhead.head_bits:
-        student += table.cost(head_shape(config), 0, head_bits) - table.cost(head_shape(config), 0, overhead.head_bits)
+        h = head_shape(config)
+        student += table.cost(h, 0, head_bits) - table.cost(h, 0, overhead.head_bits)
     return {"decode_us_teacher": teacher, "decode_us": student, "predicted_decode_speedup": teacher / student,
             **({"head_bits": head_bits} if head_bits else {}),
             "decode_layers": len(layers), "teacher_layers": int(config["num_hidden_layers"]),

@@ -291,7 +291,8 @@ def cost_table(precision: str | None, threads: int | None, cache: Path | None, r
             return _with_wide(latency_table(shapes, precision, threads, root, reporter, dense, quant=quant), wide,
                               shapes)
         hidden, half = int(config["hidden_size"]), half_width(config)
-        heads = [(head_shape(config).in_features, head_shape(config).out_features)] if head else []
+        h = head_shape(config)
+        heads = [(h.in_features, h.out_features)] if head else []
         table = latency_table(shapes, precision, threads, root, reporter,
                               (*dense, (hidden, half), (half, hidden), *heads), quant=quant)
         table.whole = WholeStep(decode_overhead(config, table, precision, threads, root, reporter=reporter), config)
