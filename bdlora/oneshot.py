@@ -106,15 +106,16 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
     decisions, deployed = deploy(shapes, alloc, mods, orders, calib, spectra)
     facts = {**({"allocation_cost": cost_doc} if cost_doc else {}),
              **({"allocation": {"removal_errors": layers}} if layers else {}),
-             **({"rounding": rounding_facts(wide, head_cost, alloc)} if wide else {}),
+             **({"rounding": rounding_facts(wide, head_cost, alloc, table.scheme)} if wide else {}),
              **({"head_bits": alloc.head_bits} if head else {})}
     return decisions, deployed, calib.tokens, facts, alloc
 
 
-def rounding_facts(wide: dict, head_cost: tuple | None, alloc) -> dict:
-    """The provenance of ``--forms bits``: each projection's error given back at 8 bits and, with the LM head among
-    the sites (``--speedup``), its two widths' times, the error 4 bits add and the width chosen."""
-    return {"scheme": "rtn", "error_given_back_at_8_bits": {n: g for n, (_, g) in wide.items()},
+def rounding_facts(wide: dict, head_cost: tuple | None, alloc, scheme: str) -> dict:
+    """The provenance of ``--forms bits``: the scheme (--quant) whose grid measured the errors, each projection's
+    error given back at 8 bits and, with the LM head among the sites (``--speedup``), its two widths' times, the
+    error 4 bits add and the width chosen."""
+    return {"scheme": scheme, "error_given_back_at_8_bits": {n: g for n, (_, g) in wide.items()},
             **({"lm_head": {"us_at_8_bits": head_cost[0], "us_at_4_bits": head_cost[1],
                             "error_added_at_4_bits": head_cost[2], "bits": alloc.head_bits}} if head_cost else {})}
 

@@ -148,6 +148,20 @@ def test_a_one_shot_with_bits_declares_its_8_bit_projections_and_prices_them_at_
     assert json.loads(r.stdout)["deployed"]["projection_us"] == pytest.approx(doc["projection_us"])
 
 
+def test_the_rounding_provenance_names_the_grid_the_errors_were_measured_on(widened, tiny_env):
+    """--quant gptq (the nbits layout: the same hand-made tables) measures each projection's error on GPTQ's own
+    asymmetric grid, and the provenance says so; the rtn run's errors, on onnxruntime's symmetric grid, differ."""
+    root, report, _ = widened
+    assert report["provenance"]["rounding"]["scheme"] == "rtn"
+    r = tabled_shot(tiny_env, root / "teacher", root / "cache", root / "gptq", "--mac-ratio", "1.2", "--forms",
+                    "lowrank,bits", "--quant", "gptq")
+    assert r.exit_code == 0, r.output
+    rounding = json.loads(r.stdout)["provenance"]["rounding"]
+    assert rounding["scheme"] == "gptq"
+    rtn, gptq = report["provenance"]["rounding"]["error_given_back_at_8_bits"], rounding["error_given_back_at_8_bits"]
+    assert rtn.keys() == gptq.keys() and all(gptq[n] != pytest.approx(rtn[n], rel=1e-3) for n in rtn)
+
+
 @pytest.mark.parametrize("quant", ["rtn", "affine"])  # onnxruntime's quantiser, and the graph rounded here
 def test_the_int4_export_keeps_the_declared_projections_at_8_bits(widened, tmp_path, quant):
     """export genai --precision int4: each declared projection's MatMuls (its own first stage, split from the
