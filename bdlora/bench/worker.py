@@ -61,16 +61,25 @@ def time_modules(spec: dict, sessions: dict) -> list[dict]:
     out = []
     for phase, b, s in spec["shapes"]:
         n = b * s
-        x = {"x_a": rng.standard_normal((n, d["hidden"]), dtype=np.float32),
-             "x_m": rng.standard_normal((n, d["hidden"]), dtype=np.float32),
-             "x_o": rng.standard_normal((n, d["q_dim"]), dtype=np.float32),
-             "x_d": rng.standard_normal((n, d["intermediate"]), dtype=np.float32)}
-        feeds = {f"{k}.{i}": v for i in range(d["layers"]) for k, v in x.items()}  # each layer has its inputs
-        jobs = {name: _bound_run(sess, feeds) for name, sess in sessions.items()}
+        widths = {"x_a": d["hidden"], "x_m": d["hidden"], "x_o": d["q_dim"], "x_d": d["intermediate"]}
+        x = {k: rng.standard_normal((n, w), dtype=np.float32) for k, w in widths.items()}
+        jobs = {name: _bound_run(sess, stack_feeds(sess, x)) for name, sess in sessions.items()}
         times = time_interleaved(jobs, spec["repeats"], spec["warmup"])
         out += [{"variant": k, "phase": phase, "batch": b, "seq": s, "ms": v} for k, v in times.items()]
         _progress(f"modules {phase} {b}x{s}")
     return out
+
+
+def stack_feeds(sess, x: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each input ``x_d.3`` of a projection stack ``sess`` fed from ``x["x_d"]`` at the width its graph declares: a
+    student whose MLP keeps fewer channels (or attention fewer groups) reads a narrower hidden state in those
+    layers than the dense stack it is timed beside (the leading columns of the same draw)."""
+    feeds = {}
+    for i in sess.get_inputs():
+        base = x[i.name.split(".", 1)[0]]
+        width = i.shape[1] if isinstance(i.shape[1], int) else base.shape[1]
+        feeds[i.name] = np.ascontiguousarray(base[:, :width])
+    return feeds
 
 
 def _bound_run(sess, feeds: dict):
