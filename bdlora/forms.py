@@ -23,6 +23,12 @@ from bdlora.errors import ModelError, shown
 
 ALLOCATED_FORMS = ("lowrank", "channels", "groups", "layers", "bits")  # what --forms may name (bdlora.forms: a
 # projection's, an MLP's, an attention block's or a whole decoder layer's form, or a projection's width at int4)
+# What ``compress --one-shot`` chooses among unless --forms says otherwise: a projection as a low-rank pair or an MLP
+# keeping fewer channels (dense, so as fast as the runtime's best kernel at every precision). Measured on SmolLM2-135M
+# at --mac-ratio 1.2 (8,192 calibration tokens of builtin:1,prose:1; 8,192 held-out tokens each, the teacher 17.86 /
+# 11.32 / 52.62): lowrank alone 23.53 builtin / 12.58 prose / 104.07 fortunes, channels alone 23.61 / 12.70 / 105.61,
+# both 20.74 / 12.64 / 83.02 (16 MLPs narrower, 50 pairs). Groups and layers were never chosen at that budget.
+ONE_SHOT_FORMS = "lowrank,channels"
 WIDE_BITS = 8  # ``"bits": 8`` on a projection: it ships at 8 bits in an int4 export (chosen by ``--forms bits``)
 HEAD = "lm_head"  # the LM head, a site of ``--forms bits`` when the budget is the whole step (``--speedup``)
 HEAD_BITS = "bdlora_head_bits"  # config.json: the LM head's bits in an int4 export (4 or 8), where a folder says

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from bdlora.config import BUILTIN, CALIB_TOKENS, EVAL_TOKENS, GENAI_PRECISIONS
 from bdlora.errors import Checks, shown
-from bdlora.forms import check_forms, form_names
+from bdlora.forms import ONE_SHOT_FORMS, check_forms, form_names
 from bdlora.schemes import quant_problem
 
 
@@ -43,14 +43,15 @@ class OneShotConfig:
     """Allocate by measured decode time at this precision (fp32, int8, int4: the genai exporter's nodes timed in
     onnxruntime on this machine, cached) instead of by MACs; --mac-ratio is then the projections' decode-time
     speed-up, and a low-rank pair that is no faster than its dense product at that precision is never chosen."""
-    forms: str = "lowrank"
+    forms: str = ONE_SHOT_FORMS
     """The structures the allocation chooses among, comma-separated: lowrank (a projection as a rank-r pair),
     channels (an MLP keeping fewer intermediate channels: gate, up and down as narrower dense products, down refitted
     to the kept channels), groups (an attention block keeping fewer key/value heads with their query heads: q, k, v
     and o as narrower dense products and a smaller KV cache, o refitted), layers (a decoder layer removed whole) and
     bits (with --precision int4: a dense projection
     kept at 8 bits, its measured rounding error bought back at the int8 time), each site taking whichever costs least
-    quality for what it saves; e.g. lowrank,channels,groups,layers,bits."""
+    quality for what it saves; e.g. lowrank,channels,groups,layers,bits. Default lowrank,channels (measured on
+    SmolLM2 at 1.2x: 12% lower perplexity in domain and 20% lower on text never seen than lowrank alone)."""
     quant: str | None = None
     """--precision int8 or int4: the scheme export genai will round with (rtn, gptq, affine; default rtn). Its node
     layout is what is timed (affine's 4-bit MatMuls read block means and hold 3% more columns), and with --forms bits

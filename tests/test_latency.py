@@ -169,8 +169,8 @@ def test_one_shot_at_a_precision_allocates_by_the_cached_decode_times(tiny_env, 
     path = _hand_table(cache, shapes, ((down.in_features, down.out_features),), teacher=tiny_env["teacher"])
     before = path.read_text()
     env = {**tiny_env, "cache": cache}
-    res = CliRunner().invoke(app, shot_args(env, tmp_path / "s", "--mac-ratio", "1.3", "--precision", "int4",
-                                            "--threads", "1", "--json"))
+    res = CliRunner().invoke(app, shot_args(env, tmp_path / "s", "--mac-ratio", "1.3", "--forms", "lowrank",
+                                            "--precision", "int4", "--threads", "1", "--json"))
     assert res.exit_code == 0, res.output
     assert path.read_text() == before  # every form came from the cache
     report = json.loads(res.stdout)

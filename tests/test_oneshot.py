@@ -36,9 +36,18 @@ def test_one_shot_meets_its_ratio_and_its_weights_are_the_allocated_factors(tiny
     teacher = AutoModelForCausalLM.from_pretrained(tiny_env["teacher"], dtype=torch.float32)
     src = dict(teacher.named_parameters())
     got = load_file(str(out / "model.safetensors"))
-    low = {m["name"]: m for m in report["modules"] if m["case"] != "kept"}
+    low = {m["name"]: m for m in report["modules"] if m["form"] == "lowrank"}
     kept = [m["name"] for m in report["modules"] if m["case"] == "kept"]
-    assert low and kept, "1.5x on this teacher keeps some projections dense and factors others"
+    pruned = {m["name"]: m for m in report["modules"] if m["case"] == "pruned"}
+    assert low and kept and pruned, "1.5x on this teacher (default forms) keeps, factors and narrows"
+    assert len(low) + len(kept) + len(pruned) == len(report["modules"])
+    for name, m in pruned.items():  # gate and up keep a subset of the source's rows; down is refitted to them
+        w, s = got[f"{name}.weight"], src[f"{name}.weight"].detach()
+        if name.endswith("down_proj"):
+            assert w.shape == (s.shape[0], m["channels"])
+        else:
+            assert w.shape == (m["channels"], s.shape[1])
+            assert all(any(torch.equal(r, t) for t in s) for r in w), name
     for name in kept:  # a dense projection is the source's, bit for bit
         assert torch.equal(got[f"{name}.weight"], src[f"{name}.weight"]), name
     for name, m in low.items():  # a factored one is rank r and no better than the source in the plain norm
