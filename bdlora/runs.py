@@ -30,7 +30,6 @@ from datetime import datetime
 from pathlib import Path
 
 from bdlora.errors import RunDirError
-from bdlora.forms import ONE_SHOT_FORMS
 from bdlora.io import read_json, write_json
 
 RUNS_DIR = "runs"
@@ -343,15 +342,15 @@ class SweepDir(Artefact):
 
 
 def one_shot_out(source: str, mac_ratio: float, runs_dir: str | os.PathLike = RUNS_DIR,
-                 precision: str | None = None, forms: str = ONE_SHOT_FORMS, decode: bool = False,
+                 precision: str | None = None, forms: str | None = None, decode: bool = False,
                  quant: str | None = None) -> Path:
     """Where ``compress SOURCE --one-shot`` writes by default: ``runs/<source>.oneshot-<R>x.compressed`` (with
-    ``--precision P``: ``oneshot-P-<R>x``, and ``--quant Q``: ``oneshot-P-Q-<R>x``; with ``--forms`` other than
-    the default (``forms.ONE_SHOT_FORMS``), the forms joined by ``+`` before the ratio; ``decode`` (``--speedup``):
-    ``decode`` before it; a compressed folder like any other, so ``export``, ``bench`` and ``eval`` find it as the
-    latest)."""
+    ``--precision P``: ``oneshot-P-<R>x``, and ``--quant Q``: ``oneshot-P-Q-<R>x``; with ``forms`` (``--forms``
+    other than the default, which the caller passes as None), the forms joined by ``+`` before the ratio;
+    ``decode`` (``--speedup``): ``decode`` before it; a compressed folder like any other, so ``export``, ``bench``
+    and ``eval`` find it as the latest)."""
     name = Path(source.rstrip("/")).name.removesuffix(".gguf").replace("/", "-") or "model"
-    named = None if forms == ONE_SHOT_FORMS else forms.replace(",", "+").replace(" ", "")
+    named = forms.replace(",", "+").replace(" ", "") if forms else None
     tags = [t for t in (precision, quant, named, "decode" if decode else None) if t]
     return Path(runs_dir) / f"{name}.oneshot-{''.join(t + '-' for t in tags)}{mac_ratio:g}x{COMPRESSED}"
 

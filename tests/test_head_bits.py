@@ -63,7 +63,9 @@ def test_the_head_rounding_error_is_measured_on_the_logits(tiny_env, monkeypatch
     assert 0 < calib.rounding[HEAD][8] < calib.rounding[HEAD][4] / 50
     monkeypatch.setattr(cal, "HEAD_CHUNK", 5)  # 16 tokens a block: chunks that split blocks
     chunked = cal.calibrate(model, blocks, rounded=rtn_rounded, head=True)
-    assert chunked.rounding[HEAD] == pytest.approx(calib.rounding[HEAD], rel=1e-9)
+    # the same sums up to fp32 rounding of products of other shapes (6e-9 relative on one machine, 0 on another); a
+    # chunk missed or counted twice would move them by a whole chunk's share (percents)
+    assert chunked.rounding[HEAD] == pytest.approx(calib.rounding[HEAD], rel=1e-6)
 
 
 def test_the_allocation_buys_the_4_bit_head_where_it_costs_least_error():

@@ -407,6 +407,10 @@ def test_quant_beside_a_latency_precision_is_checked_in_one_line_and_named_in_th
     assert not (tmp_path / "latency").exists() and not (tmp_path / "s").exists() and not (tmp_path / "t").exists()
     assert one_shot_out("smollm2-135m", 1.3, "runs", "int4", "channels", True, "affine").name == \
         "smollm2-135m.oneshot-int4-affine-channels-decode-1.3x.compressed"
+    from bdlora.forms import ONE_SHOT_FORMS, named_forms  # the default forms leave the default name as it was
+
+    names = [one_shot_out("smollm2-135m", 1.2, "runs", None, named_forms(f)).name for f in (ONE_SHOT_FORMS, "lowrank")]
+    assert names == ["smollm2-135m.oneshot-1.2x.compressed", "smollm2-135m.oneshot-lowrank-1.2x.compressed"]
     from conftest import tiny_config
 
     tiny_config(320, layers=2, hidden=64).save_pretrained(tmp_path / "genai")  # head dim 16: GroupQueryAttention's

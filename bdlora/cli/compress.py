@@ -19,7 +19,7 @@ from bdlora.cli.progress import RichReporter
 from bdlora.config import BUILTIN, CALIB_TOKENS, GENAI_PRECISIONS
 from bdlora.data import default_cache_dir
 from bdlora.errors import Checks, UsageError, flag, usable_cores
-from bdlora.forms import declared_head_bits, forms_problem
+from bdlora.forms import declared_head_bits, forms_problem, named_forms
 from bdlora.oneshot_config import OneShotConfig
 from bdlora.plan import DEFAULT_PLAN_STEPS, read_model_config
 from bdlora.plan import plan as run_plan
@@ -262,8 +262,8 @@ def _one_shot(source, shot: dict, out_dir, force: bool, runs_dir: str, cache_dir
         raise UsageError("--one-shot: name the pretrained model to compress (a folder, a .gguf file, a preset such "
                          "as smollm2-135m or gemma3-270m, or a hub id)")
     cfg = OneShotConfig(**{k: v for k, v in shot.items() if v is not None}).validate()
-    out_path = Path(out_dir) if out_dir else one_shot_out(source, cfg.ratio, runs_dir, cfg.precision, cfg.forms,
-                                                          cfg.speedup is not None, cfg.quant)
+    out_path = Path(out_dir) if out_dir else one_shot_out(source, cfg.ratio, runs_dir, cfg.precision,
+                                                          named_forms(cfg.forms), cfg.speedup is not None, cfg.quant)
     cache = Path(cache_dir).expanduser() if cache_dir else None
     return compress_one_shot(source, cfg, out_path, force=force, evaluate=evaluate, cache_dir=cache,
                              reporter=reporter, cost_table=cost_table(cfg.precision, cfg.threads, cache, reporter,
