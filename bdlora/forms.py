@@ -30,14 +30,14 @@ ALLOCATED_FORMS = ("lowrank", "channels", "groups", "layers", "bits")  # what --
 # both 20.74 / 12.64 / 83.02 (16 MLPs narrower, 50 pairs). Groups and layers were never chosen at that budget.
 ONE_SHOT_FORMS = "lowrank,channels"
 
+WIDE_BITS = 8  # ``"bits": 8`` on a projection: it ships at 8 bits in an int4 export (chosen by ``--forms bits``)
+HEAD = "lm_head"  # the LM head, a site of ``--forms bits`` when the budget is the whole step (``--speedup``)
+HEAD_BITS = "bdlora_head_bits"  # config.json: the LM head's bits in an int4 export (4 or 8), where a folder says
+
 
 def named_forms(forms: str) -> str | None:
     """``forms`` unless it is the one-shot's default (None: a default output folder's name does not carry it)."""
     return None if forms == ONE_SHOT_FORMS else forms
-
-WIDE_BITS = 8  # ``"bits": 8`` on a projection: it ships at 8 bits in an int4 export (chosen by ``--forms bits``)
-HEAD = "lm_head"  # the LM head, a site of ``--forms bits`` when the budget is the whole step (``--speedup``)
-HEAD_BITS = "bdlora_head_bits"  # config.json: the LM head's bits in an int4 export (4 or 8), where a folder says
 
 
 def head_bits_problem(config: dict) -> str | None:

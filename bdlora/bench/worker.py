@@ -59,9 +59,9 @@ def time_modules(spec: dict, sessions: dict) -> list[dict]:
     d = spec["dims"]
     rng = np.random.default_rng(0)
     out = []
+    widths = {"x_a": d["hidden"], "x_m": d["hidden"], "x_o": d["q_dim"], "x_d": d["intermediate"]}
     for phase, b, s in spec["shapes"]:
         n = b * s
-        widths = {"x_a": d["hidden"], "x_m": d["hidden"], "x_o": d["q_dim"], "x_d": d["intermediate"]}
         x = {k: rng.standard_normal((n, w), dtype=np.float32) for k, w in widths.items()}
         jobs = {name: _bound_run(sess, stack_feeds(sess, x)) for name, sess in sessions.items()}
         times = time_interleaved(jobs, spec["repeats"], spec["warmup"])
@@ -77,9 +77,14 @@ def stack_feeds(sess, x: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     feeds = {}
     for i in sess.get_inputs():
         base = x[i.name.split(".", 1)[0]]
-        width = i.shape[1] if isinstance(i.shape[1], int) else base.shape[1]
-        feeds[i.name] = np.ascontiguousarray(base[:, :width])
+        feeds[i.name] = np.ascontiguousarray(base[:, :declared_width(i.shape, base.shape[1])])
     return feeds
+
+
+def declared_width(shape: list, default: int) -> int:
+    """Dimension 1 of a graph input's declared ``shape`` (a width or a head count), or ``default`` where the graph
+    leaves it symbolic."""
+    return shape[1] if isinstance(shape[1], int) else default
 
 
 def _bound_run(sess, feeds: dict):
@@ -104,7 +109,7 @@ def cache_heads(sess, names: list[str], default: int) -> list[int]:
     """The key/value heads of each cache input of ``sess`` as its graph declares them (a student whose attention
     keeps fewer groups caches fewer heads in those layers than the dense model it is timed beside)."""
     dims = {i.name: i.shape for i in sess.get_inputs()}
-    return [dims[n][1] if n in dims and isinstance(dims[n][1], int) else default for n in names]
+    return [declared_width(dims[n], default) if n in dims else default for n in names]
 
 
 def time_model(spec: dict, sessions: dict) -> list[dict]:
