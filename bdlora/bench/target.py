@@ -27,14 +27,17 @@ class BenchTarget:
 
 
 def synthetic_target(model_config: str, budget: float | None, layers: int | None, lora_rank: int | None,
-                     out_dir: str | None, runs_dir: str) -> BenchTarget:
+                     out_dir: str | None, runs_dir: str, lazy: bool = False) -> BenchTarget:
+    """The structure ``plan`` predicts for ``budget`` at ``model_config``'s shapes, random weights; ``lazy`` (genai
+    graphs only: ``--runtime genai --no-peers``): built without weights, which each export makes one layer at a time
+    (``bdlora.lazy``), so a 3B model's three variants fit on a 24 GB machine."""
     from bdlora.bench.variants import synthetic_model
 
     if budget is None:
         raise UsageError("--model-config needs --budget F (the structure to bench)")
     config = read_model_config(model_config)
     rank = check_lora_rank(lora_rank or SYNTHETIC_LORA_RANK, config, defaulted=lora_rank is None)
-    model, report = synthetic_model(config, budget, layers, rank)
+    model, report = synthetic_model(config, budget, layers, rank, lazy=lazy)
     out = Path(out_dir) if out_dir else Path(runs_dir) / f"bench-synthetic-F{budget}"
     return BenchTarget(model, rank, report, out)
 

@@ -29,6 +29,7 @@ from bdlora.export.decoder import build_projection_stack
 from bdlora.families import family as table_family
 from bdlora.families import with_layers
 from bdlora.forms import DENSE, LOWRANK, describe
+from bdlora.lazy import empty
 from bdlora.plan import plan
 
 
@@ -48,7 +49,7 @@ def dense_variant(model: nn.Module) -> nn.Module:
     out = copy.deepcopy(model)
     for name, m in projection_modules(out):
         w, b = _dense_weight(m)
-        lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
+        lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device=w.device)  # meta stays meta (lazy)
         lin.weight.copy_(w)
         if b is not None:
             lin.bias.copy_(b)
@@ -64,8 +65,9 @@ def lora_variant(model: nn.Module, rank: int, seed: int = 0) -> nn.Module:
     for name, m in projection_modules(out):
         a = torch.randn(rank, m.in_features, generator=g) / math.sqrt(m.in_features)
         b = torch.randn(m.out_features, rank, generator=g) * 0.01
-        base = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
-        base.weight.copy_(m.weight - b @ a)
+        base = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device=m.weight.device)
+        if not m.weight.is_meta:  # a lazy model's base gets random values when emitted (bdlora.lazy)
+            base.weight.copy_(m.weight - b @ a)
         if m.bias is not None:
             base.bias.copy_(m.bias)
         set_module(out, name, DenseLoRALinear(base, a, b))
@@ -89,8 +91,11 @@ def export_projection_stack(model: nn.Module, path: Path) -> None:
     onnx.save(build_projection_stack(model), str(path))
 
 
-def synthetic_model(config: dict, budget: float, layers: int | None, rank: int, seed: int = 0, **plan_kw):
-    """A compressed-architecture model with random weights in the structure ``plan`` predicts for F."""
+def synthetic_model(config: dict, budget: float, layers: int | None, rank: int, seed: int = 0, lazy: bool = False,
+                    **plan_kw):
+    """A compressed-architecture model with random weights in the structure ``plan`` predicts for F; ``lazy``: built
+    without weights, which the exporter gives it one layer at a time (``bdlora.lazy``: what lets a 3B model's
+    variants be exported on a 24 GB machine; only the genai graphs can be made of it)."""
 
     report = plan(config, BudgetedConfig(budget=budget, rank=rank, **plan_kw), layers=layers)
     try:
@@ -102,6 +107,6 @@ def synthetic_model(config: dict, budget: float, layers: int | None, rank: int, 
     base = {k: v for k, v in (config if layers is None else with_layers(config, layers)).items()
             if k not in ("model_type", "architectures", "auto_map")}
     torch.manual_seed(seed)
-    model = model_cls(cfg_cls(bdlora_modules=modules, bdlora={"base_model_type": family, "budget": budget},
-                              **base))
+    cfg = cfg_cls(bdlora_modules=modules, bdlora={"base_model_type": family, "budget": budget}, **base)
+    model = empty(lambda: model_cls(cfg)) if lazy else model_cls(cfg)
     return model.eval(), report

@@ -40,7 +40,6 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
-import torch
 
 from bdlora.arch import layer_of
 from bdlora.bench.genai import _stand_in_tokenizer, time_genai
@@ -54,6 +53,7 @@ from bdlora.export.settings import GenaiExportSettings
 from bdlora.families import base_type, with_layers
 from bdlora.families import family as table_family
 from bdlora.io import read_json, write_json
+from bdlora.lazy import empty
 from bdlora.reporter import SILENT, Reporter
 from bdlora.schemes import scheme
 
@@ -101,8 +101,9 @@ def overhead_path(cache: Path, config: dict, precision: str, threads: int, head_
     return Path(cache) / "latency" / f"overhead-{precision}-t{threads}-{tag}.json"
 
 
-def _dense_model(config: dict, layers: int, width: int, seed: int = 0):
-    """A random dense model of ``config``'s family with ``layers`` layers whose MLPs keep ``width`` channels."""
+def _dense_model(config: dict, layers: int, width: int):
+    """A random dense model of ``config``'s family with ``layers`` layers whose MLPs keep ``width`` channels, built
+    without weights (the exporter makes them one layer at a time: a 3B model's probes stay within memory)."""
     family = table_family(base_type(str(config["model_type"])), "model_type").model_type
     cfg_cls, model_cls = BDLORA_CLASSES[family]
     base = {k: v for k, v in with_layers(config, layers).items()
@@ -112,9 +113,8 @@ def _dense_model(config: dict, layers: int, width: int, seed: int = 0):
     sites = {} if width == full else {
         s.name.rsplit(".", 1)[0]: {"form": "channels", "keep": width}
         for s in shapes_from_config({**config, "num_hidden_layers": layers}) if s.name.endswith("down_proj")}
-    torch.manual_seed(seed)
-    model = model_cls(cfg_cls(bdlora_modules=sites, bdlora={"base_model_type": family}, **base))
-    return model.eval()
+    cfg = cfg_cls(bdlora_modules=sites, bdlora={"base_model_type": family}, **base)
+    return empty(lambda: model_cls(cfg)).eval()  # weights made one layer at a time by the exporter (bdlora.lazy)
 
 
 def _layer_projections(config: dict, table, width: int) -> float:

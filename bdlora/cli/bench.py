@@ -58,7 +58,8 @@ def bench(
     _check_mode(cfg, model_config)
     if json_path:
         check_out_file(json_path, force=force)
-    target = (synthetic_target(model_config, budget, layers, lora_rank, out_dir, runs_dir) if model_config
+    lazy = cfg.runtime == "genai" and not cfg.peers  # no PyTorch or builder row needs the weights at once
+    target = (synthetic_target(model_config, budget, layers, lora_rank, out_dir, runs_dir, lazy) if model_config
               else compressed_target(model_dir, lora_rank, out_dir, runs_dir))
     check_out_dir(target.out, force, target.inputs)
     rep = RichReporter(out)

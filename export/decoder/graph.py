@@ -37,6 +37,7 @@ from bdlora.export.decoder.builder import GraphBuilder, Projection, emit_group, 
 from bdlora.export.defaults import MAX_OPSET
 from bdlora.families import Anatomy, family
 from bdlora.forms import declared_bits
+from bdlora.lazy import materialized
 from bdlora.runtime import DecoderSignature as Sig
 
 # the signature's symbolic dims, spelled as onnxruntime-genai's model builder spells them in its graphs
@@ -236,7 +237,14 @@ def build_decoder(model: nn.Module, layout: DecoderLayout):
 
 
 def decoder_graph(model: nn.Module, layout: DecoderLayout):
-    """(ModelProto, MatMuls saved by the shared first stages)."""
+    """(ModelProto, MatMuls saved by the shared first stages). A model built without weights (``bdlora.lazy``:
+    synthetic, on the meta device) gets them one part at a time: the embedding, norm and head for the graph's ends,
+    each decoder layer for its own nodes."""
+    with materialized(model, skip="model.layers"):
+        return _decoder_graph(model, layout)
+
+
+def _decoder_graph(model: nn.Module, layout: DecoderLayout):
     cfg = model.config
     anatomy = emitted_anatomy(cfg)
     layers = model.model.layers
@@ -255,7 +263,9 @@ def decoder_graph(model: nn.Module, layout: DecoderLayout):
         residual = g.one("Mul", [residual, g.const(f"/model/constants/FLOAT/embed{scale!r}", scale, np.float32)],
                          "/model/embed_tokens/scale")
     for i, layer in enumerate(layers):
-        residual, mlp_out = _layer(g, layout, i, layer, residual, mlp_out, inputs_of[kinds[i]], cfg, hd, anatomy)
+        with materialized(layer, f"model.layers.{i}"):
+            residual, mlp_out = _layer(g, layout, i, layer, residual, mlp_out, inputs_of[kinds[i]], cfg, hd,
+                                       anatomy)
     w_norm = _norm_weight(g, "model.norm", model.model.norm, anatomy)
     final, _ = _norm(g, layout, residual, mlp_out, w_norm, float(cfg.rms_norm_eps), "/model/norm")
     head = model.lm_head

@@ -1,0 +1,73 @@
+"""Synthetic models whose weights exist one block at a time.
+
+A synthetic model (``bench --model-config``, the whole-step probes of ``bench.whole``) has random weights: speed does
+not depend on their values. At Llama-3.2-3B shapes its fp32 weights take 12.8 GB, and the bench holds three variants
+of it (dense, LoRA, compressed) while the exporter holds the graph it is emitting: more than a 24 GB machine has.
+Built by ``empty`` (accelerate's ``init_empty_weights``: parameters on the meta device, buffers such as the rotary
+tables real), such a model holds no weight; the exporter wraps each part it emits in ``materialized``, which gives
+that part's parameters seeded random values for the emission and puts them back on the meta device after, so no
+more than one decoder layer (and the embedding while the graph's ends are emitted) exists in PyTorch at a time.
+
+The values: every parameter of two or more dimensions N(0, 0.02) (the families' own initialisation), every vector
+(norm weights, biases) ones, each from a generator seeded by the parameter's qualified name, so the same model
+emitted twice, or in pieces, gets the same weights (``materialized`` of the whole model gives what the pieces give).
+Parameters already real (a LoRA variant's small adapter factors) are left as they are.
+"""
+
+from __future__ import annotations
+
+import zlib
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+from accelerate import init_empty_weights
+
+INIT_STD = 0.02
+
+
+def empty(build):
+    """``build()``'s model with every parameter on the meta device (its buffers real): no weight memory."""
+    with init_empty_weights(include_buffers=False):
+        model = build()
+    if hasattr(model, "tie_weights"):  # tied inside the context, the head got a meta parameter of its own
+        model.tie_weights()
+    return model
+
+
+def is_lazy(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def random_like(p: torch.Tensor, key: str, seed: int = 0) -> torch.Tensor:
+    """The value ``materialized`` gives the parameter named ``key`` (its shape, fp32)."""
+    if p.dim() < 2:
+        return torch.ones(p.shape)
+    g = torch.Generator().manual_seed((zlib.crc32(key.encode()) + 1_000_003 * seed) % (1 << 63))
+    return torch.empty(p.shape).normal_(0.0, INIT_STD, generator=g)
+
+
+@contextmanager
+def materialized(module: nn.Module, prefix: str = "", skip: str | None = None, seed: int = 0):
+    """``module``'s meta parameters as seeded random values inside the block, on the meta device again after it
+    (``prefix``: the module's qualified name in its model, so a parameter gets the same values whichever part is
+    materialized; ``skip``: a submodule name whose parameters stay as they are, e.g. the decoder layers while the
+    embedding and head are emitted). A parameter shared by two modules (a tied head) stays shared."""
+    made: dict[int, nn.Parameter] = {}
+    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+    for mod_name, m in module.named_modules(remove_duplicate=False):
+        if skip is not None and (mod_name == skip or mod_name.startswith(skip + ".")):
+            continue
+        for name, p in list(m._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in made:
+                key = ".".join(x for x in (prefix.rstrip("."), mod_name, name) if x)
+                made[id(p)] = nn.Parameter(random_like(p, key, seed), requires_grad=False)
+            m._parameters[name] = made[id(p)]
+            swapped.append((m, name, p))
+    try:
+        yield module
+    finally:
+        for m, name, p in swapped:
+            m._parameters[name] = p
