@@ -6,7 +6,7 @@ of it (dense, LoRA, compressed) while the exporter holds the graph it is emittin
 Built by ``empty`` (accelerate's ``init_empty_weights``: parameters on the meta device, buffers such as the rotary
 tables real), such a model holds no weight; the exporter wraps each part it emits in ``materialized``, which gives
 that part's parameters seeded random values for the emission and puts them back on the meta device after, so no
-more than one decoder layer (and the embedding while the graph's ends are emitted) exists in PyTorch at a time.
+more than one decoder layer, or the embedding, or the head, exists in PyTorch at a time.
 
 The values: every parameter of two or more dimensions N(0, 0.02) (the families' own initialisation), every vector
 (norm weights, biases) ones, each from a generator seeded by the parameter's qualified name, so the same model
@@ -47,27 +47,35 @@ def random_like(p: torch.Tensor, key: str, seed: int = 0) -> torch.Tensor:
     return torch.empty(p.shape).normal_(0.0, INIT_STD, generator=g)
 
 
+def _under(name: str, prefixes) -> bool:
+    return any(name == p or name.startswith(p + ".") or p == "" for p in prefixes)
+
+
 @contextmanager
-def materialized(module: nn.Module, prefix: str = "", skip: str | None = None, seed: int = 0):
-    """``module``'s meta parameters as seeded random values inside the block, on the meta device again after it
-    (``prefix``: the module's qualified name in its model, so a parameter gets the same values whichever part is
-    materialized; ``skip``: a submodule name whose parameters stay as they are, e.g. the decoder layers while the
-    embedding and head are emitted). A parameter shared by two modules (a tied head) stays shared."""
+def materialized(model: nn.Module, within: str | tuple = "", skip: str | tuple = (), seed: int = 0):
+    """The meta parameters of ``model``'s modules named ``within`` or below them (all by default), less those under
+    ``skip``, as seeded random values inside the block and on the meta device again after it. Each is keyed by its
+    first name in ``model``, so a parameter gets the same values whichever part is made (a tied head made alone is
+    the embedding's values) and a parameter shared by two modules stays shared while made."""
+    within = (within,) if isinstance(within, str) else within
+    skip = (skip,) if isinstance(skip, str) else skip
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        names.setdefault(id(p), name)
     made: dict[int, nn.Parameter] = {}
     swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
-    for mod_name, m in module.named_modules(remove_duplicate=False):
-        if skip is not None and (mod_name == skip or mod_name.startswith(skip + ".")):
+    for mod_name, m in model.named_modules(remove_duplicate=False):
+        if not _under(mod_name, within) or (skip and _under(mod_name, skip)):
             continue
         for name, p in list(m._parameters.items()):
             if p is None or not p.is_meta:
                 continue
             if id(p) not in made:
-                key = ".".join(x for x in (prefix.rstrip("."), mod_name, name) if x)
-                made[id(p)] = nn.Parameter(random_like(p, key, seed), requires_grad=False)
+                made[id(p)] = nn.Parameter(random_like(p, names[id(p)], seed), requires_grad=False)
             m._parameters[name] = made[id(p)]
             swapped.append((m, name, p))
     try:
-        yield module
+        yield model
     finally:
         for m, name, p in swapped:
             m._parameters[name] = p

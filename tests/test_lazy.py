@@ -54,6 +54,29 @@ def test_a_lazy_model_emits_the_graph_of_its_materialized_twin(family, tmp_path)
     assert is_lazy(model)
 
 
+def test_the_exporter_makes_one_layer_at_a_time(monkeypatch):
+    """While layer i is emitted only its weights exist: every other layer, the embedding and the head are on the meta
+    device (what keeps a 3B export within memory); a tied head made alone gets the embedding's values."""
+    import bdlora.export.decoder.graph as graph
+
+    model, _ = synthetic_model(_config("qwen2"), 0.6, None, rank=8, lazy=True)
+    seen, emit = [], graph._layer
+
+    def checked(g, layout, i, layer, *rest):
+        real = [j for j, x in enumerate(model.model.layers) if not is_lazy(x)]
+        seen.append((i, real, model.model.embed_tokens.weight.is_meta, model.lm_head.weight.is_meta))
+        return emit(g, layout, i, layer, *rest)
+
+    monkeypatch.setattr(graph, "_layer", checked)
+    build_decoder(model, DecoderLayout.genai(64))
+    assert seen == [(0, [0], True, True), (1, [1], True, True), (2, [2], True, True)]
+    with materialized(model, "lm_head"):
+        head = model.lm_head.weight.clone()
+        assert model.model.embed_tokens.weight.is_meta
+    with materialized(model, "model.embed_tokens"):
+        assert torch.equal(head, model.model.embed_tokens.weight)
+
+
 def test_the_bench_variants_of_a_lazy_model_stay_lazy(tmp_path):
     model, _ = synthetic_model(_config("llama"), 0.6, None, rank=8, lazy=True)
     dense = dense_variant(model)

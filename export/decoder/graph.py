@@ -240,7 +240,7 @@ def decoder_graph(model: nn.Module, layout: DecoderLayout):
     """(ModelProto, MatMuls saved by the shared first stages). A model built without weights (``bdlora.lazy``:
     synthetic, on the meta device) gets them one part at a time: the embedding, norm and head for the graph's ends,
     each decoder layer for its own nodes."""
-    with materialized(model, skip="model.layers"):
+    with materialized(model, skip=("model.layers", "model.embed_tokens", "lm_head")):  # the norms: small
         return _decoder_graph(model, layout)
 
 
@@ -256,25 +256,27 @@ def _decoder_graph(model: nn.Module, layout: DecoderLayout):
     kinds = layer_kinds(model, anatomy.per_layer_attention)
     masks: dict = {}
     inputs_of = {kind: _kind_inputs(g, model, layout, kind, masks) for kind in dict.fromkeys(kinds)}
-    emb = g.init("model.embed_tokens.weight", _f32(model.model.embed_tokens.weight))
+    with materialized(model, "model.embed_tokens"):
+        emb = g.init("model.embed_tokens.weight", _f32(model.model.embed_tokens.weight))
     residual, mlp_out = g.one("Gather", [emb, Sig.INPUT_IDS], "/model/embed_tokens/Gather"), None
     if anatomy.embed_scale:  # in fp32, as transformers scales (sqrt(hidden) cast to the weights' dtype)
         scale = np.float32(cfg.hidden_size**0.5)
         residual = g.one("Mul", [residual, g.const(f"/model/constants/FLOAT/embed{scale!r}", scale, np.float32)],
                          "/model/embed_tokens/scale")
     for i, layer in enumerate(layers):
-        with materialized(layer, f"model.layers.{i}"):
+        with materialized(model, f"model.layers.{i}"):
             residual, mlp_out = _layer(g, layout, i, layer, residual, mlp_out, inputs_of[kinds[i]], cfg, hd,
                                        anatomy)
     w_norm = _norm_weight(g, "model.norm", model.model.norm, anatomy)
     final, _ = _norm(g, layout, residual, mlp_out, w_norm, float(cfg.rms_norm_eps), "/model/norm")
     head = model.lm_head
-    w_head = g.init("lm_head.weight", _f32(head.weight).T)
-    if head.bias is None:
-        g.node("MatMul", [final, w_head], "/lm_head/MatMul", outputs=[Sig.LOGITS])
-    else:
-        logits = g.one("MatMul", [final, w_head], "/lm_head/MatMul")
-        g.node("Add", [logits, g.init("lm_head.bias", _f32(head.bias))], "/lm_head/Add", outputs=[Sig.LOGITS])
+    with materialized(model, "lm_head"):
+        w_head = g.init("lm_head.weight", _f32(head.weight).T)
+        if head.bias is None:
+            g.node("MatMul", [final, w_head], "/lm_head/MatMul", outputs=[Sig.LOGITS])
+        else:
+            logits = g.one("MatMul", [final, w_head], "/lm_head/MatMul")
+            g.node("Add", [logits, g.init("lm_head.bias", _f32(head.bias))], "/lm_head/Add", outputs=[Sig.LOGITS])
     inputs, outputs = _io(layout, head.weight.shape[0], [layer_heads(x.self_attn, hd)[1] for x in layers], hd)
     return _model(g, f"bdlora_{layout.attention}_decoder", inputs, outputs), g.fused
 
