@@ -44,6 +44,9 @@ STUDENT_META = "bdlora_student.json"  # a run's student/: how to rebuild it (met
 ADAPTER = "adapter"  # a kd-lora student's PEFT adapter folder, inside student/
 CONTROLLER_LOG = "controller.jsonl"
 MODEL_ONNX = "model.onnx"  # the graph of an export onnx / export genai folder (its weights: MODEL_ONNX + ".data")
+# a genai folder's graph computing every position's logits (verifying a draft's proposals, scoring a prompt), beside
+# model.onnx, whose head reads only each row's last position; the two share model.onnx.data
+ALL_LOGITS_ONNX = "model_all_logits.onnx"
 MODEL_INT8_ONNX = "model_int8.onnx"  # export onnx --int8: the dynamically quantised graph beside it
 TOKENIZER_JSON, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"  # transformers' tokenizer files
 TEACHER_JSON = "teacher.json"  # a built teacher's folder: what it is and how it was built (bdlora.teacher)
