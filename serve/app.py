@@ -80,10 +80,11 @@ def default_engine(cfg: ServeConfig):
     """The server's engine: onnxruntime in-process (its calls release the GIL, so the event loop runs beside them);
     onnxruntime-genai in a child process (its calls keep the GIL for a whole model step: see engine_process)."""
     if cfg.runtime != "genai":
-        return Engine(cfg.onnx_dir, cfg.onnx_file, cfg.max_batch, cfg.threads)
+        return Engine(cfg.onnx_dir, cfg.onnx_file, cfg.max_batch, cfg.threads, speculation=cfg.speculation)
 
     return EngineProcess(engine_class("genai"), cfg.onnx_dir, cfg.onnx_file, cfg.max_batch, cfg.threads,
-                         waiting_served_ratio=cfg.waiting_served_ratio, max_waiting_steps=cfg.max_waiting_steps)
+                         waiting_served_ratio=cfg.waiting_served_ratio, max_waiting_steps=cfg.max_waiting_steps,
+                         speculation=cfg.speculation)
 
 
 def create_app(cfg: ServeConfig, loader=None, on_fatal=None) -> FastAPI:

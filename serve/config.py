@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from bdlora.errors import Checks
 from bdlora.runs import MODEL_ONNX
+from bdlora.speculative.run import SpeculationConfig
 
 # Where and how the server listens (not part of ServeConfig: the app does not need them); the CLI's defaults.
 DEFAULT_HOST = "127.0.0.1"
@@ -52,6 +53,8 @@ class ServeConfig:
     open). Prefer the environment variable: a command line is visible to every user of the machine."""
     docs: bool = False
     """Serve the interactive API docs (/docs, /openapi.json)."""
+    speculation: SpeculationConfig | None = None
+    """--draft / --prompt-lookup: how a sequence running alone is continued speculatively (None: never)."""
 
     def validate(self) -> ServeConfig:
         c = Checks()
@@ -63,6 +66,8 @@ class ServeConfig:
         c.threads("threads", self.threads)
         c.number("request_timeout", self.request_timeout, lo=0.0, lo_open=True)
         c.choice("runtime", self.runtime, ("ort", "genai"))
+        if self.speculation is not None:
+            self.speculation.check(c)
         if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
             c.add("--api-key: must be a non-empty string without surrounding spaces")
         c.done()

@@ -31,6 +31,9 @@ from bdlora.runs import MODEL_ONNX
 from bdlora.runtime import DecoderShape, check_signature, empty_past, left_padded, run_bound, session
 from bdlora.serve.interface import ServingEngine
 from bdlora.serve.sequence import Request, Sequence, safe_emit, score_prompt
+from bdlora.serve.speculation import EngineSpeculation
+from bdlora.speculative.decoders import OrtDecoder
+from bdlora.speculative.run import SpeculationConfig
 from bdlora.tokenizer import TextTokenizer
 
 
@@ -38,12 +41,13 @@ class Engine(ServingEngine):
     """Owns the ONNX session and the worker thread. ``submit`` is thread-safe and never blocks on inference."""
 
     def __init__(self, onnx_dir: str | Path, onnx_file: str = MODEL_ONNX, max_batch: int = 16,
-                 threads: int | None = None, on_fatal: Callable[[str], None] | None = None):
+                 threads: int | None = None, on_fatal: Callable[[str], None] | None = None,
+                 speculation: SpeculationConfig | None = None):
         self.dir = Path(onnx_dir)
         self.shape = DecoderShape.from_folder(self.dir)
         self.tokenizer = TextTokenizer(self.dir)
         self.tokenizer.max_token_bytes()  # measured once here, not in the first request
-        self._open_model(onnx_file, threads)
+        self._open_model(onnx_file, threads, speculation is not None and speculation.enabled)
         self.max_batch = max_batch
         self.max_positions = self.shape.max_positions
         self.eos = self.tokenizer.eos_token_id
@@ -62,6 +66,9 @@ class Engine(ServingEngine):
         self.failed = 0  # sequences that failed alone (their request got an error; the engine went on)
         self._live: list[Sequence] = []  # the running batch
         self._admitted: list[Request] = []  # taken from the queue, not yet in the batch
+        self.speculation = None  # --draft / --prompt-lookup: a sequence running alone is continued speculatively
+        if speculation is not None and speculation.enabled:
+            self.speculation = EngineSpeculation(speculation, threads, self._stop_ids(), self.eos)
         self._thread.start()
 
     # --------------------------------------------------------------------------------------------------------------
@@ -100,9 +107,26 @@ class Engine(ServingEngine):
     # The model hooks (onnxruntime here; ``GenaiEngine`` runs onnxruntime-genai): open the model, prefill new
     # requests, merge them into the batch, run one decode step.
 
-    def _open_model(self, onnx_file: str, threads: int | None) -> None:
+    def _open_model(self, onnx_file: str, threads: int | None, verifies: bool = False) -> None:
+        """Open the served graph; ``verifies``: it will score proposed tokens (every position's logits)."""
         self.sess = session(self.dir / onnx_file, threads=threads)
         check_signature(self.dir, self.shape, self.sess)
+
+    def _stop_ids(self) -> list[int]:
+        """Tokens never fed to the model in a speculative round (end-of-text)."""
+        return [self.eos] if self.eos is not None else []
+
+    def _speculates(self, batch) -> bool:
+        """Whether this step is a speculative round: a proposer, and one sequence running alone."""
+        return self.speculation is not None and len(batch.seqs) == 1
+
+    def _target_view(self, batch, s: Sequence):
+        """(a decoder over ``s``'s cache in the batch of one, the positions it may reach)."""
+        view = OrtDecoder(self.sess, self.shape, state=(batch.cache, batch.mask, s.pos))
+        return view, min(self.max_positions, len(s.req.prompt_ids) + s.req.params.max_tokens + 1)
+
+    def _store_view(self, batch, view) -> None:
+        batch.cache, batch.mask = view.past, view.mask
 
     def _new_batch(self) -> _Batch:
         return _Batch()
@@ -174,7 +198,10 @@ class Engine(ServingEngine):
             self.active = len(batch.seqs)
             self._live = batch.seqs
             if batch.seqs:
-                self._decode(batch)
+                if self._speculates(batch):
+                    self._speculate(batch)
+                else:
+                    self._decode(batch)
         self.active = 0
 
     def _admit(self, running: int) -> list[Request] | None:
@@ -235,6 +262,34 @@ class Engine(ServingEngine):
         for s in seqs:
             s.pos += 1
         self._advance(seqs, logits)
+
+
+    def _speculate(self, batch) -> None:
+        """One speculative round of the batch's only sequence (``serve.speculation``); its committed tokens are
+        taken one by one as decoded tokens are. A failed round fails the sequence, as a failed step does."""
+        s = batch.seqs[0]
+        try:
+            view, limit = self._target_view(batch, s)
+            pairs = self.speculation.round(s, view, limit)
+        except Exception as e:  # noqa: BLE001  the round failed: fail its sequence, keep serving
+            safe_emit(s.req, "error", f"{type(e).__name__}: {e}")
+            self.failed += 1
+            batch.clear()
+            return
+        self._store_view(batch, view)
+        self.steps += 1
+        self.decode_rows += 1
+        self.runs += 1
+        s.pos = view.length
+        for token, row in pairs:
+            if s.req.cancelled.is_set() or s.finish is not None:
+                break
+            try:
+                s.accept(token, row)
+            except Exception as e:  # noqa: BLE001
+                s.finish = "error"
+                self.failed += 1
+                safe_emit(s.req, "error", f"{type(e).__name__}: {e}")
 
 
 class _Batch:

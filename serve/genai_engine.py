@@ -36,6 +36,8 @@ import numpy as np
 from bdlora.errors import usable_cores
 from bdlora.serve.engine import Engine, release_freed_memory
 from bdlora.serve.sequence import Request, Sequence
+from bdlora.speculative.decoders import GenaiDecoder
+from bdlora.speculative.run import target_graph
 
 _FORCE_OFF = np.float32(-1e30)  # the logit of every token but the one a row must take
 GATHER_QUIET = 0.002  # seconds: an idle engine's first request waits this long for each next one (``_gather``)
@@ -55,8 +57,9 @@ def trailing_pad(pad: int | None, prompt_ids: list[int]) -> str | None:
 class _Cohort:
     """One batched generator and its rows (fixed order; a finished row keeps its place)."""
 
-    def __init__(self, gen, rows: list[int], width: int, vocab: int):
+    def __init__(self, gen, rows: list[int], width: int, vocab: int, max_length: int = 0):
         self.gen = gen
+        self.max_length = max_length  # positions the generator holds
         self.rows = rows  # indices into the admitted requests, until ``bind`` replaces them by sequences
         self.seqs: list[Sequence] = []
         self.width = width
@@ -150,11 +153,12 @@ class GenaiEngine(Engine):
             if not r.cancelled.is_set():
                 new.append(r)
 
-    def _open_model(self, onnx_file: str, threads: int | None) -> None:
+    def _open_model(self, onnx_file: str, threads: int | None, verifies: bool = False) -> None:
         import onnxruntime_genai as og
 
         self.og = og
         config = og.Config(str(self.dir))
+        graph = target_graph(self.dir) if verifies else None  # proposals are verified on every position's logits
         # this server's thread count (default: the usable cores) over the folder's session options, so a folder
         # exported on another machine, or without a count (onnxruntime-genai then runs it on ONE thread, measured
         # 1.4-1.6x slower on 2 cores), uses this machine's cores
@@ -163,7 +167,8 @@ class GenaiEngine(Engine):
         # kept every size it had seen (measured: RSS +32 MB over six rounds of 50 clients hanging up, vs under
         # 16 MB without it) while a decode step costs the same (0.163 vs 0.160 ms builtin, 24.0 vs 23.0 ms SmolLM2)
         config.overlay(json.dumps({"model": {"decoder": {"session_options": {
-            "intra_op_num_threads": self.intra_op_threads, "enable_cpu_mem_arena": False}}}}))
+            "intra_op_num_threads": self.intra_op_threads, "enable_cpu_mem_arena": False},
+            **({"filename": graph} if graph else {})}}}))
         self.model = og.Model(config)
         self.context = int(self.shape.max_positions)
         model_cfg = json.loads((self.dir / "genai_config.json").read_text())["model"]
@@ -172,6 +177,23 @@ class GenaiEngine(Engine):
 
     def _new_batch(self) -> _Cohorts:
         return _Cohorts()
+
+    def _stop_ids(self) -> list[int]:
+        """End-of-text and the pad id: onnxruntime-genai drops a trailing pad token from what it is fed."""
+        return [t for t in (self.eos, self.pad) if t is not None]
+
+    def _speculates(self, batch: _Cohorts) -> bool:
+        """Only a cohort of one running alone: a batched generator cannot take a different number of tokens per
+        row."""
+        return (self.speculation is not None and len(batch.seqs) == 1 and len(batch.cohorts) == 1
+                and len(batch.cohorts[0].seqs) == 1)
+
+    def _target_view(self, batch: _Cohorts, s: Sequence):
+        c = batch.cohorts[0]
+        return GenaiDecoder(self.og, self.model, c.max_length, generator=c.gen, length=s.pos), c.max_length
+
+    def _store_view(self, batch: _Cohorts, view) -> None:
+        time.sleep(0)  # hand the GIL to the event loop (see ``_step``)
 
     def refuse(self, prompt_ids: list[int]) -> str | None:
         return trailing_pad(self.pad, prompt_ids)
@@ -205,8 +227,8 @@ class GenaiEngine(Engine):
                 ids[j, : len(p)] = p
             longest = max(max(1, reqs[i].params.max_tokens) for i in group)
             params = self.og.GeneratorParams(self.model)
-            params.set_search_options(max_length=min(self.context, width + longest + 1), do_sample=False,
-                                      batch_size=len(group))
+            max_length = min(self.context, width + longest + 1)
+            params.set_search_options(max_length=max_length, do_sample=False, batch_size=len(group))
             gen = self.og.Generator(self.model, params)
             gen.append_tokens(ids)
             self.runs += 1
@@ -220,7 +242,7 @@ class GenaiEngine(Engine):
                     rows[i] = full[j, : len(prompts[j])]
                 else:
                     rows[i] = last[j : j + 1]
-            cohorts.append(_Cohort(gen, group, width, self.vocab))
+            cohorts.append(_Cohort(gen, group, width, self.vocab, max_length))
             time.sleep(0)  # hand the GIL to the event loop between generator calls (see ``_step``)
         return cohorts, rows
 

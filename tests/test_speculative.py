@@ -298,3 +298,116 @@ def test_generate_command_compares_with_plain_decoding(pair):
     doc = json.loads(r.output)
     assert doc["identical"] and len(doc["tokens"]) == 24 and doc["stats"]["target_calls"] <= 24
     assert doc["plain"]["stats"]["proposed"] == 0 and doc["proposer"] == "draft"
+
+
+# --- the serving engines ------------------------------------------------------------------------------------------
+
+
+def _engine(pair, runtime, proposer="draft", fixed_k=True, **kw):
+    """An engine with a proposer; ``fixed_k``: three proposals every round (the tiny draft costs what the target
+    does, so the adaptive k rightly turns speculation off: the policy is tested on its own)."""
+    from bdlora.serve.engine import Engine
+    from bdlora.serve.genai_engine import GenaiEngine
+    from bdlora.speculative.run import SpeculationConfig
+
+    root = pair["root"]
+    ext = ".genai" if runtime == "genai" else ".onnx"
+    spec = SpeculationConfig(draft=str(root / f"draft{ext}") if proposer == "draft" else None,
+                             prompt_lookup=proposer == "lookup", max_k=3, fixed_k=fixed_k)
+    cls = GenaiEngine if runtime == "genai" else Engine
+    return cls(root / f"teacher{ext}", threads=1, speculation=spec, **kw)
+
+
+def _ask(eng, tok, asks, logprobs=None):
+    import queue as queue_mod
+
+    from bdlora.serve.engine import Request
+    from bdlora.serve.sampling import SamplingParams
+
+    events = [queue_mod.Queue() for _ in asks]
+    with eng.held():
+        for (prompt, n), q in zip(asks, events):
+            eng.submit(Request(tok(prompt)["input_ids"], SamplingParams(max_tokens=n, temperature=0.0,
+                                                                         logprobs=logprobs),
+                               lambda kind, p, q=q: q.put((kind, p)), stream=False))
+    return [q.get(timeout=120) for q in events]
+
+
+@pytest.mark.parametrize("runtime", ["ort", "genai"])
+def test_serving_with_a_draft_gives_the_models_own_tokens_alone_and_under_concurrency(pair, runtime):
+    """Alone, a request is continued speculatively (rounds, acceptances) and gets the served model's greedy tokens
+    with its own log-probabilities; four together decode as one batch (no speculation while they share it), and the
+    one left last speculates again where the runtime can drop finished rows (onnxruntime); every text is the
+    model's greedy text."""
+    tok = pair["tok"]
+    ext = ".genai" if runtime == "genai" else ".onnx"
+    ref = {p: _plain_greedy(runtime, pair["root"] / f"teacher{ext}", tok(p)["input_ids"], n)
+           for p, n in (("alpha beta gamma", 30), ("red green", 6), ("one two", 9), ("monday", 40))}
+    eng = _engine(pair, runtime)
+    try:
+        (kind, info), = _ask(eng, tok, [("alpha beta gamma", 30)], logprobs=2)
+        assert kind == "done" and info["generated"] == ref["alpha beta gamma"]
+        totals = eng.speculation.totals
+        assert totals.rounds > 0 and 0 < totals.accepted < totals.evaluated and eng.steps < 30
+        plain = _plain_engine(pair, runtime)
+        try:
+            (_, base), = _ask(plain, tok, [("alpha beta gamma", 30)], logprobs=2)
+        finally:
+            plain.shutdown()
+        for (t1, lp1, _), (t2, lp2, _) in zip(info["scores"], base["scores"]):
+            assert t1 == t2 and abs(lp1 - lp2) < 1e-4  # the served model's own log-probabilities
+        rounds = totals.rounds
+        done = _ask(eng, tok, [("red green", 6), ("one two", 9), ("monday", 40), ("alpha beta gamma", 30)])
+        for (kind, info), prompt in zip(done, ("red green", "one two", "monday", "alpha beta gamma")):
+            assert kind == "done" and info["generated"] == ref[prompt], prompt
+        assert eng.decode_rows > eng.steps  # steps carried several sequences (speculation off)
+        if runtime == "ort":
+            assert totals.rounds > rounds  # the last one, alone in the batch, speculated again
+        else:  # the last one stays a row of its batched generator (genai cannot drop rows): no speculation
+            assert totals.rounds == rounds
+            (kind, info), = _ask(eng, tok, [("monday", 40)])
+            assert info["generated"] == ref["monday"] and totals.rounds > rounds
+    finally:
+        eng.shutdown()
+
+
+def _plain_engine(pair, runtime):
+    from bdlora.serve.engine import Engine
+    from bdlora.serve.genai_engine import GenaiEngine
+
+    ext = ".genai" if runtime == "genai" else ".onnx"
+    return (GenaiEngine if runtime == "genai" else Engine)(pair["root"] / f"teacher{ext}", threads=1)
+
+
+def test_serving_with_prompt_lookup_gives_the_models_own_tokens(pair):
+    tok = pair["tok"]
+    prompt = "alpha beta gamma delta alpha beta gamma delta alpha beta"
+    ref = _plain_greedy("ort", pair["root"] / "teacher.onnx", tok(prompt)["input_ids"], 24)
+    eng = _engine(pair, "ort", proposer="lookup")
+    try:
+        (kind, info), = _ask(eng, tok, [(prompt, 24)])
+        assert kind == "done" and info["generated"] == ref and eng.speculation.totals.proposed > 0
+    finally:
+        eng.shutdown()
+
+
+def test_serve_draft_option_end_to_end_and_a_bad_draft_refused_before_listening(pair, tmp_path):
+    import httpx
+
+    from conftest import start_server
+
+    root, tok = pair["root"], pair["tok"]
+    r = CliRunner().invoke(app, ["serve", str(root / "teacher.onnx"), "--draft", str(tmp_path)])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "--draft" in r.output
+    proc, url = start_server(root / "teacher.onnx", "--draft", str(root / "draft.onnx"), "--fixed-k", "--threads",
+                             "1")
+    try:
+        ids = tok("alpha beta gamma")["input_ids"]
+        res = httpx.post(url + "/v1/completions", json={"model": "teacher.onnx", "prompt": ids, "max_tokens": 20,
+                                                        "temperature": 0.0}, timeout=60)
+        assert res.status_code == 200
+        want = tok.decode(_plain_greedy("ort", root / "teacher.onnx", ids, 20))
+        assert res.json()["choices"][0]["text"] == want
+    finally:
+        proc.terminate()
+        proc.wait(30)

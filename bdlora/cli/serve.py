@@ -17,9 +17,12 @@ from bdlora.runs import RUNS_DIR, GenaiDir, OnnxDir
 from bdlora.runtime import check_onnx_dir
 from bdlora.serve.config import DEFAULT_DRAIN_SECONDS, DEFAULT_HOST, DEFAULT_PORT, ServeConfig
 from bdlora.serve.loadtest import CONCURRENCY, MAX_TOKENS, REQUESTS, TEMPERATURE, base_url, first_model, load_test
+from bdlora.speculative.decoders import check_draft
+from bdlora.speculative.run import SpeculationConfig
 
 
-@command(options=from_dataclass(ServeConfig, skip=("onnx_dir", "model_name"), defaults=True))
+@command(options=from_dataclass(ServeConfig, skip=("onnx_dir", "model_name", "speculation"), defaults=True)
+         + from_dataclass(SpeculationConfig, defaults=True, panel="Speculative decoding"))
 def serve(
     onnx_dir: Annotated[Optional[str], typer.Argument(help="A `bdlora export onnx` folder (default: the latest), "
                                                            "or with --runtime genai a `bdlora export genai` folder.")]
@@ -46,8 +49,11 @@ def serve(
     src = Path(onnx_dir) if onnx_dir else latest.latest(runs_dir).path
     if opts.get("api_key") is None:
         opts["api_key"] = os.environ.get("BDLORA_API_KEY")
-    cfg = ServeConfig(onnx_dir=str(src), model_name=model_name or src.name, **opts).validate()
+    spec = SpeculationConfig(**{k: opts.pop(k) for k in list(opts) if k in SpeculationConfig.__dataclass_fields__})
+    cfg = ServeConfig(onnx_dir=str(src), model_name=model_name or src.name, speculation=spec, **opts).validate()
     check_onnx_dir(src, cfg.onnx_file, cfg.runtime)
+    if spec.draft:
+        check_draft(src, Path(spec.draft))
     sock = listening_socket(host, port)
     auth = "API key required" if cfg.api_key else "no API key (--api-key or $BDLORA_API_KEY to require one)"
     err.print(f"[cyan]>[/] serving {escape(str(src))} as '{escape(cfg.model_name)}' on http://{host}:{port}/v1 "
