@@ -12,12 +12,10 @@ folder beside it; none modifies its input::
     runs/<...>.compressed.eval.json                  eval
     runs/sweep-<time>/                    SweepDir   sweep      options in sweep.json, finished with results.json
 
-Every folder is written under a temp name and renamed into place (``io.atomic_dir``), so a folder that exists is
-complete; the markers above tell a finished run from one that can still be resumed.
+Every folder is written under a temp name and renamed into place (``io.atomic_dir``): a folder that exists is complete.
 
-Provenance (the run a compressed model came from) is stored resolved: the absolute path and the path relative to the
-folder that records it. ``ModelDir.source_run`` tries the relative path first (so a tree moved as a whole still
-resolves) and then the absolute one, so a command run from any working directory finds the same run and data.
+Provenance (the run a compressed model came from) is stored as an absolute path and one relative to the folder that
+records it; ``ModelDir.source_run`` tries the relative one first (a tree moved whole still resolves).
 """
 
 from __future__ import annotations
@@ -44,9 +42,7 @@ STUDENT_META = "bdlora_student.json"  # a run's student/: how to rebuild it (met
 ADAPTER = "adapter"  # a kd-lora student's PEFT adapter folder, inside student/
 CONTROLLER_LOG = "controller.jsonl"
 MODEL_ONNX = "model.onnx"  # the graph of an export onnx / export genai folder (its weights: MODEL_ONNX + ".data")
-# a genai folder's graph computing every position's logits (verifying a draft's proposals, scoring a prompt), beside
-# model.onnx, whose head reads only each row's last position; the two share model.onnx.data
-ALL_LOGITS_ONNX = "model_all_logits.onnx"
+ALL_LOGITS_ONNX = "model_all_logits.onnx"  # beside a genai model.onnx (last positions): every position's logits
 MODEL_INT8_ONNX = "model_int8.onnx"  # export onnx --int8: the dynamically quantised graph beside it
 TOKENIZER_JSON, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"  # transformers' tokenizer files
 TEACHER_JSON = "teacher.json"  # a built teacher's folder: what it is and how it was built (bdlora.teacher)
@@ -57,6 +53,11 @@ CORPUS_FILE = "corpus.json"  # a text corpus folder bdlora fetched or generated:
 CKPT_STATE, CKPT_TRAINABLE = "state.json", "trainable.safetensors"
 CKPT_OPTIMIZER, CKPT_RNG = "optimizer.safetensors", "rng.safetensors"
 PAPER_MAIN, PAPER_TABLE9, PAPER_ICL = "main.md", "table9.md", "icl.png"  # eval --paper / sweep merge outputs
+
+
+def all_logits_graph(folder: str | os.PathLike) -> str:
+    """The graph of an export folder with every position's logits: a genai folder's twin, else model.onnx."""
+    return ALL_LOGITS_ONNX if (Path(folder) / ALL_LOGITS_ONNX).is_file() else MODEL_ONNX
 
 
 class Artefact:

@@ -34,10 +34,10 @@ import time
 import numpy as np
 
 from bdlora.errors import usable_cores
+from bdlora.runs import all_logits_graph
 from bdlora.serve.engine import Engine, release_freed_memory
 from bdlora.serve.sequence import Request, Sequence
 from bdlora.speculative.decoders import GenaiDecoder
-from bdlora.speculative.run import target_graph
 
 _FORCE_OFF = np.float32(-1e30)  # the logit of every token but the one a row must take
 GATHER_QUIET = 0.002  # seconds: an idle engine's first request waits this long for each next one (``_gather``)
@@ -157,23 +157,37 @@ class GenaiEngine(Engine):
         import onnxruntime_genai as og
 
         self.og = og
-        config = og.Config(str(self.dir))
-        graph = target_graph(self.dir) if verifies else None  # proposals are verified on every position's logits
         # this server's thread count (default: the usable cores) over the folder's session options, so a folder
         # exported on another machine, or without a count (onnxruntime-genai then runs it on ONE thread, measured
         # 1.4-1.6x slower on 2 cores), uses this machine's cores
         self.intra_op_threads = threads or usable_cores()
-        # and no CPU memory arena: a cohort's KV buffer is sized by its rows and longest generation, so the arena
-        # kept every size it had seen (measured: RSS +32 MB over six rounds of 50 clients hanging up, vs under
-        # 16 MB without it) while a decode step costs the same (0.163 vs 0.160 ms builtin, 24.0 vs 23.0 ms SmolLM2)
-        config.overlay(json.dumps({"model": {"decoder": {"session_options": {
-            "intra_op_num_threads": self.intra_op_threads, "enable_cpu_mem_arena": False},
-            **({"filename": graph} if graph else {})}}}))
-        self.model = og.Model(config)
+        # the folder's model.onnx computes each row's last position only (what generation reads); proposals are
+        # verified on every position's logits (its twin), and a prompt echoed with logprobs is scored on them too
+        scoring = all_logits_graph(self.dir)
+        self.model = self._load(scoring if verifies else None)
+        self._scoring = self.model if verifies or scoring == onnx_file else None  # else loaded on first need
         self.context = int(self.shape.max_positions)
         model_cfg = json.loads((self.dir / "genai_config.json").read_text())["model"]
         self.pad = int(model_cfg.get("pad_token_id", model_cfg.get("eos_token_id", 0)))
         self.vocab = int(self.shape.vocab_size)
+
+    def _load(self, filename: str | None):
+        """An og.Model of the folder on this server's threads, its graph ``filename`` if not the folder's own. No CPU
+        memory arena: a cohort's KV buffer is sized by its rows and longest generation, so the arena kept every size
+        it had seen (measured: RSS +32 MB over six rounds of 50 clients hanging up, vs under 16 MB without it) while
+        a decode step costs the same (0.163 vs 0.160 ms builtin, 24.0 vs 23.0 ms SmolLM2)."""
+        config = self.og.Config(str(self.dir))
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {
+            "intra_op_num_threads": self.intra_op_threads, "enable_cpu_mem_arena": False},
+            **({"filename": filename} if filename else {})}}}))
+        return self.og.Model(config)
+
+    @property
+    def scoring_model(self):
+        """The model over every position's logits (a prompt echoed with logprobs), loaded on first use."""
+        if self._scoring is None:
+            self._scoring = self._load(all_logits_graph(self.dir))
+        return self._scoring
 
     def _new_batch(self) -> _Cohorts:
         return _Cohorts()
@@ -226,10 +240,12 @@ class GenaiEngine(Engine):
             for j, p in enumerate(prompts):
                 ids[j, : len(p)] = p
             longest = max(max(1, reqs[i].params.max_tokens) for i in group)
-            params = self.og.GeneratorParams(self.model)
+            echoes = any(reqs[i].params.echo and reqs[i].params.logprobs is not None for i in group)
+            model = self.scoring_model if echoes else self.model  # a prompt scored: every position's logits
+            params = self.og.GeneratorParams(model)
             max_length = min(self.context, width + longest + 1)
             params.set_search_options(max_length=max_length, do_sample=False, batch_size=len(group))
-            gen = self.og.Generator(self.model, params)
+            gen = self.og.Generator(model, params)
             gen.append_tokens(ids)
             self.runs += 1
             last = np.asarray(gen.get_logits())[:, -1]  # each row's last real position

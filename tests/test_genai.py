@@ -116,7 +116,11 @@ def test_export_folder_generates_like_torch(mixed_folder):
     assert len(rows) == 2 * 7 and {r["form"] for r in rows} == set(info["summary"]["forms"])
     assert sorted(p.name for p in (root / "fp32").iterdir()) == [
         "compression.json", "config.json", "export.json", "genai_config.json", "generation_config.json", "model.onnx",
-        "model.onnx.data", "tokenizer.json", "tokenizer_config.json"]
+        "model.onnx.data", "model_all_logits.onnx", "tokenizer.json", "tokenizer_config.json"]
+    assert v["last_position"]["max_abs_diff"] <= 1e-5  # the head on the last position only: the twin's last row
+    last = onnx.load(str(root / "fp32" / "model.onnx"), load_external_data=False).graph.output[0]
+    assert [d.dim_value or d.dim_param for d in last.type.tensor_type.shape.dim][:2] == ["batch_size", 1]
+    assert info["files"]["model_all_logits.onnx"] < info["files"]["model.onnx.data"] / 10  # structure, no weights
     # the runtime itself, as a user drives it: greedy 10 tokens, decoded by its tokenizer
     m = og.Model(str(root / "fp32"))
     tok = og.Tokenizer(m)

@@ -40,6 +40,7 @@ def served_model(request, tiny_env, tmp_path_factory):
     from bdlora.export.genai import export_genai_folder
     from bdlora.export.onnx import export_onnx_folder
     from bdlora.export.settings import GenaiExportSettings
+    from bdlora.runs import all_logits_graph
     from bdlora.runtime import DecoderShape, run_decoder, session
     from conftest import compressed_student, tiny_config
 
@@ -56,7 +57,7 @@ def served_model(request, tiny_env, tmp_path_factory):
         export_onnx_folder(folder, served, run_validation=False)
     else:
         export_genai_folder(folder, served, GenaiExportSettings(validate=False))
-    sess = session(served / "model.onnx")
+    sess = session(served / all_logits_graph(served))  # a genai folder: its every-position twin
     shape = DecoderShape.of(model.config)
     kv, hd = shape.kv_heads, shape.head_dim
 

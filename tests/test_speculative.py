@@ -188,8 +188,8 @@ def test_greedy_speculative_output_is_the_targets_token_for_token(pair, runtime,
     fixed k: every generated token equals plain greedy decoding of the target in the same runtime."""
     root, tok = pair["root"], pair["tok"]
     ext = ".genai" if runtime == "genai" else ".onnx"
-    target = DecoderFactory(root / f"teacher{ext}")
-    draft = DecoderFactory(root / f"draft{ext}") if proposer == "draft" else None
+    target = DecoderFactory.verifying(root / f"teacher{ext}")
+    draft = DecoderFactory(root / f"draft{ext}") if proposer == "draft" else None  # its last position only
     totals = {"accepted": 0, "evaluated": 0, "full": 0}
     for prompt in PROMPTS:
         ids = tok(prompt)["input_ids"]

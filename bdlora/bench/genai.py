@@ -44,7 +44,7 @@ from bdlora.icl import corpus_word_list
 from bdlora.models import load_model_folder
 from bdlora.reference import teacher_folder
 from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import CONFIG, GENAI_CONFIG, MODEL_ONNX, row_name
+from bdlora.runs import CONFIG, GENAI_CONFIG, all_logits_graph, row_name
 from bdlora.runtime import DecoderShape, score_blocks, session
 
 BUILDER_PRECISIONS = {"fp32": "fp32", "int4": "int4"}  # the builder's -p values we compare against
@@ -182,7 +182,7 @@ def score_folders(folders: dict[str, Path], shapes: dict[str, DecoderShape], blo
     for key, folder in folders.items():
         shape = shapes[key]
         reporter.stage(f"held-out perplexity of {key} ({len(blocks) * blocks.seq_len:,} tokens)")
-        nll, _ = score_blocks(session(folder / MODEL_ONNX), shape, blocks)
+        nll, _ = score_blocks(session(folder / all_logits_graph(folder)), shape, blocks)
         out[key] = {"ppl": math.exp(nll), "tokens": len(blocks) * blocks.seq_len}
     return out
 

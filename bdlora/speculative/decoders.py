@@ -22,7 +22,7 @@ import numpy as np
 
 from bdlora.errors import ModelError, usable_cores
 from bdlora.integrity import TOKENIZER_KEY, tokenizer_digests
-from bdlora.runs import EXPORT_MARKER, GENAI_CONFIG, MODEL_ONNX
+from bdlora.runs import EXPORT_MARKER, GENAI_CONFIG, MODEL_ONNX, all_logits_graph
 from bdlora.runtime import DecoderShape, check_onnx_dir, empty_past, run_bound, session
 
 
@@ -135,6 +135,11 @@ class DecoderFactory:
         else:
             self.sess = session(self.folder / onnx_file, threads=threads or usable_cores())
             self.all_rows = True
+
+    @classmethod
+    def verifying(cls, folder: str | Path, threads: int | None = None) -> DecoderFactory:
+        """A folder opened to verify proposals: a genai folder's graph of every position's logits."""
+        return cls(folder, threads, filename=all_logits_graph(folder) if is_genai(Path(folder)) else None)
 
     def new(self, max_length: int):
         if self.runtime == "genai":

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bdlora.errors import Checks, UsageError
-from bdlora.runs import ALL_LOGITS_ONNX, GENAI_CONFIG
-from bdlora.speculative.decoders import DecoderFactory, check_draft, is_genai
+from bdlora.runs import GENAI_CONFIG
+from bdlora.speculative.decoders import DecoderFactory, check_draft
 from bdlora.speculative.loop import Speculator, generate
 from bdlora.speculative.policy import Costs, KPolicy
 from bdlora.speculative.proposers import DraftProposer, PromptLookup
@@ -73,16 +73,10 @@ class GenerateConfig:
         return c
 
 
-def target_graph(folder: Path) -> str | None:
-    """The graph of a genai folder that computes every position's logits (what verifying proposals needs): the
-    folder's own where it does, else its all-positions twin."""
-    return ALL_LOGITS_ONNX if (folder / ALL_LOGITS_ONNX).is_file() else None
-
-
 def open_speculation(folder: Path, spec: SpeculationConfig, threads: int | None):
     """(target factory, proposer factory or None): the folder opened for verification and the proposer ``spec``
     names (a draft checked against the target first)."""
-    target = DecoderFactory(folder, threads, filename=target_graph(folder) if is_genai(folder) else None)
+    target = DecoderFactory.verifying(folder, threads)
     if spec.draft is not None:
         check_draft(folder, Path(spec.draft))
         draft = DecoderFactory(spec.draft, threads)

@@ -21,6 +21,7 @@ from bdlora.export.files import identity, write_model_files
 from bdlora.export.genai import validate as v
 from bdlora.export.genai.config import genai_config
 from bdlora.export.genai.gptq import input_grams
+from bdlora.export.genai.logits import split_head
 from bdlora.export.genai.quantize import quantize_nbits
 from bdlora.export.onnx.metadata import metadata_props, metadata_summary, module_table, set_metadata
 from bdlora.export.onnx.validate import ExportValidationError, quantized_quality
@@ -29,7 +30,7 @@ from bdlora.io import atomic_dir, write_json
 from bdlora.models import load_model_folder
 from bdlora.outputs import check_out_dir
 from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import GENAI_CONFIG, MODEL_ONNX, OnnxDir, recorded_data_settings
+from bdlora.runs import ALL_LOGITS_ONNX, GENAI_CONFIG, MODEL_ONNX, OnnxDir, recorded_data_settings
 from bdlora.runtime import DecoderShape, session
 
 QUALITY_TOKENS = 32768  # held-out tokens scored with the fp32 and quantised graphs when no training run is known
@@ -83,6 +84,8 @@ def write_genai_files(model, tok, folder: Path, settings: GenaiExportSettings, r
         save_graph(qproto, folder / MODEL_ONNX)
     else:
         save_graph(proto, folder / MODEL_ONNX)
+    split_head(folder)  # model.onnx: the last position's logits; model_all_logits.onnx: every position's
+    info["logits"] = {MODEL_ONNX: "each row's last position", ALL_LOGITS_ONNX: "every position"}
     return info
 
 
@@ -177,7 +180,8 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, settings: GenaiE
             for f in fp32.parent.iterdir():
                 f.unlink()
             fp32.parent.rmdir()
-        info["files"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.name.startswith(MODEL_ONNX)}
+        info["files"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())
+                         if p.name.startswith(MODEL_ONNX) or p.name == ALL_LOGITS_ONNX}
         info.update(identity(tmp))
         write_json(tmp / OnnxDir.MARKER, info)
     return info
@@ -186,9 +190,10 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, settings: GenaiE
 def _validate(tmp: Path, model, tok, report, model_dir: Path, precision: str, max_ppl_change: float,
               reporter: Reporter) -> dict:
     out: dict = {}
-    fp32 = session(tmp / (MODEL_ONNX if precision == "fp32" else f"fp32/{MODEL_ONNX}"))
+    fp32 = session(tmp / (ALL_LOGITS_ONNX if precision == "fp32" else f"fp32/{MODEL_ONNX}"))
     reporter.stage("validating the graph against PyTorch (prefill, decode, decode steps)")
     out["parity"] = v.graph_parity(model, fp32)
+    out["last_position"] = v.last_position_parity(tmp, DecoderShape.of(model.config).vocab_size)
     reporter.stage("checking onnxruntime-genai's tokenizer against the model's")
     out["tokenizer"] = v.tokenizer_roundtrip(tmp, tok)
     if precision == "fp32":
@@ -198,7 +203,7 @@ def _validate(tmp: Path, model, tok, report, model_dir: Path, precision: str, ma
     settings = recorded_data_settings(model_dir, (report or {}).get("provenance", {}))
     blocks = _quality_blocks(settings, tok, DecoderShape.of(model.config))
     reporter.stage(f"scoring {len(blocks)} held-out blocks with the fp32 and {precision} graphs")
-    q = quantized_quality(fp32, session(tmp / MODEL_ONNX), DecoderShape.of(model.config), blocks)
+    q = quantized_quality(fp32, session(tmp / ALL_LOGITS_ONNX), DecoderShape.of(model.config), blocks)
     q["max_ppl_change"] = max_ppl_change
     out["quality"] = q
     if q["ppl_change"] > max_ppl_change:

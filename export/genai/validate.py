@@ -13,7 +13,8 @@ import torch
 import torch.nn as nn
 
 from bdlora.export.onnx.validate import NOISE_FACTOR, TOLERANCE, ExportValidationError, max_abs_diff, validate
-from bdlora.runtime import DecoderShape, run_decoder
+from bdlora.runs import ALL_LOGITS_ONNX, MODEL_ONNX
+from bdlora.runtime import DecoderShape, run_decoder, session
 
 # GroupQueryAttention takes right-aligned batches (positions come from the mask's row sums) and, on CPU, several
 # new tokens after a past only for batch 1: the shapes a genai runtime feeds it.
@@ -106,3 +107,27 @@ def tokenizer_roundtrip(folder: Path, tokenizer) -> dict:
             raise ExportValidationError(f"onnxruntime-genai's tokenizer decodes {want[:12]}... as {back!r}, the "
                                         f"model's tokenizer as {ref!r}")
     return {"texts": len(TEXTS), "identical": True}
+
+
+def last_position_parity(folder: Path, vocab: int, tolerance: float = 1e-5) -> dict:
+    """model.onnx (each row's last position) against model_all_logits.onnx (every position) on the shapes the
+    runtime feeds: right-padded prompts of different lengths, then a decode step after them. The two graphs share
+    every weight, so the rows must agree to rounding."""
+    shape = DecoderShape.from_folder(folder)
+    last, full = session(folder / MODEL_ONNX), session(folder / ALL_LOGITS_ONNX)
+    rng = np.random.default_rng(11)
+    lengths = np.array([7, 3, 5])
+    ids = rng.integers(0, vocab, (len(lengths), int(lengths.max())))
+    mask = (np.arange(ids.shape[1])[None] < lengths[:, None]).astype(np.int64)
+    past = [np.zeros((len(lengths), shape.kv(i // 2), 0, shape.head_dim), np.float32) for i in range(2 * shape.layers)]
+    a, b = run_decoder(full, ids, mask, None, past), run_decoder(last, ids, mask, None, past)
+    worst = max(float(np.abs(a[0][r, n - 1] - b[0][r, 0]).max()) for r, n in enumerate(lengths))
+    step = ids[:1, :1]
+    one = [x[:1] for x in a[1:]]
+    c = run_decoder(full, step, np.ones((1, ids.shape[1] + 1), np.int64), None, one)[0]
+    d = run_decoder(last, step, np.ones((1, ids.shape[1] + 1), np.int64), None, one)[0]
+    worst = max(worst, float(np.abs(c[0, -1] - d[0, 0]).max()))
+    if b[0].shape[1] != 1 or worst > tolerance:
+        raise ExportValidationError(f"{MODEL_ONNX}'s last-position logits differ from {ALL_LOGITS_ONNX}'s by "
+                                    f"{worst:.3g} (tolerance {tolerance:g})")
+    return {"max_abs_diff": worst, "tolerance": tolerance}
