@@ -417,14 +417,15 @@ def test_the_plain_twin_of_a_quantised_genai_graph_computes_the_same_logits(mixe
     fp32 rounding (far below what int4 itself moves them)."""
     import onnxruntime as ort
 
-    from bdlora.export.genai.folder import plain_graph
-    from bdlora.export.genai.quantize import LM_HEAD, quantize_nbits
+    from bdlora.export.genai.folder import plain_graph, rounded, tied_head
+    from bdlora.export.genai.quantize import LM_HEAD
     from bdlora.runtime import DecoderShape, empty_past, run_decoder
 
     folder, _ = mixed_folder
     model, _, _ = load_model_folder(folder)
     shape = DecoderShape.of(model.config)
-    genai, _ = quantize_nbits(build_decoder(model, DecoderLayout.genai(64)), "int4", quant, head_bits=head_bits)
+    genai, _ = rounded(build_decoder(model, DecoderLayout.genai(64)), GenaiExportSettings("int4", quant, head_bits),
+                       shape, tied=tied_head(model.config))
     twin = plain_graph(model, GenaiExportSettings("int4", quant, head_bits))
     for proto in (genai, twin):  # bench --head-bits: the LM head at those bits in both layouts
         head = next(n for n in proto.graph.node if n.op_type == "MatMulNBits" and n.name.startswith(LM_HEAD))
@@ -519,3 +520,38 @@ def test_one_settings_object_checks_every_option_and_says_every_problem_at_once(
         GenaiExportSettings(validate=False)
     r = CliRunner().invoke(app, ["bench", "--runtime", "genai", "--int8-share", "0.1"])
     assert r.exit_code == 2 and "--int8-share 0.1: is chosen by a calibrated scheme" in r.output
+
+
+@pytest.mark.parametrize("family,shared", [("qwen2", True), ("mistral", False)])
+def test_quantised_export_stores_the_embedding_once(family, shared):
+    """int4: the embedding's fp32 table is gone; a tied head's MatMulNBits weights serve the gather too
+    (GatherBlockQuantized), an untied model gets its own 8-bit table; the logits stay within the rounding the
+    embedding adds (each gathered row within one 8-bit step of the table's)."""
+    import onnxruntime as ort
+
+    from bdlora.export.genai.embedding import TABLE
+    from bdlora.export.genai.folder import rounded
+    from bdlora.export.genai.quantize import quantize_nbits
+    from bdlora.runtime import DecoderShape, empty_past, run_decoder
+
+    model, _ = synthetic_model(_config(family, vocab_size=256), 0.6, None, rank=8)
+    shape = DecoderShape.of(model.config)
+    proto = build_decoder(model, DecoderLayout.genai(64))
+    once, info = rounded(proto, GenaiExportSettings("int4").resolved(model.config), shape, tied=shared)
+    table, _ = quantize_nbits(proto, "int4")
+    assert TABLE not in {t.name for t in once.graph.initializer} and TABLE in {t.name for t in table.graph.initializer}
+    (gbq,) = [n for n in once.graph.node if n.op_type == "GatherBlockQuantized"]
+    reshaped = next(n for n in once.graph.node if n.output[0] == gbq.input[0])
+    head = next(n for n in once.graph.node if n.op_type == "MatMulNBits" and n.name.startswith("/lm_head/"))
+    assert (reshaped.input[0] == head.input[1]) == shared and info["bits"] == 8  # the 8-bit head's own codes
+    held = [sum(len(t.raw_data) for t in p.graph.initializer) for p in (table, once)]
+    saved = held[0] - held[1]
+    assert saved >= 256 * 64 * 4 * (0.99 if shared else 0.70)  # the fp32 table (less an 8-bit copy when untied)
+    once.graph.output.append(onnx.helper.make_tensor_value_info(gbq.output[0], onnx.TensorProto.FLOAT, None))
+    sess = ort.InferenceSession(once.SerializeToString())
+    table_rows = model.model.embed_tokens.weight.detach().numpy()
+    step = (table_rows.max(1) - table_rows.min(1)).max() / 255  # an 8-bit grid's step over the widest block
+    for start in range(0, 256, 32):  # GroupQueryAttention's rotary table holds 64 positions
+        ids = np.arange(start, start + 32)[None]
+        rows = run_decoder(sess, ids, np.ones_like(ids), None, empty_past(shape, 1))[-1][0]
+        assert np.abs(rows - table_rows[start : start + 32]).max() <= step  # each row: the table's, rounded

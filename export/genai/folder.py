@@ -20,6 +20,7 @@ from bdlora.export.defaults import MAX_OPSET
 from bdlora.export.files import identity, write_model_files
 from bdlora.export.genai import validate as v
 from bdlora.export.genai.config import genai_config
+from bdlora.export.genai.embedding import quantize_embedding
 from bdlora.export.genai.gptq import input_grams
 from bdlora.export.genai.logits import split_head
 from bdlora.export.genai.quantize import quantize_nbits
@@ -80,7 +81,7 @@ def write_genai_files(model, tok, folder: Path, settings: GenaiExportSettings, r
             if any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer):
                 onnx.load_external_data_for_model(proto, str(fp32_path.parent))  # saving moved them to disk
         qproto, info["quantization"] = rounded(proto, settings, DecoderShape.of(cfg), calibration, grams, reporter,
-                                               in_place=True)
+                                               in_place=True, tied=tied_head(cfg))
         save_graph(qproto, folder / MODEL_ONNX)
     else:
         save_graph(proto, folder / MODEL_ONNX)
@@ -89,8 +90,12 @@ def write_genai_files(model, tok, folder: Path, settings: GenaiExportSettings, r
     return info
 
 
+def tied_head(config) -> bool:
+    return bool(getattr(config, "tie_word_embeddings", False))
+
+
 def rounded(proto, settings: GenaiExportSettings, shape: DecoderShape, calibration=None, grams: dict | None = None,
-            reporter: Reporter = SILENT, in_place: bool = False):
+            reporter: Reporter = SILENT, in_place: bool = False, tied: bool = False):
     """(the fp32 decoder ``proto`` rounded as ``settings`` say, what was done): a calibrated scheme first measures
     every MatMul's input Gram matrix on ``calibration`` (unless ``grams`` already holds them: one model rounded at
     several precisions, or in both layouts, is calibrated once; filled in here). The genai folder and the bench's
@@ -107,6 +112,7 @@ def rounded(proto, settings: GenaiExportSettings, shape: DecoderShape, calibrati
                                settings.int8_share, in_place=in_place)
     if settings.calibrated:
         info["calibration_tokens"] = len(calibration) * calibration.seq_len
+    info.update(quantize_embedding(out, tied))  # the table once, quantised (the tied head's weights where it can)
     return out, info
 
 
@@ -141,7 +147,8 @@ def plain_graph(model, settings: GenaiExportSettings, calibration=None, grams: d
         proto, _ = decoder_graph(model, DecoderLayout.plain(model.config, MAX_OPSET))
     if settings.precision == "fp32":
         return proto
-    return rounded(proto, settings, DecoderShape.of(model.config), calibration, grams)[0]
+    return rounded(proto, settings, DecoderShape.of(model.config), calibration, grams,
+                   tied=tied_head(model.config))[0]
 
 
 def export_genai_folder(model_dir: str | Path, out: str | Path, settings: GenaiExportSettings = GenaiExportSettings(),
