@@ -21,7 +21,7 @@ from typing import Any
 from bdlora.budgeted.config import ALLOCATIONS, LORA_INITS, BudgetedConfig
 from bdlora.budgeted.config import DEFAULTS as BUDGETED
 from bdlora.errors import Checks, ConfigError, shown
-from bdlora.forms import train_forms_problems
+from bdlora.forms import LOWRANK, train_forms_problems
 from bdlora.schemes import quant_problem
 
 METHODS = ("kd-full", "kd-lora", "budgeted")
@@ -167,7 +167,7 @@ class TrainConfig:
     @property
     def structured(self) -> bool:
         """Whether the student starts as a one-shot structure (``--forms`` beyond lowrank, or ``--speedup``)."""
-        return self.forms not in (None, "lowrank") or self.speedup is not None
+        return self.forms not in (None, LOWRANK.name) or self.speedup is not None
 
     def budgeted(self) -> BudgetedConfig:
         """The Budgeted LoRA settings of this run (rank and alpha resolved)."""

@@ -26,12 +26,13 @@ import torch
 from bdlora.arch import projection_modules
 from bdlora.budgeted.allocate import Allocation
 from bdlora.budgeted.costs import ModuleShape, compression_report
-from bdlora.budgeted.layers import renumbered
 from bdlora.budgeted.model import build_deployed_model
 from bdlora.budgeted.start import LowRankStart, capped_rank, compute_start, shapes_of
 from bdlora.config import TrainConfig
 from bdlora.deployed.folder import save_model_folder
-from bdlora.oneshot import factored, one_shot_structure
+from bdlora.forms.layers import renumbered
+from bdlora.forms.lowrank import factored
+from bdlora.oneshot import one_shot_structure
 from bdlora.oneshot_config import OneShotConfig
 from bdlora.reporter import SILENT, Reporter
 from bdlora.runs import ModelDir, RunDir

@@ -179,7 +179,8 @@ def check_declared_sizes(folder: Path, cfg: dict, shapes: dict[str, tuple[int, .
                 "num_key_value_heads x head_dim": kv * sizes["head_dim"]}
     for site, spec in (cfg.get("bdlora_modules") or {}).items():  # every pruned attention block caches keep heads
         k_rows = _dims(shapes, f"{site}.k_proj")
-        if isinstance(spec, dict) and spec.get("form") == "groups" and type(spec.get("keep")) is int and k_rows:
+        groups = isinstance(spec, dict) and spec.get("form") == forms.GROUPS.name
+        if groups and type(spec.get("keep")) is int and k_rows:
             held[f"{site} keep x head_dim"], declared[f"{site} keep x head_dim"] = k_rows[1], \
                 spec["keep"] * sizes["head_dim"]
     wrong = [f"{k} {declared[k]:,} but the weights hold {v:,}" for k, v in held.items() if declared[k] != v]

@@ -1,6 +1,6 @@
 """``bdlora compress SOURCE --one-shot --mac-ratio R``: training-free compression of a pretrained model, the
 SVD-LLM-style baseline a user would otherwise reach for, with this toolkit's loss-weighted whitening and quality
-allocation (``budgeted.lowrank``, ``budgeted.allocate``).
+allocation (``forms.lowrank``, ``budgeted.allocate``).
 
 One forward and backward pass over ``--calib-tokens`` tokens of ``--data``'s training split measures each
 projection's input Gram matrix and output Fisher diagonal; the allocation picks, for the target projection-MAC
@@ -23,23 +23,18 @@ import torch
 from bdlora import SCHEMA_VERSION, __version__
 from bdlora.arch import projection_modules, set_module
 from bdlora.blocks import PackedBlocks, scored_blocks
-from bdlora.budgeted.allocate import mac_cost
-from bdlora.budgeted.bits import head_option, wide_options
 from bdlora.budgeted.calibrate import calibration_blocks
-from bdlora.budgeted.channels import channel_order, prune, site_options
 from bdlora.budgeted.correct import correct_sequential
-from bdlora.budgeted.costs import ModuleShape, compression_report, decide_module, prune_decision, removed_decision
-from bdlora.budgeted.groups import group_options, group_order, site_probes
-from bdlora.budgeted.groups import prune as prune_groups
-from bdlora.budgeted.layer import DeployedModule
-from bdlora.budgeted.layers import removal_errors, renumbered
-from bdlora.budgeted.lowrank import factors, gram_root, spectrum
+from bdlora.budgeted.costs import ModuleShape, compression_report, removed_decision
 from bdlora.budgeted.model import build_deployed_model
 from bdlora.budgeted.start import allocate_by, calibrate_with_progress, compute_start, shapes_of, structure_report
 from bdlora.corpora import check_spec, default_heldout, general_calib_data, load_tokens
 from bdlora.deployed.folder import save_model_folder
 from bdlora.errors import UsageError
-from bdlora.forms import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
+from bdlora.forms import ALLOCATED_FORMS, REMOVED, step
+from bdlora.forms.context import OneShotContext
+from bdlora.forms.layers import renumbered
+from bdlora.forms.lowrank import factored
 from bdlora.oneshot_config import OneShotConfig
 from bdlora.outputs import check_out_dir
 from bdlora.perplexity import perplexity
@@ -51,91 +46,49 @@ from bdlora.teacher import load_teacher
 
 def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Reporter = SILENT, cost_table=None):
     """(decisions, {name: DeployedModule}, calibration tokens, facts, the allocation) of ``model`` at
-    ``cfg.mac_ratio`` (or ``cfg.speedup``): calibrate, allocate among ``cfg.forms``, factor (and prune); the
-    modules of removed layers have decisions but nothing deployed. ``cost_table`` (shapes, dense=(K, N) pairs,
-    config -> an object with ``cost(shape, rank)`` and ``prediction(shapes, ranks, shape_of, gone)``, e.g. the
-    measured decode-time table of ``bdlora.export.genai.latency``, passed in by the CLI; given the model's config,
-    its prediction covers the whole decode step): allocate by that cost instead of MACs. ``facts``, for the
-    provenance: what the allocation predicts at that cost (``allocation_cost``) and, with layers, each one's
-    removal error (``allocation.removal_errors``)."""
+    ``cfg.mac_ratio`` (or ``cfg.speedup``): each chosen form (``cfg.forms``, in ``ALLOCATED_FORMS`` order) says what
+    the cost table and the calibration must measure, offers its candidates, and deploys what the one knapsack chose
+    (``forms.context``); the modules of removed layers have decisions but nothing deployed. ``cost_table`` (shapes,
+    dense=(K, N) pairs, config -> an object with ``cost(shape, rank)`` and ``prediction(shapes, ranks, shape_of,
+    gone)``, e.g. the measured decode-time table of ``bdlora.export.genai.latency``, passed in by the CLI; given the
+    model's config, its prediction covers the whole decode step): allocate by that cost instead of MACs. ``facts``,
+    for the provenance: what the allocation predicts at that cost (``allocation_cost``) and what each form records."""
     mods = dict(projection_modules(model))
-    shapes = [ModuleShape(n, m.in_features, m.out_features) for n, m in mods.items()]
-    table, bits, config = None, "bits" in cfg.form_names, model.config.to_dict()
-    head = bits and cfg.speedup is not None  # the LM head's width is bought against the whole step only
-    kv = int(getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads)
-    if cost_table is not None:  # with channels or groups, the narrower dense products it interpolates between too
-        probes = site_probes(shapes, kv, "channels" in cfg.form_names, "groups" in cfg.form_names)
-        table = cost_table(shapes, dense=probes, config=config, **({"wide": True} if bits else {}),
-                           **({"head": True} if head else {}))
-    calib = calibrate_with_progress(model, calibration_blocks(train_blocks, cfg.calib_tokens), reporter,
-                                    residual="layers" in cfg.form_names, rounded=table.rounded if bits else None,
-                                    head=head)
-    lowrank = "lowrank" in cfg.form_names
-    if lowrank:
-        reporter.stage("whitened, loss-weighted spectra of every projection")
-    roots, spectra = {}, {}
-    for s in shapes if lowrank else ():
-        gram = calib.gram(s.name)
-        root = roots.setdefault(id(gram), gram_root(gram)) if s.out_features > s.in_features else None
-        spectra[s.name] = spectrum(mods[s.name].weight, gram, fisher=calib.fisher[s.name], root=root)
-    energy = {s.name: spectra[s.name].energy.numpy() if lowrank else np.zeros(0) for s in shapes}
-    orders = {}
-    if "channels" in cfg.form_names:
-        reporter.stage("ranking every MLP's channels by loss-weighted activation energy")
-        orders = {n.rsplit(".", 1)[0]: channel_order(m.weight, calib.gram(n), calib.fisher[n])
-                  for n, m in mods.items() if n.endswith("down_proj")}
-    if "groups" in cfg.form_names:
-        reporter.stage("ranking every attention block's key/value groups by loss-weighted output energy")
-        hd = model.model.layers[0].self_attn.head_dim
-        orders.update({n.rsplit(".", 1)[0]: group_order(m.weight, calib.gram(n), calib.fisher[n], kv, hd)
-                       for n, m in mods.items() if n.endswith("o_proj") and kv > 1})
-    cost = table.cost if table is not None else mac_cost
-    sites = {site: (site_options if site.endswith(".mlp") else group_options)(
-        [s for s in shapes if s.name.startswith(site + ".")], order, cost) for site, order in orders.items()}
-    layers = removal_errors(calib) if "layers" in cfg.form_names else None
-    rest, fixed = whole_step(model, table) if cfg.speedup is not None else (None, 0.0)
-    wide = wide_options(shapes, calib, table) if bits else None
-    head_cost = head_option(config, calib, table) if head else None
-    alloc = allocate_by(shapes, energy, cfg.ratio, reporter, table, cfg.precision, sites, lowrank, layers, rest, fixed,
-                        wide, kv, head_cost)
-    gone = {s.name for s in shapes if alloc.gone(s.name)}
-    cost_doc = None if table is None else {"cost": "measured decode time",
-                                           **table.prediction(shapes, alloc.ranks, alloc.shape, gone, alloc.bits,
-                                                              alloc.head_bits),
-                                           "mac_ratio": alloc.mac_ratio(shapes)}
-    decisions, deployed = deploy(shapes, alloc, mods, orders, calib, spectra)
-    facts = {**({"allocation_cost": cost_doc} if cost_doc else {}),
-             **({"allocation": {"removal_errors": layers}} if layers else {}),
-             **({"rounding": rounding_facts(wide, head_cost, alloc, table.scheme)} if wide else {}),
-             **({"head_bits": alloc.head_bits} if head else {})}
-    return decisions, deployed, calib.tokens, facts, alloc
-
-
-def rounding_facts(wide: dict, head_cost: tuple | None, alloc, scheme: str) -> dict:
-    """The provenance of ``--forms bits``: the scheme (--quant) whose grid measured the errors, each projection's
-    error given back at 8 bits and, with the LM head among the sites (``--speedup``), its two widths' times, the
-    error 4 bits add and the width chosen."""
-    return {"scheme": scheme, "error_given_back_at_8_bits": {n: g for n, (_, g) in wide.items()},
-            **({"lm_head": {"us_at_8_bits": head_cost[0], "us_at_4_bits": head_cost[1],
-                            "error_added_at_4_bits": head_cost[2], "bits": alloc.head_bits}} if head_cost else {})}
-
-
-def deploy(shapes: list[ModuleShape], alloc, mods: dict, orders: dict, calib, spectra: dict) -> tuple[list, dict]:
-    """(a decision per projection, {name: DeployedModule}) of ``alloc``: pruned MLPs, pairs, dense projections (at
-    their allocated bits); the projections of removed layers get a decision and nothing deployed."""
-    pruned = {}  # the projections of every MLP keeping fewer channels or attention fewer groups, built once
-    for site, keep in alloc.keep.items():
-        pruned.update(pruned_site(site, keep, mods, orders[site], calib.gram(f"{site}.down_proj")) if
-                      site.endswith(".mlp") else pruned_attention(site, keep, mods, orders[site],
-                                                                  calib.gram(f"{site}.o_proj")))
-    deployed, removed = {}, {}
-    for s in shapes:
-        if alloc.gone(s.name):  # its layer goes: nothing deployed
-            removed[s.name] = removed_decision(s, has_bias=mods[s.name].bias is not None)
-        else:
-            deployed[s.name] = pruned.get(s.name) or factored(s, mods[s.name], alloc.ranks[s.name], spectra)
-            deployed[s.name].decision.bits = alloc.bits.get(s.name, 0)
-    return [removed[s.name] if s.name in removed else deployed[s.name].decision for s in shapes], deployed
+    ctx = OneShotContext(model, cfg, reporter, cfg.form_names, [ModuleShape(n, m.in_features, m.out_features)
+                                                                 for n, m in mods.items()], mods,
+                         int(getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads),
+                         model.config.to_dict())
+    steps = [step(name) for name in ALLOCATED_FORMS if ctx.has(name)]
+    for st in steps:
+        st.pricing(ctx)
+    if cost_table is not None:  # the narrower dense products the sites interpolate between, and what forms ask
+        ctx.table = cost_table(ctx.shapes, dense=ctx.probes, config=ctx.config, **ctx.table_options)
+    for st in steps:
+        st.calibration(ctx)
+    ctx.calib = calibrate_with_progress(model, calibration_blocks(train_blocks, cfg.calib_tokens), reporter,
+                                        **ctx.calibration)
+    ctx.energy = {s.name: np.zeros(0) for s in ctx.shapes}
+    for st in steps:
+        st.offer(ctx)
+    rest, fixed = whole_step(model, ctx.table) if cfg.speedup is not None else (None, 0.0)
+    alloc = allocate_by(ctx.shapes, ctx.energy, cfg.ratio, reporter, ctx.table, cfg.precision, ctx.sites,
+                        ctx.lowrank, ctx.layers, rest, fixed, ctx.wide, ctx.kv, ctx.head_bits, ctx.head_vocab)
+    gone = {s.name for s in ctx.shapes if alloc.gone(s.name)}
+    if ctx.table is not None:
+        ctx.facts["allocation_cost"] = {"cost": "measured decode time", **ctx.table.prediction(
+            ctx.shapes, alloc.ranks, alloc.shape, gone, alloc.bits, alloc.head_bits, alloc.head_keep),
+            "mac_ratio": alloc.mac_ratio(ctx.shapes)}
+    built = {}
+    for st in steps:
+        built.update(st.deploy(ctx, alloc))
+    deployed = {s.name: built.get(s.name) or factored(s, mods[s.name], 0, ctx.spectra) for s in ctx.shapes
+                if s.name not in gone}
+    for st in steps:
+        st.finish(ctx, alloc, deployed)
+    decisions = [removed_decision(s, has_bias=mods[s.name].bias is not None) if s.name in gone
+                 else deployed[s.name].decision for s in ctx.shapes]
+    alloc.head_module = ctx.head_module  # the head in its own form (vocab): built into the folder, not recorded
+    return decisions, deployed, ctx.calib.tokens, ctx.facts, alloc
 
 
 def whole_step(model, table) -> tuple[dict, float]:
@@ -148,52 +101,6 @@ def whole_step(model, table) -> tuple[dict, float]:
     o = whole.overhead
     return {f"model.layers.{i}": (o.per_layer - o.per_width, o.per_width)
             for i in range(model.config.num_hidden_layers)}, o.fixed
-
-
-def factored(s: ModuleShape, mod, r: int, spectra: dict) -> DeployedModule:
-    """Projection ``mod`` deployed at rank ``r`` (0: dense, as it is) with its decision."""
-    bias = None if mod.bias is None else mod.bias.detach().clone()
-    dec = decide_module(s, 0.0 if r else 1.0, r, 0, has_bias=bias is not None)
-    if not r:
-        return DeployedModule(dec, weight=mod.weight.detach().clone(), bias=bias)
-    a, b = factors(mod.weight, spectra[s.name], r)
-    return DeployedModule(dec, proj_in=a.to(mod.weight.dtype), proj_out=b.to(mod.weight.dtype), bias=bias)
-
-
-def pruned_site(site: str, keep: int, mods: dict, order, gram) -> dict[str, DeployedModule]:
-    """The three projections of an MLP ``site`` keeping ``keep`` channels (``budgeted.channels.prune``: down
-    refitted), as deployed modules with their decisions."""
-    names = [f"{site}.{p}" for p in MLP_PROJECTIONS]
-    kept = order.kept(keep)
-    weights = prune(*(mods[n].weight for n in names), gram, kept)
-    out = {}
-    for n, w in zip(names, weights):
-        m = mods[n]
-        bias = None if m.bias is None else m.bias.detach().clone()
-        if bias is not None and not n.endswith("down_proj"):
-            bias = bias[kept].clone()
-        dec = prune_decision(ModuleShape(n, m.in_features, m.out_features), keep, has_bias=bias is not None)
-        out[n] = DeployedModule(dec, weight=w, bias=bias)
-    return out
-
-
-def pruned_attention(site: str, keep: int, mods: dict, order, gram) -> dict[str, DeployedModule]:
-    """The four projections of an attention ``site`` keeping ``keep`` key/value groups (``budgeted.groups.prune``:
-    o refitted), as deployed modules with their decisions; q, k and v keep their kept rows' biases."""
-    names = [f"{site}.{p}" for p in ATTENTION_PROJECTIONS]
-    weights = prune_groups(*(mods[n].weight for n in names), gram, order, keep)
-    rows = {"q_proj": order.rows(keep, order.ratio * order.head_dim), "k_proj": order.rows(keep, order.head_dim),
-            "v_proj": order.rows(keep, order.head_dim)}
-    out = {}
-    for n, w in zip(names, weights):
-        m = mods[n]
-        bias = None if m.bias is None else m.bias.detach().clone()
-        if bias is not None and n.rsplit(".", 1)[-1] in rows:
-            bias = bias[rows[n.rsplit(".", 1)[-1]]].clone()
-        dec = prune_decision(ModuleShape(n, m.in_features, m.out_features), keep, has_bias=bias is not None,
-                             of=order.groups)
-        out[n] = DeployedModule(dec, weight=w, bias=bias)
-    return out
 
 
 def correct_deployed(model, deployed: dict, blocks, reporter: Reporter = SILENT, removed=()) -> dict:
@@ -310,8 +217,8 @@ def compress_one_shot(source: str, cfg: OneShotConfig, out: str | Path, force: b
     model, tok, path, train_blocks, val_blocks, heldout = load_source(source, cfg, cache_dir, reporter, "compress")
     check_out_dir(out, force, (path,))
     seq = train_blocks.seq_len
-    decisions, deployed, tokens, facts, _ = one_shot_structure(model, train_blocks, cfg, reporter, cost_table)
-    removed = sorted({int(d.name.split(".")[2]) for d in decisions if d.case == "removed"})
+    decisions, deployed, tokens, facts, alloc = one_shot_structure(model, train_blocks, cfg, reporter, cost_table)
+    removed = sorted({int(d.name.split(".")[2]) for d in decisions if d.case == REMOVED.name})
     correction = None
     if cfg.correct:  # on the same calibration blocks (drawn with a fixed seed)
         blocks = calibration_blocks(train_blocks, cfg.calib_tokens)
@@ -331,7 +238,7 @@ def compress_one_shot(source: str, cfg: OneShotConfig, out: str | Path, force: b
         kept = [i for i in range(model.config.num_hidden_layers) if i not in removed]
         provenance.update(layer_indices=kept, removed_layers=removed, student_layers=len(kept))
         base, deployed = take_layers(model, kept), renumbered(deployed, kept)
-    compressed = build_deployed_model(base, deployed, provenance, facts.get("head_bits", 0))
+    compressed = build_deployed_model(base, deployed, provenance, facts.get("head_bits", 0), alloc.head_module)
     report = compression_report(decisions, None, {}, baseline="source")
     report.update(schema_version=SCHEMA_VERSION, bdlora_version=__version__, source="compress --one-shot",
                   provenance=provenance)

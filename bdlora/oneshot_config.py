@@ -48,10 +48,11 @@ class OneShotConfig:
     channels (an MLP keeping fewer intermediate channels: gate, up and down as narrower dense products, down refitted
     to the kept channels), groups (an attention block keeping fewer key/value heads with their query heads: q, k, v
     and o as narrower dense products and a smaller KV cache, o refitted), layers (a decoder layer removed whole) and
-    bits (with --precision int4: a dense projection
-    kept at 8 bits, its measured rounding error bought back at the int8 time), each site taking whichever costs least
-    quality for what it saves; e.g. lowrank,channels,groups,layers,bits. Default lowrank,channels (measured on
-    SmolLM2 at 1.2x: 12% lower perplexity in domain and 20% lower on text never seen than lowrank alone)."""
+    bits (with --precision int4: a dense projection kept at 8 bits, its measured rounding error bought back at the
+    int8 time) and vocab (with --speedup: the LM head keeping only the tokens the teacher emits most, for a
+    speculative-decoding draft), each site taking whichever costs least quality for what it saves; e.g.
+    lowrank,channels,groups,layers,bits. Default lowrank,channels (measured on SmolLM2 at 1.2x: 12% lower perplexity
+    in domain and 20% lower on text never seen than lowrank alone)."""
     quant: str | None = None
     """--precision int8 or int4: the scheme export genai will round with (rtn, gptq, affine; default rtn). Its node
     layout is what is timed (affine's 4-bit MatMuls read block means and hold 3% more columns), and with --forms bits
@@ -81,7 +82,7 @@ class OneShotConfig:
         quant_problem(c, self.quant, self.precision)
         c.threads("threads", self.threads)
         c.text("data", self.data)
-        check_forms(c, self.forms, self.precision)
+        check_forms(c, self.forms, self.precision, self.speedup)
         c.text("calib_data", self.calib_data)
         c.require(isinstance(self.correct, bool), f"--correct {shown(self.correct)}: must be true or false")
         c.done()

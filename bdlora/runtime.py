@@ -16,6 +16,7 @@ from typing import ClassVar
 import numpy as np
 
 from bdlora.errors import DataError, ModelError, UsageError
+from bdlora.forms import GROUPS
 from bdlora.integrity import TOKENIZER_KEY, check_tokenizer
 from bdlora.runs import CONFIG, EXPORT_MARKER, GENAI_CONFIG, MODEL_ONNX, TOKENIZER_CONFIG, TOKENIZER_JSON
 from bdlora.tokenizer import TextTokenizer, check_vocabulary
@@ -135,7 +136,7 @@ def _pruned_kv(modules) -> tuple[tuple[int, int], ...]:
     for name, spec in (modules if isinstance(modules, dict) else {}).items():
         parts = name.split(".")
         if (len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and parts[3] == "self_attn"
-                and isinstance(spec, dict) and spec.get("form") == "groups" and type(spec.get("keep")) is int):
+                and isinstance(spec, dict) and spec.get("form") == GROUPS.name and type(spec.get("keep")) is int):
             out.append((int(parts[2]), spec["keep"]))
     return tuple(sorted(out))
 

@@ -20,9 +20,9 @@ from bdlora.arch import projection_modules
 from bdlora.budgeted.allocate import allocate
 from bdlora.budgeted.calibrate import calibrate
 from bdlora.budgeted.costs import ModuleShape
-from bdlora.budgeted.lowrank import FISHER_DAMPING
 from bdlora.cli import app
 from bdlora.export.genai.quantize import quantize_nbits, rtn_rounded
+from bdlora.forms.lowrank import FISHER_DAMPING
 from bdlora.io import write_json
 
 

@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from bdlora.budgeted.allocate import allocate, knapsack, mac_cost
-from bdlora.budgeted.channels import channel_order, keep_grid, probe_shapes, prune, site_options
 from bdlora.budgeted.costs import ModuleShape
-from bdlora.budgeted.lowrank import FISHER_DAMPING, damped
 from bdlora.cli import app
+from bdlora.forms.channels import channel_order, keep_grid, probe_shapes, prune, site_options
+from bdlora.forms.lowrank import FISHER_DAMPING, damped
 
 
 def _problem(seed: int, hidden: int = 6, width: int = 10, tokens: int = 40):

@@ -19,9 +19,9 @@ from typer.testing import CliRunner
 
 from bdlora.budgeted.allocate import allocate, mac_cost
 from bdlora.budgeted.costs import ModuleShape
-from bdlora.budgeted.groups import group_options, group_order, probe_shapes, prune
-from bdlora.budgeted.lowrank import FISHER_DAMPING, damped
 from bdlora.cli import app
+from bdlora.forms.groups import group_options, group_order, probe_shapes, prune
+from bdlora.forms.lowrank import FISHER_DAMPING, damped
 
 KV, RATIO, HD, HIDDEN = 4, 2, 3, 10  # a problem of 4 groups of 2 query heads of width 3
 

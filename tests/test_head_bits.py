@@ -20,11 +20,11 @@ from typer.testing import CliRunner
 import bdlora.budgeted.calibrate as cal
 import bdlora.export.genai.latency as lat
 from bdlora.budgeted.allocate import Allocation, allocate
-from bdlora.budgeted.lowrank import FISHER_DAMPING
 from bdlora.cli import app
 from bdlora.export.genai.quantize import rtn_rounded
 from bdlora.export.settings import GenaiExportSettings
 from bdlora.forms import HEAD, HEAD_BITS
+from bdlora.forms.lowrank import FISHER_DAMPING
 from bdlora.io import read_json, write_json
 
 HEAD_X = 10.0  # the hand-made int8 head costs this many times its int4 time (so buying 4 bits pays at once)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from bdlora.budgeted.allocate import BUCKETS, allocate, break_even, options
 from bdlora.budgeted.calibrate import calibrate, calibration_blocks, input_group
 from bdlora.budgeted.costs import ModuleShape
-from bdlora.budgeted.lowrank import factors, spectrum
+from bdlora.forms.lowrank import factors, spectrum
 
 
 def _data(d_out=24, d_in=16, n=400, seed=0, rank_x=None):

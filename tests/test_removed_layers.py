@@ -17,9 +17,9 @@ from typer.testing import CliRunner
 from bdlora.budgeted.allocate import allocate, knapsack
 from bdlora.budgeted.calibrate import calibrate
 from bdlora.budgeted.costs import ModuleShape
-from bdlora.budgeted.layers import removal_errors, renumbered
-from bdlora.budgeted.lowrank import FISHER_DAMPING
 from bdlora.cli import app
+from bdlora.forms.layers import removal_errors, renumbered
+from bdlora.forms.lowrank import FISHER_DAMPING
 from bdlora.student import take_layers
 
 

@@ -434,15 +434,38 @@ def test_one_form_registry():
     any other (an unknown form loaded as a randomly initialised dense projection), and names its low-rank class as
     the registry does."""
     from bdlora.deployed import modeling_bdlora as m
-    from bdlora.forms import FORMS, LOWRANK, SITE_FORMS
+    from bdlora.forms import FORMS, LOWRANK, SITE_FORMS, VOCAB_MARGIN
 
     assert m.KNOWN_FORMS == tuple(FORMS) + tuple(SITE_FORMS) and m.LowRankLinear.__name__ == LOWRANK.module_class
-    assert m.SITES == {f.name: f.site for f in SITE_FORMS.values()}
+    assert m.SITES == {f.name: f.site for f in SITE_FORMS.values()} and m.VOCAB_MARGIN == VOCAB_MARGIN
     for modules, needle in (({"model.layers.0.mlp.up_proj": {"form": "sparse24"}},
-                             "unknown form 'sparse24' \\(this file builds dense, lowrank, channels, groups\\)"),
+                             "unknown form 'sparse24' \\(this file builds dense, lowrank, channels, groups, vocab\\)"),
                             ({"model.layers.0.mlp.up_proj": {"form": "channels", "keep": 8}},
                              "form 'channels' cannot be declared there")):
         cfg = m.BdloraMistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                     num_attention_heads=2, num_key_value_heads=1, bdlora_modules=modules)
         with pytest.raises(ValueError, match=needle):
             m.BdloraMistralForCausalLM(cfg)
+
+
+FORM_NAMES = ("dense", "lowrank", "channels", "groups", "vocab", "layers", "bits", "removed")
+# a self-contained file shipped as remote code into every model folder: it cannot import bdlora.forms (its own
+# KNOWN_FORMS and SITES are held to the registry by test_one_form_registry)
+FORM_NAME_EXEMPT = ("bdlora.deployed.modeling_bdlora",)
+
+
+def test_no_form_name_is_compared_outside_the_forms_package():
+    """What a form does is asked of ``bdlora.forms`` (its registry and its modules' steps), never spelled as
+    ``spec["form"] == "groups"`` (33 such comparisons in 13 files before the forms package): a comparison of a form's
+    name against a form or a decision's case is flagged anywhere but the package itself."""
+    hits = []
+    for name, path in project_modules().items():
+        if name == "bdlora.forms" or name.startswith("bdlora.forms.") or name in FORM_NAME_EXEMPT:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                consts = [c.value for side in (node.left, *node.comparators) for c in ast.walk(side)
+                          if isinstance(c, ast.Constant)]
+                if any(v in FORM_NAMES for v in consts) and re.search(r"\b(form|forms|case)\b", ast.unparse(node)):
+                    hits.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not hits, hits

@@ -43,8 +43,6 @@ import onnxruntime as ort
 
 from bdlora.arch import layer_of
 from bdlora.bench.genai import _stand_in_tokenizer, time_genai
-from bdlora.budgeted.bits import head_shape
-from bdlora.budgeted.channels import CHANNEL_STEP
 from bdlora.budgeted.costs import ModuleShape, shapes_from_config
 from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES
 from bdlora.export.genai.folder import deployment
@@ -52,6 +50,8 @@ from bdlora.export.genai.latency import TABLE_VERSION, cpu_name
 from bdlora.export.settings import GenaiExportSettings
 from bdlora.families import base_type, with_layers
 from bdlora.families import family as table_family
+from bdlora.forms.bits import head_shape
+from bdlora.forms.channels import CHANNEL_STEP
 from bdlora.io import read_json, write_json
 from bdlora.lazy import empty
 from bdlora.reporter import SILENT, Reporter
@@ -212,17 +212,20 @@ class WholeStep:
     overhead: Overhead
     config: dict
 
-    def prediction(self, table, shapes, ranks, shape_of=None, gone=(), bits=None, head_bits: int = 0) -> dict:
-        return decode_prediction(self.overhead, table, self.config, shapes, ranks, shape_of, gone, bits, head_bits)
+    def prediction(self, table, shapes, ranks, shape_of=None, gone=(), bits=None, head_bits: int = 0,
+                   head_keep: int = 0) -> dict:
+        return decode_prediction(self.overhead, table, self.config, shapes, ranks, shape_of, gone, bits, head_bits,
+                                 head_keep)
 
 
 def decode_prediction(overhead: Overhead, table, config: dict, shapes: list[ModuleShape], ranks: dict,
-                      shape_of=None, gone=(), bits=None, head_bits: int = 0) -> dict:
+                      shape_of=None, gone=(), bits=None, head_bits: int = 0, head_keep: int = 0) -> dict:
     """The whole decode step of the teacher (``config``: every layer dense) and of a structure over ``shapes``
     (its layers' projections; ``ranks``, ``shape_of``, ``gone``, ``bits``, ``head_bits`` as
     ``LatencyTable.prediction``), in microseconds, and the predicted speed-up. A layer's rest scales with the share of
     its MLP's channels kept; a head at other bits than the overhead was timed with changes the step by the two
-    widths' times of its product in ``table`` (``budgeted.bits.head_shape``)."""
+    widths' times of its product in ``table`` (``forms.bits.head_shape``), a head keeping ``head_keep`` tokens by
+    its narrower product's (``forms.vocab``)."""
     full = int(config["intermediate_size"])
     teacher_shapes = shapes_from_config(config)
     teacher = overhead.fixed + int(config["num_hidden_layers"]) * overhead.per_layer + sum(
@@ -234,11 +237,14 @@ def decode_prediction(overhead: Overhead, table, config: dict, shapes: list[Modu
               if s.name.endswith("down_proj")}
     layers = dict.fromkeys(layer_of(s.name) for s in kept)
     student = overhead.fixed + chosen + sum(overhead.layer(widths.get(n, full) / full) for n in layers)
+    h = head_shape(config)
     if head_bits and head_bits != overhead.head_bits:
-        h = head_shape(config)
         student += table.cost(h, 0, head_bits) - table.cost(h, 0, overhead.head_bits)
+    if head_keep:  # the narrower head at its own bits, in place of the full one
+        at = head_bits or overhead.head_bits
+        student += table.cost(ModuleShape(h.name, h.in_features, head_keep), 0, at) - table.cost(h, 0, at)
     return {"decode_us_teacher": teacher, "decode_us": student, "predicted_decode_speedup": teacher / student,
-            **({"head_bits": head_bits} if head_bits else {}),
+            **({"head_bits": head_bits} if head_bits else {}), **({"head_keep": head_keep} if head_keep else {}),
             "decode_layers": len(layers), "teacher_layers": int(config["num_hidden_layers"]),
             "overhead": {"fixed_us": overhead.fixed, "per_layer_us": overhead.per_layer,
                          "per_layer_width_us": overhead.per_width, "head_bits": overhead.head_bits,

@@ -81,6 +81,8 @@ class Allocation:
     kv_heads: int = 0  # the source's key/value heads per layer (an attention site's ``keep`` counts groups of them)
     head_bits: int = 0  # the LM head's bits in an int4 export where the allocation chose them (``--forms bits
     # --speedup``: 4 or 8); 0: not chosen (the export's default, 8)
+    head_keep: int = 0  # the tokens the LM head keeps (``--forms vocab``: a draft's head); 0: all of them
+    head_module: dict | None = field(default=None, repr=False, compare=False)  # that head's declaration and tensors
 
     @property
     def bits(self) -> dict[str, int]:
@@ -115,14 +117,16 @@ class Allocation:
 
     def to_json(self) -> dict:
         return {"ranks": self.ranks, "order": self.order, "errors": self.errors, "keep": self.keep,
-                "removed": self.removed, "wide": self.wide, "kv_heads": self.kv_heads, "head_bits": self.head_bits}
+                "removed": self.removed, "wide": self.wide, "kv_heads": self.kv_heads, "head_bits": self.head_bits,
+                "head_keep": self.head_keep}
 
     @classmethod
     def from_json(cls, doc: dict) -> Allocation:
         return cls({k: int(v) for k, v in doc["ranks"].items()}, list(doc["order"]),
                    {k: float(v) for k, v in doc.get("errors", {}).items()},
                    {k: int(v) for k, v in (doc.get("keep") or {}).items()}, list(doc.get("removed") or ()),
-                   list(doc.get("wide") or ()), int(doc.get("kv_heads") or 0), int(doc.get("head_bits") or 0))
+                   list(doc.get("wide") or ()), int(doc.get("kv_heads") or 0), int(doc.get("head_bits") or 0),
+                   int(doc.get("head_keep") or 0))
 
 
 BUCKETS = 1 << 16  # the MAC budget's resolution in the allocation (module costs are rounded up to 1/65536 of it)
@@ -216,24 +220,28 @@ def allocate(shapes: list[ModuleShape], energy: dict[str, np.ndarray], mac_ratio
              sites: dict[str, list[Option]] | None = None, lowrank: bool = True,
              layers: dict[str, float] | None = None, rest: dict[str, Rest] | None = None,
              fixed: float = 0.0, wide: dict[str, tuple[float, float]] | None = None,
-             kv_heads: int = 0, head: tuple[float, float, float] | None = None) -> Allocation:
+             kv_heads: int = 0, head: tuple[float, float, float] | None = None,
+             vocab: list[tuple[int, float, float]] | None = None) -> Allocation:
     """The per-module forms meeting ``sum cost <= dense total / mac_ratio`` with the least total error (``cost``:
     MACs by default, or measured decode time), by ``knapsack``. ``sites`` (an MLP site -> its channel options,
-    ``budgeted.channels``): that site's three projections become one item choosing between their low-rank forms
+    ``forms.channels``): that site's three projections become one item choosing between their low-rank forms
     (combined) and keeping fewer channels. The removal order puts the modules that leave their dense form first,
     cheapest error per unit of cost saved first. ``lowrank`` False: no projection becomes a pair (only the sites'
-    channels are chosen). ``layers`` (``model.layers.N`` -> the error of removing it, ``budgeted.layers``): each
+    channels are chosen). ``layers`` (``model.layers.N`` -> the error of removing it, ``forms.layers``): each
     such layer may instead be removed, its projections then costing nothing. ``rest`` (``model.layers.N`` -> its
     decode time outside the projections, ``bench.whole``) and ``fixed`` (the step's own): the budget is then the
     whole step's, ``(dense + rests + fixed) / mac_ratio - fixed``; a removed layer saves its rest, an MLP keeping k
     of W channels the k/W share of its width-scaled part. ``wide`` (projection -> (its dense time at 8 bits, the
-    rounding error that gives back), ``budgeted.bits``): it may instead stay dense at 8 bits in an int4 export, at
+    rounding error that gives back), ``forms.bits``): it may instead stay dense at 8 bits in an int4 export, at
     that error below its 4-bit forms'. ``sites`` may hold attention sites too (``model.layers.N.self_attn`` -> its
-    options of kept key/value groups, ``budgeted.groups``; ``kv_heads``: the source's per layer). ``head`` (with
-    ``rest``: the LM head's (time at 8 bits, time at 4 bits, the error 4 bits add), ``budgeted.bits.head_option``):
-    the head is one more item, at 8 bits (the teacher's export, whose time ``fixed`` holds) or at 4. Deterministic."""
+    options of kept key/value groups, ``forms.groups``; ``kv_heads``: the source's per layer). ``head`` (with
+    ``rest``: the LM head's (time at 8 bits, time at 4 bits, the error 4 bits add), ``forms.bits.head_option``):
+    the head is one more item, at 8 bits (the teacher's export, whose time ``fixed`` holds) or at 4. ``vocab`` (with
+    ``rest``: [(tokens kept, time at 8 bits, error)], ``forms.vocab``): the head may keep fewer tokens (a draft's);
+    with ``head`` too, each kept vocabulary at either width (the 4-bit time scaled as the full head's, the errors
+    added). Deterministic."""
     sites, rest, wide = sites or {}, rest or {}, wide or {}
-    if head is not None and not rest:
+    if (head is not None or vocab) and not rest:
         raise ValueError("the LM head is priced against the whole decode step: give rest (the layers' rests)")
     per = {s.name: [((s.name, r, 0), c, e) for r, c, e in options(s, energy[s.name], step, cost)[: None if lowrank
                                                                                                   else 1]]
@@ -241,9 +249,10 @@ def allocate(shapes: list[ModuleShape], energy: dict[str, np.ndarray], mac_ratio
            for s in shapes}
     items, members = _items(shapes, per, sites, rest)
     total = sum(cost(s, 0) for s in shapes) + sum(a + m for a, m in rest.values()) + fixed
-    if head is not None:  # the head's 8-bit time leaves the fixed part and becomes its item's
-        fixed -= head[0]
-        items.append([(((HEAD, 0, WIDE_BITS),), head[0], 0.0), (((HEAD, 0, 4),), head[1], head[2])])
+    if head is not None or vocab:  # the head's 8-bit time leaves the fixed part and becomes its item's
+        heads = head_options(head, vocab)
+        fixed -= heads[0][1]
+        items.append(heads)
         members.append(("head", [HEAD]))
     groups = layer_groups(members, layers or {})
     picked = knapsack(items, total / mac_ratio - fixed, lambda cheapest: (
@@ -256,12 +265,12 @@ def allocate(shapes: list[ModuleShape], energy: dict[str, np.ndarray], mac_ratio
 def _allocation(shapes, members: list, items: list, picked: list[int], per: dict, cost: Cost, layers: dict | None,
                 kv_heads: int) -> Allocation:
     """The ``Allocation`` the knapsack's ``picked`` options of ``items`` (who each is: ``members``) make."""
-    ranks, errors, saved, keep, removed, eight, head_bits = {}, {}, {}, {}, [], [], 0
+    ranks, errors, saved, keep, removed, eight, head_bits, head_keep = {}, {}, {}, {}, [], [], 0, 0
     by = {s.name: s for s in shapes}
     for (site, names), o, k in zip(members, items, picked):
         if site == "head":
             (chosen,), _, errors[HEAD] = o[k]
-            head_bits = chosen[2]
+            head_keep, head_bits = chosen[1], chosen[2] if any(x[0][0][2] != WIDE_BITS for x in o) else 0
             continue
         if k < 0:  # the layer goes
             ranks.update({n: 0 for n in names if site != "rest"})
@@ -285,7 +294,17 @@ def _allocation(shapes, members: list, items: list, picked: list[int], per: dict
             if b:
                 eight.append(n)
     order = sorted((n for n, r in ranks.items() if r), key=lambda n: (errors[n] / saved[n], n))
-    return Allocation(ranks, order, errors, keep, removed, eight, kv_heads, head_bits)
+    return Allocation(ranks, order, errors, keep, removed, eight, kv_heads, head_bits, head_keep)
+
+
+def head_options(head: tuple[float, float, float] | None, vocab: list | None) -> list[Option]:
+    """The LM head's options, ``((HEAD, tokens kept (0: all), bits),)`` at (time, error), the source's own first
+    (every token at 8 bits): the widths of ``head`` (8-bit time, 4-bit time, error added at 4), the kept
+    vocabularies of ``vocab`` [(tokens, 8-bit time, error)], or their product."""
+    widths = [(WIDE_BITS, 1.0, 0.0)] + ([(4, head[1] / head[0], head[2])] if head is not None else [])
+    full = head[0] if head is not None else vocab[0][1]
+    keeps = [(0, full, 0.0)] + [(k, c, e) for k, c, e in vocab or () if k]
+    return [(((HEAD, k, b),), c * scale, e + eb) for k, c, e in keeps for b, scale, eb in widths]
 
 
 def _items(shapes, per: dict, sites: dict, rest: dict) -> tuple[list, list]:

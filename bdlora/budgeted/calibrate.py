@@ -5,7 +5,7 @@ projection, the Gram matrix of its inputs ``C = X^T X`` (float64; projections th
 gate/up, share one) and the Fisher diagonal of its outputs ``f = sum_t g_t^2`` (g the gradient of the next-token
 loss with respect to the module's output; no weight gradient is computed). With ``residual`` it also accumulates,
 per decoder layer, the energy of the update it adds to the residual stream ``sum_t (h_out - h_in)^2`` and the
-Fisher diagonal of its output, per hidden dimension: what removing the layer costs (``budgeted.layers``). The
+Fisher diagonal of its output, per hidden dimension: what removing the layer costs (``forms.layers``). The
 blocks are drawn from the training split with a fixed seed, so two processes (or a rerun) calibrate on the same
 tokens; under torchrun only rank 0 calibrates and the others read its factors (``methods.LowRankInit``), so every
 process starts bit-identical.
@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from bdlora.arch import projection_modules
-from bdlora.budgeted.lowrank import FISHER_DAMPING
 from bdlora.errors import DataError, ModelError
 from bdlora.forms import HEAD  # the LM head's key in ``Calibration.rounding`` (``calibrate(..., head=True)``)
+from bdlora.forms.lowrank import FISHER_DAMPING
 
 CALIB_SEED = 20261124
 CALIB_BATCH = 8
@@ -50,6 +50,9 @@ class Calibration:
     rounding: dict[str, dict[int, float]] = field(default_factory=dict)  # module -> {bits: the loss-weighted output
     # error of its weight rounded to that width}; only with ``calibrate(..., rounded=...)`` (``_rounding_hooks``);
     # with ``head=True`` also the LM head's, under ``HEAD``
+    mass: np.ndarray | None = None  # (vocab,) the model's probability of each token summed over the calibration
+    # tokens; only with ``calibrate(..., predicted=True)`` (``forms.vocab``)
+    argmax: np.ndarray | None = None  # (vocab,) how often each token is the model's argmax there (the same)
 
     def gram(self, name: str) -> torch.Tensor:
         return self.grams[input_group(name)]
@@ -75,17 +78,20 @@ def calibration_blocks(blocks, tokens: int) -> np.ndarray:
 
 
 def calibrate(model, blocks: np.ndarray, fisher: bool = True, on_progress=None, residual: bool = False,
-              rounded=None, bits: tuple[int, ...] = (4, 8), head: bool = False) -> Calibration:
+              rounded=None, bits: tuple[int, ...] = (4, 8), head: bool = False,
+              predicted: bool = False) -> Calibration:
     """Gram matrices (and with ``fisher`` the output Fisher diagonals) of every projection of ``model`` over the
     token ``blocks`` (n, T); with ``residual`` (and ``fisher``) each decoder layer's update energy and output Fisher;
     with ``rounded`` (``(weight (out, in) array, bits) -> the weight as an export rounds it``, and ``fisher``) each
     projection's rounding error at every width of ``bits`` (``_rounding_hooks``), and with ``head`` the LM head's
     (its weight rounded once; the logits' change weighted by the loss's squared gradient there, ``HEAD_CHUNK`` tokens
-    at a time so a 262k-token vocabulary stays a few hundred MB). The model's weights are not changed and get no
+    at a time so a 262k-token vocabulary stays a few hundred MB); with ``predicted``, the model's probability of every
+    token summed over the tokens and how often each is its argmax. The model's weights are not changed and get no
     gradient. ``on_progress(k)`` is called after each batch with the number of blocks it held."""
     grams: dict[str, torch.Tensor] = {}
     fish: dict[str, torch.Tensor] = {}
     rounding: dict[str, dict[int, float]] = {}
+    mass = argmax = None
     hooks = _projection_hooks(model, grams, fish if fisher else None, rounding, rounded if fisher else None, bits)
     if head and rounded is not None and fisher:
         hooks += _rounding_hooks(model.get_output_embeddings(), HEAD, rounding, rounded, bits, once=True)
@@ -107,6 +113,8 @@ def calibrate(model, blocks: np.ndarray, fisher: bool = True, on_progress=None, 
             for start in range(0, len(blocks), CALIB_BATCH):
                 x = torch.from_numpy(np.ascontiguousarray(blocks[start : start + CALIB_BATCH])).to(device)
                 logits = model(input_ids=x, use_cache=False).logits
+                if predicted:
+                    mass, argmax = _predicted(logits.detach(), mass, argmax)
                 if fisher:
                     loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
                                            x[:, 1:].reshape(-1), reduction="sum")
@@ -126,7 +134,22 @@ def calibrate(model, blocks: np.ndarray, fisher: bool = True, on_progress=None, 
                          f"{bad[0]}): its weights hold NaN or infinity (check the --teacher / --student-init weights)")
     tokens = int(blocks.size)
     return Calibration(grams, fish, tokens, {i: (u[0], u[1]) for i, u in sorted(updates.items())},
-                       {n: {b: e * tokens for b, e in r.items()} for n, r in rounding.items()})
+                       {n: {b: e * tokens for b, e in r.items()} for n, r in rounding.items()},
+                       None if mass is None else mass.numpy(), None if argmax is None else argmax.numpy())
+
+
+def _predicted(logits: torch.Tensor, mass, argmax):
+    """``mass`` and ``argmax`` counts (vocab,) with one batch's logits (B, T, V) added, ``HEAD_CHUNK`` positions at a
+    time (a 262k-token softmax of a whole batch would be gigabytes)."""
+    z = logits.reshape(-1, logits.shape[-1])
+    if mass is None:
+        mass = torch.zeros(z.shape[-1], dtype=torch.float64)
+        argmax = torch.zeros(z.shape[-1], dtype=torch.int64)
+    for start in range(0, len(z), HEAD_CHUNK):
+        chunk = z[start : start + HEAD_CHUNK].float()
+        mass += torch.softmax(chunk, -1).sum(0).double().cpu()
+        argmax += torch.bincount(chunk.argmax(-1).cpu(), minlength=z.shape[-1])
+    return mass, argmax
 
 
 def _projection_hooks(model, grams: dict, fish: dict | None, rounding: dict, rounded, bits) -> list:

@@ -122,7 +122,7 @@ class ModuleDecision:
 
     @property
     def form(self) -> str:
-        return forms.REMOVED.name if self.case == "removed" else forms.of_rank(self.rank).name
+        return forms.REMOVED.name if self.case == forms.REMOVED.name else forms.of_rank(self.rank).name
 
 
 def prune_decision(shape: ModuleShape, keep: int, has_bias: bool = False, of: int = 0) -> ModuleDecision:
@@ -141,7 +141,7 @@ def prune_decision(shape: ModuleShape, keep: int, has_bias: bool = False, of: in
 def removed_decision(shape: ModuleShape, has_bias: bool = False) -> ModuleDecision:
     """A projection of a decoder layer removed whole (``forms.REMOVED``): nothing left to compute or store."""
     i, o = shape.in_features, shape.out_features
-    return ModuleDecision(shape.name, i, o, 0.0, "removed", 0, 0, 0, shape.dense_cost, 0,
+    return ModuleDecision(shape.name, i, o, 0.0, forms.REMOVED.name, 0, 0, 0, shape.dense_cost, 0,
                           shape.dense_cost + (o if has_bias else 0), 0)
 
 
@@ -217,9 +217,9 @@ def compression_report(decisions: list[ModuleDecision], budget: float | None = N
         "dense_svd": sum(m.case == "svd" for m in decisions),
         "dense_dropped": sum(m.case == "dropped" for m in decisions),
         "merged_cheaper": sum(m.case == "merged-cheaper" for m in decisions),
-        "mlp_pruned": sum(f["form"] == "channels" for f in sites.values()),  # MLPs keeping fewer channels
-        "attention_pruned": sum(f["form"] == "groups" for f in sites.values()),  # ... fewer key/value groups
-        "layers_removed": len({layer_of(m.name) for m in decisions if m.case == "removed"}),
+        "mlp_pruned": sum(f["form"] == forms.CHANNELS.name for f in sites.values()),  # MLPs keeping fewer channels
+        "attention_pruned": sum(f["form"] == forms.GROUPS.name for f in sites.values()),  # ... fewer key/value groups
+        "layers_removed": len({layer_of(m.name) for m in decisions if m.case == forms.REMOVED.name}),
         "int8_modules": sum(m.bits == forms.WIDE_BITS for m in decisions),  # kept at 8 bits in an int4 export
         "avg_lora_rank": sum(m.lora_rank for m in decisions) / n,
         "dense_macs": D,

@@ -103,11 +103,13 @@ def load_budgeted(student_dir: Path, model: nn.Module) -> nn.Module:
     return model
 
 
-def build_deployed_model(base: nn.Module, deployed: dict[str, DeployedModule], provenance: dict, head_bits: int = 0):
+def build_deployed_model(base: nn.Module, deployed: dict[str, DeployedModule], provenance: dict, head_bits: int = 0,
+                         head: dict | None = None):
     """The bdlora HF architecture holding the ``deployed`` projections and every other weight of ``base``;
     ``head_bits`` (4 or 8): the LM head's width in an int4 export, declared in its config (``forms.HEAD_BITS``; 0:
     what ``base`` declares, if anything: a student started from such a folder keeps it, as it keeps a pruned
-    width)."""
+    width); ``head``: the LM head in another form, ``{"spec": its declaration, "state": its tensors}`` (a draft's
+    ``forms.VOCAB``; the embedding is then untied from it)."""
 
     family = table_family(base_type(base.config.model_type), "base model_type").model_type
     cfg_cls, model_cls = BDLORA_CLASSES[family]
@@ -116,8 +118,12 @@ def build_deployed_model(base: nn.Module, deployed: dict[str, DeployedModule], p
     # (keyed by the deployed names: a one-shot above a removed layer is renumbered, its decisions are not)
     modules.update({**narrow_sites(base), **{n.rsplit(".", 1)[0]: spec for n, c in deployed.items()
                                             for spec in site_forms([c.decision]).values()}})
+    if head is not None:
+        modules[forms.HEAD] = head["spec"]
     config = cfg_cls(bdlora_modules=modules,
                      bdlora={"base_model_type": family, **provenance}, **_base_config_dict(base.config))
+    if forms.HEAD in modules:  # a head of its own form holds its own weights
+        config.tie_word_embeddings = False
     config.auto_map = {"AutoConfig": f"modeling_bdlora.{cfg_cls.__name__}",
                        "AutoModelForCausalLM": f"modeling_bdlora.{model_cls.__name__}"}
     config.architectures = [model_cls.__name__]
@@ -127,6 +133,8 @@ def build_deployed_model(base: nn.Module, deployed: dict[str, DeployedModule], p
     state = {k: v for k, v in dense_state_dict(base).items() if not any(k.startswith(n + ".") for n in deployed)}
     for n, c in deployed.items():
         state.update(c.state(n))
+    if head is not None:
+        state = {k: v for k, v in state.items() if not k.startswith(forms.HEAD + ".")} | head["state"]
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -139,8 +147,8 @@ def build_deployed_model(base: nn.Module, deployed: dict[str, DeployedModule], p
 def narrow_sites(model: nn.Module) -> dict[str, dict]:
     """The site entries of ``model``'s pruned blocks: ``channels`` for an MLP narrower than its ``intermediate_size``
     (its down projection's input width), ``groups`` for an attention block with fewer key/value heads than its
-    ``num_key_value_heads`` (its k projection's output width over the head size), through any PEFT or gated
-    wrapper."""
+    ``num_key_value_heads`` (its k projection's output width over the head size), ``vocab`` for a head keeping
+    fewer tokens, through any PEFT or gated wrapper."""
     base = base_model(model)
     cfg = base.config
     width = int(cfg.intermediate_size)
@@ -155,6 +163,9 @@ def narrow_sites(model: nn.Module) -> dict[str, dict]:
         g = int(getattr(layer.self_attn.k_proj, "out_features", kv * hd)) // hd
         if g != kv:
             out[f"model.layers.{i}.self_attn"] = GROUPS.spec(g)
+    keep = getattr(base.get_output_embeddings(), "keep", None)  # a draft's head keeping fewer tokens
+    if keep is not None:
+        out[forms.HEAD] = forms.VOCAB.spec(int(keep))
     return out
 
 

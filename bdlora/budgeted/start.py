@@ -28,7 +28,7 @@ from bdlora.budgeted.calibrate import calibrate, calibration_blocks
 from bdlora.budgeted.config import BudgetedConfig
 from bdlora.budgeted.controller import greedy_targets
 from bdlora.budgeted.costs import ModuleShape, compression_report, decide_module
-from bdlora.budgeted.lowrank import factors, gram_root, spectrum
+from bdlora.forms.lowrank import factors, gram_root, spectrum
 from bdlora.io import load_tensors, read_json, save_tensors, write_json
 from bdlora.reporter import SILENT, Reporter
 
@@ -82,36 +82,39 @@ def paper_mac_ratio(shapes: list[ModuleShape], budget: float, rank: int) -> floa
 
 
 def calibrate_with_progress(model, blocks, reporter: Reporter = SILENT, residual: bool = False, rounded=None,
-                            head: bool = False):
+                            head: bool = False, predicted: bool = False):
     """``calibrate`` with a stage line and a progress bar (``residual``: each layer's update too; ``rounded``: each
-    projection's rounding error at 4 and 8 bits; ``head``: the LM head's too)."""
+    projection's rounding error at 4 and 8 bits; ``head``: the LM head's too; ``predicted``: the model's summed
+    probability and argmax counts of every token)."""
     reporter.stage(f"calibrating on {blocks.size:,} training tokens (input Gram matrices, output Fisher diagonals"
                    f"{', rounding errors at 4 and 8 bits' if rounded else ''}{' (LM head included)' if head else ''})")
     reporter.count(0, len(blocks), "calibration blocks")
     return calibrate(model, blocks, on_progress=lambda k: reporter.count(k, len(blocks), "calibration blocks"),
-                     residual=residual, rounded=rounded, head=head)
+                     residual=residual, rounded=rounded, head=head, predicted=predicted)
 
 
 def allocate_by(shapes, energy: dict, target: float, reporter: Reporter = SILENT, table=None,
                 precision: str | None = None, sites: dict | None = None, lowrank: bool = True,
                 layers: dict | None = None, rest: dict | None = None, fixed: float = 0.0,
-                wide: dict | None = None, kv_heads: int = 0, head: tuple | None = None) -> Allocation:
+                wide: dict | None = None, kv_heads: int = 0, head: tuple | None = None,
+                vocab: list | None = None) -> Allocation:
     """The quality allocation for ``target``: priced by MACs, or with ``table`` (a measured decode-time table at
     ``precision``, ``bdlora.export.genai.latency``) by each form's decode time, so ``target`` is then the projections'
     decode-time speed-up. Shared by the training start and ``compress --one-shot``. ``sites``/``lowrank``/``layers``
     /``rest``/``fixed``/``wide``: see ``allocate`` (MLPs that may keep fewer channels; whether projections may become
     pairs; layers that may go; with ``rest``, ``target`` is the whole decode step's speed-up; projections that may
-    ship at 8 bits; attention blocks that may keep fewer of their ``kv_heads`` groups; the LM head's two widths)."""
+    ship at 8 bits; attention blocks that may keep fewer of their ``kv_heads`` groups; the LM head's two widths and
+    kept vocabularies)."""
     mlps, attention = (any(s.endswith(".mlp") == mlp for s in sites or {}) for mlp in (True, False))
     parts = [p for p, on in (("truncation", lowrank), ("channel-drop", mlps), ("group-drop", attention),
-                             ("layer-removal", layers), ("rounding", wide)) if on]
+                             ("layer-removal", layers), ("rounding", wide), ("vocabulary", vocab)) if on]
     what = "loss-weighted " + " and ".join(parts) + " error"
     if table is not None:
         reporter.stage(f"allocating {target:.2f}x less {'whole' if rest else 'projection'} decode time at {precision} "
                        f"by {what}")
         return allocate(shapes, energy, target, cost=table.cost, unit_name=f"{precision} microsecond", sites=sites,
                         lowrank=lowrank, layers=layers, rest=rest, fixed=fixed, wide=wide, kv_heads=kv_heads,
-                        head=head)
+                        head=head, vocab=vocab)
     reporter.stage(f"allocating {target:.2f}x fewer projection MACs by {what}")
     return allocate(shapes, energy, target, sites=sites, lowrank=lowrank, layers=layers, kv_heads=kv_heads)
 

@@ -9,7 +9,6 @@ from rich.markup import escape
 
 from bdlora import sources
 from bdlora.arch import check_lora_rank, layer_of
-from bdlora.budgeted.bits import head_shape
 from bdlora.budgeted.config import ALLOCATIONS, THRESHOLDS, BudgetedConfig
 from bdlora.budgeted.costs import ModuleShape
 from bdlora.cli import render
@@ -19,7 +18,8 @@ from bdlora.cli.progress import RichReporter
 from bdlora.config import BUILTIN, CALIB_TOKENS, GENAI_PRECISIONS
 from bdlora.data import default_cache_dir
 from bdlora.errors import Checks, UsageError, flag, usable_cores
-from bdlora.forms import declared_head_bits, forms_problem, named_forms
+from bdlora.forms import LOWRANK, REMOVED, declared_head_bits, declared_head_keep, forms_problem, named_forms
+from bdlora.forms.bits import head_shape
 from bdlora.oneshot_config import OneShotConfig
 from bdlora.plan import DEFAULT_PLAN_STEPS, read_model_config
 from bdlora.plan import plan as run_plan
@@ -218,7 +218,7 @@ def _deployed_prediction(report: dict, precision: str, threads: int | None, repo
     """The planned structure's decode time at ``precision`` from the measured table of its forms (low-rank pairs,
     MLPs keeping fewer channels, attention blocks keeping fewer groups, removed layers, projections kept at 8 bits):
     its projections, and the whole step against the dense model of ``config`` (``bench.whole``)."""
-    from bdlora.budgeted.groups import site_probes
+    from bdlora.forms.groups import site_probes
 
     mods = report["modules"]
     shapes = [ModuleShape(m["name"], m["in_features"], m["out_features"]) for m in mods]
@@ -231,10 +231,11 @@ def _deployed_prediction(report: dict, precision: str, threads: int | None, repo
     probes = site_probes(shapes, kv, bool(narrow), bool(grouped))
     table = cost_table(precision, threads, None, reporter, quant)(shapes, dense=probes, config=config,
                                                                   wide=bool(bits) or bool(head), head=bool(head))
-    return table.prediction(shapes, {m["name"]: m["rank"] for m in mods if m["form"] == "lowrank"},
+    return table.prediction(shapes, {m["name"]: m["rank"] for m in mods if m["form"] == LOWRANK.name},
                             lambda s: s.narrowed(narrow[s.name]) if s.name in narrow else
                             s.grouped(grouped[s.name], kv) if s.name in grouped else s,
-                            {m["name"] for m in mods if m["case"] == "removed"}, bits, head)
+                            {m["name"] for m in mods if m["case"] == REMOVED.name}, bits, head,
+                            declared_head_keep(config))
 
 
 def _folder_report(folder: str, other: str | None = None) -> tuple[dict, dict, str]:
@@ -280,11 +281,12 @@ def cost_table(precision: str | None, threads: int | None, cache: Path | None, r
 
     threads, root, quant = threads or usable_cores(), cache or default_cache_dir(), quant or DEFAULT_SCHEME
 
-    def build(shapes, dense=(), config: dict | None = None, wide: bool = False, head: bool = False):
+    def build(shapes, dense=(), config: dict | None = None, wide: bool = False, head: bool = False, heads=()):
         """The table of ``shapes`` (and the ``dense`` products); with ``config`` (the model's), also the decode
         step's cost outside the projections, so its predictions cover the whole step; with ``wide`` (int4), the
         int8 times of the dense products beside it (``--forms bits``: a projection kept at 8 bits); with ``head``
-        (and ``config``), the LM head's product at both widths too (``budgeted.bits.head_option``)."""
+        (and ``config``), the LM head's product at both widths too (``forms.bits.head_option``); ``heads``: more
+        (K, N) products timed at both widths (``forms.vocab``: the head keeping fewer tokens)."""
         from bdlora.bench.whole import WholeStep, decode_overhead, half_width
 
         if config is None:
@@ -292,7 +294,7 @@ def cost_table(precision: str | None, threads: int | None, cache: Path | None, r
                               shapes)
         hidden, half = int(config["hidden_size"]), half_width(config)
         h = head_shape(config)
-        heads = [(h.in_features, h.out_features)] if head else []
+        heads = list(dict.fromkeys([*([(h.in_features, h.out_features)] if head else []), *heads]))
         table = latency_table(shapes, precision, threads, root, reporter,
                               (*dense, (hidden, half), (half, hidden), *heads), quant=quant)
         table.whole = WholeStep(decode_overhead(config, table, precision, threads, root, reporter=reporter), config)

@@ -21,6 +21,7 @@ and o of ``keep`` key/value heads (the heads each layer caches may differ).
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 from transformers import (
     Gemma3ForCausalLM,
@@ -63,6 +64,27 @@ class DenseLoRALinear(nn.Module):
         return self.base(x) + nn.functional.linear(nn.functional.linear(x, self.lora_A), self.lora_B)
 
 
+class VocabHead(nn.Module):
+    """An LM head computing ``keep`` tokens' logits (``token_ids``), every other token's ``VOCAB_MARGIN`` below the
+    lowest kept one (probability ~0): a speculative-decoding draft's head, over the tokens its teacher emits most
+    (``bdlora.forms.VOCAB``)."""
+
+    def __init__(self, in_features: int, keep: int, vocab_size: int):
+        super().__init__()
+        self.in_features, self.keep, self.out_features = in_features, keep, vocab_size
+        self.weight = nn.Parameter(torch.zeros(keep, in_features))  # (K, hidden)
+        self.register_buffer("token_ids", torch.zeros(keep, dtype=torch.long))  # (K,)
+
+    def forward(self, x):
+        z = nn.functional.linear(x, self.weight)  # (..., K)
+        floor = z.amin(-1, keepdim=True) - VOCAB_MARGIN  # (..., 1)
+        out = floor.expand(*z.shape[:-1], self.out_features)  # (..., V)
+        return out.index_copy(-1, self.token_ids, z)
+
+
+VOCAB_MARGIN = 30.0  # bdlora.forms.VOCAB_MARGIN (held equal by tests/test_structure.py)
+
+
 class BdloraConfigMixin:
     """The base family's config plus ``bdlora_modules`` (every replaced projection's form) and ``bdlora``
     (provenance: base model type, budget F, thresholds, MAC totals; informational)."""
@@ -85,14 +107,14 @@ class BdloraModelMixin:
 
 # the forms this file builds (bdlora.forms declares them; tests/test_structure.py holds the two together): one
 # projection's (dense, lowrank), then a site's (channels: an MLP keeping ``keep`` intermediate channels; groups: an
-# attention block keeping ``keep`` key/value heads with their query heads)
-KNOWN_FORMS = ("dense", "lowrank", "channels", "groups")
-SITES = {"channels": "mlp", "groups": "self_attn"}
+# attention block keeping ``keep`` key/value heads with their query heads; vocab: the LM head keeping ``keep`` tokens)
+KNOWN_FORMS = ("dense", "lowrank", "channels", "groups", "vocab")
+SITES = {"channels": "mlp", "groups": "self_attn", "vocab": "lm_head"}
 
 
 def _replace_modules(model: nn.Module, modules: dict) -> None:
     """Sites first (a pruned MLP's projections get their reduced width), then each projection's form (a low-rank
-    pair takes the width its projection has by then)."""
+    pair takes the width its projection has by then): each form's builder (``BUILDERS``) replaces its module."""
     for name, spec in modules.items():
         form = spec.get("form") if isinstance(spec, dict) else None
         if form not in KNOWN_FORMS:  # never load an unknown form as dense: its weights would be random
@@ -100,24 +122,36 @@ def _replace_modules(model: nn.Module, modules: dict) -> None:
                              f"{', '.join(KNOWN_FORMS)}); the folder was written by a newer bdlora or edited")
         if SITES.get(form) != (name.rsplit(".", 1)[-1] if name.rsplit(".", 1)[-1] in SITES.values() else None):
             raise ValueError(f"bdlora_modules[{name}]: form {form!r} cannot be declared there")
-    for name, spec in modules.items():
-        if spec["form"] == "channels":
-            mlp, keep = model.get_submodule(name), int(spec["keep"])
-            hidden = mlp.gate_proj.in_features
-            for proj in ("gate_proj", "up_proj"):
-                old = getattr(mlp, proj)
-                setattr(mlp, proj, nn.Linear(hidden, keep, bias=old.bias is not None))
-            mlp.down_proj = nn.Linear(keep, hidden, bias=mlp.down_proj.bias is not None)
-        elif spec["form"] == "groups":
-            _keep_groups(model.get_submodule(name), int(spec["keep"]))
-    for name, spec in modules.items():
-        if spec["form"] != "lowrank":
-            continue
-        parent_name, child = name.rsplit(".", 1)
-        parent = model.get_submodule(parent_name)
-        old = getattr(parent, child)
-        setattr(parent, child, LowRankLinear(old.in_features, old.out_features, int(spec["rank"]),
-                                             bias=old.bias is not None))
+    for sites in (True, False):
+        for name, spec in modules.items():
+            if (spec["form"] in SITES) == sites and BUILDERS[spec["form"]] is not None:
+                BUILDERS[spec["form"]](model, name, spec)
+
+
+def _keep_channels(model: nn.Module, name: str, spec: dict) -> None:
+    mlp, keep = model.get_submodule(name), int(spec["keep"])
+    hidden = mlp.gate_proj.in_features
+    for proj in ("gate_proj", "up_proj"):
+        old = getattr(mlp, proj)
+        setattr(mlp, proj, nn.Linear(hidden, keep, bias=old.bias is not None))
+    mlp.down_proj = nn.Linear(keep, hidden, bias=mlp.down_proj.bias is not None)
+
+
+def _low_rank(model: nn.Module, name: str, spec: dict) -> None:
+    parent_name, child = name.rsplit(".", 1)
+    parent = model.get_submodule(parent_name)
+    old = getattr(parent, child)
+    setattr(parent, child, LowRankLinear(old.in_features, old.out_features, int(spec["rank"]),
+                                         bias=old.bias is not None))
+
+
+def _vocab_head(model: nn.Module, name: str, spec: dict) -> None:
+    old = model.get_submodule(name)
+    setattr(model, name, VocabHead(old.in_features, int(spec["keep"]), old.out_features))
+
+
+def _groups(model: nn.Module, name: str, spec: dict) -> None:
+    _keep_groups(model.get_submodule(name), int(spec["keep"]))
 
 
 def _keep_groups(attn: nn.Module, keep: int) -> None:
@@ -129,6 +163,10 @@ def _keep_groups(attn: nn.Module, keep: int) -> None:
     for proj, width in (("q_proj", keep * ratio * hd), ("k_proj", keep * hd), ("v_proj", keep * hd)):
         setattr(attn, proj, nn.Linear(hidden, width, bias=getattr(attn, proj).bias is not None))
     attn.o_proj = nn.Linear(keep * ratio * hd, hidden, bias=attn.o_proj.bias is not None)
+
+
+BUILDERS = {"dense": None, "lowrank": _low_rank, "channels": _keep_channels, "groups": _groups,
+            "vocab": _vocab_head}
 
 
 class BdloraMistralConfig(BdloraConfigMixin, MistralConfig):

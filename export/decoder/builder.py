@@ -148,7 +148,7 @@ def emit_group(g: GraphBuilder, x: str, projs: list[Projection], scope: str) -> 
 def emit_packed_qkv(g: GraphBuilder, x: str, projs: list[Projection], scope: str) -> str:
     """q, k, v packed on the last axis (GroupQueryAttention's input). All-dense q/k/v (with their biases) stay one
     MatMul (+ one Add), as onnxruntime-genai's builder emits them."""
-    if all(p.form == "dense" for p in projs) and len({p.bits for p in projs}) == 1:
+    if all(p.form == DENSE.name for p in projs) and len({p.bits for p in projs}) == 1:
         g.fused += len(projs) - 1
         w = g.init(f"{scope}/qkv_proj.weight", np.concatenate([p.weight.T for p in projs], axis=1))
         y = g.one("MatMul", [x, w], f"{scope}/qkv_proj/MatMul", doc=_doc(projs))

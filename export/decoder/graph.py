@@ -34,6 +34,7 @@ from bdlora.export.decoder.attention import (
     static_rotary,
 )
 from bdlora.export.decoder.builder import GraphBuilder, Projection, emit_group, emit_packed_qkv
+from bdlora.export.decoder.head import emit_head
 from bdlora.export.defaults import MAX_OPSET
 from bdlora.families import Anatomy, family
 from bdlora.forms import declared_bits
@@ -271,13 +272,8 @@ def _decoder_graph(model: nn.Module, layout: DecoderLayout):
     final, _ = _norm(g, layout, residual, mlp_out, w_norm, float(cfg.rms_norm_eps), "/model/norm")
     head = model.lm_head
     with materialized(model, "lm_head"):
-        w_head = g.init("lm_head.weight", _f32(head.weight).T)
-        if head.bias is None:
-            g.node("MatMul", [final, w_head], "/lm_head/MatMul", outputs=[Sig.LOGITS])
-        else:
-            logits = g.one("MatMul", [final, w_head], "/lm_head/MatMul")
-            g.node("Add", [logits, g.init("lm_head.bias", _f32(head.bias))], "/lm_head/Add", outputs=[Sig.LOGITS])
-    inputs, outputs = _io(layout, head.weight.shape[0], [layer_heads(x.self_attn, hd)[1] for x in layers], hd)
+        emit_head(g, model, final)
+    inputs, outputs = _io(layout, int(head.out_features), [layer_heads(x.self_attn, hd)[1] for x in layers], hd)
     return _model(g, f"bdlora_{layout.attention}_decoder", inputs, outputs), g.fused
 
 

@@ -253,10 +253,11 @@ class LatencyTable:
         return scheme_rounded(weight, bits, self.scheme)
 
     def prediction(self, shapes: list[ModuleShape], ranks: dict[str, int], shape_of=None, gone=(),
-                   bits: dict | None = None, head_bits: int = 0) -> dict:
+                   bits: dict | None = None, head_bits: int = 0, head_keep: int = 0) -> dict:
         """What a structure (``ranks``: rank per module, 0 or absent = dense; ``shape_of``: each module's deployed
         shape, narrower in a pruned MLP; ``gone``: the modules of removed layers; ``bits``: the modules kept at 8
-        bits in an int4 export; ``head_bits``: the LM head's there, 0 for the export's default) costs at this
+        bits in an int4 export; ``head_bits``: the LM head's there, 0 for the export's default; ``head_keep``: the
+        tokens the head keeps, 0 for all) costs at this
         precision: the projections' decode microseconds dense and as structured, the predicted speed-up, the forms
         measured, and which projections have a low-rank form slower than their dense one."""
         bits = bits or {}
@@ -272,7 +273,7 @@ class LatencyTable:
                "forms": self.summary(shapes), "lowrank_slower_than_dense": slower,
                "table": str(self.path) if self.path else None}
         if self.whole is not None:  # the whole decode step: the projections and everything around them
-            doc.update(self.whole.prediction(self, shapes, ranks, shape_of, gone, bits, head_bits))
+            doc.update(self.whole.prediction(self, shapes, ranks, shape_of, gone, bits, head_bits, head_keep))
         if bits:
             doc["int8_modules"] = sum(b == 8 for b in bits.values())
         return doc

@@ -17,12 +17,15 @@ its ``KNOWN_FORMS`` to this registry.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 from bdlora.errors import ModelError, shown
 
-ALLOCATED_FORMS = ("lowrank", "channels", "groups", "layers", "bits")  # what --forms may name (bdlora.forms: a
-# projection's, an MLP's, an attention block's or a whole decoder layer's form, or a projection's width at int4)
+ALLOCATED_FORMS = ("lowrank", "channels", "groups", "layers", "bits", "vocab")  # what --forms may name: a
+# projection's, an MLP's, an attention block's, a whole decoder layer's form, a projection's width at int4, or the
+# LM head's vocabulary (a draft's: the teacher verifies every token); each is a module of this package with the
+# one-shot's step (``step``)
 # What ``compress --one-shot`` chooses among unless --forms says otherwise: a projection as a low-rank pair or an MLP
 # keeping fewer channels (dense, so as fast as the runtime's best kernel at every precision). Measured on SmolLM2-135M
 # at --mac-ratio 1.2 (8,192 calibration tokens of builtin:1,prose:1; 8,192 held-out tokens each, the teacher 17.86 /
@@ -33,6 +36,14 @@ ONE_SHOT_FORMS = "lowrank,channels"
 WIDE_BITS = 8  # ``"bits": 8`` on a projection: it ships at 8 bits in an int4 export (chosen by ``--forms bits``)
 HEAD = "lm_head"  # the LM head, a site of ``--forms bits`` when the budget is the whole step (``--speedup``)
 HEAD_BITS = "bdlora_head_bits"  # config.json: the LM head's bits in an int4 export (4 or 8), where a folder says
+
+
+def step(name: str):
+    """What allocated form ``name`` does in ``compress --one-shot`` (``forms.<name>.STEP``, a ``context.Step``): the
+    one place a form's name leads to its behaviour (PEFT's dispatch of tuner variants)."""
+    if name not in ALLOCATED_FORMS:
+        raise ValueError(f"form {name!r}: allocated forms are {', '.join(ALLOCATED_FORMS)}")
+    return importlib.import_module(f"{__name__}.{name}").STEP
 
 
 def named_forms(forms: str) -> str | None:
@@ -55,6 +66,13 @@ def declared_head_bits(config) -> int:
     """The LM head's bits a model's config (a dict or a config object) declares for an int4 export (0: none)."""
     value = config.get(HEAD_BITS) if isinstance(config, dict) else getattr(config, HEAD_BITS, None)
     return int(value) if value else 0
+
+
+def declared_head_keep(config) -> int:
+    """The tokens a model's head keeps where its config declares it in the vocab form (a draft's; 0: all)."""
+    modules = (config.get("bdlora_modules") if isinstance(config, dict) else getattr(config, "bdlora_modules", None))
+    spec = (modules or {}).get(HEAD)
+    return int(spec["keep"]) if isinstance(spec, dict) and spec.get("form") == VOCAB.name else 0
 
 
 def bits_problem(spec: dict, module: str) -> str | None:
@@ -157,7 +175,7 @@ class Channels(SiteForm):
     """A gated MLP keeping ``keep`` of its intermediate channels: gate and up lose the same rows, down the same
     columns, so the site is three smaller *dense* products that every runtime runs at full speed with no extra node
     (Minitron's and SliceGPT's structure). Declared on the MLP site (``model.layers.N.mlp``); its projections stay
-    declared ``dense``. The kept channels and the refitted down projection come from ``budgeted.channels``."""
+    declared ``dense``. The kept channels and the refitted down projection come from ``forms.channels``."""
 
     name: str = "channels"
     module_class: str = "Linear"  # three plain nn.Linear of the reduced width
@@ -184,7 +202,7 @@ class Groups(SiteForm):
     heads' rows, o the same columns, so the site is four smaller dense products and a smaller KV cache (LLM-Pruner's
     and Minitron's head pruning, at the granularity GQA allows). Declared on the attention site
     (``model.layers.N.self_attn``); its projections stay declared ``dense``. The attention of a kept head does not
-    depend on the others, so only o changes (refitted, ``budgeted.groups``)."""
+    depend on the others, so only o changes (refitted, ``forms.groups``)."""
 
     name: str = "groups"
     module_class: str = "Linear"  # four plain nn.Linear of the reduced width
@@ -208,7 +226,7 @@ class Groups(SiteForm):
 
 @dataclass(frozen=True)
 class Removed:
-    """A decoder layer removed whole (ShortGPT's and Minitron's depth pruning; chosen by ``budgeted.layers``). It
+    """A decoder layer removed whole (ShortGPT's and Minitron's depth pruning; chosen by ``forms.layers``). It
     is not declared in ``bdlora_modules``: the folder holds a shallower model of the same architecture (every reader
     takes it as it is), whose provenance names the source layers kept (``layer_indices``) and those removed
     (``removed_layers``); the compression report's rows of its projections say this form, at no MACs."""
@@ -220,10 +238,49 @@ class Removed:
         return 0
 
 
+@dataclass(frozen=True)
+class Vocab:
+    """The LM head computing the logits of ``keep`` tokens only, the others' set ``VOCAB_MARGIN`` below the lowest
+    kept one (probability ~0): a speculative-decoding draft's head (``forms.vocab``). The draft proposes only
+    tokens it keeps, and the target verifies every proposal, so the output stays the target's; a draft's head over
+    the tokens the teacher emits most is exact wherever the teacher picks one of them and costs ``keep / vocab`` of
+    the full head. Declared on the head (``lm_head``): ``{"form": "vocab", "keep": K}``; stores ``lm_head.weight``
+    (K, hidden) and ``lm_head.token_ids`` (K,), the kept token ids ascending; the folder's embedding is untied from
+    it."""
+
+    name: str = "vocab"
+    module_class: str = "VocabHead"
+    site: str = HEAD
+    projections: tuple[str, ...] = ()
+
+    def spec(self, keep: int = 0) -> dict:
+        return {"form": self.name, "keep": int(keep)}
+
+    def tensors(self, module: str) -> set[str]:
+        return {f"{module}.weight", f"{module}.token_ids"}
+
+    def macs(self, hidden: int, keep: int) -> int:
+        return hidden * keep
+
+    def problem(self, spec: dict, shapes: dict[str, tuple[int, ...]], module: str) -> str | None:
+        keep = spec.get("keep")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            return f"{module} is declared {self.name} with keep {shown(keep)} (a positive integer)"
+        w, ids = shapes.get(f"{module}.weight"), shapes.get(f"{module}.token_ids")
+        if w is None or ids is None or len(w) != 2 or w[0] != keep or tuple(ids) != (keep,):
+            return f"{module} is declared {self.name} keeping {keep}, but holds weight {w}, token ids {ids}"
+        return None
+
+
+VOCAB_MARGIN = 30.0  # a token a vocab head does not keep has the lowest kept logit less this: its probability is below
+# e^-30 of the least likely kept token's (a draft never proposes it), and every logit stays finite (a perplexity too)
+
+
 FORMS: dict[str, Dense | LowRank] = {f.name: f for f in (Dense(), LowRank())}  # what one projection takes
-SITE_FORMS: dict[str, Channels | Groups] = {f.name: f for f in (Channels(), Groups())}  # what a block takes
-ALL: dict[str, Dense | LowRank | Channels | Groups] = {**FORMS, **SITE_FORMS}
+SITE_FORMS: dict[str, Channels | Groups | Vocab] = {f.name: f for f in (Channels(), Groups(), Vocab())}  # a site's
+ALL: dict[str, Dense | LowRank | Channels | Groups | Vocab] = {**FORMS, **SITE_FORMS}
 DENSE, LOWRANK, CHANNELS, GROUPS = FORMS["dense"], FORMS["lowrank"], SITE_FORMS["channels"], SITE_FORMS["groups"]
+VOCAB = SITE_FORMS["vocab"]
 REMOVED = Removed()  # a report row's form only: a removed layer leaves nothing in the folder to declare
 
 
@@ -294,9 +351,10 @@ def forms_problem(forms) -> str | None:
     return None
 
 
-def check_forms(c, forms: str, precision: str | None) -> tuple[str, ...] | None:
-    """``--forms`` beside ``--precision`` (one-shot, plan, train): why it is not a known set, or names bits without
-    an int4 export, added to ``c`` (an ``errors.Checks``); its names when they are known."""
+def check_forms(c, forms: str, precision: str | None, speedup: float | None = None) -> tuple[str, ...] | None:
+    """``--forms`` beside ``--precision`` and ``--speedup`` (one-shot, plan, train): why it is not a known set, names
+    bits without an int4 export, or vocab without the whole decode step as the budget, added to ``c`` (an
+    ``errors.Checks``); its names when they are known."""
     problem = forms_problem(forms)
     if problem is not None:
         c.add(problem)
@@ -304,6 +362,9 @@ def check_forms(c, forms: str, precision: str | None) -> tuple[str, ...] | None:
     names = form_names(forms)
     c.require("bits" not in names or precision == "int4",
               f"--forms {forms}: bits chooses which projections an int4 export keeps at 8 bits; give --precision int4")
+    c.require(VOCAB.name not in names or speedup is not None,
+              f"--forms {forms}: vocab prices the LM head against the whole decode step; give --precision P "
+              "--speedup S")
     return names
 
 
@@ -315,9 +376,11 @@ def train_forms_problems(c, cfg) -> None:
                   f"--speedup {shown(cfg.speedup)}: with --forms F and --precision P, instead of --mac-ratio")
     if cfg.forms is None:
         return
-    names = check_forms(c, cfg.forms, cfg.precision)
+    names = check_forms(c, cfg.forms, cfg.precision, cfg.speedup)
     if names is None:
         return
+    c.require(VOCAB.name not in names, f"--forms {cfg.forms}: vocab is a speculative-decoding draft's head; make "
+              "the draft with compress --one-shot --forms ...,vocab and heal it with train --student-init FOLDER")
     if cfg.method == "budgeted":
         c.require(cfg.allocation != "cost" and "lowrank" in names,
                   f"--forms {cfg.forms}: budgeted moves the projections the allocation makes low rank; give "

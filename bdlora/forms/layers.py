@@ -20,7 +20,8 @@ which go with it: a removed layer saves more decode time than it is priced at.
 
 from __future__ import annotations
 
-from bdlora.budgeted.lowrank import output_weights
+from bdlora.forms.context import BaseStep, OneShotContext
+from bdlora.forms.lowrank import output_weights
 
 
 def layer_prefix(index: int) -> str:
@@ -46,3 +47,23 @@ def renumbered(names: dict, kept: list[int]) -> dict:
         if parts[:2] == ["model", "layers"] and int(parts[2]) in new:
             out[".".join([*parts[:2], str(new[int(parts[2])]), *parts[3:]])] = v
     return out
+
+
+# --- the one-shot's step (``forms.context``) --------------------------------------------------------------------
+
+
+class LayersStep(BaseStep):
+    """Each decoder layer may be removed whole: one more alternative of the knapsack's group of its projections,
+    at no cost and its removal error (measured on the residual stream in the calibration pass)."""
+
+    name = "layers"
+
+    def calibration(self, ctx: OneShotContext) -> None:
+        ctx.calibration["residual"] = True
+
+    def offer(self, ctx: OneShotContext) -> None:
+        ctx.layers = removal_errors(ctx.calib)
+        ctx.facts["allocation"] = {"removal_errors": ctx.layers}
+
+
+STEP = LayersStep()

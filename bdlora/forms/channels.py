@@ -30,8 +30,11 @@ import numpy as np
 import torch
 
 from bdlora.budgeted.allocate import Cost, Option
-from bdlora.budgeted.costs import ModuleShape
-from bdlora.budgeted.lowrank import damped, output_weights
+from bdlora.budgeted.costs import ModuleShape, prune_decision
+from bdlora.budgeted.layer import DeployedModule
+from bdlora.forms import MLP_PROJECTIONS
+from bdlora.forms.context import BaseStep, OneShotContext
+from bdlora.forms.lowrank import damped, output_weights
 
 CHANNEL_STEP = 32  # kept widths are multiples of the int4 block (MatMulNBits' block size along K)
 REFIT_DAMPING = 1e-2  # of the kept channels' mean Gram diagonal (GPTQ's percdamp): a ridge on the refit
@@ -115,3 +118,52 @@ def refit_columns(w: torch.Tensor, gram: torch.Tensor, kept: torch.Tensor) -> to
     css = css + delta * torch.eye(len(kept), dtype=torch.float64)
     rhs = c[kept] @ w64.T + delta * w64[:, kept].T  # (keep, out): C_{S,:} W^T + delta W_S^T
     return torch.linalg.solve(css, rhs).T.to(w.dtype).contiguous()
+
+
+# --- the one-shot's step (``forms.context``) --------------------------------------------------------------------
+
+
+class ChannelsStep(BaseStep):
+    """Each MLP may keep fewer intermediate channels: its options are the kept widths of the channel grid, each at
+    its three narrower dense products' cost and the exact error of dropping the least important channels."""
+
+    name = "channels"
+
+    def pricing(self, ctx: OneShotContext) -> None:
+        ctx.probes += probe_shapes(ctx.shapes)
+
+    def offer(self, ctx: OneShotContext) -> None:
+        ctx.reporter.stage("ranking every MLP's channels by loss-weighted activation energy")
+        for n, m in ctx.mods.items():
+            if n.endswith("down_proj"):
+                site = n.rsplit(".", 1)[0]
+                ctx.orders[site] = channel_order(m.weight, ctx.calib.gram(n), ctx.calib.fisher[n])
+                ctx.sites[site] = site_options([s for s in ctx.shapes if s.name.startswith(site + ".")],
+                                               ctx.orders[site], ctx.cost)
+
+    def deploy(self, ctx: OneShotContext, alloc) -> dict:
+        out = {}
+        for site, keep in alloc.keep.items():
+            if site.endswith(".mlp"):
+                out.update(pruned_site(site, keep, ctx.mods, ctx.orders[site], ctx.calib.gram(f"{site}.down_proj")))
+        return out
+
+
+def pruned_site(site: str, keep: int, mods: dict, order: ChannelOrder, gram) -> dict:
+    """The three projections of an MLP ``site`` keeping ``keep`` channels (``prune``: down refitted), as deployed
+    modules with their decisions."""
+    names = [f"{site}.{p}" for p in MLP_PROJECTIONS]
+    kept = order.kept(keep)
+    weights = prune(*(mods[n].weight for n in names), gram, kept)
+    out = {}
+    for n, w in zip(names, weights):
+        m = mods[n]
+        bias = None if m.bias is None else m.bias.detach().clone()
+        if bias is not None and not n.endswith("down_proj"):
+            bias = bias[kept].clone()
+        dec = prune_decision(ModuleShape(n, m.in_features, m.out_features), keep, has_bias=bias is not None)
+        out[n] = DeployedModule(dec, weight=w, bias=bias)
+    return out
+
+
+STEP = ChannelsStep()

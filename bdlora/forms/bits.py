@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from bdlora.budgeted.costs import ModuleShape
 from bdlora.forms import HEAD, WIDE_BITS
+from bdlora.forms.context import BaseStep, OneShotContext
 
 NARROW_BITS = 4
 
@@ -50,3 +51,41 @@ def head_option(config: dict, calib, table) -> tuple[float, float, float]:
     s, e = head_shape(config), calib.rounding[HEAD]
     return (float(table.cost(s, 0, WIDE_BITS)), float(table.cost(s, 0, NARROW_BITS)),
             max(e[NARROW_BITS] - e[WIDE_BITS], 0.0))
+
+
+# --- the one-shot's step (``forms.context``) --------------------------------------------------------------------
+
+
+class BitsStep(BaseStep):
+    """Each projection kept dense may ship at 8 bits in an int4 export, and with ``--speedup`` the LM head at 4 or
+    8: options priced by the int8 and int4 tables at the rounding errors measured in the calibration pass."""
+
+    name = "bits"
+
+    def pricing(self, ctx: OneShotContext) -> None:
+        ctx.table_options["wide"] = True
+        if ctx.cfg.speedup is not None:  # the LM head's width is bought against the whole step only
+            ctx.table_options["head"] = True
+
+    def calibration(self, ctx: OneShotContext) -> None:
+        ctx.calibration["rounded"] = ctx.table.rounded
+        ctx.calibration["head"] = ctx.cfg.speedup is not None
+
+    def offer(self, ctx: OneShotContext) -> None:
+        ctx.wide = wide_options(ctx.shapes, ctx.calib, ctx.table)
+        if ctx.cfg.speedup is not None:
+            ctx.head_bits = head_option(ctx.config, ctx.calib, ctx.table)
+
+    def finish(self, ctx: OneShotContext, alloc, deployed: dict) -> None:
+        for name, dep in deployed.items():
+            dep.decision.bits = alloc.bits.get(name, 0)
+        head = ctx.head_bits
+        ctx.facts["rounding"] = {
+            "scheme": ctx.table.scheme, "error_given_back_at_8_bits": {n: g for n, (_, g) in ctx.wide.items()},
+            **({"lm_head": {"us_at_8_bits": head[0], "us_at_4_bits": head[1], "error_added_at_4_bits": head[2],
+                            "bits": alloc.head_bits}} if head else {})}
+        if head:
+            ctx.facts["head_bits"] = alloc.head_bits
+
+
+STEP = BitsStep()

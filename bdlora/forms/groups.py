@@ -27,9 +27,12 @@ import numpy as np
 import torch
 
 from bdlora.budgeted.allocate import Cost, Option
-from bdlora.budgeted.channels import drop_products, refit_columns
-from bdlora.budgeted.channels import probe_shapes as channel_probes
-from bdlora.budgeted.costs import ModuleShape
+from bdlora.budgeted.costs import ModuleShape, prune_decision
+from bdlora.budgeted.layer import DeployedModule
+from bdlora.forms import ATTENTION_PROJECTIONS
+from bdlora.forms.channels import drop_products, refit_columns
+from bdlora.forms.channels import probe_shapes as channel_probes
+from bdlora.forms.context import BaseStep, OneShotContext
 
 
 @dataclass
@@ -104,3 +107,58 @@ def prune(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, gr
     kvrows = order.rows(keep, order.head_dim)
     o_kept = refit_columns(o, gram, qrows) if refit else o[:, qrows].clone()  # o's columns are q's rows
     return q[qrows].clone(), k[kvrows].clone(), v[kvrows].clone(), o_kept
+
+
+# --- the one-shot's step (``forms.context``) --------------------------------------------------------------------
+
+
+class GroupsStep(BaseStep):
+    """Each attention block may keep fewer key/value groups (with their query heads): its options are 1 to all but
+    one group, each at its four narrower dense products' cost and the exact error of dropping the others."""
+
+    name = "groups"
+
+    def pricing(self, ctx: OneShotContext) -> None:
+        ctx.probes += probe_shapes(ctx.shapes, ctx.kv)
+
+    def offer(self, ctx: OneShotContext) -> None:
+        if ctx.kv <= 1:
+            return
+        ctx.reporter.stage("ranking every attention block's key/value groups by loss-weighted output energy")
+        hd = ctx.model.model.layers[0].self_attn.head_dim
+        for n, m in ctx.mods.items():
+            if n.endswith("o_proj"):
+                site = n.rsplit(".", 1)[0]
+                ctx.orders[site] = group_order(m.weight, ctx.calib.gram(n), ctx.calib.fisher[n], ctx.kv, hd)
+                ctx.sites[site] = group_options([s for s in ctx.shapes if s.name.startswith(site + ".")],
+                                                ctx.orders[site], ctx.cost)
+
+    def deploy(self, ctx: OneShotContext, alloc) -> dict:
+        out = {}
+        for site, keep in alloc.keep.items():
+            if site.endswith(".self_attn"):
+                out.update(pruned_attention(site, keep, ctx.mods, ctx.orders[site],
+                                            ctx.calib.gram(f"{site}.o_proj")))
+        return out
+
+
+def pruned_attention(site: str, keep: int, mods: dict, order: GroupOrder, gram) -> dict:
+    """The four projections of an attention ``site`` keeping ``keep`` key/value groups (``prune``: o refitted), as
+    deployed modules with their decisions; q, k and v keep their kept rows' biases."""
+    names = [f"{site}.{p}" for p in ATTENTION_PROJECTIONS]
+    weights = prune(*(mods[n].weight for n in names), gram, order, keep)
+    rows = {"q_proj": order.rows(keep, order.ratio * order.head_dim), "k_proj": order.rows(keep, order.head_dim),
+            "v_proj": order.rows(keep, order.head_dim)}
+    out = {}
+    for n, w in zip(names, weights):
+        m = mods[n]
+        bias = None if m.bias is None else m.bias.detach().clone()
+        if bias is not None and n.rsplit(".", 1)[-1] in rows:
+            bias = bias[rows[n.rsplit(".", 1)[-1]]].clone()
+        dec = prune_decision(ModuleShape(n, m.in_features, m.out_features), keep, has_bias=bias is not None,
+                             of=order.groups)
+        out[n] = DeployedModule(dec, weight=w, bias=bias)
+    return out
+
+
+STEP = GroupsStep()

@@ -24,6 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
+from bdlora.budgeted.costs import decide_module
+from bdlora.budgeted.layer import DeployedModule
+from bdlora.forms.context import BaseStep, OneShotContext
+
 DAMPING = 1e-4  # of the mean diagonal of the Gram matrix (SVD-LLM's order of magnitude)
 FISHER_DAMPING = 1e-2  # of the mean Fisher diagonal: outputs the loss barely reads still count a little
 
@@ -99,3 +103,40 @@ def factors(weight: torch.Tensor, spec: Spectrum, rank: int) -> tuple[torch.Tens
     half = half.clamp_min(float(half[0]) * 1e-6 if half[0] > 0 else 1e-30)
     a = (u.T @ (spec.phi[:, None] * weight.detach().double())) / half[:, None]
     return a, (u * half) / spec.phi[:, None]
+
+
+# --- the one-shot's step (``forms.context``) --------------------------------------------------------------------
+
+
+def factored(s, mod, r: int, spectra: dict):
+    """Projection ``mod`` (shape ``s``) deployed at rank ``r`` (0: dense, as it is) with its decision."""
+    bias = None if mod.bias is None else mod.bias.detach().clone()
+    dec = decide_module(s, 0.0 if r else 1.0, r, 0, has_bias=bias is not None)
+    if not r:
+        return DeployedModule(dec, weight=mod.weight.detach().clone(), bias=bias)
+    a, b = factors(mod.weight, spectra[s.name], r)
+    return DeployedModule(dec, proj_in=a.to(mod.weight.dtype), proj_out=b.to(mod.weight.dtype), bias=bias)
+
+
+class LowRankStep(BaseStep):
+    """Each projection may become the pair of its whitened, loss-weighted truncated SVD at a rank of the grid: its
+    options are the ranks' errors (the spectrum's tail energy) at their costs."""
+
+    name = "lowrank"
+
+    def offer(self, ctx: OneShotContext) -> None:
+        ctx.reporter.stage("whitened, loss-weighted spectra of every projection")
+        roots = {}
+        for s in ctx.shapes:
+            gram = ctx.calib.gram(s.name)
+            root = roots.setdefault(id(gram), gram_root(gram)) if s.out_features > s.in_features else None
+            ctx.spectra[s.name] = spectrum(ctx.mods[s.name].weight, gram, fisher=ctx.calib.fisher[s.name], root=root)
+            ctx.energy[s.name] = ctx.spectra[s.name].energy.numpy()
+        ctx.lowrank = True
+
+    def deploy(self, ctx: OneShotContext, alloc) -> dict:
+        return {s.name: factored(s, ctx.mods[s.name], alloc.ranks[s.name], ctx.spectra) for s in ctx.shapes
+                if alloc.ranks.get(s.name) and not alloc.gone(s.name)}
+
+
+STEP = LowRankStep()
