@@ -388,8 +388,8 @@ CASES = out_cases() + json_cases() + [
         edit_forms(copy(m, "compressed", t, "m"), lambda spec: {"form": "sparse24"}),
         [*cmd.split(), str(t / "m"), "--out", str(t / "out")] if cmd != "eval"
         else ["eval", str(t / "m"), "--ppl", "--json", str(t / "out")])[1],
-        "unknown form 'sparse24' (bdlora knows dense, lowrank, channels, groups, vocab)") for cmd in ("eval", "export onnx",
-                                                                                        "export hf")],
+        "unknown form 'sparse24' (bdlora knows dense, lowrank, channels, groups, vocab)")
+      for cmd in ("eval", "export onnx", "export hf")],
     Case("train diverges (--lr 1e30)", lambda m, t: train(m, t, "--lr", "1e30"), "lower --lr (now 1e+30); ", code=1),
     Case("train: a teacher with NaN weights", nan_teacher, "on the calibration tokens are not finite"),
     Case("train: a teacher with NaN weights, the paper's zero start", lambda m, t: [

@@ -21,6 +21,7 @@ from bdlora.export.genai.validate import GENAI_SHAPES, graph_parity
 from bdlora.export.onnx.validate import TOLERANCE, ExportValidationError
 from bdlora.export.settings import GenaiExportSettings
 from bdlora.models import load_model_folder
+from bdlora.runs import row_name
 from bdlora.runtime import DecoderSignature, session
 from conftest import compressed_student
 
@@ -284,7 +285,7 @@ def test_bench_genai_on_a_compressed_folder_and_bad_options(mixed_folder, tmp_pa
         assert not (tmp_path / "x").exists()
 
 
-def test_bench_puts_the_student_and_its_teachers_exports_on_one_front(tiny_env, tmp_path):
+def test_bench_puts_the_student_and_its_teachers_exports_on_one_front(tiny_env, tmp_path, monkeypatch):
     """Issue 40: a one-shot student of a (head dim 16) teacher, benched in onnxruntime-genai at fp32, int8 and int4
     beside the teacher exported the same way and by onnxruntime-genai's builder: every folder timed and scored on the
     same held-out slice, every point marked on the front or dominated, the plot written."""
@@ -297,12 +298,27 @@ def test_bench_puts_the_student_and_its_teachers_exports_on_one_front(tiny_env, 
                                      "--seq-len", "32", "--calib-tokens", "512", "--eval-tokens", "512",
                                      "--heldout-fraction", "0.1", "--no-eval", "--out", str(tmp_path / name)])
         assert r.exit_code == 0, r.output
+    import bdlora.bench.speculative as spec
+
+    for name, value in (("SPEC_PROMPTS", 2), ("SPEC_PROMPT_TOKENS", 16), ("SPEC_NEW_TOKENS", 8), ("SPEC_REPEATS", 1),
+                        ("SPEC_WARMUP", 0), ("SPEC_KS", (1, 2))):
+        monkeypatch.setattr(spec, name, value)  # a short speculative run of the same code
     r = CliRunner().invoke(app, ["bench", str(tmp_path / "s"), "--runtime", "genai", "--batch-sizes", "1",
                                  "--seq-lens", "16", "--decode-tokens", "2", "--repeats", "2", "--warmup", "0",
                                  "--quality-tokens", "512", "--also", str(tmp_path / "other"), "--icl",
-                                 "--icl-examples", "1", "--out", str(tmp_path / "b")])
+                                 "--icl-examples", "1", "--speculative", "--out", str(tmp_path / "b")])
     assert r.exit_code == 0, r.output
     doc = json.loads((tmp_path / "b" / "bench.json").read_text())
+    # --speculative: the teacher's export at each precision with the student's as its draft, and prompt lookup;
+    # every token the teacher's own; on the front with the teacher's perplexity
+    for p in ("fp32", "int8", "int4"):
+        s = doc["speculative"][p]
+        assert {r["config"] for r in s["rows"]} == {"plain", "draft-k1", "draft-k2", "draft", "lookup-k2", "lookup"}
+        assert all(r["identical"] and r["tokens"] == 16 for r in s["rows"])
+        assert s["summary"]["draft-k2"]["tokens_per_target_call"] > 1.0 or s["summary"]["draft-k2"]["acceptance"] == 0
+        teacher = row_name("teacher", p)
+        assert doc["quality"][f"spec-draft-{p}"]["ppl"] == doc["quality"][teacher]["ppl"]
+    assert "speculative decoding, teacher int4" in r.output
     # --icl: the student's, the other student's and the teacher's rows at every precision carry an ICL composite;
     # dense/lora compute the student's function and the builder's graphs have no plain twin
     with_icl = {k for k, v in doc["quality"].items() if "icl" in v}

@@ -56,6 +56,7 @@ def draft(tiny_env, tmp_path_factory):
     """A one-shot draft of a genai-shaped teacher (vocabulary 320) with --forms layers,vocab --speedup 1.6 at int4,
     against hand-made tables where the 8-bit head dominates the step (``head_tables``) and a head keeping K tokens
     costs K / 320 of it."""
+    import bdlora.forms.vocab as vocab
     from conftest import genai_teacher
 
     root = tmp_path_factory.mktemp("vocab")
@@ -69,8 +70,10 @@ def draft(tiny_env, tmp_path_factory):
         doc = read_json(path)
         doc["us"].update({f"{hidden}x{k}@0": x * hidden * k / 100 for k in (32, 64, 128, 256)})
         write_json(path, doc)
-    r = shot({**tiny_env, "cache": root / "cache"}, root / "teacher", root / "d", "--precision", "int4", "--threads",
-             "1", "--speedup", "1.6", "--forms", "layers,vocab")
+    with pytest.MonkeyPatch.context() as mp:  # the random teacher's choices spread over the whole vocabulary
+        mp.setattr(vocab, "MIN_COVERAGE", 0.0)
+        r = shot({**tiny_env, "cache": root / "cache"}, root / "teacher", root / "d", "--precision", "int4",
+                 "--threads", "1", "--speedup", "1.6", "--forms", "layers,vocab")
     assert r.exit_code == 0, r.output
     return root, json.loads(r.stdout)
 
@@ -140,3 +143,25 @@ def test_vocab_needs_the_whole_step_as_its_budget(tiny_env, tmp_path):
     r = shot(tiny_env, tiny_env["teacher"], tmp_path / "x", "--mac-ratio", "1.2", "--forms", "layers,vocab")
     assert r.exit_code == 2 and "vocab prices the LM head against the whole decode step" in r.output
 
+
+
+def test_only_vocabularies_holding_most_of_the_teachers_choices_are_offered():
+    """A kept vocabulary is offered only if it holds MIN_COVERAGE of the teacher's argmax tokens; its error is twice
+    the probability outside it, summed over the tokens; the source's full head comes first at no error."""
+    from types import SimpleNamespace
+
+    from bdlora.forms.context import OneShotContext
+    from bdlora.forms.vocab import MIN_COVERAGE, STEP
+
+    vocab = 128
+    mass = np.zeros(vocab)
+    mass[:40] = np.linspace(40, 1, 40)  # 820 tokens' worth of probability over 40 tokens
+    argmax = np.zeros(vocab, dtype=np.int64)
+    argmax[:33] = 30  # the teacher picks 33 tokens: 32 hold 32/33 = 0.970 of its choices, 64 all of them
+    ctx = OneShotContext(None, None, None, ("vocab",), [], {}, 1, {"hidden_size": 64, "vocab_size": vocab},
+                         calib=SimpleNamespace(mass=mass, argmax=argmax))
+    STEP.offer(ctx)
+    assert MIN_COVERAGE > 0.970 and [k for k, _, _ in ctx.head_vocab] == [0, 64]
+    assert ctx.head_vocab[0] == (0, 64 * vocab, 0.0) and ctx.head_vocab[1][1] == 64 * 64  # MACs without a table
+    assert ctx.head_vocab[1][2] == 0.0  # 64 tokens hold all the probability
+    assert ctx.facts["vocab"]["argmax_coverage"]["32"] == pytest.approx(32 / 33)

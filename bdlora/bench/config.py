@@ -78,6 +78,10 @@ class BenchConfig:
     teacher's row at every precision, beside its perplexity (each on a plain-layout twin rounded the same way)."""
     icl_examples: int = 50
     """With --icl: prompts per probe and seed (eval's default 50; fewer is faster and noisier)."""
+    speculative: bool = False
+    """genai runtime: also time the teacher's export with this folder's export at the same precision as its
+    speculative-decoding draft, and with prompt lookup (batch 1, greedy, prompts of every front domain): the output is
+    the teacher's, so these rows have its perplexity; acceptance and tokens per teacher call per domain."""
 
     def validate(self, max_positions: int | None = None) -> BenchConfig:
         """Every problem at once; with ``max_positions``, sequence lengths are bounded by the model's context."""

@@ -35,6 +35,7 @@ from bdlora.bench.genai import Deployment, export_variants, score_folders, time_
 from bdlora.bench.icl import icl_of_rows
 from bdlora.bench.launch import run_timing_process
 from bdlora.bench.report import markdown, plot
+from bdlora.bench.speculative import front_rows, prompts_of, speculative_rows, summary
 from bdlora.bench.variants import dense_variant, export_projection_stack, floor_variant, lora_variant
 from bdlora.errors import usable_cores
 from bdlora.export.onnx.folder import export_decoder
@@ -232,13 +233,42 @@ def bench_genai(models: dict[str, nn.Module], tokenizer, workdir: Path, cfg: Ben
             corpus, blocks = deploy.unseen
             for key, q in score_folders(folders, dims, blocks, reporter).items():
                 quality[key].update(ppl_unseen=q["ppl"], unseen_data=corpus, unseen_tokens=q["tokens"])
+    spec = {}
+    if cfg.speculative and deploy.teacher is not None and deploy.heldout is not None:
+        spec = speculate(folders, cfg, deploy, tokenizer, threads, workdir, reporter)
+        for p in spec:
+            for name in ("draft", "lookup"):  # the teacher's output: its quality
+                quality[f"spec-{name}-{p}"] = dict(quality.get(row_name("teacher", p)) or {})
     if deploy.words is not None:  # dense and lora compute the compressed model's function: its ICL is theirs
         rows = {k: m for k, m in models.items() if k not in ("dense", "lora")}
         icl = icl_of_rows(rows, tokenizer, cfg.genai_precisions, deploy.words, cfg.icl_examples, workdir,
                           cfg.settings_for, deploy.calibration, reporter)
         for key, figures in icl.items():
             quality.setdefault(key, {}).update(figures)
-    return _rows("genai", times), notes, quality
+    rows = _rows("genai", times)
+    for p, doc in spec.items():
+        rows += front_rows(rows, doc["summary"], p)
+    if spec:
+        notes["speculative"] = spec
+    return rows, notes, quality
+
+
+def speculate(folders: dict, cfg: BenchConfig, deploy: Deployment, tokenizer, threads: int, workdir: Path,
+              reporter: Reporter) -> dict:
+    """``--speculative``: per precision, the teacher's folder with the benched folder's as its draft and with prompt
+    lookup, on prompts of the held-out slice and the unseen domain (``bench.speculative``)."""
+    prompts = {"held-out": prompts_of(deploy.heldout)}
+    if deploy.unseen is not None:
+        prompts[deploy.unseen[0]] = prompts_of(deploy.unseen[1])
+    out = {}
+    for p in cfg.genai_precisions:
+        target, draft = folders.get(row_name("teacher", p)), folders.get(row_name("compressed", p))
+        if target is None or draft is None:
+            continue
+        reporter.stage(f"speculative decoding: {target.name} with {draft.name} as its draft, and prompt lookup")
+        res = speculative_rows(target, draft, True, prompts, threads, workdir, tokenizer.eos_token_id, reporter)
+        out[p] = {**res, "summary": summary(res["rows"]), "prompts": {d: len(v) for d, v in prompts.items()}}
+    return out
 
 
 def run_bench(model: nn.Module, lora_rank: int, cfg: BenchConfig, out: Path, report: dict | None = None,
@@ -279,6 +309,8 @@ def run_bench(model: nn.Module, lora_rank: int, cfg: BenchConfig, out: Path, rep
                "mac_per_token_modules": macs_modules, "mac_ratio_modules_vs_dense":
                macs_modules["dense"] / macs_modules["compressed"], "mac_ratio_modules_vs_lora":
                macs_modules["lora"] / macs_modules["compressed"], "results": results}
+        if "speculative" in notes:  # --speculative: the teacher with this folder as its draft
+            doc["speculative"] = notes.pop("speculative")
         if notes:
             doc["genai_notes"] = notes
         if quality:

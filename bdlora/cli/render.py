@@ -231,6 +231,27 @@ def bench(doc: dict) -> None:
         front(doc["front"])
     if doc.get("prediction"):
         out.print(prediction_line(doc["prediction"]))
+    for precision, spec in (doc.get("speculative") or {}).items():
+        speculative(spec, precision)
+
+
+def speculative(spec: dict, precision: str) -> None:
+    """bench --speculative: the teacher's export at ``precision`` alone, with the draft at each k, with prompt
+    lookup: tokens/s per domain, acceptance, tokens per teacher call, whether every token was the teacher's."""
+    t = Table(title=f"speculative decoding, teacher {precision} (batch 1, greedy, {sum(spec['prompts'].values())} "
+                    "prompts of 128 tokens)")
+    for col in ("configuration", "domain", "tok/s", "vs teacher", "acceptance", "tokens/call", "identical"):
+        t.add_column(col, justify="left" if col in ("configuration", "domain") else "right")
+    plain = {r["domain"]: r["tokens_per_s"] for r in spec["rows"] if r["config"] == "plain"}
+    for r in spec["rows"]:
+        acc = f"{r['acceptance']:.0%}" if r["evaluated"] else "-"
+        t.add_row(r["config"], escape(r["domain"]), f"{r['tokens_per_s']:.1f}",
+                  f"{r['tokens_per_s'] / plain[r['domain']]:.2f}x", acc, f"{r['tokens_per_target_call']:.2f}",
+                  "yes" if r["identical"] else "[red]no[/]")
+    for name, s in spec["summary"].items():
+        t.add_row(f"[bold]{name}[/]", "all", f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}x",
+                  f"{s['acceptance']:.0%}", f"{s['tokens_per_target_call']:.2f}", "yes" if s["identical"] else "no")
+    out.print(t)
 
 
 def front(points: list[dict]) -> None:

@@ -91,7 +91,8 @@ class GenaiDecoder:
         self.calls += 1
         if self.all_rows:
             return np.asarray(self.gen.get_output("logits"))[0]
-        return np.asarray(self.gen.get_logits())[0][None]
+        last = np.asarray(self.gen.get_logits())  # (1, V) or (1, 1, V): the last position's row
+        return last.reshape(-1, last.shape[-1])[-1:]
 
     def rewind(self, length: int) -> None:
         if length < self.length:

@@ -1,0 +1,74 @@
+"""``bdlora bench --speculative``: the teacher's export with the benched folder's export as its speculative-decoding
+draft (and with prompt lookup), timed beside the teacher alone at batch 1 on prompts of every front domain.
+
+Each domain gives ``SPEC_PROMPTS`` prompts of ``SPEC_PROMPT_TOKENS`` tokens (the first tokens of its held-out
+blocks); every configuration generates ``SPEC_NEW_TOKENS`` greedy tokens from each, in its own timing process
+(``bench.spec_worker``). The output is the teacher's own (the rows say whether every token was identical), so a
+speculative row's quality is the teacher's; its speed on the front is the teacher's timed decode step divided by the
+speed-up measured against the teacher alone in the same process and prompts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bdlora.bench.launch import run_timing_process
+from bdlora.reporter import SILENT, Reporter
+from bdlora.runs import row_name
+
+SPEC_PROMPTS = 4  # prompts per domain
+SPEC_PROMPT_TOKENS = 128  # tokens per prompt (the front's decode context)
+SPEC_NEW_TOKENS = 64  # greedy tokens generated per prompt and configuration
+SPEC_KS = (1, 2, 3, 4)  # fixed proposal widths timed beside the adaptive one
+SPEC_REPEATS, SPEC_WARMUP = 2, 1
+
+
+def prompts_of(blocks) -> list[list[int]]:
+    """The first ``SPEC_PROMPT_TOKENS`` tokens of ``SPEC_PROMPTS`` held-out blocks spread over the slice (fewer when it
+    is short)."""
+    count, n, length = len(blocks), SPEC_PROMPTS, SPEC_PROMPT_TOKENS
+    picks = sorted({int(i * count / n) for i in range(n)})[:count]
+    return [[int(t) for t in blocks.get([i])[0][:length]] for i in picks]
+
+
+def speculative_rows(target: Path, draft: Path | None, lookup: bool, prompts: dict[str, list[list[int]]],
+                     threads: int, work: Path, eos: int | None, reporter: Reporter = SILENT) -> dict:
+    """The worker's rows and measured costs for ``target`` (a genai folder) with ``draft`` (a genai folder) and/or
+    prompt lookup."""
+    spec = {"target": str(target), "draft": str(draft) if draft else None, "lookup": lookup, "prompts": prompts,
+            "new_tokens": SPEC_NEW_TOKENS, "max_k": max(SPEC_KS), "ks": list(SPEC_KS), "ngram": 3, "threads": threads,
+            "repeats": SPEC_REPEATS, "warmup": SPEC_WARMUP, "eos": eos}
+    return run_timing_process("bdlora.bench.spec_worker", spec, f"speculative-{target.name}", work,
+                              lambda line: line.startswith("speculative "), reporter, what="speculative timing")
+
+
+def summary(rows: list[dict]) -> dict[str, dict]:
+    """Per configuration, over every domain: the speed-up against the target alone (total tokens over total time
+    each), the acceptance, tokens per target call, and whether every token was the target's."""
+    out = {}
+    for name in dict.fromkeys(r["config"] for r in rows):
+        mine = [r for r in rows if r["config"] == name]
+        plain = [r for r in rows if r["config"] == "plain"]
+        rate = sum(r["tokens"] for r in mine) / sum(r["seconds"] for r in mine)
+        base = sum(r["tokens"] for r in plain) / sum(r["seconds"] for r in plain)
+        acc = sum(r["accepted"] for r in mine), sum(r["evaluated"] for r in mine)
+        calls = sum(r["committed"] for r in mine), sum(r["target_calls"] for r in mine)
+        out[name] = {"speedup": rate / base, "tokens_per_s": rate, "identical": all(r["identical"] for r in mine),
+                     "acceptance": acc[0] / acc[1] if acc[1] else 0.0,
+                     "tokens_per_target_call": calls[0] / calls[1] if calls[1] else 0.0}
+    return out
+
+
+def front_rows(results: list[dict], spec: dict[str, dict], precision: str) -> list[dict]:
+    """Decode rows of the speculative configurations at ``precision`` for the front: the teacher's timed decode rows
+    (batch 1) divided by each configuration's measured speed-up; named ``spec-<config>-<precision>``."""
+    teacher = row_name("teacher", precision)
+    out = []
+    for r in results:
+        if r["scope"] == "genai" and r["variant"] == teacher and r["phase"] == "decode" and r["batch"] == 1:
+            for name in ("draft", "lookup"):
+                if name in spec:
+                    s = spec[name]["speedup"]
+                    out.append({**r, "variant": f"spec-{name}-{precision}", "median_ms": r["median_ms"] / s,
+                                "p10_ms": r["p10_ms"] / s, "p90_ms": r["p90_ms"] / s, "speculative": True})
+    return out
