@@ -49,7 +49,8 @@ class TrainConfig:
     """The corpus the whitened start and the quality allocation are calibrated on, as --data (default: --data);
     e.g. teacher:65536 or builtin:0.5,prose:0.5."""
     student_layers: int | None = None
-    """Decoder layers of the student (default: half the teacher's, rounded up)."""
+    """Decoder layers of the student (default: half the teacher's, rounded up; with --student-init, all of its
+    layers)."""
     layer_selection: str = "mixed"
     """Which source layers warm-start the student: first, middle, last, mixed or scratch."""
     student_init: str | None = None

@@ -47,6 +47,22 @@ def perplexity(model, blocks: PackedBlocks, batch_size: int = 8, device: str | t
     return math.exp(nll)
 
 
+@torch.no_grad()
+def agreement(teacher, draft, blocks: PackedBlocks, batch_size: int = 4) -> float:
+    """How often ``draft``'s next-token argmax is ``teacher``'s, over every position of ``blocks`` with both reading
+    the same (the text's) context: a speculative draft's greedy acceptance, token by token."""
+    same = count = 0
+    for start in range(0, len(blocks), batch_size):
+        x = torch.from_numpy(blocks.get(range(start, min(start + batch_size, len(blocks)))))
+        t = teacher(input_ids=x).logits.argmax(-1)
+        d = draft(input_ids=x).logits.argmax(-1)
+        same += int((t == d).sum())
+        count += t.numel()
+    if count == 0:
+        raise DataError("no tokens to compare: the held-out slice is shorter than one block")
+    return same / count
+
+
 class TorchLM:
     """A causal LM in PyTorch (teacher, trained student with gated/PEFT modules, compressed or exported folder)."""
 

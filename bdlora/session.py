@@ -104,8 +104,9 @@ def _resolve_sizes(cfg: TrainConfig, teacher) -> TrainConfig:
     """Student depth, sequence length (capped by the model's positions when defaulted), steps from --tokens and
     the held-out fraction, each checked against the teacher."""
     n_teacher, defaulted = teacher.config.num_hidden_layers, cfg.defaulted
-    cfg.student_layers = max(1, math.ceil(n_teacher / 2)) if cfg.student_layers is None else cfg.student_layers
-    if cfg.student_layers > n_teacher:
+    if cfg.student_layers is None and not cfg.student_init:  # with --student-init: all of its layers (below)
+        cfg.student_layers = max(1, math.ceil(n_teacher / 2))
+    if cfg.student_layers is not None and cfg.student_layers > n_teacher:
         raise UsageError(f"--student-layers {cfg.student_layers}: must be between 1 and the teacher's {n_teacher}")
     max_pos = getattr(teacher.config, "max_position_embeddings", None)
     if max_pos is not None and cfg.seq_len > max_pos:
@@ -136,6 +137,8 @@ def _build_student(cfg: TrainConfig, teacher, tokenizer, cache, reporter: Report
             raise ModelError(f"--student-init {cfg.student_init}: holds {len(pairs)} low-rank pairs (first "
                              f"{pairs[0]}); a student starts from dense projections: give the teacher or a folder "
                              "compressed with --forms channels")
+    if cfg.student_layers is None:
+        cfg.student_layers = source.config.num_hidden_layers
     if cfg.student_layers > source.config.num_hidden_layers:
         raise UsageError(f"--student-layers {cfg.student_layers}: must be between 1 and the source's "
                          f"{source.config.num_hidden_layers} layers")

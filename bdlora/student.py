@@ -57,9 +57,12 @@ def take_layers(source_model, idx: list[int], seed: int = 0, scratch: bool = Fal
     config.num_hidden_layers = len(idx)
     if getattr(config, "layer_types", None) is not None:  # per-layer attention kinds (e.g. Qwen2 sliding window)
         config.layer_types = [config.layer_types[i] for i in idx]
-    if getattr(config, "bdlora_modules", None):  # a compressed source: each kept layer's forms, renumbered
-        config.bdlora_modules = {f"model.layers.{j}.{k.split('.', 3)[3]}": v for j, i in enumerate(idx)
-                                 for k, v in config.bdlora_modules.items() if k.startswith(f"model.layers.{i}.")}
+    if getattr(config, "bdlora_modules", None):  # a compressed source: each kept layer's forms, renumbered, and the
+        # entries outside the layers (a draft's head) as they are
+        outside = {k: v for k, v in config.bdlora_modules.items() if not k.startswith("model.layers.")}
+        config.bdlora_modules = {**outside,
+                                 **{f"model.layers.{j}.{k.split('.', 3)[3]}": v for j, i in enumerate(idx)
+                                    for k, v in config.bdlora_modules.items() if k.startswith(f"model.layers.{i}.")}}
     torch.manual_seed(seed)
     student = type(source_model)(config)
     if scratch:

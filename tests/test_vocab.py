@@ -165,3 +165,47 @@ def test_only_vocabularies_holding_most_of_the_teachers_choices_are_offered():
     assert ctx.head_vocab[0] == (0, 64 * vocab, 0.0) and ctx.head_vocab[1][1] == 64 * 64  # MACs without a table
     assert ctx.head_vocab[1][2] == 0.0  # 64 tokens hold all the probability
     assert ctx.facts["vocab"]["argmax_coverage"]["32"] == pytest.approx(32 / 33)
+
+
+def test_plan_predicts_the_speculative_speedup_of_a_draft(draft):
+    """plan DRAFT --precision int4 --speculative: the draft's agreement with its teacher measured on held-out text,
+    its step's share of the teacher's from the whole-step prediction, the teacher's verification costs (here a cached
+    curve), and per k the speed-up ``expected_tokens(alpha, k) / (k share + verify(k + 1))``."""
+    from transformers import AutoConfig
+
+    from bdlora.bench.verify import verify_path
+    from bdlora.schemes import DEFAULT_SCHEME, scheme
+    from bdlora.speculative.rules import expected_tokens
+
+    root, _ = draft
+    config = AutoConfig.from_pretrained(root / "teacher").to_dict()
+    shares = {1: 1.0, 2: 1.2, 3: 1.5, 4: 1.8, 5: 2.2}
+    layout = scheme(DEFAULT_SCHEME).timed_as("int4").layout("int4")
+    write_json(verify_path(root / "cache", config, "int4", 1, layout, 5), {"shares": shares})
+    r = CliRunner().invoke(app, ["plan", str(root / "d"), "--precision", "int4", "--threads", "1", "--speculative",
+                                 "--json"], env={"BDLORA_CACHE": str(root / "cache")})
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    p = doc["speculative"]
+    assert 0.0 <= p["alpha"] <= 1.0 and p["agreement_tokens"] > 0
+    share = doc["deployed"]["decode_us"] / doc["deployed"]["decode_us_teacher"]
+    assert p["draft_step_share"] == pytest.approx(share) and share < 1
+    for k in range(1, 5):
+        want = expected_tokens(p["alpha"], k) / (k * share + shares[k + 1])
+        assert p["per_k"][str(k)] == pytest.approx(want)
+    assert p["speedup"] == max(p["per_k"].values())
+
+
+def test_the_verification_curve_is_measured_on_the_targets_shapes_and_cached(tmp_path, monkeypatch):
+    """Calls of 1 to 3 tokens after a 128-token prompt on a synthetic graph of the config's shapes, timed in their own
+    process: shares of a one-token call, cached; read back without timing again."""
+    import bdlora.bench.verify as verify
+
+    config = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 256, "tie_word_embeddings": False, "rope_theta": 10000.0}
+    monkeypatch.setattr(verify, "REPEATS", 3)
+    shares = verify.verify_curve(config, "int4", 1, tmp_path, "rtn", widths=3)
+    assert sorted(shares) == [1, 2, 3] and shares[1] == 1.0 and all(v > 0 for v in shares.values())
+    monkeypatch.setattr(verify, "run_timing_process", lambda *a, **k: pytest.fail("timed again"))
+    assert verify.verify_curve(config, "int4", 1, tmp_path, "rtn", widths=3) == shares

@@ -32,6 +32,11 @@ PLAN_FIELDS = ("budget", "rank", "eps_lr", "eps_zero", "svd_max_rank", "decay_st
 PLAN_FORMS = ("forms", "speedup")  # with --model and --allocation quality: the one-shot structure over any forms
 
 
+SPECULATIVE_HELP = ("With FOLDER (a draft, e.g. compress --one-shot --forms layers,channels,vocab) and --precision: "
+                    "predict the speed-up of its teacher's export with it as the speculative draft (its greedy "
+                    "agreement measured on held-out text, the teacher's verification cost on its shapes).")
+
+
 @command(options=from_dataclass(BudgetedConfig, names=PLAN_FIELDS, rename={"rank": "lora_rank"}, defaults=True)
          + from_dataclass(OneShotConfig, names=PLAN_FORMS, panel="--model --allocation quality over any forms",
                           notes={"forms": "plan: the structure compress --one-shot would write (nothing written)."}))
@@ -63,6 +68,7 @@ def plan(
                                                         "(default: this machine's cores).")] = None,
     quant: Annotated[Optional[str], typer.Option(help="--precision int8/int4: time the nodes of this export genai "
                                                       "--quant scheme (rtn, gptq, affine; default rtn).")] = None,
+    speculative: Annotated[bool, typer.Option(help=SPECULATIVE_HELP)] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
     **opts,
 ):
@@ -87,14 +93,32 @@ def plan(
         report["deployed"] = _deployed_prediction(report, precision, threads, RichReporter(err if json_out else out),
                                                   config, quant)
         report["predicted_decode_speedup"] = report["deployed"]["predicted_decode_speedup"]
+        if speculative:
+            report["speculative"] = _speculative(folder, report, precision, threads, quant, json_out)
         title += (f"; {report['deployed']['predicted_projection_speedup']:.2f}x less projection decode time at "
                   f"{precision}, {report['predicted_decode_speedup']:.2f}x faster whole decode")
+    _show(report, title, json_out)
+
+
+def _show(report: dict, title: str, json_out: bool) -> None:
     if json_out:
         print(json.dumps(report, indent=2))
         return
     render.compression_report(report, title=title)
-    if precision:
+    if report.get("deployed"):
         render.latency_forms(report["deployed"])
+    if report.get("speculative"):
+        render.speculative_prediction(report["speculative"])
+
+
+def _speculative(folder, report: dict, precision: str, threads, quant, json_out: bool) -> dict:
+    from bdlora.bench.verify import predict_speculative
+
+    if folder is None:
+        raise UsageError("--speculative: give the draft's compressed FOLDER (plan FOLDER --precision P --speculative)")
+    return predict_speculative(Path(folder), report, report["deployed"], precision, threads or usable_cores(),
+                               default_cache_dir(), quant or DEFAULT_SCHEME, reporter=RichReporter(err if json_out
+                                                                                                    else out))
 
 
 def _planned(model_config, model, allocation, rank, layers, mac_ratio, calib_tokens, data, steps, opts, json_out):
@@ -229,13 +253,16 @@ def _deployed_prediction(report: dict, precision: str, threads: int | None, repo
     bits = {m["name"]: m["bits"] for m in mods if m.get("bits")} if precision == "int4" else {}
     head = declared_head_bits(config) if precision == "int4" else 0  # the LM head's declared width (int4 only)
     probes = site_probes(shapes, kv, bool(narrow), bool(grouped))
+    keep = declared_head_keep(config)  # a draft's head keeping fewer tokens: its product and the full one's
+    heads = [(int(config["hidden_size"]), keep), (int(config["hidden_size"]), int(config["vocab_size"]))] if keep \
+        else []
     table = cost_table(precision, threads, None, reporter, quant)(shapes, dense=probes, config=config,
-                                                                  wide=bool(bits) or bool(head), head=bool(head))
+                                                                  wide=bool(bits) or bool(head) or bool(keep),
+                                                                  head=bool(head), heads=heads)
     return table.prediction(shapes, {m["name"]: m["rank"] for m in mods if m["form"] == LOWRANK.name},
                             lambda s: s.narrowed(narrow[s.name]) if s.name in narrow else
                             s.grouped(grouped[s.name], kv) if s.name in grouped else s,
-                            {m["name"] for m in mods if m["case"] == REMOVED.name}, bits, head,
-                            declared_head_keep(config))
+                            {m["name"] for m in mods if m["case"] == REMOVED.name}, bits, head, keep)
 
 
 def _folder_report(folder: str, other: str | None = None) -> tuple[dict, dict, str]:

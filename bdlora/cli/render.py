@@ -235,6 +235,15 @@ def bench(doc: dict) -> None:
         speculative(spec, precision)
 
 
+def speculative_prediction(p: dict) -> None:
+    """plan --speculative: the measured agreement, draft share and verification costs, the speed-up per k."""
+    ks = ", ".join(f"k={k}: {v:.2f}x" for k, v in p["per_k"].items() if k != "0")
+    out.print(f"speculative decoding with this draft: agreement {p['alpha']:.1%} on {p['agreement_tokens']:,} "
+              f"held-out tokens, a draft step {p['draft_step_share']:.2f} of the teacher's, verifying "
+              + ", ".join(f"{w} tokens {v:.2f}x" for w, v in p["verify_share"].items() if w != "1")
+              + f" a step; predicted {ks}; best k={p['best_k']}: {p['speedup']:.2f}x")
+
+
 def speculative(spec: dict, precision: str) -> None:
     """bench --speculative: the teacher's export at ``precision`` alone, with the draft at each k, with prompt
     lookup: tokens/s per domain, acceptance, tokens per teacher call, whether every token was the teacher's."""
