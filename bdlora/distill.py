@@ -52,13 +52,25 @@ class DistillationLoss(nn.Module):
         self.checkpoint_bytes = checkpoint_bytes
 
     def _chunk_sums(self, student_head, teacher_head, hs, ht, y):
-        """Sums over one chunk of positions: (KL(pT || pS) at temperature tau, CE of the student)."""
-        zs = student_head(hs).float()  # (n, V)
+        """Sums over one chunk of positions: (KL(pT || pS) at temperature tau, CE of the student). A student head
+        keeping only some tokens (a draft's ``VocabHead``: ``token_ids``) is fitted over those: the teacher's
+        distribution renormalised on them, and the CE of the positions whose next token is one of them (a token it
+        cannot emit says nothing about the ones it can)."""
+        ids = getattr(student_head, "token_ids", None)
+        zs = (F.linear(hs, student_head.weight) if ids is not None else student_head(hs)).float()  # (n, V or K)
         with torch.no_grad():
             zt = teacher_head(ht).float()  # (n, V)
+            vocab = zt.shape[-1]
+            if ids is not None:
+                zt = zt[:, ids]  # (n, K)
             log_pt = F.log_softmax(zt / self.temperature, dim=-1)
         log_ps = F.log_softmax(zs / self.temperature, dim=-1)
         kd = (log_pt.exp() * (log_pt - log_ps)).sum()
+        if ids is not None:
+            where = torch.full((vocab,), -1, dtype=torch.long, device=y.device)
+            where[ids] = torch.arange(len(ids), device=y.device)
+            y, keep = where[y], where[y] >= 0
+            zs, y = zs[keep], y[keep]
         ce = F.cross_entropy(zs, y, reduction="sum")
         return torch.stack([kd, ce])
 

@@ -137,3 +137,30 @@ def test_a_bf16_step_on_the_cpu_is_within_tolerance_of_fp32(tiny_env):
     (l32, g32), (l16, g16) = got["fp32"], got["bf16"]
     assert l16 != l32 and abs(l16 - l32) / l32 < 0.02
     assert F.cosine_similarity(g16, g32, dim=0) > 0.99
+
+
+def test_a_draft_head_keeping_some_tokens_is_fitted_over_those():
+    """A student head with ``token_ids`` (a draft's VocabHead): the KL is the teacher's distribution renormalised on
+    the kept tokens against the student's over them, the CE counts the positions whose next token is kept."""
+    from bdlora.deployed.modeling_bdlora import VocabHead
+    from bdlora.distill import DistillationLoss
+
+    torch.manual_seed(0)
+    vocab, hidden, n = 12, 8, 10
+    head = VocabHead(hidden, 4, vocab)
+    torch.nn.init.normal_(head.weight)
+    head.token_ids.copy_(torch.tensor([1, 3, 5, 7]))
+    teacher = torch.nn.Linear(hidden, vocab, bias=False)
+    hs, ht = torch.randn(n, hidden), torch.randn(n, hidden)
+    y = torch.tensor([1, 3, 0, 5, 7, 2, 1, 11, 3, 5])
+    loss = DistillationLoss(temperature=2.0, kd_weight=0.5)
+    kd, ce = loss._chunk_sums(head, teacher, hs, ht, y)
+    zt = teacher(ht)[:, [1, 3, 5, 7]] / 2.0
+    zs = (hs @ head.weight.T) / 2.0
+    want_kd = (zt.softmax(-1) * (zt.log_softmax(-1) - zs.log_softmax(-1))).sum()
+    kept = torch.tensor([i for i, t in enumerate(y.tolist()) if t in (1, 3, 5, 7)])
+    index = {1: 0, 3: 1, 5: 2, 7: 3}
+    want_ce = torch.nn.functional.cross_entropy(hs[kept] @ head.weight.T, torch.tensor(
+        [index[int(t)] for t in y[kept]]), reduction="sum")
+    torch.testing.assert_close(kd, want_kd, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ce, want_ce, atol=1e-5, rtol=1e-5)

@@ -95,6 +95,11 @@ def test_builtin_chain_on_a_short_teacher(tmp_path):
     doc = json.loads(run.with_name(run.name + ".compressed.eval.json").read_text())
     assert doc["teacher"]["ppl"]["val_ppl"] == pytest.approx(s["teacher_val_ppl"], rel=1e-4)  # beside, same slice
     assert "ICL probes: the teacher scores 0%" in res.stdout or "teacher %" in res.stdout
+    res = _bdlora("generate", str(run.with_name(run.name + ".compressed.onnx")), "--prompt", "def main():\n    ",
+                  "--max-tokens", "24", "--prompt-lookup", "--compare", "--json", env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    gen = json.loads(res.stdout)
+    assert gen["identical"] and len(gen["tokens"]) <= 24 and gen["proposer"] == "prompt-lookup"
 
 
 @pytest.mark.full
