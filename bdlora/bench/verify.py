@@ -109,12 +109,14 @@ if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
 
 
-def predict_speculative(folder: Path, report: dict, deployed: dict, precision: str, threads: int, cache: Path,
-                        quant: str, max_k: int = 4, tokens: int = 4096, reporter: Reporter = SILENT) -> dict:
+def predict_speculative(folder: Path, report: dict, draft_us: float, teacher_step, precision: str, threads: int,
+                        cache: Path, quant: str, max_k: int = 4, tokens: int = 4096,
+                        reporter: Reporter = SILENT) -> dict:
     """``plan FOLDER --precision P --speculative``: the speed-up of the teacher's export at ``precision`` with
     ``folder`` (a draft made from it) as its draft, from the draft's greedy agreement with the teacher on ``tokens``
-    held-out tokens, the draft's whole decode step as a share of the teacher's (``deployed``: the plan's prediction)
-    and the teacher's measured verification cost (``verify_curve``)."""
+    held-out tokens, the draft's predicted whole decode step (``draft_us``) as a share of the teacher's
+    (``teacher_step(config)``: its dense step predicted the same way) and the teacher's measured verification cost
+    (``verify_curve``)."""
     prov = report.get("provenance") or {}
     where, why = teacher_folder(prov.get("teacher"), cache)
     if where is None:
@@ -127,6 +129,6 @@ def predict_speculative(folder: Path, report: dict, deployed: dict, precision: s
                    "tokens")
     alpha = agreement(teacher, draft, blocks)
     verify = verify_curve(teacher.config.to_dict(), precision, threads, cache, quant, max_k + 1, reporter)
-    share = deployed["decode_us"] / deployed["decode_us_teacher"]
-    return {**speculative_speedup(alpha, share, verify, max_k), "teacher": str(where),
-            "agreement_tokens": len(blocks) * blocks.seq_len}
+    teacher_us = teacher_step(teacher.config.to_dict())
+    return {**speculative_speedup(alpha, draft_us / teacher_us, verify, max_k), "teacher": str(where),
+            "agreement_tokens": len(blocks) * blocks.seq_len, "draft_us": draft_us, "teacher_us": teacher_us}

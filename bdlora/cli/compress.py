@@ -10,7 +10,7 @@ from rich.markup import escape
 from bdlora import sources
 from bdlora.arch import check_lora_rank, layer_of
 from bdlora.budgeted.config import ALLOCATIONS, THRESHOLDS, BudgetedConfig
-from bdlora.budgeted.costs import ModuleShape
+from bdlora.budgeted.costs import ModuleShape, shapes_from_config
 from bdlora.cli import render
 from bdlora.cli.app import command, err, out
 from bdlora.cli.options import from_dataclass
@@ -116,9 +116,16 @@ def _speculative(folder, report: dict, precision: str, threads, quant, json_out:
 
     if folder is None:
         raise UsageError("--speculative: give the draft's compressed FOLDER (plan FOLDER --precision P --speculative)")
-    return predict_speculative(Path(folder), report, report["deployed"], precision, threads or usable_cores(),
-                               default_cache_dir(), quant or DEFAULT_SCHEME, reporter=RichReporter(err if json_out
-                                                                                                    else out))
+    reporter = RichReporter(err if json_out else out)
+
+    def teacher_step(config: dict) -> float:  # the teacher's dense whole step, predicted as the draft's is
+        shapes = shapes_from_config(config)
+        table = cost_table(precision, threads, None, reporter, quant)(shapes, config=config)
+        return table.prediction(shapes, {})["decode_us"]
+
+    return predict_speculative(Path(folder), report, report["deployed"]["decode_us"], teacher_step, precision,
+                               threads or usable_cores(), default_cache_dir(), quant or DEFAULT_SCHEME,
+                               reporter=reporter)
 
 
 def _planned(model_config, model, allocation, rank, layers, mac_ratio, calib_tokens, data, steps, opts, json_out):
