@@ -88,6 +88,7 @@ def _lm_eval(tmp_path, name, *model_args):
     return json.loads(found.read_text())["results"]["bdlora_local_mc"], logliks
 
 
+@pytest.mark.full  # 48 s: lm-evaluation-harness against a served student (the server's logprobs are tested alone)
 def test_lm_eval_scores_the_served_student_and_its_hf_folder_alike(student, tmp_path):
     folder, onnx_dir = student
     _task(tmp_path)

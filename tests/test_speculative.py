@@ -101,7 +101,7 @@ def test_best_k_grows_with_acceptance_and_is_off_when_nothing_is_accepted(a1, a2
     assert r_lo >= 1.0 / cost(1) - 1e-12  # never slower than plain decoding, by its own measure
 
 
-def test_policy_switches_speculation_off_when_it_does_not_pay_and_probes_again():
+def test_policy_switches_speculation_off_when_it_does_not_pay_and_probes_again_backing_off():
     costs = Costs()
     costs.record_target(1, 1.0)
     costs.record_target(5, 1.0)  # verifying 4 proposals costs one step
@@ -113,8 +113,16 @@ def test_policy_switches_speculation_off_when_it_does_not_pay_and_probes_again()
     bad = KPolicy(4, costs)
     for _ in range(20):
         bad.record(4, 0)
-    ks = [bad.choose(100) for _ in range(32)]
-    assert ks.count(0) == 30 and ks.count(1) == 2  # off, but one probe every 16 rounds
+    ks = []
+    for _ in range(250):
+        ks.append(bad.choose(100))
+        bad.record(ks[-1], 0)  # every probe rejected: the next one waits twice as long
+    assert [i for i, k in enumerate(ks) if k] == [15, 47, 111, 239]  # after 16, 32, 64, 128 rounds at k = 0
+    assert bad.choose(100) == 0 and bad.probe_every == 256
+    while not bad.choose(100):
+        pass
+    bad.record(1, 1)  # a probe accepted: back to probing every 16
+    assert bad.probe_every == 16
     assert KPolicy(4, costs, fixed=3).choose(2) == 2  # never more than the tokens still wanted
 
 

@@ -290,6 +290,7 @@ def test_documented_ablation_commands_define_the_papers_grids():
         assert (len(members), len({m.run for m in members})) == (n_members, n_runs), line
 
 
+@pytest.mark.full  # 50 s: sweep --front exports and benches a family and the teacher's exports
 def test_sweep_front_puts_the_whole_family_and_the_teachers_exports_on_one_front(tiny_env, tmp_path):
     """Issue 40: ``sweep --front`` times every member (here two one-shot students of a head-dim-16 teacher) beside the
     teacher's own exports at every precision in one onnxruntime-genai run; the points carry member names, each is

@@ -5,7 +5,8 @@ A round of k proposals commits ``expected_tokens(alpha, k)`` tokens on average a
 1)``; k = 0 is a plain decoding step (one token for ``c_target(1)``). The policy picks the k with the most tokens per
 second, so speculation switches itself off (k = 0) where it does not pay: a draft that agrees too rarely, or a target
 whose multi-token calls cost nearly as much per token as single steps. While k = 0 it still proposes one token every
-``PROBE_EVERY`` rounds, so an acceptance that recovers (prompt lookup entering a repeated passage) is seen.
+``PROBE_EVERY`` rounds (backing off while probes fail), so an acceptance that recovers (prompt lookup entering a
+repeated passage) is seen.
 ``best_k`` is the pure rule (tested with hypothesis); ``Costs`` is shared by every request of one server (the costs
 are the machine's), ``KPolicy`` is one request's.
 """
@@ -20,7 +21,8 @@ EWMA = 0.2  # weight of a new timing in the moving averages
 PRIOR_ALPHA, PRIOR_WEIGHT = 0.5, 4.0  # the acceptance before any proposal is verified: 0.5, worth 4 proposals
 PRIOR_SLOPE = 0.15  # a target call of w tokens costs c(1) (1 + 0.15 (w - 1)) until two widths are measured
 PRIOR_DRAFT = 0.1  # a draft step costs 0.1 c(1) until measured
-PROBE_EVERY = 16  # rounds at k = 0 between two probes at k = 1
+PROBE_EVERY = 16  # rounds at k = 0 before a probe at k = 1; doubled after each probe that was rejected (at most
+PROBE_MAX = 256  # this many), back to PROBE_EVERY when one is accepted
 
 
 def best_k(alpha: float, draft_cost: float, target_cost, max_k: int) -> tuple[int, float]:
@@ -82,6 +84,8 @@ class KPolicy:
         self.accepted = 0.0
         self.evaluated = 0.0
         self.plain_rounds = 0
+        self.probe_every = PROBE_EVERY
+        self.probing = False
 
     @property
     def alpha(self) -> float:
@@ -94,9 +98,11 @@ class KPolicy:
         if self.fixed is not None:
             return min(self.fixed, limit)
         k, _ = best_k(self.alpha, self.costs.draft_cost(), self.costs.target_cost, min(self.max_k, limit))
+        self.probing = False
         if k == 0:
             self.plain_rounds += 1
-            if self.plain_rounds % PROBE_EVERY == 0:
+            if self.plain_rounds >= self.probe_every:
+                self.plain_rounds, self.probing = 0, True
                 return 1
         return k
 
@@ -106,3 +112,5 @@ class KPolicy:
         if proposed:
             self.accepted += accepted
             self.evaluated += min(accepted + 1, proposed)
+        if self.probing:
+            self.probe_every = PROBE_EVERY if accepted else min(2 * self.probe_every, PROBE_MAX)
