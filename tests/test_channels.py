@@ -190,6 +190,7 @@ def test_a_pruned_folder_declares_its_sites_and_holds_the_kept_rows(tiny_env, pr
     assert ev["compressed_val_ppl"] > 1 and ev["compressed_val_ppl"] < 2 * ev["student_val_ppl"]
 
 
+@pytest.mark.full  # moved out of the README's test command to keep it under 8 minutes; CI runs pytest -m full
 def test_every_reader_takes_a_pruned_folder(tiny_env, pruned, tmp_path):
     """eval scores the slice the report did; export onnx and export genai (fp32 and int4) validate their graphs
     against PyTorch before writing; bench times it."""

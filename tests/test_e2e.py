@@ -23,6 +23,7 @@ def _bdlora(*args, env=None, timeout=900):
                           env={**os.environ, **(env or {})})
 
 
+@pytest.mark.full  # moved out of the README's test command to keep it under 8 minutes; CI runs pytest -m full
 def test_console_script_budgeted_then_plan(tiny_env, tmp_path):
     out = tmp_path / "run"
     res = _bdlora(*train_args(tiny_env, out), "--method", "budgeted", "--budget", "0.0", "--max-steps", "12",

@@ -219,6 +219,7 @@ def test_generator_divergence_beyond_a_tie_is_an_error(mixed_folder, tmp_path):
     assert np.isfinite(model.lm_head.weight.sum().item())
 
 
+@pytest.mark.full  # moved out of the README's test command to keep it under 8 minutes; CI runs pytest -m full
 def test_bench_genai_synthetic_with_builder_peers(tmp_path):
     """Synthetic mode through the CLI: every variant at fp32 and int4 through og.Generator, and the builder's own
     dense conversions as peer rows, with the ratios the report is made of."""
@@ -394,6 +395,7 @@ def test_export_genai_affine_keeps_every_matmul_in_the_fast_kernel(mixed_folder,
     assert abs(info["validation"]["quality"]["ppl_change"]) < 1
 
 
+@pytest.mark.full  # moved out of the README's test command to keep it under 8 minutes; CI runs pytest -m full
 def test_builder_rows_are_left_out_when_the_builder_would_take_an_mlp_for_the_lm_head(tmp_path):
     """onnxruntime-genai's builder takes every Linear with vocab_size outputs for the LM head. For a model whose MLP
     is as wide as its vocabulary (the builtin teacher: 1024 and 1024) its graph runs but computes something else;

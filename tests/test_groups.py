@@ -178,6 +178,7 @@ def test_a_grouped_folder_declares_its_sites_and_holds_the_kept_heads(grouped):
         torch.testing.assert_close(ours(x).logits, remote(x).logits, rtol=0, atol=0)
 
 
+@pytest.mark.full  # moved out of the README's test command to keep it under 8 minutes; CI runs pytest -m full
 def test_every_reader_takes_a_grouped_folder(tiny_env, grouped, tmp_path):
     """eval scores the slice the report did; export onnx and export genai (fp32 and int4) validate their graphs,
     whose pruned layers cache fewer heads, against PyTorch; serve answers with the graph's own greedy tokens; bench

@@ -161,6 +161,7 @@ def test_a_removed_layer_leaves_a_shallower_folder_equal_to_the_source_without_i
     assert min(errors, key=errors.get) == f"model.layers.{removed[0]}" and len(errors) == 4
 
 
+@pytest.mark.full  # moved out of the README's test command to keep it under 8 minutes; CI runs pytest -m full
 def test_every_reader_takes_a_shallower_folder(tiny_env, shallow, tmp_path):
     """eval, export onnx/genai (validated against PyTorch), and bench --runtime genai, whose own-builder row of the
     student exists (its layers are uniform), beside the teacher's."""

@@ -289,7 +289,7 @@ def test_client_disconnect_mid_stream_frees_the_slot(server):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
+@pytest.mark.parametrize("how", ["sigterm", pytest.param("ctrl-c", marks=pytest.mark.full)])
 def test_sigterm_drains_in_flight_requests(served_model, how):
     """SIGTERM to the server, or SIGINT to its whole process group (a terminal's Ctrl-C: under --runtime genai the
     engine's child process gets it too and must leave the drain to the server): the request in flight finishes."""
@@ -553,8 +553,10 @@ def test_an_abandoned_multi_prompt_request_cancels_all_its_sequences(server):
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         deadline = time.time() + 60
-        while (h := httpx.get(server + "/health").json())["active"] != 8 or h["waiting"] != 32:
-            assert time.time() < deadline, h
+        # the batch is full (on a busy machine the gauges may be read a moment late, so the 32 queued behind it
+        # are not required in the same snapshot: what counts is that all 40 are cancelled below)
+        while httpx.get(server + "/health").json()["active"] != 8:
+            assert time.time() < deadline
             time.sleep(0.01)
     # hung up as soon as the batch was full
     _wait_idle(server)

@@ -32,6 +32,7 @@ def test_family_members_and_bad_input():
             family(budgets, baselines)
 
 
+@pytest.mark.full  # moved out of the README's test command to keep it under 8 minutes; CI runs pytest -m full
 def test_sweep_runs_a_family_and_resumes_without_retraining(tiny_env, tmp_path):
     out = tmp_path / "sweep"
     # the budget drops at once with no EMA lag, so 4 steps reach the F = 0 structure; a checkpoint every 2 steps
