@@ -126,6 +126,23 @@ def test_policy_switches_speculation_off_when_it_does_not_pay_and_probes_again_b
     assert KPolicy(4, costs, fixed=3).choose(2) == 2  # never more than the tokens still wanted
 
 
+def test_prompt_lookup_proposals_are_priced_at_nothing_whatever_a_draft_costs():
+    """Measured in bench --speculative (SmolLM2 int4): lookup at k = 4 accepted 67% and decoded 1.17x faster, but
+    the adaptive policy, pricing each proposal at the draft model's step, stayed at k = 0 (0.96x)."""
+    costs = Costs()
+    for w, c in {1: 1.0, 2: 1.2, 3: 1.5, 4: 1.8, 5: 2.2}.items():
+        costs.record_target(w, c)
+    costs.record_draft(1, 0.6)  # a draft model's step, measured by another proposer on the same server
+    priced, free = KPolicy(4, costs), KPolicy(4, costs)
+    for p in (priced, free):
+        for _ in range(40):
+            p.record(3, 2)  # acceptance 2/3
+    assert priced.choose(100) == 0
+    Speculator(type("T", (), {"all_rows": True})(), PromptLookup(), free)
+    assert free.free and free.choose(100) == 2  # (1 + a + a^2) / c(3) = 1.40 tokens a step, the best k
+    assert not Speculator(type("T", (), {"all_rows": True})(), None, KPolicy(4, costs)).policy.free
+
+
 # --- prompt lookup ----------------------------------------------------------------------------------------------
 
 

@@ -249,17 +249,21 @@ def speculative(spec: dict, precision: str) -> None:
     lookup: tokens/s per domain, acceptance, tokens per teacher call, whether every token was the teacher's."""
     t = Table(title=f"speculative decoding, teacher {precision} (batch 1, greedy, {sum(spec['prompts'].values())} "
                     "prompts of 128 tokens)")
-    for col in ("configuration", "domain", "tok/s", "vs teacher", "acceptance", "tokens/call", "identical"):
+    for col in ("configuration", "domain", "tok/s", "vs teacher", "decode tok/s", "decode vs teacher", "acceptance",
+                "tokens/call", "identical"):
         t.add_column(col, justify="left" if col in ("configuration", "domain") else "right")
-    plain = {r["domain"]: r["tokens_per_s"] for r in spec["rows"] if r["config"] == "plain"}
+    plain = {r["domain"]: r for r in spec["rows"] if r["config"] == "plain"}
     for r in spec["rows"]:
         acc = f"{r['acceptance']:.0%}" if r["evaluated"] else "-"
+        p = plain[r["domain"]]
         t.add_row(r["config"], escape(r["domain"]), f"{r['tokens_per_s']:.1f}",
-                  f"{r['tokens_per_s'] / plain[r['domain']]:.2f}x", acc, f"{r['tokens_per_target_call']:.2f}",
-                  "yes" if r["identical"] else "[red]no[/]")
+                  f"{r['tokens_per_s'] / p['tokens_per_s']:.2f}x", f"{r['decode_tokens_per_s']:.1f}",
+                  f"{r['decode_tokens_per_s'] / p['decode_tokens_per_s']:.2f}x", acc,
+                  f"{r['tokens_per_target_call']:.2f}", "yes" if r["identical"] else "[red]no[/]")
     for name, s in spec["summary"].items():
-        t.add_row(f"[bold]{name}[/]", "all", f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}x",
-                  f"{s['acceptance']:.0%}", f"{s['tokens_per_target_call']:.2f}", "yes" if s["identical"] else "no")
+        t.add_row(f"[bold]{name}[/]", "all", f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}x", "",
+                  f"{s['decode_speedup']:.2f}x", f"{s['acceptance']:.0%}", f"{s['tokens_per_target_call']:.2f}",
+                  "yes" if s["identical"] else "no")
     out.print(t)
 
 

@@ -68,6 +68,8 @@ class Speculator:
             raise ValueError("the target's graph computes only the last position's logits; verifying proposals needs "
                              "every position's")
         self.target, self.proposer, self.policy = target, proposer, policy
+        if getattr(proposer, "free", False):
+            policy.free = True  # prompt lookup: its proposals cost nothing, whatever a draft's steps cost
         self.stop_ids = {int(t) for t in stop_ids if t is not None}
         self.stats = SpecStats()
 

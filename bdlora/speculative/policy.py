@@ -78,8 +78,11 @@ class KPolicy:
     """One request's choice of k: fixed (``fixed``), or adaptive up to ``max_k`` from its own acceptance and the
     shared ``costs``."""
 
-    def __init__(self, max_k: int, costs: Costs | None = None, fixed: int | None = None):
+    def __init__(self, max_k: int, costs: Costs | None = None, fixed: int | None = None, free: bool = False):
         self.max_k, self.fixed = int(max_k), fixed
+        # free: proposals cost no model step (prompt lookup's dictionary lookups): the draft's cost is 0, never the
+        # draft model's measured or assumed step (which made lookup choose k = 0 where k = 4 paid 1.17x)
+        self.free = free
         self.costs = costs if costs is not None else Costs()
         self.accepted = 0.0
         self.evaluated = 0.0
@@ -97,7 +100,8 @@ class KPolicy:
             return 0
         if self.fixed is not None:
             return min(self.fixed, limit)
-        k, _ = best_k(self.alpha, self.costs.draft_cost(), self.costs.target_cost, min(self.max_k, limit))
+        draft = 0.0 if self.free else self.costs.draft_cost()
+        k, _ = best_k(self.alpha, draft, self.costs.target_cost, min(self.max_k, limit))
         self.probing = False
         if k == 0:
             self.plain_rounds += 1

@@ -76,6 +76,7 @@ class PromptLookup:
     are indexed incrementally (the committed context only grows), so a lookup costs a dictionary probe per n."""
 
     name = "prompt-lookup"
+    free = True  # a proposal costs no model step: the k policy prices it at 0
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
