@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bdlora.errors import RunDirError
+from bdlora.errors import RunDirError, Terminated
 from bdlora.io import atomic_dir, load_tensors, read_json, save_tensors, write_json, write_text
 from bdlora.runs import CKPT_OPTIMIZER, CKPT_RNG, CKPT_STATE, CKPT_TRAINABLE
 
@@ -215,10 +215,20 @@ class StopRequest:
                 self._old[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
-        if self.requested:  # a second signal: stop now
-            raise KeyboardInterrupt
+        if self.requested:  # a second signal: stop now (exit 143 when it is SIGTERM, as the CLI's own handler)
+            raise Terminated("terminated (SIGTERM)") if signum == signal.SIGTERM else KeyboardInterrupt
         self.requested = signal.Signals(signum).name
 
     def restore(self):
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
+
+
+def drop_unstarted(run_dir) -> str:
+    """A new run interrupted (Ctrl-C, SIGTERM) before its first checkpoint has nothing to continue from: its folder
+    (config.json, the low-rank start) is removed, so ``--out`` can be given again, as after a failure. Returns what
+    was done ("" when it has a checkpoint: it resumes)."""
+    if not run_dir.path.is_dir() or any(run_dir.checkpoints_dir.glob("step-*")):
+        return ""
+    shutil.rmtree(run_dir.path, ignore_errors=True)
+    return f"{run_dir.path} removed (no checkpoint to continue from)"

@@ -19,6 +19,13 @@ def shown(v) -> str:
     return _REPR.repr(v)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a scheduler's or a container's stop) taken as Ctrl-C is: every ``finally`` and context
+    manager runs, so temp folders and timing workers go and claims are released (a killed bench used to leave its
+    hidden work folder, GBs for a large model, behind); the CLI exits 143 (130 for Ctrl-C). Training and the server
+    install their own handlers while they run (checkpoint on stop; drain), and raise it when the stop was SIGTERM."""
+
+
 class BdloraError(Exception):
     """Base class of every error bdlora raises on purpose."""
 
@@ -139,3 +146,13 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0)) or 1
     except AttributeError:  # macOS, Windows
         return os.cpu_count() or 1
+
+
+def require_finite_nll(nll: float, what: str = "the model") -> float:
+    """A mean NLL that is a number: NaN or inf (a NaN weight, a config value such as a negative ``rope_theta``) is
+    refused in one line, never reported as a perplexity (``eval`` printed "perplexity: nan" and bench put NaN rows
+    on the front)."""
+    if not math.isfinite(nll):
+        raise ModelError(f"{what}: its outputs are not finite (mean NLL {nll}) on the held-out text: a weight or a "
+                         "config value is corrupt (NaN or inf weights, a negative rope_theta ...); no figure reported")
+    return nll

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -65,9 +66,13 @@ def check_tokenizer(folder: Path, recorded: dict | None, where: str) -> None:
                          "this model's own tokenizer back)")
 
 
-def check_safetensors(path: Path) -> dict[str, tuple[int, ...]]:
+FLOAT_DTYPES = ("F32", "F16", "BF16")  # what a bdlora folder stores (its architecture declares floating weights)
+
+
+def check_safetensors(path: Path, dtypes: dict[str, str] | None = None) -> dict[str, tuple[int, ...]]:
     """The file is a safetensors file whose header parses and whose tensors end exactly at the end of the file;
-    returns its tensors' shapes by name (read from the header: no tensor is loaded)."""
+    returns its tensors' shapes by name (read from the header: no tensor is loaded); ``dtypes`` collects their
+    stored dtypes by name."""
     size = path.stat().st_size
     try:
         with open(path, "rb") as f:
@@ -77,6 +82,8 @@ def check_safetensors(path: Path) -> dict[str, tuple[int, ...]]:
             header = json.loads(f.read(n))
         ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
         shapes = {k: tuple(int(d) for d in v["shape"]) for k, v in header.items() if k != "__metadata__"}
+        if dtypes is not None:
+            dtypes.update({k: str(v["dtype"]) for k, v in header.items() if k != "__metadata__"})
     except (struct.error, ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError, AttributeError) as e:
         raise ModelError(f"{path}: not a valid safetensors file ({type(e).__name__}); the folder is damaged") from None
     if 8 + n + max(ends, default=0) != size:
@@ -108,6 +115,23 @@ def check_declared_forms(folder: Path, cfg: dict, shapes: dict[str, tuple[int, .
         raise ModelError(f"{folder}: the weights do not match config.json ({'; '.join(problems[:3])}"
                          f"{' ...' if len(problems) > 3 else ''}, its tensors say otherwise); the folder is damaged "
                          "or its config was edited")
+
+
+INDEX_DTYPES = ("I64", "I32")
+
+
+def check_dtypes(folder: Path, cfg: dict, dtypes: dict[str, str]) -> None:
+    """Every tensor in the dtype its form declares: floating weights, integer token ids (a vocab head's): an int8
+    tensor loaded and scored (566.9 against 124.6) as if it were the model's weights."""
+    index = set()
+    for module, spec in (cfg.get("bdlora_modules") or {}).items():
+        form = forms.declared(spec, f"{folder / CONFIG}: bdlora_modules[{module}]", module)
+        index |= {f"{module}.{suffix}" for suffix in getattr(form, "index_suffixes", ())}
+    for name in sorted(dtypes):
+        want = INDEX_DTYPES if name in index else FLOAT_DTYPES
+        if dtypes[name] not in want:
+            raise ModelError(f"{folder}: tensor {name} is stored as {dtypes[name]}, not {' / '.join(want)} as its "
+                             "form declares: the file was edited or is not bdlora's")
 
 
 SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -191,6 +215,41 @@ def check_declared_sizes(folder: Path, cfg: dict, shapes: dict[str, tuple[int, .
                          "these weights")
 
 
+def _rope_thetas(cfg: dict):
+    """Every rope_theta the config declares: top level, in rope_parameters, or per attention type in it (Gemma 3)."""
+    if "rope_theta" in cfg:
+        yield "rope_theta", cfg["rope_theta"]
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict):
+        if "rope_theta" in rp:
+            yield "rope_parameters.rope_theta", rp["rope_theta"]
+        for kind, sub in rp.items():
+            if isinstance(sub, dict) and "rope_theta" in sub:
+                yield f"rope_parameters.{kind}.rope_theta", sub["rope_theta"]
+
+
+def _positive_number(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+
+
+def arch_field_problem(cfg: dict) -> str | None:
+    """The config fields the architecture reads beyond its sizes, each within what it means: rotary bases and norm
+    epsilons positive and finite, a sliding window and a position count positive integers (absent or null where
+    the family allows). A negative rope_theta gave NaN perplexity, a sliding_window of -5 a PyTorch perplexity of
+    805 beside the runtime's 124.6 on the same folder."""
+    for name, v in _rope_thetas(cfg):
+        if not _positive_number(v):
+            return f"{name} {shown(v)} (must be a positive number)"
+    for name in ("rms_norm_eps", "layer_norm_eps"):
+        if name in cfg and not _positive_number(cfg[name]):
+            return f"{name} {shown(cfg[name])} (must be a positive number)"
+    for name in ("sliding_window", "max_position_embeddings"):
+        v = cfg.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            return f"{name} {shown(v)} (must be a positive integer{' or null' if name == 'sliding_window' else ''})"
+    return None
+
+
 def check_config(folder: Path) -> dict:
     f = Path(folder) / CONFIG
     try:
@@ -201,6 +260,8 @@ def check_config(folder: Path) -> dict:
         raise ModelError(f"{f}: not valid JSON ({type(e).__name__}); the folder is damaged") from None
     if not isinstance(cfg, dict) or not isinstance(cfg.get("model_type"), str):
         raise ModelError(f"{f}: not a model config (a JSON object with a model_type); the folder is damaged")
+    if (problem := arch_field_problem(cfg)) is not None:
+        raise ModelError(f"{f}: {problem}; the config was edited or is damaged")
     known = SUPPORTED_FAMILIES + tuple(f"{BDLORA_PREFIX}{family}" for family in SUPPORTED_FAMILIES)
     if cfg["model_type"] not in known:  # named here: transformers would say it "does not recognize" it, or prompt
         raise ModelError(unsupported(str(folder), shown(cfg["model_type"])) + " (and their compressed forms "
@@ -253,9 +314,11 @@ def check_model_folder(folder: Path, report: dict | None = None) -> None:
     if not files:
         raise ModelError(f"{folder}: no .safetensors weights (bdlora reads and writes safetensors only)")
     shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, str] = {}
     for p in files:
-        shapes.update(check_safetensors(p))
+        shapes.update(check_safetensors(p, dtypes))
     check_declared_forms(folder, cfg, shapes)
+    check_dtypes(folder, cfg, dtypes)
     check_declared_sizes(folder, cfg, shapes)
     check_tokenizer(folder, (report or {}).get(TOKENIZER_KEY), ModelDir.MARKER)
     recorded = (report or {}).get(DIGEST_KEY)

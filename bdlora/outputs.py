@@ -30,6 +30,7 @@ from bdlora.runs import (
 def check_new_out(out: str | os.PathLike) -> None:
     """``train --out`` and ``sweep --out``: a new (or empty) folder outside any other run."""
     path = Path(out)
+    _not_a_link(path)
     check_not_inside(path)
     _check_creatable(path, "--out")
     _claim(path, "--out")
@@ -48,6 +49,7 @@ def check_out_dir(out: str | os.PathLike, force: bool, inputs: tuple = ()) -> No
         s, o = Path(src).resolve(), out.resolve()
         if o == s or s in o.parents or o in s.parents:
             raise UsageError(f"--out {out}: overlaps the input {src}; inputs are never modified")
+    _not_a_link(out)
     check_not_inside(out)
     _check_creatable(out, "--out")
     _claim(out, "--out")
@@ -59,6 +61,15 @@ def check_out_dir(out: str | os.PathLike, force: bool, inputs: tuple = ()) -> No
         if not is_artefact(out):
             raise UsageError(f"--out {out}: is not a folder bdlora wrote; --force replaces only those (choose a new "
                              "folder)")
+
+
+def _not_a_link(out: Path) -> None:
+    """An output folder is written under a temp name and renamed over ``out``: a symbolic link there (to a bdlora
+    folder, or dangling) would be replaced, not followed, after the whole command ran ("Cannot call rmtree on a
+    symbolic link"); refused before any work."""
+    if out.is_symlink():
+        target = os.readlink(out)
+        raise UsageError(f"--out {out}: is a symbolic link (to {target}); give the folder itself or a new path")
 
 
 def check_not_inside(out: str | os.PathLike, what: str = "--out") -> None:

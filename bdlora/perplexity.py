@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from bdlora.arch import hidden_and_head
 from bdlora.blocks import PackedBlocks
-from bdlora.errors import DataError
+from bdlora.errors import DataError, require_finite_nll
 from bdlora.kv_cache import cache_argument, returned_cache
 
 
@@ -37,7 +37,7 @@ def mean_nll(model, blocks: PackedBlocks, batch_size: int = 8, chunk_size: int =
     model.train(was_training)
     if count == 0:  # exp(0 / 1) read as perplexity 1.000: callers build blocks with blocks.scored_blocks
         raise DataError("no tokens to score: the held-out slice is shorter than one block")
-    return total / count, count
+    return require_finite_nll(total / count), count
 
 
 def perplexity(model, blocks: PackedBlocks, batch_size: int = 8, device: str | torch.device | None = None) -> float:

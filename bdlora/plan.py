@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from bdlora.bounds import check_shape_config
 from bdlora.budgeted.config import BudgetedConfig
 from bdlora.budgeted.controller import BudgetController
 from bdlora.budgeted.costs import compression_report, decide_module, shapes_from_config, training_compute_proxy
@@ -37,6 +38,7 @@ def read_model_config(path: str | Path) -> dict:
         family(base, f"--model-config {path}: model_type", loaded=False)
     except UsageError as e:
         raise ModelError(str(e)) from None
+    check_shape_config(config, f"--model-config {path}")  # bounded before a synthetic graph is built from it
     return config
 
 

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from bdlora.errors import DataError, ModelError, UsageError
+from bdlora.errors import DataError, ModelError, UsageError, require_finite_nll
 from bdlora.forms import GROUPS
 from bdlora.integrity import TOKENIZER_KEY, check_tokenizer
 from bdlora.runs import CONFIG, EXPORT_MARKER, GENAI_CONFIG, MODEL_ONNX, TOKENIZER_CONFIG, TOKENIZER_JSON
@@ -297,7 +297,7 @@ def score_blocks(sess, shape: DecoderShape, blocks, batch_size: int = 8) -> tupl
         preds.append(logits.argmax(-1).reshape(-1))
     if count == 0:  # callers build blocks with blocks.scored_blocks; this is the last guard
         raise DataError("no tokens to score: the held-out slice is shorter than one block")
-    return total / count, np.concatenate(preds)
+    return require_finite_nll(total / count, "the ONNX graph"), np.concatenate(preds)
 
 
 def check_onnx_dir(path: Path, onnx_file: str, runtime: str = "ort") -> None:

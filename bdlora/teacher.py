@@ -32,10 +32,10 @@ from bdlora.blocks import BlockSampler, PackedBlocks
 from bdlora.data import BUILTIN, Corpus, default_cache_dir, is_heldout, tokenize_corpus
 from bdlora.deployed.folder import check_architecture
 from bdlora.errors import ModelError, UsageError
-from bdlora.integrity import check_loadable
+from bdlora.integrity import check_loadable, check_model_folder
 from bdlora.io import atomic_dir, write_json
 from bdlora.perplexity import perplexity
-from bdlora.runs import TEACHER_JSON
+from bdlora.runs import TEACHER_JSON, ModelDir
 from bdlora.tokenizer import check_vocabulary
 
 EOS = "<|endoftext|>"
@@ -234,6 +234,8 @@ def load_teacher(spec: str, cache_dir: Path | None = None, device: str = "cpu", 
 
         try:
             check_loadable(path)
+            if (folder := ModelDir(path)).finished():  # a folder bdlora wrote (--student-init, a compressed teacher):
+                check_model_folder(path, folder.report())  # the checks eval and export run (forms, bits, digests)
         except ModelError as e:
             raise ModelError(f"{what} {spec}: {e}") from None
     try:

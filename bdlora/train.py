@@ -24,6 +24,7 @@ from bdlora.budgeted.start import LowRankStart, needed, shapes_of
 from bdlora.budgeted.start import summary as start_summary
 from bdlora.checkpoint import (
     StopRequest,
+    drop_unstarted,
     latest_checkpoint,
     load_checkpoint,
     remove_stale,
@@ -33,7 +34,7 @@ from bdlora.checkpoint import (
 from bdlora.config import TrainConfig, resolve_path
 from bdlora.data import default_cache_dir
 from bdlora.distill import DistillationLoss, diverged, kd_step, warmup_cosine
-from bdlora.errors import ModelError, RunDirError, TrainingError, UsageError
+from bdlora.errors import ModelError, RunDirError, Terminated, TrainingError, UsageError
 from bdlora.io import atomic_dir, release, write_json
 from bdlora.kdcache import TeacherTopK, cache_dir
 from bdlora.methods import METHOD_CLASSES, TrainingMethod
@@ -139,17 +140,20 @@ def train(cfg: TrainConfig, reporter: Reporter | None = None, resume: str | Path
                          "caller passed none")
     dist_device = D.init(env, cfg.device)
     run = None
+    made: list[RunDir] = []  # the run folder this call creates, once it exists
     try:
-        run = setup(cfg, rep, run_dir, env, dist_device, cost_table)
         try:
+            run = setup(cfg, rep, run_dir, env, dist_device, cost_table, made)
             loop(run)
             return finish(run)
-        except TrainingError as e:  # a diverged or inconsistent run: nothing half-written may block --out
-            done = run.run.settle_failure(e, run.step) if env.is_main else ""
-            raise TrainingError(f"{e}; {done}" if done else str(e)) from None
-        except Exception as e:  # e.g. the disk refused a write: the same settling, the error itself goes on
-            if env.is_main:
-                run.run.settle_failure(e, run.step)
+        except KeyboardInterrupt as e:  # before the first checkpoint, a new run's folder goes (nothing to resume)
+            note = drop_unstarted(made[0]) if env.is_main and made else ""
+            raise type(e)(f"{e}; {note}" if str(e) else note) if note else e from None
+        except Exception as e:  # a diverged run, a disk that refused a write: nothing half-written may block --out
+            folder = run.run if run is not None else made[0] if made else None  # (none yet: nothing to settle)
+            done = folder.settle_failure(e, run.step if run else 0) if env.is_main and folder else ""
+            if isinstance(e, TrainingError):
+                raise TrainingError(f"{e}; {done}" if done else str(e)) from None
             raise
     finally:
         D.shutdown(env, run)
@@ -158,7 +162,7 @@ def train(cfg: TrainConfig, reporter: Reporter | None = None, resume: str | Path
 
 
 def setup(cfg: TrainConfig, rep: Reporter, resume: RunDir | None, env: D.DistEnv, dist_device,
-          cost_table=None) -> Run:
+          cost_table=None, made: list | None = None) -> Run:
     if resume is None and env.is_main and cfg.out:  # refused (and claimed) before the teacher loads and calibrates,
         check_new_out(cfg.out)  # not ~40 s later when the run folder is made
     with D.main_first(env):  # rank 0 builds the caches (teacher, tokenised corpus) first
@@ -173,6 +177,8 @@ def setup(cfg: TrainConfig, rep: Reporter, resume: RunDir | None, env: D.DistEnv
         shaped, start = forms_start.run_start(cfg, sess.student, sess.calibration_source, rep, cost_table,
                                               has_start)
     run_dir = resume if resume is not None else _new_run_dir(cfg, sess.facts, env)
+    if resume is None and made is not None:
+        made.append(run_dir)
     if shaped is not None:
         forms_start.save(shaped, sess.tokenizer, run_dir)
     if start is not None:
@@ -302,8 +308,9 @@ def loop(run: Run) -> None:
                                 {"train_seconds": run.prior_seconds + time.time() - run.t0}, cfg.keep_last)
             if stopping:
                 D.barrier(env)
-                raise KeyboardInterrupt(f"stopped by {stop.requested or 'a signal to another rank'} after step "
-                                        f"{done}; checkpoint saved, continue with --resume {run.run.path}")
+                kind = Terminated if stop.requested == "SIGTERM" else KeyboardInterrupt  # exit 143 or 130
+                raise kind(f"stopped by {stop.requested or 'a signal to another rank'} after step "
+                           f"{done}; checkpoint saved, continue with --resume {run.run.path}")
     finally:
         stop.restore()
         for f in logs.values():

@@ -155,6 +155,31 @@ def test_sigint_saves_a_checkpoint_and_resume_finishes(tiny_env, tmp_path):
     assert json.loads(res.stdout)["resumed_from"] == step
 
 
+def test_sigterm_before_the_first_checkpoint_removes_the_new_run_and_exits_143(tiny_env, tmp_path):
+    """Before: SIGTERM before the first checkpoint left --out holding config.json and the low-rank start (a rerun
+    was refused as "not empty", --resume found "no complete checkpoint"), and after a checkpoint it exited 130. Now
+    the run is removed (nothing to continue from) and the exit is 143; if the signal lands once training has begun,
+    the step finishes, a checkpoint is saved and the run resumes."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    exe = shutil.which("bdlora") or str(Path(sys.executable).parent / "bdlora")
+    proc = subprocess.Popen([exe, *train_args(tiny_env, out), "--method", "budgeted", "--max-steps", "400",
+                             "--save-every", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (out / "config.json").exists():
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    stderr = proc.communicate(timeout=300)[1]
+    assert proc.returncode == 143, stderr
+    if any((out / "checkpoints").glob("step-*")):  # training had begun: resumable
+        assert "checkpoint saved" in stderr and "--resume" in stderr
+    else:
+        assert not out.exists() and "removed (no checkpoint to continue from)" in stderr.splitlines()[-1], stderr
+
+
 ICL_TASKS = "capitalize,choose_first_of_3,lowercase_first_letter"
 
 

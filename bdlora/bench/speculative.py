@@ -56,7 +56,8 @@ def summary(rows: list[dict]) -> dict[str, dict]:
         decode = _decode_rate(mine) / _decode_rate(plain)
         acc = sum(r["accepted"] for r in mine), sum(r["evaluated"] for r in mine)
         calls = sum(r["committed"] for r in mine), sum(r["target_calls"] for r in mine)
-        out[name] = {"speedup": rate / base, "decode_speedup": decode, "tokens_per_s": rate, "identical": all(r["identical"] for r in mine),
+        out[name] = {"speedup": rate / base, "decode_speedup": decode, "tokens_per_s": rate,
+                     "identical": all(r["identical"] for r in mine),
                      "acceptance": acc[0] / acc[1] if acc[1] else 0.0,
                      "tokens_per_target_call": calls[0] / calls[1] if calls[1] else 0.0}
     return out

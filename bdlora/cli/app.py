@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
-from bdlora.errors import BdloraError
+from bdlora.errors import BdloraError, Terminated
 from bdlora.io import NotAFileError, release_claims
 
 
@@ -138,13 +138,6 @@ def command(target: typer.Typer = app, name: str | None = None, options=()):
         return fn
 
     return deco
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (``kill``, a scheduler's or a container's stop) taken as Ctrl-C is: every ``finally`` and context
-    manager runs, so temp folders and timing workers go and claims are released (a killed bench used to leave its
-    hidden work folder, GBs for a large model, behind); exit 143. Training and the server install their own handlers
-    while they run (checkpoint on stop; drain) and restore this one after."""
 
 
 def _terminated(signum, frame) -> None:

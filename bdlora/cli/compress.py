@@ -9,6 +9,7 @@ from rich.markup import escape
 
 from bdlora import sources
 from bdlora.arch import check_lora_rank, layer_of
+from bdlora.bounds import check_report_provenance
 from bdlora.budgeted.config import ALLOCATIONS, THRESHOLDS, BudgetedConfig
 from bdlora.budgeted.costs import ModuleShape, shapes_from_config
 from bdlora.cli import render
@@ -20,6 +21,7 @@ from bdlora.data import default_cache_dir
 from bdlora.errors import Checks, UsageError, flag, usable_cores
 from bdlora.forms import LOWRANK, REMOVED, declared_head_bits, declared_head_keep, forms_problem, named_forms
 from bdlora.forms.bits import head_shape
+from bdlora.integrity import check_model_folder
 from bdlora.oneshot_config import OneShotConfig
 from bdlora.plan import DEFAULT_PLAN_STEPS, read_model_config
 from bdlora.plan import plan as run_plan
@@ -283,6 +285,8 @@ def _folder_report(folder: str, other: str | None = None) -> tuple[dict, dict, s
         raise UsageError(f"plan {folder}: not a compressed folder (no compression.json); give compress's output, or "
                          "--model-config / --model to plan from shapes")
     report, config = src.report(), read_model_config(folder)
+    check_report_provenance(report, str(src.path / ModelDir.MARKER))
+    check_model_folder(src.path, report)  # the checks every other reader runs: forms, sizes, digests, tokenizer
     prov = report.get("provenance") or {}
     depth = len({layer_of(m["name"]) for m in report["modules"]})
     depth = max(depth, int(prov.get("teacher_layers") or 0), 1 + max(prov.get("layer_indices") or [-1]))

@@ -245,13 +245,13 @@ class Vocab:
     tokens it keeps, and the target verifies every proposal, so the output stays the target's; a draft's head over
     the tokens the teacher emits most is exact wherever the teacher picks one of them and costs ``keep / vocab`` of
     the full head. Declared on the head (``lm_head``): ``{"form": "vocab", "keep": K}``; stores ``lm_head.weight``
-    (K, hidden) and ``lm_head.token_ids`` (K,), the kept token ids ascending; the folder's embedding is untied from
-    it."""
+    (K, hidden) and ``lm_head.token_ids`` (K,), the kept ids ascending; the folder's embedding is untied from it."""
 
     name: str = "vocab"
     module_class: str = "VocabHead"
     site: str = HEAD
     projections: tuple[str, ...] = ()
+    index_suffixes: tuple[str, ...] = ("token_ids",)  # stored as integers; every other tensor of a folder floats
 
     def spec(self, keep: int = 0) -> dict:
         return {"form": self.name, "keep": int(keep)}

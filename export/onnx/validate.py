@@ -59,6 +59,10 @@ def validate(model: nn.Module, sess, shapes=VALIDATION_SHAPES, tolerance: float 
         ref64 = torch_forward(reference64, ids, mask, pos, [t.double() for t in pasts])
         got = run_decoder(sess, ids.numpy(), mask.numpy(), pos.numpy(), [t.numpy() for t in pasts])
         real = mask[:, -s:].bool().numpy()  # (B, seq) query positions that are real tokens
+        if not all(np.isfinite(a[0][real]).all() for a in (got, ref, ref64)):  # NaN compares False: it "passed"
+            raise ExportValidationError("the outputs are not finite (PyTorch's or the graph's logits hold NaN or "
+                                        "inf): a weight or a config value of the model is corrupt; nothing was "
+                                        "exported")
         kv_real = mask.bool().numpy()  # (B, past + seq) cache positions that hold real tokens
         d_logits = max_abs_diff(got[0][real], ref[0][real])
         d_kv = max(max_abs_diff(_at(g, kv_real), _at(r, kv_real)) for g, r in zip(got[1:], ref[1:]))
