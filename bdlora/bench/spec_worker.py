@@ -57,7 +57,7 @@ def main(argv: list[str]) -> int:
     target = DecoderFactory.verifying(spec["target"], threads)
     draft = DecoderFactory(spec["draft"], threads) if spec.get("draft") else None
     stops, draft_stops = stop_ids_of(target, spec.get("eos")), stop_ids_of(draft, spec.get("eos")) if draft else []
-    costs = Costs()  # the adaptive policy's measurements, shared as a server shares them
+    costs = {"none": Costs(), "draft": Costs(), "lookup": Costs()}  # per proposer, shared as a server shares them
     out = []
     for domain, prompts in spec["prompts"].items():
         cells = {name: {"tokens": 0, "seconds": 0.0, "decode_seconds": 0.0, "stats": SpecStats(), "identical": True}
@@ -68,7 +68,7 @@ def main(argv: list[str]) -> int:
                 for name, kind, k in configurations(spec):
                     proposer = (DraftProposer(draft.new(len(prompt) + spec["new_tokens"] + 18), draft_stops)
                                 if kind == "draft" else PromptLookup(spec["ngram"]) if kind == "lookup" else None)
-                    policy = KPolicy(spec["max_k"], costs, fixed=k)
+                    policy = KPolicy(spec["max_k"], costs[kind], fixed=k)
                     time.sleep(SETTLE_S)
                     toks, secs, dec, stats = run_one(plain if kind == "none" else target, proposer, policy, prompt,
                                                      spec["new_tokens"], stops)
@@ -90,8 +90,9 @@ def main(argv: list[str]) -> int:
                         **c["stats"].as_dict()})
         print(f"speculative {domain}", file=sys.stderr, flush=True)
     with open(argv[1], "w") as f:
-        json.dump({"rows": out, "costs": {"target_us": {str(w): s * 1e6 for w, s in costs.target.items()},
-                                          "draft_us": None if costs.draft is None else costs.draft * 1e6}}, f)
+        mine = costs["draft"] if spec.get("draft") else costs["lookup"]  # the draft's costs, else lookup's
+        json.dump({"rows": out, "costs": {"target_us": {str(w): s * 1e6 for w, s in mine.target.items()},
+                                          "draft_us": None if mine.draft is None else mine.draft * 1e6}}, f)
     return 0
 
 
