@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from bdlora.errors import DataError
+from bdlora.integrity import sha256
 from bdlora.io import atomic_dir, write_json
 from bdlora.reporter import SILENT, Reporter
 from bdlora.runs import CONFIG, CORPUS_FILE
@@ -104,8 +106,12 @@ def samples_dir(teacher: TeacherSource, n_tokens: int, seed: int, cache: Path,
     """The cached folder of ``n_tokens`` teacher samples for ``seed`` (generated now if absent)."""
     key = hashlib.sha256(f"{GEN_VERSION}|{teacher.fingerprint()}|{n_tokens}|{seed}".encode()).hexdigest()[:20]
     out = Path(cache) / "corpora" / f"teacher-{key}"
-    if (out / CORPUS_FILE).is_file():
-        return out
+    if (out / CORPUS_FILE).is_file() or out.exists():
+        problem = _cache_problem(out)
+        if problem is None:
+            return out
+        reporter.stage(f"the cached teacher samples {out} {problem}: sampling them again")
+        shutil.rmtree(out)
     model, tok = teacher.load()
     reporter.stage(f"sampling {n_tokens:,} tokens from the teacher (seed {seed}; generated once, then cached)")
     t0 = time.time()
@@ -118,8 +124,29 @@ def samples_dir(teacher: TeacherSource, n_tokens: int, seed: int, cache: Path,
             "name": f"teacher:{n_tokens}", "teacher": str(teacher.folder()), "teacher_sha256": teacher.fingerprint(),
             "tokens_requested": n_tokens, "tokens_generated": generated, "documents": len(docs), "seed": seed,
             "temperatures": list(TEMPERATURES), "top_p": TOP_P, "max_new_tokens": MAX_NEW_TOKENS,
-            "chat_template": has_chat_template(tok), "seconds": time.time() - t0, "version": GEN_VERSION})
+            "chat_template": has_chat_template(tok), "seconds": time.time() - t0, "version": GEN_VERSION,
+            SAMPLES_SHA256: sha256(tmp / "samples.jsonl")})
     return out
+
+
+SAMPLES_SHA256 = "samples_sha256"  # corpus.json: the content hash of samples.jsonl, checked on every reuse
+
+
+def _cache_problem(out: Path) -> str | None:
+    """Why a cached samples folder cannot be reused (None: it can): a rewritten or truncated samples.jsonl read as
+    if it were the teacher's (perplexity 424.0 against 16.65), or a folder without a whole record."""
+    try:
+        want = json.loads((out / CORPUS_FILE).read_text()).get(SAMPLES_SHA256)
+    except (OSError, ValueError, AttributeError):
+        return f"have no readable {CORPUS_FILE}"
+    if not want:
+        return "carry no content hash (written by an older bdlora)"
+    try:
+        if sha256(out / "samples.jsonl") != want:
+            return "were changed or damaged (samples.jsonl's content hash differs from the one recorded)"
+    except OSError:
+        return "have no samples.jsonl"
+    return None
 
 
 def has_chat_template(tok) -> bool:

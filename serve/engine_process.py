@@ -8,7 +8,7 @@ same engine gave 257 tok/s in-process without HTTP but 129 tok/s behind the serv
 keeps its GIL to itself and the server's loop only moves bytes.
 
 Protocol (one ``multiprocessing`` pipe, pickled tuples): parent -> child ``("submit", id, prompt_ids, params,
-stream)``, ``("cancel", id)``, ``("shutdown",)``; child -> parent ``("ready",)`` or ``("load_error", text)``, then
+stream, group)``, ``("cancel", id)``, ``("shutdown",)``; child -> parent ``("ready",)`` or ``("load_error", text)``, then
 ``("event", id, kind, payload)`` for every engine event, ``("stats", {...})`` every 50 ms, and ``("fatal", text)``
 when the engine's worker dies. A child that disappears (killed, crashed) is fatal too: every pending request gets an
 error and ``on_fatal`` is called, as for an engine that dies in-process.
@@ -80,8 +80,8 @@ def _child(conn, engine_cls, args: tuple, kw: dict) -> None:
             except (EOFError, OSError):  # the server is gone
                 break
             if msg[0] == "submit":
-                _, rid, ids, params, stream = msg
-                req = Request(ids, params, emitter(rid), stream=stream)
+                _, rid, ids, params, stream, group = msg
+                req = Request(ids, params, emitter(rid), stream=stream, group=group)
                 live[rid] = req
                 eng.submit(req)
             elif msg[0] == "cancel":
@@ -159,7 +159,7 @@ class EngineProcess(ServingEngine):
         with self._lock:
             self._pending[req.id] = req
             try:
-                self._conn.send(("submit", req.id, list(req.prompt_ids), req.params, req.stream))
+                self._conn.send(("submit", req.id, list(req.prompt_ids), req.params, req.stream, req.group))
             except (OSError, ValueError) as e:
                 self._pending.pop(req.id, None)
                 safe_emit(req, "error", f"the engine process is gone ({type(e).__name__})")

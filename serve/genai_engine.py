@@ -142,7 +142,7 @@ class GenaiEngine(Engine):
         the server), so take those that follow within ``GATHER_QUIET`` of each other (at most ``GATHER_MAX``) into
         the same cohort instead of starting a cohort of one and another of the rest."""
         deadline = time.perf_counter() + GATHER_MAX
-        while len(new) < self.max_batch and time.perf_counter() < deadline:
+        while len(new) < self.max_batch - self.max_batch // 4 and time.perf_counter() < deadline:  # (fair.py)
             try:
                 r = self._waiting.get(timeout=GATHER_QUIET)
             except queue.Empty:

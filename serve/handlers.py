@@ -139,6 +139,7 @@ class Serving:
                 loop.call_soon_threadsafe(q.put_nowait, (kind, payload))
 
             reqs.append(EngineRequest(list(ids), params, emit, stream=stream))
+            reqs[-1].group = reqs[0].id  # one group per HTTP request: admitted in turn with other requests
             queues.append(q)
             self.metrics.prompt_tokens.inc(len(ids))
         for r in reqs:

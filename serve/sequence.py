@@ -30,6 +30,7 @@ class Request:
     id: int = field(default_factory=lambda: next(_ids))
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
+    group: int | None = None  # the prompts of one list-prompt request share it: admitted in turn with other groups
 
     def cancel(self) -> None:
         self.cancelled.set()
