@@ -8,8 +8,8 @@ same engine gave 257 tok/s in-process without HTTP but 129 tok/s behind the serv
 keeps its GIL to itself and the server's loop only moves bytes.
 
 Protocol (one ``multiprocessing`` pipe, pickled tuples): parent -> child ``("submit", id, prompt_ids, params,
-stream, group)``, ``("cancel", id)``, ``("shutdown",)``; child -> parent ``("ready",)`` or ``("load_error", text)``, then
-``("event", id, kind, payload)`` for every engine event, ``("stats", {...})`` every 50 ms, and ``("fatal", text)``
+stream, group)``, ``("cancel", id)``, ``("shutdown",)``; child -> parent ``("ready",)`` or ``("load_error", text)``,
+then ``("event", id, kind, payload)`` for every engine event, ``("stats", {...})`` every 50 ms, and ``("fatal", text)``
 when the engine's worker dies. A child that disappears (killed, crashed) is fatal too: every pending request gets an
 error and ``on_fatal`` is called, as for an engine that dies in-process.
 

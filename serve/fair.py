@@ -5,7 +5,8 @@ large request that arrived before it. Measured (builtin model, 2 clients of 64 p
 single-prompt clients): single-prompt p50 went from 225 ms idle to 11.4 s (genai) and 166 ms to 10.9 s (ort) with a
 first-come queue. Turns alone do not bound that wait where slots free only when long sequences end (a genai cohort
 ends with its longest row), so the engines also keep a quarter of the batch for requests of one prompt that hold
-no slot yet (``reserved_for``). The subset of ``queue.Queue`` the engines use; ``None`` (wake-up, shutdown) is served first.
+no slot yet (``reserved_for``). The subset of ``queue.Queue`` the engines use; ``None`` (wake-up, shutdown) is
+served first.
 """
 
 from __future__ import annotations

@@ -103,6 +103,24 @@ def test_teacher_samples_are_cached_and_a_pure_function_of_the_seed(tiny_env, tm
     # read as a corpus through the spec
     tokens = load_tokens("teacher:300", tiny_env["tokenizer"], None, cache, teacher=src, seed=0)
     assert sum(tokens.meta["tokens"].values()) > 300
+    # a rewritten or truncated cache is seen by its content hash and sampled again (it was read as the teacher's:
+    # perplexity 424.0 against 16.65), the message naming the cache
+    from bdlora.reporter import Reporter
+
+    class Stages(Reporter):
+        def __init__(self):
+            self.lines = []
+
+        def stage(self, text):
+            self.lines.append(text)
+
+    for damage in ("rewritten", "truncated"):
+        f = first / "samples.jsonl"
+        f.write_text('{"text": "not what the teacher wrote"}\n' if damage == "rewritten" else text[: len(text) // 2])
+        rep = Stages()
+        assert samples_dir(TeacherSource(tiny_env["teacher"]), 300, 0, cache, rep) == first
+        assert f.read_text() == text
+        assert any(f"the cached teacher samples {first} were changed or damaged" in line for line in rep.lines)
 
 
 def test_chat_prompts_are_varied_and_deterministic():

@@ -2,8 +2,8 @@
 
 import asyncio
 import json
-import queue
 import os
+import queue
 import shutil
 import signal
 import subprocess
