@@ -210,3 +210,29 @@ def test_train_student_init_runs_the_folder_checks_eval_and_export_run(shot, tin
                                    "--out", str(tmp_path / "t")])
     assert res.exit_code == 2 and evaluated.stderr.strip().split(": ", 1)[-1] in res.stderr, res.output
     assert not (tmp_path / "t").exists()
+
+
+def test_exports_report_the_folders_own_mac_speedup_and_bench_refuses_a_self_peer(shot, tmp_path):
+    """Before: a 1.30x channels folder exported as "MAC speed-up of the projections vs dense 1.00x" (its pruned MLPs
+    were their own dense baseline), and `bench X --peer X` accepted a student as its own peer."""
+    report = json.loads((shot / "compression.json").read_text())
+    assert any(m.get("channels") for m in report["modules"])  # the fixture prunes MLP channels
+    res = CliRunner().invoke(app, ["export", "onnx", str(shot), "--out", str(tmp_path / "o"), "--json"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)
+    found = [v for k, v in _walk(summary) if k == "mac_speedup_vs_dense"]
+    assert found and all(v == pytest.approx(report["speedup_vs_dense"], rel=1e-6) for v in found), found
+    res = CliRunner().invoke(app, ["bench", str(shot), "--runtime", "genai", "--peer", str(shot), "--out",
+                                   str(tmp_path / "b")])
+    _one_line_refusal(res, f"--peer {shot}: is the benched folder itself")
+    assert not (tmp_path / "b").exists()
+
+
+def _walk(doc):
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            yield k, v
+            yield from _walk(v)
+    elif isinstance(doc, list):
+        for v in doc:
+            yield from _walk(v)

@@ -1,5 +1,6 @@
 """``bdlora bench``: the compressed model against its dense and LoRA forms under onnxruntime."""
 
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -61,6 +62,11 @@ def bench(
     lazy = cfg.runtime == "genai" and not cfg.peers  # no PyTorch or builder row needs the weights at once
     target = (synthetic_target(model_config, budget, layers, lora_rank, out_dir, runs_dir, lazy) if model_config
               else compressed_target(model_dir, lora_rank, out_dir, runs_dir))
+    for flag, folders in (("--peer", peer or []), ("--also", also or [])):
+        for other in folders:  # a student accepted as its own peer put itself on the front beside itself
+            if target.source is not None and Path(other).resolve() == target.source.path.resolve():
+                raise UsageError(f"{flag} {other}: is the benched folder itself; give another model's folder (a "
+                                 "peer: the dense model healed with the same data and steps)")
     check_out_dir(target.out, force, target.inputs)
     rep = RichReporter(out)
     deploy = None
