@@ -22,6 +22,7 @@ from bdlora.families import BDLORA_PREFIX
 from bdlora.runs import CONFIG, ModelDir
 
 DIGEST_KEY = "weights_sha256"  # in compression.json: {file name: hex digest}
+CONFIG_KEY = "config_sha256"  # in export.json: config.json as exported (the graph's shapes are fixed by it)
 TOKENIZER_KEY = "tokenizer_sha256"  # in compression.json and export.json: {file name: hex digest}
 # The files that decide which ids a text becomes (the fast tokenizer's one file, or a slow one's vocabulary, merges
 # or sentencepiece model). tokenizer_config.json is left out: a chat template added there changes no id.

@@ -48,7 +48,7 @@ TOKENIZER_JSON, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"  # 
 TEACHER_JSON = "teacher.json"  # a built teacher's folder: what it is and how it was built (bdlora.teacher)
 FACTORS_FILE, META_FILE = "budgeted.safetensors", "budgeted.json"  # a budgeted student's gates and factors
 CORPUS_META = "meta.json"  # a tokenized corpus's cache folder: its source, tokenizer and splits
-CORPUS_FILE = "corpus.json"  # a text corpus folder bdlora fetched or generated: source, version, licence
+CORPUS_FILE, TEACHER_SAMPLES = "corpus.json", "samples.jsonl"  # a fetched/generated corpus: its record; teacher:N's
 # a training checkpoint's folder (bdlora.checkpoint)
 CKPT_STATE, CKPT_TRAINABLE = "state.json", "trainable.safetensors"
 CKPT_OPTIMIZER, CKPT_RNG = "optimizer.safetensors", "rng.safetensors"

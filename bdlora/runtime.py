@@ -17,7 +17,7 @@ import numpy as np
 
 from bdlora.errors import DataError, ModelError, UsageError, require_finite_nll
 from bdlora.forms import GROUPS
-from bdlora.integrity import TOKENIZER_KEY, check_tokenizer
+from bdlora.integrity import CONFIG_KEY, TOKENIZER_KEY, check_tokenizer, sha256
 from bdlora.runs import CONFIG, EXPORT_MARKER, GENAI_CONFIG, MODEL_ONNX, TOKENIZER_CONFIG, TOKENIZER_JSON
 from bdlora.tokenizer import TextTokenizer, check_vocabulary
 
@@ -334,10 +334,14 @@ def check_onnx_dir(path: Path, onnx_file: str, runtime: str = "ort") -> None:
                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
     check_vocabulary(path, len(loaded["tokenizer"]), loaded[CONFIG].vocab_size)
     try:
-        recorded = json.loads((path / EXPORT_MARKER).read_text()).get(TOKENIZER_KEY)
+        marker = json.loads((path / EXPORT_MARKER).read_text())
+        recorded, config_digest = marker.get(TOKENIZER_KEY), marker.get(CONFIG_KEY)
     except (ValueError, AttributeError):
         raise ModelError(f"{path}: its export.json is not a JSON object; the export is damaged") from None
     check_tokenizer(path, recorded, EXPORT_MARKER)
+    if config_digest and sha256(path / CONFIG) != config_digest:  # exports before the record are not checked
+        raise ModelError(f"{path / CONFIG}: differs from the config.json the graph was exported with (its SHA-256 "
+                         f"in {EXPORT_MARKER}): it was edited after the export; export again")
     if runtime == "genai":
         check_genai_folder(path, onnx_file)
 

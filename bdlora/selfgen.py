@@ -28,7 +28,7 @@ from bdlora.errors import DataError
 from bdlora.integrity import sha256
 from bdlora.io import atomic_dir, write_json
 from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import CONFIG, CORPUS_FILE
+from bdlora.runs import CONFIG, CORPUS_FILE, TEACHER_SAMPLES
 from bdlora.teacher import load_teacher, teacher_folder
 
 GEN_VERSION = 1
@@ -117,7 +117,7 @@ def samples_dir(teacher: TeacherSource, n_tokens: int, seed: int, cache: Path,
     t0 = time.time()
     with atomic_dir(out) as tmp:
         docs, generated = generate(model, tok, n_tokens, seed, reporter)
-        with open(tmp / "samples.jsonl", "w", encoding="utf-8") as fh:
+        with open(tmp / TEACHER_SAMPLES, "w", encoding="utf-8") as fh:
             for d in docs:
                 fh.write(json.dumps(d, ensure_ascii=False) + "\n")
         write_json(tmp / CORPUS_FILE, {
@@ -125,7 +125,7 @@ def samples_dir(teacher: TeacherSource, n_tokens: int, seed: int, cache: Path,
             "tokens_requested": n_tokens, "tokens_generated": generated, "documents": len(docs), "seed": seed,
             "temperatures": list(TEMPERATURES), "top_p": TOP_P, "max_new_tokens": MAX_NEW_TOKENS,
             "chat_template": has_chat_template(tok), "seconds": time.time() - t0, "version": GEN_VERSION,
-            SAMPLES_SHA256: sha256(tmp / "samples.jsonl")})
+            SAMPLES_SHA256: sha256(tmp / TEACHER_SAMPLES)})
     return out
 
 
@@ -142,7 +142,7 @@ def _cache_problem(out: Path) -> str | None:
     if not want:
         return "carry no content hash (written by an older bdlora)"
     try:
-        if sha256(out / "samples.jsonl") != want:
+        if sha256(out / TEACHER_SAMPLES) != want:
             return "were changed or damaged (samples.jsonl's content hash differs from the one recorded)"
     except OSError:
         return "have no samples.jsonl"

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bdlora.integrity import TOKENIZER_KEY, tokenizer_digests
+from bdlora.integrity import CONFIG_KEY, TOKENIZER_KEY, sha256, tokenizer_digests
 from bdlora.io import write_json
-from bdlora.runs import ModelDir
+from bdlora.runs import CONFIG, ModelDir
 
 
 def write_model_files(folder: Path, model, tokenizer, report: dict | None) -> None:
@@ -24,5 +24,6 @@ def write_model_files(folder: Path, model, tokenizer, report: dict | None) -> No
 
 def identity(folder: Path) -> dict:
     """What export.json records of the folder's own files, checked by every reader (``runtime.check_onnx_dir``):
-    the SHA-256 of the tokenizer files it was validated with."""
-    return {TOKENIZER_KEY: tokenizer_digests(folder)}
+    the SHA-256 of the tokenizer files it was validated with, and of config.json (the graph's shapes are fixed at
+    export: an edited groups declaration served every completion a 500)."""
+    return {TOKENIZER_KEY: tokenizer_digests(folder), CONFIG_KEY: sha256(folder / CONFIG)}

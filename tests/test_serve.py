@@ -645,14 +645,26 @@ def _declare(name: str, *path: str, **sizes):  # issue 32: a JSON file of the fo
     return edit
 
 
-def test_a_config_declaring_sizes_the_graph_lacks_is_refused(served_model, tmp_path):
-    """Issue 32: config.json edited to 1,000,000 layers. The genai folder is refused before the server listens (its
-    graph signature is read without the weights); the ort graph is checked as it loads: exit 1, one line."""
-    folder = _damaged_copy(served_model, tmp_path, _declare("config.json", num_hidden_layers=1_000_000))
+@pytest.mark.parametrize("recorded", [True, False])
+def test_a_config_declaring_sizes_the_graph_lacks_is_refused(served_model, tmp_path, recorded):
+    """Issue 32: config.json edited to 1,000,000 layers; issue 71 case 10: an edited groups declaration served every
+    completion a 500. export.json records config.json's SHA-256, so any edit is refused before the server listens
+    (exit 2). Without the record (older exports) the sizes are checked against the graph: the genai folder before
+    listening (its signature is read without the weights), the ort graph as it loads (exit 1); one line either way."""
+    def damage(folder):
+        _declare("config.json", num_hidden_layers=1_000_000)(folder)
+        if not recorded:
+            _declare("export.json", config_sha256=None)(folder)
+
+    folder = _damaged_copy(served_model, tmp_path, damage)
     proc = subprocess.run([sys.executable, "-m", "bdlora.cli", "serve", str(folder), "--port", str(free_port()),
                            *served_model["args"]], capture_output=True, text=True, timeout=120)
     last = proc.stderr.strip().splitlines()[-1]
-    assert "num_hidden_layers 1,000,000 but the graph has 2" in last and "Traceback" not in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    if recorded:
+        assert "differs from the config.json the graph was exported with" in last and proc.returncode == 2, last
+        return
+    assert "num_hidden_layers 1,000,000 but the graph has 2" in last, proc.stderr
     assert proc.returncode == (2 if served_model["runtime"] == "genai" else 1), proc.stderr
 
 

@@ -62,11 +62,7 @@ def bench(
     lazy = cfg.runtime == "genai" and not cfg.peers  # no PyTorch or builder row needs the weights at once
     target = (synthetic_target(model_config, budget, layers, lora_rank, out_dir, runs_dir, lazy) if model_config
               else compressed_target(model_dir, lora_rank, out_dir, runs_dir))
-    for flag, folders in (("--peer", peer or []), ("--also", also or [])):
-        for other in folders:  # a student accepted as its own peer put itself on the front beside itself
-            if target.source is not None and Path(other).resolve() == target.source.path.resolve():
-                raise UsageError(f"{flag} {other}: is the benched folder itself; give another model's folder (a "
-                                 "peer: the dense model healed with the same data and steps)")
+    _not_itself(target, peer, also)
     check_out_dir(target.out, force, target.inputs)
     rep = RichReporter(out)
     deploy = None
@@ -81,6 +77,15 @@ def bench(
         write_json(json_path, doc)
     render.bench(doc)
     out.print(f"[green]wrote[/] {escape(str(target.out / BenchDir.MARKER))}, bench.md, bench.png")
+
+
+def _not_itself(target, peer, also) -> None:
+    """A student accepted as its own peer (or --also) put itself on the front beside itself."""
+    for flag, folders in (("--peer", peer or []), ("--also", also or [])):
+        for other in folders:
+            if target.source is not None and Path(other).resolve() == target.source.path.resolve():
+                raise UsageError(f"{flag} {other}: is the benched folder itself; give another model's folder (a "
+                                 "peer: the dense model healed with the same data and steps)")
 
 
 def _check_mode(cfg: BenchConfig, model_config) -> None:
