@@ -246,6 +246,9 @@ def edited_model_type(made, tmp):
     return ["eval", str(folder), "--ppl", "--json", str(tmp / "out")]
 
 
+# an export's config.json edited: refused by the digest export.json records (test_serve checks the sizes without it)
+EDITED_EXPORT_CONFIG = "differs from the config.json the graph was exported with"
+
 CASES = out_cases() + json_cases() + [
     # issue 44 cases 9, 10 and the minor ones
     Case("export genai --threads 100000", lambda m, t: ["export", "genai", str(m["compressed"]), "--threads",
@@ -331,9 +334,9 @@ CASES = out_cases() + json_cases() + [
     Case("eval: ONNX tokenizer damaged", damaged_onnx("tokenizer.json", "{"), "its tokenizer does not load"),
     # issue 32: sizes the graph does not have, and an export that never finished
     Case("eval: ONNX config.json declares 1,000,000 layers", damaged_onnx("config.json", declare(
-        num_hidden_layers=1_000_000)), "declares num_hidden_layers 1,000,000 but the graph has 2"),
+        num_hidden_layers=1_000_000)), EDITED_EXPORT_CONFIG),
     Case("eval: ONNX config.json declares 65,536 KV heads", damaged_onnx("config.json", declare(
-        num_key_value_heads=65536)), "num_key_value_heads 65,536 but the graph has 2"),
+        num_key_value_heads=65536)), EDITED_EXPORT_CONFIG),
     Case("eval: an unfinished ONNX export (no export.json)", damaged_onnx("export.json", lambda f: f.unlink()),
          "an unfinished export (no export.json"),
     Case("eval --onnx-file outside the folder", damaged_onnx("x", None, onnx_file="../onnx/model.onnx"),
