@@ -43,9 +43,10 @@ def metadata_summary(model: nn.Module, rows: list[dict], report: dict | None) ->
     cfg = model.config
     bd = getattr(cfg, "bdlora", {}) or {}
     dense = sum(r["in_features"] * r["out_features"] for r in rows)
-    before = [m.get("macs_before") for m in (report or {}).get("modules") or []]
-    if before and all(isinstance(b, int) and b > 0 for b in before):  # the source model's projections: a pruned
-        dense = sum(before)  # MLP's or a removed layer's deployed shapes are not its dense baseline (1.00x before)
+    src = [(m.get("in_features"), m.get("out_features")) for m in (report or {}).get("modules") or []]
+    if src and all(isinstance(i, int) and isinstance(o, int) and i > 0 and o > 0 for i, o in src):
+        dense = sum(i * o for i, o in src)  # the source's dense projections: a pruned MLP's or a removed layer's
+        # deployed shapes are not its baseline (a 1.30x channels folder read 1.00x); not macs_before (dense + LoRA)
     macs = sum(r["macs_per_token"] for r in rows)
     summary = {"base_model_type": bd.get("base_model_type", cfg.model_type), "model_type": cfg.model_type,
                "budget": bd.get("budget"), "modules": len(rows),
