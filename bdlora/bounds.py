@@ -7,7 +7,7 @@ covers it) declaring layer 1e9 had plan build a 137-layer graph. Standard librar
 from __future__ import annotations
 
 from bdlora.errors import ModelError, shown
-from bdlora.integrity import SIZE_FIELDS
+from bdlora.integrity import OPTIONAL_SIZES, declared_sizes
 
 # What a reader that plans from shapes alone (plan, bench --model-config) accepts before it builds anything: well
 # above every released decoder (Llama 3.1 405B: hidden 16,384, MLP 53,248, 126 layers, 128 heads; Gemma 3: a
@@ -20,17 +20,11 @@ def check_shape_config(cfg: dict, where: str) -> dict[str, int]:
     """The decoder sizes of a config read for its shapes only, refused in one line naming the field (not a positive
     integer, above ``SIZE_BOUNDS``, key/value heads that do not divide the heads, a hidden size the heads do not
     divide when no head_dim is given) before anything is allocated; returns them."""
-    sizes = {}
-    for k in SIZE_FIELDS:  # the layout's required sizes; vocabulary, MLP width, key/value heads, head_dim optional
-        v = cfg.get(k)
-        if v is None and k not in ("hidden_size", "num_attention_heads", "num_hidden_layers"):
-            continue
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ModelError(f"{where}: {k} {v!r} (must be a positive integer)")
-        sizes[k] = v
-    sizes.setdefault("num_key_value_heads", sizes["num_attention_heads"])
+    sizes, bad = declared_sizes(cfg, OPTIONAL_SIZES + ("vocab_size",))  # plan needs no vocabulary
+    if bad:
+        raise ModelError(f"{where}: {bad[0]}")
     for k, v in sizes.items():
-        if v > SIZE_BOUNDS[k]:
+        if cfg.get(k) is not None and v > SIZE_BOUNDS[k]:  # as given (a derived head size is not the user's)
             raise ModelError(f"{where}: {k} {v:,} is above {SIZE_BOUNDS[k]:,}, the largest bdlora plans or builds "
                              "(no released decoder comes near it)")
     heads, kv = sizes["num_attention_heads"], sizes["num_key_value_heads"]

@@ -139,13 +139,16 @@ SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
                "num_key_value_heads", "head_dim")
 
 
-def _declared(cfg: dict) -> tuple[dict[str, int], list[str]]:
-    """The decoder sizes config.json declares (absent optional fields resolved as transformers does), and every
-    field that is not a positive integer."""
+OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "intermediate_size")
+
+
+def declared_sizes(cfg: dict, optional: tuple[str, ...] = OPTIONAL_SIZES) -> tuple[dict[str, int], list[str]]:
+    """The decoder sizes config.json declares (absent ``optional`` fields skipped, key/value heads and head size
+    then resolved as transformers does), and every field that is not a positive integer."""
     sizes, bad = {}, []
     for k in SIZE_FIELDS:
         v = cfg.get(k)
-        if v is None and k in ("num_key_value_heads", "head_dim", "intermediate_size"):
+        if v is None and k in optional:
             continue
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             bad.append(f"{k} {v!r} (must be a positive integer)")
@@ -175,7 +178,7 @@ def check_declared_sizes(folder: Path, cfg: dict, shapes: dict[str, tuple[int, .
     otherwise have transformers allocate them (a hang, then an out-of-memory kill) instead of a one-line refusal.
     Applies to the Llama/Mistral/Qwen2 layout (and bdlora's compressed forms of it); other layouts are refused by
     the architecture check."""
-    sizes, bad = _declared(cfg)
+    sizes, bad = declared_sizes(cfg)
     where = f"{Path(folder) / CONFIG}" if what == CONFIG else what
     if bad:
         raise ModelError(f"{where}: {'; '.join(bad)}")
@@ -296,7 +299,7 @@ def check_loadable(folder: Path) -> dict:
     if shapes:
         check_declared_sizes(folder, cfg, shapes)
         return cfg
-    sizes, bad = _declared(cfg)
+    sizes, bad = declared_sizes(cfg)
     if bad:
         raise ModelError(f"{folder / CONFIG}: {'; '.join(bad)}")
     on_disk = sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and p.suffix in (".bin", ".pt", ".pth"))

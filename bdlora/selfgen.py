@@ -106,7 +106,7 @@ def samples_dir(teacher: TeacherSource, n_tokens: int, seed: int, cache: Path,
     """The cached folder of ``n_tokens`` teacher samples for ``seed`` (generated now if absent)."""
     key = hashlib.sha256(f"{GEN_VERSION}|{teacher.fingerprint()}|{n_tokens}|{seed}".encode()).hexdigest()[:20]
     out = Path(cache) / "corpora" / f"teacher-{key}"
-    if (out / CORPUS_FILE).is_file() or out.exists():
+    if out.exists():
         problem = _cache_problem(out)
         if problem is None:
             return out

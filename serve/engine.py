@@ -29,7 +29,7 @@ import numpy as np
 
 from bdlora.runs import MODEL_ONNX
 from bdlora.runtime import DecoderShape, check_signature, empty_past, left_padded, run_bound, session
-from bdlora.serve.fair import FairQueue, reserved_for
+from bdlora.serve.fair import FairQueue, reserved_for, reserved_slots
 from bdlora.serve.interface import ServingEngine
 from bdlora.serve.sequence import Request, Sequence, safe_emit, score_prompt
 from bdlora.serve.speculation import EngineSpeculation
@@ -210,15 +210,15 @@ class Engine(ServingEngine):
         ``held()``, nothing is admitted beside a running batch, and an idle engine waits with the first request."""
         new: list[Request] = []
         self._admitted = new
-        reserve = self.max_batch // 4  # slots a request of many prompts may not take (fair.reserved_for)
-        holding = {s.req.group or s.req.id for s in self._live}
+        reserve = reserved_slots(self.max_batch)
         while running + len(new) < self.max_batch:
             if running and not self._open.is_set():
                 break
             free = self.max_batch - running - len(new)
             try:
                 r = self._waiting.get(block=not running and not new, timeout=None,
-                                      eligible=None if free > reserve else reserved_for(holding))
+                                      eligible=None if free > reserve else
+                                      reserved_for([s.req for s in self._live] + new))
             except queue.Empty:
                 break
             self._open.wait()  # held(): this request waits, and those submitted meanwhile join it
@@ -226,7 +226,6 @@ class Engine(ServingEngine):
                 return None
             if not r.cancelled.is_set():
                 new.append(r)
-                holding.add(r.group or r.id)
         return new
 
     def _start(self, new: list[Request], batch: _Batch) -> None:

@@ -29,7 +29,7 @@ class FairQueue:
             if item is None:
                 self._control.append(None)
             else:
-                self._groups.setdefault(getattr(item, "group", None) or item.id, deque()).append(item)
+                self._groups.setdefault(item.group, deque()).append(item)
                 self._size += 1
             self._cond.notify()
 
@@ -72,6 +72,13 @@ class FairQueue:
         return self.get(block=False)
 
 
-def reserved_for(running_groups: set) -> callable:
-    """Who may take a reserved slot: a request of one prompt (its group's only queued sequence) holding none yet."""
-    return lambda group, items: len(items) == 1 and group not in running_groups
+def reserved_slots(max_batch: int) -> int:
+    """Slots of a batch a request of many prompts may not take: a quarter, kept for single-prompt requests."""
+    return max_batch // 4
+
+
+def reserved_for(running) -> callable:
+    """Who may take a reserved slot: a request of one prompt (its group's only queued sequence) whose group holds no
+    slot among ``running`` (the requests in the batch)."""
+    holding = {r.group for r in running}
+    return lambda group, items: len(items) == 1 and group not in holding

@@ -36,6 +36,7 @@ import numpy as np
 from bdlora.errors import usable_cores
 from bdlora.runs import all_logits_graph
 from bdlora.serve.engine import Engine, release_freed_memory
+from bdlora.serve.fair import reserved_slots
 from bdlora.serve.sequence import Request, Sequence
 from bdlora.speculative.decoders import GenaiDecoder
 
@@ -142,7 +143,7 @@ class GenaiEngine(Engine):
         the server), so take those that follow within ``GATHER_QUIET`` of each other (at most ``GATHER_MAX``) into
         the same cohort instead of starting a cohort of one and another of the rest."""
         deadline = time.perf_counter() + GATHER_MAX
-        while len(new) < self.max_batch - self.max_batch // 4 and time.perf_counter() < deadline:  # (fair.py)
+        while len(new) < self.max_batch - reserved_slots(self.max_batch) and time.perf_counter() < deadline:
             try:
                 r = self._waiting.get(timeout=GATHER_QUIET)
             except queue.Empty:

@@ -30,7 +30,10 @@ class Request:
     id: int = field(default_factory=lambda: next(_ids))
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
-    group: int | None = None  # the prompts of one list-prompt request share it: admitted in turn with other groups
+    group: int = 0  # the prompts of one list-prompt request share it (admitted in turn with other groups); 0: its id
+
+    def __post_init__(self) -> None:
+        self.group = self.group or self.id
 
     def cancel(self) -> None:
         self.cancelled.set()

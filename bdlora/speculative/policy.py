@@ -91,11 +91,11 @@ class KPolicy:
     """One request's choice of k: fixed (``fixed``), or adaptive up to ``max_k`` from its own acceptance and the
     shared ``costs``."""
 
-    def __init__(self, max_k: int, costs: Costs | None = None, fixed: int | None = None, free: bool = False):
+    def __init__(self, max_k: int, costs: Costs | None = None, fixed: int | None = None):
         self.max_k, self.fixed = int(max_k), fixed
-        # free: proposals cost no model step (prompt lookup's dictionary lookups): the draft's cost is 0, never the
-        # draft model's measured or assumed step (which made lookup choose k = 0 where k = 4 paid 1.17x)
-        self.free = free
+        # free (set by the Speculator for prompt lookup): proposals cost no model step, so the draft's cost is 0,
+        # never the draft model's measured or assumed step (which made lookup choose k = 0 where k = 4 paid 1.17x)
+        self.free = False
         self.costs = costs if costs is not None else Costs()
         self.accepted = 0.0
         self.evaluated = 0.0
