@@ -1210,28 +1210,33 @@ def test_the_fair_queue_takes_requests_in_turn():
 def test_a_request_of_many_prompts_cannot_starve_single_prompt_requests(served_model):
     """Before: 2 clients of 64 prompts beside single-prompt clients took single-prompt p50 from 225 ms to 11.4 s:
     admission was first come, first served, so a single prompt waited for every prompt queued before it. Now
-    requests are admitted in turn: with 2 slots and two 12-prompt requests ahead of it, a single prompt is admitted
-    at the next free slot and ends long before them (a ratio of latencies in one run, not a wall-clock bound)."""
+    requests are admitted in turn: with 2 slots and two 12-prompt requests queued ahead of it, a single prompt is
+    admitted after at most one sequence of each, so it ends while most of theirs still wait (first come, first
+    served, it could only start once all of them had left the queue). Counted from the queue, not timed."""
     proc, url = start_server(served_model["folder"], *served_model["args"], "--max-batch", "2", "--max-tokens", "400")
     try:
         async def scenario():
             async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-                t0 = time.perf_counter()
-
-                async def timed(body):
+                async def complete(body):
                     r = await client.post("/v1/completions", json={"model": "m.onnx", "temperature": 0, **body})
                     assert r.status_code == 200, r.text
-                    return time.perf_counter() - t0
 
-                heavy = [asyncio.create_task(timed({"prompt": ["alpha beta"] * 12, "max_tokens": 400}))
+                heavy = [asyncio.create_task(complete({"prompt": ["alpha beta"] * 12, "max_tokens": 400}))
                          for _ in range(2)]
-                while (await client.get("/health")).json()["waiting"] < 20:  # both queued behind the 2 slots
+                deadline = time.time() + 120
+                while (queued := (await client.get("/health")).json()["waiting"]) < 16:  # queued behind 2 slots
+                    assert time.time() < deadline, queued
                     await asyncio.sleep(0.01)
-                single = await timed({"prompt": "gamma", "max_tokens": 8})
-                return single, [await t for t in heavy]
+                await complete({"prompt": "gamma", "max_tokens": 8})
+                left = (await client.get("/health")).json()["waiting"]
+                await asyncio.gather(*heavy)
+                return queued, left
 
-        single, heavy = asyncio.run(scenario())
-        assert single < 0.5 * min(heavy), (single, heavy)  # first come, first served: after 22 of 24 sequences
+        queued, left = asyncio.run(scenario())
+        # ahead of it at most one sequence of each group, beside it at most one more per slot, and the gauge may lag
+        # by a batch (genai's is counted in the server process): at least 8 of the 16+ still wait (first come,
+        # first served: none)
+        assert left >= 8, (queued, left)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
