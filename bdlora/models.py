@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from bdlora.budgeted.model import FACTORS_FILE, META_FILE, load_budgeted
 from bdlora.deployed.folder import check_architecture
 from bdlora.errors import ModelError, RunDirError
-from bdlora.integrity import check_loadable, check_model_folder
+from bdlora.integrity import check_loadable, check_model_folder, check_safetensors, weight_files
 from bdlora.peft_compat import load_adapter
 from bdlora.runs import ADAPTER, CONFIG, ModelDir, RunDir
 from bdlora.tokenizer import check_vocabulary
@@ -29,6 +29,7 @@ def load_run_student(run: RunDir | str | Path, device: str = "cpu"):
     summary = run.summary()
     sdir = run.student_dir
     check_loadable(sdir)  # the dense student and the gated factors: whole files whose shapes match the config
+    check_tensor_shapes(sdir)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(sdir), dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(str(sdir))
@@ -54,6 +55,7 @@ def load_model_folder(model_dir: str | Path):
                          "Hugging Face model folder")
     report = folder.report() if folder.finished() else None
     check_model_folder(folder.path, report)
+    check_tensor_shapes(folder.path)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(str(folder.path), dtype=torch.float32,
                                                            attn_implementation="eager", output_loading_info=True)
@@ -78,6 +80,28 @@ def check_weights_match(folder: Path, model, info: dict) -> None:
     if problems:
         raise ModelError(f"{folder}: the weights do not match config.json ({'; '.join(problems)}); the folder is "
                          "damaged or its config was edited")
+
+
+def check_tensor_shapes(folder: Path) -> None:
+    """Every tensor in the weight files has the shape the architecture builds from config.json (built on the meta
+    device: nothing allocated), checked before transformers loads them: a pruned site whose declaration was lost, or
+    a norm of the wrong length, otherwise failed as "You set `ignore_mismatched_sizes`... see the above report",
+    naming no tensor."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(folder))
+        with torch.device("meta"):
+            built = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001  the folder checks ran first; this names whatever they did not foresee
+        raise ModelError(f"{folder}: could not build the architecture config.json declares ({_first_line(e)})") \
+            from None
+    want = {k: tuple(v.shape) for k, v in built.state_dict().items()}
+    for p in weight_files(Path(folder)):
+        for name, shape in sorted(check_safetensors(p).items()):
+            if name in want and want[name] != tuple(shape):
+                raise ModelError(f"{folder}: tensor {name} is {list(shape)} in {p.name} but config.json declares "
+                                 f"{list(want[name])}; the folder is damaged or its config was edited")
 
 
 def _first_line(e: Exception) -> str:

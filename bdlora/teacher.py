@@ -34,6 +34,7 @@ from bdlora.deployed.folder import check_architecture
 from bdlora.errors import ModelError, UsageError
 from bdlora.integrity import check_loadable, check_model_folder
 from bdlora.io import atomic_dir, write_json
+from bdlora.models import check_tensor_shapes
 from bdlora.perplexity import perplexity
 from bdlora.runs import TEACHER_JSON, ModelDir
 from bdlora.tokenizer import check_vocabulary
@@ -236,6 +237,7 @@ def load_teacher(spec: str, cache_dir: Path | None = None, device: str = "cpu", 
             check_loadable(path)
             if (folder := ModelDir(path)).finished():  # a folder bdlora wrote (--student-init, a compressed teacher):
                 check_model_folder(path, folder.report())  # the checks eval and export run (forms, bits, digests)
+            check_tensor_shapes(path)
         except ModelError as e:
             raise ModelError(f"{what} {spec}: {e}") from None
     try:

@@ -236,3 +236,48 @@ def _walk(doc):
     elif isinstance(doc, list):
         for v in doc:
             yield from _walk(v)
+
+
+def _refreshed(folder) -> None:
+    """compression.json's digests recomputed: a consistent folder whose config or weights alone are wrong."""
+    from bdlora.integrity import DIGEST_KEY, digests
+
+    report = json.loads((folder / "compression.json").read_text())
+    report[DIGEST_KEY] = digests(folder)
+    (folder / "compression.json").write_text(json.dumps(report))
+
+
+def _undeclared_pruned_site(folder) -> str:
+    """A pruned (channels) site other than layer 0's loses its config declaration: the architecture then builds it
+    dense at the full width while the file holds its kept channels."""
+    cfg = json.loads((folder / "config.json").read_text())
+    site = next(s for s, spec in sorted(cfg["bdlora_modules"].items())
+                if spec.get("form") == "channels" and not s.startswith("model.layers.0."))
+    del cfg["bdlora_modules"][site]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return f"{site}.down_proj.weight"  # the first of its tensors in name order
+
+
+def _short_norm(folder) -> str:
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(folder / "model.safetensors")
+    name = "model.layers.1.post_attention_layernorm.weight"
+    weights[name] = weights[name][:-1].clone()
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    _refreshed(folder)
+    return name
+
+
+@pytest.mark.parametrize("damage", [_undeclared_pruned_site, _short_norm])
+def test_a_tensor_whose_shape_the_config_does_not_declare_is_named(shot, tmp_path, damage):
+    """Before: "could not load the model (You set `ignore_mismatched_sizes`... see the above report!)", naming no
+    tensor, from eval, export and bench alike."""
+    folder = tmp_path / "damaged"
+    shutil.copytree(shot, folder)
+    name = damage(folder)
+    for args in (["eval", str(folder), "--ppl"], ["export", "onnx", str(folder), "--out", str(tmp_path / "o")]):
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 2 and f"tensor {name} is " in res.stderr, res.output
+        assert len(res.stderr.strip().splitlines()) == 1 and "ignore_mismatched_sizes" not in res.stderr
+    assert not (tmp_path / "o").exists()
