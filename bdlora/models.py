@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from bdlora.budgeted.model import FACTORS_FILE, META_FILE, load_budgeted
 from bdlora.deployed.folder import check_architecture
@@ -87,8 +87,6 @@ def check_tensor_shapes(folder: Path) -> None:
     device: nothing allocated), checked before transformers loads them: a pruned site whose declaration was lost, or
     a norm of the wrong length, otherwise failed as "You set `ignore_mismatched_sizes`... see the above report",
     naming no tensor."""
-    from transformers import AutoConfig
-
     try:
         config = AutoConfig.from_pretrained(str(folder))
         with torch.device("meta"):

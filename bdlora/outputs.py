@@ -20,6 +20,7 @@ from bdlora.runs import (
     CONFIG,
     EXPORT_MARKER,
     GENAI_CONFIG,
+    SHIP_OPTIONS,
     STUDENT_META,
     SWEEP_OPTIONS,
     RunDir,
@@ -38,6 +39,18 @@ def check_new_out(out: str | os.PathLike) -> None:
         raise UsageError(f"--out {path}: is a file, not a folder (choose a new directory)")
     if path.exists() and any(path.iterdir()):
         raise UsageError(f"--out {path}: exists and is not empty (choose a new directory or --resume it)")
+
+
+def check_resumable_out(out: str | os.PathLike) -> None:
+    """``ship --out``: a folder the command creates or resumes (what it holds is checked against its resume
+    contract by the command), outside any other model or run folder, claimed by this process."""
+    path = Path(out)
+    _not_a_link(path)
+    check_not_inside(path)
+    _check_creatable(path, "--out")
+    _claim(path, "--out")
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--out {path}: is a file, not a folder (choose a folder path)")
 
 
 def check_out_dir(out: str | os.PathLike, force: bool, inputs: tuple = ()) -> None:
@@ -96,11 +109,11 @@ def is_artefact(folder: str | os.PathLike) -> bool:
 
 
 def artefact_folder(path: str | os.PathLike, sweeps: bool = True) -> Path | None:
-    """The artefact folder that holds ``path`` (at any depth), if any. ``sweeps=False`` passes over sweep folders,
-    which hold their members' folders by design."""
+    """The artefact folder that holds ``path`` (at any depth), if any. ``sweeps=False`` passes over sweep and ship
+    folders, which hold their members' folders by design."""
     for folder in Path(path).resolve().parents:
-        if not sweeps and SweepDir(folder).started():
-            continue
+        if not sweeps and (SweepDir(folder).started() or (folder / SHIP_OPTIONS).is_file()):
+            continue  # a sweep's or ship's folder holds its members' folders
         if is_artefact(folder):
             return folder
     return None

@@ -11,6 +11,7 @@ folder beside it; none modifies its input::
     runs/<...>.compressed.bench/          BenchDir   bench      finished when bench.json exists
     runs/<...>.compressed.eval.json                  eval
     runs/sweep-<time>/                    SweepDir   sweep      options in sweep.json, finished with results.json
+    runs/ship-<model>-<precision>/                   ship       options in ship.json, finished with recommendation.json
 
 Every folder is written under a temp name and renamed into place (``io.atomic_dir``): a folder that exists is complete.
 
@@ -38,6 +39,8 @@ GENAI_CONFIG = "genai_config.json"  # what onnxruntime-genai reads beside its gr
 EXPORT_MARKER = "export.json"  # written last by export onnx / export genai
 BENCH_JSON = "bench.json"  # written last by bench
 SWEEP_OPTIONS = "sweep.json"  # a sweep's options: its resume contract
+# bdlora ship's model and options (its resume contract); its answer, written last; as a table; as a picture
+SHIP_OPTIONS, SHIP_RESULT, SHIP_REPORT, SHIP_PLOT = "ship.json", "recommendation.json", "recommendation.md", "ship.png"
 STUDENT_META = "bdlora_student.json"  # a run's student/: how to rebuild it (method, teacher, layers, adapter)
 ADAPTER = "adapter"  # a kd-lora student's PEFT adapter folder, inside student/
 CONTROLLER_LOG = "controller.jsonl"
@@ -49,9 +52,8 @@ TEACHER_JSON = "teacher.json"  # a built teacher's folder: what it is and how it
 FACTORS_FILE, META_FILE = "budgeted.safetensors", "budgeted.json"  # a budgeted student's gates and factors
 CORPUS_META = "meta.json"  # a tokenized corpus's cache folder: its source, tokenizer and splits
 CORPUS_FILE, TEACHER_SAMPLES = "corpus.json", "samples.jsonl"  # a fetched/generated corpus: its record; teacher:N's
-# a training checkpoint's folder (bdlora.checkpoint)
-CKPT_STATE, CKPT_TRAINABLE = "state.json", "trainable.safetensors"
-CKPT_OPTIMIZER, CKPT_RNG = "optimizer.safetensors", "rng.safetensors"
+CKPT_STATE, CKPT_TRAINABLE, CKPT_OPTIMIZER, CKPT_RNG = (  # a training checkpoint's folder (checkpoint.py)
+    "state.json", "trainable.safetensors", "optimizer.safetensors", "rng.safetensors")
 PAPER_MAIN, PAPER_TABLE9, PAPER_ICL = "main.md", "table9.md", "icl.png"  # eval --paper / sweep merge outputs
 
 
@@ -143,8 +145,7 @@ class RunFacts:
 
 
 class RunDir(Artefact):
-    """``bdlora train``'s run directory: config.json, metrics.jsonl, controller.jsonl (budgeted), checkpoints/,
-    student/ and, written last, summary.json."""
+    """``bdlora train``'s run: config.json, metrics.jsonl, controller.jsonl, checkpoints/, student/, summary.json."""
 
     MARKER = "summary.json"
     WHAT = "bdlora run"
@@ -306,8 +307,7 @@ class OnnxDir(Artefact):
 
 
 class GenaiDir(Artefact):
-    """``bdlora export genai``'s folder: model.onnx + model.onnx.data, genai_config.json, config, tokenizer,
-    export.json."""
+    """``bdlora export genai``'s folder: model.onnx(.data), genai_config.json, config, tokenizer, export.json."""
 
     MARKER = EXPORT_MARKER
     GLOB = f"*{GENAI}*"

@@ -14,7 +14,7 @@ import importlib
 
 from bdlora.cli.app import app, main
 
-COMMAND_MODULES = ("train", "compress", "export", "bench", "eval", "generate", "serve")
+COMMAND_MODULES = ("train", "compress", "export", "bench", "eval", "generate", "serve", "ship")
 for _name in COMMAND_MODULES:
     importlib.import_module(f"bdlora.cli.{_name}")
 

@@ -62,8 +62,10 @@ class LayersStep(BaseStep):
         ctx.calibration["residual"] = True
 
     def offer(self, ctx: OneShotContext) -> None:
-        ctx.layers = removal_errors(ctx.calib)
-        ctx.facts["allocation"] = {"removal_errors": ctx.layers}
+        errors = removal_errors(ctx.calib)
+        keep = max(errors, key=errors.get)  # a decoder keeps one layer: the one whose removal costs most is not
+        ctx.layers = {k: v for k, v in errors.items() if k != keep}  # offered (a 6x draft of the 4-layer builtin
+        ctx.facts["allocation"] = {"removal_errors": errors}  # teacher removed all four: a division by zero)
 
 
 STEP = LayersStep()

@@ -1,0 +1,49 @@
+"""``bdlora ship``: which folder to ship, answered by one resumable command."""
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.markup import escape
+
+from bdlora.cli.app import command, err, out
+from bdlora.cli.options import from_dataclass
+from bdlora.cli.progress import RichReporter
+from bdlora.data import BUILTIN
+from bdlora.errors import Checks
+from bdlora.outputs import check_resumable_out
+from bdlora.runs import RUNS_DIR, SHIP_PLOT, SHIP_REPORT, SHIP_RESULT
+from bdlora.ship.config import ShipConfig
+from bdlora.ship.run import run_ship
+
+
+@command(options=from_dataclass(ShipConfig, defaults=True))
+def ship(
+    model: Annotated[str, typer.Argument(help="The teacher: builtin (the embedded default), a preset "
+                                              "(smollm2-135m, gemma3-270m), a Hugging Face folder or a .gguf file.")]
+    = BUILTIN,
+    out_dir: Annotated[Optional[str], typer.Option("--out", help="The ship folder (default: RUNS_DIR/ship-MODEL-"
+                                                                 "PRECISION); the same command again resumes it.")]
+    = None,
+    runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,
+    json_out: Annotated[bool, typer.Option("--json", help="Print recommendation.json instead of the table.")] = False,
+    **opts,
+):
+    """Which folder should I ship? Exports the teacher at --precision with each scheme (keeps the best), makes
+    students at a few predicted speed-ups and the teacher's draft, optionally heals them and the dense teacher,
+    benches every folder side by side on two domains (and the teacher speculating with prompt lookup and the draft:
+    its own output), and writes, for each perplexity tolerance, the fastest folder within it and the commands that
+    rebuild it, or "the teacher's own export" when nothing beats it. Each step is its own bdlora command, its output
+    and log kept under --out; running the same command again resumes."""
+    cfg = ShipConfig(**opts)
+    cfg.check(Checks()).done()
+    name = Path(model).name.removesuffix(".gguf") if ("/" in model or model.endswith(".gguf")) else model
+    folder = Path(out_dir) if out_dir else Path(runs_dir) / f"ship-{name}-{cfg.precision}"
+    check_resumable_out(folder)
+    result = run_ship(model, cfg, folder, RichReporter(err))
+    if json_out:
+        out.print_json(json.dumps(result))
+        return
+    out.print((folder / SHIP_REPORT).read_text(), highlight=False, soft_wrap=True)
+    out.print(f"[green]wrote[/] {escape(str(folder))}/{SHIP_REPORT}, {SHIP_RESULT}, {SHIP_PLOT}")

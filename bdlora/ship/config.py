@@ -1,0 +1,116 @@
+"""``bdlora ship``'s settings: one dataclass, its options generated from the fields (``cli/options.from_dataclass``)
+and recorded in ``DIR/ship.json`` as the resume contract."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bdlora.config import GENAI_PRECISIONS
+from bdlora.errors import Checks, shown
+from bdlora.forms import check_forms
+from bdlora.schemes import METHODS
+
+DRAFT_FORMS = "layers,channels,vocab"  # the draft: fewer layers, narrower MLPs, a head over frequent tokens
+
+
+def numbers(text: str, name: str, c: Checks, lo: float, integer: bool = False) -> list[float]:
+    """The comma-separated numbers of option ``name`` (each at least ``lo``), problems added to ``c``."""
+    out = []
+    for part in str(text).split(","):
+        try:
+            v = int(part) if integer else float(part)
+        except ValueError:
+            c.add(f"--{name.replace('_', '-')} {shown(text)}: {part.strip()!r} is not a number (comma-separated "
+                  f"numbers of at least {lo:g})")
+            return []
+        if not v >= lo or v != v or v == float("inf"):
+            c.add(f"--{name.replace('_', '-')} {shown(text)}: {v:g} is below {lo:g} (or not finite)")
+            return []
+        out.append(v)
+    if len(set(out)) < len(out):
+        c.add(f"--{name.replace('_', '-')} {shown(text)}: a value is given twice")
+    return out
+
+
+@dataclass
+class ShipConfig:
+    """Which folder to ship: the teacher's best export at --precision against students of it, side by side."""
+
+    data: str = "builtin"
+    """Calibration (and healing) corpus of every student, as train's --data; its held-out split is the front's first
+    domain (a pretrained model on builtin calibrates on builtin:1,prose:1, as compress --one-shot does)."""
+    eval_data: str | None = None
+    """The second domain every row is scored on, one no student was calibrated or healed on (default: bench's, the
+    first of fortunes, prose, builtin the data does not name; none: no second domain)."""
+    precision: str = "int4"
+    """What ships: fp32, int8 or int4 (MatMulNBits, block 32)."""
+    schemes: str = "rtn,gptq,affine"
+    """int8/int4: the teacher's rounding schemes tried; the one with the lowest held-out perplexity is the teacher's
+    row every student is compared with."""
+    student_quant: str | None = None
+    """int8/int4: how the students are rounded (default: the teacher's chosen scheme)."""
+    forms: str = "channels,groups"
+    """The structures each student's one-shot chooses among (compress --one-shot --forms)."""
+    speedups: str = "1.25,1.5"
+    """The predicted whole decode speed-ups of the students (compress --one-shot --speedup), comma-separated."""
+    draft_speedup: float = 4.0
+    """The teacher's draft for speculative decoding (--forms layers,channels,vocab at this predicted speed-up),
+    timed with prompt lookup beside the teacher's export (0: no draft, no speculative rows)."""
+    heal_steps: int = 0
+    """Heal every student, the draft and the dense teacher (the fair peer) with this many steps on --data (train
+    --student-init --method kd-lora; the draft kd-full), then compare the healed folders (0: no healing)."""
+    heal_batch_size: int = 4
+    """Sequences per healing step."""
+    heal_seq_len: int = 128
+    """Tokens per healing sequence."""
+    tolerances: str = "0,1,5,10"
+    """Perplexity tolerances (percent over the teacher's export, on each domain) the recommendation answers."""
+    quality_tokens: int | None = None
+    """Held-out tokens each row is scored on (bench's default when unset)."""
+    repeats: int = 10
+    """Timed repeats per figure in the bench."""
+    decode_tokens: int = 64
+    """Tokens decoded per decode measurement."""
+    seq_len: int = 128
+    """Prompt tokens before the timed decode (bench --seq-lens)."""
+    threads: int | None = None
+    """Intra-op threads of every measurement (default: all usable cores)."""
+
+    def check(self, c: Checks) -> Checks:
+        c.choice("precision", self.precision, GENAI_PRECISIONS)
+        rounded = self.precision in ("int8", "int4")
+        bad = [s.strip() for s in str(self.schemes).split(",") if s.strip() not in METHODS]
+        c.require(not bad, f"--schemes {shown(self.schemes)}: unknown scheme {', '.join(map(repr, bad))} (allowed: "
+                           f"{', '.join(METHODS)}, comma-separated)")
+        if self.student_quant is not None and c.choice("student_quant", self.student_quant, METHODS):
+            c.require(rounded, f"--student-quant {self.student_quant}: --precision {self.precision} rounds nothing")
+        check_forms(c, self.forms, self.precision, 1.0)
+        numbers(self.speedups, "speedups", c, 1.0)
+        numbers(self.tolerances, "tolerances", c, 0.0)
+        c.number("draft_speedup", self.draft_speedup, lo=0.0)
+        c.require(self.draft_speedup == 0 or self.draft_speedup >= 1,
+                  f"--draft-speedup {shown(self.draft_speedup)}: 0 (no draft) or at least 1")
+        c.integer("heal_steps", self.heal_steps, lo=0)
+        c.integer("heal_batch_size", self.heal_batch_size, lo=1)
+        c.integer("heal_seq_len", self.heal_seq_len, lo=2)
+        c.integer("quality_tokens", self.quality_tokens, lo=1)
+        c.integer("repeats", self.repeats, lo=1)
+        c.integer("decode_tokens", self.decode_tokens, lo=1)
+        c.integer("seq_len", self.seq_len, lo=1)
+        c.threads("threads", self.threads)
+        c.text("data", self.data)
+        c.text("eval_data", self.eval_data)
+        return c
+
+    @property
+    def rounded(self) -> bool:
+        return self.precision in ("int8", "int4")
+
+    def scheme_list(self) -> list[str]:
+        return [s.strip() for s in self.schemes.split(",")] if self.rounded else []
+
+    def speedup_list(self) -> list[float]:
+        return numbers(self.speedups, "speedups", Checks(), 1.0)
+
+    def tolerance_list(self) -> list[float]:
+        return numbers(self.tolerances, "tolerances", Checks(), 0.0)

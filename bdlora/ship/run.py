@@ -1,0 +1,264 @@
+"""``bdlora ship MODEL --out DIR``: every step that answers "which folder should I ship?", each one bdlora command
+run as its own process (its memory returned when it ends, its output and log kept), skipped when its output is
+already whole, so running the same command again resumes instead of redoing:
+
+    DIR/ship.json                 the model and options (the resume contract)
+    DIR/teacher-SCHEME/           export genai of the teacher at --precision, one per --schemes (the lowest held-out
+                                  perplexity is the teacher's row)
+    DIR/student-S/                compress --one-shot --forms F --precision P --speedup S, one per --speedups
+    DIR/draft/                    the teacher's draft (--forms layers,channels,vocab --speedup --draft-speedup)
+    DIR/heal-NAME/, healed-NAME/  with --heal-steps: train --student-init NAME, then compress (and heal-dense/:
+                                  the teacher healed with the same data and steps, the fair peer)
+    DIR/bench/                    bench --runtime genai: every folder, the teacher's export, prompt lookup and the
+                                  draft speculating for the teacher, on both domains, in one run
+    DIR/logs/STEP.log             each step's whole output
+    DIR/recommendation.{md,json}, DIR/ship.png   written last (``bdlora.ship.recommend``)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bdlora import SCHEMA_VERSION
+from bdlora.data import BUILTIN
+from bdlora.errors import BdloraError, UsageError
+from bdlora.io import read_json, write_json
+from bdlora.reporter import SILENT, Reporter
+from bdlora.runs import BENCH_JSON, CONFIG, EXPORT_MARKER, SHIP_OPTIONS, SHIP_RESULT, ModelDir, RunDir
+from bdlora.ship.config import DRAFT_FORMS, ShipConfig
+from bdlora.ship.recommend import BENCH, exported, recommend
+from bdlora.sources import resolve
+
+COMPRESSED_MARKER = ModelDir.MARKER  # written last by compress
+RUN_MARKER = RunDir.MARKER  # written last by train
+DRAFT, LOGS, DENSE = "draft", "logs", "dense"
+
+
+class StepFailed(BdloraError):
+    """A step's command exited non-zero: its last lines and its log are named; what earlier steps wrote is kept."""
+
+
+@dataclass
+class Step:
+    name: str  # its folder under DIR, and its log DIR/logs/NAME.log
+    argv: list[str]  # the bdlora command line, without the program name
+    marker: str  # the file its command writes last: the step is done when DIR/NAME/MARKER exists
+    what: str  # one line for the progress display
+
+    def done(self, folder: Path) -> bool:
+        return (folder / self.name / self.marker).is_file()
+
+    def command(self) -> str:
+        return "bdlora " + shlex.join(self.argv)
+
+
+def start(model: str, cfg: ShipConfig, folder: Path) -> bool:
+    """Record the model and options in DIR/ship.json, or check a rerun asks for what the folder holds (an option
+    added since it was written holds its default). True when the folder was already started (a resume)."""
+    record = {"model": model, "options": dataclasses.asdict(cfg)}
+    path = folder / SHIP_OPTIONS
+    if path.is_file():
+        try:
+            held = read_json(path)
+            held = {"model": held["model"], "options": {**dataclasses.asdict(ShipConfig()), **held["options"]}}
+        except (ValueError, KeyError, TypeError, OSError):
+            raise UsageError(f"--out {folder}: its {SHIP_OPTIONS} is damaged; choose a new folder") from None
+        if held != record:
+            diff = [f"model {held['model']!r} (given {model!r})"] if held["model"] != model else []
+            diff += [f"--{k.replace('_', '-')} {held['options'].get(k)!r} (given {v!r})"
+                     for k, v in record["options"].items() if held["options"].get(k) != v]
+            raise UsageError(f"--out {folder}: holds a ship of other settings ({'; '.join(diff[:3])}); rerun with "
+                             "those to resume it, or choose a new folder")
+        return True
+    if folder.exists() and any(folder.iterdir()):
+        raise UsageError(f"--out {folder}: exists and is not empty and is not a ship folder (choose a new folder)")
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json(path, {"schema_version": SCHEMA_VERSION, **record})
+    return False
+
+
+def run_step(step: Step, folder: Path, reporter: Reporter) -> None:
+    """Run one step's command as its own process, its output into DIR/logs/NAME.log (its "> ..." stage lines also
+    shown); Ctrl-C or SIGTERM stops it the same way (it removes what it had half-written) and is raised again."""
+    log = folder / LOGS / f"{step.name}.log"
+    log.parent.mkdir(exist_ok=True)
+    env = {**os.environ, "COLUMNS": "160", "PYTHONUNBUFFERED": "1"}
+    with open(log, "a") as f:
+        f.write(f"$ {step.command()}\n")
+        f.flush()
+        proc = subprocess.Popen([sys.executable, "-m", "bdlora.cli", *step.argv], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, errors="replace", env=env,
+                                start_new_session=True)
+        tail: list[str] = []
+        try:
+            for line in proc.stdout:
+                f.write(line)
+                tail = (tail + [line.rstrip()])[-8:]
+                if line.startswith("> "):
+                    reporter.stage(f"  {line[2:].rstrip()}")
+            code = proc.wait()
+        except BaseException:  # Ctrl-C, SIGTERM: the step is stopped as the user would stop it, then we stop
+            _stop(proc)
+            raise
+    if code != 0:
+        said = next((t for t in reversed(tail) if t.startswith("error:")), tail[-1] if tail else "")
+        raise StepFailed(f"step {step.name} failed (exit {code}: {said[:300]}); its log: {log}. Rerun the same "
+                         "command to resume from it")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _common(cfg: ShipConfig) -> list[str]:
+    return ["--threads", str(cfg.threads)] if cfg.threads is not None else []
+
+
+def teacher_folder(model: str, reporter: Reporter) -> str:
+    """The teacher's own folder (export genai reads a folder or a .gguf; builtin is built, a preset materialised,
+    once, into bdlora's cache); the students are made from ``model`` itself, so their provenance names it."""
+    from bdlora.teacher import build_builtin_teacher
+
+    if model == BUILTIN:
+        return str(build_builtin_teacher(on_stage=reporter.stage, on_step=reporter.teacher_step))
+    return resolve(model, on_stage=reporter.stage)
+
+
+def teacher_steps(model: str, cfg: ShipConfig, folder: Path) -> list[Step]:
+    """One export of the teacher per scheme at --precision (none at fp32: nothing is rounded); its export.json
+    records the held-out perplexity the scheme is chosen by. --max-ppl-change is lifted: a bad scheme is measured,
+    not refused."""
+    return [Step(f"teacher-{q}", ["export", "genai", model, "--precision", cfg.precision, "--quant", q,
+                                  "--max-ppl-change", "1000", "--out", str(folder / f"teacher-{q}"), *_common(cfg)],
+                 EXPORT_MARKER, f"the teacher's {cfg.precision} export rounded by {q}")
+            for q in (cfg.scheme_list() if len(cfg.scheme_list()) > 1 else [])]
+
+
+def chosen_scheme(cfg: ShipConfig, folder: Path) -> tuple[str | None, dict[str, float]]:
+    """The scheme whose teacher export scored the lowest held-out perplexity, and every scheme's figure."""
+    schemes = cfg.scheme_list()
+    if len(schemes) <= 1:
+        return (schemes[0] if schemes else None), {}
+    ppl = {q: read_json(folder / f"teacher-{q}" / EXPORT_MARKER)["validation"]["quality"]["val_ppl_quantized"]
+           for q in schemes}
+    return min(ppl, key=lambda q: (ppl[q], schemes.index(q))), ppl
+
+
+def student_steps(model: str, cfg: ShipConfig, folder: Path, quant: str | None) -> list[Step]:
+    rounding = ["--quant", quant] if quant else []
+    one_shot = ["compress", model, "--one-shot", "--precision", cfg.precision, "--data", cfg.data, "--no-eval",
+                *rounding, *_common(cfg)]
+    steps = [Step(f"student-{s:g}", [*one_shot, "--forms", cfg.forms, "--speedup", f"{s:g}", "--out",
+                                     str(folder / f"student-{s:g}")], COMPRESSED_MARKER,
+                  f"a student predicted {s:g}x faster ({cfg.forms})") for s in cfg.speedup_list()]
+    if cfg.draft_speedup:
+        steps.append(Step(DRAFT, [*one_shot, "--forms", DRAFT_FORMS, "--speedup", f"{cfg.draft_speedup:g}", "--out",
+                                  str(folder / DRAFT)], COMPRESSED_MARKER,
+                          f"the teacher's draft, predicted {cfg.draft_speedup:g}x faster"))
+    return steps
+
+
+def heal_steps(model: str, cfg: ShipConfig, folder: Path, made: list[str]) -> list[Step]:
+    """Each made folder healed (train --student-init, then compress), and the dense teacher healed with the same
+    data and steps (the peer every student is compared with at its precision)."""
+    steps = []
+    for name in [*made, DENSE]:
+        run = folder / f"heal-{name}"
+        start_from = [] if name == DENSE else ["--student-init", str(folder / name)]
+        layers = read_json(folder / (made[0] if name == DENSE else name) / CONFIG)["num_hidden_layers"]
+        if name == DENSE:  # the teacher's depth, from the source a one-shot folder records
+            source = read_json(folder / made[0] / COMPRESSED_MARKER)["provenance"]["source_path"]
+            layers = read_json(Path(source) / CONFIG)["num_hidden_layers"]
+        method = "kd-full" if name == DRAFT else "kd-lora"
+        steps.append(Step(f"heal-{name}", ["train", "--teacher", model, *start_from, "--student-layers", str(layers),
+                                           "--method", method, "--data", cfg.data, "--max-steps", str(cfg.heal_steps),
+                                           "--batch-size", str(cfg.heal_batch_size), "--seq-len",
+                                           str(cfg.heal_seq_len), "--out", str(run)], RUN_MARKER,
+                          f"healing {name} ({cfg.heal_steps} steps of {method})"))
+        steps.append(Step(f"healed-{name}", ["compress", str(run), "--no-eval", "--out",
+                                             str(folder / f"healed-{name}")], COMPRESSED_MARKER,
+                          f"the healed {name} as a folder"))
+    return steps
+
+
+def bench_step(cfg: ShipConfig, folder: Path, made: list[str], teacher_quant: str | None,
+               quant: str | None) -> Step:
+    """One bench of every folder: the draft (when there is one) as the bench's own model, so that it speculates
+    for the teacher's export beside prompt lookup; the others with --also; the healed dense teacher as --peer."""
+    names = [f"healed-{n}" if cfg.heal_steps else n for n in made]
+    first, others = names[-1] if cfg.draft_speedup else names[0], names[:-1] if cfg.draft_speedup else names[1:]
+    argv = ["bench", str(folder / first), "--runtime", "genai", "--genai-precisions", cfg.precision, "--scope",
+            "model", "--batch-sizes", "1", "--seq-lens", str(cfg.seq_len), "--decode-tokens", str(cfg.decode_tokens),
+            "--repeats", str(cfg.repeats), "--no-peers", "--out", str(folder / BENCH), *_common(cfg)]
+    for other in others:
+        argv += ["--also", str(folder / other)]
+    if cfg.heal_steps:
+        argv += ["--peer", str(folder / f"healed-{DENSE}")]
+    if quant:
+        argv += ["--quant", quant, "--teacher-quant", teacher_quant]
+    if cfg.draft_speedup:
+        argv.append("--speculative")
+    if cfg.eval_data is not None:
+        argv += ["--eval-data", cfg.eval_data]
+    if cfg.quality_tokens is not None:
+        argv += ["--quality-tokens", str(cfg.quality_tokens)]
+    return Step(BENCH, argv, BENCH_JSON, "every folder side by side, on both domains")
+
+
+def run_ship(model: str, cfg: ShipConfig, folder: Path, reporter: Reporter = SILENT, runner=run_step) -> dict:
+    """Every step (those already done skipped), then the recommendation; returns it. ``runner`` runs one step."""
+    folder = Path(folder)
+    resumed = start(model, cfg, folder)
+    ran: dict[str, float] = {}  # the steps this invocation ran, and their seconds
+
+    def do(steps: list[Step]) -> None:
+        for step in steps:
+            if step.done(folder):
+                reporter.stage(f"{step.name}: done before, kept ({step.what})")
+                continue
+            reporter.stage(f"{step.name}: {step.what}\n    {step.command()}")
+            began = time.monotonic()
+            runner(step, folder, reporter)
+            ran[step.name] = round(time.monotonic() - began, 1)
+
+    if resumed:
+        reporter.stage(f"resuming {folder}: finished steps are kept")
+    source = teacher_folder(model, reporter)
+    do(teacher_steps(source, cfg, folder))
+    teacher_quant, scheme_ppl = chosen_scheme(cfg, folder)
+    if scheme_ppl:
+        reporter.stage("teacher's held-out perplexity by scheme: " + ", ".join(
+            f"{q} {p:.3f}" for q, p in scheme_ppl.items()) + f" -> {teacher_quant}")
+    quant = cfg.student_quant or teacher_quant
+    made_steps = student_steps(model, cfg, folder, quant)
+    do(made_steps)
+    made = [s.name for s in made_steps]
+    heal = heal_steps(model, cfg, folder, made) if cfg.heal_steps else []
+    do(heal)
+    bench = bench_step(cfg, folder, made, teacher_quant, quant)
+    do([bench])
+    exports = {s.name: s.command() for s in teacher_steps(source, cfg, folder)}
+    rounding = ["--quant", teacher_quant] if teacher_quant else []
+    teacher = exports.get(f"teacher-{teacher_quant}") or "bdlora " + shlex.join(
+        ["export", "genai", source, "--precision", cfg.precision, *rounding, "--out",
+         str(exported(folder, "teacher", cfg.precision))])
+    result = recommend(folder, cfg, {s.name: s.command() for s in [*made_steps, *heal, bench]}, teacher_quant,
+                       scheme_ppl, teacher)
+    result["steps_run_seconds"] = ran
+    write_json(folder / SHIP_RESULT, result)
+    return result

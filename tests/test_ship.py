@@ -1,0 +1,121 @@
+"""``bdlora ship``: its settings refused in one line, the resume contract, the recommendation's choice per tolerance,
+and the whole command on a tiny teacher, run twice (the second run redoes nothing)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from bdlora.cli import app
+from bdlora.errors import Checks, ConfigError, UsageError
+from bdlora.ship.config import ShipConfig
+from bdlora.ship.recommend import recommend
+from bdlora.ship.run import start
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("speedups", "1.2,fast", "--speedups '1.2,fast': 'fast' is not a number"),
+    ("speedups", "0.5", "--speedups '0.5': 0.5 is below 1"),
+    ("speedups", "1.2,1.2", "a value is given twice"),
+    ("schemes", "rtn,rtx", "--schemes 'rtn,rtx': unknown scheme 'rtx' (allowed: rtn, gptq, affine"),
+    ("precision", "int3", "--precision 'int3': unknown (allowed: fp32, int8, int4)"),
+    ("draft_speedup", 0.5, "--draft-speedup 0.5: 0 (no draft) or at least 1"),
+    ("forms", "channels,chanels", "--forms 'chanels': allowed"),
+    ("tolerances", "-1", "--tolerances '-1': -1 is below 0"),
+    ("heal_steps", -3, "--heal-steps -3"),
+])
+def test_bad_settings_are_named(field, value, needle):
+    with pytest.raises(ConfigError) as e:
+        ShipConfig(**{field: value}).check(Checks()).done()
+    assert needle in str(e.value), str(e.value)
+
+
+def test_student_quant_needs_a_rounded_precision():
+    with pytest.raises(ConfigError, match="--student-quant gptq: --precision fp32 rounds nothing"):
+        ShipConfig(precision="fp32", student_quant="gptq").check(Checks()).done()
+
+
+def test_a_ship_folder_resumes_only_the_settings_it_holds(tmp_path):
+    folder = tmp_path / "ship"
+    assert start("builtin", ShipConfig(), folder) is False
+    assert start("builtin", ShipConfig(), folder) is True
+    with pytest.raises(UsageError, match=r"--speedups '1.25,1.5' \(given '1.3'\)"):
+        start("builtin", ShipConfig(speedups="1.3"), folder)
+    with pytest.raises(UsageError, match="model 'builtin' \\(given 'smollm2-135m'\\)"):
+        start("smollm2-135m", ShipConfig(), folder)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(UsageError, match="is not a ship folder"):
+        start("builtin", ShipConfig(), tmp_path / "other")
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
+
+
+def _bench(folder, rows):
+    (folder / "bench").mkdir(parents=True)
+    front = [{"name": n, "ms": ms, "ppl": p, "ppl_unseen": u} for n, ms, p, u in rows]
+    (folder / "bench" / "bench.json").write_text(json.dumps({"front": front, "unseen_data": "fortunes"}))
+    (folder / "ship.json").write_text(json.dumps({"model": "t", "options": {}}))
+
+
+COMMANDS = {"student-1.25": "bdlora compress t --one-shot --speedup 1.25 --out D/student-1.25",
+            "draft": "bdlora compress t --one-shot --speedup 4 --out D/draft",
+            "bench": "bdlora bench D/draft --also D/student-1.25 --out D/bench"}
+TEACHER = "bdlora export genai T --precision int4 --quant affine --out D/teacher-affine"
+
+
+def test_each_tolerance_gets_the_fastest_row_within_it_on_every_domain(tmp_path):
+    """Held-out and unseen both bound a row: student-1.25 is +4% held-out but +30% unseen, so it answers no
+    tolerance up to 10%; the draft's own row (fast, far worse) never qualifies; prompt lookup has the teacher's
+    quality and is faster, so it is the +0% answer; the dense and LoRA forms of the bench's model are not rows."""
+    _bench(tmp_path, [("teacher-int4", 10.0, 20.0, 50.0), ("spec-lookup-int4", 8.0, 20.0, 50.0),
+                      ("spec-draft-int4", 12.0, 20.0, 50.0), ("compressed-int4", 2.0, 90.0, 400.0),
+                      ("student-1.25-int4", 7.0, 20.8, 65.0), ("dense-int4", 1.0, 19.0, 49.0),
+                      ("teacher-int8", 5.0, 19.0, 49.0)])
+    cfg = ShipConfig(tolerances="0,5,40")
+    r = recommend(tmp_path, cfg, COMMANDS, "affine", {"rtn": 21.0, "affine": 20.0}, TEACHER)
+    assert [a["row"] for a in r["answers"]] == ["spec-lookup-int4", "spec-lookup-int4", "student-1.25-int4"]
+    assert r["answers"][0]["speedup"] == pytest.approx(10 / 8)
+    assert r["answers"][2]["ppl_unseen_vs_teacher"] == pytest.approx(0.3)
+    assert r["answers"][0]["commands"] == [TEACHER, "bdlora serve D/teacher-affine --runtime genai --prompt-lookup"]
+    assert r["answers"][2]["commands"][0] == COMMANDS["student-1.25"]
+    assert {row["row"] for row in r["rows"]} == {"teacher-int4", "spec-lookup-int4", "spec-draft-int4",
+                                                 "compressed-int4", "student-1.25-int4"}
+    assert (tmp_path / "ship.png").stat().st_size > 0 and "| +0% |" in (tmp_path / "recommendation.md").read_text()
+
+
+def test_the_teachers_own_export_when_nothing_beats_it(tmp_path):
+    _bench(tmp_path, [("teacher-int4", 10.0, 20.0, 50.0), ("spec-lookup-int4", 11.0, 20.0, 50.0),
+                      ("student-1.25-int4", 9.0, 25.0, 60.0)])
+    r = recommend(tmp_path, ShipConfig(tolerances="0,10"), COMMANDS, "affine", {}, TEACHER)
+    assert all(a["teacher_own"] and a["speedup"] == 1.0 for a in r["answers"])
+    assert "**the teacher's own export**: nothing beats it" in (tmp_path / "recommendation.md").read_text()
+
+
+@pytest.mark.slow
+def test_ship_runs_every_step_then_resumes_without_redoing_any(tiny_env, tmp_path, monkeypatch):
+    """A tiny genai-shaped teacher (hand-made latency tables: nothing timed for the allocation), one student, no
+    draft: the teacher's export, the student, one bench, the recommendation; the same command again runs no step."""
+    from test_latency import _hand_table, _tiny_shapes
+
+    from conftest import genai_teacher
+
+    teacher = tmp_path / "teacher"
+    genai_teacher(tiny_env["tokenizer"], teacher, seed=3, layers=4)
+    _hand_table(tmp_path / "cache", _tiny_shapes(teacher), (), threads=1, teacher=teacher)
+    monkeypatch.setenv("BDLORA_CACHE", str(tmp_path / "cache"))
+    args = ["ship", str(teacher), "--data", str(tiny_env["corpus"]), "--eval-data", "none", "--schemes", "rtn",
+            "--speedups", "1.2", "--draft-speedup", "0", "--threads", "1", "--repeats", "1", "--decode-tokens", "4",
+            "--quality-tokens", "256", "--seq-len", "64", "--out", str(tmp_path / "ship"), "--json"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    first = json.loads(res.stdout)
+    assert list(first["steps_run_seconds"]) == ["student-1.2", "bench"]
+    assert [a["tolerance_percent"] for a in first["answers"]] == [0, 1, 5, 10]
+    assert {r["row"] for r in first["rows"]} == {"teacher-int4", "compressed-int4"}
+    assert first["teacher_scheme"] == "rtn"
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 0, again.output
+    second = json.loads(again.stdout)
+    assert second["steps_run_seconds"] == {} and second["answers"] == first["answers"]
