@@ -149,3 +149,48 @@ def test_every_documented_command_line_parses(doc, line):
     cmd, path, rest = _command(shlex.split(line)[1:])
     assert path, line
     cmd.make_context(" ".join(["bdlora", *path]), rest)
+
+
+# Every flag the prose names exists: an inline span that starts with a command (`bdlora train --like RUN`, or
+# `train --like RUN`) names options of that command; a bare `--flag` one of some command's options.
+SPAN = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
+PIP_FLAGS = {"--extra-index-url"}  # the one installer flag the README names
+
+
+def _options(cmd) -> set[str]:
+    return {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)}
+
+
+def _all_options() -> set[str]:
+    import typer.main
+
+    from bdlora.cli import app
+
+    def walk(c):
+        yield c
+        for sub in getattr(c, "commands", {}).values():
+            yield from walk(sub)
+
+    return set().union(*(_options(c) for c in walk(typer.main.get_command(app))))
+
+
+def test_every_flag_the_prose_names_exists():
+    import typer.main
+
+    from bdlora.cli import app
+
+    top = set(typer.main.get_command(app).commands)
+    every, wrong = _all_options() | {"--help"} | PIP_FLAGS, []
+    for doc in DOCS:
+        for span in SPAN.findall(CODE_BLOCK.sub("", doc.read_text())):
+            words = span.split()
+            if words[:1] == ["bdlora"]:
+                words = words[1:]
+            flags = [w.split("=")[0] for w in words if re.fullmatch(r"--[a-z][\w-]*(=\S*)?", w)]
+            if words and words[0] in top:
+                cmd, path, _ = _command(words)
+                wrong += [f"{doc.name}: `{span}`: {f} is not an option of bdlora {' '.join(path)}"
+                          for f in flags if f not in _options(cmd)]
+            elif words and words[0].startswith("--"):
+                wrong += [f"{doc.name}: `{span}`: no command has {f}" for f in flags if f not in every]
+    assert not wrong, "\n".join(wrong)

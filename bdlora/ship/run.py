@@ -101,6 +101,7 @@ def run_step(step: Step, folder: Path, reporter: Reporter) -> None:
         try:
             for line in proc.stdout:
                 f.write(line)
+                f.flush()  # the log follows the step as it runs
                 tail = (tail + [line.rstrip()])[-8:]
                 if line.startswith("> "):
                     reporter.stage(f"  {line[2:].rstrip()}")
