@@ -119,3 +119,31 @@ def test_ship_runs_every_step_then_resumes_without_redoing_any(tiny_env, tmp_pat
     assert again.exit_code == 0, again.output
     second = json.loads(again.stdout)
     assert second["steps_run_seconds"] == {} and second["answers"] == first["answers"]
+
+
+@pytest.mark.full
+def test_ship_heals_every_folder_and_the_dense_peer_and_speculates_with_the_draft(tiny_env, tmp_path, monkeypatch):
+    """--heal-steps: every made folder and the dense teacher healed with the same steps (train, then compress), the
+    healed draft speculating for the teacher's export beside prompt lookup, the healed dense teacher as the peer."""
+    from test_latency import _hand_table, _tiny_shapes
+
+    from conftest import genai_teacher
+
+    teacher = tmp_path / "teacher"
+    genai_teacher(tiny_env["tokenizer"], teacher, seed=3, layers=4)
+    _hand_table(tmp_path / "cache", _tiny_shapes(teacher), (), threads=1, teacher=teacher)
+    monkeypatch.setenv("BDLORA_CACHE", str(tmp_path / "cache"))
+    res = CliRunner().invoke(app, [
+        "ship", str(teacher), "--data", str(tiny_env["corpus"]), "--eval-data", "none", "--schemes", "rtn",
+        "--speedups", "1.2", "--draft-speedup", "1.5", "--heal-steps", "2", "--threads", "1", "--repeats", "1",
+        "--decode-tokens", "4", "--quality-tokens", "256", "--seq-len", "64", "--out", str(tmp_path / "ship"),
+        "--json"])
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.stdout)
+    assert list(r["steps_run_seconds"]) == ["student-1.2", "draft", "heal-student-1.2", "healed-student-1.2",
+                                            "heal-draft", "healed-draft", "heal-dense", "healed-dense", "bench"]
+    assert {row["row"] for row in r["rows"]} == {"teacher-int4", "spec-lookup-int4", "spec-draft-int4",
+                                                 "compressed-int4", "healed-student-1.2-int4",
+                                                 "peer-healed-dense-int4"}
+    draft = next(row for row in r["rows"] if row["row"] == "spec-draft-int4")
+    assert draft["ppl_vs_teacher"] == 0.0  # speculation is the teacher's own output

@@ -257,9 +257,10 @@ def speculate(folders: dict, cfg: BenchConfig, deploy: Deployment, tokenizer, th
               reporter: Reporter) -> dict:
     """``--speculative``: per precision, the teacher's folder with the benched folder's as its draft and with prompt
     lookup, on prompts of the held-out slice and the unseen domain (``bench.speculative``)."""
-    prompts = {"held-out": prompts_of(deploy.heldout)}
+    context = getattr(deploy.teacher.config, "max_position_embeddings", None) if deploy.teacher is not None else None
+    prompts = {"held-out": prompts_of(deploy.heldout, context)}
     if deploy.unseen is not None:
-        prompts[deploy.unseen[0]] = prompts_of(deploy.unseen[1])
+        prompts[deploy.unseen[0]] = prompts_of(deploy.unseen[1], context)
     out = {}
     for p in cfg.genai_precisions:
         target, draft = folders.get(row_name("teacher", p)), folders.get(row_name("compressed", p))

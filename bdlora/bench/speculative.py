@@ -23,10 +23,12 @@ SPEC_KS = (1, 2, 3, 4)  # fixed proposal widths timed beside the adaptive one
 SPEC_REPEATS, SPEC_WARMUP = 2, 1
 
 
-def prompts_of(blocks) -> list[list[int]]:
+def prompts_of(blocks, context: int | None = None) -> list[list[int]]:
     """The first ``SPEC_PROMPT_TOKENS`` tokens of ``SPEC_PROMPTS`` held-out blocks spread over the slice (fewer when it
-    is short)."""
-    count, n, length = len(blocks), SPEC_PROMPTS, SPEC_PROMPT_TOKENS
+    is short), shorter where the target's ``context`` could not hold them, the new tokens and a last proposal (a
+    128-position model failed "exceeds max length")."""
+    room = SPEC_PROMPT_TOKENS if context is None else context - SPEC_NEW_TOKENS - max(SPEC_KS) - 1
+    count, n, length = len(blocks), SPEC_PROMPTS, max(1, min(SPEC_PROMPT_TOKENS, room))
     picks = sorted({int(i * count / n) for i in range(n)})[:count]
     return [[int(t) for t in blocks.get([i])[0][:length]] for i in picks]
 
