@@ -66,7 +66,8 @@ def recommend(folder: Path, cfg, commands: dict[str, str], teacher_quant: str | 
         name = _source(r["name"], cfg.precision)
         if name is None or name in OWN_FORMS:
             continue
-        rows.append({"row": r["name"], "name": name, "ms": r["ms"], "ppl": r["ppl"],
+        shown = f"{bench_model}-{cfg.precision}" if name == "compressed" else r["name"]  # the folder's own name
+        rows.append({"row": r["name"], "shown": shown, "name": name, "ms": r["ms"], "ppl": r["ppl"],
                      "ppl_unseen": r.get("ppl_unseen")})
     ref = next((r for r in rows if r["name"] == TEACHER), None)
     if ref is None:
@@ -116,12 +117,14 @@ def markdown(r: dict) -> str:
     lines += ["", "Every row, fastest first:", "", "| row | ms/token | decode vs teacher | held-out ppl |"
               + (f" {unseen} ppl |" if unseen else ""), "|---|---|---|---|" + ("---|" if unseen else "")]
     for row in r["rows"]:
-        lines.append(f"| {row['row']} | {row['ms']:.2f} | {row['speedup']:.2f}x | {row['ppl']:.2f} "
+        lines.append(f"| {row['shown']} | {row['ms']:.2f} | {row['speedup']:.2f}x | {row['ppl']:.2f} "
                      f"({_pct(row['ppl_vs_teacher'])}) |" + (
                          f" {row['ppl_unseen']:.2f} ({_pct(row['ppl_unseen_vs_teacher'])}) |" if unseen else ""))
     lines += ["", "Commands that rebuild each answer:", ""]
+    answers: dict[str, list[str]] = {}  # one line per distinct answer, its tolerances together
     for a in r["answers"]:
-        lines += [f"- +{a['tolerance_percent']:g}%: " + " && ".join(f"`{c}`" for c in a["commands"])]
+        answers.setdefault(" && ".join(f"`{c}`" for c in a["commands"]), []).append(f"+{a['tolerance_percent']:g}%")
+    lines += [f"- {', '.join(tolerances)}: {commands}" for commands, tolerances in answers.items()]
     return "\n".join(lines) + "\n"
 
 
