@@ -13,6 +13,7 @@ from bdlora.runs import BENCH_JSON, SHIP_PLOT, SHIP_REPORT
 
 TEACHER, LOOKUP, SPEC_DRAFT, PEER = "teacher", "spec-lookup", "spec-draft", "peer-"
 BENCH = "bench"  # the ship step (and folder) that benches every folder
+OFF_CHART = 10.0  # rows over 11x the teacher's perplexity are named on the picture, not plotted
 OWN_FORMS = ("dense", "lora")  # the bench's own model's dense and LoRA forms: measured, never recommended
 
 
@@ -139,17 +140,26 @@ def plot(r: dict, out: Path) -> None:
     domains = list(r["domains"])
     fig, axes = plt.subplots(1, len(domains), figsize=(6 * len(domains), 4.4), squeeze=False)
     for ax, d in zip(axes[0], domains):
-        for row in r["rows"]:
+        shown = [row for row in r["rows"] if row[f"{d}_vs_teacher"] <= OFF_CHART]
+        off = [row for row in r["rows"] if row[f"{d}_vs_teacher"] > OFF_CHART]
+        for row in shown:
             kind = "s" if row["name"] == TEACHER else ("^" if row["name"].startswith("spec") else "o")
-            ax.scatter(row["speedup"], 100 * row[f"{d}_vs_teacher"], marker=kind, s=40, zorder=3)
-            ax.annotate(row["name"], (row["speedup"], 100 * row[f"{d}_vs_teacher"]), fontsize=7, xytext=(4, 3),
-                        textcoords="offset points")
+            y = 100 * row[f"{d}_vs_teacher"]
+            ax.scatter(row["speedup"], y, marker=kind, s=40, zorder=3)
+            ax.annotate(row["shown"].removesuffix(f"-{r['precision']}"), (row["speedup"], y), fontsize=7,
+                        xytext=(4, 3), textcoords="offset points")
         for a in r["answers"]:
             ax.axhline(a["tolerance_percent"], color="#999999", lw=0.8, ls=":")
         ax.axvline(1.0, color="#999999", lw=0.8)
+        ax.set_yscale("symlog", linthresh=10)
+        ys = [100 * row[f"{d}_vs_teacher"] for row in shown]
+        ax.set_ylim(bottom=min(-2.0, 1.5 * min(ys)), top=max(20.0, 1.5 * max(ys)))
+        if off:
+            ax.text(0.01, 0.99, "off the chart: " + ", ".join(
+                f"{row['shown']} (+{row[f'{d}_vs_teacher']:.0%}, {row['speedup']:.2f}x)" for row in off),
+                transform=ax.transAxes, fontsize=7, va="top")
         ax.set_xlabel(f"decode speed-up over the teacher's {r['precision']} export (batch 1)")
         ax.set_ylabel("perplexity over the teacher's export (%)")
-        ax.set_yscale("symlog", linthresh=10)
         ax.set_title(r["domains"][d])
     fig.tight_layout()
     with atomic_path(out) as tmp:
