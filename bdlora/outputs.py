@@ -28,19 +28,6 @@ from bdlora.runs import (
 )
 
 
-def check_new_out(out: str | os.PathLike) -> None:
-    """``train --out`` and ``sweep --out``: a new (or empty) folder outside any other run."""
-    path = Path(out)
-    _not_a_link(path)
-    check_not_inside(path)
-    _check_creatable(path, "--out")
-    _claim(path, "--out")
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"--out {path}: is a file, not a folder (choose a new directory)")
-    if path.exists() and any(path.iterdir()):
-        raise UsageError(f"--out {path}: exists and is not empty (choose a new directory or --resume it)")
-
-
 def check_resumable_out(out: str | os.PathLike) -> None:
     """``ship --out``: a folder the command creates or resumes (what it holds is checked against its resume
     contract by the command), outside any other model or run folder, claimed by this process."""
@@ -50,7 +37,15 @@ def check_resumable_out(out: str | os.PathLike) -> None:
     _check_creatable(path, "--out")
     _claim(path, "--out")
     if path.exists() and not path.is_dir():
-        raise UsageError(f"--out {path}: is a file, not a folder (choose a folder path)")
+        raise UsageError(f"--out {path}: is a file, not a folder (choose a new directory)")
+
+
+def check_new_out(out: str | os.PathLike) -> None:
+    """``train --out`` and ``sweep --out``: a new (or empty) folder outside any other run."""
+    check_resumable_out(out)
+    path = Path(out)
+    if path.exists() and any(path.iterdir()):
+        raise UsageError(f"--out {path}: exists and is not empty (choose a new directory or --resume it)")
 
 
 def check_out_dir(out: str | os.PathLike, force: bool, inputs: tuple = ()) -> None:

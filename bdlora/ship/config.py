@@ -78,12 +78,12 @@ class ShipConfig:
 
     def check(self, c: Checks) -> Checks:
         c.choice("precision", self.precision, GENAI_PRECISIONS)
-        rounded = self.precision in ("int8", "int4")
         bad = [s.strip() for s in str(self.schemes).split(",") if s.strip() not in METHODS]
         c.require(not bad, f"--schemes {shown(self.schemes)}: unknown scheme {', '.join(map(repr, bad))} (allowed: "
                            f"{', '.join(METHODS)}, comma-separated)")
         if self.student_quant is not None and c.choice("student_quant", self.student_quant, METHODS):
-            c.require(rounded, f"--student-quant {self.student_quant}: --precision {self.precision} rounds nothing")
+            c.require(self.rounded,
+                      f"--student-quant {self.student_quant}: --precision {self.precision} rounds nothing")
         check_forms(c, self.forms, self.precision, 1.0)
         numbers(self.speedups, "speedups", c, 1.0)
         numbers(self.tolerances, "tolerances", c, 0.0)

@@ -38,7 +38,8 @@ def row_commands(name: str, bench_model: str, folder: Path, cfg, commands: dict[
                  quant: str | None) -> tuple[str, list[str]]:
     """(what ships, the commands that rebuild it) of a front row named ``name`` (without its precision);
     ``teacher``: the command that writes the teacher's export (its last argument after --out)."""
-    export = shlex.split(teacher)[shlex.split(teacher).index("--out") + 1]
+    words = shlex.split(teacher)
+    export = words[words.index("--out") + 1]
     if name == TEACHER:
         return "the teacher's own export", [teacher]
     if name == LOOKUP:

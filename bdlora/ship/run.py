@@ -174,17 +174,14 @@ def student_steps(model: str, cfg: ShipConfig, folder: Path, quant: str | None) 
     return steps
 
 
-def heal_steps(model: str, cfg: ShipConfig, folder: Path, made: list[str]) -> list[Step]:
-    """Each made folder healed (train --student-init, then compress), and the dense teacher healed with the same
-    data and steps (the peer every student is compared with at its precision)."""
+def heal_steps(model: str, source: str, cfg: ShipConfig, folder: Path, made: list[str]) -> list[Step]:
+    """Each made folder healed (train --student-init, then compress), and the dense teacher (its folder ``source``)
+    healed with the same data and steps (the peer every student is compared with at its precision)."""
     steps = []
     for name in [*made, DENSE]:
         run = folder / f"heal-{name}"
         start_from = [] if name == DENSE else ["--student-init", str(folder / name)]
-        layers = read_json(folder / (made[0] if name == DENSE else name) / CONFIG)["num_hidden_layers"]
-        if name == DENSE:  # the teacher's depth, from the source a one-shot folder records
-            source = read_json(folder / made[0] / COMPRESSED_MARKER)["provenance"]["source_path"]
-            layers = read_json(Path(source) / CONFIG)["num_hidden_layers"]
+        layers = read_json(Path(source if name == DENSE else folder / name) / CONFIG)["num_hidden_layers"]
         method = "kd-full" if name == DRAFT else "kd-lora"
         steps.append(Step(f"heal-{name}", ["train", "--teacher", model, *start_from, "--student-layers", str(layers),
                                            "--method", method, "--data", cfg.data, "--max-steps", str(cfg.heal_steps),
@@ -240,7 +237,8 @@ def run_ship(model: str, cfg: ShipConfig, folder: Path, reporter: Reporter = SIL
     if resumed:
         reporter.stage(f"resuming {folder}: finished steps are kept")
     source = teacher_folder(model, reporter)
-    do(teacher_steps(source, cfg, folder))
+    exports = teacher_steps(source, cfg, folder)
+    do(exports)
     teacher_quant, scheme_ppl = chosen_scheme(cfg, folder)
     if scheme_ppl:
         reporter.stage("teacher's held-out perplexity by scheme: " + ", ".join(
@@ -249,13 +247,13 @@ def run_ship(model: str, cfg: ShipConfig, folder: Path, reporter: Reporter = SIL
     made_steps = student_steps(model, cfg, folder, quant)
     do(made_steps)
     made = [s.name for s in made_steps]
-    heal = heal_steps(model, cfg, folder, made) if cfg.heal_steps else []
+    heal = heal_steps(model, source, cfg, folder, made) if cfg.heal_steps else []
     do(heal)
     bench = bench_step(cfg, folder, made, teacher_quant, quant)
     do([bench])
-    exports = {s.name: s.command() for s in teacher_steps(source, cfg, folder)}
     rounding = ["--quant", teacher_quant] if teacher_quant else []
-    teacher = exports.get(f"teacher-{teacher_quant}") or "bdlora " + shlex.join(
+    chosen = [s.command() for s in exports if s.name == f"teacher-{teacher_quant}"]
+    teacher = chosen[0] if chosen else "bdlora " + shlex.join(
         ["export", "genai", source, "--precision", cfg.precision, *rounding, "--out",
          str(exported(folder, "teacher", cfg.precision))])
     result = recommend(folder, cfg, {s.name: s.command() for s in [*made_steps, *heal, bench]}, teacher_quant,
