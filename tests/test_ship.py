@@ -52,10 +52,12 @@ def test_a_ship_folder_resumes_only_the_settings_it_holds(tmp_path):
     assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
 
 
-def _bench(folder, rows):
+def _bench(folder, rows, identical=None):
     (folder / "bench").mkdir(parents=True)
     front = [{"name": n, "ms": ms, "ppl": p, "ppl_unseen": u} for n, ms, p, u in rows]
-    (folder / "bench" / "bench.json").write_text(json.dumps({"front": front, "unseen_data": "fortunes"}))
+    spec = {"int4": {"summary": {k: {"identical": v} for k, v in (identical or {}).items()}}}
+    (folder / "bench" / "bench.json").write_text(json.dumps({"front": front, "unseen_data": "fortunes",
+                                                             "speculative": spec}))
     (folder / "ship.json").write_text(json.dumps({"model": "t", "options": {}}))
 
 
@@ -72,11 +74,14 @@ def test_each_tolerance_gets_the_fastest_row_within_it_on_every_domain(tmp_path)
     _bench(tmp_path, [("teacher-int4", 10.0, 20.0, 50.0), ("spec-lookup-int4", 8.0, 20.0, 50.0),
                       ("spec-draft-int4", 12.0, 20.0, 50.0), ("compressed-int4", 2.0, 90.0, 400.0),
                       ("student-1.25-int4", 7.0, 20.8, 65.0), ("dense-int4", 1.0, 19.0, 49.0),
-                      ("teacher-int8", 5.0, 19.0, 49.0)])
+                      ("teacher-int8", 5.0, 19.0, 49.0)], identical={"lookup": False, "draft": True})
     cfg = ShipConfig(tolerances="0,5,40")
     r = recommend(tmp_path, cfg, COMMANDS, "affine", {"rtn": 21.0, "affine": 20.0}, TEACHER)
     assert [a["row"] for a in r["answers"]] == ["spec-lookup-int4", "spec-lookup-int4", "student-1.25-int4"]
     assert r["answers"][0]["speedup"] == pytest.approx(10 / 8)
+    assert "not token-identical to plain decoding" in r["answers"][0]["what"]  # as benched, not assumed
+    assert "token-identical to plain decoding in the bench" in next(
+        row["what"] for row in r["rows"] if row["row"] == "spec-draft-int4")
     assert r["answers"][2]["ppl_unseen_vs_teacher"] == pytest.approx(0.3)
     assert r["answers"][0]["commands"] == [TEACHER, "bdlora serve D/teacher-affine --runtime genai --prompt-lookup"]
     assert r["answers"][2]["commands"][0] == COMMANDS["student-1.25"]

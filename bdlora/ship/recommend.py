@@ -34,22 +34,35 @@ def _exported(folder: Path, name: str, cfg, quant: str | None) -> str:
             f"{shlex.quote(str(exported(folder, name, cfg.precision)))}")
 
 
+def verified(identical: bool | None) -> str:
+    """What a speculative row's output is, as the bench measured it: the teacher verifies every token; whether the
+    tokens were those of plain decoding (at int4 a verifying call rounds several rows at once in MatMulNBits, so
+    a greedy tie can break the other way: measured, not assumed)."""
+    if identical:
+        return "its own output, token-identical to plain decoding in the bench"
+    if identical is None:
+        return "every token verified by the teacher"
+    return ("every token verified by the teacher, but not token-identical to plain decoding in the bench: the "
+            "verifying call rounds several rows at once")
+
+
 def row_commands(name: str, bench_model: str, folder: Path, cfg, commands: dict[str, str], teacher: str,
-                 quant: str | None) -> tuple[str, list[str]]:
+                 quant: str | None, identical: bool | None = None) -> tuple[str, list[str]]:
     """(what ships, the commands that rebuild it) of a front row named ``name`` (without its precision);
-    ``teacher``: the command that writes the teacher's export (its last argument after --out)."""
+    ``teacher``: the command that writes the teacher's export (its last argument after --out); ``identical``: a
+    speculative row's tokens against plain decoding, as benched."""
     words = shlex.split(teacher)
     export = words[words.index("--out") + 1]
     if name == TEACHER:
         return "the teacher's own export", [teacher]
     if name == LOOKUP:
-        return "the teacher's export, speculating with prompt lookup (its own output)", [
+        return f"the teacher's export, speculating with prompt lookup ({verified(identical)})", [
             teacher, f"bdlora serve {shlex.quote(export)} --runtime genai --prompt-lookup"]
     own = bench_model if name == "compressed" else name.removeprefix(PEER)
     steps = [commands[s] for s in (own.removeprefix("healed-"), f"heal-{own.removeprefix('healed-')}", own)
              if s in commands]
     if name == SPEC_DRAFT:
-        return "the teacher's export with the draft (its own output)", [
+        return f"the teacher's export with the draft ({verified(identical)})", [
             teacher, *steps, _exported(folder, own, cfg, quant),
             f"bdlora serve {shlex.quote(export)} --runtime genai --draft "
             f"{shlex.quote(str(exported(folder, own, cfg.precision)))}"]
@@ -75,12 +88,15 @@ def recommend(folder: Path, cfg, commands: dict[str, str], teacher_quant: str | 
     if ref is None:
         raise ValueError(f"{folder / BENCH / BENCH_JSON}: no teacher-{cfg.precision} row to compare with")
     domains = ["ppl"] + (["ppl_unseen"] if ref["ppl_unseen"] is not None else [])
+    spec = ((bench.get("speculative") or {}).get(cfg.precision) or {}).get("summary") or {}
     for r in rows:
         r["speedup"] = ref["ms"] / r["ms"]
+        if r["name"] in (LOOKUP, SPEC_DRAFT):  # the bench's speculative configurations: "lookup", "draft"
+            r["identical"] = (spec.get(r["name"].removeprefix("spec-")) or {}).get("identical")
         for d in domains:
             r[f"{d}_vs_teacher"] = r[d] / ref[d] - 1 if r[d] is not None else None
         r["what"], r["commands"] = row_commands(r["name"], bench_model, folder, cfg, commands, teacher,
-                                                cfg.student_quant or teacher_quant)
+                                                cfg.student_quant or teacher_quant, r.get("identical"))
     answers = []
     for t in cfg.tolerance_list():
         within = [r for r in rows if all(r[f"{d}_vs_teacher"] is not None and r[f"{d}_vs_teacher"] <= t / 100 + 1e-9
