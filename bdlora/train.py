@@ -176,9 +176,7 @@ def setup(cfg: TrainConfig, rep: Reporter, resume: RunDir | None, env: D.DistEnv
     if resume is None and env.is_main:  # before the run directory exists: a bad target writes nothing
         shaped, start = forms_start.run_start(cfg, sess.student, sess.calibration_source, rep, cost_table,
                                               has_start)
-    run_dir = resume if resume is not None else _new_run_dir(cfg, sess.facts, env)
-    if resume is None and made is not None:
-        made.append(run_dir)
+    run_dir = resume if resume is not None else _new_run_dir(cfg, sess.facts, env, made)
     if shaped is not None:
         forms_start.save(shaped, sess.tokenizer, run_dir)
     if start is not None:
@@ -238,12 +236,15 @@ def _topk_cache(cfg: TrainConfig, sess: Session, device) -> TeacherTopK | None:
                        {"teacher": sess.facts.teacher_path, "teacher_sha256": source.fingerprint()})
 
 
-def _new_run_dir(cfg: TrainConfig, facts: RunFacts, env: D.DistEnv) -> RunDir:
-    """A new run directory (made by rank 0, its path broadcast) with its config.json."""
+def _new_run_dir(cfg: TrainConfig, facts: RunFacts, env: D.DistEnv, made: list | None = None) -> RunDir:
+    """A new run directory (made by rank 0, its path broadcast) with its config.json; recorded in ``made`` before
+    anything is written in it, so a SIGTERM between its config.json and the caller's next line still removes it."""
     if env.is_main and cfg.out:
         check_new_out(cfg.out)
     path = RunDir.new(cfg.method, cfg.runs_dir, cfg.out).path if env.is_main else None
     run_dir = RunDir(D.broadcast_object(env, str(path) if path else None))
+    if made is not None:
+        made.append(run_dir)
     if env.is_main:
         run_dir.path.mkdir(parents=True, exist_ok=True)
         _write_config(run_dir, cfg, facts)
