@@ -25,9 +25,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bdlora.errors import RunDirError, Terminated
+from bdlora.config import TrainConfig, resolve_path
+from bdlora.errors import RunDirError, Terminated, UsageError
 from bdlora.io import atomic_dir, load_tensors, read_json, save_tensors, write_json, write_text
-from bdlora.runs import CKPT_OPTIMIZER, CKPT_RNG, CKPT_STATE, CKPT_TRAINABLE
+from bdlora.runs import CKPT_OPTIMIZER, CKPT_RNG, CKPT_STATE, CKPT_TRAINABLE, CONFIG, RunDir
 
 STATE_KEYS = ("step", "param_groups", "scheduler", "method", "rng", "files")
 _NAME = re.compile(r"step-(\d{8})")  # what save_checkpoint names a checkpoint, and nothing else
@@ -232,3 +233,32 @@ def drop_unstarted(run_dir) -> str:
         return ""
     shutil.rmtree(run_dir.path, ignore_errors=True)
     return f"{run_dir.path} removed (no checkpoint to continue from)"
+
+
+# Options a resumed run may change (where/how often it writes or measures, never the weights); the rest are fixed
+RESUME_MUTABLE = ("save_every", "keep_last", "eval_every", "device", "measure_step_time", "cache_dir")
+
+
+def resume_config(run: RunDir, overrides: dict | None = None) -> TrainConfig:
+    """The stored options of an unfinished run, with the allowed ``overrides`` applied; any other changed option is
+    refused (a different method, model or data would silently make a different run)."""
+    run.require_resumable()
+    stored = run.config()
+    values = {k: v for k, v in stored.items() if k in TrainConfig.__dataclass_fields__}
+    for k, v in (overrides or {}).items():
+        if k == "out" and v is not None and Path(v).resolve() != run.path.resolve():
+            raise UsageError(f"--out {v}: a resumed run continues in its own folder {run.path}; drop --out")
+        if v is None or k in ("out", "runs_dir"):
+            continue
+        if k in RESUME_MUTABLE:
+            values[k] = v
+        elif stored.get(k) != v and stored.get(k) != resolve_path(v if isinstance(v, str) else None):
+            flag = f"--{k.replace('_', '-')}"
+            raise UsageError(f"{flag} {v}: this run was started with {flag} {stored.get(k)}; --resume cannot change "
+                             f"it (start a new run; changeable on resume: "
+                             f"{', '.join('--' + m.replace('_', '-') for m in RESUME_MUTABLE)})")
+    try:
+        cfg = TrainConfig(**values)
+    except TypeError as e:
+        raise RunDirError(f"{run.path / CONFIG}: not a bdlora training config ({e})") from None
+    return cfg

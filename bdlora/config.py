@@ -13,16 +13,16 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
-import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from bdlora.budgeted.config import ALLOCATIONS, LORA_INITS, BudgetedConfig
 from bdlora.budgeted.config import DEFAULTS as BUDGETED
-from bdlora.errors import Checks, ConfigError, shown
+from bdlora.errors import Checks, shown
 from bdlora.forms import LOWRANK, train_forms_problems
 from bdlora.schemes import quant_problem
+from bdlora.stopping import stopping_problems
 
 METHODS = ("kd-full", "kd-lora", "budgeted")
 DEVICES = ("auto", "cpu", "cuda")
@@ -80,10 +80,12 @@ class TrainConfig:
     """AdamW beta2 (see --adam-beta1)."""
     grad_clip: float = 1.0
     """Gradient-norm clip."""
-    temperature: float = 3.0
+    temperature: float | None = None
     """KD temperature tau."""
-    kd_weight: float = 0.8
+    kd_weight: float | None = None
     """KD weight lambda in L = lambda L_KD + (1 - lambda) L_CE."""
+    freeze_embeddings: bool | None = None
+    """kd-full: keep the token embeddings and the LM head frozen (kd-lora and budgeted never train them)."""
     loss_chunk: int = 1024
     """Positions per LM-head chunk of the KD loss."""
     kd_topk: int = 0
@@ -140,6 +142,18 @@ class TrainConfig:
     """Validation perplexity every N steps and at the end."""
     eval_tokens: int | None = None
     """Held-out tokens scored for perplexity."""
+    eval_data: str | None = None
+    """A corpus the run never trains on (as --data; none of its corpora may be in --data), scored on its held-out
+    slice at every validation: the saved student is the step best there (a budgeted run's once its budget
+    schedule is over), e.g. fortunes."""
+    reweight_every: int = 0
+    """With a --data mixture: every N steps move its weights toward the components where the student trails the
+    teacher most on their held-out slices (Sheared-LLaMA's dynamic batch loading; the weights are logged in
+    metrics.jsonl and the summary); 0 keeps the weights given."""
+    time_budget: str | None = None
+    """Fit the run in this wall-clock time from the start of the command (90s, 60m, 1.5h; loading, teacher samples
+    and calibration included): the step count is planned from the first steps' measured time and the run stops
+    cleanly when the next step and the finish would no longer fit. Replaces --max-steps and --tokens."""
     heldout_fraction: float | None = None
     """Fraction of documents (by MD5 of their id) held out (default: the corpus's own, 0.02 for the builtin corpus
     and 0.002 for others)."""
@@ -211,9 +225,10 @@ class TrainConfig:
                      "student_layers", "keep_last", "calib_tokens"):
             c.integer(name, getattr(self, name), lo=1)
         c.integer("seq_len", self.seq_len, lo=2, what=" (a block needs a token and its successor)")
-        for name in ("save_every", "kd_topk", "seed"):
+        for name in ("save_every", "kd_topk", "seed", "reweight_every"):
             c.integer(name, getattr(self, name), lo=0)
         c.require(self.max_steps is None or self.tokens is None, "--max-steps and --tokens: give one, not both")
+        stopping_problems(c, self)
         c.number("lr", self.lr, lo=0.0, lo_open=True)
         c.number("weight_decay", self.weight_decay, lo=0.0)
         c.number("adam_beta1", self.adam_beta1, 0.0, 1.0, hi_open=True)
@@ -240,6 +255,13 @@ REAL_DEFAULTS = {"batch_size": 8, "seq_len": 1024, "max_steps": 1000, "lora_rank
                  "lora_alpha": BUDGETED.alpha, "eval_every": 200, "eval_tokens": 1 << 20, "lora_init": "whitened",
                  "allocation": "quality", "calib_tokens": CALIB_TOKENS}
 
+# The objective: the paper's (tau 3, lambda 0.8, every kd-full weight trained) for its own method and baselines; for
+# healing a structure (--forms / --speedup), logit-only forward KL over the full vocabulary at tau 1 with the
+# embeddings and head frozen, the objective the pruning literature heals with (Minitron: it beats cross-entropy and
+# hidden-state losses; a frozen head keeps what the teacher knew of tokens the healing data does not hold).
+OBJECTIVE_DEFAULTS = {"paper": {"temperature": 3.0, "kd_weight": 0.8, "freeze_embeddings": False},
+                      "heal": {"temperature": 1.0, "kd_weight": 1.0, "freeze_embeddings": True}}
+
 # The peak learning rate follows the teacher and how the trained paths start (measured, docs/results.md "Learning
 # rate by start"): from nothing (LoRA's zero start, or kd-full's copied weights) the builtin student needs 2e-3; a
 # whitened or SVD start is already close to the teacher and needs healing, not learning: at 2e-3 the builtin
@@ -250,6 +272,8 @@ DEFAULT_LR = {("builtin", "zero"): 2e-3, ("builtin", "start"): 1e-3, ("real", "z
 
 
 def _shown(v) -> str:
+    if isinstance(v, bool):
+        return "on" if v else "off"
     return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else f"{v:g}" if isinstance(v, float) else str(v)
 
 
@@ -261,6 +285,10 @@ def defaults_help() -> dict[str, str]:
         real, builtin = REAL_DEFAULTS.get(k), BUILTIN_DEFAULTS.get(k)
         notes[k] = (f"Default {_shown(real)}." if real == builtin else
                     f"Default {_shown(real)}; builtin teacher {_shown(builtin)}.")
+    paper, heal = OBJECTIVE_DEFAULTS["paper"], OBJECTIVE_DEFAULTS["heal"]
+    for k in paper:
+        heals = f"; healing a --forms structure {_shown(heal[k])}" if paper[k] != heal[k] else ""
+        notes[k] = f"Default {_shown(paper[k])}{heals}."
     lr = {k: _shown(v) for k, v in DEFAULT_LR.items()}
     notes["lr"] = (f"Default by teacher and start: from the whitened or SVD start {lr['real', 'start']} (builtin "
                    f"teacher {lr['builtin', 'start']}), from zero {lr['real', 'zero']} (builtin teacher "
@@ -284,62 +312,6 @@ def field_docs(cls) -> dict[str, str]:
             if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
 
 
-RECIPES_DIR = Path(__file__).parent / "recipes"
-RECIPES = tuple(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))  # shipped YAML files, named by --config NAME
-
-
-MAX_CONFIG_BYTES = 1 << 20
-
-
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """A YAML file of options, or a recipe shipped with the package (``--config paper``: the paper's budget)."""
-    import yaml
-
-    p = Path(path)
-    if not p.is_file() and str(path) in RECIPES:
-        p = RECIPES_DIR / f"{path}.yaml"
-    if not p.exists():
-        raise ConfigError([f"--config {path}: no such file (or a recipe shipped with bdlora: {', '.join(RECIPES)})"])
-    if not p.is_file():  # a folder, a FIFO (reading would block), a device (/dev/zero never ends)
-        kind = "a folder" if p.is_dir() else "not a regular file"
-        raise ConfigError([f"--config {path}: is {kind}; name a YAML file (or a recipe: {', '.join(RECIPES)})"])
-    if p.stat().st_size > MAX_CONFIG_BYTES:
-        raise ConfigError([f"--config {path}: {p.stat().st_size:,} bytes; an option file is a few lines (at most "
-                           f"{MAX_CONFIG_BYTES:,} bytes)"])
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError([f"--config {path}: not valid YAML ({str(e).splitlines()[0]})"]) from None
-    if not isinstance(data, dict):
-        raise ConfigError([f"--config {path}: must be a mapping of option: value"])
-    data = {str(k).replace("-", "_"): v for k, v in data.items()}
-    unknown = sorted(set(data) - set(OPTION_NAMES))
-    if unknown:
-        raise ConfigError([f"--config {path}: unknown option(s) {', '.join(unknown)}"])
-    wrong = [f"{k}: {shown(v)} is not {_TYPE_WORDS[t]}" for k, v in data.items()
-             if v is not None and (t := _yaml_type(k)) is not None and not _is(v, t)]
-    if wrong:
-        raise ConfigError([f"--config {path}: {'; '.join(wrong)} (YAML values get the same checks as the flags)"])
-    return data
-
-
-_TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-
-
-def _yaml_type(name: str):
-    """The scalar type of a TrainConfig field (None for lists and anything else YAML may spell freely)."""
-
-    tp = typing.get_type_hints(TrainConfig).get(name)
-    args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
-    return args[0] if args[0] in _TYPE_WORDS else None
-
-
-def _is(v, t) -> bool:
-    if t is float:
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
-    return isinstance(v, t) and (t is bool or not isinstance(v, bool))
-
-
 def merge(yaml_values: dict[str, Any], cli_values: dict[str, Any]) -> TrainConfig:
     """Defaults < YAML < explicit command-line flags (flags left unset on the command line arrive as None)."""
     values = {**yaml_values, **{k: v for k, v in cli_values.items() if v is not None}}
@@ -357,7 +329,8 @@ def resolve_path(value: str | None) -> str | None:
 
 def resolve_defaults(cfg: TrainConfig, builtin_teacher: bool) -> TrainConfig:
     """Fill the per-teacher defaults (see BUILTIN_DEFAULTS / REAL_DEFAULTS) and store local paths absolute."""
-    defaults = BUILTIN_DEFAULTS if builtin_teacher else REAL_DEFAULTS
+    defaults = {**(BUILTIN_DEFAULTS if builtin_teacher else REAL_DEFAULTS),
+                **OBJECTIVE_DEFAULTS["heal" if cfg.structured else "paper"]}
     values = dataclasses.asdict(cfg)
     defaulted = []
     for k, v in defaults.items():

@@ -177,6 +177,17 @@ def unseen_corpus(*specs: str | None) -> str | None:
     return next((c for c in (FORTUNES, PROSE, BUILTIN) if c not in seen), None)
 
 
+def shared_corpus(eval_data: str, data: str) -> str | None:
+    """A corpus ``eval_data`` shares with the training ``data`` (None: they share none): the same name or file, or
+    teacher samples on both sides (drawn with the same seed, their first documents are the same)."""
+    def key(spec: str) -> str:
+        p = Path(spec).expanduser()
+        return str(p.resolve()) if p.exists() else TEACHER_PREFIX if teacher_tokens(spec) is not None else spec
+
+    seen = {key(p.spec): p.spec for p in parse(data)}
+    return next((p.spec for p in parse(eval_data, "--eval-data") if key(p.spec) in seen), None)
+
+
 def other_domains(domains: str | None, data: str, vocab_size: int) -> list[str]:
     """The corpora scored besides ``data``: ``domains`` as given, else for a general-purpose model (a vocabulary of
     ``GENERAL_VOCABULARY`` or more: a pretrained LLM's, not the builtin or a test teacher's) prose and the builtin

@@ -64,6 +64,11 @@ class TrainingMethod:
         """Called once per optimiser step, before its forward; returns this step's log record (or None)."""
         return None
 
+    def final_form(self, progress: float) -> bool:
+        """Whether the student at this point of the schedule (0..1) is the form the run delivers (what
+        ``--eval-data``'s best step may be chosen among)."""
+        return True
+
     def step_metrics(self, record: dict | None) -> dict:
         """Fields of ``record`` that belong in metrics.jsonl."""
         return {}
@@ -106,6 +111,10 @@ class KDFull(TrainingMethod):
     def wrap(self, student, start=None):
         for p in student.parameters():
             p.requires_grad_(True)
+        if self.cfg.freeze_embeddings:  # tied or not, the input embedding and the head stay the teacher's
+            for module in (student.get_input_embeddings(), student.get_output_embeddings()):
+                for p in module.parameters():
+                    p.requires_grad_(False)
         return student
 
 
@@ -151,6 +160,9 @@ class Budgeted(TrainingMethod):
 
     def before_step(self, progress):
         return self.controller.step(progress)
+
+    def final_form(self, progress: float) -> bool:
+        return progress >= self.cfg.decay_end  # the budget's dense paths are gone only once its decay is over
 
     def step_metrics(self, record):
         return {k: record[k] for k in ("budget", "retained", "zero")}

@@ -21,6 +21,7 @@ from bdlora.corpora import check_spec, default_heldout, general_calib_data, load
 from bdlora.errors import DataError, ModelError, UsageError
 from bdlora.forms import LOWRANK
 from bdlora.reporter import SILENT, Reporter
+from bdlora.reweight import SLICE_BLOCKS, Reweighter
 from bdlora.runs import RunFacts
 from bdlora.selfgen import TeacherSource
 from bdlora.student import build_student, check_same_vocabulary
@@ -48,6 +49,8 @@ class Session:
     train_blocks: PackedBlocks | DocumentBlocks
     val_blocks: PackedBlocks
     calib_blocks: PackedBlocks | None = None  # --calib-data's training split (None: calibrate on train_blocks)
+    eval_blocks: PackedBlocks | None = None  # --eval-data's held-out slice (never trained on)
+    mixture: Reweighter | None = None  # --reweight-every: the components, their weights, the run's sampler
     facts: RunFacts = RunFacts()  # what was resolved on the way (teacher checkpoint, corpus cache, ...)
 
     @property
@@ -61,7 +64,10 @@ def prepare(cfg: TrainConfig, reporter: Reporter = SILENT) -> Session:
     cfg.validate()
     device = resolve_device(cfg.device)
     cache = cfg.cache_root()
-    check_spec(cfg.data)  # checks the paths before the (possibly long) teacher build
+    parts = check_spec(cfg.data)  # checks the paths before the (possibly long) teacher build
+    if cfg.reweight_every and len(parts) < 2:
+        raise UsageError(f"--reweight-every {cfg.reweight_every}: needs a --data mixture of two or more corpora "
+                         f"(e.g. builtin:1,prose:1); --data {cfg.data} is one")
     if cfg.calib_data:
         check_spec(cfg.calib_data, "--calib-data")
     reporter.stage(f"loading teacher {cfg.teacher}")
@@ -79,6 +85,12 @@ def prepare(cfg: TrainConfig, reporter: Reporter = SILENT) -> Session:
         raise DataError(f"--data {cfg.data}: {data.meta['tokens']['train']} training tokens, fewer than one "
                         + (f"block of --seq-len {cfg.seq_len}" if cfg.packing == "pack" else "document"))
     val_blocks = scored_blocks(data.tokens("val"), cfg.seq_len, cfg.eval_tokens, f"--data {cfg.data}", bos=data.bos)
+    eval_blocks = None
+    if cfg.eval_data:
+        ev = load_tokens(cfg.eval_data, tokenizer, None, cache, what="--eval-data", teacher=source, seed=cfg.seed,
+                         reporter=reporter)
+        eval_blocks = scored_blocks(ev.tokens("val"), cfg.seq_len, cfg.eval_tokens, f"--eval-data {cfg.eval_data}",
+                                    bos=ev.bos)
     calib_blocks = None
     if needed(cfg.method, cfg.lora_init, cfg.allocation) or cfg.structured:
         general = general_calib_data(cfg.data, cfg.calib_data, teacher.config.vocab_size)
@@ -97,7 +109,26 @@ def prepare(cfg: TrainConfig, reporter: Reporter = SILENT) -> Session:
     facts = RunFacts(teacher_path=str(teacher_path), layer_indices=tuple(idx),
                      teacher_layers=teacher.config.num_hidden_layers, data_cache=str(data.path),
                      data_tokens=data.meta["tokens"])
-    return Session(cfg, device, teacher, tokenizer, student, idx, train_blocks, val_blocks, calib_blocks, facts)
+    mixture = None
+    if cfg.reweight_every:
+        mixture = components(cfg, parts, tokenizer, cache, source, reporter)
+    return Session(cfg, device, teacher, tokenizer, student, idx, train_blocks, val_blocks, calib_blocks, eval_blocks,
+                   mixture, facts)
+
+
+def components(cfg: TrainConfig, parts, tokenizer, cache, source, reporter: Reporter) -> Reweighter:
+    """--reweight-every: each component of the mixture on its own (the caches the mixture was cut from), its
+    training blocks and ``SLICE_BLOCKS`` blocks of its held-out split."""
+    train, held = [], []
+    for p in parts:
+        t = load_tokens(p.spec, tokenizer, cfg.heldout_fraction, cache, teacher=source, seed=cfg.seed,
+                        reporter=reporter)
+        train.append(training_blocks(t.tokens("train"), cfg.seq_len, cfg.packing, tokenizer.eos_token_id, t.bos))
+        held.append(scored_blocks(t.tokens("val"), cfg.seq_len, SLICE_BLOCKS * cfg.seq_len,
+                                  f"--data {p.spec} (--reweight-every)", bos=t.bos))
+        if len(train[-1]) < 1:
+            raise DataError(f"--data {p.spec}: no training sequence of --seq-len {cfg.seq_len} to draw")
+    return Reweighter([p.spec for p in parts], train, held, [p.weight for p in parts], cfg.seed, cfg.reweight_every)
 
 
 def _resolve_sizes(cfg: TrainConfig, teacher) -> TrainConfig:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bdlora import SCHEMA_VERSION, __version__, forms_start
+from bdlora import SCHEMA_VERSION, __version__, forms_start, stopping
 from bdlora import distributed as D
 from bdlora.blocks import BlockSampler
 from bdlora.budgeted.start import LowRankStart, needed, shapes_of
@@ -28,10 +28,11 @@ from bdlora.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     remove_stale,
+    resume_config,
     save_checkpoint,
     truncate_jsonl,
 )
-from bdlora.config import TrainConfig, resolve_path
+from bdlora.config import TrainConfig
 from bdlora.data import default_cache_dir
 from bdlora.distill import DistillationLoss, diverged, kd_step, warmup_cosine
 from bdlora.errors import ModelError, RunDirError, Terminated, TrainingError, UsageError
@@ -41,38 +42,12 @@ from bdlora.methods import METHOD_CLASSES, TrainingMethod
 from bdlora.outputs import check_new_out
 from bdlora.perplexity import perplexity
 from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import CONFIG, FAILED, RunDir, RunFacts
+from bdlora.reweight import reweigh
+from bdlora.runs import FAILED, RunDir, RunFacts
 from bdlora.selfgen import TeacherSource
 from bdlora.session import Session, prepare
+from bdlora.stopping import BestKeeper, TimeBudget
 from bdlora.teacher import load_teacher
-
-# Options a resumed run may change (where/how often it writes or measures, never the weights); the rest are fixed
-RESUME_MUTABLE = ("save_every", "keep_last", "eval_every", "device", "measure_step_time", "cache_dir")
-
-
-def resume_config(run: RunDir, overrides: dict | None = None) -> TrainConfig:
-    """The stored options of an unfinished run, with the allowed ``overrides`` applied; any other changed option is
-    refused (a different method, model or data would silently make a different run)."""
-    run.require_resumable()
-    stored = run.config()
-    values = {k: v for k, v in stored.items() if k in TrainConfig.__dataclass_fields__}
-    for k, v in (overrides or {}).items():
-        if k == "out" and v is not None and Path(v).resolve() != run.path.resolve():
-            raise UsageError(f"--out {v}: a resumed run continues in its own folder {run.path}; drop --out")
-        if v is None or k in ("out", "runs_dir"):
-            continue
-        if k in RESUME_MUTABLE:
-            values[k] = v
-        elif stored.get(k) != v and stored.get(k) != resolve_path(v if isinstance(v, str) else None):
-            flag = f"--{k.replace('_', '-')}"
-            raise UsageError(f"{flag} {v}: this run was started with {flag} {stored.get(k)}; --resume cannot change "
-                             f"it (start a new run; changeable on resume: "
-                             f"{', '.join('--' + m.replace('_', '-') for m in RESUME_MUTABLE)})")
-    try:
-        cfg = TrainConfig(**values)
-    except TypeError as e:
-        raise RunDirError(f"{run.path / CONFIG}: not a bdlora training config ({e})") from None
-    return cfg
 
 
 @dataclass
@@ -95,6 +70,8 @@ class Run:
     run: RunDir | None = None
     start: LowRankStart | None = None  # where the low-rank paths began (None: the SPEC's zero start)
     topk: TeacherTopK | None = None  # --kd-topk: the teacher's cached top-k targets
+    keeper: BestKeeper | None = None  # --eval-data: the best step there
+    budget: TimeBudget | None = None  # --time-budget
     start_step: int = 0
     step: int = 0  # optimiser steps done so far (for a failure report)
     prior_seconds: float = 0.0
@@ -106,6 +83,10 @@ class Run:
     def tokens_per_step(self) -> int:
         c = self.cfg
         return c.batch_size * c.grad_accum * c.seq_len * self.env.world_size
+
+    @property
+    def blocks(self):
+        return self.sess.mixture or self.sess.train_blocks  # --reweight-every's mixture draws its own blocks
 
     @property
     def global_batch(self) -> int:
@@ -124,6 +105,7 @@ def train(cfg: TrainConfig, reporter: Reporter | None = None, resume: str | Path
     CLI from ``bdlora.export.genai.latency``, which the core does not import).
 
     Under torchrun (WORLD_SIZE > 1) every rank calls this: see ``bdlora.distributed`` for the contract."""
+    started = stopping.now()  # a --time-budget counts from here (loading, teacher samples, calibration included)
     env = D.env_from_launcher()
     rep = (reporter or SILENT) if env.is_main else SILENT
     run_dir = None
@@ -144,6 +126,7 @@ def train(cfg: TrainConfig, reporter: Reporter | None = None, resume: str | Path
     try:
         try:
             run = setup(cfg, rep, run_dir, env, dist_device, cost_table, made)
+            stopping.attach(run, started)
             loop(run)
             return finish(run)
         except KeyboardInterrupt as e:  # before the first checkpoint, a new run's folder goes (nothing to resume)
@@ -195,7 +178,8 @@ def setup(cfg: TrainConfig, rep: Reporter, resume: RunDir | None, env: D.DistEnv
     run = Run(cfg, sess, method, model, D.wrap_ddp(model, device) if env.enabled else None, params, optimizer,
               torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.max_steps)),
               DistillationLoss(cfg.temperature, cfg.kd_weight, cfg.loss_chunk),
-              BlockSampler(len(sess.train_blocks), cfg.seed), env, device, rep, run=run_dir, start=start)
+              sess.mixture or BlockSampler(len(sess.train_blocks), cfg.seed), env, device, rep, run=run_dir,
+              start=start)
     run.topk = topk
     if resume is not None:
         _resume(run, resume)
@@ -274,6 +258,8 @@ def _resume(run: Run, run_dir: RunDir) -> None:
         raise RunDirError(f"--resume {run_dir.path}: no complete checkpoint to continue from")
     state = load_checkpoint(ckpt, run.model, run.optimizer, run.scheduler, run.method, run.cfg.max_steps)
     run.start_step, run.prior_seconds = state["step"], state.get("train_seconds", 0.0)
+    if run.sess.mixture is not None:
+        run.sess.mixture.load_state(state["mixture"])
     if run.env.is_main:
         (run_dir.path / FAILED).unlink(missing_ok=True)
         logs = [run_dir.metrics_log] + ([run_dir.path / run.method.log_name] if run.method.log_name else [])
@@ -290,28 +276,37 @@ def loop(run: Run) -> None:
     if env.is_main:
         rep.stage("evaluating teacher and initial student")
         run.figures["teacher_val_ppl"] = perplexity(run.sess.teacher, run.sess.val_blocks)
+        t = stopping.now()
+        scores = stopping.validate(run, run.start_step, initial=True)
         if run.start_step == 0:
-            run.figures["initial_student_val_ppl"] = perplexity(run.model, run.sess.val_blocks)
+            run.figures["initial_student_val_ppl"] = scores["val_ppl"]
+        if run.budget is not None:
+            run.budget.eval_seconds = stopping.now() - t
     run.figures["student_val_ppl"] = run.figures["initial_student_val_ppl"]
     logs = _open_logs(run)
     rep.start(cfg.max_steps, run.start_step)
     run.t0 = time.time()
+    if run.budget is not None:
+        run.budget.begin()
     run.model.train()
     stop = StopRequest()
     try:
-        for step in range(run.start_step, cfg.max_steps):
+        step = run.start_step
+        while step < cfg.max_steps:  # a --time-budget sets max_steps after its first steps
             run.step = step
             m = _optimiser_step(run, step, logs)
-            stopping = D.any_rank(env, stop.requested is not None)
+            halt = D.any_rank(env, stop.requested is not None)
             done = m["step"]
-            if env.is_main and ((cfg.save_every and done % cfg.save_every == 0 and done < cfg.max_steps) or stopping):
+            if env.is_main and ((cfg.save_every and done % cfg.save_every == 0 and done < cfg.max_steps) or halt):
                 save_checkpoint(run.run.checkpoints_dir, done, run.model, run.optimizer, run.scheduler, run.method,
-                                {"train_seconds": run.prior_seconds + time.time() - run.t0}, cfg.keep_last)
-            if stopping:
+                                {"train_seconds": run.prior_seconds + time.time() - run.t0,
+                                 **({"mixture": run.sess.mixture.state()} if run.sess.mixture else {})}, cfg.keep_last)
+            if halt:
                 D.barrier(env)
                 kind = Terminated if stop.requested == "SIGTERM" else KeyboardInterrupt  # exit 143 or 130
                 raise kind(f"stopped by {stop.requested or 'a signal to another rank'} after step "
                            f"{done}; checkpoint saved, continue with --resume {run.run.path}")
+            step += 1
     finally:
         stop.restore()
         for f in logs.values():
@@ -341,7 +336,7 @@ def _optimiser_step(run: Run, step: int, logs: dict) -> dict:
     for micro in range(cfg.grad_accum):
         first = ((step * cfg.grad_accum + micro) * env.world_size + env.rank) * cfg.batch_size
         x, mask = (t if t is None else t.to(run.device)
-                   for t in run.sess.train_blocks.batch(run.sampler.indices(first, cfg.batch_size)))
+                   for t in run.blocks.batch(run.sampler.indices(first, cfg.batch_size)))
         sync = run.ddp is None or micro == cfg.grad_accum - 1
         with (contextlib.nullcontext() if sync else run.ddp.no_sync()):
             loss, parts = kd_step(run.model, run.sess.teacher, run.loss_fn, x, run.device, run.ddp, mask,
@@ -361,8 +356,11 @@ def _optimiser_step(run: Run, step: int, logs: dict) -> dict:
          "grad_norm": grad_norm, "tokens": done * run.tokens_per_step,
          "tokens_per_s": (done - run.start_step) * run.tokens_per_step / max(elapsed, 1e-9),
          **run.method.step_metrics(record)}
+    reweigh(run, done, m)
+    stopping.fit_budget(run, done, lambda: _write_config(run.run, cfg, run.sess.facts))
     if env.is_main and (done % cfg.eval_every == 0 or done == cfg.max_steps):
-        m["val_ppl"] = run.figures["student_val_ppl"] = perplexity(run.model, run.sess.val_blocks)
+        m.update(stopping.validate(run, done))
+        run.figures["student_val_ppl"] = m["val_ppl"]
         run.reporter.evaluated(done, m)
     if "metrics" in logs:
         logs["metrics"].write(json.dumps(m) + "\n")
@@ -379,6 +377,7 @@ def finish(run: Run) -> dict:
     if not env.is_main:
         D.barrier(env)
         return {"rank": env.rank, "run_dir": str(run.run.path)}
+    kept = stopping.keep_best(run)
     run.reporter.stage("saving the student")
     with atomic_dir(run.run.student_dir) as tmp:
         run.method.save_student(run.model, run.sess.tokenizer, tmp)
@@ -390,9 +389,10 @@ def finish(run: Run) -> dict:
         "train_seconds": train_seconds, "tokens_per_s": steps_here * run.tokens_per_step / max(run.t1 - run.t0, 1e-9),
         "resumed_from": run.start_step or None, "trainable_parameters": sum(p.numel() for p in run.params),
         **(start_summary(run.start, shapes_of(run.sess.student)) if run.start else {"lora_init": "zero"}),
-        **run.method.summary(run.model), **({"kd_topk": run.topk.stats()} if run.topk else {}),
+        **run.method.summary(run.model), **({"kd_topk": run.topk.stats()} if run.topk else {}), **kept,
+        **({"mixture": run.sess.mixture.summary()} if run.sess.mixture else {}),
     }
-    batch = torch.from_numpy(run.sess.train_blocks.get(run.sampler.indices(0, cfg.batch_size))).to(run.device)
+    batch = torch.from_numpy(run.blocks.get(run.sampler.indices(0, cfg.batch_size))).to(run.device)
     run.method.finalize(run.run.path, summary, run.sess.teacher, batch, run.device, run.reporter.stage)
     write_json(run.run.path / RunDir.MARKER, summary)
     D.barrier(env)

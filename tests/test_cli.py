@@ -185,7 +185,8 @@ def test_unusable_out_is_one_line_before_any_work(tiny_env, tmp_path, make_out, 
 def test_the_paper_recipe_ships_with_the_package(monkeypatch):
     """--config paper: the paper's budget, not the first-run defaults (2^14 tokens per device and step, 2.55B tokens
     in all over its two devices, a 10M-token validation set, rank 128 / alpha 256)."""
-    from bdlora.config import TrainConfig, load_yaml, merge
+    from bdlora.config import TrainConfig, merge
+    from bdlora.option_files import load_yaml
 
     values = load_yaml("paper")
     cfg = merge(values, {}).validate()

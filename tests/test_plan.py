@@ -168,7 +168,8 @@ def test_the_smollm2_cpu_recipe_ships_and_its_rank_choice_holds():
     the controller drops every attention projection and 42 MLP ones, and rank 64 turns that into 1.91x fewer
     projection MACs instead of 1.55x. With the quality allocation (the default) that ratio is the target it
     allocates for."""
-    from bdlora.config import load_yaml, merge
+    from bdlora.config import merge
+    from bdlora.option_files import load_yaml
 
     cfg = merge(load_yaml("smollm2-cpu"), {}).validate()
     assert (cfg.teacher, cfg.method, cfg.budget, cfg.student_layers) == ("smollm2-135m", "budgeted", 0.4, 30)

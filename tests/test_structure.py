@@ -413,6 +413,7 @@ def test_per_teacher_defaults_have_one_home():
     from bdlora.config import (
         BUILTIN_DEFAULTS,
         DEFAULT_LR,
+        OBJECTIVE_DEFAULTS,
         REAL_DEFAULTS,
         TrainConfig,
         _shown,
@@ -421,7 +422,12 @@ def test_per_teacher_defaults_have_one_home():
     )
 
     notes, docs = defaults_help(), field_docs(TrainConfig)
-    assert notes.keys() == REAL_DEFAULTS.keys() | BUILTIN_DEFAULTS.keys() | {"lr"}
+    objective = OBJECTIVE_DEFAULTS["paper"].keys()
+    assert OBJECTIVE_DEFAULTS["heal"].keys() == objective
+    assert notes.keys() == REAL_DEFAULTS.keys() | BUILTIN_DEFAULTS.keys() | objective | {"lr"}
+    for k in objective:
+        assert all(_shown(d[k]) in notes[k] for d in OBJECTIVE_DEFAULTS.values())
+        assert not re.search(r"\b(default)\b[^.;]*\d", docs.get(k, ""), re.I), (k, docs[k])
     for k in REAL_DEFAULTS.keys() | BUILTIN_DEFAULTS.keys():
         assert _shown(REAL_DEFAULTS[k]) in notes[k] and _shown(BUILTIN_DEFAULTS[k]) in notes[k]
         assert not re.search(r"\b(default|builtin)\b[^.;]*\d", docs.get(k, ""), re.I), (k, docs[k])

@@ -12,10 +12,11 @@ from bdlora.cli import render
 from bdlora.cli.app import command, err, out
 from bdlora.cli.options import float_list, from_dataclass, int_list, str_list
 from bdlora.cli.progress import RichReporter
-from bdlora.config import TrainConfig, defaults_help, load_yaml, merge
+from bdlora.config import TrainConfig, defaults_help, merge
 from bdlora.errors import UsageError
 from bdlora.evaluate import EvalConfig
 from bdlora.io import write_json
+from bdlora.option_files import load_yaml
 from bdlora.outputs import check_new_out, check_out_file
 from bdlora.runs import PAPER_MAIN, RUNS_DIR, ModelDir, SweepDir, eval_json
 from bdlora.sweep.options import (

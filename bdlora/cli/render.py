@@ -43,6 +43,15 @@ def train_summary(s: dict) -> None:
         t.add_row("student val ppl before training", f"{s['initial_student_val_ppl']:.3f}")
     t.add_row("student val ppl", f"{s['student_val_ppl']:.3f}")
     t.add_row("steps / tokens", f"{s['steps']:,} / {s['tokens']:,}")
+    if s.get("eval_data"):
+        first = "" if s.get("eval_data_ppl_initial") is None else f"{s['eval_data_ppl_initial']:.3f} -> "
+        best = "none eligible" if s.get("best_step") is None else (
+            f"best {s['eval_data_ppl_best']:.3f} at step {s['best_step']:,}, kept")
+        t.add_row(f"unseen {s['eval_data']} ppl", f"{first}{s['eval_data_ppl_last']:.3f} at the end; {best}")
+    if s.get("time_budget"):
+        b = s["time_budget"]
+        t.add_row("time budget", f"{b['used_seconds']:.0f} of {b['seconds']:.0f} s; {b['planned_steps']} steps "
+                  f"planned at {b['step_seconds']:.2f} s" + ("; stopped early" if b["stopped_by_budget"] else ""))
     if s.get("world_size", 1) > 1:
         t.add_row("processes / global batch", f"{s['world_size']} / {s['global_batch']} sequences")
     t.add_row("train time", f"{s['train_seconds']:.1f} s ({s['tokens_per_s']:.0f} tok/s)")

@@ -15,8 +15,9 @@ from bdlora.cli.app import command, err, out
 from bdlora.cli.compress import cost_table
 from bdlora.cli.options import from_dataclass
 from bdlora.cli.progress import RichReporter
-from bdlora.config import BUILTIN, TrainConfig, defaults_help, field_docs, load_yaml, merge
+from bdlora.config import BUILTIN, TrainConfig, defaults_help, field_docs, merge
 from bdlora.errors import UsageError
+from bdlora.option_files import load_yaml
 from bdlora.reporter import SILENT
 from bdlora.runs import TEACHER_JSON, RunDir
 

@@ -17,8 +17,9 @@ import typing
 from pathlib import Path
 
 from bdlora.budgeted.config import BudgetedConfig
-from bdlora.config import _TYPE_WORDS, OPTION_NAMES, _yaml_type
+from bdlora.config import OPTION_NAMES
 from bdlora.errors import UsageError
+from bdlora.option_files import TYPE_WORDS, yaml_type
 
 COMPRESS_OPTIONS = ("eps_lr", "gate_threshold", "svd_max_rank")  # compress-time only: no retraining
 # Options a grid may not vary, and what to use instead: one sweep measures one teacher on one held-out split.
@@ -48,7 +49,7 @@ def _value(key: str, text: str, spec: str):
         raise UsageError(f"--vary {spec}: an empty value for {key}")
     if text.lower() in ("none", "null"):
         return None
-    t = typing.get_type_hints(BudgetedConfig)[key] if key in COMPRESS_OPTIONS else _yaml_type(key)
+    t = typing.get_type_hints(BudgetedConfig)[key] if key in COMPRESS_OPTIONS else yaml_type(key)
     try:
         if t is bool:
             return {"true": True, "false": False}[text.lower()]
@@ -58,7 +59,7 @@ def _value(key: str, text: str, spec: str):
                 raise ValueError
             return v
     except (KeyError, ValueError):
-        raise UsageError(f"--vary {spec}: {key} {text!r} is not {_TYPE_WORDS[t]}") from None
+        raise UsageError(f"--vary {spec}: {key} {text!r} is not {TYPE_WORDS[t]}") from None
     return text
 
 
