@@ -45,6 +45,9 @@ class TrainConfig:
     """'builtin' (the Python standard library), 'prose' (English documentation, fetched once), 'teacher:N' (N
     tokens sampled from the teacher, cached), a .txt/.jsonl/.parquet file, folder or save_to_disk folder, or a
     mixture of these: builtin:0.5,prose:0.5."""
+    samples_runtime: str | None = None
+    """Generate teacher:N samples through this onnxruntime-genai folder of the teacher (`bdlora export genai TEACHER
+    --precision int4`: batched, at the deploy runtime's speed) instead of PyTorch; cached apart from PyTorch's."""
     calib_data: str | None = None
     """The corpus the whitened start and the quality allocation are calibrated on, as --data (default: --data);
     e.g. teacher:65536 or builtin:0.5,prose:0.5."""
@@ -219,7 +222,8 @@ class TrainConfig:
                       "--method budgeted --allocation quality --mac-ratio R (or --forms F)")
         quant_problem(c, self.quant, self.precision)
         train_forms_problems(c, self)
-        for name in ("teacher", "data", "calib_data", "student_init", "out", "runs_dir", "cache_dir"):
+        for name in ("teacher", "data", "samples_runtime", "calib_data", "student_init", "out", "runs_dir",
+                     "cache_dir"):
             c.text(name, getattr(self, name))
         for name in ("batch_size", "grad_accum", "max_steps", "tokens", "eval_tokens", "loss_chunk", "eval_every",
                      "student_layers", "keep_last", "calib_tokens"):
@@ -340,7 +344,7 @@ def resolve_defaults(cfg: TrainConfig, builtin_teacher: bool) -> TrainConfig:
     if values.get("lr") is None:
         values["lr"] = default_lr(builtin_teacher, values["method"], values["lora_init"])
         defaulted.append("lr")
-    for k in ("teacher", "data", "calib_data", "student_init"):
+    for k in ("teacher", "data", "samples_runtime", "calib_data", "student_init"):
         values[k] = resolve_path(values[k])
     if values["cache_dir"]:
         values["cache_dir"] = str(Path(values["cache_dir"]).expanduser().resolve())

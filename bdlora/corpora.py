@@ -374,8 +374,9 @@ def settings_tokens(settings: dict, tokenizer, what: str = "--data") -> Tokenize
 
     cache = Path(settings["cache_dir"]).expanduser() if settings.get("cache_dir") else None
     path = settings.get("source_path")
+    runtime = settings.get("samples_runtime")  # the genai folder the samples were generated through (key of the cache)
     teacher = TeacherSource(Path(path) if path and Path(path).is_dir() else None, spec=settings.get("teacher"),
-                            cache=cache)
+                            cache=cache, runtime=Path(runtime) if runtime else None)
     return load_tokens(settings.get("data") or BUILTIN, tokenizer, settings.get("heldout_fraction"), cache, what,
                        teacher=teacher, seed=int(settings.get("seed") or 0))
 

@@ -333,7 +333,7 @@ def eval_data(run_cfg: dict | None, config, ecfg: EvalConfig) -> dict:
             "seq_len": min(ecfg.seq_len or cfg.get("seq_len") or defaults["seq_len"], max_pos),
             "eval_tokens": ecfg.tokens or cfg.get("eval_tokens") or defaults["eval_tokens"],
             "cache_dir": cfg.get("cache_dir"), "teacher": cfg.get("teacher"), "seed": cfg.get("seed") or 0,
-            "source_path": cfg.get("source_path"),
+            "source_path": cfg.get("source_path"), "samples_runtime": cfg.get("samples_runtime"),
             "source": "command line" if ecfg.data or ecfg.seq_len or ecfg.tokens else src}
 
 

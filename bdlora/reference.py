@@ -46,8 +46,8 @@ def evaluate_with_teacher(path: str | Path, ecfg: EvalConfig, teacher: bool = Tr
         found = read_json(stored)
     else:
         reporter.stage(f"scoring the teacher {folder} on the same slice and prompts (once; cached)")
-        found = evaluate_target(folder, same, device, reporter, samples_from={
-            k: doc["data"].get(k) for k in ("teacher", "source_path", "cache_dir")})  # teacher:N: the same samples
+        found = evaluate_target(folder, same, device, reporter, samples_from={  # teacher:N: the same samples
+            k: doc["data"].get(k) for k in ("teacher", "source_path", "cache_dir", "samples_runtime")})
         write_json(stored, found)
     doc["teacher"] = {"source": str(folder), **{k: found[k] for k in ("ppl", "domains", "icl") if k in found}}
     return doc

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bdlora import runtime_samples
 from bdlora.errors import DataError
 from bdlora.integrity import sha256
 from bdlora.io import atomic_dir, write_json
@@ -71,6 +72,7 @@ class TeacherSource:
     tokenizer: object | None = None
     spec: str | None = None  # resolved to ``path`` (builtin, preset, .gguf...) only when the samples are needed
     cache: Path | None = None
+    runtime: Path | None = None  # the teacher's onnxruntime-genai folder the samples are generated through
     _fingerprint: str | None = field(default=None, repr=False)
 
     def folder(self) -> Path:
@@ -104,7 +106,8 @@ class TeacherSource:
 def samples_dir(teacher: TeacherSource, n_tokens: int, seed: int, cache: Path,
                 reporter: Reporter = SILENT) -> Path:
     """The cached folder of ``n_tokens`` teacher samples for ``seed`` (generated now if absent)."""
-    key = hashlib.sha256(f"{GEN_VERSION}|{teacher.fingerprint()}|{n_tokens}|{seed}".encode()).hexdigest()[:20]
+    via = f"|genai|{runtime_samples.fingerprint(teacher.runtime)}" if teacher.runtime else ""
+    key = hashlib.sha256(f"{GEN_VERSION}|{teacher.fingerprint()}|{n_tokens}|{seed}{via}".encode()).hexdigest()[:20]
     out = Path(cache) / "corpora" / f"teacher-{key}"
     if out.exists():
         problem = _cache_problem(out)
@@ -113,10 +116,15 @@ def samples_dir(teacher: TeacherSource, n_tokens: int, seed: int, cache: Path,
         reporter.stage(f"the cached teacher samples {out} {problem}: sampling them again")
         shutil.rmtree(out)
     model, tok = teacher.load()
-    reporter.stage(f"sampling {n_tokens:,} tokens from the teacher (seed {seed}; generated once, then cached)")
+    runtime = f"its onnxruntime-genai export {teacher.runtime}" if teacher.runtime else "PyTorch"
+    reporter.stage(f"sampling {n_tokens:,} tokens from the teacher through {runtime} (seed {seed}; generated once, "
+                   "then cached)")
     t0 = time.time()
     with atomic_dir(out) as tmp:
-        docs, generated = generate(model, tok, n_tokens, seed, reporter)
+        if teacher.runtime:
+            docs, generated = runtime_samples.generate(teacher.runtime, tok, n_tokens, seed, reporter)
+        else:
+            docs, generated = generate(model, tok, n_tokens, seed, reporter)
         with open(tmp / TEACHER_SAMPLES, "w", encoding="utf-8") as fh:
             for d in docs:
                 fh.write(json.dumps(d, ensure_ascii=False) + "\n")
@@ -125,6 +133,9 @@ def samples_dir(teacher: TeacherSource, n_tokens: int, seed: int, cache: Path,
             "tokens_requested": n_tokens, "tokens_generated": generated, "documents": len(docs), "seed": seed,
             "temperatures": list(TEMPERATURES), "top_p": TOP_P, "max_new_tokens": MAX_NEW_TOKENS,
             "chat_template": has_chat_template(tok), "seconds": time.time() - t0, "version": GEN_VERSION,
+            "runtime": "onnxruntime-genai" if teacher.runtime else "pytorch",
+            "runtime_folder": str(teacher.runtime) if teacher.runtime else None,
+            "runtime_precision": runtime_samples.precision(teacher.runtime) if teacher.runtime else None,
             SAMPLES_SHA256: sha256(tmp / TEACHER_SAMPLES)})
     return out
 
@@ -167,50 +178,64 @@ def prompts(seed: int, count: int) -> list[str]:
 
 
 @torch.no_grad()
-def generate(model, tok, n_tokens: int, seed: int, reporter: Reporter = SILENT) -> tuple[list[dict], int]:
-    """Documents of sampled text until ``n_tokens`` new tokens are generated; returns (documents, tokens)."""
-    chat = has_chat_template(tok)
+def generate(model, tok, n_tokens: int, seed: int, reporter: Reporter = SILENT,
+             temperatures: tuple[float, ...] = TEMPERATURES) -> tuple[list[dict], int]:
+    """Documents of sampled text until ``n_tokens`` new tokens are generated, through PyTorch (transformers'
+    ``generate``, left-padded batches); returns (documents, tokens)."""
     device = next(model.parameters()).device
     max_pos = getattr(model.config, "max_position_embeddings", None) or 2048
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    def batch(ids: list[list[int]], new: int, temperature: float, batch_seed: int) -> list[list[int]]:
+        width = max(len(x) for x in ids)
+        x = torch.full((len(ids), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(x)
+        for i, row in enumerate(ids):  # left-padded, so every prompt ends where generation starts
+            x[i, width - len(row):] = torch.tensor(row)
+            mask[i, width - len(row):] = 1
+        torch.manual_seed(batch_seed)
+        out = model.generate(input_ids=x.to(device), attention_mask=mask.to(device), do_sample=temperature > 0,
+                             temperature=temperature or None, top_p=TOP_P if temperature else None,
+                             top_k=0 if temperature else None, max_new_tokens=new, eos_token_id=tok.eos_token_id,
+                             pad_token_id=pad)
+        return out[:, width:].tolist()
+
+    was_training = model.training
+    model.eval()
+    try:
+        return sample_documents(tok, n_tokens, seed, max_pos, batch, reporter, temperatures)
+    finally:
+        model.train(was_training)
+
+
+def sample_documents(tok, n_tokens: int, seed: int, max_pos: int, batch, reporter: Reporter = SILENT,
+                     temperatures: tuple[float, ...] = TEMPERATURES) -> tuple[list[dict], int]:
+    """The documents of ``generate`` from any runtime: ``batch(prompt ids, new tokens, temperature, seed)`` returns
+    each prompt's new tokens (EOS ends a reply; what follows it is ignored)."""
+    chat = has_chat_template(tok)
     eos = tok.eos_token_id
-    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
     start = tok.bos_token_id if tok.bos_token_id is not None else eos
     if eos is None:
         raise DataError("teacher:N: the teacher's tokenizer has no EOS token to end a sample with")
-    was_training = model.training
-    model.eval()
     docs, total, batch_index = [], 0, 0
     reporter.count(0, n_tokens, "tokens")
-    try:
-        while total < n_tokens:
-            temperature = TEMPERATURES[batch_index % len(TEMPERATURES)]
-            asks = prompts(seed * 1_000_003 + batch_index, BATCH) if chat else [None] * BATCH
-            ids = _prompt_ids(tok, asks, start, chat)
-            width = max(len(x) for x in ids)
-            new = max(1, min(MAX_NEW_TOKENS, max_pos - width))
-            x = torch.full((len(ids), width), pad, dtype=torch.long)
-            mask = torch.zeros_like(x)
-            for i, row in enumerate(ids):  # left-padded, so every prompt ends where generation starts
-                x[i, width - len(row):] = torch.tensor(row)
-                mask[i, width - len(row):] = 1
-            torch.manual_seed(seed * 1_000_003 + batch_index)
-            out = model.generate(input_ids=x.to(device), attention_mask=mask.to(device), do_sample=True,
-                                 temperature=temperature, top_p=TOP_P, top_k=0, max_new_tokens=new,
-                                 eos_token_id=eos, pad_token_id=pad)
-            for i, row in enumerate(out[:, width:].tolist()):
-                reply = row[: row.index(eos)] if eos in row else row
-                if not reply:
-                    continue
-                text = tok.decode(reply, skip_special_tokens=True)
-                if chat:
-                    text = tok.apply_chat_template([{"role": "user", "content": asks[i]},
-                                                    {"role": "assistant", "content": text}], tokenize=False)
-                docs.append({"id": f"teacher-{seed}-{batch_index}-{i}", "text": text, "temperature": temperature})
-                total += len(reply)
-                reporter.count(len(reply), n_tokens, "tokens")
-            batch_index += 1
-    finally:
-        model.train(was_training)
+    while total < n_tokens:
+        temperature = temperatures[batch_index % len(temperatures)]
+        asks = prompts(seed * 1_000_003 + batch_index, BATCH) if chat else [None] * BATCH
+        ids = _prompt_ids(tok, asks, start, chat)
+        new = max(1, min(MAX_NEW_TOKENS, max_pos - max(len(x) for x in ids)))
+        for i, row in enumerate(batch(ids, new, temperature, seed * 1_000_003 + batch_index)):
+            reply = row[: row.index(eos)] if eos in row else row
+            if not reply:
+                continue
+            text = tok.decode(reply, skip_special_tokens=True)
+            if chat:
+                text = tok.apply_chat_template([{"role": "user", "content": asks[i]},
+                                                {"role": "assistant", "content": text}], tokenize=False)
+            docs.append({"id": f"teacher-{seed}-{batch_index}-{i}", "text": text, "temperature": temperature})
+            total += len(reply)
+            reporter.count(len(reply), n_tokens, "tokens")
+        batch_index += 1
     return docs, total
 
 

@@ -23,6 +23,7 @@ from bdlora.forms import LOWRANK
 from bdlora.reporter import SILENT, Reporter
 from bdlora.reweight import SLICE_BLOCKS, Reweighter
 from bdlora.runs import RunFacts
+from bdlora.runtime_samples import check_folder
 from bdlora.selfgen import TeacherSource
 from bdlora.student import build_student, check_same_vocabulary
 from bdlora.teacher import load_teacher
@@ -76,7 +77,8 @@ def prepare(cfg: TrainConfig, reporter: Reporter = SILENT) -> Session:
     cfg = _resolve_sizes(resolve_defaults(cfg, builtin_teacher=cfg.teacher == BUILTIN), teacher)
     student, idx = _build_student(cfg, teacher, tokenizer, cache, reporter)
     student.to(device)
-    source = TeacherSource(teacher_path, teacher, tokenizer)  # what teacher:N samples from
+    runtime = cfg.samples_runtime and check_folder(cfg.samples_runtime, teacher_path, teacher.config.vocab_size)
+    source = TeacherSource(teacher_path, teacher, tokenizer, runtime=runtime or None)  # what teacher:N samples from
     data = load_tokens(cfg.data, tokenizer, cfg.heldout_fraction, cache, teacher=source, seed=cfg.seed,
                        reporter=reporter)
     train_blocks = training_blocks(data.tokens("train"), cfg.seq_len, cfg.packing, tokenizer.eos_token_id,
