@@ -69,26 +69,30 @@ def precision(folder: Path) -> str | None:
 
 def sample_rows(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> np.ndarray:
     """One token per row of (B, V) ``logits``: the argmax at temperature 0, else a draw from the nucleus (the
-    fewest most likely tokens holding ``top_p`` of the mass at ``temperature``, renormalised)."""
+    fewest most likely tokens holding ``top_p`` of the mass at ``temperature``, renormalised). Vectorised over rows:
+    the ``CANDIDATES`` most likely tokens of each row are sorted (``argpartition``, linear in V), and only a row
+    whose candidates hold less than ``top_p`` (a flat distribution) is sorted whole."""
     if temperature <= 0:
         return logits.argmax(-1)
-    z = logits.astype(np.float64) / temperature
-    z -= z.max(-1, keepdims=True)
-    p = np.exp(z)
-    p /= p.sum(-1, keepdims=True)
-    k = min(CANDIDATES, p.shape[-1])
-    top = np.argpartition(-p, k - 1, axis=-1)[:, :k] if k < p.shape[-1] else np.tile(np.arange(k), (len(p), 1))
-    u = rng.random(len(p))
-    out = np.empty(len(p), dtype=np.int64)
-    for r in range(len(p)):
-        idx = top[r]
-        if p[r, idx].sum() < top_p:  # a flat row: its nucleus reaches past the candidates
-            idx = np.arange(p.shape[-1])
-        order = idx[np.argsort(-p[r, idx], kind="stable")]
-        sp = p[r, order]
-        keep = np.cumsum(sp) - sp < top_p  # every token whose more likely ones hold less than top_p
-        sp = sp[keep] / sp[keep].sum()
-        out[r] = order[min(int(np.searchsorted(np.cumsum(sp), u[r], side="right")), len(sp) - 1)]
+    z = logits.astype(np.float32) / np.float32(temperature)
+    p = np.exp(z - z.max(-1, keepdims=True))  # float32: a step's sampling stays small beside the model's step
+    p /= p.sum(-1, keepdims=True, dtype=np.float64).astype(np.float32)
+    n, v = p.shape
+    k = min(CANDIDATES, v)
+    cand = np.argpartition(-z, k - 1, axis=-1)[:, :k] if k < v else np.tile(np.arange(v), (n, 1))
+    flat = np.take_along_axis(p, cand, -1).sum(-1) < top_p
+    out = np.empty(n, dtype=np.int64)
+    u = rng.random(n)
+    for rows, idx in ((np.flatnonzero(~flat), None), (np.flatnonzero(flat), np.arange(v))):
+        if len(rows) == 0:
+            continue
+        ids = cand[rows] if idx is None else np.tile(idx, (len(rows), 1))
+        order = np.take_along_axis(ids, np.argsort(-np.take_along_axis(p[rows], ids, -1), -1, kind="stable"), -1)
+        sp = np.take_along_axis(p[rows], order, -1)
+        sp = np.where(np.cumsum(sp, -1) - sp < top_p, sp, 0.0)  # every token whose more likely ones hold < top_p
+        cdf = np.cumsum(sp, -1)
+        pick = np.minimum((cdf < (u[rows] * cdf[:, -1])[:, None]).sum(-1), v - 1)
+        out[rows] = order[np.arange(len(rows)), pick]
     return out
 
 
