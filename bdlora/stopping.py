@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bdlora.corpora import shared_corpus
-from bdlora.errors import DataError, RunDirError
+from bdlora.errors import DataError, RunDirError, TrainingError
 from bdlora.io import atomic_dir, load_tensors, read_json, save_tensors, write_json
 
 BEST = "best"  # RUN/best/: the best step on --eval-data (trainable weights + best.json)
@@ -97,8 +97,14 @@ class TimeBudget:
         return self.seconds - (now() - self.started)
 
     def begin(self) -> None:
-        """The loop starts (after the initial validation, whose time is ``eval_seconds``)."""
+        """The loop starts (after the initial validation, whose time is ``eval_seconds``): refused in one line when
+        what was spent before it leaves no room for a step and the finish (nothing would be healed)."""
         self._last = now()
+        spent = self.seconds - self.left()
+        if self.left() < 2 * self.eval_seconds + self.reserve:
+            raise TrainingError(f"--time-budget {self.seconds:g}s: {spent:.0f} s went before the first step "
+                                f"(loading, samples, calibration, a validation of {self.eval_seconds:.0f} s), "
+                                "so no step and its finish fit; give a longer budget or fewer --eval-tokens")
 
     def step_seconds(self) -> float:
         t = self.step_times[1:] or self.step_times

@@ -259,3 +259,19 @@ def test_a_healed_structure_keeps_the_teachers_embeddings_and_head(tiny_env, tmp
     frozen = [k for k in start if "embed_tokens" in k or k.startswith("lm_head")]
     assert frozen and all(torch.equal(start[k], healed[k]) for k in frozen)
     assert any(not torch.equal(start[k], healed[k]) for k in start if k not in frozen)
+
+
+def test_a_budget_spent_before_the_first_step_is_refused_in_one_line(tiny_env, tmp_path, monkeypatch):
+    """Loading and calibration that eat the budget: the run says so before training, not after a step past it."""
+    clock = FakeClock(1.0)
+    monkeypatch.setattr(stopping, "now", clock)
+    real = stopping.TimeBudget.begin
+
+    def late(self):
+        clock.t += 100.0  # the start took 100 s of a 60 s budget
+        return real(self)
+
+    monkeypatch.setattr(stopping.TimeBudget, "begin", late)
+    r = run(tiny_env, tmp_path / "r", "--method", "kd-lora", "--time-budget", "60")
+    assert r.exit_code != 0 and "went before the first step" in r.output, r.output
+    assert "Traceback" not in r.output

@@ -50,8 +50,10 @@ def train_summary(s: dict) -> None:
         t.add_row(f"unseen {s['eval_data']} ppl", f"{first}{s['eval_data_ppl_last']:.3f} at the end; {best}")
     if s.get("time_budget"):
         b = s["time_budget"]
-        t.add_row("time budget", f"{b['used_seconds']:.0f} of {b['seconds']:.0f} s; {b['planned_steps']} steps "
-                  f"planned at {b['step_seconds']:.2f} s" + ("; stopped early" if b["stopped_by_budget"] else ""))
+        plan = (f"{b['planned_steps']:,} steps planned" if b["planned_steps"] is not None else "stopped before the "
+                "plan's first steps were timed")
+        t.add_row("time budget", f"{b['used_seconds']:.0f} of {b['seconds']:.0f} s; {plan} at {b['step_seconds']:.2f} "
+                  "s a step" + ("; stopped early" if b["stopped_by_budget"] else ""))
     if s.get("world_size", 1) > 1:
         t.add_row("processes / global batch", f"{s['world_size']} / {s['global_batch']} sequences")
     t.add_row("train time", f"{s['train_seconds']:.1f} s ({s['tokens_per_s']:.0f} tok/s)")
