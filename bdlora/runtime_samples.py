@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 
 from bdlora.errors import DataError
-from bdlora.reporter import SILENT, Reporter
 from bdlora.runs import EXPORT_MARKER, GENAI_CONFIG
 
 FORCE_OFF = np.float32(-1e30)
@@ -96,12 +95,10 @@ def sample_rows(logits: np.ndarray, temperature: float, top_p: float, rng: np.ra
     return out
 
 
-def generate(folder: Path, tok, n_tokens: int, seed: int, reporter: Reporter = SILENT,
-             temperatures: tuple[float, ...] | None = None) -> tuple[list[dict], int]:
-    """``selfgen.generate``'s documents through the genai folder; returns (documents, tokens)."""
+def batcher(folder: Path, eos_token_id: int, top_p: float):
+    """``(context, batch)`` for ``selfgen.sample_documents`` through the genai folder: ``batch(prompt ids, new
+    tokens, temperature, seed)`` returns each prompt's new tokens, sampled here from the runtime's logits."""
     import onnxruntime_genai as og
-
-    from bdlora.selfgen import TEMPERATURES, TOP_P, sample_documents
 
     cfg = json.loads((folder / GENAI_CONFIG).read_text())
     context, pad = int(cfg["model"]["context_length"]), int(cfg["model"]["pad_token_id"])
@@ -123,10 +120,10 @@ def generate(folder: Path, tok, n_tokens: int, seed: int, reporter: Reporter = S
         forced = None
         for step in range(new):
             logits = np.asarray(gen.get_logits())[:, -1]
-            chosen = sample_rows(logits, temperature, TOP_P, rng)
+            chosen = sample_rows(logits, temperature, top_p, rng)
             for j in np.flatnonzero(alive):
                 out[j].append(int(chosen[j]))
-                alive[j] = chosen[j] != tok.eos_token_id
+                alive[j] = chosen[j] != eos_token_id
             if not alive.any() or step == new - 1:
                 break
             feed = np.where(alive, chosen, pad)
@@ -138,4 +135,4 @@ def generate(folder: Path, tok, n_tokens: int, seed: int, reporter: Reporter = S
             gen.generate_next_token()
         return out
 
-    return sample_documents(tok, n_tokens, seed, context, batch, reporter, temperatures or TEMPERATURES)
+    return context, batch

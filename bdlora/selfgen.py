@@ -122,7 +122,7 @@ def samples_dir(teacher: TeacherSource, n_tokens: int, seed: int, cache: Path,
     t0 = time.time()
     with atomic_dir(out) as tmp:
         if teacher.runtime:
-            docs, generated = runtime_samples.generate(teacher.runtime, tok, n_tokens, seed, reporter)
+            docs, generated = generate_runtime(teacher.runtime, tok, n_tokens, seed, reporter)
         else:
             docs, generated = generate(model, tok, n_tokens, seed, reporter)
         with open(tmp / TEACHER_SAMPLES, "w", encoding="utf-8") as fh:
@@ -206,6 +206,13 @@ def generate(model, tok, n_tokens: int, seed: int, reporter: Reporter = SILENT,
         return sample_documents(tok, n_tokens, seed, max_pos, batch, reporter, temperatures)
     finally:
         model.train(was_training)
+
+
+def generate_runtime(folder: Path, tok, n_tokens: int, seed: int, reporter: Reporter = SILENT,
+                     temperatures: tuple[float, ...] = TEMPERATURES) -> tuple[list[dict], int]:
+    """``generate``'s documents through the teacher's onnxruntime-genai export ``folder``."""
+    context, batch = runtime_samples.batcher(folder, tok.eos_token_id, TOP_P)
+    return sample_documents(tok, n_tokens, seed, context, batch, reporter, temperatures)
 
 
 def sample_documents(tok, n_tokens: int, seed: int, max_pos: int, batch, reporter: Reporter = SILENT,

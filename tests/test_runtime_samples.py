@@ -38,7 +38,7 @@ def test_greedy_samples_through_the_export_are_pytorchs(exported):
     step by step) are the ones transformers' generate writes (left-padded), token for token."""
     tok = exported["tok"]
     torch_docs, n_torch = selfgen.generate(exported["model"], tok, 600, seed=3, temperatures=(0.0,))
-    genai_docs, n_genai = runtime_samples.generate(exported["folder"], tok, 600, seed=3, temperatures=(0.0,))
+    genai_docs, n_genai = selfgen.generate_runtime(exported["folder"], tok, 600, seed=3, temperatures=(0.0,))
     assert n_torch == n_genai >= 600
     assert [d["text"] for d in genai_docs] == [d["text"] for d in torch_docs]
     assert len({d["text"] for d in genai_docs}) > 5  # the prompts differ, so do the replies
