@@ -14,7 +14,7 @@ from bdlora.deployed.folder import check_architecture
 from bdlora.errors import ModelError, RunDirError
 from bdlora.integrity import check_loadable, check_model_folder, check_safetensors, weight_files
 from bdlora.peft_compat import load_adapter
-from bdlora.runs import ADAPTER, CONFIG, ModelDir, RunDir
+from bdlora.runs import ADAPTER, CONFIG, STUDENT_META, ModelDir, RunDir
 from bdlora.tokenizer import check_vocabulary
 
 
@@ -53,6 +53,10 @@ def load_model_folder(model_dir: str | Path):
     if not (folder.path / CONFIG).exists():
         raise ModelError(f"{folder.path}: not a model folder (no config.json); pass a `bdlora compress` output or a "
                          "Hugging Face model folder")
+    if (folder.path / STUDENT_META).exists():  # its weights alone are not the model: the adapter or gated paths
+        run = folder.path.resolve().parent  # complete them (a whitened start leaves only the residual here)
+        raise ModelError(f"{folder.path}: a run's student/ folder (its weights without the trained adapter or gated "
+                         f"paths); pass the run directory {run} or its `bdlora compress` output")
     report = folder.report() if folder.finished() else None
     check_model_folder(folder.path, report)
     check_tensor_shapes(folder.path)

@@ -274,6 +274,11 @@ def test_eval_of_a_run_uses_its_heldout_slice(tiny_env, tmp_path):
         "capitalize", "next_item"}
     res = CliRunner().invoke(app, ["eval", str(run), *icl, "--no-vs-teacher", "--json", str(tmp_path / "n.json")])
     assert res.exit_code == 0 and "teacher" not in json.loads((tmp_path / "n.json").read_text())
+    # the run's student/ alone is its weights without the adapter (a whitened start leaves the residual there: a
+    # SmolLM2 student scored 253,600,934 that way): refused, naming the run
+    res = CliRunner().invoke(app, ["eval", str(run / "student"), "--ppl", "--json", str(tmp_path / "s.json")])
+    assert res.exit_code != 0 and "a run's student/ folder" in res.output and str(run.resolve()) in res.output
+    assert not (tmp_path / "s.json").exists()
 
 
 def test_a_teacher_without_in_context_learning_gets_one_line(capsys):
