@@ -21,10 +21,10 @@ from bdlora.budgeted.config import ALLOCATIONS, LORA_INITS, BudgetedConfig
 from bdlora.budgeted.config import DEFAULTS as BUDGETED
 from bdlora.errors import Checks, shown
 from bdlora.forms import LOWRANK, train_forms_problems
+from bdlora.method_table import GATED, METHODS, Method, method_of
 from bdlora.schemes import quant_problem
 from bdlora.stopping import stopping_problems
 
-METHODS = ("kd-full", "kd-lora", "budgeted")
 DEVICES = ("auto", "cpu", "cuda")
 GENAI_PRECISIONS = ("fp32", "int8", "int4")  # what a model ships at (--precision, export genai, bench): lowest user
 LAYER_SELECTIONS = ("first", "middle", "last", "mixed", "scratch")
@@ -37,7 +37,7 @@ EVAL_TOKENS = 8192  # held-out tokens of a one-shot compression's before/after p
 
 @dataclass
 class TrainConfig:
-    method: str = "budgeted"
+    method: str = GATED
     """kd-full (all weights), kd-lora (PEFT LoRA, dense frozen) or budgeted (gated LoRA + budget controller)."""
     teacher: str = BUILTIN
     """'builtin' (the embedded default, built on first use) or a local Hugging Face causal-LM folder."""
@@ -183,6 +183,11 @@ class TrainConfig:
     value may be fitted to the teacher or data, a defaulted one is, an explicit one is checked."""
 
     @property
+    def traits(self) -> Method:
+        """What ``method`` implies (``METHOD_TABLE``)."""
+        return method_of(self.method)
+
+    @property
     def structured(self) -> bool:
         """Whether the student starts as a one-shot structure (``--forms`` beyond lowrank, or ``--speedup``)."""
         return self.forms not in (None, LOWRANK.name) or self.speedup is not None
@@ -216,7 +221,7 @@ class TrainConfig:
         c.number("speedup", self.speedup, lo=1.0)
         if self.precision is not None:
             c.choice("precision", self.precision, GENAI_PRECISIONS)
-            c.require(self.structured or (self.method == "budgeted" and self.allocation != "cost"
+            c.require(self.structured or (self.traits.gated and self.allocation != "cost"
                                           and self.mac_ratio is not None),
                       f"--precision {self.precision}: allocates a budgeted student's start by decode time; give "
                       "--method budgeted --allocation quality --mac-ratio R (or --forms F)")
@@ -303,7 +308,7 @@ def defaults_help() -> dict[str, str]:
 
 def default_lr(builtin_teacher: bool, method: str, lora_init: str | None) -> float:
     """The peak learning rate ``--lr`` defaults to (see ``DEFAULT_LR``)."""
-    start = "zero" if method == "kd-full" or lora_init in (None, "zero") else "start"
+    start = "zero" if not method_of(method).low_rank or lora_init in (None, "zero") else "start"
     return DEFAULT_LR[("builtin" if builtin_teacher else "real", start)]
 
 

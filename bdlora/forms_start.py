@@ -114,7 +114,7 @@ def run_start(cfg: TrainConfig, student, blocks, rep: Reporter, cost_table, has_
         return None, compute_start(student, cfg.lora_init, cfg.allocation, cfg.lora_rank, cfg.budget, cfg.mac_ratio,
                                    blocks, cfg.calib_tokens, rep, cost_table, cfg.precision) if has_start else None
     shaped = structure(student, blocks, cfg, rep, cost_table)
-    if cfg.method == "budgeted":
+    if cfg.traits.gated:
         return shaped, gated_start(shaped, cfg.lora_rank)
     if has_start:  # kd-lora's whitened (or svd) LoRA start over the structure, at one rank
         return shaped, compute_start(shaped.model, cfg.lora_init, None, cfg.lora_rank, cfg.budget, None,

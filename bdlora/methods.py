@@ -2,8 +2,9 @@
 
 A method wraps the dense student for training (``wrap``), may act before each optimiser step (``before_step``: the
 budget controller) and log that in its own stream (``log_name``), reports the retentions every rank must agree on,
-carries state for checkpoints, saves the trained student in its own form and adds its figures to the summary
-(``finalize``):
+carries state for checkpoints, saves the trained student in its own form, adds its figures to the summary
+(``finalize``) and turns the saved student into its deployment form (``compress``, for ``bdlora compress``). What a
+method implies elsewhere (a rank, a budget, a peer) is ``method_table.METHOD_TABLE``'s:
 
     student/                    HF config + model.safetensors of the *dense* student + tokenizer (every method)
     student/adapter/            PEFT adapter (kd-lora)
@@ -23,9 +24,28 @@ import torch.nn as nn
 from peft import LoraConfig
 
 from bdlora.arch import PROJECTIONS, base_model, dense_state_dict
+from bdlora.budgeted.config import BudgetedConfig
 from bdlora.budgeted.controller import BudgetController
-from bdlora.budgeted.costs import shapes_from_config, training_compute_proxy
-from bdlora.budgeted.model import apply_budgeted_lora, gated_modules, save_budgeted
+from bdlora.budgeted.costs import (
+    ModuleShape,
+    compression_report,
+    decide_module,
+    is_attention,
+    prune_decision,
+    shapes_from_config,
+    training_compute_proxy,
+)
+from bdlora.budgeted.layer import DeployedModule
+from bdlora.budgeted.model import (
+    apply_budgeted_lora,
+    build_deployed_model,
+    compress_budgeted,
+    declared_bits,
+    dense_projections,
+    gated_modules,
+    narrow_sites,
+    save_budgeted,
+)
 from bdlora.budgeted.start import start_gated, start_peft
 from bdlora.distill import DistillationLoss, kd_step
 from bdlora.io import save_tensors, write_json
@@ -46,6 +66,40 @@ def save_dense_student(model: nn.Module, tokenizer, out_dir: Path, extra_config:
     tokenizer.save_pretrained(out_dir)
     if extra_config:
         write_json(out_dir / STUDENT_META, extra_config)
+
+
+def unpruned(config, shape: ModuleShape, keep: int) -> tuple[ModuleShape, int]:
+    """(the shape ``shape`` had before its block was pruned to ``keep``, the source's key/value heads for an
+    attention projection (0 for an MLP one)), from the model's config."""
+    if not is_attention(shape.name):
+        return shape.narrowed(int(config.intermediate_size)), 0
+    heads = int(config.num_attention_heads)
+    of = int(getattr(config, "num_key_value_heads", None) or heads)
+    return shape.grouped(of, keep), of  # every width scaled back by of / keep
+
+
+def compress_dense(model: nn.Module, lora_rank: int, provenance: dict):
+    """kd-lora (PEFT adapter merged into dense: the LoRA baseline's deployment form) and kd-full (unchanged): every
+    projection deployed dense, in the same architecture and with the same report keys."""
+    if hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    deployed = {}
+    narrow = narrow_sites(model)  # a student started from a pruned folder
+    bits = declared_bits(model)  # ... or from one keeping some projections at 8 bits
+    for name, mod in dense_projections(model).items():
+        keep = narrow.get(name.rsplit(".", 1)[0], {}).get("keep")
+        if keep:  # reported against the full-width block it was pruned from
+            full, of = unpruned(model.config, ModuleShape(name, mod.in_features, mod.out_features), keep)
+            dec = prune_decision(full, keep, has_bias=mod.bias is not None, of=of)
+        else:
+            dec = decide_module(ModuleShape(name, mod.in_features, mod.out_features), 1.0, lora_rank, lora_rank,
+                                has_bias=mod.bias is not None)
+        dec.bits = bits.get(name, 0)
+        bias = None if mod.bias is None else mod.bias.detach().clone()
+        deployed[name] = DeployedModule(dec, weight=mod.weight.detach().clone(), bias=bias)
+    report = compression_report([c.decision for c in deployed.values()], provenance.get("budget"), {},
+                                baseline="dense")
+    return build_deployed_model(model, deployed, provenance), report
 
 
 class TrainingMethod:
@@ -102,6 +156,12 @@ class TrainingMethod:
     def finalize(self, run_dir: Path, summary: dict, teacher, batch: torch.Tensor, device, stage) -> None:
         """Add the method's own artefacts and figures once the student is saved."""
 
+    @staticmethod
+    def compress(model: nn.Module, thresholds: BudgetedConfig, lora_rank: int | None, provenance: dict):
+        """(the deployed model, its compression report): this method's trained student in the deployment form
+        (``bdlora compress``); ``thresholds`` are the compression pass's, ``lora_rank`` the run's."""
+        return compress_dense(model, 0, provenance)
+
 
 class KDFull(TrainingMethod):
     """Full-parameter distillation: every student weight trains."""
@@ -139,6 +199,10 @@ class KDLoRA(TrainingMethod):
     def save_student(self, model, tokenizer, out_dir):
         save_dense_student(model, tokenizer, out_dir, {"method": self.name, "adapter": ADAPTER})
         model.save_pretrained(out_dir / ADAPTER, safe_serialization=True)
+
+    @staticmethod
+    def compress(model, thresholds, lora_rank, provenance):
+        return compress_dense(model, lora_rank, provenance)  # the adapter merged; ranks priced as the LoRA baseline
 
 
 class Budgeted(TrainingMethod):
@@ -182,6 +246,10 @@ class Budgeted(TrainingMethod):
     def save_student(self, model, tokenizer, out_dir):
         save_dense_student(model, tokenizer, out_dir, {"method": self.name, "budgeted": META_FILE})
         save_budgeted(self.gated, self.cfg.budgeted(), out_dir)
+
+    @staticmethod
+    def compress(model, thresholds, lora_rank, provenance):
+        return compress_budgeted(model, thresholds, provenance)  # harden, then drop / SVD / merge each dense path
 
     def mean_retained(self):
         return self.controller.mean_retained

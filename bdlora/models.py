@@ -13,6 +13,7 @@ from bdlora.budgeted.model import FACTORS_FILE, META_FILE, load_budgeted
 from bdlora.deployed.folder import check_architecture
 from bdlora.errors import ModelError, RunDirError
 from bdlora.integrity import check_loadable, check_model_folder, check_safetensors, weight_files
+from bdlora.method_table import method_of
 from bdlora.peft_compat import load_adapter
 from bdlora.runs import ADAPTER, CONFIG, STUDENT_META, ModelDir, RunDir
 from bdlora.tokenizer import check_vocabulary
@@ -38,7 +39,7 @@ def load_run_student(run: RunDir | str | Path, device: str = "cpu"):
     check_vocabulary(sdir, len(tok), model.get_input_embeddings().num_embeddings)
     if (sdir / ADAPTER).exists():
         model = load_adapter(model, str(sdir / ADAPTER))
-    elif (sdir / META_FILE).exists() or summary.get("method") == "budgeted":
+    elif (sdir / META_FILE).exists() or method_of(summary.get("method")).gated:
         if not (sdir / FACTORS_FILE).exists():
             raise RunDirError(f"{run.path}: a budgeted run without student/{FACTORS_FILE} (gated modules missing)")
         model = load_budgeted(sdir, model)

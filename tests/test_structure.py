@@ -435,6 +435,37 @@ def test_per_teacher_defaults_have_one_home():
     assert not re.search(r"\d", re.sub(r"warm-up.*?2000", "", docs["lr"]))
 
 
+def test_no_method_name_is_compared_outside_the_method_table():
+    """What a training method implies (a rank, a budget and thresholds, the dense peer of a front) is asked of
+    ``method_table.METHOD_TABLE`` and its compression step of the strategy in ``bdlora.methods``, never spelled as
+    ``method == "budgeted"`` (20 such comparisons in 10 files before the table)."""
+    from bdlora.method_table import METHODS
+
+    hits = []
+    for name, path in project_modules().items():
+        if name in ("bdlora.method_table", "bdlora.methods"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                consts = [c.value for side in (node.left, *node.comparators) for c in ast.walk(side)
+                          if isinstance(c, ast.Constant)]
+                if any(v in METHODS for v in consts):
+                    hits.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not hits, hits
+
+
+def test_the_method_table_and_the_strategies_name_the_same_methods():
+    from bdlora.method_table import GATED, METHOD_TABLE, method_of
+    from bdlora.methods import METHOD_CLASSES, Budgeted, KDFull, KDLoRA
+
+    assert tuple(METHOD_CLASSES) == tuple(METHOD_TABLE) and GATED == Budgeted.name
+    assert [m.name for m in METHOD_TABLE.values() if m.low_rank] == [KDLoRA.name, Budgeted.name]
+    assert [m.name for m in METHOD_TABLE.values() if m.peer] == [KDLoRA.name] and not method_of(KDFull.name).gated
+    for other in ("one-shot", None):  # a one-shot row of a sweep, a folder that records no method: no traits
+        traits = method_of(other)
+        assert not (traits.low_rank or traits.gated or traits.peer)
+
+
 def test_one_form_registry():
     """A projection form is declared in bdlora.forms; the remote-code architecture builds exactly those forms, refuses
     any other (an unknown form loaded as a randomly initialised dense projection), and names its low-rank class as

@@ -30,6 +30,7 @@ from bdlora.budgeted.controller import greedy_targets
 from bdlora.budgeted.costs import ModuleShape, compression_report, decide_module
 from bdlora.forms.lowrank import factors, gram_root, spectrum
 from bdlora.io import load_tensors, read_json, save_tensors, write_json
+from bdlora.method_table import method_of
 from bdlora.reporter import SILENT, Reporter
 
 
@@ -65,8 +66,8 @@ class LowRankStart:
 def needed(method: str, init: str | None, allocation: str | None) -> bool:
     """Whether a run of ``method`` has a start to compute: a non-zero init (kd-lora, budgeted) or the quality
     allocation (budgeted). The paper's zero start with the cost rule has none (SPEC 4's init, one rank)."""
-    return method in ("kd-lora", "budgeted") and (init not in (None, "zero") or (
-        method == "budgeted" and allocation == "quality"))
+    traits = method_of(method)
+    return traits.low_rank and (init not in (None, "zero") or (traits.gated and allocation == "quality"))
 
 
 def shapes_of(model) -> list[ModuleShape]:

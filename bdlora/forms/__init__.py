@@ -381,7 +381,7 @@ def train_forms_problems(c, cfg) -> None:
         return
     c.require(VOCAB.name not in names, f"--forms {cfg.forms}: vocab is a speculative-decoding draft's head; make "
               "the draft with compress --one-shot --forms ...,vocab and heal it with train --student-init FOLDER")
-    if cfg.method == "budgeted":
+    if cfg.traits.gated:
         c.require(cfg.allocation != "cost" and "lowrank" in names,
                   f"--forms {cfg.forms}: budgeted moves the projections the allocation makes low rank; give "
                   "--allocation quality and lowrank among the forms (or --method kd-lora to heal a pruned start)")
@@ -389,7 +389,7 @@ def train_forms_problems(c, cfg) -> None:
         c.require("lowrank" not in names and cfg.structured,
                   f"--forms {cfg.forms}: {cfg.method} heals a dense structure; name channels, groups, layers or "
                   "bits without lowrank (budgeted moves projections to low rank)")
-    c.require(cfg.method != "budgeted" or cfg.lora_init in (None, "whitened"),
+    c.require(not cfg.traits.gated or cfg.lora_init in (None, "whitened"),
               f"--forms {cfg.forms}: the start's low-rank paths are the one-shot's whitened factors; --lora-init "
               f"{cfg.lora_init} cannot start them (drop it, or give whitened)")
     c.require(cfg.forms == "lowrank" or cfg.mac_ratio is not None or cfg.speedup is not None,

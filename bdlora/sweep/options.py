@@ -9,10 +9,11 @@ from bdlora.budgeted.config import DEFAULTS as BUDGETED
 from bdlora.budgeted.config import BudgetedConfig
 from bdlora.config import BUILTIN, BUILTIN_DEFAULTS, REAL_DEFAULTS, TrainConfig
 from bdlora.errors import Checks, UsageError
+from bdlora.method_table import GATED, METHOD_TABLE, method_of
 from bdlora.oneshot_config import OneShotConfig
 from bdlora.sweep.vary import check_axes, grid, label
 
-BASELINES = ("kd-full", "kd-lora")
+BASELINES = tuple(m.name for m in METHOD_TABLE.values() if not m.gated)
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ def family(budgets: list[float], baselines: list[str], vary: list[dict] = (),
     if len(set(budgets)) != len(budgets):
         raise UsageError(f"--budgets {','.join(map(str, budgets))}: each budget once")
     methods = [(b, b, None) for b in dict.fromkeys(baselines)]
-    methods += [(f"budgeted-F{f:g}", "budgeted", f) for f in budgets]
+    methods += [(f"{GATED}-F{f:g}", GATED, f) for f in budgets]
     if not methods and not one_shot:
         raise UsageError("--budgets and --baselines are both empty: nothing to sweep")
     check_axes(list(vary))
@@ -60,7 +61,7 @@ def family(budgets: list[float], baselines: list[str], vary: list[dict] = (),
     for base, method, budget in methods:
         for tp in train_points:
             run = base + label(tp)
-            for cp in compress_points if method == "budgeted" else [{}]:
+            for cp in compress_points if method_of(method).gated else [{}]:
                 members.append(Member(run + label(cp), method, budget, run, tp, cp))
     members += [Member(f"one-shot-{r:g}x", "one-shot", None, f"one-shot-{r:g}x", {}, {"mac_ratio": r})
                 for r in one_shot]
@@ -73,7 +74,7 @@ def family(budgets: list[float], baselines: list[str], vary: list[dict] = (),
 
 
 DEFAULT_BUDGETS = (0.0, 0.4)  # `sweep --budgets`: the paper's two operating points
-DEFAULT_BASELINES = ("kd-full", "kd-lora")  # `sweep --baselines`
+DEFAULT_BASELINES = BASELINES  # `sweep --baselines`
 DEFAULT_BENCH_BATCH_SIZES, DEFAULT_BENCH_SEQ_LENS = (1,), (128,)  # `sweep --bench-batch-sizes / --bench-seq-lens`
 
 

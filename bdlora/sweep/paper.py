@@ -19,6 +19,7 @@ from pathlib import Path
 from bdlora import SCHEMA_VERSION
 from bdlora.errors import UsageError
 from bdlora.io import atomic_path, write_json, write_text
+from bdlora.method_table import method_of
 from bdlora.runs import PAPER_ICL, PAPER_MAIN, PAPER_TABLE9, SweepDir
 from bdlora.sweep.vary import show
 
@@ -77,8 +78,8 @@ def main_table(groups: list[tuple[str, dict]]) -> str:
                      + " | - | - | - | - |")
     tables = [_rows_by_name(doc) for _, doc in groups]
     names = _member_names(groups)
-    for section, pick in (("Baselines", lambda r: r["method"] != "budgeted"),
-                          ("Budgeted LoRA", lambda r: r["method"] == "budgeted")):
+    for section, pick in (("Baselines", lambda r: not method_of(r["method"]).gated),
+                          ("Budgeted LoRA", lambda r: method_of(r["method"]).gated)):
         chosen = [n for n in names if pick(next(t[n] for t in tables if n in t))]
         if not chosen:
             continue

@@ -34,6 +34,7 @@ from bdlora.config import BUILTIN, TrainConfig, resolve_defaults
 from bdlora.errors import RunDirError
 from bdlora.evaluate import EvalConfig, evaluate_target
 from bdlora.io import read_json, write_json, write_text
+from bdlora.method_table import method_of
 from bdlora.models import load_model_folder
 from bdlora.oneshot import compress_one_shot
 from bdlora.reporter import SILENT, Reporter
@@ -65,8 +66,9 @@ def run_sweep(opts: SweepOptions | None, sweep: SweepDir, reporter: Reporter = S
     doc = {"schema_version": SCHEMA_VERSION, "sweep_dir": str(sweep.path), "options": dataclasses.asdict(opts),
            "teacher": teacher_row, "members": rows}
     if opts.front and rows:
-        doc["front"] = bench_front(opts, sweep, [r["name"] for r in rows if r.get("method") != "kd-lora"],
-                                   reporter, peers=[r["name"] for r in rows if r.get("method") == "kd-lora"])
+        peer = {r["name"]: method_of(r.get("method")).peer for r in rows}
+        doc["front"] = bench_front(opts, sweep, [n for n, p in peer.items() if not p], reporter,
+                                   peers=[n for n, p in peer.items() if p])
     write_text(sweep.path / "sweep.md", markdown(doc))
     plot_pareto(doc, sweep.path / "pareto.png")
     write_paper_outputs([(teacher_label(doc), doc)], sweep.path)
