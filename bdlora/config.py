@@ -22,11 +22,10 @@ from bdlora.budgeted.config import DEFAULTS as BUDGETED
 from bdlora.errors import Checks, shown
 from bdlora.forms import LOWRANK, train_forms_problems
 from bdlora.method_table import GATED, METHODS, Method, method_of
-from bdlora.schemes import quant_problem
+from bdlora.schemes import GENAI_PRECISIONS, quant_problem
 from bdlora.stopping import stopping_problems
 
 DEVICES = ("auto", "cpu", "cuda")
-GENAI_PRECISIONS = ("fp32", "int8", "int4")  # what a model ships at (--precision, export genai, bench): lowest user
 LAYER_SELECTIONS = ("first", "middle", "last", "mixed", "scratch")
 PACKINGS = ("pack", "truncate")
 AUTOCASTS = ("bf16", "fp32")

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from bdlora.errors import RunDirError
 from bdlora.io import read_json, write_json
+from bdlora.schemes import rounded
 
 RUNS_DIR = "runs"
 COMPRESSED, ONNX, HF, BENCH, EVAL, GENAI = ".compressed", ".onnx", ".hf", ".bench", ".eval.json", ".genai"
@@ -360,10 +361,9 @@ def one_shot_out(source: str, mac_ratio: float, runs_dir: str | os.PathLike = RU
 
 
 def row_name(model: str, precision: str) -> str:
-    """The genai bench's name of ``model``'s row at ``precision``, and of the folder it exports for it (``genai-``
-    before it): ``compressed``, ``compressed-int4``, ``teacher-int8``, ``peer-NAME-int4`` (fp32 carries no suffix;
-    ``bench.front.precision_of`` reads it back)."""
-    return model if precision == "fp32" else f"{model}-{precision}"
+    """The genai bench's name of ``model``'s row at ``precision`` and of its folder (``genai-`` before it):
+    ``compressed``, ``compressed-int4``, ``peer-NAME-int4`` (fp32: none; ``bench.front.precision_of`` reads it)."""
+    return f"{model}-{precision}" if rounded(precision) else model
 
 
 def eval_json(source: str | os.PathLike) -> Path:

@@ -1,7 +1,9 @@
-"""The quantisation schemes of the int8/int4 genai graphs, declared once (``export genai --quant``, ``bench --quant``
-and ``--teacher-quant``): whether a scheme needs calibration (the input Gram matrix of every MatMul), who rounds
-(onnxruntime's own quantiser or ``quantize.quantize_graph``), its grid, and which nodes it emits. Every reader asks a
-``Scheme``; no other module compares a scheme's name. Imports nothing heavy, so the torch-free CLI shows them.
+"""The precisions a model ships at and the quantisation schemes of the int8/int4 genai graphs, declared once.
+``PRECISIONS`` (``--precision``, ``export genai``, ``bench --genai-precisions``): a precision's weight bits and
+which options apply at it. ``SCHEMES`` (``export genai --quant``, ``bench --quant`` and ``--teacher-quant``): whether
+a scheme needs calibration (the input Gram matrix of every MatMul), who rounds (onnxruntime's own quantiser or
+``quantize.quantize_graph``), its grid, and which nodes it emits. Every reader asks a ``Precision`` or a ``Scheme``;
+no other module compares a precision's or a scheme's name. Imports nothing heavy, so the torch-free CLI shows them.
 
 Adding a scheme (docs/design.md, "Adding a quantisation scheme"): one ``Scheme`` here; where it rounds in
 ``quantize_graph``, its branch of ``quantize._round_matmul`` keyed on these attributes; a new node layout, its
@@ -14,6 +16,41 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bdlora.errors import UsageError, shown
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What a model ships at (``--precision``, ``export genai``, ``bench --genai-precisions``)."""
+
+    name: str
+    bits: int
+    """The projections' weight bits (32: float, nothing is rounded and no scheme applies)."""
+    mixed: bool = False
+    """Widths vary inside its graph: projections kept at 8 bits (``--forms bits``, a calibrated scheme's
+    ``--int8-share``) and the LM head at ``--head-bits`` 8 or 4 (at int8 every weight already has 8)."""
+
+    @property
+    def rounded(self) -> bool:
+        """Its weights are rounded by a scheme (int8, int4)."""
+        return self.bits < 32
+
+
+PRECISIONS: dict[str, Precision] = {p.name: p for p in (
+    Precision("fp32", 32), Precision("int8", 8), Precision("int4", 4, mixed=True))}
+GENAI_PRECISIONS = tuple(PRECISIONS)
+FLOAT = next(p.name for p in PRECISIONS.values() if not p.rounded)  # the default: nothing rounded
+MIXED = next(p.name for p in PRECISIONS.values() if p.mixed)  # where head bits and 8-bit projections apply
+ROUNDED = tuple(p.name for p in PRECISIONS.values() if p.rounded)
+
+
+def rounded(precision: str | None) -> bool:
+    """Whether ``precision`` (a name; None or one of no table: float) rounds its weights."""
+    return precision in ROUNDED
+
+
+def mixed(precision: str | None) -> bool:
+    """Whether ``precision`` (a name) varies widths inside its graph (8-bit projections, the head's bits)."""
+    return precision in PRECISIONS and PRECISIONS[precision].mixed
 
 
 @dataclass(frozen=True)
@@ -36,9 +73,9 @@ class Scheme:
         scheme (``export.genai.latency``): ``matmul`` (fp32), ``nbits`` (one MatMulNBits node) or ``nbits+means``
         (block offsets at 4 bits: the node reads ``[x, block means of x]``, made by an AveragePool and a Concat in
         front of it, and carries K/32 more columns)."""
-        if precision == "fp32":
+        if not rounded(precision):
             return "matmul"
-        return "nbits+means" if self.block_offsets and precision == "int4" else "nbits"
+        return "nbits+means" if self.block_offsets and PRECISIONS[precision].bits == 4 else "nbits"
 
     def timed_as(self, precision: str) -> Scheme:
         """The scheme whose folder is timed for this one's decode cost at ``precision``: itself, or for a calibrated
@@ -76,6 +113,7 @@ def quant_problem(c, quant: str | None, precision: str | None) -> None:
     if quant is None:
         return
     if c.choice("quant", quant, METHODS):
-        c.require(precision in ("int8", "int4"),
-                  f"--quant {quant}: names the scheme whose int8/int4 nodes --precision times; give --precision "
-                  f"int8 or int4" + (f" (--precision {precision} rounds nothing)" if precision else ""))
+        c.require(rounded(precision),
+                  f"--quant {quant}: names the scheme whose {'/'.join(ROUNDED)} nodes --precision times; give "
+                  f"--precision {' or '.join(ROUNDED)}" + (f" (--precision {precision} rounds nothing)" if precision
+                                                           else ""))

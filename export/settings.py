@@ -9,35 +9,44 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from bdlora.config import GENAI_PRECISIONS
 from bdlora.errors import Checks
 from bdlora.export.defaults import MAX_GENAI_THREADS
 from bdlora.forms import declared_head_bits
-from bdlora.schemes import DEFAULT_SCHEME, METHODS, SCHEMES, Scheme
+from bdlora.schemes import (
+    DEFAULT_SCHEME,
+    FLOAT,
+    GENAI_PRECISIONS,
+    METHODS,
+    MIXED,
+    ROUNDED,
+    SCHEMES,
+    Scheme,
+    mixed,
+    rounded,
+)
 
 HEAD_BITS = 8  # the LM head's bits in an int4 graph when neither --head-bits nor the folder says
 
 
 @dataclass(frozen=True)
 class GenaiExportSettings:
-    precision: str = "fp32"
-    """fp32, int8 or int4 (MatMulNBits; the LM head at ``head_bits``)."""
+    precision: str = FLOAT
+    """fp32, int8 or int4 (MatMulNBits, block 32; int4 keeps the LM head at --head-bits)."""
     quant: str = DEFAULT_SCHEME
-    """How int8/int4 weights are rounded (``bdlora.schemes``): round-to-nearest, what onnxruntime-genai's
-    builder does."""
+    """How int8/int4 weights are rounded (bdlora.schemes):"""
     head_bits: int | None = None
-    """int4: the LM head's bits, 8 or 4 (4 is where small models degrade first); None: what the model's folder
-    declares (``bdlora_head_bits``, chosen by ``compress --one-shot --forms bits --speedup S``), else 8."""
+    """int4: the LM head's bits, 8 or 4 (4 is where small models degrade first). Default: what the model's folder
+    declares (bdlora_head_bits, chosen by compress --one-shot --forms bits --speedup S), else 8."""
     int8_share: float = 0.0
     """int4 with a calibrated scheme: the share of the projection weights kept at 8 bits, those whose rounding hurts
     most."""
     calib_tokens: int = 32768
     """A calibrated scheme: training-split tokens each MatMul's input is measured on (128 blocks of 256)."""
     context_length: int | None = None
-    """Longest sequence the folder generates (None: the model's positions, at most 4096)."""
+    """Longest sequence the folder generates (default: the model's positions, at most 4096)."""
     threads: int | None = None
-    """Intra-op threads written into genai_config.json (None: this machine's cores; 0: none, and onnxruntime-genai
-    then runs on one thread)."""
+    """Intra-op threads written into genai_config.json (default: this machine's cores; 0: none, and
+    onnxruntime-genai then runs on one thread)."""
     max_ppl_change: float = 0.10
     """int8/int4: the export is refused if held-out perplexity rises by more than this fraction over fp32."""
     validate: bool = True
@@ -50,13 +59,13 @@ class GenaiExportSettings:
     @property
     def calibrated(self) -> bool:
         """Whether this export rounds against measured inputs (a calibrated scheme at int8/int4)."""
-        return self.precision != "fp32" and self.scheme.calibrated
+        return rounded(self.precision) and self.scheme.calibrated
 
     def at(self, precision: str, **changes) -> GenaiExportSettings:
         """The same settings at another precision (options that do nothing there back at their defaults)."""
-        if precision == "fp32":
+        if not rounded(precision):
             changes = {"quant": DEFAULT.quant, **changes}
-        if precision != "int4":
+        if not mixed(precision):
             changes = {"head_bits": DEFAULT.head_bits, "int8_share": DEFAULT.int8_share, **changes}
         return replace(self, precision=precision, **changes)
 
@@ -65,13 +74,13 @@ class GenaiExportSettings:
         width its folder declares for the LM head at int4, else ``HEAD_BITS``."""
         if self.head_bits is not None:
             return self
-        declared = declared_head_bits(config) if self.precision == "int4" else 0
+        declared = declared_head_bits(config) if mixed(self.precision) else 0
         return replace(self, head_bits=declared or HEAD_BITS)
 
     @property
     def suffix(self) -> str:
         """The folder suffix ``export genai`` and the bench give this export (``-int4``, ``-int4-gptq``)."""
-        if self.precision == "fp32":
+        if not rounded(self.precision):
             return ""
         return f"-{self.precision}" + ("" if self.quant == DEFAULT.quant else f"-{self.quant}")
 
@@ -82,14 +91,14 @@ class GenaiExportSettings:
             return c
         if self.head_bits is not None:
             c.choice("head_bits", self.head_bits, (4, 8))
-        c.require(self.precision != "fp32" or self.quant == DEFAULT.quant,
-                  f"--quant {self.quant}: rounds quantised graphs only; --precision fp32 has nothing to round (give "
-                  "--precision int8 or int4)")
-        c.require(self.precision not in GENAI_PRECISIONS or self.precision == "int4"
+        c.require(rounded(self.precision) or self.quant == DEFAULT.quant,
+                  f"--quant {self.quant}: rounds quantised graphs only; --precision {self.precision} has nothing to "
+                  f"round (give --precision {' or '.join(ROUNDED)})")
+        c.require(self.precision not in GENAI_PRECISIONS or mixed(self.precision)
                   or self.head_bits in (None, HEAD_BITS),
-                  f"--head-bits {self.head_bits}: sets the LM head's bits of an int4 graph; at --precision "
-                  f"{self.precision} the head keeps {'fp32' if self.precision == 'fp32' else '8 bits'} (give "
-                  "--precision int4)")
+                  f"--head-bits {self.head_bits}: sets the LM head's bits of an {MIXED} graph; at --precision "
+                  f"{self.precision} the head keeps {'8 bits' if rounded(self.precision) else self.precision} (give "
+                  f"--precision {MIXED})")
         c.integer("calib_tokens", self.calib_tokens, lo=1)
         if c.number("int8_share", self.int8_share, lo=0.0, hi=1.0):
             c.require(not self.int8_share or self.scheme.calibrated,

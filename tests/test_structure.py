@@ -174,14 +174,14 @@ def test_importing_bdlora_deployed_registers_the_architectures_explicitly(first)
     assert res.returncode == 0, res.stderr
 
 
-# Modules every other module may build on, which import no project module but the errors.
-LEAVES = ("bdlora.arch", "bdlora.errors", "bdlora.runs", "bdlora.io", "bdlora.families")
+# Modules every other module may build on, which import no project module but the errors and the tables.
+LEAVES = ("bdlora.arch", "bdlora.errors", "bdlora.runs", "bdlora.io", "bdlora.families", "bdlora.schemes")
 
 
 def test_the_leaves_import_nothing_above_them():
     graph = import_graph()
     edges = sorted(f"{m} -> {t}" for m in LEAVES for t in graph[m]
-                   if t not in ("bdlora.errors", "bdlora.io", "bdlora.families"))
+                   if t not in ("bdlora.errors", "bdlora.io", "bdlora.families", "bdlora.schemes"))
     assert not edges, edges
 
 
@@ -407,6 +407,31 @@ def test_no_default_is_spelled_in_the_cli():
     assert not cli_default_literals(), cli_default_literals()
 
 
+def test_export_genai_options_are_the_settings_fields():
+    """``export genai``'s options are generated from ``GenaiExportSettings`` (they were restated by hand, and the
+    --int8-share help had drifted from the field's): one option per field, its help the field's docstring, its
+    default the field's; --no-validate still works."""
+    import dataclasses
+
+    import typer.main
+
+    from bdlora.cli import app
+    from bdlora.config import field_docs
+    from bdlora.export.settings import DEFAULT, GenaiExportSettings
+
+    cmd = typer.main.get_command(app).commands["export"].commands["genai"]
+    params = {p.name: p for p in cmd.params}
+    docs = field_docs(GenaiExportSettings)
+    for f in dataclasses.fields(GenaiExportSettings):
+        p = params[f.name]
+        assert f"--{f.name.replace('_', '-')}" in p.opts, f.name
+        assert " ".join(p.help.split()).startswith(" ".join(docs[f.name].split())), f.name
+        assert p.default == getattr(DEFAULT, f.name), f.name
+    assert "--no-validate" in params["validate"].secondary_opts
+    assert set(params) - {f.name for f in dataclasses.fields(GenaiExportSettings)} == {
+        "model_dir", "out_dir", "force", "runs_dir", "json_out"}
+
+
 def test_per_teacher_defaults_have_one_home():
     """The per-teacher defaults ``--help`` shows are written from the dicts that resolve them, and no option's
     docstring repeats one (a changed default is one edit, and --help follows it)."""
@@ -464,6 +489,40 @@ def test_the_method_table_and_the_strategies_name_the_same_methods():
     for other in ("one-shot", None):  # a one-shot row of a sweep, a folder that records no method: no traits
         traits = method_of(other)
         assert not (traits.low_rank or traits.gated or traits.peer)
+
+
+def test_no_precision_name_is_compared_outside_the_precision_table():
+    """What a precision implies (rounded at all, its weight bits, whether head bits and 8-bit projections apply) is
+    asked of ``schemes.PRECISIONS``, never spelled as ``precision == "int4"`` (42 such comparisons in 16 files before
+    the table)."""
+    from bdlora.schemes import PRECISIONS
+
+    hits = []
+    for name, path in project_modules().items():
+        if name == "bdlora.schemes":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                consts = [c.value for side in (node.left, *node.comparators) for c in ast.walk(side)
+                          if isinstance(c, ast.Constant)]
+                if any(v in PRECISIONS for v in consts):
+                    hits.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not hits, hits
+
+
+def test_the_precision_table():
+    from bdlora.config import GENAI_PRECISIONS
+    from bdlora.export.genai import latency, quantize
+    from bdlora.schemes import FLOAT, MIXED, PRECISIONS, ROUNDED, SCHEMES, mixed, rounded
+
+    assert GENAI_PRECISIONS == ("fp32", "int8", "int4") and FLOAT == "fp32" and MIXED == "int4"
+    assert ROUNDED == ("int8", "int4") and quantize.BITS == latency.BITS == {"int8": 8, "int4": 4}
+    assert [p for p in PRECISIONS if rounded(p)] == list(ROUNDED) and not rounded(None) and not rounded("bf16")
+    assert [p for p in PRECISIONS if mixed(p)] == [MIXED] and not mixed(None)
+    assert latency.form_bytes(64, 32, 0, "fp32") == 64 * 32 * 4 + 1 and latency.form_bytes(64, 32, 8, "int4") == 385
+    # each scheme's node layout: float MatMul at fp32, block offsets only at 4 bits
+    assert {s.layout("fp32") for s in SCHEMES.values()} == {"matmul"}
+    assert SCHEMES["affine"].layout("int4") == "nbits+means" and SCHEMES["affine"].layout("int8") == "nbits"
 
 
 def test_one_form_registry():

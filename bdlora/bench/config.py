@@ -10,7 +10,7 @@ from bdlora.errors import Checks, UsageError
 from bdlora.export.settings import DEFAULT as GENAI
 from bdlora.export.settings import GenaiExportSettings
 from bdlora.schemes import METHODS as QUANT_METHODS
-from bdlora.schemes import SCHEMES
+from bdlora.schemes import SCHEMES, mixed, rounded
 
 SCOPES = ("modules", "model", "both")
 RUNTIMES = ("ort", "genai", "both")
@@ -138,10 +138,10 @@ class BenchConfig:
         """How the bench exports ``model`` at ``precision`` (what ``export genai`` would be given; the bench times
         and scores its folders itself, so none validates against PyTorch)."""
         quant = self.quant_of(model)
-        if precision == "fp32":
-            return GENAI.at("fp32", validate=False, **changes)
-        return GenaiExportSettings(precision, quant, self.head_bits if precision == "int4" else GENAI.head_bits,
-                                   self.int8_share if precision == "int4" and SCHEMES[quant].calibrated else 0.0,
+        if not rounded(precision):
+            return GENAI.at(precision, validate=False, **changes)
+        return GenaiExportSettings(precision, quant, self.head_bits if mixed(precision) else GENAI.head_bits,
+                                   self.int8_share if mixed(precision) and SCHEMES[quant].calibrated else 0.0,
                                    validate=False, **changes)
 
     @property

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from bdlora.io import atomic_path
 from bdlora.runs import row_name
-from bdlora.schemes import DEFAULT_SCHEME, scheme
+from bdlora.schemes import DEFAULT_SCHEME, FLOAT, PRECISIONS, rounded, scheme
 
 
 def dominance(points: list[dict], key: str = "ppl", mark: str = "") -> list[dict]:
@@ -53,7 +53,7 @@ def front_points(results: list[dict], quality: dict[str, dict], batch: int = 1, 
 def precision_of(name: str) -> str:
     """``compressed-int4`` -> int4; ``teacher`` / ``other`` -> fp32 (the variant naming of the genai bench)."""
     tail = name.rsplit("-", 1)[-1]
-    return tail if tail in ("int8", "int4", "fp32") else "fp32"
+    return tail if tail in PRECISIONS else FLOAT
 
 
 PEER = "peer-"  # the prefix of a healed dense peer's rows (bench --peer FOLDER)
@@ -203,7 +203,7 @@ def predicted_vs_measured(points: list[dict], cost: dict, schemes: tuple[str, st
            "relative_error": predicted / measured - 1.0,
            "predicted_projection_speedup": cost["predicted_projection_speedup"],
            "predicted_scheme": cost.get("scheme") or DEFAULT_SCHEME}
-    if schemes is not None and p != "fp32":
+    if schemes is not None and rounded(p):
         out["measured_schemes"] = {"student": schemes[0], "teacher": schemes[1]}
     return out
 

@@ -46,6 +46,7 @@ from bdlora.reference import teacher_folder
 from bdlora.reporter import SILENT, Reporter
 from bdlora.runs import CONFIG, GENAI_CONFIG, all_logits_graph, row_name
 from bdlora.runtime import DecoderShape, score_blocks, session
+from bdlora.schemes import mixed
 
 BUILDER_PRECISIONS = {"fp32": "fp32", "int4": "int4"}  # the builder's -p values we compare against
 
@@ -144,7 +145,7 @@ def export_variants(models: dict[str, nn.Module], tok, precisions: list[str], wo
             reporter.stage(f"exporting the {key} genai folder")
             given = settings(name, p, context_length=ctx, threads=threads)
             shipped = given.resolved(m.config)  # the head at the bits the folder declares, unless --head-bits
-            if p == "int4" and given.head_bits is None and shipped.head_bits != HEAD_BITS:
+            if mixed(p) and given.head_bits is None and shipped.head_bits != HEAD_BITS:
                 notes[key] = (f"LM head at {shipped.head_bits} bits, as the folder declares (--forms bits chose it): "
                               "rounding, not structure; --head-bits 4 puts every int4 row's head there")
             folders[key] = deployment(m, tok, work / f"genai-{key}", shipped, calibration=calibration, grams=grams,

@@ -45,6 +45,7 @@ from bdlora.io import atomic_dir, write_json, write_text
 from bdlora.reporter import SILENT, Reporter
 from bdlora.runs import BENCH_JSON, row_name
 from bdlora.runtime import DecoderShape
+from bdlora.schemes import rounded
 
 # --------------------------------------------------------------------------------------------------------------------
 # MAC accounting (the limits)
@@ -142,7 +143,7 @@ def bench_model(models: dict[str, nn.Module], workdir: Path, cfg: BenchConfig, t
 def _base(variant: str) -> tuple[str, str]:
     """``compressed-int4`` -> (compressed, int4); ``builder-fp32`` -> (builder, fp32); ``dense`` -> (dense, "")."""
     name, _, precision = variant.partition("-")
-    return name, "" if precision == "fp32" and name != "builder" else precision
+    return name, "" if precision and not rounded(precision) and name != "builder" else precision
 
 
 def repeats_needed(rows: list[dict], excess: float) -> int:

@@ -26,7 +26,7 @@ from bdlora.oneshot_config import OneShotConfig
 from bdlora.plan import DEFAULT_PLAN_STEPS, read_model_config
 from bdlora.plan import plan as run_plan
 from bdlora.runs import RUNS_DIR, ModelDir, RunDir, one_shot_out
-from bdlora.schemes import DEFAULT_SCHEME, quant_problem
+from bdlora.schemes import DEFAULT_SCHEME, mixed, quant_problem
 
 PLAN_FIELDS = ("budget", "rank", "eps_lr", "eps_zero", "svd_max_rank", "decay_start", "decay_end", "retention_ema")
 
@@ -259,8 +259,8 @@ def _deployed_prediction(report: dict, precision: str, threads: int | None, repo
     narrow = {m["name"]: m["channels"] for m in mods if m.get("channels")}
     grouped = {m["name"]: m["groups"] for m in mods if m.get("groups")}
     # the projections kept at 8 bits weigh in an int4 export only (at int8 every one is 8 bits, at fp32 none is)
-    bits = {m["name"]: m["bits"] for m in mods if m.get("bits")} if precision == "int4" else {}
-    head = declared_head_bits(config) if precision == "int4" else 0  # the LM head's declared width (int4 only)
+    bits = {m["name"]: m["bits"] for m in mods if m.get("bits")} if mixed(precision) else {}
+    head = declared_head_bits(config) if mixed(precision) else 0  # the LM head's declared width (int4 only)
     probes = site_probes(shapes, kv, bool(narrow), bool(grouped))
     keep = declared_head_keep(config)  # a draft's head keeping fewer tokens: its product and the full one's
     heads = [(int(config["hidden_size"]), keep), (int(config["hidden_size"]), int(config["vocab_size"]))] if keep \
@@ -339,7 +339,7 @@ def cost_table(precision: str | None, threads: int | None, cache: Path | None, r
         return _with_wide(table, wide, shapes, heads)
 
     def _with_wide(table, wide: bool, shapes, heads=()):
-        if wide and precision == "int4":
+        if wide and mixed(precision):
             table.wide = latency_table(shapes, "int8", threads, root, reporter, heads, ranks=False, quant=quant)
         return table
 

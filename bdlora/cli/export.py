@@ -10,11 +10,11 @@ from rich.markup import escape
 from bdlora import sources
 from bdlora.cli import render
 from bdlora.cli.app import command, err, export_app, out
+from bdlora.cli.options import from_dataclass
 from bdlora.cli.progress import RichReporter
 from bdlora.errors import Checks
 from bdlora.export.defaults import DEFAULT_OPSET, MAX_GENAI_THREADS
 from bdlora.export.hf import export_hf as run_export
-from bdlora.export.settings import DEFAULT as GENAI
 from bdlora.export.settings import GenaiExportSettings
 from bdlora.runs import RUNS_DIR, ModelDir
 from bdlora.schemes import SCHEMES
@@ -79,43 +79,26 @@ def export_onnx(
     render.onnx_export(info, dst)
 
 
-@command(export_app, "genai")
+@command(export_app, "genai", options=from_dataclass(GenaiExportSettings, defaults=True, notes={
+    "quant": escape("; ".join(f"{s.name}: {s.summary}" for s in SCHEMES.values()) + "."),
+    "threads": f"At most {MAX_GENAI_THREADS}."}))
 def export_genai(
     model_dir: Annotated[Optional[str], typer.Argument(help="Model folder: a `bdlora compress` output (default: the "
                                                             "latest), any HF folder of a family bdlora adapts, a "
                                                             "teacher preset or a .gguf file.")] = None,
-    precision: Annotated[str, typer.Option(help="fp32, int8 or int4 (MatMulNBits, block 32; int4 keeps the LM "
-                                                "head at 8 bits).")] = GENAI.precision,
     out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: MODEL_DIR.genai, with "
                                                                  "-int8 / -int4 for those precisions).")] = None,
-    context_length: Annotated[Optional[int], typer.Option(help="Longest sequence the folder generates (default: the "
-                                                               "model's positions, at most 4096).")] = None,
-    max_ppl_change: Annotated[float, typer.Option(help="int8/int4: refuse the export if held-out perplexity rises by "
-                                                       "more than this fraction over fp32.")] = GENAI.max_ppl_change,
-    threads: Annotated[Optional[int], typer.Option(help="Intra-op threads written into genai_config.json (default: "
-                                                        "this machine's cores; 0 = none, and onnxruntime-genai then "
-                                                        f"runs on one thread; at most {MAX_GENAI_THREADS}).")] = None,
-    quant: Annotated[str, typer.Option(help="int8/int4 rounding: " + "; ".join(
-        f"{s.name}: {s.summary}" for s in SCHEMES.values()) + ".")] = GENAI.quant,
-    head_bits: Annotated[Optional[int], typer.Option(help="int4: bits of the LM head, 8 or 4 (default: what the "
-                                                          "folder declares, from compress --one-shot --forms bits "
-                                                          "--speedup; else 8).")] = GENAI.head_bits,
-    int8_share: Annotated[float, typer.Option(help="int4 with --quant gptq: share of the projection weights kept at "
-                                                   "8 bits, those whose rounding hurts most.")] = GENAI.int8_share,
-    calib_tokens: Annotated[int, typer.Option(help="--quant gptq: calibration tokens from the model's training "
-                                                   "corpus.")] = GENAI.calib_tokens,
-    no_validate: Annotated[bool, typer.Option("--no-validate", help="Skip the checks against PyTorch.")] = False,
     force: Annotated[bool, typer.Option(help="Replace an existing non-empty --out.")] = False,
     runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,
     json_out: Annotated[bool, typer.Option("--json", help="Print export.json.")] = False,
+    **opts,
 ):
     """Export a model for onnxruntime-genai (og.Generator, the LLM runtime): GroupQueryAttention with a shared KV
     buffer, fused RMSNorm, each projection in its dense or low-rank form; validated against PyTorch (logits, greedy
     generation, tokenizer; quantised: perplexity change)."""
     from bdlora.export.genai import export_genai_folder
 
-    settings = GenaiExportSettings(precision, quant, head_bits, int8_share, calib_tokens, context_length, threads,
-                                   max_ppl_change, not no_validate)
+    settings = GenaiExportSettings(**opts)
     settings.check(Checks()).done()
     rep = RichReporter(err if json_out else out)
     suffix = settings.suffix

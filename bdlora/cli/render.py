@@ -6,6 +6,7 @@ from rich.table import Table
 from bdlora.bench.front import front_mark, prediction_line, same_precision_cell, vs_reference
 from bdlora.bench.report import noise_lines
 from bdlora.cli.app import out
+from bdlora.schemes import rounded
 
 
 def _kv(title: str) -> Table:
@@ -75,7 +76,7 @@ def train_summary(s: dict) -> None:
 
 def latency_forms(doc: dict) -> None:
     """The measured decode time of each projection shape's forms at the deployed precision, and the prediction."""
-    scheme = f" ({doc['scheme']}: {doc['layout']})" if doc.get("scheme") and doc["precision"] != "fp32" else ""
+    scheme = f" ({doc['scheme']}: {doc['layout']})" if doc.get("scheme") and rounded(doc["precision"]) else ""
     t = Table(title=f"decode time per projection form at {doc['precision']}{scheme}, {doc['threads']} thread(s), "
                     "measured in onnxruntime")
     for col in ("shape K x N", "dense us", "rank 8 us", "MAC break-even rank", "measured break-even rank"):

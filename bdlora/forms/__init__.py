@@ -7,8 +7,7 @@ module) read this registry; a folder naming a form it lacks is refused in one li
 projection's entry may also say ``"bits": 8``: the width its weights keep in an int4 export (``--forms bits``, the
 allocation's per-module bits); the PyTorch module does not change. The LM head's width in an int4 export is
 declared beside them, ``config.json``'s ``bdlora_head_bits`` (4 or 8; absent: the export's default, 8), chosen by
-the same allocation with ``--forms bits --speedup S``.
-Standard library only (``describe`` takes a torch module without importing torch).
+the same allocation with ``--forms bits --speedup S``. No heavy import (``describe`` takes a torch module as is).
 
 The PyTorch classes of the forms live in ``deployed/modeling_bdlora.py``, which ships as remote code in every model
 folder and so cannot import this file; it refuses an unknown form on its own, and ``tests/test_structure.py`` holds
@@ -21,15 +20,15 @@ import importlib
 from dataclasses import dataclass
 
 from bdlora.errors import ModelError, shown
+from bdlora.schemes import MIXED, mixed
 
 ALLOCATED_FORMS = ("lowrank", "channels", "groups", "layers", "bits", "vocab")  # what --forms may name: a
 # projection's, an MLP's, an attention block's, a whole decoder layer's form, a projection's width at int4, or the
 # LM head's vocabulary (a draft's: the teacher verifies every token); each is a module of this package with the
-# one-shot's step (``step``)
-# What ``compress --one-shot`` chooses among unless --forms says otherwise: a projection as a low-rank pair or an MLP
-# keeping fewer channels (dense, so as fast as the runtime's best kernel at every precision). Measured on SmolLM2-135M
-# at --mac-ratio 1.2 (8,192 calibration tokens of builtin:1,prose:1; 8,192 held-out tokens each, the teacher 17.86 /
-# 11.32 / 52.62): lowrank alone 23.53 builtin / 12.58 prose / 104.07 fortunes, channels alone 23.61 / 12.70 / 105.61,
+# one-shot's step (``step``). ONE_SHOT_FORMS: what ``compress --one-shot`` chooses among unless --forms says otherwise:
+# a low-rank pair or an MLP keeping fewer channels (dense: the runtime's best kernel at every precision). SmolLM2-135M
+# at --mac-ratio 1.2 (8,192 calibration tokens of builtin:1,prose:1, 8,192 held-out each; teacher 17.86 / 11.32 /
+# 52.62): lowrank alone 23.53 builtin / 12.58 prose / 104.07 fortunes, channels alone 23.61 / 12.70 / 105.61,
 # both 20.74 / 12.64 / 83.02 (16 MLPs narrower, 50 pairs). Groups and layers were never chosen at that budget.
 ONE_SHOT_FORMS = "lowrank,channels"
 
@@ -360,8 +359,9 @@ def check_forms(c, forms: str, precision: str | None, speedup: float | None = No
         c.add(problem)
         return None
     names = form_names(forms)
-    c.require("bits" not in names or precision == "int4",
-              f"--forms {forms}: bits chooses which projections an int4 export keeps at 8 bits; give --precision int4")
+    c.require("bits" not in names or mixed(precision),
+              f"--forms {forms}: bits chooses which projections an {MIXED} export keeps at 8 bits; give --precision "
+              f"{MIXED}")
     c.require(VOCAB.name not in names or speedup is not None,
               f"--forms {forms}: vocab prices the LM head against the whole decode step; give --precision P "
               "--speedup S")

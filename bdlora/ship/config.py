@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from bdlora.config import GENAI_PRECISIONS
 from bdlora.errors import Checks, shown
 from bdlora.forms import check_forms
-from bdlora.schemes import METHODS
+from bdlora.schemes import METHODS, rounded
 
 DRAFT_FORMS = "layers,channels,vocab"  # the draft: fewer layers, narrower MLPs, a head over frequent tokens
 
@@ -104,7 +104,7 @@ class ShipConfig:
 
     @property
     def rounded(self) -> bool:
-        return self.precision in ("int8", "int4")
+        return rounded(self.precision)
 
     def scheme_list(self) -> list[str]:
         return [s.strip() for s in self.schemes.split(",")] if self.rounded else []

@@ -33,6 +33,7 @@ from bdlora.outputs import check_out_dir
 from bdlora.reporter import SILENT, Reporter
 from bdlora.runs import ALL_LOGITS_ONNX, GENAI_CONFIG, MODEL_ONNX, OnnxDir, recorded_data_settings
 from bdlora.runtime import DecoderShape, session
+from bdlora.schemes import FLOAT, PRECISIONS
 
 QUALITY_TOKENS = 32768  # held-out tokens scored with the fp32 and quantised graphs when no training run is known
 MAX_CONTEXT = 4096  # rotary tables and the generator's default max_length stop here unless --context-length says more
@@ -74,7 +75,7 @@ def write_genai_files(model, tok, folder: Path, settings: GenaiExportSettings, r
     info: dict = {"nodes": len(proto.graph.node)}
     write_json(folder / GENAI_CONFIG, genai_config(cfg, base, ctx, threads=settings.threads or None))
     write_model_files(folder, model, tok, report)
-    if precision != "fp32":
+    if PRECISIONS[precision].rounded:
         if fp32_path is not None:  # the fp32 reference first, then the same proto is rounded in place: no copy of it
             fp32_path.parent.mkdir(exist_ok=True)
             save_graph(proto, fp32_path)
@@ -145,7 +146,7 @@ def plain_graph(model, settings: GenaiExportSettings, calibration=None, grams: d
     settings = settings.resolved(model.config)
     if proto is None:
         proto, _ = decoder_graph(model, DecoderLayout.plain(model.config, MAX_OPSET))
-    if settings.precision == "fp32":
+    if not PRECISIONS[settings.precision].rounded:
         return proto
     return rounded(proto, settings, DecoderShape.of(model.config), calibration, grams,
                    tied=tied_head(model.config))[0]
@@ -170,9 +171,10 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, settings: GenaiE
                   "settings": asdict(settings), "summary": metadata_summary(model, module_table(model), report)}
     with atomic_dir(out) as tmp:
         reporter.stage("emitting the genai graph (GroupQueryAttention, fused RMSNorm, shared-input first factors)"
-                       + ("" if precision == "fp32" else f", quantising the projections to {precision} (MatMulNBits)"))
+                       + (f", quantising the projections to {precision} (MatMulNBits)"
+                          if PRECISIONS[precision].rounded else ""))
         t0 = time.time()
-        fp32 = tmp / MODEL_ONNX if precision == "fp32" else tmp / "fp32" / MODEL_ONNX
+        fp32 = tmp / MODEL_ONNX if not PRECISIONS[precision].rounded else tmp / FLOAT / MODEL_ONNX
         calibration = None
         if settings.calibrated:
             calibration = calibration_blocks(model_dir, report, tok, DecoderShape.of(model.config),
@@ -197,13 +199,13 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, settings: GenaiE
 def _validate(tmp: Path, model, tok, report, model_dir: Path, precision: str, max_ppl_change: float,
               reporter: Reporter) -> dict:
     out: dict = {}
-    fp32 = session(tmp / (ALL_LOGITS_ONNX if precision == "fp32" else f"fp32/{MODEL_ONNX}"))
+    fp32 = session(tmp / (ALL_LOGITS_ONNX if not PRECISIONS[precision].rounded else f"{FLOAT}/{MODEL_ONNX}"))
     reporter.stage("validating the graph against PyTorch (prefill, decode, decode steps)")
     out["parity"] = v.graph_parity(model, fp32)
     out["last_position"] = v.last_position_parity(tmp, DecoderShape.of(model.config).vocab_size)
     reporter.stage("checking onnxruntime-genai's tokenizer against the model's")
     out["tokenizer"] = v.tokenizer_roundtrip(tmp, tok)
-    if precision == "fp32":
+    if not PRECISIONS[precision].rounded:
         reporter.stage("generating with og.Generator against PyTorch's greedy tokens")
         out["generator"] = v.generator_greedy(tmp, model, tok)
         return out

@@ -40,16 +40,15 @@ from onnx import TensorProto, helper, numpy_helper
 
 from bdlora.budgeted.allocate import break_even
 from bdlora.budgeted.costs import ModuleShape
-from bdlora.config import GENAI_PRECISIONS as PRECISIONS
 from bdlora.errors import UsageError, usable_cores
 from bdlora.export.genai.affine import augment_nodes
 from bdlora.export.genai.gptq import BLOCK_SIZE, nbits_node
 from bdlora.export.genai.quantize import scheme_rounded
 from bdlora.io import read_json, write_json
 from bdlora.reporter import SILENT, Reporter
-from bdlora.schemes import DEFAULT_SCHEME, scheme
+from bdlora.schemes import DEFAULT_SCHEME, PRECISIONS, ROUNDED, rounded, scheme
 
-BITS = {"int8": 8, "int4": 4}
+BITS = {name: PRECISIONS[name].bits for name in ROUNDED}  # the weight bits of each rounded precision
 BUSY_CORES = 0.5  # CPU other processes may use while forms are timed before the times are kept out of the cache
 STREAM_BYTES = 48 << 20  # weight bytes per measured graph: beyond the last-level cache of most CPUs
 MAX_COPIES, MIN_COPIES = 64, 4
@@ -84,7 +83,7 @@ def _product(k: int, n: int, precision: str, rng: np.random.Generator, name: str
     int8/int4 the MatMulNBits node the calibrated export emits, ``gptq.nbits_node``; ``nbits+means`` where blocks
     divide K: the node reads ``[x, block means]``, made here for it alone, and holds K/32 more columns, as
     ``affine.affine_node`` writes it)."""
-    if precision == "fp32":
+    if not rounded(precision):
         w = numpy_helper.from_array(rng.standard_normal((k, n), dtype=np.float32), f"{name}.w")
         return [helper.make_node("MatMul", [x, w.name], [out], name=name)], [w]
     front = []
@@ -100,7 +99,7 @@ def _product(k: int, n: int, precision: str, rng: np.random.Generator, name: str
 
 
 def form_bytes(k: int, n: int, rank: int, precision: str) -> int:
-    per = 4.0 if precision == "fp32" else BITS[precision] / 8
+    per = PRECISIONS[precision].bits / 8
     return int((k * n if rank == 0 else rank * (k + n)) * per) + 1
 
 

@@ -26,7 +26,6 @@ from onnx import helper, numpy_helper
 from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
 from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-from bdlora.config import GENAI_PRECISIONS as PRECISIONS
 from bdlora.export.decoder.builder import node_bits
 from bdlora.export.genai.affine import (
     AUGMENTED,
@@ -48,10 +47,10 @@ from bdlora.export.genai.gptq import (
     rtn,
     weight_matmuls,
 )
-from bdlora.schemes import DEFAULT_SCHEME, scheme
+from bdlora.schemes import DEFAULT_SCHEME, PRECISIONS, ROUNDED, mixed, scheme
 
 LM_HEAD = "/lm_head/MatMul"
-BITS = {"int8": 8, "int4": 4}
+BITS = {name: PRECISIONS[name].bits for name in ROUNDED}  # the weight bits of each rounded precision
 
 
 def quantize_nbits(model, precision: str, method: str = "rtn", grams: dict | None = None, head_bits: int = 8,
@@ -61,17 +60,17 @@ def quantize_nbits(model, precision: str, method: str = "rtn", grams: dict | Non
     gptq; ``gptq.input_grams``). ``in_place``: ``model`` is the caller's to give away, and is rewritten instead of
     copied (a copy of the fp32 graph is the model's size again: 1.2B parameters hold 5 GB)."""
     if precision not in BITS:
-        raise ValueError(f"precision {precision!r}: allowed {', '.join(PRECISIONS)}")
-    head = 8 if precision == "int8" else head_bits
+        raise ValueError(f"precision {precision!r}: allowed {', '.join(BITS)}")
+    head = head_bits if mixed(precision) else BITS[precision]
     s = scheme(method)
     # the MatMuls whose projections the folder keeps at 8 bits (``--forms bits``): at int4 only
     wide = [n.name for n in model.graph.node if n.op_type == "MatMul" and node_bits(n.doc_string) == 8] \
-        if precision == "int4" else []
+        if mixed(precision) else []
     docs = {n.name: n.doc_string for n in model.graph.node if n.op_type == "MatMul" and n.doc_string}
     if s.rounds_here:
         out, detail = quantize_graph(model, grams, lambda name: head if name == LM_HEAD else 8 if name in wide
                                      else BITS[precision], method=method,
-                                     int8_share=int8_share if precision == "int4" else 0.0, in_place=in_place)
+                                     int8_share=int8_share if mixed(precision) else 0.0, in_place=in_place)
         _keep_docs(docs, out)
         eight = [n for n, b in detail["bits"].items() if b == 8 and n != LM_HEAD]
         described = {**_describe(out, BLOCK_SIZE), "method": method, "symmetric": s.symmetric, "int8_matmuls": eight,
@@ -95,7 +94,7 @@ def quantize_nbits(model, precision: str, method: str = "rtn", grams: dict | Non
     root.setLevel(logging.ERROR)  # the quantiser logs every node it visits at INFO on the root logger
     try:
         eights = ([LM_HEAD] if head == 8 else []) + wide
-        if precision == "int8" or not eights:
+        if not mixed(precision) or not eights:
             out = run(model, BITS[precision], copy=not in_place)
         else:  # the first pass's output is ours: the second rewrites it
             out = run(run(model, 4, exclude=eights, copy=not in_place), 8, include=eights)

@@ -68,7 +68,7 @@ def export_onnx_folder(model_dir: str | Path, out: str | Path, opset: int = DEFA
             reporter.stage("validating against PyTorch")
             info["validation"] = validate(model, session(tmp / MODEL_ONNX))
         write_model_files(tmp, model, tok, report)
-        if quantize == "int8":
+        if quantize in QUANTIZE:
             info["int8"] = _quantize(tmp, model, tok, report, model_dir, info, reporter)
         info.update(identity(tmp))
         write_json(tmp / OnnxDir.MARKER, info)
