@@ -432,6 +432,29 @@ def test_export_genai_options_are_the_settings_fields():
         "model_dir", "out_dir", "force", "runs_dir", "json_out"}
 
 
+def test_the_widest_commands_show_the_common_options_first():
+    """train listed 60 options in one panel, bench 33, sweep 37: the options most runs set stay in the main panel,
+    the rest under named panels (every field a panel names exists: a renamed one is refused, not dropped)."""
+    import dataclasses
+
+    import typer.main
+
+    from bdlora.cli import app
+    from bdlora.cli.options import TRAIN_PANELS, from_dataclass
+    from bdlora.config import TrainConfig
+
+    commands = typer.main.get_command(app).commands
+    for name, most in (("train", 20), ("bench", 20), ("sweep", 20)):
+        options = [p for p in commands[name].params if p.opts and p.opts[0].startswith("--")]
+        main = [p.opts[0] for p in options if not getattr(p, "rich_help_panel", None)]
+        assert len(main) <= most < len(options), (name, main)
+    train = {p.name: getattr(p, "rich_help_panel", None) for p in commands["train"].params}
+    assert train["method"] is None and train["forms"] is None and train["budget"] in TRAIN_PANELS
+    assert {n for names in TRAIN_PANELS.values() for n in names} <= {f.name for f in dataclasses.fields(TrainConfig)}
+    with pytest.raises(ValueError, match="panels name fields TrainConfig lacks: lr_peak"):
+        from_dataclass(TrainConfig, panels={"Other": ("lr_peak",)})
+
+
 def test_per_teacher_defaults_have_one_home():
     """The per-teacher defaults ``--help`` shows are written from the dicts that resolve them, and no option's
     docstring repeats one (a changed default is one edit, and --help follows it)."""

@@ -18,18 +18,27 @@ from bdlora.io import write_json
 from bdlora.outputs import check_out_dir, check_out_file
 from bdlora.runs import RUNS_DIR, BenchDir
 
+SYNTHETIC = "Synthetic mode (--model-config: the structure plan predicts, random weights)"
+BENCH_PANELS = {  # bench --help: what and how wide is benched stays in the main panel
+    "Timing": ("scope", "threads", "provider", "warmup", "int8", "optimize", "peers", "teacher"),
+    "Quality and rounding": ("quality_tokens", "head_bits", "int8_share", "icl", "icl_examples"),
+}
 
-@command(options=from_dataclass(BenchConfig, skip=("opt_level",), defaults=True))
+
+@command(options=from_dataclass(BenchConfig, skip=("opt_level",), defaults=True, panels=BENCH_PANELS))
 def bench(
     model_dir: Annotated[Optional[str], typer.Argument(help="A `bdlora compress` output (default: the latest).")]
     = None,
     model_config: Annotated[Optional[str], typer.Option(help="Synthetic mode: an HF config.json; benches the "
-                                                              "structure `plan` predicts, with random weights.")]
+                                                              "structure `plan` predicts, with random weights.",
+                                                         rich_help_panel=SYNTHETIC)] = None,
+    budget: Annotated[Optional[float], typer.Option(help="Synthetic mode: the budget F.", rich_help_panel=SYNTHETIC)]
     = None,
-    budget: Annotated[Optional[float], typer.Option(help="Synthetic mode: the budget F.")] = None,
-    layers: Annotated[Optional[int], typer.Option(help="Synthetic mode: student layers.")] = None,
+    layers: Annotated[Optional[int], typer.Option(help="Synthetic mode: student layers.", rich_help_panel=SYNTHETIC)]
+    = None,
     lora_rank: Annotated[Optional[int], typer.Option(help="LoRA rank of the lora variant (default: the trained "
-                                                           f"rank; synthetic: {SYNTHETIC_LORA_RANK}).")] = None,
+                                                           f"rank; synthetic: {SYNTHETIC_LORA_RANK}).",
+                                                     rich_help_panel=SYNTHETIC)] = None,
     also: Annotated[Optional[list[str]], typer.Option(
         "--also", help="genai runtime: another compressed folder (of the same teacher) whose compressed form joins "
                        "the same run and front at every precision. Repeatable.")] = None,

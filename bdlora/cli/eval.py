@@ -10,7 +10,7 @@ from rich.markup import escape
 
 from bdlora.cli import render
 from bdlora.cli.app import command, err, out
-from bdlora.cli.options import float_list, from_dataclass, int_list, str_list
+from bdlora.cli.options import TRAIN_PANELS, float_list, from_dataclass, int_list, str_list
 from bdlora.cli.progress import RichReporter
 from bdlora.config import TrainConfig, defaults_help, merge
 from bdlora.errors import UsageError
@@ -68,9 +68,14 @@ def eval_cmd(
     write_json(dst, doc)
     render.evaluation(doc)
     out.print(f"[green]wrote[/] {escape(str(dst))}")
+MEMBERS = "Members' evaluation and bench"  # sweep --help: the panel of what each member is scored and timed with
 
 
-@command(options=from_dataclass(TrainConfig, names=SWEEP_TRAIN_OPTIONS, notes=defaults_help()))
+def _member(text: str):
+    return typer.Option(help=text, rich_help_panel=MEMBERS)
+
+
+@command(options=from_dataclass(TrainConfig, names=SWEEP_TRAIN_OPTIONS, notes=defaults_help(), panels=TRAIN_PANELS))
 def sweep(
     budgets: Annotated[str, typer.Option(help="Comma-separated budgets F of the budgeted members.")]
     = ",".join(map(str, DEFAULT_BUDGETS)),
@@ -85,15 +90,13 @@ def sweep(
         help="Ablation grid axis, repeatable: OPTION=V1,V2 (any train option, or the compress thresholds eps_lr, "
              "gate_threshold, svd_max_rank: re-compressed, not retrained); OPT1,OPT2=A1:B1,A2:B2 varies options "
              "together. Every method runs at every point of the product of all axes.")] = None,
-    eps_lr: Annotated[float, typer.Option(help="compress --eps-lr of every budgeted member.")] = SweepOptions.eps_lr,
-    examples: Annotated[int, typer.Option(help="ICL query prompts per task and seed.")] = SweepOptions.eval_examples,
-    seeds: Annotated[int, typer.Option(help="ICL demonstration seeds.")] = SweepOptions.eval_seeds,
+    eps_lr: Annotated[float, _member("compress --eps-lr of every budgeted member.")] = SweepOptions.eps_lr,
+    examples: Annotated[int, _member("ICL query prompts per task and seed.")] = SweepOptions.eval_examples,
+    seeds: Annotated[int, _member("ICL demonstration seeds.")] = SweepOptions.eval_seeds,
     bench: Annotated[bool, typer.Option(help="Bench each compressed member (onnxruntime, CPU).")] = True,
-    bench_batch_sizes: Annotated[str, typer.Option(help="bench --batch-sizes.")]
-    = ",".join(map(str, DEFAULT_BENCH_BATCH_SIZES)),
-    bench_seq_lens: Annotated[str, typer.Option(help="bench --seq-lens.")]
-    = ",".join(map(str, DEFAULT_BENCH_SEQ_LENS)),
-    bench_repeats: Annotated[int, typer.Option(help="bench --repeats.")] = SweepOptions.bench_repeats,
+    bench_batch_sizes: Annotated[str, _member("bench --batch-sizes.")] = ",".join(map(str, DEFAULT_BENCH_BATCH_SIZES)),
+    bench_seq_lens: Annotated[str, _member("bench --seq-lens.")] = ",".join(map(str, DEFAULT_BENCH_SEQ_LENS)),
+    bench_repeats: Annotated[int, _member("bench --repeats.")] = SweepOptions.bench_repeats,
     front: Annotated[bool, typer.Option(help="Then the family and the teacher's own exports (fp32/int8/int4) in one "
                                              "onnxruntime-genai run: one quality/speed front.")] = SweepOptions.front,
     out_dir: Annotated[Optional[str], typer.Option("--out", help="Sweep folder (default: RUNS_DIR/sweep-<time>).")]

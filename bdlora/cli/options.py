@@ -13,6 +13,21 @@ import typer
 from bdlora.config import field_docs
 from bdlora.errors import UsageError
 
+# train and sweep --help: the options most runs set stay in the main panel (method, teacher, data, the structure and
+# its speed-up, steps, lr, what to stop on, where to write); the rest, which recipes (--config) usually set, below it
+TRAIN_PANELS = {
+    "Data and batches": ("samples_runtime", "calib_data", "seq_len", "packing", "batch_size", "grad_accum", "tokens",
+                         "heldout_fraction", "reweight_every"),
+    "The student and its start": ("student_layers", "layer_selection", "lora_rank", "lora_alpha", "lora_init",
+                                  "allocation", "mac_ratio", "quant", "calib_tokens"),
+    "Loss and optimiser": ("adam_beta1", "adam_beta2", "weight_decay", "grad_clip", "temperature", "kd_weight",
+                           "freeze_embeddings", "loss_chunk", "kd_topk", "autocast", "seed"),
+    "Budgeted LoRA's controller (paper Sec. 3)": ("budget", "decay_start", "decay_end", "retention_ema", "eps_zero",
+                                                  "gate_init"),
+    "Evaluation, checkpoints and folders": ("eval_every", "eval_tokens", "save_every", "keep_last",
+                                            "measure_step_time", "runs_dir", "cache_dir"),
+}
+
 
 def _base_type(tp):
     """``int | None`` -> int; list types -> str (comma-separated on the command line)."""
@@ -25,14 +40,20 @@ def _base_type(tp):
 
 
 def from_dataclass(cls, names=None, skip=(), rename: dict | None = None, defaults: bool = False,
-                   panel: str | None = None, notes: dict[str, str] | None = None) -> list[inspect.Parameter]:
+                   panel: str | None = None, notes: dict[str, str] | None = None,
+                   panels: dict[str, tuple[str, ...]] | None = None) -> list[inspect.Parameter]:
     """One keyword option per field of ``cls`` (``names`` or all but ``skip``), ``--field-name`` with the field's
     docstring as help, followed by its entry in ``notes`` (e.g. per-teacher defaults). With ``defaults`` the
     option's default is the field's (shown in --help); otherwise None, meaning "not given" (so YAML values and
-    per-teacher defaults can fill it)."""
+    per-teacher defaults can fill it). ``panels``: --help panel -> the fields shown under it (the rest under
+    ``panel``, None: the main one), so the options most runs set come first."""
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     rename = rename or {}
+    where = {name: title for title, names_ in (panels or {}).items() for name in names_}
+    unknown = sorted(set(where) - set(cls.__dataclass_fields__))
+    if unknown:  # a renamed or removed field would silently fall back to the main panel
+        raise ValueError(f"panels name fields {cls.__name__} lacks: {', '.join(unknown)}")
     params = []
     for f in cls.__dataclass_fields__.values():
         if (names is not None and f.name not in names) or f.name in skip:
@@ -45,7 +66,7 @@ def from_dataclass(cls, names=None, skip=(), rename: dict | None = None, default
         dashed = opt.replace("_", "-")
         decl = f"--{dashed}/--no-{dashed}" if tp is bool else f"--{dashed}"
         text = " ".join(t for t in (docs.get(f.name, ""), (notes or {}).get(f.name, "")) if t)
-        option = typer.Option(decl, help=text, rich_help_panel=panel)
+        option = typer.Option(decl, help=text, rich_help_panel=where.get(f.name, panel))
         annotation = Annotated[tp if defaults and default is not None else Optional[tp], option]
         params.append(inspect.Parameter(opt, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation))
     return params

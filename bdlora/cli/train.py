@@ -13,7 +13,7 @@ from rich.markup import escape
 from bdlora.cli import render
 from bdlora.cli.app import command, err, out
 from bdlora.cli.compress import cost_table
-from bdlora.cli.options import from_dataclass
+from bdlora.cli.options import TRAIN_PANELS, from_dataclass
 from bdlora.cli.progress import RichReporter
 from bdlora.config import BUILTIN, TrainConfig, defaults_help, field_docs, merge
 from bdlora.errors import UsageError
@@ -57,7 +57,7 @@ def teacher(
     render.teacher(info)
 
 
-@command(options=from_dataclass(TrainConfig, skip=("defaulted",), notes=defaults_help()))
+@command(options=from_dataclass(TrainConfig, skip=("defaulted",), notes=defaults_help(), panels=TRAIN_PANELS))
 def train(
     config: Annotated[Optional[str], typer.Option(help="YAML file holding any of these options, or a recipe "
                                                        "shipped with bdlora (paper: the paper's full budget); flags "
