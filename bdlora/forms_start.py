@@ -59,12 +59,12 @@ def one_shot_options(cfg: TrainConfig) -> OneShotConfig:
                          forms=cfg.forms, quant=cfg.quant)
 
 
-def structure(student, blocks, cfg: TrainConfig, reporter: Reporter = SILENT, cost_table=None) -> Structure:
+def structure(student, blocks, cfg: TrainConfig, reporter: Reporter = SILENT, cost_model=None) -> Structure:
     """The one-shot structure of ``student`` over ``cfg.forms`` at ``cfg.mac_ratio`` (or ``cfg.speedup``),
     calibrated on ``blocks``; the student is not modified."""
     ocfg = one_shot_options(cfg)
     reporter.stage(f"the start: one allocation over --forms {cfg.forms}")
-    decisions, deployed, tokens, facts, alloc = one_shot_structure(student, blocks, ocfg, reporter, cost_table)
+    decisions, deployed, tokens, facts, alloc = one_shot_structure(student, blocks, ocfg, reporter, cost_model)
     mods = dict(projection_modules(student))
     pairs = {}
     for name, dep in list(deployed.items()):
@@ -107,13 +107,13 @@ def gated_start(s: Structure, rank: int) -> LowRankStart:
     return LowRankStart("whitened", ranks, dict(s.pairs), s.allocation, int(s.report["provenance"]["calib_tokens"]))
 
 
-def run_start(cfg: TrainConfig, student, blocks, rep: Reporter, cost_table, has_start: bool):
+def run_start(cfg: TrainConfig, student, blocks, rep: Reporter, cost_model, has_start: bool):
     """(the ``--forms`` structure or None, the low-rank start or None) of a new run's ``student``, calibrated on
     ``blocks`` (``has_start``: whether the method has a low-rank start, ``budgeted.start.needed``)."""
     if not cfg.structured:
         return None, compute_start(student, cfg.lora_init, cfg.allocation, cfg.lora_rank, cfg.budget, cfg.mac_ratio,
-                                   blocks, cfg.calib_tokens, rep, cost_table, cfg.precision) if has_start else None
-    shaped = structure(student, blocks, cfg, rep, cost_table)
+                                   blocks, cfg.calib_tokens, rep, cost_model, cfg.precision) if has_start else None
+    shaped = structure(student, blocks, cfg, rep, cost_model)
     if cfg.traits.gated:
         return shaped, gated_start(shaped, cfg.lora_rank)
     if has_start:  # kd-lora's whitened (or svd) LoRA start over the structure, at one rank

@@ -25,7 +25,7 @@ from bdlora.arch import projection_modules, set_module
 from bdlora.blocks import PackedBlocks, scored_blocks
 from bdlora.budgeted.calibrate import calibration_blocks
 from bdlora.budgeted.correct import correct_sequential
-from bdlora.budgeted.costs import ModuleShape, compression_report, removed_decision
+from bdlora.budgeted.costs import CostModel, ModuleShape, compression_report, removed_decision
 from bdlora.budgeted.model import build_deployed_model
 from bdlora.budgeted.start import allocate_by, calibrate_with_progress, compute_start, shapes_of, structure_report
 from bdlora.corpora import check_spec, default_heldout, general_calib_data, load_tokens
@@ -44,14 +44,14 @@ from bdlora.student import build_student, take_layers
 from bdlora.teacher import load_teacher
 
 
-def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Reporter = SILENT, cost_table=None):
+def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Reporter = SILENT,
+                       cost_model: CostModel | None = None):
     """(decisions, {name: DeployedModule}, calibration tokens, facts, the allocation) of ``model`` at
     ``cfg.mac_ratio`` (or ``cfg.speedup``): each chosen form (``cfg.forms``, in ``ALLOCATED_FORMS`` order) says what
     the cost table and the calibration must measure, offers its candidates, and deploys what the one knapsack chose
-    (``forms.context``); the modules of removed layers have decisions but nothing deployed. ``cost_table`` (shapes,
-    dense=(K, N) pairs, config -> an object with ``cost(shape, rank)`` and ``prediction(shapes, ranks, shape_of,
-    gone)``, e.g. the measured decode-time table of ``bdlora.export.genai.latency``, passed in by the CLI; given the
-    model's config, its prediction covers the whole decode step): allocate by that cost instead of MACs. ``facts``,
+    (``forms.context``); the modules of removed layers have decisions but nothing deployed. ``cost_model``
+    (``budgeted.costs.CostModel``, the measured decode time the CLI passes in; its table given the model's config
+    predicts the whole decode step): allocate by that cost instead of MACs. ``facts``,
     for the provenance: what the allocation predicts at that cost (``allocation_cost``) and what each form records."""
     mods = dict(projection_modules(model))
     ctx = OneShotContext(model, cfg, reporter, cfg.form_names, [ModuleShape(n, m.in_features, m.out_features)
@@ -61,8 +61,8 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
     steps = [step(name) for name in ALLOCATED_FORMS if ctx.has(name)]
     for st in steps:
         st.pricing(ctx)
-    if cost_table is not None:  # the narrower dense products the sites interpolate between, and what forms ask
-        ctx.table = cost_table(ctx.shapes, dense=ctx.probes, config=ctx.config, **ctx.table_options)
+    if cost_model is not None:  # the narrower dense products the sites interpolate between, and what forms ask
+        ctx.table = cost_model.table(ctx.shapes, dense=ctx.probes, config=ctx.config, **ctx.table_options)
     for st in steps:
         st.calibration(ctx)
     ctx.calib = calibrate_with_progress(model, calibration_blocks(train_blocks, cfg.calib_tokens), reporter,
@@ -96,8 +96,8 @@ def whole_step(model, table) -> tuple[dict, float]:
     fitted whole step (``LatencyTable.whole``, which the CLI's table carries)."""
     whole = getattr(table, "whole", None)
     if whole is None:
-        raise UsageError("--speedup: needs the whole decode step measured at --precision (pass a cost_table given the "
-                         "model's config, as the CLI does)")
+        raise UsageError("--speedup: needs the whole decode step measured at --precision (pass a CostModel, "
+                         "bench.whole.MeasuredCosts, as the CLI does)")
     o = whole.overhead
     return {f"model.layers.{i}": (o.per_layer - o.per_width, o.per_width)
             for i in range(model.config.num_hidden_layers)}, o.fixed
@@ -186,13 +186,13 @@ def quality_plan(source: str, cfg: OneShotConfig, layers: int | None, rank: int,
 
 
 def forms_plan(source: str, cfg: OneShotConfig, cache_dir: Path | None = None, reporter: Reporter = SILENT,
-               cost_table=None) -> tuple[dict, dict]:
+               cost_model=None) -> tuple[dict, dict]:
     """``plan --model SOURCE --allocation quality --forms F``: (report, the source's config) of the structure
     ``compress --one-shot`` with the same options would write (calibrated, allocated among ``cfg.forms``,
-    factored), reported as compress reports it and not written; with ``cost_table``, its allocation cost and
+    factored), reported as compress reports it and not written; with ``cost_model``, its allocation cost and
     prediction in ``provenance.allocation_cost``."""
     model, _, _, train_blocks, _, _ = load_source(source, cfg, cache_dir, reporter, "--model")
-    decisions, _, tokens, facts, _ = one_shot_structure(model, train_blocks, cfg, reporter, cost_table)
+    decisions, _, tokens, facts, _ = one_shot_structure(model, train_blocks, cfg, reporter, cost_model)
     report = compression_report(decisions, None, {}, baseline="source")
     report.update(source="plan --allocation quality --forms", provenance={
         "teacher": source, "forms": cfg.forms, "mac_ratio": cfg.mac_ratio, "speedup": cfg.speedup,
@@ -202,22 +202,22 @@ def forms_plan(source: str, cfg: OneShotConfig, cache_dir: Path | None = None, r
 
 def compress_one_shot(source: str, cfg: OneShotConfig, out: str | Path, force: bool = False,
                       cache_dir: Path | None = None, evaluate: bool = True,
-                      reporter: Reporter = SILENT, cost_table=None) -> tuple[dict, Path]:
+                      reporter: Reporter = SILENT, cost_model=None) -> tuple[dict, Path]:
     """Compress a pretrained ``source`` (anything ``--teacher`` takes) to ``cfg.mac_ratio`` (or ``cfg.speedup``);
-    returns (report, folder). The source is never modified. ``cost_table``: see ``one_shot_structure``
+    returns (report, folder). The source is never modified. ``cost_model``: see ``one_shot_structure``
     (``cfg.precision``)."""
 
     cfg.validate()
-    if cfg.precision and cost_table is None:
-        raise UsageError(f"--precision {cfg.precision}: needs the measured decode-time table (pass cost_table, e.g. "
-                         "bdlora.export.genai.latency.latency_table, as the CLI does)")
+    if cfg.precision and cost_model is None:
+        raise UsageError(f"--precision {cfg.precision}: needs the measured decode time (pass a CostModel, "
+                         "bench.whole.MeasuredCosts, as the CLI does)")
     out = Path(out)
     check_out_dir(out, force)
     t0 = time.time()
     model, tok, path, train_blocks, val_blocks, heldout = load_source(source, cfg, cache_dir, reporter, "compress")
     check_out_dir(out, force, (path,))
     seq = train_blocks.seq_len
-    decisions, deployed, tokens, facts, alloc = one_shot_structure(model, train_blocks, cfg, reporter, cost_table)
+    decisions, deployed, tokens, facts, alloc = one_shot_structure(model, train_blocks, cfg, reporter, cost_model)
     removed = sorted({int(d.name.split(".")[2]) for d in decisions if d.case == REMOVED.name})
     correction = None
     if cfg.correct:  # on the same calibration blocks (drawn with a fixed seed)

@@ -41,6 +41,7 @@ GENAI_PRECISIONS = tuple(PRECISIONS)
 FLOAT = next(p.name for p in PRECISIONS.values() if not p.rounded)  # the default: nothing rounded
 MIXED = next(p.name for p in PRECISIONS.values() if p.mixed)  # where head bits and 8-bit projections apply
 ROUNDED = tuple(p.name for p in PRECISIONS.values() if p.rounded)
+WIDE = next(p.name for p in PRECISIONS.values() if p.bits == 8)  # what a mixed graph keeps some weights at
 
 
 def rounded(precision: str | None) -> bool:

@@ -99,10 +99,10 @@ class Run:
 
 
 def train(cfg: TrainConfig, reporter: Reporter | None = None, resume: str | Path | None = None,
-          overrides: dict | None = None, cost_table=None) -> dict:
+          overrides: dict | None = None, cost_model=None) -> dict:
     """Run (or continue) a distillation run; returns the summary dict (also written to ``summary.json``).
-    ``cost_table``: with ``--precision``, the measured decode-time table the start is allocated by (built by the
-    CLI from ``bdlora.export.genai.latency``, which the core does not import).
+    ``cost_model``: with ``--precision``, the measured decode time the start is allocated by (a
+    ``budgeted.costs.CostModel``: the CLI passes ``bench.whole.MeasuredCosts``, which the core does not import).
 
     Under torchrun (WORLD_SIZE > 1) every rank calls this: see ``bdlora.distributed`` for the contract."""
     started = stopping.now()  # a --time-budget counts from here (loading, teacher samples, calibration included)
@@ -117,7 +117,7 @@ def train(cfg: TrainConfig, reporter: Reporter | None = None, resume: str | Path
             raise UsageError(f"--resume {run_dir.path}: the run was trained on {stored_world} process(es), this "
                              f"launch has {env.world_size}; resume with the same number so the global batch and "
                              "data order stay the same")
-    if cfg.precision and cost_table is None and resume is None:  # before any teacher or corpus is loaded
+    if cfg.precision and cost_model is None and resume is None:  # before any teacher or corpus is loaded
         raise UsageError(f"--precision {cfg.precision}: the decode-time table is built by `bdlora train`; this "
                          "caller passed none")
     dist_device = D.init(env, cfg.device)
@@ -125,7 +125,7 @@ def train(cfg: TrainConfig, reporter: Reporter | None = None, resume: str | Path
     made: list[RunDir] = []  # the run folder this call creates, once it exists
     try:
         try:
-            run = setup(cfg, rep, run_dir, env, dist_device, cost_table, made)
+            run = setup(cfg, rep, run_dir, env, dist_device, cost_model, made)
             stopping.attach(run, started)
             loop(run)
             return finish(run)
@@ -145,7 +145,7 @@ def train(cfg: TrainConfig, reporter: Reporter | None = None, resume: str | Path
 
 
 def setup(cfg: TrainConfig, rep: Reporter, resume: RunDir | None, env: D.DistEnv, dist_device,
-          cost_table=None, made: list | None = None) -> Run:
+          cost_model=None, made: list | None = None) -> Run:
     if resume is None and env.is_main and cfg.out:  # refused (and claimed) before the teacher loads and calibrates,
         check_new_out(cfg.out)  # not ~40 s later when the run folder is made
     with D.main_first(env):  # rank 0 builds the caches (teacher, tokenised corpus) first
@@ -157,7 +157,7 @@ def setup(cfg: TrainConfig, rep: Reporter, resume: RunDir | None, env: D.DistEnv
     has_start = needed(cfg.method, cfg.lora_init, cfg.allocation)
     start = shaped = None
     if resume is None and env.is_main:  # before the run directory exists: a bad target writes nothing
-        shaped, start = forms_start.run_start(cfg, sess.student, sess.calibration_source, rep, cost_table,
+        shaped, start = forms_start.run_start(cfg, sess.student, sess.calibration_source, rep, cost_model,
                                               has_start)
     run_dir = resume if resume is not None else _new_run_dir(cfg, sess.facts, env, made)
     if shaped is not None:

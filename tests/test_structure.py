@@ -455,6 +455,23 @@ def test_the_widest_commands_show_the_common_options_first():
         from_dataclass(TrainConfig, panels={"Other": ("lr_peak",)})
 
 
+def test_the_cost_model_has_a_typed_home(tmp_path):
+    """What an allocation prices forms by is a ``budgeted.costs.CostModel`` (it was a closure over the latency tables
+    in cli/compress.py, passed to the core untyped): MACs without --precision, else ``bench.whole.MeasuredCosts``."""
+    import inspect
+
+    from bdlora.bench.whole import MeasuredCosts
+    from bdlora.budgeted.costs import CostModel
+    from bdlora.cli.compress import cost_model
+    from bdlora.reporter import SILENT
+
+    assert cost_model(None, None, tmp_path, SILENT) is None
+    measured = cost_model("int4", 1, tmp_path, SILENT, "affine")
+    assert isinstance(measured, MeasuredCosts) and (measured.precision, measured.threads, measured.quant) == (
+        "int4", 1, "affine") and measured.cache == tmp_path
+    assert set(inspect.signature(MeasuredCosts.table).parameters) == set(inspect.signature(CostModel.table).parameters)
+
+
 def test_per_teacher_defaults_have_one_home():
     """The per-teacher defaults ``--help`` shows are written from the dicts that resolve them, and no option's
     docstring repeats one (a changed default is one edit, and --help follows it)."""

@@ -46,7 +46,7 @@ from bdlora.bench.genai import _stand_in_tokenizer, time_genai
 from bdlora.budgeted.costs import ModuleShape, shapes_from_config
 from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES
 from bdlora.export.genai.folder import deployment
-from bdlora.export.genai.latency import TABLE_VERSION, cpu_name
+from bdlora.export.genai.latency import TABLE_VERSION, cpu_name, latency_table
 from bdlora.export.settings import GenaiExportSettings
 from bdlora.families import base_type, with_layers
 from bdlora.families import family as table_family
@@ -55,7 +55,7 @@ from bdlora.forms.channels import CHANNEL_STEP
 from bdlora.io import read_json, write_json
 from bdlora.lazy import empty
 from bdlora.reporter import SILENT, Reporter
-from bdlora.schemes import scheme
+from bdlora.schemes import DEFAULT_SCHEME, PRECISIONS, WIDE, mixed, scheme
 
 CONTEXT = 128  # tokens in the cache when the step is timed (bench's default decode shape: batch 1 after 128)
 STEPS, REPEATS, WARMUP = 32, 15, 3  # decode tokens per timing, timed repeats, untimed ones
@@ -133,7 +133,6 @@ def fit(t_lo: float, t_hi: float, t_half: float, lo: int, hi: int, p_full: float
 
 
 STREAM_BYTES = 128 << 20  # layer weights the deeper graph holds at least: far beyond any last-level cache
-BYTES_PER_WEIGHT = {"fp32": 4.0, "int8": 1.0, "int4": 0.5}
 
 
 def depths(config: dict, precision: str) -> tuple[int, int]:
@@ -141,7 +140,7 @@ def depths(config: dict, precision: str) -> tuple[int, int]:
     (a 1B model's layers stream from memory from the first few, and its full-depth export nearly fills 24 GB), and
     half of it."""
     layer = sum(s.dense_cost for s in shapes_from_config({**config, "num_hidden_layers": 1}))
-    enough = -(-STREAM_BYTES // int(layer * BYTES_PER_WEIGHT[precision]))
+    enough = -(-STREAM_BYTES // int(layer * PRECISIONS[precision].bits / 8))
     hi = max(2, min(int(config["num_hidden_layers"]), max(4, enough)))
     return hi, hi // 2
 
@@ -249,3 +248,36 @@ def decode_prediction(overhead: Overhead, table, config: dict, shapes: list[Modu
             "overhead": {"fixed_us": overhead.fixed, "per_layer_us": overhead.per_layer,
                          "per_layer_width_us": overhead.per_width, "head_bits": overhead.head_bits,
                          "timings_ms": overhead.timings_ms, "cache": overhead.path}}
+
+
+@dataclass
+class MeasuredCosts:
+    """``budgeted.costs.CostModel`` by measured decode time: the latency tables of ``export.genai.latency`` at
+    ``precision`` on ``threads`` (cached under ``cache``), in the node layout of the scheme ``quant``, with the decode
+    step's cost outside the projections fitted here (``decode_overhead``) when the model's config is given."""
+
+    precision: str
+    threads: int
+    cache: Path
+    reporter: Reporter = SILENT
+    quant: str = DEFAULT_SCHEME
+
+    def table(self, shapes, dense=(), config: dict | None = None, wide: bool = False, head: bool = False, heads=()):
+        if config is None:
+            return self._with_wide(self._measure(shapes, dense), wide, shapes)
+        hidden, half = int(config["hidden_size"]), half_width(config)
+        h = head_shape(config)
+        heads = list(dict.fromkeys([*([(h.in_features, h.out_features)] if head else []), *heads]))
+        table = self._measure(shapes, (*dense, (hidden, half), (half, hidden), *heads))
+        table.whole = WholeStep(decode_overhead(config, table, self.precision, self.threads, self.cache,
+                                                reporter=self.reporter), config)
+        return self._with_wide(table, wide, shapes, heads)
+
+    def _measure(self, shapes, dense, precision: str | None = None, ranks: bool = True):
+        return latency_table(shapes, precision or self.precision, self.threads, self.cache, self.reporter, dense,
+                             ranks=ranks, quant=self.quant)
+
+    def _with_wide(self, table, wide: bool, shapes, heads=()):
+        if wide and mixed(self.precision):  # the 8-bit times of projections (and heads) an int4 graph keeps wide
+            table.wide = self._measure(shapes, heads, WIDE, ranks=False)
+        return table

@@ -6,12 +6,27 @@ controller log, and ``compress`` must use the very same report code.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 from bdlora import forms
 from bdlora.arch import layer_of, projection_name
 from bdlora.budgeted.config import DEFAULTS, BudgetedConfig
 from bdlora.errors import ModelError
 from bdlora.families import FAMILIES, Anatomy, base_type
+
+
+class CostModel(Protocol):
+    """What an allocation prices forms by instead of MACs (None wherever a cost model is taken: MACs): the decode time
+    measured at ``precision``. ``table`` returns the cost table of ``shapes`` (``export.genai.latency.LatencyTable``:
+    ``cost(shape, rank, bits)`` and ``prediction(shapes, ranks, shape_of, gone)``) with the ``dense`` (K, N) products
+    measured too; given the model's ``config``, its prediction covers the whole decode step (``.whole``); ``wide``:
+    the 8-bit times beside an int4 table (``--forms bits``); ``head`` / ``heads``: the LM head's products at both
+    widths. ``bench.whole.MeasuredCosts`` implements it; the core never builds one."""
+
+    precision: str
+
+    def table(self, shapes, dense=(), config: dict | None = None, wide: bool = False, head: bool = False,
+              heads=()): ...
 
 
 @dataclass(frozen=True)

@@ -121,11 +121,11 @@ def allocate_by(shapes, energy: dict, target: float, reporter: Reporter = SILENT
 
 
 def compute_start(model, init: str, allocation: str, rank: int, budget: float, mac_ratio: float | None,
-                  blocks=None, calib_tokens: int = 0, reporter: Reporter = SILENT, cost_table=None,
+                  blocks=None, calib_tokens: int = 0, reporter: Reporter = SILENT, cost_model=None,
                   precision: str | None = None) -> LowRankStart:
     """The start of ``model``'s low-rank paths (before it is wrapped): calibrate if the init or the allocation
     needs it, allocate, then factor every projection at its rank (the allocated rank for modules the budget
-    removes, ``rank`` for the rest, each capped below its break-even rank). ``cost_table`` (as
+    removes, ``rank`` for the rest, each capped below its break-even rank). ``cost_model`` (as
     ``oneshot.one_shot_structure``'s, measured at ``precision``): the quality allocation prices each form by it
     instead of by MACs."""
     stage = reporter.stage
@@ -148,7 +148,7 @@ def compute_start(model, init: str, allocation: str, rank: int, budget: float, m
     if allocation == "quality":
         target = mac_ratio or paper_mac_ratio(shapes, budget, rank)
         alloc = allocate_by(shapes, {n: sp.energy.numpy() for n, sp in spectra.items()}, target, reporter,
-                            cost_table(shapes) if cost_table is not None else None, precision)
+                            cost_model.table(shapes) if cost_model is not None else None, precision)
     ranks = {s.name: capped_rank(s, (alloc.ranks.get(s.name) if alloc else 0) or rank) for s in shapes}
     out = {}
     for s in shapes if init != "zero" else ():

@@ -20,7 +20,6 @@ from bdlora.config import BUILTIN, CALIB_TOKENS, GENAI_PRECISIONS
 from bdlora.data import default_cache_dir
 from bdlora.errors import Checks, UsageError, flag, usable_cores
 from bdlora.forms import LOWRANK, REMOVED, declared_head_bits, declared_head_keep, forms_problem, named_forms
-from bdlora.forms.bits import head_shape
 from bdlora.integrity import check_model_folder
 from bdlora.oneshot_config import OneShotConfig
 from bdlora.plan import DEFAULT_PLAN_STEPS, read_model_config
@@ -122,7 +121,7 @@ def _speculative(folder, report: dict, precision: str, threads, quant, json_out:
 
     def teacher_step(config: dict) -> float:  # the teacher's dense whole step, predicted as the draft's is
         shapes = shapes_from_config(config)
-        table = cost_table(precision, threads, None, reporter, quant)(shapes, config=config)
+        table = cost_model(precision, threads, None, reporter, quant).table(shapes, config=config)
         return table.prediction(shapes, {})["decode_us"]
 
     return predict_speculative(Path(folder), report, report["deployed"]["decode_us"], teacher_step, precision,
@@ -179,7 +178,7 @@ def _forms_plan(model: str, shot: dict, json_out: bool, **options) -> tuple[dict
     cfg = OneShotConfig(**options, **{k: v for k, v in shot.items() if v is not None}).validate()
     reporter = RichReporter(err if json_out else out)
     report, config = forms_plan(model, cfg, reporter=reporter,
-                                cost_table=cost_table(cfg.precision, cfg.threads, None, reporter, cfg.quant))
+                                cost_model=cost_model(cfg.precision, cfg.threads, None, reporter, cfg.quant))
     return report, config, f"plan --forms {cfg.forms}: {report['speedup_vs_dense']:.2f}x fewer projection MACs"
 
 
@@ -265,9 +264,9 @@ def _deployed_prediction(report: dict, precision: str, threads: int | None, repo
     keep = declared_head_keep(config)  # a draft's head keeping fewer tokens: its product and the full one's
     heads = [(int(config["hidden_size"]), keep), (int(config["hidden_size"]), int(config["vocab_size"]))] if keep \
         else []
-    table = cost_table(precision, threads, None, reporter, quant)(shapes, dense=probes, config=config,
-                                                                  wide=bool(bits) or bool(head) or bool(keep),
-                                                                  head=bool(head), heads=heads)
+    table = cost_model(precision, threads, None, reporter, quant).table(shapes, dense=probes, config=config,
+                                                                        wide=bool(bits) or bool(head) or bool(keep),
+                                                                        head=bool(head), heads=heads)
     return table.prediction(shapes, {m["name"]: m["rank"] for m in mods if m["form"] == LOWRANK.name},
                             lambda s: s.narrowed(narrow[s.name]) if s.name in narrow else
                             s.grouped(grouped[s.name], kv) if s.name in grouped else s,
@@ -305,42 +304,17 @@ def _one_shot(source, shot: dict, out_dir, force: bool, runs_dir: str, cache_dir
                                                           named_forms(cfg.forms), cfg.speedup is not None, cfg.quant)
     cache = Path(cache_dir).expanduser() if cache_dir else None
     return compress_one_shot(source, cfg, out_path, force=force, evaluate=evaluate, cache_dir=cache,
-                             reporter=reporter, cost_table=cost_table(cfg.precision, cfg.threads, cache, reporter,
+                             reporter=reporter, cost_model=cost_model(cfg.precision, cfg.threads, cache, reporter,
                                                                       cfg.quant))
 
 
-def cost_table(precision: str | None, threads: int | None, cache: Path | None, reporter, quant: str | None = None):
-    """--precision: the measured decode-time table of the model's projection forms (built when the shapes are
-    known) in the node layout of the scheme ``quant`` (--quant; default rtn), else None (MACs). For compress
-    --one-shot, plan and train."""
+def cost_model(precision: str | None, threads: int | None, cache: Path | None, reporter, quant: str | None = None):
+    """--precision: the measured decode time of the model's projection forms (``bench.whole.MeasuredCosts``, tables
+    built when the shapes are known) in the node layout of the scheme ``quant`` (--quant; default rtn), else None
+    (MACs). For compress --one-shot, plan and train."""
     if not precision:
         return None
-    from bdlora.export.genai.latency import latency_table
+    from bdlora.bench.whole import MeasuredCosts
 
-    threads, root, quant = threads or usable_cores(), cache or default_cache_dir(), quant or DEFAULT_SCHEME
-
-    def build(shapes, dense=(), config: dict | None = None, wide: bool = False, head: bool = False, heads=()):
-        """The table of ``shapes`` (and the ``dense`` products); with ``config`` (the model's), also the decode
-        step's cost outside the projections, so its predictions cover the whole step; with ``wide`` (int4), the
-        int8 times of the dense products beside it (``--forms bits``: a projection kept at 8 bits); with ``head``
-        (and ``config``), the LM head's product at both widths too (``forms.bits.head_option``); ``heads``: more
-        (K, N) products timed at both widths (``forms.vocab``: the head keeping fewer tokens)."""
-        from bdlora.bench.whole import WholeStep, decode_overhead, half_width
-
-        if config is None:
-            return _with_wide(latency_table(shapes, precision, threads, root, reporter, dense, quant=quant), wide,
-                              shapes)
-        hidden, half = int(config["hidden_size"]), half_width(config)
-        h = head_shape(config)
-        heads = list(dict.fromkeys([*([(h.in_features, h.out_features)] if head else []), *heads]))
-        table = latency_table(shapes, precision, threads, root, reporter,
-                              (*dense, (hidden, half), (half, hidden), *heads), quant=quant)
-        table.whole = WholeStep(decode_overhead(config, table, precision, threads, root, reporter=reporter), config)
-        return _with_wide(table, wide, shapes, heads)
-
-    def _with_wide(table, wide: bool, shapes, heads=()):
-        if wide and mixed(precision):
-            table.wide = latency_table(shapes, "int8", threads, root, reporter, heads, ranks=False, quant=quant)
-        return table
-
-    return build
+    return MeasuredCosts(precision, threads or usable_cores(), cache or default_cache_dir(), reporter,
+                         quant or DEFAULT_SCHEME)

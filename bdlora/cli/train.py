@@ -12,7 +12,7 @@ from rich.markup import escape
 
 from bdlora.cli import render
 from bdlora.cli.app import command, err, out
-from bdlora.cli.compress import cost_table
+from bdlora.cli.compress import cost_model
 from bdlora.cli.options import TRAIN_PANELS, from_dataclass
 from bdlora.cli.progress import RichReporter
 from bdlora.config import BUILTIN, TrainConfig, defaults_help, field_docs, merge
@@ -96,7 +96,7 @@ def train(
     cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else None
     summary = run_train(cfg, rep, resume=resume,
                         overrides={k: v for k, v in opts.items() if v is not None} if resume else None,
-                        cost_table=cost_table(cfg.precision, None, cache, rep or SILENT, cfg.quant))
+                        cost_model=cost_model(cfg.precision, None, cache, rep or SILENT, cfg.quant))
     if not rank0:
         return
     if json_out:

@@ -39,7 +39,7 @@ class OneShotContext:
     table: Any = None
     calib: Any = None
     probes: list = field(default_factory=list)  # (K, N) dense products the table must measure
-    table_options: dict = field(default_factory=dict)  # more of ``cost_table``'s keywords
+    table_options: dict = field(default_factory=dict)  # more of ``cost_model``'s keywords
     calibration: dict = field(default_factory=dict)  # ``calibrate``'s keywords
     energy: dict = field(default_factory=dict)  # projection -> per-component error (low rank)
     spectra: dict = field(default_factory=dict)
