@@ -314,6 +314,9 @@ def default_lr(builtin_teacher: bool, method: str, lora_init: str | None) -> flo
 OPTION_NAMES = tuple(f.name for f in fields(TrainConfig) if f.name != "defaulted")
 
 
+RUN_LENGTH = ("max_steps", "tokens", "time_budget")  # each alone says how long a run trains
+
+
 def field_docs(cls) -> dict[str, str]:
     """The docstring under each field of a dataclass, read from its source (so help text and code never diverge)."""
     body = ast.parse(inspect.getsource(cls)).body[0].body
@@ -322,8 +325,13 @@ def field_docs(cls) -> dict[str, str]:
 
 
 def merge(yaml_values: dict[str, Any], cli_values: dict[str, Any]) -> TrainConfig:
-    """Defaults < YAML < explicit command-line flags (flags left unset on the command line arrive as None)."""
-    values = {**yaml_values, **{k: v for k, v in cli_values.items() if v is not None}}
+    """Defaults < YAML < explicit command-line flags (flags left unset on the command line arrive as None). How long
+    a run trains is one setting given three ways: a flag giving one of them replaces the file's (a recipe's
+    max_steps no longer blocks --time-budget)."""
+    given = {k: v for k, v in cli_values.items() if v is not None}
+    if any(k in given for k in RUN_LENGTH):
+        yaml_values = {k: v for k, v in yaml_values.items() if k not in RUN_LENGTH}
+    values = {**yaml_values, **given}
     return TrainConfig(**values)
 
 

@@ -18,6 +18,7 @@ from bdlora.cli import app
 from bdlora.config import OBJECTIVE_DEFAULTS, TrainConfig, resolve_defaults
 from bdlora.data import DEFAULT_HELDOUT_FRACTION, is_heldout
 from bdlora.distill import DistillationLoss
+from bdlora.errors import UsageError
 from bdlora.stopping import PROBE_STEPS, budget_steps, parse_duration
 from conftest import make_corpus, train_args
 
@@ -217,6 +218,22 @@ def test_time_budget_refusals(tiny_env, tmp_path, extra, needle):
     r = run(tiny_env, tmp_path / "r", *extra)
     assert r.exit_code != 0 and needle in r.output, r.output
     assert not (tmp_path / "r").exists()
+
+
+def test_a_time_budget_flag_replaces_a_recipes_step_count():
+    """`train --config smollm2-cpu --time-budget 60m` was refused ("drop --max-steps") for the recipe's max_steps:
+    the length of a run is one setting given three ways, and a flag giving any of them replaces the file's."""
+    from bdlora.config import merge
+    from bdlora.option_files import load_yaml
+
+    recipe = load_yaml("smollm2-cpu")
+    assert recipe["max_steps"] == 150
+    cfg = resolve_defaults(merge(recipe, {"time_budget": "60m"}), builtin_teacher=False).validate()
+    assert cfg.time_budget == "60m" and "max_steps" in cfg.defaulted and cfg.lr == recipe["lr"]
+    cfg = merge({**recipe, "time_budget": "60m"}, {"tokens": 4096})
+    assert (cfg.max_steps, cfg.tokens, cfg.time_budget) == (None, 4096, None)
+    with pytest.raises(UsageError, match="drop --max-steps"):  # both as flags: still refused
+        resolve_defaults(merge(recipe, {"time_budget": "60m", "max_steps": 5}), builtin_teacher=False).validate()
 
 
 # --------------------------------------------------------------------------------------------------------------------
