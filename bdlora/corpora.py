@@ -203,9 +203,10 @@ def other_domains(domains: str | None, data: str, vocab_size: int) -> list[str]:
 
 
 def open_corpus(spec: str, cache_dir: Path | None = None, what: str = "--data", teacher=None, seed: int = 0,
-                reporter: Reporter = SILENT) -> Corpus:
+                reporter: Reporter = SILENT, prefixes=None) -> Corpus:
     """The documents of one (non-mixture) spec: prose and teacher samples are materialised into the cache first.
-    ``teacher``: a ``selfgen.TeacherSource`` (needed for ``teacher:N``)."""
+    ``teacher``: a ``selfgen.TeacherSource`` (needed for ``teacher:N``); ``prefixes``: ``selfgen.Prefixes`` half
+    its prompts continue."""
     cache = Path(cache_dir or default_cache_dir())
     n = teacher_tokens(spec)
     if spec == PROSE:
@@ -219,7 +220,7 @@ def open_corpus(spec: str, cache_dir: Path | None = None, what: str = "--data", 
 
         if teacher is None:
             raise DataError(f"{what} {spec}: teacher samples need the teacher they are sampled from")
-        corpus = Corpus(samples_dir(teacher, n, seed, cache, reporter), what=what, name=spec)
+        corpus = Corpus(samples_dir(teacher, n, seed, cache, reporter, prefixes), what=what, name=spec)
     else:
         return Corpus(spec, what=what)
     corpus.default_heldout_fraction = BUILTIN_HELDOUT_FRACTION  # hundreds of documents, as the builtin corpus
@@ -228,12 +229,13 @@ def open_corpus(spec: str, cache_dir: Path | None = None, what: str = "--data", 
 
 def load_tokens(spec: str, tokenizer, heldout_fraction: float | None = None, cache_dir: Path | None = None,
                 what: str = "--data", teacher=None, seed: int = 0, reporter: Reporter = SILENT) -> TokenizedCorpus:
-    """The train/val token streams of ``spec`` (tokenised once and cached): one corpus or a mixture."""
+    """The train/val token streams of ``spec`` (tokenised once and cached): one corpus or a mixture. In a mixture,
+    ``teacher:N`` samples continue prefixes of the other corpora's training splits for half their prompts."""
     parts = parse(spec, what)
     cache = Path(cache_dir or default_cache_dir())
 
-    def one(s: str) -> TokenizedCorpus:
-        corpus = open_corpus(s, cache, what, teacher, seed, reporter)
+    def one(s: str, prefixes=None) -> TokenizedCorpus:
+        corpus = open_corpus(s, cache, what, teacher, seed, reporter, prefixes)
         frac = corpus.default_heldout_fraction if heldout_fraction is None else heldout_fraction
         reporter.stage(f"tokenising {s} ({len(corpus.files)} files)")
         tokens = tokenize_corpus(corpus, tokenizer, frac, cache)
@@ -243,7 +245,14 @@ def load_tokens(spec: str, tokenizer, heldout_fraction: float | None = None, cac
 
     if len(parts) == 1:
         return one(parts[0].spec)
-    return mix([one(p.spec) for p in parts], [p.weight for p in parts], [p.spec for p in parts], cache, what)
+    made = {p.spec: one(p.spec) for p in parts if teacher_tokens(p.spec) is None}
+    prefixes = None
+    if len(made) < len(parts):
+        from bdlora.selfgen import draw_prefixes
+
+        prefixes = draw_prefixes({s: t.tokens("train") for s, t in made.items()}, seed)
+    tokens = [made[p.spec] if p.spec in made else one(p.spec, prefixes) for p in parts]
+    return mix(tokens, [p.weight for p in parts], [p.spec for p in parts], cache, what)
 
 
 def mix_counts(available: list[int], weights: list[float]) -> list[int]:

@@ -5,11 +5,15 @@ topics and styles) rather than one domain a user happened to have (Ji et al., IC
 calibration data for pruning). A chat model (its tokenizer has a chat template) answers varied user requests built
 from ``REQUESTS`` x ``TOPICS`` (plus a few few-shot pattern prompts, as ICL-formatted calibration helps broadly:
 Bandari et al. 2024), and each document is the whole conversation in the model's template; a plain LM continues
-from its BOS (or EOS) token. Batches cycle through ``TEMPERATURES`` with nucleus sampling (top-p 0.95), each batch
-seeded from (seed, batch index), so the samples are a pure function of (teacher weights, N, seed) on one machine.
+from its BOS (or EOS) token. In a ``--data`` mixture with other corpora, every other prompt is instead a prefix
+(``PREFIX_TOKENS``) of one of their training documents, which the teacher continues: its text then also covers the
+kinds of text the mixture heals on (the teacher's continuations of them), not only chat replies. Batches cycle
+through ``TEMPERATURES`` with nucleus sampling (top-p 0.95), each batch seeded from (seed, batch index), so the
+samples are a pure function of (teacher weights, N, seed, prefixes) on one machine.
 
 The samples are written once into the cache as ``samples.jsonl`` with ``corpus.json`` (teacher, its weights' hash,
-N, seed, sampling settings, time taken), keyed by the teacher's weights, N and seed, and then read as any corpus.
+N, seed, sampling settings, time taken), keyed by the teacher's weights, N, seed, the runtime and the prefixes'
+digest, and then read as any corpus.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ TEMPERATURES = (0.7, 0.9, 1.1)
 TOP_P = 0.95
 BATCH = 32
 MAX_NEW_TOKENS = 256
+PREFIX_TOKENS = 32  # tokens of another corpus of the mix a prefix prompt carries (the teacher continues them)
+PREFIX_POOL = 2048  # prefixes drawn from those corpora's training splits, equally from each
 
 REQUESTS = (
     "Explain {t} to a curious teenager.", "Write a short story about {t}.", "Give three surprising facts about {t}.",
@@ -103,10 +109,41 @@ class TeacherSource:
         return self.model, self.tokenizer
 
 
+@dataclass(frozen=True)
+class Prefixes:
+    """Token prefixes from the training splits of the other corpora of a mixture (``sources``), in the order prompts
+    use them."""
+
+    sources: tuple[str, ...]
+    pool: tuple[tuple[int, ...], ...]
+
+    def digest(self) -> str:
+        h = hashlib.sha256("|".join(self.sources).encode())
+        for p in self.pool:
+            h.update(np.asarray(p, dtype=np.int64).tobytes() + b";")
+        return h.hexdigest()[:16]
+
+
+def draw_prefixes(streams: dict[str, np.ndarray], seed: int) -> Prefixes | None:
+    """``PREFIX_POOL`` prefixes of ``PREFIX_TOKENS`` tokens at seeded random places of each training stream (an equal
+    share from each), shuffled; None when no stream is long enough to hold one."""
+    usable = {name: s for name, s in streams.items() if len(s) > PREFIX_TOKENS}
+    if not usable:
+        return None
+    rng = np.random.default_rng([seed, PREFIX_TOKENS])
+    pool = []
+    for s in usable.values():
+        starts = np.sort(rng.integers(0, len(s) - PREFIX_TOKENS, PREFIX_POOL // len(usable)))
+        pool += [tuple(int(t) for t in s[a: a + PREFIX_TOKENS]) for a in starts]
+    return Prefixes(tuple(usable), tuple(pool[i] for i in rng.permutation(len(pool))))
+
+
 def samples_dir(teacher: TeacherSource, n_tokens: int, seed: int, cache: Path,
-                reporter: Reporter = SILENT) -> Path:
-    """The cached folder of ``n_tokens`` teacher samples for ``seed`` (generated now if absent)."""
+                reporter: Reporter = SILENT, prefixes: Prefixes | None = None) -> Path:
+    """The cached folder of ``n_tokens`` teacher samples for ``seed`` (generated now if absent); ``prefixes``: half
+    the prompts continue them (``draw_prefixes``)."""
     via = f"|genai|{runtime_samples.fingerprint(teacher.runtime)}" if teacher.runtime else ""
+    via += f"|prefixes|{prefixes.digest()}" if prefixes else ""
     key = hashlib.sha256(f"{GEN_VERSION}|{teacher.fingerprint()}|{n_tokens}|{seed}{via}".encode()).hexdigest()[:20]
     out = Path(cache) / "corpora" / f"teacher-{key}"
     if out.exists():
@@ -117,14 +154,15 @@ def samples_dir(teacher: TeacherSource, n_tokens: int, seed: int, cache: Path,
         shutil.rmtree(out)
     model, tok = teacher.load()
     runtime = f"its onnxruntime-genai export {teacher.runtime}" if teacher.runtime else "PyTorch"
-    reporter.stage(f"sampling {n_tokens:,} tokens from the teacher through {runtime} (seed {seed}; generated once, "
-                   "then cached)")
+    lead = f"; half the prompts continue {', '.join(prefixes.sources)}" if prefixes else ""
+    reporter.stage(f"sampling {n_tokens:,} tokens from the teacher through {runtime} (seed {seed}{lead}; generated "
+                   "once, then cached)")
     t0 = time.time()
     with atomic_dir(out) as tmp:
         if teacher.runtime:
-            docs, generated = generate_runtime(teacher.runtime, tok, n_tokens, seed, reporter)
+            docs, generated = generate_runtime(teacher.runtime, tok, n_tokens, seed, reporter, prefixes=prefixes)
         else:
-            docs, generated = generate(model, tok, n_tokens, seed, reporter)
+            docs, generated = generate(model, tok, n_tokens, seed, reporter, prefixes=prefixes)
         with open(tmp / TEACHER_SAMPLES, "w", encoding="utf-8") as fh:
             for d in docs:
                 fh.write(json.dumps(d, ensure_ascii=False) + "\n")
@@ -136,6 +174,7 @@ def samples_dir(teacher: TeacherSource, n_tokens: int, seed: int, cache: Path,
             "runtime": "onnxruntime-genai" if teacher.runtime else "pytorch",
             "runtime_folder": str(teacher.runtime) if teacher.runtime else None,
             "runtime_precision": runtime_samples.precision(teacher.runtime) if teacher.runtime else None,
+            "prefix_sources": list(prefixes.sources) if prefixes else [], "prefix_tokens": PREFIX_TOKENS,
             SAMPLES_SHA256: sha256(tmp / TEACHER_SAMPLES)})
     return out
 
@@ -178,8 +217,8 @@ def prompts(seed: int, count: int) -> list[str]:
 
 
 @torch.no_grad()
-def generate(model, tok, n_tokens: int, seed: int, reporter: Reporter = SILENT,
-             temperatures: tuple[float, ...] = TEMPERATURES) -> tuple[list[dict], int]:
+def generate(model, tok, n_tokens: int, seed: int, reporter: Reporter = SILENT, temperatures: tuple[float, ...] =
+             TEMPERATURES, prefixes: Prefixes | None = None) -> tuple[list[dict], int]:
     """Documents of sampled text until ``n_tokens`` new tokens are generated, through PyTorch (transformers'
     ``generate``, left-padded batches); returns (documents, tokens)."""
     device = next(model.parameters()).device
@@ -203,22 +242,25 @@ def generate(model, tok, n_tokens: int, seed: int, reporter: Reporter = SILENT,
     was_training = model.training
     model.eval()
     try:
-        return sample_documents(tok, n_tokens, seed, max_pos, batch, reporter, temperatures)
+        return sample_documents(tok, n_tokens, seed, max_pos, batch, reporter, temperatures, prefixes)
     finally:
         model.train(was_training)
 
 
 def generate_runtime(folder: Path, tok, n_tokens: int, seed: int, reporter: Reporter = SILENT,
-                     temperatures: tuple[float, ...] = TEMPERATURES) -> tuple[list[dict], int]:
+                     temperatures: tuple[float, ...] = TEMPERATURES,
+                     prefixes: Prefixes | None = None) -> tuple[list[dict], int]:
     """``generate``'s documents through the teacher's onnxruntime-genai export ``folder``."""
     context, batch = runtime_samples.batcher(folder, tok.eos_token_id, TOP_P)
-    return sample_documents(tok, n_tokens, seed, context, batch, reporter, temperatures)
+    return sample_documents(tok, n_tokens, seed, context, batch, reporter, temperatures, prefixes)
 
 
 def sample_documents(tok, n_tokens: int, seed: int, max_pos: int, batch, reporter: Reporter = SILENT,
-                     temperatures: tuple[float, ...] = TEMPERATURES) -> tuple[list[dict], int]:
+                     temperatures: tuple[float, ...] = TEMPERATURES,
+                     prefixes: Prefixes | None = None) -> tuple[list[dict], int]:
     """The documents of ``generate`` from any runtime: ``batch(prompt ids, new tokens, temperature, seed)`` returns
-    each prompt's new tokens (EOS ends a reply; what follows it is ignored)."""
+    each prompt's new tokens (EOS ends a reply; what follows it is ignored). With ``prefixes``, every other prompt is
+    the next prefix (its EOS tokens dropped) and the document is the prefix and its continuation, as plain text."""
     chat = has_chat_template(tok)
     eos = tok.eos_token_id
     start = tok.bos_token_id if tok.bos_token_id is not None else eos
@@ -230,16 +272,21 @@ def sample_documents(tok, n_tokens: int, seed: int, max_pos: int, batch, reporte
         temperature = temperatures[batch_index % len(temperatures)]
         asks = prompts(seed * 1_000_003 + batch_index, BATCH) if chat else [None] * BATCH
         ids = _prompt_ids(tok, asks, start, chat)
+        lead = {i: [t for t in prefixes.pool[(batch_index * BATCH + i) // 2 % len(prefixes.pool)] if t != eos]
+                for i in range(1, BATCH, 2)} if prefixes else {}
+        for i, p in lead.items():
+            ids[i] = [start, *p]
         new = max(1, min(MAX_NEW_TOKENS, max_pos - max(len(x) for x in ids)))
         for i, row in enumerate(batch(ids, new, temperature, seed * 1_000_003 + batch_index)):
             reply = row[: row.index(eos)] if eos in row else row
             if not reply:
                 continue
-            text = tok.decode(reply, skip_special_tokens=True)
-            if chat:
+            text = tok.decode(lead.get(i, []) + reply, skip_special_tokens=True)
+            if chat and i not in lead:
                 text = tok.apply_chat_template([{"role": "user", "content": asks[i]},
                                                 {"role": "assistant", "content": text}], tokenize=False)
-            docs.append({"id": f"teacher-{seed}-{batch_index}-{i}", "text": text, "temperature": temperature})
+            docs.append({"id": f"teacher-{seed}-{batch_index}-{i}", "text": text, "temperature": temperature,
+                         "prefix_tokens": len(lead.get(i, []))})
             total += len(reply)
             reporter.count(len(reply), n_tokens, "tokens")
         batch_index += 1

@@ -123,6 +123,42 @@ def test_teacher_samples_are_cached_and_a_pure_function_of_the_seed(tiny_env, tm
         assert any(f"the cached teacher samples {first} were changed or damaged" in line for line in rep.lines)
 
 
+def test_teacher_samples_in_a_mixture_continue_prefixes_of_its_other_corpora(tiny_env, tmp_path):
+    """Issue 68 item 1: in a mixture, every other prompt is a prefix of another corpus's training split, which the
+    teacher continues; never of its held-out split; keyed apart from the same samples without prefixes."""
+    from bdlora.selfgen import PREFIX_POOL, PREFIX_TOKENS, TeacherSource, draw_prefixes
+    from conftest import make_corpus
+
+    cache, tok = tmp_path / "cache", tiny_env["tokenizer"]
+    corpus = make_corpus(tmp_path / "c", n_docs=60, seed=5)
+    alone = load_tokens(str(corpus), tok, None, cache)
+    train, val = np.asarray(alone.tokens("train")), np.asarray(alone.tokens("val"))
+    want = draw_prefixes({str(corpus): train}, seed=0)
+    assert len(want.pool) == PREFIX_POOL and {len(p) for p in want.pool} == {PREFIX_TOKENS}
+    assert want == draw_prefixes({str(corpus): train}, seed=0) and want != draw_prefixes({str(corpus): train}, 1)
+    assert draw_prefixes({"short": train[:PREFIX_TOKENS]}, 0) is None
+    windows = {tuple(train[i: i + PREFIX_TOKENS]) for i in range(len(train) - PREFIX_TOKENS + 1)}
+    assert all(p in windows for p in want.pool[:64])  # drawn from the training split only
+    assert not any(tuple(val[:PREFIX_TOKENS]) == p for p in want.pool)
+
+    src = TeacherSource(tiny_env["teacher"])
+    load_tokens(f"{corpus}:1,teacher:300:1", tok, None, cache, teacher=src, seed=0)
+    folders = sorted((cache / "corpora").glob("teacher-*"))
+    assert len(folders) == 1
+    meta = json.loads((folders[0] / "corpus.json").read_text())
+    assert meta["prefix_sources"] == [str(corpus)] and meta["prefix_tokens"] == PREFIX_TOKENS
+    docs = [json.loads(line) for line in (folders[0] / "samples.jsonl").read_text().splitlines()]
+    led = [d for d in docs if d["prefix_tokens"]]
+    assert led and all(d["id"].endswith(("1", "3", "5", "7", "9")) for d in led)  # odd rows of each batch
+    eos = tok.eos_token_id
+    first = [t for t in want.pool[0] if t != eos]  # batch 0, row 1: the pool's first prefix
+    row1 = next(d for d in docs if d["id"] == "teacher-0-0-1")
+    assert row1["prefix_tokens"] == len(first) and row1["text"].startswith(tok.decode(first, skip_special_tokens=True))
+    load_tokens("teacher:300", tok, None, cache, teacher=src, seed=0)  # alone: no prefixes, another folder
+    plain = [f for f in (cache / "corpora").glob("teacher-*") if f != folders[0]]
+    assert len(plain) == 1 and json.loads((plain[0] / "corpus.json").read_text())["prefix_sources"] == []
+
+
 def test_chat_prompts_are_varied_and_deterministic():
     from bdlora.selfgen import prompts
 

@@ -42,6 +42,15 @@ def test_greedy_samples_through_the_export_are_pytorchs(exported):
     assert n_torch == n_genai >= 600
     assert [d["text"] for d in genai_docs] == [d["text"] for d in torch_docs]
     assert len({d["text"] for d in genai_docs}) > 5  # the prompts differ, so do the replies
+    # prompts continuing prefixes of another corpus (a mixture's), of other lengths than the chat prompts
+    rng = np.random.default_rng(0)
+    prefixes = selfgen.Prefixes(("c",), tuple(tuple(int(t) for t in rng.integers(5, 300, 9 + i % 7))
+                                              for i in range(40)))
+    torch_led, n_torch = selfgen.generate(exported["model"], tok, 600, 3, temperatures=(0.0,), prefixes=prefixes)
+    genai_led, n_genai = selfgen.generate_runtime(exported["folder"], tok, 600, 3, temperatures=(0.0,),
+                                                  prefixes=prefixes)
+    assert n_torch == n_genai >= 600 and [d["text"] for d in genai_led] == [d["text"] for d in torch_led]
+    assert {d["prefix_tokens"] > 0 for d in genai_led} == {True, False}
 
 
 def test_the_nucleus_draw_is_exact():
