@@ -38,7 +38,8 @@ SPECULATIVE_HELP = ("With FOLDER (a draft, e.g. compress --one-shot --forms laye
                     "agreement measured on held-out text, the teacher's verification cost on its shapes).")
 
 
-@command(options=from_dataclass(BudgetedConfig, names=PLAN_FIELDS, rename={"rank": "lora_rank"}, defaults=True)
+@command(options=from_dataclass(BudgetedConfig, names=PLAN_FIELDS, rename={"rank": "lora_rank"}, defaults=True,
+                                panel="The paper's rule (--model-config): budget, rank, schedule, thresholds")
          + from_dataclass(OneShotConfig, names=PLAN_FORMS, panel="--model --allocation quality over any forms",
                           notes={"forms": "plan: the structure compress --one-shot would write (nothing written)."}))
 def plan(

@@ -17,8 +17,13 @@ from bdlora.runs import RUNS_DIR, SHIP_PLOT, SHIP_REPORT, SHIP_RESULT
 from bdlora.ship.config import ShipConfig
 from bdlora.ship.run import run_ship
 
+SHIP_PANELS = {  # ship --help: what to ship and against what stays in the main panel
+    "Healing the candidates": ("student_quant", "draft_speedup", "heal_steps", "heal_batch_size", "heal_seq_len"),
+    "Timing and quality": ("quality_tokens", "repeats", "decode_tokens", "seq_len", "threads"),
+}
 
-@command(options=from_dataclass(ShipConfig, defaults=True))
+
+@command(options=from_dataclass(ShipConfig, defaults=True, panels=SHIP_PANELS))
 def ship(
     model: Annotated[str, typer.Argument(help="The teacher: builtin (the embedded default), a preset "
                                               "(smollm2-135m, gemma3-270m), a Hugging Face folder or a .gguf file.")]
