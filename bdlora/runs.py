@@ -126,9 +126,8 @@ FAILED = "failed.json"  # in a run folder whose training failed after a checkpoi
 
 @dataclass(frozen=True)
 class RunFacts:
-    """What a training run resolved when it started, beside its options in config.json (under ``"run"``): the
-    processes it trains on (a resume must match), the teacher checkpoint it loaded, the teacher layers the student
-    kept, and the tokenised corpus's cache and token counts. Written by ``train``, read through ``RunDir``."""
+    """What a training run resolved when it started, beside its options in config.json (under ``"run"``): world size
+    (a resume must match), teacher checkpoint, kept layers, corpus cache and counts. Written by ``train``."""
 
     world_size: int = 1
     teacher_path: str | None = None
@@ -136,6 +135,7 @@ class RunFacts:
     teacher_layers: int | None = None
     data_cache: str | None = None
     data_tokens: dict | None = None
+    samples_prefixes: bool = False  # teacher:N in a mixture continued the other parts' prefixes (False: older runs)
 
     @classmethod
     def of(cls, stored: dict) -> RunFacts:
@@ -214,10 +214,10 @@ class RunDir(Artefact):
         return RunFacts.of(stored)
 
     def data_settings(self) -> dict:
-        """What a corpus reader needs to rebuild the run's data: its options and the teacher checkpoint it loaded
-        (``source_path``, which ``teacher:N`` samples came from); a one-shot compression records the same mapping
-        as its provenance's ``data_settings``."""
-        return {**self.config(), "source_path": self.facts().teacher_path}
+        """What a corpus reader needs to rebuild the run's data: its options and what its facts say of ``teacher:N``
+        (the checkpoint sampled, prefixes); a one-shot compression records the same as ``data_settings``."""
+        f = self.facts()
+        return {**self.config(), "source_path": f.teacher_path, "samples_prefixes": f.samples_prefixes}
 
     def summary(self) -> dict:
         return self.read("summary.json")

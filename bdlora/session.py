@@ -17,7 +17,7 @@ from bdlora.blocks import DocumentBlocks, PackedBlocks, scored_blocks, training_
 from bdlora.budgeted.calibrate import check_calib_tokens
 from bdlora.budgeted.start import needed
 from bdlora.config import BUILTIN, TrainConfig, resolve_defaults
-from bdlora.corpora import check_spec, default_heldout, general_calib_data, load_tokens
+from bdlora.corpora import check_spec, default_heldout, general_calib_data, load_parts, load_tokens
 from bdlora.errors import DataError, ModelError, UsageError
 from bdlora.forms import LOWRANK
 from bdlora.reporter import SILENT, Reporter
@@ -59,9 +59,10 @@ class Session:
         return self.calib_blocks if self.calib_blocks is not None else self.train_blocks
 
 
-def prepare(cfg: TrainConfig, reporter: Reporter = SILENT) -> Session:
+def prepare(cfg: TrainConfig, reporter: Reporter = SILENT, prefixes: bool = True) -> Session:
     """Validate options, load (or build) the teacher, tokenise the corpus, build the student. Raises typed errors
-    for bad input; creates nothing but caches."""
+    for bad input; creates nothing but caches. ``prefixes``: whether ``teacher:N`` in a mixture continues the other
+    parts' prefixes (``corpora.load_parts``; a run resumed from before they existed did not)."""
     cfg.validate()
     device = resolve_device(cfg.device)
     cache = cfg.cache_root()
@@ -80,7 +81,7 @@ def prepare(cfg: TrainConfig, reporter: Reporter = SILENT) -> Session:
     runtime = cfg.samples_runtime and check_folder(cfg.samples_runtime, teacher_path, teacher.config.vocab_size)
     source = TeacherSource(teacher_path, teacher, tokenizer, runtime=runtime or None)  # what teacher:N samples from
     data = load_tokens(cfg.data, tokenizer, cfg.heldout_fraction, cache, teacher=source, seed=cfg.seed,
-                       reporter=reporter)
+                       reporter=reporter, prefixes=prefixes)
     train_blocks = training_blocks(data.tokens("train"), cfg.seq_len, cfg.packing, tokenizer.eos_token_id,
                                    data.bos)
     if len(train_blocks) < 1:
@@ -90,7 +91,7 @@ def prepare(cfg: TrainConfig, reporter: Reporter = SILENT) -> Session:
     eval_blocks = None
     if cfg.eval_data:
         ev = load_tokens(cfg.eval_data, tokenizer, None, cache, what="--eval-data", teacher=source, seed=cfg.seed,
-                         reporter=reporter)
+                         reporter=reporter, prefixes=prefixes)
         eval_blocks = scored_blocks(ev.tokens("val"), cfg.seq_len, cfg.eval_tokens, f"--eval-data {cfg.eval_data}",
                                     bos=ev.bos)
     calib_blocks = None
@@ -102,7 +103,7 @@ def prepare(cfg: TrainConfig, reporter: Reporter = SILENT) -> Session:
                            "choose)")
         if cfg.calib_data and cfg.calib_data != cfg.data:
             calib = load_tokens(cfg.calib_data, tokenizer, None, cache, what="--calib-data", teacher=source,
-                                seed=cfg.seed, reporter=reporter)
+                                seed=cfg.seed, reporter=reporter, prefixes=prefixes)
             calib_blocks = PackedBlocks(calib.tokens("train"), cfg.seq_len, bos=calib.bos)
         blocks = calib_blocks if calib_blocks is not None else train_blocks
         if "calib_tokens" in cfg.defaulted:  # a defaulted count fits the split; an explicit one must
@@ -110,21 +111,21 @@ def prepare(cfg: TrainConfig, reporter: Reporter = SILENT) -> Session:
         check_calib_tokens(blocks, cfg.calib_tokens, "--calib-data" if calib_blocks is not None else "--data")
     facts = RunFacts(teacher_path=str(teacher_path), layer_indices=tuple(idx),
                      teacher_layers=teacher.config.num_hidden_layers, data_cache=str(data.path),
-                     data_tokens=data.meta["tokens"])
+                     data_tokens=data.meta["tokens"], samples_prefixes=prefixes)
     mixture = None
     if cfg.reweight_every:
-        mixture = components(cfg, parts, tokenizer, cache, source, reporter)
+        mixture = components(cfg, tokenizer, cache, source, reporter, prefixes)
     return Session(cfg, device, teacher, tokenizer, student, idx, train_blocks, val_blocks, calib_blocks, eval_blocks,
                    mixture, facts)
 
 
-def components(cfg: TrainConfig, parts, tokenizer, cache, source, reporter: Reporter) -> Reweighter:
+def components(cfg: TrainConfig, tokenizer, cache, source, reporter: Reporter, prefixes: bool) -> Reweighter:
     """--reweight-every: each component of the mixture on its own (the caches the mixture was cut from), its
     training blocks and ``SLICE_BLOCKS`` blocks of its held-out split."""
-    train, held = [], []
-    for p in parts:
-        t = load_tokens(p.spec, tokenizer, cfg.heldout_fraction, cache, teacher=source, seed=cfg.seed,
-                        reporter=reporter)
+    train, held, parts = [], [], []
+    for p, t in load_parts(cfg.data, tokenizer, cfg.heldout_fraction, cache, teacher=source, seed=cfg.seed,
+                           reporter=reporter, prefixes=prefixes):
+        parts.append(p)
         train.append(training_blocks(t.tokens("train"), cfg.seq_len, cfg.packing, tokenizer.eos_token_id, t.bos))
         held.append(scored_blocks(t.tokens("val"), cfg.seq_len, SLICE_BLOCKS * cfg.seq_len,
                                   f"--data {p.spec} (--reweight-every)", bos=t.bos))

@@ -149,7 +149,7 @@ def setup(cfg: TrainConfig, rep: Reporter, resume: RunDir | None, env: D.DistEnv
     if resume is None and env.is_main and cfg.out:  # refused (and claimed) before the teacher loads and calibrates,
         check_new_out(cfg.out)  # not ~40 s later when the run folder is made
     with D.main_first(env):  # rank 0 builds the caches (teacher, tokenised corpus) first
-        sess = prepare(cfg, rep)
+        sess = prepare(cfg, rep, prefixes=resume.facts().samples_prefixes if resume is not None else True)
     cfg, device = sess.cfg, dist_device or sess.device
     sess.teacher.to(device)
     sess.facts = dataclasses.replace(sess.facts, world_size=env.world_size)

@@ -15,9 +15,10 @@ from typer.testing import CliRunner
 
 from bdlora.cli import app
 from bdlora.config import TrainConfig, default_lr, resolve_defaults
-from bdlora.corpora import MIX_CHUNK, extract_docs, load_tokens, mix_counts, parse
+from bdlora.corpora import MIX_CHUNK, load_tokens, mix_counts, parse
 from bdlora.distill import MIN_WARMUP_STEPS, warmup_cosine, warmup_steps
 from bdlora.errors import DataError
+from bdlora.prose import extract_docs
 
 
 def _two_corpora(root, make_corpus):

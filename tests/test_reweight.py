@@ -97,6 +97,31 @@ def test_train_reweights_a_mixture_and_logs_the_weights(tiny_env, tmp_path, digi
     assert logged[3]["mixture_weights"] == pytest.approx(mix["final_weights"])
 
 
+def test_teacher_text_in_a_reweighted_mixture_is_generated_once(tiny_env, tmp_path, digits):
+    """The mixture, its reweighting slices and the run's evaluation read the same teacher samples (continuing the
+    other parts' prefixes); a run from before prefixes reads its own, without them."""
+    from bdlora.corpora import settings_tokens
+    from bdlora.runs import RunDir
+
+    cache = tmp_path / "cache"
+    data = f"{tiny_env['corpus']}:1,{digits}:1,teacher:400:1"
+    r = CliRunner().invoke(app, [*train_args(tiny_env, tmp_path / "r", "--data", data, "--reweight-every", "2",
+                                             "--max-steps", "2", "--method", "kd-lora"), "--cache-dir", str(cache)])
+    assert r.exit_code == 0, r.output
+    made = sorted((cache / "corpora").glob("teacher-*"))
+    assert len(made) == 1 and r.output.count("sampling 400 tokens from the teacher") == 1
+    meta = json.loads((made[0] / "corpus.json").read_text())
+    assert meta["prefix_sources"] == [str(tiny_env["corpus"]), str(digits)]
+    run = RunDir(tmp_path / "r")
+    assert run.facts().samples_prefixes and run.data_settings()["samples_prefixes"]
+    settings_tokens(run.data_settings(), tiny_env["tokenizer"])  # the run's corpus again: nothing new sampled
+    assert sorted((cache / "corpora").glob("teacher-*")) == made
+    old = {**run.data_settings(), "samples_prefixes": False}  # as a run written before prefixes records it
+    settings_tokens(old, tiny_env["tokenizer"])
+    plain = [f for f in (cache / "corpora").glob("teacher-*") if f not in made]
+    assert len(plain) == 1 and json.loads((plain[0] / "corpus.json").read_text())["prefix_sources"] == []
+
+
 def test_reweighting_needs_a_mixture(tiny_env, tmp_path):
     r = CliRunner().invoke(app, train_args(tiny_env, tmp_path / "r", "--reweight-every", "2", "--max-steps", "2"))
     assert r.exit_code != 0 and "needs a --data mixture" in r.output, r.output

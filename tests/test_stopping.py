@@ -92,8 +92,8 @@ def test_eval_data_never_enters_a_training_batch(tiny_env, tmp_path, other_corpu
     seen, scored = [], {}
     real = S.prepare
 
-    def prepare(cfg, reporter=None):
-        sess = real(cfg, reporter)
+    def prepare(cfg, reporter=None, **kw):
+        sess = real(cfg, reporter, **kw)
         scored["blocks"] = {tuple(r) for r in sess.eval_blocks.get(range(len(sess.eval_blocks)))}
         batch = sess.train_blocks.batch
         sess.train_blocks.batch = lambda idx: (seen.append(b := batch(idx)), b)[1]
