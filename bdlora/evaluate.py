@@ -15,7 +15,7 @@ import numpy as np
 from bdlora import SCHEMA_VERSION, __version__, sources
 from bdlora.blocks import PackedBlocks, scored_blocks
 from bdlora.config import BUILTIN, BUILTIN_DEFAULTS, REAL_DEFAULTS
-from bdlora.corpora import default_heldout, load_tokens, other_domains, settings_tokens
+from bdlora.corpora import SAMPLES_PREFIXES, default_heldout, load_tokens, other_domains, settings_tokens
 from bdlora.errors import Checks, DataError, ModelError
 from bdlora.icl import TASKS, corpus_word_list, is_correct, summarise, task_examples
 from bdlora.reporter import SILENT, Reporter
@@ -100,8 +100,7 @@ class OrtLM:
         self.shape = DecoderShape.of(config)
 
     def step(self, ids, mask, pos, past):
-        """Last-position logits (B, V) and the presents, kept as onnxruntime values (IO binding) so a decode loop
-        binds them as the next step's past instead of copying the cache through numpy every token."""
+        """Last-position logits (B, V) and the presents as onnxruntime values (IO binding): the next step's past."""
         logits, present = run_bound(self.sess, ids, mask, pos,
                                     empty_past(self.shape, ids.shape[0]) if past is None else past)
         return logits[:, -1], present
@@ -120,7 +119,7 @@ class OrtLM:
 
 
 def newline_token_ids(tokenizer) -> set[int]:
-    """Token ids whose text contains a newline (generation of a row stops at the first of them)."""
+    """Token ids whose text contains a newline (a row's generation stops at the first)."""
     return {i for i in range(len(tokenizer)) if "\n" in tokenizer.decode([i])}
 
 
@@ -316,7 +315,7 @@ def _onnx_target(path: Path, onnx_file: str, run_cfg: dict | None):
 
 def eval_data(run_cfg: dict | None, config, ecfg: EvalConfig) -> dict:
     """The held-out slice to score: the run's own (corpus, split, sequence length, token count) unless overridden;
-    without a run, the builtin corpus and the defaults of ``bdlora train`` for that kind of teacher."""
+    without a run, the builtin corpus and ``bdlora train``'s defaults for that kind of teacher."""
     cfg = dict(run_cfg or {})
     origin = cfg.pop("origin", "the run's training options")  # one-shot folders: "the --one-shot options"
     src = origin if run_cfg and "seq_len" in cfg else "defaults"
@@ -334,20 +333,21 @@ def eval_data(run_cfg: dict | None, config, ecfg: EvalConfig) -> dict:
             "eval_tokens": ecfg.tokens or cfg.get("eval_tokens") or defaults["eval_tokens"],
             "cache_dir": cfg.get("cache_dir"), "teacher": cfg.get("teacher"), "seed": cfg.get("seed") or 0,
             "source_path": cfg.get("source_path"), "samples_runtime": cfg.get("samples_runtime"),
+            SAMPLES_PREFIXES: bool(cfg.get(SAMPLES_PREFIXES)) if not ecfg.data else True,  # as the run made them
             "source": "command line" if ecfg.data or ecfg.seq_len or ecfg.tokens else src}
 
 
 def evaluate_target(path: str | Path, ecfg: EvalConfig, device: str = "cpu", reporter: Reporter = SILENT,
                     samples_from: dict | None = None) -> dict:
-    """``bdlora eval``: held-out perplexity and/or the ICL probes of one model; the eval document. ``samples_from``
-    (``teacher``, ``source_path``, ``cache_dir``): whose ``teacher:N`` samples ``--data`` holds where ``path`` says
-    none (a teacher scored beside its student): the student's samples, never new ones of the model scored."""
+    """``bdlora eval``: held-out perplexity and/or the ICL probes of one model; the eval document. ``samples_from``:
+    whose ``teacher:N`` samples ``--data`` holds (a teacher beside its student: the student's, never new ones)."""
     ecfg.validate()
     t0 = time.time()
     reporter.stage(f"loading {path}")
     lm, tok, kind, run_cfg = load_eval_target(path, ecfg.onnx_file, device)
     settings = eval_data(run_cfg, lm.config, ecfg)
-    settings.update({k: v for k, v in (samples_from or {}).items() if v and not settings.get(k)})
+    settings.update({k: v for k, v in (samples_from or {}).items() if (v or k == SAMPLES_PREFIXES)
+                     and (not settings.get(k) or k == SAMPLES_PREFIXES)})  # the student's samples, as made
     cache = Path(settings["cache_dir"]).expanduser() if settings["cache_dir"] else None
     doc: dict = {"schema_version": SCHEMA_VERSION, "bdlora_version": __version__, "source": str(path),
                  "kind": kind, "onnx_file": ecfg.onnx_file if kind == "onnx" else None,

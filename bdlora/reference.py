@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from bdlora import sources
+from bdlora.corpora import SAMPLES_PREFIXES
 from bdlora.data import BUILTIN, default_cache_dir
 from bdlora.evaluate import EvalConfig, evaluate_target
 from bdlora.io import read_json, write_json
@@ -39,15 +40,16 @@ def evaluate_with_teacher(path: str | Path, ecfg: EvalConfig, teacher: bool = Tr
                                onnx_file=MODEL_ONNX,
                                domains=";".join(d for d in doc.get("domains") or {} if d != doc["data"]["data"]))
     cache = Path(doc["data"].get("cache_dir") or default_cache_dir()).expanduser() / EVALS
-    key = _key(folder, same)
+    samples = {k: doc["data"].get(k) for k in ("teacher", "source_path", "cache_dir", "samples_runtime",
+                                               SAMPLES_PREFIXES)}
+    key = _key(folder, same, samples)
     stored = cache / f"teacher-{key}.json"
     if stored.is_file():
         reporter.stage(f"the teacher's figures on these settings: {stored}")
         found = read_json(stored)
     else:
         reporter.stage(f"scoring the teacher {folder} on the same slice and prompts (once; cached)")
-        found = evaluate_target(folder, same, device, reporter, samples_from={  # teacher:N: the same samples
-            k: doc["data"].get(k) for k in ("teacher", "source_path", "cache_dir", "samples_runtime")})
+        found = evaluate_target(folder, same, device, reporter, samples_from=samples)  # teacher:N: the same samples
         write_json(stored, found)
     doc["teacher"] = {"source": str(folder), **{k: found[k] for k in ("ppl", "domains", "icl") if k in found}}
     return doc
@@ -77,9 +79,10 @@ def _same(a: Path, b: str | Path) -> bool:
         return False
 
 
-def _key(folder: Path, ecfg: EvalConfig) -> str:
-    """The teacher's files (names, sizes, modification times) and every setting that changes a figure."""
+def _key(folder: Path, ecfg: EvalConfig, samples: dict) -> str:
+    """The teacher's files (names, sizes, modification times) and every setting that changes a figure (``samples``:
+    which ``teacher:N`` samples a mixture holds)."""
     files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir() if f.is_file())
     settings = {k: v for k, v in dataclasses.asdict(ecfg).items() if k != "batch_size"}  # batching changes nothing
-    blob = json.dumps([str(folder.resolve()), files, settings], sort_keys=True, default=str)
+    blob = json.dumps([str(folder.resolve()), files, settings, samples], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
