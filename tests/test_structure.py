@@ -120,21 +120,28 @@ def test_the_package_layers_point_one_way():
     assert not edges, edges
 
 
+def name_comparisons(names, home, also=lambda node: True) -> list[str]:
+    """``path:line`` of every comparison outside the modules ``home`` accepts whose constants include one of
+    ``names`` (and that ``also`` accepts): a table's names spelled where the table should be asked."""
+    hits = []
+    for name, path in project_modules().items():
+        if home(name):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                consts = [c.value for side in (node.left, *node.comparators) for c in ast.walk(side)
+                          if isinstance(c, ast.Constant)]
+                if any(v in names for v in consts) and also(node):
+                    hits.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    return hits
+
+
 def test_no_scheme_name_is_compared_outside_the_scheme_table():
     """Which scheme needs calibration, rounds where, emits what: asked of ``bdlora.schemes``, never spelled as
     ``quant == "gptq"`` (it was, in eight places)."""
     from bdlora.schemes import METHODS
 
-    hits = []
-    for name, path in project_modules().items():
-        if name == "bdlora.schemes":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Compare):
-                sides = [node.left, *node.comparators]
-                consts = [c for side in sides for c in ast.walk(side) if isinstance(c, ast.Constant)]
-                if any(c.value in METHODS for c in consts):
-                    hits.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    hits = name_comparisons(METHODS, lambda name: name == "bdlora.schemes")
     assert not hits, hits
 
 
@@ -506,16 +513,7 @@ def test_no_method_name_is_compared_outside_the_method_table():
     ``method == "budgeted"`` (20 such comparisons in 10 files before the table)."""
     from bdlora.method_table import METHODS
 
-    hits = []
-    for name, path in project_modules().items():
-        if name in ("bdlora.method_table", "bdlora.methods"):
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Compare):
-                consts = [c.value for side in (node.left, *node.comparators) for c in ast.walk(side)
-                          if isinstance(c, ast.Constant)]
-                if any(v in METHODS for v in consts):
-                    hits.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    hits = name_comparisons(METHODS, lambda name: name in ("bdlora.method_table", "bdlora.methods"))
     assert not hits, hits
 
 
@@ -537,16 +535,7 @@ def test_no_precision_name_is_compared_outside_the_precision_table():
     the table)."""
     from bdlora.schemes import PRECISIONS
 
-    hits = []
-    for name, path in project_modules().items():
-        if name == "bdlora.schemes":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Compare):
-                consts = [c.value for side in (node.left, *node.comparators) for c in ast.walk(side)
-                          if isinstance(c, ast.Constant)]
-                if any(v in PRECISIONS for v in consts):
-                    hits.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    hits = name_comparisons(PRECISIONS, lambda name: name == "bdlora.schemes")
     assert not hits, hits
 
 
@@ -594,14 +583,7 @@ def test_no_form_name_is_compared_outside_the_forms_package():
     """What a form does is asked of ``bdlora.forms`` (its registry and its modules' steps), never spelled as
     ``spec["form"] == "groups"`` (33 such comparisons in 13 files before the forms package): a comparison of a form's
     name against a form or a decision's case is flagged anywhere but the package itself."""
-    hits = []
-    for name, path in project_modules().items():
-        if name == "bdlora.forms" or name.startswith("bdlora.forms.") or name in FORM_NAME_EXEMPT:
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Compare):
-                consts = [c.value for side in (node.left, *node.comparators) for c in ast.walk(side)
-                          if isinstance(c, ast.Constant)]
-                if any(v in FORM_NAMES for v in consts) and re.search(r"\b(form|forms|case)\b", ast.unparse(node)):
-                    hits.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    hits = name_comparisons(FORM_NAMES, lambda name: name == "bdlora.forms" or name.startswith("bdlora.forms.")
+                            or name in FORM_NAME_EXEMPT,
+                            lambda node: re.search(r"\b(form|forms|case)\b", ast.unparse(node)) is not None)
     assert not hits, hits
