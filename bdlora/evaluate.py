@@ -346,8 +346,9 @@ def evaluate_target(path: str | Path, ecfg: EvalConfig, device: str = "cpu", rep
     reporter.stage(f"loading {path}")
     lm, tok, kind, run_cfg = load_eval_target(path, ecfg.onnx_file, device)
     settings = eval_data(run_cfg, lm.config, ecfg)
-    settings.update({k: v for k, v in (samples_from or {}).items() if (v or k == SAMPLES_PREFIXES)
-                     and (not settings.get(k) or k == SAMPLES_PREFIXES)})  # the student's samples, as made
+    given = samples_from or {}
+    settings.update({k: v for k, v in given.items() if v and not settings.get(k)})
+    settings[SAMPLES_PREFIXES] = given.get(SAMPLES_PREFIXES, settings[SAMPLES_PREFIXES])  # the student's, as made
     cache = Path(settings["cache_dir"]).expanduser() if settings["cache_dir"] else None
     doc: dict = {"schema_version": SCHEMA_VERSION, "bdlora_version": __version__, "source": str(path),
                  "kind": kind, "onnx_file": ecfg.onnx_file if kind == "onnx" else None,
@@ -383,8 +384,7 @@ def evaluate_target(path: str | Path, ecfg: EvalConfig, device: str = "cpu", rep
         reporter.count(0, n)
         res = run_icl(lm, tok, words, ecfg.tasks, ecfg.shots, ecfg.seeds, ecfg.examples, ecfg.batch_size,
                       on_progress=lambda k: reporter.count(k, n))
-        res["words"] = {"count": len(words), "first": words[:20]}
-        doc["icl"] = res
+        doc["icl"] = {**res, "words": {"count": len(words), "first": words[:20]}}
     doc["seconds"] = time.time() - t0
     return doc
 
