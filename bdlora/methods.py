@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn as nn
-from peft import LoraConfig
 
 from bdlora.arch import PROJECTIONS, base_model, dense_state_dict
 from bdlora.budgeted.config import BudgetedConfig
@@ -184,14 +183,13 @@ class KDLoRA(TrainingMethod):
     name = "kd-lora"
 
     def wrap(self, student, start=None):
-        lcfg = LoraConfig(r=self.cfg.lora_rank, lora_alpha=self.cfg.lora_alpha, lora_dropout=0.0,
+        model = wrap_lora(student, r=self.cfg.lora_rank, lora_alpha=self.cfg.lora_alpha, lora_dropout=0.0,
                           target_modules=list(PROJECTIONS), bias="none", task_type="CAUSAL_LM",
                           rank_pattern={n: r for n, r in (start.ranks if start else {}).items()
                                         if r != self.cfg.lora_rank},
                           alpha_pattern={n: self.cfg.lora_alpha * r / self.cfg.lora_rank
                                          for n, r in (start.ranks if start else {}).items()
                                          if r != self.cfg.lora_rank})
-        model = wrap_lora(student, lcfg)
         if start is not None:
             start_peft(model, start)
         return model

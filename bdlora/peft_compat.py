@@ -20,12 +20,13 @@ def _peft_reads_renamed_property():
         yield
 
 
-def wrap_lora(model, config):
-    """``peft.get_peft_model(model, config)``."""
-    from peft import get_peft_model
+def wrap_lora(model, config=None, **settings):
+    """``peft.get_peft_model(model, config)``; without ``config``, a ``peft.LoraConfig`` of ``settings`` (so peft is
+    imported only when a model is wrapped, not by every command that imports the training methods)."""
+    from peft import LoraConfig, get_peft_model
 
     with _peft_reads_renamed_property():
-        return get_peft_model(model, config)
+        return get_peft_model(model, config if config is not None else LoraConfig(**settings))
 
 
 def load_adapter(model, adapter_dir: str):
