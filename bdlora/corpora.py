@@ -211,6 +211,12 @@ def load_tokens(spec: str, tokenizer, heldout_fraction: float | None = None, cac
     """The train/val token streams of ``spec`` (tokenised once and cached): one corpus or a mixture of its parts
     (``load_parts``)."""
     loaded = load_parts(spec, tokenizer, heldout_fraction, cache_dir, what, teacher, seed, reporter, prefixes)
+    return one_corpus(loaded, cache_dir, what)
+
+
+def one_corpus(loaded: list[tuple[Part, TokenizedCorpus]], cache_dir: Path | None = None,
+               what: str = "--data") -> TokenizedCorpus:
+    """The one corpus of ``load_parts``' parts: itself when there is one, else their mixture."""
     if len(loaded) == 1:
         return loaded[0][1]
     return mix([t for _, t in loaded], [p.weight for p, _ in loaded], [p.spec for p, _ in loaded],

@@ -17,7 +17,7 @@ from bdlora.blocks import DocumentBlocks, PackedBlocks, scored_blocks, training_
 from bdlora.budgeted.calibrate import check_calib_tokens
 from bdlora.budgeted.start import needed
 from bdlora.config import BUILTIN, TrainConfig, resolve_defaults
-from bdlora.corpora import check_spec, default_heldout, general_calib_data, load_parts, load_tokens
+from bdlora.corpora import check_spec, default_heldout, general_calib_data, load_parts, load_tokens, one_corpus
 from bdlora.errors import DataError, ModelError, UsageError
 from bdlora.forms import LOWRANK
 from bdlora.reporter import SILENT, Reporter
@@ -80,8 +80,9 @@ def prepare(cfg: TrainConfig, reporter: Reporter = SILENT, prefixes: bool = True
     student.to(device)
     runtime = cfg.samples_runtime and check_folder(cfg.samples_runtime, teacher_path, teacher.config.vocab_size)
     source = TeacherSource(teacher_path, teacher, tokenizer, runtime=runtime or None)  # what teacher:N samples from
-    data = load_tokens(cfg.data, tokenizer, cfg.heldout_fraction, cache, teacher=source, seed=cfg.seed,
-                       reporter=reporter, prefixes=prefixes)
+    loaded = load_parts(cfg.data, tokenizer, cfg.heldout_fraction, cache, teacher=source, seed=cfg.seed,
+                        reporter=reporter, prefixes=prefixes)  # read once: the mixture and its reweighting's parts
+    data = one_corpus(loaded, cache)
     train_blocks = training_blocks(data.tokens("train"), cfg.seq_len, cfg.packing, tokenizer.eos_token_id,
                                    data.bos)
     if len(train_blocks) < 1:
@@ -114,24 +115,23 @@ def prepare(cfg: TrainConfig, reporter: Reporter = SILENT, prefixes: bool = True
                      data_tokens=data.meta["tokens"], samples_prefixes=prefixes)
     mixture = None
     if cfg.reweight_every:
-        mixture = components(cfg, tokenizer, cache, source, reporter, prefixes)
+        mixture = components(cfg, loaded, tokenizer)
     return Session(cfg, device, teacher, tokenizer, student, idx, train_blocks, val_blocks, calib_blocks, eval_blocks,
                    mixture, facts)
 
 
-def components(cfg: TrainConfig, tokenizer, cache, source, reporter: Reporter, prefixes: bool) -> Reweighter:
-    """--reweight-every: each component of the mixture on its own (the caches the mixture was cut from), its
-    training blocks and ``SLICE_BLOCKS`` blocks of its held-out split."""
-    train, held, parts = [], [], []
-    for p, t in load_parts(cfg.data, tokenizer, cfg.heldout_fraction, cache, teacher=source, seed=cfg.seed,
-                           reporter=reporter, prefixes=prefixes):
-        parts.append(p)
+def components(cfg: TrainConfig, loaded, tokenizer) -> Reweighter:
+    """--reweight-every: each component of the mixture on its own (``loaded``: the parts the mixture was cut from),
+    its training blocks and ``SLICE_BLOCKS`` blocks of its held-out split."""
+    train, held = [], []
+    for p, t in loaded:
         train.append(training_blocks(t.tokens("train"), cfg.seq_len, cfg.packing, tokenizer.eos_token_id, t.bos))
         held.append(scored_blocks(t.tokens("val"), cfg.seq_len, SLICE_BLOCKS * cfg.seq_len,
                                   f"--data {p.spec} (--reweight-every)", bos=t.bos))
         if len(train[-1]) < 1:
             raise DataError(f"--data {p.spec}: no training sequence of --seq-len {cfg.seq_len} to draw")
-    return Reweighter([p.spec for p in parts], train, held, [p.weight for p in parts], cfg.seed, cfg.reweight_every)
+    return Reweighter([p.spec for p, _ in loaded], train, held, [p.weight for p, _ in loaded], cfg.seed,
+                      cfg.reweight_every)
 
 
 def _resolve_sizes(cfg: TrainConfig, teacher) -> TrainConfig:
