@@ -217,13 +217,17 @@ def test_trains_start_calibrates_a_general_purpose_teacher_on_the_builtin_mixtur
     assert general_calib_data("builtin", "prose", 50_000) == "prose"
     MistralForCausalLM(tiny_config(32_000, layers=2, hidden=16)).save_pretrained(tmp_path / "m")
     tiny_env["tokenizer"].save_pretrained(tmp_path / "m")
-    asked, real = [], session.load_tokens
+    asked = []
 
-    def redirected(spec, tok, *a, **k):
-        asked.append(spec)
-        return real(str(tiny_env["corpus"]), tok, *a, **k)
+    def redirect(real):
+        def redirected(spec, tok, *a, **k):
+            asked.append(spec)
+            return real(str(tiny_env["corpus"]), tok, *a, **k)
+        return redirected
 
-    monkeypatch.setattr(session, "load_tokens", redirected)
+    # the mixture is read by load_parts (once, for the run and its reweighting), the calibration set by load_tokens
+    monkeypatch.setattr(session, "load_tokens", redirect(session.load_tokens))
+    monkeypatch.setattr(session, "load_parts", redirect(session.load_parts))
     env = {**tiny_env, "teacher": tmp_path / "m"}
     for out, extra, calib in (("a", [], GENERAL_CALIB_DATA), ("b", ["--calib-data", "fortunes"], "fortunes")):
         asked.clear()
