@@ -25,11 +25,46 @@ from bdlora.ship.run import start
     ("forms", "channels,chanels", "--forms 'chanels': allowed"),
     ("tolerances", "-1", "--tolerances '-1': -1 is below 0"),
     ("heal_steps", -3, "--heal-steps -3"),
+    ("heal_time_budget", "soon", "--heal-time-budget soon: a positive duration such as 90s, 60m or 1.5h"),
+    ("heal_time_budget", "0m", "--heal-time-budget 0m: a positive duration"),
 ])
 def test_bad_settings_are_named(field, value, needle):
     with pytest.raises(ConfigError) as e:
         ShipConfig(**{field: value}).check(Checks()).done()
     assert needle in str(e.value), str(e.value)
+
+
+def test_heal_steps_and_a_heal_time_budget_are_one_choice():
+    with pytest.raises(ConfigError, match="--heal-time-budget 20m: sets each heal's steps itself; drop --heal-steps 5"):
+        ShipConfig(heal_steps=5, heal_time_budget="20m").check(Checks()).done()
+    assert ShipConfig(heal_time_budget="20m").heals and ShipConfig(heal_steps=1).heals and not ShipConfig().heals
+
+
+def test_under_a_heal_time_budget_the_peer_gets_the_most_steps_any_candidate_took(tmp_path):
+    """Each candidate's heal gets train --time-budget (no --max-steps); the dense peer, built after them, gets the
+    largest step count their summaries record, so it is never healed less than a student it is compared with."""
+    from bdlora.io import write_json
+    from bdlora.ship.run import heal_steps, peer_step_count
+
+    cfg = ShipConfig(heal_time_budget="20m", data="builtin:1,prose:1")
+    made = ["student-1.25", "draft"]
+    for name, layers in (("teacher", 30), ("student-1.25", 30), ("draft", 15)):
+        write_json(tmp_path / name / "config.json", {"num_hidden_layers": layers})
+    steps = heal_steps("smollm2-135m", str(tmp_path / "teacher"), cfg, tmp_path, made)
+    assert [s.name for s in steps] == ["heal-student-1.25", "healed-student-1.25", "heal-draft", "healed-draft"]
+    heal = steps[0].argv
+    assert heal[heal.index("--time-budget") + 1] == "20m" and "--max-steps" not in heal
+    assert heal[heal.index("--student-layers") + 1] == "30" and steps[2].argv[steps[2].argv.index("--method") + 1] \
+        == "kd-full"
+    for name, taken in (("student-1.25", 212), ("draft", 348)):
+        write_json(tmp_path / f"heal-{name}" / "summary.json", {"steps": taken})
+    assert peer_step_count(cfg, tmp_path, made) == 348
+    peer = heal_steps("smollm2-135m", str(tmp_path / "teacher"), cfg, tmp_path, made, peer_steps=348)
+    assert [s.name for s in peer] == ["heal-dense", "healed-dense"]
+    argv = peer[0].argv
+    assert argv[argv.index("--max-steps") + 1] == "348" and "--time-budget" not in argv
+    assert "--student-init" not in argv and argv[argv.index("--data") + 1] == "builtin:1,prose:1"
+    assert peer_step_count(ShipConfig(heal_steps=7), tmp_path, made) == 7
 
 
 def test_student_quant_needs_a_rounded_precision():

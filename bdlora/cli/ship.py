@@ -18,7 +18,8 @@ from bdlora.ship.config import ShipConfig
 from bdlora.ship.run import run_ship
 
 SHIP_PANELS = {  # ship --help: what to ship and against what stays in the main panel
-    "Healing the candidates": ("student_quant", "draft_speedup", "heal_steps", "heal_batch_size", "heal_seq_len"),
+    "Healing the candidates": ("student_quant", "draft_speedup", "heal_steps", "heal_time_budget", "heal_batch_size",
+                               "heal_seq_len"),
     "Timing and quality": ("quality_tokens", "repeats", "decode_tokens", "seq_len", "threads"),
 }
 

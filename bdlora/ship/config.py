@@ -9,6 +9,7 @@ from bdlora.config import GENAI_PRECISIONS
 from bdlora.errors import Checks, shown
 from bdlora.forms import check_forms
 from bdlora.schemes import METHODS, rounded
+from bdlora.stopping import parse_duration
 
 DRAFT_FORMS = "layers,channels,vocab"  # the draft: fewer layers, narrower MLPs, a head over frequent tokens
 
@@ -59,6 +60,10 @@ class ShipConfig:
     heal_steps: int = 0
     """Heal every student, the draft and the dense teacher (the fair peer) with this many steps on --data (train
     --student-init --method kd-lora; the draft kd-full), then compare the healed folders (0: no healing)."""
+    heal_time_budget: str | None = None
+    """Heal every student and the draft for at most this long each (train --time-budget, e.g. 20m: loading, teacher
+    text and calibration included) instead of --heal-steps; the dense peer then gets as many steps as the most any of
+    them took, so it is never healed less."""
     heal_batch_size: int = 4
     """Sequences per healing step."""
     heal_seq_len: int = 128
@@ -91,6 +96,13 @@ class ShipConfig:
         c.require(self.draft_speedup == 0 or self.draft_speedup >= 1,
                   f"--draft-speedup {shown(self.draft_speedup)}: 0 (no draft) or at least 1")
         c.integer("heal_steps", self.heal_steps, lo=0)
+        if self.heal_time_budget is not None and c.text("heal_time_budget", self.heal_time_budget):
+            try:
+                parse_duration(self.heal_time_budget)
+            except ValueError as e:
+                c.add(str(e).replace("--time-budget", "--heal-time-budget", 1))
+            c.require(not self.heal_steps, f"--heal-time-budget {self.heal_time_budget}: sets each heal's steps "
+                                           f"itself; drop --heal-steps {self.heal_steps}")
         c.integer("heal_batch_size", self.heal_batch_size, lo=1)
         c.integer("heal_seq_len", self.heal_seq_len, lo=2)
         c.integer("quality_tokens", self.quality_tokens, lo=1)
@@ -101,6 +113,11 @@ class ShipConfig:
         c.text("data", self.data)
         c.text("eval_data", self.eval_data)
         return c
+
+    @property
+    def heals(self) -> bool:
+        """Whether the candidates are healed (by steps or by a time budget)."""
+        return bool(self.heal_steps or self.heal_time_budget)
 
     @property
     def rounded(self) -> bool:

@@ -7,8 +7,9 @@ already whole, so running the same command again resumes instead of redoing:
                                   perplexity is the teacher's row)
     DIR/student-S/                compress --one-shot --forms F --precision P --speedup S, one per --speedups
     DIR/draft/                    the teacher's draft (--forms layers,channels,vocab --speedup --draft-speedup)
-    DIR/heal-NAME/, healed-NAME/  with --heal-steps: train --student-init NAME, then compress (and heal-dense/:
-                                  the teacher healed with the same data and steps, the fair peer)
+    DIR/heal-NAME/, healed-NAME/  with --heal-steps (or --heal-time-budget): train --student-init NAME, then
+                                  compress (and heal-dense/: the teacher healed with the same data and steps, the
+                                  fair peer; under a time budget, the most steps any candidate took)
     DIR/bench/                    bench --runtime genai: every folder, the teacher's export, prompt lookup and the
                                   draft speculating for the teacher, on both domains, in one run
     DIR/logs/STEP.log             each step's whole output
@@ -174,38 +175,50 @@ def student_steps(model: str, cfg: ShipConfig, folder: Path, quant: str | None) 
     return steps
 
 
-def heal_steps(model: str, source: str, cfg: ShipConfig, folder: Path, made: list[str]) -> list[Step]:
-    """Each made folder healed (train --student-init, then compress), and the dense teacher (its folder ``source``)
-    healed with the same data and steps (the peer every student is compared with at its precision)."""
+def heal_steps(model: str, source: str, cfg: ShipConfig, folder: Path, made: list[str],
+               peer_steps: int | None = None) -> list[Step]:
+    """Each made folder healed (train --student-init, then compress) for --heal-steps or --heal-time-budget; with
+    ``peer_steps``, the dense teacher (its folder ``source``) healed with the same data for that many steps (the
+    peer every student is compared with at its precision) instead."""
     steps = []
-    for name in [*made, DENSE]:
+    for name in made if peer_steps is None else [DENSE]:
         run = folder / f"heal-{name}"
         start_from = [] if name == DENSE else ["--student-init", str(folder / name)]
         layers = read_json(Path(source if name == DENSE else folder / name) / CONFIG)["num_hidden_layers"]
         method = "kd-full" if name == DRAFT else "kd-lora"
+        count = peer_steps or cfg.heal_steps
+        length = ["--max-steps", str(count)] if count else ["--time-budget", cfg.heal_time_budget]
         steps.append(Step(f"heal-{name}", ["train", "--teacher", model, *start_from, "--student-layers", str(layers),
-                                           "--method", method, "--data", cfg.data, "--max-steps", str(cfg.heal_steps),
+                                           "--method", method, "--data", cfg.data, *length,
                                            "--batch-size", str(cfg.heal_batch_size), "--seq-len",
                                            str(cfg.heal_seq_len), "--out", str(run)], RUN_MARKER,
-                          f"healing {name} ({cfg.heal_steps} steps of {method})"))
+                          f"healing {name} ({' '.join(length)[2:]} of {method})"))
         steps.append(Step(f"healed-{name}", ["compress", str(run), "--no-eval", "--out",
                                              str(folder / f"healed-{name}")], COMPRESSED_MARKER,
                           f"the healed {name} as a folder"))
     return steps
 
 
+def peer_step_count(cfg: ShipConfig, folder: Path, made: list[str]) -> int:
+    """The dense peer's steps: --heal-steps, or under --heal-time-budget the most steps any candidate's heal took
+    (read from its summary), so the peer is never healed less than what it is compared with."""
+    if cfg.heal_steps:
+        return cfg.heal_steps
+    return max(int(read_json(folder / f"heal-{name}" / RUN_MARKER)["steps"]) for name in made)
+
+
 def bench_step(cfg: ShipConfig, folder: Path, made: list[str], teacher_quant: str | None,
                quant: str | None) -> Step:
     """One bench of every folder: the draft (when there is one) as the bench's own model, so that it speculates
     for the teacher's export beside prompt lookup; the others with --also; the healed dense teacher as --peer."""
-    names = [f"healed-{n}" if cfg.heal_steps else n for n in made]
+    names = [f"healed-{n}" if cfg.heals else n for n in made]
     first, others = names[-1] if cfg.draft_speedup else names[0], names[:-1] if cfg.draft_speedup else names[1:]
     argv = ["bench", str(folder / first), "--runtime", "genai", "--genai-precisions", cfg.precision, "--scope",
             "model", "--batch-sizes", "1", "--seq-lens", str(cfg.seq_len), "--decode-tokens", str(cfg.decode_tokens),
             "--repeats", str(cfg.repeats), "--no-peers", "--out", str(folder / BENCH), *_common(cfg)]
     for other in others:
         argv += ["--also", str(folder / other)]
-    if cfg.heal_steps:
+    if cfg.heals:
         argv += ["--peer", str(folder / f"healed-{DENSE}")]
     if quant:
         argv += ["--quant", quant, "--teacher-quant", teacher_quant]
@@ -247,8 +260,12 @@ def run_ship(model: str, cfg: ShipConfig, folder: Path, reporter: Reporter = SIL
     made_steps = student_steps(model, cfg, folder, quant)
     do(made_steps)
     made = [s.name for s in made_steps]
-    heal = heal_steps(model, source, cfg, folder, made) if cfg.heal_steps else []
+    heal = heal_steps(model, source, cfg, folder, made) if cfg.heals else []
     do(heal)
+    if cfg.heals:
+        peer = heal_steps(model, source, cfg, folder, made, peer_steps=peer_step_count(cfg, folder, made))
+        do(peer)
+        heal += peer
     bench = bench_step(cfg, folder, made, teacher_quant, quant)
     do([bench])
     rounding = ["--quant", teacher_quant] if teacher_quant else []
