@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from bdlora.sources import PRESETS
+from bdlora.models.sources import PRESETS
 
 TAGS = ["bdlora", "budgeted-lora", "distillation", "low-rank", "compressed"]
 SUMMARY_KEYS = ("dense_kept", "dense_svd", "dense_dropped", "modules_total", "avg_lora_rank", "speedup_vs_dense",

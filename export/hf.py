@@ -8,12 +8,12 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from bdlora.errors import ModelError
+from bdlora.base.errors import ModelError
+from bdlora.base.io import atomic_dir, write_text
+from bdlora.base.outputs import check_out_dir
+from bdlora.base.runs import ModelDir
 from bdlora.export.card import model_card
-from bdlora.integrity import check_model_folder
-from bdlora.io import atomic_dir, write_text
-from bdlora.outputs import check_out_dir
-from bdlora.runs import ModelDir
+from bdlora.models.integrity import check_model_folder
 
 
 def export_hf(model_dir: Path, out: Path, force: bool = False) -> Path:

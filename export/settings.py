@@ -9,10 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from bdlora.errors import Checks
-from bdlora.export.defaults import MAX_GENAI_THREADS
-from bdlora.forms import declared_head_bits
-from bdlora.schemes import (
+from bdlora.base.errors import Checks
+from bdlora.base.schemes import (
     DEFAULT_SCHEME,
     FLOAT,
     GENAI_PRECISIONS,
@@ -24,6 +22,8 @@ from bdlora.schemes import (
     mixed,
     rounded,
 )
+from bdlora.export.defaults import MAX_GENAI_THREADS
+from bdlora.forms import declared_head_bits
 
 HEAD_BITS = 8  # the LM head's bits in an int4 graph when neither --head-bits nor the folder says
 
@@ -33,7 +33,7 @@ class GenaiExportSettings:
     precision: str = FLOAT
     """fp32, int8 or int4 (MatMulNBits, block 32; int4 keeps the LM head at --head-bits)."""
     quant: str = DEFAULT_SCHEME
-    """How int8/int4 weights are rounded (bdlora.schemes):"""
+    """How int8/int4 weights are rounded (bdlora.base.schemes):"""
     head_bits: int | None = None
     """int4: the LM head's bits, 8 or 4 (4 is where small models degrade first). Default: what the model's folder
     declares (bdlora_head_bits, chosen by compress --one-shot --forms bits --speedup S), else 8."""

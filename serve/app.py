@@ -25,8 +25,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from bdlora.errors import BdloraError
-from bdlora.runtime import check_onnx_dir
+from bdlora.base.errors import BdloraError
+from bdlora.models.runtime import check_onnx_dir
 from bdlora.serve.config import DEFAULT_DRAIN_SECONDS, DEFAULT_HOST, DEFAULT_PORT, ServeConfig
 from bdlora.serve.engine import Engine
 from bdlora.serve.engine_process import EngineProcess

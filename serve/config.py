@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bdlora.errors import Checks
-from bdlora.runs import MODEL_ONNX
+from bdlora.base.errors import Checks
+from bdlora.base.runs import MODEL_ONNX
 from bdlora.speculative.run import SpeculationConfig
 
 # Where and how the server listens (not part of ServeConfig: the app does not need them); the CLI's defaults.

@@ -27,15 +27,15 @@ from pathlib import Path
 
 import numpy as np
 
-from bdlora.runs import MODEL_ONNX
-from bdlora.runtime import DecoderShape, check_signature, empty_past, left_padded, run_bound, session
+from bdlora.base.runs import MODEL_ONNX
+from bdlora.models.runtime import DecoderShape, check_signature, empty_past, left_padded, run_bound, session
+from bdlora.models.tokenizer import TextTokenizer
 from bdlora.serve.fair import FairQueue, reserved_for, reserved_slots
 from bdlora.serve.interface import ServingEngine
 from bdlora.serve.sequence import Request, Sequence, safe_emit, score_prompt
 from bdlora.serve.speculation import EngineSpeculation
 from bdlora.speculative.decoders import OrtDecoder
 from bdlora.speculative.run import SpeculationConfig
-from bdlora.tokenizer import TextTokenizer
 
 
 class Engine(ServingEngine):

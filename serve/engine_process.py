@@ -26,11 +26,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bdlora.runtime import DecoderShape
+from bdlora.models.runtime import DecoderShape
+from bdlora.models.tokenizer import TextTokenizer
 from bdlora.serve.genai_engine import trailing_pad
 from bdlora.serve.interface import ServingEngine
 from bdlora.serve.sequence import Request, safe_emit
-from bdlora.tokenizer import TextTokenizer
 
 _STATS = ("active", "steps", "decode_rows", "runs", "failed")
 _STATS_EVERY = 0.05  # seconds between the child's gauge reports

@@ -33,8 +33,8 @@ import time
 
 import numpy as np
 
-from bdlora.errors import usable_cores
-from bdlora.runs import all_logits_graph
+from bdlora.base.errors import usable_cores
+from bdlora.base.runs import all_logits_graph
 from bdlora.serve.engine import Engine, release_freed_memory
 from bdlora.serve.fair import reserved_slots
 from bdlora.serve.sequence import Request, Sequence

@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from bdlora.errors import UsageError
+from bdlora.base.errors import UsageError
 from bdlora.serve.metrics import Metrics
 from bdlora.serve.protocol import error_body
 

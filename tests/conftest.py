@@ -184,7 +184,7 @@ def tiny_model(tiny_env):
 
 def stop_at(step: int):
     """A reporter that interrupts a training run (KeyboardInterrupt, as Ctrl-C does) when it reports ``step``."""
-    from bdlora.reporter import Reporter
+    from bdlora.base.reporter import Reporter
 
     class StopAt(Reporter):
         def step(self, at, metrics):
@@ -216,7 +216,7 @@ def budgeted_student(model, d_values=None, seed=0, rank=4, alpha=8.0):
     whose retentions cycle through ``d_values`` (module i gets d_values[i % len]); gates stay at their init."""
     import copy
 
-    from bdlora.budgeted.model import apply_budgeted_lora, gated_modules
+    from bdlora.models.budgeted.model import apply_budgeted_lora, gated_modules
 
     s = copy.deepcopy(model)
     apply_budgeted_lora(s, rank=rank, alpha=alpha)
@@ -230,8 +230,8 @@ def budgeted_student(model, d_values=None, seed=0, rank=4, alpha=8.0):
 
 def compressed_student(model, d_values, seed=0, budget=0.4):
     """(trained gated student, compressed bdlora model, report) with SVD rank cap 8 for the tiny shapes."""
-    from bdlora.budgeted.config import BudgetedConfig
-    from bdlora.budgeted.model import compress_budgeted
+    from bdlora.models.budgeted.config import BudgetedConfig
+    from bdlora.models.budgeted.model import compress_budgeted
 
     trained = budgeted_student(model, d_values, seed)
     compressed, report = compress_budgeted(trained, BudgetedConfig(svd_max_rank=8), {"budget": budget})

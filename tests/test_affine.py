@@ -112,7 +112,7 @@ def test_a_genai_graph_on_a_q4_1_grid_quantises_far_closer_than_round_to_nearest
     from bdlora.bench.variants import synthetic_model
     from bdlora.export.decoder import DecoderLayout, build_decoder
     from bdlora.export.genai.quantize import quantize_nbits
-    from bdlora.runtime import DecoderShape, empty_past, run_decoder, session
+    from bdlora.models.runtime import DecoderShape, empty_past, run_decoder, session
 
     config = {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

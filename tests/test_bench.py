@@ -7,10 +7,10 @@ from typer.testing import CliRunner
 from bdlora.bench.config import BenchConfig
 from bdlora.bench.run import run_bench
 from bdlora.bench.variants import dense_variant, floor_variant, lora_variant, synthetic_model
-from bdlora.budgeted.config import BudgetedConfig
 from bdlora.cli import app
+from bdlora.compress.plan import plan
 from bdlora.deployed.folder import save_model_folder
-from bdlora.plan import plan
+from bdlora.models.budgeted.config import BudgetedConfig
 from conftest import compressed_student
 
 TINY = {"model_type": "mistral", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
@@ -82,11 +82,11 @@ def test_synthetic_mode_builds_the_planned_structure(budget, tmp_path):
     import numpy as np
     import onnx
 
-    from bdlora.arch import projection_modules
     from bdlora.export.decoder import build_projection_stack
     from bdlora.export.decoder.graph import STACK_INPUTS
-    from bdlora.families import Anatomy
-    from bdlora.runtime import session
+    from bdlora.models.arch import projection_modules
+    from bdlora.models.families import Anatomy
+    from bdlora.models.runtime import session
 
     path = tmp_path / "stack.onnx"
     onnx.save(build_projection_stack(model), str(path))

@@ -16,14 +16,14 @@ from test_latency import _hand_table, _tiny_shapes
 from typer.testing import CliRunner
 
 import bdlora.export.genai.latency as lat
-from bdlora.arch import projection_modules
-from bdlora.budgeted.allocate import allocate
-from bdlora.budgeted.calibrate import calibrate
-from bdlora.budgeted.costs import ModuleShape
+from bdlora.base.io import write_json
 from bdlora.cli import app
+from bdlora.compress.allocate import allocate
+from bdlora.compress.calibrate import calibrate
 from bdlora.export.genai.quantize import quantize_nbits, rtn_rounded
 from bdlora.forms.lowrank import FISHER_DAMPING
-from bdlora.io import write_json
+from bdlora.models.arch import projection_modules
+from bdlora.models.costs import ModuleShape
 
 
 @pytest.mark.parametrize("k", [96, 80])  # 80: the last block of 32 is padded, as the exporter pads it

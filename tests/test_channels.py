@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from bdlora.budgeted.allocate import allocate, knapsack, mac_cost
-from bdlora.budgeted.costs import ModuleShape
 from bdlora.cli import app
+from bdlora.compress.allocate import allocate, knapsack, mac_cost
 from bdlora.forms.channels import channel_order, keep_grid, probe_shapes, prune, site_options
 from bdlora.forms.lowrank import FISHER_DAMPING, damped
+from bdlora.models.costs import ModuleShape
 
 
 def _problem(seed: int, hidden: int = 6, width: int = 10, tokens: int = 40):
@@ -241,7 +241,7 @@ def _serves_its_greedy_generation(onnx_dir, tok):
     """``bdlora serve`` answers a greedy completion with the tokens the served graph itself picks step by step."""
     import httpx
 
-    from bdlora.runtime import DecoderShape, empty_past, run_decoder, session
+    from bdlora.models.runtime import DecoderShape, empty_past, run_decoder, session
     from conftest import start_server
 
     cfg = json.loads((onnx_dir / "config.json").read_text())

@@ -142,8 +142,8 @@ def test_bad_yaml(tiny_env, tmp_path):
 
 def test_lora_rank_is_bounded_by_the_model(tiny_env, tmp_path):
     """The tiny teacher's narrowest projections are k/v (hidden 32 -> 2 KV heads x head_dim 8 = 16)."""
-    from bdlora.arch import max_lora_rank
-    from bdlora.models import load_model_folder
+    from bdlora.models.arch import max_lora_rank
+    from bdlora.models.load import load_model_folder
 
     model, _, _ = load_model_folder(tiny_env["teacher"])
     assert max_lora_rank(model.config) == (16, "k_proj/v_proj")
@@ -185,8 +185,8 @@ def test_unusable_out_is_one_line_before_any_work(tiny_env, tmp_path, make_out, 
 def test_the_paper_recipe_ships_with_the_package(monkeypatch):
     """--config paper: the paper's budget, not the first-run defaults (2^14 tokens per device and step, 2.55B tokens
     in all over its two devices, a 10M-token validation set, rank 128 / alpha 256)."""
-    from bdlora.config import TrainConfig, merge
-    from bdlora.option_files import load_yaml
+    from bdlora.train.config import TrainConfig, merge
+    from bdlora.train.option_files import load_yaml
 
     values = load_yaml("paper")
     cfg = merge(values, {}).validate()
@@ -198,7 +198,7 @@ def test_the_paper_recipe_ships_with_the_package(monkeypatch):
 
     from transformers import MistralConfig
 
-    from bdlora.session import _resolve_sizes
+    from bdlora.train.session import _resolve_sizes
 
     teacher = SimpleNamespace(config=MistralConfig(hidden_size=512, num_attention_heads=8, num_key_value_heads=8,
                                                    intermediate_size=1024, num_hidden_layers=2,

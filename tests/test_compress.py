@@ -8,11 +8,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from bdlora.budgeted.config import BudgetedConfig
-from bdlora.budgeted.layer import GatedLoRALinear, fused_svd_pair
-from bdlora.budgeted.model import compress_budgeted
+from bdlora.base.errors import ConfigError
 from bdlora.cli import app
-from bdlora.errors import ConfigError
+from bdlora.models.budgeted.config import BudgetedConfig
+from bdlora.models.budgeted.layer import GatedLoRALinear, fused_svd_pair
+from bdlora.models.budgeted.model import compress_budgeted
 from conftest import budgeted_student
 
 TH = BudgetedConfig(eps_zero=1e-3, eps_lr=0.7, gate_threshold=0.3, svd_max_rank=8)
@@ -231,8 +231,8 @@ def test_a_compressed_folder_keeps_its_heldout_slice_when_the_run_is_gone(tiny_e
     is still scored on the run's held-out slice (eval gives compress's own figure), not on a fallback corpus."""
     import shutil
 
+    from bdlora.base.runs import ModelDir, RunDir
     from bdlora.export.genai.folder import data_settings
-    from bdlora.runs import ModelDir, RunDir
 
     run = _train(tiny_env, tmp_path / "run", "budgeted", budget=0.0, retention_ema=0.0, allocation="cost")
     recorded = RunDir(run).data_settings()
@@ -344,7 +344,7 @@ DAMAGE = [
 
 @pytest.mark.parametrize("damage,needle", DAMAGE)
 def test_a_damaged_or_edited_folder_is_refused_by_every_reader(saved_student, tmp_path, damage, needle):
-    from bdlora.integrity import DIGEST_KEY
+    from bdlora.models.integrity import DIGEST_KEY
 
     report = json.loads((saved_student / "compression.json").read_text())
     assert set(report[DIGEST_KEY]) == {"model.safetensors"}

@@ -500,8 +500,8 @@ TRAIN_RANGES = {  # option -> (allowed?, value strategy): the documented contrac
 def test_train_validation_agrees_with_the_documented_ranges(data):
     """For any value, `train`'s validation refuses exactly the values outside the documented range, in one line
     naming the option (checked on the config, which every flag and YAML value goes through)."""
-    from bdlora.config import TrainConfig
-    from bdlora.errors import ConfigError
+    from bdlora.base.errors import ConfigError
+    from bdlora.train.config import TrainConfig
 
     flag = data.draw(st.sampled_from(sorted(TRAIN_RANGES)))
     allowed, values = TRAIN_RANGES[flag]
@@ -521,7 +521,7 @@ def test_every_artefact_file_is_readable_by_others(made, tiny_env):
     """Weights included: safetensors and transformers may create files 0600, which a shared folder cannot use."""
     import stat
 
-    from bdlora.io import _UMASK
+    from bdlora.base.io import _UMASK
 
     folders = [made["run"], made["compressed"], made["onnx"]]
     files = [p for f in folders for p in f.rglob("*") if p.is_file()]
@@ -543,7 +543,7 @@ class Holder:
         import subprocess
         import sys
 
-        code = ("import sys; from bdlora.io import claim; claim(sys.argv[1]); print('held', flush=True); "
+        code = ("import sys; from bdlora.base.io import claim; claim(sys.argv[1]); print('held', flush=True); "
                 "sys.stdin.read()")
         self.proc = subprocess.Popen([sys.executable, "-c", code, str(path)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
@@ -595,7 +595,7 @@ def test_two_commands_writing_one_new_output_at_once_leave_one_whole_winner(made
 def test_two_runs_started_in_the_same_second_get_two_folders(tmp_path, monkeypatch):
     from datetime import datetime
 
-    from bdlora import runs
+    from bdlora.base import runs
 
     class Frozen(datetime):
         @classmethod
@@ -620,7 +620,7 @@ def test_a_folder_whose_path_reads_as_markup_is_evaluated(made, tmp_path):
 def test_train_refuses_an_out_inside_a_model_folder_before_loading_anything(made, tmp_path, monkeypatch):
     """Issue 53, minor: ``train --out`` inside a compressed folder was refused only after the teacher had loaded and
     the start was calibrated (~40 s)."""
-    from bdlora import train as train_module
+    from bdlora.train import loop as train_module
 
     def never(*args, **kwargs):
         raise AssertionError("the teacher was loaded before --out was checked")
@@ -671,9 +671,9 @@ def test_loadtest_counts_a_server_answering_nonsense_as_failures(tmp_path):
 
 def test_a_low_rank_declaration_its_tensors_contradict_is_refused(tiny_model, tiny_env, tmp_path):
     """A low-rank module declared with another rank than its tensors hold (or none) is refused in one line."""
+    from bdlora.base.errors import ModelError
     from bdlora.deployed.folder import save_model_folder
-    from bdlora.errors import ModelError
-    from bdlora.integrity import check_model_folder
+    from bdlora.models.integrity import check_model_folder
     from conftest import compressed_student
 
     _, model, report = compressed_student(tiny_model, [0.0, 1.0, 0.2], seed=1)

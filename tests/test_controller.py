@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bdlora.budgeted.controller import BudgetController, budget_schedule, greedy_targets
+from bdlora.train.budgeted.controller import BudgetController, budget_schedule, greedy_targets
 
 
 def test_schedule_endpoints_and_midpoint():

@@ -13,12 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from bdlora.base.errors import DataError
 from bdlora.cli import app
-from bdlora.config import TrainConfig, default_lr, resolve_defaults
-from bdlora.corpora import MIX_CHUNK, load_tokens, mix_counts, parse
-from bdlora.distill import MIN_WARMUP_STEPS, warmup_cosine, warmup_steps
-from bdlora.errors import DataError
-from bdlora.prose import extract_docs
+from bdlora.data.corpora import MIX_CHUNK, load_tokens, mix_counts, parse
+from bdlora.data.prose import extract_docs
+from bdlora.train.config import TrainConfig, default_lr, resolve_defaults
+from bdlora.train.distill import MIN_WARMUP_STEPS, warmup_cosine, warmup_steps
 
 
 def _two_corpora(root, make_corpus):
@@ -84,7 +84,7 @@ def test_weights_are_normalised():
 
 
 def test_teacher_samples_are_cached_and_a_pure_function_of_the_seed(tiny_env, tmp_path):
-    from bdlora.selfgen import TeacherSource, samples_dir
+    from bdlora.data.selfgen import TeacherSource, samples_dir
 
     cache = tmp_path / "cache"
     src = TeacherSource(tiny_env["teacher"])
@@ -106,7 +106,7 @@ def test_teacher_samples_are_cached_and_a_pure_function_of_the_seed(tiny_env, tm
     assert sum(tokens.meta["tokens"].values()) > 300
     # a rewritten or truncated cache is seen by its content hash and sampled again (it was read as the teacher's:
     # perplexity 424.0 against 16.65), the message naming the cache
-    from bdlora.reporter import Reporter
+    from bdlora.base.reporter import Reporter
 
     class Stages(Reporter):
         def __init__(self):
@@ -127,7 +127,7 @@ def test_teacher_samples_are_cached_and_a_pure_function_of_the_seed(tiny_env, tm
 def test_teacher_samples_in_a_mixture_continue_prefixes_of_its_other_corpora(tiny_env, tmp_path):
     """Issue 68 item 1: in a mixture, every other prompt is a prefix of another corpus's training split, which the
     teacher continues; never of its held-out split; keyed apart from the same samples without prefixes."""
-    from bdlora.selfgen import PREFIX_POOL, PREFIX_TOKENS, TeacherSource, draw_prefixes
+    from bdlora.data.selfgen import PREFIX_POOL, PREFIX_TOKENS, TeacherSource, draw_prefixes
     from conftest import make_corpus
 
     cache, tok = tmp_path / "cache", tiny_env["tokenizer"]
@@ -161,7 +161,7 @@ def test_teacher_samples_in_a_mixture_continue_prefixes_of_its_other_corpora(tin
 
 
 def test_chat_prompts_are_varied_and_deterministic():
-    from bdlora.selfgen import prompts
+    from bdlora.data.selfgen import prompts
 
     a, b = prompts(0, 64), prompts(0, 64)
     assert a == b and len(set(a)) > 40 and prompts(1, 64) != a
@@ -210,9 +210,9 @@ def test_sequential_correction_is_the_least_squares_solution_on_a_one_layer_mode
 
     from transformers import MistralForCausalLM
 
-    from bdlora.arch import projection_modules, set_module
-    from bdlora.budgeted.correct import correct_sequential
+    from bdlora.compress.correct import correct_sequential
     from bdlora.deployed.modeling_bdlora import LowRankLinear
+    from bdlora.models.arch import projection_modules, set_module
     from conftest import tiny_config
 
     torch.manual_seed(0)
@@ -318,8 +318,8 @@ def test_a_bad_autocast_or_calib_data_is_refused_before_any_run_folder(tiny_env,
 
 def test_mixture_weights_at_the_float_limit_are_normalised():
     """Issue 53, case 7: ``builtin:1e308,DIR:1e308`` summed to inf and divided to zero (ZeroDivisionError)."""
-    from bdlora.corpora import parse
-    from bdlora.errors import DataError
+    from bdlora.base.errors import DataError
+    from bdlora.data.corpora import parse
 
     parts = parse("builtin:1e308,prose:1e308")
     assert [p.weight for p in parts] == [0.5, 0.5]

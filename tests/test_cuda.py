@@ -41,7 +41,7 @@ def cache(tmp_path_factory):
 
 
 def _cfg(cache: Path, out: Path, device: str, **kw):
-    from bdlora.config import TrainConfig
+    from bdlora.train.config import TrainConfig
 
     base = dict(teacher="builtin", method="budgeted", budget=0.4, max_steps=STEPS, eval_every=STEPS, save_every=3,
                 device=device, autocast="bf16", out=str(out), cache_dir=str(cache), measure_step_time=False,
@@ -56,7 +56,7 @@ def _losses(run: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def runs(cache, tmp_path_factory):
     """The same budgeted run on each device."""
-    from bdlora.train import train
+    from bdlora.train.loop import train
 
     root = tmp_path_factory.mktemp("cuda-runs")
     return {device: (train(_cfg(cache, root / device, device)), root / device) for device in ("cuda", "cpu")}
@@ -72,8 +72,8 @@ def test_cuda_bf16_training_matches_the_cpu_within_tolerance(runs):
 
 
 def test_a_cuda_run_resumes_where_it_stopped(cache, runs, tmp_path):
-    from bdlora.config import TrainConfig
-    from bdlora.train import train
+    from bdlora.train.config import TrainConfig
+    from bdlora.train.loop import train
     from conftest import stop_at
 
     with pytest.raises(KeyboardInterrupt):
@@ -85,9 +85,9 @@ def test_a_cuda_run_resumes_where_it_stopped(cache, runs, tmp_path):
 
 
 def test_a_cuda_run_compresses_and_evaluates_like_the_cpu_run(runs, tmp_path):
-    from bdlora.budgeted.config import BudgetedConfig
-    from bdlora.compress import compress_run
-    from bdlora.evaluate import EvalConfig, evaluate_target
+    from bdlora.compress.run import compress_run
+    from bdlora.eval.evaluate import EvalConfig, evaluate_target
+    from bdlora.models.budgeted.config import BudgetedConfig
 
     scored = {}
     for device, (_, run) in runs.items():
@@ -107,7 +107,7 @@ if __name__ == "__main__":  # a device machine without pytest: the same checks, 
     if not CUDA:
         sys.exit("no CUDA device: nothing to check")
     os.environ.setdefault("BDLORA_TEACHER_STEPS", "60")
-    from bdlora.train import train
+    from bdlora.train.loop import train
 
     tmp = Path(tempfile.mkdtemp(prefix="bdlora-cuda-"))
     made = {d: (train(_cfg(tmp / "cache", tmp / d, d)), tmp / d) for d in ("cuda", "cpu")}

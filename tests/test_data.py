@@ -3,9 +3,9 @@ import json
 import numpy as np
 import pytest
 
-from bdlora.blocks import BlockSampler, PackedBlocks
-from bdlora.data import BUILTIN_HELDOUT_FRACTION, Corpus, builtin_files, is_heldout, tokenize_corpus
-from bdlora.errors import DataError
+from bdlora.base.errors import DataError
+from bdlora.data.blocks import BlockSampler, PackedBlocks
+from bdlora.data.tokens import BUILTIN_HELDOUT_FRACTION, Corpus, builtin_files, is_heldout, tokenize_corpus
 
 
 def test_md5_split_is_stable_and_matches_spec():
@@ -91,7 +91,7 @@ def test_packed_blocks_and_sampler_are_deterministic():
 def test_atomic_outputs_get_ordinary_permissions(tmp_path):
     import stat
 
-    from bdlora import io
+    from bdlora.base import io
 
     io.write_json(tmp_path / "a.json", {"x": 1})
     with io.atomic_dir(tmp_path / "d") as tmp:
@@ -101,7 +101,7 @@ def test_atomic_outputs_get_ordinary_permissions(tmp_path):
 
 
 def test_document_blocks_truncate_pad_and_mask():
-    from bdlora.blocks import DocumentBlocks, training_blocks
+    from bdlora.data.blocks import DocumentBlocks, training_blocks
 
     eos = 0
     #                 doc A (5+EOS)      bare EOS  doc B (2+EOS)  doc C (1+EOS)
@@ -126,7 +126,7 @@ def test_document_blocks_truncate_pad_and_mask():
 
 
 def test_long_documents_are_cut_into_pieces_that_concatenate_exactly():
-    from bdlora.data import pieces
+    from bdlora.data.tokens import pieces
 
     text = ("word " * 30 + "\n") * 40  # 6,040 characters, a newline every 151
     parts = list(pieces("d", iter([text[i : i + 700] for i in range(0, len(text), 700)]), size=1000))
@@ -139,7 +139,7 @@ def test_long_documents_are_cut_into_pieces_that_concatenate_exactly():
 
 
 def test_a_long_document_tokenises_as_one_document_with_one_eos(tiny_env, tmp_path, monkeypatch):
-    import bdlora.data as D
+    import bdlora.data.tokens as D
 
     tok = tiny_env["tokenizer"]
     (tmp_path / "c").mkdir()
@@ -156,7 +156,7 @@ def test_a_long_document_tokenises_as_one_document_with_one_eos(tiny_env, tmp_pa
 CHILD = """
 import resource, sys
 from transformers import AutoTokenizer
-from bdlora.data import Corpus, tokenize_corpus
+from bdlora.data.tokens import Corpus, tokenize_corpus
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
 vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize"))
 resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.RLIM_INFINITY))  # 1 GiB more than after imports
@@ -210,7 +210,7 @@ def test_corpus_problems_are_one_line_errors(tmp_path):
 
 
 def test_an_overlong_jsonl_line_is_refused_before_it_is_read_whole(tmp_path, monkeypatch):
-    import bdlora.data as D
+    import bdlora.data.tokens as D
 
     monkeypatch.setattr(D, "MAX_JSONL_LINE", 1000)
     (tmp_path / "j").mkdir()

@@ -3,7 +3,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from bdlora.distill import DistillationLoss
+from bdlora.train.distill import DistillationLoss
 
 
 def _setup(B=2, T=7, H=8, V=11, seed=0):
@@ -91,7 +91,7 @@ def test_right_padding_with_mask_equals_the_unpadded_document(tiny_model):
     loss (and its gradient) of a padded document equals the loss of the document alone."""
     import copy
 
-    from bdlora.distill import kd_step
+    from bdlora.train.distill import kd_step
 
     student = copy.deepcopy(tiny_model).train()
     doc = torch.tensor([[5, 9, 17, 3, 11, 2]])
@@ -117,7 +117,7 @@ def test_a_bf16_step_on_the_cpu_is_within_tolerance_of_fp32(tiny_env):
 
     from transformers import AutoModelForCausalLM
 
-    from bdlora.distill import kd_step
+    from bdlora.train.distill import kd_step
 
     teacher = AutoModelForCausalLM.from_pretrained(tiny_env["teacher"], dtype=torch.float32).eval()
     student = copy.deepcopy(teacher).train()
@@ -143,7 +143,7 @@ def test_a_draft_head_keeping_some_tokens_is_fitted_over_those():
     """A student head with ``token_ids`` (a draft's VocabHead): the KL is the teacher's distribution renormalised on
     the kept tokens against the student's over them, the CE counts the positions whose next token is kept."""
     from bdlora.deployed.modeling_bdlora import VocabHead
-    from bdlora.distill import DistillationLoss
+    from bdlora.train.distill import DistillationLoss
 
     torch.manual_seed(0)
     vocab, hidden, n = 12, 8, 10

@@ -69,7 +69,7 @@ def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(tiny_en
 def _diverge_worker(rank, world, port, q):
     import torch.distributed as dist
 
-    from bdlora.distributed import DistEnv, check_same_retentions
+    from bdlora.train.distributed import DistEnv, check_same_retentions
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -148,7 +148,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tiny_env, tmp_
     data = bytearray(latest.read_bytes())
     data[-8:] = b"\x00" * 8
     latest.write_bytes(bytes(data))
-    from bdlora.checkpoint import latest_checkpoint
+    from bdlora.train.checkpoint import latest_checkpoint
 
     with pytest.warns(UserWarning, match="step-00000004 is corrupt"):
         assert latest_checkpoint(run).name == "step-00000002"
@@ -166,7 +166,7 @@ def test_resume_refuses_incompatible_options_and_accepts_compatible_ones(tiny_en
     assert res.exit_code == 0
     (run / "summary.json").unlink()
     # what the run resolved is stored beside its options, typed (RunFacts), and a resume must match its processes
-    from bdlora.runs import RunDir, RunFacts
+    from bdlora.base.runs import RunDir, RunFacts
 
     doc = json.loads((run / "config.json").read_text())
     facts = RunDir(run).facts()
@@ -233,7 +233,7 @@ def _edit_checkpoint(run, edit_tensors=None, **state):
     """Edit step-00000004 as a user could (checksums recomputed, so only the contents say what is wrong)."""
     from safetensors.torch import load_file, save_file
 
-    from bdlora.checkpoint import sha256
+    from bdlora.train.checkpoint import sha256
 
     ckpt = run / "checkpoints" / "step-00000004"
     if edit_tensors is not None:

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from bdlora.cli import app
-from bdlora.evaluate import greedy_continuations, target_logprobs
-from bdlora.icl import (
+from bdlora.eval.evaluate import greedy_continuations, target_logprobs
+from bdlora.eval.icl import (
     GENERATORS,
     MONTHS,
     NEXT_ITEMS,
@@ -27,7 +27,7 @@ from bdlora.icl import (
     summarise,
     task_examples,
 )
-from bdlora.perplexity import TorchLM
+from bdlora.models.perplexity import TorchLM
 
 WORDS = ["river", "apple", "house", "zebra", "mango", "train", "cloud", "delta", "bison", "quilt", "ember"]
 
@@ -148,7 +148,7 @@ TABLE9 = Path(__file__).parent / "data" / "paper_table9.json"  # transcribed fro
 
 def test_composite_reproduces_every_column_of_the_papers_table_9():
     """The paper's composite row is the mean of the task means ± the mean of the task stds, to its rounding."""
-    from bdlora.icl import composite
+    from bdlora.eval.icl import composite
 
     rows = json.loads(TABLE9.read_text())["rows"]
     paper = rows.pop("composite")
@@ -188,7 +188,7 @@ def test_one_pass_scoring_equals_separate_greedy_and_logprob(tiny_model, tiny_en
     """run_icl scores the answer on the greedy pass's prefill (then rolls the cache back): the continuations are
     the same tokens and the log-probabilities the same numbers as two separate passes; a prompt whose answer merges
     into its last token (no clean boundary) falls back to the separate scoring."""
-    from bdlora.evaluate import _answer_tokens
+    from bdlora.eval.evaluate import _answer_tokens
 
     tok = tiny_env["tokenizer"]
     prompts = ["alpha beta gamma", "one two", "red green blue cyan magenta yellow", "monday", "alpha bet"]
@@ -204,8 +204,8 @@ def test_one_pass_scoring_equals_separate_greedy_and_logprob(tiny_model, tiny_en
 
 
 def test_perplexity_is_exp_of_independent_mean_nll(tiny_model, tiny_env):
-    from bdlora.blocks import PackedBlocks
-    from bdlora.data import Corpus, tokenize_corpus
+    from bdlora.data.blocks import PackedBlocks
+    from bdlora.data.tokens import Corpus, tokenize_corpus
 
     data = tokenize_corpus(Corpus(tiny_env["corpus"]), tiny_env["tokenizer"], 0.1, tiny_env["cache"])
     blocks = PackedBlocks(data.tokens("val"), 32, max_tokens=512)

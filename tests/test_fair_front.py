@@ -12,12 +12,12 @@ import tarfile
 import pytest
 from typer.testing import CliRunner
 
+from bdlora.base.errors import DataError
 from bdlora.bench.front import PEER, dominance, front_mark, markdown, same_precision
 from bdlora.bench.genai import unseen_data
 from bdlora.cli import app
-from bdlora.corpora import other_domains, unseen_corpus
-from bdlora.errors import DataError
-from bdlora.fortunes import FORTUNES_SOURCE, DebSource, deb_member, entries, fortunes_dir
+from bdlora.data.corpora import other_domains, unseen_corpus
+from bdlora.data.fortunes import FORTUNES_SOURCE, DebSource, deb_member, entries, fortunes_dir
 
 
 def _pt(name, ms, ppl, unseen):
@@ -178,7 +178,7 @@ def test_a_default_domain_that_cannot_be_fetched_is_said_not_fatal(tiny_env, tmp
     domain asked for with --domains still fails in one line."""
     from transformers import MistralForCausalLM
 
-    import bdlora.evaluate as ev
+    import bdlora.eval.evaluate as ev
     from conftest import tiny_config
 
     MistralForCausalLM(tiny_config(32_000, layers=1, hidden=16)).save_pretrained(tmp_path / "m")
@@ -208,8 +208,8 @@ def test_trains_start_calibrates_a_general_purpose_teacher_on_the_builtin_mixtur
     (The corpora themselves are redirected to the tiny fixture corpus: what is checked is which spec is asked for.)"""
     from transformers import MistralForCausalLM
 
-    import bdlora.session as session
-    from bdlora.corpora import GENERAL_CALIB_DATA, general_calib_data
+    import bdlora.train.session as session
+    from bdlora.data.corpora import GENERAL_CALIB_DATA, general_calib_data
     from conftest import tiny_config, train_args
 
     assert general_calib_data("builtin", None, 32_000) == GENERAL_CALIB_DATA == "builtin:1,prose:1"

@@ -76,9 +76,9 @@ def test_budgeted_moves_the_allocated_projections_to_low_rank_beside_fixed_prune
     # at d = 1 the gated student is the structure: its pairs' residual W - B A sits in the dense path
     from transformers import AutoModelForCausalLM
 
-    from bdlora.budgeted.start import LowRankStart
-    from bdlora.config import TrainConfig
-    from bdlora.methods import Budgeted
+    from bdlora.train.budgeted.start import LowRankStart
+    from bdlora.train.config import TrainConfig
+    from bdlora.train.methods import Budgeted
 
     structured = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "structure", dtype=torch.float32).eval()
     ids = torch.randint(0, structured.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -120,8 +120,8 @@ def test_speedup_allocates_the_start_for_the_whole_decode_step(tiny_env, tmp_pat
     hand-made one and its decode-step overhead: nothing timed) and its predicted whole-step speed-up meets S."""
     from test_latency import _hand_table
 
-    from bdlora.budgeted.costs import shapes_from_config
-    from bdlora.errors import usable_cores
+    from bdlora.base.errors import usable_cores
+    from bdlora.models.costs import shapes_from_config
     from conftest import genai_teacher
 
     genai_teacher(tiny_env["tokenizer"], tmp_path / "teacher", seed=3, layers=4)  # head dim 16, what genai takes
@@ -140,8 +140,8 @@ def test_speedup_allocates_the_start_for_the_whole_decode_step(tiny_env, tmp_pat
 def test_a_resumed_forms_run_reads_its_structure_and_ends_bit_identical(tiny_env, tmp_path, monkeypatch):
     """A --forms run stopped after a checkpoint resumes from the structure it saved (never recomputed) and
     ends with the same weights as the run that was not stopped; its layers stay the structure's."""
-    from bdlora.config import TrainConfig
-    from bdlora.train import train
+    from bdlora.train.config import TrainConfig
+    from bdlora.train.loop import train
 
     common = dict(teacher=str(tiny_env["teacher"]), data=str(tiny_env["corpus"]), cache_dir=str(tiny_env["cache"]),
                   seq_len=32, batch_size=4, eval_tokens=512, heldout_fraction=0.1, lr=3e-3, max_steps=6,
@@ -156,7 +156,7 @@ def test_a_resumed_forms_run_reads_its_structure_and_ends_bit_identical(tiny_env
     def recompute(*a, **k):
         raise AssertionError("a resumed run recomputed its structure")
 
-    monkeypatch.setattr("bdlora.forms_start.structure", recompute)
+    monkeypatch.setattr("bdlora.train.forms_start.structure", recompute)
     resumed = train(TrainConfig(), resume=tmp_path / "b")
     assert resumed["resumed_from"] == 2 and resumed["layer_indices"] == full["layer_indices"]
     assert len(full["layer_indices"]) < 4  # a layer removed: the kept ones map back to the teacher's

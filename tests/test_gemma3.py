@@ -15,7 +15,7 @@ from bdlora.cli import app
 from bdlora.export.decoder import DecoderLayout, build_decoder
 from bdlora.export.genai.validate import GENAI_SHAPES, graph_parity
 from bdlora.export.onnx.validate import validate
-from bdlora.runtime import session
+from bdlora.models.runtime import session
 
 WINDOW = 3  # shorter than every validation shape's sequence: the windowed layers' masks are exercised
 
@@ -145,9 +145,9 @@ def test_a_model_whose_tokenizer_starts_with_bos_sees_it_at_the_start_of_every_b
     import numpy as np
     from tokenizers.processors import TemplateProcessing
 
-    from bdlora.blocks import DocumentBlocks, PackedBlocks
-    from bdlora.data import Corpus, tokenize_corpus
-    from bdlora.tokenizer import bos_first
+    from bdlora.data.blocks import DocumentBlocks, PackedBlocks
+    from bdlora.data.tokens import Corpus, tokenize_corpus
+    from bdlora.models.tokenizer import bos_first
 
     stream = np.arange(100)
     b = PackedBlocks(stream, 10, bos=7)

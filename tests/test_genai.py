@@ -11,18 +11,18 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from bdlora.base.errors import usable_cores
+from bdlora.base.runs import row_name
 from bdlora.bench.variants import dense_variant, lora_variant, synthetic_model
 from bdlora.cli import app
 from bdlora.deployed.folder import save_model_folder
-from bdlora.errors import usable_cores
 from bdlora.export.decoder import DecoderLayout, build_decoder
 from bdlora.export.genai import export_genai_folder
 from bdlora.export.genai.validate import GENAI_SHAPES, graph_parity
 from bdlora.export.onnx.validate import TOLERANCE, ExportValidationError
 from bdlora.export.settings import GenaiExportSettings
-from bdlora.models import load_model_folder
-from bdlora.runs import row_name
-from bdlora.runtime import DecoderSignature, session
+from bdlora.models.load import load_model_folder
+from bdlora.models.runtime import DecoderSignature, session
 from conftest import compressed_student
 
 D_MIXED = [0.0, 1.0, 0.0, 0.2, 0.0, 0.9, 0.0]
@@ -207,7 +207,7 @@ def test_generator_divergence_beyond_a_tie_is_an_error(mixed_folder, tmp_path):
     """The greedy check can fail: a graph whose LM head was perturbed generates other tokens, and the export says
     at which step and by what margin."""
     from bdlora.export.genai.validate import generator_greedy
-    from bdlora.models import load_model_folder
+    from bdlora.models.load import load_model_folder
 
     folder, root = mixed_folder
     export_genai_folder(folder, tmp_path / "g", GenaiExportSettings(validate=False))
@@ -437,7 +437,7 @@ def test_the_plain_twin_of_a_quantised_genai_graph_computes_the_same_logits(mixe
 
     from bdlora.export.genai.folder import plain_graph, rounded, tied_head
     from bdlora.export.genai.quantize import LM_HEAD
-    from bdlora.runtime import DecoderShape, empty_past, run_decoder
+    from bdlora.models.runtime import DecoderShape, empty_past, run_decoder
 
     folder, _ = mixed_folder
     model, _, _ = load_model_folder(folder)
@@ -470,7 +470,7 @@ def test_bench_teacher_quant_rounds_the_teachers_folders_its_own_way(mixed_folde
     method is refused in one line before anything is written."""
     from bdlora.bench.config import BenchConfig
     from bdlora.bench.genai import export_variants
-    from bdlora.blocks import PackedBlocks
+    from bdlora.data.blocks import PackedBlocks
 
     folder, _ = mixed_folder
     model, tok, _ = load_model_folder(folder)
@@ -494,8 +494,8 @@ def test_a_foreign_tokenizer_in_a_genai_folder_is_refused_by_every_reader(mixed_
     """Issue 53, case 5: export.json records the tokenizer the folder was validated with; its reader (serve
     --runtime genai, through runtime.check_onnx_dir) refuses another one copied in (a smaller vocabulary: it loaded
     and ran)."""
-    from bdlora.errors import ModelError
-    from bdlora.runtime import check_onnx_dir
+    from bdlora.base.errors import ModelError
+    from bdlora.models.runtime import check_onnx_dir
     from conftest import put_foreign_tokenizer
 
     folder, _ = mixed_folder
@@ -514,8 +514,8 @@ def test_one_settings_object_checks_every_option_and_says_every_problem_at_once(
     """GenaiExportSettings is what export genai builds and the bench holds: every bad value and every option that
     does nothing at its precision refused together; the bench derives each row's settings from its own flags (the
     teacher rounded its way, --int8-share only where a calibrated scheme chooses it)."""
+    from bdlora.base.errors import Checks, ConfigError
     from bdlora.bench.config import BenchConfig
-    from bdlora.errors import Checks, ConfigError
     from bdlora.export.settings import DEFAULT
 
     with pytest.raises(ConfigError) as e:
@@ -550,7 +550,7 @@ def test_quantised_export_stores_the_embedding_once(family, shared):
     from bdlora.export.genai.embedding import TABLE
     from bdlora.export.genai.folder import rounded
     from bdlora.export.genai.quantize import quantize_nbits
-    from bdlora.runtime import DecoderShape, empty_past, run_decoder
+    from bdlora.models.runtime import DecoderShape, empty_past, run_decoder
 
     model, _ = synthetic_model(_config(family, vocab_size=256), 0.6, None, rank=8)
     shape = DecoderShape.of(model.config)

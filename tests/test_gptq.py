@@ -90,7 +90,7 @@ def test_a_genai_graph_quantised_by_gptq_runs_and_errs_less_than_round_to_neares
     from bdlora.export.decoder import DecoderLayout, build_decoder
     from bdlora.export.genai.gptq import input_grams, weight_matmuls
     from bdlora.export.genai.quantize import quantize_graph
-    from bdlora.runtime import DecoderShape, empty_past, run_decoder, session
+    from bdlora.models.runtime import DecoderShape, empty_past, run_decoder, session
 
     config = {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -17,11 +17,11 @@ from safetensors.torch import load_file
 from test_channels import _serves_its_greedy_generation, benched, healed_and_compressed, scored_and_exported, shot
 from typer.testing import CliRunner
 
-from bdlora.budgeted.allocate import allocate, mac_cost
-from bdlora.budgeted.costs import ModuleShape
 from bdlora.cli import app
+from bdlora.compress.allocate import allocate, mac_cost
 from bdlora.forms.groups import group_options, group_order, probe_shapes, prune
 from bdlora.forms.lowrank import FISHER_DAMPING, damped
+from bdlora.models.costs import ModuleShape
 
 KV, RATIO, HD, HIDDEN = 4, 2, 3, 10  # a problem of 4 groups of 2 query heads of width 3
 
@@ -231,8 +231,8 @@ def test_a_grouped_folder_heals_as_a_student_and_compresses_to_the_same_sites(ti
 
 
 def test_the_report_table_names_the_pruned_attention_blocks():
-    from bdlora.budgeted.costs import compression_report, prune_decision
     from bdlora.cli import render
+    from bdlora.models.costs import compression_report, prune_decision
 
     shapes = {"q_proj": (576, 576), "k_proj": (576, 192), "v_proj": (576, 192), "o_proj": (576, 576)}
     decisions = [prune_decision(ModuleShape(f"model.layers.{i}.self_attn.{p}", *s), keep, of=3)

@@ -17,15 +17,15 @@ from test_latency import _hand_table, _tiny_shapes
 from test_whole_decode import LAYERS3, hand_overhead
 from typer.testing import CliRunner
 
-import bdlora.budgeted.calibrate as cal
+import bdlora.compress.calibrate as cal
 import bdlora.export.genai.latency as lat
-from bdlora.budgeted.allocate import Allocation, allocate
+from bdlora.base.io import read_json, write_json
 from bdlora.cli import app
+from bdlora.compress.allocate import Allocation, allocate
 from bdlora.export.genai.quantize import rtn_rounded
 from bdlora.export.settings import GenaiExportSettings
 from bdlora.forms import HEAD, HEAD_BITS
 from bdlora.forms.lowrank import FISHER_DAMPING
-from bdlora.io import read_json, write_json
 
 HEAD_X = 10.0  # the hand-made int8 head costs this many times its int4 time (so buying 4 bits pays at once)
 
@@ -182,7 +182,7 @@ def test_a_declared_head_width_must_be_4_or_8(headed, tmp_path):
 def test_train_forms_bits_starts_from_the_4_bit_head_and_its_compressed_folder_keeps_it(tiny_env, tmp_path):
     """train --method kd-lora --forms bits --precision int4 --speedup 1.2: the structure declares the 4-bit head,
     the healed student keeps the declaration through compress, and its int4 export ships it."""
-    from bdlora.errors import usable_cores
+    from bdlora.base.errors import usable_cores
     from conftest import genai_teacher, train_args
 
     genai_teacher(tiny_env["tokenizer"], tmp_path / "teacher", seed=3, layers=4)

@@ -109,7 +109,7 @@ def test_a_nan_weight_is_refused_by_eval_and_export_never_reported(shot, tmp_pat
     validated "max |ONNX-torch| inf (tolerance inf)" and wrote the folder."""
     from safetensors.torch import load_file, save_file
 
-    from bdlora.integrity import DIGEST_KEY, digests
+    from bdlora.models.integrity import DIGEST_KEY, digests
 
     folder = tmp_path / "nan"
     shutil.copytree(shot, folder)
@@ -165,7 +165,7 @@ def test_a_weight_stored_as_int8_is_refused(shot, tmp_path):
     """Before: an int8 tensor (digests refreshed) loaded and scored 566.9 against 124.6, exit 0."""
     from safetensors.torch import load_file, save_file
 
-    from bdlora.integrity import DIGEST_KEY, digests
+    from bdlora.models.integrity import DIGEST_KEY, digests
 
     folder = tmp_path / "int8"
     shutil.copytree(shot, folder)
@@ -240,7 +240,7 @@ def _walk(doc):
 
 def _refreshed(folder) -> None:
     """compression.json's digests recomputed: a consistent folder whose config or weights alone are wrong."""
-    from bdlora.integrity import DIGEST_KEY, digests
+    from bdlora.models.integrity import DIGEST_KEY, digests
 
     report = json.loads((folder / "compression.json").read_text())
     report[DIGEST_KEY] = digests(folder)

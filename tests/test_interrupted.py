@@ -14,8 +14,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from bdlora.base.io import _HOST, remove_stale_temps
 from bdlora.cli import app
-from bdlora.io import _HOST, remove_stale_temps
 from conftest import compressed_student, tiny_config
 
 EXPORTS = {"onnx": ["export", "onnx"], "genai": ["export", "genai"]}

@@ -10,14 +10,14 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from bdlora.cli import app
-from bdlora.distill import DistillationLoss
-from bdlora.kdcache import TeacherTopK, cache_dir, row_key, teacher_topk
-from bdlora.train import train
+from bdlora.train.distill import DistillationLoss
+from bdlora.train.kdcache import TeacherTopK, cache_dir, row_key, teacher_topk
+from bdlora.train.loop import train
 from conftest import train_args
 
 
 def _cfg(env, out, **kw):
-    from bdlora.config import TrainConfig
+    from bdlora.train.config import TrainConfig
 
     base = dict(teacher=str(env["teacher"]), data=str(env["corpus"]), cache_dir=str(env["cache"]), seq_len=32,
                 batch_size=4, eval_tokens=512, heldout_fraction=0.1, lora_rank=4, lora_alpha=8.0, out=str(out),
@@ -131,7 +131,7 @@ DAMAGES = {  # issue 53, case 4: entries of the right shape whose values no teac
 def test_an_entry_with_impossible_values_is_computed_again_and_replaced(tiny_model, tmp_path, damage):
     """Before: read 16/16 and trusted (+5 ended a run at perplexity 1256 instead of 279; NaN failed the run blaming
     the model; an index of 50000 or -3 was a traceback), and never replaced, so every rerun failed again."""
-    from bdlora.io import load_tensors, save_tensors
+    from bdlora.base.io import load_tensors, save_tensors
 
     cpu = torch.device("cpu")
     x = torch.randint(0, tiny_model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))

@@ -13,9 +13,9 @@ from peft import LoraConfig
 from transformers import DynamicCache, MistralForCausalLM
 
 from bdlora.export.onnx.validate import torch_forward
-from bdlora.kv_cache import RENAMED_IN, cache_argument, returned_cache
-from bdlora.peft_compat import wrap_lora
-from bdlora.perplexity import TorchLM
+from bdlora.models.kv_cache import RENAMED_IN, cache_argument, returned_cache
+from bdlora.models.peft_compat import wrap_lora
+from bdlora.models.perplexity import TorchLM
 from conftest import tiny_config
 
 INSTALLED = Version(importlib.metadata.version("transformers"))

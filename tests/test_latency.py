@@ -14,10 +14,10 @@ from test_oneshot import shot_args
 from typer.testing import CliRunner
 
 import bdlora.export.genai.latency as lat
-from bdlora.budgeted.allocate import BUCKETS, allocate, options
-from bdlora.budgeted.costs import ModuleShape
+from bdlora.base.io import write_json
 from bdlora.cli import app
-from bdlora.io import write_json
+from bdlora.compress.allocate import BUCKETS, allocate, options
+from bdlora.models.costs import ModuleShape
 
 
 def test_form_graphs_compute_the_forms_the_exporter_emits():
@@ -155,7 +155,7 @@ def _hand_table(cache, shapes, slow_pairs: tuple[tuple[int, int], ...], threads=
 def _tiny_shapes(teacher):
     from transformers import AutoConfig
 
-    from bdlora.budgeted.costs import shapes_from_config
+    from bdlora.models.costs import shapes_from_config
 
     return shapes_from_config(AutoConfig.from_pretrained(teacher).to_dict())
 
@@ -240,9 +240,9 @@ def test_train_at_a_precision_starts_from_the_allocation_by_decode_time(tiny_env
     """train --precision int4 allocates the budgeted student's start by the cached decode-time table (nothing is
     measured): the projection whose pair never pays there keeps its dense path, the others get the ranks the
     measured-cost allocation gives; without --allocation quality and --mac-ratio it is refused in one line."""
-    from bdlora.budgeted.start import LowRankStart
-    from bdlora.errors import usable_cores
-    from bdlora.runs import RunDir
+    from bdlora.base.errors import usable_cores
+    from bdlora.base.runs import RunDir
+    from bdlora.train.budgeted.start import LowRankStart
     from conftest import train_args
 
     cache = tiny_env["cache"]
@@ -307,7 +307,7 @@ def test_a_damaged_latency_table_is_measured_again_never_used(tiny_env, tmp_path
 def test_a_table_measured_on_more_threads_than_cores_is_refused(tiny_env, tmp_path, monkeypatch):
     """Issue 53, minor: ``plan``/``compress --precision int8 --threads 64`` on 2 cores was accepted and the table
     measured so cached as if it were real (bench refused the same value)."""
-    from bdlora.errors import usable_cores
+    from bdlora.base.errors import usable_cores
 
     monkeypatch.setenv("BDLORA_CACHE", str(tmp_path))
     many = str(usable_cores() + 1)
@@ -343,8 +343,8 @@ def test_each_scheme_is_timed_in_the_nodes_its_export_writes(quant, precision, r
     ``quantize_nbits`` writes for that form (affine at int4: an AveragePool and a Concat before every MatMul whose
     K blocks divide, K/32 more columns; a rank-8 second factor keeps the plain node), and ``LatencyTable.rounded``
     rounds as the written graph computes (one-hot rows read its weights back, to 1e-6)."""
+    from bdlora.base.schemes import SCHEMES
     from bdlora.export.genai.quantize import quantize_nbits
-    from bdlora.schemes import SCHEMES
 
     proto, weights = _matmuls(96, 40, rank)
     written, _ = quantize_nbits(proto, precision, quant)
@@ -369,7 +369,7 @@ def test_each_scheme_is_timed_in_the_nodes_its_export_writes(quant, precision, r
 def test_a_schemes_table_is_its_own_cache_and_calibrated_schemes_time_their_uncalibrated_twin(tmp_path, monkeypatch):
     """affine at int4 is measured in its own layout and cached apart; at int8 (the plain symmetric node) it shares
     round-to-nearest's table; gptq is timed as round-to-nearest (the same nodes, no calibration needed)."""
-    from bdlora.schemes import SCHEMES
+    from bdlora.base.schemes import SCHEMES
 
     assert SCHEMES["gptq"].timed_as("int4").name == "rtn" and SCHEMES["affine"].timed_as("int4").name == "affine"
     assert [SCHEMES[q].layout("int4") for q in ("rtn", "gptq", "affine")] == ["nbits", "nbits", "nbits+means"]
@@ -392,7 +392,7 @@ def test_quant_beside_a_latency_precision_is_checked_in_one_line_and_named_in_th
     """``--quant`` on plan, compress --one-shot and train: an unknown scheme, or one without --precision int8/int4,
     is refused in one line before any work; a one-shot's default folder names it; plan --quant affine prices the
     structure in affine's node layout and says so."""
-    from bdlora.runs import one_shot_out
+    from bdlora.base.runs import one_shot_out
 
     monkeypatch.setenv("BDLORA_CACHE", str(tmp_path))
     cfg = str(tiny_env["teacher"])

@@ -4,10 +4,10 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from bdlora.budgeted.config import BudgetedConfig
-from bdlora.budgeted.controller import BudgetController
-from bdlora.budgeted.layer import GatedLoRALinear
-from bdlora.budgeted.model import apply_budgeted_lora, gated_modules
+from bdlora.models.budgeted.config import BudgetedConfig
+from bdlora.models.budgeted.layer import GatedLoRALinear
+from bdlora.models.budgeted.model import apply_budgeted_lora, gated_modules
+from bdlora.train.budgeted.controller import BudgetController
 
 
 def _layer(bias=True, seed=0):

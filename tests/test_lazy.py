@@ -1,7 +1,7 @@
-"""``bdlora.lazy``: synthetic models built without weights, which the exporter makes one layer at a time. A lazily
-emitted graph is the graph of the same model with every weight made at once (nodes and initializers identical), its
-logits equal PyTorch's, nothing stays materialized after the export, and the bench's variants of a lazy model stay
-lazy."""
+"""``bdlora.models.lazy``: synthetic models built without weights, which the exporter makes one layer at a time. A
+lazily emitted graph is the graph of the same model with every weight made at once (nodes and initializers
+identical), its logits equal PyTorch's, nothing stays materialized after the export, and the bench's variants of a
+lazy model stay lazy."""
 
 import numpy as np
 import onnx
@@ -13,8 +13,8 @@ from bdlora.bench.variants import dense_variant, lora_variant, synthetic_model
 from bdlora.export.decoder import DecoderLayout, build_decoder
 from bdlora.export.genai.validate import graph_parity
 from bdlora.export.onnx.validate import TOLERANCE
-from bdlora.lazy import INIT_STD, is_lazy, materialized, random_like
-from bdlora.runtime import session
+from bdlora.models.lazy import INIT_STD, is_lazy, materialized, random_like
+from bdlora.models.runtime import session
 
 
 def _config(family: str) -> dict:

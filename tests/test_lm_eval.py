@@ -42,7 +42,7 @@ def student(tiny_env, tmp_path_factory):
     """A mixed dense/low-rank student of the tiny teacher: its HF folder and its ONNX export."""
     from bdlora.deployed.folder import save_model_folder
     from bdlora.export.onnx import export_onnx_folder
-    from bdlora.models import load_model_folder
+    from bdlora.models.load import load_model_folder
     from conftest import compressed_student
 
     teacher, _, _ = load_model_folder(tiny_env["teacher"])

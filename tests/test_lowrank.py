@@ -6,10 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bdlora.budgeted.allocate import BUCKETS, allocate, break_even, options
-from bdlora.budgeted.calibrate import calibrate, calibration_blocks, input_group
-from bdlora.budgeted.costs import ModuleShape
+from bdlora.compress.allocate import BUCKETS, allocate, break_even, options
+from bdlora.compress.calibrate import calibrate, calibration_blocks, input_group
 from bdlora.forms.lowrank import factors, spectrum
+from bdlora.models.costs import ModuleShape
 
 
 def _data(d_out=24, d_in=16, n=400, seed=0, rank_x=None):
@@ -137,8 +137,8 @@ def test_an_unreachable_ratio_names_the_reachable_one():
 
 
 def test_calibration_is_deterministic_and_shared_inputs_share_a_gram(tiny_model, tiny_env):
-    from bdlora.blocks import PackedBlocks
-    from bdlora.data import Corpus, tokenize_corpus
+    from bdlora.data.blocks import PackedBlocks
+    from bdlora.data.tokens import Corpus, tokenize_corpus
 
     data = tokenize_corpus(Corpus(tiny_env["corpus"]), tiny_env["tokenizer"], 0.1, tiny_env["cache"])
     blocks = PackedBlocks(data.tokens("train"), 32)
@@ -164,8 +164,8 @@ def test_calibration_is_deterministic_and_shared_inputs_share_a_gram(tiny_model,
 
 
 def test_too_few_calibration_tokens_is_one_line(tiny_env):
-    from bdlora.blocks import PackedBlocks
-    from bdlora.errors import DataError
+    from bdlora.base.errors import DataError
+    from bdlora.data.blocks import PackedBlocks
 
     with pytest.raises(DataError, match=r"--calib-tokens 100000: the training split holds 320 tokens in 10 blocks"):
         calibration_blocks(PackedBlocks(np.arange(330), 32), 100_000)

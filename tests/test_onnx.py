@@ -9,8 +9,8 @@ from bdlora.cli import app
 from bdlora.deployed.folder import save_model_folder
 from bdlora.export.onnx import export_onnx_folder, load_ort_model
 from bdlora.export.onnx.validate import TOLERANCE
-from bdlora.models import load_model_folder
-from bdlora.runtime import DecoderShape, DecoderSignature, greedy_generate, session
+from bdlora.models.load import load_model_folder
+from bdlora.models.runtime import DecoderShape, DecoderSignature, greedy_generate, session
 from conftest import compressed_student
 
 D_MIXED = [0.0, 1.0, 0.0, 0.2, 0.0, 0.9, 0.0]
@@ -120,7 +120,7 @@ def test_optimum_greedy_equals_torch(mixed_export, tiny_env):
 def test_optimum_missing_is_one_line_naming_the_extra(mixed_export, monkeypatch):
     import sys
 
-    from bdlora.errors import UsageError
+    from bdlora.base.errors import UsageError
 
     _, onnx_dir, _, _ = mixed_export
     monkeypatch.setitem(sys.modules, "optimum.onnxruntime", None)  # what an environment without the extra sees

@@ -3,10 +3,10 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from bdlora.budgeted.config import BudgetedConfig
-from bdlora.budgeted.costs import ModuleShape, compression_report, decide_module, shapes_from_config, svd_rank
 from bdlora.cli import app
-from bdlora.plan import plan
+from bdlora.compress.plan import plan
+from bdlora.models.budgeted.config import BudgetedConfig
+from bdlora.models.costs import ModuleShape, compression_report, decide_module, shapes_from_config, svd_rank
 
 PAPER = {"model_type": "mistral", "hidden_size": 768, "intermediate_size": 3072, "num_attention_heads": 12,
          "num_key_value_heads": 3, "head_dim": 64, "num_hidden_layers": 12}
@@ -126,7 +126,7 @@ def test_cli_plan_not_a_config(tmp_path, content, needle):
 
 def _builtin_student_config(**shape) -> dict:
     """The 2-layer student of the builtin teacher (of ``shape`` overrides) as a config.json mapping."""
-    from bdlora.teacher import BuiltinTeacherSpec
+    from bdlora.models.teacher import BuiltinTeacherSpec
 
     s = BuiltinTeacherSpec(**shape)
     return {"model_type": "mistral", "hidden_size": s.hidden_size, "intermediate_size": s.intermediate_size,
@@ -168,8 +168,8 @@ def test_the_smollm2_cpu_recipe_ships_and_its_rank_choice_holds():
     the controller drops every attention projection and 42 MLP ones, and rank 64 turns that into 1.91x fewer
     projection MACs instead of 1.55x. With the quality allocation (the default) that ratio is the target it
     allocates for."""
-    from bdlora.config import merge
-    from bdlora.option_files import load_yaml
+    from bdlora.train.config import merge
+    from bdlora.train.option_files import load_yaml
 
     cfg = merge(load_yaml("smollm2-cpu"), {}).validate()
     assert (cfg.teacher, cfg.method, cfg.budget, cfg.student_layers) == ("smollm2-135m", "budgeted", 0.4, 30)

@@ -14,13 +14,13 @@ from hypothesis import strategies as st
 from test_channels import benched, scored_and_exported, shot
 from typer.testing import CliRunner
 
-from bdlora.budgeted.allocate import allocate, knapsack
-from bdlora.budgeted.calibrate import calibrate
-from bdlora.budgeted.costs import ModuleShape
 from bdlora.cli import app
+from bdlora.compress.allocate import allocate, knapsack
+from bdlora.compress.calibrate import calibrate
 from bdlora.forms.layers import removal_errors, renumbered
 from bdlora.forms.lowrank import FISHER_DAMPING
-from bdlora.student import take_layers
+from bdlora.models.costs import ModuleShape
+from bdlora.train.student import take_layers
 
 
 def test_the_removal_error_is_the_loss_weighted_update_of_the_layer(tiny_model):
@@ -193,8 +193,8 @@ def test_plan_of_a_folder_predicts_its_whole_decode_step(shallow, tmp_path, monk
     exact: teacher = fixed + 4 (rest + a layer's dense projections), the folder = fixed + 3 of them."""
     from test_latency import _hand_table
 
-    from bdlora.budgeted.costs import shapes_from_config
     from bdlora.export.genai.latency import LatencyTable
+    from bdlora.models.costs import shapes_from_config
 
     root, _, report = shallow
     monkeypatch.setenv("BDLORA_CACHE", str(tmp_path))
@@ -223,7 +223,7 @@ def test_speedup_allocates_for_the_whole_decode_step(tiny_env, shallow, tmp_path
     --precision, or beside --mac-ratio, is one line."""
     from test_latency import _hand_table
 
-    from bdlora.budgeted.costs import shapes_from_config
+    from bdlora.models.costs import shapes_from_config
 
     root, _, _ = shallow
     config = json.loads((root / "teacher" / "config.json").read_text())

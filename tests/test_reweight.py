@@ -1,4 +1,4 @@
-"""``train --reweight-every K`` (``bdlora.reweight``): the mixture's weights move toward the component where the
+"""``train --reweight-every K`` (``bdlora.train.reweight``): the mixture's weights move toward the component where the
 student trails the teacher most, the batches follow the weights, and a resumed run continues the same stream."""
 
 import copy
@@ -11,9 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from bdlora.blocks import PackedBlocks
 from bdlora.cli import app
-from bdlora.reweight import SMOOTHING, Reweighter, next_weights
+from bdlora.data.blocks import PackedBlocks
+from bdlora.train.reweight import SMOOTHING, Reweighter, next_weights
 from conftest import assert_same_tensors, stop_at, train_args
 
 OTHER = "0 1 2 3 4 5 6 7 8 9 # $ % & @ ~ 10 20 30 40 50 60 70 80 90 ## $$ %% &&\n"  # no byte of WORDS' text
@@ -100,8 +100,8 @@ def test_train_reweights_a_mixture_and_logs_the_weights(tiny_env, tmp_path, digi
 def test_teacher_text_in_a_reweighted_mixture_is_generated_once(tiny_env, tmp_path, digits):
     """The mixture, its reweighting slices and the run's evaluation read the same teacher samples (continuing the
     other parts' prefixes); a run from before prefixes reads its own, without them."""
-    from bdlora.corpora import settings_tokens
-    from bdlora.runs import RunDir
+    from bdlora.base.runs import RunDir
+    from bdlora.data.corpora import settings_tokens
 
     cache = tmp_path / "cache"
     data = f"{tiny_env['corpus']}:1,{digits}:1,teacher:400:1"
@@ -131,8 +131,8 @@ def test_reweighting_needs_a_mixture(tiny_env, tmp_path):
 def test_a_resumed_reweighted_run_ends_bit_identical(tiny_env, tmp_path, digits):
     """The weights are in every checkpoint: a run stopped after one resumes to the same student as one that was
     not stopped."""
-    from bdlora.config import TrainConfig
-    from bdlora.train import train
+    from bdlora.train.config import TrainConfig
+    from bdlora.train.loop import train
 
     common = dict(teacher=str(tiny_env["teacher"]), data=f"{tiny_env['corpus']}:1,{digits}:1",
                   cache_dir=str(tiny_env["cache"]), seq_len=32, batch_size=4, eval_tokens=512, heldout_fraction=0.1,

@@ -1,5 +1,5 @@
 """``train --samples-runtime FOLDER``: ``teacher:N`` generated through the teacher's own onnxruntime-genai export
-(``bdlora.runtime_samples``): greedy tokens equal PyTorch's, the nucleus draw is exact, and the samples are cached
+(``bdlora.data.runtime_samples``): greedy tokens equal PyTorch's, the nucleus draw is exact, and the samples are cached
 apart from PyTorch's with the runtime recorded."""
 
 import copy
@@ -10,9 +10,9 @@ import pytest
 from scipy.stats import chisquare
 from typer.testing import CliRunner
 
-from bdlora import runtime_samples, selfgen
+from bdlora.base.errors import DataError
 from bdlora.cli import app
-from bdlora.errors import DataError
+from bdlora.data import runtime_samples, selfgen
 from conftest import genai_teacher, train_args
 
 CHAT = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

@@ -37,12 +37,12 @@ def served_model(request, tiny_env, tmp_path_factory):
     graph itself by plain onnxruntime."""
     from transformers import MistralForCausalLM
 
+    from bdlora.base.runs import all_logits_graph
     from bdlora.deployed.folder import save_model_folder
     from bdlora.export.genai import export_genai_folder
     from bdlora.export.onnx import export_onnx_folder
     from bdlora.export.settings import GenaiExportSettings
-    from bdlora.runs import all_logits_graph
-    from bdlora.runtime import DecoderShape, run_decoder, session
+    from bdlora.models.runtime import DecoderShape, run_decoder, session
     from conftest import compressed_student, tiny_config
 
     runtime = request.param
@@ -105,7 +105,7 @@ def test_genai_engine_uses_every_usable_core_unless_told(served_model):
     """onnxruntime-genai runs a folder without a thread count on one thread: the server sets its own."""
     if served_model["runtime"] != "genai":
         pytest.skip("onnxruntime-genai only")
-    from bdlora.errors import usable_cores
+    from bdlora.base.errors import usable_cores
 
     for kw, want in (({}, usable_cores()), ({"threads": 1}, 1)):
         eng = engine(served_model, **kw)
@@ -944,7 +944,7 @@ TEXTS = ["naïve café — 日本語 alpha beta\n\nsigma tau", "one two three fo
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_incremental_detokenisation_streams_exactly_the_full_decode(served_model, text):
-    from bdlora.tokenizer import TextTokenizer
+    from bdlora.models.tokenizer import TextTokenizer
 
     tok = TextTokenizer(served_model["folder"])
     ids = tok.encode(text)
@@ -966,7 +966,7 @@ def test_incremental_detokenisation_streams_exactly_the_full_decode(served_model
 @settings(max_examples=60, deadline=None)
 @given(ids=st.lists(st.integers(0, 319), min_size=1, max_size=40))
 def test_incremental_detokenisation_of_any_token_sequence(served_model, ids):
-    from bdlora.tokenizer import TextTokenizer
+    from bdlora.models.tokenizer import TextTokenizer
 
     tok = TextTokenizer(served_model["folder"])
     deltas, done = _feed(tok, ids)

@@ -8,8 +8,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from bdlora.base.errors import Checks, ConfigError, UsageError
 from bdlora.cli import app
-from bdlora.errors import Checks, ConfigError, UsageError
 from bdlora.ship.config import ShipConfig
 from bdlora.ship.recommend import recommend
 from bdlora.ship.run import start
@@ -35,7 +35,7 @@ def test_bad_settings_are_named(field, value, needle):
 
 
 def test_heal_steps_and_a_heal_time_budget_are_one_choice():
-    with pytest.raises(ConfigError, match="--heal-time-budget 20m: sets each heal's steps itself; drop --heal-steps 5"):
+    with pytest.raises(ConfigError, match="--heal-time-budget 20m: sets each heal's steps itself; drop --heal-steps"):
         ShipConfig(heal_steps=5, heal_time_budget="20m").check(Checks()).done()
     assert ShipConfig(heal_time_budget="20m").heals and ShipConfig(heal_steps=1).heals and not ShipConfig().heals
 
@@ -43,7 +43,7 @@ def test_heal_steps_and_a_heal_time_budget_are_one_choice():
 def test_under_a_heal_time_budget_the_peer_gets_the_most_steps_any_candidate_took(tmp_path):
     """Each candidate's heal gets train --time-budget (no --max-steps); the dense peer, built after them, gets the
     largest step count their summaries record, so it is never healed less than a student it is compared with."""
-    from bdlora.io import write_json
+    from bdlora.base.io import write_json
     from bdlora.ship.run import heal_steps, peer_step_count
 
     cfg = ShipConfig(heal_time_budget="20m", data="builtin:1,prose:1")

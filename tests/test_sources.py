@@ -92,7 +92,7 @@ def tiny_gguf(tiny_env, tmp_path_factory):
 
 
 def test_a_gguf_teacher_loads_with_the_original_logits(tiny_env, tiny_gguf, tmp_path):
-    from bdlora.teacher import load_teacher
+    from bdlora.models.teacher import load_teacher
 
     model, path = tiny_gguf
     teacher, tok, folder = load_teacher(str(path), tmp_path / "cache")
@@ -228,8 +228,8 @@ def test_chunks_that_do_not_assemble_to_the_declared_checksum_are_refused(tmp_pa
     import hashlib
     import zipfile
 
-    from bdlora.errors import ModelError
-    from bdlora.sources import PRESETS, _check_assembled
+    from bdlora.base.errors import ModelError
+    from bdlora.models.sources import PRESETS, _check_assembled
 
     preset = PRESETS["gemma3-270m"]
     gguf = tmp_path / preset.member

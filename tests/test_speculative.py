@@ -14,7 +14,7 @@ from scipy.stats import chisquare
 from typer.testing import CliRunner
 
 from bdlora.cli import app
-from bdlora.runtime import DecoderShape, greedy_generate, run_decoder, session
+from bdlora.models.runtime import DecoderShape, greedy_generate, run_decoder, session
 from bdlora.speculative.decoders import DecoderFactory
 from bdlora.speculative.loop import Speculator, generate
 from bdlora.speculative.policy import Costs, KPolicy, best_k
@@ -323,7 +323,7 @@ def test_a_draft_with_another_tokenizer_is_refused_in_one_line(pair, tmp_path, t
     shutil.copytree(root / "draft.genai", foreign)
     put_foreign_tokenizer(foreign, tiny_env["corpus"])
     marker = json.loads((foreign / "export.json").read_text())
-    from bdlora.integrity import TOKENIZER_KEY, tokenizer_digests
+    from bdlora.models.integrity import TOKENIZER_KEY, tokenizer_digests
 
     marker[TOKENIZER_KEY] = tokenizer_digests(foreign)  # a consistent folder, only another tokenizer
     (foreign / "export.json").write_text(json.dumps(marker))

@@ -10,15 +10,15 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from bdlora.blocks import PackedBlocks
-from bdlora.budgeted.config import BudgetedConfig
-from bdlora.budgeted.model import apply_budgeted_lora, gated_modules
-from bdlora.budgeted.start import LowRankStart, compute_start, start_gated
 from bdlora.cli import app
-from bdlora.config import TrainConfig
-from bdlora.data import Corpus, tokenize_corpus
-from bdlora.methods import Budgeted, KDLoRA
-from bdlora.student import build_student
+from bdlora.data.blocks import PackedBlocks
+from bdlora.data.tokens import Corpus, tokenize_corpus
+from bdlora.models.budgeted.config import BudgetedConfig
+from bdlora.models.budgeted.model import apply_budgeted_lora, gated_modules
+from bdlora.train.budgeted.start import LowRankStart, compute_start, start_gated
+from bdlora.train.config import TrainConfig
+from bdlora.train.methods import Budgeted, KDLoRA
+from bdlora.train.student import build_student
 from conftest import assert_same_tensors, stop_at, train_args
 
 TH = BudgetedConfig(eps_zero=1e-3, eps_lr=0.7, gate_threshold=0.3, svd_max_rank=8)
@@ -94,8 +94,8 @@ def test_compression_cases_1_and_3_stay_exact_on_the_residual_form(student_and_s
 def test_compression_case_2_is_the_truncated_svd_of_the_residual():
     """SVD case on the residual form: the deployed pair differs from the trained module by at most the first
     discarded singular value of d (W - B A), exactly as on the paper's form (SPEC 6.2)."""
-    from bdlora.budgeted.layer import GatedLoRALinear
     from bdlora.forms.lowrank import factors, spectrum
+    from bdlora.models.budgeted.layer import GatedLoRALinear
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(24, 200)
@@ -127,7 +127,7 @@ def test_the_quality_allocation_drives_the_controller_to_exactly_its_structure(s
 
 
 def _shapes(model):
-    from bdlora.budgeted.start import shapes_of
+    from bdlora.train.budgeted.start import shapes_of
 
     return shapes_of(model)
 
@@ -143,7 +143,7 @@ def test_a_start_round_trips_through_its_files(student_and_start, tmp_path):
 def test_plain_svd_start_is_worse_on_real_inputs_than_whitened(student_and_start, blocks):
     """On the calibration tokens, every module's whitened factors approximate it at least as well as plain SVD
     of the same rank (in the activation norm)."""
-    from bdlora.budgeted.calibrate import calibrate, calibration_blocks
+    from bdlora.compress.calibrate import calibrate, calibration_blocks
     from bdlora.forms.lowrank import factors, spectrum
 
     student, _ = student_and_start
@@ -162,7 +162,7 @@ def test_plain_svd_start_is_worse_on_real_inputs_than_whitened(student_and_start
 
 
 def test_a_run_stores_its_start_and_resume_never_recomputes_it(tiny_env, tmp_path, monkeypatch):
-    from bdlora.train import train
+    from bdlora.train.loop import train
 
     common = dict(teacher=str(tiny_env["teacher"]), data=str(tiny_env["corpus"]), cache_dir=str(tiny_env["cache"]),
                   seq_len=32, batch_size=4, eval_tokens=512, heldout_fraction=0.1, lr=3e-3, max_steps=8,
@@ -181,7 +181,7 @@ def test_a_run_stores_its_start_and_resume_never_recomputes_it(tiny_env, tmp_pat
     def recompute(*a, **k):
         raise Stop("a resumed run recomputed its start")
 
-    monkeypatch.setattr("bdlora.forms_start.compute_start", recompute)
+    monkeypatch.setattr("bdlora.train.forms_start.compute_start", recompute)
     resumed = train(TrainConfig(), resume=tmp_path / "b")
     assert resumed["resumed_from"] == 4
     assert_same_tensors(tmp_path / "a", tmp_path / "b",
@@ -198,7 +198,7 @@ def test_calibration_beyond_the_training_split_is_one_line(tiny_env, tmp_path):
 
 def test_a_defaulted_calibration_fits_the_split(tiny_env, tmp_path):
     """The default 8192 tokens exceed the tiny corpus: a defaulted count is lowered to the split, not refused."""
-    from bdlora.session import prepare
+    from bdlora.train.session import prepare
 
     sess = prepare(TrainConfig(teacher=str(tiny_env["teacher"]), data=str(tiny_env["corpus"]),
                                cache_dir=str(tiny_env["cache"]), seq_len=32, heldout_fraction=0.1, lora_rank=4,

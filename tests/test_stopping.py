@@ -1,4 +1,4 @@
-"""Healing that stops on what it was not trained on and within a time budget (``bdlora.stopping``), and the
+"""Healing that stops on what it was not trained on and within a time budget (``bdlora.train.stopping``), and the
 healing objective's defaults: ``train --eval-data`` keeps the step best on a corpus the run never trains on,
 ``--time-budget`` plans the step count from measured steps and stops before the budget, and a structure is healed
 by full-vocabulary forward KL with the embeddings and head frozen."""
@@ -13,13 +13,13 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from bdlora import stopping
+from bdlora.base.errors import UsageError
 from bdlora.cli import app
-from bdlora.config import OBJECTIVE_DEFAULTS, TrainConfig, resolve_defaults
-from bdlora.data import DEFAULT_HELDOUT_FRACTION, is_heldout
-from bdlora.distill import DistillationLoss
-from bdlora.errors import UsageError
-from bdlora.stopping import PROBE_STEPS, budget_steps, parse_duration
+from bdlora.data.tokens import DEFAULT_HELDOUT_FRACTION, is_heldout
+from bdlora.train import stopping
+from bdlora.train.config import OBJECTIVE_DEFAULTS, TrainConfig, resolve_defaults
+from bdlora.train.distill import DistillationLoss
+from bdlora.train.stopping import PROBE_STEPS, budget_steps, parse_duration
 from conftest import make_corpus, train_args
 
 CALIB = ("--calib-tokens", "512")
@@ -87,7 +87,7 @@ def test_the_best_step_is_kept_when_training_makes_unseen_text_worse(tiny_env, t
 def test_eval_data_never_enters_a_training_batch(tiny_env, tmp_path, other_corpus, monkeypatch):
     """Every training batch of the run is drawn from --data's training blocks: none holds a sequence of the
     --eval-data slice the run is scored on."""
-    from bdlora import session as S
+    from bdlora.train import session as S
 
     seen, scored = [], {}
     real = S.prepare
@@ -99,7 +99,7 @@ def test_eval_data_never_enters_a_training_batch(tiny_env, tmp_path, other_corpu
         sess.train_blocks.batch = lambda idx: (seen.append(b := batch(idx)), b)[1]
         return sess
 
-    monkeypatch.setattr("bdlora.train.prepare", prepare)
+    monkeypatch.setattr("bdlora.train.loop.prepare", prepare)
     r = run(tiny_env, tmp_path / "r", *HEAL, "--max-steps", "3", "--eval-data", str(other_corpus))
     assert r.exit_code == 0, r.output
     assert len(seen) == 3 and scored["blocks"]
@@ -223,8 +223,8 @@ def test_time_budget_refusals(tiny_env, tmp_path, extra, needle):
 def test_a_time_budget_flag_replaces_a_recipes_step_count():
     """`train --config smollm2-cpu --time-budget 60m` was refused ("drop --max-steps") for the recipe's max_steps:
     the length of a run is one setting given three ways, and a flag giving any of them replaces the file's."""
-    from bdlora.config import merge
-    from bdlora.option_files import load_yaml
+    from bdlora.train.config import merge
+    from bdlora.train.option_files import load_yaml
 
     recipe = load_yaml("smollm2-cpu")
     assert recipe["max_steps"] == 150

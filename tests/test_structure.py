@@ -77,13 +77,13 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_import_graph_has_no_cycle():
     graph = import_graph()
-    assert len(graph) > 40 and "bdlora.runs" in graph and "bdlora.serve.engine" in graph
+    assert len(graph) > 40 and "bdlora.base.runs" in graph and "bdlora.serve.engine" in graph
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
 # The packages that orchestrate exports (command bodies, the bench, sweeps) may import bdlora.export / bdlora.serve;
 # everything else in bdlora/ is the core, which the exporters and the server build on and never the other way.
-ORCHESTRATORS = ("bdlora.cli", "bdlora.bench", "bdlora.sweep")
+ORCHESTRATORS = ("bdlora.cli", "bdlora.bench", "bdlora.sweep", "bdlora.ship")
 
 
 def core_modules(graph: dict[str, set[str]]) -> list[str]:
@@ -94,30 +94,50 @@ def core_modules(graph: dict[str, set[str]]) -> list[str]:
 def test_the_core_never_imports_the_exporters_or_the_server():
     graph = import_graph()
     core = core_modules(graph)
-    assert {"bdlora.compress", "bdlora.oneshot", "bdlora.deployed.folder", "bdlora.budgeted.layer"} <= set(core)
+    assert {"bdlora.compress.run", "bdlora.compress.oneshot", "bdlora.deployed.folder",
+            "bdlora.models.budgeted.layer"} <= set(core)
     edges = sorted(f"{m} -> {t}" for m in core for t in graph[m]
                    if t.startswith(("bdlora.export", "bdlora.serve")))
     assert not edges, edges
 
 
 # The package layers, lowest first: a module imports only its own layer and those below (function-level imports
-# included), so the precision and method tuples live with their lowest user (bdlora.config, bdlora.schemes).
-LAYERS = ((), ("bdlora.export",), ("bdlora.bench", "bdlora.sweep"), ("bdlora.serve", "bdlora.cli"))
+# included). The core (base, data, models, the forms' registry, deployed, speculative) stands on nothing above it;
+# compression, training and evaluation build on it (each form's behaviour - its calibration, its options for the
+# knapsack, its deployment - is compression, so the forms' modules sit there while their registry is the core's
+# vocabulary); the exporters on them; the bench, sweeps and ship orchestrate those; the server and the CLI come last.
+LAYERS = ((), ("bdlora.compress", "bdlora.train", "bdlora.eval", "bdlora.forms."), ("bdlora.export",),
+          ("bdlora.bench", "bdlora.sweep", "bdlora.ship"), ("bdlora.serve", "bdlora.cli"))
 
 
 def layer_of(module: str) -> int:
     for i in range(len(LAYERS) - 1, 0, -1):
-        if any(module == p or module.startswith(p + ".") for p in LAYERS[i]):
+        if any(module == p or module.startswith(p if p.endswith(".") else p + ".") for p in LAYERS[i]):
             return i
     return 0  # the core
 
 
 def test_the_package_layers_point_one_way():
     graph = import_graph()
-    assert layer_of("bdlora.config") == 0 and layer_of("bdlora.schemes") == 0
-    assert layer_of("bdlora.bench.config") == 2 and layer_of("bdlora.cli.app") == layer_of("bdlora.serve.app") == 3
+    assert layer_of("bdlora.base.schemes") == layer_of("bdlora.models.budgeted.model") == 0
+    assert layer_of("bdlora.forms") == 0 and layer_of("bdlora.forms.groups") == 1
+    assert layer_of("bdlora.train.config") == layer_of("bdlora.compress.oneshot") == layer_of("bdlora.eval.icl") == 1
+    assert layer_of("bdlora.export.genai.folder") == 2 and layer_of("bdlora.ship.run") == 3
+    assert layer_of("bdlora.cli.app") == layer_of("bdlora.serve.app") == 4
     edges = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets if layer_of(t) > layer_of(m))
     assert not edges, edges
+
+
+def test_the_core_is_a_few_packages_and_every_package_installs():
+    """bdlora/ holds sub-packages named for what lives in them and no loose module but its __init__; every package
+    (a folder with an __init__.py) is in pyproject's package list, so a wheel holds what an editable install does."""
+    import tomllib
+
+    top = sorted(p.name for p in (ROOT / "bdlora").iterdir() if p.suffix == ".py")
+    assert top == ["__init__.py"], top
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {name for name, path in project_modules().items() if path.name == "__init__.py"} | {"bdlora.recipes"}
+    assert listed == found, (sorted(found - listed), sorted(listed - found))
 
 
 def name_comparisons(names, home, also=lambda node: True) -> list[str]:
@@ -137,11 +157,11 @@ def name_comparisons(names, home, also=lambda node: True) -> list[str]:
 
 
 def test_no_scheme_name_is_compared_outside_the_scheme_table():
-    """Which scheme needs calibration, rounds where, emits what: asked of ``bdlora.schemes``, never spelled as
+    """Which scheme needs calibration, rounds where, emits what: asked of ``bdlora.base.schemes``, never spelled as
     ``quant == "gptq"`` (it was, in eight places)."""
-    from bdlora.schemes import METHODS
+    from bdlora.base.schemes import METHODS
 
-    hits = name_comparisons(METHODS, lambda name: name == "bdlora.schemes")
+    hits = name_comparisons(METHODS, lambda name: name == "bdlora.base.schemes")
     assert not hits, hits
 
 
@@ -158,7 +178,7 @@ def test_the_cycle_finder_finds_cycles():
 
 
 @pytest.mark.parametrize("module", ["bdlora.serve.engine", "bdlora.serve.app", "bdlora.bench.worker", "bdlora.cli",
-                                    "bdlora.runtime", "bdlora.evaluate", "bdlora.tokenizer"])
+                                    "bdlora.models.runtime", "bdlora.eval.evaluate", "bdlora.models.tokenizer"])
 def test_serving_the_bench_worker_and_the_cli_load_without_torch(module):
     code = f"import {module}, sys; assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -182,22 +202,24 @@ def test_importing_bdlora_deployed_registers_the_architectures_explicitly(first)
 
 
 # Modules every other module may build on, which import no project module but the errors and the tables.
-LEAVES = ("bdlora.arch", "bdlora.errors", "bdlora.runs", "bdlora.io", "bdlora.families", "bdlora.schemes")
+LEAVES = ("bdlora.models.arch", "bdlora.base.errors", "bdlora.base.runs", "bdlora.base.io", "bdlora.models.families",
+          "bdlora.base.schemes")
 
 
 def test_the_leaves_import_nothing_above_them():
     graph = import_graph()
     edges = sorted(f"{m} -> {t}" for m in LEAVES for t in graph[m]
-                   if t not in ("bdlora.errors", "bdlora.io", "bdlora.families", "bdlora.schemes"))
+                   if t not in ("bdlora.base.errors", "bdlora.base.io", "bdlora.models.families",
+                                "bdlora.base.schemes"))
     assert not edges, edges
 
 
 def test_one_family_table():
-    """A model family is one entry of bdlora.families: no other module spells a family's model_type, and bdlora's
-    own architecture (remote code that cannot import the table) covers exactly the families whose weights it loads,
-    each subclassing the causal-LM class the table names."""
+    """A model family is one entry of bdlora.models.families: no other module spells a family's model_type, and
+    bdlora's own architecture (remote code that cannot import the table) covers exactly the families whose weights it
+    loads, each subclassing the causal-LM class the table names."""
     from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES
-    from bdlora.families import BDLORA_PREFIX, FAMILIES, LOADED
+    from bdlora.models.families import BDLORA_PREFIX, FAMILIES, LOADED
 
     assert tuple(BDLORA_CLASSES) == LOADED
     for family, (cfg_cls, model_cls) in BDLORA_CLASSES.items():
@@ -205,7 +227,7 @@ def test_one_family_table():
         assert FAMILIES[family].causal_lm in [c.__name__ for c in model_cls.__mro__]
     hits = []
     for name, path in project_modules().items():
-        if name in ("bdlora.families", "bdlora.deployed.modeling_bdlora"):
+        if name in ("bdlora.models.families", "bdlora.deployed.modeling_bdlora"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and node.value in FAMILIES:
@@ -216,9 +238,9 @@ def test_one_family_table():
 def test_a_family_the_table_lacks_is_refused_naming_those_it_has(tmp_path):
     from typer.testing import CliRunner
 
+    from bdlora.base.errors import UsageError
     from bdlora.cli import app
-    from bdlora.errors import UsageError
-    from bdlora.families import family
+    from bdlora.models.families import family
 
     with pytest.raises(UsageError, match="model_type 'gpt2': not a family bdlora adapts \\(it adapts mistral, llama, "
                                          "qwen2, gemma3_text \\(qwen3: plan only\\)\\)"):
@@ -239,7 +261,7 @@ def file_name_literals() -> dict[str, list[str]]:
     where it is spelled (docstrings and f-string pieces are not constants of their own and do not count)."""
     hits: dict[str, list[str]] = {}
     for name, path in project_modules().items():
-        if name == "bdlora.runs":
+        if name == "bdlora.base.runs":
             continue
         tree = ast.parse(path.read_text())
         docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.FunctionDef,
@@ -253,7 +275,7 @@ def file_name_literals() -> dict[str, list[str]]:
 
 
 def test_runs_owns_every_file_name_that_more_than_one_place_spells():
-    """A file name written or read in two places is a constant of bdlora.runs, so renaming it is one edit."""
+    """A file name written or read in two places is a constant of bdlora.base.runs, so renaming it is one edit."""
     repeated = {k: v for k, v in file_name_literals().items() if len(v) > 1}
     assert not repeated, repeated
 
@@ -366,8 +388,8 @@ def function_level_imports():
 
 def test_function_level_imports_only_defer_heavy_libraries_from_light_modules():
     heavy = heavy_modules()
-    assert {"bdlora.models", "bdlora.deployed.modeling_bdlora"} <= heavy
-    assert not {"bdlora.cli", "bdlora.config", "bdlora.runtime", "bdlora.serve.engine"} & heavy
+    assert {"bdlora.models.load", "bdlora.deployed.modeling_bdlora"} <= heavy
+    assert not {"bdlora.cli", "bdlora.train.config", "bdlora.models.runtime", "bdlora.serve.engine"} & heavy
     bad = []
     for module, line, target, is_project in function_level_imports():
         top = target.split(".")[0]
@@ -423,8 +445,8 @@ def test_export_genai_options_are_the_settings_fields():
     import typer.main
 
     from bdlora.cli import app
-    from bdlora.config import field_docs
     from bdlora.export.settings import DEFAULT, GenaiExportSettings
+    from bdlora.train.config import field_docs
 
     cmd = typer.main.get_command(app).commands["export"].commands["genai"]
     params = {p.name: p for p in cmd.params}
@@ -440,18 +462,20 @@ def test_export_genai_options_are_the_settings_fields():
 
 
 def test_the_widest_commands_show_the_common_options_first():
-    """train listed 60 options in one panel, bench 33, sweep 37, plan 22, ship 20: what most runs set stays first,
-    the rest under named panels (every field a panel names exists: a renamed one is refused, not dropped)."""
+    """train listed 60 options in one panel, bench 33, sweep 37, plan 22, ship 20, serve 19, eval 17: what most runs
+    set stays first, the rest under named panels (every field a panel names exists: a renamed one is refused, not
+    dropped)."""
     import dataclasses
 
     import typer.main
 
     from bdlora.cli import app
     from bdlora.cli.options import TRAIN_PANELS, from_dataclass
-    from bdlora.config import TrainConfig
+    from bdlora.train.config import TrainConfig
 
     commands = typer.main.get_command(app).commands
-    for name, most in (("train", 20), ("bench", 20), ("sweep", 20), ("plan", 15), ("ship", 12)):
+    for name, most in (("train", 20), ("bench", 20), ("sweep", 20), ("plan", 15), ("ship", 12), ("serve", 10),
+                       ("eval", 10)):
         options = [p for p in commands[name].params if p.opts and p.opts[0].startswith("--")]
         main = [p.opts[0] for p in options if not getattr(p, "rich_help_panel", None)]
         assert len(main) <= most < len(options), (name, main)
@@ -463,14 +487,14 @@ def test_the_widest_commands_show_the_common_options_first():
 
 
 def test_the_cost_model_has_a_typed_home(tmp_path):
-    """What an allocation prices forms by is a ``budgeted.costs.CostModel`` (it was a closure over the latency tables
+    """What an allocation prices forms by is a ``models.costs.CostModel`` (it was a closure over the latency tables
     in cli/compress.py, passed to the core untyped): MACs without --precision, else ``bench.whole.MeasuredCosts``."""
     import inspect
 
+    from bdlora.base.reporter import SILENT
     from bdlora.bench.whole import MeasuredCosts
-    from bdlora.budgeted.costs import CostModel
     from bdlora.cli.compress import cost_model
-    from bdlora.reporter import SILENT
+    from bdlora.models.costs import CostModel
 
     assert cost_model(None, None, tmp_path, SILENT) is None
     measured = cost_model("int4", 1, tmp_path, SILENT, "affine")
@@ -482,7 +506,7 @@ def test_the_cost_model_has_a_typed_home(tmp_path):
 def test_per_teacher_defaults_have_one_home():
     """The per-teacher defaults ``--help`` shows are written from the dicts that resolve them, and no option's
     docstring repeats one (a changed default is one edit, and --help follows it)."""
-    from bdlora.config import (
+    from bdlora.train.config import (
         BUILTIN_DEFAULTS,
         DEFAULT_LR,
         OBJECTIVE_DEFAULTS,
@@ -509,17 +533,17 @@ def test_per_teacher_defaults_have_one_home():
 
 def test_no_method_name_is_compared_outside_the_method_table():
     """What a training method implies (a rank, a budget and thresholds, the dense peer of a front) is asked of
-    ``method_table.METHOD_TABLE`` and its compression step of the strategy in ``bdlora.methods``, never spelled as
-    ``method == "budgeted"`` (20 such comparisons in 10 files before the table)."""
-    from bdlora.method_table import METHODS
+    ``method_table.METHOD_TABLE`` and its compression step of the strategy in ``bdlora.train.methods``, never spelled
+    as ``method == "budgeted"`` (20 such comparisons in 10 files before the table)."""
+    from bdlora.base.method_table import METHODS
 
-    hits = name_comparisons(METHODS, lambda name: name in ("bdlora.method_table", "bdlora.methods"))
+    hits = name_comparisons(METHODS, lambda name: name in ("bdlora.base.method_table", "bdlora.train.methods"))
     assert not hits, hits
 
 
 def test_the_method_table_and_the_strategies_name_the_same_methods():
-    from bdlora.method_table import GATED, METHOD_TABLE, method_of
-    from bdlora.methods import METHOD_CLASSES, Budgeted, KDFull, KDLoRA
+    from bdlora.base.method_table import GATED, METHOD_TABLE, method_of
+    from bdlora.train.methods import METHOD_CLASSES, Budgeted, KDFull, KDLoRA
 
     assert tuple(METHOD_CLASSES) == tuple(METHOD_TABLE) and GATED == Budgeted.name
     assert [m.name for m in METHOD_TABLE.values() if m.low_rank] == [KDLoRA.name, Budgeted.name]
@@ -533,16 +557,16 @@ def test_no_precision_name_is_compared_outside_the_precision_table():
     """What a precision implies (rounded at all, its weight bits, whether head bits and 8-bit projections apply) is
     asked of ``schemes.PRECISIONS``, never spelled as ``precision == "int4"`` (42 such comparisons in 16 files before
     the table)."""
-    from bdlora.schemes import PRECISIONS
+    from bdlora.base.schemes import PRECISIONS
 
-    hits = name_comparisons(PRECISIONS, lambda name: name == "bdlora.schemes")
+    hits = name_comparisons(PRECISIONS, lambda name: name == "bdlora.base.schemes")
     assert not hits, hits
 
 
 def test_the_precision_table():
-    from bdlora.config import GENAI_PRECISIONS
+    from bdlora.base.schemes import FLOAT, MIXED, PRECISIONS, ROUNDED, SCHEMES, mixed, rounded
     from bdlora.export.genai import latency, quantize
-    from bdlora.schemes import FLOAT, MIXED, PRECISIONS, ROUNDED, SCHEMES, mixed, rounded
+    from bdlora.train.config import GENAI_PRECISIONS
 
     assert GENAI_PRECISIONS == ("fp32", "int8", "int4") and FLOAT == "fp32" and MIXED == "int4"
     assert ROUNDED == ("int8", "int4") and quantize.BITS == latency.BITS == {"int8": 8, "int4": 4}

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from bdlora.errors import ModelError, UsageError
-from bdlora.student import build_student, check_same_vocabulary, select_layers
+from bdlora.base.errors import ModelError, UsageError
+from bdlora.train.student import build_student, check_same_vocabulary, select_layers
 
 
 @pytest.mark.parametrize("mode,L,n,expected", [

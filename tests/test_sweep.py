@@ -4,8 +4,8 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
+from bdlora.base.reporter import Reporter
 from bdlora.cli import app
-from bdlora.reporter import Reporter
 from bdlora.sweep.options import family
 
 
@@ -91,8 +91,8 @@ def test_reference_rows_are_the_teacher_and_the_student_init_when_they_differ(ti
     import torch
     from transformers import AutoModelForCausalLM
 
-    from bdlora.io import write_json
-    from bdlora.runs import SweepDir
+    from bdlora.base.io import write_json
+    from bdlora.base.runs import SweepDir
     from bdlora.sweep.options import SweepOptions
     from bdlora.sweep.report import markdown
     from bdlora.sweep.run import _eval_teacher
@@ -120,7 +120,7 @@ def test_reference_rows_are_the_teacher_and_the_student_init_when_they_differ(ti
 
 
 def test_vary_axes_parse_type_and_refuse():
-    from bdlora.errors import UsageError
+    from bdlora.base.errors import UsageError
     from bdlora.sweep.vary import grid, label, parse_axis
 
     ax = parse_axis("temperature,kd-weight=1:0.3,2:0.5")
@@ -150,7 +150,7 @@ def test_vary_axes_parse_type_and_refuse():
 
 
 def _icl_doc(tasks: dict, ppl: float) -> dict:
-    from bdlora.icl import composite
+    from bdlora.eval.icl import composite
 
     c = composite(tasks.values())
     return {"val_ppl": ppl, "icl_composite": c["mean"], "icl_composite_std": c["std"], "icl_target_logprob": -1.0,
@@ -160,8 +160,8 @@ def _icl_doc(tasks: dict, ppl: float) -> dict:
 def test_paper_tables_and_merge_layout(tmp_path):
     """table9.md / main.md from known rows: exact cells, the composite's ± is the mean of the task stds, a merged
     layout has one column per member x teacher, and unfinished or ambiguous inputs are refused."""
-    from bdlora.errors import UsageError
-    from bdlora.io import write_json
+    from bdlora.base.errors import UsageError
+    from bdlora.base.io import write_json
     from bdlora.sweep.paper import main_table, merge_sweeps, table9
 
     def row(name, method, budget, tasks, ppl, mac):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from bdlora.tokenizer import TextTokenizer
+from bdlora.models.tokenizer import TextTokenizer
 
 TEXTS = ["alpha beta gamma", "  leading spaces and\nnew lines\n\n", "unicode: naïve café — 日本語 🙂",
          "<|endoftext|> inside text", "", "x" * 300, "def main():\n    return 1\n"]
@@ -61,7 +61,7 @@ def test_incremental_decoding_equals_whole_decoding(folder):
 
 
 def test_a_folder_without_tokenizer_json_is_one_clear_error(tmp_path):
-    from bdlora.errors import ModelError
+    from bdlora.base.errors import ModelError
 
     with pytest.raises(ModelError, match="no tokenizer.json"):
         TextTokenizer(tmp_path)

@@ -5,12 +5,12 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from bdlora.base.reporter import Reporter
 from bdlora.cli import app
-from bdlora.config import TrainConfig
-from bdlora.models import load_run_student
-from bdlora.reporter import Reporter
-from bdlora.student import build_student
-from bdlora.train import train
+from bdlora.models.load import load_run_student
+from bdlora.train.config import TrainConfig
+from bdlora.train.loop import train
+from bdlora.train.student import build_student
 from conftest import assert_same_tensors, stop_at
 
 
@@ -88,8 +88,8 @@ def test_budgeted_run_artefacts_and_reload(tiny_env, tmp_path):
     st = s["step_time_ms"]
     assert st["kd-full"] > 0 and st["kd-lora"] > 0 and st["budgeted"] > 0
     model, tok, _ = load_run_student(run)
-    from bdlora.perplexity import perplexity
-    from bdlora.session import prepare
+    from bdlora.models.perplexity import perplexity
+    from bdlora.train.session import prepare
 
     sess = prepare(_cfg(tiny_env, tmp_path / "x", method="budgeted", budget=0.0, allocation="cost"))
     assert perplexity(model, sess.val_blocks) == pytest.approx(s["student_val_ppl"], rel=1e-5)
@@ -125,8 +125,8 @@ def test_adam_betas_are_options_and_reach_the_optimiser(tiny_env, tmp_path):
 def test_truncate_packing_trains_on_whole_documents(tiny_env, tmp_path):
     """--packing truncate (the paper's data handling): one document per sequence, padding out of the loss; the
     run learns, records the choice, and reads different sequences than packing does."""
-    from bdlora.blocks import DocumentBlocks, PackedBlocks
-    from bdlora.session import prepare
+    from bdlora.data.blocks import DocumentBlocks, PackedBlocks
+    from bdlora.train.session import prepare
 
     s = train(_cfg(tiny_env, tmp_path / "t", method="kd-full", max_steps=12, eval_every=12, packing="truncate"))
     assert s["student_val_ppl"] < s["initial_student_val_ppl"]

@@ -15,11 +15,11 @@ from test_head_bits import HEAD_X, head_tables
 from test_whole_decode import LAYERS3
 from typer.testing import CliRunner
 
-import bdlora.budgeted.calibrate as cal
-from bdlora.budgeted.allocate import allocate, head_options
+import bdlora.compress.calibrate as cal
+from bdlora.base.io import read_json, write_json
 from bdlora.cli import app
+from bdlora.compress.allocate import allocate, head_options
 from bdlora.forms import HEAD, VOCAB_MARGIN
-from bdlora.io import read_json, write_json
 
 
 def test_calibration_sums_the_models_probabilities_and_counts_its_argmax(tiny_env, monkeypatch):
@@ -79,7 +79,7 @@ def draft(tiny_env, tmp_path_factory):
 
 
 def test_a_draft_keeps_the_tokens_the_teacher_emits_most(draft, tiny_env):
-    from bdlora.models import load_model_folder
+    from bdlora.models.load import load_model_folder
 
     root, report = draft
     prov = report["provenance"]
@@ -173,8 +173,8 @@ def test_plan_predicts_the_speculative_speedup_of_a_draft(draft):
     curve), and per k the speed-up ``expected_tokens(alpha, k) / (k share + verify(k + 1))``."""
     from transformers import AutoConfig
 
+    from bdlora.base.schemes import DEFAULT_SCHEME, scheme
     from bdlora.bench.verify import verify_path
-    from bdlora.schemes import DEFAULT_SCHEME, scheme
     from bdlora.speculative.rules import expected_tokens
 
     root, _ = draft

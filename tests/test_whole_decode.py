@@ -9,9 +9,9 @@ import pytest
 from typer.testing import CliRunner
 
 from bdlora.bench.whole import Overhead, WholeStep, decode_prediction, fit, overhead_path
-from bdlora.budgeted.costs import ModuleShape, shapes_from_config
 from bdlora.cli import app
 from bdlora.export.genai import latency as lat
+from bdlora.models.costs import ModuleShape, shapes_from_config
 
 
 def test_the_fit_recovers_a_known_decode_step():
@@ -100,7 +100,7 @@ def test_plan_measures_the_step_once_and_predicts_the_whole_decode(tiny_env, tmp
 
 def hand_overhead(cache, config: dict, precision: str, threads: int, fixed=500.0, per_layer=100.0, per_width=20.0):
     """A cached overhead with known values (so a test reads it instead of timing graphs)."""
-    from bdlora.io import write_json
+    from bdlora.base.io import write_json
 
     path = overhead_path(cache, config, precision, threads, 8)
     write_json(path, {"precision": precision, "threads": threads, "head_bits": 8, "fixed": fixed,
@@ -124,7 +124,7 @@ def test_the_whole_step_budget_prices_each_layers_rest():
     step: at 1.25x the whole step (total 14,216 -> 11,373, so 9,373 for the layers: 2,843 to save) removing one
     layer (error 50) saves 4,072; truncating ranks instead costs at least 93 (three rank-1 pairs save 2,880). At
     error 150 the ranks win."""
-    from bdlora.budgeted.allocate import allocate
+    from bdlora.compress.allocate import allocate
 
     energy = {s.name: np.ones(32) for s in LAYERS3}
     rest = {f"model.layers.{i}": (1000.0, 0.0) for i in range(3)}
@@ -143,7 +143,7 @@ def test_the_whole_step_budget_prices_each_layers_rest():
 def test_a_narrower_mlp_carries_its_share_of_the_rest():
     """An MLP site's options carry the width-scaled part of its layer's rest: keeping 128 of 256 channels costs
     half of it. With m = 4,000 the site alone can meet 1.25x of the whole step by channels."""
-    from bdlora.budgeted.allocate import allocate, mac_cost
+    from bdlora.compress.allocate import allocate, mac_cost
     from bdlora.forms.channels import site_options
 
     mlp = [ModuleShape("model.layers.0.mlp.gate_proj", 64, 256), ModuleShape("model.layers.0.mlp.up_proj", 64, 256),

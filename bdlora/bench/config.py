@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bdlora.config import GENAI_PRECISIONS
-from bdlora.errors import Checks, UsageError
+from bdlora.base.errors import Checks, UsageError
+from bdlora.base.schemes import METHODS as QUANT_METHODS
+from bdlora.base.schemes import SCHEMES, mixed, rounded
 from bdlora.export.settings import DEFAULT as GENAI
 from bdlora.export.settings import GenaiExportSettings
-from bdlora.schemes import METHODS as QUANT_METHODS
-from bdlora.schemes import SCHEMES, mixed, rounded
+from bdlora.train.config import GENAI_PRECISIONS
 
 SCOPES = ("modules", "model", "both")
 RUNTIMES = ("ort", "genai", "both")

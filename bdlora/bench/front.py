@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bdlora.io import atomic_path
-from bdlora.runs import row_name
-from bdlora.schemes import DEFAULT_SCHEME, FLOAT, PRECISIONS, rounded, scheme
+from bdlora.base.io import atomic_path
+from bdlora.base.runs import row_name
+from bdlora.base.schemes import DEFAULT_SCHEME, FLOAT, PRECISIONS, rounded, scheme
 
 
 def dominance(points: list[dict], key: str = "ppl", mark: str = "") -> list[dict]:

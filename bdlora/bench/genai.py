@@ -22,14 +22,18 @@ import torch.nn as nn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from bdlora.base.errors import BdloraError, DataError, UsageError
+from bdlora.base.reporter import SILENT, Reporter
+from bdlora.base.runs import CONFIG, GENAI_CONFIG, all_logits_graph, row_name
+from bdlora.base.schemes import mixed
 from bdlora.bench.config import BenchConfig
 from bdlora.bench.front import PEER
 from bdlora.bench.launch import run_timing_process
-from bdlora.budgeted.model import narrow_sites
-from bdlora.corpora import GENERAL_VOCABULARY, default_heldout, unseen_corpus
-from bdlora.data import BUILTIN, default_cache_dir
+from bdlora.data.corpora import GENERAL_VOCABULARY, default_heldout, unseen_corpus
+from bdlora.data.tokens import BUILTIN, default_cache_dir
 from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES
-from bdlora.errors import BdloraError, DataError, UsageError
+from bdlora.eval.icl import corpus_word_list
+from bdlora.eval.reference import teacher_folder
 from bdlora.export.genai.folder import (
     calibration_blocks,
     corpus_blocks,
@@ -39,14 +43,10 @@ from bdlora.export.genai.folder import (
 )
 from bdlora.export.settings import DEFAULT as GENAI
 from bdlora.export.settings import HEAD_BITS
-from bdlora.families import FAMILIES, base_type
-from bdlora.icl import corpus_word_list
-from bdlora.models import load_model_folder
-from bdlora.reference import teacher_folder
-from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import CONFIG, GENAI_CONFIG, all_logits_graph, row_name
-from bdlora.runtime import DecoderShape, score_blocks, session
-from bdlora.schemes import mixed
+from bdlora.models.budgeted.model import narrow_sites
+from bdlora.models.families import FAMILIES, base_type
+from bdlora.models.load import load_model_folder
+from bdlora.models.runtime import DecoderShape, score_blocks, session
 
 BUILDER_PRECISIONS = {"fp32": "fp32", "int4": "int4"}  # the builder's -p values we compare against
 
@@ -95,7 +95,8 @@ def builder_misreads(config) -> str | None:
     get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
     known = FAMILIES.get(base_type(str(get("model_type") or "")))
     if known is None or not known.builder:
-        return f"onnxruntime-genai's builder does not convert model_type {get('model_type')!r} (bdlora.families)"
+        return (f"onnxruntime-genai's builder does not convert model_type {get('model_type')!r} "
+                "(bdlora.models.families)")
     heads, hidden = get("num_attention_heads") or 1, get("hidden_size")
     head_dim = get("head_dim") or (hidden or 0) // heads
     outs = {"intermediate_size": get("intermediate_size"), "hidden_size": hidden, "query width": heads * head_dim,

@@ -16,14 +16,14 @@ import shutil
 
 import torch.nn as nn
 
+from bdlora.base.reporter import SILENT, Reporter
+from bdlora.base.runs import row_name
 from bdlora.bench.config import BenchConfig
-from bdlora.evaluate import OrtLM, run_icl
+from bdlora.eval.evaluate import OrtLM, run_icl
 from bdlora.export.decoder import DecoderLayout, decoder_graph
 from bdlora.export.defaults import MAX_OPSET
 from bdlora.export.genai.folder import deployment
-from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import row_name
-from bdlora.runtime import session
+from bdlora.models.runtime import session
 
 ICL_SHOTS, ICL_SEEDS = 10, 3  # eval's protocol (SPEC 7): 10-shot, 3 demonstration seeds
 

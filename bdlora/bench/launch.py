@@ -10,8 +10,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from bdlora.errors import BdloraError
-from bdlora.reporter import SILENT, Reporter
+from bdlora.base.errors import BdloraError
+from bdlora.base.reporter import SILENT, Reporter
 
 
 def run_timing_process(module: str, spec: dict, name: str, workdir: Path, is_progress: Callable[[str], bool],

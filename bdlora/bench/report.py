@@ -6,10 +6,10 @@ from pathlib import Path
 
 import numpy as np
 
+from bdlora.base.io import atomic_path
+from bdlora.base.runs import row_name
 from bdlora.bench.front import markdown as front_markdown
 from bdlora.bench.front import prediction_line
-from bdlora.io import atomic_path
-from bdlora.runs import row_name
 
 
 def markdown(doc: dict) -> str:

@@ -28,6 +28,11 @@ import onnxruntime as ort
 import torch.nn as nn
 
 from bdlora import SCHEMA_VERSION, __version__
+from bdlora.base.errors import usable_cores
+from bdlora.base.io import atomic_dir, write_json, write_text
+from bdlora.base.reporter import SILENT, Reporter
+from bdlora.base.runs import BENCH_JSON, row_name
+from bdlora.base.schemes import rounded
 from bdlora.bench.config import BenchConfig, provider_name
 from bdlora.bench.front import front_points, predicted_vs_measured
 from bdlora.bench.front import plot as plot_front
@@ -37,15 +42,10 @@ from bdlora.bench.launch import run_timing_process
 from bdlora.bench.report import markdown, plot
 from bdlora.bench.speculative import front_rows, prompts_of, speculative_rows, summary
 from bdlora.bench.variants import dense_variant, export_projection_stack, floor_variant, lora_variant
-from bdlora.errors import usable_cores
 from bdlora.export.onnx.folder import export_decoder
 from bdlora.export.onnx.metadata import module_table
 from bdlora.export.onnx.quantize import quantize_int8
-from bdlora.io import atomic_dir, write_json, write_text
-from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import BENCH_JSON, row_name
-from bdlora.runtime import DecoderShape
-from bdlora.schemes import rounded
+from bdlora.models.runtime import DecoderShape
 
 # --------------------------------------------------------------------------------------------------------------------
 # MAC accounting (the limits)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bdlora.base.reporter import SILENT, Reporter
+from bdlora.base.runs import row_name
 from bdlora.bench.launch import run_timing_process
-from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import row_name
 
 SPEC_PROMPTS = 4  # prompts per domain
 SPEC_PROMPT_TOKENS = 128  # tokens per prompt (the front's decode context)

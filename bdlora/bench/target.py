@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bdlora.arch import check_lora_rank
-from bdlora.errors import ModelError, UsageError
-from bdlora.plan import read_model_config
-from bdlora.runs import ModelDir
+from bdlora.base.errors import ModelError, UsageError
+from bdlora.base.runs import ModelDir
+from bdlora.compress.plan import read_model_config
+from bdlora.models.arch import check_lora_rank
 
 SYNTHETIC_LORA_RANK = 128  # synthetic mode's lora variant (no training to take a rank from)
 
@@ -30,7 +30,7 @@ def synthetic_target(model_config: str, budget: float | None, layers: int | None
                      out_dir: str | None, runs_dir: str, lazy: bool = False) -> BenchTarget:
     """The structure ``plan`` predicts for ``budget`` at ``model_config``'s shapes, random weights; ``lazy`` (genai
     graphs only: ``--runtime genai --no-peers``): built without weights, which each export makes one layer at a time
-    (``bdlora.lazy``), so a 3B model's three variants fit on a 24 GB machine."""
+    (``bdlora.models.lazy``), so a 3B model's three variants fit on a 24 GB machine."""
     from bdlora.bench.variants import synthetic_model
 
     if budget is None:
@@ -44,7 +44,7 @@ def synthetic_target(model_config: str, budget: float | None, layers: int | None
 
 def compressed_target(model_dir: str | None, lora_rank: int | None, out_dir: str | None,
                       runs_dir: str) -> BenchTarget:
-    from bdlora.models import load_model_folder
+    from bdlora.models.load import load_model_folder
 
     src = ModelDir(model_dir) if model_dir else ModelDir.latest(runs_dir)
     if not src.finished():

@@ -20,17 +20,17 @@ import onnx
 import torch
 import torch.nn as nn
 
-from bdlora.arch import projection_modules, set_module
-from bdlora.budgeted.config import BudgetedConfig
-from bdlora.budgeted.costs import deployed_form
+from bdlora.base.errors import ModelError, UsageError
+from bdlora.compress.plan import plan
 from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES, DenseLoRALinear, LowRankLinear
-from bdlora.errors import ModelError, UsageError
 from bdlora.export.decoder import build_projection_stack
-from bdlora.families import family as table_family
-from bdlora.families import with_layers
 from bdlora.forms import DENSE, LOWRANK, describe
-from bdlora.lazy import empty
-from bdlora.plan import plan
+from bdlora.models.arch import projection_modules, set_module
+from bdlora.models.budgeted.config import BudgetedConfig
+from bdlora.models.costs import deployed_form
+from bdlora.models.families import family as table_family
+from bdlora.models.families import with_layers
+from bdlora.models.lazy import empty
 
 
 def _dense_weight(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -66,7 +66,7 @@ def lora_variant(model: nn.Module, rank: int, seed: int = 0) -> nn.Module:
         a = torch.randn(rank, m.in_features, generator=g) / math.sqrt(m.in_features)
         b = torch.randn(m.out_features, rank, generator=g) * 0.01
         base = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device=m.weight.device)
-        if not m.weight.is_meta:  # a lazy model's base gets random values when emitted (bdlora.lazy)
+        if not m.weight.is_meta:  # a lazy model's base gets random values when emitted (bdlora.models.lazy)
             base.weight.copy_(m.weight - b @ a)
         if m.bias is not None:
             base.bias.copy_(m.bias)
@@ -94,7 +94,7 @@ def export_projection_stack(model: nn.Module, path: Path) -> None:
 def synthetic_model(config: dict, budget: float, layers: int | None, rank: int, seed: int = 0, lazy: bool = False,
                     **plan_kw):
     """A compressed-architecture model with random weights in the structure ``plan`` predicts for F; ``lazy``: built
-    without weights, which the exporter gives it one layer at a time (``bdlora.lazy``: what lets a 3B model's
+    without weights, which the exporter gives it one layer at a time (``bdlora.models.lazy``: what lets a 3B model's
     variants be exported on a 24 GB machine; only the genai graphs can be made of it)."""
 
     report = plan(config, BudgetedConfig(budget=budget, rank=rank, **plan_kw), layers=layers)

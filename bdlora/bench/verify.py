@@ -22,20 +22,20 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from bdlora.base.errors import UsageError
+from bdlora.base.io import read_json, write_json
+from bdlora.base.reporter import SILENT, Reporter
+from bdlora.base.schemes import scheme
 from bdlora.bench.genai import _stand_in_tokenizer
 from bdlora.bench.launch import run_timing_process
 from bdlora.bench.whole import CONTEXT, _dense_model, shape_key
-from bdlora.errors import UsageError
+from bdlora.eval.reference import teacher_folder
 from bdlora.export.genai.folder import deployment, heldout_for
 from bdlora.export.genai.latency import TABLE_VERSION, cpu_name
 from bdlora.export.settings import GenaiExportSettings
-from bdlora.io import read_json, write_json
-from bdlora.models import load_model_folder
-from bdlora.perplexity import agreement
-from bdlora.reference import teacher_folder
-from bdlora.reporter import SILENT, Reporter
-from bdlora.runtime import DecoderShape
-from bdlora.schemes import scheme
+from bdlora.models.load import load_model_folder
+from bdlora.models.perplexity import agreement
+from bdlora.models.runtime import DecoderShape
 from bdlora.speculative.decoders import DecoderFactory
 from bdlora.speculative.predict import speculative_speedup
 

@@ -41,21 +41,21 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from bdlora.arch import layer_of
+from bdlora.base.io import read_json, write_json
+from bdlora.base.reporter import SILENT, Reporter
+from bdlora.base.schemes import DEFAULT_SCHEME, PRECISIONS, WIDE, mixed, scheme
 from bdlora.bench.genai import _stand_in_tokenizer, time_genai
-from bdlora.budgeted.costs import ModuleShape, shapes_from_config
 from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES
 from bdlora.export.genai.folder import deployment
 from bdlora.export.genai.latency import TABLE_VERSION, cpu_name, latency_table
 from bdlora.export.settings import GenaiExportSettings
-from bdlora.families import base_type, with_layers
-from bdlora.families import family as table_family
 from bdlora.forms.bits import head_shape
 from bdlora.forms.channels import CHANNEL_STEP
-from bdlora.io import read_json, write_json
-from bdlora.lazy import empty
-from bdlora.reporter import SILENT, Reporter
-from bdlora.schemes import DEFAULT_SCHEME, PRECISIONS, WIDE, mixed, scheme
+from bdlora.models.arch import layer_of
+from bdlora.models.costs import ModuleShape, shapes_from_config
+from bdlora.models.families import base_type, with_layers
+from bdlora.models.families import family as table_family
+from bdlora.models.lazy import empty
 
 CONTEXT = 128  # tokens in the cache when the step is timed (bench's default decode shape: batch 1 after 128)
 STEPS, REPEATS, WARMUP = 32, 15, 3  # decode tokens per timing, timed repeats, untimed ones
@@ -114,7 +114,7 @@ def _dense_model(config: dict, layers: int, width: int):
         s.name.rsplit(".", 1)[0]: {"form": "channels", "keep": width}
         for s in shapes_from_config({**config, "num_hidden_layers": layers}) if s.name.endswith("down_proj")}
     cfg = cfg_cls(bdlora_modules=sites, bdlora={"base_model_type": family}, **base)
-    return empty(lambda: model_cls(cfg)).eval()  # weights made one layer at a time by the exporter (bdlora.lazy)
+    return empty(lambda: model_cls(cfg)).eval()  # weights made a layer at a time by the exporter (models.lazy)
 
 
 def _layer_projections(config: dict, table, width: int) -> float:
@@ -252,7 +252,7 @@ def decode_prediction(overhead: Overhead, table, config: dict, shapes: list[Modu
 
 @dataclass
 class MeasuredCosts:
-    """``budgeted.costs.CostModel`` by measured decode time: the latency tables of ``export.genai.latency`` at
+    """``models.costs.CostModel`` by measured decode time: the latency tables of ``export.genai.latency`` at
     ``precision`` on ``threads`` (cached under ``cache``), in the node layout of the scheme ``quant``, with the decode
     step's cost outside the projections fitted here (``decode_overhead``) when the model's config is given."""
 

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from bdlora.runtime import DecoderSignature, run_bound
+from bdlora.models.runtime import DecoderSignature, run_bound
 
 
 def time_interleaved(jobs: dict, repeats: int, warmup: int) -> dict[str, list[float]]:

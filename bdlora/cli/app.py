@@ -18,8 +18,8 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
-from bdlora.errors import BdloraError, Terminated
-from bdlora.io import NotAFileError, release_claims
+from bdlora.base.errors import BdloraError, Terminated
+from bdlora.base.io import NotAFileError, release_claims
 
 
 def quiet_transformers() -> None:

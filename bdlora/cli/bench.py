@@ -6,17 +6,17 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
+from bdlora.base.errors import Checks, UsageError
+from bdlora.base.io import write_json
+from bdlora.base.outputs import check_out_dir, check_out_file
+from bdlora.base.runs import RUNS_DIR, BenchDir
 from bdlora.bench.config import BenchConfig
 from bdlora.bench.target import SYNTHETIC_LORA_RANK, compressed_target, synthetic_target
 from bdlora.cli import render
 from bdlora.cli.app import command, out
 from bdlora.cli.options import from_dataclass, int_list, str_list
 from bdlora.cli.progress import RichReporter
-from bdlora.corpora import check_spec
-from bdlora.errors import Checks, UsageError
-from bdlora.io import write_json
-from bdlora.outputs import check_out_dir, check_out_file
-from bdlora.runs import RUNS_DIR, BenchDir
+from bdlora.data.corpora import check_spec
 
 SYNTHETIC = "Synthetic mode (--model-config: the structure plan predicts, random weights)"
 BENCH_PANELS = {  # bench --help: what and how wide is benched stays in the main panel

@@ -7,25 +7,25 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from bdlora import sources
-from bdlora.arch import check_lora_rank, layer_of
-from bdlora.bounds import check_report_provenance
-from bdlora.budgeted.config import ALLOCATIONS, THRESHOLDS, BudgetedConfig
-from bdlora.budgeted.costs import ModuleShape, shapes_from_config
+from bdlora.base.errors import Checks, UsageError, flag, usable_cores
+from bdlora.base.runs import RUNS_DIR, ModelDir, RunDir, one_shot_out
+from bdlora.base.schemes import DEFAULT_SCHEME, mixed, quant_problem
 from bdlora.cli import render
 from bdlora.cli.app import command, err, out
 from bdlora.cli.options import from_dataclass
 from bdlora.cli.progress import RichReporter
-from bdlora.config import BUILTIN, CALIB_TOKENS, GENAI_PRECISIONS
-from bdlora.data import default_cache_dir
-from bdlora.errors import Checks, UsageError, flag, usable_cores
+from bdlora.compress.bounds import check_report_provenance
+from bdlora.compress.config import OneShotConfig
+from bdlora.compress.plan import DEFAULT_PLAN_STEPS, read_model_config
+from bdlora.compress.plan import plan as run_plan
+from bdlora.data.tokens import default_cache_dir
 from bdlora.forms import LOWRANK, REMOVED, declared_head_bits, declared_head_keep, forms_problem, named_forms
-from bdlora.integrity import check_model_folder
-from bdlora.oneshot_config import OneShotConfig
-from bdlora.plan import DEFAULT_PLAN_STEPS, read_model_config
-from bdlora.plan import plan as run_plan
-from bdlora.runs import RUNS_DIR, ModelDir, RunDir, one_shot_out
-from bdlora.schemes import DEFAULT_SCHEME, mixed, quant_problem
+from bdlora.models import sources
+from bdlora.models.arch import check_lora_rank, layer_of
+from bdlora.models.budgeted.config import ALLOCATIONS, THRESHOLDS, BudgetedConfig
+from bdlora.models.costs import ModuleShape, shapes_from_config
+from bdlora.models.integrity import check_model_folder
+from bdlora.train.config import BUILTIN, CALIB_TOKENS, GENAI_PRECISIONS
 
 PLAN_FIELDS = ("budget", "rank", "eps_lr", "eps_zero", "svd_max_rank", "decay_start", "decay_end", "retention_ema")
 
@@ -174,7 +174,7 @@ def _resolved(model: str) -> str:
 
 def _forms_plan(model: str, shot: dict, json_out: bool, **options) -> tuple[dict, dict, str]:
     """(report, config, title) of ``plan --model M --allocation quality --forms F``: the one-shot structure."""
-    from bdlora.oneshot import forms_plan
+    from bdlora.compress.oneshot import forms_plan
 
     cfg = OneShotConfig(**options, **{k: v for k, v in shot.items() if v is not None}).validate()
     reporter = RichReporter(err if json_out else out)
@@ -184,7 +184,7 @@ def _forms_plan(model: str, shot: dict, json_out: bool, **options) -> tuple[dict
 
 
 def _quality_plan(model, rank, layers, mac_ratio, calib_tokens, data, opts, json_out) -> dict:
-    from bdlora.oneshot import quality_plan
+    from bdlora.compress.oneshot import quality_plan
 
     rank = check_lora_rank(rank, read_model_config(_resolved(model)))
     cfg = OneShotConfig(mac_ratio=mac_ratio, calib_tokens=calib_tokens, data=data)
@@ -231,7 +231,7 @@ def compress(
         if given:
             raise UsageError(f"{', '.join(given)}: options of --one-shot (add --one-shot to compress a pretrained "
                              "model)")
-        from bdlora.compress import compress_run
+        from bdlora.compress.run import compress_run
 
         cfg = BudgetedConfig(**opts).validate_thresholds()
         run = RunDir(run_dir) if run_dir else RunDir.latest(runs_dir)
@@ -295,7 +295,7 @@ def _folder_report(folder: str, other: str | None = None) -> tuple[dict, dict, s
 
 
 def _one_shot(source, shot: dict, out_dir, force: bool, runs_dir: str, cache_dir, evaluate: bool, reporter):
-    from bdlora.oneshot import compress_one_shot
+    from bdlora.compress.oneshot import compress_one_shot
 
     if not source:
         raise UsageError("--one-shot: name the pretrained model to compress (a folder, a .gguf file, a preset such "

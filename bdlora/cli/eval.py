@@ -8,17 +8,15 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
+from bdlora.base.errors import UsageError
+from bdlora.base.io import write_json
+from bdlora.base.outputs import check_new_out, check_out_file
+from bdlora.base.runs import PAPER_MAIN, RUNS_DIR, ModelDir, SweepDir, eval_json
 from bdlora.cli import render
 from bdlora.cli.app import command, err, out
 from bdlora.cli.options import TRAIN_PANELS, float_list, from_dataclass, int_list, str_list
 from bdlora.cli.progress import RichReporter
-from bdlora.config import TrainConfig, defaults_help, merge
-from bdlora.errors import UsageError
-from bdlora.evaluate import EvalConfig
-from bdlora.io import write_json
-from bdlora.option_files import load_yaml
-from bdlora.outputs import check_new_out, check_out_file
-from bdlora.runs import PAPER_MAIN, RUNS_DIR, ModelDir, SweepDir, eval_json
+from bdlora.eval.evaluate import EvalConfig
 from bdlora.sweep.options import (
     DEFAULT_BASELINES,
     DEFAULT_BENCH_BATCH_SIZES,
@@ -29,13 +27,22 @@ from bdlora.sweep.options import (
 from bdlora.sweep.paper import OUTPUTS, merge_sweeps
 from bdlora.sweep.report import markdown
 from bdlora.sweep.vary import parse_axis
+from bdlora.train.config import TrainConfig, defaults_help, merge
+from bdlora.train.option_files import load_yaml
 
 SWEEP_TRAIN_OPTIONS = ("teacher", "student_init", "data", "student_layers", "layer_selection", "seq_len", "batch_size",
                        "max_steps", "tokens", "lr", "temperature", "kd_weight", "lora_rank", "lora_alpha",
                        "eval_tokens", "heldout_fraction", "seed", "device", "cache_dir", "kd_topk")
 
 
-@command(name="eval", options=from_dataclass(EvalConfig, skip=("ppl", "icl"), defaults=True))
+EVAL_PANELS = {  # eval --help: what to score and where the report goes first; each measure's settings after
+    "Perplexity": ("seq_len", "heldout_fraction", "domains", "batch_size"),
+    "ICL probes": ("shots", "seeds", "examples", "tasks"),
+    "Folders": ("onnx_file",),
+}
+
+
+@command(name="eval", options=from_dataclass(EvalConfig, skip=("ppl", "icl"), defaults=True, panels=EVAL_PANELS))
 def eval_cmd(
     model_dir: Annotated[Optional[str], typer.Argument(help="A run directory, model folder (teacher, compressed, "
                                                             "exported HF) or ONNX folder (default: the latest "
@@ -51,7 +58,7 @@ def eval_cmd(
     vs_teacher: Annotated[bool, typer.Option(help="Score the model's teacher (from its run) on the same slice and "
                                                   "prompts, once per settings (cached), and show it beside.")]
     = True,
-    runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,
+    runs_dir: Annotated[str, typer.Option(help="Where runs live.", rich_help_panel="Folders")] = RUNS_DIR,
     **opts,
 ):
     """Score a model: perplexity on the held-out slice and the 19 function-style ICL probes (10-shot, 3
@@ -62,7 +69,7 @@ def eval_cmd(
     src = Path(model_dir) if model_dir else ModelDir.latest(runs_dir).path
     dst = Path(json_path) if json_path else eval_json(src)
     check_out_file(dst, force=force, ours=json_path is None)
-    from bdlora.reference import evaluate_with_teacher  # loads the teacher module (torch)
+    from bdlora.eval.reference import evaluate_with_teacher  # loads the teacher module (torch)
 
     doc = evaluate_with_teacher(src, ecfg, vs_teacher, reporter=RichReporter(out))
     write_json(dst, doc)

@@ -7,17 +7,17 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from bdlora import sources
+from bdlora.base.errors import Checks
+from bdlora.base.runs import RUNS_DIR, ModelDir
+from bdlora.base.schemes import SCHEMES
 from bdlora.cli import render
 from bdlora.cli.app import command, err, export_app, out
 from bdlora.cli.options import from_dataclass
 from bdlora.cli.progress import RichReporter
-from bdlora.errors import Checks
 from bdlora.export.defaults import DEFAULT_OPSET, MAX_GENAI_THREADS
 from bdlora.export.hf import export_hf as run_export
 from bdlora.export.settings import GenaiExportSettings
-from bdlora.runs import RUNS_DIR, ModelDir
-from bdlora.schemes import SCHEMES
+from bdlora.models import sources
 
 
 def _source(model_dir: Optional[str], runs_dir: str) -> Path:

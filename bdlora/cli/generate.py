@@ -9,10 +9,10 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from bdlora.base.errors import Checks, UsageError
+from bdlora.base.runs import RUNS_DIR, GenaiDir
 from bdlora.cli.app import command, err, out
 from bdlora.cli.options import from_dataclass
-from bdlora.errors import Checks, UsageError
-from bdlora.runs import RUNS_DIR, GenaiDir
 from bdlora.speculative.run import GenerateConfig, SpeculationConfig, generate_text
 
 SPECULATION_PANEL = "Speculative decoding"

@@ -10,8 +10,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from bdlora.config import field_docs
-from bdlora.errors import UsageError
+from bdlora.base.errors import UsageError
+from bdlora.train.config import field_docs
 
 # train and sweep --help: the options most runs set stay in the main panel (method, teacher, data, the structure and
 # its speed-up, steps, lr, what to stop on, where to write); the rest, which recipes (--config) usually set, below it

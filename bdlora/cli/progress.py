@@ -4,7 +4,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from bdlora.reporter import Reporter
+from bdlora.base.reporter import Reporter
 
 
 class RichReporter(Reporter):

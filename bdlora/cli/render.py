@@ -3,10 +3,10 @@
 from rich.markup import escape
 from rich.table import Table
 
+from bdlora.base.schemes import rounded
 from bdlora.bench.front import front_mark, prediction_line, same_precision_cell, vs_reference
 from bdlora.bench.report import noise_lines
 from bdlora.cli.app import out
-from bdlora.schemes import rounded
 
 
 def _kv(title: str) -> Table:

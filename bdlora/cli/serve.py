@@ -7,21 +7,29 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
+from bdlora.base.errors import Checks, UsageError
+from bdlora.base.io import write_json
+from bdlora.base.outputs import check_out_file
+from bdlora.base.runs import RUNS_DIR, GenaiDir, OnnxDir
 from bdlora.cli import render
 from bdlora.cli.app import command, err, fail
 from bdlora.cli.options import from_dataclass, int_list
-from bdlora.errors import Checks, UsageError
-from bdlora.io import write_json
-from bdlora.outputs import check_out_file
-from bdlora.runs import RUNS_DIR, GenaiDir, OnnxDir
-from bdlora.runtime import check_onnx_dir
+from bdlora.models.runtime import check_onnx_dir
 from bdlora.serve.config import DEFAULT_DRAIN_SECONDS, DEFAULT_HOST, DEFAULT_PORT, ServeConfig
 from bdlora.serve.loadtest import CONCURRENCY, MAX_TOKENS, REQUESTS, TEMPERATURE, base_url, first_model, load_test
 from bdlora.speculative.decoders import check_draft
 from bdlora.speculative.run import SpeculationConfig
 
+LIMITS = "Limits and scheduling"
+SERVE_PANELS = {  # serve --help: where and what to serve first; the server's limits and its files after
+    LIMITS: ("waiting_served_ratio", "max_waiting_steps", "max_tokens", "max_prompt_tokens", "max_waiting",
+             "max_prompts", "max_request_bytes", "request_timeout"),
+    "Files and documentation": ("onnx_file", "docs"),
+}
 
-@command(options=from_dataclass(ServeConfig, skip=("onnx_dir", "model_name", "speculation"), defaults=True)
+
+@command(options=from_dataclass(ServeConfig, skip=("onnx_dir", "model_name", "speculation"), defaults=True,
+                                panels=SERVE_PANELS)
          + from_dataclass(SpeculationConfig, defaults=True, panel="Speculative decoding"))
 def serve(
     onnx_dir: Annotated[Optional[str], typer.Argument(help="A `bdlora export onnx` folder (default: the latest), "
@@ -32,8 +40,9 @@ def serve(
     model_name: Annotated[Optional[str], typer.Option(help="Model id clients send (default: the folder name).")]
     = None,
     drain_seconds: Annotated[int, typer.Option(help="On SIGTERM/SIGINT: seconds to let in-flight requests "
-                                                    "finish.")] = DEFAULT_DRAIN_SECONDS,
-    runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,
+                                                    "finish.", rich_help_panel=LIMITS)] = DEFAULT_DRAIN_SECONDS,
+    runs_dir: Annotated[str, typer.Option(help="Where runs live.", rich_help_panel="Files and documentation")]
+    = RUNS_DIR,
     **opts,
 ):
     """Serve an exported ONNX model with an OpenAI-compatible API (/v1/completions, /v1/chat/completions,

@@ -7,13 +7,13 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
+from bdlora.base.errors import Checks
+from bdlora.base.outputs import check_resumable_out
+from bdlora.base.runs import RUNS_DIR, SHIP_PLOT, SHIP_REPORT, SHIP_RESULT
 from bdlora.cli.app import command, err, out
 from bdlora.cli.options import from_dataclass
 from bdlora.cli.progress import RichReporter
-from bdlora.data import BUILTIN
-from bdlora.errors import Checks
-from bdlora.outputs import check_resumable_out
-from bdlora.runs import RUNS_DIR, SHIP_PLOT, SHIP_REPORT, SHIP_RESULT
+from bdlora.data.tokens import BUILTIN
 from bdlora.ship.config import ShipConfig
 from bdlora.ship.run import run_ship
 

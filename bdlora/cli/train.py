@@ -10,16 +10,16 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
+from bdlora.base.errors import UsageError
+from bdlora.base.reporter import SILENT
+from bdlora.base.runs import TEACHER_JSON, RunDir
 from bdlora.cli import render
 from bdlora.cli.app import command, err, out
 from bdlora.cli.compress import cost_model
 from bdlora.cli.options import TRAIN_PANELS, from_dataclass
 from bdlora.cli.progress import RichReporter
-from bdlora.config import BUILTIN, TrainConfig, defaults_help, field_docs, merge
-from bdlora.errors import UsageError
-from bdlora.option_files import load_yaml
-from bdlora.reporter import SILENT
-from bdlora.runs import TEACHER_JSON, RunDir
+from bdlora.train.config import BUILTIN, TrainConfig, defaults_help, field_docs, merge
+from bdlora.train.option_files import load_yaml
 
 H = field_docs(TrainConfig)
 
@@ -38,7 +38,7 @@ def teacher(
     """Build (or show) the embedded default teacher (a BPE tokenizer and a small Mistral-style model pretrained on
     the Python standard library), or with --preset materialise a pretrained one into the cache as a Hugging Face
     folder; prints its folder, parameter count and held-out perplexity."""
-    from bdlora.teacher import build_builtin_teacher, describe_pretrained
+    from bdlora.models.teacher import build_builtin_teacher, describe_pretrained
 
     rep = RichReporter(err if json_out else out)
     cache = Path(cache_dir) if cache_dir else None
@@ -75,7 +75,7 @@ def train(
     **opts,
 ):
     """Distil a student from the teacher: kd-full, kd-lora or budgeted (Budgeted LoRA)."""
-    from bdlora.train import train as run_train
+    from bdlora.train.loop import train as run_train
 
     if nproc is not None:
         if nproc < 1:

@@ -14,13 +14,13 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from bdlora.arch import PROJECTIONS, base_model, block_of, family_of, unsupported
+from bdlora.base.errors import ModelError
+from bdlora.base.io import atomic_dir, write_json
+from bdlora.base.runs import ModelDir
 from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES
-from bdlora.errors import ModelError
 from bdlora.forms import FORMS, describe
-from bdlora.integrity import DIGEST_KEY, TOKENIZER_KEY, digests, tokenizer_digests
-from bdlora.io import atomic_dir, write_json
-from bdlora.runs import ModelDir
+from bdlora.models.arch import PROJECTIONS, base_model, block_of, family_of, unsupported
+from bdlora.models.integrity import DIGEST_KEY, TOKENIZER_KEY, digests, tokenizer_digests
 
 MODELING_FILE = Path(__file__).with_name("modeling_bdlora.py")
 

@@ -201,7 +201,7 @@ class BdloraGemma3ForCausalLM(BdloraModelMixin, Gemma3ForCausalLM):
     config_class = BdloraGemma3TextConfig
 
 
-# base model_type -> (config class, model class): bdlora's architecture of each family of bdlora.families' table
+# base model_type -> (config class, model class): bdlora's architecture of each family of bdlora.models.families' table
 # whose weights it loads (this file ships as remote code in every model folder, so it cannot import the table;
 # tests/test_structure.py holds the two to the same families)
 BDLORA_CLASSES = {

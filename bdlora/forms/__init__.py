@@ -19,8 +19,8 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from bdlora.errors import ModelError, shown
-from bdlora.schemes import MIXED, mixed
+from bdlora.base.errors import ModelError, shown
+from bdlora.base.schemes import MIXED, mixed
 
 ALLOCATED_FORMS = ("lowrank", "channels", "groups", "layers", "bits", "vocab")  # what --forms may name: a
 # projection's, an MLP's, an attention block's, a whole decoder layer's form, a projection's width at int4, or the

@@ -23,9 +23,9 @@ the head is a large share of the bytes a decode step reads (SmolLM2: 28 MB at 8 
 
 from __future__ import annotations
 
-from bdlora.budgeted.costs import ModuleShape
 from bdlora.forms import HEAD, WIDE_BITS
 from bdlora.forms.context import BaseStep, OneShotContext
+from bdlora.models.costs import ModuleShape
 
 NARROW_BITS = 4
 

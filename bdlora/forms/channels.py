@@ -29,12 +29,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from bdlora.budgeted.allocate import Cost, Option
-from bdlora.budgeted.costs import ModuleShape, prune_decision
-from bdlora.budgeted.layer import DeployedModule
+from bdlora.compress.allocate import Cost, Option
 from bdlora.forms import MLP_PROJECTIONS
 from bdlora.forms.context import BaseStep, OneShotContext
 from bdlora.forms.lowrank import damped, output_weights
+from bdlora.models.budgeted.layer import DeployedModule
+from bdlora.models.costs import ModuleShape, prune_decision
 
 CHANNEL_STEP = 32  # kept widths are multiples of the int4 block (MatMulNBits' block size along K)
 REFIT_DAMPING = 1e-2  # of the kept channels' mean Gram diagonal (GPTQ's percdamp): a ridge on the refit

@@ -26,13 +26,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from bdlora.budgeted.allocate import Cost, Option
-from bdlora.budgeted.costs import ModuleShape, prune_decision
-from bdlora.budgeted.layer import DeployedModule
+from bdlora.compress.allocate import Cost, Option
 from bdlora.forms import ATTENTION_PROJECTIONS
 from bdlora.forms.channels import drop_products, refit_columns
 from bdlora.forms.channels import probe_shapes as channel_probes
 from bdlora.forms.context import BaseStep, OneShotContext
+from bdlora.models.budgeted.layer import DeployedModule
+from bdlora.models.costs import ModuleShape, prune_decision
 
 
 @dataclass

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from bdlora.budgeted.costs import decide_module
-from bdlora.budgeted.layer import DeployedModule
 from bdlora.forms.context import BaseStep, OneShotContext
+from bdlora.models.budgeted.layer import DeployedModule
+from bdlora.models.costs import decide_module
 
 DAMPING = 1e-4  # of the mean diagonal of the Gram matrix (SVD-LLM's order of magnitude)
 FISHER_DAMPING = 1e-2  # of the mean Fisher diagonal: outputs the loss barely reads still count a little

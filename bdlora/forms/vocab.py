@@ -26,9 +26,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from bdlora.budgeted.costs import ModuleShape
 from bdlora.forms import HEAD, VOCAB, WIDE_BITS
 from bdlora.forms.context import BaseStep, OneShotContext
+from bdlora.models.costs import ModuleShape
 
 SMALLEST = 32  # tokens: the smallest kept vocabulary offered (the int4 block), doubling up to the vocabulary
 # The least share of the teacher's argmax tokens (on the calibration tokens) a kept vocabulary must hold to be offered.

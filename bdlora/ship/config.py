@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bdlora.config import GENAI_PRECISIONS
-from bdlora.errors import Checks, shown
+from bdlora.base.errors import Checks, shown
+from bdlora.base.schemes import METHODS, rounded
 from bdlora.forms import check_forms
-from bdlora.schemes import METHODS, rounded
-from bdlora.stopping import parse_duration
+from bdlora.train.config import GENAI_PRECISIONS
+from bdlora.train.stopping import parse_duration
 
 DRAFT_FORMS = "layers,channels,vocab"  # the draft: fewer layers, narrower MLPs, a head over frequent tokens
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from bdlora.io import atomic_path, read_json, write_text
-from bdlora.runs import BENCH_JSON, SHIP_PLOT, SHIP_REPORT
+from bdlora.base.io import atomic_path, read_json, write_text
+from bdlora.base.runs import BENCH_JSON, SHIP_PLOT, SHIP_REPORT
 
 TEACHER, LOOKUP, SPEC_DRAFT, PEER = "teacher", "spec-lookup", "spec-draft", "peer-"
 BENCH = "bench"  # the ship step (and folder) that benches every folder

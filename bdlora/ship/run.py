@@ -29,14 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bdlora import SCHEMA_VERSION
-from bdlora.data import BUILTIN
-from bdlora.errors import BdloraError, UsageError
-from bdlora.io import read_json, write_json
-from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import BENCH_JSON, CONFIG, EXPORT_MARKER, SHIP_OPTIONS, SHIP_RESULT, ModelDir, RunDir
+from bdlora.base.errors import BdloraError, UsageError
+from bdlora.base.io import read_json, write_json
+from bdlora.base.reporter import SILENT, Reporter
+from bdlora.base.runs import BENCH_JSON, CONFIG, EXPORT_MARKER, SHIP_OPTIONS, SHIP_RESULT, ModelDir, RunDir
+from bdlora.data.tokens import BUILTIN
+from bdlora.models.sources import resolve
 from bdlora.ship.config import DRAFT_FORMS, ShipConfig
 from bdlora.ship.recommend import BENCH, exported, recommend
-from bdlora.sources import resolve
 
 COMPRESSED_MARKER = ModelDir.MARKER  # written last by compress
 RUN_MARKER = RunDir.MARKER  # written last by train
@@ -134,7 +134,7 @@ def _common(cfg: ShipConfig) -> list[str]:
 def teacher_folder(model: str, reporter: Reporter) -> str:
     """The teacher's own folder (export genai reads a folder or a .gguf; builtin is built, a preset materialised,
     once, into bdlora's cache); the students are made from ``model`` itself, so their provenance names it."""
-    from bdlora.teacher import build_builtin_teacher
+    from bdlora.models.teacher import build_builtin_teacher
 
     if model == BUILTIN:
         return str(build_builtin_teacher(on_stage=reporter.stage, on_step=reporter.teacher_step))

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from bdlora.errors import ModelError, usable_cores
-from bdlora.integrity import TOKENIZER_KEY, tokenizer_digests
-from bdlora.runs import EXPORT_MARKER, GENAI_CONFIG, MODEL_ONNX, all_logits_graph
-from bdlora.runtime import DecoderShape, check_onnx_dir, empty_past, run_bound, session
+from bdlora.base.errors import ModelError, usable_cores
+from bdlora.base.runs import EXPORT_MARKER, GENAI_CONFIG, MODEL_ONNX, all_logits_graph
+from bdlora.models.integrity import TOKENIZER_KEY, tokenizer_digests
+from bdlora.models.runtime import DecoderShape, check_onnx_dir, empty_past, run_bound, session
 
 
 class OrtDecoder:

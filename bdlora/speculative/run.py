@@ -9,13 +9,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bdlora.errors import Checks, UsageError
-from bdlora.runs import GENAI_CONFIG
+from bdlora.base.errors import Checks, UsageError
+from bdlora.base.runs import GENAI_CONFIG
+from bdlora.models.tokenizer import TextTokenizer
 from bdlora.speculative.decoders import DecoderFactory, check_draft
 from bdlora.speculative.loop import Speculator, generate
 from bdlora.speculative.policy import Costs, KPolicy
 from bdlora.speculative.proposers import DraftProposer, PromptLookup
-from bdlora.tokenizer import TextTokenizer
 
 PROPOSERS = ("draft", "prompt-lookup")
 

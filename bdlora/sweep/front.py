@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import shutil
 
+from bdlora.base.io import read_json
+from bdlora.base.reporter import SILENT, Reporter
+from bdlora.base.runs import BENCH, COMPRESSED, BenchDir, SweepDir
 from bdlora.bench.config import BenchConfig
 from bdlora.bench.front import plot
 from bdlora.bench.genai import deployment_for
 from bdlora.bench.run import run_bench
 from bdlora.bench.target import trained_lora_rank
-from bdlora.io import read_json
-from bdlora.models import load_model_folder
-from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import BENCH, COMPRESSED, BenchDir, SweepDir
+from bdlora.models.load import load_model_folder
 
 FRONT_PNG = "front.png"
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from bdlora import SCHEMA_VERSION
-from bdlora.errors import UsageError
-from bdlora.io import atomic_path, write_json, write_text
-from bdlora.method_table import method_of
-from bdlora.runs import PAPER_ICL, PAPER_MAIN, PAPER_TABLE9, SweepDir
+from bdlora.base.errors import UsageError
+from bdlora.base.io import atomic_path, write_json, write_text
+from bdlora.base.method_table import method_of
+from bdlora.base.runs import PAPER_ICL, PAPER_MAIN, PAPER_TABLE9, SweepDir
 from bdlora.sweep.vary import show
 
 OUTPUTS = (PAPER_MAIN, PAPER_TABLE9, PAPER_ICL)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bdlora.base.io import atomic_path
 from bdlora.bench.front import markdown as front_markdown
-from bdlora.io import atomic_path
 from bdlora.sweep.options import Member
 from bdlora.sweep.vary import show
 

@@ -25,26 +25,27 @@ import dataclasses
 import shutil
 from pathlib import Path
 
-from bdlora import SCHEMA_VERSION, sources
+from bdlora import SCHEMA_VERSION
+from bdlora.base.errors import RunDirError
+from bdlora.base.io import read_json, write_json, write_text
+from bdlora.base.method_table import method_of
+from bdlora.base.reporter import SILENT, Reporter
+from bdlora.base.runs import BENCH, COMPRESSED, EVAL, SWEEP_OPTIONS, BenchDir, ModelDir, SweepDir
 from bdlora.bench.config import BenchConfig
 from bdlora.bench.run import run_bench
-from bdlora.checkpoint import latest_checkpoint
-from bdlora.compress import compress_run
-from bdlora.config import BUILTIN, TrainConfig, resolve_defaults
-from bdlora.errors import RunDirError
-from bdlora.evaluate import EvalConfig, evaluate_target
-from bdlora.io import read_json, write_json, write_text
-from bdlora.method_table import method_of
-from bdlora.models import load_model_folder
-from bdlora.oneshot import compress_one_shot
-from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import BENCH, COMPRESSED, EVAL, SWEEP_OPTIONS, BenchDir, ModelDir, SweepDir
+from bdlora.compress.oneshot import compress_one_shot
+from bdlora.compress.run import compress_run
+from bdlora.eval.evaluate import EvalConfig, evaluate_target
+from bdlora.models import sources
+from bdlora.models.load import load_model_folder
+from bdlora.models.teacher import builtin_teacher_dir
 from bdlora.sweep.front import bench_front
 from bdlora.sweep.options import Member, SweepOptions
 from bdlora.sweep.paper import teacher_label, write_paper_outputs
 from bdlora.sweep.report import icl_fields, markdown, member_row, plot_pareto
-from bdlora.teacher import builtin_teacher_dir
-from bdlora.train import train
+from bdlora.train.checkpoint import latest_checkpoint
+from bdlora.train.config import BUILTIN, TrainConfig, resolve_defaults
+from bdlora.train.loop import train
 
 
 def run_sweep(opts: SweepOptions | None, sweep: SweepDir, reporter: Reporter = SILENT, resume: bool = False) -> dict:

@@ -16,10 +16,10 @@ import re
 import typing
 from pathlib import Path
 
-from bdlora.budgeted.config import BudgetedConfig
-from bdlora.config import OPTION_NAMES
-from bdlora.errors import UsageError
-from bdlora.option_files import TYPE_WORDS, yaml_type
+from bdlora.base.errors import UsageError
+from bdlora.models.budgeted.config import BudgetedConfig
+from bdlora.train.config import OPTION_NAMES
+from bdlora.train.option_files import TYPE_WORDS, yaml_type
 
 COMPRESS_OPTIONS = ("eps_lr", "gate_threshold", "svd_max_rank")  # compress-time only: no retraining
 # Options a grid may not vary, and what to use instead: one sweep measures one teacher on one held-out split.

@@ -19,7 +19,7 @@ import torch.nn as nn
 from onnx import TensorProto
 
 from bdlora.export.decoder.builder import GraphBuilder
-from bdlora.runtime import DecoderSignature as Sig
+from bdlora.models.runtime import DecoderSignature as Sig
 
 MS = "com.microsoft"
 ROPE = ("cos_cache", "sin_cache")

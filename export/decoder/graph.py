@@ -18,8 +18,7 @@ import onnx
 import torch.nn as nn
 from onnx import TensorProto, helper
 
-from bdlora.arch import projection_modules
-from bdlora.errors import ModelError
+from bdlora.base.errors import ModelError
 from bdlora.export.decoder.attention import (
     MS,
     gqa_attention,
@@ -36,10 +35,11 @@ from bdlora.export.decoder.attention import (
 from bdlora.export.decoder.builder import GraphBuilder, Projection, emit_group, emit_packed_qkv
 from bdlora.export.decoder.head import emit_head
 from bdlora.export.defaults import MAX_OPSET
-from bdlora.families import Anatomy, family
 from bdlora.forms import declared_bits
-from bdlora.lazy import materialized
-from bdlora.runtime import DecoderSignature as Sig
+from bdlora.models.arch import projection_modules
+from bdlora.models.families import Anatomy, family
+from bdlora.models.lazy import materialized
+from bdlora.models.runtime import DecoderSignature as Sig
 
 # the signature's symbolic dims, spelled as onnxruntime-genai's model builder spells them in its graphs
 GENAI_DIMS = {"batch": "batch_size", "seq": "sequence_length", "past": "past_sequence_length",
@@ -238,7 +238,7 @@ def build_decoder(model: nn.Module, layout: DecoderLayout):
 
 
 def decoder_graph(model: nn.Module, layout: DecoderLayout):
-    """(ModelProto, MatMuls saved by the shared first stages). A model built without weights (``bdlora.lazy``:
+    """(ModelProto, MatMuls saved by the shared first stages). A model built without weights (``bdlora.models.lazy``:
     synthetic, on the meta device) gets them one part at a time: the embedding, norm and head for the graph's ends,
     each decoder layer for its own nodes."""
     with materialized(model, skip=("model.layers", "model.embed_tokens", "lm_head")):  # the norms: small

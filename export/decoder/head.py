@@ -13,7 +13,7 @@ import numpy as np
 import torch.nn as nn
 
 from bdlora.forms import HEAD, VOCAB, VOCAB_MARGIN
-from bdlora.runtime import DecoderSignature as Sig
+from bdlora.models.runtime import DecoderSignature as Sig
 
 HEAD_MATMUL = "/lm_head/MatMul"
 

@@ -3,9 +3,9 @@ writes), plus the search defaults it generates with (greedy, the model's EOS).""
 
 from __future__ import annotations
 
-from bdlora.families import family, genai_families
-from bdlora.runs import MODEL_ONNX
-from bdlora.runtime import DecoderSignature as Sig
+from bdlora.base.runs import MODEL_ONNX
+from bdlora.models.families import family, genai_families
+from bdlora.models.runtime import DecoderSignature as Sig
 
 
 def _ids(value) -> int | list[int]:

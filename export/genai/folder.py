@@ -10,10 +10,15 @@ from pathlib import Path
 import onnx
 
 from bdlora import SCHEMA_VERSION
-from bdlora.blocks import PackedBlocks, scored_blocks
-from bdlora.corpora import heldout_blocks, settings_tokens
-from bdlora.data import BUILTIN, Corpus, tokenize_corpus
-from bdlora.errors import Checks, UsageError, usable_cores
+from bdlora.base.errors import Checks, UsageError, usable_cores
+from bdlora.base.io import atomic_dir, write_json
+from bdlora.base.outputs import check_out_dir
+from bdlora.base.reporter import SILENT, Reporter
+from bdlora.base.runs import ALL_LOGITS_ONNX, GENAI_CONFIG, MODEL_ONNX, OnnxDir, recorded_data_settings
+from bdlora.base.schemes import FLOAT, PRECISIONS
+from bdlora.data.blocks import PackedBlocks, scored_blocks
+from bdlora.data.corpora import heldout_blocks, settings_tokens
+from bdlora.data.tokens import BUILTIN, Corpus, tokenize_corpus
 from bdlora.export.decoder import DecoderLayout, build_decoder, decoder_graph
 from bdlora.export.decoder import save_graph as save_plain
 from bdlora.export.defaults import MAX_OPSET
@@ -27,13 +32,8 @@ from bdlora.export.genai.quantize import quantize_nbits
 from bdlora.export.onnx.metadata import metadata_props, metadata_summary, module_table, set_metadata
 from bdlora.export.onnx.validate import ExportValidationError, quantized_quality
 from bdlora.export.settings import GenaiExportSettings
-from bdlora.io import atomic_dir, write_json
-from bdlora.models import load_model_folder
-from bdlora.outputs import check_out_dir
-from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import ALL_LOGITS_ONNX, GENAI_CONFIG, MODEL_ONNX, OnnxDir, recorded_data_settings
-from bdlora.runtime import DecoderShape, session
-from bdlora.schemes import FLOAT, PRECISIONS
+from bdlora.models.load import load_model_folder
+from bdlora.models.runtime import DecoderShape, session
 
 QUALITY_TOKENS = 32768  # held-out tokens scored with the fp32 and quantised graphs when no training run is known
 MAX_CONTEXT = 4096  # rotary tables and the generator's default max_length stop here unless --context-length says more

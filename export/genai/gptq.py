@@ -24,7 +24,7 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from bdlora.runtime import DecoderShape, DecoderSignature, empty_past
+from bdlora.models.runtime import DecoderShape, DecoderSignature, empty_past
 
 BLOCK_SIZE = 32  # along K: one scale and zero point per 32 input weights (the MatMulNBits block)
 ACCURACY_LEVEL = 4  # int8 activations inside the kernel: onnxruntime's fastest CPU path

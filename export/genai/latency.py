@@ -38,15 +38,15 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from bdlora.budgeted.allocate import break_even
-from bdlora.budgeted.costs import ModuleShape
-from bdlora.errors import UsageError, usable_cores
+from bdlora.base.errors import UsageError, usable_cores
+from bdlora.base.io import read_json, write_json
+from bdlora.base.reporter import SILENT, Reporter
+from bdlora.base.schemes import DEFAULT_SCHEME, PRECISIONS, ROUNDED, rounded, scheme
+from bdlora.compress.allocate import break_even
 from bdlora.export.genai.affine import augment_nodes
 from bdlora.export.genai.gptq import BLOCK_SIZE, nbits_node
 from bdlora.export.genai.quantize import scheme_rounded
-from bdlora.io import read_json, write_json
-from bdlora.reporter import SILENT, Reporter
-from bdlora.schemes import DEFAULT_SCHEME, PRECISIONS, ROUNDED, rounded, scheme
+from bdlora.models.costs import ModuleShape
 
 BITS = {name: PRECISIONS[name].bits for name in ROUNDED}  # the weight bits of each rounded precision
 BUSY_CORES = 0.5  # CPU other processes may use while forms are timed before the times are kept out of the cache
@@ -191,7 +191,7 @@ def _key(k: int, n: int, rank: int) -> str:
 class LatencyTable:
     """Measured decode microseconds of each form at one precision and thread count, in the node layout of
     ``scheme`` (the export's ``--quant``); ``cost(shape, rank)`` (rank 0: dense) is what
-    ``budgeted.allocate.allocate`` takes, interpolated between measured ranks."""
+    ``compress.allocate.allocate`` takes, interpolated between measured ranks."""
 
     precision: str
     threads: int

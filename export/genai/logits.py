@@ -17,8 +17,8 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto, helper
 
-from bdlora.runs import ALL_LOGITS_ONNX, MODEL_ONNX
-from bdlora.runtime import DecoderSignature as Sig
+from bdlora.base.runs import ALL_LOGITS_ONNX, MODEL_ONNX
+from bdlora.models.runtime import DecoderSignature as Sig
 
 NORM = "/model/norm"  # the final norm's node: its first output is what the head reads
 P = "/lm_head/last_position"

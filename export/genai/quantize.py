@@ -26,6 +26,7 @@ from onnx import helper, numpy_helper
 from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
 from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
+from bdlora.base.schemes import DEFAULT_SCHEME, PRECISIONS, ROUNDED, mixed, scheme
 from bdlora.export.decoder.builder import node_bits
 from bdlora.export.genai.affine import (
     AUGMENTED,
@@ -47,7 +48,6 @@ from bdlora.export.genai.gptq import (
     rtn,
     weight_matmuls,
 )
-from bdlora.schemes import DEFAULT_SCHEME, PRECISIONS, ROUNDED, mixed, scheme
 
 LM_HEAD = "/lm_head/MatMul"
 BITS = {name: PRECISIONS[name].bits for name in ROUNDED}  # the weight bits of each rounded precision

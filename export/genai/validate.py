@@ -12,9 +12,9 @@ import onnxruntime_genai as og
 import torch
 import torch.nn as nn
 
+from bdlora.base.runs import ALL_LOGITS_ONNX, MODEL_ONNX
 from bdlora.export.onnx.validate import NOISE_FACTOR, TOLERANCE, ExportValidationError, max_abs_diff, validate
-from bdlora.runs import ALL_LOGITS_ONNX, MODEL_ONNX
-from bdlora.runtime import DecoderShape, run_decoder, session
+from bdlora.models.runtime import DecoderShape, run_decoder, session
 
 # GroupQueryAttention takes right-aligned batches (positions come from the mask's row sums) and, on CPU, several
 # new tokens after a past only for batch 1: the shapes a genai runtime feeds it.

@@ -7,20 +7,20 @@ import time
 from pathlib import Path
 
 from bdlora import SCHEMA_VERSION
-from bdlora.corpora import heldout_blocks
-from bdlora.errors import UsageError
+from bdlora.base.errors import UsageError
+from bdlora.base.io import atomic_dir, write_json
+from bdlora.base.outputs import check_out_dir
+from bdlora.base.reporter import SILENT, Reporter
+from bdlora.base.runs import MODEL_INT8_ONNX, MODEL_ONNX, OnnxDir, recorded_data_settings
+from bdlora.data.corpora import heldout_blocks
 from bdlora.export.decoder import DecoderLayout, decoder_graph, save_graph
 from bdlora.export.files import identity, write_model_files
 from bdlora.export.onnx.metadata import metadata_props, metadata_summary, module_table, set_metadata
 from bdlora.export.onnx.quantize import quantize_int8
 from bdlora.export.onnx.signature import DEFAULT_OPSET, check_opset
 from bdlora.export.onnx.validate import quantized_quality, validate
-from bdlora.io import atomic_dir, write_json
-from bdlora.models import load_model_folder
-from bdlora.outputs import check_out_dir
-from bdlora.reporter import SILENT, Reporter
-from bdlora.runs import MODEL_INT8_ONNX, MODEL_ONNX, OnnxDir, recorded_data_settings
-from bdlora.runtime import DecoderShape, session
+from bdlora.models.load import load_model_folder
+from bdlora.models.runtime import DecoderShape, session
 
 QUANTIZE = ("int8",)
 FUSED_OPS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "RotaryEmbedding")

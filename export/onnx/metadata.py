@@ -12,8 +12,8 @@ import onnx
 import torch.nn as nn
 
 from bdlora import __version__
-from bdlora.arch import projection_modules
 from bdlora.forms import DENSE, FORMS, LOWRANK, declared_bits, describe
+from bdlora.models.arch import projection_modules
 
 
 def module_row(name: str, m: nn.Module) -> dict | None:

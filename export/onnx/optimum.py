@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bdlora.errors import UsageError
-from bdlora.runs import MODEL_ONNX
-from bdlora.runtime import DecoderShape
+from bdlora.base.errors import UsageError
+from bdlora.base.runs import MODEL_ONNX
+from bdlora.models.runtime import DecoderShape
 
 EXTRA_HINT = ('needs the optional [optimum] extra: pip install "bdlora[optimum]" (optimum-onnx; it installs '
               "transformers 4.57, which bdlora also supports)")

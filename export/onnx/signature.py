@@ -1,5 +1,5 @@
 """The declared signature of an exported bdlora decoder (optimum-onnx's pattern: names and dynamic axes first):
-``bdlora.runtime.DecoderSignature`` names the inputs, outputs and cache; this module adds the opset bounds and
+``bdlora.models.runtime.DecoderSignature`` names the inputs, outputs and cache; this module adds the opset bounds and
 the example inputs validation feeds.
 """
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from bdlora.errors import UsageError
+from bdlora.base.errors import UsageError
 from bdlora.export.defaults import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET  # noqa: F401  (re-exported: folder)
-from bdlora.runtime import DecoderShape
+from bdlora.models.runtime import DecoderShape
 
 
 def check_opset(opset: int) -> None:

@@ -11,10 +11,10 @@ import torch
 import torch.nn as nn
 from transformers import DynamicCache
 
-from bdlora.errors import BdloraError
+from bdlora.base.errors import BdloraError
 from bdlora.export.onnx.signature import example_inputs
-from bdlora.kv_cache import cache_argument, returned_cache
-from bdlora.runtime import DecoderShape, run_decoder, score_blocks
+from bdlora.models.kv_cache import cache_argument, returned_cache
+from bdlora.models.runtime import DecoderShape, run_decoder, score_blocks
 
 TOLERANCE = 1e-4  # max |ONNX - torch| on logits and present key/values, fp32
 # ... unless PyTorch's own fp32 forward is further than TOLERANCE / NOISE_FACTOR from its float64 forward: deep

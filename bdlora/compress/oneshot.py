@@ -1,0 +1,260 @@
+"""``bdlora compress SOURCE --one-shot --mac-ratio R``: training-free compression of a pretrained model, the
+SVD-LLM-style baseline a user would otherwise reach for, with this toolkit's loss-weighted whitening and quality
+allocation (``forms.lowrank``, ``compress.allocate``).
+
+One forward and backward pass over ``--calib-tokens`` tokens of ``--data``'s training split measures each
+projection's input Gram matrix and output Fisher diagonal; the allocation picks, for the target projection-MAC
+speed-up, which projections stay dense and the rank of every other one; each of those becomes the pair ``B A`` of
+its loss-weighted whitened truncated SVD. The result is a compressed folder of the bdlora architecture with
+``compression.json`` (the same report keys as ``compress``, relative to the source's dense projections), which
+every exporter, ``bench``, ``eval`` and ``serve`` take. Its held-out perplexity (and the source's) is measured on
+the same corpus, whose settings the report keeps, so ``eval`` scores the same slice by default.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bdlora import SCHEMA_VERSION, __version__
+from bdlora.base.errors import UsageError
+from bdlora.base.outputs import check_out_dir
+from bdlora.base.reporter import SILENT, Reporter
+from bdlora.compress.calibrate import calibration_blocks
+from bdlora.compress.config import OneShotConfig
+from bdlora.compress.correct import correct_sequential
+from bdlora.data.blocks import PackedBlocks, scored_blocks
+from bdlora.data.corpora import SAMPLES_PREFIXES, check_spec, default_heldout, general_calib_data, load_tokens
+from bdlora.data.selfgen import TeacherSource
+from bdlora.deployed.folder import save_model_folder
+from bdlora.forms import ALLOCATED_FORMS, REMOVED, step
+from bdlora.forms.context import OneShotContext
+from bdlora.forms.layers import renumbered
+from bdlora.forms.lowrank import factored
+from bdlora.models.arch import projection_modules, set_module
+from bdlora.models.budgeted.model import build_deployed_model
+from bdlora.models.costs import CostModel, ModuleShape, compression_report, removed_decision
+from bdlora.models.perplexity import perplexity
+from bdlora.models.teacher import load_teacher
+from bdlora.train.budgeted.start import (
+    allocate_by,
+    calibrate_with_progress,
+    compute_start,
+    shapes_of,
+    structure_report,
+)
+from bdlora.train.student import build_student, take_layers
+
+
+def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Reporter = SILENT,
+                       cost_model: CostModel | None = None):
+    """(decisions, {name: DeployedModule}, calibration tokens, facts, the allocation) of ``model`` at
+    ``cfg.mac_ratio`` (or ``cfg.speedup``): each chosen form (``cfg.forms``, in ``ALLOCATED_FORMS`` order) says what
+    the cost table and the calibration must measure, offers its candidates, and deploys what the one knapsack chose
+    (``forms.context``); the modules of removed layers have decisions but nothing deployed. ``cost_model``
+    (``models.costs.CostModel``, the measured decode time the CLI passes in; its table given the model's config
+    predicts the whole decode step): allocate by that cost instead of MACs. ``facts``,
+    for the provenance: what the allocation predicts at that cost (``allocation_cost``) and what each form records."""
+    mods = dict(projection_modules(model))
+    ctx = OneShotContext(model, cfg, reporter, cfg.form_names, [ModuleShape(n, m.in_features, m.out_features)
+                                                                 for n, m in mods.items()], mods,
+                         int(getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads),
+                         model.config.to_dict())
+    steps = [step(name) for name in ALLOCATED_FORMS if ctx.has(name)]
+    for st in steps:
+        st.pricing(ctx)
+    if cost_model is not None:  # the narrower dense products the sites interpolate between, and what forms ask
+        ctx.table = cost_model.table(ctx.shapes, dense=ctx.probes, config=ctx.config, **ctx.table_options)
+    for st in steps:
+        st.calibration(ctx)
+    ctx.calib = calibrate_with_progress(model, calibration_blocks(train_blocks, cfg.calib_tokens), reporter,
+                                        **ctx.calibration)
+    ctx.energy = {s.name: np.zeros(0) for s in ctx.shapes}
+    for st in steps:
+        st.offer(ctx)
+    rest, fixed = whole_step(model, ctx.table) if cfg.speedup is not None else (None, 0.0)
+    alloc = allocate_by(ctx.shapes, ctx.energy, cfg.ratio, reporter, ctx.table, cfg.precision, ctx.sites,
+                        ctx.lowrank, ctx.layers, rest, fixed, ctx.wide, ctx.kv, ctx.head_bits, ctx.head_vocab)
+    gone = {s.name for s in ctx.shapes if alloc.gone(s.name)}
+    if ctx.table is not None:
+        ctx.facts["allocation_cost"] = {"cost": "measured decode time", **ctx.table.prediction(
+            ctx.shapes, alloc.ranks, alloc.shape, gone, alloc.bits, alloc.head_bits, alloc.head_keep),
+            "mac_ratio": alloc.mac_ratio(ctx.shapes)}
+    built = {}
+    for st in steps:
+        built.update(st.deploy(ctx, alloc))
+    deployed = {s.name: built.get(s.name) or factored(s, mods[s.name], 0, ctx.spectra) for s in ctx.shapes
+                if s.name not in gone}
+    for st in steps:
+        st.finish(ctx, alloc, deployed)
+    decisions = [removed_decision(s, has_bias=mods[s.name].bias is not None) if s.name in gone
+                 else deployed[s.name].decision for s in ctx.shapes]
+    alloc.head_module = ctx.head_module  # the head in its own form (vocab): built into the folder, not recorded
+    return decisions, deployed, ctx.calib.tokens, ctx.facts, alloc
+
+
+def whole_step(model, table) -> tuple[dict, float]:
+    """``--speedup``: each layer's decode time outside its projections and the step's fixed time, from the table's
+    fitted whole step (``LatencyTable.whole``, which the CLI's table carries)."""
+    whole = getattr(table, "whole", None)
+    if whole is None:
+        raise UsageError("--speedup: needs the whole decode step measured at --precision (pass a CostModel, "
+                         "bench.whole.MeasuredCosts, as the CLI does)")
+    o = whole.overhead
+    return {f"model.layers.{i}": (o.per_layer - o.per_width, o.per_width)
+            for i in range(model.config.num_hidden_layers)}, o.fixed
+
+
+def correct_deployed(model, deployed: dict, blocks, reporter: Reporter = SILENT, removed=()) -> dict:
+    """``--correct``: the second factor of every low-rank pair in ``deployed`` re-solved layer by layer against
+    ``model``'s outputs on the calibration ``blocks`` (``compress.correct``), the ``removed`` layers skipped on the
+    compressed side; returns the mean relative output error of the pairs before and after."""
+    student = copy.deepcopy(model)
+    for i in removed:  # the layers above are corrected against the stream without it
+        student.model.layers[i] = Skipped()
+    low_rank = {}
+    for name, dep in deployed.items():
+        if dep.decision.channels or dep.decision.groups:  # pruned: the layers above see its narrower outputs
+            set_module(student, name, dep.module().to(next(model.parameters()).device))
+        if dep.proj_in is None:
+            continue
+        mod = dep.module().to(next(model.parameters()).device)
+        set_module(student, name, mod)
+
+        def store(b, mod=mod, dep=dep):
+            mod.proj_out.weight.copy_(b)
+            dep.proj_out = b.detach().clone()
+
+        low_rank[name] = (mod, store)
+    reporter.stage(f"correcting {len(low_rank)} low-rank pairs layer by layer against the source's outputs")
+    errors = correct_sequential(model, student, blocks, low_rank, reporter)
+    del student
+    before = [e[0] for e in errors.values()]
+    after = [e[1] for e in errors.values()]
+    return {"method": "sequential least squares of each second factor", "modules": len(errors),
+            "mean_relative_error_before": sum(before) / max(1, len(before)),
+            "mean_relative_error_after": sum(after) / max(1, len(after))}
+
+
+class Skipped(torch.nn.Module):
+    """A removed decoder layer standing in the compressed side of ``correct_deployed``: the stream passes."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+def load_source(source: str, cfg: OneShotConfig, cache_dir: Path | None, reporter: Reporter, what: str):
+    """(model, tokenizer, path, calibration blocks, held-out blocks, held-out fraction) of a pretrained ``source``:
+    the model frozen in fp32; the training split of ``cfg.calib_data`` (default ``cfg.data``; for a general-purpose
+    model scored on the builtin corpus, ``GENERAL_CALIB_DATA``, set on ``cfg``) and the held-out split of
+    ``cfg.data``, tokenised (cached) at ``cfg.seq_len`` capped by its positions."""
+
+    check_spec(cfg.data)  # checks the paths before the model loads
+    if cfg.calib_data:
+        check_spec(cfg.calib_data, "--calib-data")
+    reporter.stage(f"loading {source}")
+    model, tok, path = load_teacher(source, cache_dir, on_stage=reporter.stage, what=what)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    general = general_calib_data(cfg.data, cfg.calib_data, model.config.vocab_size)
+    if general != cfg.calib_data:
+        cfg.calib_data = general  # recorded in the folder's data settings as what it calibrated on
+        reporter.stage(f"calibrating a general-purpose model on {general} (--calib-data to choose)")
+    seq = min(cfg.seq_len, getattr(model.config, "max_position_embeddings", None) or cfg.seq_len)
+    heldout = default_heldout(cfg.data) if cfg.heldout_fraction is None else cfg.heldout_fraction
+    teacher = TeacherSource(Path(str(path)), model, tok)
+    data = load_tokens(cfg.data, tok, heldout, cache_dir, teacher=teacher, reporter=reporter)
+    calib = data
+    if cfg.calib_data and cfg.calib_data != cfg.data:
+        calib = load_tokens(cfg.calib_data, tok, None, cache_dir, what="--calib-data", teacher=teacher,
+                            reporter=reporter)
+    train_blocks = PackedBlocks(calib.tokens("train"), seq, bos=calib.bos)
+    val_blocks = scored_blocks(data.tokens("val"), seq, cfg.eval_tokens, f"--data {cfg.data}", bos=data.bos)
+    return model, tok, path, train_blocks, val_blocks, heldout
+
+
+def quality_plan(source: str, cfg: OneShotConfig, layers: int | None, rank: int, budget: float,
+                 cache_dir: Path | None = None, reporter: Reporter = SILENT) -> dict:
+    """``plan --model SOURCE --allocation quality``: the structure a budgeted student of ``source`` (``layers``
+    deep, the mixed selection) is trained towards with the quality allocation, before any training. ``mac_ratio``
+    None: the paper's rule at ``budget`` and ``rank``."""
+    model, _, _, train_blocks, _, _ = load_source(source, cfg, cache_dir, reporter, "--model")
+    student = build_student(model, layers, "mixed")[0] if layers else model
+    start = compute_start(student, "whitened", "quality", rank, budget, cfg.mac_ratio, train_blocks,
+                          cfg.calib_tokens, reporter)
+    report = structure_report(start, shapes_of(student), budget)
+    report["source"] = "plan --allocation quality"
+    return report
+
+
+def forms_plan(source: str, cfg: OneShotConfig, cache_dir: Path | None = None, reporter: Reporter = SILENT,
+               cost_model=None) -> tuple[dict, dict]:
+    """``plan --model SOURCE --allocation quality --forms F``: (report, the source's config) of the structure
+    ``compress --one-shot`` with the same options would write (calibrated, allocated among ``cfg.forms``,
+    factored), reported as compress reports it and not written; with ``cost_model``, its allocation cost and
+    prediction in ``provenance.allocation_cost``."""
+    model, _, _, train_blocks, _, _ = load_source(source, cfg, cache_dir, reporter, "--model")
+    decisions, _, tokens, facts, _ = one_shot_structure(model, train_blocks, cfg, reporter, cost_model)
+    report = compression_report(decisions, None, {}, baseline="source")
+    report.update(source="plan --allocation quality --forms", provenance={
+        "teacher": source, "forms": cfg.forms, "mac_ratio": cfg.mac_ratio, "speedup": cfg.speedup,
+        "calib_data": cfg.calib_data or cfg.data, "calib_tokens": tokens, **facts})
+    return report, model.config.to_dict()
+
+
+def compress_one_shot(source: str, cfg: OneShotConfig, out: str | Path, force: bool = False,
+                      cache_dir: Path | None = None, evaluate: bool = True,
+                      reporter: Reporter = SILENT, cost_model=None) -> tuple[dict, Path]:
+    """Compress a pretrained ``source`` (anything ``--teacher`` takes) to ``cfg.mac_ratio`` (or ``cfg.speedup``);
+    returns (report, folder). The source is never modified. ``cost_model``: see ``one_shot_structure``
+    (``cfg.precision``)."""
+
+    cfg.validate()
+    if cfg.precision and cost_model is None:
+        raise UsageError(f"--precision {cfg.precision}: needs the measured decode time (pass a CostModel, "
+                         "bench.whole.MeasuredCosts, as the CLI does)")
+    out = Path(out)
+    check_out_dir(out, force)
+    t0 = time.time()
+    model, tok, path, train_blocks, val_blocks, heldout = load_source(source, cfg, cache_dir, reporter, "compress")
+    check_out_dir(out, force, (path,))
+    seq = train_blocks.seq_len
+    decisions, deployed, tokens, facts, alloc = one_shot_structure(model, train_blocks, cfg, reporter, cost_model)
+    removed = sorted({int(d.name.split(".")[2]) for d in decisions if d.case == REMOVED.name})
+    correction = None
+    if cfg.correct:  # on the same calibration blocks (drawn with a fixed seed)
+        blocks = calibration_blocks(train_blocks, cfg.calib_tokens)
+        correction = correct_deployed(model, deployed, blocks, reporter, removed)
+    settings = {"data": cfg.data, "calib_data": cfg.calib_data or cfg.data, "teacher": source,
+                "source_path": str(path), "heldout_fraction": heldout, "seq_len": seq,
+                "eval_tokens": cfg.eval_tokens, "cache_dir": str(cache_dir) if cache_dir else None,
+                SAMPLES_PREFIXES: True, "origin": "the --one-shot options"}
+    dial = f"{cfg.mac_ratio:g}x" if cfg.speedup is None else f"{cfg.speedup:g}x decode"
+    provenance = {"name": f"{Path(str(path)).name} one-shot {dial}", "method": "one-shot",
+                  "teacher": source, "source_path": str(path), "mac_ratio": cfg.mac_ratio, "calib_tokens": tokens,
+                  **({"speedup": cfg.speedup} if cfg.speedup is not None else {}),
+                  "lora_init": "whitened", "allocation": "quality", "correct": cfg.correct, "data_settings": settings,
+                  **facts, **({"correction": correction} if correction else {})}
+    base = model
+    if removed:  # a shallower model of the same architecture: the forms of the layers kept, renumbered
+        kept = [i for i in range(model.config.num_hidden_layers) if i not in removed]
+        provenance.update(layer_indices=kept, removed_layers=removed, student_layers=len(kept))
+        base, deployed = take_layers(model, kept), renumbered(deployed, kept)
+    compressed = build_deployed_model(base, deployed, provenance, facts.get("head_bits", 0), alloc.head_module)
+    report = compression_report(decisions, None, {}, baseline="source")
+    report.update(schema_version=SCHEMA_VERSION, bdlora_version=__version__, source="compress --one-shot",
+                  provenance=provenance)
+    if evaluate:
+        reporter.stage(f"scoring {len(val_blocks) * seq:,} held-out tokens (source vs compressed)")
+        with torch.no_grad():
+            report["eval"] = {"student_val_ppl": perplexity(model, val_blocks),
+                              "compressed_val_ppl": perplexity(compressed, val_blocks),
+                              "tokens": len(val_blocks) * seq, "baseline": "the source model"}
+    report["seconds"] = time.time() - t0
+    reporter.stage(f"writing {out}")
+    save_model_folder(compressed, tok, out, report)
+    return report, out
