@@ -43,15 +43,25 @@ def _has_optimum() -> bool:
         return False
 
 
-# The longest tests first in the collection, so pytest-xdist's loadgroup scheduler starts them at once on separate
-# workers: the two of `pytest -m full` (the default teacher's build; SmolLM2 through the chain), and of the default
-# run the builtin chain on a short teacher and lm-eval against a served student.
+# The longest tests first in the collection, longest first, so pytest-xdist's loadgroup scheduler starts them at once
+# on separate workers and the short ones fill in around them (a long test started last holds the run's end alone): the
+# two of `pytest -m full` (the default teacher's build; SmolLM2 through the chain), then those of the default run
+# that took 25 s or more on 2 busy cores.
 LONGEST = ("test_builtin_teacher_and_student", "test_real_pretrained_teacher_preset_through_the_chain",
-           "test_builtin_chain_on_a_short_teacher", "test_lm_eval_scores_the_served_student_and_its_hf_folder_alike")
+           "test_builtin_chain_on_a_short_teacher", "test_lm_eval_scores_the_served_student_and_its_hf_folder_alike",
+           "test_console_chain_train_compress_export_bench_eval", "test_sigint_saves_a_checkpoint_and_resume_finishes",
+           "test_bench_puts_the_student_and_its_teachers_exports_on_one_front",
+           "test_sampled_speculative_output_is_distributed_as_the_target",
+           "test_an_export_killed_half_way_leaves_nothing_that_looks_whole",
+           "test_a_single_line_corpus_tokenises_in_bounded_memory",
+           "test_ship_runs_every_step_then_resumes_without_redoing_any",
+           "test_two_commands_writing_one_new_output_at_once_leave_one_whole_winner")
 
 
 def _start_order(item) -> int:
-    return 0 if item.originalname in LONGEST else 1 if "slow" in item.keywords else 2
+    if item.originalname in LONGEST:
+        return LONGEST.index(item.originalname)
+    return len(LONGEST) + (0 if "slow" in item.keywords else 1)
 
 
 def pytest_collection_modifyitems(config, items):
