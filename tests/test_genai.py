@@ -474,8 +474,9 @@ def test_bench_teacher_quant_rounds_the_teachers_folders_its_own_way(mixed_folde
 
     folder, _ = mixed_folder
     model, tok, _ = load_model_folder(folder)
-    cfg = BenchConfig(quant="gptq", teacher_quant="affine")
-    assert (cfg.quant_of("teacher"), cfg.quant_of("compressed"), BenchConfig(quant="gptq").quant_of("teacher")) == \
+    gptq = GenaiExportSettings(quant="gptq")
+    cfg = BenchConfig(rounding=gptq, teacher_quant="affine")
+    assert (cfg.quant_of("teacher"), cfg.quant_of("compressed"), BenchConfig(rounding=gptq).quant_of("teacher")) == \
         ("affine", "gptq", "gptq")
     calib = PackedBlocks(np.random.default_rng(0).integers(0, model.config.vocab_size, 512), 32)
     folders, _ = export_variants({"teacher": model, "compressed": model}, tok, ["int4"], tmp_path, 1, False,
@@ -528,7 +529,8 @@ def test_one_settings_object_checks_every_option_and_says_every_problem_at_once(
     assert any(p.startswith("--max-ppl-change -1: must be a finite fraction") for p in problems)
     assert GenaiExportSettings("int4", "gptq").suffix == "-int4-gptq" and DEFAULT.suffix == ""
     assert GenaiExportSettings("int4", "gptq", 4, 0.1).at("fp32") == DEFAULT
-    cfg = BenchConfig(runtime="genai", quant="gptq", teacher_quant="affine", head_bits=4, int8_share=0.1).validate()
+    cfg = BenchConfig(runtime="genai", rounding=GenaiExportSettings(quant="gptq", head_bits=4, int8_share=0.1),
+                      teacher_quant="affine").validate()
     student, teacher = cfg.settings_for("compressed", "int4"), cfg.settings_for("teacher", "int4")
     assert (student.quant, student.head_bits, student.int8_share, student.validate) == ("gptq", 4, 0.1, False)
     assert (teacher.quant, teacher.head_bits, teacher.int8_share) == ("affine", 4, 0.0)

@@ -461,6 +461,28 @@ def test_export_genai_options_are_the_settings_fields():
         "model_dir", "out_dir", "force", "runs_dir", "json_out"}
 
 
+def test_bench_takes_its_rounding_options_from_export_genais_settings():
+    """bench re-declared --quant, --head-bits and --int8-share beside GenaiExportSettings (help and defaults
+    restated): they are now that dataclass's fields (help = its docstring first, default = its default), held as one
+    GenaiExportSettings in BenchConfig.rounding, which declares none of them itself."""
+    import dataclasses
+
+    import typer.main
+
+    from bdlora.bench.config import ROUNDING, BenchConfig
+    from bdlora.cli import app
+    from bdlora.export.settings import DEFAULT, GenaiExportSettings
+    from bdlora.train.config import field_docs
+
+    assert not {f.name for f in dataclasses.fields(BenchConfig)} & set(ROUNDING)
+    assert BenchConfig().rounding == DEFAULT
+    params = {p.name: p for p in typer.main.get_command(app).commands["bench"].params}
+    docs = field_docs(GenaiExportSettings)
+    for name in ROUNDING:
+        assert " ".join(params[name].help.split()).startswith(" ".join(docs[name].split())), name
+        assert params[name].default == getattr(DEFAULT, name), name
+
+
 def test_the_widest_commands_show_the_common_options_first():
     """train listed 60 options in one panel, bench 33, sweep 37, plan 22, ship 20, serve 19, eval 17: what most runs
     set stays first, the rest under named panels (every field a panel names exists: a renamed one is refused, not

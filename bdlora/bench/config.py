@@ -3,6 +3,7 @@ asked which providers it has when a provider is checked)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from bdlora.base.errors import Checks, UsageError
@@ -15,6 +16,9 @@ from bdlora.train.config import GENAI_PRECISIONS
 SCOPES = ("modules", "model", "both")
 RUNTIMES = ("ort", "genai", "both")
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+# The fields of export genai's settings that bench takes as its own options (the rest are each row's: its precision,
+# or the bench's: no validation against PyTorch, the bench scores every folder itself).
+ROUNDING = ("quant", "head_bits", "int8_share")
 
 
 @dataclass
@@ -56,19 +60,13 @@ class BenchConfig:
     """genai runtime: held-out tokens each folder's perplexity is measured on (default: as many as the model's run
     reported its perplexity on, at most 32768, so the front's figures are the run's; 8192 when it has no run; 0: no
     perplexity, no front)."""
-    quant: str = GENAI.quant
-    """genai runtime: how int8/int4 weights are rounded (rtn, gptq, affine), for the student and, unless
-    --teacher-quant says otherwise, the teacher."""
+    rounding: GenaiExportSettings = GENAI
+    """genai runtime: how every int8/int4 folder is rounded: export genai's own settings (``--quant``,
+    ``--head-bits``, ``--int8-share``; ``ROUNDING``), for the student and, unless --teacher-quant says otherwise,
+    the teacher; each row's precision is its own (``settings_for``)."""
     teacher_quant: str | None = None
     """genai runtime: how the teacher's int8/int4 weights are rounded (default: as --quant), so each side of the
     front is at its best: e.g. affine for a teacher from a Q4_1 GGUF, gptq for a trained student."""
-    head_bits: int | None = GENAI.head_bits
-    """genai runtime: the LM head's bits in every int4 folder, the student's and the teacher's alike (8 or 4; the
-    head is a third of an int4 model's bytes at SmolLM2's size); default: what each folder declares (a student
-    compressed with --forms bits --speedup may ship a 4-bit head: its row says so), else 8."""
-    int8_share: float = GENAI.int8_share
-    """genai runtime: in every int4 folder rounded by a calibrated scheme (gptq), the share of the projection weights
-    kept at 8 bits where rounding hurts most (as export genai --int8-share)."""
     eval_data: str | None = None
     """genai runtime: a second corpus every front row is also scored on (its held-out split), a domain no row was
     calibrated or healed on, with the front marked on it too (default for a general-purpose model: the first of
@@ -110,13 +108,14 @@ class BenchConfig:
         c.require(not twice, f"--genai-precisions {','.join(map(str, self.genai_precisions))}: "
                              f"{', '.join(map(str, twice))} given twice (each precision is one folder)")
         c.integer("quality_tokens", self.quality_tokens, lo=0)
-        if c.choice("quant", self.quant, QUANT_METHODS):
+        if c.choice("quant", self.rounding.quant, QUANT_METHODS):
             self.settings_for("compressed", "int4").check(c)  # the student's int4 folder, as it will be written
         if self.teacher_quant is not None:
             c.choice("teacher_quant", self.teacher_quant, QUANT_METHODS)
-        calibrated = [q for q in (self.quant, self.teacher_quant) if q in SCHEMES and SCHEMES[q].calibrated]
-        c.require(not self.int8_share or calibrated or self.quant not in SCHEMES,
-                  f"--int8-share {self.int8_share}: is chosen by a calibrated scheme's measured errors (give --quant "
+        quant, share = self.rounding.quant, self.rounding.int8_share
+        calibrated = [q for q in (quant, self.teacher_quant) if q in SCHEMES and SCHEMES[q].calibrated]
+        c.require(not share or calibrated or quant not in SCHEMES,
+                  f"--int8-share {share}: is chosen by a calibrated scheme's measured errors (give --quant "
                   f"or --teacher-quant {', '.join(s.name for s in SCHEMES.values() if s.calibrated)})")
         c.text("eval_data", self.eval_data)
         c.integer("icl_examples", self.icl_examples, lo=1)
@@ -132,7 +131,7 @@ class BenchConfig:
         """How ``model``'s int8/int4 weights are rounded (a front row's model: "teacher", "compressed", an --also, a
         ``peer-`` healed dense model, rounded as the teacher is)."""
         reference = model == "teacher" or model.startswith("peer-")
-        return self.teacher_quant if reference and self.teacher_quant else self.quant
+        return self.teacher_quant if reference and self.teacher_quant else self.rounding.quant
 
     def settings_for(self, model: str, precision: str, **changes) -> GenaiExportSettings:
         """How the bench exports ``model`` at ``precision`` (what ``export genai`` would be given; the bench times
@@ -140,14 +139,16 @@ class BenchConfig:
         quant = self.quant_of(model)
         if not rounded(precision):
             return GENAI.at(precision, validate=False, **changes)
-        return GenaiExportSettings(precision, quant, self.head_bits if mixed(precision) else GENAI.head_bits,
-                                   self.int8_share if mixed(precision) and SCHEMES[quant].calibrated else 0.0,
+        r = self.rounding
+        return dataclasses.replace(r, precision=precision, quant=quant,
+                                   head_bits=r.head_bits if mixed(precision) else GENAI.head_bits,
+                                   int8_share=r.int8_share if mixed(precision) and SCHEMES[quant].calibrated else 0.0,
                                    validate=False, **changes)
 
     @property
     def calibrated(self) -> bool:
         """Whether any folder of the run rounds against measured inputs."""
-        return any(SCHEMES[q].calibrated for q in (self.quant, self.teacher_quant) if q is not None)
+        return any(SCHEMES[q].calibrated for q in (self.rounding.quant, self.teacher_quant) if q is not None)
 
 
 def provider_name(provider: str) -> str:

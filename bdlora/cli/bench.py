@@ -10,22 +10,33 @@ from bdlora.base.errors import Checks, UsageError
 from bdlora.base.io import write_json
 from bdlora.base.outputs import check_out_dir, check_out_file
 from bdlora.base.runs import RUNS_DIR, BenchDir
-from bdlora.bench.config import BenchConfig
+from bdlora.base.schemes import SCHEMES
+from bdlora.bench.config import ROUNDING, BenchConfig
 from bdlora.bench.target import SYNTHETIC_LORA_RANK, compressed_target, synthetic_target
 from bdlora.cli import render
 from bdlora.cli.app import command, out
 from bdlora.cli.options import from_dataclass, int_list, str_list
 from bdlora.cli.progress import RichReporter
 from bdlora.data.corpora import check_spec
+from bdlora.export.settings import GenaiExportSettings
 
 SYNTHETIC = "Synthetic mode (--model-config: the structure plan predicts, random weights)"
 BENCH_PANELS = {  # bench --help: what and how wide is benched stays in the main panel
     "Timing": ("scope", "threads", "provider", "warmup", "int8", "optimize", "peers", "teacher"),
-    "Quality and rounding": ("quality_tokens", "head_bits", "int8_share", "icl", "icl_examples"),
+    "Quality and rounding": ("quality_tokens", "icl", "icl_examples"),
+}
+ROUNDING_NOTES = {  # export genai's help of each, then what it means across a bench's many folders
+    "quant": escape("; ".join(f"{s.name}: {s.summary}" for s in SCHEMES.values()) + ". In bench: the student's and "
+                    "every --also's; the teacher's and the peers' too unless --teacher-quant."),
+    "head_bits": "In bench: every int4 folder's head, the student's and the teacher's alike (the head is a third of "
+                 "an int4 model's bytes at SmolLM2's size); a row whose folder declares 4 says so.",
+    "int8_share": "In bench: every int4 folder rounded by a calibrated scheme (gptq).",
 }
 
 
-@command(options=from_dataclass(BenchConfig, skip=("opt_level",), defaults=True, panels=BENCH_PANELS))
+@command(options=from_dataclass(BenchConfig, skip=("opt_level", "rounding"), defaults=True, panels=BENCH_PANELS)
+         + from_dataclass(GenaiExportSettings, names=ROUNDING, defaults=True, notes=ROUNDING_NOTES,
+                          panels={"Quality and rounding": ("head_bits", "int8_share")}))
 def bench(
     model_dir: Annotated[Optional[str], typer.Argument(help="A `bdlora compress` output (default: the latest).")]
     = None,
@@ -64,7 +75,8 @@ def bench(
     opts["seq_lens"] = int_list(opts["seq_lens"], "--seq-lens")
     opts["genai_precisions"] = str_list(opts["genai_precisions"]) or []
     _check_own_options(model_config, budget, layers, lora_rank)
-    cfg = BenchConfig(**opts).validate()
+    rounding = GenaiExportSettings(**{k: opts.pop(k) for k in ROUNDING})  # export genai's, as given
+    cfg = BenchConfig(**opts, rounding=rounding).validate()
     _check_mode(cfg, model_config)
     if json_path:
         check_out_file(json_path, force=force)
