@@ -71,12 +71,8 @@ def bench(
     limits; writes bench.json, bench.md and bench.png."""
     from bdlora.bench.run import run_bench
 
-    opts["batch_sizes"] = int_list(opts["batch_sizes"], "--batch-sizes")
-    opts["seq_lens"] = int_list(opts["seq_lens"], "--seq-lens")
-    opts["genai_precisions"] = str_list(opts["genai_precisions"]) or []
     _check_own_options(model_config, budget, layers, lora_rank)
-    rounding = GenaiExportSettings(**{k: opts.pop(k) for k in ROUNDING})  # export genai's, as given
-    cfg = BenchConfig(**opts, rounding=rounding).validate()
+    cfg = _bench_config(opts)
     _check_mode(cfg, model_config)
     if json_path:
         check_out_file(json_path, force=force)
@@ -116,6 +112,15 @@ def _check_mode(cfg: BenchConfig, model_config) -> None:
                          "a compressed folder")
     if cfg.eval_data not in (None, "none"):  # a bad corpus is refused at once
         check_spec(cfg.eval_data, "--eval-data")
+
+
+def _bench_config(opts: dict) -> BenchConfig:
+    """The options as a checked BenchConfig: lists parsed, export genai's rounding settings held as one object."""
+    rounding = GenaiExportSettings(**{k: opts.pop(k) for k in ROUNDING})  # export genai's, as given
+    opts.update(batch_sizes=int_list(opts["batch_sizes"], "--batch-sizes"),
+                seq_lens=int_list(opts["seq_lens"], "--seq-lens"),
+                genai_precisions=str_list(opts["genai_precisions"]) or [])
+    return BenchConfig(**opts, rounding=rounding).validate()
 
 
 def _check_own_options(model_config, budget, layers, lora_rank) -> None:
