@@ -8,3 +8,4 @@ MAX_OPSET = 21  # the newest opset the emitted graphs are checked at (onnxruntim
 # `export genai --threads`: the intra-op thread count a folder asks for, written for the machine it will run on, so not
 # bounded by this one's cores; above this it is a typo (100000 made onnxruntime-genai crash with exit 139 on load)
 MAX_GENAI_THREADS = 512
+MAX_CONTEXT = 4096  # rotary tables and the generator's default max_length stop here unless --context-length says more

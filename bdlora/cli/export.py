@@ -14,6 +14,7 @@ from bdlora.cli import render
 from bdlora.cli.app import command, err, export_app, out
 from bdlora.cli.options import from_dataclass
 from bdlora.cli.progress import RichReporter
+from bdlora.data.tokens import BUILTIN
 from bdlora.export.defaults import DEFAULT_OPSET, MAX_GENAI_THREADS
 from bdlora.export.hf import export_hf as run_export
 from bdlora.export.settings import GenaiExportSettings
@@ -22,6 +23,21 @@ from bdlora.models import sources
 
 def _source(model_dir: Optional[str], runs_dir: str) -> Path:
     return Path(model_dir) if model_dir else ModelDir.latest(runs_dir).path
+
+
+def _named_source(model_dir: Optional[str], out_dir: Optional[str], suffix: str, rep) -> tuple[Path, Path] | None:
+    """(source folder, output) of a teacher named by a word: ``builtin`` (built once into the cache), a preset or a
+    .gguf file (its HF folder in the cache); the export goes beside you (``NAME`` + ``suffix``), not in the cache.
+    None for a folder path (or no argument: the latest compressed folder)."""
+    if model_dir == BUILTIN:
+        from bdlora.models.teacher import build_builtin_teacher
+
+        src = build_builtin_teacher(on_stage=rep.stage)
+    elif model_dir is not None and sources.is_named(model_dir):
+        src = Path(sources.resolve(model_dir, None, "MODEL_DIR", rep.stage))
+    else:
+        return None
+    return src, Path(out_dir) if out_dir else Path(Path(model_dir).name.removesuffix(".gguf") + suffix)
 
 
 @command(export_app, "hf")
@@ -45,7 +61,7 @@ def export_hf(
 def export_onnx(
     model_dir: Annotated[Optional[str], typer.Argument(help="Model folder: a `bdlora compress` output (default: the "
                                                             "latest), any HF folder of a family bdlora adapts, a "
-                                                            "teacher preset or a .gguf file.")] = None,
+                                                            "teacher preset, a .gguf file or builtin.")] = None,
     out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: MODEL_DIR.onnx).")] = None,
     opset: Annotated[int, typer.Option(help="ONNX opset (14 up to the exporter's maximum).")] = DEFAULT_OPSET,
     quantize: Annotated[Optional[str], typer.Option(help="int8: also write model_int8.onnx (dynamic weight "
@@ -64,10 +80,8 @@ def export_onnx(
     from bdlora.export.onnx import export_onnx_folder
 
     rep = RichReporter(err if json_out else out)
-    if model_dir is not None and sources.is_named(model_dir):
-        # a teacher preset or GGUF file: its HF folder in the cache; the export goes beside you, not in the cache
-        src = Path(sources.resolve(model_dir, None, "MODEL_DIR", rep.stage))
-        dst = Path(out_dir) if out_dir else Path(Path(model_dir).name.removesuffix(".gguf") + ".onnx")
+    if named := _named_source(model_dir, out_dir, ".onnx", rep):
+        src, dst = named
     else:
         src = _source(model_dir, runs_dir)
         dst = Path(out_dir) if out_dir else ModelDir(src).onnx_out()
@@ -85,7 +99,7 @@ def export_onnx(
 def export_genai(
     model_dir: Annotated[Optional[str], typer.Argument(help="Model folder: a `bdlora compress` output (default: the "
                                                             "latest), any HF folder of a family bdlora adapts, a "
-                                                            "teacher preset or a .gguf file.")] = None,
+                                                            "teacher preset, a .gguf file or builtin.")] = None,
     out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: MODEL_DIR.genai, with "
                                                                  "-int8 / -int4 for those precisions).")] = None,
     force: Annotated[bool, typer.Option(help="Replace an existing non-empty --out.")] = False,
@@ -102,9 +116,8 @@ def export_genai(
     settings.check(Checks()).done()
     rep = RichReporter(err if json_out else out)
     suffix = settings.suffix
-    if model_dir is not None and sources.is_named(model_dir):
-        src = Path(sources.resolve(model_dir, None, "MODEL_DIR", rep.stage))
-        dst = Path(out_dir) if out_dir else Path(Path(model_dir).name.removesuffix(".gguf") + f".genai{suffix}")
+    if named := _named_source(model_dir, out_dir, f".genai{suffix}", rep):
+        src, dst = named
     else:
         src = _source(model_dir, runs_dir)
         dst = Path(out_dir) if out_dir else Path(str(ModelDir(src).genai_out()) + suffix)

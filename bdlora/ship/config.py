@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from bdlora.base.errors import Checks, shown
 from bdlora.base.schemes import METHODS, rounded
-from bdlora.forms import check_forms
+from bdlora.forms import VOCAB, check_forms
 from bdlora.train.config import GENAI_PRECISIONS
 from bdlora.train.stopping import parse_duration
 
@@ -89,8 +89,16 @@ class ShipConfig:
         if self.student_quant is not None and c.choice("student_quant", self.student_quant, METHODS):
             c.require(self.rounded,
                       f"--student-quant {self.student_quant}: --precision {self.precision} rounds nothing")
-        check_forms(c, self.forms, self.precision, 1.0)
-        numbers(self.speedups, "speedups", c, 1.0)
+        names = check_forms(c, self.forms, self.precision, 1.0)
+        c.require(names is None or VOCAB.name not in names,
+                  f"--forms {self.forms}: vocab is the draft's head (--draft-speedup makes the draft with "
+                  f"{DRAFT_FORMS}); a student keeps every token (name channels, groups, layers or bits)")
+        speedups = numbers(self.speedups, "speedups", c, 1.0)
+        named = [f"{s:g}" for s in speedups]  # each student's folder is student-{s:g}
+        twins = sorted({n for n in named if named.count(n) > 1})
+        if twins and len(set(speedups)) == len(speedups):  # equal values are refused by numbers()
+            c.add(f"--speedups {shown(self.speedups)}: {', '.join(str(v) for v in speedups if f'{v:g}' in twins)} "
+                  f"would all be student-{twins[0]} (give speed-ups that differ in their first six digits)")
         numbers(self.tolerances, "tolerances", c, 0.0)
         c.number("draft_speedup", self.draft_speedup, lo=0.0)
         c.require(self.draft_speedup == 0 or self.draft_speedup >= 1,

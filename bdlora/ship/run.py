@@ -36,7 +36,10 @@ from bdlora.base.runs import BENCH_JSON, CONFIG, EXPORT_MARKER, SHIP_OPTIONS, SH
 from bdlora.data.tokens import BUILTIN
 from bdlora.models.sources import resolve
 from bdlora.ship.config import DRAFT_FORMS, ShipConfig
+from bdlora.ship.preflight import check_reach, check_settings
+from bdlora.ship.process import spawn
 from bdlora.ship.recommend import BENCH, exported, recommend
+from bdlora.ship.steps import Ledger
 
 COMPRESSED_MARKER = ModelDir.MARKER  # written last by compress
 RUN_MARKER = RunDir.MARKER  # written last by train
@@ -51,11 +54,9 @@ class StepFailed(BdloraError):
 class Step:
     name: str  # its folder under DIR, and its log DIR/logs/NAME.log
     argv: list[str]  # the bdlora command line, without the program name
-    marker: str  # the file its command writes last: the step is done when DIR/NAME/MARKER exists
+    marker: str  # the file its command writes last (and what ``steps.verify_output`` checks it by)
     what: str  # one line for the progress display
-
-    def done(self, folder: Path) -> bool:
-        return (folder / self.name / self.marker).is_file()
+    reads: tuple[str, ...] = ()  # the earlier steps whose outputs its command reads (beside the teacher)
 
     def command(self) -> str:
         return "bdlora " + shlex.join(self.argv)
@@ -91,13 +92,10 @@ def run_step(step: Step, folder: Path, reporter: Reporter) -> None:
     shown); Ctrl-C or SIGTERM stops it the same way (it removes what it had half-written) and is raised again."""
     log = folder / LOGS / f"{step.name}.log"
     log.parent.mkdir(exist_ok=True)
-    env = {**os.environ, "COLUMNS": "160", "PYTHONUNBUFFERED": "1"}
     with open(log, "a") as f:
         f.write(f"$ {step.command()}\n")
         f.flush()
-        proc = subprocess.Popen([sys.executable, "-m", "bdlora.cli", *step.argv], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, errors="replace", env=env,
-                                start_new_session=True)
+        proc = spawn([sys.executable, "-m", "bdlora.cli", *step.argv])
         tail: list[str] = []
         try:
             for line in proc.stdout:
@@ -192,10 +190,11 @@ def heal_steps(model: str, source: str, cfg: ShipConfig, folder: Path, made: lis
                                            "--method", method, "--data", cfg.data, *length,
                                            "--batch-size", str(cfg.heal_batch_size), "--seq-len",
                                            str(cfg.heal_seq_len), "--out", str(run)], RUN_MARKER,
-                          f"healing {name} ({' '.join(length)[2:]} of {method})"))
+                          f"healing {name} ({' '.join(length)[2:]} of {method})",
+                          () if name == DENSE else (name,)))
         steps.append(Step(f"healed-{name}", ["compress", str(run), "--no-eval", "--out",
                                              str(folder / f"healed-{name}")], COMPRESSED_MARKER,
-                          f"the healed {name} as a folder"))
+                          f"the healed {name} as a folder", (f"heal-{name}",)))
     return steps
 
 
@@ -228,29 +227,42 @@ def bench_step(cfg: ShipConfig, folder: Path, made: list[str], teacher_quant: st
         argv += ["--eval-data", cfg.eval_data]
     if cfg.quality_tokens is not None:
         argv += ["--quality-tokens", str(cfg.quality_tokens)]
-    return Step(BENCH, argv, BENCH_JSON, "every folder side by side, on both domains")
+    benched = (*names, *([f"healed-{DENSE}"] if cfg.heals else []))
+    return Step(BENCH, argv, BENCH_JSON, "every folder side by side, on both domains", benched)
 
 
 def run_ship(model: str, cfg: ShipConfig, folder: Path, reporter: Reporter = SILENT, runner=run_step) -> dict:
-    """Every step (those already done skipped), then the recommendation; returns it. ``runner`` runs one step."""
+    """Every step (those whose output can be trusted kept: ``steps.Ledger``), then the recommendation; returns it.
+    ``runner`` runs one step."""
     folder = Path(folder)
     resumed = start(model, cfg, folder)
+    if resumed:
+        reporter.stage(f"resuming {folder}: finished steps are verified and kept")
+    source = teacher_folder(model, reporter)
+    check_settings(cfg, source)
+    ledger = Ledger.open(folder, source)
+    made_names = [s.name for s in student_steps(model, cfg, folder, None)]
+    if not all(name in ledger.steps for name in made_names):  # a speed-up no step has reached yet
+        schemes = cfg.scheme_list()
+        check_reach(model, cfg, cfg.student_quant or (schemes[0] if schemes else None), reporter.stage)
     ran: dict[str, float] = {}  # the steps this invocation ran, and their seconds
 
     def do(steps: list[Step]) -> None:
         for step in steps:
-            if step.done(folder):
-                reporter.stage(f"{step.name}: done before, kept ({step.what})")
+            why = ledger.stale(step)
+            if why is None:
+                reporter.stage(f"{step.name}: done before, verified and kept ({step.what})")
                 continue
+            if why != "not done":
+                reporter.stage(f"{step.name}: made again: {why}")
+            ledger.clear(step)
             reporter.stage(f"{step.name}: {step.what}\n    {step.command()}")
             began = time.monotonic()
             runner(step, folder, reporter)
+            ledger.made(step)
             ran[step.name] = round(time.monotonic() - began, 1)
 
-    if resumed:
-        reporter.stage(f"resuming {folder}: finished steps are kept")
-    source = teacher_folder(model, reporter)
-    exports = teacher_steps(source, cfg, folder)
+    exports = teacher_steps(model, cfg, folder)
     do(exports)
     teacher_quant, scheme_ppl = chosen_scheme(cfg, folder)
     if scheme_ppl:
@@ -271,7 +283,7 @@ def run_ship(model: str, cfg: ShipConfig, folder: Path, reporter: Reporter = SIL
     rounding = ["--quant", teacher_quant] if teacher_quant else []
     chosen = [s.command() for s in exports if s.name == f"teacher-{teacher_quant}"]
     teacher = chosen[0] if chosen else "bdlora " + shlex.join(
-        ["export", "genai", source, "--precision", cfg.precision, *rounding, "--out",
+        ["export", "genai", model, "--precision", cfg.precision, *rounding, "--out",
          str(exported(folder, "teacher", cfg.precision))])
     result = recommend(folder, cfg, {s.name: s.command() for s in [*made_steps, *heal, bench]}, teacher_quant,
                        scheme_ppl, teacher)

@@ -21,7 +21,7 @@ from bdlora.data.corpora import heldout_blocks, settings_tokens
 from bdlora.data.tokens import BUILTIN, Corpus, tokenize_corpus
 from bdlora.export.decoder import DecoderLayout, build_decoder, decoder_graph
 from bdlora.export.decoder import save_graph as save_plain
-from bdlora.export.defaults import MAX_OPSET
+from bdlora.export.defaults import MAX_CONTEXT, MAX_OPSET
 from bdlora.export.files import identity, write_model_files
 from bdlora.export.genai import validate as v
 from bdlora.export.genai.config import genai_config
@@ -36,7 +36,6 @@ from bdlora.models.load import load_model_folder
 from bdlora.models.runtime import DecoderShape, session
 
 QUALITY_TOKENS = 32768  # held-out tokens scored with the fp32 and quantised graphs when no training run is known
-MAX_CONTEXT = 4096  # rotary tables and the generator's default max_length stop here unless --context-length says more
 
 
 def save_graph(proto, path: Path) -> None:

@@ -1,0 +1,81 @@
+"""Every ``ship`` setting that a later step would refuse, checked before the first step runs (a refusal after the
+teacher's exports had run for 20 minutes left the user nothing): the domain pair train refuses, the bench's and the
+heals' sequences against the teacher's context, and each speed-up against what ``bdlora plan`` says the forms reach
+on this teacher (the largest student speed-up and the draft's: a smaller speed-up over the same forms is reached
+when a larger one is)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from bdlora.base.errors import Checks, DataError, UsageError
+from bdlora.base.runs import CONFIG
+from bdlora.data.corpora import shared_corpus
+from bdlora.export.defaults import MAX_CONTEXT
+from bdlora.models.runtime import DecoderShape
+from bdlora.ship.config import DRAFT_FORMS, ShipConfig
+from bdlora.ship.process import spawn
+
+NO_DOMAIN = "none"  # --eval-data none: no second domain
+
+
+def check_settings(cfg: ShipConfig, source: str) -> None:
+    """The settings against each other and against the teacher's folder (``source``), every problem at once."""
+    c = Checks()
+    if cfg.eval_data not in (None, NO_DOMAIN):
+        try:
+            shared = shared_corpus(cfg.eval_data, cfg.data)
+        except DataError as e:
+            c.add(str(e))
+        else:
+            c.require(shared is None, f"--eval-data {cfg.eval_data}: {shared} is in --data {cfg.data}; the second "
+                                      "domain is text no student was calibrated or healed on (name another corpus)")
+    if (Path(source) / CONFIG).is_file():
+        positions = min(DecoderShape.from_folder(source).max_positions, MAX_CONTEXT)
+        c.require(cfg.seq_len + cfg.decode_tokens <= positions,
+                  f"--seq-len {cfg.seq_len} (+ --decode-tokens {cfg.decode_tokens}): above the {positions} positions "
+                  "the teacher's export holds")
+        c.require(not cfg.heals or cfg.heal_seq_len <= positions,
+                  f"--heal-seq-len {cfg.heal_seq_len}: above the teacher's context of {positions} positions")
+    c.done()
+
+
+def plan_argv(model: str, cfg: ShipConfig, forms: str, speedup: float, quant: str | None) -> list[str]:
+    """The ``bdlora plan`` line that allocates what a student's one-shot would (nothing written)."""
+    return ["plan", "--model", model, "--allocation", "quality", "--forms", forms, "--speedup", f"{speedup:g}",
+            "--precision", cfg.precision, "--data", cfg.data, *(["--quant", quant] if quant else []),
+            *(["--threads", str(cfg.threads)] if cfg.threads is not None else []), "--json"]
+
+
+def reach_checks(model: str, cfg: ShipConfig, quant: str | None) -> list[tuple[str, list[str]]]:
+    """(the option, its plan line) for the largest student speed-up and the draft's."""
+    checks = []
+    if cfg.speedup_list():
+        checks.append(("--speedups", plan_argv(model, cfg, cfg.forms, max(cfg.speedup_list()), quant)))
+    if cfg.draft_speedup:
+        checks.append(("--draft-speedup", plan_argv(model, cfg, DRAFT_FORMS, cfg.draft_speedup, quant)))
+    return checks
+
+
+def check_reach(model: str, cfg: ShipConfig, quant: str | None, stage=lambda msg: None) -> dict[str, float]:
+    """Each ``reach_checks`` plan run as its own process (as a step is: its memory returned, and it ends with ship);
+    a refusal (a speed-up beyond reach) raised as one line naming the option. Returns the predicted whole decode
+    speed-up of each."""
+    predicted = {}
+    for option, argv in reach_checks(model, cfg, quant):
+        stage(f"checking {option} with `bdlora {' '.join(argv[:-1])}`")
+        proc = spawn([sys.executable, "-m", "bdlora.cli", *argv])
+        text = proc.stdout.read()
+        if proc.wait() != 0:
+            said = next((t for t in reversed(text.splitlines()) if t.startswith("error:")), text.strip()[-300:])
+            raise UsageError(f"{option}: plan refuses it before any step runs ({said.removeprefix('error:').strip()}"
+                             "); give a speed-up it reaches")
+        lines = text.splitlines()
+        try:
+            report = json.loads("\n".join(lines[lines.index("{"):]))
+            predicted[option] = float(report["predicted_decode_speedup"])
+        except (ValueError, KeyError, TypeError):
+            predicted[option] = float("nan")
+    return predicted

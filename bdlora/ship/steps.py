@@ -1,0 +1,169 @@
+"""What each ``ship`` step read and wrote, so that a rerun keeps a step only when it can be trusted:
+
+- its output is whole: the readers' own integrity checks pass (a model folder's recorded weight digests, an export's
+  graph, tokenizer and config, a run's summary and student, a bench's JSON), and no file in it changed since the
+  step finished (the SHA-256 of every file, recorded then);
+- it was made by the same command line (a step's line holds what earlier steps decided, e.g. the teacher's chosen
+  rounding scheme);
+- nothing it read changed: the outputs of the steps it read (by digest) and the user's teacher (its files' sizes and
+  modification times), and none of them was redone by this invocation.
+
+Any other step is redone, its old output removed first (every step folder is ship's own), and so is every step that
+read it. The record is ``DIR/steps.json``, rewritten (atomically) after each step. A step folder, or anything in it,
+that is a symbolic link is refused: ship reads and measures only what it wrote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bdlora import SCHEMA_VERSION
+from bdlora.base.errors import BdloraError, RunDirError, UsageError
+from bdlora.base.io import read_json, write_json
+from bdlora.base.runs import BENCH_JSON, EXPORT_MARKER, MODEL_ONNX, ModelDir, RunDir
+from bdlora.models.integrity import check_model_folder, check_safetensors
+from bdlora.models.runtime import check_onnx_dir
+
+STEPS_FILE = "steps.json"  # in the ship folder: every finished step's record
+SOURCE = "teacher"  # the name of the user's teacher among a step's reads
+
+
+def _links_refused(path: Path, where: str) -> None:
+    if path.is_symlink():
+        raise UsageError(f"{path}: is a symbolic link (to {os.readlink(path)}); {where} holds only the folders "
+                         "ship writes itself (remove the link, and ship makes that step again)")
+
+
+def folder_digest(path: Path) -> str:
+    """SHA-256 over every file's path (relative to ``path``) and content, in sorted order; a symbolic link anywhere
+    in it refused (it would make ship read or measure another model)."""
+    path = Path(path)
+    _links_refused(path, path.parent.name or str(path.parent))
+    h = hashlib.sha256()
+    for p in sorted(path.rglob("*")):
+        _links_refused(p, str(path))
+        if p.is_file():
+            h.update(f"{p.relative_to(path).as_posix()}\0{p.stat().st_size}\0".encode())
+            with open(p, "rb") as f:
+                while block := f.read(1 << 20):
+                    h.update(block)
+    return h.hexdigest()
+
+
+def source_fingerprint(source: str) -> str:
+    """The user's teacher as ship read it: each file's name, size and modification time (not its content: a teacher
+    of 8B parameters is 16 GB), or the name itself for a hub id."""
+    path = Path(source)
+    if not path.is_dir():
+        return f"name:{source}"
+    h = hashlib.sha256()
+    for p in sorted(path.iterdir()):
+        if p.is_file():
+            st = p.stat()
+            h.update(f"{p.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def verify_output(path: Path, marker: str) -> None:
+    """The readers' checks of a step's output, by the file its command writes last (``BdloraError`` when damaged)."""
+    if marker == EXPORT_MARKER:
+        check_onnx_dir(path, MODEL_ONNX, "genai")
+    elif marker == ModelDir.MARKER:
+        check_model_folder(path, ModelDir(path).read(ModelDir.MARKER))
+    elif marker == RunDir.MARKER:
+        run = RunDir(path)
+        run.require_finished()
+        run.read(RunDir.MARKER)
+        for f in sorted(run.student_dir.rglob("*.safetensors")):
+            check_safetensors(f)
+    elif marker == BENCH_JSON:
+        front = read_json(path / BENCH_JSON).get("front")
+        if not isinstance(front, list) or not front:
+            raise RunDirError(f"{path / BENCH_JSON}: no front of timed rows; the bench is damaged")
+    else:
+        raise ValueError(f"no check for a step writing {marker}")
+
+
+@dataclass
+class Ledger:
+    """``DIR/steps.json``: {step: {"command", "reads", "output"}} of every finished step, and this invocation's view:
+    the digest of every output verified or made so far (``now``) and the steps it ran (``redone``)."""
+
+    folder: Path
+    steps: dict[str, dict] = field(default_factory=dict)
+    now: dict[str, str] = field(default_factory=dict)
+    redone: set[str] = field(default_factory=set)
+
+    @classmethod
+    def open(cls, folder: Path, source: str) -> Ledger:
+        path = Path(folder) / STEPS_FILE
+        steps: dict = {}
+        if path.is_file():
+            try:
+                steps = read_json(path)["steps"]
+                assert isinstance(steps, dict) and all(isinstance(v, dict) for v in steps.values())
+            except (ValueError, KeyError, TypeError, AssertionError, UnicodeDecodeError):
+                steps = {}  # damaged: every step is verified afresh and recorded again
+        return cls(Path(folder), steps, {SOURCE: source_fingerprint(source)})
+
+    def reads(self, step) -> dict[str, str]:
+        return {name: self.now.get(name, "") for name in (SOURCE, *step.reads)}
+
+    def stale(self, step) -> str | None:
+        """Why ``step`` must be (re)done, or None when its output can be kept (then its digest is in ``now``)."""
+        out = self.folder / step.name
+        _links_refused(out, str(self.folder))
+        if not (out / step.marker).is_file():
+            return "not done" if not out.exists() else f"unfinished (no {step.marker})"
+        if again := [r for r in step.reads if r in self.redone]:
+            return f"{', '.join(again)} was made again"
+        record = self.steps.get(step.name)
+        if record is not None and record.get("command") != step.argv:
+            return "its command changed (an earlier step decided otherwise)"
+        if record is not None and record.get("reads") != self.reads(step):
+            changed = [k for k, v in self.reads(step).items() if (record.get("reads") or {}).get(k) != v]
+            return f"what it read changed since ({', '.join(changed)})"
+        try:
+            verify_output(out, step.marker)
+        except BdloraError as e:
+            return f"damaged ({str(e)[:200]})"
+        digest = folder_digest(out)
+        if record is not None and record.get("output") != digest:
+            return "a file in it changed after it finished"
+        self.now[step.name] = digest
+        if record is None:  # a folder written before records were kept: whole by the readers' checks; recorded now
+            self.finished(step, digest, redone=False)
+        return None
+
+    def clear(self, step) -> None:
+        """Remove what a step left (it is ship's own folder), so its command starts from nothing."""
+        out = self.folder / step.name
+        _links_refused(out, str(self.folder))
+        if out.exists():
+            shutil.rmtree(out)
+        self.steps.pop(step.name, None)
+        self._write()
+
+    def made(self, step) -> None:
+        """The step's command finished: its output checked as a rerun would check it, then recorded."""
+        out = self.folder / step.name
+        try:
+            verify_output(out, step.marker)
+        except BdloraError as e:
+            raise RunDirError(f"step {step.name} finished, but its output does not pass the readers' checks: "
+                              f"{e}") from None
+        self.finished(step, folder_digest(out), redone=True)
+
+    def finished(self, step, digest: str, redone: bool) -> None:
+        self.now[step.name] = digest
+        if redone:
+            self.redone.add(step.name)
+        self.steps[step.name] = {"command": list(step.argv), "reads": self.reads(step), "output": digest}
+        self._write()
+
+    def _write(self) -> None:
+        write_json(self.folder / STEPS_FILE, {"schema_version": SCHEMA_VERSION, "steps": self.steps})
