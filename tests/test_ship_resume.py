@@ -217,3 +217,18 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
     except FileNotFoundError:
         return False
+
+
+def test_the_rebuild_commands_name_each_step_once_in_the_users_words(ship, tiny_env):
+    """Case 17: the student's compress was printed twice in one && chain; the teacher's export named bdlora's cache
+    folder instead of `builtin`."""
+    folder, runner, again = ship
+    result = again()
+    for answer in result["answers"]:
+        assert len(answer["commands"]) == len(set(answer["commands"])), answer["commands"]
+    row = next(r for r in result["rows"] if r["row"] == "compressed-int4")
+    assert [c.split()[1] for c in row["commands"]] == ["compress", "export"]
+    teacher = next(r for r in result["rows"] if r["row"] == "teacher-int4")["commands"][0]
+    assert teacher.startswith(f"bdlora export genai {tiny_env['teacher']} --precision int4 --quant rtn")
+    cfg = ShipConfig(schemes="rtn,affine")
+    assert [s.argv[:3] for s in ship_run.teacher_steps("builtin", cfg, folder)] == [["export", "genai", "builtin"]] * 2

@@ -59,8 +59,8 @@ def row_commands(name: str, bench_model: str, folder: Path, cfg, commands: dict[
         return f"the teacher's export, speculating with prompt lookup ({verified(identical)})", [
             teacher, f"bdlora serve {shlex.quote(export)} --runtime genai --prompt-lookup"]
     own = bench_model if name == "compressed" else name.removeprefix(PEER)
-    steps = [commands[s] for s in (own.removeprefix("healed-"), f"heal-{own.removeprefix('healed-')}", own)
-             if s in commands]
+    made = own.removeprefix("healed-")  # the folder a healed one started from (itself when not healed)
+    steps = [commands[s] for s in dict.fromkeys((made, f"heal-{made}", own)) if s in commands]
     if name == SPEC_DRAFT:
         return f"the teacher's export with the draft ({verified(identical)})", [
             teacher, *steps, _exported(folder, own, cfg, quant),
