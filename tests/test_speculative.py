@@ -454,3 +454,36 @@ def test_serve_draft_option_end_to_end_and_a_bad_draft_refused_before_listening(
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_a_draft_with_a_shorter_context_is_refused_before_serving_or_generating(pair, tmp_path):
+    """Issue 78 case 5: a draft exported with --context-length 64 beside a 128-position teacher started, and 29 of
+    70 requests got HTTP 500 "max_length (166) cannot be greater than model context_length (64)"."""
+    from bdlora.export.genai import export_genai_folder
+    from bdlora.export.settings import GenaiExportSettings
+
+    root = pair["root"]
+    short = tmp_path / "short.genai"
+    export_genai_folder(root / "draft", short, GenaiExportSettings(precision="fp32", validate=False,
+                                                                   context_length=64))
+    for argv in (["generate", str(root / "teacher.genai"), "--prompt", "alpha"],
+                 ["serve", str(root / "teacher.genai"), "--runtime", "genai", "--port", "0"]):
+        r = CliRunner().invoke(app, [*argv, "--draft", str(short)])
+        assert r.exit_code == 2, r.output
+        assert "holds 64 positions" in r.output and "--context-length 128 or more" in r.output
+        assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
+
+
+def test_a_draft_with_truncated_weights_is_refused_in_one_line_by_generate(pair, tmp_path):
+    """Issue 78 case 13: a RuntimeError traceback from onnxruntime-genai (serve already refused it in one line)."""
+    import shutil
+
+    broken = tmp_path / "broken.genai"
+    shutil.copytree(pair["root"] / "draft.genai", broken)
+    data = broken / "model.onnx.data"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    r = CliRunner().invoke(app, ["generate", str(pair["root"] / "teacher.genai"), "--prompt", "alpha", "--draft",
+                                 str(broken)])
+    assert r.exit_code == 2, r.output
+    assert f"--draft {broken}: does not load in its runtime" in r.output.replace("\n", "")
+    assert "Traceback" not in r.output

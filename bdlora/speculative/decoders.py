@@ -182,3 +182,31 @@ def check_draft(target: Path, draft: Path) -> None:
     if v_draft != v_target:
         raise ModelError(f"--draft {draft}: its vocabulary has {v_draft:,} rows, {target}'s {v_target:,} (a draft's "
                          "logits must cover the target's tokens)")
+    p_draft, p_target = positions(draft), positions(Path(target))
+    if p_draft < p_target:  # a request past the draft's context failed mid-way (HTTP 500 from the server)
+        raise ModelError(f"--draft {draft}: holds {p_draft:,} positions, {target} {p_target:,}: a request longer "
+                         f"than the draft's context cannot be proposed for (export the draft with --context-length "
+                         f"{p_target} or more)")
+
+
+def positions(folder: Path) -> int:
+    """The positions a folder's decoder holds: its config's, and a genai folder's context_length (its KV buffer,
+    set by export genai --context-length) when smaller."""
+    held = DecoderShape.from_folder(folder).max_positions
+    if is_genai(folder):
+        ctx = json.loads((folder / GENAI_CONFIG).read_text())["model"].get("context_length")
+        held = min(held, ctx) if isinstance(ctx, int) and ctx > 0 else held
+    return held
+
+
+def opened(what: str, folder: Path, make):
+    """``make()`` (a ``DecoderFactory``), its runtime's failure to load the folder as one line naming it (a truncated
+    weight file made onnxruntime raise a RuntimeError traceback under generate --draft)."""
+    try:
+        return make()
+    except ModelError:
+        raise
+    except Exception as e:  # noqa: BLE001  onnxruntime(-genai)'s own errors: one line either way
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        raise ModelError(f"{what} {folder}: does not load in its runtime ({type(e).__name__}: {first}); the folder "
+                         "is damaged, export it again") from None

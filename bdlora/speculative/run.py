@@ -12,7 +12,7 @@ from pathlib import Path
 from bdlora.base.errors import Checks, UsageError
 from bdlora.base.runs import GENAI_CONFIG
 from bdlora.models.tokenizer import TextTokenizer
-from bdlora.speculative.decoders import DecoderFactory, check_draft
+from bdlora.speculative.decoders import DecoderFactory, check_draft, opened
 from bdlora.speculative.loop import Speculator, generate
 from bdlora.speculative.policy import Costs, KPolicy
 from bdlora.speculative.proposers import DraftProposer, PromptLookup
@@ -76,10 +76,10 @@ class GenerateConfig:
 def open_speculation(folder: Path, spec: SpeculationConfig, threads: int | None):
     """(target factory, proposer factory or None): the folder opened for verification and the proposer ``spec``
     names (a draft checked against the target first)."""
-    target = DecoderFactory.verifying(folder, threads)
+    target = opened("MODEL_DIR", folder, lambda: DecoderFactory.verifying(folder, threads))
     if spec.draft is not None:
         check_draft(folder, Path(spec.draft))
-        draft = DecoderFactory(spec.draft, threads)
+        draft = opened("--draft", Path(spec.draft), lambda: DecoderFactory(spec.draft, threads))
         return target, draft
     return target, None
 
