@@ -121,6 +121,12 @@ class BenchConfig:
         c.integer("icl_examples", self.icl_examples, lo=1)
         c.require(not self.icl or self.runtime in ("genai", "both"),
                   f"--icl: the ICL of the front's rows needs --runtime genai or both (not {self.runtime})")
+        c.require(not self.speculative or self.runtime in ("genai", "both"),
+                  f"--speculative: times the teacher's genai export speculating (--runtime genai or both, not "
+                  f"{self.runtime})")
+        c.require(not self.speculative or self.quality_tokens != 0,
+                  "--speculative: its prompts are the front's held-out text; --quality-tokens 0 scores none (give a "
+                  "positive count)")
         c.require(self.runtime == "ort" or self.provider == "cpu",
                   f"--runtime {self.runtime}: the genai bench runs on cpu (--provider {self.provider})")
         c.done()

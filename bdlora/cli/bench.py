@@ -110,6 +110,9 @@ def _check_mode(cfg: BenchConfig, model_config) -> None:
     if cfg.icl and model_config:
         raise UsageError("--icl: synthetic mode (--model-config) has random weights and no tokenizer to probe; give "
                          "a compressed folder")
+    if cfg.speculative and model_config:
+        raise UsageError("--speculative: synthetic mode (--model-config) has no teacher and no text to speculate on; "
+                         "give a compressed folder (a draft of a teacher)")
     if cfg.eval_data not in (None, "none"):  # a bad corpus is refused at once
         check_spec(cfg.eval_data, "--eval-data")
 

@@ -68,9 +68,19 @@ def load_model_folder(model_dir: str | Path):
     except Exception as e:  # noqa: BLE001
         raise ModelError(f"{folder.path}: could not load the model ({_first_line(e)})") from None
     check_weights_match(folder.path, model, info)
+    check_finite(folder.path, model)
     check_architecture(model, str(folder.path))
     check_vocabulary(folder.path, len(tok), model.get_input_embeddings().num_embeddings)
     return model.eval(), tok, report
+
+
+def check_finite(folder: Path, model) -> None:
+    """Every weight finite: a NaN or an infinity loads, runs and times like any weight (bench --runtime ort wrote its
+    timings and NaN perplexities; export genai's validation alone refused it)."""
+    bad = [name for name, p in model.state_dict().items() if p.is_floating_point() and not torch.isfinite(p).all()]
+    if bad:
+        raise ModelError(f"{folder}: {len(bad)} weight tensor(s) hold NaN or infinity ({', '.join(bad[:3])}); the "
+                         "folder is damaged or its training diverged")
 
 
 def check_weights_match(folder: Path, model, info: dict) -> None:

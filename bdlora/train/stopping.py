@@ -32,6 +32,9 @@ BEST_WEIGHTS, BEST_META = "trainable.safetensors", "best.json"
 PROBE_STEPS = 4  # steps timed before the plan (the first is left out of the rate: it pays one-off costs)
 FINISH_SHARE = 0.02  # of the budget, kept for saving the student and the summary, beside one validation
 _UNITS = {"s": 1, "m": 60, "h": 3600}
+# --time-budget's range: below 30 s no run gets past loading and calibration (1s ran 102 s before its refusal); above
+# 30 days it is a typo ("99999999999h" planned 237,651,204,793,628 steps into config.json)
+MIN_BUDGET, MAX_BUDGET = 30.0, 30 * 24 * 3600.0
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([smh]?)\s*$")
 
 
@@ -66,7 +69,11 @@ def parse_duration(text: str | None) -> float | None:
     m = _DURATION.match(str(text))
     if not m or float(m.group(1)) <= 0:
         raise ValueError(f"--time-budget {text}: a positive duration such as 90s, 60m or 1.5h")
-    return float(m.group(1)) * _UNITS[m.group(2) or "s"]
+    seconds = float(m.group(1)) * _UNITS[m.group(2) or "s"]
+    if not MIN_BUDGET <= seconds <= MAX_BUDGET:
+        raise ValueError(f"--time-budget {text}: a duration from {MIN_BUDGET:g}s (loading the teacher, its text and "
+                         f"the calibration come first) to {MAX_BUDGET // 3600:g}h")
+    return seconds
 
 
 def budget_steps(seconds_left: float, step_seconds: float, eval_seconds: float, eval_every: int) -> int:

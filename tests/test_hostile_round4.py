@@ -1,0 +1,77 @@
+"""The fourth round of hostile inputs (issue 78) outside ``ship`` (whose cases are in test_ship_resume.py) and the
+draft checks (test_speculative.py): each case as its user met it, refused in one line, before the work it would
+waste."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from bdlora.cli import app
+
+
+def _one_line(r, code: int = 2) -> str:
+    assert r.exit_code == code, r.output
+    assert "Traceback" not in r.output
+    return " ".join(r.output.split())
+
+
+@pytest.fixture
+def nan_folder(tiny_env, tmp_path):
+    """A model folder bdlora wrote (its digests recorded, so every integrity check passes) holding one NaN."""
+    from transformers import AutoModelForCausalLM
+
+    from bdlora.deployed.folder import save_model_folder
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_env["teacher"])
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[3, 5] = float("nan")
+    return save_model_folder(model, tiny_env["tokenizer"], tmp_path / "nan.compressed", {"source": "test"})
+
+
+def test_bench_on_onnxruntime_refuses_a_folder_with_a_nan_weight(nan_folder, tmp_path):
+    """Case 9: rc 0 and bench.json written with timings (genai refused it)."""
+    r = CliRunner().invoke(app, ["bench", str(nan_folder), "--runtime", "ort", "--seq-lens", "16", "--batch-sizes",
+                                 "1", "--repeats", "1", "--out", str(tmp_path / "b")])
+    said = _one_line(r)
+    assert "1 weight tensor(s) hold NaN or infinity (model.layers.1.mlp.down_proj.weight)" in said
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--runtime", "ort"], "--speculative: times the teacher's genai export speculating (--runtime genai or both, "
+                           "not ort)"),
+    (["--quality-tokens", "0"], "--speculative: its prompts are the front's held-out text; --quality-tokens 0"),
+])
+def test_bench_speculative_refuses_what_gives_it_no_rows(tmp_path, extra, needle):
+    """Case 14: rc 0, no speculative rows, nothing said."""
+    r = CliRunner().invoke(app, ["bench", str(tmp_path / "any"), "--speculative", *extra])
+    assert needle in _one_line(r)
+
+
+def test_bench_speculative_refuses_synthetic_mode(tiny_env, tmp_path):
+    r = CliRunner().invoke(app, ["bench", "--model-config", str(tiny_env["teacher"]), "--budget", "0.5",
+                                 "--speculative", "--runtime", "genai", "--out", str(tmp_path / "b")])
+    assert "--speculative: synthetic mode (--model-config) has no teacher" in _one_line(r)
+
+
+@pytest.mark.parametrize("budget", ["1s", "29", "99999999999h", "721h"])
+def test_train_time_budget_is_bounded_before_anything_loads(tiny_env, tmp_path, budget):
+    """Case 15: 99999999999h planned 237,651,204,793,628 steps into config.json; 1s ran 102 s before refusing."""
+    from conftest import train_args
+
+    r = CliRunner().invoke(app, train_args(tiny_env, tmp_path / "r", "--method", "kd-lora", "--time-budget", budget))
+    assert f"--time-budget {budget}: a duration from 30s" in _one_line(r) and "to 720h" in r.output
+    assert not (tmp_path / "r").exists()
+
+
+def test_ship_heal_time_budget_has_the_same_bounds():
+    from bdlora.base.errors import Checks, ConfigError
+    from bdlora.ship.config import ShipConfig
+
+    with pytest.raises(ConfigError, match="--heal-time-budget 5s: a duration from 30s"):
+        ShipConfig(heal_time_budget="5s").check(Checks()).done()
+    assert json.dumps(ShipConfig(heal_time_budget="30s").check(Checks()).problems) == "[]"
