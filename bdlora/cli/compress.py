@@ -14,7 +14,7 @@ from bdlora.cli import render
 from bdlora.cli.app import command, err, out
 from bdlora.cli.options import from_dataclass
 from bdlora.cli.progress import RichReporter
-from bdlora.compress.bounds import check_report_provenance
+from bdlora.compress.bounds import DEEPER, check_report_provenance
 from bdlora.compress.config import OneShotConfig
 from bdlora.compress.plan import DEFAULT_PLAN_STEPS, read_model_config
 from bdlora.compress.plan import plan as run_plan
@@ -285,7 +285,10 @@ def _folder_report(folder: str, other: str | None = None) -> tuple[dict, dict, s
         raise UsageError(f"plan {folder}: not a compressed folder (no compression.json); give compress's output, or "
                          "--model-config / --model to plan from shapes")
     report, config = src.report(), read_model_config(folder)
-    check_report_provenance(report, str(src.path / ModelDir.MARKER))
+    mods = report.get("modules") if isinstance(report.get("modules"), list) else []
+    covered = {layer_of(m["name"]) for m in mods if isinstance(m, dict) and isinstance(m.get("name"), str)}
+    check_report_provenance(report, str(src.path / ModelDir.MARKER),
+                            deepest=DEEPER * max(int(config["num_hidden_layers"]), len(covered)))
     check_model_folder(src.path, report)  # the checks every other reader runs: forms, sizes, digests, tokenizer
     prov = report.get("provenance") or {}
     depth = len({layer_of(m["name"]) for m in report["modules"]})

@@ -36,10 +36,18 @@ def check_shape_config(cfg: dict, where: str) -> dict[str, int]:
     return sizes
 
 
-def check_report_provenance(report: dict, where: str, max_layers: int = SIZE_BOUNDS["num_hidden_layers"]) -> None:
+# A folder's provenance without teacher_layers (compressed runs before it was recorded) implies its teacher's depth
+# by its highest layer index: at most this many times the folder's own depth (a draft keeps half its teacher's
+# layers; [0, 511] on a 2-layer folder had plan measuring a 512-layer step for minutes)
+DEEPER = 4
+
+
+def check_report_provenance(report: dict, where: str, max_layers: int = SIZE_BOUNDS["num_hidden_layers"],
+                            deepest: int | None = None) -> None:
     """compression.json as plan reads it (no digest covers it): a list of modules with a name and integer features,
     a numeric speed-up, and provenance layers that are distinct, increasing integers within ``max_layers`` (a
-    ``layer_indices`` of [0, 1e9] had plan build a 137-layer graph)."""
+    ``layer_indices`` of [0, 1e9] had plan build a 137-layer graph), or within ``deepest`` when no teacher_layers
+    is recorded."""
     def bad(what: str) -> ModelError:
         return ModelError(f"{where}: {what}; the file is damaged or was edited")
 
@@ -64,7 +72,7 @@ def check_report_provenance(report: dict, where: str, max_layers: int = SIZE_BOU
         raise bad(f"provenance teacher_layers {shown(t)} is not a layer count in 1..{max_layers}")
     idx = prov.get("layer_indices")
     if idx is not None:
-        top = t or max_layers
+        top = t or min(max_layers, deepest or max_layers)
         if (not isinstance(idx, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in idx)
                 or any(not 0 <= i < top for i in idx) or idx != sorted(set(idx))):
             raise bad(f"provenance layer_indices {shown(idx)} are not distinct increasing layers in 0..{top - 1}")

@@ -39,6 +39,7 @@ def compress_run(run: RunDir | str | Path, cfg: BudgetedConfig, out: str | Path 
     provenance = {"name": f"{run.name} compressed", "method": method, "teacher": train_cfg.get("teacher"),
                   "budget": train_cfg.get("budget") if traits.gated else None,
                   "student_layers": train_cfg.get("student_layers"), "layer_indices": summary.get("layer_indices"),
+                  "teacher_layers": run.facts().teacher_layers,  # bounds layer_indices for plan FOLDER
                   # the run's corpus and split, so the folder's held-out slice outlives the run directory
                   "data_settings": run.data_settings(), **provenance_paths(run.path, out)}
     reporter.stage("compressing")
