@@ -75,3 +75,28 @@ def test_ship_heal_time_budget_has_the_same_bounds():
     with pytest.raises(ConfigError, match="--heal-time-budget 5s: a duration from 30s"):
         ShipConfig(heal_time_budget="5s").check(Checks()).done()
     assert json.dumps(ShipConfig(heal_time_budget="30s").check(Checks()).problems) == "[]"
+
+
+LLAMA_405B = {"model_type": "llama", "hidden_size": 16384, "intermediate_size": 53248, "num_hidden_layers": 126,
+              "num_attention_heads": 128, "num_key_value_heads": 8, "vocab_size": 128256,
+              "max_position_embeddings": 131072}
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["plan", "--model-config", "{cfg}", "--precision", "int4"],
+     "plan --precision int4: its largest matrix (2,101,346,304 weights) timed as a graph needs about 23 GiB"),
+    (["bench", "--model-config", "{cfg}", "--budget", "0.5", "--out", "{out}"],
+     "its 403,752,042,496 parameters in fp32 needs about 1,504 GiB"),
+])
+def test_shapes_alone_are_bounded_by_this_machines_memory(tmp_path, argv, needle, monkeypatch):
+    """Case 12: Llama-405B shapes (every field within its bound): plan --precision int4 segfaulted after 58 s, bench
+    raised "can't allocate 8405385216 bytes". The machine's memory is held at 20 GiB so the case is the same on any
+    machine."""
+    from bdlora.compress import bounds
+
+    monkeypatch.setattr(bounds, "machine_memory", lambda: 20 * 2**30)
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_405B))
+    argv = [a.format(cfg=tmp_path / "config.json", out=tmp_path / "b") for a in argv]
+    said = _one_line(CliRunner().invoke(app, argv))
+    assert needle in said and "more than this machine's 20 GiB" in said
+    assert not (tmp_path / "b").exists()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from bdlora.base.errors import ModelError, UsageError
 from bdlora.base.runs import ModelDir
+from bdlora.compress.bounds import check_fits, check_shape_config
 from bdlora.compress.plan import read_model_config
 from bdlora.models.arch import check_lora_rank
 
@@ -36,6 +37,8 @@ def synthetic_target(model_config: str, budget: float | None, layers: int | None
     if budget is None:
         raise UsageError("--model-config needs --budget F (the structure to bench)")
     config = read_model_config(model_config)
+    check_fits(check_shape_config(config, f"--model-config {model_config}"), f"--model-config {model_config}",
+               whole=not lazy)  # lazy: one layer's weights at a time
     rank = check_lora_rank(lora_rank or SYNTHETIC_LORA_RANK, config, defaulted=lora_rank is None)
     model, report = synthetic_model(config, budget, layers, rank, lazy=lazy)
     out = Path(out_dir) if out_dir else Path(runs_dir) / f"bench-synthetic-F{budget}"

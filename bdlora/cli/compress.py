@@ -14,7 +14,7 @@ from bdlora.cli import render
 from bdlora.cli.app import command, err, out
 from bdlora.cli.options import from_dataclass
 from bdlora.cli.progress import RichReporter
-from bdlora.compress.bounds import DEEPER, check_report_provenance
+from bdlora.compress.bounds import DEEPER, check_fits, check_report_provenance, check_shape_config
 from bdlora.compress.config import OneShotConfig
 from bdlora.compress.plan import DEFAULT_PLAN_STEPS, read_model_config
 from bdlora.compress.plan import plan as run_plan
@@ -92,6 +92,7 @@ def plan(
         report, config, title = _planned(model_config, model, allocation, rank, layers, mac_ratio, calib_tokens,
                                          calib_data or data, steps, opts, json_out)
     if precision:
+        check_fits(check_shape_config(config, "the model's config"), f"plan --precision {precision}", whole=False)
         report["deployed"] = _deployed_prediction(report, precision, threads, RichReporter(err if json_out else out),
                                                   config, quant)
         report["predicted_decode_speedup"] = report["deployed"]["predicted_decode_speedup"]

@@ -6,8 +6,10 @@ covers it) declaring layer 1e9 had plan build a 137-layer graph. Standard librar
 
 from __future__ import annotations
 
+import os
+
 from bdlora.base.errors import ModelError, shown
-from bdlora.models.integrity import OPTIONAL_SIZES, declared_sizes
+from bdlora.models.integrity import OPTIONAL_SIZES, declared_sizes, implied_parameters
 
 # What a reader that plans from shapes alone (plan, bench --model-config) accepts before it builds anything: well
 # above every released decoder (Llama 3.1 405B: hidden 16,384, MLP 53,248, 126 layers, 128 heads; Gemma 3: a
@@ -76,3 +78,30 @@ def check_report_provenance(report: dict, where: str, max_layers: int = SIZE_BOU
         if (not isinstance(idx, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in idx)
                 or any(not 0 <= i < top for i in idx) or idx != sorted(set(idx))):
             raise bad(f"provenance layer_indices {shown(idx)} are not distinct increasing layers in 0..{top - 1}")
+
+
+FP32 = 4  # bytes a synthetic weight takes: every graph measured or built from shapes alone is fp32 first
+GRAPH_COPIES = 3  # a timed projection: its fp32 tensor, its serialised graph and the session's own copy
+
+
+def machine_memory() -> int:
+    """Bytes of memory this machine has (its physical pages)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_fits(sizes: dict[str, int], where: str, whole: bool) -> None:
+    """What a reader of shapes alone will allocate, against this machine's memory, in one line before it allocates
+    (Llama-405B shapes, every field within ``SIZE_BOUNDS``: plan --precision int4 segfaulted after 58 s, bench
+    --model-config raised "can't allocate 8405385216 bytes"). ``whole``: the whole model in fp32 (bench's synthetic
+    model); else its largest matrix as one timed graph (plan --precision)."""
+    sizes = {**sizes, "vocab_size": sizes.get("vocab_size", 1)}
+    h, inter = sizes["hidden_size"], sizes.get("intermediate_size", 4 * sizes["hidden_size"])
+    if whole:
+        need, what = implied_parameters(sizes) * FP32, f"its {implied_parameters(sizes):,} parameters in fp32"
+    else:
+        biggest = max(sizes["vocab_size"] * h, h * inter)
+        need, what = biggest * FP32 * GRAPH_COPIES, f"its largest matrix ({biggest:,} weights) timed as a graph"
+    have = machine_memory()
+    if need > have:
+        raise ModelError(f"{where}: {what} needs about {need / 2**30:,.0f} GiB, more than this machine's "
+                         f"{have / 2**30:,.0f} GiB (give a model that fits)")
