@@ -35,11 +35,11 @@ import numpy as np
 from bdlora.base.errors import DataError
 from bdlora.base.io import atomic_dir
 from bdlora.base.reporter import SILENT, Reporter
-from bdlora.base.runs import CORPUS_META
 from bdlora.data.blocks import PackedBlocks, scored_blocks
 from bdlora.data.fortunes import FORTUNES, fortunes_dir
 from bdlora.data.fortunes import HELDOUT_FRACTION as FORTUNES_HELDOUT
 from bdlora.data.prose import PROSE, prose_dir
+from bdlora.data.token_cache import sealed, whole
 from bdlora.data.tokens import (
     BUILTIN,
     BUILTIN_HELDOUT_FRACTION,
@@ -289,8 +289,8 @@ def mix(parts: list[TokenizedCorpus], weights: list[float], specs: list[str], ca
     key = hashlib.sha256(json.dumps([MIX_VERSION, MIX_CHUNK, [p.path.name for p in parts],
                                      [round(w, 12) for w in weights]]).encode()).hexdigest()[:20]
     out = cache / "data" / f"mixture-{key}"
-    if (out / CORPUS_META).exists():
-        return TokenizedCorpus(out, json.loads((out / CORPUS_META).read_text()), parts[0].bos)
+    if (meta := whole(out)) is not None:  # else absent, interrupted or damaged: mixed again in its place
+        return TokenizedCorpus(out, meta, parts[0].bos)
     dtype = "uint32" if "uint32" in dtypes else next(iter(dtypes))
     components = [{"spec": s, "weight": w, "cache": p.path.name, "tokens": {}}
                   for s, w, p in zip(specs, weights, parts)]
@@ -313,10 +313,9 @@ def mix(parts: list[TokenizedCorpus], weights: list[float], specs: list[str], ca
             counts[split] = int(sum(take))
             for c, t in zip(components, take):
                 c["tokens"][split] = int(t)
-        meta = {"format_version": 1, "corpus": ",".join(f"{s}:{w:g}" for s, w in zip(specs, weights)),
-                "corpus_kind": "mixture", "dtype": dtype, "tokens": counts, "mixture": components,
-                "chunk_tokens": MIX_CHUNK}
-        (tmp / CORPUS_META).write_text(json.dumps(meta, indent=2))
+        meta = sealed(tmp, {"format_version": 1, "corpus": ",".join(f"{s}:{w:g}" for s, w in zip(specs, weights)),
+                            "corpus_kind": "mixture", "dtype": dtype, "tokens": counts, "mixture": components,
+                            "chunk_tokens": MIX_CHUNK})
     return TokenizedCorpus(out, meta, parts[0].bos)
 
 

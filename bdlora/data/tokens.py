@@ -30,7 +30,7 @@ import numpy as np
 
 from bdlora.base.errors import DataError
 from bdlora.base.io import atomic_dir
-from bdlora.base.runs import CORPUS_META
+from bdlora.data.token_cache import sealed, whole
 from bdlora.models.tokenizer import bos_first
 
 FORMAT_VERSION = 1
@@ -344,8 +344,8 @@ def tokenize_corpus(
         f"{FORMAT_VERSION}|{corpus.fingerprint()}|{tokenizer_fingerprint(tokenizer)}|{heldout_fraction!r}".encode()
     ).hexdigest()[:20]
     out = cache_dir / f"tokens-{key}"
-    if (out / CORPUS_META).exists():
-        return TokenizedCorpus(out, json.loads((out / CORPUS_META).read_text()), bos_first(tokenizer))
+    if (meta := whole(out)) is not None:  # else absent, interrupted or damaged: tokenised again in its place
+        return TokenizedCorpus(out, meta, bos_first(tokenizer))
     dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
     with atomic_dir(out) as tmp:
         writer = _SplitWriter(tmp, dtype, tokenizer.eos_token_id, heldout_fraction)
@@ -365,10 +365,10 @@ def tokenize_corpus(
             writer.close()
         if writer.counts["train"] + writer.counts["val"] == 0:
             raise DataError(f"--data {corpus.spec}: the corpus is empty (no non-blank documents)")
-        meta = {"format_version": FORMAT_VERSION, "corpus": corpus.spec, "corpus_kind": corpus.kind,
-                "heldout_fraction": heldout_fraction, "dtype": np.dtype(dtype).name, "tokens": writer.counts,
-                "documents": writer.docs, "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)}
-        (tmp / CORPUS_META).write_text(json.dumps(meta, indent=2))
+        meta = sealed(tmp, {"format_version": FORMAT_VERSION, "corpus": corpus.spec, "corpus_kind": corpus.kind,
+                            "heldout_fraction": heldout_fraction, "dtype": np.dtype(dtype).name,
+                            "tokens": writer.counts, "documents": writer.docs,
+                            "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)})
     return TokenizedCorpus(out, meta, bos_first(tokenizer))
 
 
