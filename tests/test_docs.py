@@ -44,7 +44,7 @@ def test_the_module_layout_names_every_module_and_only_real_ones():
     unnamed = sorted(str(f.relative_to(ROOT)) for f in modules if f.stem not in words)
     assert not unnamed, unnamed
     named = set(re.findall(r"(\w+)\.py\b", block))
-    real = {f.stem for f in modules} | tests
+    real = {f.stem for f in modules} | tests | {f.stem for f in (ROOT / "benchmarks").glob("*.py")}
     assert named and named <= real, named - real
 
 
