@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from bdlora.models.runtime import DecoderSignature, run_bound
+from bdlora.models.runtime import DecoderSignature, run_bound, session_options
 
 
 def time_interleaved(jobs: dict, repeats: int, warmup: int) -> dict[str, list[float]]:
@@ -47,7 +47,7 @@ def _sessions(spec: dict) -> tuple[dict, str]:
               "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
     sessions = {}
     for name, path in spec["graphs"].items():
-        so = ort.SessionOptions()
+        so = session_options(ort)
         so.use_per_session_threads = False  # all sessions share the one global pool
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         so.graph_optimization_level = levels[spec.get("opt_level", "all")]

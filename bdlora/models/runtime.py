@@ -175,12 +175,25 @@ def check_signature(folder: str | Path, shape: DecoderShape, sess) -> None:
                          "edited or does not belong to this graph")
 
 
+ORT_ERRORS = 3  # onnxruntime's log severity: 0 verbose, 1 info, 2 warning, 3 error, 4 fatal
+
+
+def session_options(ort):
+    """onnxruntime ``SessionOptions`` that log errors only, and its default logger set alike: its warnings (such as
+    "CleanUnusedInitializersAndNodeArgs: Removing initializer ..." when a graph's optimiser drops a constant it
+    folded) describe onnxruntime's own work, not a problem of the user's, and reached their terminal."""
+    ort.set_default_logger_severity(ORT_ERRORS)
+    so = ort.SessionOptions()
+    so.log_severity_level = ORT_ERRORS
+    return so
+
+
 def session(path: str | Path, threads: int | None = None, opt_level: str = "all", global_pool: bool = False,
             provider: str = "CPUExecutionProvider"):
     """An onnxruntime session; ``threads`` intra-op threads (default: onnxruntime's choice, all cores)."""
     import onnxruntime as ort
 
-    so = ort.SessionOptions()
+    so = session_options(ort)
     so.graph_optimization_level = {"none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
                                    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
                                    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,

@@ -31,6 +31,7 @@ from bdlora.export.genai.logits import split_head
 from bdlora.export.genai.quantize import quantize_nbits
 from bdlora.export.onnx.metadata import metadata_props, metadata_summary, module_table, set_metadata
 from bdlora.export.onnx.validate import ExportValidationError, quantized_quality
+from bdlora.export.preflight import check_export_inputs
 from bdlora.export.settings import GenaiExportSettings
 from bdlora.models.load import load_model_folder
 from bdlora.models.runtime import DecoderShape, session
@@ -160,6 +161,8 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, settings: GenaiE
     threads = usable_cores() if settings.threads is None else settings.threads
     model_dir, out = Path(model_dir), Path(out)
     check_out_dir(out, force, (model_dir,))
+    rounds = PRECISIONS[settings.precision]
+    check_export_inputs(model_dir, out, rounds.bits, reference=rounds.rounded)
     reporter.stage(f"loading {model_dir}")
     model, tok, report = load_model_folder(model_dir)
     ctx = context_length_of(model.config, settings.context_length)

@@ -24,7 +24,7 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from bdlora.models.runtime import DecoderShape, DecoderSignature, empty_past
+from bdlora.models.runtime import DecoderShape, DecoderSignature, empty_past, session_options
 
 BLOCK_SIZE = 32  # along K: one scale and zero point per 32 input weights (the MatMulNBits block)
 ACCURACY_LEVEL = 4  # int8 activations inside the kernel: onnxruntime's fastest CPU path
@@ -173,7 +173,7 @@ def input_grams(proto: onnx.ModelProto, shape: DecoderShape, blocks, threads: in
     known = {o.name for o in probe.graph.output}
     probe.graph.output.extend(helper.make_tensor_value_info(x, TensorProto.FLOAT, None) for x in names
                               if x not in known)
-    opts = ort.SessionOptions()
+    opts = session_options(ort)
     if threads:
         opts.intra_op_num_threads = threads
     sess = ort.InferenceSession(probe.SerializeToString(), opts, providers=["CPUExecutionProvider"])

@@ -47,6 +47,7 @@ from bdlora.export.genai.affine import augment_nodes
 from bdlora.export.genai.gptq import BLOCK_SIZE, nbits_node
 from bdlora.export.genai.quantize import scheme_rounded
 from bdlora.models.costs import ModuleShape
+from bdlora.models.runtime import session_options
 
 BITS = {name: PRECISIONS[name].bits for name in ROUNDED}  # the weight bits of each rounded precision
 BUSY_CORES = 0.5  # CPU other processes may use while forms are timed before the times are kept out of the cache
@@ -130,7 +131,7 @@ def form_graph(k: int, n: int, rank: int, precision: str, copies: int, seed: int
 
 
 def _median_run_us(proto: onnx.ModelProto, k: int, threads: int) -> float:
-    so = ort.SessionOptions()
+    so = session_options(ort)
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

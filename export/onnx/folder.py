@@ -19,6 +19,7 @@ from bdlora.export.onnx.metadata import metadata_props, metadata_summary, module
 from bdlora.export.onnx.quantize import quantize_int8
 from bdlora.export.onnx.signature import DEFAULT_OPSET, check_opset
 from bdlora.export.onnx.validate import quantized_quality, validate
+from bdlora.export.preflight import check_export_inputs
 from bdlora.models.load import load_model_folder
 from bdlora.models.runtime import DecoderShape, session
 
@@ -52,6 +53,7 @@ def export_onnx_folder(model_dir: str | Path, out: str | Path, opset: int = DEFA
         raise UsageError(f"--quantize {quantize}: unknown (allowed: {', '.join(QUANTIZE)})")
     model_dir, out = Path(model_dir), Path(out)
     check_out_dir(out, force, (model_dir,))
+    check_export_inputs(model_dir, out, 32 + (8 if quantize else 0), reference=False)  # fp32, and an int8 copy
     reporter.stage(f"loading {model_dir}")
     model, tok, report = load_model_folder(model_dir)
     rows = module_table(model)
