@@ -49,6 +49,10 @@ class GenaiExportSettings:
     onnxruntime-genai then runs on one thread)."""
     max_ppl_change: float = 0.10
     """int8/int4: the export is refused if held-out perplexity rises by more than this fraction over fp32."""
+    quality_tokens: int | None = None
+    """int8/int4: held-out tokens that check scores through the fp32 and rounded graphs (default: the slice the
+    model's run was scored on, or 32,768 builtin tokens). At 1B-8B each token costs two full forwards: fewer finish
+    sooner, more measure closer; export.json records how many were scored."""
     validate: bool = True
     """Check the folder against PyTorch before it is published."""
 
@@ -104,6 +108,10 @@ class GenaiExportSettings:
             c.require(not self.int8_share or self.scheme.calibrated,
                       f"--int8-share {self.int8_share}: is chosen by a calibrated scheme's measured errors (give "
                       f"--quant {', '.join(s.name for s in SCHEMES.values() if s.calibrated)})")
+        if c.integer("quality_tokens", self.quality_tokens, lo=1):
+            c.require(self.quality_tokens is None or rounded(self.precision),
+                      f"--quality-tokens {self.quality_tokens}: scores a rounded graph against fp32; --precision "
+                      f"{self.precision} rounds nothing")
         c.integer("context_length", self.context_length)  # its bound is the model's positions: context_length_of
         c.integer("threads", self.threads, lo=0, hi=MAX_GENAI_THREADS,
                   what=" (0 = leave the thread count to the runtime)")

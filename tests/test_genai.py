@@ -11,7 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from bdlora.base.errors import usable_cores
+from bdlora.base.errors import Checks, ConfigError, usable_cores
 from bdlora.base.runs import row_name
 from bdlora.bench.variants import dense_variant, lora_variant, synthetic_model
 from bdlora.cli import app
@@ -149,6 +149,18 @@ def test_quantized_export_reports_quality(mixed_folder, precision, bits):
     assert 0.5 <= q["argmax_agreement"] <= 1.0 and q["tokens"] > 0
     assert q["ppl_change"] == pytest.approx(q["val_ppl_quantized"] / q["val_ppl_fp32"] - 1)
     assert not (root / precision / "fp32").exists()  # the fp32 reference graph served validation only
+
+
+def test_the_quality_check_scores_as_many_tokens_as_asked_and_says_so(mixed_folder):
+    """Issue 76: 256 blocks through both graphs ran past 22 minutes at 1B; --quality-tokens bounds the check to the
+    first blocks of the same slice, and export.json records how many were scored."""
+    folder, root = mixed_folder
+    whole = export_genai_folder(folder, root / "q-all", GenaiExportSettings("int4"))["validation"]["quality"]
+    cut = export_genai_folder(folder, root / "q-cut", GenaiExportSettings("int4", quality_tokens=256))
+    q = cut["validation"]["quality"]
+    assert whole["tokens"] > 256 and q["tokens"] == 256 and cut["settings"]["quality_tokens"] == 256
+    with pytest.raises(ConfigError, match="--quality-tokens 256: scores a rounded graph against fp32"):
+        GenaiExportSettings("fp32", quality_tokens=256).check(Checks()).done()
 
 
 def test_quality_threshold_refuses_and_writes_nothing(tiny_env, tmp_path):

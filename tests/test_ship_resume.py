@@ -188,8 +188,9 @@ def test_a_speedup_beyond_reach_is_refused_by_plan_before_any_step(tiny_env, tmp
         raise AssertionError("no step may run")
 
     cfg = ShipConfig(**{**CFG, "data": str(tiny_env["corpus"]), "speedups": "1.2,50", "seq_len": 64})
-    with pytest.raises(UsageError, match=r"--speedups: plan refuses it before any step runs \(--speedup 50: beyond "
-                                         r"reach; the cheapest form of every layer gives [0-9.]+x less decode time"):
+    with pytest.raises(UsageError, match=r"--speedups: plan refuses it rounded by rtn before any step runs "
+                                         r"\(--speedup 50: beyond reach; the cheapest form of every layer gives "
+                                         r"[0-9.]+x less decode time"):
         ship_run.run_ship(str(teacher), cfg, tmp_path / "ship", runner=runner)
 
 
@@ -232,3 +233,16 @@ def test_the_rebuild_commands_name_each_step_once_in_the_users_words(ship, tiny_
     assert teacher.startswith(f"bdlora export genai {tiny_env['teacher']} --precision int4 --quant rtn")
     cfg = ShipConfig(schemes="rtn,affine")
     assert [s.argv[:3] for s in ship_run.teacher_steps("builtin", cfg, folder)] == [["export", "genai", "builtin"]] * 2
+
+
+def test_reach_is_checked_for_every_scheme_a_student_may_be_rounded_by():
+    """The quickstart's --speedups 1.25 was reached with rtn's node times and beyond reach (1.23x) with affine's, the
+    scheme the teacher's exports then chose: every candidate scheme is checked."""
+    from bdlora.ship.preflight import reach_checks, reach_quants
+
+    assert reach_quants(ShipConfig(schemes="rtn,affine")) == ["rtn", "affine"]
+    assert reach_quants(ShipConfig(schemes="rtn,affine", student_quant="gptq")) == ["gptq"]
+    assert reach_quants(ShipConfig(precision="fp32")) == [None]
+    lines = reach_checks("builtin", ShipConfig(speedups="1.1,1.3", draft_speedup=3.0), "affine")
+    assert [o for o, _ in lines] == ["--speedups", "--draft-speedup"]
+    assert lines[0][1][lines[0][1].index("--speedup") + 1] == "1.3" and "--quant" in lines[1][1]

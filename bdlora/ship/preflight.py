@@ -59,10 +59,27 @@ def reach_checks(model: str, cfg: ShipConfig, quant: str | None) -> list[tuple[s
     return checks
 
 
-def check_reach(model: str, cfg: ShipConfig, quant: str | None, stage=lambda msg: None) -> dict[str, float]:
-    """Each ``reach_checks`` plan run as its own process (as a step is: its memory returned, and it ends with ship);
-    a refusal (a speed-up beyond reach) raised as one line naming the option. Returns the predicted whole decode
-    speed-up of each."""
+def reach_quants(cfg: ShipConfig) -> list[str | None]:
+    """The rounding schemes a student may be made with: --student-quant, else every scheme of --schemes (the
+    teacher's best, which the students take, is known only after its exports; a scheme's nodes have their own
+    decode times, so its reach differs: 1.25x was reached with rtn's and beyond reach, 1.23x, with affine's)."""
+    if cfg.student_quant is not None:
+        return [cfg.student_quant]
+    return list(dict.fromkeys(cfg.scheme_list())) or [None]
+
+
+def check_reach(model: str, cfg: ShipConfig, stage=lambda msg: None) -> dict[str, float]:
+    """Each ``reach_checks`` plan run, for every scheme of ``reach_quants``, as its own process (as a step is: its
+    memory returned, and it ends with ship); a refusal (a speed-up beyond reach) raised as one line naming the
+    option and the scheme. Returns the predicted whole decode speed-up of each (option, scheme)."""
+    predicted = {}
+    for quant in reach_quants(cfg):
+        predicted.update({f"{option} ({quant or 'fp32'})": speedup
+                          for option, speedup in _reach(model, cfg, quant, stage).items()})
+    return predicted
+
+
+def _reach(model: str, cfg: ShipConfig, quant: str | None, stage) -> dict[str, float]:
     predicted = {}
     for option, argv in reach_checks(model, cfg, quant):
         stage(f"checking {option} with `bdlora {' '.join(argv[:-1])}`")
@@ -70,8 +87,9 @@ def check_reach(model: str, cfg: ShipConfig, quant: str | None, stage=lambda msg
         text = proc.stdout.read()
         if proc.wait() != 0:
             said = next((t for t in reversed(text.splitlines()) if t.startswith("error:")), text.strip()[-300:])
-            raise UsageError(f"{option}: plan refuses it before any step runs ({said.removeprefix('error:').strip()}"
-                             "); give a speed-up it reaches")
+            rounding = f" rounded by {quant}" if quant else ""
+            raise UsageError(f"{option}: plan refuses it{rounding} before any step runs "
+                             f"({said.removeprefix('error:').strip()}); give a speed-up it reaches")
         lines = text.splitlines()
         try:
             report = json.loads("\n".join(lines[lines.index("{"):]))

@@ -186,7 +186,7 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, settings: GenaiE
         info["export_seconds"] = time.time() - t0
         if settings.validate:
             info["validation"] = _validate(tmp, model, tok, report, model_dir, precision, settings.max_ppl_change,
-                                           reporter)
+                                           reporter, settings.quality_tokens)
         if fp32 != tmp / MODEL_ONNX:  # the fp32 reference graph served validation only
             for f in fp32.parent.iterdir():
                 f.unlink()
@@ -199,7 +199,7 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, settings: GenaiE
 
 
 def _validate(tmp: Path, model, tok, report, model_dir: Path, precision: str, max_ppl_change: float,
-              reporter: Reporter) -> dict:
+              reporter: Reporter, quality_tokens: int | None = None) -> dict:
     out: dict = {}
     fp32 = session(tmp / (ALL_LOGITS_ONNX if not PRECISIONS[precision].rounded else f"{FLOAT}/{MODEL_ONNX}"))
     reporter.stage("validating the graph against PyTorch (prefill, decode, decode steps)")
@@ -213,7 +213,10 @@ def _validate(tmp: Path, model, tok, report, model_dir: Path, precision: str, ma
         return out
     settings = recorded_data_settings(model_dir, (report or {}).get("provenance", {}))
     blocks = _quality_blocks(settings, tok, DecoderShape.of(model.config))
-    reporter.stage(f"scoring {len(blocks)} held-out blocks with the fp32 and {precision} graphs")
+    if quality_tokens is not None:  # the first blocks of the same slice, at least one
+        blocks = PackedBlocks(blocks.tokens, blocks.seq_len, max_tokens=quality_tokens, bos=blocks.bos)
+    reporter.stage(f"scoring {len(blocks) * blocks.seq_len:,} held-out tokens ({len(blocks)} blocks) with the fp32 "
+                   f"and {precision} graphs (--quality-tokens sets how many)")
     q = quantized_quality(fp32, session(tmp / ALL_LOGITS_ONNX), DecoderShape.of(model.config), blocks)
     q["max_ppl_change"] = max_ppl_change
     out["quality"] = q
