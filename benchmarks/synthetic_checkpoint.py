@@ -114,6 +114,7 @@ def write(shape: str, tokenizer: str, out: Path, layers: int | None = None, seed
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config)  # shapes and names only: no weight memory
     model.tie_weights()  # tied inside the context, the head got a parameter of its own
+    config.architectures = [type(model).__name__]  # as released (onnxruntime-genai's builder dispatches on it)
     with atomic_dir(out) as tmp:  # bdlora's writer: a temp name, ordinary permissions, renamed when whole
         groups = [g for g in shard_groups(model) if g]
         params = dict(model.named_parameters())

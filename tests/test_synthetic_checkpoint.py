@@ -39,6 +39,7 @@ def test_a_shape_is_written_shard_by_shard_and_loads_whole(tiny_env, tmp_path, s
             torch.bfloat16
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["vocab_size"] == len(tiny_env["tokenizer"]) and cfg["num_hidden_layers"] == 2
+    assert cfg["architectures"] == [{"qwen2.5-1.5b": "Qwen2ForCausalLM", "gemma-3-1b": "Gemma3ForCausalLM"}[shape]]
     assert cfg["tie_word_embeddings"] is tied and ("lm_head.weight" in index["weight_map"]) is not tied
     check_loadable(out)
     model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16, output_loading_info=True)
