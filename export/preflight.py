@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bdlora.base.errors import ModelError, UsageError
 from bdlora.base.runs import CONFIG, STUDENT_META
-from bdlora.models.integrity import check_safetensors, weight_files
+from bdlora.models.integrity import check_loadable, check_safetensors, weight_files
 
 FLOAT_BYTES = 4  # every export emits fp32 first
 HEADROOM = 1.10  # scales and zero points of rounded weights, graph protobuf, tokenizer and config files
@@ -45,6 +45,7 @@ def check_export_inputs(model_dir: Path, out: Path, bits: int, reference: bool) 
 
     if not (model_dir / CONFIG).is_file() or (model_dir / STUDENT_META).exists():
         return  # not a model folder, or a run's student/: the loader's own one line names what it is
+    check_loadable(model_dir)  # the tokenizer reads config.json too: a damaged one is named as the loader names it
     try:
         tok = AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as e:  # noqa: BLE001  tokenizers' and transformers' own errors: one line either way
