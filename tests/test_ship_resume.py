@@ -194,11 +194,16 @@ def test_a_speedup_beyond_reach_is_refused_by_plan_before_any_step(tiny_env, tmp
         ship_run.run_ship(str(teacher), cfg, tmp_path / "ship", runner=runner)
 
 
-def test_a_steps_process_ends_when_ship_is_killed(tmp_path):
-    """Case 8: after ``kill -9`` of ship the running step lived on under PID 1, holding its output's claim."""
-    script = ("import sys, time; from bdlora.ship.run import spawn; "
-              "p = spawn([sys.executable, '-c', 'import time; time.sleep(120)']); print(p.pid, flush=True); "
-              "time.sleep(120)")
+@pytest.mark.parametrize("start", [
+    "from bdlora.ship.run import spawn; p = spawn(SLEEP)",  # a ship step
+    "import subprocess; from bdlora.base.children import dying_with_this_process; "  # a bench timing worker
+    "p = subprocess.Popen(SLEEP, preexec_fn=dying_with_this_process())",
+])
+def test_a_steps_process_ends_when_ship_is_killed(tmp_path, start):
+    """Case 8: after ``kill -9`` of ship the running step lived on under PID 1, holding its output's claim; the
+    bench's timing workers are started the same way."""
+    script = ("import sys, time; SLEEP = [sys.executable, '-c', 'import time; time.sleep(120)']; "
+              f"{start}; print(p.pid, flush=True); time.sleep(120)")
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     child = int(parent.stdout.readline())
     os.kill(parent.pid, signal.SIGKILL)
