@@ -173,11 +173,11 @@ def test_ship_heals_every_folder_and_the_dense_peer_and_speculates_with_the_draf
     genai_teacher(tiny_env["tokenizer"], teacher, seed=3, layers=4)
     _hand_table(tmp_path / "cache", _tiny_shapes(teacher), (), threads=1, teacher=teacher)
     monkeypatch.setenv("BDLORA_CACHE", str(tmp_path / "cache"))
-    res = CliRunner().invoke(app, [
-        "ship", str(teacher), "--data", str(tiny_env["corpus"]), "--eval-data", "none", "--schemes", "rtn",
-        "--speedups", "1.2", "--draft-speedup", "1.5", "--heal-steps", "2", "--threads", "1", "--repeats", "1",
-        "--decode-tokens", "4", "--quality-tokens", "256", "--seq-len", "64", "--out", str(tmp_path / "ship"),
-        "--json"])
+    args = ["ship", str(teacher), "--data", str(tiny_env["corpus"]), "--eval-data", "none", "--schemes", "rtn",
+            "--speedups", "1.2", "--draft-speedup", "1.5", "--heal-steps", "2", "--threads", "1", "--repeats", "1",
+            "--decode-tokens", "4", "--quality-tokens", "256", "--seq-len", "64", "--out", str(tmp_path / "ship"),
+            "--json"]
+    res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     r = json.loads(res.stdout)
     assert list(r["steps_run_seconds"]) == ["student-1.2", "draft", "heal-student-1.2", "healed-student-1.2",
@@ -187,3 +187,5 @@ def test_ship_heals_every_folder_and_the_dense_peer_and_speculates_with_the_draf
                                                  "peer-healed-dense-int4"}
     draft = next(row for row in r["rows"] if row["row"] == "spec-draft-int4")
     assert draft["ppl_vs_teacher"] == 0.0  # speculation is the teacher's own output
+    again = CliRunner().invoke(app, args)  # every step, heals and their runs included, verified and kept
+    assert again.exit_code == 0 and json.loads(again.stdout)["steps_run_seconds"] == {}, again.output
