@@ -13,6 +13,8 @@ from bdlora.export.settings import DEFAULT as GENAI
 from bdlora.export.settings import GenaiExportSettings
 from bdlora.train.config import GENAI_PRECISIONS
 
+NO_DOMAIN = "none"  # --eval-data none: the front has no second domain
+
 SCOPES = ("modules", "model", "both")
 RUNTIMES = ("ort", "genai", "both")
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}

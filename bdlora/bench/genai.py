@@ -26,7 +26,7 @@ from bdlora.base.errors import BdloraError, DataError, UsageError
 from bdlora.base.reporter import SILENT, Reporter
 from bdlora.base.runs import CONFIG, GENAI_CONFIG, all_logits_graph, row_name
 from bdlora.base.schemes import mixed
-from bdlora.bench.config import BenchConfig
+from bdlora.bench.config import NO_DOMAIN, BenchConfig
 from bdlora.bench.front import PEER
 from bdlora.bench.launch import run_timing_process
 from bdlora.data.corpora import GENERAL_VOCABULARY, default_heldout, unseen_corpus
@@ -220,7 +220,7 @@ def unseen_data(eval_data: str | None, settings: dict, vocab_size: int) -> str |
     general-purpose model the first builtin corpus its run neither trained nor calibrated on
     (``corpora.unseen_corpus``; a tiny model with its own small vocabulary gets none unless asked)."""
     if eval_data is not None:
-        return None if eval_data == "none" else eval_data
+        return None if eval_data == NO_DOMAIN else eval_data
     if vocab_size < GENERAL_VOCABULARY:
         return None
     return unseen_corpus(settings.get("data") or BUILTIN, settings.get("calib_data"))

@@ -11,7 +11,7 @@ from bdlora.base.io import write_json
 from bdlora.base.outputs import check_out_dir, check_out_file
 from bdlora.base.runs import RUNS_DIR, BenchDir
 from bdlora.base.schemes import SCHEMES
-from bdlora.bench.config import ROUNDING, BenchConfig
+from bdlora.bench.config import NO_DOMAIN, ROUNDING, BenchConfig
 from bdlora.bench.target import SYNTHETIC_LORA_RANK, compressed_target, synthetic_target
 from bdlora.cli import render
 from bdlora.cli.app import command, out
@@ -113,7 +113,7 @@ def _check_mode(cfg: BenchConfig, model_config) -> None:
     if cfg.speculative and model_config:
         raise UsageError("--speculative: synthetic mode (--model-config) has no teacher and no text to speculate on; "
                          "give a compressed folder (a draft of a teacher)")
-    if cfg.eval_data not in (None, "none"):  # a bad corpus is refused at once
+    if cfg.eval_data not in (None, NO_DOMAIN):  # a bad corpus is refused at once
         check_spec(cfg.eval_data, "--eval-data")
 
 

@@ -292,8 +292,7 @@ def _folder_report(folder: str, other: str | None = None) -> tuple[dict, dict, s
                             deepest=DEEPER * max(int(config["num_hidden_layers"]), len(covered)))
     check_model_folder(src.path, report)  # the checks every other reader runs: forms, sizes, digests, tokenizer
     prov = report.get("provenance") or {}
-    depth = len({layer_of(m["name"]) for m in report["modules"]})
-    depth = max(depth, int(prov.get("teacher_layers") or 0), 1 + max(prov.get("layer_indices") or [-1]))
+    depth = max(len(covered), int(prov.get("teacher_layers") or 0), 1 + max(prov.get("layer_indices") or [-1]))
     title = f"plan {folder}: {report['speedup_vs_dense']:.2f}x fewer projection MACs"
     return report, {**config, "num_hidden_layers": depth}, title
 

@@ -7,30 +7,22 @@ once."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import numpy as np
 
 from bdlora.base.runs import CORPUS_META
+from bdlora.models.integrity import sha256
 
 SPLITS = ("train", "val")
 DIGESTS = "sha256"  # in meta.json: {split: the SHA-256 of SPLIT.bin}
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
 def sealed(folder: Path, meta: dict) -> dict:
     """``meta`` with the digest of each split file of ``folder``, written as its meta.json (last: a folder without it
     is an interrupted build)."""
-    meta = {**meta, DIGESTS: {s: _sha256(Path(folder) / f"{s}.bin") for s in SPLITS}}
+    meta = {**meta, DIGESTS: {s: sha256(Path(folder) / f"{s}.bin") for s in SPLITS}}
     (Path(folder) / CORPUS_META).write_text(json.dumps(meta, indent=2))
     return meta
 
@@ -44,7 +36,7 @@ def whole(folder: Path) -> dict | None:
         itemsize = np.dtype(meta["dtype"]).itemsize
         for split in SPLITS:
             f = folder / f"{split}.bin"
-            if f.stat().st_size != int(meta["tokens"][split]) * itemsize or _sha256(f) != meta[DIGESTS][split]:
+            if f.stat().st_size != int(meta["tokens"][split]) * itemsize or sha256(f) != meta[DIGESTS][split]:
                 return None
     except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
         return None

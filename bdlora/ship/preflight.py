@@ -6,19 +6,17 @@ when a larger one is)."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 from bdlora.base.errors import Checks, DataError, UsageError
 from bdlora.base.runs import CONFIG
+from bdlora.bench.config import NO_DOMAIN
 from bdlora.data.corpora import shared_corpus
 from bdlora.export.defaults import MAX_CONTEXT
 from bdlora.models.runtime import DecoderShape
 from bdlora.ship.config import DRAFT_FORMS, ShipConfig
 from bdlora.ship.process import spawn
-
-NO_DOMAIN = "none"  # --eval-data none: no second domain
 
 
 def check_settings(cfg: ShipConfig, source: str) -> None:
@@ -68,32 +66,17 @@ def reach_quants(cfg: ShipConfig) -> list[str | None]:
     return list(dict.fromkeys(cfg.scheme_list())) or [None]
 
 
-def check_reach(model: str, cfg: ShipConfig, stage=lambda msg: None) -> dict[str, float]:
+def check_reach(model: str, cfg: ShipConfig, stage=lambda msg: None) -> None:
     """Each ``reach_checks`` plan run, for every scheme of ``reach_quants``, as its own process (as a step is: its
     memory returned, and it ends with ship); a refusal (a speed-up beyond reach) raised as one line naming the
-    option and the scheme. Returns the predicted whole decode speed-up of each (option, scheme)."""
-    predicted = {}
+    option and the scheme."""
     for quant in reach_quants(cfg):
-        predicted.update({f"{option} ({quant or 'fp32'})": speedup
-                          for option, speedup in _reach(model, cfg, quant, stage).items()})
-    return predicted
-
-
-def _reach(model: str, cfg: ShipConfig, quant: str | None, stage) -> dict[str, float]:
-    predicted = {}
-    for option, argv in reach_checks(model, cfg, quant):
-        stage(f"checking {option} with `bdlora {' '.join(argv[:-1])}`")
-        proc = spawn([sys.executable, "-m", "bdlora.cli", *argv])
-        text = proc.stdout.read()
-        if proc.wait() != 0:
-            said = next((t for t in reversed(text.splitlines()) if t.startswith("error:")), text.strip()[-300:])
-            rounding = f" rounded by {quant}" if quant else ""
-            raise UsageError(f"{option}: plan refuses it{rounding} before any step runs "
-                             f"({said.removeprefix('error:').strip()}); give a speed-up it reaches")
-        lines = text.splitlines()
-        try:
-            report = json.loads("\n".join(lines[lines.index("{"):]))
-            predicted[option] = float(report["predicted_decode_speedup"])
-        except (ValueError, KeyError, TypeError):
-            predicted[option] = float("nan")
-    return predicted
+        for option, argv in reach_checks(model, cfg, quant):
+            stage(f"checking {option} with `bdlora {' '.join(argv[:-1])}`")
+            proc = spawn([sys.executable, "-m", "bdlora.cli", *argv])
+            text = proc.stdout.read()
+            if proc.wait() != 0:
+                said = next((t for t in reversed(text.splitlines()) if t.startswith("error:")), text.strip()[-300:])
+                rounding = f" rounded by {quant}" if quant else ""
+                raise UsageError(f"{option}: plan refuses it{rounding} before any step runs "
+                                 f"({said.removeprefix('error:').strip()}); give a speed-up it reaches")

@@ -25,7 +25,7 @@ from bdlora import SCHEMA_VERSION
 from bdlora.base.errors import BdloraError, RunDirError, UsageError
 from bdlora.base.io import read_json, write_json
 from bdlora.base.runs import BENCH_JSON, EXPORT_MARKER, MODEL_ONNX, ModelDir, RunDir
-from bdlora.models.integrity import check_model_folder, check_safetensors
+from bdlora.models.integrity import check_model_folder, check_safetensors, sha256
 from bdlora.models.runtime import check_onnx_dir
 
 STEPS_FILE = "steps.json"  # in the ship folder: every finished step's record
@@ -47,10 +47,7 @@ def folder_digest(path: Path) -> str:
     for p in sorted(path.rglob("*")):
         _links_refused(p, str(path))
         if p.is_file():
-            h.update(f"{p.relative_to(path).as_posix()}\0{p.stat().st_size}\0".encode())
-            with open(p, "rb") as f:
-                while block := f.read(1 << 20):
-                    h.update(block)
+            h.update(f"{p.relative_to(path).as_posix()}\0{sha256(p)}\n".encode())
     return h.hexdigest()
 
 
