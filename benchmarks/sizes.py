@@ -10,7 +10,8 @@ kernel's out-of-memory killer choose. Rows of one shape run one after the other,
 run (a machine's speed varies up to 2x from day to day). Commands (``--commands``):
 
     builder-int4   python -m onnxruntime_genai.models.builder -p int4 -e cpu (the runtime's own int4 export)
-    export-int4    bdlora export genai --precision int4 --quant rtn (its held-out check bounded by --quality-tokens)
+    export-int4    bdlora export genai --precision int4 --quant rtn (validated: parity, tokenizer, held-out check)
+    export-int4-unchecked   the same with --no-validate (what the builder does: no check)
     export-onnx    bdlora export onnx (fp32, validated against PyTorch)
     plan           bdlora plan --model CKPT --forms channels,groups --speedup 1.25 --precision int4
     one-shot       bdlora compress CKPT --one-shot --forms channels,groups --speedup 1.25 --precision int4
@@ -45,7 +46,10 @@ def commands(ckpt: Path, work: Path, quality_tokens: int) -> dict[str, list[str]
         "builder-int4": [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o",
                          str(work / "builder-int4"), "-p", "int4", "-e", "cpu", "-c", str(work / "builder-cache")],
         "export-int4": [*bd, "export", "genai", str(ckpt), "--precision", "int4", "--quant", "rtn",
-                        "--quality-tokens", str(quality_tokens), "--out", str(work / "bdlora-int4")],
+                        *(["--quality-tokens", str(quality_tokens)] if quality_tokens else []),
+                        "--out", str(work / "bdlora-int4")],
+        "export-int4-unchecked": [*bd, "export", "genai", str(ckpt), "--precision", "int4", "--quant", "rtn",
+                                  "--no-validate", "--out", str(work / "bdlora-int4-unchecked")],
         "export-onnx": [*bd, "export", "onnx", str(ckpt), "--out", str(work / "bdlora-onnx")],
         "plan": [*bd, "plan", "--model", str(ckpt), "--allocation", "quality", *one_shot, "--json"],
         "one-shot": [*bd, "compress", str(ckpt), "--one-shot", *one_shot, "--no-eval", "--out",
@@ -125,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokenizer", default="smollm2-135m", help="the checkpoints' tokenizer (synthetic_checkpoint)")
     p.add_argument("--memory-limit", type=float, default=20.0, help="GiB a command's process tree may hold")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds a command may run")
-    p.add_argument("--quality-tokens", type=int, default=2048, help="export-int4's held-out check")
+    p.add_argument("--quality-tokens", type=int, default=None,
+                   help="export-int4's held-out check (default: the command's own)")
     a = p.parse_args(argv)
     shapes = [s.strip() for s in a.shapes.split(",")]
     names = [c.strip() for c in a.commands.split(",")]

@@ -26,6 +26,7 @@ from bdlora.export.defaults import MAX_GENAI_THREADS
 from bdlora.forms import declared_head_bits
 
 HEAD_BITS = 8  # the LM head's bits in an int4 graph when neither --head-bits nor the folder says
+STREAMING = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,10 @@ class GenaiExportSettings:
     """int8/int4: held-out tokens that check scores through the fp32 and rounded graphs (default: the slice the
     model's run was scored on, or 32,768 builtin tokens). At 1B-8B each token costs two full forwards: fewer finish
     sooner, more measure closer; export.json records how many were scored."""
+    streaming: str = "auto"
+    """on: read, emit, round and write one layer at a time (what a 1B-8B model needs; no fp32 model or graph is
+    held; the parity check runs on the model cut to its first layers, the quality against PyTorch streamed layer
+    by layer); off: hold the model in fp32 (GPTQ needs it); auto: on when the fp32 weights pass 2 GiB."""
     validate: bool = True
     """Check the folder against PyTorch before it is published."""
 
@@ -112,6 +117,10 @@ class GenaiExportSettings:
             c.require(self.quality_tokens is None or rounded(self.precision),
                       f"--quality-tokens {self.quality_tokens}: scores a rounded graph against fp32; --precision "
                       f"{self.precision} rounds nothing")
+        if c.choice("streaming", self.streaming, STREAMING):
+            c.require(self.streaming != "on" or not self.calibrated,
+                      f"--streaming on: --quant {self.quant} measures every MatMul's input on the whole fp32 graph, "
+                      "which a streamed export never holds (give --quant rtn or affine, or --streaming off)")
         c.integer("context_length", self.context_length)  # its bound is the model's positions: context_length_of
         c.integer("threads", self.threads, lo=0, hi=MAX_GENAI_THREADS,
                   what=" (0 = leave the thread count to the runtime)")

@@ -12,6 +12,10 @@ The values: every parameter of two or more dimensions N(0, 0.02) (the families' 
 (norm weights, biases) ones, each from a generator seeded by the parameter's qualified name, so the same model
 emitted twice, or in pieces, gets the same weights (``materialized`` of the whole model gives what the pieces give).
 Parameters already real (a LoRA variant's small adapter factors) are left as they are.
+
+A model read from a folder too large to hold in fp32 (``bdlora.models.stream``) is built the same way with a
+``SOURCE`` attribute: ``materialized`` then gives each parameter its value from the folder's weight files (read
+as stored, bf16 kept until that part is made, then fp32) instead of a random one.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch.nn as nn
 from accelerate import init_empty_weights
 
 INIT_STD = 0.02
+SOURCE = "bdlora_source"  # a model attribute: the callable (name, meta parameter) -> fp32 value of a folder's weights
 
 
 def empty(build):
@@ -56,9 +61,11 @@ def materialized(model: nn.Module, within: str | tuple = "", skip: str | tuple =
     """The meta parameters of ``model``'s modules named ``within`` or below them (all by default), less those under
     ``skip``, as seeded random values inside the block and on the meta device again after it. Each is keyed by its
     first name in ``model``, so a parameter gets the same values whichever part is made (a tied head made alone is
-    the embedding's values) and a parameter shared by two modules stays shared while made."""
+    the embedding's values) and a parameter shared by two modules stays shared while made. A model with a ``SOURCE``
+    gets each value from it (its weight files) instead."""
     within = (within,) if isinstance(within, str) else within
     skip = (skip,) if isinstance(skip, str) else skip
+    value = getattr(model, SOURCE, None) or (lambda name, p: random_like(p, name, seed))
     names: dict[int, str] = {}
     for name, p in model.named_parameters():
         names.setdefault(id(p), name)
@@ -71,7 +78,7 @@ def materialized(model: nn.Module, within: str | tuple = "", skip: str | tuple =
             if p is None or not p.is_meta:
                 continue
             if id(p) not in made:
-                made[id(p)] = nn.Parameter(random_like(p, names[id(p)], seed), requires_grad=False)
+                made[id(p)] = nn.Parameter(value(names[id(p)], p), requires_grad=False)
             m._parameters[name] = made[id(p)]
             swapped.append((m, name, p))
     try:

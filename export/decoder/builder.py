@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 import torch.nn as nn
 from onnx import helper, numpy_helper
 
@@ -56,6 +57,14 @@ class Projection:
         return [w.T for w in (self.weight, self.lora_a) if w is not None]
 
 
+def contiguous(array: np.ndarray) -> np.ndarray:
+    """``array`` in C order. A projection's weights arrive as (out, in) rows seen transposed; torch's blocked
+    transpose copies them ~6x faster than numpy's (a 1B model's emission spent 9 s here)."""
+    if array.flags.c_contiguous or array.ndim != 2 or not array.flags.writeable:
+        return np.ascontiguousarray(array)
+    return torch.from_numpy(array).contiguous().numpy()
+
+
 @dataclass
 class GraphBuilder:
     """Accumulates nodes and initialisers; names follow onnxruntime-genai's builder (``/model/layers.N/...``).
@@ -68,7 +77,7 @@ class GraphBuilder:
     consts: set = field(default_factory=set)
 
     def init(self, name: str, array: np.ndarray) -> str:
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        self.inits.append(numpy_helper.from_array(contiguous(array), name))
         return name
 
     def node(self, op: str, inputs: list[str], name: str, n_out: int = 1, domain: str = "", doc: str = "",
@@ -80,6 +89,10 @@ class GraphBuilder:
 
     def one(self, *args, **kwargs) -> str:
         return self.node(*args, **kwargs)[0]
+
+    def part_done(self) -> None:
+        """The emitter finished a part (the embedding, a decoder layer, the head): nothing to do when the graph is
+        held whole (``export.genai.stream.StreamingBuilder`` rounds and writes the part here)."""
 
     def const(self, name: str, values, dtype=np.int64) -> str:
         """An initialiser of small constants (shapes, axes), named once however often it is asked for."""

@@ -231,21 +231,21 @@ def save_graph(proto, path) -> None:
                     location=Path(path).name + ".data")
 
 
-def build_decoder(model: nn.Module, layout: DecoderLayout):
+def build_decoder(model: nn.Module, layout: DecoderLayout, g: GraphBuilder | None = None):
     """The decoder ``ModelProto`` of ``model`` (a HF Llama/Mistral/Qwen2 causal LM, any projection forms) in
-    ``layout``."""
-    return decoder_graph(model, layout)[0]
+    ``layout`` (``g``: the builder to emit into, a streaming one included)."""
+    return decoder_graph(model, layout, g)[0]
 
 
-def decoder_graph(model: nn.Module, layout: DecoderLayout):
+def decoder_graph(model: nn.Module, layout: DecoderLayout, g: GraphBuilder | None = None):
     """(ModelProto, MatMuls saved by the shared first stages). A model built without weights (``bdlora.models.lazy``:
-    synthetic, on the meta device) gets them one part at a time: the embedding, norm and head for the graph's ends,
-    each decoder layer for its own nodes."""
+    synthetic or read from its files, on the meta device) gets them one part at a time: the embedding, norm and head
+    for the graph's ends, each decoder layer for its own nodes; ``g.part_done()`` after each."""
     with materialized(model, skip=("model.layers", "model.embed_tokens", "lm_head")):  # the norms: small
-        return _decoder_graph(model, layout)
+        return _decoder_graph(model, layout, GraphBuilder(layout.opset) if g is None else g)
 
 
-def _decoder_graph(model: nn.Module, layout: DecoderLayout):
+def _decoder_graph(model: nn.Module, layout: DecoderLayout, g: GraphBuilder):
     cfg = model.config
     anatomy = emitted_anatomy(cfg)
     layers = model.model.layers
@@ -253,7 +253,6 @@ def _decoder_graph(model: nn.Module, layout: DecoderLayout):
     if layout.attention == "gqa" and hd % 16:
         raise ModelError(f"head dim {hd}: onnxruntime's GroupQueryAttention (the genai runtime's attention) needs a "
                          "multiple of 16; use `bdlora export onnx` for this model")
-    g = GraphBuilder(layout.opset)
     kinds = layer_kinds(model, anatomy.per_layer_attention)
     masks: dict = {}
     inputs_of = {kind: _kind_inputs(g, model, layout, kind, masks) for kind in dict.fromkeys(kinds)}
@@ -264,15 +263,18 @@ def _decoder_graph(model: nn.Module, layout: DecoderLayout):
         scale = np.float32(cfg.hidden_size**0.5)
         residual = g.one("Mul", [residual, g.const(f"/model/constants/FLOAT/embed{scale!r}", scale, np.float32)],
                          "/model/embed_tokens/scale")
+    g.part_done()
     for i, layer in enumerate(layers):
         with materialized(model, f"model.layers.{i}"):
             residual, mlp_out = _layer(g, layout, i, layer, residual, mlp_out, inputs_of[kinds[i]], cfg, hd,
                                        anatomy)
+        g.part_done()
     w_norm = _norm_weight(g, "model.norm", model.model.norm, anatomy)
     final, _ = _norm(g, layout, residual, mlp_out, w_norm, float(cfg.rms_norm_eps), "/model/norm")
     head = model.lm_head
     with materialized(model, "lm_head"):
         emit_head(g, model, final)
+    g.part_done()
     inputs, outputs = _io(layout, int(head.out_features), [layer_heads(x.self_attn, hd)[1] for x in layers], hd)
     return _model(g, f"bdlora_{layout.attention}_decoder", inputs, outputs), g.fused
 

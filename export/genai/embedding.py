@@ -20,6 +20,7 @@ GATHER = "/model/embed_tokens/Gather"
 TABLE = "model.embed_tokens.weight"
 HEAD_PREFIX = "/lm_head/MatMul_Q"  # the quantised head's node: /lm_head/MatMul_Q8 or _Q4
 OWN_BITS = 8  # an embedding quantised on its own (untied head)
+ROWS = 8192  # table rows rounded at once (each row's blocks are its own): a 128k x 4096 table never in float64
 P = "/model/embed_tokens/quantized"
 
 
@@ -38,9 +39,10 @@ def _shareable_head(g, vocab: int, hidden: int):
     return node
 
 
-def quantize_embedding(proto, tied: bool) -> dict:
+def quantize_embedding(proto, tied: bool, table=None) -> dict:
     """Replace ``proto``'s embedding Gather (in place) by GatherBlockQuantized over the tied head's weights or an
-    8-bit copy of the table; returns what was done (for export.json)."""
+    8-bit copy of the table; returns what was done (for export.json). ``table``: a callable giving the (vocab,
+    hidden) table (a tensor, sliced by rows) where the graph holds only its shape (a streamed export)."""
     g = proto.graph
     gather = next((n for n in g.node if n.name == GATHER and n.op_type == "Gather"), None)
     inits = {t.name: t for t in g.initializer}
@@ -56,8 +58,9 @@ def quantize_embedding(proto, tied: bool) -> dict:
         how = {"embedding": f"shares the LM head's {bits}-bit weights (GatherBlockQuantized)"}
     else:
         bits = OWN_BITS
-        w = torch.from_numpy(numpy_helper.to_array(inits[TABLE]).astype(np.float64))
-        packed, sc, zpv = pack(*rtn(w, bits), bits)
+        rows = table() if table is not None else torch.from_numpy(numpy_helper.to_array(inits[TABLE]).copy())
+        chunks = [pack(*rtn(rows[r:r + ROWS].to(torch.float64), bits), bits) for r in range(0, vocab, ROWS)]
+        packed, sc, zpv = (np.concatenate(c) for c in zip(*chunks))
         qweight, scales, zp = f"{P}.qweight", f"{P}.scales", f"{P}.qzeros"
         g.initializer.extend([numpy_helper.from_array(packed, qweight), numpy_helper.from_array(sc, scales),
                               numpy_helper.from_array(zpv, zp)])

@@ -25,18 +25,23 @@ from bdlora.export.defaults import MAX_CONTEXT, MAX_OPSET
 from bdlora.export.files import identity, write_model_files
 from bdlora.export.genai import validate as v
 from bdlora.export.genai.config import genai_config
-from bdlora.export.genai.embedding import quantize_embedding
-from bdlora.export.genai.gptq import input_grams
+from bdlora.export.genai.embedding import TABLE, quantize_embedding
+from bdlora.export.genai.gptq import BLOCK_SIZE, input_grams
 from bdlora.export.genai.logits import split_head
-from bdlora.export.genai.quantize import quantize_nbits
+from bdlora.export.genai.quantize import describe, quantize_nbits
+from bdlora.export.genai.stream import ExternalData, Rounding, StreamingBuilder, save_streamed
 from bdlora.export.onnx.metadata import metadata_props, metadata_summary, module_table, set_metadata
-from bdlora.export.onnx.validate import ExportValidationError, quantized_quality
+from bdlora.export.onnx.validate import ExportValidationError, quality_figures, quantized_quality
 from bdlora.export.preflight import check_export_inputs
 from bdlora.export.settings import GenaiExportSettings
+from bdlora.models.lazy import SOURCE
 from bdlora.models.load import load_model_folder
-from bdlora.models.runtime import DecoderShape, session
+from bdlora.models.runtime import DecoderShape, score_blocks, session
+from bdlora.models.stream import STREAM_ABOVE, fp32_bytes, lazy_folder_model, score_streamed, streamed
 
 QUALITY_TOKENS = 32768  # held-out tokens scored with the fp32 and quantised graphs when no training run is known
+STREAM_QUALITY_TOKENS = 512  # a streamed export's default: each token costs a PyTorch forward of the whole model
+STREAM_GENERATED = 8  # a streamed fp32 export's greedy tokens checked against PyTorch (each a pass over the weights)
 
 
 def save_graph(proto, path: Path) -> None:
@@ -87,6 +92,44 @@ def write_genai_files(model, tok, folder: Path, settings: GenaiExportSettings, r
     else:
         save_graph(proto, folder / MODEL_ONNX)
     split_head(folder)  # model.onnx: the last position's logits; model_all_logits.onnx: every position's
+    info["logits"] = {MODEL_ONNX: "each row's last position", ALL_LOGITS_ONNX: "every position"}
+    return info
+
+
+def write_streamed_genai_files(model, tok, folder: Path, settings: GenaiExportSettings, report: dict | None = None,
+                               reporter: Reporter = SILENT) -> dict:
+    """``write_genai_files`` for a lazy model (``bdlora.models.stream``): each part emitted, rounded and written to
+    model.onnx.data in turn (``export.genai.stream``); no fp32 reference graph (the validation of a streamed export
+    checks parity on a model cut to a few layers and the quality against PyTorch, ``validate.streamed_checks``)."""
+    settings = settings.resolved(model.config)
+    precision, ctx, cfg = settings.precision, context_length_of(model.config, settings.context_length), model.config
+    base = (getattr(cfg, "bdlora", None) or {}).get("base_model_type", cfg.model_type)
+    rows = module_table(model)
+    write_json(folder / GENAI_CONFIG, genai_config(cfg, base, ctx, threads=settings.threads or None))
+    write_model_files(folder, model, tok, report)
+    rounds = PRECISIONS[precision].rounded
+    layout = DecoderLayout.genai(ctx)
+    data = ExternalData(folder / f"{MODEL_ONNX}.data")
+    rounding = Rounding(precision, settings.quant, settings.head_bits) if rounds else None
+    g = StreamingBuilder(layout.opset, data=data, rounding=rounding, deferred=frozenset({TABLE} if rounds else ()),
+                         on_part=lambda: reporter.count(1, cfg.num_hidden_layers + 2, "parts"))
+    reporter.count(0, cfg.num_hidden_layers + 2, "parts")
+    try:
+        proto = build_decoder(model, layout, g)
+        set_metadata(proto, metadata_props(rows, metadata_summary(model, rows, report)))
+        info: dict = {"nodes": len(proto.graph.node), "streamed": True}
+        if rounds:
+            source = getattr(model, SOURCE)
+            emb = quantize_embedding(proto, tied_head(cfg), table=lambda: source.read(TABLE))
+            for k, t in enumerate(proto.graph.initializer):  # a table the rounded graph still gathers from
+                if t.name == TABLE:
+                    proto.graph.initializer[k].CopyFrom(data.put(TABLE, source.read(TABLE).float().numpy()))
+            data.externalise(proto)
+            info["quantization"] = {**describe(proto, BLOCK_SIZE), **rounding.summary(), **emb}
+        save_streamed(proto, folder / MODEL_ONNX)
+    finally:
+        data.close()
+    split_head(folder)
     info["logits"] = {MODEL_ONNX: "each row's last position", ALL_LOGITS_ONNX: "every position"}
     return info
 
@@ -156,37 +199,42 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, settings: GenaiE
                         force: bool = False, reporter: Reporter = SILENT) -> dict:
     """Export ``model_dir`` (a compressed student or any folder of a family the table has) for onnxruntime-genai as
     ``settings`` say (``threads`` None: this machine's usable cores; 0 leaves them out, and onnxruntime-genai then
-    runs the folder on one thread)."""
+    runs the folder on one thread; ``streaming``: whether the model is read and written one layer at a time)."""
     settings.check(Checks()).done()
     threads = usable_cores() if settings.threads is None else settings.threads
     model_dir, out = Path(model_dir), Path(out)
     check_out_dir(out, force, (model_dir,))
     rounds = PRECISIONS[settings.precision]
-    check_export_inputs(model_dir, out, rounds.bits, reference=rounds.rounded)
-    reporter.stage(f"loading {model_dir}")
-    model, tok, report = load_model_folder(model_dir)
+    stream = streams(settings, model_dir)
+    check_export_inputs(model_dir, out, rounds.bits, reference=rounds.rounded and not stream)
+    reporter.stage(f"loading {model_dir}" + (" lazily (each layer read from its weight files when emitted)"
+                                             if stream else ""))
+    model, tok, report = lazy_folder_model(model_dir) if stream else load_model_folder(model_dir)
     ctx = context_length_of(model.config, settings.context_length)
     settings = replace(settings.resolved(model.config), threads=threads, context_length=ctx)
     precision = settings.precision
     info: dict = {"schema_version": SCHEMA_VERSION, "runtime": "onnxruntime-genai", "source": str(model_dir.resolve()),
                   "precision": precision, "context_length": ctx, "intra_op_threads": threads or None,
-                  "settings": asdict(settings), "summary": metadata_summary(model, module_table(model), report)}
+                  "streamed": stream, "settings": asdict(settings),
+                  "summary": metadata_summary(model, module_table(model), report)}
     with atomic_dir(out) as tmp:
         reporter.stage("emitting the genai graph (GroupQueryAttention, fused RMSNorm, shared-input first factors)"
-                       + (f", quantising the projections to {precision} (MatMulNBits)"
-                          if PRECISIONS[precision].rounded else ""))
+                       + (f", quantising the projections to {precision} (MatMulNBits)" if rounds.rounded else "")
+                       + (", one layer at a time" if stream else ""))
         t0 = time.time()
-        fp32 = tmp / MODEL_ONNX if not PRECISIONS[precision].rounded else tmp / FLOAT / MODEL_ONNX
-        calibration = None
-        if settings.calibrated:
-            calibration = calibration_blocks(model_dir, report, tok, DecoderShape.of(model.config),
-                                             settings.calib_tokens)
-        info.update(write_genai_files(model, tok, tmp, settings, report, fp32_path=fp32, calibration=calibration,
-                                      reporter=reporter))
+        fp32 = tmp / MODEL_ONNX if not rounds.rounded or stream else tmp / FLOAT / MODEL_ONNX
+        if stream:
+            info.update(write_streamed_genai_files(model, tok, tmp, settings, report, reporter))
+        else:
+            calibration = None
+            if settings.calibrated:
+                calibration = calibration_blocks(model_dir, report, tok, DecoderShape.of(model.config),
+                                                 settings.calib_tokens)
+            info.update(write_genai_files(model, tok, tmp, settings, report, fp32_path=fp32, calibration=calibration,
+                                          reporter=reporter))
         info["export_seconds"] = time.time() - t0
         if settings.validate:
-            info["validation"] = _validate(tmp, model, tok, report, model_dir, precision, settings.max_ppl_change,
-                                           reporter, settings.quality_tokens)
+            info["validation"] = _validate(tmp, model, tok, report, model_dir, settings, reporter, stream)
         if fp32 != tmp / MODEL_ONNX:  # the fp32 reference graph served validation only
             for f in fp32.parent.iterdir():
                 f.unlink()
@@ -198,34 +246,68 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, settings: GenaiE
     return info
 
 
-def _validate(tmp: Path, model, tok, report, model_dir: Path, precision: str, max_ppl_change: float,
-              reporter: Reporter, quality_tokens: int | None = None) -> dict:
+def streams(settings: GenaiExportSettings, model_dir: Path) -> bool:
+    """Whether this export reads and writes the model one layer at a time: ``--streaming on``, or auto for weights
+    past ``STREAM_ABOVE`` in fp32 (a calibrated scheme measures on the whole fp32 graph: held, as before)."""
+    if settings.streaming != "auto":
+        return settings.streaming == "on"
+    return not settings.calibrated and fp32_bytes(model_dir) > STREAM_ABOVE
+
+
+def _validate(tmp: Path, model, tok, report, model_dir: Path, settings: GenaiExportSettings, reporter: Reporter,
+              stream: bool = False) -> dict:
     out: dict = {}
-    fp32 = session(tmp / (ALL_LOGITS_ONNX if not PRECISIONS[precision].rounded else f"{FLOAT}/{MODEL_ONNX}"))
-    reporter.stage("validating the graph against PyTorch (prefill, decode, decode steps)")
-    out["parity"] = v.graph_parity(model, fp32)
+    rounds = PRECISIONS[settings.precision].rounded
+    if stream:
+        reporter.stage(f"validating the graph against PyTorch on the model's first {v.PARITY_LAYERS} layers and "
+                       f"{v.PARITY_VOCAB:,} vocabulary rows (prefill, decode, decode steps; fp32)")
+        out["parity"] = v.cut_parity(model, settings.context_length, tmp)
+        fp32 = None
+    else:
+        fp32 = session(tmp / (ALL_LOGITS_ONNX if not rounds else f"{FLOAT}/{MODEL_ONNX}"))
+        reporter.stage("validating the graph against PyTorch (prefill, decode, decode steps)")
+        out["parity"] = v.graph_parity(model, fp32)
     out["last_position"] = v.last_position_parity(tmp, DecoderShape.of(model.config).vocab_size)
     reporter.stage("checking onnxruntime-genai's tokenizer against the model's")
     out["tokenizer"] = v.tokenizer_roundtrip(tmp, tok)
-    if not PRECISIONS[precision].rounded:
+    if not rounds:
         reporter.stage("generating with og.Generator against PyTorch's greedy tokens")
-        out["generator"] = v.generator_greedy(tmp, model, tok)
+        if stream:
+            with streamed(model):
+                out["generator"] = v.generator_greedy(tmp, model, tok, n=STREAM_GENERATED)
+        else:
+            out["generator"] = v.generator_greedy(tmp, model, tok)
         return out
-    settings = recorded_data_settings(model_dir, (report or {}).get("provenance", {}))
-    blocks = _quality_blocks(settings, tok, DecoderShape.of(model.config))
-    if quality_tokens is not None:  # the first blocks of the same slice, at least one
-        blocks = PackedBlocks(blocks.tokens, blocks.seq_len, max_tokens=quality_tokens, bos=blocks.bos)
-    reporter.stage(f"scoring {len(blocks) * blocks.seq_len:,} held-out tokens ({len(blocks)} blocks) with the fp32 "
-                   f"and {precision} graphs (--quality-tokens sets how many)")
-    q = quantized_quality(fp32, session(tmp / ALL_LOGITS_ONNX), DecoderShape.of(model.config), blocks)
-    q["max_ppl_change"] = max_ppl_change
-    out["quality"] = q
-    if q["ppl_change"] > max_ppl_change:
-        raise ExportValidationError(
-            f"{precision} raises held-out perplexity by {q['ppl_change']:.1%} ({q['val_ppl_fp32']:.3g} -> "
-            f"{q['val_ppl_quantized']:.3g}; argmax agreement {q['argmax_agreement']:.1%}), above --max-ppl-change "
-            f"{max_ppl_change:g}; export fp32 or int8, or pass a larger --max-ppl-change to accept it")
+    out["quality"] = _quality(tmp, model, tok, report, model_dir, settings, reporter, fp32)
     return out
+
+
+def _quality(tmp: Path, model, tok, report, model_dir: Path, settings: GenaiExportSettings, reporter: Reporter,
+             fp32) -> dict:
+    """The rounded graph's held-out perplexity against fp32's: the fp32 graph's (``fp32``, a session) or, streamed
+    (``fp32`` None), PyTorch's one layer at a time."""
+    data = recorded_data_settings(model_dir, (report or {}).get("provenance", {}))
+    blocks = _quality_blocks(data, tok, DecoderShape.of(model.config))
+    tokens = settings.quality_tokens or (STREAM_QUALITY_TOKENS if fp32 is None else None)
+    if tokens is not None:  # the first blocks of the same slice, at least one
+        blocks = PackedBlocks(blocks.tokens, blocks.seq_len, max_tokens=tokens, bos=blocks.bos)
+    what = "the fp32 graph" if fp32 is not None else "PyTorch (fp32, one layer at a time)"
+    reporter.stage(f"scoring {len(blocks) * blocks.seq_len:,} held-out tokens ({len(blocks)} blocks) with {what} and "
+                   f"the {settings.precision} graph (--quality-tokens sets how many)")
+    shape = DecoderShape.of(model.config)
+    if fp32 is None:
+        reference = score_streamed(model, blocks)
+        q = {**quality_figures(reference, score_blocks(session(tmp / ALL_LOGITS_ONNX), shape, blocks), blocks),
+             "reference": "pytorch-fp32-streamed"}
+    else:
+        q = quantized_quality(fp32, session(tmp / ALL_LOGITS_ONNX), shape, blocks)
+    q["max_ppl_change"] = settings.max_ppl_change
+    if q["ppl_change"] > settings.max_ppl_change:
+        raise ExportValidationError(
+            f"{settings.precision} raises held-out perplexity by {q['ppl_change']:.1%} ({q['val_ppl_fp32']:.3g} -> "
+            f"{q['val_ppl_quantized']:.3g}; argmax agreement {q['argmax_agreement']:.1%}), above --max-ppl-change "
+            f"{settings.max_ppl_change:g}; export fp32 or int8, or pass a larger --max-ppl-change to accept it")
+    return q
 
 
 def data_settings(model_dir: Path, report: dict | None) -> dict:

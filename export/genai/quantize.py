@@ -71,9 +71,9 @@ def quantize_nbits(model, precision: str, method: str = "rtn", grams: dict | Non
         out, detail = quantize_graph(model, grams, lambda name: head if name == LM_HEAD else 8 if name in wide
                                      else BITS[precision], method=method,
                                      int8_share=int8_share if mixed(precision) else 0.0, in_place=in_place)
-        _keep_docs(docs, out)
+        keep_docs(docs, out)
         eight = [n for n, b in detail["bits"].items() if b == 8 and n != LM_HEAD]
-        described = {**_describe(out, BLOCK_SIZE), "method": method, "symmetric": s.symmetric, "int8_matmuls": eight,
+        described = {**describe(out, BLOCK_SIZE), "method": method, "symmetric": s.symmetric, "int8_matmuls": eight,
                      "declared_int8_matmuls": len(wide), "relative_output_error": detail["relative_output_error"]}
         if s.calibrated:
             return out, {**described, "int8_share": int8_share}
@@ -100,12 +100,12 @@ def quantize_nbits(model, precision: str, method: str = "rtn", grams: dict | Non
             out = run(run(model, 4, exclude=eights, copy=not in_place), 8, include=eights)
     finally:
         root.setLevel(level)
-    _keep_docs(docs, out)
-    return out, {**_describe(out, BLOCK_SIZE), "method": s.name, "symmetric": s.symmetric,
+    keep_docs(docs, out)
+    return out, {**describe(out, BLOCK_SIZE), "method": s.name, "symmetric": s.symmetric,
                  "declared_int8_matmuls": len(wide)}
 
 
-def _keep_docs(docs: dict[str, str], after: onnx.ModelProto) -> None:
+def keep_docs(docs: dict[str, str], after: onnx.ModelProto) -> None:
     """Each quantised MatMul (``NAME_Q4``/``NAME_Q8``) keeps its source's doc string (``docs``, by node name): the
     projections it computes."""
     for n in after.graph.node:
@@ -148,7 +148,7 @@ def scheme_rounded(weight: np.ndarray, bits: int, method: str = DEFAULT_SCHEME) 
     return dequantize(codes, scales, zeros).numpy()
 
 
-def _describe(out, block: int) -> dict:
+def describe(out, block: int) -> dict:
     nodes = [n for n in out.graph.node if n.op_type == "MatMulNBits"]
     # each replaced node is renamed (``/lm_head/MatMul`` -> ``/lm_head/MatMul_Q8``)
     bits = {n.name.rsplit("_Q", 1)[0]: next(a.i for a in n.attribute if a.name == "bits") for n in nodes}

@@ -11,10 +11,17 @@ import numpy as np
 import onnxruntime_genai as og
 import torch
 import torch.nn as nn
+from transformers import AutoModelForCausalLM
 
 from bdlora.base.runs import ALL_LOGITS_ONNX, MODEL_ONNX
+from bdlora.export.decoder import DecoderLayout, build_decoder, save_graph
 from bdlora.export.onnx.validate import NOISE_FACTOR, TOLERANCE, ExportValidationError, max_abs_diff, validate
+from bdlora.models.lazy import SOURCE, empty, materialized
 from bdlora.models.runtime import DecoderShape, run_decoder, session
+
+PARITY_LAYERS = 2  # a streamed export's parity: the model's first layers (one where two pass PARITY_BYTES) ...
+PARITY_VOCAB = 4096  # ... and the first rows of its embedding and head
+PARITY_BYTES = 1 << 30  # fp32 bytes of layers the parity model holds (its float64 twin and graph hold as much again)
 
 # GroupQueryAttention takes right-aligned batches (positions come from the mask's row sums) and, on CPU, several
 # new tokens after a past only for batch 1: the shapes a genai runtime feeds it.
@@ -48,6 +55,49 @@ def graph_parity(model: nn.Module, sess, steps: int = 6) -> dict:
         raise ExportValidationError(f"genai graph differs from PyTorch by {worst:.3g} over {steps} decode steps "
                                     f"(tolerance {bound:.3g})")
     return {**out, "decode_steps": steps, "decode_max_abs_diff": worst, "decode_tolerance": bound}
+
+
+def cut_model(model: nn.Module) -> nn.Module:
+    """The lazy ``model`` cut to its first ``PARITY_LAYERS`` decoder layers (one at 7B-8B sizes) and the first
+    ``PARITY_VOCAB`` rows of its embedding and head, reading the same weight files: a streamed export's parity check
+    runs the emitter on the model's own weights at a size whose fp32 graph and PyTorch forward fit beside anything
+    (the rows of a table and the layers are emitted alike whatever their number)."""
+    cfg = copy.deepcopy(model.config)
+    layer = sum(p.numel() for p in model.model.layers[0].parameters()) * 4  # fp32 bytes
+    n = max(1, min(PARITY_LAYERS, cfg.num_hidden_layers, PARITY_BYTES // max(layer, 1)))
+    v = min(PARITY_VOCAB, cfg.vocab_size)
+    cfg.num_hidden_layers, cfg.vocab_size = n, v
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = list(cfg.layer_types)[:n]
+    if getattr(cfg, "bdlora_modules", None):
+        cfg.bdlora_modules = {k: m for k, m in cfg.bdlora_modules.items()
+                              if not k.startswith("model.layers.") or int(k.split(".")[2]) < n}
+    cut = empty(lambda: AutoModelForCausalLM.from_config(cfg, dtype=torch.float32))
+    source = getattr(model, SOURCE)
+
+    def value(name: str, p: torch.Tensor) -> torch.Tensor:
+        if name.startswith(("model.embed_tokens.", "lm_head.")):
+            return source.read(name)[: p.shape[0]].to(torch.float32)
+        return source(name, p)
+
+    setattr(cut, SOURCE, value)
+    return cut.eval()
+
+
+def cut_parity(model: nn.Module, context_length: int, folder: Path) -> dict:
+    """``graph_parity`` of the genai graph of ``cut_model(model)`` (written in ``folder``, removed after)."""
+    cut = cut_model(model)
+    path = folder / "parity" / MODEL_ONNX
+    path.parent.mkdir()
+    try:
+        with materialized(cut):
+            save_graph(build_decoder(cut, DecoderLayout.genai(context_length)), path)
+            out = graph_parity(cut, session(path))
+    finally:
+        for f in path.parent.iterdir():
+            f.unlink()
+        path.parent.rmdir()
+    return {**out, "layers": cut.config.num_hidden_layers, "vocab_rows": cut.config.vocab_size}
 
 
 @torch.no_grad()
@@ -114,18 +164,20 @@ def last_position_parity(folder: Path, vocab: int, tolerance: float = 1e-5) -> d
     runtime feeds: right-padded prompts of different lengths, then a decode step after them. The two graphs share
     every weight, so the rows must agree to rounding."""
     shape = DecoderShape.from_folder(folder)
-    last, full = session(folder / MODEL_ONNX), session(folder / ALL_LOGITS_ONNX)
     rng = np.random.default_rng(11)
     lengths = np.array([7, 3, 5])
     ids = rng.integers(0, vocab, (len(lengths), int(lengths.max())))
     mask = (np.arange(ids.shape[1])[None] < lengths[:, None]).astype(np.int64)
     past = [np.zeros((len(lengths), shape.kv(i // 2), 0, shape.head_dim), np.float32) for i in range(2 * shape.layers)]
-    a, b = run_decoder(full, ids, mask, None, past), run_decoder(last, ids, mask, None, past)
-    worst = max(float(np.abs(a[0][r, n - 1] - b[0][r, 0]).max()) for r, n in enumerate(lengths))
-    step = ids[:1, :1]
+    step, later = ids[:1, :1], np.ones((1, ids.shape[1] + 1), np.int64)
+    full = session(folder / ALL_LOGITS_ONNX)  # one session at a time: at 8B each holds 5 GB of weights
+    a = run_decoder(full, ids, mask, None, past)
     one = [x[:1] for x in a[1:]]
-    c = run_decoder(full, step, np.ones((1, ids.shape[1] + 1), np.int64), None, one)[0]
-    d = run_decoder(last, step, np.ones((1, ids.shape[1] + 1), np.int64), None, one)[0]
+    c = run_decoder(full, step, later, None, one)[0]
+    del full
+    last = session(folder / MODEL_ONNX)
+    b, d = run_decoder(last, ids, mask, None, past), run_decoder(last, step, later, None, one)[0]
+    worst = max(float(np.abs(a[0][r, n - 1] - b[0][r, 0]).max()) for r, n in enumerate(lengths))
     worst = max(worst, float(np.abs(c[0, -1] - d[0, 0]).max()))
     if b[0].shape[1] != 1 or worst > tolerance:
         raise ExportValidationError(f"{MODEL_ONNX}'s last-position logits differ from {ALL_LOGITS_ONNX}'s by "

@@ -104,8 +104,12 @@ def torch_forward(model, ids, mask, pos, pasts) -> list[np.ndarray]:
 
 def quantized_quality(fp32_sess, q_sess, shape: DecoderShape, blocks) -> dict:
     """Held-out NLL of the fp32 and quantised graphs on the same blocks, and how often their argmax agrees."""
-    nll32, arg32 = score_blocks(fp32_sess, shape, blocks)
-    nllq, argq = score_blocks(q_sess, shape, blocks)
+    return quality_figures(score_blocks(fp32_sess, shape, blocks), score_blocks(q_sess, shape, blocks), blocks)
+
+
+def quality_figures(reference: tuple, rounded: tuple, blocks) -> dict:
+    """The figures of a rounded graph's (NLL, argmax) on ``blocks`` against its fp32 reference's."""
+    (nll32, arg32), (nllq, argq) = reference, rounded
     return {"val_ppl_fp32": math.exp(nll32), "val_ppl_quantized": math.exp(nllq),
             "ppl_change": math.exp(nllq - nll32) - 1.0, "argmax_agreement": float((arg32 == argq).mean()),
             "tokens": len(blocks) * blocks.seq_len}

@@ -1,0 +1,174 @@
+"""Models too large to hold in fp32, read one part at a time from their weight files.
+
+A Llama-3.2-1B in fp32 is 5 GB and an 8B one 32 GB: the exporter held the whole fp32 model, its whole fp32 graph and
+validation sessions at once (16.6 GB at 1B). ``lazy_folder_model`` builds the architecture on the meta device (no
+weight allocated) after the same checks ``load_model_folder`` makes, and gives it a ``SOURCE`` that reads one
+tensor from its safetensors file (bf16 stays bf16 on disk and in the page cache; only the part being made exists in
+fp32). The graph emitter (``export.decoder.graph``) already makes one part at a time (``lazy.materialized``):
+the embedding, each decoder layer, the head. ``streamed`` does the same around a PyTorch forward (sequential
+onloading, as llm-compressor and GPTQ's reference calibrate: each decoder layer materialised for its own call and
+dropped after), so a reference forward of an 8B model holds one layer, not the model.
+
+The in-memory path (``load_model_folder``) stays for the models that fit: its outputs are the same (tested to 1e-5).
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from bdlora.base.errors import ModelError
+from bdlora.base.runs import CONFIG, STUDENT_META, ModelDir
+from bdlora.deployed.folder import check_architecture
+from bdlora.models.integrity import check_model_folder, check_safetensors, weight_files
+from bdlora.models.lazy import SOURCE, empty, materialized
+from bdlora.models.load import check_tensor_shapes
+from bdlora.models.tokenizer import check_vocabulary
+
+STREAM_ABOVE = 2 << 30  # fp32 bytes of weights above which ``--streaming auto`` streams (about 540M parameters)
+
+
+def fp32_bytes(folder: Path) -> int:
+    """What the folder's floating-point weights take in fp32 (from the safetensors headers: nothing is read)."""
+    total = 0
+    for p in weight_files(Path(folder)):
+        total += sum(int(np.prod(shape)) * 4 for shape in check_safetensors(p).values())
+    return total
+
+
+class FolderWeights:
+    """``(name, meta parameter) -> fp32 tensor`` read from the folder's safetensors files, one tensor a call, each
+    checked finite as it is read (the in-memory loader checks the whole state dict; here no state dict exists)."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.where = {name: p for p in weight_files(self.folder) for name in check_safetensors(p)}
+
+    def names(self) -> set[str]:
+        return set(self.where)
+
+    def read(self, name: str) -> torch.Tensor:
+        if name not in self.where:
+            raise ModelError(f"{self.folder}: no tensor {name} in its weight files")
+        with safe_open(str(self.where[name]), framework="pt") as f:  # opened per tensor: a file kept open keeps
+            t = f.get_tensor(name)  # every page read mapped, and the whole checkpoint counted as this process's
+        return t
+
+    def __call__(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        t = self.read(name)
+        if tuple(t.shape) != tuple(p.shape):
+            raise ModelError(f"{self.folder}: tensor {name} is {list(t.shape)} but config.json declares "
+                             f"{list(p.shape)}")
+        return finite(self.folder, name, t.to(torch.float32))
+
+
+def finite(folder: Path, name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t``, refused if it holds NaN or infinity (its sum first, a pass at memory speed: a sum is finite when
+    every element is, short of an overflow, which the element-wise check then clears)."""
+    if not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
+        raise ModelError(f"{folder}: weight tensor {name} holds NaN or infinity; the folder is damaged or its "
+                         "training diverged")
+    return t
+
+
+def lazy_folder_model(model_dir: str | Path):
+    """(model on the meta device reading its weights from the folder, tokenizer, compression report or None): the
+    checks of ``load_model_folder`` (files whole, shapes as declared, every weight named as the architecture names
+    it), no weight read."""
+    folder = ModelDir(model_dir)
+    if not (folder.path / CONFIG).exists():
+        raise ModelError(f"{folder.path}: not a model folder (no config.json); pass a `bdlora compress` output or a "
+                         "Hugging Face model folder")
+    if (folder.path / STUDENT_META).exists():
+        raise ModelError(f"{folder.path}: a run's student/ folder (its weights without the trained adapter or gated "
+                         f"paths); pass the run directory {folder.path.resolve().parent} or its `bdlora compress` "
+                         "output")
+    report = folder.report() if folder.finished() else None
+    check_model_folder(folder.path, report)
+    check_tensor_shapes(folder.path)
+    try:
+        config = AutoConfig.from_pretrained(str(folder.path))
+        config._attn_implementation = "eager"
+        model = empty(lambda: AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+        tok = AutoTokenizer.from_pretrained(str(folder.path))
+    except Exception as e:  # noqa: BLE001  transformers raises many types for a damaged folder
+        raise ModelError(f"{folder.path}: could not load the model ({str(e).strip()[:200]})") from None
+    source = FolderWeights(folder.path)
+    check_names(folder.path, model, source.names())
+    setattr(model, SOURCE, source)
+    check_architecture(model, str(folder.path))
+    check_vocabulary(folder.path, len(tok), model.get_input_embeddings().num_embeddings)
+    return model.eval(), tok, report
+
+
+def check_names(folder: Path, model, stored: set[str]) -> None:
+    """Every parameter the architecture declares is stored under its own name (a checkpoint whose names
+    transformers converts on load cannot be read tensor by tensor: it is exported with ``--streaming off``)."""
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    want = {n for n, _ in model.named_parameters()} - tied
+    missing, unexpected = sorted(want - stored), sorted(stored - want - tied)
+    if missing or unexpected:
+        what = "; ".join(f"{k} {', '.join(v[:3])}{' ...' if len(v) > 3 else ''}"
+                         for k, v in (("missing", missing), ("unexpected", unexpected)) if v)
+        raise ModelError(f"{folder}: the weights do not match config.json's parameter names ({what}); a checkpoint "
+                         "transformers renames on load is exported with --streaming off")
+
+
+def parts(model) -> dict[str, torch.nn.Module]:
+    """The parts one forward makes one at a time: the embedding, each decoder layer, the head."""
+    out = {"model.embed_tokens": model.model.embed_tokens}
+    out.update({f"model.layers.{i}": layer for i, layer in enumerate(model.model.layers)})
+    out["lm_head"] = model.lm_head
+    return out
+
+
+@contextmanager
+def streamed(model):
+    """``model`` (lazy) whose forward materialises each part for its own call only (the norms and other small
+    parameters for the whole block): at most one decoder layer, or the embedding, or the head, in fp32 at a time."""
+    pieces = parts(model)
+    live: dict[str, ExitStack] = {}
+
+    def before(name):
+        def hook(module, args):
+            live[name] = ExitStack()
+            live[name].enter_context(materialized(model, name))
+        return hook
+
+    def after(name):
+        def hook(module, args, out):
+            live.pop(name).close()
+        return hook
+
+    handles = []
+    with materialized(model, skip=tuple(pieces)):
+        for name, m in pieces.items():
+            handles += [m.register_forward_pre_hook(before(name)), m.register_forward_hook(after(name))]
+        try:
+            yield model
+        finally:
+            for h in handles:
+                h.remove()
+            for stack in live.values():
+                stack.close()
+
+
+@torch.no_grad()
+def score_streamed(model, blocks, batch_size: int = 4) -> tuple[float, np.ndarray]:
+    """(mean next-token NLL, argmax predictions) of the lazy ``model`` over packed ``blocks``, as
+    ``runtime.score_blocks`` scores a graph: each block from an empty cache, ``batch_size`` blocks per forward."""
+    total, count, preds = 0.0, 0, []
+    with streamed(model):
+        for start in range(0, len(blocks), batch_size):
+            x = torch.from_numpy(np.asarray(blocks.get(range(start, min(start + batch_size, len(blocks))))))
+            logits = model(x).logits[:, :-1].double()
+            nll = torch.logsumexp(logits, -1) - logits.gather(-1, x[:, 1:, None])[..., 0]
+            total += float(nll.sum())
+            count += nll.numel()
+            preds.append(logits.argmax(-1).reshape(-1).numpy())
+    return total / max(count, 1), np.concatenate(preds)

@@ -1,0 +1,159 @@
+"""``export genai --streaming``: a model read, emitted, rounded and written one layer at a time gives the graph the
+in-memory path gives (the same nodes and the same initialiser values, so the same logits), for every rounding the
+streamed path takes, tied and untied heads, Qwen2's biases and a compressed student's low-rank forms; a lazy
+model's layer-by-layer forward is the loaded model's; what the streamed path cannot do is refused in one line."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import numpy_helper
+from safetensors.torch import load_file, save_file
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from typer.testing import CliRunner
+
+from bdlora.base.errors import ConfigError, ModelError
+from bdlora.cli import app
+from bdlora.deployed.folder import save_model_folder
+from bdlora.export.genai import export_genai_folder
+from bdlora.export.settings import GenaiExportSettings
+from bdlora.models.lazy import is_lazy
+from bdlora.models.load import load_model_folder
+from bdlora.models.runtime import DecoderShape, empty_past, run_decoder, session
+from bdlora.models.stream import lazy_folder_model, score_streamed, streamed
+from conftest import compressed_student, genai_teacher
+
+ROUNDINGS = [("int4", "rtn"), ("int8", "rtn"), ("int4", "affine"), ("fp32", "rtn")]
+
+
+def _graph(folder, name="model_all_logits.onnx"):
+    proto = onnx.load(str(folder / name))  # with its external data
+    inits = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    nodes = [(n.op_type, list(n.input), list(n.output), sorted((a.name, onnx.helper.get_attribute_value(a))
+                                                               for a in n.attribute), n.doc_string)
+             for n in proto.graph.node]
+    return nodes, inits
+
+
+def _same_graph(a, b) -> None:
+    (na, ia), (nb, ib) = _graph(a), _graph(b)
+    assert na == nb
+    assert ia.keys() == ib.keys()
+    for k in ia:
+        assert ia[k].dtype == ib[k].dtype and np.array_equal(ia[k], ib[k]), k
+
+
+def _logits(folder, vocab: int):
+    shape = DecoderShape.from_folder(folder)
+    ids = np.random.default_rng(0).integers(0, vocab, (2, 9))
+    return run_decoder(session(folder / "model_all_logits.onnx"), ids, np.ones_like(ids), None,
+                       empty_past(shape, 2))
+
+
+@pytest.fixture(scope="module")
+def folders(tiny_env, tmp_path_factory):
+    """Model folders of the families and forms the streamed path reads: an untied Mistral teacher, a tied Qwen2 with
+    q/k/v biases, a compressed (mixed dense/low-rank) student."""
+    root = tmp_path_factory.mktemp("stream")
+    tok = tiny_env["tokenizer"]
+    genai_teacher(tok, root / "mistral", layers=3)
+    torch.manual_seed(2)
+    qwen = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=64, tie_word_embeddings=True,
+                                        eos_token_id=tok.eos_token_id))
+    with torch.no_grad():  # Qwen2's q/k/v biases start at zero: give them values the graph must carry
+        for layer in qwen.model.layers:
+            for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                m.bias.normal_(0, 0.1)
+    qwen.save_pretrained(root / "qwen2")
+    tok.save_pretrained(root / "qwen2")
+    _, student, report = compressed_student(genai_teacher(tok), [0.0, 1.0, 0.0, 0.2, 0.0, 0.9, 0.0], seed=1)
+    save_model_folder(student, tok, root / "student", report)
+    return root
+
+
+@pytest.mark.parametrize("precision,quant", ROUNDINGS)
+@pytest.mark.parametrize("name", ["mistral", "qwen2", "student"])
+def test_a_streamed_export_is_the_in_memory_export(folders, tmp_path, name, precision, quant):
+    src = folders / name
+    held = export_genai_folder(src, tmp_path / "held", GenaiExportSettings(precision, quant, streaming="off",
+                                                                           max_ppl_change=10.0))
+    streamed_ = export_genai_folder(src, tmp_path / "streamed", GenaiExportSettings(precision, quant, streaming="on",
+                                                                                    max_ppl_change=10.0))
+    assert not held["streamed"] and streamed_["streamed"]
+    _same_graph(tmp_path / "held", tmp_path / "streamed")
+    vocab = DecoderShape.from_folder(tmp_path / "held").vocab_size
+    for a, b in zip(_logits(tmp_path / "held", vocab), _logits(tmp_path / "streamed", vocab)):
+        assert np.abs(a - b).max() <= 1e-5
+    if precision != "fp32":
+        q_held, q_streamed = held["quantization"], streamed_["quantization"]
+        for key in ("matmuls_quantized", "lm_head_bits", "method", "embedding", "bits", "offset_corrections"):
+            assert q_held.get(key) == q_streamed.get(key), key
+        v = streamed_["validation"]
+        assert v["parity"]["layers"] == 2 and v["parity"]["max_abs_diff"] <= v["parity"]["tolerance"]
+        assert v["quality"]["reference"] == "pytorch-fp32-streamed" and v["quality"]["tokens"] == 512
+        # the streamed reference is PyTorch's fp32 model, the in-memory one its fp32 graph: the same figure
+        assert streamed_["validation"]["quality"]["val_ppl_fp32"] == pytest.approx(
+            export_genai_folder(src, tmp_path / "held512", GenaiExportSettings(
+                precision, quant, streaming="off", quality_tokens=512, max_ppl_change=10.0))
+            ["validation"]["quality"]["val_ppl_fp32"], rel=1e-4)
+    else:
+        assert streamed_["validation"]["generator"]["new_tokens"] == 8
+
+
+def test_a_lazy_models_forward_is_the_loaded_models(folders):
+    model, _, _ = load_model_folder(folders / "student")
+    lazy, _, _ = lazy_folder_model(folders / "student")
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), streamed(lazy):
+        got = lazy(ids).logits
+    assert is_lazy(lazy) and all(p.is_meta for p in lazy.parameters())  # nothing stays made after the forward
+    with torch.no_grad():
+        want = model(ids).logits
+    assert torch.allclose(got, want, atol=1e-5, rtol=0)
+
+    class Blocks(list):
+        seq_len = 12
+
+        def get(self, rows):
+            return ids.numpy()[list(rows)]
+
+    nll, preds = score_streamed(lazy, Blocks([0, 1]), batch_size=1)
+    logp = torch.log_softmax(want[:, :-1].double(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+    assert nll == pytest.approx(float(-logp.mean()), rel=1e-6)
+    assert np.array_equal(preds, want[:, :-1].argmax(-1).reshape(-1).numpy())
+
+
+def test_what_the_streamed_path_cannot_read_is_refused_in_one_line(folders, tmp_path):
+    with pytest.raises(ConfigError, match="--streaming on: --quant gptq measures every MatMul's input on the whole"):
+        export_genai_folder(folders / "mistral", tmp_path / "g", GenaiExportSettings("int4", "gptq", streaming="on"))
+    with pytest.raises(ConfigError, match="--streaming .sometimes.: unknown \\(allowed: auto, on, off\\)"):
+        export_genai_folder(folders / "mistral", tmp_path / "g", GenaiExportSettings(streaming="sometimes"))
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    for f in (folders / "mistral").iterdir():
+        (renamed / f.name).write_bytes(f.read_bytes())
+    weights = load_file(renamed / "model.safetensors")
+    weights["model.layers.0.mlp.up_proj.weight"][0, 0] = float("nan")
+    save_file(weights, renamed / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelError, match="model.layers.0.mlp.up_proj.weight holds NaN or infinity"):
+        export_genai_folder(renamed, tmp_path / "nan", GenaiExportSettings("int4", streaming="on"))
+    assert not (tmp_path / "nan").exists()
+    weights["base.layers.0.mlp.up_proj.weight"] = weights.pop("model.layers.0.mlp.up_proj.weight")
+    save_file(weights, renamed / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelError, match="missing model.layers.0.mlp.up_proj.weight; unexpected base.layers.0"):
+        lazy_folder_model(renamed)
+
+
+def test_cli_streams_and_says_so(folders, tmp_path):
+    out = tmp_path / "g"
+    r = CliRunner().invoke(app, ["export", "genai", str(folders / "qwen2"), "--precision", "int4", "--streaming", "on",
+                                 "--max-ppl-change", "10", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "lazily (each layer read from its weight files when emitted)" in r.output
+    info = json.loads((out / "export.json").read_text())
+    assert info["streamed"] and info["settings"]["streaming"] == "on"
+    assert info["validation"]["parity"]["vocab_rows"] == DecoderShape.from_folder(out).vocab_size  # < 4,096 rows
