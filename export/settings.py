@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from bdlora.base.errors import Checks
+from bdlora.base.outputs import STREAMING
 from bdlora.base.schemes import (
     DEFAULT_SCHEME,
     FLOAT,
@@ -26,7 +27,6 @@ from bdlora.export.defaults import MAX_GENAI_THREADS
 from bdlora.forms import declared_head_bits
 
 HEAD_BITS = 8  # the LM head's bits in an int4 graph when neither --head-bits nor the folder says
-STREAMING = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,11 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from typer.testing import CliRunner
 
-from bdlora.base.errors import ConfigError, ModelError
+from bdlora.base.errors import ConfigError, ModelError, UsageError
 from bdlora.cli import app
 from bdlora.deployed.folder import save_model_folder
 from bdlora.export.genai import export_genai_folder
+from bdlora.export.onnx import export_onnx_folder
 from bdlora.export.settings import GenaiExportSettings
 from bdlora.models.lazy import is_lazy
 from bdlora.models.load import load_model_folder
@@ -157,3 +158,20 @@ def test_cli_streams_and_says_so(folders, tmp_path):
     info = json.loads((out / "export.json").read_text())
     assert info["streamed"] and info["settings"]["streaming"] == "on"
     assert info["validation"]["parity"]["vocab_rows"] == DecoderShape.from_folder(out).vocab_size  # < 4,096 rows
+
+
+@pytest.mark.parametrize("optimize", [False, True])
+def test_a_streamed_onnx_export_is_the_in_memory_one(folders, tmp_path, optimize):
+    src = folders / "student"
+    held = export_onnx_folder(src, tmp_path / "held", optimize=optimize, streaming="off")
+    streamed_ = export_onnx_folder(src, tmp_path / "streamed", optimize=optimize, streaming="on")
+    (na, ia), (nb, ib) = (_graph(tmp_path / d, "model.onnx") for d in ("held", "streamed"))
+    assert na == nb and ia.keys() == ib.keys() and all(np.array_equal(ia[k], ib[k]) for k in ia)
+    assert not held["streamed"] and streamed_["streamed"] and "model.onnx.data" in streamed_["files"]
+    v = streamed_["validation"]
+    assert v["layers"] == 2 and v["max_abs_diff"] <= v["tolerance"]
+    with pytest.raises(UsageError, match="--quantize int8 --streaming on: the dynamic int8 pass rounds the whole"):
+        export_onnx_folder(src, tmp_path / "q", quantize="int8", streaming="on")
+    r = CliRunner().invoke(app, ["export", "onnx", str(src), "--streaming", "sometimes", "--out", str(tmp_path / "c")])
+    assert r.exit_code != 0 and "--streaming sometimes: unknown (allowed: auto, on, off)" in r.output
+    assert not (tmp_path / "c").exists()

@@ -71,6 +71,9 @@ def export_onnx(
     optimize: Annotated[bool, typer.Option("--optimize", help="Emit RMSNorm, residual+RMSNorm and rotary as "
                                                               "onnxruntime's fused contrib ops (faster decode; the "
                                                               "graph then needs onnxruntime).")] = False,
+    streaming: Annotated[str, typer.Option(help="on: read, emit and write one layer at a time (a 1B-8B model; "
+                                                "validated on its first layers); off: hold it in fp32; auto: on past "
+                                                "2 GiB of fp32 weights.")] = "auto",
     force: Annotated[bool, typer.Option(help="Replace an existing non-empty --out.")] = False,
     runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,
     json_out: Annotated[bool, typer.Option("--json", help="Print export.json.")] = False,
@@ -86,7 +89,7 @@ def export_onnx(
         src = _source(model_dir, runs_dir)
         dst = Path(out_dir) if out_dir else ModelDir(src).onnx_out()
     info = export_onnx_folder(src, dst, opset=opset, quantize=quantize, run_validation=not no_validate, force=force,
-                              reporter=rep, optimize=optimize)
+                              reporter=rep, optimize=optimize, streaming=streaming)
     if json_out:
         print(json.dumps(info, indent=2))
         return

@@ -14,6 +14,7 @@ The in-memory path (``load_model_folder``) stays for the models that fit: its ou
 
 from __future__ import annotations
 
+import copy
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -22,7 +23,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from bdlora.base.errors import ModelError
+from bdlora.base.errors import ModelError, UsageError
+from bdlora.base.outputs import STREAMING
 from bdlora.base.runs import CONFIG, STUDENT_META, ModelDir
 from bdlora.deployed.folder import check_architecture
 from bdlora.models.integrity import check_model_folder, check_safetensors, weight_files
@@ -31,6 +33,9 @@ from bdlora.models.load import check_tensor_shapes
 from bdlora.models.tokenizer import check_vocabulary
 
 STREAM_ABOVE = 2 << 30  # fp32 bytes of weights above which ``--streaming auto`` streams (about 540M parameters)
+PARITY_LAYERS = 2  # a streamed export's parity: the model's first layers (one where two pass PARITY_BYTES) ...
+PARITY_VOCAB = 4096  # ... and the first rows of its embedding and head
+PARITY_BYTES = 1 << 30  # fp32 bytes of layers the parity model holds (its float64 twin and graph hold as much again)
 
 
 def fp32_bytes(folder: Path) -> int:
@@ -39,6 +44,17 @@ def fp32_bytes(folder: Path) -> int:
     for p in weight_files(Path(folder)):
         total += sum(int(np.prod(shape)) * 4 for shape in check_safetensors(p).values())
     return total
+
+
+def streams(mode: str, folder: Path, whole: bool = False) -> bool:
+    """Whether an export reads and writes ``folder``'s model one layer at a time: ``mode`` on, or auto for weights
+    past ``STREAM_ABOVE`` in fp32 unless the export needs the ``whole`` model (a calibrated scheme measures on the
+    whole fp32 graph)."""
+    if mode not in STREAMING:
+        raise UsageError(f"--streaming {mode}: unknown (allowed: {', '.join(STREAMING)})")
+    if mode != "auto":
+        return mode == "on"
+    return not whole and fp32_bytes(folder) > STREAM_ABOVE
 
 
 class FolderWeights:
@@ -117,6 +133,33 @@ def check_names(folder: Path, model, stored: set[str]) -> None:
                          for k, v in (("missing", missing), ("unexpected", unexpected)) if v)
         raise ModelError(f"{folder}: the weights do not match config.json's parameter names ({what}); a checkpoint "
                          "transformers renames on load is exported with --streaming off")
+
+
+def cut_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The lazy ``model`` cut to its first ``PARITY_LAYERS`` decoder layers (one at 7B-8B sizes) and the first
+    ``PARITY_VOCAB`` rows of its embedding and head, reading the same weight files: a streamed export's parity check
+    runs the emitter on the model's own weights at a size whose fp32 graph and PyTorch forward fit beside anything
+    (the rows of a table and the layers are emitted alike whatever their number)."""
+    cfg = copy.deepcopy(model.config)
+    layer = sum(p.numel() for p in model.model.layers[0].parameters()) * 4  # fp32 bytes
+    n = max(1, min(PARITY_LAYERS, cfg.num_hidden_layers, PARITY_BYTES // max(layer, 1)))
+    v = min(PARITY_VOCAB, cfg.vocab_size)
+    cfg.num_hidden_layers, cfg.vocab_size = n, v
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = list(cfg.layer_types)[:n]
+    if getattr(cfg, "bdlora_modules", None):
+        cfg.bdlora_modules = {k: m for k, m in cfg.bdlora_modules.items()
+                              if not k.startswith("model.layers.") or int(k.split(".")[2]) < n}
+    cut = empty(lambda: AutoModelForCausalLM.from_config(cfg, dtype=torch.float32))
+    source = getattr(model, SOURCE)
+
+    def value(name: str, p: torch.Tensor) -> torch.Tensor:
+        if name.startswith(("model.embed_tokens.", "lm_head.")):
+            return source.read(name)[: p.shape[0]].to(torch.float32)
+        return source(name, p)
+
+    setattr(cut, SOURCE, value)
+    return cut.eval()
 
 
 def parts(model) -> dict[str, torch.nn.Module]:

@@ -37,7 +37,7 @@ from bdlora.export.settings import GenaiExportSettings
 from bdlora.models.lazy import SOURCE
 from bdlora.models.load import load_model_folder
 from bdlora.models.runtime import DecoderShape, score_blocks, session
-from bdlora.models.stream import STREAM_ABOVE, fp32_bytes, lazy_folder_model, score_streamed, streamed
+from bdlora.models.stream import PARITY_LAYERS, PARITY_VOCAB, lazy_folder_model, score_streamed, streamed, streams
 
 QUALITY_TOKENS = 32768  # held-out tokens scored with the fp32 and quantised graphs when no training run is known
 STREAM_QUALITY_TOKENS = 512  # a streamed export's default: each token costs a PyTorch forward of the whole model
@@ -205,7 +205,7 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, settings: GenaiE
     model_dir, out = Path(model_dir), Path(out)
     check_out_dir(out, force, (model_dir,))
     rounds = PRECISIONS[settings.precision]
-    stream = streams(settings, model_dir)
+    stream = streams(settings.streaming, model_dir, whole=settings.calibrated)
     check_export_inputs(model_dir, out, rounds.bits, reference=rounds.rounded and not stream)
     reporter.stage(f"loading {model_dir}" + (" lazily (each layer read from its weight files when emitted)"
                                              if stream else ""))
@@ -246,21 +246,13 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, settings: GenaiE
     return info
 
 
-def streams(settings: GenaiExportSettings, model_dir: Path) -> bool:
-    """Whether this export reads and writes the model one layer at a time: ``--streaming on``, or auto for weights
-    past ``STREAM_ABOVE`` in fp32 (a calibrated scheme measures on the whole fp32 graph: held, as before)."""
-    if settings.streaming != "auto":
-        return settings.streaming == "on"
-    return not settings.calibrated and fp32_bytes(model_dir) > STREAM_ABOVE
-
-
 def _validate(tmp: Path, model, tok, report, model_dir: Path, settings: GenaiExportSettings, reporter: Reporter,
               stream: bool = False) -> dict:
     out: dict = {}
     rounds = PRECISIONS[settings.precision].rounded
     if stream:
-        reporter.stage(f"validating the graph against PyTorch on the model's first {v.PARITY_LAYERS} layers and "
-                       f"{v.PARITY_VOCAB:,} vocabulary rows (prefill, decode, decode steps; fp32)")
+        reporter.stage(f"validating the graph against PyTorch on the model's first {PARITY_LAYERS} layers and "
+                       f"{PARITY_VOCAB:,} vocabulary rows (prefill, decode, decode steps; fp32)")
         out["parity"] = v.cut_parity(model, settings.context_length, tmp)
         fp32 = None
     else:

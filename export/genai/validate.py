@@ -11,17 +11,13 @@ import numpy as np
 import onnxruntime_genai as og
 import torch
 import torch.nn as nn
-from transformers import AutoModelForCausalLM
 
 from bdlora.base.runs import ALL_LOGITS_ONNX, MODEL_ONNX
 from bdlora.export.decoder import DecoderLayout, build_decoder, save_graph
 from bdlora.export.onnx.validate import NOISE_FACTOR, TOLERANCE, ExportValidationError, max_abs_diff, validate
-from bdlora.models.lazy import SOURCE, empty, materialized
+from bdlora.models.lazy import materialized
 from bdlora.models.runtime import DecoderShape, run_decoder, session
-
-PARITY_LAYERS = 2  # a streamed export's parity: the model's first layers (one where two pass PARITY_BYTES) ...
-PARITY_VOCAB = 4096  # ... and the first rows of its embedding and head
-PARITY_BYTES = 1 << 30  # fp32 bytes of layers the parity model holds (its float64 twin and graph hold as much again)
+from bdlora.models.stream import cut_model
 
 # GroupQueryAttention takes right-aligned batches (positions come from the mask's row sums) and, on CPU, several
 # new tokens after a past only for batch 1: the shapes a genai runtime feeds it.
@@ -55,33 +51,6 @@ def graph_parity(model: nn.Module, sess, steps: int = 6) -> dict:
         raise ExportValidationError(f"genai graph differs from PyTorch by {worst:.3g} over {steps} decode steps "
                                     f"(tolerance {bound:.3g})")
     return {**out, "decode_steps": steps, "decode_max_abs_diff": worst, "decode_tolerance": bound}
-
-
-def cut_model(model: nn.Module) -> nn.Module:
-    """The lazy ``model`` cut to its first ``PARITY_LAYERS`` decoder layers (one at 7B-8B sizes) and the first
-    ``PARITY_VOCAB`` rows of its embedding and head, reading the same weight files: a streamed export's parity check
-    runs the emitter on the model's own weights at a size whose fp32 graph and PyTorch forward fit beside anything
-    (the rows of a table and the layers are emitted alike whatever their number)."""
-    cfg = copy.deepcopy(model.config)
-    layer = sum(p.numel() for p in model.model.layers[0].parameters()) * 4  # fp32 bytes
-    n = max(1, min(PARITY_LAYERS, cfg.num_hidden_layers, PARITY_BYTES // max(layer, 1)))
-    v = min(PARITY_VOCAB, cfg.vocab_size)
-    cfg.num_hidden_layers, cfg.vocab_size = n, v
-    if getattr(cfg, "layer_types", None):
-        cfg.layer_types = list(cfg.layer_types)[:n]
-    if getattr(cfg, "bdlora_modules", None):
-        cfg.bdlora_modules = {k: m for k, m in cfg.bdlora_modules.items()
-                              if not k.startswith("model.layers.") or int(k.split(".")[2]) < n}
-    cut = empty(lambda: AutoModelForCausalLM.from_config(cfg, dtype=torch.float32))
-    source = getattr(model, SOURCE)
-
-    def value(name: str, p: torch.Tensor) -> torch.Tensor:
-        if name.startswith(("model.embed_tokens.", "lm_head.")):
-            return source.read(name)[: p.shape[0]].to(torch.float32)
-        return source(name, p)
-
-    setattr(cut, SOURCE, value)
-    return cut.eval()
 
 
 def cut_parity(model: nn.Module, context_length: int, folder: Path) -> dict:
