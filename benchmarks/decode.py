@@ -1,0 +1,130 @@
+"""Decode speed of onnxruntime-genai folders of one checkpoint, interleaved in one run: milliseconds per generated
+token after a prompt (batch 1, greedy), at each intra-op thread count set alike in every folder and with each
+folder's own genai_config.json, on a quiet machine or with one core kept busy.
+
+    python benchmarks/decode.py --folders builder=W/builder-int4,bdlora=W/bdlora-int4 --threads 1,2,own \\
+        --busy both --out docs/decode-1b.md
+
+A folder is run through a view of it (its files linked into a temporary folder) whose genai_config.json sets
+``session_options.intra_op_num_threads`` (``own``: the folder's file as written: bdlora writes this machine's
+cores, the builder writes none, which onnxruntime-genai runs on one thread). Each repeat visits every (folder,
+threads) pair in turn, so a machine's drift falls on all of them alike; the table gives each pair's median and its
+ratio to the first folder's at the same setting. ``--busy``: a process spinning on one core while measuring (what
+a user's machine with anything else running looks like).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime_genai as og
+
+from bdlora.base.io import write_text
+
+OWN = "own"
+
+
+def spin() -> None:  # a core kept busy
+    while True:
+        pass
+
+
+def view(folder: Path, threads: str, root: Path) -> Path:
+    """``folder`` seen with ``threads`` intra-op threads (``OWN``: as it is)."""
+    if threads == OWN:
+        return folder
+    out = root / f"{folder.name}-{threads}"
+    if not out.exists():
+        out.mkdir()
+        for f in folder.iterdir():
+            if f.name != "genai_config.json":
+                (out / f.name).symlink_to(f.resolve())
+        cfg = json.loads((folder / "genai_config.json").read_text())
+        cfg["model"]["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = int(threads)
+        (out / "genai_config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def ms_per_token(folder: Path, prompt: int, tokens: int) -> float:
+    """Milliseconds per token of ``tokens`` greedy steps after a ``prompt``-token prompt (the prefill not
+    counted)."""
+    model = og.Model(str(folder))
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    ids = np.random.default_rng(0).integers(100, min(vocab, 30000), prompt).astype(np.int32)
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=prompt + tokens + 1, do_sample=False)
+    gen = og.Generator(model, params)
+    gen.append_tokens(ids)
+    gen.generate_next_token()  # the first step after the prompt: warm
+    began = time.perf_counter()
+    for _ in range(tokens):
+        gen.generate_next_token()
+    return (time.perf_counter() - began) * 1000 / tokens
+
+
+def measure(folders: dict[str, Path], threads: list[str], prompt: int, tokens: int, repeats: int,
+            busy: bool) -> dict[tuple[str, str], list[float]]:
+    times: dict[tuple[str, str], list[float]] = {}
+    spinner = mp.Process(target=spin, daemon=True) if busy else None
+    if spinner:
+        spinner.start()
+    try:
+        with tempfile.TemporaryDirectory() as root:
+            for r in range(repeats):
+                for t in threads:
+                    for name, folder in folders.items():
+                        ms = ms_per_token(view(folder, t, Path(root)), prompt, tokens)
+                        times.setdefault((name, t), []).append(ms)
+                        print(f"  repeat {r + 1}: {name} threads {t} {'busy' if busy else 'quiet'}: {ms:.2f} ms/token",
+                              flush=True)
+    finally:
+        if spinner:
+            spinner.kill()
+    return times
+
+
+def table(times: dict, folders: dict, threads: list[str], busy: bool) -> list[str]:
+    first = next(iter(folders))
+    rows = []
+    for t in threads:
+        base = statistics.median(times[(first, t)])
+        for name in folders:
+            ms = times[(name, t)]
+            rows.append(f"| {'one core busy' if busy else 'quiet'} | {t} | {name} | {statistics.median(ms):.2f} | "
+                        f"{min(ms):.2f}-{max(ms):.2f} | {statistics.median(ms) / base:.3f} |")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--folders", required=True, help="name=folder,... (the first is the reference)")
+    p.add_argument("--threads", default="1,2,own", help="intra-op thread counts, and/or 'own'")
+    p.add_argument("--prompt", type=int, default=128, help="prompt tokens before the timed steps")
+    p.add_argument("--tokens", type=int, default=32, help="timed decode steps")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--busy", choices=("no", "yes", "both"), default="no", help="a core kept busy while measuring")
+    p.add_argument("--out", type=Path, required=True, help="the markdown table to write")
+    a = p.parse_args(argv)
+    folders = {k: Path(v) for k, v in (x.split("=", 1) for x in a.folders.split(","))}
+    missing = [str(f) for f in folders.values() if not (f / "genai_config.json").is_file()]
+    if missing:
+        p.error(f"not genai folders: {', '.join(missing)}")
+    threads = [t.strip() for t in a.threads.split(",")]
+    rows = ["| machine | intra-op threads | folder | ms/token (median) | range | vs the first |",
+            "|---|---|---|---|---|---|"]
+    for busy in {"no": [False], "yes": [True], "both": [False, True]}[a.busy]:
+        rows += table(measure(folders, threads, a.prompt, a.tokens, a.repeats, busy), folders, threads, busy)
+    text = "\n".join(rows) + "\n"
+    write_text(a.out, text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
