@@ -56,7 +56,7 @@ def ms_per_token(folder: Path, prompt: int, tokens: int) -> float:
     """Milliseconds per token of ``tokens`` greedy steps after a ``prompt``-token prompt (the prefill not
     counted)."""
     model = og.Model(str(folder))
-    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    vocab = json.loads((folder / "genai_config.json").read_text())["model"]["vocab_size"]
     ids = np.random.default_rng(0).integers(100, min(vocab, 30000), prompt).astype(np.int32)
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=prompt + tokens + 1, do_sample=False)
