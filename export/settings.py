@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from bdlora.base.errors import Checks
-from bdlora.base.outputs import STREAMING
+from bdlora.base.outputs import DEFAULT_STREAMING, STREAMING
 from bdlora.base.schemes import (
     DEFAULT_SCHEME,
     FLOAT,
@@ -54,7 +54,7 @@ class GenaiExportSettings:
     """int8/int4: held-out tokens that check scores through the fp32 and rounded graphs (default: the slice the
     model's run was scored on, or 32,768 builtin tokens). At 1B-8B each token costs two full forwards: fewer finish
     sooner, more measure closer; export.json records how many were scored."""
-    streaming: str = "auto"
+    streaming: str = DEFAULT_STREAMING
     """on: read, emit, round and write one layer at a time (what a 1B-8B model needs; no fp32 model or graph is
     held; the parity check runs on the model cut to its first layers, the quality against PyTorch streamed layer
     by layer); off: hold the model in fp32 (GPTQ needs it); auto: on when the fp32 weights pass 2 GiB."""

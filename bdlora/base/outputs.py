@@ -90,6 +90,7 @@ def check_not_inside(out: str | os.PathLike, what: str = "--out") -> None:
 # Files whose presence makes a folder a model, run or export folder: a report is never written into one (a --json
 # named M/config.json replaced the model's config and the folder no longer loaded).
 STREAMING = ("auto", "on", "off")  # --streaming: read and write a model one layer at a time (models.stream)
+DEFAULT_STREAMING = STREAMING[0]
 _WEIGHT_SUFFIXES = (".safetensors", ".onnx", ".onnx.data", ".gguf", ".bin", ".pt")
 _ARTEFACT_MARKERS = ("summary.json", "compression.json", EXPORT_MARKER, BENCH_JSON, SWEEP_OPTIONS, GENAI_CONFIG,
                      STUDENT_META, CKPT_STATE, CKPT_TRAINABLE)

@@ -8,6 +8,7 @@ import typer
 from rich.markup import escape
 
 from bdlora.base.errors import Checks
+from bdlora.base.outputs import DEFAULT_STREAMING
 from bdlora.base.runs import RUNS_DIR, ModelDir
 from bdlora.base.schemes import SCHEMES
 from bdlora.cli import render
@@ -73,7 +74,7 @@ def export_onnx(
                                                               "graph then needs onnxruntime).")] = False,
     streaming: Annotated[str, typer.Option(help="on: read, emit and write one layer at a time (a 1B-8B model; "
                                                 "validated on its first layers); off: hold it in fp32; auto: on past "
-                                                "2 GiB of fp32 weights.")] = "auto",
+                                                "2 GiB of fp32 weights.")] = DEFAULT_STREAMING,
     force: Annotated[bool, typer.Option(help="Replace an existing non-empty --out.")] = False,
     runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,
     json_out: Annotated[bool, typer.Option("--json", help="Print export.json.")] = False,

@@ -9,7 +9,7 @@ from pathlib import Path
 from bdlora import SCHEMA_VERSION
 from bdlora.base.errors import UsageError
 from bdlora.base.io import atomic_dir, write_json
-from bdlora.base.outputs import check_out_dir
+from bdlora.base.outputs import DEFAULT_STREAMING, check_out_dir
 from bdlora.base.reporter import SILENT, Reporter
 from bdlora.base.runs import MODEL_INT8_ONNX, MODEL_ONNX, OnnxDir, recorded_data_settings
 from bdlora.data.corpora import heldout_blocks
@@ -72,7 +72,7 @@ def cut_validation(model, folder: Path, opset: int, fused: bool) -> dict:
 
 def export_onnx_folder(model_dir: str | Path, out: str | Path, opset: int = DEFAULT_OPSET, quantize: str | None = None,
                        run_validation: bool = True, force: bool = False, reporter: Reporter = SILENT,
-                       optimize: bool = False, streaming: str = "auto") -> dict:
+                       optimize: bool = False, streaming: str = DEFAULT_STREAMING) -> dict:
     """Emit (``optimize``: with onnxruntime's fused RMSNorm, residual+RMSNorm and rotary ops), validate, (optionally)
     quantise; the folder is written atomically and returned as its export.json document. ``streaming``
     (``models.stream.streams``): the model read, emitted and written one layer at a time, validated on the model cut
