@@ -175,3 +175,20 @@ def test_a_streamed_onnx_export_is_the_in_memory_one(folders, tmp_path, optimize
     r = CliRunner().invoke(app, ["export", "onnx", str(src), "--streaming", "sometimes", "--out", str(tmp_path / "c")])
     assert r.exit_code != 0 and "--streaming sometimes: unknown (allowed: auto, on, off)" in r.output
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("quant", ["rtn", "affine"])
+def test_slices_of_columns_and_rows_change_nothing(folders, tmp_path, monkeypatch, quant):
+    """The streamed path rounds a MatMul over slices of output columns and the embedding's own 8-bit copy over
+    slices of rows (a 128k x 4096 head or table is never copied whole); slices that divide nothing evenly give the
+    codes of the whole at once (the tiny models' vocabulary is otherwise one slice)."""
+    import bdlora.export.genai.embedding as embedding
+    import bdlora.export.genai.stream as stream
+
+    src = folders / "mistral"
+    export_genai_folder(src, tmp_path / "held", GenaiExportSettings("int4", quant, streaming="off", validate=False))
+    monkeypatch.setattr(stream, "COLUMNS", 24)
+    monkeypatch.setattr(embedding, "ROWS", 37)
+    export_genai_folder(src, tmp_path / "streamed", GenaiExportSettings("int4", quant, streaming="on",
+                                                                        validate=False))
+    _same_graph(tmp_path / "held", tmp_path / "streamed")
