@@ -12,6 +12,9 @@ run (a machine's speed varies up to 2x from day to day). Commands (``--commands`
     builder-int4   python -m onnxruntime_genai.models.builder -p int4 -e cpu (the runtime's own int4 export)
     export-int4    bdlora export genai --precision int4 --quant rtn (validated: parity, tokenizer, held-out check)
     export-int4-unchecked   the same with --no-validate (what the builder does: no check)
+    generate       bdlora generate on export-int4's folder: --prompt-lookup --compare, 64 new tokens
+    serve-loadtest bdlora serve export-int4's folder (--runtime genai), then loadtest --concurrency 1,4 against it
+                   (8 requests of 32 tokens each; the server and the load generator are one process tree)
     export-onnx    bdlora export onnx (fp32, validated against PyTorch)
     plan           bdlora plan --model CKPT --forms channels,groups --speedup 1.25 --precision int4
     one-shot       bdlora compress CKPT --one-shot --forms channels,groups --speedup 1.25 --precision int4
@@ -36,6 +39,14 @@ from synthetic_checkpoint import SHAPES, write  # noqa: E402  the script beside 
 from bdlora.base.io import write_text  # noqa: E402
 
 GIB = 2**30
+PORT = 8765
+PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n" * 3
+# the server in the background until it answers /health, the load against it, the server stopped (its exit
+# status is the load's)
+SERVE = ("{bd} serve {folder} --runtime genai --port {port} & s=$!; "
+         "for i in $(seq 1200); do curl -sf http://127.0.0.1:{port}/health >/dev/null && break; sleep 0.5; done; "
+         "{bd} loadtest http://127.0.0.1:{port} --concurrency 1,4 --requests 8 --max-tokens 32; r=$?; "
+         "kill $s; wait $s; exit $r")
 
 
 def commands(ckpt: Path, work: Path, quality_tokens: int) -> dict[str, list[str]]:
@@ -50,6 +61,10 @@ def commands(ckpt: Path, work: Path, quality_tokens: int) -> dict[str, list[str]
                         "--out", str(work / "bdlora-int4")],
         "export-int4-unchecked": [*bd, "export", "genai", str(ckpt), "--precision", "int4", "--quant", "rtn",
                                   "--no-validate", "--out", str(work / "bdlora-int4-unchecked")],
+        "generate": [*bd, "generate", str(work / "bdlora-int4"), "--prompt", PROMPT, "--prompt-lookup", "--compare",
+                     "--max-tokens", "64"],
+        "serve-loadtest": ["bash", "-c", SERVE.format(bd=shlex.join(bd), folder=shlex.quote(str(work / "bdlora-int4")),
+                                                       port=PORT)],
         "export-onnx": [*bd, "export", "onnx", str(ckpt), "--out", str(work / "bdlora-onnx")],
         "plan": [*bd, "plan", "--model", str(ckpt), "--allocation", "quality", *one_shot, "--json"],
         "one-shot": [*bd, "compress", str(ckpt), "--one-shot", *one_shot, "--no-eval", "--out",
@@ -100,7 +115,7 @@ def measure(argv: list[str], log: Path, limit_bytes: int, timeout: float) -> Mea
                 over = peak[0] > limit_bytes
                 late = time.monotonic() - began > timeout
                 if over or late:
-                    stop[0] = (f"stopped past the memory limit ({limit_bytes / GIB:.0f} GiB)" if over
+                    stop[0] = (f"stopped past the memory limit ({limit_bytes / GIB:.3g} GiB)" if over
                                else f"stopped after {timeout:.0f} s")
                     for p in [*watched.children(recursive=True), watched]:
                         try:
@@ -146,8 +161,8 @@ def main(argv: list[str] | None = None) -> None:
             write(shape, a.tokenizer, ckpt)
         for name in names:
             argv_ = commands(ckpt, work, a.quality_tokens)[name]
-            for out in (Path(x) for x in argv_ if x.startswith(str(work)) and x != str(ckpt)):
-                if out.is_dir() and out.name != "builder-cache":
+            for out in (Path(argv_[i + 1]) for i, x in enumerate(argv_[:-1]) if x in ("--out", "-o")):
+                if out.is_dir():
                     subprocess.run(["rm", "-rf", str(out)], check=True)  # this script's own output, from before
             print(f"> {shape}: {name}", flush=True)
             m = measure(argv_, work / f"{name}.log", int(a.memory_limit * GIB), a.timeout)

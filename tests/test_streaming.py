@@ -192,3 +192,45 @@ def test_slices_of_columns_and_rows_change_nothing(folders, tmp_path, monkeypatc
     export_genai_folder(src, tmp_path / "streamed", GenaiExportSettings("int4", quant, streaming="on",
                                                                         validate=False))
     _same_graph(tmp_path / "held", tmp_path / "streamed")
+
+
+@pytest.mark.full  # a real width (hidden 2048, MLP 8192): the large shapes stay out of the README's test command
+def test_a_real_width_checkpoint_streams_to_the_in_memory_graph(tiny_env, tmp_path):
+    """Llama-3.2-1B's widths at 2 layers, written by benchmarks/synthetic_checkpoint.py: the streamed int4 export
+    (many column slices per MatMul) is the in-memory one, and the validated figures say what was checked."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tok = tmp_path / "tok"
+    tiny_env["tokenizer"].save_pretrained(tok)
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "synthetic_checkpoint.py"
+    ckpt = tmp_path / "ckpt"
+    subprocess.run([sys.executable, str(script), "llama-3.2-1b", "--layers", "2", "--tokenizer", str(tok), "--out",
+                    str(ckpt)], check=True, capture_output=True, timeout=600)
+    settings = {"max_ppl_change": 10.0, "quality_tokens": 256}
+    held = export_genai_folder(ckpt, tmp_path / "held", GenaiExportSettings("int4", streaming="off", **settings))
+    streamed_ = export_genai_folder(ckpt, tmp_path / "streamed", GenaiExportSettings("int4", streaming="on",
+                                                                                    **settings))
+    assert not held["streamed"] and streamed_["streamed"] == (streamed_["settings"]["streaming"] == "on")
+    _same_graph(tmp_path / "held", tmp_path / "streamed")
+    assert streamed_["validation"]["quality"]["tokens"] == held["validation"]["quality"]["tokens"] == 256
+    assert streamed_["validation"]["quality"]["val_ppl_fp32"] == pytest.approx(
+        held["validation"]["quality"]["val_ppl_fp32"], rel=1e-4)
+
+
+def test_sizes_measures_a_process_trees_peak_and_stops_one_past_its_limit(tmp_path):
+    """benchmarks/sizes.py's sampler: a child holding 300 MB is measured at least that (its parent's share
+    included), and one past the limit is stopped with its row saying so."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from sizes import GIB, measure
+
+    hold = "import subprocess, sys; subprocess.run([sys.executable, '-c', " \
+           "'import time; x = bytearray(300 << 20); x[::4096] = b\"1\" * len(x[::4096]); time.sleep(1.5)'])"
+    m = measure([sys.executable, "-c", hold], tmp_path / "a.log", 4 * GIB, 60)
+    assert m.code == 0 and m.peak_bytes >= 300 << 20
+    stopped = measure([sys.executable, "-c", hold], tmp_path / "b.log", 200 << 20, 60)
+    assert stopped.code != 0 and stopped.said == "stopped past the memory limit (0.195 GiB)"
