@@ -11,7 +11,9 @@ import pytest
 import torch
 from onnx import numpy_helper
 from safetensors.torch import load_file, save_file
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from test_gemma3 import _perturbed as perturbed
+from test_gemma3 import gemma3_config
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen2Config, Qwen2ForCausalLM
 from typer.testing import CliRunner
 
 from bdlora.base.errors import ConfigError, ModelError, UsageError
@@ -56,7 +58,7 @@ def _logits(folder, vocab: int):
 @pytest.fixture(scope="module")
 def folders(tiny_env, tmp_path_factory):
     """Model folders of the families and forms the streamed path reads: an untied Mistral teacher, a tied Qwen2 with
-    q/k/v biases, a compressed (mixed dense/low-rank) student."""
+    q/k/v biases, a compressed (mixed dense/low-rank) student, a Gemma 3."""
     root = tmp_path_factory.mktemp("stream")
     tok = tiny_env["tokenizer"]
     genai_teacher(tok, root / "mistral", layers=3)
@@ -73,11 +75,16 @@ def folders(tiny_env, tmp_path_factory):
     tok.save_pretrained(root / "qwen2")
     _, student, report = compressed_student(genai_teacher(tok), [0.0, 1.0, 0.0, 0.2, 0.0, 0.9, 0.0], seed=1)
     save_model_folder(student, tok, root / "student", report)
+    cfg = gemma3_config(len(tok), eos_token_id=tok.eos_token_id, max_position_embeddings=128)
+    cfg.pop("model_type")
+    torch.manual_seed(3)  # Gemma 3: sliding and global layers, four norms a layer, a tied head, a scaled embedding
+    perturbed(Gemma3ForCausalLM(Gemma3TextConfig(**cfg))).save_pretrained(root / "gemma3")
+    tok.save_pretrained(root / "gemma3")
     return root
 
 
 @pytest.mark.parametrize("precision,quant", ROUNDINGS)
-@pytest.mark.parametrize("name", ["mistral", "qwen2", "student"])
+@pytest.mark.parametrize("name", ["mistral", "qwen2", "student", "gemma3"])
 def test_a_streamed_export_is_the_in_memory_export(folders, tmp_path, name, precision, quant):
     src = folders / name
     held = export_genai_folder(src, tmp_path / "held", GenaiExportSettings(precision, quant, streaming="off",
