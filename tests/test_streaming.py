@@ -241,3 +241,29 @@ def test_sizes_measures_a_process_trees_peak_and_stops_one_past_its_limit(tmp_pa
     assert m.code == 0 and m.peak_bytes >= 300 << 20
     stopped = measure([sys.executable, "-c", hold], tmp_path / "b.log", 200 << 20, 60)
     assert stopped.code != 0 and stopped.said == "stopped past the memory limit (0.195 GiB)"
+
+
+def test_the_decode_and_verify_benchmarks_run_on_a_genai_folder(folders, tmp_path):
+    """benchmarks/decode.py (threads set through a view of the folder, and its own) and verify_cost.py write their
+    tables with a row per folder and setting (no time is asserted: only that each figure is a measurement)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import decode
+    import verify_cost
+
+    folder = tmp_path / "g"
+    export_genai_folder(folders / "mistral", folder, GenaiExportSettings("int4", validate=False))
+    before = (folder / "genai_config.json").read_text()
+    decode.main(["--folders", f"a={folder},b={folder}", "--threads", "1,own", "--prompt", "8", "--tokens", "4",
+                 "--repeats", "2", "--out", str(tmp_path / "d.md")])
+    rows = [r.split("|")[1:-1] for r in (tmp_path / "d.md").read_text().splitlines()[2:]]
+    assert [(r[1].strip(), r[2].strip()) for r in rows] == [("1", "a"), ("1", "b"), ("own", "a"), ("own", "b")]
+    assert all(float(r[3]) > 0 for r in rows) and rows[0][5].strip() == "1.000"
+    assert (folder / "genai_config.json").read_text() == before  # each thread count runs a view: the folder is kept
+    verify_cost.main(["--folders", f"tiny={folder}", "--widths", "2,4", "--past", "8", "--repeats", "2", "--out",
+                      str(tmp_path / "v.md")])
+    (row,) = (tmp_path / "v.md").read_text().splitlines()[2:]
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[0] == "tiny" and float(cells[1]) > 0 and all(c.endswith("x") and float(c[:-1]) > 0 for c in cells[2:])
