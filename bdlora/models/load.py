@@ -50,6 +50,22 @@ def load_model_folder(model_dir: str | Path):
     """(model, tokenizer, compression report or None) of any folder bdlora can load, in fp32 with eager attention
     (what is exported)."""
 
+    folder, report = checked_folder(model_dir)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                                           attn_implementation="eager", output_loading_info=True)
+        tok = AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # noqa: BLE001
+        raise ModelError(f"{folder}: could not load the model ({_first_line(e)})") from None
+    check_weights_match(folder, model, info)
+    check_finite(folder, model)
+    return checked_model(folder, model, tok), tok, report
+
+
+def checked_folder(model_dir: str | Path) -> tuple[Path, dict | None]:
+    """(folder, compression report or None) of a model folder that passed every check made before a weight is read
+    (a model folder, not a run's student/, whole files, declared shapes): what every model loader starts with, in
+    memory or one layer at a time (``models.stream``)."""
     folder = ModelDir(model_dir)
     if not (folder.path / CONFIG).exists():
         raise ModelError(f"{folder.path}: not a model folder (no config.json); pass a `bdlora compress` output or a "
@@ -61,31 +77,36 @@ def load_model_folder(model_dir: str | Path):
     report = folder.report() if folder.finished() else None
     check_model_folder(folder.path, report)
     check_tensor_shapes(folder.path)
-    try:
-        model, info = AutoModelForCausalLM.from_pretrained(str(folder.path), dtype=torch.float32,
-                                                           attn_implementation="eager", output_loading_info=True)
-        tok = AutoTokenizer.from_pretrained(str(folder.path))
-    except Exception as e:  # noqa: BLE001
-        raise ModelError(f"{folder.path}: could not load the model ({_first_line(e)})") from None
-    check_weights_match(folder.path, model, info)
-    check_finite(folder.path, model)
-    check_architecture(model, str(folder.path))
-    check_vocabulary(folder.path, len(tok), model.get_input_embeddings().num_embeddings)
-    return model.eval(), tok, report
+    return folder.path, report
+
+
+def checked_model(folder: Path, model, tok):
+    """``model`` (eval mode) once its architecture and its tokenizer's vocabulary are what bdlora reads."""
+    check_architecture(model, str(folder))
+    check_vocabulary(folder, len(tok), model.get_input_embeddings().num_embeddings)
+    return model.eval()
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Every element finite: the sum first, a pass at memory speed (a sum is finite when every element is, short of
+    an overflow, which the element-wise check then clears)."""
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
 def check_finite(folder: Path, model) -> None:
     """Every weight finite: a NaN or an infinity loads, runs and times like any weight (bench --runtime ort wrote its
     timings and NaN perplexities; export genai's validation alone refused it)."""
-    bad = [name for name, p in model.state_dict().items() if p.is_floating_point() and not torch.isfinite(p).all()]
+    bad = [name for name, p in model.state_dict().items() if p.is_floating_point() and not all_finite(p)]
     if bad:
         raise ModelError(f"{folder}: {len(bad)} weight tensor(s) hold NaN or infinity ({', '.join(bad[:3])}); the "
                          "folder is damaged or its training diverged")
 
 
-def check_weights_match(folder: Path, model, info: dict) -> None:
+def check_weights_match(folder: Path, model, info: dict,
+                        cause: str = "the folder is damaged or its config was edited") -> None:
     """Every weight the architecture declares must come from the file, with its shape: a projection whose declared
-    form (dense or low-rank) disagrees with the weights would otherwise load randomly initialised."""
+    form (dense or low-rank) disagrees with the weights would otherwise load randomly initialised. ``info``:
+    transformers' loading info (missing, unexpected and mismatched keys); ``cause``: what the refusal says of it."""
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     missing = sorted(set(info.get("missing_keys") or ()) - tied)
     unexpected = sorted(info.get("unexpected_keys") or ())
@@ -93,8 +114,7 @@ def check_weights_match(folder: Path, model, info: dict) -> None:
     problems = [f"{what} {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}" for what, keys in
                 (("missing", missing), ("unexpected", unexpected), ("wrong shape", mismatched)) if keys]
     if problems:
-        raise ModelError(f"{folder}: the weights do not match config.json ({'; '.join(problems)}); the folder is "
-                         "damaged or its config was edited")
+        raise ModelError(f"{folder}: the weights do not match config.json ({'; '.join(problems)}); {cause}")
 
 
 def check_tensor_shapes(folder: Path) -> None:

@@ -25,12 +25,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from bdlora.base.errors import ModelError, UsageError
 from bdlora.base.outputs import STREAMING
-from bdlora.base.runs import CONFIG, STUDENT_META, ModelDir
-from bdlora.deployed.folder import check_architecture
-from bdlora.models.integrity import check_model_folder, check_safetensors, weight_files
+from bdlora.models.integrity import check_safetensors, weight_files
 from bdlora.models.lazy import SOURCE, empty, materialized
-from bdlora.models.load import check_tensor_shapes
-from bdlora.models.tokenizer import check_vocabulary
+from bdlora.models.load import all_finite, check_weights_match, checked_folder, checked_model
 
 STREAM_ABOVE = 2 << 30  # fp32 bytes of weights above which ``--streaming auto`` streams (about 540M parameters)
 PARITY_LAYERS = 2  # a streamed export's parity: the model's first layers (one where two pass PARITY_BYTES) ...
@@ -80,59 +77,35 @@ class FolderWeights:
         if tuple(t.shape) != tuple(p.shape):
             raise ModelError(f"{self.folder}: tensor {name} is {list(t.shape)} but config.json declares "
                              f"{list(p.shape)}")
-        return finite(self.folder, name, t.to(torch.float32))
-
-
-def finite(folder: Path, name: str, t: torch.Tensor) -> torch.Tensor:
-    """``t``, refused if it holds NaN or infinity (its sum first, a pass at memory speed: a sum is finite when
-    every element is, short of an overflow, which the element-wise check then clears)."""
-    if not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
-        raise ModelError(f"{folder}: weight tensor {name} holds NaN or infinity; the folder is damaged or its "
-                         "training diverged")
-    return t
+        t = t.to(torch.float32)
+        if not all_finite(t):
+            raise ModelError(f"{self.folder}: weight tensor {name} holds NaN or infinity; the folder is damaged or "
+                             "its training diverged")
+        return t
 
 
 def lazy_folder_model(model_dir: str | Path):
     """(model on the meta device reading its weights from the folder, tokenizer, compression report or None): the
     checks of ``load_model_folder`` (files whole, shapes as declared, every weight named as the architecture names
     it), no weight read."""
-    folder = ModelDir(model_dir)
-    if not (folder.path / CONFIG).exists():
-        raise ModelError(f"{folder.path}: not a model folder (no config.json); pass a `bdlora compress` output or a "
-                         "Hugging Face model folder")
-    if (folder.path / STUDENT_META).exists():
-        raise ModelError(f"{folder.path}: a run's student/ folder (its weights without the trained adapter or gated "
-                         f"paths); pass the run directory {folder.path.resolve().parent} or its `bdlora compress` "
-                         "output")
-    report = folder.report() if folder.finished() else None
-    check_model_folder(folder.path, report)
-    check_tensor_shapes(folder.path)
+    folder, report = checked_folder(model_dir)
     try:
-        config = AutoConfig.from_pretrained(str(folder.path))
+        config = AutoConfig.from_pretrained(str(folder))
         config._attn_implementation = "eager"
         model = empty(lambda: AutoModelForCausalLM.from_config(config, dtype=torch.float32))
-        tok = AutoTokenizer.from_pretrained(str(folder.path))
+        tok = AutoTokenizer.from_pretrained(str(folder))
     except Exception as e:  # noqa: BLE001  transformers raises many types for a damaged folder
-        raise ModelError(f"{folder.path}: could not load the model ({str(e).strip()[:200]})") from None
-    source = FolderWeights(folder.path)
-    check_names(folder.path, model, source.names())
-    setattr(model, SOURCE, source)
-    check_architecture(model, str(folder.path))
-    check_vocabulary(folder.path, len(tok), model.get_input_embeddings().num_embeddings)
-    return model.eval(), tok, report
-
-
-def check_names(folder: Path, model, stored: set[str]) -> None:
-    """Every parameter the architecture declares is stored under its own name (a checkpoint whose names
-    transformers converts on load cannot be read tensor by tensor: it is exported with ``--streaming off``)."""
+        raise ModelError(f"{folder}: could not load the model ({str(e).strip()[:200]})") from None
+    source = FolderWeights(folder)
+    # every parameter stored under its own name: a checkpoint whose names transformers converts on load cannot be
+    # read tensor by tensor
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    want = {n for n, _ in model.named_parameters()} - tied
-    missing, unexpected = sorted(want - stored), sorted(stored - want - tied)
-    if missing or unexpected:
-        what = "; ".join(f"{k} {', '.join(v[:3])}{' ...' if len(v) > 3 else ''}"
-                         for k, v in (("missing", missing), ("unexpected", unexpected)) if v)
-        raise ModelError(f"{folder}: the weights do not match config.json's parameter names ({what}); a checkpoint "
-                         "transformers renames on load is exported with --streaming off")
+    declared = {n for n, _ in model.named_parameters()}
+    check_weights_match(folder, model, {"missing_keys": declared - source.names(),
+                                        "unexpected_keys": source.names() - declared - tied},
+                        cause="a checkpoint transformers renames on load is exported with --streaming off")
+    setattr(model, SOURCE, source)
+    return checked_model(folder, model, tok), tok, report
 
 
 def cut_model(model: torch.nn.Module) -> torch.nn.Module:
