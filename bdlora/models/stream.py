@@ -15,6 +15,7 @@ The in-memory path (``load_model_folder``) stays for the models that fit: its ou
 from __future__ import annotations
 
 import copy
+import tempfile
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from bdlora.base.outputs import STREAMING
 from bdlora.models.integrity import check_safetensors, weight_files
 from bdlora.models.lazy import SOURCE, empty, materialized
 from bdlora.models.load import all_finite, check_weights_match, checked_folder, checked_model
+from bdlora.models.scoring import score_logits
 
 STREAM_ABOVE = 2 << 30  # fp32 bytes of weights above which ``--streaming auto`` streams (about 540M parameters)
 PARITY_LAYERS = 2  # a streamed export's parity: the model's first layers (one where two pass PARITY_BYTES) ...
@@ -135,6 +137,18 @@ def cut_model(model: torch.nn.Module) -> torch.nn.Module:
     return cut.eval()
 
 
+def cut_checked(model: torch.nn.Module, folder: Path, write, check) -> dict:
+    """``check(cut, path)`` of the graph ``write(cut, path)`` writes for ``cut_model(model)`` (made for the block),
+    in a folder under ``folder`` removed after; with the cut's layers and vocabulary rows. A streamed export's
+    parity, whatever graph it writes."""
+    cut = cut_model(model)
+    with tempfile.TemporaryDirectory(dir=folder) as d, materialized(cut):
+        path = Path(d) / "model.onnx"
+        write(cut, path)
+        out = check(cut, path)
+    return {**out, "layers": cut.config.num_hidden_layers, "vocab_rows": cut.config.vocab_size}
+
+
 def parts(model) -> dict[str, torch.nn.Module]:
     """The parts one forward makes one at a time: the embedding, each decoder layer, the head."""
     out = {"model.embed_tokens": model.model.embed_tokens}
@@ -177,14 +191,8 @@ def streamed(model):
 @torch.no_grad()
 def score_streamed(model, blocks, batch_size: int = 4) -> tuple[float, np.ndarray]:
     """(mean next-token NLL, argmax predictions) of the lazy ``model`` over packed ``blocks``, as
-    ``runtime.score_blocks`` scores a graph: each block from an empty cache, ``batch_size`` blocks per forward."""
-    total, count, preds = 0.0, 0, []
+    ``runtime.score_blocks`` scores a graph (``runtime.score_logits``): each block from an empty cache, at most
+    ``batch_size`` blocks per forward, each forward holding one layer at a time."""
     with streamed(model):
-        for start in range(0, len(blocks), batch_size):
-            x = torch.from_numpy(np.asarray(blocks.get(range(start, min(start + batch_size, len(blocks))))))
-            logits = model(x).logits[:, :-1].double()
-            nll = torch.logsumexp(logits, -1) - logits.gather(-1, x[:, 1:, None])[..., 0]
-            total += float(nll.sum())
-            count += nll.numel()
-            preds.append(logits.argmax(-1).reshape(-1).numpy())
-    return total / max(count, 1), np.concatenate(preds)
+        return score_logits(lambda x: model(torch.from_numpy(np.asarray(x))).logits.numpy(), blocks,
+                            model.config.vocab_size, batch_size, "PyTorch (read one layer at a time)")

@@ -15,9 +15,8 @@ import torch.nn as nn
 from bdlora.base.runs import ALL_LOGITS_ONNX, MODEL_ONNX
 from bdlora.export.decoder import DecoderLayout, build_decoder, save_graph
 from bdlora.export.onnx.validate import NOISE_FACTOR, TOLERANCE, ExportValidationError, max_abs_diff, validate
-from bdlora.models.lazy import materialized
 from bdlora.models.runtime import DecoderShape, run_decoder, session
-from bdlora.models.stream import cut_model
+from bdlora.models.stream import cut_checked
 
 # GroupQueryAttention takes right-aligned batches (positions come from the mask's row sums) and, on CPU, several
 # new tokens after a past only for batch 1: the shapes a genai runtime feeds it.
@@ -54,19 +53,10 @@ def graph_parity(model: nn.Module, sess, steps: int = 6) -> dict:
 
 
 def cut_parity(model: nn.Module, context_length: int, folder: Path) -> dict:
-    """``graph_parity`` of the genai graph of ``cut_model(model)`` (written in ``folder``, removed after)."""
-    cut = cut_model(model)
-    path = folder / "parity" / MODEL_ONNX
-    path.parent.mkdir()
-    try:
-        with materialized(cut):
-            save_graph(build_decoder(cut, DecoderLayout.genai(context_length)), path)
-            out = graph_parity(cut, session(path))
-    finally:
-        for f in path.parent.iterdir():
-            f.unlink()
-        path.parent.rmdir()
-    return {**out, "layers": cut.config.num_hidden_layers, "vocab_rows": cut.config.vocab_size}
+    """``graph_parity`` of the genai graph of ``models.stream.cut_model(model)`` (written under ``folder``, removed
+    after)."""
+    return cut_checked(model, folder, lambda cut, path: save_graph(build_decoder(cut, DecoderLayout.genai(
+        context_length)), path), lambda cut, path: graph_parity(cut, session(path)))
 
 
 @torch.no_grad()

@@ -21,10 +21,9 @@ from bdlora.export.onnx.quantize import quantize_int8
 from bdlora.export.onnx.signature import DEFAULT_OPSET, check_opset
 from bdlora.export.onnx.validate import quantized_quality, validate
 from bdlora.export.preflight import check_export_inputs
-from bdlora.models.lazy import materialized
 from bdlora.models.load import load_model_folder
 from bdlora.models.runtime import DecoderShape, session
-from bdlora.models.stream import PARITY_LAYERS, PARITY_VOCAB, cut_model, lazy_folder_model, streams
+from bdlora.models.stream import PARITY_LAYERS, PARITY_VOCAB, cut_checked, lazy_folder_model, streams
 
 QUANTIZE = ("int8",)
 FUSED_OPS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "RotaryEmbedding")
@@ -54,20 +53,10 @@ def export_decoder(model, path: Path, opset: int = DEFAULT_OPSET, fused: bool = 
 
 
 def cut_validation(model, folder: Path, opset: int, fused: bool) -> dict:
-    """``validate`` of the plain graph of ``models.stream.cut_model(model)`` (written in ``folder``, removed after):
-    a streamed export's parity on its own weights at a size whose fp32 graph and PyTorch forward fit."""
-    cut = cut_model(model)
-    path = folder / "parity" / MODEL_ONNX
-    path.parent.mkdir()
-    try:
-        with materialized(cut):
-            export_decoder(cut, path, opset, fused)
-            out = validate(cut, session(path))
-    finally:
-        for f in path.parent.iterdir():
-            f.unlink()
-        path.parent.rmdir()
-    return {**out, "layers": cut.config.num_hidden_layers, "vocab_rows": cut.config.vocab_size}
+    """``validate`` of the plain graph of ``models.stream.cut_model(model)`` (written under ``folder``, removed
+    after): a streamed export's parity on its own weights at a size whose fp32 graph and PyTorch forward fit."""
+    return cut_checked(model, folder, lambda cut, path: export_decoder(cut, path, opset, fused),
+                       lambda cut, path: validate(cut, session(path)))
 
 
 def export_onnx_folder(model_dir: str | Path, out: str | Path, opset: int = DEFAULT_OPSET, quantize: str | None = None,
