@@ -70,16 +70,11 @@ def write_genai_files(model, tok, folder: Path, settings: GenaiExportSettings, r
     (one model exported at several precisions is calibrated once), filled in when empty. Returns what was written
     (nodes, quantisation)."""
 
-    settings = settings.resolved(model.config)  # the LM head at the bits the folder declares, unless told
-    precision, ctx = settings.precision, context_length_of(model.config, settings.context_length)
-    cfg = model.config
-    base = (getattr(cfg, "bdlora", None) or {}).get("base_model_type", cfg.model_type)
-    rows = module_table(model)
+    settings, ctx, meta = _beside_graph(model, tok, folder, settings, report)
+    precision, cfg = settings.precision, model.config
     proto = build_decoder(model, DecoderLayout.genai(ctx))
-    set_metadata(proto, metadata_props(rows, metadata_summary(model, rows, report)))
+    set_metadata(proto, meta)
     info: dict = {"nodes": len(proto.graph.node)}
-    write_json(folder / GENAI_CONFIG, genai_config(cfg, base, ctx, threads=settings.threads or None))
-    write_model_files(folder, model, tok, report)
     if PRECISIONS[precision].rounded:
         if fp32_path is not None:  # the fp32 reference first, then the same proto is rounded in place: no copy of it
             fp32_path.parent.mkdir(exist_ok=True)
@@ -91,22 +86,36 @@ def write_genai_files(model, tok, folder: Path, settings: GenaiExportSettings, r
         save_graph(qproto, folder / MODEL_ONNX)
     else:
         save_graph(proto, folder / MODEL_ONNX)
-    split_head(folder)  # model.onnx: the last position's logits; model_all_logits.onnx: every position's
-    info["logits"] = {MODEL_ONNX: "each row's last position", ALL_LOGITS_ONNX: "every position"}
-    return info
+    return {**info, **_split_head(folder)}
+
+
+def _beside_graph(model, tok, folder: Path, settings: GenaiExportSettings, report: dict | None):
+    """What a genai folder holds beside its graph (genai_config.json, config, tokenizer, compression.json), written;
+    returns (``settings`` for this model: the LM head at the bits its folder declares unless told, the context
+    length, the graph's metadata)."""
+    settings, cfg = settings.resolved(model.config), model.config
+    ctx = context_length_of(cfg, settings.context_length)
+    base = (getattr(cfg, "bdlora", None) or {}).get("base_model_type", cfg.model_type)
+    write_json(folder / GENAI_CONFIG, genai_config(cfg, base, ctx, threads=settings.threads or None))
+    write_model_files(folder, model, tok, report)
+    rows = module_table(model)
+    return settings, ctx, metadata_props(rows, metadata_summary(model, rows, report))
+
+
+def _split_head(folder: Path) -> dict:
+    """model.onnx: the last position's logits; model_all_logits.onnx: every position's (``logits.split_head``)."""
+    split_head(folder)
+    return {"logits": {MODEL_ONNX: "each row's last position", ALL_LOGITS_ONNX: "every position"}}
 
 
 def write_streamed_genai_files(model, tok, folder: Path, settings: GenaiExportSettings, report: dict | None = None,
                                reporter: Reporter = SILENT) -> dict:
     """``write_genai_files`` for a lazy model (``bdlora.models.stream``): each part emitted, rounded and written to
     model.onnx.data in turn (``export.genai.stream``); no fp32 reference graph (the validation of a streamed export
-    checks parity on a model cut to a few layers and the quality against PyTorch, ``validate.streamed_checks``)."""
-    settings = settings.resolved(model.config)
-    precision, ctx, cfg = settings.precision, context_length_of(model.config, settings.context_length), model.config
-    base = (getattr(cfg, "bdlora", None) or {}).get("base_model_type", cfg.model_type)
-    rows = module_table(model)
-    write_json(folder / GENAI_CONFIG, genai_config(cfg, base, ctx, threads=settings.threads or None))
-    write_model_files(folder, model, tok, report)
+    checks parity on a model cut to a few layers, ``validate.cut_parity``, and the quality against PyTorch read one
+    layer at a time)."""
+    settings, ctx, meta = _beside_graph(model, tok, folder, settings, report)
+    precision, cfg = settings.precision, model.config
     rounds = PRECISIONS[precision].rounded
     layout = DecoderLayout.genai(ctx)
     data = ExternalData(folder / f"{MODEL_ONNX}.data")
@@ -116,7 +125,7 @@ def write_streamed_genai_files(model, tok, folder: Path, settings: GenaiExportSe
     reporter.count(0, cfg.num_hidden_layers + 2, "parts")
     try:
         proto = build_decoder(model, layout, g)
-        set_metadata(proto, metadata_props(rows, metadata_summary(model, rows, report)))
+        set_metadata(proto, meta)
         info: dict = {"nodes": len(proto.graph.node), "streamed": True}
         if rounds:
             source = getattr(model, SOURCE)
@@ -129,9 +138,7 @@ def write_streamed_genai_files(model, tok, folder: Path, settings: GenaiExportSe
         save_streamed(proto, folder / MODEL_ONNX)
     finally:
         data.close()
-    split_head(folder)
-    info["logits"] = {MODEL_ONNX: "each row's last position", ALL_LOGITS_ONNX: "every position"}
-    return info
+    return {**info, **_split_head(folder)}
 
 
 def tied_head(config) -> bool:
