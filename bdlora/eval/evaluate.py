@@ -26,12 +26,12 @@ from bdlora.models.runtime import (
     check_signature,
     empty_past,
     left_padded,
-    log_normaliser,
     run_bound,
     run_decoder,
     score_blocks,
     session,
 )
+from bdlora.models.scoring import log_normaliser
 from bdlora.models.tokenizer import TextTokenizer, bos_first, encode_prompt
 from bdlora.train.config import BUILTIN, BUILTIN_DEFAULTS, REAL_DEFAULTS
 

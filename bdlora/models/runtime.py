@@ -15,10 +15,11 @@ from typing import ClassVar
 
 import numpy as np
 
-from bdlora.base.errors import DataError, ModelError, UsageError, require_finite_nll
+from bdlora.base.errors import ModelError, UsageError
 from bdlora.base.runs import CONFIG, EXPORT_MARKER, GENAI_CONFIG, MODEL_ONNX, TOKENIZER_CONFIG, TOKENIZER_JSON
 from bdlora.forms import GROUPS
 from bdlora.models.integrity import CONFIG_KEY, TOKENIZER_KEY, check_tokenizer, sha256
+from bdlora.models.scoring import score_logits
 from bdlora.models.tokenizer import TextTokenizer, check_vocabulary
 
 
@@ -235,15 +236,6 @@ def position_ids_from_mask(attention_mask: np.ndarray, seq_len: int) -> np.ndarr
     return pos[:, -seq_len:].astype(np.int64)
 
 
-def log_normaliser(logits: np.ndarray) -> np.ndarray:
-    """log sum exp over the last axis, stable (logits minus this is the log-softmax), in float64: the exponentials
-    in the logits' own precision (each in (0, 1] after the max is taken off), their sum in float64."""
-    top = logits.max(-1, keepdims=True)
-    e = logits - top
-    np.exp(e, out=e)
-    return np.log(e.sum(-1, dtype=np.float64)) + top[..., 0].astype(np.float64)
-
-
 def run_decoder(sess, ids, mask, pos, past) -> list[np.ndarray]:
     """One call of the graph: [logits (B, T, V), present key/values...]. A graph without ``position_ids`` (the
     onnxruntime-genai layout, whose attention derives positions from the mask) is fed the rest."""
@@ -293,29 +285,19 @@ def greedy_generate(sess, shape: DecoderShape, input_ids: np.ndarray, max_new_to
     return np.concatenate(out, 1)
 
 
-SCORE_ELEMENTS = 1 << 26  # logits per scoring batch (256 MB in fp32): a large vocabulary scores fewer blocks at once
 
 
 def score_blocks(sess, shape: DecoderShape, blocks, batch_size: int = 8) -> tuple[float, np.ndarray]:
     """(mean next-token NLL, argmax predictions (N,)) over packed blocks (``len`` and ``get(indices)`` -> (B, T)
     int64), each scored from an empty cache; at most ``batch_size`` blocks at once, fewer where their logits would
-    pass ``SCORE_ELEMENTS`` (Gemma's 262k vocabulary: 2 blocks of 128 at once, not 8 at 1 GB of logits)."""
-    batch_size = max(1, min(batch_size, SCORE_ELEMENTS // max(1, blocks.seq_len * shape.vocab_size)))
-    total, count, preds = 0.0, 0, []
-    for start in range(0, len(blocks), batch_size):
-        x = blocks.get(range(start, min(start + batch_size, len(blocks))))
+    pass ``scoring.SCORE_ELEMENTS`` (Gemma's 262k vocabulary: 2 blocks of 128 at once, not 8 at 1 GB of logits)."""
+
+    def logits_of(x: np.ndarray) -> np.ndarray:
         b, t = x.shape
-        mask = np.ones((b, t), dtype=np.int64)
         pos = np.broadcast_to(np.arange(t, dtype=np.int64), (b, t)).copy()
-        logits = run_decoder(sess, x, mask, pos, empty_past(shape, b))[0][:, :-1]  # (B, T-1, V)
-        logz = log_normaliser(logits)
-        tgt = np.take_along_axis(logits, x[:, 1:, None], -1)[..., 0].astype(np.float64)
-        total += float((logz - tgt).sum())
-        count += tgt.size
-        preds.append(logits.argmax(-1).reshape(-1))
-    if count == 0:  # callers build blocks with blocks.scored_blocks; this is the last guard
-        raise DataError("no tokens to score: the held-out slice is shorter than one block")
-    return require_finite_nll(total / count, "the ONNX graph"), np.concatenate(preds)
+        return run_decoder(sess, x, np.ones((b, t), dtype=np.int64), pos, empty_past(shape, b))[0]
+
+    return score_logits(logits_of, blocks, shape.vocab_size, batch_size, "the ONNX graph")
 
 
 def check_onnx_dir(path: Path, onnx_file: str, runtime: str = "ort") -> None:
