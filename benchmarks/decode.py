@@ -25,8 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime_genai as og
-
-from bdlora.base.io import write_text
+from benchtables import named_folders, publish  # the script beside this one
 
 OWN = "own"
 
@@ -112,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--busy", choices=("no", "yes", "both"), default="no", help="a core kept busy while measuring")
     p.add_argument("--out", type=Path, required=True, help="the markdown table to write")
     a = p.parse_args(argv)
-    folders = {k: Path(v) for k, v in (x.split("=", 1) for x in a.folders.split(","))}
+    folders = named_folders(a.folders)
     missing = [str(f) for f in folders.values() if not (f / "genai_config.json").is_file()]
     if missing:
         p.error(f"not genai folders: {', '.join(missing)}")
@@ -121,9 +120,7 @@ def main(argv: list[str] | None = None) -> None:
             "|---|---|---|---|---|---|"]
     for busy in {"no": [False], "yes": [True], "both": [False, True]}[a.busy]:
         rows += table(measure(folders, threads, a.prompt, a.tokens, a.repeats, busy), folders, threads, busy)
-    text = "\n".join(rows) + "\n"
-    write_text(a.out, text)
-    print(text)
+    publish(rows, a.out)
 
 
 if __name__ == "__main__":

@@ -34,9 +34,8 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from synthetic_checkpoint import SHAPES, write  # noqa: E402  the script beside this one
-
-from bdlora.base.io import write_text  # noqa: E402
+from benchtables import publish  # noqa: E402
+from synthetic_checkpoint import SHAPES, write  # noqa: E402  the scripts beside this one
 
 GIB = 2**30
 PORT = 8765
@@ -168,9 +167,7 @@ def main(argv: list[str] | None = None) -> None:
             m = measure(argv_, work / f"{name}.log", int(a.memory_limit * GIB), a.timeout)
             rows.append(m.row(shape, name))
             print(rows[-1], flush=True)
-    text = "\n".join(rows) + "\n"
-    write_text(a.out, text)
-    print(text)
+    publish(rows, a.out)
 
 
 if __name__ == "__main__":

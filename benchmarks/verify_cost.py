@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+from benchtables import named_folders, publish  # the script beside this one
 
-from bdlora.base.io import write_text
 from bdlora.models.runtime import run_decoder, session
 
 
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2, help="intra-op threads")
     p.add_argument("--out", type=Path, required=True, help="the markdown table to write")
     a = p.parse_args(argv)
-    folders = {k: Path(v) for k, v in (x.split("=", 1) for x in a.folders.split(","))}
+    folders = named_folders(a.folders)
     widths = sorted({int(w) for w in a.widths.split(",")} | {1})
     rows = ["| folder | one step (w = 1) ms | " + " | ".join(f"w = {w}" for w in widths if w > 1) + " |",
             "|---|---|" + "---|" * (len(widths) - 1)]
@@ -73,9 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(f"| {name} | {ms[1]:.1f} | " + " | ".join(f"{ms[w] / ms[1]:.2f}x" for w in widths if w > 1)
                     + " |")
         print(rows[-1], flush=True)
-    text = "\n".join(rows) + "\n"
-    write_text(a.out, text)
-    print(text)
+    publish(rows, a.out)
 
 
 if __name__ == "__main__":
