@@ -27,7 +27,7 @@ from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmu
 from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
 from bdlora.base.schemes import DEFAULT_SCHEME, PRECISIONS, ROUNDED, mixed, scheme
-from bdlora.export.decoder.builder import node_bits
+from bdlora.export.decoder.builder import contiguous, node_bits
 from bdlora.export.genai.affine import (
     AUGMENTED,
     affine_node,
@@ -113,21 +113,36 @@ def keep_docs(docs: dict[str, str], after: onnx.ModelProto) -> None:
             n.doc_string = docs.get(n.name.rsplit("_Q", 1)[0], "")
 
 
-def rtn_rounded(weight: np.ndarray, bits: int) -> np.ndarray:
-    """``weight`` (out, in) as the default export (``method`` "rtn") holds it at ``bits`` (4 or 8): onnxruntime's
-    own blockwise symmetric round-to-nearest (the kernel its MatMulNBitsQuantizer calls), blocks of ``BLOCK_SIZE``
-    along the input, zero point 2^(bits-1); what ``--forms bits`` measures each projection's rounding error with."""
-    w = np.ascontiguousarray(np.asarray(weight, dtype=np.float32).T)  # (K, N), as the MatMul holds it
-    k, n = w.shape
+def ort_rtn(b: np.ndarray, bits: int, columns: int):
+    """onnxruntime's own blockwise symmetric round-to-nearest of ``b`` (K, N), the kernel its MatMulNBitsQuantizer
+    calls with the arguments it passes (blocks of ``BLOCK_SIZE`` along K, K padded with zeros to whole blocks):
+    yields (packed codes (cols, K/block, block * bits / 8) uint8, scales (cols, K/block)) for ``columns`` output
+    columns at a time (each column's blocks are its own: slicing changes no code)."""
+    k, n = b.shape
     kb = -(-k // BLOCK_SIZE)
-    if kb * BLOCK_SIZE != k:
-        w = np.ascontiguousarray(np.pad(w, ((0, kb * BLOCK_SIZE - k), (0, 0))))
     per = 8 // bits
-    packed = np.zeros((n, kb, BLOCK_SIZE // per), np.uint8)
-    scales = np.zeros((n, kb), np.float32)
-    zp = np.zeros((n, -(-kb // per)), np.uint8)
-    {4: quantize_matmul_4bits, 8: quantize_matmul_8bits}[bits](packed, w, scales, zp, BLOCK_SIZE, n, kb * BLOCK_SIZE,
-                                                                True)
+    kernel = {4: quantize_matmul_4bits, 8: quantize_matmul_8bits}[bits]
+    for c in range(0, n, columns):
+        w = contiguous(np.asarray(b[:, c:c + columns], dtype=np.float32))
+        cols = w.shape[1]
+        if kb * BLOCK_SIZE != k:
+            w = np.pad(w, ((0, kb * BLOCK_SIZE - k), (0, 0)))
+        packed = np.zeros((cols, kb, BLOCK_SIZE // per), np.uint8)
+        scales = np.zeros((cols, kb), np.float32)
+        kernel(packed, w, scales, np.zeros((cols, -(-kb // per)), np.uint8), BLOCK_SIZE, cols, k, True)
+        yield packed, scales
+
+
+def rtn_rounded(weight: np.ndarray, bits: int) -> np.ndarray:
+    """``weight`` (out, in) as the default export (``method`` "rtn") holds it at ``bits`` (4 or 8): ``ort_rtn``'s
+    codes, zero point 2^(bits-1), dequantised; what ``--forms bits`` measures each projection's rounding error
+    with."""
+    w = np.asarray(weight, dtype=np.float32)
+    n, k = w.shape
+    kb = -(-k // BLOCK_SIZE)
+    if n == 0:
+        return np.zeros((0, k), np.float32)
+    ((packed, scales),) = ort_rtn(w.T, bits, n)
     codes = np.stack([packed & 15, packed >> 4], -1) if bits == 4 else packed
     q = codes.reshape(n, kb, BLOCK_SIZE).astype(np.float32) - (1 << (bits - 1))
     return (q * scales[:, :, None]).reshape(n, kb * BLOCK_SIZE)[:, :k]

@@ -24,13 +24,12 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
-from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
 
 from bdlora.base.schemes import mixed, scheme
 from bdlora.export.decoder.builder import GraphBuilder, contiguous, node_bits
 from bdlora.export.genai.affine import AUGMENTED
 from bdlora.export.genai.gptq import ACCURACY_LEVEL, BLOCK_SIZE
-from bdlora.export.genai.quantize import BITS, LM_HEAD, keep_docs, quantize_graph
+from bdlora.export.genai.quantize import BITS, LM_HEAD, keep_docs, ort_rtn, quantize_graph
 
 INLINE_BELOW = 1024  # bytes: smaller tensors stay inside model.onnx (onnx's own external-data threshold)
 ALIGN = 4096  # each external tensor starts on a page (onnxruntime may map it instead of copying)
@@ -81,24 +80,11 @@ class ExternalData:
 
 def rtn_nbits(node, b: np.ndarray, bits: int, data: ExternalData):
     """``node`` (MatMul, weight ``b`` (K, N)) as the MatMulNBits node ``MatMulNBitsQuantizer`` makes (symmetric,
-    blocks of ``BLOCK_SIZE`` along K, ``ACCURACY_LEVEL``), its codes and scales written to ``data`` column slice by
-    column slice (each column's blocks are its own: slicing changes nothing)."""
+    blocks of ``BLOCK_SIZE`` along K, ``ACCURACY_LEVEL``), its codes and scales (``ort_rtn``, ``COLUMNS`` output
+    columns at a time) written to ``data``."""
     k, n = b.shape
-    kb = -(-k // BLOCK_SIZE)
-    blob, per = BLOCK_SIZE * bits // 8, 8 // bits
-    kernel = {4: quantize_matmul_4bits, 8: quantize_matmul_8bits}[bits]
-    codes, scales = [], []
-    for c in range(0, n, COLUMNS):
-        w = contiguous(np.asarray(b[:, c:c + COLUMNS], dtype=np.float32))
-        cols = w.shape[1]
-        if kb * BLOCK_SIZE != k:
-            w = np.pad(w, ((0, kb * BLOCK_SIZE - k), (0, 0)))
-        packed = np.zeros((cols, kb, blob), np.uint8)
-        sc = np.zeros((cols, kb), np.float32)
-        zp = np.zeros((cols, -(-kb // per)), np.uint8)
-        kernel(packed, w, sc, zp, BLOCK_SIZE, cols, k, True)
-        codes.append(packed)
-        scales.append(sc)
+    kb, blob = -(-k // BLOCK_SIZE), BLOCK_SIZE * bits // 8
+    codes, scales = zip(*ort_rtn(b, bits, COLUMNS))
     name = node.input[1]
     q = data.put_chunks(f"{name}_Q{bits}", np.uint8, (n, kb, blob), codes)
     s = data.put_chunks(f"{name}_scales", np.float32, (n, kb), scales)
