@@ -235,11 +235,13 @@ def test_sizes_measures_a_process_trees_peak_and_stops_one_past_its_limit(tmp_pa
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from sizes import GIB, measure
 
-    hold = "import subprocess, sys; subprocess.run([sys.executable, '-c', " \
-           "'import time; x = bytearray(300 << 20); x[::4096] = b\"1\" * len(x[::4096]); time.sleep(1.5)'])"
-    m = measure([sys.executable, "-c", hold], tmp_path / "a.log", 4 * GIB, 60)
+    def hold(seconds: int) -> list[str]:  # a child holding 300 MB (every page touched) for ``seconds``
+        child = f"import time; x = bytearray(300 << 20); x[::4096] = b'1' * len(x[::4096]); time.sleep({seconds})"
+        return [sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"]
+
+    m = measure(hold(4), tmp_path / "a.log", 4 * GIB, 120)  # 20 samples' time: seen even on a busy machine
     assert m.code == 0 and m.peak_bytes >= 300 << 20
-    stopped = measure([sys.executable, "-c", hold], tmp_path / "b.log", 200 << 20, 60)
+    stopped = measure(hold(600), tmp_path / "b.log", 200 << 20, 300)  # held until the sampler stops it
     assert stopped.code != 0 and stopped.said == "stopped past the memory limit (0.195 GiB)"
 
 
