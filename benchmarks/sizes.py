@@ -65,6 +65,8 @@ def commands(ckpt: Path, work: Path, quality_tokens: int) -> dict[str, list[str]
         "serve-loadtest": ["bash", "-c", SERVE.format(bd=shlex.join(bd), folder=shlex.quote(str(work / "bdlora-int4")),
                                                        port=PORT)],
         "export-onnx": [*bd, "export", "onnx", str(ckpt), "--out", str(work / "bdlora-onnx")],
+        "eval-ppl": [*bd, "eval", str(ckpt), "--ppl", "--data", "builtin", "--seq-len", "512", "--tokens", "4096",
+                     "--domains", "", "--json", str(work / "eval.json"), "--force"],
         "plan": [*bd, "plan", "--model", str(ckpt), "--allocation", "quality", *one_shot, "--json"],
         "one-shot": [*bd, "compress", str(ckpt), "--one-shot", *one_shot, "--no-eval", "--out",
                      str(work / "one-shot")],

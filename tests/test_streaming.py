@@ -269,3 +269,33 @@ def test_the_decode_and_verify_benchmarks_run_on_a_genai_folder(folders, tmp_pat
     (row,) = (tmp_path / "v.md").read_text().splitlines()[2:]
     cells = [c.strip() for c in row.split("|")[1:-1]]
     assert cells[0] == "tiny" and float(cells[1]) > 0 and all(c.endswith("x") and float(c[:-1]) > 0 for c in cells[2:])
+
+
+@pytest.mark.parametrize("name,icl", [("mistral", True), ("student", True), ("gemma3", False)])
+def test_eval_read_one_layer_at_a_time_scores_what_eval_in_memory_scores(folders, tiny_env, tmp_path, name, icl):
+    # (the tiny Gemma 3's ICL prompts pass its 3-token sliding window, whose cache transformers cannot roll back:
+    # in memory as well; its perplexity is scored here)
+    docs = {}
+    probes = ["--examples", "3", "--seeds", "1", "--shots", "2", "--tasks", "capitalize,next_item"]
+    probes = probes if icl else ["--ppl"]
+    for mode in ("off", "on"):
+        r = CliRunner().invoke(app, ["eval", str(folders / name), "--streaming", mode, "--data",
+                                     str(tiny_env["corpus"]), "--heldout-fraction", "0.1", "--seq-len", "32",
+                                     "--tokens", "256", *probes,
+                                     "--no-vs-teacher", "--json", str(tmp_path / f"{mode}.json")])
+        assert r.exit_code == 0, (mode, r.output)
+        docs[mode] = json.loads((tmp_path / f"{mode}.json").read_text())
+    held, lazy = docs["off"], docs["on"]
+    assert held["kind"] == "torch" and lazy["kind"] == "torch-streamed"
+    assert lazy["ppl"]["predicted_tokens"] == held["ppl"]["predicted_tokens"] == 8 * 31
+    assert lazy["ppl"]["mean_nll"] == pytest.approx(held["ppl"]["mean_nll"], rel=1e-5)
+    assert ("icl" in lazy) == icl
+    for task, v in held.get("icl", {}).get("tasks", {}).items():
+        assert lazy["icl"]["tasks"][task]["mean"] == v["mean"]
+        assert lazy["icl"]["tasks"][task]["target_logprob"] == pytest.approx(v["target_logprob"], abs=1e-4)
+    assert lazy.get("icl", {}).get("sample") == held.get("icl", {}).get("sample")
+
+
+def test_eval_refuses_an_unknown_streaming_mode(folders):
+    r = CliRunner().invoke(app, ["eval", str(folders / "mistral"), "--streaming", "sometimes"])
+    assert r.exit_code != 0 and "--streaming 'sometimes': unknown (allowed: auto, on, off)" in r.output

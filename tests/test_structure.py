@@ -178,7 +178,8 @@ def test_the_cycle_finder_finds_cycles():
 
 
 @pytest.mark.parametrize("module", ["bdlora.serve.engine", "bdlora.serve.app", "bdlora.bench.worker", "bdlora.cli",
-                                    "bdlora.models.runtime", "bdlora.eval.evaluate", "bdlora.models.tokenizer"])
+                                    "bdlora.models.runtime", "bdlora.eval.evaluate", "bdlora.eval.targets",
+                                    "bdlora.models.tokenizer"])
 def test_serving_the_bench_worker_and_the_cli_load_without_torch(module):
     code = f"import {module}, sys; assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -19,7 +19,8 @@ import torch.nn as nn
 from bdlora.base.reporter import SILENT, Reporter
 from bdlora.base.runs import row_name
 from bdlora.bench.config import BenchConfig
-from bdlora.eval.evaluate import OrtLM, run_icl
+from bdlora.eval.evaluate import run_icl
+from bdlora.eval.targets import OrtLM
 from bdlora.export.decoder import DecoderLayout, decoder_graph
 from bdlora.export.defaults import MAX_OPSET
 from bdlora.export.genai.folder import deployment

@@ -1,10 +1,9 @@
-"""``bdlora eval``: held-out perplexity and the 19 ICL probes (SPEC 7) of any model bdlora can load, through one
-interface over a PyTorch model (``TorchLM``) and an onnxruntime session (``OrtLM``), so the deployed graph itself is
-what gets scored when eval is pointed at an ONNX folder."""
+"""``bdlora eval``: held-out perplexity and the 19 ICL probes (SPEC 7) of any model bdlora can load, through the one
+model interface of ``eval.targets`` (a PyTorch model, in memory or read one layer at a time, or an onnxruntime
+session, so the deployed graph itself is what gets scored when eval is pointed at an ONNX folder)."""
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -13,26 +12,17 @@ from pathlib import Path
 import numpy as np
 
 from bdlora import SCHEMA_VERSION, __version__
-from bdlora.base.errors import Checks, DataError, ModelError
+from bdlora.base.errors import Checks, DataError
+from bdlora.base.outputs import DEFAULT_STREAMING, STREAMING
 from bdlora.base.reporter import SILENT, Reporter
-from bdlora.base.runs import CONFIG, MODEL_ONNX, TEACHER_JSON, ModelDir, OnnxDir, RunDir, recorded_data_settings
+from bdlora.base.runs import MODEL_ONNX
 from bdlora.data.blocks import PackedBlocks, scored_blocks
 from bdlora.data.corpora import SAMPLES_PREFIXES, default_heldout, load_tokens, other_domains, settings_tokens
 from bdlora.eval.icl import TASKS, corpus_word_list, is_correct, summarise, task_examples
-from bdlora.models import sources
-from bdlora.models.runtime import (
-    DecoderShape,
-    check_onnx_dir,
-    check_signature,
-    empty_past,
-    left_padded,
-    run_bound,
-    run_decoder,
-    score_blocks,
-    session,
-)
+from bdlora.eval.targets import load_eval_target
+from bdlora.models.runtime import DecoderShape, left_padded
 from bdlora.models.scoring import log_normaliser
-from bdlora.models.tokenizer import TextTokenizer, bos_first, encode_prompt
+from bdlora.models.tokenizer import bos_first, encode_prompt
 from bdlora.train.config import BUILTIN, BUILTIN_DEFAULTS, REAL_DEFAULTS
 
 
@@ -67,6 +57,10 @@ class EvalConfig:
     """ONNX folders: which graph to score (e.g. model_int8.onnx)."""
     batch_size: int = 32
     """Prompts per generation batch."""
+    streaming: str = DEFAULT_STREAMING
+    """A model folder (not ONNX): on reads it one decoder layer at a time (a 1B-8B checkpoint without its fp32
+    copy in memory; each generated ICL token then reads the weights once); off holds it in fp32; auto: on past 2
+    GiB of fp32 weights."""
 
     def validate(self) -> EvalConfig:
         c = Checks()
@@ -80,43 +74,10 @@ class EvalConfig:
             c.require(bool(self.tasks), "--tasks: empty list (name one or more of the 19 tasks)")
             bad = [t for t in self.tasks if t not in TASKS]
             c.require(not bad, f"--tasks {','.join(bad)}: unknown (allowed: {', '.join(TASKS)})")
+        c.choice("streaming", self.streaming, STREAMING)
         c.require(self.ppl or self.icl, "nothing to evaluate: --ppl and --icl both off")
         c.done()
         return self
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# One interface over PyTorch and onnxruntime
-# ------------------------------------------------------------------------------------------------------------------
-
-
-class OrtLM:
-    """An exported bdlora ONNX decoder (inputs ids/mask/positions/past K,V) under onnxruntime (no torch needed)."""
-
-    kind = "onnx"
-
-    def __init__(self, sess, config: dict):
-        self.sess = sess
-        self.config = config  # config.json as a mapping
-        self.shape = DecoderShape.of(config)
-
-    def step(self, ids, mask, pos, past):
-        """Last-position logits (B, V) and the presents as onnxruntime values (IO binding): the next step's past."""
-        logits, present = run_bound(self.sess, ids, mask, pos,
-                                    empty_past(self.shape, ids.shape[0]) if past is None else past)
-        return logits[:, -1], present
-
-    def score(self, ids, mask, pos, past) -> np.ndarray:
-        """Logits (B, n, V) of ``ids`` after the cached prefix ``past`` (left as it was: presents are new values)."""
-        return run_bound(self.sess, ids, mask, pos, past)[0]
-
-    def logits(self, ids, mask, pos, keep: int = 0) -> np.ndarray:
-        out = run_decoder(self.sess, ids, mask, pos, empty_past(self.shape, ids.shape[0]))[0]
-        return out[:, -keep:] if keep else out
-
-    def nll(self, blocks: PackedBlocks, batch_size: int = 8) -> tuple[float, int]:
-        nll, preds = score_blocks(self.sess, self.shape, blocks, batch_size)
-        return nll, int(preds.size)
 
 
 def newline_token_ids(tokenizer) -> set[int]:
@@ -269,50 +230,6 @@ def run_icl(lm, tokenizer, words: list[str], tasks=None, shots: int = 10, seeds:
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def load_eval_target(path: str | Path, onnx_file: str = MODEL_ONNX, device: str = "cpu"):
-    """(lm, tokenizer, kind, run_config or None) for a run directory, a model folder (teacher, compressed,
-    exported HF) or an ONNX folder. ``run_config`` is the training options of the run the model came from."""
-    if str(path) in sources.PRESETS or (sources.is_gguf(str(path)) and Path(path).is_file()):
-        path = sources.resolve(str(path), None, "eval")  # a teacher preset or GGUF file
-    path = Path(path)
-    if not path.is_dir():
-        raise ModelError(f"{path}: no such model folder (pass a run directory, a model folder, an ONNX folder, a "
-                         f".gguf file or a preset: {', '.join(sources.PRESETS)})")
-    run = RunDir(path)
-    if run.started():
-        from bdlora.models.load import load_run_student
-        from bdlora.models.perplexity import TorchLM
-
-        model, tok, _ = load_run_student(run, device)
-        return TorchLM(model, device), tok, "run", run.data_settings()
-    folder = ModelDir(path)
-    provenance = folder.report().get("provenance", {}) if folder.finished() else {}
-    # a run's own held-out slice, else the one its compression recorded
-    run_cfg = recorded_data_settings(path, provenance)
-    if run_cfg is None and (path / TEACHER_JSON).exists():
-        run_cfg = {"data": BUILTIN, "teacher": BUILTIN}  # the embedded default teacher's own corpus
-    if OnnxDir(path).finished() or (path / MODEL_ONNX).exists() or (path / onnx_file).exists():
-        return _onnx_target(path, onnx_file, run_cfg)
-    from bdlora.models.load import load_model_folder
-    from bdlora.models.perplexity import TorchLM
-
-    model, tok, _ = load_model_folder(path)
-    return TorchLM(model.to(device), device), tok, "torch", run_cfg
-
-
-def _onnx_target(path: Path, onnx_file: str, run_cfg: dict | None):
-    """The graph under onnxruntime with the folder's tokenizer read by ``TextTokenizer``: no torch involved."""
-    check_onnx_dir(path, onnx_file)  # graph inside the folder, config and tokenizer load, before any work
-    try:
-        config = json.loads((path / CONFIG).read_text())
-        sess = session(path / onnx_file)
-    except Exception as e:  # noqa: BLE001  a truncated/invalid graph or config is the folder's problem, not a bug
-        raise ModelError(f"{path}: cannot load the ONNX model ({type(e).__name__}: {str(e).splitlines()[0][:160]})") \
-            from None
-    check_signature(path, DecoderShape.of(config), sess)
-    return OrtLM(sess, config), TextTokenizer(path), "onnx", run_cfg
-
-
 def eval_data(run_cfg: dict | None, config, ecfg: EvalConfig) -> dict:
     """The held-out slice to score: the run's own (corpus, split, sequence length, token count) unless overridden;
     without a run, the builtin corpus and ``bdlora train``'s defaults for that kind of teacher."""
@@ -344,7 +261,7 @@ def evaluate_target(path: str | Path, ecfg: EvalConfig, device: str = "cpu", rep
     ecfg.validate()
     t0 = time.time()
     reporter.stage(f"loading {path}")
-    lm, tok, kind, run_cfg = load_eval_target(path, ecfg.onnx_file, device)
+    lm, tok, kind, run_cfg = load_eval_target(path, ecfg.onnx_file, device, ecfg.streaming)
     settings = eval_data(run_cfg, lm.config, ecfg)
     given = samples_from or {}
     settings.update({k: v for k, v in given.items() if v and not settings.get(k)})

@@ -2,7 +2,7 @@
 the sequence length. The LM head runs in position chunks so full-vocabulary logits never sit in memory at once.
 
 ``TorchLM`` is the PyTorch side of ``bdlora eval``'s model interface (its onnxruntime side, ``OrtLM``, needs no
-torch and lives in ``evaluate``)."""
+torch and lives in ``eval.targets``)."""
 
 from __future__ import annotations
 

@@ -29,6 +29,7 @@ from bdlora.base.outputs import STREAMING
 from bdlora.models.integrity import check_safetensors, weight_files
 from bdlora.models.lazy import SOURCE, empty, materialized
 from bdlora.models.load import all_finite, check_weights_match, checked_folder, checked_model
+from bdlora.models.perplexity import TorchLM
 from bdlora.models.scoring import score_logits
 
 STREAM_ABOVE = 2 << 30  # fp32 bytes of weights above which ``--streaming auto`` streams (about 540M parameters)
@@ -196,3 +197,31 @@ def score_streamed(model, blocks, batch_size: int = 4) -> tuple[float, np.ndarra
     with streamed(model):
         return score_logits(lambda x: model(torch.from_numpy(np.asarray(x))).logits.numpy(), blocks,
                             model.config.vocab_size, batch_size, "PyTorch (read one layer at a time)")
+
+
+class StreamedLM(TorchLM):
+    """``bdlora eval``'s PyTorch model interface (``TorchLM``: the same calls, the same numbers) over a lazy model
+    (``lazy_folder_model``): every call runs ``streamed``, so scoring a 1B-8B checkpoint holds one decoder layer in
+    fp32 at a time; each call reads the model's weights once (from the page cache after the first), so perplexity
+    costs little more than in memory and each generated token of the ICL probes a pass over the weight files."""
+
+    kind = "torch-streamed"
+
+    def __init__(self, model):
+        super().__init__(model, "cpu")
+
+    def step(self, ids, mask, pos, past):
+        with streamed(self.model):
+            return super().step(ids, mask, pos, past)
+
+    def score(self, ids, mask, pos, past) -> np.ndarray:
+        with streamed(self.model):
+            return super().score(ids, mask, pos, past)
+
+    def logits(self, ids, mask, pos, keep: int = 0) -> np.ndarray:
+        with streamed(self.model):
+            return super().logits(ids, mask, pos, keep)
+
+    def nll(self, blocks, batch_size: int = 8) -> tuple[float, int]:
+        with streamed(self.model):
+            return super().nll(blocks, batch_size)
