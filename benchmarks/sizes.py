@@ -58,6 +58,9 @@ def commands(ckpt: Path, work: Path, quality_tokens: int) -> dict[str, list[str]
         "export-int4": [*bd, "export", "genai", str(ckpt), "--precision", "int4", "--quant", "rtn",
                         *(["--quality-tokens", str(quality_tokens)] if quality_tokens else []),
                         "--out", str(work / "bdlora-int4")],
+        "export-int4-gptq": [*bd, "export", "genai", str(ckpt), "--precision", "int4", "--quant", "gptq",
+                             "--calib-tokens", "8192", *(["--quality-tokens", str(quality_tokens)] if quality_tokens
+                                                         else []), "--out", str(work / "bdlora-int4-gptq")],
         "export-int4-unchecked": [*bd, "export", "genai", str(ckpt), "--precision", "int4", "--quant", "rtn",
                                   "--no-validate", "--out", str(work / "bdlora-int4-unchecked")],
         "generate": [*bd, "generate", str(work / "bdlora-int4"), "--prompt", PROMPT, "--prompt-lookup", "--compare",

@@ -56,8 +56,9 @@ class GenaiExportSettings:
     sooner, more measure closer; export.json records how many were scored."""
     streaming: str = DEFAULT_STREAMING
     """on: read, emit, round and write one layer at a time (what a 1B-8B model needs; no fp32 model or graph is
-    held; the parity check runs on the model cut to its first layers, the quality against PyTorch streamed layer
-    by layer); off: hold the model in fp32 (GPTQ needs it); auto: on when the fp32 weights pass 2 GiB."""
+    held; GPTQ measures its inputs one layer at a time; the parity check runs on the model cut to its first layers,
+    the quality against PyTorch streamed layer by layer); off: hold the model in fp32; auto: on when the fp32
+    weights pass 2 GiB (and no --int8-share, which ranks the whole graph)."""
     validate: bool = True
     """Check the folder against PyTorch before it is published."""
 
@@ -118,9 +119,9 @@ class GenaiExportSettings:
                       f"--quality-tokens {self.quality_tokens}: scores a rounded graph against fp32; --precision "
                       f"{self.precision} rounds nothing")
         if c.choice("streaming", self.streaming, STREAMING):
-            c.require(self.streaming != "on" or not self.calibrated,
-                      f"--streaming on: --quant {self.quant} measures every MatMul's input on the whole fp32 graph, "
-                      "which a streamed export never holds (give --quant rtn or affine, or --streaming off)")
+            c.require(self.streaming != "on" or not self.int8_share,
+                      f"--streaming on: --int8-share {self.int8_share} ranks every MatMul's rounding error over the "
+                      "whole graph before any is written, which a streamed export never holds (give --streaming off)")
         c.integer("context_length", self.context_length)  # its bound is the model's positions: context_length_of
         c.integer("threads", self.threads, lo=0, hi=MAX_GENAI_THREADS,
                   what=" (0 = leave the thread count to the runtime)")

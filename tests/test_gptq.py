@@ -135,3 +135,30 @@ def test_a_genai_graph_quantised_by_gptq_runs_and_errs_less_than_round_to_neares
     # the logits (int8 activations inside the kernel add a floor) and the rounding errors themselves
     assert err["gptq"] < err["rtn"] and err["gptq rounding"] < err["rtn rounding"], err
     assert err["mixed rounding"] < 0.6 * err["gptq rounding"], err
+
+
+def test_gptq_rounds_a_matmul_the_same_in_slices_of_output_rows(monkeypatch):
+    """GPTQ's rows are independent (one H): the head of a large vocabulary is rounded 4,096 rows at a time, and
+    slices of 7 rows give the codes, scales and zero points of one call over all 40."""
+    from onnx import numpy_helper
+
+    import bdlora.export.genai.quantize as q
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 64))
+    h = torch.from_numpy(x.T @ x)
+    b = rng.normal(size=(64, 40)).astype(np.float32)  # (K, N) as the graph stores it
+    node = helper.make_node("MatMul", ["x", "w"], ["y"], name="m")
+    init = numpy_helper.from_array(b, "w")
+    whole = q._round_matmul(node, init, {"x": h}, 4, "gptq")
+    monkeypatch.setattr(q, "GPTQ_ROWS", 7)
+    sliced = q._round_matmul(node, init, {"x": h}, 4, "gptq")
+    (_, made_whole), err_whole = whole
+    (_, made_sliced), err_sliced = sliced
+    for a, c in zip(made_whole, made_sliced, strict=True):
+        assert a.name == c.name and np.array_equal(numpy_helper.to_array(a), numpy_helper.to_array(c))
+    assert err_sliced == pytest.approx(err_whole, rel=1e-9)
+    codes, scales, zeros = gptq(torch.from_numpy(b.T.astype(np.float64)), h, 4)
+    assert err_whole == pytest.approx(output_error(torch.from_numpy(b.T).double(), dequantize(codes, scales, zeros), h)
+                                      / float(torch.einsum("nk,kl,nl->", torch.from_numpy(b.T).double(), h,
+                                                           torch.from_numpy(b.T).double())), rel=1e-9)

@@ -18,8 +18,11 @@ from typer.testing import CliRunner
 
 from bdlora.base.errors import ConfigError, ModelError, UsageError
 from bdlora.cli import app
+from bdlora.data.blocks import PackedBlocks
 from bdlora.deployed.folder import save_model_folder
 from bdlora.export.genai import export_genai_folder
+from bdlora.export.genai.gptq import input_grams
+from bdlora.export.genai.stream import CalibratedInputs
 from bdlora.export.onnx import export_onnx_folder
 from bdlora.export.settings import GenaiExportSettings
 from bdlora.models.lazy import is_lazy
@@ -136,8 +139,9 @@ def test_a_lazy_models_forward_is_the_loaded_models(folders):
 
 
 def test_what_the_streamed_path_cannot_read_is_refused_in_one_line(folders, tmp_path):
-    with pytest.raises(ConfigError, match="--streaming on: --quant gptq measures every MatMul's input on the whole"):
-        export_genai_folder(folders / "mistral", tmp_path / "g", GenaiExportSettings("int4", "gptq", streaming="on"))
+    with pytest.raises(ConfigError, match="--streaming on: --int8-share 0.1 ranks every MatMul's rounding error"):
+        export_genai_folder(folders / "mistral", tmp_path / "g", GenaiExportSettings("int4", "gptq", streaming="on",
+                                                                                      int8_share=0.1))
     with pytest.raises(ConfigError, match="--streaming .sometimes.: unknown \\(allowed: auto, on, off\\)"):
         export_genai_folder(folders / "mistral", tmp_path / "g", GenaiExportSettings(streaming="sometimes"))
     renamed = tmp_path / "renamed"
@@ -154,6 +158,50 @@ def test_what_the_streamed_path_cannot_read_is_refused_in_one_line(folders, tmp_
     save_file(weights, renamed / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelError, match="missing model.layers.0.mlp.up_proj.weight; unexpected base.layers.0"):
         lazy_folder_model(renamed)
+
+
+@pytest.mark.parametrize("name", ["mistral", "qwen2", "student", "gemma3"])
+def test_gptq_read_one_layer_at_a_time_measures_the_inputs_the_whole_graph_measures(folders, tmp_path, name):
+    """Every weight MatMul's input Gram matrix, carried up the lazy model one layer per part (as the streamed
+    export rounds), equals the one the in-memory GPTQ measures on the whole fp32 graph under onnxruntime."""
+    export_genai_folder(folders / name, tmp_path / "g", GenaiExportSettings("fp32", streaming="off", validate=False))
+    proto = onnx.load(str(tmp_path / "g" / "model_all_logits.onnx"))  # as rounded: every position's head
+    shape = DecoderShape.of(json.loads((folders / name / "config.json").read_text()))
+    blocks = PackedBlocks(np.random.default_rng(0).integers(0, shape.vocab_size, 5 * 16), 16)
+    whole = input_grams(proto, shape, blocks)
+    inputs = CalibratedInputs(lazy_folder_model(folders / name)[0], blocks.get(range(len(blocks))))
+    weights = {t.name for t in proto.graph.initializer}
+    parts: dict = {}
+    for n in proto.graph.node:
+        if n.op_type == "MatMul" and n.input[1] in weights:
+            parts.setdefault(n.name.split("/")[2] if "/layers." in n.name else "head", []).append(n)
+    assert len(parts) == shape.layers + 1
+    measured = {}
+    for nodes in parts.values():  # the layers in order, then the head
+        measured.update(inputs.of(nodes, [n.input[1] for n in nodes]))
+    assert measured.keys() == whole.keys()
+    for x, gram in whole.items():
+        assert float((measured[x] - gram).abs().max()) <= 1e-5 * float(gram.abs().max()), x
+
+
+@pytest.mark.parametrize("name", ["mistral", "student"])
+def test_a_streamed_gptq_export_rounds_as_the_in_memory_one(folders, tmp_path, name):
+    """The same graph (nodes, names, attributes) and the same rounding quality per MatMul: GPTQ's column updates
+    carry a 1e-7 difference of its inputs into other codes where two roundings are equally good, so the measured
+    output error of every MatMul is compared, not its bytes."""
+    runs = {}
+    for mode in ("off", "on"):
+        runs[mode] = export_genai_folder(folders / name, tmp_path / mode, GenaiExportSettings(
+            "int4", "gptq", streaming=mode, calib_tokens=512, max_ppl_change=10))
+    (na, ia), (nb, ib) = _graph(tmp_path / "off"), _graph(tmp_path / "on")
+    assert [n[:4] for n in na] == [n[:4] for n in nb] and ia.keys() == ib.keys()
+    held, lazy = runs["off"]["quantization"], runs["on"]["quantization"]
+    assert lazy["calibration"] == "layer by layer" and lazy["calibration_tokens"] == held["calibration_tokens"]
+    errors = held["relative_output_error"]
+    assert lazy["relative_output_error"].keys() == errors.keys()
+    for node, e in errors.items():
+        assert lazy["relative_output_error"][node] == pytest.approx(e, rel=1e-3), node
+    assert runs["on"]["streamed"] and runs["on"]["validation"]["quality"]["reference"] == "pytorch-fp32-streamed"
 
 
 def test_cli_streams_and_says_so(folders, tmp_path):

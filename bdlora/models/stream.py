@@ -48,8 +48,8 @@ def fp32_bytes(folder: Path) -> int:
 
 def streams(mode: str, folder: Path, whole: bool = False) -> bool:
     """Whether an export reads and writes ``folder``'s model one layer at a time: ``mode`` on, or auto for weights
-    past ``STREAM_ABOVE`` in fp32 unless the export needs the ``whole`` model (a calibrated scheme measures on the
-    whole fp32 graph)."""
+    past ``STREAM_ABOVE`` in fp32 unless the export needs the ``whole`` model (``--int8-share`` ranks the errors of
+    every MatMul before writing any)."""
     if mode not in STREAMING:
         raise UsageError(f"--streaming {mode}: unknown (allowed: {', '.join(STREAMING)})")
     if mode != "auto":

@@ -13,12 +13,14 @@ from bdlora import SCHEMA_VERSION
 from bdlora.base.errors import Checks, UsageError, usable_cores
 from bdlora.base.io import atomic_dir, write_json
 from bdlora.base.outputs import check_out_dir
+from bdlora.base.provenance import recorded_data_settings
 from bdlora.base.reporter import SILENT, Reporter
-from bdlora.base.runs import ALL_LOGITS_ONNX, GENAI_CONFIG, MODEL_ONNX, OnnxDir, recorded_data_settings
+from bdlora.base.runs import ALL_LOGITS_ONNX, GENAI_CONFIG, MODEL_ONNX, OnnxDir
 from bdlora.base.schemes import FLOAT, PRECISIONS
 from bdlora.data.blocks import PackedBlocks, scored_blocks
 from bdlora.data.corpora import heldout_blocks, settings_tokens
-from bdlora.data.tokens import BUILTIN, Corpus, tokenize_corpus
+from bdlora.data.documents import BUILTIN, Corpus
+from bdlora.data.tokens import tokenize_corpus
 from bdlora.export.decoder import DecoderLayout, build_decoder, decoder_graph
 from bdlora.export.decoder import save_graph as save_plain
 from bdlora.export.defaults import MAX_CONTEXT, MAX_OPSET
@@ -29,7 +31,7 @@ from bdlora.export.genai.embedding import TABLE, quantize_embedding
 from bdlora.export.genai.gptq import BLOCK_SIZE, input_grams
 from bdlora.export.genai.logits import split_head
 from bdlora.export.genai.quantize import describe, quantize_nbits
-from bdlora.export.genai.stream import ExternalData, Rounding, StreamingBuilder, save_streamed
+from bdlora.export.genai.stream import CalibratedInputs, ExternalData, Rounding, StreamingBuilder, save_streamed
 from bdlora.export.onnx.metadata import metadata_props, metadata_summary, module_table, set_metadata
 from bdlora.export.onnx.validate import ExportValidationError, quality_figures, quantized_quality
 from bdlora.export.preflight import check_export_inputs
@@ -109,17 +111,22 @@ def _split_head(folder: Path) -> dict:
 
 
 def write_streamed_genai_files(model, tok, folder: Path, settings: GenaiExportSettings, report: dict | None = None,
-                               reporter: Reporter = SILENT) -> dict:
+                               reporter: Reporter = SILENT, calibration=None) -> dict:
     """``write_genai_files`` for a lazy model (``bdlora.models.stream``): each part emitted, rounded and written to
     model.onnx.data in turn (``export.genai.stream``); no fp32 reference graph (the validation of a streamed export
     checks parity on a model cut to a few layers, ``validate.cut_parity``, and the quality against PyTorch read one
-    layer at a time)."""
+    layer at a time). A calibrated scheme rounds each part against its inputs on ``calibration`` (packed blocks),
+    measured one layer at a time (``stream.CalibratedInputs``)."""
     settings, ctx, meta = _beside_graph(model, tok, folder, settings, report)
     precision, cfg = settings.precision, model.config
     rounds = PRECISIONS[precision].rounded
     layout = DecoderLayout.genai(ctx)
     data = ExternalData(folder / f"{MODEL_ONNX}.data")
     rounding = Rounding(precision, settings.quant, settings.head_bits) if rounds else None
+    if settings.calibrated:
+        reporter.stage(f"calibrating: {len(calibration) * calibration.seq_len:,} tokens carried up the model one "
+                       f"layer at a time, each part rounded ({settings.quant}) against its MatMuls' inputs")
+        rounding.inputs = CalibratedInputs(model, calibration.get(range(len(calibration))))
     g = StreamingBuilder(layout.opset, data=data, rounding=rounding, deferred=frozenset({TABLE} if rounds else ()),
                          on_part=lambda: reporter.count(1, cfg.num_hidden_layers + 2, "parts"))
     reporter.count(0, cfg.num_hidden_layers + 2, "parts")
@@ -135,6 +142,9 @@ def write_streamed_genai_files(model, tok, folder: Path, settings: GenaiExportSe
                     proto.graph.initializer[k].CopyFrom(data.put(TABLE, source.read(TABLE).float().numpy()))
             data.externalise(proto)
             info["quantization"] = {**describe(proto, BLOCK_SIZE), **rounding.summary(), **emb}
+            if settings.calibrated:
+                info["quantization"].update(int8_share=settings.int8_share, calibration="layer by layer",
+                                            calibration_tokens=rounding.inputs.tokens)
         save_streamed(proto, folder / MODEL_ONNX)
     finally:
         data.close()
@@ -212,7 +222,7 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, settings: GenaiE
     model_dir, out = Path(model_dir), Path(out)
     check_out_dir(out, force, (model_dir,))
     rounds = PRECISIONS[settings.precision]
-    stream = streams(settings.streaming, model_dir, whole=settings.calibrated)
+    stream = streams(settings.streaming, model_dir, whole=bool(settings.int8_share))
     check_export_inputs(model_dir, out, rounds.bits, reference=rounds.rounded and not stream)
     reporter.stage(f"loading {model_dir}" + (" lazily (each layer read from its weight files when emitted)"
                                              if stream else ""))
@@ -230,13 +240,13 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, settings: GenaiE
                        + (", one layer at a time" if stream else ""))
         t0 = time.time()
         fp32 = tmp / MODEL_ONNX if not rounds.rounded or stream else tmp / FLOAT / MODEL_ONNX
+        calibration = None
+        if settings.calibrated:
+            calibration = calibration_blocks(model_dir, report, tok, DecoderShape.of(model.config),
+                                             settings.calib_tokens)
         if stream:
-            info.update(write_streamed_genai_files(model, tok, tmp, settings, report, reporter))
+            info.update(write_streamed_genai_files(model, tok, tmp, settings, report, reporter, calibration))
         else:
-            calibration = None
-            if settings.calibrated:
-                calibration = calibration_blocks(model_dir, report, tok, DecoderShape.of(model.config),
-                                                 settings.calib_tokens)
             info.update(write_genai_files(model, tok, tmp, settings, report, fp32_path=fp32, calibration=calibration,
                                           reporter=reporter))
         info["export_seconds"] = time.time() - t0

@@ -163,6 +163,26 @@ def scheme_rounded(weight: np.ndarray, bits: int, method: str = DEFAULT_SCHEME) 
     return dequantize(codes, scales, zeros).numpy()
 
 
+GPTQ_ROWS = 4096  # output rows GPTQ rounds at once: its rows are independent (one H), so a 128k-vocabulary head
+# costs slices of 4,096 x K in float64 instead of four copies of the whole (17 GB at 8B)
+
+
+def _gptq_matmul(b: np.ndarray, h: torch.Tensor, bits: int, name: str, x: str, y: str):
+    """``_round_matmul`` of GPTQ on the integer grid: ``b`` (K, N) rounded ``GPTQ_ROWS`` output rows at a time
+    against ``h`` (the codes are those of one call over every row)."""
+    k, n = b.shape
+    parts, error, energy = [], 0.0, 0.0
+    for r in range(0, n, GPTQ_ROWS):
+        w = torch.from_numpy(np.ascontiguousarray(b[:, r : r + GPTQ_ROWS].T, dtype=np.float64))
+        codes, scales, zeros = gptq(w, h, bits)
+        parts.append((codes, scales, zeros))
+        error += output_error(w, dequantize(codes, scales, zeros), h)
+        energy += float(torch.einsum("nk,kl,nl->", w, h, w))
+    codes, scales, zeros = (torch.cat([p[i] for p in parts]) for i in range(3))
+    node, inits = nbits_node(name, x, y, *pack(codes, scales, zeros, bits), k=k, n=n, bits=bits)
+    return ([node], inits), error / max(energy, 1e-30)
+
+
 def describe(out, block: int) -> dict:
     nodes = [n for n in out.graph.node if n.op_type == "MatMulNBits"]
     # each replaced node is renamed (``/lm_head/MatMul`` -> ``/lm_head/MatMul_Q8``)
@@ -229,21 +249,20 @@ def quantize_graph(proto: onnx.ModelProto, grams: dict[str, torch.Tensor], bits_
 
 def _round_matmul(node, w_init, grams, bits: int, method: str):
     """(the MatMulNBits node and its initializers, relative output error) of one MatMul at ``bits``."""
-    b = torch.from_numpy(numpy_helper.to_array(w_init).astype(np.float64))  # (K, N): y = x @ B
-    w = b.T.contiguous()
     h = grams[node.input[0]] if grams else None
-    k, n = b.shape
     name, x, y = node.name + f"_Q{bits}", node.input[0], node.output[0]
     s = scheme(method)
+    if s.calibrated:
+        return _gptq_matmul(numpy_helper.to_array(w_init), h, bits, name, x, y)
+    b = torch.from_numpy(numpy_helper.to_array(w_init).astype(np.float64))  # (K, N): y = x @ B
+    w = b.T.contiguous()
+    k, n = b.shape
     if s.block_offsets and bits == 4 and k % BLOCK_SIZE == 0:
         codes, scales, zeros = affine_rtn(w, bits)
         new = affine_node(name, x, y, codes, scales, zeros, k=k, n=n, bits=bits)
         w_hat = affine_weights(codes, scales, zeros, bits)
     else:  # block offsets at 8 bits: Q8_0's symmetric grid; where blocks do not divide K: the integer grid
-        if s.calibrated:
-            codes, scales, zeros = gptq(w, h, bits)
-        else:
-            codes, scales, zeros = symmetric_rtn(w, bits) if s.block_offsets and bits == 8 else rtn(w, bits)
+        codes, scales, zeros = symmetric_rtn(w, bits) if s.block_offsets and bits == 8 else rtn(w, bits)
         node_, inits = nbits_node(name, x, y, *pack(codes, scales, zeros, bits), k=k, n=n, bits=bits)
         new, w_hat = ([node_], inits), dequantize(codes, scales, zeros)
     if h is None:  # no calibration: the weights' own relative error

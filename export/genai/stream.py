@@ -11,25 +11,30 @@ The result is the in-memory path's graph (tested equal to 1e-5 on the same folde
 onnxruntime kernel ``MatMulNBitsQuantizer`` calls (``rtn_nbits``: the same codes, scales and node, computed over
 column slices so a 128k-vocabulary head is never copied whole); ``affine`` rounds each part with ``quantize_graph``.
 The embedding table is not written in fp32: at the end ``quantize_embedding`` points the Gather at the tied head's
-codes or at an 8-bit copy read again from the weight files, rows at a time. GPTQ measures every MatMul's input on the
-whole fp32 graph, which this path never builds: it is refused here (``export genai --quant gptq --streaming off``
-where the model fits).
+codes or at an 8-bit copy read again from the weight files, rows at a time. GPTQ rounds each part against its
+MatMuls' input Gram matrices measured layer by layer (``CalibratedInputs``: the calibration blocks' hidden states
+carried up the lazy model, ``models.sequential``), as its reference implementation calibrates; the in-memory path
+measures the same inputs on the whole fp32 graph (tested equal to 1e-6).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import onnx
+import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from bdlora.base.errors import ModelError
 from bdlora.base.schemes import mixed, scheme
 from bdlora.export.decoder.builder import GraphBuilder, contiguous, node_bits
 from bdlora.export.genai.affine import AUGMENTED
 from bdlora.export.genai.gptq import ACCURACY_LEVEL, BLOCK_SIZE
 from bdlora.export.genai.quantize import BITS, LM_HEAD, keep_docs, ort_rtn, quantize_graph
+from bdlora.models.sequential import LayerByLayer, layer_input_grams
 
 INLINE_BELOW = 1024  # bytes: smaller tensors stay inside model.onnx (onnx's own external-data threshold)
 ALIGN = 4096  # each external tensor starts on a page (onnxruntime may map it instead of copying)
@@ -97,8 +102,8 @@ def rtn_nbits(node, b: np.ndarray, bits: int, data: ExternalData):
 @dataclass
 class Rounding:
     """How the streamed graph's weight MatMuls are rounded: the precision's bits, the head's, 8 bits for the
-    projections a folder declares wider (int4 only), by ``method`` (rtn or affine); ``errors``: affine's relative
-    output errors by node, as ``quantize_graph`` reports them."""
+    projections a folder declares wider (int4 only), by ``method`` (rtn, affine, or gptq against ``inputs``);
+    ``errors``: affine's and gptq's relative output errors by node, as ``quantize_graph`` reports them."""
 
     precision: str
     method: str
@@ -107,6 +112,7 @@ class Rounding:
     wide: list = field(default_factory=list)  # the MatMuls rounded to 8 bits because their folder declares it
     corrected: int = 0  # affine MatMuls whose offsets a correction restores
     eight: list = field(default_factory=list)  # affine: the MatMuls (the head aside) rounded to 8 bits
+    inputs: CalibratedInputs | None = None  # a calibrated scheme's MatMul input Gram matrices, part by part
 
     def bits(self, node) -> int:
         if node.name == LM_HEAD:
@@ -120,7 +126,8 @@ class Rounding:
         s = scheme(self.method)
         out = {"method": s.name, "symmetric": s.symmetric, "declared_int8_matmuls": len(self.wide)}
         if s.rounds_here:
-            out.update(relative_output_error=self.errors, offset_corrections=self.corrected, int8_matmuls=self.eight)
+            out.update(relative_output_error=self.errors, int8_matmuls=self.eight,
+                       **({} if s.calibrated else {"offset_corrections": self.corrected}))
         return out
 
     def round(self, nodes: list, weights: dict, data: ExternalData) -> tuple[list, list]:
@@ -143,13 +150,55 @@ class Rounding:
             np.ascontiguousarray(weights.pop(w), dtype=np.float32), w) for w in used]))
         by_name = {n.name: self.bits(n) for n in nodes}
         docs = {n.name: n.doc_string for n in nodes if n.op_type == "MatMul" and n.doc_string}
-        part, detail = quantize_graph(part, None, lambda name: by_name.get(name), method=self.method, in_place=True)
+        grams = self.inputs.of(nodes, used) if scheme(self.method).calibrated else None
+        part, detail = quantize_graph(part, grams, lambda name: by_name.get(name), method=self.method, in_place=True)
         keep_docs(docs, part)
         self.errors.update(detail["relative_output_error"])
         self.eight += [n for n, b in detail["bits"].items() if b == 8 and n != LM_HEAD]
         self.corrected += sum(n.op_type == "MatMulNBits" and n.input[0].endswith(AUGMENTED) for n in part.graph.node)
         data.externalise(part)
         return list(part.graph.node), list(part.graph.initializer)
+
+
+class CalibratedInputs:
+    """The input Gram matrix of each weight MatMul of a part, as the part is rounded: the calibration ``blocks``
+    (n, T) carried up the lazy ``model`` one decoder layer per part (``LayerByLayer``); a MatMul's projections are
+    read from its doc string (``builder._doc``), a low-rank second factor's input is its rank-r activation, the
+    head's the final norm's output."""
+
+    def __init__(self, model, blocks: np.ndarray, on_layer=None):
+        self.runner = LayerByLayer(model, blocks)
+        self.tokens = int(blocks.size)
+        self.on_layer = on_layer
+
+    def of(self, nodes: list, weights: list[str]) -> dict[str, torch.Tensor]:
+        matmuls = [n for n in nodes if n.op_type == "MatMul" and n.input[1] in weights]
+        if not matmuls:  # the embedding's part
+            return {}
+        if any(n.name == LM_HEAD for n in matmuls):
+            final = self.runner.final()
+            x = [h.reshape(-1, h.shape[-1]).float() for h in final]
+            gram = sum((t.T @ t).double() for t in x)
+            return {n.input[0]: gram for n in matmuls if n.name == LM_HEAD}
+        keys = {n.input[0]: _projection_input(n) for n in matmuls}
+        layers = {int(k.split(".")[2]) for k in keys.values()}
+        if len(layers) != 1:
+            raise ModelError(f"a streamed part's MatMuls name decoder layers {sorted(layers)}: cannot calibrate it")
+        grams = layer_input_grams(self.runner, layers.pop())
+        if self.on_layer is not None:
+            self.on_layer()
+        return {x: grams[k] for x, k in keys.items()}
+
+
+def _projection_input(node) -> str:
+    """The ``layer_input_grams`` key of a weight MatMul's input: its first projection's input, or for a low-rank
+    second factor (``.../lora_b/MatMul``) that projection's rank-r activation."""
+    try:
+        first = json.loads(node.doc_string)[0]["bdlora_module"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ModelError(f"MatMul {node.name}: names no projection (its doc string), so its input cannot be "
+                         "calibrated one layer at a time (give --streaming off)") from None
+    return f"{first}.proj_out" if node.name.endswith("/lora_b/MatMul") else first
 
 
 @dataclass
