@@ -5,7 +5,8 @@ import pytest
 
 from bdlora.base.errors import DataError
 from bdlora.data.blocks import BlockSampler, PackedBlocks
-from bdlora.data.tokens import BUILTIN_HELDOUT_FRACTION, Corpus, builtin_files, is_heldout, tokenize_corpus
+from bdlora.data.documents import BUILTIN_HELDOUT_FRACTION, Corpus, builtin_files, is_heldout
+from bdlora.data.tokens import tokenize_corpus
 
 
 def test_md5_split_is_stable_and_matches_spec():
@@ -126,7 +127,7 @@ def test_document_blocks_truncate_pad_and_mask():
 
 
 def test_long_documents_are_cut_into_pieces_that_concatenate_exactly():
-    from bdlora.data.tokens import pieces
+    from bdlora.data.documents import pieces
 
     text = ("word " * 30 + "\n") * 40  # 6,040 characters, a newline every 151
     parts = list(pieces("d", iter([text[i : i + 700] for i in range(0, len(text), 700)]), size=1000))
@@ -139,7 +140,7 @@ def test_long_documents_are_cut_into_pieces_that_concatenate_exactly():
 
 
 def test_a_long_document_tokenises_as_one_document_with_one_eos(tiny_env, tmp_path, monkeypatch):
-    import bdlora.data.tokens as D
+    import bdlora.data.documents as D
 
     tok = tiny_env["tokenizer"]
     (tmp_path / "c").mkdir()
@@ -156,7 +157,8 @@ def test_a_long_document_tokenises_as_one_document_with_one_eos(tiny_env, tmp_pa
 CHILD = """
 import resource, sys
 from transformers import AutoTokenizer
-from bdlora.data.tokens import Corpus, tokenize_corpus
+from bdlora.data.documents import Corpus
+from bdlora.data.tokens import tokenize_corpus
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
 vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize"))
 resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.RLIM_INFINITY))  # 1 GiB more than after imports
@@ -210,7 +212,7 @@ def test_corpus_problems_are_one_line_errors(tmp_path):
 
 
 def test_an_overlong_jsonl_line_is_refused_before_it_is_read_whole(tmp_path, monkeypatch):
-    import bdlora.data.tokens as D
+    import bdlora.data.documents as D
 
     monkeypatch.setattr(D, "MAX_JSONL_LINE", 1000)
     (tmp_path / "j").mkdir()

@@ -205,7 +205,8 @@ def test_one_pass_scoring_equals_separate_greedy_and_logprob(tiny_model, tiny_en
 
 def test_perplexity_is_exp_of_independent_mean_nll(tiny_model, tiny_env):
     from bdlora.data.blocks import PackedBlocks
-    from bdlora.data.tokens import Corpus, tokenize_corpus
+    from bdlora.data.documents import Corpus
+    from bdlora.data.tokens import tokenize_corpus
 
     data = tokenize_corpus(Corpus(tiny_env["corpus"]), tiny_env["tokenizer"], 0.1, tiny_env["cache"])
     blocks = PackedBlocks(data.tokens("val"), 32, max_tokens=512)

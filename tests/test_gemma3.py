@@ -146,7 +146,8 @@ def test_a_model_whose_tokenizer_starts_with_bos_sees_it_at_the_start_of_every_b
     from tokenizers.processors import TemplateProcessing
 
     from bdlora.data.blocks import DocumentBlocks, PackedBlocks
-    from bdlora.data.tokens import Corpus, tokenize_corpus
+    from bdlora.data.documents import Corpus
+    from bdlora.data.tokens import tokenize_corpus
     from bdlora.models.tokenizer import bos_first
 
     stream = np.arange(100)

@@ -138,7 +138,8 @@ def test_an_unreachable_ratio_names_the_reachable_one():
 
 def test_calibration_is_deterministic_and_shared_inputs_share_a_gram(tiny_model, tiny_env):
     from bdlora.data.blocks import PackedBlocks
-    from bdlora.data.tokens import Corpus, tokenize_corpus
+    from bdlora.data.documents import Corpus
+    from bdlora.data.tokens import tokenize_corpus
 
     data = tokenize_corpus(Corpus(tiny_env["corpus"]), tiny_env["tokenizer"], 0.1, tiny_env["cache"])
     blocks = PackedBlocks(data.tokens("train"), 32)

@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 
 from bdlora.cli import app
 from bdlora.data.blocks import PackedBlocks
-from bdlora.data.tokens import Corpus, tokenize_corpus
+from bdlora.data.documents import Corpus
+from bdlora.data.tokens import tokenize_corpus
 from bdlora.models.budgeted.config import BudgetedConfig
 from bdlora.models.budgeted.model import apply_budgeted_lora, gated_modules
 from bdlora.train.budgeted.start import LowRankStart, compute_start, start_gated

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from bdlora.base.errors import UsageError
 from bdlora.cli import app
-from bdlora.data.tokens import DEFAULT_HELDOUT_FRACTION, is_heldout
+from bdlora.data.documents import DEFAULT_HELDOUT_FRACTION, is_heldout
 from bdlora.train import stopping
 from bdlora.train.config import OBJECTIVE_DEFAULTS, TrainConfig, resolve_defaults
 from bdlora.train.distill import DistillationLoss

@@ -372,12 +372,6 @@ def eval_json(source: str | os.PathLike) -> Path:
     return source.with_name(source.name + EVAL)
 
 
-def provenance_paths(run_dir: str | os.PathLike, recorded_in: str | os.PathLike) -> dict:
-    """How a folder records the run it came from: absolute, and relative to the recording folder."""
-    run, here = Path(run_dir).resolve(), Path(recorded_in).resolve()
-    return {"run_dir": str(run), "run_dir_relative": os.path.relpath(run, here)}
-
-
 def source_run(folder: str | os.PathLike, provenance: dict) -> RunDir | None:
     """The RunDir a provenance record points at (relative to ``folder`` first, then absolute), if it exists."""
     candidates = []
@@ -390,11 +384,3 @@ def source_run(folder: str | os.PathLike, provenance: dict) -> RunDir | None:
         if run.started():
             return run
     return None
-
-
-def recorded_data_settings(folder: str | os.PathLike, provenance: dict) -> dict | None:
-    """The corpus settings a model folder's figures come from (``RunDir.data_settings``): its source run's while it
-    exists, else the copy its compression recorded in the provenance (every compression records one, so a folder
-    keeps its held-out slice when the run is deleted or the folder moved); None when neither is known."""
-    run = source_run(folder, provenance)
-    return run.data_settings() if run is not None else provenance.get("data_settings")

@@ -30,7 +30,8 @@ from bdlora.bench.config import NO_DOMAIN, BenchConfig
 from bdlora.bench.front import PEER
 from bdlora.bench.launch import run_timing_process
 from bdlora.data.corpora import GENERAL_VOCABULARY, default_heldout, unseen_corpus
-from bdlora.data.tokens import BUILTIN, default_cache_dir
+from bdlora.data.documents import BUILTIN
+from bdlora.data.tokens import default_cache_dir
 from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES
 from bdlora.eval.icl import corpus_word_list
 from bdlora.eval.reference import teacher_folder

@@ -15,7 +15,7 @@ from bdlora.cli import render
 from bdlora.cli.app import command, err, export_app, out
 from bdlora.cli.options import from_dataclass
 from bdlora.cli.progress import RichReporter
-from bdlora.data.tokens import BUILTIN
+from bdlora.data.documents import BUILTIN
 from bdlora.export.defaults import DEFAULT_OPSET, MAX_GENAI_THREADS
 from bdlora.export.hf import export_hf as run_export
 from bdlora.export.settings import GenaiExportSettings

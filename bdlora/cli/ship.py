@@ -13,7 +13,7 @@ from bdlora.base.runs import RUNS_DIR, SHIP_PLOT, SHIP_REPORT, SHIP_RESULT
 from bdlora.cli.app import command, err, out
 from bdlora.cli.options import from_dataclass
 from bdlora.cli.progress import RichReporter
-from bdlora.data.tokens import BUILTIN
+from bdlora.data.documents import BUILTIN
 from bdlora.ship.config import ShipConfig
 from bdlora.ship.run import run_ship
 

@@ -12,8 +12,9 @@ from pathlib import Path
 from bdlora import SCHEMA_VERSION, __version__
 from bdlora.base.method_table import method_of
 from bdlora.base.outputs import check_out_dir
+from bdlora.base.provenance import provenance_paths
 from bdlora.base.reporter import SILENT, Reporter
-from bdlora.base.runs import RunDir, provenance_paths
+from bdlora.base.runs import RunDir
 from bdlora.data.corpora import heldout_blocks
 from bdlora.deployed.folder import save_model_folder
 from bdlora.models.budgeted.config import BudgetedConfig

@@ -36,18 +36,12 @@ from bdlora.base.errors import DataError
 from bdlora.base.io import atomic_dir
 from bdlora.base.reporter import SILENT, Reporter
 from bdlora.data.blocks import PackedBlocks, scored_blocks
+from bdlora.data.documents import BUILTIN, BUILTIN_HELDOUT_FRACTION, Corpus
 from bdlora.data.fortunes import FORTUNES, fortunes_dir
 from bdlora.data.fortunes import HELDOUT_FRACTION as FORTUNES_HELDOUT
 from bdlora.data.prose import PROSE, prose_dir
 from bdlora.data.token_cache import sealed, whole
-from bdlora.data.tokens import (
-    BUILTIN,
-    BUILTIN_HELDOUT_FRACTION,
-    Corpus,
-    TokenizedCorpus,
-    default_cache_dir,
-    tokenize_corpus,
-)
+from bdlora.data.tokens import TokenizedCorpus, default_cache_dir, tokenize_corpus
 
 BUILTIN_CORPORA = (BUILTIN, PROSE, FORTUNES)  # the corpora bdlora names (the first ships with Python, the others are
 # fetched once from a package registry and cached)

@@ -42,7 +42,8 @@ from pathlib import Path
 from bdlora.base.errors import DataError
 from bdlora.base.io import write_json
 from bdlora.data.corpora import open_corpus, parse, teacher_tokens
-from bdlora.data.tokens import BUILTIN, default_cache_dir, is_heldout
+from bdlora.data.documents import BUILTIN, is_heldout
+from bdlora.data.tokens import default_cache_dir
 
 TASKS = (
     "alphabetically_first_3", "alphabetically_first_5", "alphabetically_last_3", "alphabetically_last_5",

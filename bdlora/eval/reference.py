@@ -13,7 +13,8 @@ from bdlora.base.io import read_json, write_json
 from bdlora.base.reporter import SILENT, Reporter
 from bdlora.base.runs import CONFIG, MODEL_ONNX
 from bdlora.data.corpora import SAMPLES_PREFIXES
-from bdlora.data.tokens import BUILTIN, default_cache_dir
+from bdlora.data.documents import BUILTIN
+from bdlora.data.tokens import default_cache_dir
 from bdlora.eval.evaluate import EvalConfig, evaluate_target
 from bdlora.models import sources
 from bdlora.models.teacher import builtin_teacher_dir

@@ -12,7 +12,8 @@ import numpy as np
 
 from bdlora.base.errors import ModelError
 from bdlora.base.outputs import DEFAULT_STREAMING
-from bdlora.base.runs import CONFIG, MODEL_ONNX, TEACHER_JSON, ModelDir, OnnxDir, RunDir, recorded_data_settings
+from bdlora.base.provenance import recorded_data_settings
+from bdlora.base.runs import CONFIG, MODEL_ONNX, TEACHER_JSON, ModelDir, OnnxDir, RunDir
 from bdlora.data.blocks import PackedBlocks
 from bdlora.models import sources
 from bdlora.models.runtime import (

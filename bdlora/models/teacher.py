@@ -32,7 +32,8 @@ from bdlora.base.errors import ModelError, UsageError
 from bdlora.base.io import atomic_dir, write_json
 from bdlora.base.runs import TEACHER_JSON, ModelDir
 from bdlora.data.blocks import BlockSampler, PackedBlocks
-from bdlora.data.tokens import BUILTIN, Corpus, default_cache_dir, is_heldout, tokenize_corpus
+from bdlora.data.documents import BUILTIN, Corpus, is_heldout
+from bdlora.data.tokens import default_cache_dir, tokenize_corpus
 from bdlora.deployed.folder import check_architecture
 from bdlora.models import sources
 from bdlora.models.integrity import check_loadable, check_model_folder

@@ -33,7 +33,7 @@ from bdlora.base.errors import BdloraError, UsageError
 from bdlora.base.io import read_json, write_json
 from bdlora.base.reporter import SILENT, Reporter
 from bdlora.base.runs import BENCH_JSON, CONFIG, EXPORT_MARKER, SHIP_OPTIONS, SHIP_RESULT, ModelDir, RunDir
-from bdlora.data.tokens import BUILTIN
+from bdlora.data.documents import BUILTIN
 from bdlora.models.sources import resolve
 from bdlora.ship.config import DRAFT_FORMS, ShipConfig
 from bdlora.ship.preflight import check_reach, check_settings

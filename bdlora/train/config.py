@@ -20,9 +20,10 @@ from typing import Any
 from bdlora.base.errors import Checks, shown
 from bdlora.base.method_table import GATED, METHODS, Method, method_of
 from bdlora.base.schemes import GENAI_PRECISIONS, quant_problem
-from bdlora.forms import LOWRANK, train_forms_problems
+from bdlora.forms import LOWRANK
 from bdlora.models.budgeted.config import ALLOCATIONS, LORA_INITS, BudgetedConfig
 from bdlora.models.budgeted.config import DEFAULTS as BUDGETED
+from bdlora.train.forms_flags import train_forms_problems
 from bdlora.train.stopping import stopping_problems
 
 DEVICES = ("auto", "cpu", "cuda")

@@ -1,8 +1,8 @@
 """The distillation recipe (nanoGPT-style, one explicit loop for kd-full, kd-lora and budgeted): ``setup`` takes
 what ``session.prepare`` built (teacher, data, student) and opens (or resumes) the run directory, ``loop`` runs the
 optimiser steps, ``finish`` saves the student and writes ``summary.json`` last. Method-specific behaviour lives in
-``methods``; checkpoints and signal handling in ``checkpoint``; the run-directory layout in ``runs``; multi-process
-plumbing in ``distributed``.
+``methods``; checkpoints and signal handling in ``checkpoint``; what a finished run records in ``summary``; the
+run-directory layout in ``runs``; multi-process plumbing in ``distributed``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from bdlora import SCHEMA_VERSION, __version__
 from bdlora.base.errors import ModelError, RunDirError, Terminated, TrainingError, UsageError
-from bdlora.base.io import atomic_dir, release, write_json
+from bdlora.base.io import release, write_json
 from bdlora.base.outputs import check_new_out
 from bdlora.base.reporter import SILENT, Reporter
 from bdlora.base.runs import FAILED, RunDir, RunFacts
@@ -30,8 +30,7 @@ from bdlora.models.perplexity import perplexity
 from bdlora.models.teacher import load_teacher
 from bdlora.train import distributed as D
 from bdlora.train import forms_start, stopping
-from bdlora.train.budgeted.start import LowRankStart, needed, shapes_of
-from bdlora.train.budgeted.start import summary as start_summary
+from bdlora.train.budgeted.start import LowRankStart, needed
 from bdlora.train.checkpoint import (
     StopRequest,
     drop_unstarted,
@@ -49,6 +48,7 @@ from bdlora.train.methods import METHOD_CLASSES, TrainingMethod
 from bdlora.train.reweight import reweigh
 from bdlora.train.session import Session, prepare
 from bdlora.train.stopping import BestKeeper, TimeBudget
+from bdlora.train.summary import finish
 
 
 @dataclass
@@ -368,33 +368,3 @@ def _optimiser_step(run: Run, step: int, logs: dict) -> dict:
         logs["metrics"].flush()
     run.reporter.step(done, m)
     return m
-
-
-def finish(run: Run) -> dict:
-    """Save the student, then ``summary.json`` (written last: it marks the run finished)."""
-    cfg, env = run.cfg, run.env
-    steps_here = cfg.max_steps - run.start_step
-    train_seconds = run.prior_seconds + run.t1 - run.t0
-    if not env.is_main:
-        D.barrier(env)
-        return {"rank": env.rank, "run_dir": str(run.run.path)}
-    kept = stopping.keep_best(run)
-    run.reporter.stage("saving the student")
-    with atomic_dir(run.run.student_dir) as tmp:
-        run.method.save_student(run.model, run.sess.tokenizer, tmp)
-    summary = {
-        "schema_version": SCHEMA_VERSION, "bdlora_version": __version__, "method": cfg.method,
-        "teacher": cfg.teacher, "data": cfg.data, "student_layers": cfg.student_layers,
-        "layer_indices": run.sess.layer_indices, "steps": cfg.max_steps, "tokens": cfg.max_steps * run.tokens_per_step,
-        "world_size": env.world_size, "global_batch": run.global_batch, **run.figures,
-        "train_seconds": train_seconds, "tokens_per_s": steps_here * run.tokens_per_step / max(run.t1 - run.t0, 1e-9),
-        "resumed_from": run.start_step or None, "trainable_parameters": sum(p.numel() for p in run.params),
-        **(start_summary(run.start, shapes_of(run.sess.student)) if run.start else {"lora_init": "zero"}),
-        **run.method.summary(run.model), **({"kd_topk": run.topk.stats()} if run.topk else {}), **kept,
-        **({"mixture": run.sess.mixture.summary()} if run.sess.mixture else {}),
-    }
-    batch = torch.from_numpy(run.blocks.get(run.sampler.indices(0, cfg.batch_size))).to(run.device)
-    run.method.finalize(run.run.path, summary, run.sess.teacher, batch, run.device, run.reporter.stage)
-    write_json(run.run.path / RunDir.MARKER, summary)
-    D.barrier(env)
-    return {**summary, "run_dir": str(run.run.path)}

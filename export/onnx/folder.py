@@ -10,8 +10,9 @@ from bdlora import SCHEMA_VERSION
 from bdlora.base.errors import UsageError
 from bdlora.base.io import atomic_dir, write_json
 from bdlora.base.outputs import DEFAULT_STREAMING, check_out_dir
+from bdlora.base.provenance import recorded_data_settings
 from bdlora.base.reporter import SILENT, Reporter
-from bdlora.base.runs import MODEL_INT8_ONNX, MODEL_ONNX, OnnxDir, recorded_data_settings
+from bdlora.base.runs import MODEL_INT8_ONNX, MODEL_ONNX, OnnxDir
 from bdlora.data.corpora import heldout_blocks
 from bdlora.export.decoder import DecoderLayout, decoder_graph, save_graph
 from bdlora.export.files import identity, write_model_files
