@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from bdlora.base.errors import Checks
 from bdlora.base.runs import MODEL_ONNX
-from bdlora.speculative.run import SpeculationConfig
+from bdlora.speculative.config import SpeculationConfig
 
 # Where and how the server listens (not part of ServeConfig: the app does not need them); the CLI's defaults.
 DEFAULT_HOST = "127.0.0.1"

@@ -34,8 +34,8 @@ from bdlora.serve.fair import FairQueue, reserved_for, reserved_slots
 from bdlora.serve.interface import ServingEngine
 from bdlora.serve.sequence import Request, Sequence, safe_emit, score_prompt
 from bdlora.serve.speculation import EngineSpeculation
+from bdlora.speculative.config import SpeculationConfig
 from bdlora.speculative.decoders import OrtDecoder
-from bdlora.speculative.run import SpeculationConfig
 
 
 class Engine(ServingEngine):

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from bdlora.speculative.decoders import DecoderFactory
+from bdlora.speculative.config import SpeculationConfig
+from bdlora.speculative.decoders import DecoderFactory, stop_ids_of
 from bdlora.speculative.loop import SpecStats, Speculator
 from bdlora.speculative.policy import Costs, KPolicy
-from bdlora.speculative.proposers import DraftProposer, PromptLookup
-from bdlora.speculative.run import SpeculationConfig, stop_ids_of
+from bdlora.speculative.proposers import new_proposer
 
 
 class EngineSpeculation:
@@ -38,8 +38,7 @@ class EngineSpeculation:
         """The sequence's speculator over ``target`` (a decoder view of its cache, made for this round); its proposer
         and policy live on the sequence across rounds."""
         if getattr(seq, "proposer", None) is None:
-            seq.proposer = (DraftProposer(self.draft.new(max_length), self.draft_stop_ids) if self.draft is not None
-                            else PromptLookup(self.spec.ngram))
+            seq.proposer = new_proposer(self.spec.kind, self.spec.ngram, self.draft, max_length, self.draft_stop_ids)
             seq.policy = KPolicy(self.spec.max_k, self.costs, fixed=self.spec.max_k if self.spec.fixed_k else None)
         return Speculator(target, seq.proposer, seq.policy, self.stop_ids)
 

@@ -351,7 +351,7 @@ def _engine(pair, runtime, proposer="draft", fixed_k=True, **kw):
     does, so the adaptive k rightly turns speculation off: the policy is tested on its own)."""
     from bdlora.serve.engine import Engine
     from bdlora.serve.genai_engine import GenaiEngine
-    from bdlora.speculative.run import SpeculationConfig
+    from bdlora.speculative.config import SpeculationConfig
 
     root = pair["root"]
     ext = ".genai" if runtime == "genai" else ".onnx"

@@ -16,11 +16,10 @@ import time
 
 import numpy as np
 
-from bdlora.speculative.decoders import DecoderFactory
+from bdlora.speculative.decoders import DecoderFactory, stop_ids_of
 from bdlora.speculative.loop import SpecStats, Speculator
 from bdlora.speculative.policy import Costs, KPolicy
-from bdlora.speculative.proposers import DraftProposer, PromptLookup
-from bdlora.speculative.run import stop_ids_of
+from bdlora.speculative.proposers import DraftProposer, PromptLookup, new_proposer
 
 SETTLE_S = 0.05  # as the genai timing process: let the previous model's threads park before a timed run
 
@@ -40,13 +39,16 @@ def run_one(factory, proposer, policy, prompt: list[int], n: int, stops) -> tupl
     return seq[len(prompt): len(prompt) + n], t2 - t0, t2 - t1, sp.stats
 
 
-def configurations(spec: dict) -> list[tuple[str, str, int | None]]:
-    """(name, proposer, fixed k or None for adaptive) of every configuration timed; the plain target first."""
-    out = [("plain", "none", 1)]
+def configurations(spec: dict) -> list[tuple[str, str | None, int | None]]:
+    """(name, proposer (``proposers.PROPOSERS``; None: the plain target), fixed k or None for adaptive) of every
+    configuration timed, the plain target first; the names are the bench's result rows ("lookup" for prompt
+    lookup's, as bench.json files have always called them)."""
+    draft, lookup = DraftProposer.name, PromptLookup.name
+    out = [("plain", None, 1)]
     if spec.get("draft"):
-        out += [(f"draft-k{k}", "draft", k) for k in spec["ks"]] + [("draft", "draft", None)]
+        out += [(f"draft-k{k}", draft, k) for k in spec["ks"]] + [("draft", draft, None)]
     if spec.get("lookup"):
-        out += [(f"lookup-k{spec['max_k']}", "lookup", spec["max_k"]), ("lookup", "lookup", None)]
+        out += [(f"lookup-k{spec['max_k']}", lookup, spec["max_k"]), ("lookup", lookup, None)]
     return out
 
 
@@ -57,7 +59,7 @@ def main(argv: list[str]) -> int:
     target = DecoderFactory.verifying(spec["target"], threads)
     draft = DecoderFactory(spec["draft"], threads) if spec.get("draft") else None
     stops, draft_stops = stop_ids_of(target, spec.get("eos")), stop_ids_of(draft, spec.get("eos")) if draft else []
-    costs = {"none": Costs(), "draft": Costs(), "lookup": Costs()}  # per proposer, shared as a server shares them
+    costs = {None: Costs(), DraftProposer.name: Costs(), PromptLookup.name: Costs()}  # per proposer, as a server
     out = []
     for domain, prompts in spec["prompts"].items():
         cells = {name: {"tokens": 0, "seconds": 0.0, "decode_seconds": 0.0, "stats": SpecStats(), "identical": True}
@@ -66,11 +68,11 @@ def main(argv: list[str]) -> int:
             for prompt in prompts:
                 reference = None
                 for name, kind, k in configurations(spec):
-                    proposer = (DraftProposer(draft.new(len(prompt) + spec["new_tokens"] + 18), draft_stops)
-                                if kind == "draft" else PromptLookup(spec["ngram"]) if kind == "lookup" else None)
+                    proposer = new_proposer(kind, spec["ngram"], draft, len(prompt) + spec["new_tokens"] + 18,
+                                            draft_stops)
                     policy = KPolicy(spec["max_k"], costs[kind], fixed=k)
                     time.sleep(SETTLE_S)
-                    toks, secs, dec, stats = run_one(plain if kind == "none" else target, proposer, policy, prompt,
+                    toks, secs, dec, stats = run_one(plain if kind is None else target, proposer, policy, prompt,
                                                      spec["new_tokens"], stops)
                     reference = toks if reference is None else reference
                     if r < spec["warmup"]:
@@ -90,7 +92,7 @@ def main(argv: list[str]) -> int:
                         **c["stats"].as_dict()})
         print(f"speculative {domain}", file=sys.stderr, flush=True)
     with open(argv[1], "w") as f:
-        mine = costs["draft"] if spec.get("draft") else costs["lookup"]  # the draft's costs, else lookup's
+        mine = costs[DraftProposer.name if spec.get("draft") else PromptLookup.name]  # the draft's, else lookup's
         json.dump({"rows": out, "costs": {"target_us": {str(w): s * 1e6 for w, s in mine.target.items()},
                                           "draft_us": None if mine.draft is None else mine.draft * 1e6}}, f)
     return 0

@@ -13,7 +13,8 @@ from bdlora.base.errors import Checks, UsageError
 from bdlora.base.runs import RUNS_DIR, GenaiDir
 from bdlora.cli.app import command, err, out
 from bdlora.cli.options import from_dataclass
-from bdlora.speculative.run import GenerateConfig, SpeculationConfig, generate_text
+from bdlora.speculative.config import SpeculationConfig
+from bdlora.speculative.run import GenerateConfig, generate_text
 
 SPECULATION_PANEL = "Speculative decoding"
 

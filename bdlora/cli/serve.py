@@ -17,8 +17,8 @@ from bdlora.cli.options import from_dataclass, int_list
 from bdlora.models.runtime import check_onnx_dir
 from bdlora.serve.config import DEFAULT_DRAIN_SECONDS, DEFAULT_HOST, DEFAULT_PORT, ServeConfig
 from bdlora.serve.loadtest import CONCURRENCY, MAX_TOKENS, REQUESTS, TEMPERATURE, base_url, first_model, load_test
+from bdlora.speculative.config import SpeculationConfig
 from bdlora.speculative.decoders import check_draft
-from bdlora.speculative.run import SpeculationConfig
 
 LIMITS = "Limits and scheduling"
 SERVE_PANELS = {  # serve --help: where and what to serve first; the server's limits and its files after

@@ -210,3 +210,13 @@ def opened(what: str, folder: Path, make):
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
         raise ModelError(f"{what} {folder}: does not load in its runtime ({type(e).__name__}: {first}); the folder "
                          "is damaged, export it again") from None
+
+
+def stop_ids_of(factory: DecoderFactory, eos: int | None) -> list[int]:
+    """Tokens never fed to a decoder: end-of-text, and under onnxruntime-genai its pad id too (dropped from the end
+    of what it is fed)."""
+    ids = [eos]
+    if factory.runtime == "genai":
+        model = json.loads((factory.folder / GENAI_CONFIG).read_text())["model"]
+        ids.append(model.get("pad_token_id"))
+    return [i for i in ids if i is not None]

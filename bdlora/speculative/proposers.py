@@ -105,3 +105,19 @@ class PromptLookup:
             if end is not None:
                 return Proposal([int(t) for t in seq[end + 1 : end + 1 + k]])
         return Proposal([])
+
+
+PROPOSERS = (DraftProposer.name, PromptLookup.name)  # the one spelling of each proposer, everywhere
+
+
+def new_proposer(kind: str | None, ngram: int, draft=None, max_length: int = 0, stop_ids=()):
+    """The proposer ``kind`` names (``PROPOSERS``; None: no speculation, no proposer), the one place one is built
+    for ``generate``, ``serve`` and ``bench``: the ``draft`` factory's decoder for ``max_length`` tokens, never fed
+    ``stop_ids``; or prompt lookup matching n-grams of up to ``ngram`` tokens."""
+    if kind is None:
+        return None
+    if kind == DraftProposer.name:
+        return DraftProposer(draft.new(max_length), stop_ids)
+    if kind == PromptLookup.name:
+        return PromptLookup(ngram)
+    raise ValueError(f"proposer {kind!r}: allowed {', '.join(PROPOSERS)}")

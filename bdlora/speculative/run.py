@@ -4,47 +4,17 @@ are identical and how much faster speculation was. numpy and the runtimes only (
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from bdlora.base.errors import Checks, UsageError
-from bdlora.base.runs import GENAI_CONFIG
 from bdlora.models.tokenizer import TextTokenizer
-from bdlora.speculative.decoders import DecoderFactory, check_draft, opened
+from bdlora.speculative.config import SpeculationConfig
+from bdlora.speculative.decoders import DecoderFactory, check_draft, opened, stop_ids_of
 from bdlora.speculative.loop import Speculator, generate
 from bdlora.speculative.policy import Costs, KPolicy
-from bdlora.speculative.proposers import DraftProposer, PromptLookup
-
-PROPOSERS = ("draft", "prompt-lookup")
-
-
-@dataclass
-class SpeculationConfig:
-    """How tokens are proposed for the target to verify (shared by ``generate``, ``serve`` and ``bench``)."""
-
-    draft: str | None = None
-    """A `bdlora export genai` or `export onnx` folder of a draft model with the target's tokenizer (e.g. a student
-    made from the teacher): it proposes the tokens the target verifies; the output stays the target's."""
-    prompt_lookup: bool = False
-    """Propose the continuation of the context's last n-gram where it occurred before (no draft model)."""
-    max_k: int = 4
-    """Most tokens proposed per round; the k of each round is chosen from the measured acceptance and costs."""
-    fixed_k: bool = False
-    """Propose exactly --max-k tokens every round (no adaptation; for measurements)."""
-    ngram: int = 3
-    """--prompt-lookup: longest n-gram matched (down to 1)."""
-
-    @property
-    def enabled(self) -> bool:
-        return self.draft is not None or self.prompt_lookup
-
-    def check(self, c: Checks) -> Checks:
-        c.integer("max_k", self.max_k, lo=1, hi=16)
-        c.integer("ngram", self.ngram, lo=1, hi=16)
-        c.require(not (self.draft and self.prompt_lookup), "--draft and --prompt-lookup: give one proposer")
-        return c
+from bdlora.speculative.proposers import new_proposer
 
 
 @dataclass
@@ -84,24 +54,6 @@ def open_speculation(folder: Path, spec: SpeculationConfig, threads: int | None)
     return target, None
 
 
-def make_proposer(spec: SpeculationConfig, draft_factory, max_length: int, stop_ids):
-    if spec.draft is not None:
-        return DraftProposer(draft_factory.new(max_length), stop_ids)
-    if spec.prompt_lookup:
-        return PromptLookup(spec.ngram)
-    return None
-
-
-def stop_ids_of(factory: DecoderFactory, eos: int | None) -> list[int]:
-    """Tokens never fed to a decoder: end-of-text, and under onnxruntime-genai its pad id too (dropped from the end
-    of what it is fed)."""
-    ids = [eos]
-    if factory.runtime == "genai":
-        model = json.loads((factory.folder / GENAI_CONFIG).read_text())["model"]
-        ids.append(model.get("pad_token_id"))
-    return [i for i in ids if i is not None]
-
-
 def prompt_ids(tok: TextTokenizer, prompt: str, chat: bool) -> list[int]:
     if chat:
         if not tok.chat_template:
@@ -139,18 +91,21 @@ def generate_text(folder: str | Path, prompt: str, cfg: GenerateConfig, spec: Sp
     eos = tok.eos_token_id
     stops = stop_ids_of(target, eos)
     max_length = min(target.shape.max_positions, len(ids) + cfg.max_tokens + spec.max_k + 2)
+    draft_stops = stop_ids_of(draft, eos) if draft else stops
     costs = Costs()
     runs = {}
     for name in (["plain"] if compare or not spec.enabled else []) + (["speculative"] if spec.enabled else []):
-        proposer = (lambda: make_proposer(spec, draft, max_length, stop_ids_of(draft, eos) if draft else stops)) if (
-            name == "speculative") else (lambda: None)
+        kind = spec.kind if name == "speculative" else None
+
+        def proposer(kind=kind):
+            return new_proposer(kind, spec.ngram, draft, max_length, draft_stops)
+
         warm = GenerateConfig(**{**cfg.__dict__, "max_tokens": min(8, cfg.max_tokens)})
         _one(target, proposer(), spec, warm, ids, eos, stops, costs)  # sessions and thread pools warm
         runs[name] = _one(target, proposer(), spec, cfg, ids, eos, stops, costs)
     main = runs.get("speculative") or runs["plain"]
     out = {"folder": str(folder), "runtime": target.runtime, "prompt_tokens": len(ids), "temperature": cfg.temperature,
-           "text": tok.decode(main["tokens"], skip_special_tokens=True), **main,
-           "proposer": ("draft" if spec.draft else "prompt-lookup") if spec.enabled else None,
+           "text": tok.decode(main["tokens"], skip_special_tokens=True), **main, "proposer": spec.kind,
            "draft": spec.draft}
     if compare and spec.enabled:
         plain = runs["plain"]
