@@ -8,9 +8,9 @@ from bdlora.bench.config import BenchConfig
 from bdlora.bench.run import run_bench
 from bdlora.bench.variants import dense_variant, floor_variant, lora_variant, synthetic_model
 from bdlora.cli import app
-from bdlora.compress.plan import plan
 from bdlora.deployed.folder import save_model_folder
 from bdlora.models.budgeted.config import BudgetedConfig
+from bdlora.train.plan import plan
 from conftest import compressed_student
 
 TINY = {"model_type": "mistral", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,

@@ -85,9 +85,9 @@ def test_a_cuda_run_resumes_where_it_stopped(cache, runs, tmp_path):
 
 
 def test_a_cuda_run_compresses_and_evaluates_like_the_cpu_run(runs, tmp_path):
-    from bdlora.compress.run import compress_run
     from bdlora.eval.evaluate import EvalConfig, evaluate_target
     from bdlora.models.budgeted.config import BudgetedConfig
+    from bdlora.train.compress_run import compress_run
 
     scored = {}
     for device, (_, run) in runs.items():

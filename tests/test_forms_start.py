@@ -76,7 +76,7 @@ def test_budgeted_moves_the_allocated_projections_to_low_rank_beside_fixed_prune
     # at d = 1 the gated student is the structure: its pairs' residual W - B A sits in the dense path
     from transformers import AutoModelForCausalLM
 
-    from bdlora.train.budgeted.start import LowRankStart
+    from bdlora.compress.start import LowRankStart
     from bdlora.train.config import TrainConfig
     from bdlora.train.methods import Budgeted
 

@@ -242,7 +242,7 @@ def test_train_at_a_precision_starts_from_the_allocation_by_decode_time(tiny_env
     measured-cost allocation gives; without --allocation quality and --mac-ratio it is refused in one line."""
     from bdlora.base.errors import usable_cores
     from bdlora.base.runs import RunDir
-    from bdlora.train.budgeted.start import LowRankStart
+    from bdlora.compress.start import LowRankStart
     from conftest import train_args
 
     cache = tiny_env["cache"]

@@ -4,9 +4,9 @@ import pytest
 from typer.testing import CliRunner
 
 from bdlora.cli import app
-from bdlora.compress.plan import plan
 from bdlora.models.budgeted.config import BudgetedConfig
 from bdlora.models.costs import ModuleShape, compression_report, decide_module, shapes_from_config, svd_rank
+from bdlora.train.plan import plan
 
 PAPER = {"model_type": "mistral", "hidden_size": 768, "intermediate_size": 3072, "num_attention_heads": 12,
          "num_key_value_heads": 3, "head_dim": 64, "num_hidden_layers": 12}

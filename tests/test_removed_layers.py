@@ -20,7 +20,7 @@ from bdlora.compress.calibrate import calibrate
 from bdlora.forms.layers import removal_errors, renumbered
 from bdlora.forms.lowrank import FISHER_DAMPING
 from bdlora.models.costs import ModuleShape
-from bdlora.train.student import take_layers
+from bdlora.models.depth import take_layers
 
 
 def test_the_removal_error_is_the_loss_weighted_update_of_the_layer(tiny_model):

@@ -11,12 +11,13 @@ import torch
 from typer.testing import CliRunner
 
 from bdlora.cli import app
+from bdlora.compress.start import LowRankStart, compute_start
 from bdlora.data.blocks import PackedBlocks
 from bdlora.data.documents import Corpus
 from bdlora.data.tokens import tokenize_corpus
 from bdlora.models.budgeted.config import BudgetedConfig
 from bdlora.models.budgeted.model import apply_budgeted_lora, gated_modules
-from bdlora.train.budgeted.start import LowRankStart, compute_start, start_gated
+from bdlora.train.budgeted.start import start_gated
 from bdlora.train.config import TrainConfig
 from bdlora.train.methods import Budgeted, KDLoRA
 from bdlora.train.student import build_student
@@ -128,7 +129,7 @@ def test_the_quality_allocation_drives_the_controller_to_exactly_its_structure(s
 
 
 def _shapes(model):
-    from bdlora.train.budgeted.start import shapes_of
+    from bdlora.compress.start import shapes_of
 
     return shapes_of(model)
 

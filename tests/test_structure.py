@@ -50,8 +50,21 @@ def import_graph() -> dict[str, set[str]]:
                     parts = name.split(".")[: len(name.split(".")) - node.level + (1 if is_pkg else 0)]
                     base = ".".join([*parts, base] if base else parts)
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            elif isinstance(node, ast.Call) and ast.unparse(node.func) == "importlib.import_module" and node.args:
+                targets = _dynamic_targets(node.args[0], mods)
             graph[name].update(t for t in targets if t in mods and t != name)
     return graph
+
+
+def _dynamic_targets(arg, mods) -> list[str]:
+    """``importlib.import_module`` edges: a literal name, or every module under an f-string's literal prefix
+    (``f"bdlora.forms.{name}"`` loads any of the forms' modules; a package's ``__main__`` is run, not loaded)."""
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return [arg.value]
+    if isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant):
+        prefix = str(arg.values[0].value)
+        return [m for m in mods if m.startswith(prefix) and m != prefix.rstrip(".") and not m.endswith(".__main__")]
+    return []
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -95,7 +108,7 @@ def core_modules(graph: dict[str, set[str]]) -> list[str]:
 def test_the_core_never_imports_the_exporters_or_the_server():
     graph = import_graph()
     core = core_modules(graph)
-    assert {"bdlora.compress.run", "bdlora.compress.oneshot", "bdlora.deployed.folder",
+    assert {"bdlora.train.compress_run", "bdlora.compress.oneshot", "bdlora.deployed.folder",
             "bdlora.models.budgeted.layer"} <= set(core)
     edges = sorted(f"{m} -> {t}" for m in core for t in graph[m]
                    if t.startswith(("bdlora.export", "bdlora.serve")))
@@ -103,11 +116,13 @@ def test_the_core_never_imports_the_exporters_or_the_server():
 
 
 # The package layers, lowest first: a module imports only its own layer and those below (function-level imports
-# included). The core (base, data, models, the forms' registry, deployed, speculative) stands on nothing above it;
-# compression, training and evaluation build on it (each form's behaviour - its calibration, its options for the
+# and ``importlib`` loads included). The core (base, data, models, the forms' registry, deployed, speculative) stands
+# on nothing above it; compression builds on it (each form's behaviour - its calibration, its options for the
 # knapsack, its deployment - is compression, so the forms' modules sit there while their registry is the core's
-# vocabulary); the exporters on them; the bench, sweeps and ship orchestrate those; the server and the CLI come last.
-LAYERS = ((), ("bdlora.compress", "bdlora.train", "bdlora.eval", "bdlora.forms."), ("bdlora.export",),
+# vocabulary; the allocation and the start computation are compression's too); training and evaluation build on
+# compression (a run starts from a one-shot structure, a trained run is compressed), never the reverse; the
+# exporters on them; the bench, sweeps and ship orchestrate those; the server and the CLI come last.
+LAYERS = ((), ("bdlora.compress", "bdlora.forms."), ("bdlora.train", "bdlora.eval"), ("bdlora.export",),
           ("bdlora.bench", "bdlora.sweep", "bdlora.ship"), ("bdlora.serve", "bdlora.cli"))
 
 
@@ -121,10 +136,12 @@ def layer_of(module: str) -> int:
 def test_the_package_layers_point_one_way():
     graph = import_graph()
     assert layer_of("bdlora.base.schemes") == layer_of("bdlora.models.budgeted.model") == 0
-    assert layer_of("bdlora.forms") == 0 and layer_of("bdlora.forms.groups") == 1
-    assert layer_of("bdlora.train.config") == layer_of("bdlora.compress.oneshot") == layer_of("bdlora.eval.icl") == 1
-    assert layer_of("bdlora.export.genai.folder") == 2 and layer_of("bdlora.ship.run") == 3
-    assert layer_of("bdlora.cli.app") == layer_of("bdlora.serve.app") == 4
+    assert layer_of("bdlora.forms") == 0
+    assert layer_of("bdlora.forms.groups") == layer_of("bdlora.compress.oneshot") == 1
+    assert layer_of("bdlora.train.config") == layer_of("bdlora.eval.icl") == 2
+    assert layer_of("bdlora.export.genai.folder") == 3 and layer_of("bdlora.ship.run") == 4
+    assert layer_of("bdlora.cli.app") == layer_of("bdlora.serve.app") == 5
+    assert {f"bdlora.forms.{f}" for f in ("lowrank", "channels", "vocab")} <= graph["bdlora.compress.oneshot"]
     edges = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets if layer_of(t) > layer_of(m))
     assert not edges, edges
 

@@ -10,8 +10,8 @@ from pathlib import Path
 from bdlora.base.errors import ModelError, UsageError
 from bdlora.base.runs import ModelDir
 from bdlora.compress.bounds import check_fits, check_shape_config
-from bdlora.compress.plan import read_model_config
 from bdlora.models.arch import check_lora_rank
+from bdlora.train.plan import read_model_config
 
 SYNTHETIC_LORA_RANK = 128  # synthetic mode's lora variant (no training to take a rank from)
 

@@ -21,7 +21,6 @@ import torch
 import torch.nn as nn
 
 from bdlora.base.errors import ModelError, UsageError
-from bdlora.compress.plan import plan
 from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES, DenseLoRALinear, LowRankLinear
 from bdlora.export.decoder import build_projection_stack
 from bdlora.forms import DENSE, LOWRANK, describe
@@ -31,6 +30,7 @@ from bdlora.models.costs import deployed_form
 from bdlora.models.families import family as table_family
 from bdlora.models.families import with_layers
 from bdlora.models.lazy import empty
+from bdlora.train.plan import plan
 
 
 def _dense_weight(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -15,9 +15,7 @@ from bdlora.cli.app import command, err, out
 from bdlora.cli.options import from_dataclass
 from bdlora.cli.progress import RichReporter
 from bdlora.compress.bounds import DEEPER, check_fits, check_report_provenance, check_shape_config
-from bdlora.compress.config import OneShotConfig
-from bdlora.compress.plan import DEFAULT_PLAN_STEPS, read_model_config
-from bdlora.compress.plan import plan as run_plan
+from bdlora.compress.config import CALIB_TOKENS, OneShotConfig
 from bdlora.data.tokens import default_cache_dir
 from bdlora.forms import LOWRANK, REMOVED, declared_head_bits, declared_head_keep, forms_problem, named_forms
 from bdlora.models import sources
@@ -25,7 +23,9 @@ from bdlora.models.arch import check_lora_rank, layer_of
 from bdlora.models.budgeted.config import ALLOCATIONS, THRESHOLDS, BudgetedConfig
 from bdlora.models.costs import ModuleShape, shapes_from_config
 from bdlora.models.integrity import check_model_folder
-from bdlora.train.config import BUILTIN, CALIB_TOKENS, GENAI_PRECISIONS
+from bdlora.train.config import BUILTIN, GENAI_PRECISIONS
+from bdlora.train.plan import DEFAULT_PLAN_STEPS, read_model_config
+from bdlora.train.plan import plan as run_plan
 
 PLAN_FIELDS = ("budget", "rank", "eps_lr", "eps_zero", "svd_max_rank", "decay_start", "decay_end", "retention_ema")
 
@@ -185,7 +185,7 @@ def _forms_plan(model: str, shot: dict, json_out: bool, **options) -> tuple[dict
 
 
 def _quality_plan(model, rank, layers, mac_ratio, calib_tokens, data, opts, json_out) -> dict:
-    from bdlora.compress.oneshot import quality_plan
+    from bdlora.train.budgeted.start import quality_plan
 
     rank = check_lora_rank(rank, read_model_config(_resolved(model)))
     cfg = OneShotConfig(mac_ratio=mac_ratio, calib_tokens=calib_tokens, data=data)
@@ -232,7 +232,7 @@ def compress(
         if given:
             raise UsageError(f"{', '.join(given)}: options of --one-shot (add --one-shot to compress a pretrained "
                              "model)")
-        from bdlora.compress.run import compress_run
+        from bdlora.train.compress_run import compress_run
 
         cfg = BudgetedConfig(**opts).validate_thresholds()
         run = RunDir(run_dir) if run_dir else RunDir.latest(runs_dir)

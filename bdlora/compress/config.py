@@ -8,9 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bdlora.base.errors import Checks, shown
-from bdlora.base.schemes import quant_problem
+from bdlora.base.schemes import GENAI_PRECISIONS, quant_problem
+from bdlora.data.documents import BUILTIN
 from bdlora.forms import ONE_SHOT_FORMS, check_forms, form_names
-from bdlora.train.config import BUILTIN, CALIB_TOKENS, EVAL_TOKENS, GENAI_PRECISIONS
+
+CALIB_TOKENS = 8192  # training-split tokens the whitened start and the quality allocation are measured on
+EVAL_TOKENS = 8192  # held-out tokens of a one-shot compression's before/after perplexity
 
 
 @dataclass

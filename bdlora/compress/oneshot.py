@@ -14,6 +14,7 @@ the same corpus, whose settings the report keeps, so ``eval`` scores the same sl
 from __future__ import annotations
 
 import copy
+import importlib
 import time
 from pathlib import Path
 
@@ -27,27 +28,24 @@ from bdlora.base.reporter import SILENT, Reporter
 from bdlora.compress.calibrate import calibration_blocks
 from bdlora.compress.config import OneShotConfig
 from bdlora.compress.correct import correct_sequential
+from bdlora.compress.start import (
+    allocate_by,
+    calibrate_with_progress,
+)
 from bdlora.data.blocks import PackedBlocks, scored_blocks
 from bdlora.data.corpora import SAMPLES_PREFIXES, check_spec, default_heldout, general_calib_data, load_tokens
 from bdlora.data.selfgen import TeacherSource
 from bdlora.deployed.folder import save_model_folder
-from bdlora.forms import ALLOCATED_FORMS, REMOVED, step
+from bdlora.forms import ALLOCATED_FORMS, REMOVED
 from bdlora.forms.context import OneShotContext
 from bdlora.forms.layers import renumbered
 from bdlora.forms.lowrank import factored
 from bdlora.models.arch import projection_modules, set_module
 from bdlora.models.budgeted.model import build_deployed_model
 from bdlora.models.costs import CostModel, ModuleShape, compression_report, removed_decision
+from bdlora.models.depth import take_layers
 from bdlora.models.perplexity import perplexity
 from bdlora.models.teacher import load_teacher
-from bdlora.train.budgeted.start import (
-    allocate_by,
-    calibrate_with_progress,
-    compute_start,
-    shapes_of,
-    structure_report,
-)
-from bdlora.train.student import build_student, take_layers
 
 
 def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Reporter = SILENT,
@@ -95,6 +93,15 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
                  else deployed[s.name].decision for s in ctx.shapes]
     alloc.head_module = ctx.head_module  # the head in its own form (vocab): built into the folder, not recorded
     return decisions, deployed, ctx.calib.tokens, ctx.facts, alloc
+
+
+def step(name: str):
+    """What allocated form ``name`` does in the one-shot (``forms.<name>.STEP``, a ``forms.context.Step``): the one
+    place a form's name leads to its behaviour (PEFT's dispatch of tuner variants). Loaded here, in compression's
+    layer, where the forms' modules sit; the registry (``bdlora.forms``) names them and stays below."""
+    if name not in ALLOCATED_FORMS:
+        raise ValueError(f"form {name!r}: allocated forms are {', '.join(ALLOCATED_FORMS)}")
+    return importlib.import_module(f"bdlora.forms.{name}").STEP
 
 
 def whole_step(model, table) -> tuple[dict, float]:
@@ -175,20 +182,6 @@ def load_source(source: str, cfg: OneShotConfig, cache_dir: Path | None, reporte
     train_blocks = PackedBlocks(calib.tokens("train"), seq, bos=calib.bos)
     val_blocks = scored_blocks(data.tokens("val"), seq, cfg.eval_tokens, f"--data {cfg.data}", bos=data.bos)
     return model, tok, path, train_blocks, val_blocks, heldout
-
-
-def quality_plan(source: str, cfg: OneShotConfig, layers: int | None, rank: int, budget: float,
-                 cache_dir: Path | None = None, reporter: Reporter = SILENT) -> dict:
-    """``plan --model SOURCE --allocation quality``: the structure a budgeted student of ``source`` (``layers``
-    deep, the mixed selection) is trained towards with the quality allocation, before any training. ``mac_ratio``
-    None: the paper's rule at ``budget`` and ``rank``."""
-    model, _, _, train_blocks, _, _ = load_source(source, cfg, cache_dir, reporter, "--model")
-    student = build_student(model, layers, "mixed")[0] if layers else model
-    start = compute_start(student, "whitened", "quality", rank, budget, cfg.mac_ratio, train_blocks,
-                          cfg.calib_tokens, reporter)
-    report = structure_report(start, shapes_of(student), budget)
-    report["source"] = "plan --allocation quality"
-    return report
 
 
 def forms_plan(source: str, cfg: OneShotConfig, cache_dir: Path | None = None, reporter: Reporter = SILENT,

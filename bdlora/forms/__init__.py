@@ -16,7 +16,6 @@ its ``KNOWN_FORMS`` to this registry.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 
 from bdlora.base.errors import ModelError, shown
@@ -35,14 +34,6 @@ ONE_SHOT_FORMS = "lowrank,channels"
 WIDE_BITS = 8  # ``"bits": 8`` on a projection: it ships at 8 bits in an int4 export (chosen by ``--forms bits``)
 HEAD = "lm_head"  # the LM head, a site of ``--forms bits`` when the budget is the whole step (``--speedup``)
 HEAD_BITS = "bdlora_head_bits"  # config.json: the LM head's bits in an int4 export (4 or 8), where a folder says
-
-
-def step(name: str):
-    """What allocated form ``name`` does in ``compress --one-shot`` (``forms.<name>.STEP``, a ``context.Step``): the
-    one place a form's name leads to its behaviour (PEFT's dispatch of tuner variants)."""
-    if name not in ALLOCATED_FORMS:
-        raise ValueError(f"form {name!r}: allocated forms are {', '.join(ALLOCATED_FORMS)}")
-    return importlib.import_module(f"{__name__}.{name}").STEP
 
 
 def named_forms(forms: str) -> str | None:

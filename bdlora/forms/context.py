@@ -1,6 +1,6 @@
 """What ``compress --one-shot`` knows while the chosen forms measure, offer and deploy (``OneShotContext``), and the
 protocol each allocated form's module implements (``Step``): PEFT's tuner variants' shape (each form carries its own
-behaviour; the one-shot dispatches to it by name, ``forms.step``).
+behaviour; the one-shot dispatches to it by name, ``compress.oneshot.step``).
 
 The one-shot calls, for every chosen form in ``ALLOCATED_FORMS`` order:
 

@@ -20,6 +20,7 @@ from typing import Any
 from bdlora.base.errors import Checks, shown
 from bdlora.base.method_table import GATED, METHODS, Method, method_of
 from bdlora.base.schemes import GENAI_PRECISIONS, quant_problem
+from bdlora.compress.config import CALIB_TOKENS
 from bdlora.forms import LOWRANK
 from bdlora.models.budgeted.config import ALLOCATIONS, LORA_INITS, BudgetedConfig
 from bdlora.models.budgeted.config import DEFAULTS as BUDGETED
@@ -31,8 +32,6 @@ LAYER_SELECTIONS = ("first", "middle", "last", "mixed", "scratch")
 PACKINGS = ("pack", "truncate")
 AUTOCASTS = ("bf16", "fp32")
 BUILTIN = "builtin"
-CALIB_TOKENS = 8192  # training-split tokens the whitened start and the quality allocation are measured on
-EVAL_TOKENS = 8192  # held-out tokens of a one-shot compression's before/after perplexity
 
 
 @dataclass

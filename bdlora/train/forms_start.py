@@ -28,15 +28,15 @@ from bdlora.base.runs import ModelDir, RunDir
 from bdlora.compress.allocate import Allocation
 from bdlora.compress.config import OneShotConfig
 from bdlora.compress.oneshot import one_shot_structure
+from bdlora.compress.start import LowRankStart, capped_rank, compute_start, shapes_of
 from bdlora.deployed.folder import save_model_folder
 from bdlora.forms.layers import renumbered
 from bdlora.forms.lowrank import factored
 from bdlora.models.arch import projection_modules
 from bdlora.models.budgeted.model import build_deployed_model
 from bdlora.models.costs import ModuleShape, compression_report
-from bdlora.train.budgeted.start import LowRankStart, capped_rank, compute_start, shapes_of
+from bdlora.models.depth import take_layers
 from bdlora.train.config import TrainConfig
-from bdlora.train.student import take_layers
 
 
 @dataclass

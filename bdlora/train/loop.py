@@ -23,6 +23,7 @@ from bdlora.base.io import release, write_json
 from bdlora.base.outputs import check_new_out
 from bdlora.base.reporter import SILENT, Reporter
 from bdlora.base.runs import FAILED, RunDir, RunFacts
+from bdlora.compress.start import LowRankStart
 from bdlora.data.blocks import BlockSampler
 from bdlora.data.selfgen import TeacherSource
 from bdlora.data.tokens import default_cache_dir
@@ -30,7 +31,7 @@ from bdlora.models.perplexity import perplexity
 from bdlora.models.teacher import load_teacher
 from bdlora.train import distributed as D
 from bdlora.train import forms_start, stopping
-from bdlora.train.budgeted.start import LowRankStart, needed
+from bdlora.train.budgeted.start import needed
 from bdlora.train.checkpoint import (
     StopRequest,
     drop_unstarted,

@@ -9,10 +9,10 @@ import torch
 from bdlora import SCHEMA_VERSION, __version__
 from bdlora.base.io import atomic_dir, write_json
 from bdlora.base.runs import RunDir
+from bdlora.compress.start import shapes_of
+from bdlora.compress.start import summary as start_summary
 from bdlora.train import distributed as D
 from bdlora.train import stopping
-from bdlora.train.budgeted.start import shapes_of
-from bdlora.train.budgeted.start import summary as start_summary
 
 
 def finish(run) -> dict:

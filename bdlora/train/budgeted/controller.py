@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from bdlora.compress.allocate import greedy_targets
 from bdlora.models.budgeted.config import DEFAULTS
 
 
@@ -29,29 +30,6 @@ def budget_schedule(progress: float, final_fraction: float, decay_start: float =
     if t >= t1:
         return f
     return f + (1.0 - f) * (1.0 + math.cos(math.pi * (t - t0) / (t1 - t0))) / 2.0
-
-
-def greedy_targets(costs: Sequence[int], budget: float, scores: Sequence[float] | None = None) -> np.ndarray:
-    """Greedy retention targets meeting ``sum target_m c_m = budget * sum c_m``.
-
-    Starting from full retention, modules are walked in ascending removal score (SPEC 5: s_m = c_m, cheapest
-    first; ``scores`` replaces it, e.g. the quality allocation's order) with ties in the given registration order,
-    and each is lowered by as much as still needed, down to 0. At most one module ends fractional.
-    """
-    c = np.asarray(costs, dtype=np.float64)
-    s = c if scores is None else np.asarray(scores, dtype=np.float64)
-    targets = np.ones(len(c), dtype=np.float64)
-    need = (1.0 - budget) * c.sum()  # dense MACs still to remove
-    for i in sorted(range(len(c)), key=lambda i: (s[i], i)):  # stable: registration order breaks ties
-        if need <= 0.0:
-            break
-        if need >= c[i] * (1.0 - 1e-12):  # a budget that is exactly a sum of costs drops those modules whole
-            targets[i] = 0.0
-            need -= c[i]
-        else:
-            targets[i] = (c[i] - need) / c[i]
-            need = 0.0
-    return targets
 
 
 class BudgetController:
