@@ -15,7 +15,7 @@ from bdlora.bench.config import NO_DOMAIN, ROUNDING, BenchConfig
 from bdlora.bench.target import SYNTHETIC_LORA_RANK, compressed_target, synthetic_target
 from bdlora.cli import render
 from bdlora.cli.app import command, out
-from bdlora.cli.options import from_dataclass, int_list, str_list
+from bdlora.cli.options import Force, RunsDir, from_dataclass, int_list, str_list
 from bdlora.cli.progress import RichReporter
 from bdlora.data.corpora import check_spec
 from bdlora.export.settings import GenaiExportSettings
@@ -61,9 +61,8 @@ def bench(
     json_path: Annotated[Optional[str], typer.Option("--json", help="Also write the JSON report here.")] = None,
     out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: MODEL_DIR.bench).")]
     = None,
-    force: Annotated[bool, typer.Option(help="Replace an existing non-empty --out (and an existing --json file).")]
-    = False,
-    runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,
+    force: Force = False,
+    runs_dir: RunsDir = RUNS_DIR,
     **opts,
 ):
     """Time the compressed model against its dense and LoRA forms under onnxruntime (modules and whole model,

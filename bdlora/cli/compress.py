@@ -12,7 +12,7 @@ from bdlora.base.runs import RUNS_DIR, ModelDir, RunDir, one_shot_out
 from bdlora.base.schemes import DEFAULT_SCHEME, mixed, quant_problem
 from bdlora.cli import render
 from bdlora.cli.app import command, err, out
-from bdlora.cli.options import from_dataclass
+from bdlora.cli.options import Force, RunsDir, from_dataclass
 from bdlora.cli.progress import RichReporter
 from bdlora.compress.bounds import DEEPER, check_fits, check_report_provenance, check_shape_config
 from bdlora.compress.config import CALIB_TOKENS, OneShotConfig
@@ -204,9 +204,9 @@ def compress(
         "id.")] = None,
     out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: RUN_DIR.compressed; "
                                                                  "runs/SOURCE.oneshot-Rx.compressed).")] = None,
-    force: Annotated[bool, typer.Option(help="Replace an existing non-empty --out.")] = False,
+    force: Force = False,
     no_eval: Annotated[bool, typer.Option("--no-eval", help="Skip the held-out perplexity of both models.")] = False,
-    runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,
+    runs_dir: RunsDir = RUNS_DIR,
     one_shot: Annotated[bool, typer.Option("--one-shot", help="Compress a pretrained model without training: the "
                                            "loss-weighted whitened SVD of each projection at ranks allocated for "
                                            "--mac-ratio.", rich_help_panel="--one-shot (a pretrained model, no "

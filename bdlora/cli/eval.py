@@ -14,7 +14,7 @@ from bdlora.base.outputs import check_new_out, check_out_file
 from bdlora.base.runs import PAPER_MAIN, RUNS_DIR, ModelDir, SweepDir, eval_json
 from bdlora.cli import render
 from bdlora.cli.app import command, err, out
-from bdlora.cli.options import TRAIN_PANELS, float_list, from_dataclass, int_list, str_list
+from bdlora.cli.options import TRAIN_PANELS, Force, RunsDir, float_list, from_dataclass, int_list, str_list
 from bdlora.cli.progress import RichReporter
 from bdlora.eval.evaluate import EvalConfig
 from bdlora.sweep.options import (
@@ -53,12 +53,11 @@ def eval_cmd(
     json_path: Annotated[Optional[str], typer.Option("--json", help="Write the eval JSON here (default: "
                                                                     "MODEL_DIR.eval.json beside the folder).")]
     = None,
-    force: Annotated[bool, typer.Option(help="Replace an existing report (never a file of a model folder).")]
-    = False,
+    force: Force = False,
     vs_teacher: Annotated[bool, typer.Option(help="Score the model's teacher (from its run) on the same slice and "
                                                   "prompts, once per settings (cached), and show it beside.")]
     = True,
-    runs_dir: Annotated[str, typer.Option(help="Where runs live.", rich_help_panel="Folders")] = RUNS_DIR,
+    runs_dir: RunsDir = RUNS_DIR,
     **opts,
 ):
     """Score a model: perplexity on the held-out slice and the 19 function-style ICL probes (10-shot, 3
@@ -108,7 +107,7 @@ def sweep(
                                              "onnxruntime-genai run: one quality/speed front.")] = SweepOptions.front,
     out_dir: Annotated[Optional[str], typer.Option("--out", help="Sweep folder (default: RUNS_DIR/sweep-<time>).")]
     = None,
-    runs_dir: Annotated[str, typer.Option(help="Where runs and sweeps live.")] = RUNS_DIR,
+    runs_dir: RunsDir = RUNS_DIR,
     resume: Annotated[Optional[str], typer.Option(help="Finish an interrupted sweep folder (its stored options are "
                                                         "used; finished stages are skipped).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print results.json.")] = False,
@@ -158,7 +157,7 @@ def sweep_merge(
     out_dir: Annotated[str, typer.Option("--out", help="Folder for the merged main.md, table9.md, icl.png.")],
     labels: Annotated[Optional[str], typer.Option(help="Comma-separated column label per sweep (default: each "
                                                         "sweep's teacher name), e.g. 0.13B,0.5B,1B.")] = None,
-    force: Annotated[bool, typer.Option(help="Replace the merged outputs in a non-empty --out.")] = False,
+    force: Force = False,
 ):
     """Combine sweeps of several teachers into the paper's three-teacher layout: Table 5 (main.md), Table 9
     (table9.md) and Figure 2 (icl.png), members matched by name."""

@@ -13,7 +13,7 @@ from bdlora.base.runs import RUNS_DIR, ModelDir
 from bdlora.base.schemes import SCHEMES
 from bdlora.cli import render
 from bdlora.cli.app import command, err, export_app, out
-from bdlora.cli.options import from_dataclass
+from bdlora.cli.options import Force, RunsDir, from_dataclass
 from bdlora.cli.progress import RichReporter
 from bdlora.data.documents import BUILTIN
 from bdlora.export.defaults import DEFAULT_OPSET, MAX_GENAI_THREADS
@@ -46,8 +46,8 @@ def export_hf(
     model_dir: Annotated[Optional[str], typer.Argument(help="Compressed model folder (default: the latest).")]
     = None,
     out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: MODEL_DIR.hf).")] = None,
-    force: Annotated[bool, typer.Option(help="Replace an existing non-empty --out.")] = False,
-    runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,
+    force: Force = False,
+    runs_dir: RunsDir = RUNS_DIR,
 ):
     """Copy a compressed model into a clean, shareable Hugging Face folder with a generated model card."""
 
@@ -75,8 +75,8 @@ def export_onnx(
     streaming: Annotated[str, typer.Option(help="on: read, emit and write one layer at a time (a 1B-8B model; "
                                                 "validated on its first layers); off: hold it in fp32; auto: on past "
                                                 "2 GiB of fp32 weights.")] = DEFAULT_STREAMING,
-    force: Annotated[bool, typer.Option(help="Replace an existing non-empty --out.")] = False,
-    runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,
+    force: Force = False,
+    runs_dir: RunsDir = RUNS_DIR,
     json_out: Annotated[bool, typer.Option("--json", help="Print export.json.")] = False,
 ):
     """Export a model as an ONNX decoder with KV cache and per-module shape metadata, validated against PyTorch;
@@ -106,8 +106,8 @@ def export_genai(
                                                             "teacher preset, a .gguf file or builtin.")] = None,
     out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: MODEL_DIR.genai, with "
                                                                  "-int8 / -int4 for those precisions).")] = None,
-    force: Annotated[bool, typer.Option(help="Replace an existing non-empty --out.")] = False,
-    runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,
+    force: Force = False,
+    runs_dir: RunsDir = RUNS_DIR,
     json_out: Annotated[bool, typer.Option("--json", help="Print export.json.")] = False,
     **opts,
 ):

@@ -12,7 +12,7 @@ from rich.table import Table
 from bdlora.base.errors import Checks, UsageError
 from bdlora.base.runs import RUNS_DIR, GenaiDir
 from bdlora.cli.app import command, err, out
-from bdlora.cli.options import from_dataclass
+from bdlora.cli.options import RunsDir, from_dataclass
 from bdlora.speculative.config import SpeculationConfig
 from bdlora.speculative.run import GenerateConfig, generate_text
 
@@ -28,7 +28,7 @@ def generate(
     prompt_file: Annotated[Optional[str], typer.Option(help="Read the prompt from this file.")] = None,
     compare: Annotated[bool, typer.Option(help="Also generate without speculation: are the tokens identical, how "
                                                "much faster was it?")] = False,
-    runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,
+    runs_dir: RunsDir = RUNS_DIR,
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     **opts,
 ):

@@ -11,7 +11,16 @@ from typing import Annotated, Optional
 import typer
 
 from bdlora.base.errors import UsageError
+from bdlora.base.runs import RUNS_DIR
 from bdlora.train.config import field_docs
+
+# Options many commands take, declared once: one wording and one default wherever they appear (tests/test_cli.py
+# holds every command to it). A command composes them: ``runs_dir: RunsDir = RUNS_DIR``, ``force: Force = False``.
+RUNS_DIR_HELP = f"Where runs live: run folders, compressed models and sweeps (default {RUNS_DIR}/)."
+FORCE_HELP = ("Replace what this command writes if it already exists (its --out folder, its --json report, the "
+              "cached builtin teacher); never an input, nor a file inside a model or run folder.")
+RunsDir = Annotated[str, typer.Option(help=RUNS_DIR_HELP, rich_help_panel="Folders")]
+Force = Annotated[bool, typer.Option(help=FORCE_HELP, rich_help_panel="Folders")]
 
 # train and sweep --help: the options most runs set stay in the main panel (method, teacher, data, the structure and
 # its speed-up, steps, lr, what to stop on, where to write); the rest, which recipes (--config) usually set, below it

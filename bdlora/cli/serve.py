@@ -13,7 +13,7 @@ from bdlora.base.outputs import check_out_file
 from bdlora.base.runs import RUNS_DIR, GenaiDir, OnnxDir
 from bdlora.cli import render
 from bdlora.cli.app import command, err, fail
-from bdlora.cli.options import from_dataclass, int_list
+from bdlora.cli.options import Force, RunsDir, from_dataclass, int_list
 from bdlora.models.runtime import check_onnx_dir
 from bdlora.serve.config import DEFAULT_DRAIN_SECONDS, DEFAULT_HOST, DEFAULT_PORT, ServeConfig
 from bdlora.serve.loadtest import CONCURRENCY, MAX_TOKENS, REQUESTS, TEMPERATURE, base_url, first_model, load_test
@@ -41,8 +41,7 @@ def serve(
     = None,
     drain_seconds: Annotated[int, typer.Option(help="On SIGTERM/SIGINT: seconds to let in-flight requests "
                                                     "finish.", rich_help_panel=LIMITS)] = DEFAULT_DRAIN_SECONDS,
-    runs_dir: Annotated[str, typer.Option(help="Where runs live.", rich_help_panel="Files and documentation")]
-    = RUNS_DIR,
+    runs_dir: RunsDir = RUNS_DIR,
     **opts,
 ):
     """Serve an exported ONNX model with an OpenAI-compatible API (/v1/completions, /v1/chat/completions,
@@ -85,7 +84,7 @@ def loadtest(
     api_key: Annotated[Optional[str], typer.Option(help="Bearer key of the server (default: $BDLORA_API_KEY).")]
     = None,
     json_path: Annotated[Optional[str], typer.Option("--json", help="Also write the results here.")] = None,
-    force: Annotated[bool, typer.Option(help="Replace an existing --json file.")] = False,
+    force: Force = False,
 ):
     """Closed-loop load test of an OpenAI-compatible /v1/completions endpoint: requests/s, tokens/s, latency
     percentiles; with --stream also time to first token and inter-token latency."""

@@ -11,7 +11,7 @@ from bdlora.base.errors import Checks
 from bdlora.base.outputs import check_resumable_out
 from bdlora.base.runs import RUNS_DIR, SHIP_PLOT, SHIP_REPORT, SHIP_RESULT
 from bdlora.cli.app import command, err, out
-from bdlora.cli.options import from_dataclass
+from bdlora.cli.options import RunsDir, from_dataclass
 from bdlora.cli.progress import RichReporter
 from bdlora.data.documents import BUILTIN
 from bdlora.ship.config import ShipConfig
@@ -32,7 +32,7 @@ def ship(
     out_dir: Annotated[Optional[str], typer.Option("--out", help="The ship folder (default: RUNS_DIR/ship-MODEL-"
                                                                  "PRECISION); the same command again resumes it.")]
     = None,
-    runs_dir: Annotated[str, typer.Option(help="Where runs live.")] = RUNS_DIR,
+    runs_dir: RunsDir = RUNS_DIR,
     json_out: Annotated[bool, typer.Option("--json", help="Print recommendation.json instead of the table.")] = False,
     **opts,
 ):

@@ -16,7 +16,7 @@ from bdlora.base.runs import TEACHER_JSON, RunDir
 from bdlora.cli import render
 from bdlora.cli.app import command, err, out
 from bdlora.cli.compress import cost_model
-from bdlora.cli.options import TRAIN_PANELS, from_dataclass
+from bdlora.cli.options import TRAIN_PANELS, Force, from_dataclass
 from bdlora.cli.progress import RichReporter
 from bdlora.train.config import BUILTIN, TrainConfig, defaults_help, field_docs, merge
 from bdlora.train.option_files import load_yaml
@@ -32,7 +32,7 @@ def teacher(
     data: Annotated[str, typer.Option(help="With --preset: the corpus its held-out perplexity is measured on.")]
     = BUILTIN,
     cache_dir: Annotated[Optional[str], typer.Option(help=H["cache_dir"])] = None,
-    force: Annotated[bool, typer.Option(help="Rebuild the builtin teacher even if a cached one exists.")] = False,
+    force: Force = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the teacher report as JSON.")] = False,
 ):
     """Build (or show) the embedded default teacher (a BPE tokenizer and a small Mistral-style model pretrained on

@@ -174,7 +174,7 @@ class TrainConfig:
     out: str | None = None
     """Run directory (default: RUNS_DIR/<time>-<method>)."""
     runs_dir: str = "runs"
-    """Where run directories are created."""
+    """Where runs live: run folders, compressed models and sweeps (default runs/)."""
     cache_dir: str | None = None
     """Cache of tokenised corpora and the builtin teacher (default ~/.cache/bdlora or $BDLORA_CACHE)."""
     defaulted: tuple[str, ...] = ()
