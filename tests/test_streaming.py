@@ -347,3 +347,25 @@ def test_eval_read_one_layer_at_a_time_scores_what_eval_in_memory_scores(folders
 def test_eval_refuses_an_unknown_streaming_mode(folders):
     r = CliRunner().invoke(app, ["eval", str(folders / "mistral"), "--streaming", "sometimes"])
     assert r.exit_code != 0 and "--streaming 'sometimes': unknown (allowed: auto, on, off)" in r.output
+
+
+@pytest.mark.parametrize("precision", ["int4", "int8", "fp32"])
+def test_a_synthetic_timing_model_is_written_one_layer_at_a_time_as_in_memory(tmp_path, precision):
+    """The timing probes' random models (``bench.whole``, ``plan --speculative``'s full-depth target) are written by
+    the streamed writer: the in-memory writer's graph, node for node and weight for weight, without the fp32 graph
+    (a full-depth 8B one is 32 GB)."""
+    from bdlora.bench.genai import _stand_in_tokenizer
+    from bdlora.bench.whole import _dense_model
+    from bdlora.export.genai.folder import deployment, write_genai_files
+
+    config = {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 64, "tie_word_embeddings": False, "rope_theta": 10000.0}
+    settings = GenaiExportSettings(context_length=64, validate=False).at(precision)
+    model = _dense_model(config, 2, 96)  # an MLP narrowed to 96 channels, as the probes narrow it
+    assert is_lazy(model)
+    deployment(model, _stand_in_tokenizer(), tmp_path / "streamed", settings)
+    (tmp_path / "held").mkdir()
+    write_genai_files(_dense_model(config, 2, 96), _stand_in_tokenizer(), tmp_path / "held", settings)
+    _same_graph(tmp_path / "streamed", tmp_path / "held")
+    assert (tmp_path / "streamed" / "model.onnx.data").is_file() and is_lazy(model)  # nothing kept made

@@ -36,7 +36,7 @@ from bdlora.export.onnx.metadata import metadata_props, metadata_summary, module
 from bdlora.export.onnx.validate import ExportValidationError, quality_figures, quantized_quality
 from bdlora.export.preflight import check_export_inputs
 from bdlora.export.settings import GenaiExportSettings
-from bdlora.models.lazy import SOURCE
+from bdlora.models.lazy import SOURCE, is_lazy, materialized
 from bdlora.models.load import load_model_folder
 from bdlora.models.runtime import DecoderShape, score_blocks, session
 from bdlora.models.stream import PARITY_LAYERS, PARITY_VOCAB, lazy_folder_model, score_streamed, streamed, streams
@@ -135,11 +135,11 @@ def write_streamed_genai_files(model, tok, folder: Path, settings: GenaiExportSe
         set_metadata(proto, meta)
         info: dict = {"nodes": len(proto.graph.node), "streamed": True}
         if rounds:
-            source = getattr(model, SOURCE)
-            emb = quantize_embedding(proto, tied_head(cfg), table=lambda: source.read(TABLE))
+            table = _table_of(model)
+            emb = quantize_embedding(proto, tied_head(cfg), table=table)
             for k, t in enumerate(proto.graph.initializer):  # a table the rounded graph still gathers from
                 if t.name == TABLE:
-                    proto.graph.initializer[k].CopyFrom(data.put(TABLE, source.read(TABLE).float().numpy()))
+                    proto.graph.initializer[k].CopyFrom(data.put(TABLE, table().float().numpy()))
             data.externalise(proto)
             info["quantization"] = {**describe(proto, BLOCK_SIZE), **rounding.summary(), **emb}
             if settings.calibrated:
@@ -149,6 +149,19 @@ def write_streamed_genai_files(model, tok, folder: Path, settings: GenaiExportSe
     finally:
         data.close()
     return {**info, **_split_head(folder)}
+
+
+def _table_of(model):
+    """The embedding table of a lazy model, made when called: read from its weight files, or a synthetic model's
+    seeded values (``lazy.materialized``: the ones its graph's head was emitted with)."""
+    source = getattr(model, SOURCE, None)
+    if source is not None:
+        return lambda: source.read(TABLE)
+
+    def made():
+        with materialized(model, "model.embed_tokens"):
+            return model.model.embed_tokens.weight.detach().clone()
+    return made
 
 
 def tied_head(config) -> bool:
@@ -192,6 +205,10 @@ def deployment(model, tok, folder: Path, settings: GenaiExportSettings, layout: 
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r}: allowed {', '.join(LAYOUTS)}")
     folder.mkdir(parents=True, exist_ok=True)
+    if layout == "genai" and is_lazy(model) and not settings.calibrated:  # a synthetic model (the timing probes, a
+        # full-depth 8B among them): written one layer at a time, never its whole fp32 graph
+        write_streamed_genai_files(model, tok, folder, settings, reporter=reporter)
+        return folder
     if layout == "genai":
         write_genai_files(model, tok, folder, settings, calibration=calibration, grams=grams, reporter=reporter)
         return folder
