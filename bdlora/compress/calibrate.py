@@ -23,6 +23,7 @@ from bdlora.base.errors import DataError, ModelError
 from bdlora.forms import HEAD  # the LM head's key in ``Calibration.rounding`` (``calibrate(..., head=True)``)
 from bdlora.forms.lowrank import FISHER_DAMPING
 from bdlora.models.arch import projection_modules
+from bdlora.models.sequential import gram_hook
 
 CALIB_SEED = 20261124
 CALIB_BATCH = 8
@@ -160,20 +161,12 @@ def _projection_hooks(model, grams: dict, fish: dict | None, rounding: dict, rou
         group = input_group(name)
         if group not in seen:
             seen.add(group)
-            hooks.append(mod.register_forward_hook(_gram_hook(grams, group)))
+            hooks.append(mod.register_forward_hook(gram_hook(grams, group)))
         if fish is not None:
             hooks.append(mod.register_full_backward_hook(_fisher_hook(fish, name)))
         if rounded is not None:
             hooks += _rounding_hooks(mod, name, rounding, rounded, bits)
     return hooks
-
-
-def _gram_hook(grams: dict, group: str):
-    def hook(module, inputs, output):
-        x = inputs[0].detach().reshape(-1, inputs[0].shape[-1])
-        g = (x.T.float() @ x.float()).double()  # (d_in, d_in): fp32 products of one batch, summed in fp64
-        grams[group] = grams[group] + g if group in grams else g
-    return hook
 
 
 def _fisher_hook(fish: dict, name: str):

@@ -113,16 +113,23 @@ def layer_input_grams(runner: LayerByLayer, index: int) -> dict[str, torch.Tenso
     hooks = []
     for name, mod in projection_modules(runner.model):
         if name.startswith(prefix):
-            hooks.append((mod, _gram_hook(grams, name)))
+            hooks.append((mod, gram_hook(grams, name)))
             if hasattr(mod, "proj_out"):
-                hooks.append((mod.proj_out, _gram_hook(grams, f"{name}.proj_out")))
+                hooks.append((mod.proj_out, gram_hook(grams, f"{name}.proj_out")))
     runner.run(index, hooks)
     return grams
 
 
-def _gram_hook(grams: dict, name: str):
-    def hook(module, inputs, output):  # fp32 products of one batch, summed in fp64 (as ``compress.calibrate``)
-        x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
-        g = (x.T @ x).double()
-        grams[name] = grams[name] + g if name in grams else g
+def add_gram(grams: dict, key: str, x: torch.Tensor) -> None:
+    """Adds ``X^T X`` of the rows of ``x`` (..., d) to ``grams[key]`` (d, d): the products of one batch in fp32,
+    summed across batches in fp64 (every calibration of this toolkit measures its Grams so)."""
+    x = x.detach().reshape(-1, x.shape[-1]).float()
+    g = (x.T @ x).double()
+    grams[key] = grams[key] + g if key in grams else g
+
+
+def gram_hook(grams: dict, key: str):
+    """A forward hook adding its module's input to ``grams[key]`` (``add_gram``)."""
+    def hook(module, inputs, output):
+        add_gram(grams, key, inputs[0])
     return hook

@@ -122,11 +122,12 @@ def write_streamed_genai_files(model, tok, folder: Path, settings: GenaiExportSe
     rounds = PRECISIONS[precision].rounded
     layout = DecoderLayout.genai(ctx)
     data = ExternalData(folder / f"{MODEL_ONNX}.data")
-    rounding = Rounding(precision, settings.quant, settings.head_bits) if rounds else None
+    inputs = None
     if settings.calibrated:
         reporter.stage(f"calibrating: {len(calibration) * calibration.seq_len:,} tokens carried up the model one "
                        f"layer at a time, each part rounded ({settings.quant}) against its MatMuls' inputs")
-        rounding.inputs = CalibratedInputs(model, calibration.get(range(len(calibration))))
+        inputs = CalibratedInputs(model, calibration.get(range(len(calibration))))
+    rounding = Rounding(precision, settings.quant, settings.head_bits, inputs=inputs) if rounds else None
     g = StreamingBuilder(layout.opset, data=data, rounding=rounding, deferred=frozenset({TABLE} if rounds else ()),
                          on_part=lambda: reporter.count(1, cfg.num_hidden_layers + 2, "parts"))
     reporter.count(0, cfg.num_hidden_layers + 2, "parts")
@@ -142,9 +143,6 @@ def write_streamed_genai_files(model, tok, folder: Path, settings: GenaiExportSe
                     proto.graph.initializer[k].CopyFrom(data.put(TABLE, table().float().numpy()))
             data.externalise(proto)
             info["quantization"] = {**describe(proto, BLOCK_SIZE), **rounding.summary(), **emb}
-            if settings.calibrated:
-                info["quantization"].update(int8_share=settings.int8_share, calibration="layer by layer",
-                                            calibration_tokens=rounding.inputs.tokens)
         save_streamed(proto, folder / MODEL_ONNX)
     finally:
         data.close()
@@ -205,12 +203,12 @@ def deployment(model, tok, folder: Path, settings: GenaiExportSettings, layout: 
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r}: allowed {', '.join(LAYOUTS)}")
     folder.mkdir(parents=True, exist_ok=True)
-    if layout == "genai" and is_lazy(model) and not settings.calibrated:  # a synthetic model (the timing probes, a
-        # full-depth 8B among them): written one layer at a time, never its whole fp32 graph
-        write_streamed_genai_files(model, tok, folder, settings, reporter=reporter)
-        return folder
     if layout == "genai":
-        write_genai_files(model, tok, folder, settings, calibration=calibration, grams=grams, reporter=reporter)
+        if is_lazy(model) and not settings.calibrated:  # a synthetic model (the timing probes, a full-depth 8B among
+            # them): written one layer at a time, never its whole fp32 graph
+            write_streamed_genai_files(model, tok, folder, settings, reporter=reporter)
+        else:
+            write_genai_files(model, tok, folder, settings, calibration=calibration, grams=grams, reporter=reporter)
         return folder
     save_plain(plain_graph(model, settings, calibration, grams, proto), folder / MODEL_ONNX)
     return folder / MODEL_ONNX
