@@ -18,6 +18,8 @@ run (a machine's speed varies up to 2x from day to day). Commands (``--commands`
     export-onnx    bdlora export onnx (fp32, validated against PyTorch)
     plan           bdlora plan --model CKPT --forms channels,groups --speedup 1.25 --precision int4
     one-shot       bdlora compress CKPT --one-shot --forms channels,groups --speedup 1.25 --precision int4
+    ship           bdlora ship CKPT --schemes rtn --speedups 1.25 (a student, the draft, their exports and the
+                   teacher's, one bench on two domains, the recommendation; rerun on the same --work resumes it)
 """
 
 from __future__ import annotations
@@ -69,10 +71,12 @@ def commands(ckpt: Path, work: Path, quality_tokens: int) -> dict[str, list[str]
                                                        port=PORT)],
         "export-onnx": [*bd, "export", "onnx", str(ckpt), "--out", str(work / "bdlora-onnx")],
         "eval-ppl": [*bd, "eval", str(ckpt), "--ppl", "--data", "builtin", "--seq-len", "512", "--tokens", "4096",
-                     "--domains", "", "--json", str(work / "eval.json"), "--force"],
+                     "--domains", "", "--report", str(work / "eval.json"), "--force"],
         "plan": [*bd, "plan", "--model", str(ckpt), "--allocation", "quality", *one_shot, "--json"],
         "one-shot": [*bd, "compress", str(ckpt), "--one-shot", *one_shot, "--no-eval", "--out",
                      str(work / "one-shot")],
+        "ship": [*bd, "ship", str(ckpt), "--schemes", "rtn", "--speedups", "1.25", "--data", "builtin", "--out",
+                 str(work / "ship")],
     }
 
 

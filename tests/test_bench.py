@@ -110,7 +110,7 @@ def test_cli_bench_synthetic_and_bad_input(tmp_path, tiny_model, tiny_env):
     cfg.write_text(json.dumps(TINY))
     args = ["bench", "--model-config", str(cfg), "--budget", "0.0", "--lora-rank", "4", "--repeats", "2",
             "--warmup", "0", "--batch-sizes", "1", "--seq-lens", "8", "--decode-tokens", "2", "--threads", "1"]
-    r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "b"), "--json", str(tmp_path / "b.json")])
+    r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "b"), "--report", str(tmp_path / "b.json")])
     assert r.exit_code == 0, r.output
     doc = json.loads((tmp_path / "b.json").read_text())
     p = plan(TINY, BudgetedConfig(budget=0.0, rank=4))

@@ -237,5 +237,5 @@ def test_all_four_forms_in_one_knapsack_give_a_folder_every_reader_takes(tiny_en
     assert report["int8_modules"] == len(wide)
     assert all(rows[n]["form"] == "dense" and rows[n]["case"] != "removed" for n in wide)
     assert report["provenance"]["allocation_cost"]["predicted_decode_speedup"] >= 1.2
-    r = CliRunner().invoke(app, ["eval", str(tmp_path / "s"), "--ppl", "--json", str(tmp_path / "e.json")])
+    r = CliRunner().invoke(app, ["eval", str(tmp_path / "s"), "--ppl", "--report", str(tmp_path / "e.json")])
     assert r.exit_code == 0, r.output

@@ -209,7 +209,7 @@ def test_every_reader_takes_a_pruned_folder(tiny_env, pruned, tmp_path):
 def scored_and_exported(folder, report, tmp_path, genai=("fp32", "int4")) -> None:
     """eval of ``folder`` scores the slice its report did (to 1e-5); export onnx (into ``tmp_path/o``) validates its
     graph against PyTorch; export genai at each of ``genai`` succeeds (it validates against PyTorch before writing)."""
-    r = CliRunner().invoke(app, ["eval", str(folder), "--ppl", "--json", str(tmp_path / "eval.json")])
+    r = CliRunner().invoke(app, ["eval", str(folder), "--ppl", "--report", str(tmp_path / "eval.json")])
     assert r.exit_code == 0, r.output
     ev = json.loads((tmp_path / "eval.json").read_text())
     assert ev["ppl"]["val_ppl"] == pytest.approx(report["eval"]["compressed_val_ppl"], rel=1e-5)
@@ -282,7 +282,7 @@ def test_a_site_form_declared_inconsistently_is_refused(pruned, tmp_path):
         site = next(k for k in cfg["bdlora_modules"] if k.endswith(".mlp"))
         edit(cfg["bdlora_modules"], site)
         (folder / "config.json").write_text(json.dumps(cfg))
-        r = CliRunner().invoke(app, ["eval", str(folder), "--ppl", "--json", str(tmp_path / f"e{i}.json")])
+        r = CliRunner().invoke(app, ["eval", str(folder), "--ppl", "--report", str(tmp_path / f"e{i}.json")])
         assert r.exit_code == 2, r.output
         assert ("declared channels keeping" if i == 0 else "cannot be declared on") in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
@@ -329,7 +329,7 @@ def test_a_pruned_folder_heals_as_a_student_and_compresses_to_the_same_sites(tin
     first = json.loads((tmp_path / "p" / "compression.json").read_text())
     assert report["mlp_pruned"] == first["mlp_pruned"] and report["dense_macs"] == first["dense_macs"]
     assert report["compressed_macs"] == first["compressed_macs"]
-    r = CliRunner().invoke(app, ["eval", str(tmp_path / "healed"), "--ppl", "--json", str(tmp_path / "e.json")])
+    r = CliRunner().invoke(app, ["eval", str(tmp_path / "healed"), "--ppl", "--report", str(tmp_path / "e.json")])
     assert r.exit_code == 0, r.output
     # a shallower student of the pruned folder keeps the widths of the layers it takes
     r = CliRunner().invoke(app, train_args(tiny_env, tmp_path / "run3", "--method", "kd-full", "--student-init",

@@ -245,7 +245,7 @@ def test_a_compressed_folder_keeps_its_heldout_slice_when_the_run_is_gone(tiny_e
     shutil.rmtree(run)
     assert data_settings(moved, ModelDir(moved).report()) == recorded
     assert recorded["data"] == str(tiny_env["corpus"])
-    r = CliRunner().invoke(app, ["eval", str(moved), "--ppl", "--json", str(tmp_path / "e.json")])
+    r = CliRunner().invoke(app, ["eval", str(moved), "--ppl", "--report", str(tmp_path / "e.json")])
     assert r.exit_code == 0, r.output
     scored = json.loads((tmp_path / "e.json").read_text())["ppl"]["val_ppl"]
     assert scored == pytest.approx(report["eval"]["compressed_val_ppl"], rel=1e-4)
@@ -352,7 +352,8 @@ def test_a_damaged_or_edited_folder_is_refused_by_every_reader(saved_student, tm
     for args, out in [(["export", "hf", str(saved_student), "--out", str(tmp_path / "share")], tmp_path / "share"),
                       (["export", "onnx", str(saved_student), "--out", str(tmp_path / "o")], tmp_path / "o"),
                       (["export", "genai", str(saved_student), "--out", str(tmp_path / "g")], tmp_path / "g"),
-                      (["eval", str(saved_student), "--ppl", "--json", str(tmp_path / "e.json")], tmp_path / "e.json"),
+                      (["eval", str(saved_student), "--ppl", "--report", str(tmp_path / "e.json")],
+                       tmp_path / "e.json"),
                       (["bench", str(saved_student), "--out", str(tmp_path / "b")], tmp_path / "b")]:
         res = CliRunner().invoke(app, args)
         assert res.exit_code == 2, (args[:2], res.output)

@@ -93,7 +93,7 @@ def damaged_compressed(cmd, data):
         folder = copy(made, "compressed", tmp, "m")
         write(folder / "compression.json", data)
         if cmd == "eval":
-            return ["eval", str(folder), "--ppl", "--json", str(tmp / "out")]
+            return ["eval", str(folder), "--ppl", "--report", str(tmp / "out")]
         return [*cmd.split(), str(folder), "--out", str(tmp / "out")]
     return build
 
@@ -105,7 +105,7 @@ def damaged_onnx(rel, data, onnx_file="model.onnx"):
             data(folder / rel)
         elif data is not None:
             write(folder / rel, data)
-        return ["eval", str(folder), "--ppl", "--data", str(made["env"]["corpus"]), "--json", str(tmp / "out"),
+        return ["eval", str(folder), "--ppl", "--data", str(made["env"]["corpus"]), "--report", str(tmp / "out"),
                 "--onnx-file", onnx_file]
     return build
 
@@ -143,7 +143,7 @@ OUT_WRITERS = {  # command -> argv writing its output at OUT (a path string)
     "export hf": lambda m, o: ["export", "hf", str(m["compressed"]), "--out", o],
     "export hf --force": lambda m, o: ["export", "hf", str(m["compressed"]), "--force", "--out", o],
     "bench": lambda m, o: ["bench", str(m["compressed"]), "--out", o],
-    "eval --json": lambda m, o: ["eval", str(m["compressed"]), "--ppl", "--json", o],
+    "eval --report": lambda m, o: ["eval", str(m["compressed"]), "--ppl", "--report", o],
 }
 
 
@@ -166,10 +166,10 @@ def out_cases():
                           "cannot create it (/proc is not a writable folder)", absent=()))
         cases.append(Case(f"{cmd}: output under a file", writes(cmd, "f/sub", setup=a_file),
                           "is not a writable folder", absent=("f/sub",), kept={"f": "mine"}))
-        if cmd != "eval --json":
+        if cmd != "eval --report":
             cases.append(Case(f"{cmd}: output is a file", writes(cmd, "f", setup=a_file), "is a file, not a folder",
                               absent=(), kept={"f": "mine"}))
-    cases.append(Case("eval --json: names a folder", writes("eval --json", "d", setup=lambda t: (t / "d").mkdir()),
+    cases.append(Case("eval --report: names a folder", writes("eval --report", "d", setup=lambda t: (t / "d").mkdir()),
                       "is a folder (name a file)", absent=()))
     return cases
 
@@ -187,7 +187,7 @@ def json_cases():
     loaded); eval's default report was overwritten silently."""
     def model_config(made, tmp):
         folder = copy(made, "compressed", tmp, "m")
-        return ["eval", str(made["compressed"]), "--ppl", "--json", str(folder / "config.json")]
+        return ["eval", str(made["compressed"]), "--ppl", "--report", str(folder / "config.json")]
 
     def existing_report(made, tmp):
         folder = copy(made, "compressed", tmp, "m")
@@ -197,22 +197,23 @@ def json_cases():
     def link(made, tmp):
         write(tmp / "target.json", "mine")
         (tmp / "link.json").symlink_to(tmp / "target.json")
-        return ["eval", str(made["compressed"]), "--ppl", "--json", str(tmp / "link.json")]
+        return ["eval", str(made["compressed"]), "--ppl", "--report", str(tmp / "link.json")]
 
     return [
-        Case("eval --json a FIFO", lambda m, t: ["eval", str(m["compressed"]), "--ppl", "--json", str(fifo(t))],
+        Case("eval --report a FIFO", lambda m, t: ["eval", str(m["compressed"]), "--ppl", "--report", str(fifo(t))],
              "pipe: is a named pipe; only a regular file is ever replaced", absent=()),
-        Case("eval --json a symbolic link", link, "link.json: is a symbolic link", absent=(),
+        Case("eval --report a symbolic link", link, "link.json: is a symbolic link", absent=(),
              kept={"target.json": "mine"}),
-        Case("eval --json M/config.json", model_config, "config.json: is inside the model/run folder", absent=()),
-        Case("eval --json an existing file", writes("eval --json", "f", setup=a_file),
+        Case("eval --report M/config.json", model_config, "config.json: is inside the model/run folder", absent=()),
+        Case("eval --report an existing file", writes("eval --report", "f", setup=a_file),
              "f: exists (use --force to replace it)", absent=(), kept={"f": "mine"}),
         Case("eval: the default report exists", existing_report, "m.eval.json: exists (use --force", absent=(),
              kept={"m.eval.json": "mine"}),
-        Case("bench --json a FIFO", lambda m, t: [*OUT_WRITERS["bench"](m, str(t / "out")), "--json", str(fifo(t))],
+        Case("bench --report a FIFO", lambda m, t: [*OUT_WRITERS["bench"](m, str(t / "out")), "--report",
+                                                    str(fifo(t))],
              "is a named pipe"),
-        Case("loadtest --json an existing file", lambda m, t: (a_file(t), ["loadtest", "http://127.0.0.1:9",
-                                                                          "--json", str(t / "f")])[1],
+        Case("loadtest --report an existing file", lambda m, t: (a_file(t), ["loadtest", "http://127.0.0.1:9",
+                                                                          "--report", str(t / "f")])[1],
              "f: exists (use --force to replace it)", absent=(), kept={"f": "mine"}),
         Case("compress --force over a folder bdlora did not write", writes("compress --force", "d", setup=lambda t: (
             write(t / "d" / "notes.txt", "mine"))), "is not a folder bdlora wrote; --force replaces only those",
@@ -234,7 +235,7 @@ def foreign_tokenizer(cmd):
         report = json.loads((folder / "compression.json").read_text())
         report.pop("tokenizer_sha256")
         (folder / "compression.json").write_text(json.dumps(report))
-        tail = ["--ppl", "--json", str(tmp / "out")] if cmd == "eval" else ["--out", str(tmp / "out")]
+        tail = ["--ppl", "--report", str(tmp / "out")] if cmd == "eval" else ["--out", str(tmp / "out")]
         return [*cmd.split(), str(folder), *tail]
     return build
 
@@ -243,7 +244,7 @@ def edited_model_type(made, tmp):
     folder = copy(made, "compressed", tmp, "m")
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "model_type": "bdlora_foo"}))
-    return ["eval", str(folder), "--ppl", "--json", str(tmp / "out")]
+    return ["eval", str(folder), "--ppl", "--report", str(tmp / "out")]
 
 
 # an export's config.json edited: refused by the digest export.json records (test_serve checks the sizes without it)
@@ -302,7 +303,7 @@ CASES = out_cases() + json_cases() + [
     Case("a .jsonl that is not UTF-8", corpus("a.jsonl", b'{"text": "caf\xe9"}\n'), "a.jsonl:1: not UTF-8"),
     Case("a garbage .parquet", corpus("a.parquet", bytes(range(256)) * 4), "not a readable parquet file"),
     Case("eval --data with a non-UTF-8 .jsonl", lambda m, t: (write(t / "c" / "a.jsonl", b"\xff\xfe\n"), [
-        "eval", str(m["compressed"]), "--ppl", "--data", str(t / "c"), "--json", str(t / "out")])[1], "not UTF-8"),
+        "eval", str(m["compressed"]), "--ppl", "--data", str(t / "c"), "--report", str(t / "out")])[1], "not UTF-8"),
     # damaged run files read by compress (defect 6)
     Case("compress: summary.json not JSON", lambda m, t: damaged_run(m, t, "summary.json", "{bad"),
          "summary.json: not valid JSON"),
@@ -343,19 +344,19 @@ CASES = out_cases() + json_cases() + [
          "must name a graph inside"),
     # unfinished runs and failed training (defect 7)
     Case("eval of an unfinished run", lambda m, t: (shutil.copytree(m["run"], t / "r"), (t / "r/summary.json")
-                                                    .unlink(), ["eval", str(t / "r"), "--json", str(t / "out")])[2],
+                                                    .unlink(), ["eval", str(t / "r"), "--report", str(t / "out")])[2],
          "has not finished"),
     Case("compress of an unfinished run", lambda m, t: (shutil.copytree(m["run"], t / "r"), (t / "r/summary.json")
                                                         .unlink(), ["compress", str(t / "r"), "--out",
                                                                     str(t / "out")])[2], "not a finished bdlora run"),
     # issue 53, case 3: an empty held-out slice scored perplexity 1.000 with exit 0 (an ONNX folder: a traceback)
     *[Case(f"eval {key}: a one-document corpus has no held-out slice", lambda m, t, key=key: [
-        "eval", str(m[key]), "--ppl", "--data", str(m["env"]["corpus"] / "doc000.txt"), "--json", str(t / "out")],
+        "eval", str(m[key]), "--ppl", "--data", str(m["env"]["corpus"] / "doc000.txt"), "--report", str(t / "out")],
         "its held-out slice has 0 tokens, fewer than one block of 32") for key in ("compressed", "onnx")],
     # issue 53, case 5: a foreign tokenizer of a smaller vocabulary was accepted (eval 1261 where its own gave 115.6)
     *[Case(f"eval {key}: a foreign tokenizer copied in", lambda m, t, key=key: (
         put_foreign_tokenizer(copy(m, key, t, "m"), m["env"]["corpus"]),
-        ["eval", str(t / "m"), "--ppl", "--json", str(t / "out")])[1],
+        ["eval", str(t / "m"), "--ppl", "--report", str(t / "out")])[1],
         "its tokenizer (tokenizer.json) differs from the one recorded in") for key in ("compressed", "onnx")],
     Case("serve: an ONNX folder with a foreign tokenizer", lambda m, t: (
         put_foreign_tokenizer(copy(m, "onnx", t, "m"), m["env"]["corpus"]),
@@ -364,12 +365,13 @@ CASES = out_cases() + json_cases() + [
     Case("train --data teacher:²", lambda m, t: train(m, t, "--data", "teacher:²"),
          "teacher:N needs a whole number of tokens from 1 to 100,000,000"),
     Case("eval --domains teacher:²", lambda m, t: ["eval", str(m["compressed"]), "--ppl", "--domains", "teacher:²",
-                                                   "--json", str(t / "out")], "--domains teacher:²: teacher:N needs"),
+                                                   "--report", str(t / "out")],
+         "--domains teacher:²: teacher:N needs"),
     Case("train --data teacher:1000000000000", lambda m, t: train(m, t, "--data", "teacher:1000000000000"),
          "teacher:N needs a whole number of tokens from 1 to 100,000,000"),
     Case("train --data builtin:-1 is printed as written", lambda m, t: train(m, t, "--data", "builtin:-1"),
          "--data builtin:-1:"),
-    Case("--json with a 300-byte name", lambda m, t: ["eval", str(m["compressed"]), "--ppl", "--json",
+    Case("--report with a 300-byte name", lambda m, t: ["eval", str(m["compressed"]), "--ppl", "--report",
                                                       str(t / ("a" * 300 + ".json"))],
          "a name in this path (305 bytes) is longer than the file system allows"),
     Case("--data with a 300-byte name", lambda m, t: train(m, t, "--data", str(t / ("a" * 300))),
@@ -390,7 +392,7 @@ CASES = out_cases() + json_cases() + [
     *[Case(f"{cmd}: config.json declares an unknown form", lambda m, t, cmd=cmd: (
         edit_forms(copy(m, "compressed", t, "m"), lambda spec: {"form": "sparse24"}),
         [*cmd.split(), str(t / "m"), "--out", str(t / "out")] if cmd != "eval"
-        else ["eval", str(t / "m"), "--ppl", "--json", str(t / "out")])[1],
+        else ["eval", str(t / "m"), "--ppl", "--report", str(t / "out")])[1],
         "unknown form 'sparse24' (bdlora knows dense, lowrank, channels, groups, vocab)")
       for cmd in ("eval", "export onnx", "export hf")],
     Case("train diverges (--lr 1e30)", lambda m, t: train(m, t, "--lr", "1e30"), "lower --lr (now 1e+30); ", code=1),
@@ -457,9 +459,9 @@ def numeric_options(command_path):
 PARSED = {  # parser command -> argv writing its output at OUT
     "train": OUT_WRITERS["train"], "compress": OUT_WRITERS["compress"], "export onnx": OUT_WRITERS["export onnx"],
     "export genai": lambda m, o: ["export", "genai", str(m["compressed"]), "--out", o],
-    "bench": OUT_WRITERS["bench"], "eval": OUT_WRITERS["eval --json"],
+    "bench": OUT_WRITERS["bench"], "eval": OUT_WRITERS["eval --report"],
     "plan": lambda m, o: ["plan", "--model-config", str(m["env"]["teacher"]), "--json"],
-    "loadtest": lambda m, o: ["loadtest", "http://127.0.0.1:9", "--json", o],  # refused before connecting
+    "loadtest": lambda m, o: ["loadtest", "http://127.0.0.1:9", "--report", o],  # refused before connecting
     "sweep": lambda m, o: ["sweep", "--teacher", str(m["env"]["teacher"]), "--data", str(m["env"]["corpus"]),
                            "--out", o],
 }
@@ -612,7 +614,7 @@ def test_two_runs_started_in_the_same_second_get_two_folders(tmp_path, monkeypat
 def test_a_folder_whose_path_reads_as_markup_is_evaluated(made, tmp_path):
     """Issue 53, case 7: a model folder whose path contains ``[/]`` was a rich MarkupError (eval could not run)."""
     folder = copy(made, "compressed", tmp_path / "a[", "]b")
-    res = CliRunner().invoke(app, ["eval", str(folder), "--ppl", "--json", str(tmp_path / "e.json")])
+    res = CliRunner().invoke(app, ["eval", str(folder), "--ppl", "--report", str(tmp_path / "e.json")])
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "e.json").read_text())["ppl"]["val_ppl"] > 1.0
 
@@ -660,7 +662,7 @@ def test_loadtest_counts_a_server_answering_nonsense_as_failures(tmp_path):
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
         res = CliRunner().invoke(app, ["loadtest", url, "--concurrency", "1", "--requests", "3", "--max-tokens", "2",
-                                       "--json", str(tmp_path / "l.json")])
+                                       "--report", str(tmp_path / "l.json")])
     finally:
         server.shutdown()
     assert res.exception is None or isinstance(res.exception, SystemExit), res.exception

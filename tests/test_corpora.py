@@ -290,7 +290,8 @@ def test_eval_scores_a_second_domain_for_the_model_and_its_teacher(tiny_env, tmp
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     assert json.loads((run / "config.json").read_text())["config"]["calib_data"].endswith(f"{other}:1")
-    res = CliRunner().invoke(app, ["eval", str(run), "--ppl", "--domains", str(other), "--json", str(tmp_path / "e")])
+    res = CliRunner().invoke(app, ["eval", str(run), "--ppl", "--domains", str(other), "--report",
+                                   str(tmp_path / "e")])
     assert res.exit_code == 0, res.output
     doc = json.loads((tmp_path / "e").read_text())
     assert set(doc["domains"]) == {doc["data"]["data"], str(other)}
@@ -298,10 +299,11 @@ def test_eval_scores_a_second_domain_for_the_model_and_its_teacher(tiny_env, tmp
     assert doc["domains"][str(other)]["tokens"] == doc["ppl"]["tokens"]
     assert str(other) in doc["teacher"]["domains"] and "on " + str(other)[:20] in res.output.replace("\n", "")
     small = make_corpus(tmp_path / "small", n_docs=20, seed=3)  # nothing held out at 0.2%
-    res = CliRunner().invoke(app, ["eval", str(run), "--ppl", "--domains", str(small), "--json", str(tmp_path / "g")])
+    res = CliRunner().invoke(app, ["eval", str(run), "--ppl", "--domains", str(small), "--report",
+                                   str(tmp_path / "g")])
     assert res.exit_code == 2 and "fewer than one block" in res.output and not (tmp_path / "g").exists()
     # the default for a small-vocabulary model: no second domain
-    res = CliRunner().invoke(app, ["eval", str(run), "--ppl", "--json", str(tmp_path / "f")])
+    res = CliRunner().invoke(app, ["eval", str(run), "--ppl", "--report", str(tmp_path / "f")])
     assert res.exit_code == 0 and "domains" not in json.loads((tmp_path / "f").read_text())
 
 

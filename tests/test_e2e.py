@@ -185,7 +185,7 @@ ICL_TASKS = "capitalize,choose_first_of_3,lowercase_first_letter"
 
 def _icl(model, tmp_path, name, env):
     out = tmp_path / f"{name}.eval.json"
-    res = _bdlora("eval", str(model), "--icl", "--tasks", ICL_TASKS, "--examples", "4", "--seeds", "1", "--json",
+    res = _bdlora("eval", str(model), "--icl", "--tasks", ICL_TASKS, "--examples", "4", "--seeds", "1", "--report",
                   str(out), env=env)
     assert res.returncode == 0, res.stderr
     return json.loads(out.read_text())["icl"]

@@ -234,7 +234,7 @@ def test_eval_hf_folder_and_its_onnx_export_agree(tiny_env, tiny_model, tmp_path
     docs = {}
     for name in ("m", "m.onnx"):
         res = CliRunner().invoke(app, ["eval", str(tmp_path / name), "--data", str(tiny_env["corpus"]), *EVAL_ARGS,
-                                       "--json", str(tmp_path / f"{name}.json")])
+                                       "--report", str(tmp_path / f"{name}.json")])
         assert res.exit_code == 0, res.output
         docs[name] = json.loads((tmp_path / f"{name}.json").read_text())
     hf, ox = docs["m"], docs["m.onnx"]
@@ -255,7 +255,7 @@ def test_eval_of_a_run_uses_its_heldout_slice(tiny_env, tmp_path):
     args = train_args(tiny_env, run, "--method", "kd-lora", "--max-steps", "3", "--cache-dir", str(tmp_path / "cache"))
     assert CliRunner().invoke(app, args).exit_code == 0  # its own cache: the teacher is scored here first
     summary = json.loads((run / "summary.json").read_text())
-    res = CliRunner().invoke(app, ["eval", str(run), "--ppl", "--json", str(tmp_path / "e.json")])
+    res = CliRunner().invoke(app, ["eval", str(run), "--ppl", "--report", str(tmp_path / "e.json")])
     assert res.exit_code == 0, res.output
     doc = json.loads((tmp_path / "e.json").read_text())
     assert "icl" not in doc and doc["data"]["seq_len"] == 32 and doc["ppl"]["tokens"] == 512
@@ -266,18 +266,18 @@ def test_eval_of_a_run_uses_its_heldout_slice(tiny_env, tmp_path):
     assert f"vs the teacher's {summary['teacher_val_ppl']:.3f}" in res.output
     icl = ["--tasks", "capitalize,next_item", "--examples", "3", "--seeds", "1"]
     for i in range(2):  # the teacher is scored once per settings, then read from the cache
-        res = CliRunner().invoke(app, ["eval", str(run), *icl, "--json", str(tmp_path / f"i{i}.json")])
+        res = CliRunner().invoke(app, ["eval", str(run), *icl, "--report", str(tmp_path / f"i{i}.json")])
         assert res.exit_code == 0, res.output
         assert ("scoring the teacher" in res.output) == (i == 0)
         assert ("the teacher's figures on these settings" in res.output) == (i == 1)
     docs = [json.loads((tmp_path / f"i{i}.json").read_text()) for i in range(2)]
     assert docs[0]["teacher"] == docs[1]["teacher"] and set(docs[0]["teacher"]["icl"]["tasks"]) == {
         "capitalize", "next_item"}
-    res = CliRunner().invoke(app, ["eval", str(run), *icl, "--no-vs-teacher", "--json", str(tmp_path / "n.json")])
+    res = CliRunner().invoke(app, ["eval", str(run), *icl, "--no-vs-teacher", "--report", str(tmp_path / "n.json")])
     assert res.exit_code == 0 and "teacher" not in json.loads((tmp_path / "n.json").read_text())
     # the run's student/ alone is its weights without the adapter (a whitened start leaves the residual there: a
     # SmolLM2 student scored 253,600,934 that way): refused, naming the run
-    res = CliRunner().invoke(app, ["eval", str(run / "student"), "--ppl", "--json", str(tmp_path / "s.json")])
+    res = CliRunner().invoke(app, ["eval", str(run / "student"), "--ppl", "--report", str(tmp_path / "s.json")])
     assert res.exit_code != 0 and "a run's student/ folder" in res.output and str(run.resolve()) in res.output
     assert not (tmp_path / "s.json").exists()
 
@@ -323,7 +323,7 @@ def test_the_teacher_beside_a_run_healed_on_its_own_samples_is_scored_on_the_sam
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
     summary = json.loads((run / "summary.json").read_text())
-    res = CliRunner().invoke(app, ["eval", str(run), "--ppl", "--json", str(tmp_path / "e.json")])
+    res = CliRunner().invoke(app, ["eval", str(run), "--ppl", "--report", str(tmp_path / "e.json")])
     assert res.exit_code == 0, res.output
     doc = json.loads((tmp_path / "e.json").read_text())
     assert doc["ppl"]["val_ppl"] == pytest.approx(summary["student_val_ppl"], rel=1e-5)

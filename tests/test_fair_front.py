@@ -193,11 +193,11 @@ def test_a_default_domain_that_cannot_be_fetched_is_said_not_fatal(tiny_env, tmp
     monkeypatch.setattr(ev, "load_tokens", offline)
     args = ["eval", str(tmp_path / "m"), "--ppl", "--data", str(tiny_env["corpus"]), "--heldout-fraction", "0.1",
             "--tokens", "256", "--seq-len", "32"]
-    r = CliRunner().invoke(app, [*args, "--json", str(tmp_path / "e.json")])
+    r = CliRunner().invoke(app, [*args, "--report", str(tmp_path / "e.json")])
     assert r.exit_code == 0, r.output
     doc = json.loads((tmp_path / "e.json").read_text())
     assert set(doc["domains_skipped"]) == {"prose", "fortunes"} and doc["ppl"]["val_ppl"] > 1
-    r = CliRunner().invoke(app, [*args, "--domains", "fortunes", "--json", str(tmp_path / "f.json")])
+    r = CliRunner().invoke(app, [*args, "--domains", "fortunes", "--report", str(tmp_path / "f.json")])
     assert r.exit_code == 2 and "could not fetch" in r.stderr and not (tmp_path / "f.json").exists()
 
 

@@ -54,7 +54,7 @@ def test_kd_lora_heals_the_one_shot_structure_of_the_same_options(tiny_env, tmp_
     assert {k: v for k, v in healed.items() if k.endswith((".mlp", ".self_attn"))} == {
         k: v for k, v in declared.items() if k.endswith((".mlp", ".self_attn"))}
     assert json.loads((tmp_path / "healed" / "config.json").read_text())["num_hidden_layers"] == len(kept)
-    r = CliRunner().invoke(app, ["eval", str(tmp_path / "healed"), "--ppl", "--json", str(tmp_path / "e.json")])
+    r = CliRunner().invoke(app, ["eval", str(tmp_path / "healed"), "--ppl", "--report", str(tmp_path / "e.json")])
     assert r.exit_code == 0, r.output
 
 

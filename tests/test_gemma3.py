@@ -125,7 +125,7 @@ def test_a_gemma3_teacher_goes_through_the_chain(tiny_env, gemma3_teacher, tmp_p
     meta = json.loads((tmp_path / "onnx" / "export.json").read_text())
     assert meta["validation"]["max_abs_diff"] <= meta["validation"]["tolerance"]
     assert json.loads((tmp_path / "genai" / "genai_config.json").read_text())["model"]["type"] == "gemma3_text"
-    r = CliRunner().invoke(app, ["eval", str(tmp_path / "onnx"), "--ppl", "--json", str(tmp_path / "e.json")])
+    r = CliRunner().invoke(app, ["eval", str(tmp_path / "onnx"), "--ppl", "--report", str(tmp_path / "e.json")])
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "e.json").read_text())["ppl"]["val_ppl"] < len(tiny_env["tokenizer"])
     from test_channels import shot

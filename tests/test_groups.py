@@ -210,7 +210,7 @@ def test_a_groups_site_declared_inconsistently_is_refused(grouped, tmp_path):
         site = next(k for k in cfg["bdlora_modules"] if k.endswith(".self_attn"))
         edit(cfg["bdlora_modules"], site)
         (folder / "config.json").write_text(json.dumps(cfg))
-        r = CliRunner().invoke(app, ["eval", str(folder), "--ppl", "--json", str(tmp_path / f"e{i}.json")])
+        r = CliRunner().invoke(app, ["eval", str(folder), "--ppl", "--report", str(tmp_path / f"e{i}.json")])
         assert r.exit_code == 2, r.output
         assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 

@@ -123,7 +123,7 @@ def test_a_nan_weight_is_refused_by_eval_and_export_never_reported(shot, tmp_pat
     report = json.loads((folder / "compression.json").read_text())
     report[DIGEST_KEY] = digests(folder)  # a consistent folder: only the value is wrong
     (folder / "compression.json").write_text(json.dumps(report))
-    res = CliRunner().invoke(app, ["eval", str(folder), "--ppl", "--json", str(tmp_path / "e.json")])
+    res = CliRunner().invoke(app, ["eval", str(folder), "--ppl", "--report", str(tmp_path / "e.json")])
     assert res.exit_code != 0 and "hold NaN or infinity" in res.stderr, res.output  # refused on load now
     assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "e.json").exists()
     res = CliRunner().invoke(app, ["export", "onnx", str(folder), "--out", str(tmp_path / "g")])  # head dim 8

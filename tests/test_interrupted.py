@@ -64,7 +64,7 @@ def test_an_export_killed_half_way_leaves_nothing_that_looks_whole(folder, tmp_p
     assert not out.exists()
     (half,) = temps(out)
     runtime = ["--runtime", "genai"] if kind == "genai" else []
-    for args in (["eval", str(half), "--ppl", "--json", str(tmp_path / "e.json")],
+    for args in (["eval", str(half), "--ppl", "--report", str(tmp_path / "e.json")],
                  ["serve", str(half), "--port", "1", *runtime], ["bench", str(half), "--out", str(tmp_path / "b")]):
         res = CliRunner().invoke(app, args)
         err = res.stderr.strip()

@@ -66,7 +66,7 @@ def test_one_shot_meets_its_ratio_and_its_weights_are_the_allocated_factors(tiny
 def test_every_reader_takes_the_one_shot_folder(tiny_env, shot, tmp_path):
     """eval scores the same slice the report did (from the folder's provenance); export onnx and bench run it."""
     out, report = shot
-    res = CliRunner().invoke(app, ["eval", str(out), "--ppl", "--json", str(tmp_path / "eval.json")])
+    res = CliRunner().invoke(app, ["eval", str(out), "--ppl", "--report", str(tmp_path / "eval.json")])
     assert res.exit_code == 0, res.output
     ev = json.loads((tmp_path / "eval.json").read_text())
     assert ev["data"]["data"] == str(tiny_env["corpus"]) and ev["data"]["seq_len"] == 32

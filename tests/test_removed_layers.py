@@ -257,5 +257,5 @@ def test_pruned_mlps_above_a_removed_layer_are_declared_at_their_new_index(tiny_
     sites = {k: v for k, v in json.loads((tmp_path / "cl" / "config.json").read_text())["bdlora_modules"].items()
              if k.endswith(".mlp")}
     assert sites == {f"model.layers.{kept.index(i)}.mlp": {"form": "channels", "keep": k} for i, k in pruned.items()}
-    e = CliRunner().invoke(app, ["eval", str(tmp_path / "cl"), "--ppl", "--json", str(tmp_path / "e.json")])
+    e = CliRunner().invoke(app, ["eval", str(tmp_path / "cl"), "--ppl", "--report", str(tmp_path / "e.json")])
     assert e.exit_code == 0, e.output

@@ -232,7 +232,7 @@ def test_bad_input_gets_4xx_with_an_openai_error_body_and_the_server_keeps_servi
 
 def test_loadtest_command_against_the_server(server, tmp_path):
     res = CliRunner().invoke(cli_app, ["loadtest", server, "--concurrency", "1,4", "--requests", "12",
-                                       "--max-tokens", "8", "--json", str(tmp_path / "lt.json")])
+                                       "--max-tokens", "8", "--report", str(tmp_path / "lt.json")])
     assert res.exit_code == 0, res.output
     rows = json.loads((tmp_path / "lt.json").read_text())["results"]
     assert [r["concurrency"] for r in rows] == [1, 4]
@@ -258,7 +258,7 @@ def test_loadtest_base_url_drops_only_a_trailing_v1():
 
 def test_streaming_loadtest_reports_ttft_and_inter_token_latency(server, tmp_path):
     res = CliRunner().invoke(cli_app, ["loadtest", server, "--stream", "--concurrency", "2", "--requests", "6",
-                                       "--max-tokens", "10", "--json", str(tmp_path / "lt.json")])
+                                       "--max-tokens", "10", "--report", str(tmp_path / "lt.json")])
     assert res.exit_code == 0, res.output
     assert "TTFT p50" in res.output and "ITL p99" in res.output
     (row,) = json.loads((tmp_path / "lt.json").read_text())["results"]

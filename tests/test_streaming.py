@@ -330,7 +330,7 @@ def test_eval_read_one_layer_at_a_time_scores_what_eval_in_memory_scores(folders
         r = CliRunner().invoke(app, ["eval", str(folders / name), "--streaming", mode, "--data",
                                      str(tiny_env["corpus"]), "--heldout-fraction", "0.1", "--seq-len", "32",
                                      "--tokens", "256", *probes,
-                                     "--no-vs-teacher", "--json", str(tmp_path / f"{mode}.json")])
+                                     "--no-vs-teacher", "--report", str(tmp_path / f"{mode}.json")])
         assert r.exit_code == 0, (mode, r.output)
         docs[mode] = json.loads((tmp_path / f"{mode}.json").read_text())
     held, lazy = docs["off"], docs["on"]

@@ -471,6 +471,7 @@ def test_export_genai_options_are_the_settings_fields():
     import typer.main
 
     from bdlora.cli import app
+    from bdlora.cli.options import COMMON
     from bdlora.export.settings import DEFAULT, GenaiExportSettings
     from bdlora.train.config import field_docs
 
@@ -480,6 +481,9 @@ def test_export_genai_options_are_the_settings_fields():
     for f in dataclasses.fields(GenaiExportSettings):
         p = params[f.name]
         assert f"--{f.name.replace('_', '-')}" in p.opts, f.name
+        if f.name in COMMON:  # an option many commands take: its one wording, the field's default when not given
+            assert p.help == COMMON[f.name] and p.default is None, f.name
+            continue
         assert " ".join(p.help.split()).startswith(" ".join(docs[f.name].split())), f.name
         assert p.default == getattr(DEFAULT, f.name), f.name
     assert "--no-validate" in params["validate"].secondary_opts
@@ -497,6 +501,7 @@ def test_bench_takes_its_rounding_options_from_export_genais_settings():
 
     from bdlora.bench.config import ROUNDING, BenchConfig
     from bdlora.cli import app
+    from bdlora.cli.options import COMMON
     from bdlora.export.settings import DEFAULT, GenaiExportSettings
     from bdlora.train.config import field_docs
 
@@ -505,6 +510,9 @@ def test_bench_takes_its_rounding_options_from_export_genais_settings():
     params = {p.name: p for p in typer.main.get_command(app).commands["bench"].params}
     docs = field_docs(GenaiExportSettings)
     for name in ROUNDING:
+        if name in COMMON:  # --quant: the one wording every command gives it
+            assert params[name].help == COMMON[name] and params[name].default is None, name
+            continue
         assert " ".join(params[name].help.split()).startswith(" ".join(docs[name].split())), name
         assert params[name].default == getattr(DEFAULT, name), name
 

@@ -87,7 +87,7 @@ def check_not_inside(out: str | os.PathLike, what: str = "--out") -> None:
         raise UsageError(f"{what} {out}: is inside the model/run folder {inside} (choose a folder outside it)")
 
 
-# Files whose presence makes a folder a model, run or export folder: a report is never written into one (a --json
+# Files whose presence makes a folder a model, run or export folder: a report is never written into one (a --report
 # named M/config.json replaced the model's config and the folder no longer loaded).
 STREAMING = ("auto", "on", "off")  # --streaming: read and write a model one layer at a time (models.stream)
 DEFAULT_STREAMING = STREAMING[0]
@@ -123,7 +123,7 @@ def _files(folder: Path):
         return []
 
 
-def check_out_file(path: str | os.PathLike, what: str = "--json", force: bool = False, ours: bool = False) -> None:
+def check_out_file(path: str | os.PathLike, what: str = "--report", force: bool = False, ours: bool = False) -> None:
     """Refuse, before any work is done, an output file that names a folder, a device, a pipe, a socket or a link
     (a rename would replace it), lies inside a model, run or export folder (unless ``ours``: the command's own
     default place, e.g. eval's report beside the folder it scores), already exists (unless ``force``), or cannot be

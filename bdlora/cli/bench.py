@@ -10,12 +10,11 @@ from bdlora.base.errors import Checks, UsageError
 from bdlora.base.io import write_json
 from bdlora.base.outputs import check_out_dir, check_out_file
 from bdlora.base.runs import RUNS_DIR, BenchDir
-from bdlora.base.schemes import SCHEMES
 from bdlora.bench.config import NO_DOMAIN, ROUNDING, BenchConfig
 from bdlora.bench.target import SYNTHETIC_LORA_RANK, compressed_target, synthetic_target
 from bdlora.cli import render
 from bdlora.cli.app import command, out
-from bdlora.cli.options import Force, RunsDir, from_dataclass, int_list, str_list
+from bdlora.cli.options import Force, Out, Report, RunsDir, from_dataclass, given, int_list, str_list
 from bdlora.cli.progress import RichReporter
 from bdlora.data.corpora import check_spec
 from bdlora.export.settings import GenaiExportSettings
@@ -26,8 +25,6 @@ BENCH_PANELS = {  # bench --help: what and how wide is benched stays in the main
     "Quality and rounding": ("quality_tokens", "icl", "icl_examples"),
 }
 ROUNDING_NOTES = {  # export genai's help of each, then what it means across a bench's many folders
-    "quant": escape("; ".join(f"{s.name}: {s.summary}" for s in SCHEMES.values()) + ". In bench: the student's and "
-                    "every --also's; the teacher's and the peers' too unless --teacher-quant."),
     "head_bits": "In bench: every int4 folder's head, the student's and the teacher's alike (the head is a third of "
                  "an int4 model's bytes at SmolLM2's size); a row whose folder declares 4 says so.",
     "int8_share": "In bench: every int4 folder rounded by a calibrated scheme (gptq).",
@@ -58,16 +55,15 @@ def bench(
                        "kd-lora` run with the same data and steps) that joins the front at every precision as "
                        "peer-NAME, rounded as the teacher is; every student is compared with it at its precision. "
                        "Repeatable.")] = None,
-    json_path: Annotated[Optional[str], typer.Option("--json", help="Also write the JSON report here.")] = None,
-    out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: MODEL_DIR.bench).")]
-    = None,
+    json_path: Report = None,
+    out_dir: Out = None,
     force: Force = False,
     runs_dir: RunsDir = RUNS_DIR,
     **opts,
 ):
     """Time the compressed model against its dense and LoRA forms under onnxruntime (modules and whole model,
     prefill and decode; --runtime genai: in onnxruntime-genai beside its builder's dense model), beside the MAC
-    limits; writes bench.json, bench.md and bench.png."""
+    limits; writes bench.json, bench.md and bench.png into --out (default MODEL_DIR.bench)."""
     from bdlora.bench.run import run_bench
 
     _check_own_options(model_config, budget, layers, lora_rank)
@@ -118,7 +114,7 @@ def _check_mode(cfg: BenchConfig, model_config) -> None:
 
 def _bench_config(opts: dict) -> BenchConfig:
     """The options as a checked BenchConfig: lists parsed, export genai's rounding settings held as one object."""
-    rounding = GenaiExportSettings(**{k: opts.pop(k) for k in ROUNDING})  # export genai's, as given
+    rounding = GenaiExportSettings(**given({k: opts.pop(k) for k in ROUNDING}))  # export genai's, as given
     opts.update(batch_sizes=int_list(opts["batch_sizes"], "--batch-sizes"),
                 seq_lens=int_list(opts["seq_lens"], "--seq-lens"),
                 genai_precisions=str_list(opts["genai_precisions"]) or [])

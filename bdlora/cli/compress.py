@@ -12,7 +12,7 @@ from bdlora.base.runs import RUNS_DIR, ModelDir, RunDir, one_shot_out
 from bdlora.base.schemes import DEFAULT_SCHEME, mixed, quant_problem
 from bdlora.cli import render
 from bdlora.cli.app import command, err, out
-from bdlora.cli.options import Force, RunsDir, from_dataclass
+from bdlora.cli.options import Force, Json, Out, Precision, Quant, RunsDir, Threads, from_dataclass
 from bdlora.cli.progress import RichReporter
 from bdlora.compress.bounds import DEEPER, check_fits, check_report_provenance, check_shape_config
 from bdlora.compress.config import CALIB_TOKENS, OneShotConfig
@@ -63,15 +63,11 @@ def plan(
     calib_data: Annotated[Optional[str], typer.Option(help="--allocation quality: calibrate on this instead.")] = None,
     layers: Annotated[Optional[int], typer.Option(help="Student decoder layers (default: the config's).")] = None,
     steps: Annotated[int, typer.Option(help="Optimiser steps the schedule is simulated over.")] = DEFAULT_PLAN_STEPS,
-    precision: Annotated[Optional[str], typer.Option(help="Also predict the deployed decode speed-up at fp32, int8 "
-                                                          "or int4 (each form timed in onnxruntime here, cached).")]
-    = None,
-    threads: Annotated[Optional[int], typer.Option(help="--precision: threads the decode times are measured at "
-                                                        "(default: this machine's cores).")] = None,
-    quant: Annotated[Optional[str], typer.Option(help="--precision int8/int4: time the nodes of this export genai "
-                                                      "--quant scheme (rtn, gptq, affine; default rtn).")] = None,
+    precision: Precision = None,
+    threads: Threads = None,
+    quant: Quant = None,
     speculative: Annotated[bool, typer.Option(help=SPECULATIVE_HELP)] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+    json_out: Json = False,
     **opts,
 ):
     """Predict what `compress` would produce before any training: per-module case and rank, MAC speed-ups vs dense
@@ -202,8 +198,7 @@ def compress(
         metavar="[RUN_DIR | SOURCE]", help="A finished run (default: the latest under --runs-dir); with --one-shot, a "
         "pretrained model: a Hugging Face folder, a .gguf file, a preset (smollm2-135m, gemma3-270m) or a hub "
         "id.")] = None,
-    out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: RUN_DIR.compressed; "
-                                                                 "runs/SOURCE.oneshot-Rx.compressed).")] = None,
+    out_dir: Out = None,
     force: Force = False,
     no_eval: Annotated[bool, typer.Option("--no-eval", help="Skip the held-out perplexity of both models.")] = False,
     runs_dir: RunsDir = RUNS_DIR,
@@ -213,12 +208,13 @@ def compress(
                                            "training)")] = False,
     cache_dir: Annotated[Optional[str], typer.Option(help="Cache of tokenised corpora and materialised models "
                                                           "(default ~/.cache/bdlora or $BDLORA_CACHE).")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print compression.json instead of tables.")] = False,
+    json_out: Json = False,
     **opts,
 ):
     """Turn a trained student into its deployment form: drop, SVD-approximate or merge each dense path (budgeted),
     merge the adapter (kd-lora) or pass through (kd-full); saved as a Hugging Face model folder. With --one-shot,
-    compress a pretrained model to --mac-ratio without any training."""
+    compress a pretrained model to --mac-ratio without any training. --out defaults to RUN_DIR.compressed (with
+    --one-shot: RUNS_DIR/SOURCE.oneshot-Rx.compressed)."""
 
     shot = {k: opts.pop(k) for k in list(opts) if k in ONE_SHOT_FIELDS}
     reporter = RichReporter(err if json_out else out)

@@ -14,7 +14,19 @@ from bdlora.base.outputs import check_new_out, check_out_file
 from bdlora.base.runs import PAPER_MAIN, RUNS_DIR, ModelDir, SweepDir, eval_json
 from bdlora.cli import render
 from bdlora.cli.app import command, err, out
-from bdlora.cli.options import TRAIN_PANELS, Force, RunsDir, float_list, from_dataclass, int_list, str_list
+from bdlora.cli.options import (
+    TRAIN_PANELS,
+    Force,
+    Json,
+    Out,
+    Report,
+    RunsDir,
+    common,
+    float_list,
+    from_dataclass,
+    int_list,
+    str_list,
+)
 from bdlora.cli.progress import RichReporter
 from bdlora.eval.evaluate import EvalConfig
 from bdlora.sweep.options import (
@@ -50,9 +62,7 @@ def eval_cmd(
     ppl: Annotated[bool, typer.Option("--ppl", help="Held-out perplexity (with neither --ppl nor --icl: both).")]
     = False,
     icl: Annotated[bool, typer.Option("--icl", help="The 19 ICL probes of SPEC 7.")] = False,
-    json_path: Annotated[Optional[str], typer.Option("--json", help="Write the eval JSON here (default: "
-                                                                    "MODEL_DIR.eval.json beside the folder).")]
-    = None,
+    json_path: Report = None,
     force: Force = False,
     vs_teacher: Annotated[bool, typer.Option(help="Score the model's teacher (from its run) on the same slice and "
                                                   "prompts, once per settings (cached), and show it beside.")]
@@ -61,7 +71,8 @@ def eval_cmd(
     **opts,
 ):
     """Score a model: perplexity on the held-out slice and the 19 function-style ICL probes (10-shot, 3
-    demonstration seeds, exact match; per-task mean and std, macro average)."""
+    demonstration seeds, exact match; per-task mean and std, macro average). The report goes to MODEL_DIR.eval.json
+    beside the folder, or to --report."""
 
     opts["tasks"] = str_list(opts["tasks"])
     ecfg = EvalConfig(ppl=ppl or not icl, icl=icl or not ppl, **opts).validate()
@@ -105,17 +116,16 @@ def sweep(
     bench_repeats: Annotated[int, _member("bench --repeats.")] = SweepOptions.bench_repeats,
     front: Annotated[bool, typer.Option(help="Then the family and the teacher's own exports (fp32/int8/int4) in one "
                                              "onnxruntime-genai run: one quality/speed front.")] = SweepOptions.front,
-    out_dir: Annotated[Optional[str], typer.Option("--out", help="Sweep folder (default: RUNS_DIR/sweep-<time>).")]
-    = None,
+    out_dir: Out = None,
     runs_dir: RunsDir = RUNS_DIR,
     resume: Annotated[Optional[str], typer.Option(help="Finish an interrupted sweep folder (its stored options are "
                                                         "used; finished stages are skipped).")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print results.json.")] = False,
+    json_out: Json = False,
     **opts,
 ):
     """Train, compress, evaluate and bench a budget family (baselines + budgeted at each F, at every point of the
     --vary grid) with everything else fixed; writes sweep.md, results.json, pareto.png and the paper's layouts
-    (main.md, table9.md, icl.png)."""
+    (main.md, table9.md, icl.png). --out: the sweep folder (default RUNS_DIR/sweep-<time>)."""
     from bdlora.sweep.run import run_sweep
 
     rep = RichReporter(err if json_out else out)
@@ -154,13 +164,13 @@ def _check_resume_alone(resume: str, opts: dict, config, vary) -> None:
 @command(name="sweep-merge")
 def sweep_merge(
     sweeps: Annotated[list[str], typer.Argument(help="Finished sweep folders, one per teacher, in column order.")],
-    out_dir: Annotated[str, typer.Option("--out", help="Folder for the merged main.md, table9.md, icl.png.")],
+    out_dir: Annotated[str, common("out")],
     labels: Annotated[Optional[str], typer.Option(help="Comma-separated column label per sweep (default: each "
                                                         "sweep's teacher name), e.g. 0.13B,0.5B,1B.")] = None,
     force: Force = False,
 ):
     """Combine sweeps of several teachers into the paper's three-teacher layout: Table 5 (main.md), Table 9
-    (table9.md) and Figure 2 (icl.png), members matched by name."""
+    (table9.md) and Figure 2 (icl.png), members matched by name, written into --out."""
 
     merge_sweeps(sweeps, str_list(labels) if labels else None, Path(out_dir), force=force)
     out.print((Path(out_dir) / PAPER_MAIN).read_text())

@@ -10,13 +10,12 @@ from rich.markup import escape
 from bdlora.base.errors import Checks
 from bdlora.base.outputs import DEFAULT_STREAMING
 from bdlora.base.runs import RUNS_DIR, ModelDir
-from bdlora.base.schemes import SCHEMES
 from bdlora.cli import render
 from bdlora.cli.app import command, err, export_app, out
-from bdlora.cli.options import Force, RunsDir, from_dataclass
+from bdlora.cli.options import Force, Json, Out, RunsDir, from_dataclass, given
 from bdlora.cli.progress import RichReporter
 from bdlora.data.documents import BUILTIN
-from bdlora.export.defaults import DEFAULT_OPSET, MAX_GENAI_THREADS
+from bdlora.export.defaults import DEFAULT_OPSET
 from bdlora.export.hf import export_hf as run_export
 from bdlora.export.settings import GenaiExportSettings
 from bdlora.models import sources
@@ -45,11 +44,12 @@ def _named_source(model_dir: Optional[str], out_dir: Optional[str], suffix: str,
 def export_hf(
     model_dir: Annotated[Optional[str], typer.Argument(help="Compressed model folder (default: the latest).")]
     = None,
-    out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: MODEL_DIR.hf).")] = None,
+    out_dir: Out = None,
     force: Force = False,
     runs_dir: RunsDir = RUNS_DIR,
 ):
-    """Copy a compressed model into a clean, shareable Hugging Face folder with a generated model card."""
+    """Copy a compressed model into a clean, shareable Hugging Face folder with a generated model card (--out:
+    default MODEL_DIR.hf)."""
 
     src = _source(model_dir, runs_dir)
     dst = Path(out_dir) if out_dir else ModelDir(src).hf_out()
@@ -63,7 +63,7 @@ def export_onnx(
     model_dir: Annotated[Optional[str], typer.Argument(help="Model folder: a `bdlora compress` output (default: the "
                                                             "latest), any HF folder of a family bdlora adapts, a "
                                                             "teacher preset, a .gguf file or builtin.")] = None,
-    out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: MODEL_DIR.onnx).")] = None,
+    out_dir: Out = None,
     opset: Annotated[int, typer.Option(help="ONNX opset (14 up to the exporter's maximum).")] = DEFAULT_OPSET,
     quantize: Annotated[Optional[str], typer.Option(help="int8: also write model_int8.onnx (dynamic weight "
                                                           "quantisation) and report its perplexity change.")] = None,
@@ -77,10 +77,11 @@ def export_onnx(
                                                 "2 GiB of fp32 weights.")] = DEFAULT_STREAMING,
     force: Force = False,
     runs_dir: RunsDir = RUNS_DIR,
-    json_out: Annotated[bool, typer.Option("--json", help="Print export.json.")] = False,
+    json_out: Json = False,
 ):
     """Export a model as an ONNX decoder with KV cache and per-module shape metadata, validated against PyTorch;
-    the folder loads in optimum's ORTModelForCausalLM (bdlora.export.onnx.load_ort_model, the [optimum] extra)."""
+    the folder loads in optimum's ORTModelForCausalLM (bdlora.export.onnx.load_ort_model, the [optimum] extra).
+    --out defaults to MODEL_DIR.onnx."""
     from bdlora.export.onnx import export_onnx_folder
 
     rep = RichReporter(err if json_out else out)
@@ -97,26 +98,24 @@ def export_onnx(
     render.onnx_export(info, dst)
 
 
-@command(export_app, "genai", options=from_dataclass(GenaiExportSettings, defaults=True, notes={
-    "quant": escape("; ".join(f"{s.name}: {s.summary}" for s in SCHEMES.values()) + "."),
-    "threads": f"At most {MAX_GENAI_THREADS}."}))
+@command(export_app, "genai", options=from_dataclass(GenaiExportSettings, defaults=True))
 def export_genai(
     model_dir: Annotated[Optional[str], typer.Argument(help="Model folder: a `bdlora compress` output (default: the "
                                                             "latest), any HF folder of a family bdlora adapts, a "
                                                             "teacher preset, a .gguf file or builtin.")] = None,
-    out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default: MODEL_DIR.genai, with "
-                                                                 "-int8 / -int4 for those precisions).")] = None,
+    out_dir: Out = None,
     force: Force = False,
     runs_dir: RunsDir = RUNS_DIR,
-    json_out: Annotated[bool, typer.Option("--json", help="Print export.json.")] = False,
+    json_out: Json = False,
     **opts,
 ):
     """Export a model for onnxruntime-genai (og.Generator, the LLM runtime): GroupQueryAttention with a shared KV
     buffer, fused RMSNorm, each projection in its dense or low-rank form; validated against PyTorch (logits, greedy
-    generation, tokenizer; quantised: perplexity change)."""
+    generation, tokenizer; quantised: perplexity change). --out defaults to MODEL_DIR.genai (-int8, -int4 for those
+    precisions)."""
     from bdlora.export.genai import export_genai_folder
 
-    settings = GenaiExportSettings(**opts)
+    settings = GenaiExportSettings(**given(opts))
     settings.check(Checks()).done()
     rep = RichReporter(err if json_out else out)
     suffix = settings.suffix

@@ -12,7 +12,7 @@ from rich.table import Table
 from bdlora.base.errors import Checks, UsageError
 from bdlora.base.runs import RUNS_DIR, GenaiDir
 from bdlora.cli.app import command, err, out
-from bdlora.cli.options import RunsDir, from_dataclass
+from bdlora.cli.options import Json, RunsDir, from_dataclass
 from bdlora.speculative.config import SpeculationConfig
 from bdlora.speculative.run import GenerateConfig, generate_text
 
@@ -29,7 +29,7 @@ def generate(
     compare: Annotated[bool, typer.Option(help="Also generate without speculation: are the tokens identical, how "
                                                "much faster was it?")] = False,
     runs_dir: RunsDir = RUNS_DIR,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    json_out: Json = False,
     **opts,
 ):
     """Continue a prompt with an exported model; with --draft FOLDER (a student of the same teacher) or

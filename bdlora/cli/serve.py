@@ -13,7 +13,7 @@ from bdlora.base.outputs import check_out_file
 from bdlora.base.runs import RUNS_DIR, GenaiDir, OnnxDir
 from bdlora.cli import render
 from bdlora.cli.app import command, err, fail
-from bdlora.cli.options import Force, RunsDir, from_dataclass, int_list
+from bdlora.cli.options import Force, Report, RunsDir, from_dataclass, int_list
 from bdlora.models.runtime import check_onnx_dir
 from bdlora.serve.config import DEFAULT_DRAIN_SECONDS, DEFAULT_HOST, DEFAULT_PORT, ServeConfig
 from bdlora.serve.loadtest import CONCURRENCY, MAX_TOKENS, REQUESTS, TEMPERATURE, base_url, first_model, load_test
@@ -83,7 +83,7 @@ def loadtest(
                                               "latency (p50/p90/p99).")] = False,
     api_key: Annotated[Optional[str], typer.Option(help="Bearer key of the server (default: $BDLORA_API_KEY).")]
     = None,
-    json_path: Annotated[Optional[str], typer.Option("--json", help="Also write the results here.")] = None,
+    json_path: Report = None,
     force: Force = False,
 ):
     """Closed-loop load test of an OpenAI-compatible /v1/completions endpoint: requests/s, tokens/s, latency

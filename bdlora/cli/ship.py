@@ -2,7 +2,7 @@
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.markup import escape
@@ -11,7 +11,7 @@ from bdlora.base.errors import Checks
 from bdlora.base.outputs import check_resumable_out
 from bdlora.base.runs import RUNS_DIR, SHIP_PLOT, SHIP_REPORT, SHIP_RESULT
 from bdlora.cli.app import command, err, out
-from bdlora.cli.options import RunsDir, from_dataclass
+from bdlora.cli.options import Json, Out, RunsDir, from_dataclass, given
 from bdlora.cli.progress import RichReporter
 from bdlora.data.documents import BUILTIN
 from bdlora.ship.config import ShipConfig
@@ -29,11 +29,9 @@ def ship(
     model: Annotated[str, typer.Argument(help="The teacher: builtin (the embedded default), a preset "
                                               "(smollm2-135m, gemma3-270m), a Hugging Face folder or a .gguf file.")]
     = BUILTIN,
-    out_dir: Annotated[Optional[str], typer.Option("--out", help="The ship folder (default: RUNS_DIR/ship-MODEL-"
-                                                                 "PRECISION); the same command again resumes it.")]
-    = None,
+    out_dir: Out = None,
     runs_dir: RunsDir = RUNS_DIR,
-    json_out: Annotated[bool, typer.Option("--json", help="Print recommendation.json instead of the table.")] = False,
+    json_out: Json = False,
     **opts,
 ):
     """Which folder should I ship? Exports the teacher at --precision with each scheme (keeps the best), makes
@@ -41,8 +39,8 @@ def ship(
     benches every folder side by side on two domains (and the teacher speculating with prompt lookup and the draft:
     its own output), and writes, for each perplexity tolerance, the fastest folder within it and the commands that
     rebuild it, or "the teacher's own export" when nothing beats it. Each step is its own bdlora command, its output
-    and log kept under --out; running the same command again resumes."""
-    cfg = ShipConfig(**opts)
+    and log kept under --out (default RUNS_DIR/ship-MODEL-PRECISION); running the same command again resumes."""
+    cfg = ShipConfig(**given(opts))
     cfg.check(Checks()).done()
     name = Path(model).name.removesuffix(".gguf") if ("/" in model or model.endswith(".gguf")) else model
     folder = Path(out_dir) if out_dir else Path(runs_dir) / f"ship-{name}-{cfg.precision}"

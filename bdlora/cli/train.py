@@ -16,7 +16,7 @@ from bdlora.base.runs import TEACHER_JSON, RunDir
 from bdlora.cli import render
 from bdlora.cli.app import command, err, out
 from bdlora.cli.compress import cost_model
-from bdlora.cli.options import TRAIN_PANELS, Force, from_dataclass
+from bdlora.cli.options import TRAIN_PANELS, Force, Json, from_dataclass
 from bdlora.cli.progress import RichReporter
 from bdlora.train.config import BUILTIN, TrainConfig, defaults_help, field_docs, merge
 from bdlora.train.option_files import load_yaml
@@ -33,7 +33,7 @@ def teacher(
     = BUILTIN,
     cache_dir: Annotated[Optional[str], typer.Option(help=H["cache_dir"])] = None,
     force: Force = False,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the teacher report as JSON.")] = False,
+    json_out: Json = False,
 ):
     """Build (or show) the embedded default teacher (a BPE tokenizer and a small Mistral-style model pretrained on
     the Python standard library), or with --preset materialise a pretrained one into the cache as a Hugging Face
@@ -71,10 +71,11 @@ def train(
                                                      "length, depth and seed this run copies (flags override): the "
                                                      "healed dense peer of a budgeted run is `--like RUN --method "
                                                      "kd-lora`.")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+    json_out: Json = False,
     **opts,
 ):
-    """Distil a student from the teacher: kd-full, kd-lora or budgeted (Budgeted LoRA)."""
+    """Distil a student from the teacher: kd-full, kd-lora or budgeted (Budgeted LoRA), into the run directory --out
+    (default RUNS_DIR/<time>-<method>)."""
     from bdlora.train.loop import train as run_train
 
     if nproc is not None:
