@@ -49,7 +49,7 @@ def test_under_a_heal_time_budget_the_peer_gets_the_most_steps_any_candidate_too
     cfg = ShipConfig(heal_time_budget="20m", data="builtin:1,prose:1")
     made = ["student-1.25", "draft"]
     for name, layers in (("teacher", 30), ("student-1.25", 30), ("draft", 15)):
-        write_json(tmp_path / name / "config.json", {"num_hidden_layers": layers})
+        write_json(tmp_path / name / "config.json", {"num_hidden_layers": layers, **SHAPE})
     steps = heal_steps("smollm2-135m", str(tmp_path / "teacher"), cfg, tmp_path, made)
     assert [s.name for s in steps] == ["heal-student-1.25", "healed-student-1.25", "heal-draft", "healed-draft"]
     heal = steps[0].argv
@@ -65,6 +65,70 @@ def test_under_a_heal_time_budget_the_peer_gets_the_most_steps_any_candidate_too
     assert argv[argv.index("--max-steps") + 1] == "348" and "--time-budget" not in argv
     assert "--student-init" not in argv and argv[argv.index("--data") + 1] == "builtin:1,prose:1"
     assert peer_step_count(ShipConfig(heal_steps=7), tmp_path, made) == 7
+
+
+SHAPE = {"num_attention_heads": 4, "hidden_size": 64, "vocab_size": 128}  # what a decoder's config must say
+
+
+def _command_of(argv: list[str]):
+    """The click command ``bdlora ARGV`` runs, and the arguments it is given."""
+    import typer.main
+
+    cmd = typer.main.get_command(app)
+    while getattr(cmd, "commands", None) and argv and argv[0] in cmd.commands:
+        cmd, argv = cmd.commands[argv[0]], argv[1:]
+    return cmd, argv
+
+
+def test_every_step_is_a_command_line_its_command_parses(tmp_path):
+    """Each step's flags are generated from its command's settings dataclass (a renamed field fails when the step
+    is built): every step line of a ship with every option set parses under the real command, and the lines are
+    the ones a ship folder written before records (so it resumes instead of redoing them)."""
+    from bdlora.base.io import write_json
+    from bdlora.ship.preflight import reach_checks
+    from bdlora.ship.run import bench_step, heal_steps, student_steps, teacher_steps
+
+    cfg = ShipConfig(threads=2, heal_steps=3, eval_data="prose", quality_tokens=512, schemes="rtn,affine")
+    for name in ("teacher", "student-1.25", "student-1.5", "draft"):
+        write_json(tmp_path / name / "config.json", {"num_hidden_layers": 4, **SHAPE})
+    made = ["student-1.25", "student-1.5", "draft"]
+    steps = [*teacher_steps("t", cfg, tmp_path), *student_steps("t", cfg, tmp_path, "affine"),
+             *heal_steps("t", str(tmp_path / "teacher"), cfg, tmp_path, made),
+             *heal_steps("t", str(tmp_path / "teacher"), cfg, tmp_path, made, peer_steps=3),
+             bench_step(cfg, tmp_path, made, "affine", "affine")]
+    lines = [s.argv for s in steps] + [argv for _, argv in reach_checks("t", cfg, "affine")]
+    assert len(lines) == 2 + 3 + 8 + 1 + 2
+    for argv in lines:
+        cmd, args = _command_of(argv)
+        cmd.make_context("bdlora", list(args))  # an unknown flag or a bad value: refused
+    with pytest.raises(Exception, match="--speed-up") as refused:  # typer's own click: its NoSuchOption
+        _command_of(["compress", "t", "--speed-up", "2"])[0].make_context("bdlora", ["t", "--speed-up", "2"])
+    assert type(refused.value).__name__ == "NoSuchOption"
+    d = str(tmp_path)
+    assert steps[0].argv == ["export", "genai", "t", "--precision", "int4", "--quant", "rtn", "--max-ppl-change",
+                             "1000", "--out", f"{d}/teacher-rtn", "--threads", "2"]
+    assert steps[2].argv == ["compress", "t", "--one-shot", "--precision", "int4", "--data", "builtin", "--no-eval",
+                             "--quant", "affine", "--threads", "2", "--forms", "channels,groups", "--speedup", "1.25",
+                             "--out", f"{d}/student-1.25"]
+    assert steps[5].argv == ["train", "--teacher", "t", "--student-init", f"{d}/student-1.25", "--student-layers", "4",
+                             "--method", "kd-lora", "--data", "builtin", "--max-steps", "3", "--batch-size", "4",
+                             "--seq-len", "128", "--out", f"{d}/heal-student-1.25"]
+    assert steps[-1].argv == ["bench", f"{d}/healed-draft", "--runtime", "genai", "--genai-precisions", "int4",
+                              "--scope", "model", "--batch-sizes", "1", "--seq-lens", "128", "--decode-tokens", "64",
+                              "--repeats", "10", "--no-peers", "--out", f"{d}/bench", "--threads", "2",
+                              "--also", f"{d}/healed-student-1.25", "--also", f"{d}/healed-student-1.5",
+                              "--peer", f"{d}/healed-dense", "--quant", "affine", "--teacher-quant", "affine",
+                              "--speculative", "--eval-data", "prose", "--quality-tokens", "512"]
+
+
+def test_a_flag_no_settings_field_has_is_refused_when_the_line_is_built():
+    from bdlora.base.argv import flags
+    from bdlora.compress.config import OneShotConfig
+
+    assert flags(OneShotConfig, speedup=1.5, threads=None, forms="channels") == ["--speedup", "1.5", "--forms",
+                                                                              "channels"]
+    with pytest.raises(TypeError, match="--speed-up"):
+        flags(OneShotConfig, speed_up=1.5)
 
 
 def test_student_quant_needs_a_rounded_precision():
@@ -111,7 +175,7 @@ def test_each_tolerance_gets_the_fastest_row_within_it_on_every_domain(tmp_path)
                       ("student-1.25-int4", 7.0, 20.8, 65.0), ("dense-int4", 1.0, 19.0, 49.0),
                       ("teacher-int8", 5.0, 19.0, 49.0)], identical={"lookup": False, "draft": True})
     cfg = ShipConfig(tolerances="0,5,40")
-    r = recommend(tmp_path, cfg, COMMANDS, "affine", {"rtn": 21.0, "affine": 20.0}, TEACHER)
+    r = recommend(tmp_path, cfg, COMMANDS, "affine", {"rtn": 21.0, "affine": 20.0}, TEACHER, "D/teacher-affine")
     assert [a["row"] for a in r["answers"]] == ["spec-lookup-int4", "spec-lookup-int4", "student-1.25-int4"]
     assert r["answers"][0]["speedup"] == pytest.approx(10 / 8)
     assert "not token-identical to plain decoding" in r["answers"][0]["what"]  # as benched, not assumed
@@ -128,7 +192,7 @@ def test_each_tolerance_gets_the_fastest_row_within_it_on_every_domain(tmp_path)
 def test_the_teachers_own_export_when_nothing_beats_it(tmp_path):
     _bench(tmp_path, [("teacher-int4", 10.0, 20.0, 50.0), ("spec-lookup-int4", 11.0, 20.0, 50.0),
                       ("student-1.25-int4", 9.0, 25.0, 60.0)])
-    r = recommend(tmp_path, ShipConfig(tolerances="0,10"), COMMANDS, "affine", {}, TEACHER)
+    r = recommend(tmp_path, ShipConfig(tolerances="0,10"), COMMANDS, "affine", {}, TEACHER, "D/teacher-affine")
     assert all(a["teacher_own"] and a["speedup"] == 1.0 for a in r["answers"])
     assert "**the teacher's own export**: nothing beats it" in (tmp_path / "recommendation.md").read_text()
 

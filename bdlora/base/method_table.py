@@ -26,6 +26,8 @@ METHOD_TABLE = {m.name: m for m in (Method("kd-full", low_rank=False, gated=Fals
                                      Method("budgeted", low_rank=True, gated=True, peer=False))}
 METHODS = tuple(METHOD_TABLE)
 GATED = next(m.name for m in METHOD_TABLE.values() if m.gated)  # the paper's method, the default
+WHOLE = next(m.name for m in METHOD_TABLE.values() if not m.low_rank)  # trains every weight: a new structure healed
+ADAPTED = next(m.name for m in METHOD_TABLE.values() if m.peer)  # heals through adapters merged after: the dense peer
 
 
 def method_of(name: str | None) -> Method:

@@ -222,6 +222,13 @@ class RunDir(Artefact):
     def summary(self) -> dict:
         return self.read("summary.json")
 
+    def steps_taken(self) -> int:
+        """The optimiser steps the finished run took (its summary's)."""
+        steps = self.summary().get("steps")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise RunDirError(f"{self.path / self.MARKER}: no step count; the {self.WHAT} is damaged")
+        return steps
+
     def compressed(self) -> Path:
         return self.sibling(COMPRESSED)
 
@@ -315,12 +322,27 @@ class GenaiDir(Artefact):
     WHAT = "genai export folder"
     MAKE = "bdlora export genai"
 
+    def quantized_ppl(self) -> float:
+        """The rounded export's held-out perplexity, as its validation measured it."""
+        ppl = ((self.read(self.MARKER).get("validation") or {}).get("quality") or {}).get("val_ppl_quantized")
+        if isinstance(ppl, bool) or not isinstance(ppl, int | float):
+            raise RunDirError(f"{self.path / self.MARKER}: no held-out perplexity of the rounded graph (an fp32 "
+                              "export, or one written with --no-validate)")
+        return float(ppl)
+
 
 class BenchDir(Artefact):
     MARKER = BENCH_JSON
     GLOB = f"*{BENCH}"
     WHAT = "bench folder"
     MAKE = "bdlora bench"
+
+    def report(self) -> dict:
+        """bench.json, refused in one line when it holds no front of timed rows."""
+        doc = self.read(self.MARKER)
+        if not isinstance(doc.get("front"), list) or not doc["front"]:
+            raise RunDirError(f"{self.path / self.MARKER}: no front of timed rows; the {self.WHAT} is damaged")
+        return doc
 
 
 class SweepDir(Artefact):

@@ -9,14 +9,19 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from bdlora.base.argv import flags
 from bdlora.base.errors import Checks, DataError, UsageError
 from bdlora.base.runs import CONFIG
 from bdlora.bench.config import NO_DOMAIN
+from bdlora.compress.config import OneShotConfig
 from bdlora.data.corpora import shared_corpus
 from bdlora.export.defaults import MAX_CONTEXT
+from bdlora.models.budgeted.config import ALLOCATIONS
 from bdlora.models.runtime import DecoderShape
 from bdlora.ship.config import DRAFT_FORMS, ShipConfig
 from bdlora.ship.process import spawn
+
+QUALITY = ALLOCATIONS[1]  # plan's measured allocation (what a one-shot student's structure comes from)
 
 
 def check_settings(cfg: ShipConfig, source: str) -> None:
@@ -42,9 +47,9 @@ def check_settings(cfg: ShipConfig, source: str) -> None:
 
 def plan_argv(model: str, cfg: ShipConfig, forms: str, speedup: float, quant: str | None) -> list[str]:
     """The ``bdlora plan`` line that allocates what a student's one-shot would (nothing written)."""
-    return ["plan", "--model", model, "--allocation", "quality", "--forms", forms, "--speedup", f"{speedup:g}",
-            "--precision", cfg.precision, "--data", cfg.data, *(["--quant", quant] if quant else []),
-            *(["--threads", str(cfg.threads)] if cfg.threads is not None else []), "--json"]
+    return ["plan", "--model", model, "--allocation", QUALITY, *flags(
+        OneShotConfig, forms=forms, speedup=float(speedup), precision=cfg.precision, data=cfg.data, quant=quant,
+        threads=cfg.threads), "--json"]
 
 
 def reach_checks(model: str, cfg: ShipConfig, quant: str | None) -> list[tuple[str, list[str]]]:

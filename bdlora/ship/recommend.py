@@ -8,8 +8,10 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from bdlora.base.io import atomic_path, read_json, write_text
-from bdlora.base.runs import BENCH_JSON, SHIP_PLOT, SHIP_REPORT
+from bdlora.base.argv import flags
+from bdlora.base.io import atomic_path, write_text
+from bdlora.base.runs import BENCH_JSON, SHIP_PLOT, SHIP_REPORT, BenchDir
+from bdlora.export.settings import GenaiExportSettings
 
 TEACHER, LOOKUP, SPEC_DRAFT, PEER = "teacher", "spec-lookup", "spec-draft", "peer-"
 BENCH = "bench"  # the ship step (and folder) that benches every folder
@@ -29,9 +31,9 @@ def exported(folder: Path, name: str, precision: str) -> Path:
 
 
 def _exported(folder: Path, name: str, cfg, quant: str | None) -> str:
-    rounding = f" --quant {quant}" if quant else ""
-    return (f"bdlora export genai {shlex.quote(str(folder / name))} --precision {cfg.precision}{rounding} --out "
-            f"{shlex.quote(str(exported(folder, name, cfg.precision)))}")
+    rounding = flags(GenaiExportSettings, precision=cfg.precision, quant=quant)
+    return "bdlora " + shlex.join(["export", "genai", str(folder / name), *rounding, "--out",
+                                   str(exported(folder, name, cfg.precision))])
 
 
 def verified(identical: bool | None) -> str:
@@ -47,12 +49,11 @@ def verified(identical: bool | None) -> str:
 
 
 def row_commands(name: str, bench_model: str, folder: Path, cfg, commands: dict[str, str], teacher: str,
-                 quant: str | None, identical: bool | None = None) -> tuple[str, list[str]]:
+                 quant: str | None, identical: bool | None = None, export: str = "") -> tuple[str, list[str]]:
     """(what ships, the commands that rebuild it) of a front row named ``name`` (without its precision);
-    ``teacher``: the command that writes the teacher's export (its last argument after --out); ``identical``: a
+    ``teacher``: the command that writes the teacher's export, into folder ``export``; ``identical``: a
     speculative row's tokens against plain decoding, as benched."""
-    words = shlex.split(teacher)
-    export = words[words.index("--out") + 1]
+    export = str(export)
     if name == TEACHER:
         return "the teacher's own export", [teacher]
     if name == LOOKUP:
@@ -71,10 +72,11 @@ def row_commands(name: str, bench_model: str, folder: Path, cfg, commands: dict[
 
 
 def recommend(folder: Path, cfg, commands: dict[str, str], teacher_quant: str | None, scheme_ppl: dict[str, float],
-              teacher: str) -> dict:
+              teacher: str, teacher_out: str | Path) -> dict:
     """The answers and every row (``commands``: each step's command line by name; ``teacher``: the command that
-    exports the teacher's row), written to recommendation.md and ship.png; returned for recommendation.json."""
-    bench = read_json(folder / BENCH / BENCH_JSON)
+    exports the teacher's row, into ``teacher_out``), written to recommendation.md and ship.png; returned for
+    recommendation.json."""
+    bench = BenchDir(folder / BENCH).report()
     bench_model = Path(shlex.split(commands[BENCH])[2]).name
     rows = []
     for r in bench["front"]:
@@ -96,7 +98,7 @@ def recommend(folder: Path, cfg, commands: dict[str, str], teacher_quant: str | 
         for d in domains:
             r[f"{d}_vs_teacher"] = r[d] / ref[d] - 1 if r[d] is not None else None
         r["what"], r["commands"] = row_commands(r["name"], bench_model, folder, cfg, commands, teacher,
-                                                cfg.student_quant or teacher_quant, r.get("identical"))
+                                                cfg.student_quant or teacher_quant, r.get("identical"), teacher_out)
     answers = []
     for t in cfg.tolerance_list():
         within = [r for r in rows if all(r[f"{d}_vs_teacher"] is not None and r[f"{d}_vs_teacher"] <= t / 100 + 1e-9

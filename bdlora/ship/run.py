@@ -29,21 +29,32 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bdlora import SCHEMA_VERSION
+from bdlora.base.argv import flags
 from bdlora.base.errors import BdloraError, UsageError
 from bdlora.base.io import read_json, write_json
+from bdlora.base.method_table import ADAPTED, WHOLE
 from bdlora.base.reporter import SILENT, Reporter
-from bdlora.base.runs import BENCH_JSON, CONFIG, EXPORT_MARKER, SHIP_OPTIONS, SHIP_RESULT, ModelDir, RunDir
+from bdlora.base.runs import BENCH_JSON, EXPORT_MARKER, SHIP_OPTIONS, SHIP_RESULT, GenaiDir, ModelDir, RunDir
+from bdlora.bench.config import BenchConfig
+from bdlora.compress.config import OneShotConfig
 from bdlora.data.documents import BUILTIN
+from bdlora.export.settings import GenaiExportSettings
+from bdlora.models.runtime import DecoderShape
 from bdlora.models.sources import resolve
 from bdlora.ship.config import DRAFT_FORMS, ShipConfig
 from bdlora.ship.preflight import check_reach, check_settings
 from bdlora.ship.process import spawn
 from bdlora.ship.recommend import BENCH, exported, recommend
 from bdlora.ship.steps import Ledger
+from bdlora.train.config import TrainConfig
 
 COMPRESSED_MARKER = ModelDir.MARKER  # written last by compress
 RUN_MARKER = RunDir.MARKER  # written last by train
 DRAFT, LOGS, DENSE = "draft", "logs", "dense"
+# The few flags a step gives that are its command's own arguments, not fields of its settings dataclass
+OUT, ONE_SHOT, NO_EVAL, ALSO, PEER = "--out", "--one-shot", "--no-eval", "--also", "--peer"
+HEAL_FIELDS = ("teacher", "student_init", "student_layers", "method", "data", "max_steps", "time_budget", "batch_size",
+               "seq_len", "out")  # a heal's train options, in the order its command line gives them
 
 
 class StepFailed(BdloraError):
@@ -125,8 +136,12 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def _common(cfg: ShipConfig) -> list[str]:
-    return ["--threads", str(cfg.threads)] if cfg.threads is not None else []
+def teacher_export(model: str, cfg: ShipConfig, quant: str | None, out: Path, threads: bool = True,
+                   **more) -> list[str]:
+    """The ``export genai`` line of the teacher at --precision rounded by ``quant`` (None: the default), ``more``
+    of its settings; with ``threads``, ship's --threads."""
+    return ["export", "genai", model, *flags(GenaiExportSettings, precision=cfg.precision, quant=quant, **more), OUT,
+            str(out), *flags(GenaiExportSettings, threads=cfg.threads if threads else None)]
 
 
 def teacher_folder(model: str, reporter: Reporter) -> str:
@@ -143,8 +158,7 @@ def teacher_steps(model: str, cfg: ShipConfig, folder: Path) -> list[Step]:
     """One export of the teacher per scheme at --precision (none at fp32: nothing is rounded); its export.json
     records the held-out perplexity the scheme is chosen by. --max-ppl-change is lifted: a bad scheme is measured,
     not refused."""
-    return [Step(f"teacher-{q}", ["export", "genai", model, "--precision", cfg.precision, "--quant", q,
-                                  "--max-ppl-change", "1000", "--out", str(folder / f"teacher-{q}"), *_common(cfg)],
+    return [Step(f"teacher-{q}", teacher_export(model, cfg, q, folder / f"teacher-{q}", max_ppl_change=1000.0),
                  EXPORT_MARKER, f"the teacher's {cfg.precision} export rounded by {q}")
             for q in (cfg.scheme_list() if len(cfg.scheme_list()) > 1 else [])]
 
@@ -154,22 +168,24 @@ def chosen_scheme(cfg: ShipConfig, folder: Path) -> tuple[str | None, dict[str, 
     schemes = cfg.scheme_list()
     if len(schemes) <= 1:
         return (schemes[0] if schemes else None), {}
-    ppl = {q: read_json(folder / f"teacher-{q}" / EXPORT_MARKER)["validation"]["quality"]["val_ppl_quantized"]
-           for q in schemes}
+    ppl = {q: GenaiDir(folder / f"teacher-{q}").quantized_ppl() for q in schemes}
     return min(ppl, key=lambda q: (ppl[q], schemes.index(q))), ppl
 
 
+def one_shot(model: str, cfg: ShipConfig, quant: str | None, forms: str, speedup: float, out: Path) -> list[str]:
+    """The ``compress --one-shot`` line of a student (or the draft) of ``model`` (its evaluation left to the
+    bench)."""
+    return ["compress", model, ONE_SHOT, *flags(OneShotConfig, precision=cfg.precision, data=cfg.data), NO_EVAL,
+            *flags(OneShotConfig, quant=quant, threads=cfg.threads, forms=forms, speedup=float(speedup)), OUT,
+            str(out)]
+
+
 def student_steps(model: str, cfg: ShipConfig, folder: Path, quant: str | None) -> list[Step]:
-    rounding = ["--quant", quant] if quant else []
-    one_shot = ["compress", model, "--one-shot", "--precision", cfg.precision, "--data", cfg.data, "--no-eval",
-                *rounding, *_common(cfg)]
-    steps = [Step(f"student-{s:g}", [*one_shot, "--forms", cfg.forms, "--speedup", f"{s:g}", "--out",
-                                     str(folder / f"student-{s:g}")], COMPRESSED_MARKER,
-                  f"a student predicted {s:g}x faster ({cfg.forms})") for s in cfg.speedup_list()]
+    steps = [Step(f"student-{s:g}", one_shot(model, cfg, quant, cfg.forms, s, folder / f"student-{s:g}"),
+                  COMPRESSED_MARKER, f"a student predicted {s:g}x faster ({cfg.forms})") for s in cfg.speedup_list()]
     if cfg.draft_speedup:
-        steps.append(Step(DRAFT, [*one_shot, "--forms", DRAFT_FORMS, "--speedup", f"{cfg.draft_speedup:g}", "--out",
-                                  str(folder / DRAFT)], COMPRESSED_MARKER,
-                          f"the teacher's draft, predicted {cfg.draft_speedup:g}x faster"))
+        steps.append(Step(DRAFT, one_shot(model, cfg, quant, DRAFT_FORMS, cfg.draft_speedup, folder / DRAFT),
+                          COMPRESSED_MARKER, f"the teacher's draft, predicted {cfg.draft_speedup:g}x faster"))
     return steps
 
 
@@ -177,24 +193,24 @@ def heal_steps(model: str, source: str, cfg: ShipConfig, folder: Path, made: lis
                peer_steps: int | None = None) -> list[Step]:
     """Each made folder healed (train --student-init, then compress) for --heal-steps or --heal-time-budget; with
     ``peer_steps``, the dense teacher (its folder ``source``) healed with the same data for that many steps (the
-    peer every student is compared with at its precision) instead."""
+    peer every student is compared with at its precision) instead. The draft, a new depth and head, is healed
+    whole (kd-full); a student through adapters on its frozen structure (kd-lora)."""
     steps = []
     for name in made if peer_steps is None else [DENSE]:
         run = folder / f"heal-{name}"
-        start_from = [] if name == DENSE else ["--student-init", str(folder / name)]
-        layers = read_json(Path(source if name == DENSE else folder / name) / CONFIG)["num_hidden_layers"]
-        method = "kd-full" if name == DRAFT else "kd-lora"
+        start = None if name == DENSE else str(folder / name)
+        method = WHOLE if name == DRAFT else ADAPTED
         count = peer_steps or cfg.heal_steps
-        length = ["--max-steps", str(count)] if count else ["--time-budget", cfg.heal_time_budget]
-        steps.append(Step(f"heal-{name}", ["train", "--teacher", model, *start_from, "--student-layers", str(layers),
-                                           "--method", method, "--data", cfg.data, *length,
-                                           "--batch-size", str(cfg.heal_batch_size), "--seq-len",
-                                           str(cfg.heal_seq_len), "--out", str(run)], RUN_MARKER,
-                          f"healing {name} ({' '.join(length)[2:]} of {method})",
+        heal = TrainConfig(teacher=model, student_init=start, method=method, data=cfg.data,
+                           student_layers=DecoderShape.from_folder(start or source).layers,
+                           max_steps=count or None, time_budget=None if count else cfg.heal_time_budget,
+                           batch_size=cfg.heal_batch_size, seq_len=cfg.heal_seq_len, out=str(run))
+        argv = ["train", *flags(TrainConfig, **{f: getattr(heal, f) for f in HEAL_FIELDS})]
+        length = f"{count} steps" if count else f"time-budget {cfg.heal_time_budget}"
+        steps.append(Step(f"heal-{name}", argv, RUN_MARKER, f"healing {name} ({length} of {method})",
                           () if name == DENSE else (name,)))
-        steps.append(Step(f"healed-{name}", ["compress", str(run), "--no-eval", "--out",
-                                             str(folder / f"healed-{name}")], COMPRESSED_MARKER,
-                          f"the healed {name} as a folder", (f"heal-{name}",)))
+        steps.append(Step(f"healed-{name}", ["compress", str(run), NO_EVAL, OUT, str(folder / f"healed-{name}")],
+                          COMPRESSED_MARKER, f"the healed {name} as a folder", (f"heal-{name}",)))
     return steps
 
 
@@ -203,7 +219,7 @@ def peer_step_count(cfg: ShipConfig, folder: Path, made: list[str]) -> int:
     (read from its summary), so the peer is never healed less than what it is compared with."""
     if cfg.heal_steps:
         return cfg.heal_steps
-    return max(int(read_json(folder / f"heal-{name}" / RUN_MARKER)["steps"]) for name in made)
+    return max(RunDir(folder / f"heal-{name}").steps_taken() for name in made)
 
 
 def bench_step(cfg: ShipConfig, folder: Path, made: list[str], teacher_quant: str | None,
@@ -212,21 +228,17 @@ def bench_step(cfg: ShipConfig, folder: Path, made: list[str], teacher_quant: st
     for the teacher's export beside prompt lookup; the others with --also; the healed dense teacher as --peer."""
     names = [f"healed-{n}" if cfg.heals else n for n in made]
     first, others = names[-1] if cfg.draft_speedup else names[0], names[:-1] if cfg.draft_speedup else names[1:]
-    argv = ["bench", str(folder / first), "--runtime", "genai", "--genai-precisions", cfg.precision, "--scope",
-            "model", "--batch-sizes", "1", "--seq-lens", str(cfg.seq_len), "--decode-tokens", str(cfg.decode_tokens),
-            "--repeats", str(cfg.repeats), "--no-peers", "--out", str(folder / BENCH), *_common(cfg)]
+    argv = ["bench", str(folder / first), *flags(
+        BenchConfig, runtime="genai", genai_precisions=[cfg.precision], scope="model", batch_sizes=[1],
+        seq_lens=[cfg.seq_len], decode_tokens=cfg.decode_tokens, repeats=cfg.repeats, peers=False), OUT,
+        str(folder / BENCH), *flags(BenchConfig, threads=cfg.threads)]
     for other in others:
-        argv += ["--also", str(folder / other)]
+        argv += [ALSO, str(folder / other)]
     if cfg.heals:
-        argv += ["--peer", str(folder / f"healed-{DENSE}")]
-    if quant:
-        argv += ["--quant", quant, "--teacher-quant", teacher_quant]
-    if cfg.draft_speedup:
-        argv.append("--speculative")
-    if cfg.eval_data is not None:
-        argv += ["--eval-data", cfg.eval_data]
-    if cfg.quality_tokens is not None:
-        argv += ["--quality-tokens", str(cfg.quality_tokens)]
+        argv += [PEER, str(folder / f"healed-{DENSE}")]
+    argv += flags(BenchConfig, quant=quant, teacher_quant=teacher_quant if quant else None,
+                  speculative=bool(cfg.draft_speedup) or None, eval_data=cfg.eval_data,
+                  quality_tokens=cfg.quality_tokens)
     benched = (*names, *([f"healed-{DENSE}"] if cfg.heals else []))
     return Step(BENCH, argv, BENCH_JSON, "every folder side by side, on both domains", benched)
 
@@ -279,13 +291,12 @@ def run_ship(model: str, cfg: ShipConfig, folder: Path, reporter: Reporter = SIL
         heal += peer
     bench = bench_step(cfg, folder, made, teacher_quant, quant)
     do([bench])
-    rounding = ["--quant", teacher_quant] if teacher_quant else []
-    chosen = [s.command() for s in exports if s.name == f"teacher-{teacher_quant}"]
-    teacher = chosen[0] if chosen else "bdlora " + shlex.join(
-        ["export", "genai", model, "--precision", cfg.precision, *rounding, "--out",
-         str(exported(folder, "teacher", cfg.precision))])
+    chosen = [s for s in exports if s.name == f"teacher-{teacher_quant}"]
+    out = folder / chosen[0].name if chosen else exported(folder, "teacher", cfg.precision)
+    teacher = chosen[0].command() if chosen else "bdlora " + shlex.join(teacher_export(model, cfg, teacher_quant, out,
+                                                                                         threads=False))
     result = recommend(folder, cfg, {s.name: s.command() for s in [*made_steps, *heal, bench]}, teacher_quant,
-                       scheme_ppl, teacher)
+                       scheme_ppl, teacher, out)
     result["steps_run_seconds"] = ran
     write_json(folder / SHIP_RESULT, result)
     return result
