@@ -287,3 +287,43 @@ def wait_healthy(proc, url: str, timeout: float = 180) -> None:
         time.sleep(0.2)
     proc.kill()
     raise AssertionError("server did not become ready")
+
+
+def allocate_with(shapes, energy: dict, ratio: float, step: int | None = None, cost=None, unit_name: str = "MAC",
+                  sites: dict | None = None, lowrank: bool = True, layers: dict | None = None,
+                  rest: dict | None = None, fixed: float = 0.0, wide: dict | None = None, kv_heads: int = 0,
+                  head: tuple | None = None, vocab: list | None = None):
+    """``compress.allocate.allocate`` of the numbers these tests give each form (their own units), offered as each
+    form's module offers them (``forms.context.Choice`` by site): ``energy`` the spectra's (lowrank; ``lowrank``
+    False: none), ``sites`` [(keep, cost, error)] per block (channels at an MLP, groups at an attention block),
+    ``layers`` each layer's removal error, ``wide`` (8-bit time, error given back) per projection, ``head`` the LM
+    head's (8-bit time, 4-bit time, error added) and ``vocab`` its [(tokens kept, 8-bit time, error)] (bits and
+    vocab)."""
+    from bdlora.compress.allocate import RANK_STEP, Pricing, allocate, mac_cost
+    from bdlora.forms import CHANNELS, GROUPS, HEAD, WIDE_BITS
+    from bdlora.forms.bits import NARROW_BITS
+    from bdlora.forms.bits import STEP as BITS
+    from bdlora.forms.context import Choice
+    from bdlora.forms.layers import STEP as LAYERS
+    from bdlora.forms.lowrank import rank_choices
+    from bdlora.forms.vocab import STEP as VOCAB
+
+    cost = cost or mac_cost
+    offers: dict = {}
+    for s in shapes if lowrank else ():
+        offers.setdefault(s.name, []).extend(rank_choices(s, energy[s.name], cost, step or RANK_STEP))
+    for name, (eight, back) in (wide or {}).items():
+        offers.setdefault(name, []).append(Choice(BITS.name, eight, -back, bits=WIDE_BITS))
+    for site, options in (sites or {}).items():
+        form = GROUPS.name if site.endswith(".self_attn") else CHANNELS.name
+        offers[site] = [Choice(form, c, e, keep=k[0] if isinstance(k, tuple) else k) for k, c, e in options]
+    for layer, error in (layers or {}).items():
+        offers[layer] = [Choice(LAYERS.name, 0.0, error)]
+    if head is not None:
+        offers[HEAD] = [Choice(BITS.name, head[0], 0.0, bits=WIDE_BITS), Choice(BITS.name, head[1], head[2],
+                                                                               bits=NARROW_BITS)]
+    if vocab:
+        offers.setdefault(HEAD, []).extend(Choice(VOCAB.name, c, e, keep=k) for k, c, e in vocab)
+    alloc = allocate(shapes, offers, ratio, Pricing(cost, unit_name, rest or {}, fixed))
+    alloc.kv_heads = kv_heads
+    return alloc

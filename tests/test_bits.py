@@ -18,12 +18,12 @@ from typer.testing import CliRunner
 import bdlora.export.genai.latency as lat
 from bdlora.base.io import write_json
 from bdlora.cli import app
-from bdlora.compress.allocate import allocate
 from bdlora.compress.calibrate import calibrate
 from bdlora.export.genai.quantize import quantize_nbits, rtn_rounded
 from bdlora.forms.lowrank import FISHER_DAMPING
 from bdlora.models.arch import projection_modules
 from bdlora.models.costs import ModuleShape
+from conftest import allocate_with
 
 
 @pytest.mark.parametrize("k", [96, 80])  # 80: the last block of 32 is padded, as the exporter pads it
@@ -85,12 +85,12 @@ def test_the_allocation_buys_8_bits_where_the_error_given_back_pays_most():
     shapes = [ModuleShape(n, 64, 64) for n in "abc"]
     big, tiny = np.full(64, 100.0), np.concatenate([np.full(8, 100.0), np.full(56, 1e-6)])
     energy = {"a": big, "b": big, "c": tiny}
-    alloc = allocate(shapes, energy, 1.0, wide={"a": (6000.0, 10.0), "b": (6000.0, 1.0)})
+    alloc = allocate_with(shapes, energy, 1.0, wide={"a": (6000.0, 10.0), "b": (6000.0, 1.0)})
     assert alloc.ranks == {"a": 0, "b": 0, "c": 16} and alloc.wide == ["a"] and alloc.bits == {"a": 8}
     assert alloc.errors["a"] == -10.0 and alloc.errors["c"] == pytest.approx(48 * 1e-6)
     # with no room (the same budget without c's pair) nothing is widened; without `wide` nothing can be
-    assert allocate(shapes, {n: big for n in "abc"}, 1.0, wide={"a": (6000.0, 10.0)}).wide == []
-    assert allocate(shapes, energy, 1.0).wide == []
+    assert allocate_with(shapes, {n: big for n in "abc"}, 1.0, wide={"a": (6000.0, 10.0)}).wide == []
+    assert allocate_with(shapes, energy, 1.0).wide == []
     assert type(alloc).from_json(alloc.to_json()) == alloc
 
 

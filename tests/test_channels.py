@@ -15,10 +15,11 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from bdlora.cli import app
-from bdlora.compress.allocate import allocate, knapsack, mac_cost
+from bdlora.compress.allocate import knapsack, mac_cost
 from bdlora.forms.channels import channel_order, keep_grid, probe_shapes, prune, site_options
 from bdlora.forms.lowrank import FISHER_DAMPING, damped
 from bdlora.models.costs import ModuleShape
+from conftest import allocate_with
 
 
 def _problem(seed: int, hidden: int = 6, width: int = 10, tokens: int = 40):
@@ -110,15 +111,15 @@ def test_the_allocation_chooses_per_mlp_between_low_rank_and_fewer_channels_by_e
     """A hand-made case: each projection's spectrum loses 1 per dropped component; channels cost 0.01 (cheap) or 100
     each. Cheap channels: the MLP keeps fewer channels and no projection is factored; costly ones: low rank."""
     energy = {s.name: np.ones(64) for s in MLP}
-    cheap = allocate(MLP, energy, 1.5, sites=_site(0.01))
+    cheap = allocate_with(MLP, energy, 1.5, sites=_site(0.01))
     assert cheap.keep == {"model.layers.0.mlp": 160} and not any(cheap.ranks.values())  # 3*64*160 <= 49152/1.5
     assert cheap.mac_ratio(MLP) >= 1.5 and cheap.macs(MLP) == 3 * 64 * 160
-    costly = allocate(MLP, energy, 1.5, sites=_site(100.0))
+    costly = allocate_with(MLP, energy, 1.5, sites=_site(100.0))
     assert costly.keep == {} and any(costly.ranks.values()) and costly.mac_ratio(MLP) >= 1.5
-    plain = allocate(MLP, energy, 1.5)  # without sites: today's allocation, as good (gate and up tie)
+    plain = allocate_with(MLP, energy, 1.5)  # without sites: today's allocation, as good (gate and up tie)
     assert sum(plain.errors.values()) == sum(costly.errors.values()) and sorted(plain.ranks.values()) == sorted(
         costly.ranks.values())
-    only = allocate(MLP, energy, 1.5, sites=_site(100.0), lowrank=False)
+    only = allocate_with(MLP, energy, 1.5, sites=_site(100.0), lowrank=False)
     assert only.keep == {"model.layers.0.mlp": 160} and not any(only.ranks.values())
     assert [s.narrowed(32) for s in MLP] == [ModuleShape(MLP[0].name, 64, 32), ModuleShape(MLP[1].name, 64, 32),
                                               ModuleShape(MLP[2].name, 32, 64)]

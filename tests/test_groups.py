@@ -18,10 +18,11 @@ from test_channels import _serves_its_greedy_generation, benched, healed_and_com
 from typer.testing import CliRunner
 
 from bdlora.cli import app
-from bdlora.compress.allocate import allocate, mac_cost
+from bdlora.compress.allocate import mac_cost
 from bdlora.forms.groups import group_options, group_order, probe_shapes, prune
 from bdlora.forms.lowrank import FISHER_DAMPING, damped
 from bdlora.models.costs import ModuleShape
+from conftest import allocate_with
 
 KV, RATIO, HD, HIDDEN = 4, 2, 3, 10  # a problem of 4 groups of 2 query heads of width 3
 
@@ -127,12 +128,12 @@ def test_the_allocation_chooses_per_attention_block_between_low_rank_and_fewer_g
 
     energy = {s.name: np.ones(32) for s in ATTN}
     site = "model.layers.0.self_attn"
-    cheap = allocate(ATTN, energy, 1.5, sites={site: group_options(ATTN, Order(0.01), mac_cost)}, kv_heads=2)
+    cheap = allocate_with(ATTN, energy, 1.5, sites={site: group_options(ATTN, Order(0.01), mac_cost)}, kv_heads=2)
     assert cheap.keep == {site: 1} and not any(cheap.ranks.values())
     assert [cheap.shape(s) for s in ATTN] == [ModuleShape(ATTN[0].name, 64, 32), ModuleShape(ATTN[1].name, 64, 16),
                                               ModuleShape(ATTN[2].name, 64, 16), ModuleShape(ATTN[3].name, 32, 64)]
     assert cheap.macs(ATTN) == (64 * 64 + 64 * 32) and cheap.mac_ratio(ATTN) == 2.0
-    costly = allocate(ATTN, energy, 1.5, sites={site: group_options(ATTN, Order(1e6), mac_cost)}, kv_heads=2)
+    costly = allocate_with(ATTN, energy, 1.5, sites={site: group_options(ATTN, Order(1e6), mac_cost)}, kv_heads=2)
     assert costly.keep == {} and any(costly.ranks.values())
     # 2, 4 and 6 of 8 groups: q and o at 16, 32, 48 wide, k and v at 8, 16, 24 (16 already timed for q)
     assert probe_shapes(ATTN, 8) == [(64, 16), (64, 32), (64, 48), (64, 8), (64, 24), (16, 64), (32, 64), (48, 64)]

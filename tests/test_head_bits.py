@@ -21,11 +21,12 @@ import bdlora.compress.calibrate as cal
 import bdlora.export.genai.latency as lat
 from bdlora.base.io import read_json, write_json
 from bdlora.cli import app
-from bdlora.compress.allocate import Allocation, allocate
+from bdlora.compress.allocate import Allocation
 from bdlora.export.genai.quantize import rtn_rounded
 from bdlora.export.settings import GenaiExportSettings
 from bdlora.forms import HEAD, HEAD_BITS
 from bdlora.forms.lowrank import FISHER_DAMPING
+from conftest import allocate_with
 
 HEAD_X = 10.0  # the hand-made int8 head costs this many times its int4 time (so buying 4 bits pays at once)
 
@@ -75,17 +76,17 @@ def test_the_allocation_buys_the_4_bit_head_where_it_costs_least_error():
     8 bits. The fixed part's total is unchanged by the head's item (the same beyond-reach line)."""
     energy = {s.name: np.ones(32) for s in LAYERS3}
     rest = {f"model.layers.{i}": (1000.0, 0.0) for i in range(3)}
-    cheap = allocate(LAYERS3, energy, 1.05, rest=rest, fixed=2000.0, head=(1500.0, 800.0, 1.0))
+    cheap = allocate_with(LAYERS3, energy, 1.05, rest=rest, fixed=2000.0, head=(1500.0, 800.0, 1.0))
     assert cheap.head_bits == 4 and not any(cheap.ranks.values()) and cheap.errors[HEAD] == 1.0
-    dear = allocate(LAYERS3, energy, 1.05, rest=rest, fixed=2000.0, head=(1500.0, 800.0, 1e6))
+    dear = allocate_with(LAYERS3, energy, 1.05, rest=rest, fixed=2000.0, head=(1500.0, 800.0, 1e6))
     assert dear.head_bits == 8 and sum(r > 0 for r in dear.ranks.values()) == 1 and dear.errors[HEAD] == 0.0
     assert Allocation.from_json(cheap.to_json()) == cheap
-    assert allocate(LAYERS3, energy, 1.05, rest=rest, fixed=2000.0).head_bits == 0  # not offered: not chosen
+    assert allocate_with(LAYERS3, energy, 1.05, rest=rest, fixed=2000.0).head_bits == 0  # not offered: not chosen
     with pytest.raises(ValueError, match="whole decode step"):
-        allocate(LAYERS3, energy, 1.05, head=(1500.0, 800.0, 1.0))
+        allocate_with(LAYERS3, energy, 1.05, head=(1500.0, 800.0, 1.0))
     # 14,216 / (cheapest) with the head at 4 bits: the line counts the head's saving
     with pytest.raises(Exception, match=r"--speedup 9: beyond reach; the cheapest form of every layer gives "):
-        allocate(LAYERS3, energy, 9.0, rest=rest, fixed=2000.0, head=(1500.0, 800.0, 1.0))
+        allocate_with(LAYERS3, energy, 9.0, rest=rest, fixed=2000.0, head=(1500.0, 800.0, 1.0))
 
 
 def test_an_export_takes_the_declared_head_width_unless_told():

@@ -16,8 +16,9 @@ from typer.testing import CliRunner
 import bdlora.export.genai.latency as lat
 from bdlora.base.io import write_json
 from bdlora.cli import app
-from bdlora.compress.allocate import BUCKETS, allocate, options
+from bdlora.compress.allocate import BUCKETS, options
 from bdlora.models.costs import ModuleShape
+from conftest import allocate_with
 
 
 def test_form_graphs_compute_the_forms_the_exporter_emits():
@@ -111,7 +112,7 @@ def test_allocation_by_a_measured_cost_meets_it_and_never_picks_a_pair_slower_th
                [::-1] for s, (_, _, seed, _) in zip(shapes, mods)}
     target = sum(cost(s, 0) for s in shapes) / ratio
     try:
-        alloc = allocate(shapes, spectra, ratio, cost=cost)
+        alloc = allocate_with(shapes, spectra, ratio, cost=cost)
     except Exception as e:  # noqa: BLE001
         assert "beyond reach" in str(e)
         return

@@ -6,10 +6,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bdlora.compress.allocate import BUCKETS, allocate, break_even, options
+from bdlora.compress.allocate import BUCKETS, break_even, options
 from bdlora.compress.calibrate import calibrate, calibration_blocks, input_group
 from bdlora.forms.lowrank import factors, spectrum
 from bdlora.models.costs import ModuleShape
+from conftest import allocate_with
 
 
 def _data(d_out=24, d_in=16, n=400, seed=0, rank_x=None):
@@ -107,7 +108,7 @@ def test_allocation_is_the_least_error_meeting_the_budget(mods, ratio):
                [::-1] for s, (_, _, seed) in zip(shapes, mods)}
     target = sum(s.dense_cost for s in shapes) / ratio
     try:
-        alloc = allocate(shapes, spectra, ratio)
+        alloc = allocate_with(shapes, spectra, ratio)
     except Exception as e:  # noqa: BLE001
         assert "beyond reach" in str(e)
         return
@@ -124,7 +125,7 @@ def test_allocation_is_the_least_error_meeting_the_budget(mods, ratio):
 def test_allocation_order_gives_controller_scores():
     shapes = [ModuleShape(n, 64, 64) for n in ("a", "b", "c")]
     spectra = {"a": np.full(64, 1.0), "b": np.full(64, 0.01), "c": np.full(64, 100.0)}  # b is cheapest to cut
-    alloc = allocate(shapes, spectra, 1.3)
+    alloc = allocate_with(shapes, spectra, 1.3)
     assert alloc.order[0] == "b" and alloc.ranks["c"] == 0
     scores = alloc.scores(["a", "b", "c"])
     assert scores[1] == 0.0 and scores[2] > max(scores[0], scores[1])
@@ -133,7 +134,7 @@ def test_allocation_order_gives_controller_scores():
 def test_an_unreachable_ratio_names_the_reachable_one():
     with pytest.raises(Exception, match=r"--mac-ratio 100: beyond reach; the cheapest form of every projection "
                                         r"gives 32.00x fewer projection MACs"):
-        allocate([ModuleShape("m", 64, 64)], {"m": np.ones(64)}, 100.0)
+        allocate_with([ModuleShape("m", 64, 64)], {"m": np.ones(64)}, 100.0)
 
 
 def test_calibration_is_deterministic_and_shared_inputs_share_a_gram(tiny_model, tiny_env):

@@ -15,12 +15,13 @@ from test_channels import benched, scored_and_exported, shot
 from typer.testing import CliRunner
 
 from bdlora.cli import app
-from bdlora.compress.allocate import allocate, knapsack
+from bdlora.compress.allocate import knapsack
 from bdlora.compress.calibrate import calibrate
 from bdlora.forms.layers import removal_errors, renumbered
 from bdlora.forms.lowrank import FISHER_DAMPING
 from bdlora.models.costs import ModuleShape
 from bdlora.models.depth import take_layers
+from conftest import allocate_with
 
 
 def test_the_removal_error_is_the_loss_weighted_update_of_the_layer(tiny_model):
@@ -105,19 +106,19 @@ def test_the_allocation_removes_the_layer_that_costs_least():
     removing the middle layer (error 5) beats truncating ranks (six rank-8 pairs at least: error 144) but not at
     error 500; with low rank off only layers go. (Exactly 1.5x does not fit: each cost is rounded up to a bucket.)"""
     energy = {s.name: np.ones(32) for s in LAYER}
-    cheap = allocate(LAYER, energy, 1.45, layers={"model.layers.0": 900.0, "model.layers.1": 5.0,
+    cheap = allocate_with(LAYER, energy, 1.45, layers={"model.layers.0": 900.0, "model.layers.1": 5.0,
                                                  "model.layers.2": 700.0})
     assert cheap.removed == ["model.layers.1"] and not any(cheap.ranks.values())
     assert cheap.errors["model.layers.1"] == 5.0 and cheap.gone("model.layers.1.mlp.down_proj")
     assert cheap.macs(LAYER) == 6 * 32 * 32 and cheap.mac_ratio(LAYER) == 1.5
-    costly = allocate(LAYER, energy, 1.45, layers={f"model.layers.{i}": 500.0 for i in range(3)})
+    costly = allocate_with(LAYER, energy, 1.45, layers={f"model.layers.{i}": 500.0 for i in range(3)})
     assert costly.removed == [] and any(costly.ranks.values())
-    assert sorted(costly.ranks.values()) == sorted(allocate(LAYER, energy, 1.45).ranks.values())
-    only = allocate(LAYER, energy, 2.5, lowrank=False, layers={"model.layers.0": 3.0, "model.layers.1": 1.0,
+    assert sorted(costly.ranks.values()) == sorted(allocate_with(LAYER, energy, 1.45).ranks.values())
+    only = allocate_with(LAYER, energy, 2.5, lowrank=False, layers={"model.layers.0": 3.0, "model.layers.1": 1.0,
                                                                "model.layers.2": 2.0})
     assert sorted(only.removed) == ["model.layers.1", "model.layers.2"] and only.mac_ratio(LAYER) == 3.0
     with pytest.raises(Exception, match="beyond reach"):
-        allocate(LAYER, energy, 4.0, lowrank=False, layers={"model.layers.0": 1.0})
+        allocate_with(LAYER, energy, 4.0, lowrank=False, layers={"model.layers.0": 1.0})
     assert renumbered({"model.layers.2.mlp.down_proj": 1, "model.layers.1.mlp": 2, "lm_head": 3}, [0, 2]) == {
         "model.layers.1.mlp.down_proj": 1}
 

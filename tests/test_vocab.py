@@ -18,8 +18,10 @@ from typer.testing import CliRunner
 import bdlora.compress.calibrate as cal
 from bdlora.base.io import read_json, write_json
 from bdlora.cli import app
-from bdlora.compress.allocate import allocate, head_options
+from bdlora.compress.allocate import head_options
 from bdlora.forms import HEAD, VOCAB_MARGIN
+from bdlora.forms.context import Choice
+from conftest import allocate_with
 
 
 def test_calibration_sums_the_models_probabilities_and_counts_its_argmax(tiny_env, monkeypatch):
@@ -39,15 +41,17 @@ def test_calibration_sums_the_models_probabilities_and_counts_its_argmax(tiny_en
 def test_the_head_options_are_the_product_of_its_widths_and_kept_vocabularies():
     """(keep 0 = all, bits): the source's own first; a 4-bit option scales the time as the full head's and adds its
     error; the allocation buys the narrow head where it saves the most for the least error."""
-    opts = head_options((100.0, 50.0, 2.0), [(0, 100.0, 0.0), (32, 10.0, 5.0)])
-    assert [(o[0][0][1:], o[1], o[2]) for o in opts] == [((0, 8), 100.0, 0.0), ((0, 4), 50.0, 2.0),
-                                                         ((32, 8), 10.0, 5.0), ((32, 4), 5.0, 7.0)]
+    bits = [Choice("bits", 100.0, 0.0, bits=8), Choice("bits", 50.0, 2.0, bits=4)]  # as the forms offer them
+    vocab = [Choice("vocab", 100.0, 0.0), Choice("vocab", 10.0, 5.0, keep=32)]
+    opts = head_options(bits + vocab)  # one factor per form, the product priced by the others' ratios
+    assert [((o[0][0].keep, o[0][1].bits), o[1], o[2]) for o in opts] == [
+        ((0, 8), 100.0, 0.0), ((0, 4), 50.0, 2.0), ((32, 8), 10.0, 5.0), ((32, 4), 5.0, 7.0)]
     energy = {s.name: np.ones(32) for s in LAYERS3}
     rest = {f"model.layers.{i}": (1000.0, 0.0) for i in range(3)}
     vocab = [(0, 1500.0, 0.0), (64, 400.0, 3.0), (32, 200.0, 50.0)]
-    a = allocate(LAYERS3, energy, 1.05, rest=rest, fixed=2000.0, vocab=vocab)
+    a = allocate_with(LAYERS3, energy, 1.05, rest=rest, fixed=2000.0, vocab=vocab)
     assert a.head_keep == 64 and a.head_bits == 0 and a.errors[HEAD] == 3.0  # saves 1,100 of 677 needed
-    b = allocate(LAYERS3, energy, 1.12, rest=rest, fixed=2000.0, vocab=vocab)  # 1,523 to save
+    b = allocate_with(LAYERS3, energy, 1.12, rest=rest, fixed=2000.0, vocab=vocab)  # 1,523 to save
     assert b.head_keep == 64 and any(b.ranks.values())  # 64 tokens and a pair (error 3 + 31) beat 32 tokens (50)
 
 
@@ -161,9 +165,10 @@ def test_only_vocabularies_holding_most_of_the_teachers_choices_are_offered():
     ctx = OneShotContext(None, None, None, ("vocab",), [], {}, 1, {"hidden_size": 64, "vocab_size": vocab},
                          calib=SimpleNamespace(mass=mass, argmax=argmax))
     STEP.offer(ctx)
-    assert MIN_COVERAGE > 0.970 and [k for k, _, _ in ctx.head_vocab] == [0, 64]
-    assert ctx.head_vocab[0] == (0, 64 * vocab, 0.0) and ctx.head_vocab[1][1] == 64 * 64  # MACs without a table
-    assert ctx.head_vocab[1][2] == 0.0  # 64 tokens hold all the probability
+    offered = ctx.offers[HEAD]
+    assert MIN_COVERAGE > 0.970 and [c.keep for c in offered] == [0, 64] and {c.form for c in offered} == {"vocab"}
+    assert (offered[0].cost, offered[0].error) == (64 * vocab, 0.0) and offered[1].cost == 64 * 64  # MACs, no table
+    assert offered[1].error == 0.0  # 64 tokens hold all the probability
     assert ctx.facts["vocab"]["argmax_coverage"]["32"] == pytest.approx(32 / 33)
 
 

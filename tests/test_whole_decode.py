@@ -124,27 +124,28 @@ def test_the_whole_step_budget_prices_each_layers_rest():
     step: at 1.25x the whole step (total 14,216 -> 11,373, so 9,373 for the layers: 2,843 to save) removing one
     layer (error 50) saves 4,072; truncating ranks instead costs at least 93 (three rank-1 pairs save 2,880). At
     error 150 the ranks win."""
-    from bdlora.compress.allocate import allocate
+    from conftest import allocate_with
 
     energy = {s.name: np.ones(32) for s in LAYERS3}
     rest = {f"model.layers.{i}": (1000.0, 0.0) for i in range(3)}
     errors = {"model.layers.0": 900.0, "model.layers.1": 50.0, "model.layers.2": 800.0}
-    a = allocate(LAYERS3, energy, 1.25, layers=errors, rest=rest, fixed=2000.0)
+    a = allocate_with(LAYERS3, energy, 1.25, layers=errors, rest=rest, fixed=2000.0)
     assert a.removed == ["model.layers.1"] and not any(a.ranks.values())
     assert set(a.ranks) == {s.name for s in LAYERS3}  # no bookkeeping item among the projections
     kept = sum(1024 * 3 + 1000 for i in range(3) if f"model.layers.{i}" not in a.removed)
     assert 2000 + kept <= (3 * 4072 + 2000) / 1.25
-    ranks = allocate(LAYERS3, energy, 1.25, layers={**errors, "model.layers.1": 150.0}, rest=rest, fixed=2000.0)
+    ranks = allocate_with(LAYERS3, energy, 1.25, layers={**errors, "model.layers.1": 150.0}, rest=rest, fixed=2000.0)
     assert ranks.removed == [] and sorted(ranks.ranks.values()) == [0] * 6 + [1] * 3
     with pytest.raises(Exception, match="--speedup 9: beyond reach"):
-        allocate(LAYERS3, energy, 9.0, layers=errors, rest=rest, fixed=2000.0)
+        allocate_with(LAYERS3, energy, 9.0, layers=errors, rest=rest, fixed=2000.0)
 
 
 def test_a_narrower_mlp_carries_its_share_of_the_rest():
     """An MLP site's options carry the width-scaled part of its layer's rest: keeping 128 of 256 channels costs
     half of it. With m = 4,000 the site alone can meet 1.25x of the whole step by channels."""
-    from bdlora.compress.allocate import allocate, mac_cost
+    from bdlora.compress.allocate import mac_cost
     from bdlora.forms.channels import site_options
+    from conftest import allocate_with
 
     mlp = [ModuleShape("model.layers.0.mlp.gate_proj", 64, 256), ModuleShape("model.layers.0.mlp.up_proj", 64, 256),
            ModuleShape("model.layers.0.mlp.down_proj", 256, 64)]
@@ -156,7 +157,7 @@ def test_a_narrower_mlp_carries_its_share_of_the_rest():
     sites = {"model.layers.0.mlp": site_options(mlp, Order(), mac_cost)}
     energy = {s.name: np.ones(64) for s in mlp}
     total = 3 * 64 * 256 + 1000 + 4000  # projections, the width-independent rest, the width-scaled part
-    a = allocate(mlp, energy, 1.25, sites=sites, lowrank=False, rest={"model.layers.0": (1000.0, 4000.0)})
+    a = allocate_with(mlp, energy, 1.25, sites=sites, lowrank=False, rest={"model.layers.0": (1000.0, 4000.0)})
     keep = a.keep["model.layers.0.mlp"]
     assert 3 * 64 * keep + 1000 + 4000 * keep / 256 <= total / 1.25
     assert 3 * 64 * (keep + 32) + 1000 + 4000 * (keep + 32) / 256 > total / 1.25  # the widest that fits

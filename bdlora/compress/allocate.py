@@ -17,6 +17,8 @@ order the budget controller walks during training (``BudgetController(scores=...
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -24,6 +26,7 @@ import numpy as np
 
 from bdlora.base.errors import UsageError
 from bdlora.forms import HEAD, WIDE_BITS
+from bdlora.forms.context import Choice
 from bdlora.models.arch import layer_of
 from bdlora.models.costs import ModuleShape
 
@@ -83,6 +86,12 @@ class Allocation:
     # --speedup``: 4 or 8); 0: not chosen (the export's default, 8)
     head_keep: int = 0  # the tokens the LM head keeps (``--forms vocab``: a draft's head); 0: all of them
     head_module: dict | None = field(default=None, repr=False, compare=False)  # that head's declaration and tensors
+    chosen: dict = field(default_factory=dict, repr=False, compare=False)  # site -> the Choices taken there (not
+    # recorded: what each form deploys from, ``by``)
+
+    def by(self, form: str) -> dict:
+        """Site -> the choice form ``form`` offered there and the knapsack took (what the form deploys)."""
+        return {site: c for site, cs in self.chosen.items() for c in cs if c.form == form}
 
     @property
     def bits(self) -> dict[str, int]:
@@ -215,122 +224,138 @@ def combine(groups: list[list[Option]]) -> list[Option]:
 Rest = tuple[float, float]  # a decoder layer's decode time outside its projections: (width-independent, MLP-width)
 
 
-def allocate(shapes: list[ModuleShape], energy: dict[str, np.ndarray], mac_ratio: float,
-             step: int = RANK_STEP, cost: Cost = mac_cost, unit_name: str = "MAC",
-             sites: dict[str, list[Option]] | None = None, lowrank: bool = True,
-             layers: dict[str, float] | None = None, rest: dict[str, Rest] | None = None,
-             fixed: float = 0.0, wide: dict[str, tuple[float, float]] | None = None,
-             kv_heads: int = 0, head: tuple[float, float, float] | None = None,
-             vocab: list[tuple[int, float, float]] | None = None) -> Allocation:
-    """The per-module forms meeting ``sum cost <= dense total / mac_ratio`` with the least total error (``cost``:
-    MACs by default, or measured decode time), by ``knapsack``. ``sites`` (an MLP site -> its channel options,
-    ``forms.channels``): that site's three projections become one item choosing between their low-rank forms
-    (combined) and keeping fewer channels. The removal order puts the modules that leave their dense form first,
-    cheapest error per unit of cost saved first. ``lowrank`` False: no projection becomes a pair (only the sites'
-    channels are chosen). ``layers`` (``model.layers.N`` -> the error of removing it, ``forms.layers``): each
-    such layer may instead be removed, its projections then costing nothing. ``rest`` (``model.layers.N`` -> its
-    decode time outside the projections, ``bench.whole``) and ``fixed`` (the step's own): the budget is then the
-    whole step's, ``(dense + rests + fixed) / mac_ratio - fixed``; a removed layer saves its rest, an MLP keeping k
-    of W channels the k/W share of its width-scaled part. ``wide`` (projection -> (its dense time at 8 bits, the
-    rounding error that gives back), ``forms.bits``): it may instead stay dense at 8 bits in an int4 export, at
-    that error below its 4-bit forms'. ``sites`` may hold attention sites too (``model.layers.N.self_attn`` -> its
-    options of kept key/value groups, ``forms.groups``; ``kv_heads``: the source's per layer). ``head`` (with
-    ``rest``: the LM head's (time at 8 bits, time at 4 bits, the error 4 bits add), ``forms.bits.head_option``):
-    the head is one more item, at 8 bits (the teacher's export, whose time ``fixed`` holds) or at 4. ``vocab`` (with
-    ``rest``: [(tokens kept, time at 8 bits, error)], ``forms.vocab``): the head may keep fewer tokens (a draft's);
-    with ``head`` too, each kept vocabulary at either width (the 4-bit time scaled as the full head's, the errors
-    added). Deterministic."""
-    sites, rest, wide = sites or {}, rest or {}, wide or {}
-    if (head is not None or vocab) and not rest:
+@dataclass(frozen=True)
+class Pricing:
+    """What the budget counts: each projection form's ``cost`` (MACs, or measured decode time in ``unit``s) and,
+    for a budget on the whole decode step, each decoder layer's ``rest`` (its time outside its projections:
+    ``bench.whole``) and the step's ``fixed`` own time (the LM head's included)."""
+
+    cost: Cost = mac_cost
+    unit: str = "MAC"
+    rest: dict[str, Rest] = field(default_factory=dict)
+    fixed: float = 0.0
+
+
+MACS = Pricing()
+
+
+def is_layer(site: str) -> bool:
+    """Whether ``site`` names a whole decoder layer (``model.layers.N``)."""
+    return site.count(".") == 2 and layer_of(site) == site
+DENSE = Choice("", 0.0, 0.0)  # a projection as it is (its cost filled in per projection)
+
+
+def allocate(shapes: list[ModuleShape], offers: dict[str, list[Choice]], ratio: float,
+             pricing: Pricing = MACS) -> Allocation:
+    """The choices meeting ``sum cost <= dense total / ratio`` with the least total error (``pricing.cost``: MACs by
+    default, or measured decode time), by ``knapsack``, reading each site's ``offers`` (``Choice``) without knowing
+    which form made them. A projection chooses between its dense form and its offers; a block (an MLP or an
+    attention block) between its projections' choices (combined) and its own offers; a decoder layer offered an
+    alternative may instead go whole (``knapsack``'s groups), its projections then costing nothing; the LM head's
+    offers (with ``pricing.rest`` only) combine across forms into one more item. The removal order puts the
+    projections that leave their dense form first, cheapest error per unit of cost saved first. With
+    ``pricing.rest`` the budget is the whole step's, ``(dense + rests + fixed) / ratio - fixed``; a removed layer
+    saves its rest, an MLP keeping k of W channels the k/W share of its width-scaled part. Deterministic."""
+    rest, fixed = pricing.rest, pricing.fixed
+    heads = offers.get(HEAD)
+    if heads and not rest:
         raise ValueError("the LM head is priced against the whole decode step: give rest (the layers' rests)")
-    per = {s.name: [((s.name, r, 0), c, e) for r, c, e in options(s, energy[s.name], step, cost)[: None if lowrank
-                                                                                                  else 1]]
-           + ([((s.name, 0, WIDE_BITS), wide[s.name][0], -wide[s.name][1])] if s.name in wide else [])
-           for s in shapes}
-    items, members = _items(shapes, per, sites, rest)
-    total = sum(cost(s, 0) for s in shapes) + sum(a + m for a, m in rest.values()) + fixed
-    if head is not None or vocab:  # the head's 8-bit time leaves the fixed part and becomes its item's
-        heads = head_options(head, vocab)
-        fixed -= heads[0][1]
-        items.append(heads)
+    per = {s.name: [((dataclasses.replace(DENSE, cost=pricing.cost(s, 0)),), pricing.cost(s, 0), 0.0)]
+           + [((c,), c.cost, c.error) for c in offers.get(s.name, ())] for s in shapes}
+    items, members = _items(shapes, per, offers, rest)
+    total = sum(pricing.cost(s, 0) for s in shapes) + sum(a + m for a, m in rest.values()) + fixed
+    if heads:  # the head's as-is time leaves the fixed part and becomes its item's
+        options = head_options(heads)
+        fixed -= options[0][1]
+        items.append(options)
         members.append(("head", [HEAD]))
-    groups = layer_groups(members, layers or {})
-    picked = knapsack(items, total / mac_ratio - fixed, lambda cheapest: (
-        f"--{'speedup' if rest else 'mac-ratio'} {mac_ratio:g}: beyond reach; the cheapest form of every "
+    groups = layer_groups(members, {site: cs[0].error for site, cs in offers.items() if cs and is_layer(site)})
+    picked = knapsack(items, total / ratio - fixed, lambda cheapest: (
+        f"--{'speedup' if rest else 'mac-ratio'} {ratio:g}: beyond reach; the cheapest form of every "
         f"{'layer' if rest else 'projection'} gives {total / (cheapest + fixed):.2f}x "
-        f"{'less decode time' if rest else f'fewer projection {unit_name}s'}"), groups)
-    return _allocation(shapes, members, items, picked, per, cost, layers, kv_heads)
+        f"{'less decode time' if rest else f'fewer projection {pricing.unit}s'}"), groups)
+    return _allocation(members, items, picked, offers, {n: o[0][1] for n, o in per.items()})
 
 
-def _allocation(shapes, members: list, items: list, picked: list[int], per: dict, cost: Cost, layers: dict | None,
-                kv_heads: int) -> Allocation:
-    """The ``Allocation`` the knapsack's ``picked`` options of ``items`` (who each is: ``members``) make."""
-    ranks, errors, saved, keep, removed, eight, head_bits, head_keep = {}, {}, {}, {}, [], [], 0, 0
-    by = {s.name: s for s in shapes}
+def _allocation(members: list, items: list, picked: list[int], offers: dict, dense: dict[str, float]) -> Allocation:
+    """The ``Allocation`` the knapsack's ``picked`` options of ``items`` (who each is: ``members``) make: each
+    choice's effect on its site read from the choice, whichever form made it (``dense``: each projection's cost as
+    it is, for the removal order)."""
+    a, saved = Allocation({}, []), {}
     for (site, names), o, k in zip(members, items, picked):
-        if site == "head":
-            (chosen,), _, errors[HEAD] = o[k]
-            head_keep, head_bits = chosen[1], chosen[2] if any(x[0][0][2] != WIDE_BITS for x in o) else 0
-            continue
-        if k < 0:  # the layer goes
-            ranks.update({n: 0 for n in names if site != "rest"})
-            layer = layer_of(names[0])
-            if layer not in removed:
-                removed.append(layer)
-                errors[layer] = layers[layer]
-            continue
-        chosen, c, e = o[k]
         if site == "rest":
             continue
-        if isinstance(chosen[0], int):  # the site keeps chosen[0] channels (an MLP) or groups (an attention block)
-            keep[site] = chosen[0]
-            ranks.update({n: 0 for n in names})
-            errors[site] = e
+        if k < 0:  # the layer goes
+            a.ranks.update({n: 0 for n in names})
+            layer = layer_of(names[0])
+            if layer not in a.removed:
+                a.removed.append(layer)
+                a.errors[layer] = offers[layer][0].error
+                a.chosen[layer] = [offers[layer][0]]
             continue
-        for n, r, b in chosen:
-            ranks[n] = r
-            errors[n] = next(err for (_, rr, bb), _, err in per[n] if (rr, bb) == (r, b))
-            saved[n] = cost(by[n], 0) - cost(by[n], r)
-            if b:
-                eight.append(n)
-    order = sorted((n for n, r in ranks.items() if r), key=lambda n: (errors[n] / saved[n], n))
-    return Allocation(ranks, order, errors, keep, removed, eight, kv_heads, head_bits, head_keep)
+        chosen, _, e = o[k]
+        if site == "head":
+            a.errors[HEAD], a.chosen[HEAD] = e, list(chosen)
+            a.head_keep = max(c.keep for c in chosen)
+            a.head_bits = max(c.bits for c in chosen) if any(c.bits for c in offers[HEAD]) else 0
+        elif isinstance(chosen, Choice):  # the block keeps chosen.keep channels or key/value groups
+            a.keep[site], a.errors[site], a.chosen[site] = chosen.keep, e, [chosen]
+            a.ranks.update({n: 0 for n in names})
+        else:
+            for n, c in zip(names, chosen):
+                a.ranks[n], a.errors[n] = c.rank, c.error
+                if c.form:
+                    a.chosen[n] = [c]
+                if c.bits:
+                    a.wide.append(n)
+                if c.rank:
+                    saved[n] = dense[n] - c.cost
+    a.order = sorted((n for n, r in a.ranks.items() if r), key=lambda n: (a.errors[n] / saved[n], n))
+    return a
 
 
-def head_options(head: tuple[float, float, float] | None, vocab: list | None) -> list[Option]:
-    """The LM head's options, ``((HEAD, tokens kept (0: all), bits),)`` at (time, error), the source's own first
-    (every token at 8 bits): the widths of ``head`` (8-bit time, 4-bit time, error added at 4), the kept
-    vocabularies of ``vocab`` [(tokens, 8-bit time, error)], or their product."""
-    widths = [(WIDE_BITS, 1.0, 0.0)] + ([(4, head[1] / head[0], head[2])] if head is not None else [])
-    full = head[0] if head is not None else vocab[0][1]
-    keeps = [(0, full, 0.0)] + [(k, c, e) for k, c, e in vocab or () if k]
-    return [(((HEAD, k, b),), c * scale, e + eb) for k, c, e in keeps for b, scale, eb in widths]
+def head_options(offered: list[Choice]) -> list[Option]:
+    """The LM head's options from the choices forms offered at it: one factor per form (its choices in the order
+    given, its first the head as it is), combined as their product, the last form's varying slowest; each priced
+    as that form's choice, scaled by every other's cost ratio to its own first, at the sum of the errors. The first
+    option is every form's first: the head as it is."""
+    forms = list(dict.fromkeys(c.form for c in offered))
+    factors = [[c for c in offered if c.form == f] for f in reversed(forms)]
+    out = []
+    for combo in itertools.product(*factors):
+        cost = combo[0].cost
+        for c, f in zip(combo[1:], factors[1:]):
+            cost *= c.cost / f[0].cost
+        out.append((combo, cost, sum(c.error for c in combo)))
+    return out
 
 
-def _items(shapes, per: dict, sites: dict, rest: dict) -> tuple[list, list]:
-    """The knapsack's items and who each is: one per projection, one per MLP site (its projections' combined low-rank
-    forms and its kept widths, each with its width's share of the layer's rest), and with ``rest`` one per layer after
-    its projections (the rest of it that no site carries)."""
+def _items(shapes, per: dict, offers: dict, rest: dict) -> tuple[list, list]:
+    """The knapsack's items and who each is: one per projection, one per offered block (its projections' combined
+    choices and its own, each kept width with its share of the layer's rest), and with ``rest`` one per layer after
+    its projections (the rest of it that no block carries)."""
     items, members = [], []
     site_names = list(dict.fromkeys(s.name.rsplit(".", 1)[0] for s in shapes))
     for i, site in enumerate(site_names):
         names = [s.name for s in shapes if s.name.rsplit(".", 1)[0] == site]
         layer = layer_of(site)
-        if site in sites:  # an MLP (with its width's share of the layer's rest) or an attention block
+        if site not in per and offers.get(site):  # a block: an MLP (its width's share of the layer's rest with it) or
+            # an attention block
             mlp = site.endswith(".mlp")
             width = next(s.in_features for s in shapes if s.name == f"{site}.down_proj") if mlp else 1
             m = rest[layer][1] if layer in rest and mlp else 0.0
-            items.append(pareto([(x, c + m, e) for x, c, e in combine([per[n] for n in names])]
-                                + [((k,), c + m * k / width, e) for k, c, e in sites[site]]))
+            items.append(pareto([(x, c + m, e) for x, c, e in combine([[(c_[0], c, e) for c_, c, e in per[n]]
+                                                                        for n in names])]
+                                + [(c, c.cost + m * c.keep / width, c.error) for c in offers[site]]))
             members.append((site, names))
         else:
-            items += [[((n_r,), c, e) for n_r, c, e in per[n]] for n in names]
+            items += [list(per[n]) for n in names]
             members += [(None, [n]) for n in names]
         last = i + 1 == len(site_names) or not site_names[i + 1].startswith(layer + ".")
         if last and layer in rest:
             a, m = rest[layer]
-            own = a + (0.0 if f"{layer}.mlp" in sites else m)
-            items.append([(((f"{layer}.rest", 0, 0),), own, 0.0)])
+            own = a + (0.0 if offers.get(f"{layer}.mlp") else m)
+            items.append([((f"{layer}.rest",), own, 0.0)])
             members.append(("rest", [f"{layer}.rest"]))
     return items, members
 

@@ -18,13 +18,14 @@ import importlib
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from bdlora import SCHEMA_VERSION, __version__
+from bdlora import forms as registry
 from bdlora.base.errors import UsageError
 from bdlora.base.outputs import check_out_dir
 from bdlora.base.reporter import SILENT, Reporter
+from bdlora.compress.allocate import MACS, Pricing
 from bdlora.compress.calibrate import calibration_blocks
 from bdlora.compress.config import OneShotConfig
 from bdlora.compress.correct import correct_sequential
@@ -36,7 +37,7 @@ from bdlora.data.blocks import PackedBlocks, scored_blocks
 from bdlora.data.corpora import SAMPLES_PREFIXES, check_spec, default_heldout, general_calib_data, load_tokens
 from bdlora.data.selfgen import TeacherSource
 from bdlora.deployed.folder import save_model_folder
-from bdlora.forms import ALLOCATED_FORMS, REMOVED
+from bdlora.forms import HEAD, REMOVED
 from bdlora.forms.context import OneShotContext
 from bdlora.forms.layers import renumbered
 from bdlora.forms.lowrank import factored
@@ -62,7 +63,7 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
                                                                  for n, m in mods.items()], mods,
                          int(getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads),
                          model.config.to_dict())
-    steps = [step(name) for name in ALLOCATED_FORMS if ctx.has(name)]
+    steps = [step(name) for name in registry.ALLOCATED_FORMS if ctx.has(name)]
     for st in steps:
         st.pricing(ctx)
     if cost_model is not None:  # the narrower dense products the sites interpolate between, and what forms ask
@@ -71,12 +72,10 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
         st.calibration(ctx)
     ctx.calib = calibrate_with_progress(model, calibration_blocks(train_blocks, cfg.calib_tokens), reporter,
                                         **ctx.calibration)
-    ctx.energy = {s.name: np.zeros(0) for s in ctx.shapes}
     for st in steps:
         st.offer(ctx)
-    rest, fixed = whole_step(model, ctx.table) if cfg.speedup is not None else (None, 0.0)
-    alloc = allocate_by(ctx.shapes, ctx.energy, cfg.ratio, reporter, ctx.table, cfg.precision, ctx.sites,
-                        ctx.lowrank, ctx.layers, rest, fixed, ctx.wide, ctx.kv, ctx.head_bits, ctx.head_vocab)
+    alloc = allocate_by(ctx.shapes, ctx.offers, cfg.ratio, pricing(model, ctx.table, cfg), reporter)
+    alloc.kv_heads = ctx.kv
     gone = {s.name for s in ctx.shapes if alloc.gone(s.name)}
     if ctx.table is not None:
         ctx.facts["allocation_cost"] = {"cost": "measured decode time", **ctx.table.prediction(
@@ -85,13 +84,13 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
     built = {}
     for st in steps:
         built.update(st.deploy(ctx, alloc))
-    deployed = {s.name: built.get(s.name) or factored(s, mods[s.name], 0, ctx.spectra) for s in ctx.shapes
+    deployed = {s.name: built.get(s.name) or factored(s, mods[s.name], 0, {}) for s in ctx.shapes
                 if s.name not in gone}
     for st in steps:
         st.finish(ctx, alloc, deployed)
     decisions = [removed_decision(s, has_bias=mods[s.name].bias is not None) if s.name in gone
                  else deployed[s.name].decision for s in ctx.shapes]
-    alloc.head_module = ctx.head_module  # the head in its own form (vocab): built into the folder, not recorded
+    alloc.head_module = built.get(HEAD)  # the head in a form's own shape: built into the folder, not recorded
     return decisions, deployed, ctx.calib.tokens, ctx.facts, alloc
 
 
@@ -99,9 +98,18 @@ def step(name: str):
     """What allocated form ``name`` does in the one-shot (``forms.<name>.STEP``, a ``forms.context.Step``): the one
     place a form's name leads to its behaviour (PEFT's dispatch of tuner variants). Loaded here, in compression's
     layer, where the forms' modules sit; the registry (``bdlora.forms``) names them and stays below."""
-    if name not in ALLOCATED_FORMS:
-        raise ValueError(f"form {name!r}: allocated forms are {', '.join(ALLOCATED_FORMS)}")
+    if name not in registry.ALLOCATED_FORMS:  # read from the registry when called: a form added there is known here
+        raise ValueError(f"form {name!r}: allocated forms are {', '.join(registry.ALLOCATED_FORMS)}")
     return importlib.import_module(f"bdlora.forms.{name}").STEP
+
+
+def pricing(model, table, cfg: OneShotConfig) -> Pricing:
+    """What the one-shot's budget counts: MACs without a table; with one, each form's measured decode time at
+    ``cfg.precision``, and with ``cfg.speedup`` the whole step around the projections (``whole_step``)."""
+    if table is None:
+        return MACS
+    rest, fixed = whole_step(model, table) if cfg.speedup is not None else ({}, 0.0)
+    return Pricing(table.cost, f"{cfg.precision} microsecond", rest, fixed)
 
 
 def whole_step(model, table) -> tuple[dict, float]:

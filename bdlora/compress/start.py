@@ -24,9 +24,9 @@ import torch
 
 from bdlora.base.io import load_tensors, read_json, save_tensors, write_json
 from bdlora.base.reporter import SILENT, Reporter
-from bdlora.compress.allocate import Allocation, allocate, break_even, greedy_targets
+from bdlora.compress.allocate import MACS, Allocation, Pricing, allocate, break_even, greedy_targets, mac_cost
 from bdlora.compress.calibrate import calibrate, calibration_blocks
-from bdlora.forms.lowrank import factors, gram_root, spectrum
+from bdlora.forms.lowrank import factors, gram_root, rank_offers, spectrum
 from bdlora.models.arch import projection_modules
 from bdlora.models.budgeted.config import BudgetedConfig
 from bdlora.models.costs import ModuleShape, compression_report, decide_module
@@ -85,30 +85,20 @@ def calibrate_with_progress(model, blocks, reporter: Reporter = SILENT, residual
                      residual=residual, rounded=rounded, head=head, predicted=predicted)
 
 
-def allocate_by(shapes, energy: dict, target: float, reporter: Reporter = SILENT, table=None,
-                precision: str | None = None, sites: dict | None = None, lowrank: bool = True,
-                layers: dict | None = None, rest: dict | None = None, fixed: float = 0.0,
-                wide: dict | None = None, kv_heads: int = 0, head: tuple | None = None,
-                vocab: list | None = None) -> Allocation:
-    """The quality allocation for ``target``: priced by MACs, or with ``table`` (a measured decode-time table at
-    ``precision``, ``bdlora.export.genai.latency``) by each form's decode time, so ``target`` is then the projections'
-    decode-time speed-up. Shared by the training start and ``compress --one-shot``. ``sites``/``lowrank``/``layers``
-    /``rest``/``fixed``/``wide``: see ``allocate`` (MLPs that may keep fewer channels; whether projections may become
-    pairs; layers that may go; with ``rest``, ``target`` is the whole decode step's speed-up; projections that may
-    ship at 8 bits; attention blocks that may keep fewer of their ``kv_heads`` groups; the LM head's two widths and
-    kept vocabularies)."""
-    mlps, attention = (any(s.endswith(".mlp") == mlp for s in sites or {}) for mlp in (True, False))
-    parts = [p for p, on in (("truncation", lowrank), ("channel-drop", mlps), ("group-drop", attention),
-                             ("layer-removal", layers), ("rounding", wide), ("vocabulary", vocab)) if on]
-    what = "loss-weighted " + " and ".join(parts) + " error"
-    if table is not None:
-        reporter.stage(f"allocating {target:.2f}x less {'whole' if rest else 'projection'} decode time at {precision} "
-                       f"by {what}")
-        return allocate(shapes, energy, target, cost=table.cost, unit_name=f"{precision} microsecond", sites=sites,
-                        lowrank=lowrank, layers=layers, rest=rest, fixed=fixed, wide=wide, kv_heads=kv_heads,
-                        head=head, vocab=vocab)
-    reporter.stage(f"allocating {target:.2f}x fewer projection MACs by {what}")
-    return allocate(shapes, energy, target, sites=sites, lowrank=lowrank, layers=layers, kv_heads=kv_heads)
+def allocate_by(shapes, offers: dict, target: float, pricing: Pricing = MACS,
+                reporter: Reporter = SILENT) -> Allocation:
+    """The quality allocation for ``target`` among the forms' ``offers`` (``forms.context.Choice`` by site), priced
+    by ``pricing`` (MACs, or a measured decode-time table's cost: ``target`` is then the projections' decode-time
+    speed-up, or with ``pricing.rest`` the whole step's), with a stage line naming what is traded. Shared by the
+    training start and ``compress --one-shot``."""
+    forms = sorted({c.form for cs in offers.values() for c in cs})
+    what = f"loss-weighted {', '.join(forms) or 'no'} error"
+    if pricing.cost is not mac_cost:
+        scope = "whole" if pricing.rest else "projection"
+        reporter.stage(f"allocating {target:.2f}x less {scope} decode time ({pricing.unit}s) by {what}")
+    else:
+        reporter.stage(f"allocating {target:.2f}x fewer projection MACs by {what}")
+    return allocate(shapes, offers, target, pricing)
 
 
 def compute_start(model, init: str, allocation: str, rank: int, budget: float, mac_ratio: float | None,
@@ -138,8 +128,10 @@ def compute_start(model, init: str, allocation: str, rank: int, budget: float, m
     alloc = None
     if allocation == "quality":
         target = mac_ratio or paper_mac_ratio(shapes, budget, rank)
-        alloc = allocate_by(shapes, {n: sp.energy.numpy() for n, sp in spectra.items()}, target, reporter,
-                            cost_model.table(shapes) if cost_model is not None else None, precision)
+        table = cost_model.table(shapes) if cost_model is not None else None
+        pricing = Pricing(table.cost, f"{precision} microsecond") if table is not None else MACS
+        alloc = allocate_by(shapes, rank_offers(shapes, {n: sp.energy.numpy() for n, sp in spectra.items()},
+                                                pricing.cost), target, pricing, reporter)
     ranks = {s.name: capped_rank(s, (alloc.ranks.get(s.name) if alloc else 0) or rank) for s in shapes}
     out = {}
     for s in shapes if init != "zero" else ():

@@ -24,7 +24,7 @@ the head is a large share of the bytes a decode step reads (SmolLM2: 28 MB at 8 
 from __future__ import annotations
 
 from bdlora.forms import HEAD, WIDE_BITS
-from bdlora.forms.context import BaseStep, OneShotContext
+from bdlora.forms.context import BaseStep, Choice, OneShotContext
 from bdlora.models.costs import ModuleShape
 
 NARROW_BITS = 4
@@ -72,16 +72,22 @@ class BitsStep(BaseStep):
         ctx.calibration["head"] = ctx.cfg.speedup is not None
 
     def offer(self, ctx: OneShotContext) -> None:
-        ctx.wide = wide_options(ctx.shapes, ctx.calib, ctx.table)
+        own = ctx.own(self.name)
+        own["wide"] = wide_options(ctx.shapes, ctx.calib, ctx.table)
+        for name, (time, given_back) in own["wide"].items():
+            ctx.offer(name, [Choice(self.name, time, -given_back, bits=WIDE_BITS)])
         if ctx.cfg.speedup is not None:
-            ctx.head_bits = head_option(ctx.config, ctx.calib, ctx.table)
+            eight, four, added = own["head"] = head_option(ctx.config, ctx.calib, ctx.table)
+            ctx.offer(HEAD, [Choice(self.name, eight, 0.0, bits=WIDE_BITS), Choice(self.name, four, added,
+                                                                                   bits=NARROW_BITS)])
 
     def finish(self, ctx: OneShotContext, alloc, deployed: dict) -> None:
+        mine, own = alloc.by(self.name), ctx.own(self.name)
         for name, dep in deployed.items():
-            dep.decision.bits = alloc.bits.get(name, 0)
-        head = ctx.head_bits
+            dep.decision.bits = mine[name].bits if name in mine else 0
+        head = own.get("head")
         ctx.facts["rounding"] = {
-            "scheme": ctx.table.scheme, "error_given_back_at_8_bits": {n: g for n, (_, g) in ctx.wide.items()},
+            "scheme": ctx.table.scheme, "error_given_back_at_8_bits": {n: g for n, (_, g) in own["wide"].items()},
             **({"lm_head": {"us_at_8_bits": head[0], "us_at_4_bits": head[1], "error_added_at_4_bits": head[2],
                             "bits": alloc.head_bits}} if head else {})}
         if head:

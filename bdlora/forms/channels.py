@@ -31,7 +31,7 @@ import torch
 
 from bdlora.compress.allocate import Cost, Option
 from bdlora.forms import MLP_PROJECTIONS
-from bdlora.forms.context import BaseStep, OneShotContext
+from bdlora.forms.context import BaseStep, Choice, OneShotContext
 from bdlora.forms.lowrank import damped, output_weights
 from bdlora.models.budgeted.layer import DeployedModule
 from bdlora.models.costs import ModuleShape, prune_decision
@@ -137,15 +137,15 @@ class ChannelsStep(BaseStep):
         for n, m in ctx.mods.items():
             if n.endswith("down_proj"):
                 site = n.rsplit(".", 1)[0]
-                ctx.orders[site] = channel_order(m.weight, ctx.calib.gram(n), ctx.calib.fisher[n])
-                ctx.sites[site] = site_options([s for s in ctx.shapes if s.name.startswith(site + ".")],
-                                               ctx.orders[site], ctx.cost)
+                order = ctx.own(self.name)[site] = channel_order(m.weight, ctx.calib.gram(n), ctx.calib.fisher[n])
+                ctx.offer(site, [Choice(self.name, c, e, keep=k) for k, c, e in site_options(
+                    [s for s in ctx.shapes if s.name.startswith(site + ".")], order, ctx.cost)])
 
     def deploy(self, ctx: OneShotContext, alloc) -> dict:
         out = {}
-        for site, keep in alloc.keep.items():
-            if site.endswith(".mlp"):
-                out.update(pruned_site(site, keep, ctx.mods, ctx.orders[site], ctx.calib.gram(f"{site}.down_proj")))
+        for site, choice in alloc.by(self.name).items():
+            out.update(pruned_site(site, choice.keep, ctx.mods, ctx.own(self.name)[site],
+                                   ctx.calib.gram(f"{site}.down_proj")))
         return out
 
 

@@ -7,9 +7,11 @@ The one-shot calls, for every chosen form in ``ALLOCATED_FORMS`` order:
 1. ``pricing(ctx)`` before the cost table is measured: the products it must hold (``ctx.probes``) and the options
    it is asked for (``ctx.table_options``);
 2. ``calibration(ctx)`` once the table exists: what the one calibration pass must measure (``ctx.calibration``);
-3. ``offer(ctx)`` after calibration: its candidates, ordered, and what each costs and loses, put where the
-   knapsack reads them (``energy``/``spectra``, ``sites``, ``layers``, ``wide``, ``head``);
-4. ``deploy(ctx, alloc)`` after the knapsack: the modules it builds ({projection: DeployedModule}), and
+3. ``offer(ctx)`` after calibration: its candidates at each site, typed (``Choice``: cost, error, what it does to
+   the site), in ``ctx.offers``, the one thing the knapsack reads;
+4. ``deploy(ctx, alloc)`` after the knapsack: the modules it builds from its own decisions (``alloc.by(name)``:
+   {site: Choice}) as {projection: DeployedModule} (and the LM head, when it changes it, as {HEAD: {"spec": its
+   declaration, "state": its tensors}}), and
    ``finish(ctx, alloc, deployed)`` once every form has deployed (what a form changes on others' modules, and the
    facts it records in the folder's provenance).
 
@@ -22,11 +24,36 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
+@dataclass(frozen=True)
+class Choice:
+    """One option a form offers at a site of the model: what it costs (the budget's unit: MACs or measured decode
+    time), what it loses (the loss-weighted error, every form's on one scale), and what it does to the site's
+    structure, which the allocation reports without knowing the form (``compress.allocate.Allocation``); the form
+    that offered it deploys it (``Allocation.by(form)``). The site says how it competes (``compress.allocate``):
+
+    - a projection (``model.layers.N.mlp.down_proj``): an alternative to its dense form (``rank``: a rank-r pair;
+      ``bits``: the width it ships at in an int4 export);
+    - a block (``model.layers.N.mlp``, ``model.layers.N.self_attn``): an alternative to its projections' own
+      choices (``keep``: the channels or key/value groups it keeps);
+    - a decoder layer (``model.layers.N``): an alternative to everything in it (it goes: cost 0);
+    - the LM head (``forms.HEAD``): each offering form's choices, its first the head as it is, are factors of one
+      product (``keep``: tokens kept; ``bits``: its width), priced as the first form's choice scaled by the others'
+      cost ratios to their own first."""
+
+    form: str
+    cost: float
+    error: float
+    rank: int = 0
+    keep: int = 0
+    bits: int = 0
+
+
 @dataclass
 class OneShotContext:
     """One one-shot compression's state. ``names``: the forms chosen (``--forms``); ``shapes``: every projection
     (``ModuleShape``), ``mods``: {name: module}; ``config``: the model's config as a dict; ``table``: the measured
-    decode-time table (None: MACs price the forms)."""
+    decode-time table (None: MACs price the forms); ``offers``: every form's choices by site (``Choice``), the one
+    input of the knapsack; ``state``: what a form keeps between its own stages, under its name."""
 
     model: Any
     cfg: Any  # OneShotConfig
@@ -41,17 +68,17 @@ class OneShotContext:
     probes: list = field(default_factory=list)  # (K, N) dense products the table must measure
     table_options: dict = field(default_factory=dict)  # more of ``cost_model``'s keywords
     calibration: dict = field(default_factory=dict)  # ``calibrate``'s keywords
-    energy: dict = field(default_factory=dict)  # projection -> per-component error (low rank)
-    spectra: dict = field(default_factory=dict)
-    lowrank: bool = False
-    orders: dict = field(default_factory=dict)  # site -> its candidates' order (channels, groups)
-    sites: dict = field(default_factory=dict)  # site -> [(keep,), cost, error] options
-    layers: dict | None = None  # model.layers.N -> its removal error
-    wide: dict | None = None  # projection -> (8-bit time, error given back)
-    head_bits: tuple | None = None  # the LM head's (8-bit time, 4-bit time, error 4 bits add) (bits)
-    head_vocab: list | None = None  # the LM head's kept vocabularies: [(keep, cost, error)] (vocab)
-    head_module: dict | None = None  # what the head deploys as: {"spec": ..., "state": {...}} (vocab)
+    offers: dict = field(default_factory=dict)  # site -> [Choice]
+    state: dict = field(default_factory=dict)  # form -> what it keeps between its stages
     facts: dict = field(default_factory=dict)  # the provenance the forms record
+
+    def offer(self, site: str, choices) -> None:
+        """Add ``choices`` (``Choice``) at ``site``, after those other forms offered there."""
+        self.offers.setdefault(site, []).extend(choices)
+
+    def own(self, form: str) -> dict:
+        """What form ``form`` keeps between its stages (its spectra, its candidates' orders)."""
+        return self.state.setdefault(form, {})
 
     def has(self, name: str) -> bool:
         return name in self.names

@@ -30,7 +30,7 @@ from bdlora.compress.allocate import Cost, Option
 from bdlora.forms import ATTENTION_PROJECTIONS
 from bdlora.forms.channels import drop_products, refit_columns
 from bdlora.forms.channels import probe_shapes as channel_probes
-from bdlora.forms.context import BaseStep, OneShotContext
+from bdlora.forms.context import BaseStep, Choice, OneShotContext
 from bdlora.models.budgeted.layer import DeployedModule
 from bdlora.models.costs import ModuleShape, prune_decision
 
@@ -129,16 +129,16 @@ class GroupsStep(BaseStep):
         for n, m in ctx.mods.items():
             if n.endswith("o_proj"):
                 site = n.rsplit(".", 1)[0]
-                ctx.orders[site] = group_order(m.weight, ctx.calib.gram(n), ctx.calib.fisher[n], ctx.kv, hd)
-                ctx.sites[site] = group_options([s for s in ctx.shapes if s.name.startswith(site + ".")],
-                                                ctx.orders[site], ctx.cost)
+                order = ctx.own(self.name)[site] = group_order(m.weight, ctx.calib.gram(n), ctx.calib.fisher[n],
+                                                               ctx.kv, hd)
+                ctx.offer(site, [Choice(self.name, c, e, keep=k) for k, c, e in group_options(
+                    [s for s in ctx.shapes if s.name.startswith(site + ".")], order, ctx.cost)])
 
     def deploy(self, ctx: OneShotContext, alloc) -> dict:
         out = {}
-        for site, keep in alloc.keep.items():
-            if site.endswith(".self_attn"):
-                out.update(pruned_attention(site, keep, ctx.mods, ctx.orders[site],
-                                            ctx.calib.gram(f"{site}.o_proj")))
+        for site, choice in alloc.by(self.name).items():
+            out.update(pruned_attention(site, choice.keep, ctx.mods, ctx.own(self.name)[site],
+                                        ctx.calib.gram(f"{site}.o_proj")))
         return out
 
 

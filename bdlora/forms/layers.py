@@ -20,7 +20,7 @@ which go with it: a removed layer saves more decode time than it is priced at.
 
 from __future__ import annotations
 
-from bdlora.forms.context import BaseStep, OneShotContext
+from bdlora.forms.context import BaseStep, Choice, OneShotContext
 from bdlora.forms.lowrank import output_weights
 
 
@@ -64,8 +64,10 @@ class LayersStep(BaseStep):
     def offer(self, ctx: OneShotContext) -> None:
         errors = removal_errors(ctx.calib)
         keep = max(errors, key=errors.get)  # a decoder keeps one layer: the one whose removal costs most is not
-        ctx.layers = {k: v for k, v in errors.items() if k != keep}  # offered (a 6x draft of the 4-layer builtin
-        ctx.facts["allocation"] = {"removal_errors": errors}  # teacher removed all four: a division by zero)
+        for layer, error in errors.items():  # offered (a 6x draft of the 4-layer builtin teacher removed all four:
+            if layer != keep:  # a division by zero)
+                ctx.offer(layer, [Choice(self.name, 0.0, error)])
+        ctx.facts["allocation"] = {"removal_errors": errors}
 
 
 STEP = LayersStep()

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from bdlora.forms.context import BaseStep, OneShotContext
+from bdlora.compress.allocate import RANK_STEP, mac_cost, options
+from bdlora.forms import LOWRANK
+from bdlora.forms.context import BaseStep, Choice, OneShotContext
 from bdlora.models.budgeted.layer import DeployedModule
 from bdlora.models.costs import decide_module
 
@@ -130,13 +132,26 @@ class LowRankStep(BaseStep):
         for s in ctx.shapes:
             gram = ctx.calib.gram(s.name)
             root = roots.setdefault(id(gram), gram_root(gram)) if s.out_features > s.in_features else None
-            ctx.spectra[s.name] = spectrum(ctx.mods[s.name].weight, gram, fisher=ctx.calib.fisher[s.name], root=root)
-            ctx.energy[s.name] = ctx.spectra[s.name].energy.numpy()
-        ctx.lowrank = True
+            spectra = ctx.own(self.name)
+            spectra[s.name] = spectrum(ctx.mods[s.name].weight, gram, fisher=ctx.calib.fisher[s.name], root=root)
+            ctx.offer(s.name, rank_choices(s, spectra[s.name].energy.numpy(), ctx.cost))
 
     def deploy(self, ctx: OneShotContext, alloc) -> dict:
-        return {s.name: factored(s, ctx.mods[s.name], alloc.ranks[s.name], ctx.spectra) for s in ctx.shapes
-                if alloc.ranks.get(s.name) and not alloc.gone(s.name)}
+        shapes = {s.name: s for s in ctx.shapes}
+        return {n: factored(shapes[n], ctx.mods[n], c.rank, ctx.own(self.name)) for n, c in alloc.by(self.name).items()
+                if not alloc.gone(n)}
+
+
+def rank_choices(shape, energy, cost=mac_cost, step: int = RANK_STEP) -> list[Choice]:
+    """A projection's pairs at each rank of the grid below its break-even (``allocate.options``): the spectrum's
+    tail energy at the rank's cost."""
+    return [Choice(LOWRANK.name, c, e, rank=r) for r, c, e in options(shape, energy, step, cost)[1:]]
+
+
+def rank_offers(shapes, energy: dict, cost=mac_cost) -> dict[str, list[Choice]]:
+    """Every projection's ``rank_choices`` from its spectrum's energies (``energy``: name -> per-component error):
+    what the training start's quality allocation offers its knapsack."""
+    return {s.name: rank_choices(s, energy[s.name], cost) for s in shapes}
 
 
 STEP = LowRankStep()

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from bdlora.forms import HEAD, VOCAB, WIDE_BITS
-from bdlora.forms.context import BaseStep, OneShotContext
+from bdlora.forms.context import BaseStep, Choice, OneShotContext
 from bdlora.models.costs import ModuleShape
 
 SMALLEST = 32  # tokens: the smallest kept vocabulary offered (the int4 block), doubling up to the vocabulary
@@ -77,23 +77,22 @@ class VocabStep(BaseStep):
         total, picks = float(mass.sum()), max(int(argmax.sum()), 1)
         grid = vocab_grid(len(mass))
         offered = [k for k in grid if hits[k] / picks >= MIN_COVERAGE]
-        ctx.head_vocab = [(0, head_cost(ctx, len(mass)), 0.0)] + [
-            (k, head_cost(ctx, k), 2.0 * max(total - float(kept[k]), 0.0)) for k in offered]
-        ctx.orders[HEAD] = order
+        ctx.offer(HEAD, [Choice(self.name, head_cost(ctx, len(mass)), 0.0)] + [
+            Choice(self.name, head_cost(ctx, k), 2.0 * max(total - float(kept[k]), 0.0), keep=k) for k in offered])
+        ctx.own(self.name)["order"] = order
         ctx.facts["vocab"] = {"ranked_by": "the teacher's summed probability on the calibration tokens",
                               "offered": offered, "min_argmax_coverage": MIN_COVERAGE,
                               "argmax_coverage": {str(k): float(hits[k]) / picks for k in grid},
                               "probability_kept": {str(k): float(kept[k]) / total for k in grid}}
 
     def deploy(self, ctx: OneShotContext, alloc) -> dict:
-        keep = alloc.head_keep
-        if keep:
-            ids = torch.from_numpy(np.sort(ctx.orders[HEAD][:keep]).copy())
-            weight = ctx.model.get_output_embeddings().weight.detach()[ids].clone()  # (K, hidden)
-            ctx.head_module = {"spec": VOCAB.spec(keep), "state": {f"{HEAD}.weight": weight,
-                                                                   f"{HEAD}.token_ids": ids}}
-            ctx.facts["vocab"]["keep"] = keep
-        return {}
+        keep = alloc.by(self.name)[HEAD].keep if HEAD in alloc.by(self.name) else 0
+        if not keep:
+            return {}
+        ids = torch.from_numpy(np.sort(ctx.own(self.name)["order"][:keep]).copy())
+        weight = ctx.model.get_output_embeddings().weight.detach()[ids].clone()  # (K, hidden)
+        ctx.facts["vocab"]["keep"] = keep
+        return {HEAD: {"spec": VOCAB.spec(keep), "state": {f"{HEAD}.weight": weight, f"{HEAD}.token_ids": ids}}}
 
 
 STEP = VocabStep()
