@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from bdlora.bench.whole import Overhead, WholeStep, decode_prediction, fit, overhead_path
 from bdlora.cli import app
 from bdlora.export.genai import latency as lat
-from bdlora.models.costs import ModuleShape, shapes_from_config
+from bdlora.models.costs import Deployed, ModuleShape, shapes_from_config
 
 
 def test_the_fit_recovers_a_known_decode_step():
@@ -51,7 +51,8 @@ def test_a_removed_layer_saves_its_rest_and_a_narrower_mlp_part_of_it():
         return s.narrowed(128) if s.name.startswith("model.layers.2.mlp.") else s
 
     ranks = {"model.layers.3.self_attn.q_proj": 8}
-    doc = decode_prediction(o, table, CONFIG, shapes, ranks, shape_of, gone)
+    deployed = Deployed({s.name: (shape_of(s), ranks.get(s.name, 0), 0) for s in shapes if s.name not in gone})
+    doc = decode_prediction(o, table, CONFIG, shapes, deployed)
     dense = sum(table.cost(s, 0) for s in shapes)
     assert doc["decode_us_teacher"] == pytest.approx(1000 + 4 * 200 + dense)
     chosen = sum(table.cost(shape_of(s), ranks.get(s.name, 0)) for s in shapes if s.name not in gone)
@@ -60,12 +61,12 @@ def test_a_removed_layer_saves_its_rest_and_a_narrower_mlp_part_of_it():
     assert doc["decode_layers"] == 3 and doc["teacher_layers"] == 4
     # the table's own prediction carries the whole step once it has the overhead
     table.whole = WholeStep(o, CONFIG)
-    pred = table.prediction(shapes, ranks, shape_of, gone)
+    pred = table.prediction(shapes, deployed)
     assert pred["predicted_decode_speedup"] == pytest.approx(doc["predicted_decode_speedup"])
     assert pred["projection_us"] == pytest.approx(chosen)
     # a student of fewer layers (plan --layers) is compared with the teacher's full depth
     two = [s for s in shapes if s.name.startswith(("model.layers.0.", "model.layers.1."))]
-    doc = decode_prediction(o, table, CONFIG, two, {})
+    doc = decode_prediction(o, table, CONFIG, two)
     assert doc["decode_us"] == pytest.approx(1000 + 2 * 200 + sum(table.cost(s, 0) for s in two))
     assert doc["decode_us_teacher"] == pytest.approx(1000 + 4 * 200 + dense)
 

@@ -52,7 +52,7 @@ from bdlora.export.settings import GenaiExportSettings
 from bdlora.forms.bits import head_shape
 from bdlora.forms.channels import CHANNEL_STEP
 from bdlora.models.arch import layer_of
-from bdlora.models.costs import ModuleShape, shapes_from_config
+from bdlora.models.costs import Deployed, ModuleShape, shapes_from_config
 from bdlora.models.families import base_type, with_layers
 from bdlora.models.families import family as table_family
 from bdlora.models.lazy import empty
@@ -211,30 +211,27 @@ class WholeStep:
     overhead: Overhead
     config: dict
 
-    def prediction(self, table, shapes, ranks, shape_of=None, gone=(), bits=None, head_bits: int = 0,
-                   head_keep: int = 0) -> dict:
-        return decode_prediction(self.overhead, table, self.config, shapes, ranks, shape_of, gone, bits, head_bits,
-                                 head_keep)
+    def prediction(self, table, shapes, deployed: Deployed) -> dict:
+        return decode_prediction(self.overhead, table, self.config, shapes, deployed)
 
 
-def decode_prediction(overhead: Overhead, table, config: dict, shapes: list[ModuleShape], ranks: dict,
-                      shape_of=None, gone=(), bits=None, head_bits: int = 0, head_keep: int = 0) -> dict:
+def decode_prediction(overhead: Overhead, table, config: dict, shapes: list[ModuleShape],
+                      deployed: Deployed | None = None) -> dict:
     """The whole decode step of the teacher (``config``: every layer dense) and of a structure over ``shapes``
-    (its layers' projections; ``ranks``, ``shape_of``, ``gone``, ``bits``, ``head_bits`` as
-    ``LatencyTable.prediction``), in microseconds, and the predicted speed-up. A layer's rest scales with the share of
-    its MLP's channels kept; a head at other bits than the overhead was timed with changes the step by the two
-    widths' times of its product in ``table`` (``forms.bits.head_shape``), a head keeping ``head_keep`` tokens by
-    its narrower product's (``forms.vocab``)."""
+    (its layers' projections as ``deployed``: see ``LatencyTable.prediction``), in microseconds, and the predicted
+    speed-up. A layer's rest scales with the share of its MLP's channels kept; a head at other bits than the overhead
+    was timed with changes the step by the two widths' times of its product in ``table``
+    (``forms.bits.head_shape``), a head keeping fewer tokens by its narrower product's."""
+    deployed = deployed or Deployed.dense(shapes)
+    head_bits, head_keep = deployed.head_bits, deployed.head_keep
     full = int(config["intermediate_size"])
     teacher_shapes = shapes_from_config(config)
     teacher = overhead.fixed + int(config["num_hidden_layers"]) * overhead.per_layer + sum(
         table.cost(s, 0) for s in teacher_shapes)
-    kept = [s for s in shapes if s.name not in gone]
-    bits = bits or {}
-    chosen = sum(table.cost(shape_of(s) if shape_of else s, ranks.get(s.name, 0), bits.get(s.name, 0)) for s in kept)
-    widths = {layer_of(s.name): (shape_of(s) if shape_of else s).in_features for s in kept
-              if s.name.endswith("down_proj")}
-    layers = dict.fromkeys(layer_of(s.name) for s in kept)
+    chosen = sum(table.cost(shape, rank, bits) for shape, rank, bits in deployed.modules.values())
+    widths = {layer_of(n): shape.in_features for n, (shape, _, _) in deployed.modules.items()
+              if n.endswith("down_proj")}
+    layers = dict.fromkeys(layer_of(n) for n in deployed.modules)
     student = overhead.fixed + chosen + sum(overhead.layer(widths.get(n, full) / full) for n in layers)
     h = head_shape(config)
     if head_bits and head_bits != overhead.head_bits:

@@ -21,7 +21,7 @@ from bdlora.forms import LOWRANK, REMOVED, declared_head_bits, declared_head_kee
 from bdlora.models import sources
 from bdlora.models.arch import check_lora_rank, layer_of
 from bdlora.models.budgeted.config import ALLOCATIONS, THRESHOLDS, BudgetedConfig
-from bdlora.models.costs import ModuleShape, shapes_from_config
+from bdlora.models.costs import Deployed, ModuleShape, shapes_from_config
 from bdlora.models.integrity import check_model_folder
 from bdlora.train.config import BUILTIN, GENAI_PRECISIONS
 from bdlora.train.plan import DEFAULT_PLAN_STEPS, read_model_config
@@ -120,7 +120,7 @@ def _speculative(folder, report: dict, precision: str, threads, quant, json_out:
     def teacher_step(config: dict) -> float:  # the teacher's dense whole step, predicted as the draft's is
         shapes = shapes_from_config(config)
         table = cost_model(precision, threads, None, reporter, quant).table(shapes, config=config)
-        return table.prediction(shapes, {})["decode_us"]
+        return table.prediction(shapes)["decode_us"]
 
     return predict_speculative(Path(folder), report, report["deployed"]["decode_us"], teacher_step, precision,
                                threads or usable_cores(), default_cache_dir(), quant or DEFAULT_SCHEME,
@@ -265,10 +265,11 @@ def _deployed_prediction(report: dict, precision: str, threads: int | None, repo
     table = cost_model(precision, threads, None, reporter, quant).table(shapes, dense=probes, config=config,
                                                                         wide=bool(bits) or bool(head) or bool(keep),
                                                                         head=bool(head), heads=heads)
-    return table.prediction(shapes, {m["name"]: m["rank"] for m in mods if m["form"] == LOWRANK.name},
-                            lambda s: s.narrowed(narrow[s.name]) if s.name in narrow else
-                            s.grouped(grouped[s.name], kv) if s.name in grouped else s,
-                            {m["name"] for m in mods if m["case"] == REMOVED.name}, bits, head, keep)
+    deployed = Deployed({s.name: (s.narrowed(narrow[s.name]) if s.name in narrow else s.grouped(grouped[s.name], kv)
+                                  if s.name in grouped else s, m["rank"] if m["form"] == LOWRANK.name else 0,
+                                  bits.get(s.name, 0))
+                         for s, m in zip(shapes, mods) if m["case"] != REMOVED.name}, keep, head)
+    return table.prediction(shapes, deployed)
 
 
 def _folder_report(folder: str, other: str | None = None) -> tuple[dict, dict, str]:

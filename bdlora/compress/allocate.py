@@ -28,7 +28,7 @@ from bdlora.base.errors import UsageError
 from bdlora.forms import HEAD, WIDE_BITS
 from bdlora.forms.context import Choice
 from bdlora.models.arch import layer_of
-from bdlora.models.costs import ModuleShape
+from bdlora.models.costs import Deployed, ModuleShape
 
 RANK_STEP = 8  # ranks above 8 are multiples of 8 (GEMM kernels run them at full speed; the search stays small)
 
@@ -106,6 +106,11 @@ class Allocation:
         """``s`` as deployed: narrower when its MLP keeps fewer channels or its attention fewer groups."""
         k = self.keep.get(s.name.rsplit(".", 1)[0])
         return s.pruned(k, self.kv_heads) if k else s
+
+    def deployed(self, shapes: list[ModuleShape]) -> Deployed:
+        """``shapes`` as this allocation deploys them (what a cost model prices)."""
+        return Deployed({s.name: (self.shape(s), self.ranks.get(s.name, 0), WIDE_BITS if s.name in self.wide else 0)
+                         for s in shapes if not self.gone(s.name)}, self.head_keep, self.head_bits)
 
     def macs(self, shapes: list[ModuleShape]) -> int:
         return sum(s.lora_cost(self.ranks[s.name]) if self.ranks.get(s.name) else self.shape(s).dense_cost

@@ -79,8 +79,7 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
     gone = {s.name for s in ctx.shapes if alloc.gone(s.name)}
     if ctx.table is not None:
         ctx.facts["allocation_cost"] = {"cost": "measured decode time", **ctx.table.prediction(
-            ctx.shapes, alloc.ranks, alloc.shape, gone, alloc.bits, alloc.head_bits, alloc.head_keep),
-            "mac_ratio": alloc.mac_ratio(ctx.shapes)}
+            ctx.shapes, alloc.deployed(ctx.shapes)), "mac_ratio": alloc.mac_ratio(ctx.shapes)}
     built = {}
     for st in steps:
         built.update(st.deploy(ctx, alloc))

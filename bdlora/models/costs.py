@@ -18,7 +18,7 @@ from bdlora.models.families import FAMILIES, Anatomy, base_type
 class CostModel(Protocol):
     """What an allocation prices forms by instead of MACs (None wherever a cost model is taken: MACs): the decode time
     measured at ``precision``. ``table`` returns the cost table of ``shapes`` (``export.genai.latency.LatencyTable``:
-    ``cost(shape, rank, bits)`` and ``prediction(shapes, ranks, shape_of, gone)``) with the ``dense`` (K, N) products
+    ``cost(shape, rank, bits)``, ``prediction(shapes, deployed)``: a ``Deployed``) with the ``dense`` (K, N) products
     measured too; given the model's ``config``, its prediction covers the whole decode step (``.whole``); ``wide``:
     the 8-bit times beside an int4 table (``--forms bits``); ``head`` / ``heads``: the LM head's products at both
     widths. ``bench.whole.MeasuredCosts`` implements it; the core never builds one."""
@@ -104,6 +104,25 @@ def training_compute_proxy(shapes: list[ModuleShape], rank: int | dict[str, int]
     c_full, c_lora, c_bud = 3 * D, 2 * D + 3 * L, 2 * mean_retained * D + 3 * L
     return {"D": D, "L": L, "d_bar": mean_retained, "C_full": c_full, "C_lora": c_lora, "C_bud": c_bud,
             "lora_vs_full": c_lora / c_full, "bud_vs_full": c_bud / c_full}
+
+
+@dataclass(frozen=True)
+class Deployed:
+    """A structure as the cost model prices it, whichever forms made it: each projection kept, as deployed
+    (``modules``: name -> (its shape, narrower in a pruned block; its pair rank, 0 dense; its bits in an int4
+    export, 0 the export's own)), those absent gone with their layer; the LM head's kept tokens and bits (0: as the
+    source's). Built by what decided it (``compress.allocate.Allocation.deployed``, a folder's report in ``plan``)."""
+
+    modules: dict[str, tuple[ModuleShape, int, int]]
+    head_keep: int = 0
+    head_bits: int = 0
+
+    @classmethod
+    def dense(cls, shapes: list[ModuleShape]) -> Deployed:
+        return cls({s.name: (s, 0, 0) for s in shapes})
+
+    def rank(self, name: str) -> int:
+        return self.modules[name][1] if name in self.modules else 0
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -22,6 +22,12 @@ from bdlora.ship.config import DRAFT_FORMS, ShipConfig
 from bdlora.ship.process import spawn
 
 QUALITY = ALLOCATIONS[1]  # plan's measured allocation (what a one-shot student's structure comes from)
+# The calibration tokens of a reach check. Whether a speed-up is reached depends on the forms' costs alone (the
+# cheapest choice of every site: every kept width, group count, rank and removable layer is offered whatever the
+# errors), not on how many tokens measured the errors; only the draft's kept vocabularies are offered by the share of
+# the teacher's choices they hold, estimated here on these tokens. At 1B the two checks on compress's 8,192 tokens took
+# 21.5 minutes before the first step, on a ship whose students calibrate again on their own.
+REACH_TOKENS = 1024
 
 
 def check_settings(cfg: ShipConfig, source: str) -> None:
@@ -49,7 +55,7 @@ def plan_argv(model: str, cfg: ShipConfig, forms: str, speedup: float, quant: st
     """The ``bdlora plan`` line that allocates what a student's one-shot would (nothing written)."""
     return ["plan", "--model", model, "--allocation", QUALITY, *flags(
         OneShotConfig, forms=forms, speedup=float(speedup), precision=cfg.precision, data=cfg.data, quant=quant,
-        threads=cfg.threads), "--json"]
+        threads=cfg.threads, calib_tokens=REACH_TOKENS), "--json"]
 
 
 def reach_checks(model: str, cfg: ShipConfig, quant: str | None) -> list[tuple[str, list[str]]]:

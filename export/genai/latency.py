@@ -46,7 +46,7 @@ from bdlora.compress.allocate import break_even
 from bdlora.export.genai.affine import augment_nodes
 from bdlora.export.genai.gptq import BLOCK_SIZE, nbits_node
 from bdlora.export.genai.quantize import scheme_rounded
-from bdlora.models.costs import ModuleShape
+from bdlora.models.costs import Deployed, ModuleShape
 from bdlora.models.runtime import session_options
 
 BITS = {name: PRECISIONS[name].bits for name in ROUNDED}  # the weight bits of each rounded precision
@@ -252,20 +252,16 @@ class LatencyTable:
         (``quantize.scheme_rounded``): what the rounding error of ``--forms bits`` is measured with."""
         return scheme_rounded(weight, bits, self.scheme)
 
-    def prediction(self, shapes: list[ModuleShape], ranks: dict[str, int], shape_of=None, gone=(),
-                   bits: dict | None = None, head_bits: int = 0, head_keep: int = 0) -> dict:
-        """What a structure (``ranks``: rank per module, 0 or absent = dense; ``shape_of``: each module's deployed
-        shape, narrower in a pruned MLP; ``gone``: the modules of removed layers; ``bits``: the modules kept at 8
-        bits in an int4 export; ``head_bits``: the LM head's there, 0 for the export's default; ``head_keep``: the
-        tokens the head keeps, 0 for all) costs at this
-        precision: the projections' decode microseconds dense and as structured, the predicted speed-up, the forms
-        measured, and which projections have a low-rank form slower than their dense one."""
-        bits = bits or {}
+    def prediction(self, shapes: list[ModuleShape], deployed: Deployed | None = None) -> dict:
+        """What a structure over ``shapes`` (``deployed``: each projection as deployed, those absent gone with their
+        layer, and the head; None: every projection dense) costs at this precision: the projections' decode
+        microseconds dense and as structured, the predicted speed-up, the forms measured, and which projections have
+        a low-rank form slower than their dense one."""
+        deployed = deployed or Deployed.dense(shapes)
         dense = sum(self.cost(s, 0) for s in shapes)
-        chosen = sum(self.cost(shape_of(s) if shape_of else s, ranks.get(s.name, 0), bits.get(s.name, 0))
-                     for s in shapes if s.name not in gone)
+        chosen = sum(self.cost(shape, rank, bits) for shape, rank, bits in deployed.modules.values())
         slower = sorted({s.name.split(".")[-1] for s in shapes
-                         if ranks.get(s.name) and self.cost(s, ranks[s.name]) >= self.cost(s, 0)})
+                         if deployed.rank(s.name) and self.cost(s, deployed.rank(s.name)) >= self.cost(s, 0)})
         doc = {"precision": self.precision, "scheme": self.scheme,
                "layout": scheme(self.scheme).layout(self.precision), "threads": self.threads,
                "projection_us_dense": dense,
@@ -273,9 +269,9 @@ class LatencyTable:
                "forms": self.summary(shapes), "lowrank_slower_than_dense": slower,
                "table": str(self.path) if self.path else None}
         if self.whole is not None:  # the whole decode step: the projections and everything around them
-            doc.update(self.whole.prediction(self, shapes, ranks, shape_of, gone, bits, head_bits, head_keep))
-        if bits:
-            doc["int8_modules"] = sum(b == 8 for b in bits.values())
+            doc.update(self.whole.prediction(self, shapes, deployed))
+        if any(bits for _, _, bits in deployed.modules.values()):
+            doc["int8_modules"] = sum(bits == 8 for _, _, bits in deployed.modules.values())
         return doc
 
     def summary(self, shapes: list[ModuleShape]) -> list[dict]:
