@@ -2,11 +2,13 @@
 export, compress, train and bench as their own processes). The CLI generates each command's options from the same
 fields (``cli/options.from_dataclass``: field ``calib_tokens`` is ``--calib-tokens``), so the flags follow the field
 names: a field renamed or removed fails here, when the first step is built, instead of in a step's process 40
-minutes into a run. Standard library only."""
+minutes into a run. Standard library only (and ``errors.flag``, the one spelling of a field as a flag)."""
 
 from __future__ import annotations
 
 import dataclasses
+
+from bdlora.base.errors import flag
 
 
 def fields_of(*classes) -> dict[str, type]:
@@ -24,10 +26,6 @@ def fields_of(*classes) -> dict[str, type]:
     return out
 
 
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def flags(classes, **values) -> list[str]:
     """The flags that give ``values`` (field name -> value; None: not given) to the command whose options are the
     fields of ``classes`` (one settings dataclass or a tuple), in the order given: a switch as ``--name`` or
@@ -42,7 +40,7 @@ def flags(classes, **values) -> list[str]:
         if value is None:
             continue
         if isinstance(value, bool):
-            argv.append(flag(name) if value else "--no-" + name.replace("_", "-"))
+            argv.append(flag(name) if value else "--no-" + flag(name)[2:])
         elif isinstance(value, (list, tuple)):
             argv += [flag(name), ",".join(map(str, value))]
         else:

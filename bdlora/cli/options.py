@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from bdlora.base.errors import UsageError
+from bdlora.base.errors import UsageError, flag
 from bdlora.base.runs import RUNS_DIR
 from bdlora.base.schemes import SCHEMES
 from bdlora.export.defaults import MAX_GENAI_THREADS
@@ -60,7 +60,7 @@ FLAGS = {"json": "--json", "report": "--report", "out": "--out"}  # the common o
 
 def common(name: str, panel: str | None = None):
     """The one ``typer.Option`` of common option ``name``."""
-    return typer.Option(FLAGS.get(name, "--" + name.replace("_", "-")), help=COMMON[name], rich_help_panel=panel)
+    return typer.Option(FLAGS.get(name, flag(name)), help=COMMON[name], rich_help_panel=panel)
 
 
 RunsDir = Annotated[str, common("runs_dir", "Folders")]

@@ -17,7 +17,6 @@ order the budget controller walks during training (``BudgetController(scores=...
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -247,7 +246,6 @@ MACS = Pricing()
 def is_layer(site: str) -> bool:
     """Whether ``site`` names a whole decoder layer (``model.layers.N``)."""
     return site.count(".") == 2 and layer_of(site) == site
-DENSE = Choice("", 0.0, 0.0)  # a projection as it is (its cost filled in per projection)
 
 
 def allocate(shapes: list[ModuleShape], offers: dict[str, list[Choice]], ratio: float,
@@ -265,10 +263,11 @@ def allocate(shapes: list[ModuleShape], offers: dict[str, list[Choice]], ratio: 
     heads = offers.get(HEAD)
     if heads and not rest:
         raise ValueError("the LM head is priced against the whole decode step: give rest (the layers' rests)")
-    per = {s.name: [((dataclasses.replace(DENSE, cost=pricing.cost(s, 0)),), pricing.cost(s, 0), 0.0)]
-           + [((c,), c.cost, c.error) for c in offers.get(s.name, ())] for s in shapes}
+    dense = {s.name: pricing.cost(s, 0) for s in shapes}
+    per = {n: [((Choice("", c, 0.0),), c, 0.0)] + [((o,), o.cost, o.error) for o in offers.get(n, ())]
+           for n, c in dense.items()}  # a projection as it is (no form), then its offers
     items, members = _items(shapes, per, offers, rest)
-    total = sum(pricing.cost(s, 0) for s in shapes) + sum(a + m for a, m in rest.values()) + fixed
+    total = sum(dense.values()) + sum(a + m for a, m in rest.values()) + fixed
     if heads:  # the head's as-is time leaves the fixed part and becomes its item's
         options = head_options(heads)
         fixed -= options[0][1]
@@ -279,7 +278,7 @@ def allocate(shapes: list[ModuleShape], offers: dict[str, list[Choice]], ratio: 
         f"--{'speedup' if rest else 'mac-ratio'} {ratio:g}: beyond reach; the cheapest form of every "
         f"{'layer' if rest else 'projection'} gives {total / (cheapest + fixed):.2f}x "
         f"{'less decode time' if rest else f'fewer projection {pricing.unit}s'}"), groups)
-    return _allocation(members, items, picked, offers, {n: o[0][1] for n, o in per.items()})
+    return _allocation(members, items, picked, offers, dense)
 
 
 def _allocation(members: list, items: list, picked: list[int], offers: dict, dense: dict[str, float]) -> Allocation:

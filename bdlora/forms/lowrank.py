@@ -129,10 +129,10 @@ class LowRankStep(BaseStep):
     def offer(self, ctx: OneShotContext) -> None:
         ctx.reporter.stage("whitened, loss-weighted spectra of every projection")
         roots = {}
+        spectra = ctx.own(self.name)
         for s in ctx.shapes:
             gram = ctx.calib.gram(s.name)
             root = roots.setdefault(id(gram), gram_root(gram)) if s.out_features > s.in_features else None
-            spectra = ctx.own(self.name)
             spectra[s.name] = spectrum(ctx.mods[s.name].weight, gram, fisher=ctx.calib.fisher[s.name], root=root)
             ctx.offer(s.name, rank_choices(s, spectra[s.name].energy.numpy(), ctx.cost))
 

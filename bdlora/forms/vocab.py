@@ -86,7 +86,8 @@ class VocabStep(BaseStep):
                               "probability_kept": {str(k): float(kept[k]) / total for k in grid}}
 
     def deploy(self, ctx: OneShotContext, alloc) -> dict:
-        keep = alloc.by(self.name)[HEAD].keep if HEAD in alloc.by(self.name) else 0
+        choice = alloc.by(self.name).get(HEAD)
+        keep = choice.keep if choice else 0
         if not keep:
             return {}
         ids = torch.from_numpy(np.sort(ctx.own(self.name)["order"][:keep]).copy())

@@ -24,7 +24,7 @@ from pathlib import Path
 from bdlora import SCHEMA_VERSION
 from bdlora.base.errors import BdloraError, RunDirError, UsageError
 from bdlora.base.io import read_json, write_json
-from bdlora.base.runs import BENCH_JSON, EXPORT_MARKER, MODEL_ONNX, ModelDir, RunDir
+from bdlora.base.runs import BENCH_JSON, EXPORT_MARKER, MODEL_ONNX, BenchDir, ModelDir, RunDir
 from bdlora.models.integrity import check_model_folder, check_safetensors, sha256
 from bdlora.models.runtime import check_onnx_dir
 
@@ -78,9 +78,7 @@ def verify_output(path: Path, marker: str) -> None:
         for f in sorted(run.student_dir.rglob("*.safetensors")):
             check_safetensors(f)
     elif marker == BENCH_JSON:
-        front = read_json(path / BENCH_JSON).get("front")
-        if not isinstance(front, list) or not front:
-            raise RunDirError(f"{path / BENCH_JSON}: no front of timed rows; the bench is damaged")
+        BenchDir(path).report()
     else:
         raise ValueError(f"no check for a step writing {marker}")
 
