@@ -5,7 +5,7 @@ import torch
 from typer.testing import CliRunner
 
 from bdlora.bench.config import BenchConfig
-from bdlora.bench.run import run_bench
+from bdlora.bench.run import projection_macs, run_bench, variant_macs
 from bdlora.bench.variants import dense_variant, floor_variant, lora_variant, synthetic_model
 from bdlora.cli import app
 from bdlora.deployed.folder import save_model_folder
@@ -31,6 +31,10 @@ def test_variants_compute_the_same_function(tiny_model):
         torch.testing.assert_close(mixed(x).logits, dense, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(lora_variant(mixed, 4)(x).logits, dense, rtol=1e-4, atol=1e-4)
     assert sum(1 for m in floor_variant(mixed).modules() if getattr(m, "rank", None) == 1) == 28
+    # the variants' MACs as bench counts them without building the variants (at 1B each is a teacher-sized copy)
+    assert variant_macs(mixed, 4) == {"dense": projection_macs(dense_variant(mixed)),
+                                      "lora": projection_macs(lora_variant(mixed, 4)),
+                                      "compressed": projection_macs(mixed)}
 
 
 def test_bench_report_schema_and_signatures(tiny_model, tmp_path):

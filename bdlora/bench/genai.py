@@ -154,15 +154,18 @@ def export_variants(models: dict[str, nn.Module], tok, precisions: list[str], wo
                                       reporter=reporter)
     if peers:
         sources = [("teacher-builder", teacher)] if teacher is not None else []
-        narrow = narrow_sites(models["dense"])
-        if narrow:  # the builder writes one MLP width and head count for every layer: no builder row of the student
+        dense = models.get("dense")
+        narrow = narrow_sites(dense) if dense is not None else []
+        if dense is None:  # --no-baselines: the builder converts the teacher only
+            notes["builder"] = "no builder row of the model's dense form (--no-baselines)"
+        elif narrow:  # the builder writes one MLP width and head count for every layer: no builder row of the student
             for p in [p for p in precisions if p in BUILDER_PRECISIONS]:
                 notes[f"builder-{p}"] = (f"onnxruntime-genai's builder writes one MLP width and head count for every "
                                          f"layer; {len(narrow)} of this model's blocks are pruned (--forms channels, "
                                          "groups)")
         else:
             hf = work / "hf-dense"
-            save_base_folder(models["dense"], tok, hf)
+            save_base_folder(dense, tok, hf)
             sources.insert(0, ("builder", hf))
         for prefix, src in sources:
             for p in [p for p in precisions if p in BUILDER_PRECISIONS]:

@@ -45,6 +45,7 @@ from bdlora.bench.variants import dense_variant, export_projection_stack, floor_
 from bdlora.export.onnx.folder import export_decoder
 from bdlora.export.onnx.metadata import module_table
 from bdlora.export.onnx.quantize import quantize_int8
+from bdlora.forms import DENSE, LOWRANK
 from bdlora.models.runtime import DecoderShape
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -54,6 +55,16 @@ from bdlora.models.runtime import DecoderShape
 
 def projection_macs(model: nn.Module) -> int:
     return sum(r["macs_per_token"] for r in module_table(model))
+
+
+def variant_macs(model: nn.Module, lora_rank: int) -> dict[str, int]:
+    """The projection MACs per token of the variants (``bench.variants``): ``model`` as deployed, every projection
+    dense (``dense_variant``) and dense beside a rank-``lora_rank`` adapter (``lora_variant``), from ``model``'s
+    projection shapes, without building the variants (at 1B each is a teacher-sized copy)."""
+    rows = module_table(model)
+    dense = sum(DENSE.macs(r["in_features"], r["out_features"]) for r in rows)
+    adapters = sum(LOWRANK.macs(r["in_features"], r["out_features"], lora_rank) for r in rows)
+    return {"dense": dense, "lora": dense + adapters, "compressed": sum(r["macs_per_token"] for r in rows)}
 
 
 def decoder_macs_per_token(config, projections: int, context: float) -> float:
@@ -282,8 +293,9 @@ def run_bench(model: nn.Module, lora_rank: int, cfg: BenchConfig, out: Path, rep
     cfg.validate(DecoderShape.of(model.config).max_positions)
     threads = cfg.threads or usable_cores()
     pool = ""
-    models = {"dense": dense_variant(model), "lora": lora_variant(model, lora_rank), "compressed": model.eval()}
-    macs_modules = {n: projection_macs(m) for n, m in models.items()}
+    macs_modules = variant_macs(model, lora_rank)
+    models = {"dense": dense_variant(model), "lora": lora_variant(model, lora_rank), "compressed": model.eval()} \
+        if cfg.baselines else {"compressed": model.eval()}  # --no-baselines: genai runtime only (validate)
     with atomic_dir(Path(out)) as tmp:
         work = tmp / "graphs"
         work.mkdir()

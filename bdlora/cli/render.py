@@ -218,12 +218,13 @@ def bench(doc: dict) -> None:
     for r in doc["results"]:
         if r["variant"] != "compressed":
             continue
-        d = idx[(r["scope"], "dense", r["phase"], r["batch"], r["seq"])]
+        d = idx.get((r["scope"], "dense", r["phase"], r["batch"], r["seq"]))  # none: --no-baselines
         shape = f"{r['batch']}x{r['seq']}" if r["phase"] == "prefill" else (
             f"{r['batch']}x1 @{r['seq']}" if r["scope"] != "modules" else f"{r['batch']}x1")
-        t.add_row(f"{r['scope']} {r['phase']} {shape}", f"{d['median_ms']:.3f}", f"{r['median_ms']:.3f}",
+        t.add_row(f"{r['scope']} {r['phase']} {shape}", f"{d['median_ms']:.3f}" if d else "-", f"{r['median_ms']:.3f}",
                   x(r, "speedup_vs_dense"), x(r, "mac_ratio_vs_dense"),
-                  f"{100 * r['fraction_of_limit']:.0f}%{' (noise)' if 'noise' in r else ''}",
+                  f"{100 * r['fraction_of_limit']:.0f}%{' (noise)' if 'noise' in r else ''}"
+                  if "fraction_of_limit" in r else "-",
                   x(r, "speedup_vs_lora"), x(r, "speedup_vs_builder"),
                   f"{100 * r['share_outside_modules']:.0f}%" if "share_outside_modules" in r else "-")
     out.print(t)

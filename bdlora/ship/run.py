@@ -225,13 +225,15 @@ def peer_step_count(cfg: ShipConfig, folder: Path, made: list[str]) -> int:
 def bench_step(cfg: ShipConfig, folder: Path, made: list[str], teacher_quant: str | None,
                quant: str | None) -> Step:
     """One bench of every folder: the draft (when there is one) as the bench's own model, so that it speculates
-    for the teacher's export beside prompt lookup; the others with --also; the healed dense teacher as --peer."""
+    for the teacher's export beside prompt lookup; the others with --also; the healed dense teacher as --peer. The
+    bench model's own dense and LoRA forms are left out (--no-baselines): ship recommends none of them, and at 1B
+    they were two teacher-sized folders exported, timed and scored on both domains."""
     names = [f"healed-{n}" if cfg.heals else n for n in made]
     first, others = names[-1] if cfg.draft_speedup else names[0], names[:-1] if cfg.draft_speedup else names[1:]
     argv = ["bench", str(folder / first), *flags(
         BenchConfig, runtime="genai", genai_precisions=[cfg.precision], scope="model", batch_sizes=[1],
-        seq_lens=[cfg.seq_len], decode_tokens=cfg.decode_tokens, repeats=cfg.repeats, peers=False), OUT,
-        str(folder / BENCH), *flags(BenchConfig, threads=cfg.threads)]
+        seq_lens=[cfg.seq_len], decode_tokens=cfg.decode_tokens, repeats=cfg.repeats, peers=False, baselines=False),
+        OUT, str(folder / BENCH), *flags(BenchConfig, threads=cfg.threads)]
     for other in others:
         argv += [ALSO, str(folder / other)]
     if cfg.heals:
