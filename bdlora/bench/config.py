@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from bdlora.base.errors import Checks, UsageError
+from bdlora.base.errors import Checks, UsageError, flag
 from bdlora.base.schemes import METHODS as QUANT_METHODS
 from bdlora.base.schemes import SCHEMES, mixed, rounded
 from bdlora.export.settings import DEFAULT as GENAI
@@ -93,7 +93,7 @@ class BenchConfig:
         c = Checks()
         c.choice("scope", self.scope, SCOPES)
         for name, values in (("batch_sizes", self.batch_sizes), ("seq_lens", self.seq_lens)):
-            c.require(bool(values), f"--{name.replace('_', '-')}: empty list; give at least one value")
+            c.require(bool(values), f"{flag(name)}: empty list; give at least one value")
             for v in values:
                 c.integer(name, v, lo=1)
         if max_positions is not None:

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from bdlora.base.errors import UsageError
+from bdlora.base.errors import UsageError, flag
 from bdlora.base.io import write_json
 from bdlora.base.outputs import check_new_out, check_out_file
 from bdlora.base.runs import PAPER_MAIN, RUNS_DIR, ModelDir, SweepDir, eval_json
@@ -156,7 +156,7 @@ def _check_resume_alone(resume: str, opts: dict, config, vary) -> None:
     """--resume continues with the sweep's stored options: any other option given beside it is refused."""
 
     given = [k for k, v in opts.items() if v is not None]
-    given = ["--" + k.replace("_", "-") for k in given] + ["--config"] * bool(config) + ["--vary"] * bool(vary)
+    given = [flag(k) for k in given] + ["--config"] * bool(config) + ["--vary"] * bool(vary)
     if given:
         raise UsageError(f"--resume {resume}: continues with the sweep's stored options; drop {', '.join(given)}")
 

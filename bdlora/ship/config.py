@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bdlora.base.errors import Checks, shown
+from bdlora.base.errors import Checks, flag, shown
 from bdlora.base.schemes import METHODS, rounded
 from bdlora.forms import VOCAB, check_forms
 from bdlora.train.config import GENAI_PRECISIONS
@@ -21,15 +21,15 @@ def numbers(text: str, name: str, c: Checks, lo: float, integer: bool = False) -
         try:
             v = int(part) if integer else float(part)
         except ValueError:
-            c.add(f"--{name.replace('_', '-')} {shown(text)}: {part.strip()!r} is not a number (comma-separated "
+            c.add(f"{flag(name)} {shown(text)}: {part.strip()!r} is not a number (comma-separated "
                   f"numbers of at least {lo:g})")
             return []
         if not v >= lo or v != v or v == float("inf"):
-            c.add(f"--{name.replace('_', '-')} {shown(text)}: {v:g} is below {lo:g} (or not finite)")
+            c.add(f"{flag(name)} {shown(text)}: {v:g} is below {lo:g} (or not finite)")
             return []
         out.append(v)
     if len(set(out)) < len(out):
-        c.add(f"--{name.replace('_', '-')} {shown(text)}: a value is given twice")
+        c.add(f"{flag(name)} {shown(text)}: a value is given twice")
     return out
 
 

@@ -26,7 +26,7 @@ import shutil
 from pathlib import Path
 
 from bdlora import SCHEMA_VERSION
-from bdlora.base.errors import RunDirError
+from bdlora.base.errors import RunDirError, flag
 from bdlora.base.io import read_json, write_json, write_text
 from bdlora.base.method_table import method_of
 from bdlora.base.reporter import SILENT, Reporter
@@ -180,7 +180,7 @@ def _eval_reference(spec: str, name: str, cfg: dict, opts: SweepOptions, sweep: 
     if not path.exists():
         cache = Path(cfg["cache_dir"]).expanduser() if cfg.get("cache_dir") else None
         folder = builtin_teacher_dir(cache) if spec == BUILTIN else Path(
-            sources.resolve(spec, cache, f"--{name.replace('_', '-')}"))
+            sources.resolve(spec, cache, flag(name)))
         reporter.stage(f"{name}: eval of {folder}")
         ecfg = EvalConfig(examples=opts.eval_examples, seeds=opts.eval_seeds, data=cfg["data"],
                           seq_len=cfg["seq_len"], tokens=cfg["eval_tokens"], heldout_fraction=cfg["heldout_fraction"])

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bdlora.base.errors import RunDirError, Terminated, UsageError
+from bdlora.base.errors import RunDirError, Terminated, UsageError, flag
 from bdlora.base.io import atomic_dir, load_tensors, read_json, save_tensors, write_json, write_text
 from bdlora.base.runs import CKPT_OPTIMIZER, CKPT_RNG, CKPT_STATE, CKPT_TRAINABLE, CONFIG, RunDir
 from bdlora.train.config import TrainConfig, resolve_path
@@ -253,10 +253,10 @@ def resume_config(run: RunDir, overrides: dict | None = None) -> TrainConfig:
         if k in RESUME_MUTABLE:
             values[k] = v
         elif stored.get(k) != v and stored.get(k) != resolve_path(v if isinstance(v, str) else None):
-            flag = f"--{k.replace('_', '-')}"
-            raise UsageError(f"{flag} {v}: this run was started with {flag} {stored.get(k)}; --resume cannot change "
+            name = flag(k)
+            raise UsageError(f"{name} {v}: this run was started with {name} {stored.get(k)}; --resume cannot change "
                              f"it (start a new run; changeable on resume: "
-                             f"{', '.join('--' + m.replace('_', '-') for m in RESUME_MUTABLE)})")
+                             f"{', '.join(flag(m) for m in RESUME_MUTABLE)})")
     try:
         cfg = TrainConfig(**values)
     except TypeError as e:
