@@ -193,7 +193,11 @@ def test_cli_export_genai(mixed_folder, tmp_path):
     folder, _ = mixed_folder
     r = CliRunner().invoke(app, ["export", "genai", str(folder), "--out", str(tmp_path / "g"), "--json"])
     assert r.exit_code == 0, r.output
-    assert json.loads(r.stdout)["runtime"] == "onnxruntime-genai"
+    info = json.loads(r.stdout)
+    assert info["runtime"] == "onnxruntime-genai"
+    # every phase's wall time, and every check the folder's validation ran among them (fp32: the generator's)
+    assert list(info["seconds"]) == ["load", "export", "parity", "last_position", "tokenizer", "generator"]
+    assert all(x >= 0 for x in info["seconds"].values()) and info["seconds"]["export"] == info["export_seconds"]
     # onnxruntime-genai runs a folder without a thread count on one thread: the export writes this machine's cores
     session_options = json.loads((tmp_path / "g" / "genai_config.json").read_text())["model"]["decoder"][
         "session_options"]

@@ -182,6 +182,8 @@ def genai_export(info: dict, dst) -> None:
     t = _kv(f"onnxruntime-genai export: {dst}")
     t.add_row("precision / nodes / export time", f"{info['precision']} / {info['nodes']} / "
               f"{info['export_seconds']:.1f} s")
+    if info.get("seconds"):  # exports before the phases were timed have export_seconds only
+        t.add_row("wall time by phase", ", ".join(f"{k} {x:.1f} s" for k, x in info["seconds"].items()))
     for name, size in info["files"].items():
         t.add_row(name, f"{size / 1e6:.2f} MB")
     v = info.get("validation") or {}

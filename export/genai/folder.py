@@ -4,6 +4,7 @@ genai_config.json, tokenizer files, config.json, export.json written last), vali
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -241,7 +242,9 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, settings: GenaiE
     check_export_inputs(model_dir, out, rounds.bits, reference=rounds.rounded and not stream)
     reporter.stage(f"loading {model_dir}" + (" lazily (each layer read from its weight files when emitted)"
                                              if stream else ""))
+    t_load = time.time()
     model, tok, report = lazy_folder_model(model_dir) if stream else load_model_folder(model_dir)
+    t_load = time.time() - t_load
     ctx = context_length_of(model.config, settings.context_length)
     settings = replace(settings.resolved(model.config), threads=threads, context_length=ctx)
     precision = settings.precision
@@ -265,8 +268,10 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, settings: GenaiE
             info.update(write_genai_files(model, tok, tmp, settings, report, fp32_path=fp32, calibration=calibration,
                                           reporter=reporter))
         info["export_seconds"] = time.time() - t0
+        info["seconds"] = {"load": t_load, "export": info["export_seconds"]}  # and each check's, beside it
         if settings.validate:
             info["validation"] = _validate(tmp, model, tok, report, model_dir, settings, reporter, stream)
+            info["seconds"].update(info["validation"]["seconds"])
         if fp32 != tmp / MODEL_ONNX:  # the fp32 reference graph served validation only
             for f in fp32.parent.iterdir():
                 f.unlink()
@@ -278,31 +283,45 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, settings: GenaiE
     return info
 
 
+@contextmanager
+def timed(seconds: dict, what: str):
+    """``seconds[what]``: the wall time of the block (each check's cost, in the folder's report)."""
+    t0 = time.time()
+    yield
+    seconds[what] = time.time() - t0
+
+
 def _validate(tmp: Path, model, tok, report, model_dir: Path, settings: GenaiExportSettings, reporter: Reporter,
               stream: bool = False) -> dict:
-    out: dict = {}
+    seconds: dict[str, float] = {}
+    out: dict = {"seconds": seconds}
     rounds = PRECISIONS[settings.precision].rounded
-    if stream:
-        reporter.stage(f"validating the graph against PyTorch on the model's first {PARITY_LAYERS} layers and "
-                       f"{PARITY_VOCAB:,} vocabulary rows (prefill, decode, decode steps; fp32)")
-        out["parity"] = v.cut_parity(model, settings.context_length, tmp)
-        fp32 = None
-    else:
-        fp32 = session(tmp / (ALL_LOGITS_ONNX if not rounds else f"{FLOAT}/{MODEL_ONNX}"))
-        reporter.stage("validating the graph against PyTorch (prefill, decode, decode steps)")
-        out["parity"] = v.graph_parity(model, fp32)
-    out["last_position"] = v.last_position_parity(tmp, DecoderShape.of(model.config).vocab_size)
+    with timed(seconds, "parity"):
+        if stream:
+            reporter.stage(f"validating the graph against PyTorch on the model's first {PARITY_LAYERS} layers and "
+                           f"{PARITY_VOCAB:,} vocabulary rows (prefill, decode, decode steps; fp32)")
+            out["parity"] = v.cut_parity(model, settings.context_length, tmp)
+            fp32 = None
+        else:
+            fp32 = session(tmp / (ALL_LOGITS_ONNX if not rounds else f"{FLOAT}/{MODEL_ONNX}"))
+            reporter.stage("validating the graph against PyTorch (prefill, decode, decode steps)")
+            out["parity"] = v.graph_parity(model, fp32)
+    with timed(seconds, "last_position"):
+        out["last_position"] = v.last_position_parity(tmp, DecoderShape.of(model.config).vocab_size)
     reporter.stage("checking onnxruntime-genai's tokenizer against the model's")
-    out["tokenizer"] = v.tokenizer_roundtrip(tmp, tok)
+    with timed(seconds, "tokenizer"):
+        out["tokenizer"] = v.tokenizer_roundtrip(tmp, tok)
     if not rounds:
         reporter.stage("generating with og.Generator against PyTorch's greedy tokens")
-        if stream:
-            with streamed(model):
-                out["generator"] = v.generator_greedy(tmp, model, tok, n=STREAM_GENERATED)
-        else:
-            out["generator"] = v.generator_greedy(tmp, model, tok)
+        with timed(seconds, "generator"):
+            if stream:
+                with streamed(model):
+                    out["generator"] = v.generator_greedy(tmp, model, tok, n=STREAM_GENERATED)
+            else:
+                out["generator"] = v.generator_greedy(tmp, model, tok)
         return out
-    out["quality"] = _quality(tmp, model, tok, report, model_dir, settings, reporter, fp32)
+    with timed(seconds, "quality"):
+        out["quality"] = _quality(tmp, model, tok, report, model_dir, settings, reporter, fp32)
     return out
 
 
