@@ -246,6 +246,9 @@ def test_reach_is_checked_for_every_scheme_a_student_may_be_rounded_by():
     from bdlora.ship.preflight import reach_checks, reach_quants
 
     assert reach_quants(ShipConfig(schemes="rtn,affine")) == ["rtn", "affine"]
+    # gptq's nodes are rtn's (timed as rtn: the same costs, the same reach): the default's three schemes, two checks
+    assert reach_quants(ShipConfig()) == ["rtn", "affine"]
+    assert reach_quants(ShipConfig(schemes="gptq,affine,rtn")) == ["gptq", "affine"]
     assert reach_quants(ShipConfig(schemes="rtn,affine", student_quant="gptq")) == ["gptq"]
     assert reach_quants(ShipConfig(precision="fp32")) == [None]
     lines = reach_checks("builtin", ShipConfig(speedups="1.1,1.3", draft_speedup=3.0), "affine")

@@ -12,6 +12,7 @@ from pathlib import Path
 from bdlora.base.argv import flags
 from bdlora.base.errors import Checks, DataError, UsageError
 from bdlora.base.runs import CONFIG
+from bdlora.base.schemes import SCHEMES
 from bdlora.bench.config import NO_DOMAIN
 from bdlora.compress.config import OneShotConfig
 from bdlora.data.corpora import shared_corpus
@@ -71,10 +72,16 @@ def reach_checks(model: str, cfg: ShipConfig, quant: str | None) -> list[tuple[s
 def reach_quants(cfg: ShipConfig) -> list[str | None]:
     """The rounding schemes a student may be made with: --student-quant, else every scheme of --schemes (the
     teacher's best, which the students take, is known only after its exports; a scheme's nodes have their own
-    decode times, so its reach differs: 1.25x was reached with rtn's and beyond reach, 1.23x, with affine's)."""
+    decode times, so its reach differs: 1.25x was reached with rtn's and beyond reach, 1.23x, with affine's), the
+    first of those timed alike (``Scheme.timed_as``) standing for the others."""
     if cfg.student_quant is not None:
         return [cfg.student_quant]
-    return list(dict.fromkeys(cfg.scheme_list())) or [None]
+    # One check per timed node layout: a scheme timed as another (gptq as rtn: the same MatMulNBits nodes, other
+    # values) has its costs, so its reach (at 1B a check is 4 minutes)
+    by_nodes: dict[str, str] = {}
+    for q in cfg.scheme_list():
+        by_nodes.setdefault(SCHEMES[q].timed_as(cfg.precision).name if q in SCHEMES else q, q)
+    return list(by_nodes.values()) or [None]
 
 
 def check_reach(model: str, cfg: ShipConfig, stage=lambda msg: None) -> None:
