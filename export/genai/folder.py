@@ -338,9 +338,9 @@ def _quality(tmp: Path, model, tok, report, model_dir: Path, settings: GenaiExpo
     reporter.stage(f"scoring {len(blocks) * blocks.seq_len:,} held-out tokens ({len(blocks)} blocks) with {what} and "
                    f"the {settings.precision} graph (--quality-tokens sets how many)")
     shape = DecoderShape.of(model.config)
-    if fp32 is None:
-        reference = score_streamed(model, blocks)
-        q = {**quality_figures(reference, score_blocks(session(tmp / ALL_LOGITS_ONNX), shape, blocks), blocks),
+    if fp32 is None:  # the rounded graph first: its session (the check's peak) is gone before PyTorch's pass
+        rounded_scores = score_blocks(session(tmp / ALL_LOGITS_ONNX), shape, blocks)
+        q = {**quality_figures(score_streamed(model, blocks), rounded_scores, blocks),
              "reference": "pytorch-fp32-streamed"}
     else:
         q = quantized_quality(fp32, session(tmp / ALL_LOGITS_ONNX), shape, blocks)
