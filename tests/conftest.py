@@ -29,8 +29,10 @@ def _a_quiet_machine(monkeypatch):
     """The latency table keeps out of its cache what it times beside another process (``latency.quiet``); the
     tests' own workers are such processes, so every test takes the machine as quiet (test_latency tests the guard
     itself by setting ``others_busy`` back)."""
-    import bdlora.export.genai.latency as lat
-
+    try:
+        import bdlora.export.genai.latency as lat
+    except ImportError:  # a machine without onnxruntime-genai (scripts/gpu-check.sh's): nothing is timed there
+        return
     monkeypatch.setattr(lat, "others_busy", lambda seconds=0.5: 0.0)
 
 

@@ -91,7 +91,7 @@ def solve_second_factor(weight: torch.Tensor, proj_in: torch.Tensor, c_xs: torch
     m = a @ c_ss @ a.T
     lam = RIDGE * float(m.diagonal().mean().clamp_min(1e-30))
     n = w @ c_xs @ a.T
-    return torch.linalg.solve(m + lam * torch.eye(m.shape[0], dtype=m.dtype), n.T).T
+    return torch.linalg.solve(m + lam * torch.eye(m.shape[0], dtype=m.dtype, device=m.device), n.T).T
 
 
 @torch.no_grad()

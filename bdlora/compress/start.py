@@ -130,7 +130,7 @@ def compute_start(model, init: str, allocation: str, rank: int, budget: float, m
         target = mac_ratio or paper_mac_ratio(shapes, budget, rank)
         table = cost_model.table(shapes) if cost_model is not None else None
         pricing = Pricing(table.cost, f"{precision} microsecond") if table is not None else MACS
-        alloc = allocate_by(shapes, rank_offers(shapes, {n: sp.energy.numpy() for n, sp in spectra.items()},
+        alloc = allocate_by(shapes, rank_offers(shapes, {n: sp.energy.cpu().numpy() for n, sp in spectra.items()},
                                                 pricing.cost), target, pricing, reporter)
     ranks = {s.name: capped_rank(s, (alloc.ranks.get(s.name) if alloc else 0) or rank) for s in shapes}
     out = {}

@@ -62,7 +62,7 @@ def drop_products(w: torch.Tensor, gram: torch.Tensor, fisher: torch.Tensor | No
     ``M = W^T diag(f) W`` with ``f`` its output Fisher diagonal damped as ``lowrank.spectrum`` damps it (ones when
     unmeasured). Dropping a set D of input columns costs ``sum_{j, l in D}`` of it (positive semi-definite)."""
     w = w.detach().double()
-    phi2 = output_weights(fisher, w.shape[0]) ** 2
+    phi2 = output_weights(fisher, w.shape[0], device=w.device) ** 2
     return damped(gram) * (w.T @ (phi2[:, None] * w))
 
 
@@ -72,8 +72,8 @@ def channel_order(down: torch.Tensor, gram: torch.Tensor, fisher: torch.Tensor |
     p = drop_products(down, gram, fisher)
     order = torch.argsort(torch.diagonal(p), stable=True)
     s = p[order][:, order].cumsum(0).cumsum(1)
-    error = torch.cat([torch.zeros(1, dtype=torch.float64), torch.diagonal(s).clamp_min(0)])
-    return ChannelOrder(order.numpy(), error.numpy())
+    error = torch.cat([torch.zeros(1, dtype=torch.float64, device=s.device), torch.diagonal(s).clamp_min(0)])
+    return ChannelOrder(order.cpu().numpy(), error.cpu().numpy())
 
 
 def keep_grid(width: int, step: int = CHANNEL_STEP) -> list[int]:
@@ -115,7 +115,7 @@ def refit_columns(w: torch.Tensor, gram: torch.Tensor, kept: torch.Tensor) -> to
     c, w64 = gram.double(), w.double()
     css = c[kept][:, kept]
     delta = REFIT_DAMPING * float(torch.diagonal(css).mean().clamp_min(1e-12))
-    css = css + delta * torch.eye(len(kept), dtype=torch.float64)
+    css = css + delta * torch.eye(len(kept), dtype=torch.float64, device=css.device)
     rhs = c[kept] @ w64.T + delta * w64[:, kept].T  # (keep, out): C_{S,:} W^T + delta W_S^T
     return torch.linalg.solve(css, rhs).T.to(w.dtype).contiguous()
 

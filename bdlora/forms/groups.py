@@ -68,8 +68,8 @@ def group_order(o_proj: torch.Tensor, gram: torch.Tensor, fisher: torch.Tensor |
     blocks = p.reshape(kv_heads, width, kv_heads, width).sum(dim=(1, 3))  # (groups, groups)
     order = torch.argsort(torch.diagonal(blocks), stable=True)
     s = blocks[order][:, order].cumsum(0).cumsum(1)
-    error = torch.cat([torch.zeros(1, dtype=torch.float64), torch.diagonal(s).clamp_min(0)])
-    return GroupOrder(order.numpy(), error.numpy(), head_dim, width // head_dim)
+    error = torch.cat([torch.zeros(1, dtype=torch.float64, device=s.device), torch.diagonal(s).clamp_min(0)])
+    return GroupOrder(order.cpu().numpy(), error.cpu().numpy(), head_dim, width // head_dim)
 
 
 def group_options(shapes: list[ModuleShape], order: GroupOrder, cost: Cost) -> list[Option]:

@@ -55,7 +55,8 @@ class Spectrum:
 def damped(gram: torch.Tensor, damping: float = DAMPING) -> torch.Tensor:
     gram = gram.double()
     mean = float(torch.diagonal(gram).mean())
-    return gram + (damping * mean if mean > 0 else 1.0) * torch.eye(gram.shape[0], dtype=torch.float64)
+    eye = torch.eye(gram.shape[0], dtype=torch.float64, device=gram.device)  # where the Gram is (a CUDA run's)
+    return gram + (damping * mean if mean > 0 else 1.0) * eye
 
 
 def gram_root(gram: torch.Tensor, damping: float = DAMPING) -> torch.Tensor:
@@ -64,10 +65,11 @@ def gram_root(gram: torch.Tensor, damping: float = DAMPING) -> torch.Tensor:
     return (q * lam.clamp_min(0).sqrt()) @ q.T
 
 
-def output_weights(fisher: torch.Tensor | None, d_out: int, fisher_damping: float = FISHER_DAMPING) -> torch.Tensor:
-    """Phi's diagonal: the square root of the damped output Fisher diagonal (ones without one)."""
+def output_weights(fisher: torch.Tensor | None, d_out: int, fisher_damping: float = FISHER_DAMPING,
+                   device=None) -> torch.Tensor:
+    """Phi's diagonal: the square root of the damped output Fisher diagonal (ones without one, on ``device``)."""
     if fisher is None:
-        return torch.ones(d_out, dtype=torch.float64)
+        return torch.ones(d_out, dtype=torch.float64, device=device)
     f = fisher.double()
     mean = float(f.mean())
     return (f + (fisher_damping * mean if mean > 0 else 1.0)).sqrt()
@@ -80,7 +82,7 @@ def spectrum(weight: torch.Tensor, gram: torch.Tensor | None, damping: float = D
     diagonal ``fisher`` (d_out; None: unweighted). ``root`` is ``gram_root(gram)`` when the caller has it
     (projections sharing an input share it)."""
     d_out, d_in = weight.shape
-    phi = output_weights(fisher, d_out, fisher_damping)
+    phi = output_weights(fisher, d_out, fisher_damping, weight.device)
     w = phi[:, None] * weight.detach().double()  # Phi W
     if d_out <= d_in:  # (d_out, d_out): U directly
         m = w @ w.T if gram is None else w @ damped(gram, damping) @ w.T
@@ -134,7 +136,7 @@ class LowRankStep(BaseStep):
             gram = ctx.calib.gram(s.name)
             root = roots.setdefault(id(gram), gram_root(gram)) if s.out_features > s.in_features else None
             spectra[s.name] = spectrum(ctx.mods[s.name].weight, gram, fisher=ctx.calib.fisher[s.name], root=root)
-            ctx.offer(s.name, rank_choices(s, spectra[s.name].energy.numpy(), ctx.cost))
+            ctx.offer(s.name, rank_choices(s, spectra[s.name].energy.cpu().numpy(), ctx.cost))
 
     def deploy(self, ctx: OneShotContext, alloc) -> dict:
         shapes = {s.name: s for s in ctx.shapes}

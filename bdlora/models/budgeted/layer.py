@@ -94,7 +94,7 @@ class GatedLoRALinear(nn.Module):
                              f"{self.in_features} -> {self.out_features}")
         g = torch.sigmoid(self.gate_logits.double())
         self.lora_A.copy_(a)
-        self.lora_B.copy_(b.double() / (self.scaling * g))
+        self.lora_B.copy_(b.to(g.device).double() / (self.scaling * g))  # factors made on the CPU, a CUDA student
         self.base_layer.weight.copy_(self.base_layer.weight.double() - self.low_rank_weight())
 
     def low_rank_weight(self) -> torch.Tensor:
