@@ -129,14 +129,15 @@ def last_position_parity(folder: Path, vocab: int, tolerance: float = 1e-5) -> d
     mask = (np.arange(ids.shape[1])[None] < lengths[:, None]).astype(np.int64)
     past = [np.zeros((len(lengths), shape.kv(i // 2), 0, shape.head_dim), np.float32) for i in range(2 * shape.layers)]
     step, later = ids[:1, :1], np.ones((1, ids.shape[1] + 1), np.int64)
-    # one session at a time, neither prepacked (the two graphs run the same kernels either way): an 8B int4 graph
-    # prepacked holds 6.5 GB and takes 12 s to open
-    full = session(folder / ALL_LOGITS_ONNX, prepack=False)
+    # one session at a time, each as deployed (prepacked): unprepacked, MatMulNBits dequantises its weights on every
+    # call, and these four calls took 37 s at 3B against 6.7 s; a prepacked session's memory (3.6 GB at 3B) is the
+    # held-out check's, which opens the same graph after
+    full = session(folder / ALL_LOGITS_ONNX)
     a = run_decoder(full, ids, mask, None, past)
     one = [x[:1] for x in a[1:]]
     c = run_decoder(full, step, later, None, one)[0]
     del full
-    last = session(folder / MODEL_ONNX, prepack=False)
+    last = session(folder / MODEL_ONNX)
     b, d = run_decoder(last, ids, mask, None, past), run_decoder(last, step, later, None, one)[0]
     worst = max(float(np.abs(a[0][r, n - 1] - b[0][r, 0]).max()) for r, n in enumerate(lengths))
     worst = max(worst, float(np.abs(c[0, -1] - d[0, 0]).max()))
