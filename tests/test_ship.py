@@ -119,7 +119,8 @@ def test_every_step_is_a_command_line_its_command_parses(tmp_path):
                               "--threads", "2",
                               "--also", f"{d}/healed-student-1.25", "--also", f"{d}/healed-student-1.5",
                               "--peer", f"{d}/healed-dense", "--quant", "affine", "--teacher-quant", "affine",
-                              "--speculative", "--eval-data", "prose", "--quality-tokens", "512"]
+                              "--speculative", "--no-fixed-widths", "--eval-data", "prose",
+                              "--quality-tokens", "512"]
 
 
 def test_a_flag_no_settings_field_has_is_refused_when_the_line_is_built():

@@ -487,3 +487,19 @@ def test_a_draft_with_truncated_weights_is_refused_in_one_line_by_generate(pair,
     assert r.exit_code == 2, r.output
     assert f"--draft {broken}: does not load in its runtime" in r.output.replace("\n", "")
     assert "Traceback" not in r.output
+
+
+def test_the_bench_times_fixed_widths_beside_the_adaptive_policy_unless_told_not_to():
+    """bench --speculative --no-fixed-widths (ship's bench): the plain target, the adaptive draft and adaptive lookup
+    only; by default every fixed width of the draft and lookup's widest beside them."""
+    from bdlora.base.errors import ConfigError
+    from bdlora.bench.config import BenchConfig
+    from bdlora.bench.spec_worker import configurations
+
+    spec = {"draft": "d", "lookup": True, "ks": [1, 2, 3, 4], "max_k": 4}
+    assert [n for n, _, _ in configurations(spec)] == ["plain", "draft-k1", "draft-k2", "draft-k3", "draft-k4",
+                                                      "draft", "lookup-k4", "lookup"]
+    assert [(n, k) for n, _, k in configurations({**spec, "ks": []})] == [("plain", 1), ("draft", None),
+                                                                          ("lookup", None)]
+    with pytest.raises(ConfigError, match="--no-fixed-widths: is about --speculative's timings"):
+        BenchConfig(fixed_widths=False).validate()

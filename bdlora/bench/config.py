@@ -87,6 +87,10 @@ class BenchConfig:
     """genai runtime: also time the teacher's export with this folder's export at the same precision as its
     speculative-decoding draft, and with prompt lookup (batch 1, greedy, prompts of every front domain): the output is
     the teacher's, so these rows have its perplexity; acceptance and tokens per teacher call per domain."""
+    fixed_widths: bool = True
+    """With --speculative: also time fixed proposal widths (the draft at 1-4 tokens a call, prompt lookup at 4) beside
+    the adaptive policy, to show what each width buys; --no-fixed-widths times the adaptive draft and lookup alone
+    (the front's rows, and ship's: at 1B the fixed widths were 5 of the 8 timed configurations)."""
 
     def validate(self, max_positions: int | None = None) -> BenchConfig:
         """Every problem at once; with ``max_positions``, sequence lengths are bounded by the model's context."""
@@ -134,6 +138,8 @@ class BenchConfig:
         c.require(self.baselines or self.runtime == "genai",
                   f"--no-baselines: leaves the dense and LoRA rows out of the genai bench (--runtime genai, not "
                   f"{self.runtime}: the ort scopes are measured against them)")
+        c.require(self.fixed_widths or self.speculative, "--no-fixed-widths: is about --speculative's timings (give "
+                  "--speculative, or leave it out)")
         c.require(not self.speculative or self.quality_tokens != 0,
                   "--speculative: its prompts are the front's held-out text; --quality-tokens 0 scores none (give a "
                   "positive count)")

@@ -279,7 +279,8 @@ def speculate(folders: dict, cfg: BenchConfig, deploy: Deployment, tokenizer, th
         if target is None or draft is None:
             continue
         reporter.stage(f"speculative decoding: {target.name} with {draft.name} as its draft, and prompt lookup")
-        res = speculative_rows(target, draft, True, prompts, threads, workdir, tokenizer.eos_token_id, reporter)
+        res = speculative_rows(target, draft, True, prompts, threads, workdir, tokenizer.eos_token_id, reporter,
+                               cfg.fixed_widths)
         out[p] = {**res, "summary": summary(res["rows"]), "prompts": {d: len(v) for d, v in prompts.items()}}
     return out
 

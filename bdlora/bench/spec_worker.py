@@ -48,7 +48,7 @@ def configurations(spec: dict) -> list[tuple[str, str | None, int | None]]:
     if spec.get("draft"):
         out += [(f"draft-k{k}", draft, k) for k in spec["ks"]] + [("draft", draft, None)]
     if spec.get("lookup"):
-        out += [(f"lookup-k{spec['max_k']}", lookup, spec["max_k"]), ("lookup", lookup, None)]
+        out += [(f"lookup-k{spec['max_k']}", lookup, spec["max_k"])] * bool(spec["ks"]) + [("lookup", lookup, None)]
     return out
 
 

@@ -34,11 +34,13 @@ def prompts_of(blocks, context: int | None = None) -> list[list[int]]:
 
 
 def speculative_rows(target: Path, draft: Path | None, lookup: bool, prompts: dict[str, list[list[int]]],
-                     threads: int, work: Path, eos: int | None, reporter: Reporter = SILENT) -> dict:
+                     threads: int, work: Path, eos: int | None, reporter: Reporter = SILENT,
+                     fixed: bool = True) -> dict:
     """The worker's rows and measured costs for ``target`` (a genai folder) with ``draft`` (a genai folder) and/or
-    prompt lookup."""
+    prompt lookup; ``fixed``: also at each fixed proposal width (``SPEC_KS``), beside the adaptive policy."""
     spec = {"target": str(target), "draft": str(draft) if draft else None, "lookup": lookup, "prompts": prompts,
-            "new_tokens": SPEC_NEW_TOKENS, "max_k": max(SPEC_KS), "ks": list(SPEC_KS), "ngram": 3, "threads": threads,
+            "new_tokens": SPEC_NEW_TOKENS, "max_k": max(SPEC_KS), "ks": list(SPEC_KS) if fixed else [], "ngram": 3,
+            "threads": threads,
             "repeats": SPEC_REPEATS, "warmup": SPEC_WARMUP, "eos": eos}
     return run_timing_process("bdlora.bench.spec_worker", spec, f"speculative-{target.name}", work,
                               lambda line: line.startswith("speculative "), reporter, what="speculative timing")

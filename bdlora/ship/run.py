@@ -239,8 +239,8 @@ def bench_step(cfg: ShipConfig, folder: Path, made: list[str], teacher_quant: st
     if cfg.heals:
         argv += [PEER, str(folder / f"healed-{DENSE}")]
     argv += flags(BenchConfig, quant=quant, teacher_quant=teacher_quant if quant else None,
-                  speculative=bool(cfg.draft_speedup) or None, eval_data=cfg.eval_data,
-                  quality_tokens=cfg.quality_tokens)
+                  speculative=bool(cfg.draft_speedup) or None, fixed_widths=False if cfg.draft_speedup else None,
+                  eval_data=cfg.eval_data, quality_tokens=cfg.quality_tokens)
     benched = (*names, *([f"healed-{DENSE}"] if cfg.heals else []))
     return Step(BENCH, argv, BENCH_JSON, "every folder side by side, on both domains", benched)
 
