@@ -294,9 +294,9 @@ def test_bench_genai_on_a_compressed_folder_and_bad_options(mixed_folder, tmp_pa
     assert {x["variant"] for x in doc["results"]} == {"dense", "lora", "compressed"}
     tok = json.loads((tmp_path / "b" / "graphs" / "genai-compressed" / "tokenizer_config.json").read_text())
     assert tok["eos_token"] == "<|endoftext|>"  # the model's own tokenizer, not the synthetic stand-in
-    # --no-baselines (ship's bench): the model's own dense and LoRA forms are neither exported nor timed, and the
+    # --no-own-forms (ship's bench): the model's own dense and LoRA forms are neither exported nor timed, and the
     # compressed row keeps its MAC ratios (from the projection shapes)
-    r = CliRunner().invoke(app, ["bench", str(folder), "--runtime", "genai", "--no-baselines", "--batch-sizes", "1",
+    r = CliRunner().invoke(app, ["bench", str(folder), "--runtime", "genai", "--no-own-forms", "--batch-sizes", "1",
                                  "--seq-lens", "8", "--decode-tokens", "2", "--repeats", "1", "--warmup", "0",
                                  "--genai-precisions", "fp32", "--quality-tokens", "0", "--out", str(tmp_path / "n")])
     assert r.exit_code == 0, r.output
@@ -309,7 +309,7 @@ def test_bench_genai_on_a_compressed_folder_and_bad_options(mixed_folder, tmp_pa
         next(x for x in doc["results"] if x["variant"] == "compressed")["mac_ratio_vs_dense"])
     assert "no builder row of the model's dense form" in lean["genai_notes"]["builder"]
     for args, needle in ((["--runtime", "tvm"], "--runtime 'tvm': unknown (allowed: ort, genai, both)"),
-                         (["--no-baselines"], "--no-baselines: leaves the dense and LoRA rows out of the genai bench"),
+                         (["--no-own-forms"], "--no-own-forms: leaves the dense and LoRA rows out of the genai bench"),
                          (["--genai-precisions", "fp32,int3"], "--genai-precisions 'int3': unknown"),
                          (["--runtime", "genai", "--provider", "cuda"], "--provider")):
         r = CliRunner().invoke(app, ["bench", str(folder), *args, "--out", str(tmp_path / "x")])

@@ -115,7 +115,7 @@ def test_every_step_is_a_command_line_its_command_parses(tmp_path):
                              "--seq-len", "128", "--out", f"{d}/heal-student-1.25"]
     assert steps[-1].argv == ["bench", f"{d}/healed-draft", "--runtime", "genai", "--genai-precisions", "int4",
                               "--scope", "model", "--batch-sizes", "1", "--seq-lens", "128", "--decode-tokens", "64",
-                              "--repeats", "10", "--no-peers", "--no-baselines", "--out", f"{d}/bench",
+                              "--repeats", "10", "--no-peers", "--no-own-forms", "--out", f"{d}/bench",
                               "--threads", "2",
                               "--also", f"{d}/healed-student-1.25", "--also", f"{d}/healed-student-1.5",
                               "--peer", f"{d}/healed-dense", "--quant", "affine", "--teacher-quant", "affine",

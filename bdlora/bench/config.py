@@ -55,10 +55,10 @@ class BenchConfig:
     peers: bool = True
     """genai runtime: also time the dense model (and the teacher) converted by onnxruntime-genai's own builder (fp32,
     int4)."""
-    baselines: bool = True
+    own_forms: bool = True
     """genai runtime: also export, time and score the model's own dense and LoRA forms (its function with every
     projection dense, and dense beside an unmerged adapter), the rows its speed-up vs dense and vs LoRA is measured
-    against; --no-baselines when the teacher's rows are the comparison (ship's bench: at 1B they are two more
+    against; --no-own-forms when the teacher's rows are the comparison (ship's bench: at 1B they are two more
     teacher-sized folders exported, timed and scored on every domain)."""
     teacher: bool = True
     """genai runtime: also export and time the model's teacher at every precision, and put every folder on the
@@ -135,8 +135,8 @@ class BenchConfig:
         c.require(not self.speculative or self.runtime in ("genai", "both"),
                   f"--speculative: times the teacher's genai export speculating (--runtime genai or both, not "
                   f"{self.runtime})")
-        c.require(self.baselines or self.runtime == "genai",
-                  f"--no-baselines: leaves the dense and LoRA rows out of the genai bench (--runtime genai, not "
+        c.require(self.own_forms or self.runtime == "genai",
+                  f"--no-own-forms: leaves the dense and LoRA rows out of the genai bench (--runtime genai, not "
                   f"{self.runtime}: the ort scopes are measured against them)")
         c.require(self.fixed_widths or self.speculative, "--no-fixed-widths: is about --speculative's timings (give "
                   "--speculative, or leave it out)")

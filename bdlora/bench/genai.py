@@ -156,8 +156,8 @@ def export_variants(models: dict[str, nn.Module], tok, precisions: list[str], wo
         sources = [("teacher-builder", teacher)] if teacher is not None else []
         dense = models.get("dense")
         narrow = narrow_sites(dense) if dense is not None else []
-        if dense is None:  # --no-baselines: the builder converts the teacher only
-            notes["builder"] = "no builder row of the model's dense form (--no-baselines)"
+        if dense is None:  # --no-own-forms: the builder converts the teacher only
+            notes["builder"] = "no builder row of the model's dense form (--no-own-forms)"
         elif narrow:  # the builder writes one MLP width and head count for every layer: no builder row of the student
             for p in [p for p in precisions if p in BUILDER_PRECISIONS]:
                 notes[f"builder-{p}"] = (f"onnxruntime-genai's builder writes one MLP width and head count for every "

@@ -285,18 +285,24 @@ def speculate(folders: dict, cfg: BenchConfig, deploy: Deployment, tokenizer, th
     return out
 
 
+def benched_models(model: nn.Module, lora_rank: int, own_forms: bool = True) -> dict[str, nn.Module]:
+    """The variants a bench times: ``model`` ("compressed") and, with ``own_forms``, its dense and LoRA forms
+    (--no-own-forms leaves them out: genai runtime only, ``BenchConfig.validate``)."""
+    if not own_forms:
+        return {"compressed": model.eval()}
+    return {"dense": dense_variant(model), "lora": lora_variant(model, lora_rank), "compressed": model.eval()}
+
+
 def run_bench(model: nn.Module, lora_rank: int, cfg: BenchConfig, out: Path, report: dict | None = None,
               reporter: Reporter = SILENT, tokenizer=None, deploy: Deployment | None = None) -> dict:
     """Bench a compressed model (its three variants) and write bench.json, bench.md and bench.png into ``out``;
     ``tokenizer`` goes into the genai folders (synthetic mode: a stand-in); ``deploy``: the teacher and the slices
     of the quality/speed front (genai runtime)."""
-
     cfg.validate(DecoderShape.of(model.config).max_positions)
     threads = cfg.threads or usable_cores()
     pool = ""
     macs_modules = variant_macs(model, lora_rank)
-    models = {"dense": dense_variant(model), "lora": lora_variant(model, lora_rank), "compressed": model.eval()} \
-        if cfg.baselines else {"compressed": model.eval()}  # --no-baselines: genai runtime only (validate)
+    models = benched_models(model, lora_rank, cfg.own_forms)
     with atomic_dir(Path(out)) as tmp:
         work = tmp / "graphs"
         work.mkdir()

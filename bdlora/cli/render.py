@@ -220,7 +220,7 @@ def bench(doc: dict) -> None:
     for r in doc["results"]:
         if r["variant"] != "compressed":
             continue
-        d = idx.get((r["scope"], "dense", r["phase"], r["batch"], r["seq"]))  # none: --no-baselines
+        d = idx.get((r["scope"], "dense", r["phase"], r["batch"], r["seq"]))  # none: --no-own-forms
         shape = f"{r['batch']}x{r['seq']}" if r["phase"] == "prefill" else (
             f"{r['batch']}x1 @{r['seq']}" if r["scope"] != "modules" else f"{r['batch']}x1")
         t.add_row(f"{r['scope']} {r['phase']} {shape}", f"{d['median_ms']:.3f}" if d else "-", f"{r['median_ms']:.3f}",

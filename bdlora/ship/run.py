@@ -226,13 +226,13 @@ def bench_step(cfg: ShipConfig, folder: Path, made: list[str], teacher_quant: st
                quant: str | None) -> Step:
     """One bench of every folder: the draft (when there is one) as the bench's own model, so that it speculates
     for the teacher's export beside prompt lookup; the others with --also; the healed dense teacher as --peer. The
-    bench model's own dense and LoRA forms are left out (--no-baselines): ship recommends none of them, and at 1B
+    bench model's own dense and LoRA forms are left out (--no-own-forms): ship recommends none of them, and at 1B
     they were two teacher-sized folders exported, timed and scored on both domains."""
     names = [f"healed-{n}" if cfg.heals else n for n in made]
     first, others = names[-1] if cfg.draft_speedup else names[0], names[:-1] if cfg.draft_speedup else names[1:]
     argv = ["bench", str(folder / first), *flags(
         BenchConfig, runtime="genai", genai_precisions=[cfg.precision], scope="model", batch_sizes=[1],
-        seq_lens=[cfg.seq_len], decode_tokens=cfg.decode_tokens, repeats=cfg.repeats, peers=False, baselines=False),
+        seq_lens=[cfg.seq_len], decode_tokens=cfg.decode_tokens, repeats=cfg.repeats, peers=False, own_forms=False),
         OUT, str(folder / BENCH), *flags(BenchConfig, threads=cfg.threads)]
     for other in others:
         argv += [ALSO, str(folder / other)]
