@@ -242,9 +242,9 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, settings: GenaiE
     check_export_inputs(model_dir, out, rounds.bits, reference=rounds.rounded and not stream)
     reporter.stage(f"loading {model_dir}" + (" lazily (each layer read from its weight files when emitted)"
                                              if stream else ""))
-    t_load = time.time()
-    model, tok, report = lazy_folder_model(model_dir) if stream else load_model_folder(model_dir)
-    t_load = time.time() - t_load
+    seconds: dict[str, float] = {}  # each phase's wall time, and each check's beside it
+    with timed(seconds, "load"):
+        model, tok, report = lazy_folder_model(model_dir) if stream else load_model_folder(model_dir)
     ctx = context_length_of(model.config, settings.context_length)
     settings = replace(settings.resolved(model.config), threads=threads, context_length=ctx)
     precision = settings.precision
@@ -256,19 +256,18 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, settings: GenaiE
         reporter.stage("emitting the genai graph (GroupQueryAttention, fused RMSNorm, shared-input first factors)"
                        + (f", quantising the projections to {precision} (MatMulNBits)" if rounds.rounded else "")
                        + (", one layer at a time" if stream else ""))
-        t0 = time.time()
         fp32 = tmp / MODEL_ONNX if not rounds.rounded or stream else tmp / FLOAT / MODEL_ONNX
-        calibration = None
-        if settings.calibrated:
-            calibration = calibration_blocks(model_dir, report, tok, DecoderShape.of(model.config),
-                                             settings.calib_tokens)
-        if stream:
-            info.update(write_streamed_genai_files(model, tok, tmp, settings, report, reporter, calibration))
-        else:
-            info.update(write_genai_files(model, tok, tmp, settings, report, fp32_path=fp32, calibration=calibration,
-                                          reporter=reporter))
-        info["export_seconds"] = time.time() - t0
-        info["seconds"] = {"load": t_load, "export": info["export_seconds"]}  # and each check's, beside it
+        with timed(seconds, "export"):  # the calibration blocks' reading included, as export_seconds always had
+            calibration = None
+            if settings.calibrated:
+                calibration = calibration_blocks(model_dir, report, tok, DecoderShape.of(model.config),
+                                                 settings.calib_tokens)
+            if stream:
+                info.update(write_streamed_genai_files(model, tok, tmp, settings, report, reporter, calibration))
+            else:
+                info.update(write_genai_files(model, tok, tmp, settings, report, fp32_path=fp32,
+                                              calibration=calibration, reporter=reporter))
+        info["export_seconds"], info["seconds"] = seconds["export"], seconds
         if settings.validate:
             info["validation"] = _validate(tmp, model, tok, report, model_dir, settings, reporter, stream)
             info["seconds"].update(info["validation"]["seconds"])
