@@ -5,7 +5,4 @@ of ``bdlora.export.settings.GenaiExportSettings``."""
 DEFAULT_OPSET = 17  # ONNX opset of `export onnx`
 MIN_OPSET = 14  # the plain layout's ops (Split/Unsqueeze/ReduceSum with input axes, LessOrEqual) need >= 13
 MAX_OPSET = 21  # the newest opset the emitted graphs are checked at (onnxruntime-genai's builder's)
-# `export genai --threads`: the intra-op thread count a folder asks for, written for the machine it will run on, so not
-# bounded by this one's cores; above this it is a typo (100000 made onnxruntime-genai crash with exit 139 on load)
-MAX_GENAI_THREADS = 512
 MAX_CONTEXT = 4096  # rotary tables and the generator's default max_length stop here unless --context-length says more

@@ -23,7 +23,7 @@ from bdlora.base.schemes import (
     mixed,
     rounded,
 )
-from bdlora.export.defaults import MAX_GENAI_THREADS
+from bdlora.base.threads import ThreadPool
 from bdlora.forms import declared_head_bits
 
 HEAD_BITS = 8  # the LM head's bits in an int4 graph when neither --head-bits nor the folder says
@@ -45,9 +45,8 @@ class GenaiExportSettings:
     """A calibrated scheme: training-split tokens each MatMul's input is measured on (128 blocks of 256)."""
     context_length: int | None = None
     """Longest sequence the folder generates (default: the model's positions, at most 4096)."""
-    threads: int | None = None
-    """Intra-op threads written into genai_config.json (default: this machine's cores; 0: none, and
-    onnxruntime-genai then runs on one thread)."""
+    pool: ThreadPool = ThreadPool()
+    """--threads: written into genai_config.json (0: none, and onnxruntime-genai then runs on one thread)."""
     max_ppl_change: float = 0.10
     """int8/int4: the export is refused if held-out perplexity rises by more than this fraction over fp32."""
     quality_tokens: int | None = None
@@ -123,8 +122,7 @@ class GenaiExportSettings:
                       f"--streaming on: --int8-share {self.int8_share} ranks every MatMul's rounding error over the "
                       "whole graph before any is written, which a streamed export never holds (give --streaming off)")
         c.integer("context_length", self.context_length)  # its bound is the model's positions: context_length_of
-        c.integer("threads", self.threads, lo=0, hi=MAX_GENAI_THREADS,
-                  what=" (0 = leave the thread count to the runtime)")
+        self.pool.check(c, written=True)
         c.require(isinstance(self.max_ppl_change, int | float) and 0 <= self.max_ppl_change < float("inf"),
                   f"--max-ppl-change {self.max_ppl_change}: must be a finite fraction >= 0 (0.1 = 10%)")
         return c

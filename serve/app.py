@@ -80,9 +80,9 @@ def default_engine(cfg: ServeConfig):
     """The server's engine: onnxruntime in-process (its calls release the GIL, so the event loop runs beside them);
     onnxruntime-genai in a child process (its calls keep the GIL for a whole model step: see engine_process)."""
     if cfg.runtime != "genai":
-        return Engine(cfg.onnx_dir, cfg.onnx_file, cfg.max_batch, cfg.threads, speculation=cfg.speculation)
+        return Engine(cfg.onnx_dir, cfg.onnx_file, cfg.max_batch, cfg.pool.threads, speculation=cfg.speculation)
 
-    return EngineProcess(engine_class("genai"), cfg.onnx_dir, cfg.onnx_file, cfg.max_batch, cfg.threads,
+    return EngineProcess(engine_class("genai"), cfg.onnx_dir, cfg.onnx_file, cfg.max_batch, cfg.pool.threads,
                          waiting_served_ratio=cfg.waiting_served_ratio, max_waiting_steps=cfg.max_waiting_steps,
                          speculation=cfg.speculation)
 

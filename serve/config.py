@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from bdlora.base.errors import Checks
 from bdlora.base.runs import MODEL_ONNX
+from bdlora.base.threads import ThreadPool
 from bdlora.speculative.config import SpeculationConfig
 
 # Where and how the server listens (not part of ServeConfig: the app does not need them); the CLI's defaults.
@@ -40,8 +41,8 @@ class ServeConfig:
     """Queued sequences beyond the batch before answering 429 (a request of k prompts counts k)."""
     max_prompts: int = 64
     """Prompts one /v1/completions request may carry (a list prompt); at most max_waiting."""
-    threads: int | None = None
-    """onnxruntime intra-op threads (default: all cores)."""
+    pool: ThreadPool = ThreadPool()
+    """--threads: of the model's sessions."""
     max_request_bytes: int = 4 * 1024 * 1024
     """Largest request body in bytes (413 above it)."""
     request_timeout: float = 30.0
@@ -63,7 +64,7 @@ class ServeConfig:
         c.integer("max_prompts", self.max_prompts, lo=1, hi=self.max_waiting)
         c.integer("max_waiting_steps", self.max_waiting_steps, lo=0)
         c.number("waiting_served_ratio", self.waiting_served_ratio, lo=0.0)
-        c.threads("threads", self.threads)
+        self.pool.check(c)
         c.number("request_timeout", self.request_timeout, lo=0.0, lo_open=True)
         c.choice("runtime", self.runtime, ("ort", "genai"))
         if self.speculation is not None:

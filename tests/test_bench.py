@@ -4,6 +4,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from bdlora.base.threads import ThreadPool
 from bdlora.bench.config import BenchConfig
 from bdlora.bench.run import projection_macs, run_bench, variant_macs
 from bdlora.bench.variants import dense_variant, floor_variant, lora_variant, synthetic_model
@@ -40,7 +41,7 @@ def test_variants_compute_the_same_function(tiny_model):
 def test_bench_report_schema_and_signatures(tiny_model, tmp_path):
     _, model, report = compressed_student(tiny_model, [0.0, 1.0, 0.3])
     cfg = BenchConfig(scope="both", batch_sizes=[1, 2], seq_lens=[8], decode_tokens=2, repeats=2, warmup=0,
-                      threads=1, int8=True)
+                      pool=ThreadPool(1), int8=True)
     doc = run_bench(model, 4, cfg, tmp_path / "b", report)
     rows = doc["results"]
     keys = {(r["scope"], r["variant"], r["phase"], r["batch"], r["seq"]) for r in rows}

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from bdlora.base.errors import Checks, ConfigError, usable_cores
 from bdlora.base.runs import row_name
+from bdlora.base.threads import ThreadPool
 from bdlora.bench.variants import dense_variant, lora_variant, synthetic_model
 from bdlora.cli import app
 from bdlora.deployed.folder import save_model_folder
@@ -551,7 +552,7 @@ def test_one_settings_object_checks_every_option_and_says_every_problem_at_once(
     from bdlora.export.settings import DEFAULT
 
     with pytest.raises(ConfigError) as e:
-        GenaiExportSettings("int8", "rtn", head_bits=4, int8_share=0.2, threads=513, max_ppl_change=-1).check(
+        GenaiExportSettings("int8", "rtn", head_bits=4, int8_share=0.2, pool=ThreadPool(513), max_ppl_change=-1).check(
             Checks()).done()
     problems = e.value.problems
     assert len(problems) == 4 and problems[0].startswith("--head-bits 4: sets the LM head's bits of an int4 graph")

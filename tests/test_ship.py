@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from bdlora.base.errors import Checks, ConfigError, UsageError
+from bdlora.base.threads import ThreadPool, from_options
 from bdlora.cli import app
 from bdlora.ship.config import ShipConfig
 from bdlora.ship.recommend import recommend
@@ -30,7 +31,7 @@ from bdlora.ship.run import start
 ])
 def test_bad_settings_are_named(field, value, needle):
     with pytest.raises(ConfigError) as e:
-        ShipConfig(**{field: value}).check(Checks()).done()
+        from_options(ShipConfig, {field: value}).check(Checks()).done()
     assert needle in str(e.value), str(e.value)
 
 
@@ -88,7 +89,7 @@ def test_every_step_is_a_command_line_its_command_parses(tmp_path):
     from bdlora.ship.preflight import reach_checks
     from bdlora.ship.run import bench_step, heal_steps, student_steps, teacher_steps
 
-    cfg = ShipConfig(threads=2, heal_steps=3, eval_data="prose", quality_tokens=512, schemes="rtn,affine")
+    cfg = ShipConfig(pool=ThreadPool(2), heal_steps=3, eval_data="prose", quality_tokens=512, schemes="rtn,affine")
     for name in ("teacher", "student-1.25", "student-1.5", "draft"):
         write_json(tmp_path / name / "config.json", {"num_hidden_layers": 4, **SHAPE})
     made = ["student-1.25", "student-1.5", "draft"]

@@ -20,6 +20,7 @@ import time
 import pytest
 
 from bdlora.base.errors import ConfigError, UsageError
+from bdlora.base.threads import from_options
 from bdlora.ship import run as ship_run
 from bdlora.ship.config import ShipConfig
 from bdlora.ship.steps import STEPS_FILE
@@ -65,8 +66,8 @@ def ship(tiny_env, tmp_path, monkeypatch):
 
     def again(**kw):
         runner.ran.clear()
-        return ship_run.run_ship(str(tiny_env["teacher"]), ShipConfig(**{**CFG, "data": str(tiny_env["corpus"]),
-                                                                         **kw}), folder, runner=runner)
+        cfg = from_options(ShipConfig, {**CFG, "data": str(tiny_env["corpus"]), **kw})
+        return ship_run.run_ship(str(tiny_env["teacher"]), cfg, folder, runner=runner)
 
     first = again()
     assert runner.ran == ["student-1.2", "bench"] and first["steps_run_seconds"].keys() == {"student-1.2", "bench"}
@@ -152,7 +153,7 @@ def test_a_damaged_record_verifies_every_step_afresh(ship):
 ])
 def test_settings_a_step_would_trip_on_are_refused_by_the_config(kw, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
-        ShipConfig(**kw).check(__import__("bdlora.base.errors", fromlist=["Checks"]).Checks()).done()
+        from_options(ShipConfig, kw).check(__import__("bdlora.base.errors", fromlist=["Checks"]).Checks()).done()
 
 
 @pytest.mark.parametrize("kw,needle", [
@@ -166,8 +167,8 @@ def test_settings_are_checked_against_the_teacher_before_the_first_step(tiny_env
         raise AssertionError("no step may run")
 
     with pytest.raises(ConfigError) as e:
-        ship_run.run_ship(str(tiny_env["teacher"]), ShipConfig(**{**CFG, "data": str(tiny_env["corpus"]), **kw}),
-                          tmp_path / "ship", runner=runner)
+        cfg = from_options(ShipConfig, {**CFG, "data": str(tiny_env["corpus"]), **kw})
+        ship_run.run_ship(str(tiny_env["teacher"]), cfg, tmp_path / "ship", runner=runner)
     assert needle in str(e.value)
     assert not (tmp_path / "ship" / STEPS_FILE).exists()
 
@@ -187,7 +188,7 @@ def test_a_speedup_beyond_reach_is_refused_by_plan_before_any_step(tiny_env, tmp
     def runner(*a):
         raise AssertionError("no step may run")
 
-    cfg = ShipConfig(**{**CFG, "data": str(tiny_env["corpus"]), "speedups": "1.2,50", "seq_len": 64})
+    cfg = from_options(ShipConfig, {**CFG, "data": str(tiny_env["corpus"]), "speedups": "1.2,50", "seq_len": 64})
     with pytest.raises(UsageError, match=r"--speedups: plan refuses it rounded by rtn before any step runs "
                                          r"\(--speedup 50: beyond reach; the cheapest form of every layer gives "
                                          r"[0-9.]+x less decode time"):

@@ -466,10 +466,11 @@ def test_export_genai_options_are_the_settings_fields():
     """``export genai``'s options are generated from ``GenaiExportSettings`` (they were restated by hand, and the
     --int8-share help had drifted from the field's): one option per field, its help the field's docstring, its
     default the field's; --no-validate still works."""
-    import dataclasses
 
     import typer.main
 
+    from bdlora.base.argv import fields_of
+    from bdlora.base.threads import ThreadPool
     from bdlora.cli import app
     from bdlora.cli.options import COMMON
     from bdlora.export.settings import DEFAULT, GenaiExportSettings
@@ -477,18 +478,18 @@ def test_export_genai_options_are_the_settings_fields():
 
     cmd = typer.main.get_command(app).commands["export"].commands["genai"]
     params = {p.name: p for p in cmd.params}
-    docs = field_docs(GenaiExportSettings)
-    for f in dataclasses.fields(GenaiExportSettings):
-        p = params[f.name]
-        assert f"--{f.name.replace('_', '-')}" in p.opts, f.name
-        if f.name in COMMON:  # an option many commands take: its one wording, the field's default when not given
-            assert p.help == COMMON[f.name] and p.default is None, f.name
+    leaves = fields_of(GenaiExportSettings)  # its own fields and its pool's (--threads)
+    assert leaves["threads"] is ThreadPool and "pool" not in params
+    for name, owner in leaves.items():
+        p = params[name]
+        assert f"--{name.replace('_', '-')}" in p.opts, name
+        if name in COMMON:  # an option many commands take: its one wording, the field's default when not given
+            assert p.help == COMMON[name] and p.default is None, name
             continue
-        assert " ".join(p.help.split()).startswith(" ".join(docs[f.name].split())), f.name
-        assert p.default == getattr(DEFAULT, f.name), f.name
+        assert " ".join(p.help.split()).startswith(" ".join(field_docs(owner)[name].split())), name
+        assert p.default == getattr(DEFAULT, name), name
     assert "--no-validate" in params["validate"].secondary_opts
-    assert set(params) - {f.name for f in dataclasses.fields(GenaiExportSettings)} == {
-        "model_dir", "out_dir", "force", "runs_dir", "json_out"}
+    assert set(params) - set(leaves) == {"model_dir", "out_dir", "force", "runs_dir", "json_out"}
 
 
 def test_bench_takes_its_rounding_options_from_export_genais_settings():

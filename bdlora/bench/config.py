@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from bdlora.base.errors import Checks, UsageError, flag
 from bdlora.base.schemes import METHODS as QUANT_METHODS
 from bdlora.base.schemes import SCHEMES, mixed, rounded
+from bdlora.base.threads import ThreadPool
 from bdlora.export.settings import DEFAULT as GENAI
 from bdlora.export.settings import GenaiExportSettings
 from bdlora.train.config import GENAI_PRECISIONS
@@ -33,8 +34,8 @@ class BenchConfig:
     """Prefill lengths (and decode cache lengths)."""
     decode_tokens: int = 64
     """Tokens decoded per decode measurement."""
-    threads: int | None = None
-    """onnxruntime intra-op threads (default: all cores)."""
+    pool: ThreadPool = ThreadPool()
+    """--threads: of every timing (each folder's genai_config.json asks for it too)."""
     provider: str = "cpu"
     """cpu or cuda (needs onnxruntime-gpu)."""
     repeats: int = 10
@@ -108,7 +109,7 @@ class BenchConfig:
         c.integer("repeats", self.repeats, lo=1)
         c.integer("warmup", self.warmup, lo=0)
         c.integer("decode_tokens", self.decode_tokens, lo=1)
-        c.threads("threads", self.threads)
+        self.pool.check(c)
         c.choice("provider", self.provider, tuple(PROVIDERS))
         c.choice("runtime", self.runtime, RUNTIMES)
         c.require(bool(self.genai_precisions), "--genai-precisions: empty list; give at least one of "

@@ -26,6 +26,7 @@ from bdlora.base.errors import BdloraError, DataError, UsageError
 from bdlora.base.reporter import SILENT, Reporter
 from bdlora.base.runs import CONFIG, GENAI_CONFIG, all_logits_graph, row_name
 from bdlora.base.schemes import mixed
+from bdlora.base.threads import ThreadPool
 from bdlora.bench.config import NO_DOMAIN, BenchConfig
 from bdlora.bench.front import PEER
 from bdlora.bench.launch import run_timing_process
@@ -145,7 +146,7 @@ def export_variants(models: dict[str, nn.Module], tok, precisions: list[str], wo
         for p in precisions:
             key = row_name(name, p)
             reporter.stage(f"exporting the {key} genai folder")
-            given = settings(name, p, context_length=ctx, threads=threads)
+            given = settings(name, p, context_length=ctx, pool=ThreadPool(threads))
             shipped = given.resolved(m.config)  # the head at the bits the folder declares, unless --head-bits
             if mixed(p) and given.head_bits is None and shipped.head_bits != HEAD_BITS:
                 notes[key] = (f"LM head at {shipped.head_bits} bits, as the folder declares (--forms bits chose it): "

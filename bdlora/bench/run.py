@@ -20,7 +20,6 @@ needs (per-session pools distorted interleaved timings by up to 2x).
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -28,11 +27,11 @@ import onnxruntime as ort
 import torch.nn as nn
 
 from bdlora import SCHEMA_VERSION, __version__
-from bdlora.base.errors import usable_cores
 from bdlora.base.io import atomic_dir, write_json, write_text
 from bdlora.base.reporter import SILENT, Reporter
 from bdlora.base.runs import BENCH_JSON, row_name
 from bdlora.base.schemes import rounded
+from bdlora.base.threads import flat
 from bdlora.bench.config import BenchConfig, provider_name
 from bdlora.bench.front import front_points, predicted_vs_measured
 from bdlora.bench.front import plot as plot_front
@@ -299,7 +298,7 @@ def run_bench(model: nn.Module, lora_rank: int, cfg: BenchConfig, out: Path, rep
     ``tokenizer`` goes into the genai folders (synthetic mode: a stand-in); ``deploy``: the teacher and the slices
     of the quality/speed front (genai runtime)."""
     cfg.validate(DecoderShape.of(model.config).max_positions)
-    threads = cfg.threads or usable_cores()
+    threads = cfg.pool.count
     pool = ""
     macs_modules = variant_macs(model, lora_rank)
     models = benched_models(model, lora_rank, cfg.own_forms)
@@ -326,7 +325,7 @@ def run_bench(model: nn.Module, lora_rank: int, cfg: BenchConfig, out: Path, rep
                           for n in macs_modules}}
         add_ratios(results, macs)
         doc = {"schema_version": SCHEMA_VERSION, "bdlora_version": __version__, "onnxruntime": ort.__version__,
-               "config": asdict(cfg), "threads": threads, "thread_pool": pool, "lora_rank": lora_rank,
+               "config": flat(cfg), "threads": threads, "thread_pool": pool, "lora_rank": lora_rank,
                "mac_per_token_modules": macs_modules, "mac_ratio_modules_vs_dense":
                macs_modules["dense"] / macs_modules["compressed"], "mac_ratio_modules_vs_lora":
                macs_modules["lora"] / macs_modules["compressed"], "results": results}

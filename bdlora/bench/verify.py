@@ -26,6 +26,7 @@ from bdlora.base.errors import UsageError
 from bdlora.base.io import read_json, write_json
 from bdlora.base.reporter import SILENT, Reporter
 from bdlora.base.schemes import scheme
+from bdlora.base.threads import ThreadPool
 from bdlora.bench.genai import _stand_in_tokenizer
 from bdlora.bench.launch import run_timing_process
 from bdlora.bench.whole import CONTEXT, _dense_model, shape_key
@@ -61,7 +62,7 @@ def verify_curve(config: dict, precision: str, threads: int, cache: Path, quant:
         if sorted(shares) == list(range(1, widths + 1)) and all(np.isfinite(v) and v > 0 for v in shares.values()):
             return shares
         reporter.stage(f"{path}: damaged, measuring again")
-    settings = GenaiExportSettings(quant=timed.name, context_length=CONTEXT + widths + 8, threads=threads,
+    settings = GenaiExportSettings(quant=timed.name, context_length=CONTEXT + widths + 8, pool=ThreadPool(threads),
                                    validate=False).at(precision)
     work = Path(tempfile.mkdtemp(prefix="bdlora-verify-"))
     try:

@@ -44,6 +44,7 @@ import onnxruntime as ort
 from bdlora.base.io import read_json, write_json
 from bdlora.base.reporter import SILENT, Reporter
 from bdlora.base.schemes import DEFAULT_SCHEME, PRECISIONS, WIDE, mixed, scheme
+from bdlora.base.threads import ThreadPool
 from bdlora.bench.genai import _stand_in_tokenizer, time_genai
 from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES
 from bdlora.export.genai.folder import deployment
@@ -165,7 +166,7 @@ def decode_overhead(config: dict, table, precision: str, threads: int, cache: Pa
     full, half = int(config["intermediate_size"]), half_width(config)
     graphs = {"lo": (lo, full), "hi": (hi, full), "half": (hi, half)}
     settings = GenaiExportSettings(quant=timed.name, head_bits=head_bits, context_length=CONTEXT + STEPS + 8,
-                                   threads=threads, validate=False).at(precision)  # at fp32: no scheme
+                                   pool=ThreadPool(threads), validate=False).at(precision)  # at fp32: no scheme
     work = Path(tempfile.mkdtemp(prefix="bdlora-overhead-"))
     try:
         folders = {}

@@ -10,6 +10,7 @@ from bdlora.base.errors import Checks, UsageError
 from bdlora.base.io import write_json
 from bdlora.base.outputs import check_out_dir, check_out_file
 from bdlora.base.runs import RUNS_DIR, BenchDir
+from bdlora.base.threads import from_options
 from bdlora.bench.config import NO_DOMAIN, ROUNDING, BenchConfig
 from bdlora.bench.target import SYNTHETIC_LORA_RANK, compressed_target, synthetic_target
 from bdlora.cli import render
@@ -114,11 +115,11 @@ def _check_mode(cfg: BenchConfig, model_config) -> None:
 
 def _bench_config(opts: dict) -> BenchConfig:
     """The options as a checked BenchConfig: lists parsed, export genai's rounding settings held as one object."""
-    rounding = GenaiExportSettings(**given({k: opts.pop(k) for k in ROUNDING}))  # export genai's, as given
+    rounding = from_options(GenaiExportSettings, given({k: opts.pop(k) for k in ROUNDING}))  # export genai's, as given
     opts.update(batch_sizes=int_list(opts["batch_sizes"], "--batch-sizes"),
                 seq_lens=int_list(opts["seq_lens"], "--seq-lens"),
                 genai_precisions=str_list(opts["genai_precisions"]) or [])
-    return BenchConfig(**opts, rounding=rounding).validate()
+    return from_options(BenchConfig, {**opts, "rounding": rounding}).validate()
 
 
 def _check_own_options(model_config, budget, layers, lora_rank) -> None:

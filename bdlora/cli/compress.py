@@ -10,6 +10,7 @@ from rich.markup import escape
 from bdlora.base.errors import Checks, UsageError, flag, usable_cores
 from bdlora.base.runs import RUNS_DIR, ModelDir, RunDir, one_shot_out
 from bdlora.base.schemes import DEFAULT_SCHEME, mixed, quant_problem
+from bdlora.base.threads import ThreadPool, from_options
 from bdlora.cli import render
 from bdlora.cli.app import command, err, out
 from bdlora.cli.options import Force, Json, Out, Precision, Quant, RunsDir, Threads, from_dataclass
@@ -161,7 +162,7 @@ def _check_plan(opts, rank, model_config, model, allocation, mac_ratio, calib_to
     if precision is not None:
         c.choice("precision", precision, GENAI_PRECISIONS)
     quant_problem(c, quant, precision)
-    c.threads("threads", threads)
+    ThreadPool(threads).check(c)
     c.done()
 
 
@@ -173,10 +174,10 @@ def _forms_plan(model: str, shot: dict, json_out: bool, **options) -> tuple[dict
     """(report, config, title) of ``plan --model M --allocation quality --forms F``: the one-shot structure."""
     from bdlora.compress.oneshot import forms_plan
 
-    cfg = OneShotConfig(**options, **{k: v for k, v in shot.items() if v is not None}).validate()
+    cfg = from_options(OneShotConfig, {**options, **{k: v for k, v in shot.items() if v is not None}}).validate()
     reporter = RichReporter(err if json_out else out)
     report, config = forms_plan(model, cfg, reporter=reporter,
-                                cost_model=cost_model(cfg.precision, cfg.threads, None, reporter, cfg.quant))
+                                cost_model=cost_model(cfg.precision, cfg.pool.threads, None, reporter, cfg.quant))
     return report, config, f"plan --forms {cfg.forms}: {report['speedup_vs_dense']:.2f}x fewer projection MACs"
 
 
@@ -300,12 +301,12 @@ def _one_shot(source, shot: dict, out_dir, force: bool, runs_dir: str, cache_dir
     if not source:
         raise UsageError("--one-shot: name the pretrained model to compress (a folder, a .gguf file, a preset such "
                          "as smollm2-135m or gemma3-270m, or a hub id)")
-    cfg = OneShotConfig(**{k: v for k, v in shot.items() if v is not None}).validate()
+    cfg = from_options(OneShotConfig, {k: v for k, v in shot.items() if v is not None}).validate()
     out_path = Path(out_dir) if out_dir else one_shot_out(source, cfg.ratio, runs_dir, cfg.precision,
                                                           named_forms(cfg.forms), cfg.speedup is not None, cfg.quant)
     cache = Path(cache_dir).expanduser() if cache_dir else None
     return compress_one_shot(source, cfg, out_path, force=force, evaluate=evaluate, cache_dir=cache,
-                             reporter=reporter, cost_model=cost_model(cfg.precision, cfg.threads, cache, reporter,
+                             reporter=reporter, cost_model=cost_model(cfg.precision, cfg.pool.threads, cache, reporter,
                                                                       cfg.quant))
 
 

@@ -10,6 +10,7 @@ from rich.markup import escape
 from bdlora.base.errors import Checks
 from bdlora.base.outputs import DEFAULT_STREAMING
 from bdlora.base.runs import RUNS_DIR, ModelDir
+from bdlora.base.threads import from_options
 from bdlora.cli import render
 from bdlora.cli.app import command, err, export_app, out
 from bdlora.cli.options import Force, Json, Out, RunsDir, from_dataclass, given
@@ -115,7 +116,7 @@ def export_genai(
     precisions)."""
     from bdlora.export.genai import export_genai_folder
 
-    settings = GenaiExportSettings(**given(opts))
+    settings = from_options(GenaiExportSettings, given(opts))
     settings.check(Checks()).done()
     rep = RichReporter(err if json_out else out)
     suffix = settings.suffix

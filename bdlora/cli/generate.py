@@ -11,6 +11,7 @@ from rich.table import Table
 
 from bdlora.base.errors import Checks, UsageError
 from bdlora.base.runs import RUNS_DIR, GenaiDir
+from bdlora.base.threads import from_options
 from bdlora.cli.app import command, err, out
 from bdlora.cli.options import Json, RunsDir, from_dataclass
 from bdlora.speculative.config import SpeculationConfig
@@ -36,7 +37,7 @@ def generate(
     --prompt-lookup, speculatively: the proposals are verified by the model, so the output is its own (greedy: the
     same tokens; sampling: the same distribution)."""
     spec = SpeculationConfig(**{k: opts.pop(k) for k in list(opts) if k in SpeculationConfig.__dataclass_fields__})
-    cfg = GenerateConfig(**opts)
+    cfg = from_options(GenerateConfig, opts)
     if (prompt is None) == (prompt_file is None):
         raise UsageError("give --prompt TEXT or --prompt-file PATH (one of them)")
     if prompt_file is not None:

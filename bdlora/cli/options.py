@@ -11,10 +11,11 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
+from bdlora.base.argv import fields_of
 from bdlora.base.errors import UsageError, flag
 from bdlora.base.runs import RUNS_DIR
 from bdlora.base.schemes import SCHEMES
-from bdlora.export.defaults import MAX_GENAI_THREADS
+from bdlora.base.threads import MAX_GENAI_THREADS, embedded
 from bdlora.train.config import field_docs
 
 # Options many commands take, declared once: one wording and one default wherever they appear (tests/test_cli.py
@@ -107,16 +108,24 @@ def from_dataclass(cls, names=None, skip=(), rename: dict | None = None, default
     option's default is the field's (shown in --help); otherwise None, meaning "not given" (so YAML values and
     per-teacher defaults can fill it). ``panels``: --help panel -> the fields shown under it (the rest under
     ``panel``, None: the main one), so the options most runs set come first. A field named as a ``COMMON`` option
-    takes its one wording and no default (None: the caller drops it, so the field's default applies)."""
+    takes its one wording and no default (None: the caller drops it, so the field's default applies). A field that
+    embeds a settings dataclass (``pool``: ``--threads``) gives that dataclass's options, filtered the same way; the
+    command builds its dataclass with ``base.threads.from_options``, which routes them back."""
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     rename = rename or {}
     where = {name: title for title, names_ in (panels or {}).items() for name in names_}
-    unknown = sorted(set(where) - set(cls.__dataclass_fields__))
+    unknown = sorted(set(where) - set(cls.__dataclass_fields__) - set(fields_of(cls)))
     if unknown:  # a renamed or removed field would silently fall back to the main panel
         raise ValueError(f"panels name fields {cls.__name__} lacks: {', '.join(unknown)}")
     params = []
+    inner = embedded(cls)
     for f in cls.__dataclass_fields__.values():
+        if f.name in inner and f.name not in skip:  # an embedded settings dataclass (``pool``): its fields' options
+            params += from_dataclass(inner[f.name], names, skip, rename, defaults, panel, notes,
+                                     {t: tuple(n for n in ns if n in fields_of(inner[f.name])) for t, ns in
+                                      (panels or {}).items()})
+            continue
         if (names is not None and f.name not in names) or f.name in skip:
             continue
         opt = rename.get(f.name, f.name)

@@ -11,6 +11,7 @@ from bdlora.base.errors import Checks, UsageError
 from bdlora.base.io import write_json
 from bdlora.base.outputs import check_out_file
 from bdlora.base.runs import RUNS_DIR, GenaiDir, OnnxDir
+from bdlora.base.threads import from_options
 from bdlora.cli import render
 from bdlora.cli.app import command, err, fail
 from bdlora.cli.options import Force, Report, RunsDir, from_dataclass, int_list
@@ -58,7 +59,8 @@ def serve(
     if opts.get("api_key") is None:
         opts["api_key"] = os.environ.get("BDLORA_API_KEY")
     spec = SpeculationConfig(**{k: opts.pop(k) for k in list(opts) if k in SpeculationConfig.__dataclass_fields__})
-    cfg = ServeConfig(onnx_dir=str(src), model_name=model_name or src.name, speculation=spec, **opts).validate()
+    cfg = from_options(ServeConfig, {"onnx_dir": str(src), "model_name": model_name or src.name, "speculation": spec,
+                                  **opts}).validate()
     check_onnx_dir(src, cfg.onnx_file, cfg.runtime)
     if spec.draft:
         check_draft(src, Path(spec.draft))

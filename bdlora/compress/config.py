@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from bdlora.base.errors import Checks, shown
 from bdlora.base.schemes import GENAI_PRECISIONS, quant_problem
+from bdlora.base.threads import ThreadPool
 from bdlora.data.documents import BUILTIN
 from bdlora.forms import ONE_SHOT_FORMS, check_forms, form_names
 
@@ -60,9 +61,8 @@ class OneShotConfig:
     """--precision int8 or int4: the scheme export genai will round with (rtn, gptq, affine; default rtn). Its node
     layout is what is timed (affine's 4-bit MatMuls read block means and hold 3% more columns), and with --forms bits
     its grid measures each projection's rounding error."""
-    threads: int | None = None
-    """--precision: the thread count the decode times are measured at (default: this machine's cores, what
-    export genai writes)."""
+    pool: ThreadPool = ThreadPool()
+    """--threads: with --precision, the thread count the decode times are measured at (what export genai writes)."""
 
     def validate(self) -> OneShotConfig:
         c = Checks()
@@ -83,7 +83,7 @@ class OneShotConfig:
         if self.precision is not None:
             c.choice("precision", self.precision, GENAI_PRECISIONS)
         quant_problem(c, self.quant, self.precision)
-        c.threads("threads", self.threads)
+        self.pool.check(c)
         c.text("data", self.data)
         check_forms(c, self.forms, self.precision, self.speedup)
         c.text("calib_data", self.calib_data)

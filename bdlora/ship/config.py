@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from bdlora.base.errors import Checks, flag, shown
 from bdlora.base.schemes import METHODS, rounded
+from bdlora.base.threads import ThreadPool
 from bdlora.forms import VOCAB, check_forms
 from bdlora.train.config import GENAI_PRECISIONS
 from bdlora.train.stopping import parse_duration
@@ -78,8 +79,8 @@ class ShipConfig:
     """Tokens decoded per decode measurement."""
     seq_len: int = 128
     """Prompt tokens before the timed decode (bench --seq-lens)."""
-    threads: int | None = None
-    """Intra-op threads of every measurement (default: all usable cores)."""
+    pool: ThreadPool = ThreadPool()
+    """--threads: of every measurement."""
 
     def check(self, c: Checks) -> Checks:
         c.choice("precision", self.precision, GENAI_PRECISIONS)
@@ -117,7 +118,7 @@ class ShipConfig:
         c.integer("repeats", self.repeats, lo=1)
         c.integer("decode_tokens", self.decode_tokens, lo=1)
         c.integer("seq_len", self.seq_len, lo=1)
-        c.threads("threads", self.threads)
+        self.pool.check(c)
         c.text("data", self.data)
         c.text("eval_data", self.eval_data)
         return c

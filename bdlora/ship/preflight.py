@@ -56,7 +56,7 @@ def plan_argv(model: str, cfg: ShipConfig, forms: str, speedup: float, quant: st
     """The ``bdlora plan`` line that allocates what a student's one-shot would (nothing written)."""
     return ["plan", "--model", model, "--allocation", QUALITY, *flags(
         OneShotConfig, forms=forms, speedup=float(speedup), precision=cfg.precision, data=cfg.data, quant=quant,
-        threads=cfg.threads, calib_tokens=REACH_TOKENS), "--json"]
+        threads=cfg.pool.threads, calib_tokens=REACH_TOKENS), "--json"]
 
 
 def reach_checks(model: str, cfg: ShipConfig, quant: str | None) -> list[tuple[str, list[str]]]:

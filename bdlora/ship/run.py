@@ -18,7 +18,6 @@ already whole, so running the same command again resumes instead of redoing:
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shlex
 import signal
@@ -35,6 +34,7 @@ from bdlora.base.io import read_json, write_json
 from bdlora.base.method_table import ADAPTED, WHOLE
 from bdlora.base.reporter import SILENT, Reporter
 from bdlora.base.runs import BENCH_JSON, EXPORT_MARKER, SHIP_OPTIONS, SHIP_RESULT, GenaiDir, ModelDir, RunDir
+from bdlora.base.threads import flat
 from bdlora.bench.config import BenchConfig
 from bdlora.compress.config import OneShotConfig
 from bdlora.data.documents import BUILTIN
@@ -76,12 +76,12 @@ class Step:
 def start(model: str, cfg: ShipConfig, folder: Path) -> bool:
     """Record the model and options in DIR/ship.json, or check a rerun asks for what the folder holds (an option
     added since it was written holds its default). True when the folder was already started (a resume)."""
-    record = {"model": model, "options": dataclasses.asdict(cfg)}
+    record = {"model": model, "options": flat(cfg)}
     path = folder / SHIP_OPTIONS
     if path.is_file():
         try:
             held = read_json(path)
-            held = {"model": held["model"], "options": {**dataclasses.asdict(ShipConfig()), **held["options"]}}
+            held = {"model": held["model"], "options": {**flat(ShipConfig()), **held["options"]}}
         except (ValueError, KeyError, TypeError, OSError):
             raise UsageError(f"--out {folder}: its {SHIP_OPTIONS} is damaged; choose a new folder") from None
         if held != record:
@@ -141,7 +141,7 @@ def teacher_export(model: str, cfg: ShipConfig, quant: str | None, out: Path, th
     """The ``export genai`` line of the teacher at --precision rounded by ``quant`` (None: the default), ``more``
     of its settings; with ``threads``, ship's --threads."""
     return ["export", "genai", model, *flags(GenaiExportSettings, precision=cfg.precision, quant=quant, **more), OUT,
-            str(out), *flags(GenaiExportSettings, threads=cfg.threads if threads else None)]
+            str(out), *flags(GenaiExportSettings, threads=cfg.pool.threads if threads else None)]
 
 
 def teacher_folder(model: str, reporter: Reporter) -> str:
@@ -176,7 +176,7 @@ def one_shot(model: str, cfg: ShipConfig, quant: str | None, forms: str, speedup
     """The ``compress --one-shot`` line of a student (or the draft) of ``model`` (its evaluation left to the
     bench)."""
     return ["compress", model, ONE_SHOT, *flags(OneShotConfig, precision=cfg.precision, data=cfg.data), NO_EVAL,
-            *flags(OneShotConfig, quant=quant, threads=cfg.threads, forms=forms, speedup=float(speedup)), OUT,
+            *flags(OneShotConfig, quant=quant, threads=cfg.pool.threads, forms=forms, speedup=float(speedup)), OUT,
             str(out)]
 
 
@@ -233,7 +233,7 @@ def bench_step(cfg: ShipConfig, folder: Path, made: list[str], teacher_quant: st
     argv = ["bench", str(folder / first), *flags(
         BenchConfig, runtime="genai", genai_precisions=[cfg.precision], scope="model", batch_sizes=[1],
         seq_lens=[cfg.seq_len], decode_tokens=cfg.decode_tokens, repeats=cfg.repeats, peers=False, own_forms=False),
-        OUT, str(folder / BENCH), *flags(BenchConfig, threads=cfg.threads)]
+        OUT, str(folder / BENCH), *flags(BenchConfig, threads=cfg.pool.threads)]
     for other in others:
         argv += [ALSO, str(folder / other)]
     if cfg.heals:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bdlora.base.errors import Checks, UsageError
+from bdlora.base.threads import ThreadPool
 from bdlora.models.tokenizer import TextTokenizer
 from bdlora.speculative.config import SpeculationConfig
 from bdlora.speculative.decoders import DecoderFactory, check_draft, opened, stop_ids_of
@@ -31,15 +32,15 @@ class GenerateConfig:
     """Random seed of the sampler."""
     chat: bool = False
     """Wrap the prompt in the model's chat template (one user message)."""
-    threads: int | None = None
-    """Intra-op threads of each model (default: all usable cores)."""
+    pool: ThreadPool = ThreadPool()
+    """--threads: of each model."""
 
     def check(self, c: Checks) -> Checks:
         c.integer("max_tokens", self.max_tokens, lo=1)
         c.number("temperature", self.temperature, 0.0, 2.0)
         c.number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         c.integer("seed", self.seed, lo=0)
-        c.threads("threads", self.threads)
+        self.pool.check(c)
         return c
 
 
@@ -86,7 +87,7 @@ def generate_text(folder: str | Path, prompt: str, cfg: GenerateConfig, spec: Sp
     folder = Path(folder)
     cfg.check(spec.check(Checks())).done()
     tok = TextTokenizer(folder)
-    target, draft = open_speculation(folder, spec, cfg.threads)
+    target, draft = open_speculation(folder, spec, cfg.pool.threads)
     ids = prompt_ids(tok, prompt, cfg.chat)
     eos = tok.eos_token_id
     stops = stop_ids_of(target, eos)

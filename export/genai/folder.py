@@ -5,19 +5,20 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 import onnx
 
 from bdlora import SCHEMA_VERSION
-from bdlora.base.errors import Checks, UsageError, usable_cores
+from bdlora.base.errors import Checks, UsageError
 from bdlora.base.io import atomic_dir, write_json
 from bdlora.base.outputs import check_out_dir
 from bdlora.base.provenance import recorded_data_settings
 from bdlora.base.reporter import SILENT, Reporter
 from bdlora.base.runs import ALL_LOGITS_ONNX, GENAI_CONFIG, MODEL_ONNX, OnnxDir
 from bdlora.base.schemes import FLOAT, PRECISIONS
+from bdlora.base.threads import ThreadPool, flat
 from bdlora.data.blocks import PackedBlocks, scored_blocks
 from bdlora.data.corpora import heldout_blocks, settings_tokens
 from bdlora.data.documents import BUILTIN, Corpus
@@ -66,7 +67,7 @@ def write_genai_files(model, tok, folder: Path, settings: GenaiExportSettings, r
                       fp32_path: Path | None = None, calibration=None, grams: dict | None = None,
                       reporter: Reporter = SILENT) -> dict:
     """Write the genai files of ``model`` into the existing ``folder`` as ``settings`` say: the graph as model.onnx
-    (+ .data), genai_config.json (``settings.threads``: the intra-op threads it asks for, 0 or None none), config,
+    (+ .data), genai_config.json (``settings.pool.threads``: the intra-op threads it asks for, 0 or None none), config,
     tokenizer (if given) and compression.json (if ``report``); with ``fp32_path`` a quantised export also writes its
     fp32 graph there (the quality reference). A calibrated scheme rounds against ``calibration`` (packed token
     blocks whose activations give each MatMul's input Gram matrix); ``grams``: input Gram matrices measured before
@@ -99,7 +100,7 @@ def _beside_graph(model, tok, folder: Path, settings: GenaiExportSettings, repor
     settings, cfg = settings.resolved(model.config), model.config
     ctx = context_length_of(cfg, settings.context_length)
     base = (getattr(cfg, "bdlora", None) or {}).get("base_model_type", cfg.model_type)
-    write_json(folder / GENAI_CONFIG, genai_config(cfg, base, ctx, threads=settings.threads or None))
+    write_json(folder / GENAI_CONFIG, genai_config(cfg, base, ctx, threads=settings.pool.threads or None))
     write_model_files(folder, model, tok, report)
     rows = module_table(model)
     return settings, ctx, metadata_props(rows, metadata_summary(model, rows, report))
@@ -234,7 +235,7 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, settings: GenaiE
     ``settings`` say (``threads`` None: this machine's usable cores; 0 leaves them out, and onnxruntime-genai then
     runs the folder on one thread; ``streaming``: whether the model is read and written one layer at a time)."""
     settings.check(Checks()).done()
-    threads = usable_cores() if settings.threads is None else settings.threads
+    threads = settings.pool.count
     model_dir, out = Path(model_dir), Path(out)
     check_out_dir(out, force, (model_dir,))
     rounds = PRECISIONS[settings.precision]
@@ -246,11 +247,11 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, settings: GenaiE
     with timed(seconds, "load"):
         model, tok, report = lazy_folder_model(model_dir) if stream else load_model_folder(model_dir)
     ctx = context_length_of(model.config, settings.context_length)
-    settings = replace(settings.resolved(model.config), threads=threads, context_length=ctx)
+    settings = replace(settings.resolved(model.config), pool=ThreadPool(threads), context_length=ctx)
     precision = settings.precision
     info: dict = {"schema_version": SCHEMA_VERSION, "runtime": "onnxruntime-genai", "source": str(model_dir.resolve()),
                   "precision": precision, "context_length": ctx, "intra_op_threads": threads or None,
-                  "streamed": stream, "settings": asdict(settings),
+                  "streamed": stream, "settings": flat(settings),
                   "summary": metadata_summary(model, module_table(model), report)}
     with atomic_dir(out) as tmp:
         reporter.stage("emitting the genai graph (GroupQueryAttention, fused RMSNorm, shared-input first factors)"
