@@ -13,6 +13,7 @@ process starts bit-identical.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,7 +44,7 @@ def input_group(name: str) -> str:
 
 @dataclass
 class Calibration:
-    grams: dict[str, torch.Tensor]  # input group -> (d_in, d_in) float64
+    grams: Mapping[str, torch.Tensor]  # input group -> (d_in, d_in) float64 (on disk: ``layerwise.GramStore``)
     fisher: dict[str, torch.Tensor]  # module -> (d_out,) float64
     tokens: int
     residual: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # layer -> (update
@@ -57,6 +58,11 @@ class Calibration:
 
     def gram(self, name: str) -> torch.Tensor:
         return self.grams[input_group(name)]
+
+    def group(self, name: str) -> str:
+        """The input group whose Gram ``name`` reads (the key to cache what is derived from it: a ``GramStore`` of
+        ``compress.layerwise`` reads a new tensor on every ``gram`` call, so no tensor's identity is one)."""
+        return input_group(name)
 
 
 def check_calib_tokens(blocks, tokens: int, what: str = "--data") -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bdlora.base.errors import Checks, shown
+from bdlora.base.outputs import DEFAULT_STREAMING, STREAMING
 from bdlora.base.schemes import GENAI_PRECISIONS, quant_problem
 from bdlora.base.threads import ThreadPool
 from bdlora.data.documents import BUILTIN
@@ -61,6 +62,11 @@ class OneShotConfig:
     """--precision int8 or int4: the scheme export genai will round with (rtn, gptq, affine; default rtn). Its node
     layout is what is timed (affine's 4-bit MatMuls read block means and hold 3% more columns), and with --forms bits
     its grid measures each projection's rounding error."""
+    streaming: str = DEFAULT_STREAMING
+    """on: calibrate one decoder layer at a time (forward, then backward from the top), each layer's input Grams
+    written to the temp folder ($TMPDIR) as it finishes, so the whole model's activations and every Gram are never in
+    memory together (a 1B-8B model); off: the whole model forward and backward at once; auto: on past 2 GiB of
+    fp32 weights. The same numbers either way."""
     pool: ThreadPool = ThreadPool()
     """--threads: with --precision, the thread count the decode times are measured at (what export genai writes)."""
 
@@ -84,6 +90,7 @@ class OneShotConfig:
             c.choice("precision", self.precision, GENAI_PRECISIONS)
         quant_problem(c, self.quant, self.precision)
         self.pool.check(c)
+        c.choice("streaming", self.streaming, STREAMING)
         c.text("data", self.data)
         check_forms(c, self.forms, self.precision, self.speedup)
         c.text("calib_data", self.calib_data)

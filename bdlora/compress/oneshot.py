@@ -29,6 +29,7 @@ from bdlora.compress.allocate import MACS, Pricing
 from bdlora.compress.calibrate import calibration_blocks
 from bdlora.compress.config import OneShotConfig
 from bdlora.compress.correct import correct_sequential
+from bdlora.compress.layerwise import GramStore, calibrate_layers
 from bdlora.compress.start import (
     allocate_by,
     calibrate_with_progress,
@@ -46,6 +47,7 @@ from bdlora.models.budgeted.model import build_deployed_model
 from bdlora.models.costs import CostModel, ModuleShape, compression_report, removed_decision
 from bdlora.models.depth import take_layers
 from bdlora.models.perplexity import perplexity
+from bdlora.models.stream import STREAM_ABOVE
 from bdlora.models.teacher import load_teacher
 
 
@@ -70,8 +72,21 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
         ctx.table = cost_model.table(ctx.shapes, dense=ctx.probes, config=ctx.config, **ctx.table_options)
     for st in steps:
         st.calibration(ctx)
-    ctx.calib = calibrate_with_progress(model, calibration_blocks(train_blocks, cfg.calib_tokens), reporter,
-                                        **ctx.calibration)
+    blocks = calibration_blocks(train_blocks, cfg.calib_tokens)
+    if layer_by_layer(model, cfg.streaming):
+        ctx.calib = calibrate_layers_with_progress(model, blocks, reporter, **ctx.calibration)
+    else:
+        ctx.calib = calibrate_with_progress(model, blocks, reporter, **ctx.calibration)
+    try:
+        return _allocated(model, ctx, steps, mods, cfg, reporter)
+    finally:
+        if isinstance(ctx.calib.grams, GramStore):
+            ctx.calib.grams.close()
+
+
+def _allocated(model, ctx: OneShotContext, steps: list, mods: dict, cfg: OneShotConfig, reporter: Reporter):
+    """``one_shot_structure``'s result from its calibration: the forms' offers, the allocation, the deployed
+    modules."""
     for st in steps:
         st.offer(ctx)
     alloc = allocate_by(ctx.shapes, ctx.offers, cfg.ratio, pricing(model, ctx.table, cfg), reporter)
@@ -91,6 +106,21 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
                  else deployed[s.name].decision for s in ctx.shapes]
     alloc.head_module = built.get(HEAD)  # the head in a form's own shape: built into the folder, not recorded
     return decisions, deployed, ctx.calib.tokens, ctx.facts, alloc
+
+
+def layer_by_layer(model, mode: str) -> bool:
+    """Whether the calibration runs one decoder layer at a time (``--streaming``: on, or auto past
+    ``STREAM_ABOVE`` fp32 bytes of weights)."""
+    if mode != "auto":
+        return mode == "on"
+    return sum(p.numel() for p in model.parameters()) * 4 > STREAM_ABOVE
+
+
+def calibrate_layers_with_progress(model, blocks, reporter: Reporter = SILENT, **options):
+    """``layerwise.calibrate_layers`` with a stage line and a progress bar over the layer passes."""
+    reporter.stage(f"calibrating on {blocks.size:,} training tokens one decoder layer at a time (input Gram "
+                   "matrices to the temp folder, then output Fisher diagonals from the top)")
+    return calibrate_layers(model, blocks, reporter=reporter, **options)
 
 
 def step(name: str):

@@ -134,7 +134,10 @@ class LowRankStep(BaseStep):
         spectra = ctx.own(self.name)
         for s in ctx.shapes:
             gram = ctx.calib.gram(s.name)
-            root = roots.setdefault(id(gram), gram_root(gram)) if s.out_features > s.in_features else None
+            key, wide = ctx.calib.group(s.name), s.out_features > s.in_features
+            if wide and key not in roots:  # by group, not by the tensor's id: a stored Gram is read anew each time
+                roots[key] = gram_root(gram)
+            root = roots[key] if wide else None
             spectra[s.name] = spectrum(ctx.mods[s.name].weight, gram, fisher=ctx.calib.fisher[s.name], root=root)
             ctx.offer(s.name, rank_choices(s, spectra[s.name].energy.cpu().numpy(), ctx.cost))
 

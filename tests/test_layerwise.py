@@ -1,0 +1,118 @@
+"""compress's calibration one decoder layer at a time (``compress.layerwise``) is ``calibrate``'s, to 1e-5: every
+Gram, Fisher diagonal, layer update and gradient energy, rounding error (the head's too) and predicted-token count,
+on the loaded model and on the lazy one that reads its weights layer by layer."""
+
+
+import numpy as np
+import pytest
+import torch
+
+from bdlora.base.errors import UsageError
+from bdlora.compress import layerwise
+from bdlora.compress.calibrate import calibrate
+from bdlora.compress.layerwise import GramStore, calibrate_layers
+from bdlora.export.genai.quantize import rtn_rounded
+
+
+def _close(a, b, what):
+    a, b = torch.as_tensor(np.asarray(a)).double(), torch.as_tensor(np.asarray(b)).double()
+    scale = max(float(b.abs().max()), 1e-30)
+    assert float((a - b).abs().max()) <= 1e-5 * scale, what
+
+
+def _same(got, want):
+    assert sorted(got.grams) == sorted(want.grams) and sorted(got.fisher) == sorted(want.fisher)
+    for k in want.grams:
+        _close(got.grams[k], want.grams[k], k)
+    for k in want.fisher:
+        _close(got.fisher[k], want.fisher[k], k)
+    assert sorted(got.residual) == sorted(want.residual)
+    for i, (energy, grad) in want.residual.items():
+        _close(got.residual[i][0], energy, f"layer {i} energy")
+        _close(got.residual[i][1], grad, f"layer {i} gradient")
+    assert sorted(got.rounding) == sorted(want.rounding)
+    for k, errors in want.rounding.items():
+        assert sorted(got.rounding[k]) == sorted(errors)
+        for b, e in errors.items():
+            assert got.rounding[k][b] == pytest.approx(e, rel=1e-5), (k, b)
+    _close(got.mass, want.mass, "mass")
+    assert np.array_equal(got.argmax, want.argmax)
+    assert got.tokens == want.tokens
+
+
+@pytest.fixture
+def blocks(tiny_model):
+    # 11 blocks: two full batches of CALIB_BATCH (8) would hide a short last batch
+    return np.random.default_rng(3).integers(0, tiny_model.config.vocab_size, (11, 24))
+
+
+def test_layer_by_layer_calibration_is_the_whole_models(tiny_model, blocks, tmp_path):
+    options = dict(residual=True, rounded=rtn_rounded, head=True, predicted=True)
+    want = calibrate(tiny_model, blocks, **options)
+    got = calibrate_layers(tiny_model, blocks, where=str(tmp_path), **options)
+    _same(got, want)
+    assert isinstance(got.grams, GramStore) and len(list(got.grams.root.glob("*.npy"))) == len(want.grams)
+    assert not (got.grams.root / "hidden").exists()  # the layers' inputs go once the backward pass is done
+    assert all(p.requires_grad for p in tiny_model.parameters())  # the model's own flags are restored
+    root = got.grams.root
+    got.grams.close()
+    assert not root.exists()
+
+
+def test_grams_alone_and_a_lazy_model(tiny_env, blocks, tmp_path):
+    """Without Fisher (no backward pass) only the Grams; on the lazy model (each layer made from its weight files
+    when it runs) the same numbers as the loaded model's."""
+    from transformers import AutoModelForCausalLM
+
+    from bdlora.models.stream import lazy_folder_model
+
+    loaded = AutoModelForCausalLM.from_pretrained(tiny_env["teacher"], dtype=torch.float32).eval()
+    want = calibrate(loaded, blocks, fisher=False)
+    got = calibrate_layers(loaded, blocks, fisher=False, where=str(tmp_path))
+    assert got.fisher == {} and got.residual == {} and got.rounding == {}
+    for k in want.grams:
+        _close(got.grams[k], want.grams[k], k)
+    lazy, _, _ = lazy_folder_model(tiny_env["teacher"])
+    _same(calibrate_layers(lazy, blocks, residual=True, predicted=True, where=str(tmp_path)),
+          calibrate(loaded, blocks, residual=True, predicted=True))
+
+
+def test_a_temp_folder_too_small_is_one_line_before_any_work(tiny_model, blocks, tmp_path, monkeypatch):
+    monkeypatch.setattr(layerwise.shutil, "disk_usage", lambda p: type("U", (), {"free": 1000})())
+    with pytest.raises(UsageError, match=r"writes about .* GiB to .* and it has 0.0 GiB free \(set TMPDIR"):
+        calibrate_layers(tiny_model, blocks, where=str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_one_shot_streamed_calibration_writes_the_same_folder(tiny_env, tmp_path, monkeypatch):
+    """compress --one-shot --streaming on (the calibration layer by layer, its Grams on disk) against --streaming off
+    on every form that reads the calibration: the same decisions and the same weights to 1e-5, and the temp folder
+    gone."""
+    import json
+    import tempfile
+
+    from safetensors.torch import load_file
+    from test_oneshot import shot_args
+    from typer.testing import CliRunner
+
+    from bdlora.cli import app
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))  # where the Grams wait ($TMPDIR)
+    folders = {}
+    for mode in ("off", "on"):
+        out = tmp_path / mode
+        res = CliRunner().invoke(app, shot_args(tiny_env, out, "--mac-ratio", "1.4", "--forms",
+                                                "lowrank,channels,groups,layers", "--streaming", mode, "--json"))
+        assert res.exit_code == 0, res.output
+        assert ("one decoder layer at a time" in res.stderr) == (mode == "on"), res.stderr
+        folders[mode] = (json.loads(res.stdout), load_file(str(out / "model.safetensors")))
+    (off, w_off), (on, w_on) = folders["off"], folders["on"]
+    assert [(m["name"], m["case"], m.get("lora_rank"), m.get("channels")) for m in on["modules"]] == [
+        (m["name"], m["case"], m.get("lora_rank"), m.get("channels")) for m in off["modules"]]
+    assert len({m["form"] for m in off["modules"]}) >= 2, "the allocation chose more than one form"
+    assert sorted(w_on) == sorted(w_off)
+    for k in w_off:
+        _close(w_on[k], w_off[k], k)
+    assert list(temp.iterdir()) == []
