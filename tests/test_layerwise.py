@@ -116,3 +116,27 @@ def test_one_shot_streamed_calibration_writes_the_same_folder(tiny_env, tmp_path
     for k in w_off:
         _close(w_on[k], w_off[k], k)
     assert list(temp.iterdir()) == []
+
+
+def test_a_shared_build_is_the_copied_one_without_the_copies(tiny_model):
+    """The one-shot builds its folder's model on the source's own tensors (``share``): the same state dict as the
+    copying build, bit for bit, no parameter left on the meta device, and the dense projections' storage the
+    source's."""
+    from bdlora.forms.lowrank import factored
+    from bdlora.models.arch import projection_modules
+    from bdlora.models.budgeted.model import build_deployed_model
+    from bdlora.models.costs import ModuleShape
+
+    mods = dict(projection_modules(tiny_model))
+    shapes = {n: ModuleShape(n, m.in_features, m.out_features) for n, m in mods.items()}
+    built = {}
+    for share in (False, True):
+        deployed = {n: factored(shapes[n], m, 0, {}, share=share) for n, m in mods.items()}
+        built[share] = build_deployed_model(tiny_model, deployed, {"name": "t"}, share=share)
+    copied, shared = (dict(built[s].state_dict()) for s in (False, True))
+    assert sorted(copied) == sorted(shared)
+    assert all(torch.equal(copied[k], shared[k]) for k in copied)
+    assert not any(p.is_meta for p in built[True].parameters())
+    name = next(iter(mods))
+    assert shared[f"{name}.weight"].data_ptr() == mods[name].weight.data_ptr()
+    assert copied[f"{name}.weight"].data_ptr() != mods[name].weight.data_ptr()

@@ -98,7 +98,7 @@ def _allocated(model, ctx: OneShotContext, steps: list, mods: dict, cfg: OneShot
     built = {}
     for st in steps:
         built.update(st.deploy(ctx, alloc))
-    deployed = {s.name: built.get(s.name) or factored(s, mods[s.name], 0, {}) for s in ctx.shapes
+    deployed = {s.name: built.get(s.name) or factored(s, mods[s.name], 0, {}, share=True) for s in ctx.shapes
                 if s.name not in gone}
     for st in steps:
         st.finish(ctx, alloc, deployed)
@@ -274,7 +274,8 @@ def compress_one_shot(source: str, cfg: OneShotConfig, out: str | Path, force: b
         kept = [i for i in range(model.config.num_hidden_layers) if i not in removed]
         provenance.update(layer_indices=kept, removed_layers=removed, student_layers=len(kept))
         base, deployed = take_layers(model, kept), renumbered(deployed, kept)
-    compressed = build_deployed_model(base, deployed, provenance, facts.get("head_bits", 0), alloc.head_module)
+    compressed = build_deployed_model(base, deployed, provenance, facts.get("head_bits", 0), alloc.head_module,
+                                      share=True)  # the source is never changed, nor the compressed model trained
     report = compression_report(decisions, None, {}, baseline="source")
     report.update(schema_version=SCHEMA_VERSION, bdlora_version=__version__, source="compress --one-shot",
                   provenance=provenance)

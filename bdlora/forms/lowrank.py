@@ -112,12 +112,14 @@ def factors(weight: torch.Tensor, spec: Spectrum, rank: int) -> tuple[torch.Tens
 # --- the one-shot's step (``forms.context``) --------------------------------------------------------------------
 
 
-def factored(s, mod, r: int, spectra: dict):
-    """Projection ``mod`` (shape ``s``) deployed at rank ``r`` (0: dense, as it is) with its decision."""
+def factored(s, mod, r: int, spectra: dict, share: bool = False):
+    """Projection ``mod`` (shape ``s``) deployed at rank ``r`` (0: dense, as it is) with its decision; ``share``: a
+    dense one holds ``mod``'s own weight, not a copy (the one-shot's model is never trained: at 1B the copies of its
+    dense projections were 3-4 GB)."""
     bias = None if mod.bias is None else mod.bias.detach().clone()
     dec = decide_module(s, 0.0 if r else 1.0, r, 0, has_bias=bias is not None)
     if not r:
-        return DeployedModule(dec, weight=mod.weight.detach().clone(), bias=bias)
+        return DeployedModule(dec, weight=mod.weight.detach() if share else mod.weight.detach().clone(), bias=bias)
     a, b = factors(mod.weight, spectra[s.name], r)
     return DeployedModule(dec, proj_in=a.to(mod.weight.dtype), proj_out=b.to(mod.weight.dtype), bias=bias)
 

@@ -24,6 +24,7 @@ from bdlora.models.budgeted.layer import DeployedModule, GatedLoRALinear
 from bdlora.models.costs import compression_report, deployed_form, site_forms
 from bdlora.models.families import base_type
 from bdlora.models.families import family as table_family
+from bdlora.models.lazy import empty
 
 TENSORS = ("lora_A", "lora_B", "gate_logits", "retention")
 
@@ -104,12 +105,14 @@ def load_budgeted(student_dir: Path, model: nn.Module) -> nn.Module:
 
 
 def build_deployed_model(base: nn.Module, deployed: dict[str, DeployedModule], provenance: dict, head_bits: int = 0,
-                         head: dict | None = None):
+                         head: dict | None = None, share: bool = False):
     """The bdlora HF architecture holding the ``deployed`` projections and every other weight of ``base``;
     ``head_bits`` (4 or 8): the LM head's width in an int4 export, declared in its config (``forms.HEAD_BITS``; 0:
     what ``base`` declares, if anything: a student started from such a folder keeps it, as it keeps a pruned
     width); ``head``: the LM head in another form, ``{"spec": its declaration, "state": its tensors}`` (a draft's
-    ``forms.VOCAB``; the embedding is then untied from it)."""
+    ``forms.VOCAB``; the embedding is then untied from it). ``share``: the model holds ``base``'s and ``deployed``'s
+    tensors themselves (built on the meta device and assigned: no random initialisation, no copy), for a caller that
+    trains neither (the one-shot); otherwise its own copies."""
 
     family = table_family(base_type(base.config.model_type), "base model_type").model_type
     cfg_cls, model_cls = BDLORA_CLASSES[family]
@@ -129,7 +132,7 @@ def build_deployed_model(base: nn.Module, deployed: dict[str, DeployedModule], p
     config.architectures = [model_cls.__name__]
     if head_bits:
         setattr(config, forms.HEAD_BITS, int(head_bits))
-    model = model_cls(config)
+    model = empty(lambda: model_cls(config)) if share else model_cls(config)
     state = {k: v for k, v in dense_state_dict(base).items() if not any(k.startswith(n + ".") for n in deployed)}
     for n, c in deployed.items():
         state.update(c.state(n))
@@ -137,7 +140,7 @@ def build_deployed_model(base: nn.Module, deployed: dict[str, DeployedModule], p
         state = {k: v for k, v in state.items() if not k.startswith(forms.HEAD + ".")} | head["state"]
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=share)
     missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
     assert not missing and not unexpected, (missing, unexpected)
     model.tie_weights()
