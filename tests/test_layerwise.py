@@ -140,3 +140,24 @@ def test_a_shared_build_is_the_copied_one_without_the_copies(tiny_model):
     name = next(iter(mods))
     assert shared[f"{name}.weight"].data_ptr() == mods[name].weight.data_ptr()
     assert copied[f"{name}.weight"].data_ptr() != mods[name].weight.data_ptr()
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2"])
+def test_other_families_calibrate_the_same_layer_by_layer(family, tmp_path):
+    """Gemma 3 (local and global layers, its own masks and rotary per kind, scaled embeddings, norms with an offset:
+    the head's forward is the model's own) and Qwen2 (projection biases)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen2Config, Qwen2ForCausalLM
+
+    from test_gemma3 import WINDOW, _perturbed, gemma3_config
+
+    torch.manual_seed(1)
+    if family == "gemma3":
+        model = _perturbed(Gemma3ForCausalLM(Gemma3TextConfig(**gemma3_config())))
+        blocks = np.random.default_rng(4).integers(0, 96, (5, 2 * WINDOW + 3))  # past the sliding window
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=64)).eval()
+        blocks = np.random.default_rng(4).integers(0, 96, (5, 20))
+    options = dict(residual=True, rounded=rtn_rounded, head=True, predicted=True)
+    _same(calibrate_layers(model, blocks, where=str(tmp_path), **options), calibrate(model, blocks, **options))
