@@ -146,9 +146,8 @@ def test_a_shared_build_is_the_copied_one_without_the_copies(tiny_model):
 def test_other_families_calibrate_the_same_layer_by_layer(family, tmp_path):
     """Gemma 3 (local and global layers, its own masks and rotary per kind, scaled embeddings, norms with an offset:
     the head's forward is the model's own) and Qwen2 (projection biases)."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen2Config, Qwen2ForCausalLM
-
     from test_gemma3 import WINDOW, _perturbed, gemma3_config
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(1)
     if family == "gemma3":
