@@ -120,3 +120,33 @@ if __name__ == "__main__":  # a device machine without pytest: the same checks, 
         check()
         print(f"passed: {name}", flush=True)
     print(f"3 passed, 0 failed (runs kept in {tmp})")
+
+
+def test_layer_by_layer_calibration_on_a_gpu_is_the_whole_models():
+    """A student held on the GPU (a structured start at 1B+ calibrates layer by layer past 2 GiB): the calibration
+    runs there, its stored Grams come back to the GPU, and every quantity is ``calibrate``'s on the same device to
+    1e-4 (cuBLAS may sum in another order)."""
+    import numpy as np
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from bdlora.compress.calibrate import calibrate
+    from bdlora.compress.layerwise import calibrate_layers
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=64)).cuda().eval()
+    blocks = np.random.default_rng(0).integers(0, 128, (11, 24))
+    want = calibrate(model, blocks, residual=True, predicted=True)
+    got = calibrate_layers(model, blocks, residual=True, predicted=True)
+    for key in want.grams:
+        g = got.grams[key]
+        assert g.device.type == "cuda"
+        assert torch.allclose(g, want.grams[key], rtol=1e-4, atol=1e-4 * float(want.grams[key].abs().max())), key
+    for key in want.fisher:
+        w = want.fisher[key]
+        assert torch.allclose(got.fisher[key], w, rtol=1e-4, atol=1e-4 * float(w.abs().max())), key
+    for i, (energy, grad) in want.residual.items():
+        assert torch.allclose(got.residual[i][0], energy, rtol=1e-4) and torch.allclose(got.residual[i][1], grad,
+                                                                                         rtol=1e-4), i
+    assert np.allclose(got.mass, want.mass, rtol=1e-4) and got.tokens == want.tokens

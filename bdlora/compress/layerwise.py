@@ -54,16 +54,17 @@ class GramStore(Mapping):
 
     def __init__(self, where: str | None = None):
         self.root = Path(tempfile.mkdtemp(prefix="bdlora-calibration-", dir=where))
-        self.paths: dict[str, Path] = {}
+        self.paths: dict[str, tuple[Path, torch.device]] = {}
         self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.root), True)
 
     def put(self, key: str, gram: torch.Tensor) -> None:
         path = self.root / f"gram-{len(self.paths)}.npy"
         np.save(path, gram.detach().cpu().numpy())
-        self.paths[key] = path
+        self.paths[key] = (path, gram.device)
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        return torch.from_numpy(np.load(self.paths[key]))
+        path, device = self.paths[key]
+        return torch.from_numpy(np.load(path)).to(device)  # where it was measured, as ``calibrate``'s are
 
     def __iter__(self):
         return iter(self.paths)
@@ -138,7 +139,7 @@ def _calibrate(model, blocks, store: GramStore, fisher, residual, rounded, bits,
     saved.mkdir()
     for i in range(n):
         for b, h in enumerate(runner.hidden):
-            np.save(saved / f"{i}-{b}.npy", h.numpy())
+            np.save(saved / f"{i}-{b}.npy", h.cpu().numpy())
         grams: dict[str, torch.Tensor] = {}
         hooks = _gram_hooks(model, i, grams)
         if residual and fisher:
@@ -157,7 +158,7 @@ def _calibrate(model, blocks, store: GramStore, fisher, residual, rounded, bits,
         for i in reversed(range(n)):
             if residual:
                 updates[i][1] = sum(g.reshape(-1, g.shape[-1]).double().square().sum(0) for g in grads)
-            inputs = [torch.from_numpy(np.load(saved / f"{i}-{b}.npy")) for b in range(len(grads))]
+            inputs = [torch.from_numpy(np.load(saved / f"{i}-{b}.npy")).to(runner.device) for b in range(len(grads))]
             grads = _backward_layer(runner, i, inputs, grads, fish, rounding, rounded, bits)
             reporter.count(1, total, "layer passes")
     shutil.rmtree(saved)
@@ -207,7 +208,7 @@ def _head(model, blocks, hidden: list[torch.Tensor], fisher: bool, rounding: dic
                 top = h.detach().requires_grad_(fisher)
                 for i, layer in enumerate(real):
                     layers[i] = Replay(layer, top)
-                x = torch.from_numpy(np.ascontiguousarray(blocks[b * per : (b + 1) * per]))
+                x = torch.from_numpy(np.ascontiguousarray(blocks[b * per : (b + 1) * per])).to(top.device)
                 logits = model(input_ids=x, use_cache=False).logits
                 if predicted:
                     mass, argmax = _predicted(logits.detach(), mass, argmax)

@@ -64,10 +64,12 @@ class LayerByLayer:
         self.next = 0
         per = max(1, batch_tokens // blocks.shape[1])
         self.hidden, self.calls = [], []
+        # a model held on a GPU calibrates there (a lazy one's parameters are made on the CPU)
+        self.device = next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
         skip = ("model.layers", "lm_head")
         with torch.no_grad(), materialized(model, skip=skip), _recording(model) as calls:
             for start in range(0, len(blocks), per):
-                x = torch.from_numpy(np.ascontiguousarray(blocks[start : start + per]))
+                x = torch.from_numpy(np.ascontiguousarray(blocks[start : start + per])).to(self.device)
                 model.model(input_ids=x, use_cache=False)
                 h, args, kwargs = calls[0][-1]
                 self.hidden.append(h)
