@@ -119,13 +119,7 @@ def calibrate(model, blocks: np.ndarray, fisher: bool = True, on_progress=None, 
         with torch.enable_grad() if fisher else torch.no_grad():
             for start in range(0, len(blocks), CALIB_BATCH):
                 x = torch.from_numpy(np.ascontiguousarray(blocks[start : start + CALIB_BATCH])).to(device)
-                logits = model(input_ids=x, use_cache=False).logits
-                if predicted:
-                    mass, argmax = _predicted(logits.detach(), mass, argmax)
-                if fisher:
-                    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-                                           x[:, 1:].reshape(-1), reduction="sum")
-                    loss.backward()
+                mass, argmax = score_batch(model, x, fisher, predicted, mass, argmax)
                 if on_progress is not None:
                     on_progress(len(x))
     finally:
@@ -143,6 +137,20 @@ def calibrate(model, blocks: np.ndarray, fisher: bool = True, on_progress=None, 
     return Calibration(grams, fish, tokens, {i: (u[0], u[1]) for i, u in sorted(updates.items())},
                        {n: {b: e * tokens for b, e in r.items()} for n, r in rounding.items()},
                        None if mass is None else mass.numpy(), None if argmax is None else argmax.numpy())
+
+
+def score_batch(model, x: torch.Tensor, fisher: bool, predicted: bool, mass, argmax):
+    """The model's forward on the token batch ``x`` (B, T): with ``predicted`` its logits added to ``mass`` and
+    ``argmax`` (returned), with ``fisher`` the summed next-token loss's backward run, so the hooks read the output
+    gradients (``calibrate``'s batches, and the head of ``layerwise.calibrate_layers``)."""
+    logits = model(input_ids=x, use_cache=False).logits
+    if predicted:
+        mass, argmax = _predicted(logits.detach(), mass, argmax)
+    if fisher:
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), x[:, 1:].reshape(-1),
+                               reduction="sum")
+        loss.backward()
+    return mass, argmax
 
 
 def _predicted(logits: torch.Tensor, mass, argmax):

@@ -29,7 +29,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from bdlora.base.errors import ModelError, UsageError
@@ -38,9 +37,9 @@ from bdlora.compress.calibrate import (
     CALIB_BATCH,
     Calibration,
     _fisher_hook,
-    _predicted,
     _rounding_hooks,
     input_group,
+    score_batch,
 )
 from bdlora.forms import HEAD
 from bdlora.models.arch import projection_modules
@@ -209,15 +208,9 @@ def _head(model, blocks, hidden: list[torch.Tensor], fisher: bool, rounding: dic
                 for i, layer in enumerate(real):
                     layers[i] = Replay(layer, top)
                 x = torch.from_numpy(np.ascontiguousarray(blocks[b * per : (b + 1) * per])).to(top.device)
-                logits = model(input_ids=x, use_cache=False).logits
-                if predicted:
-                    mass, argmax = _predicted(logits.detach(), mass, argmax)
+                mass, argmax = score_batch(model, x, fisher, predicted, mass, argmax)
                 if fisher:
-                    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-                                           x[:, 1:].reshape(-1), reduction="sum")
-                    loss.backward()
                     grads.append(top.grad)
-                del logits
     finally:
         for i, layer in enumerate(real):
             layers[i] = layer
