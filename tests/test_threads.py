@@ -6,10 +6,10 @@ import dataclasses
 import pytest
 import typer.main
 
-from bdlora.base.argv import fields_of, flags
+from bdlora.base.argv import embedded, fields_of, flags
 from bdlora.base.errors import Checks, ConfigError, UsageError, usable_cores
 from bdlora.base.io import read_json, write_json
-from bdlora.base.threads import MAX_GENAI_THREADS, ThreadPool, embedded, flat, from_options
+from bdlora.base.threads import MAX_GENAI_THREADS, ThreadPool, flat, from_options
 from bdlora.bench.config import BenchConfig
 from bdlora.compress.config import OneShotConfig
 from bdlora.export.settings import GenaiExportSettings

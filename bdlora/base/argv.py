@@ -11,16 +11,28 @@ import dataclasses
 from bdlora.base.errors import flag
 
 
+def embedded(cls) -> dict[str, type]:
+    """The fields of ``cls`` that hold a settings dataclass of their own (by their default: bench's ``rounding``,
+    every command's ``pool``), each with that dataclass."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        inner = f.default if f.default is not dataclasses.MISSING else None
+        if inner is None and f.default_factory is not dataclasses.MISSING:
+            inner = f.default_factory()
+        if dataclasses.is_dataclass(inner):
+            out[f.name] = type(inner)
+    return out
+
+
 def fields_of(*classes) -> dict[str, type]:
     """Every field a command's options come from: the fields of ``classes`` and of the dataclasses they hold as a
-    field (bench's ``rounding``: export genai's settings, whose fields are bench's options too)."""
+    field (``embedded``: bench's ``rounding``, export genai's settings, whose fields are bench's options too)."""
     out: dict[str, type] = {}
     for cls in classes:
+        inner = embedded(cls)
         for f in dataclasses.fields(cls):
-            nested = f.default_factory if f.default_factory is not dataclasses.MISSING else None
-            inner = type(f.default) if dataclasses.is_dataclass(f.default) else nested
-            if inner is not None and dataclasses.is_dataclass(inner):
-                out.update(fields_of(inner))
+            if f.name in inner:
+                out.update(fields_of(inner[f.name]))
             else:
                 out[f.name] = cls
     return out

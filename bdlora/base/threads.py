@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from bdlora.base.argv import embedded
 from bdlora.base.errors import Checks, usable_cores
 
 # `export genai --threads`: the intra-op thread count a folder asks for, written for the machine it will run on, so not
@@ -38,18 +39,6 @@ class ThreadPool:
         return usable_cores() if self.threads is None else self.threads
 
 
-def embedded(cls) -> dict[str, type]:
-    """The fields of ``cls`` that hold a settings dataclass of their own (its default one)."""
-    out = {}
-    for f in dataclasses.fields(cls):
-        inner = f.default if f.default is not dataclasses.MISSING else None
-        if inner is None and f.default_factory is not dataclasses.MISSING:
-            inner = f.default_factory()
-        if dataclasses.is_dataclass(inner):
-            out[f.name] = type(inner)
-    return out
-
-
 def from_options(cls, values: dict):
     """``cls`` from a command's flat options: a name that is a field of an embedded dataclass (``threads``, the
     ``pool``'s) goes into that dataclass, the rest to ``cls`` itself; an embedded dataclass given whole is taken as
@@ -70,10 +59,10 @@ def flat(obj) -> dict:
     """A settings dataclass's values as its command line gives them: an embedded dataclass's fields at the top level
     (``"threads": 2``, not ``"pool": {"threads": 2}``), so a record written before a field was embedded (ship's
     resume contract, ``DIR/ship.json``) compares equal to one written after."""
-    out = {}
+    out, inner = {}, embedded(type(obj))
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
-        if f.name in embedded(type(obj)) and dataclasses.is_dataclass(value):
+        if f.name in inner and dataclasses.is_dataclass(value):
             out.update(flat(value))
         else:
             out[f.name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value

@@ -11,11 +11,11 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from bdlora.base.argv import fields_of
+from bdlora.base.argv import embedded, fields_of
 from bdlora.base.errors import UsageError, flag
 from bdlora.base.runs import RUNS_DIR
 from bdlora.base.schemes import SCHEMES
-from bdlora.base.threads import MAX_GENAI_THREADS, embedded
+from bdlora.base.threads import MAX_GENAI_THREADS
 from bdlora.train.config import field_docs
 
 # Options many commands take, declared once: one wording and one default wherever they appear (tests/test_cli.py
@@ -122,9 +122,9 @@ def from_dataclass(cls, names=None, skip=(), rename: dict | None = None, default
     inner = embedded(cls)
     for f in cls.__dataclass_fields__.values():
         if f.name in inner and f.name not in skip:  # an embedded settings dataclass (``pool``): its fields' options
+            leaves = fields_of(inner[f.name])
             params += from_dataclass(inner[f.name], names, skip, rename, defaults, panel, notes,
-                                     {t: tuple(n for n in ns if n in fields_of(inner[f.name])) for t, ns in
-                                      (panels or {}).items()})
+                                     {t: tuple(n for n in ns if n in leaves) for t, ns in (panels or {}).items()})
             continue
         if (names is not None and f.name not in names) or f.name in skip:
             continue
