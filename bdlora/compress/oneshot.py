@@ -47,7 +47,7 @@ from bdlora.models.budgeted.model import build_deployed_model
 from bdlora.models.costs import CostModel, ModuleShape, compression_report, removed_decision
 from bdlora.models.depth import take_layers
 from bdlora.models.perplexity import perplexity
-from bdlora.models.stream import STREAM_ABOVE
+from bdlora.models.stream import streams
 from bdlora.models.teacher import load_teacher
 
 
@@ -73,7 +73,7 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
     for st in steps:
         st.calibration(ctx)
     blocks = calibration_blocks(train_blocks, cfg.calib_tokens)
-    if layer_by_layer(model, cfg.streaming):
+    if streams(cfg.streaming, sum(p.numel() for p in model.parameters()) * 4):  # one layer at a time past 2 GiB
         ctx.calib = calibrate_layers_with_progress(model, blocks, reporter, **ctx.calibration)
     else:
         ctx.calib = calibrate_with_progress(model, blocks, reporter, **ctx.calibration)
@@ -106,14 +106,6 @@ def _allocated(model, ctx: OneShotContext, steps: list, mods: dict, cfg: OneShot
                  else deployed[s.name].decision for s in ctx.shapes]
     alloc.head_module = built.get(HEAD)  # the head in a form's own shape: built into the folder, not recorded
     return decisions, deployed, ctx.calib.tokens, ctx.facts, alloc
-
-
-def layer_by_layer(model, mode: str) -> bool:
-    """Whether the calibration runs one decoder layer at a time (``--streaming``: on, or auto past
-    ``STREAM_ABOVE`` fp32 bytes of weights)."""
-    if mode != "auto":
-        return mode == "on"
-    return sum(p.numel() for p in model.parameters()) * 4 > STREAM_ABOVE
 
 
 def calibrate_layers_with_progress(model, blocks, reporter: Reporter = SILENT, **options):

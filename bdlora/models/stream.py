@@ -46,15 +46,15 @@ def fp32_bytes(folder: Path) -> int:
     return total
 
 
-def streams(mode: str, folder: Path, whole: bool = False) -> bool:
-    """Whether an export reads and writes ``folder``'s model one layer at a time: ``mode`` on, or auto for weights
-    past ``STREAM_ABOVE`` in fp32 unless the export needs the ``whole`` model (``--int8-share`` ranks the errors of
-    every MatMul before writing any)."""
+def streams(mode: str, model: Path | int, whole: bool = False) -> bool:
+    """Whether a command works on ``model`` (a folder, or its fp32 bytes) one layer at a time: ``mode`` on, or auto
+    for weights past ``STREAM_ABOVE`` in fp32 unless the command needs the ``whole`` model (an export's
+    ``--int8-share`` ranks the errors of every MatMul before writing any)."""
     if mode not in STREAMING:
         raise UsageError(f"--streaming {mode}: unknown (allowed: {', '.join(STREAMING)})")
     if mode != "auto":
         return mode == "on"
-    return not whole and fp32_bytes(folder) > STREAM_ABOVE
+    return not whole and (model if isinstance(model, int) else fp32_bytes(model)) > STREAM_ABOVE
 
 
 class FolderWeights:
