@@ -84,7 +84,9 @@ def test_a_temp_folder_too_small_is_one_line_before_any_work(tiny_model, blocks,
     assert list(tmp_path.iterdir()) == []
 
 
-def test_one_shot_streamed_calibration_writes_the_same_folder(tiny_env, tmp_path, monkeypatch):
+@pytest.mark.parametrize("options", [("--mac-ratio", "1.4", "--forms", "lowrank,channels,groups,layers"),
+                                     ("--mac-ratio", "1.6", "--forms", "layers,channels")])
+def test_one_shot_streamed_calibration_writes_the_same_folder(tiny_env, tmp_path, monkeypatch, options):
     """compress --one-shot --streaming on (the calibration layer by layer, its Grams on disk) against --streaming off
     on every form that reads the calibration: the same decisions and the same weights to 1e-5, and the temp folder
     gone."""
@@ -103,15 +105,23 @@ def test_one_shot_streamed_calibration_writes_the_same_folder(tiny_env, tmp_path
     folders = {}
     for mode in ("off", "on"):
         out = tmp_path / mode
-        res = CliRunner().invoke(app, shot_args(tiny_env, out, "--mac-ratio", "1.4", "--forms",
-                                                "lowrank,channels,groups,layers", "--streaming", mode, "--json"))
+        res = CliRunner().invoke(app, shot_args(tiny_env, out, *options, "--streaming", mode, "--json"))
         assert res.exit_code == 0, res.output
         assert ("one decoder layer at a time" in res.stderr) == (mode == "on"), res.stderr
+        assert ("writing" in res.stderr and "one tensor at a time" in res.stderr) == (mode == "on"), res.stderr
         folders[mode] = (json.loads(res.stdout), load_file(str(out / "model.safetensors")))
     (off, w_off), (on, w_on) = folders["off"], folders["on"]
+    assert on["provenance"].get("removed_layers") == off["provenance"].get("removed_layers")
+    for k in ("student_val_ppl", "compressed_val_ppl"):  # each scored one layer at a time
+        assert abs(on["eval"][k] - off["eval"][k]) <= 1e-4 * off["eval"][k], k
+    c_on, c_off = (json.loads((tmp_path / m / "config.json").read_text()) for m in ("on", "off"))
+    assert sorted(c_on.pop("bdlora")) == sorted(c_off.pop("bdlora"))  # the provenance: its measured floats to 1e-5
+    assert c_on == c_off  # the architecture, every module's form
     assert [(m["name"], m["case"], m.get("lora_rank"), m.get("channels")) for m in on["modules"]] == [
         (m["name"], m["case"], m.get("lora_rank"), m.get("channels")) for m in off["modules"]]
     assert len({m["form"] for m in off["modules"]}) >= 2, "the allocation chose more than one form"
+    if "layers,channels" in options:  # the streamed folder reads the kept layers under their source numbers
+        assert off["provenance"]["removed_layers"], off["provenance"]
     assert sorted(w_on) == sorted(w_off)
     for k in w_off:
         _close(w_on[k], w_off[k], k)
@@ -160,3 +170,25 @@ def test_other_families_calibrate_the_same_layer_by_layer(family, tmp_path):
         blocks = np.random.default_rng(4).integers(0, 96, (5, 20))
     options = dict(residual=True, rounded=rtn_rounded, head=True, predicted=True)
     _same(calibrate_layers(model, blocks, where=str(tmp_path), **options), calibrate(model, blocks, **options))
+
+
+def test_plan_of_a_source_read_one_layer_at_a_time_is_the_in_memory_plan(tiny_env):
+    """plan --forms with the source lazy (--streaming on: each layer made for the offers and the deploys) reports the
+    structure the in-memory plan does."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from bdlora.cli import app
+
+    reports = {}
+    for mode in ("off", "on"):
+        res = CliRunner().invoke(app, ["plan", "--model", str(tiny_env["teacher"]), "--allocation", "quality",
+                                       "--forms", "channels,groups,lowrank", "--mac-ratio", "1.4", "--calib-tokens",
+                                       "512", "--data", str(tiny_env["corpus"]), "--streaming", mode, "--json"])
+        assert res.exit_code == 0, res.output
+        assert ("reading" in res.stderr and "one decoder layer at a time" in res.stderr) == (mode == "on")
+        reports[mode] = json.loads(res.stdout)
+    assert [(m["name"], m["case"], m.get("lora_rank"), m.get("channels")) for m in reports["on"]["modules"]] == [
+        (m["name"], m["case"], m.get("lora_rank"), m.get("channels")) for m in reports["off"]["modules"]]
+    assert reports["on"]["speedup_vs_dense"] == pytest.approx(reports["off"]["speedup_vs_dense"], rel=1e-9)

@@ -96,7 +96,8 @@ def test_higher_ratios_cost_quality_monotonically(tiny_env, tmp_path):
     (["--mac-ratio", "0.5"], "--mac-ratio 0.5:", 2),
     (["--mac-ratio", "1000"], "--mac-ratio 1000", 2),
     (["--mac-ratio", "1.5", "--calib-tokens", "100000000"], "--calib-tokens 100000000: the training split holds", 2),
-    (["--mac-ratio", "1.5", "--streaming", "sometimes"], "--streaming 'sometimes': unknown (allowed: auto, on, off)", 2),
+    (["--mac-ratio", "1.5", "--streaming", "sometimes"],
+     "--streaming 'sometimes': unknown (allowed: auto, on, off)", 2),
 ])
 def test_one_shot_bad_input_is_one_line_and_writes_nothing(tiny_env, tmp_path, extra, needle, code):
     res = CliRunner().invoke(app, shot_args(tiny_env, tmp_path / "out", *extra))

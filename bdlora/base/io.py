@@ -13,6 +13,7 @@ import os
 import shutil
 import socket
 import stat
+import struct
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -205,6 +206,39 @@ def save_tensors(path: str | os.PathLike, tensors: dict, metadata: dict[str, str
              for k, v in tensors.items()}
     with atomic_path(path) as tmp:
         save_file(clean, str(tmp), metadata=metadata)
+
+
+# safetensors' names of the dtypes a model folder holds
+SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64",
+                      "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def stream_tensors(path: str | os.PathLike, shapes: dict, value, metadata: dict[str, str] | None = None) -> None:
+    """A safetensors file (atomically) written one tensor at a time: ``shapes`` (name -> tensor, on the meta device
+    or real: its shape and dtype, in the file's order) gives the header; each tensor's bytes come from
+    ``value(name, tensor)`` when its turn comes (a real tensor is its own value), so a model whose weights are never
+    whole in memory (``compress --one-shot`` of a 1B-8B source) is written with one tensor held. The format
+    safetensors documents: the header's length (8 bytes, little-endian), its JSON (padded with spaces to 8 bytes),
+    the tensors' bytes back to back."""
+    import torch
+
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    end = 0
+    for name, t in shapes.items():
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[str(t.dtype).removeprefix("torch.")], "shape": list(t.shape),
+                        "data_offsets": [end, end + size]}
+        end += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name, t in shapes.items():
+            v = (value(name, t) if t.is_meta else t).detach().to("cpu", t.dtype).contiguous()
+            if tuple(v.shape) != tuple(t.shape):
+                raise ValueError(f"{name}: its value is {list(v.shape)}, the header says {list(t.shape)}")
+            f.write(v.reshape(-1).view(torch.uint8).numpy().data)
+            del v
 
 
 def load_tensors(path: str | os.PathLike, device: str = "cpu") -> dict:

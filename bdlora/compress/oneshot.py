@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import shutil
 import time
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from bdlora.compress.start import (
     allocate_by,
     calibrate_with_progress,
 )
+from bdlora.compress.streamed import TensorStore, folder_values, made, narrowed, sections, spill
 from bdlora.data.blocks import PackedBlocks, scored_blocks
 from bdlora.data.corpora import SAMPLES_PREFIXES, check_spec, default_heldout, general_calib_data, load_tokens
 from bdlora.data.selfgen import TeacherSource
@@ -46,20 +48,23 @@ from bdlora.models.arch import projection_modules, set_module
 from bdlora.models.budgeted.model import build_deployed_model
 from bdlora.models.costs import CostModel, ModuleShape, compression_report, removed_decision
 from bdlora.models.depth import take_layers
+from bdlora.models.lazy import SOURCE, is_lazy
 from bdlora.models.perplexity import perplexity
-from bdlora.models.stream import streams
+from bdlora.models.stream import streamed, streams
 from bdlora.models.teacher import load_teacher
 
 
 def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Reporter = SILENT,
-                       cost_model: CostModel | None = None):
+                       cost_model: CostModel | None = None, store: TensorStore | None = None):
     """(decisions, {name: DeployedModule}, calibration tokens, facts, the allocation) of ``model`` at
     ``cfg.mac_ratio`` (or ``cfg.speedup``): each chosen form (``cfg.forms``, in ``ALLOCATED_FORMS`` order) says what
     the cost table and the calibration must measure, offers its candidates, and deploys what the one knapsack chose
     (``forms.context``); the modules of removed layers have decisions but nothing deployed. ``cost_model``
     (``models.costs.CostModel``, the measured decode time the CLI passes in; its table given the model's config
     predicts the whole decode step): allocate by that cost instead of MACs. ``facts``,
-    for the provenance: what the allocation predicts at that cost (``allocation_cost``) and what each form records."""
+    for the provenance: what the allocation predicts at that cost (``allocation_cost``) and what each form records.
+    A lazy ``model`` (``models.stream``) is worked on one decoder layer at a time (``compress.streamed``): every
+    tensor a form builds goes to ``store`` (a temp one when None) and its module holds a meta tensor."""
     mods = dict(projection_modules(model))
     ctx = OneShotContext(model, cfg, reporter, cfg.form_names, [ModuleShape(n, m.in_features, m.out_features)
                                                                  for n, m in mods.items()], mods,
@@ -73,22 +78,28 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
     for st in steps:
         st.calibration(ctx)
     blocks = calibration_blocks(train_blocks, cfg.calib_tokens)
-    if streams(cfg.streaming, sum(p.numel() for p in model.parameters()) * 4):  # one layer at a time past 2 GiB
+    if is_lazy(model) or streams(cfg.streaming, sum(p.numel() for p in model.parameters()) * 4):  # past 2 GiB
         ctx.calib = calibrate_layers_with_progress(model, blocks, reporter, **ctx.calibration)
     else:
         ctx.calib = calibrate_with_progress(model, blocks, reporter, **ctx.calibration)
+    own = TensorStore() if store is None and is_lazy(model) else None
     try:
-        return _allocated(model, ctx, steps, mods, cfg, reporter)
+        return _allocated(model, ctx, steps, mods, cfg, reporter, store or own)
     finally:
         if isinstance(ctx.calib.grams, GramStore):
             ctx.calib.grams.close()
+        if own is not None:
+            own.close()
 
 
-def _allocated(model, ctx: OneShotContext, steps: list, mods: dict, cfg: OneShotConfig, reporter: Reporter):
+def _allocated(model, ctx: OneShotContext, steps: list, mods: dict, cfg: OneShotConfig, reporter: Reporter,
+               store: TensorStore | None):
     """``one_shot_structure``'s result from its calibration: the forms' offers, the allocation, the deployed
-    modules."""
+    modules (their tensors in ``store`` when the source is lazy: ``compress.streamed``)."""
     for st in steps:
-        st.offer(ctx)
+        for view, part in sections(ctx, st):
+            with made(model, part):
+                st.offer(view)
     alloc = allocate_by(ctx.shapes, ctx.offers, cfg.ratio, pricing(model, ctx.table, cfg), reporter)
     alloc.kv_heads = ctx.kv
     gone = {s.name for s in ctx.shapes if alloc.gone(s.name)}
@@ -97,7 +108,9 @@ def _allocated(model, ctx: OneShotContext, steps: list, mods: dict, cfg: OneShot
             ctx.shapes, alloc.deployed(ctx.shapes)), "mac_ratio": alloc.mac_ratio(ctx.shapes)}
     built = {}
     for st in steps:
-        built.update(st.deploy(ctx, alloc))
+        for view, part in sections(ctx, st):
+            with made(model, part):
+                built.update(spill(st.deploy(view, narrowed(alloc, part)), store))
     deployed = {s.name: built.get(s.name) or factored(s, mods[s.name], 0, {}, share=True) for s in ctx.shapes
                 if s.name not in gone}
     for st in steps:
@@ -185,7 +198,8 @@ class Skipped(torch.nn.Module):
 
 def load_source(source: str, cfg: OneShotConfig, cache_dir: Path | None, reporter: Reporter, what: str):
     """(model, tokenizer, path, calibration blocks, held-out blocks, held-out fraction) of a pretrained ``source``:
-    the model frozen in fp32; the training split of ``cfg.calib_data`` (default ``cfg.data``; for a general-purpose
+    the model frozen in fp32, or lazy (``models.stream``: read one layer at a time) where ``cfg.streaming`` says so
+    for a source folder; the training split of ``cfg.calib_data`` (default ``cfg.data``; for a general-purpose
     model scored on the builtin corpus, ``GENERAL_CALIB_DATA``, set on ``cfg``) and the held-out split of
     ``cfg.data``, tokenised (cached) at ``cfg.seq_len`` capped by its positions."""
 
@@ -193,16 +207,17 @@ def load_source(source: str, cfg: OneShotConfig, cache_dir: Path | None, reporte
     if cfg.calib_data:
         check_spec(cfg.calib_data, "--calib-data")
     reporter.stage(f"loading {source}")
-    model, tok, path = load_teacher(source, cache_dir, on_stage=reporter.stage, what=what)
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model, tok, path = load_teacher(source, cache_dir, on_stage=reporter.stage, what=what,
+                                    lazy=lambda folder: streams(cfg.streaming, folder))
+    if is_lazy(model):
+        reporter.stage(f"reading {source} one decoder layer at a time (--streaming {cfg.streaming})")
     general = general_calib_data(cfg.data, cfg.calib_data, model.config.vocab_size)
     if general != cfg.calib_data:
         cfg.calib_data = general  # recorded in the folder's data settings as what it calibrated on
         reporter.stage(f"calibrating a general-purpose model on {general} (--calib-data to choose)")
     seq = min(cfg.seq_len, getattr(model.config, "max_position_embeddings", None) or cfg.seq_len)
     heldout = default_heldout(cfg.data) if cfg.heldout_fraction is None else cfg.heldout_fraction
-    teacher = TeacherSource(Path(str(path)), model, tok)
+    teacher = TeacherSource(Path(str(path)), None if is_lazy(model) else model, tok)
     data = load_tokens(cfg.data, tok, heldout, cache_dir, teacher=teacher, reporter=reporter)
     calib = data
     if cfg.calib_data and cfg.calib_data != cfg.data:
@@ -242,10 +257,27 @@ def compress_one_shot(source: str, cfg: OneShotConfig, out: str | Path, force: b
     out = Path(out)
     check_out_dir(out, force)
     t0 = time.time()
-    model, tok, path, train_blocks, val_blocks, heldout = load_source(source, cfg, cache_dir, reporter, "compress")
-    check_out_dir(out, force, (path,))
+    loaded = load_source(source, cfg, cache_dir, reporter, "compress")
+    check_out_dir(out, force, (loaded[2],))
+    store = None
+    if is_lazy(loaded[0]):
+        check_streamed(loaded[0], cfg, out)
+        store = TensorStore()
+    try:
+        return _compressed(loaded, source, cfg, out, cache_dir, t0, evaluate, reporter, cost_model, store)
+    finally:
+        if store is not None:
+            store.close()
+
+
+def _compressed(loaded: tuple, source: str, cfg: OneShotConfig, out: Path, cache_dir: Path | None, t0: float,
+                evaluate: bool, reporter: Reporter, cost_model, store: TensorStore | None):
+    """``compress_one_shot`` once its source is ``loaded`` (``load_source``'s result): the structure, the compressed
+    model, its scores, its folder (a lazy source's written one tensor at a time from ``store`` and its files)."""
+    model, tok, path, train_blocks, val_blocks, heldout = loaded
     seq = train_blocks.seq_len
-    decisions, deployed, tokens, facts, alloc = one_shot_structure(model, train_blocks, cfg, reporter, cost_model)
+    decisions, deployed, tokens, facts, alloc = one_shot_structure(model, train_blocks, cfg, reporter, cost_model,
+                                                                   store)
     removed = sorted({int(d.name.split(".")[2]) for d in decisions if d.case == REMOVED.name})
     correction = None
     if cfg.correct:  # on the same calibration blocks (drawn with a fixed seed)
@@ -268,16 +300,43 @@ def compress_one_shot(source: str, cfg: OneShotConfig, out: str | Path, force: b
         base, deployed = take_layers(model, kept), renumbered(deployed, kept)
     compressed = build_deployed_model(base, deployed, provenance, facts.get("head_bits", 0), alloc.head_module,
                                       share=True)  # the source is never changed, nor the compressed model trained
+    value = None
+    if store is not None:  # its weights: the deploys' from the store, the others the source's files
+        value = folder_values(model, store, provenance.get("layer_indices"))
+        setattr(compressed, SOURCE, value)
     report = compression_report(decisions, None, {}, baseline="source")
     report.update(schema_version=SCHEMA_VERSION, bdlora_version=__version__, source="compress --one-shot",
                   provenance=provenance)
     if evaluate:
         reporter.stage(f"scoring {len(val_blocks) * seq:,} held-out tokens (source vs compressed)")
         with torch.no_grad():
-            report["eval"] = {"student_val_ppl": perplexity(model, val_blocks),
-                              "compressed_val_ppl": perplexity(compressed, val_blocks),
+            report["eval"] = {"student_val_ppl": scored(model, val_blocks),
+                              "compressed_val_ppl": scored(compressed, val_blocks),
                               "tokens": len(val_blocks) * seq, "baseline": "the source model"}
     report["seconds"] = time.time() - t0
-    reporter.stage(f"writing {out}")
-    save_model_folder(compressed, tok, out, report)
+    reporter.stage(f"writing {out}" + (" one tensor at a time" if value else ""))
+    save_model_folder(compressed, tok, out, report, value)
     return report, out
+
+
+def scored(model, blocks) -> float:
+    """Held-out perplexity of ``model``, in memory or lazy (``models.stream.streamed``: one layer made at a time)."""
+    if not is_lazy(model):
+        return perplexity(model, blocks)
+    with streamed(model):
+        return perplexity(model, blocks, device="cpu")
+
+
+def check_streamed(model, cfg: OneShotConfig, out: Path) -> None:
+    """What a one-shot of a lazy source refuses before any work: ``--correct`` (it re-solves every pair against the
+    whole model in memory), an output folder's disk without room for the compressed model (at most the source's
+    fp32 weights)."""
+    if cfg.correct:
+        raise UsageError("--correct: re-solves the low-rank pairs against the whole model held in memory; a source "
+                         "read one layer at a time cannot (pass --streaming off, which holds it in fp32)")
+    need = sum(p.numel() for p in model.parameters()) * 4
+    where = next((p for p in (out, *out.parents) if p.exists()), Path("."))
+    free = shutil.disk_usage(where).free
+    if need > free:
+        raise UsageError(f"{out}: the compressed folder takes up to {need / 2**30:,.1f} GiB and {where} has "
+                         f"{free / 2**30:,.1f} GiB free")

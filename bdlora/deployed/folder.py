@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.utils import SAFE_WEIGHTS_NAME
 
 from bdlora.base.errors import ModelError
-from bdlora.base.io import atomic_dir, write_json
+from bdlora.base.io import atomic_dir, stream_tensors, write_json
 from bdlora.base.runs import ModelDir
 from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES
 from bdlora.forms import FORMS, describe
@@ -47,6 +48,17 @@ def check_architecture(model, what: str) -> None:
                                  f"{', '.join(PROJECTIONS)})")
 
 
+def saved_tensors(model) -> dict:
+    """The tensors ``save_pretrained`` writes, by name, in the state dict's order: a tied tensor once (under its
+    first name)."""
+    seen, out = set(), {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            out[name] = t
+    return out
+
+
 def _form(module) -> str | None:
     try:
         return describe(module)[0]
@@ -54,10 +66,18 @@ def _form(module) -> str | None:
         return None
 
 
-def save_model_folder(model, tokenizer, out: Path, report: dict) -> Path:
-    """Write the model folder atomically: an interrupted save leaves no folder that looks complete."""
+def save_model_folder(model, tokenizer, out: Path, report: dict, value=None) -> Path:
+    """Write the model folder atomically: an interrupted save leaves no folder that looks complete. ``value``: the
+    model's weights are on the meta device (``models.lazy``) and ``value(name, meta tensor)`` gives each when it is
+    written (``saved_tensors``' names, one tensor in memory at a time); otherwise transformers writes them."""
     with atomic_dir(out) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
+        if value is None:
+            model.save_pretrained(tmp, safe_serialization=True)
+        else:
+            model.config.save_pretrained(tmp)
+            if model.can_generate():
+                model.generation_config.save_pretrained(tmp)
+            stream_tensors(tmp / SAFE_WEIGHTS_NAME, saved_tensors(model), value, metadata={"format": "pt"})
         shutil.copy(MODELING_FILE, tmp / MODELING_FILE.name)
         tokenizer.save_pretrained(tmp)
         write_json(tmp / ModelDir.MARKER, {**report, DIGEST_KEY: digests(tmp),  # checked by every later reader

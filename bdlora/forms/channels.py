@@ -128,6 +128,7 @@ class ChannelsStep(BaseStep):
     its three narrower dense products' cost and the exact error of dropping the least important channels."""
 
     name = "channels"
+    per_layer = True
 
     def pricing(self, ctx: OneShotContext) -> None:
         ctx.probes += probe_shapes(ctx.shapes)

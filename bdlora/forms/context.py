@@ -91,9 +91,13 @@ class OneShotContext:
 
 
 class Step(Protocol):
-    """An allocated form's behaviour in the one-shot (see the module docstring for when each is called)."""
+    """An allocated form's behaviour in the one-shot (see the module docstring for when each is called).
+    ``per_layer``: its ``offer`` and ``deploy`` read the projections' weights, site by site; for a source read one
+    layer at a time (``compress.streamed``) each is called once per decoder layer, on a context and an allocation
+    narrowed to that layer's projections and sites, while that layer's weights exist."""
 
     name: str
+    per_layer: bool
 
     def pricing(self, ctx: OneShotContext) -> None: ...
 
@@ -110,6 +114,7 @@ class BaseStep:
     """A step that does nothing at every stage (a form overrides what it needs)."""
 
     name = ""
+    per_layer = False
 
     def pricing(self, ctx: OneShotContext) -> None:
         return None

@@ -117,6 +117,7 @@ class GroupsStep(BaseStep):
     one group, each at its four narrower dense products' cost and the exact error of dropping the others."""
 
     name = "groups"
+    per_layer = True
 
     def pricing(self, ctx: OneShotContext) -> None:
         ctx.probes += probe_shapes(ctx.shapes, ctx.kv)

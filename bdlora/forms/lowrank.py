@@ -129,6 +129,7 @@ class LowRankStep(BaseStep):
     options are the ranks' errors (the spectrum's tail energy) at their costs."""
 
     name = "lowrank"
+    per_layer = True
 
     def offer(self, ctx: OneShotContext) -> None:
         ctx.reporter.stage("whitened, loss-weighted spectra of every projection")

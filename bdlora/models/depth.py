@@ -7,10 +7,13 @@ import copy
 
 import torch
 
+from bdlora.models.lazy import empty, is_lazy
+
 
 def take_layers(source_model, idx: list[int], seed: int = 0, scratch: bool = False):
     """The source with only its decoder layers ``idx`` (ascending), renumbered 0.. in that order: embeddings, final
-    norm, LM head and each kept layer copied (random weights with ``scratch``); the source is not changed."""
+    norm, LM head and each kept layer copied (random weights with ``scratch``); the source is not changed. Of a lazy
+    source (``models.lazy``), a lazy model whose layer ``j`` is the source's ``idx[j]`` to whoever reads it."""
     config = copy.deepcopy(source_model.config)
     config.num_hidden_layers = len(idx)
     if getattr(config, "layer_types", None) is not None:  # per-layer attention kinds (e.g. Qwen2 sliding window)
@@ -22,6 +25,8 @@ def take_layers(source_model, idx: list[int], seed: int = 0, scratch: bool = Fal
                                  **{f"model.layers.{j}.{k.split('.', 3)[3]}": v for j, i in enumerate(idx)
                                     for k, v in config.bdlora_modules.items() if k.startswith(f"model.layers.{i}.")}}
     torch.manual_seed(seed)
+    if is_lazy(source_model) and not scratch:  # its weights stay the source's files', read under the source's
+        return empty(lambda: type(source_model)(config))  # layer numbers (compress.streamed.source_name)
     student = type(source_model)(config)
     if scratch:
         return student.to(torch.float32)

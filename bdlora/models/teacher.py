@@ -39,6 +39,7 @@ from bdlora.models import sources
 from bdlora.models.integrity import check_loadable, check_model_folder
 from bdlora.models.load import check_tensor_shapes
 from bdlora.models.perplexity import perplexity
+from bdlora.models.stream import lazy_folder_model
 from bdlora.models.tokenizer import check_vocabulary
 
 EOS = "<|endoftext|>"
@@ -224,10 +225,12 @@ def teacher_folder(spec: str, cache_dir: Path | None = None) -> Path:
 
 
 def load_teacher(spec: str, cache_dir: Path | None = None, device: str = "cpu", on_stage=None, on_step=None,
-                 what: str = "--teacher"):
+                 what: str = "--teacher", lazy=None):
     """Return (model, tokenizer, path) for ``--teacher``: ``builtin``, a local HF folder, a ``.gguf`` file, a preset
     or a hub id (see ``bdlora.models.sources``); ``what`` names the option in error messages (``--student-init`` loads
-    through here too)."""
+    through here too). ``lazy``: ``(folder) -> bool``, asked once the source is a folder: true, the model is built on
+    the meta device and reads each weight from the folder's files when a part is made (``models.stream``: a 1B-8B
+    source is never whole in fp32)."""
 
     if spec == BUILTIN:
         path = build_builtin_teacher(cache_dir, on_stage=on_stage, on_step=on_step)
@@ -242,6 +245,12 @@ def load_teacher(spec: str, cache_dir: Path | None = None, device: str = "cpu", 
             check_tensor_shapes(path)
         except ModelError as e:
             raise ModelError(f"{what} {spec}: {e}") from None
+    if lazy is not None and path.is_dir() and lazy(path):
+        try:
+            model, tokenizer, _ = lazy_folder_model(path)
+        except ModelError as e:
+            raise ModelError(f"{what} {spec}: {e}") from None
+        return _usable(model, tokenizer, spec, what), tokenizer, path
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -252,14 +261,18 @@ def load_teacher(spec: str, cache_dir: Path | None = None, device: str = "cpu", 
         raise ModelError(f"{what} {spec}: could not load the model or tokenizer ({msg[:200]})") from None
     check_architecture(model, f"{what} {spec}")
     check_vocabulary(f"{what} {spec}", len(tokenizer), model.get_input_embeddings().num_embeddings)
+    return _usable(model, tokenizer, spec, what).to(device), tokenizer, path
+
+
+def _usable(model, tokenizer, spec: str, what: str):
+    """``model`` frozen, in eval mode, once its tokenizer has an EOS token (and a padding token: the EOS)."""
     if tokenizer.eos_token_id is None:
         raise ModelError(f"{what} {spec}: the tokenizer defines no EOS token")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model.to(device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    return model, tokenizer, path
+    return model.eval()
 
 
 PRETRAINED_PPL_TOKENS = 8192  # held-out builtin-corpus tokens scored by `bdlora teacher --preset` (seq 512)
