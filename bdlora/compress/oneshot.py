@@ -107,6 +107,8 @@ def _allocated(model, ctx: OneShotContext, steps: list, mods: dict, cfg: OneShot
         ctx.facts["allocation_cost"] = {"cost": "measured decode time", **ctx.table.prediction(
             ctx.shapes, alloc.deployed(ctx.shapes)), "mac_ratio": alloc.mac_ratio(ctx.shapes)}
     built = {}
+    if is_lazy(model):
+        reporter.stage("building the chosen forms one decoder layer at a time (each built tensor to the temp folder)")
     for st in steps:
         for view, part in sections(ctx, st):
             with made(model, part):

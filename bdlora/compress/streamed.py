@@ -80,11 +80,15 @@ def sections(ctx, step):
     if not step.per_layer:
         yield ctx, {"skip": "model.layers"}
         return
-    for i in range(len(ctx.model.model.layers)):
+    n = len(ctx.model.model.layers)
+    for i in range(n):
         prefix = f"model.layers.{i}."
-        mods = {n: m for n, m in ctx.mods.items() if n.startswith(prefix)}
+        mods = {k: m for k, m in ctx.mods.items() if k.startswith(prefix)}
         yield (replace(ctx, mods=mods, shapes=[s for s in ctx.shapes if s.name in mods],
                        reporter=ctx.reporter if i == 0 else SILENT), {"within": f"model.layers.{i}"})
+        if i == 0:  # after the step's own line: a bar over the layers
+            ctx.reporter.count(0, n, "layers")
+        ctx.reporter.count(1, n, "layers")
 
 
 def made(model, part: dict | None):
