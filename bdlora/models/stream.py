@@ -106,7 +106,7 @@ def lazy_folder_model(model_dir: str | Path):
     declared = {n for n, _ in model.named_parameters()}
     check_weights_match(folder, model, {"missing_keys": declared - source.names(),
                                         "unexpected_keys": source.names() - declared - tied},
-                        cause="a checkpoint transformers renames on load is exported with --streaming off")
+                        cause="a checkpoint transformers renames on load is read whole: pass --streaming off")
     setattr(model, SOURCE, source)
     return checked_model(folder, model, tok), tok, report
 
