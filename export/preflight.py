@@ -7,10 +7,10 @@ The weights themselves are checked by the loader (``models.integrity``) before t
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 
 from bdlora.base.errors import ModelError, UsageError
+from bdlora.base.outputs import free_space
 from bdlora.base.runs import CONFIG, STUDENT_META
 from bdlora.models.integrity import check_loadable, check_safetensors, weight_files
 
@@ -32,13 +32,6 @@ def bytes_needed(weights: int, bits: int, reference: bool) -> int:
     return int(weights * (bits / 8 * HEADROOM + (FLOAT_BYTES if reference else 0))) + SPARE
 
 
-def _existing(path: Path) -> Path:
-    path = path.resolve()
-    while not path.exists():
-        path = path.parent
-    return path
-
-
 def check_export_inputs(model_dir: Path, out: Path, bits: int, reference: bool) -> None:
     """The tokenizer and the free space for ``out``, in one line each, before the model is loaded."""
     from transformers import AutoTokenizer
@@ -55,7 +48,7 @@ def check_export_inputs(model_dir: Path, out: Path, bits: int, reference: bool) 
         raise ModelError(f"{model_dir}: its tokenizer names no EOS token (generation stops on it and the runtime's "
                          "config declares it); set eos_token in tokenizer_config.json")
     need = bytes_needed(weight_count(model_dir), bits, reference)
-    free = shutil.disk_usage(_existing(out.parent)).free
+    _, free = free_space(out.parent)
     if need > free:
         raise UsageError(f"--out {out}: the export writes about {need / 2**30:,.1f} GiB there and its file system "
                          f"has {free / 2**30:,.1f} GiB free (free some, or choose another place)")

@@ -46,7 +46,7 @@ def test_an_output_without_room_is_refused_before_anything_is_written(tiny_env, 
     weights = preflight.weight_count(tiny_env["teacher"])
     need = preflight.bytes_needed(weights, bits, reference=bits < 32)
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda p: usage(need * 2, need * 2 - need + 1, need - 1))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(need * 2, need * 2 - need + 1, need - 1))
     r = CliRunner().invoke(app, [*argv, str(tiny_env["teacher"]), "--out", str(tmp_path / "o")])
     said = " ".join(r.output.split())
     assert r.exit_code == 2 and f"--out {tmp_path / 'o'}: the export writes about" in said, r.output

@@ -9,6 +9,7 @@ current contents is checked after the claim, since a command that held it may ha
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 from bdlora.base.errors import UsageError
@@ -26,6 +27,15 @@ from bdlora.base.runs import (
     RunDir,
     SweepDir,
 )
+
+
+def free_space(path: str | os.PathLike) -> tuple[Path, int]:
+    """(the nearest folder at or above ``path`` that exists, its file system's free bytes): where a command that
+    will write under ``path`` checks it has room before any work."""
+    where = Path(path).resolve()
+    while not where.exists():
+        where = where.parent
+    return where, shutil.disk_usage(where).free
 
 
 def check_resumable_out(out: str | os.PathLike) -> None:

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from bdlora.base.errors import ModelError, UsageError
+from bdlora.base.outputs import free_space
 from bdlora.base.reporter import SILENT, Reporter
 from bdlora.compress.calibrate import (
     CALIB_BATCH,
@@ -104,7 +105,7 @@ def calibrate_layers(model, blocks: np.ndarray, fisher: bool = True, residual: b
     lazy (``models.lazy``: each layer made from its weight files when it runs); the Grams in a ``GramStore`` under
     ``where`` (default: the system's temp folder), whose free space is checked first."""
     need = disk_needed(model, int(blocks.size))
-    free = shutil.disk_usage(where or tempfile.gettempdir()).free
+    _, free = free_space(where or tempfile.gettempdir())
     if need > free:
         raise UsageError(f"calibrating one layer at a time writes about {need / 2**30:,.1f} GiB to "
                          f"{where or tempfile.gettempdir()} and it has {free / 2**30:,.1f} GiB free (set TMPDIR to a "

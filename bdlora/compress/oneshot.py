@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import importlib
-import shutil
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch
 from bdlora import SCHEMA_VERSION, __version__
 from bdlora import forms as registry
 from bdlora.base.errors import UsageError
-from bdlora.base.outputs import check_out_dir
+from bdlora.base.outputs import check_out_dir, free_space
 from bdlora.base.reporter import SILENT, Reporter
 from bdlora.compress.allocate import MACS, Pricing
 from bdlora.compress.calibrate import calibration_blocks
@@ -337,8 +336,7 @@ def check_streamed(model, cfg: OneShotConfig, out: Path) -> None:
         raise UsageError("--correct: re-solves the low-rank pairs against the whole model held in memory; a source "
                          "read one layer at a time cannot (pass --streaming off, which holds it in fp32)")
     need = sum(p.numel() for p in model.parameters()) * 4
-    where = next((p for p in (out, *out.parents) if p.exists()), Path("."))
-    free = shutil.disk_usage(where).free
+    where, free = free_space(out)
     if need > free:
         raise UsageError(f"{out}: the compressed folder takes up to {need / 2**30:,.1f} GiB and {where} has "
                          f"{free / 2**30:,.1f} GiB free")
