@@ -192,3 +192,25 @@ def test_plan_of_a_source_read_one_layer_at_a_time_is_the_in_memory_plan(tiny_en
     assert [(m["name"], m["case"], m.get("lora_rank"), m.get("channels")) for m in reports["on"]["modules"]] == [
         (m["name"], m["case"], m.get("lora_rank"), m.get("channels")) for m in reports["off"]["modules"]]
     assert reports["on"]["speedup_vs_dense"] == pytest.approx(reports["off"]["speedup_vs_dense"], rel=1e-9)
+
+
+def test_a_streamed_one_shot_refuses_what_it_cannot_do_before_any_work(tiny_env, tmp_path, monkeypatch):
+    """Read one layer at a time, --correct (it needs the whole model) and an output disk without room for the folder
+    are each one line and exit 2, before calibrating; nothing is written."""
+    import shutil
+
+    from test_oneshot import shot_args
+    from typer.testing import CliRunner
+
+    from bdlora.cli import app
+
+    out = tmp_path / "o"
+    res = CliRunner().invoke(app, shot_args(tiny_env, out, "--mac-ratio", "1.4", "--streaming", "on", "--correct"))
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2 and "--correct: re-solves the low-rank pairs" in said and "--streaming off" in said, said
+    assert "Traceback" not in res.output and "calibrating" not in res.output and not out.exists()
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: type("U", (), {"free": 1000})())
+    res = CliRunner().invoke(app, shot_args(tiny_env, out, "--mac-ratio", "1.4", "--streaming", "on"))
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2 and f"{out}: the compressed folder takes up to" in said and "0.0 GiB free" in said, said
+    assert "Traceback" not in res.output and "calibrating" not in res.output and not out.exists()
