@@ -23,7 +23,9 @@ from bdlora.deployed.folder import save_model_folder
 from bdlora.export.genai import export_genai_folder
 from bdlora.export.genai.gptq import input_grams
 from bdlora.export.genai.stream import CalibratedInputs
+from bdlora.export.genai.validate import last_rows, runtime_last_position
 from bdlora.export.onnx import export_onnx_folder
+from bdlora.export.onnx.validate import ExportValidationError
 from bdlora.export.settings import GenaiExportSettings
 from bdlora.models.lazy import is_lazy
 from bdlora.models.load import load_model_folder
@@ -105,6 +107,10 @@ def test_a_streamed_export_is_the_in_memory_export(folders, tmp_path, name, prec
             assert q_held.get(key) == q_streamed.get(key), key
         v = streamed_["validation"]
         assert v["parity"]["layers"] == 2 and v["parity"]["max_abs_diff"] <= v["parity"]["tolerance"]
+        # the head's slicing on the cut's padded batches; the whole model.onnx as onnxruntime-genai runs it
+        assert v["parity"]["last_position"]["max_abs_diff"] <= 1e-5
+        assert v["last_position"]["runtime"] == "onnxruntime-genai" and v["last_position"]["prompts"] == 3
+        assert v["last_position"]["max_abs_diff"] <= 1e-5
         assert v["quality"]["reference"] == "pytorch-fp32-streamed" and v["quality"]["tokens"] == 512
         # the streamed reference is PyTorch's fp32 model, the in-memory one its fp32 graph: the same figure
         assert streamed_["validation"]["quality"]["val_ppl_fp32"] == pytest.approx(
@@ -113,6 +119,22 @@ def test_a_streamed_export_is_the_in_memory_export(folders, tmp_path, name, prec
             ["validation"]["quality"]["val_ppl_fp32"], rel=1e-4)
     else:
         assert streamed_["validation"]["generator"]["new_tokens"] == 8
+
+
+def test_the_runtimes_last_position_check_fails_on_a_different_logit(folders, tmp_path):
+    """``runtime_last_position`` compares what onnxruntime-genai gives with the all-logits graph's rows: exact on the
+    folder as written, refused once one logit of one row moves by 1e-3."""
+    export_genai_folder(folders / "mistral", tmp_path / "o", GenaiExportSettings("int4", streaming="on",
+                                                                                 max_ppl_change=10.0))
+    shape = DecoderShape.from_folder(tmp_path / "o")
+    rows = last_rows(session(tmp_path / "o" / "model_all_logits.onnx"), shape)
+    assert [len(ids) for ids, _, _ in rows] == [8, 4, 6] and rows[0][1].shape == (shape.vocab_size,)
+    assert runtime_last_position(tmp_path / "o", rows)["max_abs_diff"] <= 1e-5
+    ids, prompt, after = rows[1]
+    after = after.copy()
+    after[5] += 1e-3
+    with pytest.raises(ExportValidationError, match="differ from model_all_logits.onnx's by 0.001"):
+        runtime_last_position(tmp_path / "o", [rows[0], (ids, prompt, after)])
 
 
 def test_a_lazy_models_forward_is_the_loaded_models(folders):

@@ -296,22 +296,27 @@ def _validate(tmp: Path, model, tok, report, model_dir: Path, settings: GenaiExp
     seconds: dict[str, float] = {}
     out: dict = {"seconds": seconds}
     rounds = PRECISIONS[settings.precision].rounded
+    shape = DecoderShape.of(model.config)
     with timed(seconds, "parity"):
         if stream:
             reporter.stage(f"validating the graph against PyTorch on the model's first {PARITY_LAYERS} layers and "
-                           f"{PARITY_VOCAB:,} vocabulary rows (prefill, decode, decode steps; fp32)")
+                           f"{PARITY_VOCAB:,} vocabulary rows (prefill, decode, decode steps, the last-position "
+                           "head; fp32)")
             out["parity"] = v.cut_parity(model, settings.context_length, tmp)
             fp32 = None
         else:
             fp32 = session(tmp / (ALL_LOGITS_ONNX if not rounds else f"{FLOAT}/{MODEL_ONNX}"))
             reporter.stage("validating the graph against PyTorch (prefill, decode, decode steps)")
             out["parity"] = v.graph_parity(model, fp32)
-    with timed(seconds, "last_position"):
-        out["last_position"] = v.last_position_parity(tmp, DecoderShape.of(model.config).vocab_size)
+    if not stream:
+        with timed(seconds, "last_position"):
+            out["last_position"] = v.last_position_parity(tmp, shape)
     reporter.stage("checking onnxruntime-genai's tokenizer against the model's")
     with timed(seconds, "tokenizer"):
         out["tokenizer"] = v.tokenizer_roundtrip(tmp, tok)
     if not rounds:
+        if stream:
+            out["last_position"] = _whole_graph_runs(tmp, shape, seconds)[0]
         reporter.stage("generating with og.Generator against PyTorch's greedy tokens")
         with timed(seconds, "generator"):
             if stream:
@@ -321,14 +326,29 @@ def _validate(tmp: Path, model, tok, report, model_dir: Path, settings: GenaiExp
                 out["generator"] = v.generator_greedy(tmp, model, tok)
         return out
     with timed(seconds, "quality"):
-        out["quality"] = _quality(tmp, model, tok, report, model_dir, settings, reporter, fp32)
+        out["quality"] = _quality(tmp, model, tok, report, model_dir, settings, reporter, fp32, out)
     return out
 
 
+def _whole_graph_runs(tmp: Path, shape: DecoderShape, seconds: dict, blocks=None) -> tuple[dict, tuple | None]:
+    """A streamed export's runs of its whole graphs, one session each and one at a time (at 8B a prepacked int4
+    session holds 6.4 GB and opens in 10-17 s): model_all_logits.onnx scores ``blocks`` (the held-out check's
+    rounded side, when given) and gives the rows model.onnx must then reproduce when onnxruntime-genai runs it
+    (``validate.runtime_last_position``). Returns (that check, the scores)."""
+    t0 = time.time()
+    sess = session(tmp / ALL_LOGITS_ONNX)
+    rows = v.last_rows(sess, shape)
+    scores = score_blocks(sess, shape, blocks) if blocks is not None else None
+    del sess
+    seconds["rounded_graph" if blocks is not None else "all_logits"] = time.time() - t0
+    with timed(seconds, "last_position"):
+        return v.runtime_last_position(tmp, rows), scores
+
+
 def _quality(tmp: Path, model, tok, report, model_dir: Path, settings: GenaiExportSettings, reporter: Reporter,
-             fp32) -> dict:
+             fp32, out: dict) -> dict:
     """The rounded graph's held-out perplexity against fp32's: the fp32 graph's (``fp32``, a session) or, streamed
-    (``fp32`` None), PyTorch's one layer at a time."""
+    (``fp32`` None), PyTorch's one layer at a time (and then ``out["last_position"]``, ``_whole_graph_runs``)."""
     data = recorded_data_settings(model_dir, (report or {}).get("provenance", {}))
     blocks = _quality_blocks(data, tok, DecoderShape.of(model.config))
     tokens = settings.quality_tokens or (STREAM_QUALITY_TOKENS if fp32 is None else None)
@@ -336,10 +356,11 @@ def _quality(tmp: Path, model, tok, report, model_dir: Path, settings: GenaiExpo
         blocks = PackedBlocks(blocks.tokens, blocks.seq_len, max_tokens=tokens, bos=blocks.bos)
     what = "the fp32 graph" if fp32 is not None else "PyTorch (fp32, one layer at a time)"
     reporter.stage(f"scoring {len(blocks) * blocks.seq_len:,} held-out tokens ({len(blocks)} blocks) with {what} and "
-                   f"the {settings.precision} graph (--quality-tokens sets how many)")
+                   f"the {settings.precision} graph (--quality-tokens sets how many)"
+                   + ("; onnxruntime-genai's last-position logits" if fp32 is None else ""))
     shape = DecoderShape.of(model.config)
     if fp32 is None:  # the rounded graph first: its session (the check's peak) is gone before PyTorch's pass
-        rounded_scores = score_blocks(session(tmp / ALL_LOGITS_ONNX), shape, blocks)
+        out["last_position"], rounded_scores = _whole_graph_runs(tmp, shape, out["seconds"], blocks)
         q = {**quality_figures(score_streamed(model, blocks), rounded_scores, blocks),
              "reference": "pytorch-fp32-streamed"}
     else:

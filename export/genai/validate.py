@@ -8,14 +8,16 @@ import copy
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime_genai as og
 import torch
 import torch.nn as nn
 
 from bdlora.base.runs import ALL_LOGITS_ONNX, MODEL_ONNX
-from bdlora.export.decoder import DecoderLayout, build_decoder, save_graph
+from bdlora.export.decoder import DecoderLayout, build_decoder
+from bdlora.export.genai.logits import split_head
 from bdlora.export.onnx.validate import NOISE_FACTOR, TOLERANCE, ExportValidationError, max_abs_diff, validate
-from bdlora.models.runtime import DecoderShape, run_decoder, session
+from bdlora.models.runtime import DecoderShape, empty_past, run_decoder, session
 from bdlora.models.stream import cut_checked
 
 # GroupQueryAttention takes right-aligned batches (positions come from the mask's row sums) and, on CPU, several
@@ -31,13 +33,15 @@ def graph_parity(model: nn.Module, sess, steps: int = 6) -> dict:
     """Logits and present K/V against PyTorch at ``GENAI_SHAPES``, then a prompt of 8 followed by ``steps`` decode
     steps, each fed the previous step's presents, against the full-sequence forward."""
 
-    out = validate(model, sess, shapes=GENAI_SHAPES, left_pad=False)
+    reference64 = copy.deepcopy(model).double()  # one float64 twin for both noise estimates
+    out = validate(model, sess, shapes=GENAI_SHAPES, left_pad=False, reference64=reference64)
     shape = DecoderShape.of(model.config)
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, shape.vocab_size, (1, 8 + steps), generator=g)
     with torch.no_grad():
         ref = model(ids).logits.numpy()
-        noise = max_abs_diff(copy.deepcopy(model).double()(ids).logits.numpy(), ref)
+        noise = max_abs_diff(reference64(ids).logits.numpy(), ref)
+    del reference64
     bound = max(out["tolerance"], TOLERANCE, NOISE_FACTOR * noise)  # as in ``validate``: torch's own fp32 error
     past = [np.zeros((1, shape.kv(i // 2), 0, shape.head_dim), np.float32) for i in range(2 * shape.layers)]
     worst, t = 0.0, 0
@@ -54,9 +58,20 @@ def graph_parity(model: nn.Module, sess, steps: int = 6) -> dict:
 
 def cut_parity(model: nn.Module, context_length: int, folder: Path) -> dict:
     """``graph_parity`` of the genai graph of ``models.stream.cut_model(model)`` (written under ``folder``, removed
-    after)."""
-    return cut_checked(model, folder, lambda cut, path: save_graph(build_decoder(cut, DecoderLayout.genai(
-        context_length)), path), lambda cut, path: graph_parity(cut, session(path)))
+    after), then the cut's last-position graph against its every-position twin on right-padded batches
+    (``last_position_parity``): the head's slicing checked where its sessions cost little."""
+
+    def check(cut, path: Path) -> dict:
+        out = graph_parity(cut, session(path))
+        split_head(path.parent)
+        return {**out, "last_position": last_position_parity(path.parent, DecoderShape.of(cut.config))}
+
+    def write(cut, path: Path) -> None:  # the weights beside the graph, as a genai folder has them: split_head then
+        # reads and writes the two graphs' structure only
+        onnx.save_model(build_decoder(cut, DecoderLayout.genai(context_length)), str(path), save_as_external_data=True,
+                        all_tensors_to_one_file=True, location=f"{path.name}.data")
+
+    return cut_checked(model, folder, write, check)
 
 
 @torch.no_grad()
@@ -103,7 +118,7 @@ def tokenizer_roundtrip(folder: Path, tokenizer) -> dict:
     """onnxruntime-genai's tokenizer must encode and decode like the Hugging Face one (a byte-level BPE read
     wrongly decodes to raw symbols such as 'Ġ')."""
 
-    tok = og.Tokenizer(og.Model(str(folder)))
+    tok = og.Tokenizer(og.Config(str(folder)))  # the folder's config and tokenizer files; no session opened
     for text in TEXTS:
         want = tokenizer(text, add_special_tokens=False)["input_ids"]
         got = [int(t) for t in tok.encode(text)]
@@ -118,20 +133,18 @@ def tokenizer_roundtrip(folder: Path, tokenizer) -> dict:
     return {"texts": len(TEXTS), "identical": True}
 
 
-def last_position_parity(folder: Path, vocab: int, tolerance: float = 1e-5) -> dict:
+def last_position_parity(folder: Path, shape: DecoderShape, tolerance: float = 1e-5) -> dict:
     """model.onnx (each row's last position) against model_all_logits.onnx (every position) on the shapes the
     runtime feeds: right-padded prompts of different lengths, then a decode step after them. The two graphs share
     every weight, so the rows must agree to rounding."""
-    shape = DecoderShape.from_folder(folder)
     rng = np.random.default_rng(11)
     lengths = np.array([7, 3, 5])
-    ids = rng.integers(0, vocab, (len(lengths), int(lengths.max())))
+    ids = rng.integers(0, shape.vocab_size, (len(lengths), int(lengths.max())))
     mask = (np.arange(ids.shape[1])[None] < lengths[:, None]).astype(np.int64)
     past = [np.zeros((len(lengths), shape.kv(i // 2), 0, shape.head_dim), np.float32) for i in range(2 * shape.layers)]
     step, later = ids[:1, :1], np.ones((1, ids.shape[1] + 1), np.int64)
     # one session at a time, each as deployed (prepacked): unprepacked, MatMulNBits dequantises its weights on every
-    # call, and these four calls took 37 s at 3B against 6.7 s; a prepacked session's memory (3.6 GB at 3B) is the
-    # held-out check's, which opens the same graph after
+    # call, and these four calls took 37 s at 3B against 6.7 s
     full = session(folder / ALL_LOGITS_ONNX)
     a = run_decoder(full, ids, mask, None, past)
     one = [x[:1] for x in a[1:]]
@@ -145,3 +158,37 @@ def last_position_parity(folder: Path, vocab: int, tolerance: float = 1e-5) -> d
         raise ExportValidationError(f"{MODEL_ONNX}'s last-position logits differ from {ALL_LOGITS_ONNX}'s by "
                                     f"{worst:.3g} (tolerance {tolerance:g})")
     return {"max_abs_diff": worst, "tolerance": tolerance}
+
+
+def last_rows(sess, shape: DecoderShape, lengths: tuple[int, ...] = (7, 3, 5)) -> list[tuple]:
+    """What model.onnx must give for prompts of random tokens of ``lengths`` and one token after each:
+    (ids (n + 1,), logits at the prompt's last position, logits of the token after), from ``sess``, a session of
+    model_all_logits.onnx (every position's logits; the same weights)."""
+    rng = np.random.default_rng(13)
+    rows = []
+    for n in lengths:
+        ids = rng.integers(0, shape.vocab_size, (1, n + 1))
+        a = run_decoder(sess, ids[:, :n], np.ones((1, n), np.int64), None, empty_past(shape, 1))
+        after = run_decoder(sess, ids[:, n:], np.ones((1, n + 1), np.int64), None, a[1:])[0]
+        rows.append((ids[0], a[0][0, -1], after[0, -1]))
+    return rows
+
+
+def runtime_last_position(folder: Path, rows: list[tuple], tolerance: float = 1e-5) -> dict:
+    """model.onnx as onnxruntime-genai runs it (``og.Model``: its genai_config, its own inputs and cache) against
+    ``rows`` (``last_rows``): each prompt's logits and the next token's, to ``tolerance``. The whole graph's one
+    session of a streamed export's checks (at 8B a prepacked int4 session holds 6.4 GB and opens in 10-17 s); the
+    right-padded batches are checked on the cut graph (``cut_parity``)."""
+    model, worst = og.Model(str(folder)), 0.0
+    for ids, prompt, after in rows:
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(ids) + 1)
+        gen = og.Generator(model, params)
+        for part, want in ((ids[:-1], prompt), (ids[-1:], after)):
+            gen.append_tokens(part.astype(np.int32))
+            got = gen.get_logits().reshape(-1)
+            worst = max(worst, float(np.abs(got - want).max()) if got.shape == want.shape else float("inf"))
+    if worst > tolerance:
+        raise ExportValidationError(f"onnxruntime-genai's logits from {MODEL_ONNX} differ from {ALL_LOGITS_ONNX}'s "
+                                    f"by {worst:.3g} (tolerance {tolerance:g})")
+    return {"max_abs_diff": worst, "tolerance": tolerance, "prompts": len(rows), "runtime": "onnxruntime-genai"}

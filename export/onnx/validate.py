@@ -35,14 +35,14 @@ class ExportValidationError(BdloraError):
 
 @torch.no_grad()
 def validate(model: nn.Module, sess, shapes=VALIDATION_SHAPES, tolerance: float = TOLERANCE,
-             left_pad: bool = True) -> dict:
+             left_pad: bool = True, reference64: nn.Module | None = None) -> dict:
     """Compare ONNX Runtime with the model's own forward (native 2D-mask path) at several (batch, seq, past),
     the first row left padded (unless ``left_pad`` is False); logits are compared on real (non-padding) positions,
     present K/V everywhere. The
     bound is ``tolerance``, or ``NOISE_FACTOR`` x PyTorch's own fp32 rounding error (its distance from a float64
-    forward) when that is larger."""
+    forward, ``reference64`` when the caller made it) when that is larger."""
 
-    reference64 = copy.deepcopy(model).double()
+    reference64 = copy.deepcopy(model).double() if reference64 is None else reference64
     if getattr(reference64.config, "_attn_implementation", None) == "eager":
         # eager attention in float64 turns a fully masked (left-padding) query row into NaN, and the NaN reaches the
         # row's real positions through the next layer's zero-weighted padding values; SDPA keeps them finite
