@@ -62,9 +62,10 @@ def cut_parity(model: nn.Module, context_length: int, folder: Path) -> dict:
     (``last_position_parity``): the head's slicing checked where its sessions cost little."""
 
     def check(cut, path: Path) -> dict:
-        out = graph_parity(cut, session(path))
-        split_head(path.parent)
-        return {**out, "last_position": last_position_parity(path.parent, DecoderShape.of(cut.config))}
+        sess = session(path)
+        out = graph_parity(cut, sess)
+        split_head(path.parent)  # the session read the every-position graph: it serves as its twin below
+        return {**out, "last_position": last_position_parity(path.parent, DecoderShape.of(cut.config), full=sess)}
 
     def write(cut, path: Path) -> None:  # the weights beside the graph, as a genai folder has them: split_head then
         # reads and writes the two graphs' structure only
@@ -133,10 +134,10 @@ def tokenizer_roundtrip(folder: Path, tokenizer) -> dict:
     return {"texts": len(TEXTS), "identical": True}
 
 
-def last_position_parity(folder: Path, shape: DecoderShape, tolerance: float = 1e-5) -> dict:
-    """model.onnx (each row's last position) against model_all_logits.onnx (every position) on the shapes the
-    runtime feeds: right-padded prompts of different lengths, then a decode step after them. The two graphs share
-    every weight, so the rows must agree to rounding."""
+def last_position_parity(folder: Path, shape: DecoderShape, tolerance: float = 1e-5, full=None) -> dict:
+    """model.onnx (each row's last position) against model_all_logits.onnx (every position; ``full``: a session of
+    it already open) on the shapes the runtime feeds: right-padded prompts of different lengths, then a decode step
+    after them. The two graphs share every weight, so the rows must agree to rounding."""
     rng = np.random.default_rng(11)
     lengths = np.array([7, 3, 5])
     ids = rng.integers(0, shape.vocab_size, (len(lengths), int(lengths.max())))
@@ -145,7 +146,7 @@ def last_position_parity(folder: Path, shape: DecoderShape, tolerance: float = 1
     step, later = ids[:1, :1], np.ones((1, ids.shape[1] + 1), np.int64)
     # one session at a time, each as deployed (prepacked): unprepacked, MatMulNBits dequantises its weights on every
     # call, and these four calls took 37 s at 3B against 6.7 s
-    full = session(folder / ALL_LOGITS_ONNX)
+    full = session(folder / ALL_LOGITS_ONNX) if full is None else full
     a = run_decoder(full, ids, mask, None, past)
     one = [x[:1] for x in a[1:]]
     c = run_decoder(full, step, later, None, one)[0]
