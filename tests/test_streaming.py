@@ -9,6 +9,8 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from onnx import numpy_helper
 from safetensors.torch import load_file, save_file
 from test_gemma3 import _perturbed as perturbed
@@ -22,6 +24,7 @@ from bdlora.data.blocks import PackedBlocks
 from bdlora.deployed.folder import save_model_folder
 from bdlora.export.genai import export_genai_folder
 from bdlora.export.genai.gptq import input_grams
+from bdlora.export.genai.quantize import ort_rtn, torch_rtn
 from bdlora.export.genai.stream import CalibratedInputs
 from bdlora.export.genai.validate import last_rows, runtime_last_position
 from bdlora.export.onnx import export_onnx_folder
@@ -135,6 +138,50 @@ def test_the_runtimes_last_position_check_fails_on_a_different_logit(folders, tm
     after[5] += 1e-3
     with pytest.raises(ExportValidationError, match="differ from model_all_logits.onnx's by 0.001"):
         runtime_last_position(tmp_path / "o", [rows[0], (ids, prompt, after)])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([4, 8]), st.integers(1, 70), st.integers(1, 5), st.integers(0, 31), st.integers(1, 16),
+       st.integers(0, 10_000))
+def test_torch_rounding_is_onnxruntimes_kernel_bit_for_bit(bits, n, blocks, short, rows, seed):
+    """``torch_rtn`` (the streamed export's round-to-nearest, from the (out, in) weight) gives the codes and scales
+    of onnxruntime's own kernel (``ort_rtn``, what ``MatMulNBitsQuantizer`` calls) bit for bit: any K (padded to
+    whole blocks of 32), any row slicing, zero blocks (scale -0.0), blocks whose min and max have one magnitude,
+    values on exact half steps of the grid (roundf's ties away from zero) and mixed magnitudes."""
+    g = np.random.default_rng(seed)
+    k = max(1, 32 * blocks - short)
+    w = (g.standard_normal((n, k)) * g.uniform(1e-4, 2.0, (n, 1))).astype(np.float32)
+    w[0, : min(k, 32)] = 0.0  # a zero block
+    if n > 1:
+        w[1, : min(k, 32)] = np.resize([0.5, -0.5], min(k, 32))  # |max| == |min|: the min is taken
+    if n > 2:  # codes on exact ties: v / scale + 2^(bits-1) lands on x.5
+        m = 1 << (bits - 1)
+        w[2, : min(k, 32)] = (np.arange(min(k, 32)) % (2 * m) - m + 0.5) * np.float32(0.25) / m
+        w[2, 0] = -0.25
+    ((want_q, want_s),) = ort_rtn(np.ascontiguousarray(w.T), bits, n)
+    got = list(torch_rtn(w, bits, rows))
+    assert len(got) == -(-n // rows)
+    got_q, got_s = np.concatenate([c for c, _ in got]), np.concatenate([s for _, s in got])
+    assert got_q.shape == want_q.shape and np.array_equal(got_s.view(np.int32), want_s.view(np.int32))
+
+    def codes(q):  # (n, whole blocks x 32) one code per position
+        return (np.stack([q & 15, q >> 4], -1) if bits == 4 else q).reshape(n, -1)
+
+    # every code up to K, and 0 past it; at an odd K the kernel fills the last pair's second nibble with whatever it
+    # reads past the weight's end (it varies run to run; MatMulNBits never reads it): ours is the zero point
+    a, b = codes(want_q), codes(got_q)
+    past = k + (bits == 4 and k % 2)
+    assert np.array_equal(a[:, :k], b[:, :k]) and np.array_equal(a[:, past:], b[:, past:])
+    assert not b[:, past:].any() and (past == k or (b[:, k] == 8).all())
+
+
+def test_torch_rounding_hands_a_non_finite_weight_to_the_kernel():
+    """A weight holding NaN or infinity is rounded by onnxruntime's kernel itself (its comparisons skip a NaN)."""
+    w = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    w[3, 5], w[6, 40] = np.nan, np.inf
+    (want_q, want_s), = ort_rtn(np.ascontiguousarray(w.T), 4, 8)
+    (got_q, got_s), = torch_rtn(w, 4, 8)
+    assert np.array_equal(want_q, got_q) and np.array_equal(want_s, got_s, equal_nan=True)
 
 
 def test_a_lazy_models_forward_is_the_loaded_models(folders):

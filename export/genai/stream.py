@@ -7,9 +7,10 @@ head: ``GraphBuilder.part_done``) its weight MatMuls are rounded to MatMulNBits 
 ``model.onnx.data``; the graph keeps nodes and references only. What is held at once is one part in fp32 and its
 rounded codes, whatever the model's size.
 
-The result is the in-memory path's graph (tested equal to 1e-5 on the same folder): round-to-nearest calls the same
-onnxruntime kernel ``MatMulNBitsQuantizer`` calls (``rtn_nbits``: the same codes, scales and node, computed over
-column slices so a 128k-vocabulary head is never copied whole); ``affine`` rounds each part with ``quantize_graph``.
+The result is the in-memory path's graph (tested equal to 1e-5 on the same folder): round-to-nearest gives the codes
+and scales of the onnxruntime kernel ``MatMulNBitsQuantizer`` calls, bit for bit (``rtn_nbits``: the same node,
+``quantize.torch_rtn`` computing the kernel's float operations on slices of the weight's rows, so a 128k-vocabulary
+head is never copied whole or transposed); ``affine`` rounds each part with ``quantize_graph``.
 The embedding table is not written in fp32: at the end ``quantize_embedding`` points the Gather at the tied head's
 codes or at an 8-bit copy read again from the weight files, rows at a time. GPTQ rounds each part against its
 MatMuls' input Gram matrices measured layer by layer (``CalibratedInputs``: the calibration blocks' hidden states
@@ -33,12 +34,12 @@ from bdlora.base.schemes import mixed, scheme
 from bdlora.export.decoder.builder import GraphBuilder, contiguous, node_bits
 from bdlora.export.genai.affine import AUGMENTED
 from bdlora.export.genai.gptq import ACCURACY_LEVEL, BLOCK_SIZE
-from bdlora.export.genai.quantize import BITS, LM_HEAD, keep_docs, ort_rtn, quantize_graph
+from bdlora.export.genai.quantize import BITS, LM_HEAD, keep_docs, quantize_graph, torch_rtn
 from bdlora.models.sequential import LayerByLayer, add_gram, layer_input_grams
 
 INLINE_BELOW = 1024  # bytes: smaller tensors stay inside model.onnx (onnx's own external-data threshold)
 ALIGN = 4096  # each external tensor starts on a page (onnxruntime may map it instead of copying)
-COLUMNS = 1024  # output columns rounded per call: a 128k-vocabulary head in slices of K x 1024 fp32
+COLUMNS = None  # output columns rounded per slice (None: ``torch_rtn``'s, about 256k weights a slice)
 
 
 class ExternalData:
@@ -85,11 +86,11 @@ class ExternalData:
 
 def rtn_nbits(node, b: np.ndarray, bits: int, data: ExternalData):
     """``node`` (MatMul, weight ``b`` (K, N)) as the MatMulNBits node ``MatMulNBitsQuantizer`` makes (symmetric,
-    blocks of ``BLOCK_SIZE`` along K, ``ACCURACY_LEVEL``), its codes and scales (``ort_rtn``, ``COLUMNS`` output
-    columns at a time) written to ``data``."""
+    blocks of ``BLOCK_SIZE`` along K, ``ACCURACY_LEVEL``), its codes and scales (``torch_rtn``: the kernel's, bit
+    for bit, a slice of output columns at a time) written to ``data``."""
     k, n = b.shape
     kb, blob = -(-k // BLOCK_SIZE), BLOCK_SIZE * bits // 8
-    codes, scales = zip(*ort_rtn(b, bits, COLUMNS))
+    codes, scales = zip(*torch_rtn(b.T, bits, COLUMNS))  # b is the (out, in) weight seen transposed
     name = node.input[1]
     q = data.put_chunks(f"{name}_Q{bits}", np.uint8, (n, kb, blob), codes)
     s = data.put_chunks(f"{name}_scales", np.float32, (n, kb), scales)
