@@ -19,7 +19,6 @@ numpy, onnxruntime and tokenizers only: the serving process never loads torch.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import queue
 import threading
 from collections.abc import Callable
@@ -351,22 +350,3 @@ class _Batch:
 
 
 __all__ = ["Engine", "Request"]
-
-
-def release_freed_memory() -> None:
-    """Hand the heap's free pages back to the system (glibc ``malloc_trim``; elsewhere nothing), after work that
-    freed a lot: an idle genai engine (a cohort's KV buffer is one allocation of (rows x prompt + generation)
-    positions; glibc serves a size it has freed before from its heap and keeps those pages, so without this the
-    server's memory after a burst depended on which buffers had last been freed: 195-245 MB between identical idle
-    rounds), or a response of many megabytes (echo with logprobs: 108 MB before, 619 MB kept after one)."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim = None

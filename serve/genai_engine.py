@@ -34,8 +34,9 @@ import time
 import numpy as np
 
 from bdlora.base.errors import usable_cores
+from bdlora.base.memory import release_freed_memory
 from bdlora.base.runs import all_logits_graph
-from bdlora.serve.engine import Engine, release_freed_memory
+from bdlora.serve.engine import Engine
 from bdlora.serve.fair import reserved_slots
 from bdlora.serve.sequence import Request, Sequence
 from bdlora.speculative.decoders import GenaiDecoder

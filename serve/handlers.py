@@ -16,9 +16,9 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from bdlora.base.memory import release_freed_memory
 from bdlora.serve.config import ServeConfig
 from bdlora.serve.engine import Request as EngineRequest
-from bdlora.serve.engine import release_freed_memory
 from bdlora.serve.interface import ServingEngine
 from bdlora.serve.metrics import Metrics
 from bdlora.serve.protocol import (

@@ -263,3 +263,34 @@ def test_validation_bound_follows_torchs_own_fp32_error(tiny_env, tmp_path):
         render.onnx_export(json.loads((tmp_path / "b" / "export.json").read_text()), tmp_path / "b")
     assert f"= {NOISE_FACTOR:g} x torch's own fp32 error" in shown.get()  # the table names the factor applied
     assert v["max_abs_diff"] <= v["tolerance"]
+
+
+def test_the_float64_reference_is_the_model_itself_and_leaves_it_as_it_was():
+    """Parity measures PyTorch's own fp32 error against the model's float64 forward (``in_float64``: the model
+    converted in place, no twin beside it); after the block every weight and buffer is bit for bit what it was, in
+    its own dtype, and eager attention is eager again (SDPA inside, where eager float64 turns padded rows to NaN)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bdlora.export.onnx.validate import in_float64
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, attn_implementation="eager", tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    buffers = {n: b.dtype for n, b in model.named_buffers()}
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        fp32 = model(ids).logits
+        with in_float64(model) as m:
+            assert m is model and all(p.dtype == torch.float64 for p in model.parameters())
+            assert model.config._attn_implementation == "sdpa"
+            fp64 = model(ids).logits
+    assert fp64.dtype == torch.float64 and 0 < float((fp64 - fp32.double()).abs().max()) < 1e-5
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+    assert {n: b.dtype for n, b in model.named_buffers()} == buffers
+    assert model.config._attn_implementation == "eager" and model.lm_head.weight is model.model.embed_tokens.weight
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, fp32)

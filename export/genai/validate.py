@@ -4,7 +4,6 @@ the Hugging Face one, and, for int8/int4, the held-out perplexity change and arg
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +15,14 @@ from bdlora.base.runs import ALL_LOGITS_ONNX, MODEL_ONNX
 from bdlora.export.decoder import DecoderLayout, build_decoder
 from bdlora.export.genai.logits import split_head
 from bdlora.export.genai.stream import ExternalData, StreamingBuilder, save_streamed
-from bdlora.export.onnx.validate import NOISE_FACTOR, TOLERANCE, ExportValidationError, max_abs_diff, validate
+from bdlora.export.onnx.validate import (
+    NOISE_FACTOR,
+    TOLERANCE,
+    ExportValidationError,
+    in_float64,
+    max_abs_diff,
+    validate,
+)
 from bdlora.models.runtime import DecoderShape, empty_past, run_decoder, session
 from bdlora.models.stream import cut_checked
 
@@ -33,15 +39,14 @@ def graph_parity(model: nn.Module, sess, steps: int = 6) -> dict:
     """Logits and present K/V against PyTorch at ``GENAI_SHAPES``, then a prompt of 8 followed by ``steps`` decode
     steps, each fed the previous step's presents, against the full-sequence forward."""
 
-    reference64 = copy.deepcopy(model).double()  # one float64 twin for both noise estimates
-    out = validate(model, sess, shapes=GENAI_SHAPES, left_pad=False, reference64=reference64)
+    out = validate(model, sess, shapes=GENAI_SHAPES, left_pad=False)
     shape = DecoderShape.of(model.config)
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, shape.vocab_size, (1, 8 + steps), generator=g)
     with torch.no_grad():
         ref = model(ids).logits.numpy()
-        noise = max_abs_diff(reference64(ids).logits.numpy(), ref)
-    del reference64
+        with in_float64(model):
+            noise = max_abs_diff(model(ids).logits.numpy(), ref)
     bound = max(out["tolerance"], TOLERANCE, NOISE_FACTOR * noise)  # as in ``validate``: torch's own fp32 error
     past = [np.zeros((1, shape.kv(i // 2), 0, shape.head_dim), np.float32) for i in range(2 * shape.layers)]
     worst, t = 0.0, 0

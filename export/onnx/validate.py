@@ -3,8 +3,8 @@ explicit tolerance, a typed error), and a quantised graph's held-out perplexity 
 
 from __future__ import annotations
 
-import copy
 import math
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -33,31 +33,62 @@ class ExportValidationError(BdloraError):
     """The exported graph disagrees with PyTorch beyond the tolerance."""
 
 
+def _attention(model: nn.Module, impl: str) -> None:
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(impl)
+    else:  # an older transformers reads the choice from the config
+        model.config._attn_implementation = impl
+
+
+@contextmanager
+def in_float64(model: nn.Module):
+    """``model`` itself in float64 inside the block and in its own dtypes again after (exact both ways: every float32
+    is a float64): the forward PyTorch's own fp32 rounding error is measured against, without a float64 twin beside
+    the model (the two parity layers of a 3B model: a 1.6 GB twin, the export's peak). Eager attention runs as SDPA
+    inside: in float64 it turns a fully masked (left-padding) query row into NaN, and the NaN reaches the row's real
+    positions through the next layer's zero-weighted padding values; SDPA keeps them finite."""
+    params = [(p, p.dtype) for p in model.parameters()]  # the same Parameter objects after ``double``
+    buffers = {n: b.dtype for n, b in model.named_buffers()}  # buffers are replaced: kept by name
+    eager = getattr(model.config, "_attn_implementation", None) == "eager"
+    model.double()
+    if eager:
+        _attention(model, "sdpa")
+    try:
+        yield model
+    finally:
+        for p, dtype in params:
+            if p.dtype != dtype:
+                p.data = p.data.to(dtype)
+        for name, b in list(model.named_buffers()):
+            if buffers.get(name, b.dtype) != b.dtype:
+                owner, _, attr = name.rpartition(".")
+                model.get_submodule(owner)._buffers[attr] = b.to(buffers[name])
+        if eager:
+            _attention(model, "eager")
+
+
 @torch.no_grad()
 def validate(model: nn.Module, sess, shapes=VALIDATION_SHAPES, tolerance: float = TOLERANCE,
-             left_pad: bool = True, reference64: nn.Module | None = None) -> dict:
+             left_pad: bool = True) -> dict:
     """Compare ONNX Runtime with the model's own forward (native 2D-mask path) at several (batch, seq, past),
     the first row left padded (unless ``left_pad`` is False); logits are compared on real (non-padding) positions,
-    present K/V everywhere. The
-    bound is ``tolerance``, or ``NOISE_FACTOR`` x PyTorch's own fp32 rounding error (its distance from a float64
-    forward, ``reference64`` when the caller made it) when that is larger."""
+    present K/V everywhere. The bound is ``tolerance``, or ``NOISE_FACTOR`` x PyTorch's own fp32 rounding error (its
+    distance from the model's float64 forward, ``in_float64``) when that is larger."""
 
-    reference64 = copy.deepcopy(model).double() if reference64 is None else reference64
-    if getattr(reference64.config, "_attn_implementation", None) == "eager":
-        # eager attention in float64 turns a fully masked (left-padding) query row into NaN, and the NaN reaches the
-        # row's real positions through the next layer's zero-weighted padding values; SDPA keeps them finite
-        if hasattr(reference64, "set_attn_implementation"):
-            reference64.set_attn_implementation("sdpa")
-        else:  # an older transformers reads the choice from the config
-            reference64.config._attn_implementation = "sdpa"
-    results = []
-    worst, noise = 0.0, 0.0
+    cases = []
     for b, s, p in shapes:
         pad = min(2, p + s - 1) if b > 1 and left_pad else 0
         ids, mask, pos, pasts = example_inputs(model.config, b, s, p, pad_first=pad, seed=b * 100 + s * 10 + p)
         ref = torch_forward(model, ids, mask, pos, pasts)
-        ref64 = torch_forward(reference64, ids, mask, pos, [t.double() for t in pasts])
         got = run_decoder(sess, ids.numpy(), mask.numpy(), pos.numpy(), [t.numpy() for t in pasts])
+        cases.append(((b, s, p, pad), (ids, mask, pos, pasts), ref, got))
+    with in_float64(model):
+        refs64 = [torch_forward(model, ids, mask, pos, [t.double() for t in pasts])
+                  for _, (ids, mask, pos, pasts), _, _ in cases]
+    results = []
+    worst, noise = 0.0, 0.0
+    for ((b, s, p, pad), inputs, ref, got), ref64 in zip(cases, refs64):
+        mask = inputs[1]
         real = mask[:, -s:].bool().numpy()  # (B, seq) query positions that are real tokens
         if not all(np.isfinite(a[0][real]).all() for a in (got, ref, ref64)):  # NaN compares False: it "passed"
             raise ExportValidationError("the outputs are not finite (PyTorch's or the graph's logits hold NaN or "
