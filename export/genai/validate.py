@@ -48,7 +48,7 @@ def graph_parity(model: nn.Module, sess, steps: int = 6) -> dict:
         with in_float64(model):
             noise = max_abs_diff(model(ids).logits.numpy(), ref)
     bound = max(out["tolerance"], TOLERANCE, NOISE_FACTOR * noise)  # as in ``validate``: torch's own fp32 error
-    past = [np.zeros((1, shape.kv(i // 2), 0, shape.head_dim), np.float32) for i in range(2 * shape.layers)]
+    past = empty_past(shape, 1)
     worst, t = 0.0, 0
     for n in [8] + [1] * steps:
         x = ids[:, t : t + n].numpy()
@@ -152,7 +152,7 @@ def last_position_parity(folder: Path, shape: DecoderShape, tolerance: float = 1
     lengths = np.array([7, 3, 5])
     ids = rng.integers(0, shape.vocab_size, (len(lengths), int(lengths.max())))
     mask = (np.arange(ids.shape[1])[None] < lengths[:, None]).astype(np.int64)
-    past = [np.zeros((len(lengths), shape.kv(i // 2), 0, shape.head_dim), np.float32) for i in range(2 * shape.layers)]
+    past = empty_past(shape, len(lengths))
     step, later = ids[:1, :1], np.ones((1, ids.shape[1] + 1), np.int64)
     # one session at a time, each as deployed (prepacked): unprepacked, MatMulNBits dequantises its weights on every
     # call, and these four calls took 37 s at 3B against 6.7 s
