@@ -20,13 +20,21 @@ def log_normaliser(logits: np.ndarray) -> np.ndarray:
     return np.log(e.sum(-1, dtype=np.float64)) + top[..., 0].astype(np.float64)
 
 
+def score_batches(blocks, vocab_size: int, batch_size: int):
+    """The (B, T) batches ``score_logits`` scores, in its order: ``batch_size`` blocks at a time, fewer where their
+    logits would pass ``SCORE_ELEMENTS``. A scorer that must know its calls before it runs them (a graph run in
+    pieces, ``bdlora.export.genai.pieces``) takes them from here."""
+    batch_size = max(1, min(batch_size, SCORE_ELEMENTS // max(1, blocks.seq_len * vocab_size)))
+    for start in range(0, len(blocks), batch_size):
+        yield blocks.get(range(start, min(start + batch_size, len(blocks))))
+
+
 def score_logits(logits_of, blocks, vocab_size: int, batch_size: int, what: str) -> tuple[float, np.ndarray]:
     """``score_blocks`` for any scorer: ``logits_of`` maps a (B, T) batch of blocks to its (B, T, V) logits (a graph
-    from an empty cache, a PyTorch forward); ``what`` names it when its NLL is not finite."""
-    batch_size = max(1, min(batch_size, SCORE_ELEMENTS // max(1, blocks.seq_len * vocab_size)))
+    from an empty cache, a PyTorch forward), called on ``score_batches`` in order; ``what`` names it when its NLL is
+    not finite."""
     total, count, preds = 0.0, 0, []
-    for start in range(0, len(blocks), batch_size):
-        x = blocks.get(range(start, min(start + batch_size, len(blocks))))
+    for x in score_batches(blocks, vocab_size, batch_size):
         logits = logits_of(x)[:, :-1]  # (B, T-1, V)
         logz = log_normaliser(logits)
         tgt = np.take_along_axis(logits, x[:, 1:, None], -1)[..., 0].astype(np.float64)

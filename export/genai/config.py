@@ -12,6 +12,11 @@ def _ids(value) -> int | list[int]:
     return value[0] if isinstance(value, list) and len(value) == 1 else value
 
 
+def base_type_of(config) -> str:
+    """The base family a transformers config's graph is emitted as (a student's: its teacher's)."""
+    return (getattr(config, "bdlora", None) or {}).get("base_model_type", config.model_type)
+
+
 def genai_config(config, base_type: str, context_length: int, filename: str = MODEL_ONNX,
                  threads: int | None = None) -> dict:
     """The config onnxruntime-genai reads for ``config`` (a transformers config of the base family ``base_type``).

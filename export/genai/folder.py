@@ -13,7 +13,6 @@ import onnx
 from bdlora import SCHEMA_VERSION
 from bdlora.base.errors import Checks, UsageError
 from bdlora.base.io import atomic_dir, write_json
-from bdlora.base.memory import release_freed_memory
 from bdlora.base.outputs import check_out_dir
 from bdlora.base.provenance import recorded_data_settings
 from bdlora.base.reporter import SILENT, Reporter
@@ -29,10 +28,11 @@ from bdlora.export.decoder import save_graph as save_plain
 from bdlora.export.defaults import MAX_CONTEXT, MAX_OPSET
 from bdlora.export.files import identity, write_model_files
 from bdlora.export.genai import validate as v
-from bdlora.export.genai.config import genai_config
+from bdlora.export.genai.config import base_type_of, genai_config
 from bdlora.export.genai.embedding import TABLE, quantize_embedding
 from bdlora.export.genai.gptq import BLOCK_SIZE, input_grams
 from bdlora.export.genai.logits import split_head
+from bdlora.export.genai.pieces import score_in_pieces
 from bdlora.export.genai.quantize import describe, quantize_nbits
 from bdlora.export.genai.stream import CalibratedInputs, ExternalData, Rounding, StreamingBuilder, save_streamed
 from bdlora.export.onnx.metadata import metadata_props, metadata_summary, module_table, set_metadata
@@ -41,7 +41,7 @@ from bdlora.export.preflight import check_export_inputs
 from bdlora.export.settings import GenaiExportSettings
 from bdlora.models.lazy import SOURCE, is_lazy, materialized
 from bdlora.models.load import load_model_folder
-from bdlora.models.runtime import DecoderShape, score_blocks, session
+from bdlora.models.runtime import DecoderShape, session
 from bdlora.models.stream import PARITY_LAYERS, PARITY_VOCAB, lazy_folder_model, score_streamed, streamed, streams
 
 QUALITY_TOKENS = 32768  # held-out tokens scored with the fp32 and quantised graphs when no training run is known
@@ -100,8 +100,7 @@ def _beside_graph(model, tok, folder: Path, settings: GenaiExportSettings, repor
     length, the graph's metadata)."""
     settings, cfg = settings.resolved(model.config), model.config
     ctx = context_length_of(cfg, settings.context_length)
-    base = (getattr(cfg, "bdlora", None) or {}).get("base_model_type", cfg.model_type)
-    write_json(folder / GENAI_CONFIG, genai_config(cfg, base, ctx, threads=settings.pool.threads or None))
+    write_json(folder / GENAI_CONFIG, genai_config(cfg, base_type_of(cfg), ctx, threads=settings.pool.threads or None))
     write_model_files(folder, model, tok, report)
     rows = module_table(model)
     return settings, ctx, metadata_props(rows, metadata_summary(model, rows, report))
@@ -302,7 +301,7 @@ def _validate(tmp: Path, model, tok, report, model_dir: Path, settings: GenaiExp
         if stream:
             reporter.stage(f"validating the graph against PyTorch on the model's first {PARITY_LAYERS} layers and "
                            f"{PARITY_VOCAB:,} vocabulary rows (prefill, decode, decode steps, the last-position "
-                           "head; fp32)")
+                           "head, onnxruntime-genai's own run; fp32)")
             out["parity"] = v.cut_parity(model, settings.context_length, tmp)
             fp32 = None
         else:
@@ -315,9 +314,10 @@ def _validate(tmp: Path, model, tok, report, model_dir: Path, settings: GenaiExp
     reporter.stage("checking onnxruntime-genai's tokenizer against the model's")
     with timed(seconds, "tokenizer"):
         out["tokenizer"] = v.tokenizer_roundtrip(tmp, tok)
+    if stream:  # the whole graph is the cut's checked form (``v.structure``), measured in pieces (``_quality``)
+        with timed(seconds, "structure"):
+            out["structure"] = v.structure(tmp, shape)
     if not rounds:
-        if stream:
-            out["last_position"] = _whole_graph_runs(tmp, shape, seconds)[0]
         reporter.stage("generating with og.Generator against PyTorch's greedy tokens")
         with timed(seconds, "generator"):
             if stream:
@@ -327,30 +327,15 @@ def _validate(tmp: Path, model, tok, report, model_dir: Path, settings: GenaiExp
                 out["generator"] = v.generator_greedy(tmp, model, tok)
         return out
     with timed(seconds, "quality"):
-        out["quality"] = _quality(tmp, model, tok, report, model_dir, settings, reporter, fp32, out)
+        out["quality"] = _quality(tmp, model, tok, report, model_dir, settings, reporter, fp32, seconds)
     return out
 
 
-def _whole_graph_runs(tmp: Path, shape: DecoderShape, seconds: dict, blocks=None) -> tuple[dict, tuple | None]:
-    """A streamed export's runs of its whole graphs, one session each and one at a time (at 8B a prepacked int4
-    session holds 6.4 GB and opens in 10-17 s): model_all_logits.onnx scores ``blocks`` (the held-out check's
-    rounded side, when given) and gives the rows model.onnx must then reproduce when onnxruntime-genai runs it
-    (``validate.runtime_last_position``). Returns (that check, the scores)."""
-    t0 = time.time()
-    sess = session(tmp / ALL_LOGITS_ONNX)
-    rows = v.last_rows(sess, shape)
-    scores = score_blocks(sess, shape, blocks) if blocks is not None else None
-    del sess
-    release_freed_memory()  # glibc keeps what the session's run freed (1.1 GB at 3B) under the next session
-    seconds["rounded_graph" if blocks is not None else "all_logits"] = time.time() - t0
-    with timed(seconds, "last_position"):
-        return v.runtime_last_position(tmp, rows), scores
-
-
 def _quality(tmp: Path, model, tok, report, model_dir: Path, settings: GenaiExportSettings, reporter: Reporter,
-             fp32, out: dict) -> dict:
+             fp32, seconds: dict) -> dict:
     """The rounded graph's held-out perplexity against fp32's: the fp32 graph's (``fp32``, a session) or, streamed
-    (``fp32`` None), PyTorch's one layer at a time (and then ``out["last_position"]``, ``_whole_graph_runs``)."""
+    (``fp32`` None), PyTorch's one layer at a time against the rounded graph's run in pieces (``pieces``: one piece's
+    session at a time, not the whole graph's 6.4 GiB at 8B)."""
     data = recorded_data_settings(model_dir, (report or {}).get("provenance", {}))
     blocks = _quality_blocks(data, tok, DecoderShape.of(model.config))
     tokens = settings.quality_tokens or (STREAM_QUALITY_TOKENS if fp32 is None else None)
@@ -359,12 +344,13 @@ def _quality(tmp: Path, model, tok, report, model_dir: Path, settings: GenaiExpo
     what = "the fp32 graph" if fp32 is not None else "PyTorch (fp32, one layer at a time)"
     reporter.stage(f"scoring {len(blocks) * blocks.seq_len:,} held-out tokens ({len(blocks)} blocks) with {what} and "
                    f"the {settings.precision} graph (--quality-tokens sets how many)"
-                   + ("; onnxruntime-genai's last-position logits" if fp32 is None else ""))
+                   + (" (in pieces, one session at a time)" if fp32 is None else ""))
     shape = DecoderShape.of(model.config)
-    if fp32 is None:  # the rounded graph first: its session (the check's peak) is gone before PyTorch's pass
-        out["last_position"], rounded_scores = _whole_graph_runs(tmp, shape, out["seconds"], blocks)
+    if fp32 is None:
+        with timed(seconds, "rounded_graph"):
+            rounded_scores = score_in_pieces(tmp, shape, blocks)
         q = {**quality_figures(score_streamed(model, blocks), rounded_scores, blocks),
-             "reference": "pytorch-fp32-streamed"}
+             "reference": "pytorch-fp32-streamed", "rounded_graph": "in pieces"}
     else:
         q = quantized_quality(fp32, session(tmp / ALL_LOGITS_ONNX), shape, blocks)
     q["max_ppl_change"] = settings.max_ppl_change

@@ -4,16 +4,20 @@ the Hugging Face one, and, for int8/int4, the held-out perplexity change and arg
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime_genai as og
 import torch
 import torch.nn as nn
 
-from bdlora.base.runs import ALL_LOGITS_ONNX, MODEL_ONNX
+from bdlora.base.io import write_json
+from bdlora.base.runs import ALL_LOGITS_ONNX, GENAI_CONFIG, MODEL_ONNX
 from bdlora.export.decoder import DecoderLayout, build_decoder
-from bdlora.export.genai.logits import split_head
+from bdlora.export.genai.config import base_type_of, genai_config
+from bdlora.export.genai.logits import last_position_head, split_head
 from bdlora.export.genai.stream import ExternalData, StreamingBuilder, save_streamed
 from bdlora.export.onnx.validate import (
     NOISE_FACTOR,
@@ -23,7 +27,7 @@ from bdlora.export.onnx.validate import (
     max_abs_diff,
     validate,
 )
-from bdlora.models.runtime import DecoderShape, empty_past, run_decoder, session
+from bdlora.models.runtime import DecoderShape, empty_past, run_decoder, session, signature_problems
 from bdlora.models.stream import cut_checked
 
 # GroupQueryAttention takes right-aligned batches (positions come from the mask's row sums) and, on CPU, several
@@ -64,13 +68,20 @@ def graph_parity(model: nn.Module, sess, steps: int = 6) -> dict:
 def cut_parity(model: nn.Module, context_length: int, folder: Path) -> dict:
     """``graph_parity`` of the genai graph of ``models.stream.cut_model(model)`` (written under ``folder``, removed
     after), then the cut's last-position graph against its every-position twin on right-padded batches
-    (``last_position_parity``): the head's slicing checked where its sessions cost little."""
+    (``last_position_parity``) and as onnxruntime-genai runs it with the genai_config.json the export writes
+    (``runtime_last_position``): the head's slicing and the runtime's inputs and cache checked where their sessions
+    cost little. The whole graph is tied to these by ``structure``."""
 
     def check(cut, path: Path) -> dict:
         sess = session(path)
         out = graph_parity(cut, sess)
         split_head(path.parent)  # the session read the every-position graph: it serves as its twin below
-        return {**out, "last_position": last_position_parity(path.parent, DecoderShape.of(cut.config), full=sess)}
+        shape = DecoderShape.of(cut.config)
+        rows = last_rows(sess, shape)
+        out["last_position"] = last_position_parity(path.parent, shape, full=sess)
+        del sess
+        write_json(path.parent / GENAI_CONFIG, genai_config(cut.config, base_type_of(cut.config), context_length))
+        return {**out, "runtime": runtime_last_position(path.parent, rows)}
 
     def write(cut, path: Path) -> None:  # each part's weights appended to the data file as the export writes them
         # (no protobuf copy of 500 MB at 1B: 2.5 s -> 1 s), so split_head reads and writes the structure only
@@ -169,6 +180,34 @@ def last_position_parity(folder: Path, shape: DecoderShape, tolerance: float = 1
         raise ExportValidationError(f"{MODEL_ONNX}'s last-position logits differ from {ALL_LOGITS_ONNX}'s by "
                                     f"{worst:.3g} (tolerance {tolerance:g})")
     return {"max_abs_diff": worst, "tolerance": tolerance}
+
+
+def structure(folder: Path, shape: DecoderShape) -> dict:
+    """model.onnx is model_all_logits.onnx with the last-position head (``logits.last_position_head``) and nothing
+    else: the same nodes and the same weights at the same offsets of the one data file, so what the every-position
+    graph is measured to do (the held-out check, run in pieces) model.onnx does, with the head's slicing checked on
+    the cut (``cut_parity``). And the graph's inputs and outputs are what config.json and genai_config.json declare
+    (layers, key/value heads, head size, vocabulary). Reads the two graphs' structure only (no weights, no session)."""
+    every = onnx.load(str(folder / ALL_LOGITS_ONNX), load_external_data=False)
+    last_position_head(every)
+    last = onnx.load(str(folder / MODEL_ONNX), load_external_data=False)
+    if every.SerializeToString(deterministic=True) != last.SerializeToString(deterministic=True):
+        raise ExportValidationError(f"{MODEL_ONNX} is not {ALL_LOGITS_ONNX} with its last-position head: the two "
+                                    "graphs were written apart or edited")
+    dims = {v.name: [d.dim_value if d.HasField("dim_value") else d.dim_param for d in v.type.tensor_type.shape.dim]
+            for v in [*last.graph.input, *last.graph.output]}
+    problems = signature_problems(shape, dims, dims)
+    decoder = json.loads((folder / GENAI_CONFIG).read_text())["model"]["decoder"]
+    declared = {"num_hidden_layers": shape.layers, "head_size": shape.head_dim,
+                "num_key_value_heads": shape.kv_heads, "num_attention_heads": shape.heads}
+    problems += [f"{GENAI_CONFIG} {k} {decoder.get(k)} but the model has {v}" for k, v in declared.items()
+                 if decoder.get(k) != v]
+    names = [*decoder["inputs"].values(), *decoder["outputs"].values()]
+    problems += [f"{GENAI_CONFIG} names {n!r}, which the graph lacks" for n in names
+                 if (n % 0 if "%d" in n else n) not in dims]
+    if problems:
+        raise ExportValidationError(f"the graph does not match its configs: {'; '.join(problems[:3])}")
+    return {"identical_but_head": True, "nodes": len(last.graph.node), "layers": shape.layers}
 
 
 def last_rows(sess, shape: DecoderShape, lengths: tuple[int, ...] = (7, 3, 5)) -> list[tuple]:
