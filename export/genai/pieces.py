@@ -137,9 +137,10 @@ def first_call_feeds(shape: DecoderShape, ids: np.ndarray) -> dict[str, np.ndarr
 
 
 def score_in_pieces(folder: Path, shape: DecoderShape, blocks, batch_size: int = 8,
-                    max_bytes: int = PIECE_BYTES) -> tuple[float, np.ndarray]:
-    """``runtime.score_blocks`` of ``folder``'s every-position graph run in pieces: the same batches
-    (``scoring.score_batches``), the same figures."""
+                    max_bytes: int | None = None) -> tuple[float, np.ndarray]:
+    """``runtime.score_blocks`` of ``folder``'s every-position graph run in pieces (of ``max_bytes``, by default
+    ``PIECE_BYTES``): the same batches (``scoring.score_batches``), the same figures."""
     xs = list(score_batches(blocks, shape.vocab_size, batch_size))
-    out = Pieces(folder, max_bytes=max_bytes).run([first_call_feeds(shape, x) for x in xs], (Sig.LOGITS,))
+    graph = Pieces(folder, max_bytes=max_bytes or PIECE_BYTES)
+    out = graph.run([first_call_feeds(shape, x) for x in xs], (Sig.LOGITS,))
     return score_logits(lambda x: next(out)[Sig.LOGITS], blocks, shape.vocab_size, batch_size, "the ONNX graph")
