@@ -226,9 +226,8 @@ def last_rows(sess, shape: DecoderShape, lengths: tuple[int, ...] = (7, 3, 5)) -
 
 def runtime_last_position(folder: Path, rows: list[tuple], tolerance: float = 1e-5) -> dict:
     """model.onnx as onnxruntime-genai runs it (``og.Model``: its genai_config, its own inputs and cache) against
-    ``rows`` (``last_rows``): each prompt's logits and the next token's, to ``tolerance``. The whole graph's one
-    session of a streamed export's checks (at 8B a prepacked int4 session holds 6.4 GB and opens in 10-17 s); the
-    right-padded batches are checked on the cut graph (``cut_parity``)."""
+    ``rows`` (``last_rows``): each prompt's logits and the next token's, to ``tolerance``. A streamed export runs it
+    on its cut (``cut_parity``), whose session costs little, where the whole graph's would hold 6.4 GB at 8B."""
     model, worst = og.Model(str(folder)), 0.0
     for ids, prompt, after in rows:
         params = og.GeneratorParams(model)
