@@ -13,7 +13,7 @@ from onnx import TensorProto
 from bdlora.data.blocks import PackedBlocks
 from bdlora.export.genai import export_genai_folder
 from bdlora.export.genai.pieces import LAYER, Pieces, first_call_feeds, score_in_pieces, split
-from bdlora.export.genai.validate import structure
+from bdlora.export.genai.validate import PROMPTS, greedy_in_pieces, structure
 from bdlora.export.onnx.validate import ExportValidationError
 from bdlora.export.settings import GenaiExportSettings
 from bdlora.models.runtime import DecoderShape, run_decoder, score_blocks, session
@@ -91,3 +91,17 @@ def test_structure_ties_the_last_position_graph_to_its_twin_and_configs(folder, 
         structure(edited, shape)
     with pytest.raises(ExportValidationError, match="num_hidden_layers 4 but the graph has 3"):
         structure(folder, DecoderShape(**{**shape.__dict__, "layers": 4}))
+
+
+def test_greedy_in_pieces_holds_the_graph_to_pytorchs_tokens(tiny_env, tmp_path):
+    """A streamed fp32 export's generation check (the whole graph never one session): PyTorch's greedy tokens
+    against the graph's argmax in pieces, teacher-forced; passed by the model the graph was exported from, refused
+    for another model's."""
+    tok = tiny_env["tokenizer"]
+    genai_teacher(tok, tmp_path / "teacher", layers=3)
+    export_genai_folder(tmp_path / "teacher", tmp_path / "fp32", GenaiExportSettings("fp32", streaming="on",
+                                                                                    validate=False))
+    out = greedy_in_pieces(tmp_path / "fp32", genai_teacher(tok, layers=3), tok, n=6)
+    assert out["new_tokens"] == 6 and len(out["prompts"]) == len(PROMPTS) and out["all_identical"]
+    with pytest.raises(ExportValidationError, match="the graph's greedy tokens differ from PyTorch's at step"):
+        greedy_in_pieces(tmp_path / "fp32", genai_teacher(tok, seed=5, layers=3), tok, n=6)

@@ -127,7 +127,9 @@ def test_a_streamed_export_is_the_in_memory_export(folders, tmp_path, monkeypatc
         assert v["quality"]["val_ppl_fp32"] == pytest.approx(held512["val_ppl_fp32"], rel=1e-4)
         assert v["quality"]["val_ppl_quantized"] == held512["val_ppl_quantized"]
     else:
-        assert streamed_["validation"]["generator"]["new_tokens"] == 8
+        greedy = streamed_["validation"]["generator"]
+        assert greedy["new_tokens"] == 8 and greedy["runtime"] == "onnxruntime, in pieces"
+        assert [r["tokens"] for r in greedy["prompts"]] == [8] * len(greedy["prompts"])
         assert streamed_["validation"]["structure"]["layers"] == DecoderShape.from_folder(src).layers
 
 

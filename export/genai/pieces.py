@@ -70,14 +70,14 @@ def split(graph, max_bytes: int = PIECE_BYTES) -> list[list]:
 
 
 class Pieces:
-    """``folder``'s ``graph`` (by default the every-position graph) as pieces (``split``), each made into a session
-    only while it runs (``run``)."""
+    """``folder``'s ``graph`` (by default the every-position graph) as pieces of ``max_bytes`` (by default
+    ``PIECE_BYTES``; ``split``), each made into a session only while it runs (``run``)."""
 
-    def __init__(self, folder: Path, graph: str = ALL_LOGITS_ONNX, max_bytes: int = PIECE_BYTES):
+    def __init__(self, folder: Path, graph: str = ALL_LOGITS_ONNX, max_bytes: int | None = None):
         self.folder = Path(folder)
         self.proto = onnx.load(str(self.folder / graph), load_external_data=False)  # the structure only
         g = self.proto.graph
-        self.pieces = split(g, max_bytes)
+        self.pieces = split(g, max_bytes or PIECE_BYTES)
         self.initializers = {t.name: t for t in g.initializer}
         self.graph_inputs = {i.name: i for i in g.input}
         self.later: list[set[str]] = []  # what the pieces after each one read
@@ -141,6 +141,6 @@ def score_in_pieces(folder: Path, shape: DecoderShape, blocks, batch_size: int =
     """``runtime.score_blocks`` of ``folder``'s every-position graph run in pieces (of ``max_bytes``, by default
     ``PIECE_BYTES``): the same batches (``scoring.score_batches``), the same figures."""
     xs = list(score_batches(blocks, shape.vocab_size, batch_size))
-    graph = Pieces(folder, max_bytes=max_bytes or PIECE_BYTES)
+    graph = Pieces(folder, max_bytes=max_bytes)
     out = graph.run([first_call_feeds(shape, x) for x in xs], (Sig.LOGITS,))
     return score_logits(lambda x: next(out)[Sig.LOGITS], blocks, shape.vocab_size, batch_size, "the ONNX graph")
