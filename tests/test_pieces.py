@@ -10,6 +10,7 @@ import onnx
 import pytest
 from onnx import TensorProto
 
+from bdlora.base.reporter import Reporter
 from bdlora.data.blocks import PackedBlocks
 from bdlora.export.genai import export_genai_folder
 from bdlora.export.genai.pieces import LAYER, Pieces, first_call_feeds, score_in_pieces, split
@@ -28,6 +29,14 @@ def folder(tiny_env, tmp_path_factory):
     export_genai_folder(root / "teacher", root / "int4", GenaiExportSettings("int4", streaming="on",
                                                                              max_ppl_change=10.0))
     return root / "int4"
+
+
+class Counted(Reporter):
+    def __init__(self):
+        self.counts = []
+
+    def count(self, done: int, total: int, label: str = "prompts") -> None:
+        self.counts.append((done, total, label))
 
 
 def _layers(nodes) -> list[int]:
@@ -65,7 +74,9 @@ def test_a_graph_run_in_pieces_gives_the_whole_graphs_logits(folder, max_bytes):
 def test_scores_in_pieces_are_the_whole_graphs(folder):
     shape = DecoderShape.from_folder(folder)
     blocks = PackedBlocks(np.random.default_rng(1).integers(0, shape.vocab_size, 11 * 16 + 1), 16)
-    nll, preds = score_in_pieces(folder, shape, blocks, batch_size=4, max_bytes=1)  # 3 batches through 4 pieces
+    counted = Counted()
+    nll, preds = score_in_pieces(folder, shape, blocks, batch_size=4, max_bytes=1, reporter=counted)  # 3 batches
+    assert counted.counts == [(0, 5, "pieces")] + [(1, 5, "pieces")] * 5  # through 5 pieces, each counted once done
     want_nll, want_preds = score_blocks(session(folder / "model_all_logits.onnx"), shape, blocks, batch_size=4)
     assert nll == want_nll and np.array_equal(preds, want_preds) and preds.shape == (11 * 15,)
 

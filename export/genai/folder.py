@@ -349,7 +349,7 @@ def _quality(tmp: Path, model, tok, report, model_dir: Path, settings: GenaiExpo
     shape = DecoderShape.of(model.config)
     if fp32 is None:
         with timed(seconds, "rounded_graph"):
-            rounded_scores = score_in_pieces(tmp, shape, blocks)
+            rounded_scores = score_in_pieces(tmp, shape, blocks, reporter=reporter)
         q = {**quality_figures(score_streamed(model, blocks), rounded_scores, blocks),
              "reference": "pytorch-fp32-streamed", "rounded_graph": "in pieces"}
     else:

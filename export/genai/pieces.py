@@ -22,6 +22,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from bdlora.base.memory import release_freed_memory
+from bdlora.base.reporter import SILENT, Reporter
 from bdlora.base.runs import ALL_LOGITS_ONNX
 from bdlora.models.runtime import DecoderShape, empty_past, session_options
 from bdlora.models.runtime import DecoderSignature as Sig
@@ -107,10 +108,11 @@ class Pieces:
         sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
         return sess, inputs, outputs
 
-    def run(self, calls: list[dict[str, np.ndarray]], wanted: tuple[str, ...] = (Sig.LOGITS,)) -> Iterator[dict]:
+    def run(self, calls: list[dict[str, np.ndarray]], wanted: tuple[str, ...] = (Sig.LOGITS,),
+            on_piece=None) -> Iterator[dict]:
         """Each call's ``wanted`` outputs ({name: array}), in the calls' order: ``calls`` are the whole graph's
         feeds, every call taken through each piece before the next piece's session opens (the last piece's yields
-        as it goes, so a caller can consume large logits one call at a time)."""
+        as it goes, so a caller can consume large logits one call at a time). ``on_piece()`` after each piece."""
         keep = set(wanted)
         tensors = [dict(c) for c in calls]
         if not tensors:
@@ -125,6 +127,8 @@ class Pieces:
                     yield {w: tensors[i].pop(w) for w in wanted}
             del sess
             release_freed_memory()
+            if on_piece is not None:
+                on_piece()
 
 
 def first_call_feeds(shape: DecoderShape, ids: np.ndarray) -> dict[str, np.ndarray]:
@@ -136,11 +140,13 @@ def first_call_feeds(shape: DecoderShape, ids: np.ndarray) -> dict[str, np.ndarr
     return feeds
 
 
-def score_in_pieces(folder: Path, shape: DecoderShape, blocks, batch_size: int = 8,
-                    max_bytes: int | None = None) -> tuple[float, np.ndarray]:
+def score_in_pieces(folder: Path, shape: DecoderShape, blocks, batch_size: int = 8, max_bytes: int | None = None,
+                    reporter: Reporter = SILENT) -> tuple[float, np.ndarray]:
     """``runtime.score_blocks`` of ``folder``'s every-position graph run in pieces (of ``max_bytes``, by default
-    ``PIECE_BYTES``): the same batches (``scoring.score_batches``), the same figures."""
+    ``PIECE_BYTES``; ``reporter`` counts them): the same batches (``scoring.score_batches``), the same figures."""
     xs = list(score_batches(blocks, shape.vocab_size, batch_size))
     graph = Pieces(folder, max_bytes=max_bytes)
-    out = graph.run([first_call_feeds(shape, x) for x in xs], (Sig.LOGITS,))
+    reporter.count(0, len(graph), "pieces")
+    out = graph.run([first_call_feeds(shape, x) for x in xs], (Sig.LOGITS,),
+                    on_piece=lambda: reporter.count(1, len(graph), "pieces"))
     return score_logits(lambda x: next(out)[Sig.LOGITS], blocks, shape.vocab_size, batch_size, "the ONNX graph")
