@@ -149,4 +149,6 @@ def score_in_pieces(folder: Path, shape: DecoderShape, blocks, batch_size: int =
     reporter.count(0, len(graph), "pieces")
     out = graph.run([first_call_feeds(shape, x) for x in xs], (Sig.LOGITS,),
                     on_piece=lambda: reporter.count(1, len(graph), "pieces"))
-    return score_logits(lambda x: next(out)[Sig.LOGITS], blocks, shape.vocab_size, batch_size, "the ONNX graph")
+    scores = score_logits(lambda x: next(out)[Sig.LOGITS], blocks, shape.vocab_size, batch_size, "the ONNX graph")
+    next(out, None)  # past the last call's logits: the last piece's session closes (and is counted) now
+    return scores

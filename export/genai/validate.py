@@ -157,7 +157,7 @@ def greedy_in_pieces(folder: Path, model: nn.Module, tokenizer, n: int = 8, tole
     calls = [first_call_feeds(shape, np.array([ids + want[:-1]])) for _, ids, want, _ in runs]
     rows = [_greedy_row("the graph's", prompt, out[Sig.LOGITS][0, len(ids) - 1 :].argmax(-1).tolist(), want, margins,
                         tolerance)
-            for (prompt, ids, want, margins), out in zip(runs, Pieces(folder).run(calls))]
+            for (prompt, ids, want, margins), out in zip(runs, list(Pieces(folder).run(calls)))]
     ties = sum(r["first_tie"] is not None for r in rows)
     return {"prompts": rows, "new_tokens": n, "all_identical": ties == 0, "tie_breaks": ties,
             "runtime": "onnxruntime, in pieces"}
