@@ -18,13 +18,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from bdlora.base.memory import release_freed_memory
 from bdlora.base.reporter import SILENT, Reporter
 from bdlora.base.runs import ALL_LOGITS_ONNX
-from bdlora.models.runtime import DecoderShape, empty_past, session_options
+from bdlora.models.runtime import DecoderShape, empty_past, session
 from bdlora.models.runtime import DecoderSignature as Sig
 from bdlora.models.scoring import score_batches, score_logits
 
@@ -103,10 +102,8 @@ class Pieces:
         graph = helper.make_graph(nodes, f"piece{k}", declared, [onnx.ValueInfoProto(name=o) for o in outputs],
                                   [t for name, t in self.initializers.items() if name in used])
         model = helper.make_model(graph, opset_imports=self.proto.opset_import, ir_version=self.proto.ir_version)
-        so = session_options(ort)  # the weights read from the folder's data file, where the whole graph reads them
-        so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(self.folder))
-        sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-        return sess, inputs, outputs
+        # the weights read from the folder's data file, where the whole graph reads them
+        return session(model.SerializeToString(), weights_dir=self.folder), inputs, outputs
 
     def run(self, calls: list[dict[str, np.ndarray]], wanted: tuple[str, ...] = (Sig.LOGITS,),
             on_piece=None) -> Iterator[dict]:
@@ -134,10 +131,8 @@ class Pieces:
 def first_call_feeds(shape: DecoderShape, ids: np.ndarray) -> dict[str, np.ndarray]:
     """The genai layout's feeds of a call from an empty cache: ids (B, T), a mask of ones, zero-length pasts."""
     b, t = ids.shape
-    feeds = {Sig.INPUT_IDS: ids.astype(np.int64), Sig.ATTENTION_MASK: np.ones((b, t), np.int64)}
-    for i, past in enumerate(empty_past(shape, b)):  # key, value of layer 0, then of layer 1...
-        feeds[Sig.past(i // 2, ("key", "value")[i % 2])] = past
-    return feeds
+    values = [ids.astype(np.int64), np.ones((b, t), np.int64), *empty_past(shape, b)]
+    return dict(zip(Sig(shape.layers, position_ids=False).inputs, values, strict=True))
 
 
 def score_in_pieces(folder: Path, shape: DecoderShape, blocks, batch_size: int = 8, max_bytes: int | None = None,
