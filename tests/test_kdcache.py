@@ -25,6 +25,13 @@ def _cfg(env, out, **kw):
     return TrainConfig(**{**base, **kw})
 
 
+def _recomputed(logp2, logp, index2=None, index=None):
+    """A row computed again alone against the same row computed in a batch: the same targets to float rounding (the
+    GEMM's blocking follows the batch size, so the bits differ between BLAS code paths: AVX2 against AVX-512)."""
+    torch.testing.assert_close(logp2, logp, rtol=1e-5, atol=1e-6)
+    assert index2 is None or torch.equal(index2, index)
+
+
 def _heads(B=2, T=7, H=8, V=23, seed=0):
     g = torch.Generator().manual_seed(seed)
     hs = torch.randn(B, T, H, generator=g, requires_grad=True)
@@ -112,7 +119,8 @@ def test_a_damaged_entry_is_computed_again(tiny_model, tmp_path):
     (tmp_path / key[:2] / f"{key}.safetensors").write_bytes(b"not a safetensors file")
     again = TeacherTopK(tiny_model, 4, 1.0, tmp_path, cpu)
     logp2, _ = again.targets(x)
-    assert (again.hits, again.misses) == (1, 1) and torch.equal(logp2, logp)
+    assert (again.hits, again.misses) == (1, 1)
+    _recomputed(logp2, logp)
 
 
 DAMAGES = {  # issue 53, case 4: entries of the right shape whose values no teacher_topk writes
@@ -144,7 +152,7 @@ def test_an_entry_with_impossible_values_is_computed_again_and_replaced(tiny_mod
     again = TeacherTopK(tiny_model, 4, 1.0, tmp_path, cpu)
     logp2, index2 = again.targets(x)
     assert (again.hits, again.misses, again.replaced) == (1, 1, 1)
-    assert torch.equal(logp2, logp) and torch.equal(index2, index)
+    _recomputed(logp2, logp, index2, index)
     third = TeacherTopK(tiny_model, 4, 1.0, tmp_path, cpu)  # the entry on disk was replaced by a good one
     third.targets(x)
     assert (third.hits, third.misses, third.replaced) == (2, 0, 0)

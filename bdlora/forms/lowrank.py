@@ -27,7 +27,7 @@ import torch
 from bdlora.compress.allocate import RANK_STEP, mac_cost, options
 from bdlora.forms import LOWRANK
 from bdlora.forms.context import BaseStep, Choice, OneShotContext
-from bdlora.models.budgeted.layer import DeployedModule
+from bdlora.models.budgeted.layer import DeployedModule, column_signs
 from bdlora.models.costs import decide_module
 
 DAMPING = 1e-4  # of the mean diagonal of the Gram matrix (SVD-LLM's order of magnitude)
@@ -95,7 +95,7 @@ def spectrum(weight: torch.Tensor, gram: torch.Tensor | None, damping: float = D
         keep = int((ev > ev[0] * 1e-24).sum()) if ev[0] > 0 else 0
         ev, v = ev[:keep], v[:, :keep]
         u = (ws @ v) / ev.sqrt()
-    return Spectrum(ev, u, phi)
+    return Spectrum(ev, u * column_signs(u), phi)  # each direction's sign fixed: the same factors on every machine
 
 
 def factors(weight: torch.Tensor, spec: Spectrum, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

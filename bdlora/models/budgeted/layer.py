@@ -149,11 +149,26 @@ class GatedLoRALinear(nn.Module):
         return DeployedModule(dec, weight=(d * w + b @ a).to(dtype), bias=bias)
 
 
+def column_signs(u: torch.Tensor) -> torch.Tensor:
+    """+1/-1 per column of ``u`` making each column's entry of largest magnitude positive (scikit-learn's
+    ``svd_flip``). A singular or eigenvector is unique only up to its sign, and which sign LAPACK returns differs
+    between BLAS code paths (machines with and without AVX-512 gave the same one-shot opposite factors): multiplying a
+    basis and its partner by these makes the factors one machine writes the factors every machine writes, wherever the
+    spectrum is not degenerate. The product of the factors does not change."""
+    if u.numel() == 0:
+        return torch.ones(u.shape[-1], dtype=u.dtype, device=u.device)
+    peak = u.gather(0, u.abs().argmax(0, keepdim=True))[0]
+    return torch.where(peak < 0, -1.0, 1.0).to(u.dtype)
+
+
 def fused_svd_pair(dw: torch.Tensor, a: torch.Tensor, b: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Case 2: ``d W ~= U_k V_k`` (singular values folded into U_k), fused with the hardened LoRA pair into one
-    low-rank pair: first factor ``[V_k; A']`` (k + r', d_in), second ``[U_k, B']`` (d_out, k + r')."""
+    low-rank pair: first factor ``[V_k; A']`` (k + r', d_in), second ``[U_k, B']`` (d_out, k + r'); each singular
+    pair's sign fixed (``column_signs``)."""
     u, s, vh = torch.linalg.svd(dw, full_matrices=False)
-    return torch.cat([vh[:k], a]), torch.cat([u[:, :k] * s[:k], b], 1)
+    u, s, vh = u[:, :k], s[:k], vh[:k]
+    signs = column_signs(u)  # (k,)
+    return torch.cat([vh * signs[:, None], a]), torch.cat([u * (s * signs), b], 1)
 
 
 @dataclass
