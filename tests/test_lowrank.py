@@ -171,3 +171,40 @@ def test_too_few_calibration_tokens_is_one_line(tiny_env):
 
     with pytest.raises(DataError, match=r"--calib-tokens 100000: the training split holds 320 tokens in 10 blocks"):
         calibration_blocks(PackedBlocks(np.arange(330), 32), 100_000)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000), st.sampled_from([(24, 16), (16, 24)]), st.integers(1, 12))
+def test_factors_do_not_depend_on_the_sign_an_eigensolver_returns(seed, shape, rank):
+    """Issue 89: the same one-shot gave opposite factors on machines with and without AVX-512 (an eigenvector is
+    unique only up to its sign). Each direction's sign is fixed (``column_signs``): a spectrum whose basis columns
+    were negated gives the same factors, every column's largest entry is positive, and the product is unchanged."""
+    from bdlora.forms.lowrank import Spectrum
+    from bdlora.models.budgeted.layer import column_signs
+
+    w, x = _data(*shape, seed=seed)
+    spec = spectrum(w, x.T @ x)
+    peak = spec.basis.gather(0, spec.basis.abs().argmax(0, keepdim=True))[0]
+    assert bool((peak > 0).all())
+    coin = torch.rand(spec.basis.shape[1], generator=torch.Generator().manual_seed(seed))
+    flips = torch.where(coin < 0.5, -1.0, 1.0)
+    flipped = spec.basis * flips.double()
+    canon = Spectrum(spec.energy, flipped * column_signs(flipped), spec.phi)
+    a, b = factors(w, spec, rank)
+    a2, b2 = factors(w, canon, rank)
+    torch.testing.assert_close(a2, a, rtol=0, atol=0)
+    torch.testing.assert_close(b2, b, rtol=0, atol=0)
+    raw_a, raw_b = factors(w, Spectrum(spec.energy, flipped, spec.phi), rank)  # unfixed: other factors, same product
+    torch.testing.assert_close(raw_b @ raw_a, b @ a, rtol=1e-9, atol=1e-12)
+
+
+def test_the_fused_svd_pair_fixes_signs_and_keeps_its_product():
+    from bdlora.models.budgeted.layer import fused_svd_pair
+
+    g = torch.Generator().manual_seed(0)
+    dw, a, b = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((12, 10), (2, 10), (12, 2)))
+    first, second = fused_svd_pair(dw, a, b, 4)
+    u, s, vh = torch.linalg.svd(dw, full_matrices=False)
+    torch.testing.assert_close(second @ first, u[:, :4] * s[:4] @ vh[:4] + b @ a)
+    peak = second[:, :4].gather(0, second[:, :4].abs().argmax(0, keepdim=True))[0]
+    assert bool((peak > 0).all()) and first.shape == (6, 10) and second.shape == (12, 6)
