@@ -26,14 +26,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 @pytest.fixture(autouse=True)
 def _a_quiet_machine(monkeypatch):
-    """The latency table keeps out of its cache what it times beside another process (``latency.quiet``); the
-    tests' own workers are such processes, so every test takes the machine as quiet (test_latency tests the guard
-    itself by setting ``others_busy`` back)."""
-    try:
-        import bdlora.export.genai.latency as lat
-    except ImportError:  # a machine without onnxruntime-genai (scripts/gpu-check.sh's): nothing is timed there
-        return
-    monkeypatch.setattr(lat, "others_busy", lambda seconds=0.5: 0.0)
+    """What is timed beside another process, or whose repeats disagree, is marked unclean (cached so, and no refusal
+    rests on it: ``latency.LoadWatch``, ``latency.agree``); the tests' own workers are such processes and a test
+    machine is busy, so every test takes the machine as quiet and its repeats as agreeing, and a test's refusals
+    do not depend on the load (test_latency tests the guards themselves by setting them back)."""
+    from bdlora.base import load
+
+    monkeypatch.setattr(load, "others_busy", lambda seconds=0.5: 0.0)
+    monkeypatch.setattr(load, "others_since", lambda mark: 0.0)
+    monkeypatch.setattr(load, "agree", lambda times: True)
 
 
 def _has_optimum() -> bool:

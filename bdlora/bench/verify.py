@@ -6,7 +6,9 @@ which bounds what a draft can buy.
 A random dense model of the target's config (full depth, built without weights, ``bench.whole._dense_model``) is
 exported by this toolkit at the precision (scheme layout and head bits as ``bench.whole``), and timed in its own
 process (``python -m bdlora.bench.verify SPEC OUT``): after a ``CONTEXT``-token prompt, each width's call of random
-tokens then a rollback, widths interleaved, the median per width. Cached beside the latency table.
+tokens then a rollback, widths interleaved, the minimum of its repeats per width. Cached beside the latency table
+with the machine's other load while it was timed: a curve timed busy, or whose repeats disagree, is marked unclean and
+measured again by a quiet run (``latency.reusable``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from bdlora.base import load  # through the module: the tests set its readers
 from bdlora.base.errors import UsageError
 from bdlora.base.io import read_json, write_json
 from bdlora.base.reporter import SILENT, Reporter
@@ -40,7 +43,7 @@ from bdlora.models.runtime import DecoderShape
 from bdlora.speculative.decoders import DecoderFactory
 from bdlora.speculative.predict import speculative_speedup
 
-VERIFY_VERSION = 1
+VERIFY_VERSION = 2  # 2: the minimum of each width's repeats, the load recorded
 REPEATS, WARMUP = 15, 3
 
 
@@ -60,8 +63,10 @@ def verify_curve(config: dict, precision: str, threads: int, cache: Path, quant:
         doc = read_json(path)
         shares = {int(w): float(v) for w, v in (doc.get("shares") or {}).items()}
         if sorted(shares) == list(range(1, widths + 1)) and all(np.isfinite(v) and v > 0 for v in shares.values()):
-            return shares
-        reporter.stage(f"{path}: damaged, measuring again")
+            if load.reusable(doc.get("unclean"), path, reporter):
+                return shares
+        else:
+            reporter.stage(f"{path}: damaged, measuring again")
     settings = GenaiExportSettings(quant=timed.name, context_length=CONTEXT + widths + 8, pool=ThreadPool(threads),
                                    validate=False).at(precision)
     work = Path(tempfile.mkdtemp(prefix="bdlora-verify-"))
@@ -70,15 +75,24 @@ def verify_curve(config: dict, precision: str, threads: int, cache: Path, quant:
                        f"calls of 1 to {widths} tokens (verifying a draft's proposals)")
         folder = deployment(_dense_model(config, int(config["num_hidden_layers"]), int(config["intermediate_size"])),
                             _stand_in_tokenizer(), work / "target", settings)
-        res = run_timing_process("bdlora.bench.verify", {"folder": str(folder), "widths": widths,
-                                                         "threads": threads, "vocab": int(config["vocab_size"])},
-                                 "verify", work, lambda line: line.startswith("verify "), reporter,
-                                 what="verification timing")
+        with load.LoadWatch() as watch:
+            res = run_timing_process("bdlora.bench.verify", {"folder": str(folder), "widths": widths,
+                                                             "threads": threads, "vocab": int(config["vocab_size"])},
+                                     "verify", work, lambda line: line.startswith("verify "), reporter,
+                                     what="verification timing")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    ms = {int(w): float(v) for w, v in res["ms"].items()}
+    times = {int(w): v for w, v in res["ms"].items()}
+    ms = {w: float(np.min(times[w])) for w in sorted(times)}
     shares = {w: ms[w] / ms[1] for w in sorted(ms)}
-    write_json(path, {"precision": precision, "threads": threads, "ms": ms, "shares": shares})
+    spread = [str(w) for w in sorted(times) if not load.agree(times[w])]
+    unclean = (f"timed with {watch.load.said()}" if not watch.load.quiet else
+               f"the repeats of {', '.join(spread)} token(s) are not within {load.AGREE:g}x of their fastest" if spread
+               else None)
+    if unclean:
+        load.not_cached(reporter, "the verification curve", watch.load, unclean if watch.load.quiet else "")
+    write_json(path, {"precision": precision, "threads": threads, "ms": ms, "shares": shares,
+                      "load": watch.load.record(), "unclean": unclean})
     return shares
 
 
@@ -102,7 +116,7 @@ def main(argv: list[str]) -> int:
                 times[w].append(spent * 1e3)
     print("verify widths", file=sys.stderr, flush=True)
     with open(argv[1], "w") as f:
-        json.dump({"ms": {str(w): float(np.median(t)) for w, t in times.items()}}, f)
+        json.dump({"ms": {str(w): t for w, t in times.items()}}, f)  # every repeat: the caller checks they agree
     return 0
 
 

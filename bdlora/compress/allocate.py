@@ -85,6 +85,7 @@ class Allocation:
     # --speedup``: 4 or 8); 0: not chosen (the export's default, 8)
     head_keep: int = 0  # the tokens the LM head keeps (``--forms vocab``: a draft's head); 0: all of them
     head_module: dict | None = field(default=None, repr=False, compare=False)  # that head's declaration and tensors
+    unmet: str | None = None  # the target was beyond the reach of costs measured unclean: what was allocated instead
     chosen: dict = field(default_factory=dict, repr=False, compare=False)  # site -> the Choices taken there (not
     # recorded: what each form deploys from, ``by``)
 
@@ -142,6 +143,15 @@ class Allocation:
                    int(doc.get("head_keep") or 0))
 
 
+class BeyondReach(UsageError):
+    """A target no choice of the options meets; ``cheapest`` is the least total cost the options allow."""
+
+    def __init__(self, message: str, cheapest: float):
+        super().__init__(message)
+        self.cheapest = cheapest
+
+
+REACH_MARGIN = 0.02  # an unclean target beyond reach is allocated this far below the reach (the buckets' rounding)
 BUCKETS = 1 << 16  # the MAC budget's resolution in the allocation (module costs are rounded up to 1/65536 of it)
 
 Option = tuple[object, float, float]  # (what is chosen, its cost, its error)
@@ -162,7 +172,7 @@ def knapsack(items: list[list[Option]], target: float, beyond: Callable[[float],
     cheapest = sum(min(c for _, c, _ in o) for m, o in enumerate(items) if m not in in_group) + sum(
         min(c, sum(min(cc for _, cc, _ in o) for o in items[a:b])) for a, b, c, _ in groups)
     if cheapest > target:
-        raise UsageError(beyond(cheapest))
+        raise BeyondReach(beyond(cheapest), cheapest)
     unit = target / BUCKETS
 
     def need(c: float) -> int:
@@ -238,6 +248,9 @@ class Pricing:
     unit: str = "MAC"
     rest: dict[str, Rest] = field(default_factory=dict)
     fixed: float = 0.0
+    measured: str = ""  # measured costs: where they are cached (what a refusal names, to measure them again)
+    unclean: str | None = None  # measured costs taken on a busy machine (or whose repeats disagreed): why. No
+    # refusal rests on them: a target beyond their reach is allocated at the reach, and said (``Allocation.unmet``)
 
 
 MACS = Pricing()
@@ -274,11 +287,32 @@ def allocate(shapes: list[ModuleShape], offers: dict[str, list[Choice]], ratio: 
         items.append(options)
         members.append(("head", [HEAD]))
     groups = layer_groups(members, {site: cs[0].error for site, cs in offers.items() if cs and is_layer(site)})
-    picked = knapsack(items, total / ratio - fixed, lambda cheapest: (
-        f"--{'speedup' if rest else 'mac-ratio'} {ratio:g}: beyond reach; the cheapest form of every "
-        f"{'layer' if rest else 'projection'} gives {total / (cheapest + fixed):.2f}x "
-        f"{'less decode time' if rest else f'fewer projection {pricing.unit}s'}"), groups)
-    return _allocation(members, items, picked, offers, dense)
+    dial = f"--{'speedup' if rest else 'mac-ratio'} {ratio:g}"
+    every = f"the cheapest form of every {'layer' if rest else 'projection'}"
+    less = "less decode time" if rest else f"fewer projection {pricing.unit}s"
+
+    def beyond(cheapest: float) -> str:
+        said = f"{dial}: beyond reach; {every} gives {total / (cheapest + fixed):.2f}x {less}"
+        if pricing.measured:  # a refusal resting on a measurement says what was measured and how to measure again
+            said += (f" (by decode times measured on this machine, cached in {pricing.measured}: delete them to "
+                     "measure again)")
+        return said
+
+    unmet = None
+    try:
+        picked = knapsack(items, total / ratio - fixed, beyond, groups)
+    except BeyondReach as e:
+        if pricing.unclean is None:
+            raise
+        reach = total / (e.cheapest + fixed)
+        at = reach / (1 + REACH_MARGIN)  # the knapsack rounds each cost up to a bucket: a margin below the reach
+        unmet = (f"{dial}: {every} is predicted at {reach:.2f}x, "
+                 f"but by times measured unclean ({pricing.unclean}), so nothing is refused on them: allocated at "
+                 f"{at:.2f}x, the closest; the bench measures what it gives")
+        picked = knapsack(items, total / at - fixed, beyond, groups)
+    alloc = _allocation(members, items, picked, offers, dense)
+    alloc.unmet = unmet
+    return alloc
 
 
 def _allocation(members: list, items: list, picked: list[int], offers: dict, dense: dict[str, float]) -> Allocation:

@@ -33,6 +33,7 @@ from bdlora.compress.layerwise import GramStore, calibrate_layers
 from bdlora.compress.start import (
     allocate_by,
     calibrate_with_progress,
+    table_pricing,
 )
 from bdlora.compress.streamed import TensorStore, folder_values, made, narrowed, sections, spill
 from bdlora.data.blocks import PackedBlocks, scored_blocks
@@ -105,6 +106,8 @@ def _allocated(model, ctx: OneShotContext, steps: list, mods: dict, cfg: OneShot
     if ctx.table is not None:
         ctx.facts["allocation_cost"] = {"cost": "measured decode time", **ctx.table.prediction(
             ctx.shapes, alloc.deployed(ctx.shapes)), "mac_ratio": alloc.mac_ratio(ctx.shapes)}
+        if alloc.unmet:
+            ctx.facts["allocation_cost"]["unmet"] = alloc.unmet
     built = {}
     if is_lazy(model):
         reporter.stage("building the chosen forms one decoder layer at a time (each built tensor to the temp folder)")
@@ -144,7 +147,7 @@ def pricing(model, table, cfg: OneShotConfig) -> Pricing:
     if table is None:
         return MACS
     rest, fixed = whole_step(model, table) if cfg.speedup is not None else ({}, 0.0)
-    return Pricing(table.cost, f"{cfg.precision} microsecond", rest, fixed)
+    return table_pricing(table, cfg.precision, rest, fixed)
 
 
 def whole_step(model, table) -> tuple[dict, float]:

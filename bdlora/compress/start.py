@@ -85,6 +85,13 @@ def calibrate_with_progress(model, blocks, reporter: Reporter = SILENT, residual
                      residual=residual, rounded=rounded, head=head, predicted=predicted)
 
 
+def table_pricing(table, precision: str, rest: dict | None = None, fixed: float = 0.0) -> Pricing:
+    """The ``Pricing`` of a measured latency table (``export.genai.latency.LatencyTable``, which the CLI builds: the
+    core reads it through its methods): its cost in ``precision`` microseconds, where its times are cached and
+    whether they were measured cleanly (no refusal rests on times that were not)."""
+    return Pricing(table.cost, f"{precision} microsecond", rest or {}, fixed, table.measured_where(), table.noisy())
+
+
 def allocate_by(shapes, offers: dict, target: float, pricing: Pricing = MACS,
                 reporter: Reporter = SILENT) -> Allocation:
     """The quality allocation for ``target`` among the forms' ``offers`` (``forms.context.Choice`` by site), priced
@@ -98,7 +105,10 @@ def allocate_by(shapes, offers: dict, target: float, pricing: Pricing = MACS,
         reporter.stage(f"allocating {target:.2f}x less {scope} decode time ({pricing.unit}s) by {what}")
     else:
         reporter.stage(f"allocating {target:.2f}x fewer projection MACs by {what}")
-    return allocate(shapes, offers, target, pricing)
+    alloc = allocate(shapes, offers, target, pricing)
+    if alloc.unmet:
+        reporter.stage(alloc.unmet)
+    return alloc
 
 
 def compute_start(model, init: str, allocation: str, rank: int, budget: float, mac_ratio: float | None,
@@ -129,7 +139,7 @@ def compute_start(model, init: str, allocation: str, rank: int, budget: float, m
     if allocation == "quality":
         target = mac_ratio or paper_mac_ratio(shapes, budget, rank)
         table = cost_model.table(shapes) if cost_model is not None else None
-        pricing = Pricing(table.cost, f"{precision} microsecond") if table is not None else MACS
+        pricing = table_pricing(table, precision) if table is not None else MACS
         alloc = allocate_by(shapes, rank_offers(shapes, {n: sp.energy.cpu().numpy() for n, sp in spectra.items()},
                                                 pricing.cost), target, pricing, reporter)
     ranks = {s.name: capped_rank(s, (alloc.ranks.get(s.name) if alloc else 0) or rank) for s in shapes}

@@ -10,23 +10,19 @@ node layout of the scheme the export rounds with, ``Scheme.layout``: with block 
 ``[x, block means of x]`` through its own AveragePool and Concat and carries K/32 more columns), at the deployed
 thread count, in a graph of ``C`` independent copies with distinct random weights (so the weights
 stream from memory as a model's do, not from a warm cache) timed against a graph of one copy:
-``(t_C - t_1) / (C - 1)`` is the form's time with the per-call overhead cancelled. Weight values do not change the
-time of these kernels, so random bytes stand in for them.
+``(t_C - t_1) / (C - 1)`` is the form's time with the per-call overhead cancelled, the two graphs run interleaved and
+each at the minimum of its repeats (other processes only ever add to a time). Weight values do not change the time
+of these kernels, so random bytes stand in for them.
 
-Ranks are measured on a coarse grid (1, 8, 16, 32, 64, then doubling, and the largest rank below the MAC break-even)
-and interpolated linearly between grid points; the table is cached per (form, precision, node layout, threads,
-onnxruntime version, CPU) under ``<cache>/latency/`` and only missing forms are measured.
-
-The block-offset layout is priced per projection, its AveragePool and Concat included: in the deployed graph the
-MatMuls reading one input share them (q, k and v; gate and up), so a dense layer is priced a few small nodes above
-what it runs; the whole-step fit (``bench.whole``) measures real graphs of the same layout and absorbs the rest.
+A time that feeds decisions must be clean (``base.load``): the other processes' load is watched before and over the
+whole measurement and the repeats must agree. An unclean time is used by the run that measured it and cached marked
+unclean; a later run on a quiet machine measures it again, and no refusal (a speed-up "beyond reach") rests on it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-import os
 import platform
 import re
 import time
@@ -38,6 +34,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+from bdlora.base import load  # through the module: the tests set its readers
 from bdlora.base.errors import UsageError, usable_cores
 from bdlora.base.io import read_json, write_json
 from bdlora.base.reporter import SILENT, Reporter
@@ -50,11 +47,10 @@ from bdlora.models.costs import Deployed, ModuleShape
 from bdlora.models.runtime import session_options
 
 BITS = {name: PRECISIONS[name].bits for name in ROUNDED}  # the weight bits of each rounded precision
-BUSY_CORES = 0.5  # CPU other processes may use while forms are timed before the times are kept out of the cache
 STREAM_BYTES = 48 << 20  # weight bytes per measured graph: beyond the last-level cache of most CPUs
 MAX_COPIES, MIN_COPIES = 64, 4
 REPEATS, WARMUP = 25, 5
-TABLE_VERSION = 1
+TABLE_VERSION = 2  # 2: each form at the minimum of interleaved repeats, the load recorded
 
 
 def cpu_name() -> str:
@@ -130,58 +126,37 @@ def form_graph(k: int, n: int, rank: int, precision: str, copies: int, seed: int
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
 
 
-def _median_run_us(proto: onnx.ModelProto, k: int, threads: int) -> float:
+def _session(proto: onnx.ModelProto, threads: int) -> ort.InferenceSession:
     so = session_options(ort)
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    value = np.random.default_rng(1).standard_normal(k, dtype=np.float32)
-    x = {i.name: value.reshape(i.shape) for i in sess.get_inputs()}
-    for _ in range(WARMUP):
-        sess.run(None, x)
-    times = []
-    for _ in range(REPEATS):
-        t = time.perf_counter()
-        sess.run(None, x)
-        times.append(time.perf_counter() - t)
-    return float(np.median(times)) * 1e6
+    return ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def measure_form(k: int, n: int, rank: int, precision: str, threads: int, layout: str = "nbits") -> float:
-    """Decode-time microseconds of one instance of a form in ``layout`` (see the module docstring)."""
+def _run_us(sess: ort.InferenceSession, feed: dict) -> float:
+    t = time.perf_counter()
+    sess.run(None, feed)
+    return (time.perf_counter() - t) * 1e6
+
+
+def measure_form(k: int, n: int, rank: int, precision: str, threads: int, layout: str = "nbits") -> tuple[float, bool]:
+    """(decode-time microseconds of one instance of a form in ``layout``, whether its repeats agree): the graphs of
+    one and of ``copies`` instances timed interleaved, each at the minimum of its repeats (what other processes can
+    only add to), see the module docstring. The repeats agree (``agree``) and the copies cost more than one."""
     copies = int(min(MAX_COPIES, max(MIN_COPIES, math.ceil(STREAM_BYTES / form_bytes(k, n, rank, precision)))))
-    one = _median_run_us(form_graph(k, n, rank, precision, 1, layout=layout), k, threads)
-    many = _median_run_us(form_graph(k, n, rank, precision, copies, layout=layout), k, threads)
-    return max((many - one) / (copies - 1), 1e-3)
-
-
-def others_busy(seconds: float = 0.5) -> float | None:
-    """Cores' worth of CPU time the machine's *other* processes used over ``seconds`` (``/proc/stat``'s busy time
-    less this process's own), or None where that cannot be read (not Linux)."""
-    def sample():
-        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-        own = os.times()
-        return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK"), own.user + own.system, \
-            time.monotonic()
-    try:
-        b0, o0, t0 = sample()
-        time.sleep(seconds)
-        b1, o1, t1 = sample()
-    except (OSError, ValueError, IndexError):
-        return None
-    return max(0.0, (b1 - b0) - (o1 - o0)) / max(t1 - t0, 1e-9)
-
-
-def quiet(reporter: Reporter, what: str) -> bool:
-    """Whether the machine is quiet enough for times to be cached (``others_busy`` at most ``BUSY_CORES``); if not,
-    says so: times taken beside another job would misprice every later allocation that reads them."""
-    busy = others_busy()
-    if busy is None or busy <= BUSY_CORES:
-        return True
-    reporter.stage(f"other processes are using {busy:.1f} cores: {what} timed for this run only and not cached "
-                   "(times taken beside another job would misprice every later run); run it on a quiet machine")
-    return False
+    sessions = [_session(form_graph(k, n, rank, precision, c, layout=layout), threads) for c in (1, copies)]
+    value = np.random.default_rng(1).standard_normal(k, dtype=np.float32)
+    feeds = [{i.name: value.reshape(i.shape) for i in sess.get_inputs()} for sess in sessions]
+    for _ in range(WARMUP):
+        for sess, feed in zip(sessions, feeds):
+            sess.run(None, feed)
+    one, many = [], []
+    for _ in range(REPEATS):  # interleaved: a busy spell slows both, not one of the pair
+        one.append(_run_us(sessions[0], feeds[0]))
+        many.append(_run_us(sessions[1], feeds[1]))
+    consistent = load.agree(one) and load.agree(many) and min(many) > min(one)
+    return max((min(many) - min(one)) / (copies - 1), 1e-3), consistent
 
 
 def _key(k: int, n: int, rank: int) -> str:
@@ -201,6 +176,23 @@ class LatencyTable:
     whole: object | None = None  # a ``bench.whole.WholeStep``: prediction() then covers the whole decode step
     wide: LatencyTable | None = None  # int4: the int8 table, pricing the projections kept at 8 bits (--forms bits)
     scheme: str = DEFAULT_SCHEME  # whose node layout was timed (and whose grid ``rounded`` rounds on)
+    unclean: str | None = None  # why some of the times this table prices with were not measured cleanly (busy,
+    # repeats that disagree), None when all were: a prediction from it is said to be unclean and refuses nothing
+
+    def noisy(self) -> str | None:
+        """Why this table's prediction rests on times not measured cleanly (its own forms', its 8-bit table's or
+        the whole step's), None when every time was."""
+        whole = getattr(getattr(self, "whole", None), "overhead", None)
+        said = [self.unclean, self.wide.unclean if self.wide is not None else None,
+                getattr(whole, "unclean", None)]
+        return "; ".join(x for x in said if x) or None
+
+    def measured_where(self) -> str:
+        """The cached files this table's times come from (what to delete to measure them again)."""
+        whole = getattr(getattr(self, "whole", None), "overhead", None)
+        files = [str(p) for p in (self.path, self.wide.path if self.wide is not None else None,
+                                  getattr(whole, "path", None)) if p]
+        return ", ".join(files) or "not cached"
 
     def measured_ranks(self, k: int, n: int) -> list[int]:
         pre = f"{k}x{n}@"
@@ -270,6 +262,9 @@ class LatencyTable:
                "table": str(self.path) if self.path else None}
         if self.whole is not None:  # the whole decode step: the projections and everything around them
             doc.update(self.whole.prediction(self, shapes, deployed))
+        doc["measured_clean"] = self.noisy() is None
+        if self.noisy():
+            doc["measurement"] = self.noisy()
         if any(bits for _, _, bits in deployed.modules.values()):
             doc["int8_modules"] = sum(bits == 8 for _, _, bits in deployed.modules.values())
         return doc
@@ -316,13 +311,51 @@ def read_table(path: Path) -> tuple[dict[str, float], int]:
     return kept, len(doc["us"]) - len(kept)
 
 
+def _measure_forms(todo: list, precision: str, threads: int, layout: str,
+                   reporter: Reporter) -> tuple[dict[str, float], set[str], load.Load]:
+    """({form: microseconds}, the forms measured unclean, the load they were measured under) of the (K, N, rank)
+    forms ``todo``: a form whose repeats disagree is timed once more; on a busy machine every form is unclean."""
+    reporter.count(0, len(todo), "forms")
+    times, disagree = {}, set()
+    with load.LoadWatch() as watch:
+        for k, n, r in todo:
+            us, consistent = measure_form(k, n, r, precision, threads, layout)
+            if not consistent:  # once more: a spell of other work between repeats
+                us, consistent = measure_form(k, n, r, precision, threads, layout)
+            times[_key(k, n, r)] = us
+            if not consistent:
+                disagree.add(_key(k, n, r))
+            reporter.count(1, len(todo), "forms")
+    bad = set(times) if not watch.load.quiet else disagree
+    if bad:
+        why = "" if not watch.load.quiet else (f"their repeats disagreed twice (a quarter of them not within "
+                                               f"{load.AGREE:g}x of the fastest)")
+        load.not_cached(reporter, f"{len(bad)} of the {len(todo)} forms", watch.load, why)
+    return times, bad, watch.load
+
+
+def read_unclean(path: Path) -> set[str]:
+    """The entries of a cached table that were measured unclean (busy, or repeats that disagreed): kept for runs on
+    a busy machine, measured again by a quiet one."""
+    try:
+        keys = read_json(path).get("unclean") or []
+    except (ValueError, TypeError, AttributeError, RecursionError):
+        return set()
+    return {k for k in keys if isinstance(k, str)} if isinstance(keys, list) else set()
+
+
 def latency_table(shapes: list[ModuleShape], precision: str, threads: int, cache: Path,
                   reporter: Reporter = SILENT, dense=(), ranks: bool = True,
                   quant: str = DEFAULT_SCHEME) -> LatencyTable:
     """The table for ``shapes`` at ``precision`` and ``threads`` in the node layout of the scheme ``quant``, read
     from the cache and completed by measuring the forms it lacks (the dense product and the rank ``grid`` of every
     distinct (K, N); with ``ranks`` False the dense products only); ``dense``: further (K, N) products measured
-    dense only (the narrower widths a pruned MLP interpolates between)."""
+    dense only (the narrower widths a pruned MLP interpolates between).
+
+    Forms are timed with the machine's other load watched (``load.LoadWatch``) and their repeats checked (``agree``; a
+    form whose repeats disagree is timed once more). The cache records which entries were measured unclean, and the
+    load: a busy run reuses them (the table then says so, ``unclean``, and no refusal rests on it), a quiet run
+    measures them again, so a busy machine's times never outlive a quiet run."""
     if precision not in PRECISIONS:
         raise UsageError(f"--precision {precision}: must be one of {', '.join(PRECISIONS)}")
     if not 1 <= threads <= usable_cores():  # a table measured on more threads than cores would be cached as real
@@ -331,26 +364,35 @@ def latency_table(shapes: list[ModuleShape], precision: str, threads: int, cache
     layout = scheme(quant).layout(precision)
     path = table_path(Path(cache), precision, threads, layout)
     table = LatencyTable(precision, threads, scheme=quant, path=path)
+    unclean: set[str] = set()
     if path.is_file():
         table.us, dropped = read_table(path)
+        unclean = read_unclean(path) & set(table.us)
         if dropped:
             reporter.stage(f"{path}: {dropped} damaged entr{'y' if dropped == 1 else 'ies'} (not a positive finite "
                            "time of a KxN@R form), measuring again")
-    todo = []
+    needed = []
     for k, n in dict.fromkeys((s.in_features, s.out_features) for s in shapes):
-        for r in [0, *(grid(ModuleShape("", k, n)) if ranks else ())]:
-            if _key(k, n, r) not in table.us:
-                todo.append((k, n, r))
-    todo += [(k, n, 0) for k, n in dict.fromkeys(dense) if _key(k, n, 0) not in table.us and (k, n, 0) not in todo]
+        needed += [(k, n, r) for r in [0, *(grid(ModuleShape("", k, n)) if ranks else ())]]
+    needed += [(k, n, 0) for k, n in dict.fromkeys(dense) if (k, n, 0) not in needed]
+    stale = [f for f in needed if _key(*f) in unclean]
+    if stale and load.Load(load.others_busy(), None).quiet:  # measured busy before, quiet now: those times go
+        reporter.stage(f"{path}: {len(stale)} form(s) were measured on a busy machine; measuring them again now "
+                       "that it is quiet")
+        for f in stale:
+            del table.us[_key(*f)]
+            unclean.discard(_key(*f))
+    todo = [f for f in needed if _key(*f) not in table.us]
     if todo:
         reporter.stage(f"measuring {len(todo)} projection forms at {precision} ({layout}) on {threads} thread(s) "
                        f"(cached in {path.parent})")
-        calm = quiet(reporter, f"the {len(todo)} forms are")
-        reporter.count(0, len(todo), "forms")
-        for k, n, r in todo:
-            table.us[_key(k, n, r)] = measure_form(k, n, r, precision, threads, layout)
-            reporter.count(1, len(todo), "forms")
-        if calm and quiet(reporter, f"the {len(todo)} forms were"):  # before and after: a job may start between
-            write_json(path, {"version": TABLE_VERSION, "precision": precision, "layout": layout,
-                              "threads": threads, "cpu": cpu_name(), "us": table.us})
+        times, bad, measured = _measure_forms(todo, precision, threads, layout, reporter)
+        table.us.update(times)
+        unclean = (unclean - set(times)) | bad
+        write_json(path, {"version": TABLE_VERSION, "precision": precision, "layout": layout, "threads": threads,
+                          "cpu": cpu_name(), "us": table.us, "unclean": sorted(unclean), "load": measured.record()})
+    left = sum(_key(*f) in unclean for f in needed)
+    if left:
+        table.unclean = (f"{left} of the {len(needed)} {precision} forms timed on a busy machine or with repeats that "
+                         f"disagreed ({path})")
     return table
