@@ -31,8 +31,8 @@ CONFIG = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 256, "n
 
 def _rows(lo, hi, half, spread=1.0):
     """genai timing rows (15 repeats each) at the given fastest ms/token; ``spread``: every repeat but the first
-    three that much slower (repeats that disagree when it is past AGREE)."""
-    return [{"variant": k, "ms": [v] * 3 + [v * spread] * 12} for k, v in (("lo", lo), ("hi", hi), ("half", half))]
+    that much slower (repeats that disagree when it is past AGREE)."""
+    return [{"variant": k, "ms": [v] + [v * spread] * 14} for k, v in (("lo", lo), ("hi", hi), ("half", half))]
 
 
 def test_the_step_timings_must_agree_with_each_other(monkeypatch):
@@ -42,7 +42,7 @@ def test_the_step_timings_must_agree_with_each_other(monkeypatch):
     assert "4 layers timed 1.130 ms, no more than 2 layers' 1.130" in whole.step_times(_rows(1.13, 1.13, 1.0), 2, 4)[1]
     assert "half-width MLPs timed 2.000 ms, above the full width's 1.600" in whole.step_times(
         _rows(1.0, 1.6, 2.0), 2, 4)[1]
-    assert "repeats of the lo, hi, half graph(s) are not within 1.25x" in whole.step_times(
+    assert "repeats of the lo, hi, half graph(s) are not within 1.5x" in whole.step_times(
         _rows(1.0, 1.6, 1.4, spread=2.0), 2, 4)[1]
     assert whole.step_times(_rows(1.0, 1.6, 1.4, spread=1.1), 2, 4)[1] is None  # the minimum, not the median
 
@@ -166,7 +166,7 @@ def _hand_tables(cache, teacher, unclean: bool):
     from test_whole_decode import hand_overhead
     from transformers import AutoConfig
 
-    path = _hand_table(cache, _tiny_shapes(teacher), (), threads=1, teacher=teacher)
+    path = _hand_table(cache, _tiny_shapes(teacher), (), threads=1, teacher=teacher, pruned=True)
     if unclean:
         doc = json.loads(path.read_text())
         path.write_text(json.dumps({**doc, "unclean": sorted(doc["us"]), "load": {"others_cores_before": 1.6}}))

@@ -96,7 +96,7 @@ def test_forms_whose_repeats_disagree_are_timed_once_more_then_marked_unclean(tm
     """A form whose repeats disagree (``agree``) is timed a second time; if they disagree again it is marked
     unclean, and the table with it."""
     monkeypatch.setattr(load, "agree", AGREE)
-    assert load.agree([10.0, 10.5, 11.0, 30.0, 40.0]) and not load.agree([10.0, 20.0, 21.0, 22.0, 23.0])
+    assert load.agree([10.0, 10.5, 11.0, 30.0, 40.0]) and not load.agree([10.0, *range(20, 29)])
     outcomes = {}
 
     def measure(k, n, r, p, t, layout, results=outcomes):
@@ -192,12 +192,14 @@ def test_allocation_by_a_measured_cost_meets_it_and_never_picks_a_pair_slower_th
             assert total <= sum(e for _, _, e in combo) * (1 + 1e-9) + 1e-12
 
 
-def _hand_table(cache, shapes, slow_pairs: tuple[tuple[int, int], ...], threads=1, precision="int4", teacher=None):
+def _hand_table(cache, shapes, slow_pairs: tuple[tuple[int, int], ...], threads=1, precision="int4", teacher=None,
+                pruned: bool = False):
     """A cached table with known values: dense K N / 100 us; a pair 0.5 + r (K + N) / 100 us, except the shapes in
     ``slow_pairs``, whose pairs cost twice the dense product (they never pay). With ``teacher`` (a folder), the
-    half-width MLP products, the narrower products of pruned MLPs and attention blocks and the decode step's overhead
-    (``test_whole_decode.hand_overhead``) too, so plan and the one-shot allocation time nothing (forms timed in a
-    plan process, where the tests' quiet machine is not set, would be unclean on a busy one: nothing refused)."""
+    half-width MLP products and the decode step's overhead (``test_whole_decode.hand_overhead``) too, so plan and
+    the one-shot allocation time nothing; ``pruned``: the narrower products of pruned MLPs and attention blocks too
+    (forms timed in a plan process, where the tests' quiet machine is not set, would be unclean on a busy one, and
+    nothing is refused on those)."""
     from bdlora.bench.whole import half_width
 
     us = {}
@@ -214,8 +216,8 @@ def _hand_table(cache, shapes, slow_pairs: tuple[tuple[int, int], ...], threads=
         config = AutoConfig.from_pretrained(teacher).to_dict()
         hidden, half = config["hidden_size"], half_width(config)
         us.update({f"{hidden}x{half}@0": hidden * half / 100, f"{half}x{hidden}@0": hidden * half / 100})
-        kv = int(config.get("num_key_value_heads") or config["num_attention_heads"])  # what channels and groups
-        us.update({f"{k}x{n}@0": k * n / 100 for k, n in site_probes(shapes, kv, True, True)})  # interpolate between
+        kv = int(config.get("num_key_value_heads") or config["num_attention_heads"])  # channels and groups read
+        us.update({f"{k}x{n}@0": k * n / 100 for k, n in site_probes(shapes, kv, pruned, pruned)})
         hand_overhead(cache, config, precision, threads)
     path = lat.table_path(cache, precision, threads)
     write_json(path, {"version": lat.TABLE_VERSION, "us": us})

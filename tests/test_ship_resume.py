@@ -182,7 +182,7 @@ def test_a_speedup_beyond_reach_is_refused_by_plan_before_any_step(tiny_env, tmp
 
     teacher = tmp_path / "teacher"
     genai_teacher(tiny_env["tokenizer"], teacher, seed=3, layers=4)
-    _hand_table(tmp_path / "cache", _tiny_shapes(teacher), (), threads=1, teacher=teacher)
+    _hand_table(tmp_path / "cache", _tiny_shapes(teacher), (), threads=1, teacher=teacher, pruned=True)
     monkeypatch.setenv("BDLORA_CACHE", str(tmp_path / "cache"))
 
     def runner(*a):

@@ -328,7 +328,7 @@ def _measure_forms(todo: list, precision: str, threads: int, layout: str,
             reporter.count(1, len(todo), "forms")
     bad = set(times) if not watch.load.quiet else disagree
     if bad:
-        why = "" if not watch.load.quiet else (f"their repeats disagreed twice (a quarter of them not within "
+        why = "" if not watch.load.quiet else (f"their repeats disagreed twice (a tenth of them not within "
                                                f"{load.AGREE:g}x of the fastest)")
         load.not_cached(reporter, f"{len(bad)} of the {len(todo)} forms", watch.load, why)
     return times, bad, watch.load
