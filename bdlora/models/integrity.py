@@ -38,8 +38,76 @@ def sha256(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+WEIGHT_INDEX = "model.safetensors.index.json"  # a sharded checkpoint's map of tensor -> file (transformers')
+
+
 def weight_files(folder: Path) -> list[Path]:
-    return sorted(p for p in Path(folder).glob("*.safetensors") if p.is_file())
+    """The folder's weight files: those ``model.safetensors.index.json`` names when it has one (transformers' rule: a
+    stray ``zz-backup.safetensors`` beside the shards is not part of the model; read, its zeros replaced a layer's
+    weights), else every ``*.safetensors`` file."""
+    folder = Path(folder)
+    if (folder / WEIGHT_INDEX).exists():
+        return sorted({folder / name for name in weight_map(folder).values()})
+    return sorted(p for p in folder.glob("*.safetensors") if p.is_file())
+
+
+def weight_map(folder: Path) -> dict[str, str]:
+    """``{tensor: file name}`` of the folder's ``model.safetensors.index.json``, each file a regular file in the
+    folder; one line naming what is wrong otherwise."""
+    path = Path(folder) / WEIGHT_INDEX
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        found = doc["weight_map"]
+        if not isinstance(found, dict) or not found or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in found.items()):
+            raise TypeError("weight_map")
+    except (OSError, ValueError, KeyError, TypeError, RecursionError, UnicodeDecodeError) as e:
+        raise ModelError(f"{path}: not a sharded checkpoint's index (a JSON object whose weight_map names each "
+                         f"tensor's file; {type(e).__name__}); the folder is damaged") from None
+    for name in sorted(set(found.values())):
+        shard = Path(folder) / name
+        if Path(name).name != name or name in (".", ".."):
+            raise ModelError(f"{path}: names {shown(name)}, a file outside the folder; an index names its shards "
+                             "beside it")
+        if not shard.is_file():
+            raise ModelError(f"{path}: names {shown(name)}, which is not in the folder (a missing shard)")
+    return found
+
+
+def folder_tensors(folder: Path, dtypes: dict[str, str] | None = None) -> dict[str, tuple[int, ...]]:
+    """``{tensor: shape}`` of the model in the folder's weight files (``tensor_files``: as its index maps them, a
+    tensor in two files refused), read from their headers; ``dtypes`` collects the stored dtypes."""
+    held: dict[Path, dict] = {}
+
+    def shapes_of(p: Path) -> dict:
+        held[p] = check_safetensors(p, dtypes)
+        return held[p]
+
+    return {t: held[p][t] for t, p in tensor_files(folder, shapes_of).items()}
+
+
+def tensor_files(folder: Path, shapes_of) -> dict[str, Path]:
+    """``{tensor: the file it is read from}``: as the index says (each named tensor checked to be in its file), or,
+    without an index, from every weight file, a tensor in two files refused (which one is the model's?).
+    ``shapes_of(path)``: the tensors of one file (``check_safetensors``)."""
+    folder = Path(folder)
+    held = {p: shapes_of(p) for p in weight_files(folder)}
+    if (folder / WEIGHT_INDEX).exists():
+        where = {t: folder / f for t, f in weight_map(folder).items()}
+        for t, p in sorted(where.items()):
+            if t not in held[p]:
+                raise ModelError(f"{folder / WEIGHT_INDEX}: maps {shown(t)} to {p.name}, which does not hold it; "
+                                 "the folder is damaged")
+        return where
+    where: dict[str, Path] = {}
+    for p, shapes in held.items():
+        for t in shapes:
+            if t in where:
+                raise ModelError(f"{folder}: tensor {shown(t)} is in both {where[t].name} and {p.name}; which is the "
+                                 f"model's is not known (a sharded checkpoint names each tensor's file in "
+                                 f"{WEIGHT_INDEX}; remove the stray file)")
+            where[t] = p
+    return where
 
 
 def digests(folder: Path) -> dict[str, str]:
@@ -293,9 +361,7 @@ def check_loadable(folder: Path) -> dict:
     family = (cfg.get("bdlora") or {}).get("base_model_type") or cfg["model_type"]
     if family not in SUPPORTED_FAMILIES:  # refused before its own sizes are even read (a GPT-2 has other names)
         raise ModelError(unsupported(str(folder), cfg["model_type"]))
-    shapes: dict[str, tuple[int, ...]] = {}
-    for p in weight_files(folder):
-        shapes.update(check_safetensors(p))
+    shapes = folder_tensors(folder)
     if shapes:
         check_declared_sizes(folder, cfg, shapes)
         return cfg
@@ -317,10 +383,8 @@ def check_model_folder(folder: Path, report: dict | None = None) -> None:
     files = weight_files(folder)
     if not files:
         raise ModelError(f"{folder}: no .safetensors weights (bdlora reads and writes safetensors only)")
-    shapes: dict[str, tuple[int, ...]] = {}
     dtypes: dict[str, str] = {}
-    for p in files:
-        shapes.update(check_safetensors(p, dtypes))
+    shapes = folder_tensors(folder, dtypes)
     check_declared_forms(folder, cfg, shapes)
     check_dtypes(folder, cfg, dtypes)
     check_declared_sizes(folder, cfg, shapes)

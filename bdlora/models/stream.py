@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from bdlora.base.errors import ModelError, UsageError
 from bdlora.base.outputs import STREAMING
-from bdlora.models.integrity import check_safetensors, weight_files
+from bdlora.models.integrity import check_safetensors, tensor_files, weight_files
 from bdlora.models.lazy import SOURCE, empty, materialized
 from bdlora.models.load import all_finite, check_weights_match, checked_folder, checked_model
 from bdlora.models.perplexity import TorchLM
@@ -63,7 +63,7 @@ class FolderWeights:
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
-        self.where = {name: p for p in weight_files(self.folder) for name in check_safetensors(p)}
+        self.where = tensor_files(self.folder, check_safetensors)  # as the index maps them: a stray file is not read
 
     def names(self) -> set[str]:
         return set(self.where)

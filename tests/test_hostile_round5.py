@@ -1,0 +1,97 @@
+"""The fifth round of hostile inputs (issue 89) on the streamed paths: each case as its user met it, refused in one
+line before the work it would waste, or read as transformers reads it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from bdlora.cli import app
+
+DOWN = "model.layers.1.mlp.down_proj.weight"
+
+
+def _one_line(r, code: int = 2) -> str:
+    assert r.exit_code == code, r.output
+    assert "Traceback" not in r.output
+    return " ".join(r.output.split())
+
+
+def _sharded(teacher, folder, index: bool = True):
+    """The teacher's weights in two shards (layer 0 and the embedding in the first, the rest in the second), with
+    the index transformers reads, and a stray ``zz-backup.safetensors`` holding one of its tensors as zeros."""
+    shutil.copytree(teacher, folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    first = {k: v for k, v in weights.items() if "layers.0." in k or "embed" in k}
+    second = {k: v for k, v in weights.items() if k not in first}
+    save_file(first, str(folder / "model-00001-of-00002.safetensors"), metadata={"format": "pt"})
+    save_file(second, str(folder / "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
+    if index:
+        where = {**{k: "model-00001-of-00002.safetensors" for k in first},
+                 **{k: "model-00002-of-00002.safetensors" for k in second}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": where}))
+    save_file({DOWN: torch.zeros_like(weights[DOWN])}, str(folder / "zz-backup.safetensors"),
+              metadata={"format": "pt"})
+    return weights
+
+
+def test_a_stray_shard_beside_an_index_is_not_read(tiny_env, tmp_path):
+    """Case 1: every ``*.safetensors`` was read and the last file won: a stray backup's zeros replaced layer 1's
+    down projection in the streamed export, rc 0. The index is followed, as transformers follows it: the exported
+    weight is the shard's."""
+    from onnx import load
+    from onnx.numpy_helper import to_array
+
+    from bdlora.models.integrity import check_loadable, weight_files
+    from bdlora.models.stream import FolderWeights
+    from conftest import genai_teacher
+
+    genai_teacher(tiny_env["tokenizer"], tmp_path / "teacher")
+    tiny_env["tokenizer"].save_pretrained(tmp_path / "teacher")
+    folder = tmp_path / "sharded"
+    weights = _sharded(tmp_path / "teacher", folder)
+    assert [p.name for p in weight_files(folder)] == ["model-00001-of-00002.safetensors",
+                                                       "model-00002-of-00002.safetensors"]
+    check_loadable(folder)
+    assert torch.equal(FolderWeights(folder).read(DOWN), weights[DOWN])
+    r = CliRunner().invoke(app, ["export", "genai", str(folder), "--streaming", "on", "--no-validate", "--out",
+                                 str(tmp_path / "g")])
+    assert r.exit_code == 0, r.output
+    graph = load(str(tmp_path / "g" / "model.onnx"))
+    down = next(t for t in graph.graph.initializer if t.name == "/model/layers.1/mlp/down_in.weight")
+    assert torch.equal(torch.from_numpy(to_array(down, str(tmp_path / "g"))), weights[DOWN].T)
+
+
+def test_a_tensor_in_two_files_without_an_index_is_refused(tiny_env, tmp_path):
+    """Case 1, without an index: which file holds the model's tensor is not known; one line naming both files,
+    exit 2, before anything is written."""
+    folder = tmp_path / "two"
+    _sharded(tiny_env["teacher"], folder, index=False)
+    for argv in (["export", "genai", str(folder), "--streaming", "on", "--no-validate"],
+                 ["export", "genai", str(folder), "--streaming", "off", "--no-validate"]):
+        r = CliRunner().invoke(app, [*argv, "--out", str(tmp_path / "g")])
+        said = _one_line(r)
+        assert f"tensor '{DOWN}' is in both model-00002-of-00002.safetensors and zz-backup.safetensors" in said
+        assert "model.safetensors.index.json" in said and not (tmp_path / "g").exists()
+
+
+@pytest.mark.parametrize("damage,needle", [
+    ({"weight_map": {DOWN: "../elsewhere.safetensors"}}, "a file outside the folder"),
+    ({"weight_map": {DOWN: "model-00009-of-00009.safetensors"}}, "which is not in the folder (a missing shard)"),
+    ({"weight_map": []}, "not a sharded checkpoint's index"),
+    ({"weight_map": {DOWN: "zz-backup.safetensors", "model.norm.weight": "zz-backup.safetensors"}},
+     "maps 'model.norm.weight' to zz-backup.safetensors, which does not hold it"),
+])
+def test_a_damaged_index_is_one_line(tiny_env, tmp_path, damage, needle):
+    folder = tmp_path / "bad"
+    _sharded(tiny_env["teacher"], folder)
+    (folder / "model.safetensors.index.json").write_text(json.dumps(damage))
+    r = CliRunner().invoke(app, ["export", "genai", str(folder), "--streaming", "on", "--no-validate", "--out",
+                                 str(tmp_path / "g")])
+    assert needle in _one_line(r) and not (tmp_path / "g").exists()
