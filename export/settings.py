@@ -129,3 +129,35 @@ class GenaiExportSettings:
 
 
 DEFAULT = GenaiExportSettings()
+
+
+GGUF_QUANTS = ("f16", "q8_0", "q4_0", "q4_k_m")  # export.gguf.layout.QUANTS: the torch-free CLI reads them here
+GGUF_PPL_CHANGE = 0.10
+
+
+@dataclass(frozen=True)
+class GgufExportSettings:
+    quant: str = "q8_0"
+    """f16, q8_0 or q4_0 (written by the gguf package), or q4_k_m (rounded by llama.cpp's own quantizer: the
+    [llamacpp] extra)."""
+    merge_lowrank: bool = False
+    """Multiply low-rank pairs out into dense weights (llama.cpp has no low-rank form; their speed-up is lost).
+    Without it a student holding any is refused: give it --forms channels,groups,layers."""
+    quality_tokens: int = 2048
+    """Held-out tokens the GGUF's perplexity (in llama.cpp) and the source's (PyTorch, fp32) are scored on."""
+    max_ppl_change: float = GGUF_PPL_CHANGE
+    """The export is refused if llama.cpp's held-out perplexity is above PyTorch's fp32 by more than this fraction."""
+    pool: ThreadPool = ThreadPool()
+    """--threads: llama.cpp's threads in the checks (default: this machine's usable cores)."""
+    validate: bool = True
+    """Load the file in llama.cpp ([llamacpp] extra) and check its tokenizer, logits and held-out perplexity
+    against PyTorch before it is published (without the extra: its structure only, read back with the gguf
+    package)."""
+
+    def check(self, c: Checks) -> Checks:
+        c.choice("quant", self.quant, GGUF_QUANTS)
+        c.integer("quality_tokens", self.quality_tokens, lo=16, hi=1 << 20)
+        c.require(isinstance(self.max_ppl_change, int | float) and 0 <= self.max_ppl_change < float("inf"),
+                  f"--max-ppl-change {self.max_ppl_change}: must be a finite fraction >= 0 (0.1 = 10%)")
+        self.pool.check(c)
+        return c

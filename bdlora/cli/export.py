@@ -18,7 +18,7 @@ from bdlora.cli.progress import RichReporter
 from bdlora.data.documents import BUILTIN
 from bdlora.export.defaults import DEFAULT_OPSET
 from bdlora.export.hf import export_hf as run_export
-from bdlora.export.settings import GenaiExportSettings
+from bdlora.export.settings import GenaiExportSettings, GgufExportSettings
 from bdlora.models import sources
 
 
@@ -130,3 +130,36 @@ def export_genai(
         print(json.dumps(info, indent=2))
         return
     render.genai_export(info, dst)
+
+
+@command(export_app, "gguf", options=from_dataclass(GgufExportSettings, defaults=True))
+def export_gguf(
+    model_dir: Annotated[Optional[str], typer.Argument(help="Model folder: a `bdlora compress` output of the "
+                                                            "channels, groups and layers forms (default: the latest), "
+                                                            "any HF folder of a family llama.cpp runs, a teacher "
+                                                            "preset, a .gguf file or builtin.")] = None,
+    out_dir: Out = None,
+    force: Force = False,
+    runs_dir: RunsDir = RUNS_DIR,
+    json_out: Json = False,
+    **opts,
+):
+    """Export a model as a GGUF file for llama.cpp, Ollama and LM Studio: a teacher as llama.cpp's converter writes
+    it, a student of pruned blocks as llama.cpp's deci architecture (per-layer heads and MLP widths), written one
+    tensor at a time; checked in llama.cpp (tokenizer, logits, held-out perplexity against PyTorch) with the
+    [llamacpp] extra. --out defaults to MODEL_DIR.gguf-QUANT."""
+    from bdlora.export.gguf import export_gguf_folder
+
+    settings = from_options(GgufExportSettings, given(opts))
+    settings.check(Checks()).done()
+    rep = RichReporter(err if json_out else out)
+    if named := _named_source(model_dir, out_dir, f".gguf-{settings.quant}", rep):
+        src, dst = named
+    else:
+        src = _source(model_dir, runs_dir)
+        dst = Path(out_dir) if out_dir else Path(f"{src}.gguf-{settings.quant}")
+    info = export_gguf_folder(src, dst, settings, force=force, reporter=rep)
+    if json_out:
+        print(json.dumps(info, indent=2))
+        return
+    render.gguf_export(info, dst)

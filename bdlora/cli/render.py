@@ -207,6 +207,37 @@ def genai_export(info: dict, dst) -> None:
     out.print(t)
 
 
+def gguf_export(info: dict, dst) -> None:
+    t = _kv(f"GGUF export (llama.cpp): {dst}")
+    f = info["file"]
+    t.add_row("architecture / layers", f"{info['architecture']} / {len(info['layers'])}"
+              + (" (per-layer heads and MLP widths)" if info["architecture"] == "deci" else ""))
+    t.add_row("file", f"model.gguf, {info['quant']}, {f['bytes'] / 1e6:,.1f} MB, {f['tensors']} tensors ("
+              + ", ".join(f"{n} {k}" for k, n in sorted(f["types"].items())) + ")")
+    t.add_row("tokenizer", f"{f['vocab']['model']} / pre {f['vocab']['pre']}, {f['vocab']['tokens']:,} tokens, from "
+              f"{f['vocab']['source']}")
+    if info.get("merged_lowrank"):
+        t.add_row("low-rank modules multiplied out", str(len(info["merged_lowrank"])))
+    v = info.get("validation") or {}
+    if "skipped" in v:
+        t.add_row("llama.cpp checks", f"not run: {v['skipped']}")
+    if "tokenizer" in v:
+        k = v["tokenizer"]
+        t.add_row("llama.cpp tokenisation vs HF", f"{k['identical']:,} of {k['lines']:,} lines identical")
+    if "logits" in v:
+        g = v["logits"]
+        t.add_row("max |llama.cpp - torch| logits", f"{g['max_abs_diff']:.3g} (tolerance {g['tolerance']:.3g}); "
+                  f"argmax agreement {100 * g['argmax_agreement']:.1f}%")
+    if "quality" in v:
+        q = v["quality"]
+        t.add_row(f"held-out ppl torch fp32 -> llama.cpp {info['quant']}", f"{q['ppl_torch']:.3f} -> "
+                  f"{q['ppl_gguf']:.3f} ({100 * q['ppl_change']:+.2f}%, {q['tokens']:,} tokens)")
+    t.add_row("wall time by phase", ", ".join(f"{k} {x:.1f} s" for k, x in info["seconds"].items()))
+    t.add_row("run it", f"llama-cli -m {dst}/model.gguf; python -m llama_cpp.server --model {dst}/model.gguf; "
+              f"ollama create NAME -f {dst}/Modelfile")
+    out.print(t)
+
+
 def bench(doc: dict) -> None:
     t = Table(title=f"bench: compressed vs dense / LoRA ({doc['thread_pool']})")
     t.add_column("scope phase shape", overflow="fold")

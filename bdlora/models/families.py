@@ -76,18 +76,21 @@ class Family:
     """Whether onnxruntime-genai's own model builder converts the family (the bench's builder rows)."""
     weights: bool = True
     """False: ``plan`` reads its shapes, but no other command loads it (no bdlora architecture yet)."""
+    gguf_arch: str | None = None
+    """llama.cpp's architecture of the family's dense model (``export gguf``; None: refused). A student whose
+    layers differ (pruned MLPs or attention) is written as llama.cpp's ``deci`` where the family's layer is Llama's."""
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    Family("mistral", "MistralForCausalLM", genai_type="mistral", builder=True),
-    Family("llama", "LlamaForCausalLM", genai_type="llama", builder=True),
-    Family("qwen2", "Qwen2ForCausalLM", genai_type="qwen2", builder=True),
+    Family("mistral", "MistralForCausalLM", genai_type="mistral", builder=True, gguf_arch="llama"),
+    Family("llama", "LlamaForCausalLM", genai_type="llama", builder=True, gguf_arch="llama"),
+    Family("qwen2", "Qwen2ForCausalLM", genai_type="qwen2", builder=True, gguf_arch="qwen2"),
     # GELU-gated MLP, query/key norms, four norms per layer with 1 + w, scaled embeddings, 5 local : 1 global
     # attention layers with their own rotary bases, a tied 262k-token head
     Family("gemma3_text", "Gemma3ForCausalLM", Anatomy(activation="gelu_pytorch_tanh", qk_norm=True,
                                                        sandwich_norms=True, norm_offset=1.0, embed_scale=True,
                                                        per_layer_attention=True),
-           genai_type="gemma3_text", builder=True),
+           genai_type="gemma3_text", builder=True, gguf_arch="gemma3"),
     # query/key norms and an explicit head_dim: its projections' shapes are known, its layers are not emitted yet
     Family("qwen3", "Qwen3ForCausalLM", weights=False),
 )}

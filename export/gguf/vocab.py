@@ -1,0 +1,176 @@
+"""A model folder's tokenizer as llama.cpp reads it: the ``tokenizer.ggml.*`` keys of a GGUF file.
+
+Three sources, in this order:
+
+1. The tokenizer keys of the GGUF file the model came from (``GGUF_TOKENIZER``, saved beside a folder bdlora made from
+   a ``.gguf`` file or a preset, ``models.sources``): exactly what llama.cpp's converter wrote for the original model.
+   A student carries its teacher's tokenizer (its files' digests are compared), so a student of a preset reads its
+   teacher's.
+2. A byte-level BPE ``tokenizer.json`` (GPT-2, Llama 3, Qwen2, SmolLM, the builtin teacher): as llama.cpp's
+   ``convert_hf_to_gguf.py`` writes it (``_set_vocab_gpt2``): every id's token and type, the merges and special ids
+   (``gguf.SpecialVocab``), the chat template, and the pre-tokenizer named by the hash of how the tokenizer splits
+   ``CHECK_TEXT`` (``pretokenizers``). A hash llama.cpp does not know is refused, as its converter refuses it, except
+   a plain ``ByteLevel`` pre-tokenizer, whose regex is GPT-2's (``gpt-2``).
+3. A SentencePiece-style ``tokenizer.json`` (byte fallback, Llama 2 and Mistral): ``gguf.LlamaHfVocab``, as the
+   converter's ``_set_vocab_llama_hf``.
+"""
+
+from __future__ import annotations
+
+import json
+from hashlib import sha256
+from pathlib import Path
+
+from bdlora.base.errors import ModelError
+from bdlora.base.io import read_json
+from bdlora.export.gguf.pretokenizers import CHECK_TEXT, PRE_TOKENIZERS
+from bdlora.models.integrity import tokenizer_digests
+from bdlora.models.sources import GGUF_TOKENIZER
+
+CONTROL_LOOKS = ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
+
+
+def saved_keys(folder: Path, teacher: Path | None = None) -> Path | None:
+    """The GGUF tokenizer keys that hold for ``folder``'s tokenizer: saved beside it, or beside ``teacher`` when the
+    folder's tokenizer files are the teacher's (a student's), else None."""
+    for where in (Path(folder), teacher):
+        if where is not None and (Path(where) / GGUF_TOKENIZER).is_file() and (
+                Path(where) == Path(folder) or tokenizer_digests(where) == tokenizer_digests(folder)):
+            return Path(where) / GGUF_TOKENIZER
+    return None
+
+
+def token_count(folder: Path, vocab_size: int, teacher: Path | None = None) -> int:
+    """The tokens the GGUF will list: the saved keys' (a Gemma 3 embedding pads rows past them), else the model's
+    vocabulary (a converter pads missing ids with ``[PADn]``)."""
+    keys = saved_keys(folder, teacher)
+    if keys is None:
+        return vocab_size
+    for entry in (read_json(keys).get("keys") or []):
+        if isinstance(entry, dict) and entry.get("key") == "tokenizer.ggml.tokens":
+            return len(entry.get("value") or [])
+    raise ModelError(f"{keys}: lists no tokens (tokenizer.ggml.tokens); the folder is damaged")
+
+
+def add_vocab(writer, folder: Path, vocab_size: int, teacher: Path | None = None) -> dict:
+    """Add the tokenizer of ``folder`` (or, when its tokenizer files are ``teacher``'s, the GGUF keys saved beside
+    that teacher) to ``writer``; returns what was written (source, model, pre-tokenizer, tokens)."""
+    folder = Path(folder)
+    keys = saved_keys(folder, teacher)
+    if keys is not None:
+        return _copied(writer, keys, token_count(folder, vocab_size, teacher))
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise ModelError(f"{folder}: no tokenizer.json (a byte-level BPE or SentencePiece tokenizer is what llama.cpp "
+                         "reads); a folder made from a .gguf file carries its tokenizer's keys")
+    spec = json.loads(path.read_text(encoding="utf-8"))
+    model = spec.get("model") or {}
+    if model.get("type") == "BPE" and model.get("byte_fallback"):
+        return _llama_hf(writer, folder, vocab_size)
+    if model.get("type") == "BPE":
+        return _gpt2(writer, folder, vocab_size, spec)
+    raise ModelError(f"{path}: a {model.get('type')} tokenizer; llama.cpp's GGUF export here takes byte-level BPE "
+                     "(GPT-2, Llama 3, Qwen2) and SentencePiece-style BPE (Llama 2, Mistral) tokenizers")
+
+
+def _copied(writer, path: Path, vocab_size: int) -> dict:
+    doc = read_json(path)
+    keys = doc.get("keys") if isinstance(doc, dict) else None
+    if not isinstance(keys, list) or not keys:
+        raise ModelError(f"{path}: not the tokenizer keys of a GGUF file; the folder is damaged")
+    import gguf
+
+    tokens = 0
+    for entry in keys:
+        name, kind, value = entry["key"], gguf.GGUFValueType[entry["type"]], entry["value"]
+        sub = gguf.GGUFValueType[entry["sub_type"]] if entry.get("sub_type") else None
+        if name == gguf.Keys.Tokenizer.LIST:
+            tokens = len(value)
+        writer.add_key_value(name, value, kind, sub_type=sub)
+    if tokens != vocab_size:
+        raise ModelError(f"{path}: {tokens} tokens, but {vocab_size} were expected")
+    found = {e["key"]: e["value"] for e in keys}
+    return {"source": f"the GGUF file's own ({path.name})", "model": found.get(gguf.Keys.Tokenizer.MODEL),
+            "pre": found.get(gguf.Keys.Tokenizer.PRE), "tokens": tokens}
+
+
+def pre_tokenizer(tok, spec: dict) -> str:
+    """llama.cpp's name of ``tok``'s pre-tokenizer: by the hash of how it splits ``CHECK_TEXT`` (its converter's
+    rule), else ``gpt-2`` for a plain ``ByteLevel`` pre-tokenizer (GPT-2's regex), else refused."""
+    digest = sha256(str(tok.encode(CHECK_TEXT)).encode()).hexdigest()
+    if digest in PRE_TOKENIZERS:
+        return PRE_TOKENIZERS[digest]
+    pre = spec.get("pre_tokenizer") or {}
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space", False):
+        return "gpt-2"
+    raise ModelError(f"the tokenizer's pre-tokenizer (llama.cpp's hash {digest[:16]}...) is not one llama.cpp "
+                     "implements; its convert_hf_to_gguf_update.py adds new ones")
+
+
+def _gpt2(writer, folder: Path, vocab_size: int, spec: dict) -> dict:
+    """llama.cpp's converter's ``get_vocab_base`` and ``_set_vocab_gpt2``."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    vocab = tok.get_vocab()
+    if max(vocab.values()) >= vocab_size:
+        raise ModelError(f"{folder}: the tokenizer has ids up to {max(vocab.values())}, beyond the model's "
+                         f"vocabulary of {vocab_size}")
+    pre = pre_tokenizer(tok, spec)
+    reverse = {i: t for t, i in vocab.items()}
+    added, decoder = tok.get_added_vocab(), tok.added_tokens_decoder
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i not in reverse:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+            continue
+        token = reverse[i]
+        if token in added:
+            if not decoder[i].normalized:  # llama.cpp takes control and user tokens as already normalised
+                token = tok.decode(tok.encode(token, add_special_tokens=False))
+            if decoder[i].special or _looks_special(token):
+                types.append(gguf.TokenType.CONTROL)
+            else:
+                token = token.replace("\u2581", " ")
+                types.append(gguf.TokenType.USER_DEFINED)
+        else:
+            types.append(gguf.TokenType.NORMAL)
+        tokens.append(token)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    gguf.SpecialVocab(folder, load_merges=True).add_to_gguf(writer, quiet=True)
+    return {"source": "tokenizer.json (llama.cpp's converter's rules)", "model": "gpt2", "pre": pre,
+            "tokens": len(tokens)}
+
+
+def _looks_special(token: str) -> bool:
+    """The converter's ``does_token_look_special``: added tokens some models forget to mark special."""
+    return (token in CONTROL_LOOKS or (token.startswith("<|") and token.endswith("|>"))
+            or (token.startswith("<\uff5c") and token.endswith("\uff5c>"))
+            or (token.startswith("<unused") and token.endswith(">")))
+
+
+def _llama_hf(writer, folder: Path, vocab_size: int) -> dict:
+    """The converter's ``_set_vocab_llama_hf``: a SentencePiece vocabulary saved as a byte-fallback BPE."""
+    import gguf
+
+    vocab = gguf.LlamaHfVocab(folder)
+    tokens, scores, types = [], [], []
+    for text, score, kind in vocab.all_tokens():
+        tokens.append(text)
+        scores.append(score)
+        types.append(kind)
+    if len(tokens) != vocab_size:
+        raise ModelError(f"{folder}: the tokenizer has {len(tokens)} tokens, the model's vocabulary {vocab_size}")
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    gguf.SpecialVocab(folder, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
+    return {"source": "tokenizer.json (llama.cpp's converter's rules)", "model": "llama", "pre": "default",
+            "tokens": len(tokens)}

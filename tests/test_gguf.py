@@ -1,0 +1,240 @@
+"""``bdlora export gguf`` (issue 88): a teacher as llama.cpp's converter writes it, a student of the channels,
+groups and layers forms as llama.cpp's ``deci`` architecture with per-layer head counts and MLP widths, written one
+tensor at a time; read back by the gguf package and by transformers' own GGUF loader (an independent reader: it
+undoes the rotary permutation and the tensor names), and, where llama-cpp-python is installed (the [llamacpp] extra,
+its own CI leg), loaded in llama.cpp and held to PyTorch. What llama.cpp cannot express is refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from test_oneshot import shot_args
+from typer.testing import CliRunner
+
+from bdlora.cli import app
+from bdlora.export.gguf import export_gguf_folder, layout, writer
+from bdlora.export.settings import GgufExportSettings
+
+HAS_LLAMA_CPP = __import__("importlib").util.find_spec("llama_cpp") is not None
+needs_llama_cpp = pytest.mark.skipif(not HAS_LLAMA_CPP, reason='needs llama-cpp-python: pip install -e ".[llamacpp]"')
+
+
+def _read(path):
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    keys = {k: f.contents() for k, f in r.fields.items() if not k.startswith("tokenizer.ggml.")}
+    tensors = {t.name: t for t in r.tensors}
+    return keys, tensors
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's rotary row order back to HF's (the inverse of ``writer.permuted``)."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _one_shot(env, out, ratio: str):
+    r = CliRunner().invoke(app, shot_args(env, out, "--mac-ratio", ratio, "--forms", "channels,groups,layers"))
+    assert r.exit_code == 0, r.output
+    return out
+
+
+@pytest.fixture(scope="module")
+def student(tiny_env, tmp_path_factory):
+    """A one-shot student of the tiny teacher over channels, groups and layers at 1.8x: narrower MLPs, attention
+    blocks keeping fewer key/value groups (here layer 0 kept both, the others one)."""
+    return _one_shot(tiny_env, tmp_path_factory.mktemp("gguf") / "student", "1.8")
+
+
+@pytest.fixture(scope="module")
+def shallow(tiny_env, tmp_path_factory):
+    """The same at 3x, beyond what pruning alone reaches: layers removed, the kept ones numbered from 0."""
+    return _one_shot(tiny_env, tmp_path_factory.mktemp("gguf") / "shallow", "3")
+
+
+@pytest.mark.parametrize("quant", ["f16", "q8_0", "q4_0"])
+def test_a_teacher_is_read_back_by_transformers_gguf_loader(tiny_env, tmp_path, quant):
+    """The teacher's file, dequantised by transformers' GGUF loader, gives the teacher's logits to the rounding of
+    its type (f16: 2^-11 of each weight), and every tensor has the type the converter's rules give it."""
+    from transformers import AutoModelForCausalLM
+
+    info = export_gguf_folder(tiny_env["teacher"], tmp_path / "g", GgufExportSettings(quant=quant, validate=False))
+    assert info["architecture"] == "llama" and info["structure"]["tensors"] == info["file"]["tensors"]
+    keys, tensors = _read(tmp_path / "g" / "model.gguf")
+    assert keys["general.architecture"] == "llama" and keys["llama.block_count"] == 4
+    assert keys["llama.attention.head_count"] == 4 and keys["llama.attention.head_count_kv"] == 2
+    assert tensors["blk.0.attn_norm.weight"].tensor_type.name == "F32"
+    want = {"f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0"}[quant]
+    assert tensors["blk.0.ffn_up.weight"].tensor_type.name == want
+    assert tensors["output.weight"].tensor_type.name == ("Q8_0" if quant == "q4_0" else want)
+    got = AutoModelForCausalLM.from_pretrained(str(tmp_path / "g"), gguf_file="model.gguf", dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_env["teacher"], dtype=torch.float32)
+    x = torch.from_numpy(np.random.default_rng(0).integers(0, ref.config.vocab_size, (2, 24)))
+    with torch.no_grad():
+        a, b = got(x).logits, ref(x).logits
+    tol = {"f16": 2e-3, "q8_0": 2e-2, "q4_0": 0.3}[quant]
+    assert float((a - b).abs().max()) <= tol * float(b.abs().max())
+    assert (tmp_path / "g" / "Modelfile").read_text().splitlines()[1] == "FROM ./model.gguf"
+    doc = json.loads((tmp_path / "g" / "export.json").read_text())
+    assert doc["quant"] == quant and doc["file"]["vocab"]["pre"] == "gpt-2"
+
+
+@pytest.mark.parametrize("which", ["student", "shallow"])
+def test_a_student_of_pruned_blocks_is_deci_with_per_layer_shapes(request, tmp_path, which):
+    """Every layer's query heads, key/value heads and MLP width in llama.cpp's per-layer arrays, the removed layers
+    gone and the rest renumbered, and each tensor the student's own weight (q and k in llama.cpp's rotary order)."""
+    from safetensors.torch import load_file
+
+    student = request.getfixturevalue(which)
+    info = export_gguf_folder(student, tmp_path / "g", GgufExportSettings(quant="f16", validate=False))
+    cfg = json.loads((student / "config.json").read_text())
+    weights = load_file(str(student / "model.safetensors"))
+    n = cfg["num_hidden_layers"]
+    heads = [weights[f"model.layers.{i}.self_attn.q_proj.weight"].shape[0] // 8 for i in range(n)]
+    kv = [weights[f"model.layers.{i}.self_attn.k_proj.weight"].shape[0] // 8 for i in range(n)]
+    ffn = [weights[f"model.layers.{i}.mlp.down_proj.weight"].shape[1] for i in range(n)]
+    assert info["architecture"] == "deci" and max(ffn) < 64
+    assert n < 4 if which == "shallow" else n == 4  # 3x is beyond what pruning reaches without removing a layer
+    keys, tensors = _read(tmp_path / "g" / "model.gguf")
+    assert sorted({int(t.split(".")[1]) for t in tensors if t.startswith("blk.")}) == list(range(n))
+    assert keys["deci.block_count"] == n and keys["deci.attention.key_length"] == 8
+    assert list(keys["deci.attention.head_count"]) == heads and list(keys["deci.attention.head_count_kv"]) == kv
+    assert list(keys["deci.feed_forward_length"]) == ffn
+    for i in range(n):
+        q = np.asarray(tensors[f"blk.{i}.attn_q.weight"].data, dtype=np.float32)
+        np.testing.assert_allclose(_unpermute(q, heads[i]), weights[f"model.layers.{i}.self_attn.q_proj.weight"],
+                                   atol=2e-3)
+        k = np.asarray(tensors[f"blk.{i}.attn_k.weight"].data, dtype=np.float32)
+        np.testing.assert_allclose(_unpermute(k, kv[i]), weights[f"model.layers.{i}.self_attn.k_proj.weight"],
+                                   atol=2e-3)
+        down = np.asarray(tensors[f"blk.{i}.ffn_down.weight"].data, dtype=np.float32)
+        np.testing.assert_allclose(down, weights[f"model.layers.{i}.mlp.down_proj.weight"], atol=2e-3)
+
+
+def test_chunks_write_the_same_bytes(tiny_env, tmp_path, monkeypatch):
+    """A tensor written in row chunks (an 8B embedding never whole in fp32) is byte for byte the one written whole."""
+    export_gguf_folder(tiny_env["teacher"], tmp_path / "whole", GgufExportSettings(quant="q4_0", validate=False))
+    seen = []
+    real = writer.chunks
+
+    def spy(src, p):
+        for c in real(src, p):
+            seen.append(c.nbytes)
+            yield c
+
+    monkeypatch.setattr(writer, "CHUNK_BYTES", 32 * 4 * 4)  # four rows of 32 columns
+    monkeypatch.setattr(writer, "chunks", spy)
+    export_gguf_folder(tiny_env["teacher"], tmp_path / "rows", GgufExportSettings(quant="q4_0", validate=False))
+    assert len(seen) > 3 * 21 and min(seen) <= 32 * 4 * 4  # the tensors were written in row chunks
+    a, b = ((tmp_path / d / "model.gguf").read_bytes() for d in ("whole", "rows"))
+    assert a == b
+
+
+def test_low_rank_modules_are_refused_or_multiplied_out(tiny_env, tmp_path):
+    """A student holding low-rank pairs: one line naming them and the forms that can be written, exit 2, nothing
+    written; with --merge-lowrank each pair is its product."""
+    from safetensors.torch import load_file
+
+    shot = tmp_path / "lr"
+    r = CliRunner().invoke(app, shot_args(tiny_env, shot, "--mac-ratio", "1.3", "--forms", "lowrank"))
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, ["export", "gguf", str(shot), "--no-validate", "--out", str(tmp_path / "g")])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2 and "low-rank module(s) (model.layers." in said
+    assert "--forms channels,groups,layers" in said
+    assert "--merge-lowrank" in said and not (tmp_path / "g").exists()
+    r = CliRunner().invoke(app, ["export", "gguf", str(shot), "--no-validate", "--merge-lowrank", "--quant", "f16",
+                                 "--out", str(tmp_path / "g")])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "g" / "export.json").read_text())
+    assert doc["merged_lowrank"] and doc["architecture"] == "llama"
+    name = doc["merged_lowrank"][0]
+    w = load_file(str(shot / "model.safetensors"))
+    product = w[f"{name}.proj_out.weight"].double() @ w[f"{name}.proj_in.weight"].double()
+    i, proj = int(name.split(".")[2]), name.rsplit(".", 1)[1]
+    gguf_name = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+                 "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}[proj]
+    _, tensors = _read(tmp_path / "g" / "model.gguf")
+    got = np.asarray(tensors[f"blk.{i}.{gguf_name}.weight"].data, dtype=np.float64)
+    if proj in ("q_proj", "k_proj"):
+        got = _unpermute(got, 4 if proj == "q_proj" else 2)
+    np.testing.assert_allclose(got, product.numpy(), atol=2e-3 * float(product.abs().max()))
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--quant", "q5_k"], "--quant 'q5_k': unknown (allowed: f16, q8_0, q4_0, q4_k_m)"),
+    (["--quality-tokens", "1"], "--quality-tokens 1"),
+    (["--max-ppl-change", "-1"], "--max-ppl-change -1.0: must be a finite fraction"),
+])
+def test_bad_flags_are_one_line(tiny_env, tmp_path, argv, needle):
+    r = CliRunner().invoke(app, ["export", "gguf", str(tiny_env["teacher"]), *argv, "--out", str(tmp_path / "g")])
+    assert r.exit_code == 2 and needle in " ".join(r.output.split()) and not (tmp_path / "g").exists()
+
+
+@pytest.mark.skipif(HAS_LLAMA_CPP, reason="without llama-cpp-python only")
+def test_k_quants_without_llama_cpp_are_one_line(tiny_env, tmp_path):
+    r = CliRunner().invoke(app, ["export", "gguf", str(tiny_env["teacher"]), "--quant", "q4_k_m", "--out",
+                                 str(tmp_path / "g")])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2 and "llama.cpp's own quantizer" in said and ".[llamacpp]" in said
+
+
+def test_a_vocab_head_and_a_gemma3_student_are_refused():
+    """A draft's narrowed head, and a Gemma 3 of pruned blocks (llama.cpp's per-layer architecture is Llama's)."""
+    cfg = {"model_type": "bdlora_mistral", "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32,
+           "intermediate_size": 64, "num_hidden_layers": 1, "vocab_size": 10,
+           "bdlora_modules": {"lm_head": {"form": "vocab", "keep": 5}}}
+    with pytest.raises(Exception, match="llama.cpp's embedding and output share one vocabulary"):
+        layout.plan_layout(cfg, {})
+    shapes = {"model.layers.0.self_attn.q_proj.weight": (64, 64), "model.layers.0.self_attn.k_proj.weight": (32, 64),
+              "model.layers.0.mlp.down_proj.weight": (64, 96)}
+    for p in ("v_proj", "o_proj"):
+        shapes[f"model.layers.0.self_attn.{p}.weight"] = (32, 64)
+    for p in ("gate_proj", "up_proj"):
+        shapes[f"model.layers.0.mlp.{p}.weight"] = (96, 64)
+    gemma = {"model_type": "bdlora_gemma3_text", "num_attention_heads": 4, "num_key_value_heads": 2,
+             "hidden_size": 64, "head_dim": 16, "intermediate_size": 128, "num_hidden_layers": 1, "vocab_size": 10}
+    with pytest.raises(Exception, match="a gemma3_text student with pruned blocks: llama.cpp's per-layer"):
+        layout.plan_layout(gemma, shapes)
+
+
+def test_the_pre_tokenizer_is_named_as_llama_cpp_names_it(tiny_env):
+    """By the hash of how the tokenizer splits llama.cpp's check text; a plain ByteLevel one (the builtin and test
+    tokenizers, GPT-2's regex) is gpt-2; anything else is refused rather than guessed."""
+    from bdlora.export.gguf import vocab
+    from bdlora.export.gguf.pretokenizers import PRE_TOKENIZERS
+
+    tok = tiny_env["tokenizer"]
+    spec = json.loads((tiny_env["teacher"] / "tokenizer.json").read_text())
+    assert vocab.pre_tokenizer(tok, spec) == "gpt-2"
+    assert PRE_TOKENIZERS["855059429035d75a914d1eda9f10a876752e281a054a7a3d421ef0533e5b6249"] == "smollm"
+    with pytest.raises(Exception, match="is not one llama.cpp implements"):
+        vocab.pre_tokenizer(tok, {"pre_tokenizer": {"type": "Metaspace"}})
+
+
+def test_llama3_rotary_factors_are_the_converters():
+    """rope_freqs.weight for a Llama 3 rotary (llama.cpp reads the scaling from it): 1 for high frequencies, the
+    factor for low ones, smoothed between (the converter's formula, in float32)."""
+    cfg = {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    f = layout.llama3_rope_factors(cfg, 64)
+    assert len(f) == 32 and f[0] == 1.0 and f[-1] == 32.0 and all(1.0 <= x <= 32.0 for x in f)
+    assert f == sorted(f) and layout.llama3_rope_factors({"rope_parameters": {"rope_type": "default"}}, 64) is None
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("which,quant", [("teacher", "f16"), ("teacher", "q4_k_m"), ("student", "q8_0")])
+def test_llama_cpp_runs_the_file_as_pytorch_runs_the_model(tiny_env, student, tmp_path, which, quant):
+    """llama.cpp loads the file: its tokens of held-out lines are the tokenizer's, its logits PyTorch's (f16 within
+    the stated tolerance), its held-out perplexity within --max-ppl-change of PyTorch's."""
+    src = tiny_env["teacher"] if which == "teacher" else student
+    info = export_gguf_folder(src, tmp_path / "g", GgufExportSettings(quant=quant, quality_tokens=512))
+    v = info["validation"]
+    assert v["tokenizer"]["identical"] == v["tokenizer"]["lines"] > 0
+    assert v["logits"]["argmax_agreement"] > (0.99 if quant == "f16" else 0.8)
+    assert abs(v["quality"]["ppl_change"]) <= 0.1
+    if quant == "f16":
+        assert v["logits"]["max_abs_diff"] <= v["logits"]["tolerance"]
