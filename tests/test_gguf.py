@@ -233,8 +233,32 @@ def test_llama_cpp_runs_the_file_as_pytorch_runs_the_model(tiny_env, student, tm
     src = tiny_env["teacher"] if which == "teacher" else student
     info = export_gguf_folder(src, tmp_path / "g", GgufExportSettings(quant=quant, quality_tokens=512))
     v = info["validation"]
-    assert v["tokenizer"]["identical"] == v["tokenizer"]["lines"] > 0
+    assert v["tokenizer"]["identical"] == v["tokenizer"]["lines"] > 0 and v["tokenizer"]["differ"] == []
     assert v["logits"]["argmax_agreement"] > (0.99 if quant == "f16" else 0.8)
     assert abs(v["quality"]["ppl_change"]) <= 0.1
     if quant == "f16":
         assert v["logits"]["max_abs_diff"] <= v["logits"]["tolerance"]
+
+
+@needs_llama_cpp
+def test_the_decode_benchmark_times_gguf_files_beside_genai_folders(tiny_env, tmp_path):
+    """benchmarks/decode.py interleaves a GGUF file (llama.cpp) with a genai folder (no time is asserted: only that
+    each row is a measurement)."""
+    import sys
+    from pathlib import Path
+
+    from bdlora.export.genai import export_genai_folder
+    from bdlora.export.settings import GenaiExportSettings
+    from conftest import genai_teacher
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import decode
+
+    genai_teacher(tiny_env["tokenizer"], tmp_path / "t")
+    tiny_env["tokenizer"].save_pretrained(tmp_path / "t")
+    export_genai_folder(tmp_path / "t", tmp_path / "g", GenaiExportSettings("int4", validate=False))
+    export_gguf_folder(tmp_path / "t", tmp_path / "q", GgufExportSettings(quant="q4_0", validate=False))
+    decode.main(["--folders", f"genai={tmp_path / 'g'},llama={tmp_path / 'q'}", "--threads", "1", "--prompt", "8",
+                 "--tokens", "4", "--repeats", "2", "--out", str(tmp_path / "d.md")])
+    rows = [r.split("|")[1:-1] for r in (tmp_path / "d.md").read_text().splitlines()[2:]]
+    assert [r[2].strip() for r in rows] == ["genai", "llama"] and all(float(r[3]) > 0 for r in rows)

@@ -393,6 +393,10 @@ def test_the_decode_and_verify_benchmarks_run_on_a_genai_folder(folders, tmp_pat
     rows = [r.split("|")[1:-1] for r in (tmp_path / "d.md").read_text().splitlines()[2:]]
     assert [(r[1].strip(), r[2].strip()) for r in rows] == [("1", "a"), ("1", "b"), ("own", "a"), ("own", "b")]
     assert all(float(r[3]) > 0 for r in rows) and rows[0][5].strip() == "1.000"
+    decode.main(["--folders", f"a={folder}", "--threads", "own", "--prompt", "8", "--tokens", "4", "--repeats", "1",
+                 "--spinning", "both", "--out", str(tmp_path / "s.md")])  # onnxruntime-genai takes the string entry
+    rows = [r.split("|")[1:-1] for r in (tmp_path / "s.md").read_text().splitlines()[2:]]
+    assert [r[2].strip() for r in rows] == ["a (spinning)", "a (no spinning)"] and all(float(r[3]) > 0 for r in rows)
     assert (folder / "genai_config.json").read_text() == before  # each thread count runs a view: the folder is kept
     verify_cost.main(["--folders", f"tiny={folder}", "--widths", "2,4", "--past", "8", "--repeats", "2", "--out",
                       str(tmp_path / "v.md")])

@@ -223,11 +223,13 @@ def gguf_export(info: dict, dst) -> None:
         t.add_row("llama.cpp checks", f"not run: {v['skipped']}")
     if "tokenizer" in v:
         k = v["tokenizer"]
-        t.add_row("llama.cpp tokenisation vs HF", f"{k['identical']:,} of {k['lines']:,} lines identical")
+        t.add_row("llama.cpp tokenisation vs HF", f"{k['identical']:,} of {k['lines']:,} lines identical"
+                  + (f" (first that differs: {k['differ'][0]['line'][:40]!r})" if k.get("differ") else ""))
     if "logits" in v:
         g = v["logits"]
-        t.add_row("max |llama.cpp - torch| logits", f"{g['max_abs_diff']:.3g} (tolerance {g['tolerance']:.3g}); "
-                  f"argmax agreement {100 * g['argmax_agreement']:.1f}%")
+        bound = f"tolerance {g['tolerance']:.3g}" if g.get("tolerance") is not None else "rounded: no bound"
+        t.add_row("max |llama.cpp - torch| logits", f"{g['max_abs_diff']:.3g} ({bound}); argmax agreement "
+                  f"{100 * g['argmax_agreement']:.1f}%")
     if "quality" in v:
         q = v["quality"]
         t.add_row(f"held-out ppl torch fp32 -> llama.cpp {info['quant']}", f"{q['ppl_torch']:.3f} -> "

@@ -3,8 +3,11 @@ its quantizer (``llama_model_quantize``: K-quants, which numpy cannot write) and
 
 The checks load the file as a user's llama.cpp would (``Llama``, memory-mapped) and hold it to PyTorch, fp32:
 
-- the tokenizer: llama.cpp's tokens of ``TOKENIZER_LINES`` held-out lines equal the Hugging Face tokenizer's
-  (a pre-tokenizer or merge table llama.cpp reads otherwise turns the same text into other ids);
+- the tokenizer: llama.cpp's tokens of ``TOKENIZER_LINES`` held-out lines against the Hugging Face tokenizer's,
+  refused below ``TOKENIZER_AGREEMENT`` of them identical (a wrong pre-tokenizer or merge table turns most lines into
+  other ids), every line that differs counted and the first shown. Not all: SmolLM2's folder, made by transformers
+  from its GGUF, splits with GPT-2's regex where llama.cpp's ``smollm`` (SmolLM2's own tokenizer) splits digits one
+  by one, and 17 of 1,000 held-out lines (runs of spaces before a digit) came out otherwise;
 - the logits of ``LOGIT_PROMPTS`` held-out prompts: at f16 within ``F16_TOLERANCE`` of the largest logit (f16
   weights round each product's inputs at 2^-11, and llama.cpp accumulates in its own order), every file reporting
   its largest difference and its argmax agreement;
@@ -24,8 +27,9 @@ from bdlora.base.errors import BdloraError
 from bdlora.base.reporter import SILENT, Reporter
 
 TOKENIZER_LINES = 1000
+TOKENIZER_AGREEMENT = 0.95
 LOGIT_PROMPTS, PROMPT_TOKENS = 3, 32
-F16_TOLERANCE = 0.02  # of the largest |logit| on the prompt
+F16_TOLERANCE = 0.01  # of the largest |logit| on the prompt (SmolLM2-135M: 0.083 of 38.9, 0.2%)
 CONTEXT = 512  # llama.cpp's context for the checks (a block and its prompt fit)
 
 
@@ -115,12 +119,12 @@ def tokenizer_check(llm, tok, lines: list[str]) -> dict:
         want = tok.encode(line, add_special_tokens=False)
         got = llm.tokenize(line.encode("utf-8"), add_bos=False, special=False)
         if list(got) != list(want):
-            differ.append(line)
-    out = {"lines": len(lines), "identical": len(lines) - len(differ)}
-    if differ:
+            differ.append({"line": line[:80], "hf": list(want)[:12], "llama.cpp": list(got)[:12]})
+    out = {"lines": len(lines), "identical": len(lines) - len(differ), "differ": differ[:3]}
+    if len(lines) - len(differ) < TOKENIZER_AGREEMENT * len(lines):
         raise GgufValidationError(f"llama.cpp tokenises {len(differ)} of {len(lines)} held-out lines differently from "
-                                  f"the model's tokenizer (first: {differ[0][:60]!r}); the GGUF's tokenizer keys do "
-                                  "not match it")
+                                  f"the model's tokenizer (first: {differ[0]['line'][:60]!r}); the GGUF's tokenizer "
+                                  "keys do not match it")
     return out
 
 

@@ -1,18 +1,23 @@
 """A model folder's tokenizer as llama.cpp reads it: the ``tokenizer.ggml.*`` keys of a GGUF file.
 
-Three sources, in this order:
+The file must turn text into the ids the folder's own tokenizer does: every figure bdlora measured, and a student's
+calibration and healing, used that tokenizer. So:
 
-1. The tokenizer keys of the GGUF file the model came from (``GGUF_TOKENIZER``, saved beside a folder bdlora made from
-   a ``.gguf`` file or a preset, ``models.sources``): exactly what llama.cpp's converter wrote for the original model.
-   A student carries its teacher's tokenizer (its files' digests are compared), so a student of a preset reads its
-   teacher's.
-2. A byte-level BPE ``tokenizer.json`` (GPT-2, Llama 3, Qwen2, SmolLM, the builtin teacher): as llama.cpp's
+1. A byte-level BPE ``tokenizer.json`` (GPT-2, Llama 3, Qwen2, SmolLM, the builtin teacher) is written as llama.cpp's
    ``convert_hf_to_gguf.py`` writes it (``_set_vocab_gpt2``): every id's token and type, the merges and special ids
    (``gguf.SpecialVocab``), the chat template, and the pre-tokenizer named by the hash of how the tokenizer splits
    ``CHECK_TEXT`` (``pretokenizers``). A hash llama.cpp does not know is refused, as its converter refuses it, except
-   a plain ``ByteLevel`` pre-tokenizer, whose regex is GPT-2's (``gpt-2``).
-3. A SentencePiece-style ``tokenizer.json`` (byte fallback, Llama 2 and Mistral): ``gguf.LlamaHfVocab``, as the
-   converter's ``_set_vocab_llama_hf``.
+   a plain ``ByteLevel`` pre-tokenizer, whose regex is GPT-2's (``gpt-2``). A folder made from a ``.gguf`` file is
+   written from its own ``tokenizer.json`` too: transformers' conversion of SmolLM2's GGUF tokenizer keeps GPT-2's
+   regex where llama.cpp's ``smollm`` splits digits one by one, and the original keys tokenised 17 of 1,000
+   held-out lines otherwise than the folder's model was scored with.
+2. A SentencePiece vocabulary (a byte-fallback BPE ``tokenizer.json``: Llama 2, Mistral, Gemma) takes the tokenizer
+   keys of the GGUF file the model came from when it came from one (``GGUF_TOKENIZER``, saved beside a folder bdlora
+   made from a ``.gguf`` file or a preset, ``models.sources``; a student carries its teacher's tokenizer, its files'
+   digests compared), else ``gguf.LlamaHfVocab``, as the converter's ``_set_vocab_llama_hf``.
+
+The checks in llama.cpp (``llamacpp.tokenizer_check``) hold the written keys to the folder's tokenizer on held-out
+lines.
 """
 
 from __future__ import annotations
@@ -41,9 +46,11 @@ def saved_keys(folder: Path, teacher: Path | None = None) -> Path | None:
 
 
 def token_count(folder: Path, vocab_size: int, teacher: Path | None = None) -> int:
-    """The tokens the GGUF will list: the saved keys' (a Gemma 3 embedding pads rows past them), else the model's
-    vocabulary (a converter pads missing ids with ``[PADn]``)."""
-    keys = saved_keys(folder, teacher)
+    """The tokens the GGUF will list: the saved keys' where ``add_vocab`` copies them (a Gemma 3 embedding pads rows
+    past them), else the model's vocabulary (a converter pads missing ids with ``[PADn]``)."""
+    path = Path(folder) / "tokenizer.json"
+    model = (json.loads(path.read_text(encoding="utf-8")).get("model") or {}) if path.is_file() else {}
+    keys = None if model.get("type") == "BPE" and not model.get("byte_fallback") else saved_keys(folder, teacher)
     if keys is None:
         return vocab_size
     for entry in (read_json(keys).get("keys") or []):
@@ -56,19 +63,19 @@ def add_vocab(writer, folder: Path, vocab_size: int, teacher: Path | None = None
     """Add the tokenizer of ``folder`` (or, when its tokenizer files are ``teacher``'s, the GGUF keys saved beside
     that teacher) to ``writer``; returns what was written (source, model, pre-tokenizer, tokens)."""
     folder = Path(folder)
+    path = folder / "tokenizer.json"
+    spec = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    model = spec.get("model") or {}
+    if model.get("type") == "BPE" and not model.get("byte_fallback"):
+        return _gpt2(writer, folder, vocab_size, spec)
     keys = saved_keys(folder, teacher)
     if keys is not None:
         return _copied(writer, keys, token_count(folder, vocab_size, teacher))
-    path = folder / "tokenizer.json"
     if not path.is_file():
         raise ModelError(f"{folder}: no tokenizer.json (a byte-level BPE or SentencePiece tokenizer is what llama.cpp "
-                         "reads); a folder made from a .gguf file carries its tokenizer's keys")
-    spec = json.loads(path.read_text(encoding="utf-8"))
-    model = spec.get("model") or {}
-    if model.get("type") == "BPE" and model.get("byte_fallback"):
-        return _llama_hf(writer, folder, vocab_size)
+                         "reads)")
     if model.get("type") == "BPE":
-        return _gpt2(writer, folder, vocab_size, spec)
+        return _llama_hf(writer, folder, vocab_size)
     raise ModelError(f"{path}: a {model.get('type')} tokenizer; llama.cpp's GGUF export here takes byte-level BPE "
                      "(GPT-2, Llama 3, Qwen2) and SentencePiece-style BPE (Llama 2, Mistral) tokenizers")
 
