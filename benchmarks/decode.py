@@ -7,7 +7,8 @@ folder's own settings, on a quiet machine or with one core kept busy.
 
 A GGUF (a ``.gguf`` file, or a folder ``bdlora export gguf`` wrote) is run by llama.cpp through llama-cpp-python (the
 ``[llamacpp]`` extra) with ``n_threads`` set to the thread count (``own``: llama-cpp-python's default, half the
-logical cores), its weights repacked as llama.cpp does by default. ``--spinning both``: each genai folder also with
+logical cores), its weights repacked as llama.cpp does by default (not on a CPU with AMX, where that crashed:
+``export.gguf.llamacpp.repacks``). ``--spinning both``: each genai folder also with
 ``session_options`` ``"session.intra_op.allow_spinning": "0"`` (its pool's threads sleep between calls instead of
 spinning, which onnxruntime-genai 0.18 passes to onnxruntime as a config entry).
 
@@ -74,10 +75,10 @@ def gguf_file(path: Path) -> Path | None:
 
 def gguf_ms_per_token(path: Path, threads: str, prompt: int, tokens: int) -> float:
     """llama.cpp's milliseconds per token of ``tokens`` greedy steps after a ``prompt``-token prompt."""
-    from llama_cpp import Llama
+    from bdlora.export.gguf.llamacpp import LlamaCpp, repacks
 
-    kw = {} if threads == OWN else {"n_threads": int(threads), "n_threads_batch": int(threads)}
-    llm = Llama(model_path=str(path), n_ctx=prompt + tokens + 8, n_batch=prompt, verbose=False, **kw)
+    llm = LlamaCpp().load(path, None if threads == OWN else int(threads), prompt + tokens + 8, repack=repacks(),
+                          logits_all=False)
     ids = np.random.default_rng(0).integers(100, min(llm.n_vocab(), 30000), prompt).tolist()
     llm.eval(ids)
     nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))

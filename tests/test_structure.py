@@ -340,6 +340,7 @@ LAZY_PACKAGES = {
     "onnxruntime": "its own import is ~0.3 s; the plan, the config and the CLI never run a graph",
     "onnxruntime_genai": "the deploy runtime: only its export validation, bench and serving load it",
     "optimum": "an optional extra ([optimum])",
+    "llama_cpp": "an optional extra ([llamacpp]): llama.cpp's quantizer and checks, when export gguf asks for them",
     "matplotlib": "only when a plot is drawn (slow import, backend choice)",
     "huggingface_hub": "only for model cards",
     "tokenizers": "the CLI and the plan never tokenise",
@@ -356,7 +357,7 @@ LAZY_PACKAGES = {
 HEAVY_AT_IMPORT = ("torch", "transformers", "peft", "fastapi")
 # a heavy module (an exporter, the trainer, the server app) has paid for its stack already: it defers only what is
 # optional or needed by one rare path
-HEAVY_MAY_DEFER = ("optimum", "matplotlib", "datasets", "pyarrow", "gguf")
+HEAVY_MAY_DEFER = ("optimum", "matplotlib", "datasets", "pyarrow", "gguf", "llama_cpp")
 
 
 def _top_level_imports(path: Path, name: str, mods) -> tuple[set[str], set[str]]:

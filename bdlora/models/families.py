@@ -77,14 +77,17 @@ class Family:
     weights: bool = True
     """False: ``plan`` reads its shapes, but no other command loads it (no bdlora architecture yet)."""
     gguf_arch: str | None = None
-    """llama.cpp's architecture of the family's dense model (``export gguf``; None: refused). A student whose
-    layers differ (pruned MLPs or attention) is written as llama.cpp's ``deci`` where the family's layer is Llama's."""
+    """llama.cpp's architecture of the family's dense model (``export gguf``; None: refused)."""
+    gguf_per_layer: bool = False
+    """Whether the family's layer is a Llama layer (biases optional), so that a student whose layers differ (pruned
+    MLPs or attention) is written as llama.cpp's per-layer ``GGUF_PER_LAYER`` architecture."""
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    Family("mistral", "MistralForCausalLM", genai_type="mistral", builder=True, gguf_arch="llama"),
-    Family("llama", "LlamaForCausalLM", genai_type="llama", builder=True, gguf_arch="llama"),
-    Family("qwen2", "Qwen2ForCausalLM", genai_type="qwen2", builder=True, gguf_arch="qwen2"),
+    Family("mistral", "MistralForCausalLM", genai_type="mistral", builder=True, gguf_arch="llama",
+           gguf_per_layer=True),
+    Family("llama", "LlamaForCausalLM", genai_type="llama", builder=True, gguf_arch="llama", gguf_per_layer=True),
+    Family("qwen2", "Qwen2ForCausalLM", genai_type="qwen2", builder=True, gguf_arch="qwen2", gguf_per_layer=True),
     # GELU-gated MLP, query/key norms, four norms per layer with 1 + w, scaled embeddings, 5 local : 1 global
     # attention layers with their own rotary bases, a tied 262k-token head
     Family("gemma3_text", "Gemma3ForCausalLM", Anatomy(activation="gelu_pytorch_tanh", qk_norm=True,
@@ -94,6 +97,13 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # query/key norms and an explicit head_dim: its projections' shapes are known, its layers are not emitted yet
     Family("qwen3", "Qwen3ForCausalLM", weights=False),
 )}
+
+# llama.cpp's names (export gguf), here because some spell a family's: its per-layer architecture (Nemotron's), the
+# architectures that rotate consecutive pairs (HF's query and key rows are permuted for them), and the tokenizer model
+# of a SentencePiece vocabulary
+GGUF_PER_LAYER = "deci"
+GGUF_ROPE_PAIRS = ("llama", GGUF_PER_LAYER)
+GGUF_SPM_TOKENIZER = "llama"
 
 # the families whose weights bdlora loads, trains, compresses and exports
 LOADED = tuple(t for t, f in FAMILIES.items() if f.weights)

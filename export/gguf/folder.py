@@ -16,10 +16,11 @@ from bdlora.base.errors import Checks, ModelError, UsageError
 from bdlora.base.io import atomic_dir, read_json, write_json
 from bdlora.base.outputs import check_out_dir, free_space
 from bdlora.base.reporter import SILENT, Reporter
-from bdlora.base.runs import CONFIG, ModelDir
+from bdlora.base.runs import CONFIG, EXPORT_MARKER, ModelDir
 from bdlora.base.threads import flat
 from bdlora.data.tokens import default_cache_dir
-from bdlora.export.gguf import vocab
+from bdlora.eval.reference import teacher_folder
+from bdlora.export.gguf import llamacpp, vocab
 from bdlora.export.gguf.layout import GgufLayout, Planned, plan_layout, tensor_plan
 from bdlora.export.gguf.writer import nbytes, qtype_of, write_gguf
 from bdlora.export.settings import GgufExportSettings
@@ -31,8 +32,6 @@ MODELFILE = "Modelfile"
 
 def teacher_of(model_dir: Path) -> Path | None:
     """The folder of the teacher a student came from (its provenance), where its tokenizer's GGUF keys may lie."""
-    from bdlora.eval.reference import teacher_folder
-
     report = ModelDir(model_dir).report() if ModelDir(model_dir).finished() else {}
     spec = (report.get("provenance") or {}).get("teacher")
     folder, _ = teacher_folder(spec, default_cache_dir())
@@ -58,22 +57,12 @@ def export_gguf_folder(model_dir: str | Path, out: str | Path, settings: GgufExp
     settings.check(Checks()).done()
     model_dir, out = Path(model_dir), Path(out)
     check_out_dir(out, force, (model_dir,))
-    checker = None
-    if settings.quant == "q4_k_m" or settings.validate:
-        from bdlora.export.gguf import llamacpp
-
-        checker = llamacpp.available()
-        if settings.quant == "q4_k_m" and checker is None:
-            raise UsageError("--quant q4_k_m: K-quants are rounded by llama.cpp's own quantizer; install it with "
-                             "pip install -e \".[llamacpp]\" (builds llama-cpp-python), or give --quant q4_0 or q8_0")
+    checker = llamacpp.available() if settings.quant == "q4_k_m" or settings.validate else None
+    if settings.quant == "q4_k_m" and checker is None:
+        raise UsageError("--quant q4_k_m: K-quants are rounded by llama.cpp's own quantizer; install it with "
+                         "pip install -e \".[llamacpp]\" (builds llama-cpp-python), or give --quant q4_0 or q8_0")
     layout, plan, teacher, config = planned(model_dir, settings)
-    need = sum(nbytes(p.shape, qtype_of(p, settings.quant, layout.tied)) for p in plan)
-    if settings.quant == "q4_k_m":  # the F16 file llama.cpp rounds from, beside the result
-        need += sum(nbytes(p.shape, qtype_of(p, "f16", layout.tied)) for p in plan)
-    _, free = free_space(out.parent)
-    if need + (64 << 20) > free:
-        raise UsageError(f"--out {out}: the export writes about {need / 2**30:,.1f} GiB there and its file system has "
-                         f"{free / 2**30:,.1f} GiB free (free some, or choose another place)")
+    check_room(out, layout, plan, settings.quant)
     seconds: dict[str, float] = {}
     info: dict = {"schema_version": SCHEMA_VERSION, "runtime": "llama.cpp", "source": str(model_dir.resolve()),
                   "quant": settings.quant, "settings": flat(settings), "architecture": layout.arch,
@@ -83,35 +72,51 @@ def export_gguf_folder(model_dir: str | Path, out: str | Path, settings: GgufExp
         info["merged_lowrank"] = layout.merged
     with atomic_dir(out) as tmp:
         t0 = time.time()
-        first = tmp / ("model-f16.gguf" if settings.quant == "q4_k_m" else MODEL_GGUF)
-        reporter.stage(f"writing {layout.arch} GGUF ({len(layout.layers)} layers"
-                       + (", per-layer heads and MLP widths" if layout.per_layer else "")
-                       + f") at {'f16 for llama.cpp to round' if settings.quant == 'q4_k_m' else settings.quant}, "
-                       "one tensor at a time")
-        info["file"] = write_gguf(first, model_dir, layout, plan, "f16" if settings.quant == "q4_k_m" else
-                                  settings.quant, config.get("_name_or_path") or model_dir.name,
-                                  lambda w: vocab.add_vocab(w, model_dir, int(config["vocab_size"]), teacher),
-                                  reporter)
-        if settings.quant == "q4_k_m":
-            reporter.stage("rounding to Q4_K_M with llama.cpp's quantizer")
-            info["file"]["quantizer"] = checker.quantize(first, tmp / MODEL_GGUF, "q4_k_m", settings.pool.count)
-            first.unlink()
-            info["file"]["bytes"] = (tmp / MODEL_GGUF).stat().st_size
+        info["file"] = _write(tmp, model_dir, layout, plan, config, teacher, settings, checker, reporter)
         seconds["write"] = time.time() - t0
         info["structure"] = read_back(tmp / MODEL_GGUF, layout, plan, settings.quant)
-        if settings.validate:
-            if checker is None:
-                info["validation"] = {"skipped": "llama-cpp-python is not installed (pip install -e \".[llamacpp]\" "
-                                                 "loads the file in llama.cpp and checks it against PyTorch)"}
-                reporter.stage(f"not checked in llama.cpp: {info['validation']['skipped']}")
-            else:
-                t1 = time.time()
-                info["validation"] = checker.validate(tmp / MODEL_GGUF, model_dir, settings, reporter)
-                seconds["validation"] = time.time() - t1
+        if settings.validate and checker is None:
+            info["validation"] = {"skipped": "llama-cpp-python is not installed (pip install -e \".[llamacpp]\" "
+                                             "loads the file in llama.cpp and checks it against PyTorch)"}
+            reporter.stage(f"not checked in llama.cpp: {info['validation']['skipped']}")
+        elif settings.validate:
+            t1 = time.time()
+            info["validation"] = checker.validate(tmp / MODEL_GGUF, model_dir, settings, reporter)
+            seconds["validation"] = time.time() - t1
         info["seconds"] = seconds
         (tmp / MODELFILE).write_text(f"# ollama create NAME -f {MODELFILE}\nFROM ./{MODEL_GGUF}\n")
         info["sha256"] = {MODEL_GGUF: sha256(tmp / MODEL_GGUF), "source_config": sha256(model_dir / CONFIG)}
-        write_json(tmp / "export.json", info)
+        write_json(tmp / EXPORT_MARKER, info)
+    return info
+
+
+def check_room(out: Path, layout: GgufLayout, plan: list[Planned], quant: str) -> None:
+    """The output's file system has room for the file (and, for q4_k_m, the F16 file llama.cpp rounds from)."""
+    need = sum(nbytes(p.shape, qtype_of(p, quant, layout.tied)) for p in plan)
+    if quant == "q4_k_m":
+        need += sum(nbytes(p.shape, qtype_of(p, "f16", layout.tied)) for p in plan)
+    _, free = free_space(out.parent)
+    if need + (64 << 20) > free:
+        raise UsageError(f"--out {out}: the export writes about {need / 2**30:,.1f} GiB there and its file system has "
+                         f"{free / 2**30:,.1f} GiB free (free some, or choose another place)")
+
+
+def _write(tmp: Path, model_dir: Path, layout: GgufLayout, plan: list[Planned], config: dict, teacher, settings,
+           checker, reporter: Reporter) -> dict:
+    """``tmp/model.gguf`` written (q4_k_m: at F16, then rounded by llama.cpp); what was written."""
+    k_quant = settings.quant == "q4_k_m"
+    first = tmp / ("model-f16.gguf" if k_quant else MODEL_GGUF)
+    reporter.stage(f"writing {layout.arch} GGUF ({len(layout.layers)} layers"
+                   + (", per-layer heads and MLP widths" if layout.per_layer else "")
+                   + f") at {'f16 for llama.cpp to round' if k_quant else settings.quant}, one tensor at a time")
+    info = write_gguf(first, model_dir, layout, plan, "f16" if k_quant else settings.quant,
+                      config.get("_name_or_path") or model_dir.name,
+                      lambda w: vocab.add_vocab(w, model_dir, int(config["vocab_size"]), teacher), reporter)
+    if k_quant:
+        reporter.stage("rounding to Q4_K_M with llama.cpp's quantizer")
+        info["quantizer"] = checker.quantize(first, tmp / MODEL_GGUF, "q4_k_m", settings.pool.count)
+        first.unlink()
+        info["bytes"] = (tmp / MODEL_GGUF).stat().st_size
     return info
 
 
@@ -143,4 +148,4 @@ def read_back(path: Path, layout: GgufLayout, plan: list[Planned], quant: str) -
 
 
 def read_export(folder: Path) -> dict:
-    return read_json(Path(folder) / "export.json")
+    return read_json(Path(folder) / EXPORT_MARKER)

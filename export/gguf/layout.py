@@ -23,14 +23,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from bdlora.base.errors import ModelError, UsageError
 from bdlora.forms import VOCAB
-from bdlora.models.families import base_type, family
+from bdlora.models.families import GGUF_PER_LAYER, GGUF_ROPE_PAIRS, base_type, family
 
 QUANTS = ("f16", "q8_0", "q4_0", "q4_k_m")
 NUMPY_QUANTS = ("f16", "q8_0", "q4_0")  # written by the gguf package; q4_k_m by llama.cpp's own quantizer
-ROPE_NORM = ("llama", "deci")  # llama.cpp rotates consecutive pairs there: HF's q/k rows are permuted to match
-LLAMA_LAYERED = ("llama", "mistral", "qwen2")  # families whose layer is deci's (a Llama layer, biases optional)
 CHUNK_BYTES = 64 << 20  # fp32 rows produced, rounded and written at a time (a 128k vocabulary's embedding at 8B)
 
 
@@ -67,7 +67,7 @@ class GgufLayout:
 
     @property
     def per_layer(self) -> bool:
-        return self.arch == "deci"
+        return self.arch == GGUF_PER_LAYER
 
 
 def rope_parameters(config: dict) -> dict:
@@ -126,11 +126,11 @@ def plan_layout(config: dict, tensors: dict[str, tuple[int, ...]], merge_lowrank
     full = LayerShape(heads, kv, int(config["intermediate_size"]))
     arch = fam.gguf_arch
     if any(s != full for s in layers) or len(layers) != int(config.get("num_hidden_layers")):
-        if name not in LLAMA_LAYERED:
+        if not fam.gguf_per_layer:
             raise UsageError(f"a {name} student with pruned blocks: llama.cpp's per-layer architecture (deci) is "
                              f"Llama's, and {name}'s layers differ from it; export its dense teacher, or a student "
                              "of a Llama, Mistral or Qwen2 model")
-        arch = "deci"
+        arch = GGUF_PER_LAYER
     for i, s in enumerate(layers):
         if s.heads == 0 or s.kv_heads == 0:
             raise UsageError(f"layer {i} keeps no attention: llama.cpp reads the head size from layer 0 and drops a "
@@ -152,8 +152,8 @@ def tensor_plan(layout: GgufLayout, tensors: dict[str, tuple[int, ...]], vocab_r
     cfg = layout.config
     arch = gguf.MODEL_ARCH[layout.arch.upper()]
     names = gguf.get_tensor_name_map(arch, len(layout.layers))
-    permute = layout.arch in ROPE_NORM
-    shift = 1.0 if layout.family.startswith("gemma3") else 0.0
+    permute = layout.arch in GGUF_ROPE_PAIRS
+    shift = family(layout.family).anatomy.norm_offset  # Gemma's norms store w, llama.cpp multiplies by 1 + w
     out: list[Planned] = []
     factors = llama3_rope_factors(cfg, layout.head_dim)
     if factors is not None:
@@ -199,8 +199,6 @@ def llama3_rope_factors(config: dict, head_dim: int) -> list[float] | None:
     rp = rope_parameters(config)
     if str(rp.get("rope_type", rp.get("type", ""))).lower() != "llama3":
         return None
-    import torch
-
     base = float(rp.get("rope_theta", 10000.0))
     factor = float(rp.get("factor", 8.0))
     low, high = float(rp.get("low_freq_factor", 1.0)), float(rp.get("high_freq_factor", 4.0))

@@ -25,6 +25,7 @@ import numpy as np
 
 from bdlora.base.errors import BdloraError
 from bdlora.base.reporter import SILENT, Reporter
+from bdlora.export.gguf.reference import Reference
 
 TOKENIZER_LINES = 1000
 TOKENIZER_AGREEMENT = 0.95
@@ -63,12 +64,14 @@ class LlamaCpp:
             raise GgufValidationError(f"llama.cpp's quantizer failed on {src.name} ({rc})")
         return {"quantizer": "llama.cpp (llama_model_quantize)", "llama_cpp_python": llama_cpp.__version__}
 
-    def load(self, path: Path, threads: int, context: int = CONTEXT, repack: bool = False):
-        """The file in llama.cpp with every position's logits kept. ``repack`` False: without its weight repacking
-        ("extra buffer types"): on this Intel machine with AMX, llama.cpp 0.3.36's AMX repack of Q8_0 and Q4_0
-        weights crashed (a segmentation fault in ``llama_decode``) on the tests' 32- and 64-wide models whenever a
-        batch held more than one token, also on files its own quantizer wrote; the checks compare numbers, which
-        the plain CPU kernels give."""
+    def load(self, path: Path, threads: int | None, context: int = CONTEXT, repack: bool = False,
+             logits_all: bool = True):
+        """The file in llama.cpp (``threads`` None: llama-cpp-python's default; ``logits_all``: every position's
+        logits kept). ``repack`` False: without its weight repacking ("extra buffer types"): on an Intel machine
+        with AMX, llama.cpp 0.3.36's AMX repack of Q8_0 and Q4_0 weights crashed (a segmentation fault in
+        ``llama_decode``) whenever a batch held more than one token, on SmolLM2-135M and on files its own quantizer
+        wrote; the checks compare numbers, which the plain CPU kernels give (``repacks`` says where timings may
+        repack)."""
         from llama_cpp import Llama
         from llama_cpp import llama_cpp as low  # the binding Llama() reads its defaults from
 
@@ -80,17 +83,16 @@ class LlamaCpp:
             return params
 
         low.llama_model_default_params = plain  # what Llama() builds its model parameters from
+        kw = {} if threads is None else {"n_threads": threads, "n_threads_batch": threads}
         try:
-            return Llama(model_path=str(path), n_ctx=context, n_batch=context, n_threads=threads,
-                         n_threads_batch=threads, logits_all=True, verbose=False)
+            return Llama(model_path=str(path), n_ctx=context, n_batch=context, logits_all=logits_all,
+                         verbose=False, **kw)
         finally:
             low.llama_model_default_params = default
 
     def validate(self, path: Path, model_dir: Path, settings, reporter: Reporter = SILENT) -> dict:
         """The three checks of the module docstring on the file at ``path`` exported from ``model_dir``."""
         import llama_cpp
-
-        from bdlora.export.gguf.reference import Reference
 
         ref = Reference(model_dir, settings.quality_tokens)
         reporter.stage(f"loading {path.name} in llama.cpp (llama-cpp-python {llama_cpp.__version__})")
@@ -103,7 +105,18 @@ class LlamaCpp:
         reporter.stage(f"held-out perplexity of {len(ref.blocks) * ref.blocks.seq_len:,} tokens in llama.cpp and in "
                        "PyTorch (fp32)")
         out["quality"] = quality_check(llm, ref, settings.max_ppl_change, settings.quant, reporter)
+        llm.close()
         return out
+
+
+def repacks() -> bool:
+    """Whether llama.cpp may repack weights here as it does by default (what a user runs, timed as such): not on a
+    CPU with AMX, where its AMX repack crashed batched decode (``LlamaCpp.load``)."""
+    try:
+        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        return True
+    return "amx_int8" not in flags.split()
 
 
 def eval_logits(llm, ids) -> np.ndarray:

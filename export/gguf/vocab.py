@@ -26,9 +26,13 @@ import json
 from hashlib import sha256
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
 from bdlora.base.errors import ModelError
 from bdlora.base.io import read_json
+from bdlora.base.runs import TOKENIZER_JSON
 from bdlora.export.gguf.pretokenizers import CHECK_TEXT, PRE_TOKENIZERS
+from bdlora.models.families import GGUF_SPM_TOKENIZER
 from bdlora.models.integrity import tokenizer_digests
 from bdlora.models.sources import GGUF_TOKENIZER
 
@@ -48,7 +52,7 @@ def saved_keys(folder: Path, teacher: Path | None = None) -> Path | None:
 def token_count(folder: Path, vocab_size: int, teacher: Path | None = None) -> int:
     """The tokens the GGUF will list: the saved keys' where ``add_vocab`` copies them (a Gemma 3 embedding pads rows
     past them), else the model's vocabulary (a converter pads missing ids with ``[PADn]``)."""
-    path = Path(folder) / "tokenizer.json"
+    path = Path(folder) / TOKENIZER_JSON
     model = (json.loads(path.read_text(encoding="utf-8")).get("model") or {}) if path.is_file() else {}
     keys = None if model.get("type") == "BPE" and not model.get("byte_fallback") else saved_keys(folder, teacher)
     if keys is None:
@@ -63,7 +67,7 @@ def add_vocab(writer, folder: Path, vocab_size: int, teacher: Path | None = None
     """Add the tokenizer of ``folder`` (or, when its tokenizer files are ``teacher``'s, the GGUF keys saved beside
     that teacher) to ``writer``; returns what was written (source, model, pre-tokenizer, tokens)."""
     folder = Path(folder)
-    path = folder / "tokenizer.json"
+    path = folder / TOKENIZER_JSON
     spec = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     model = spec.get("model") or {}
     if model.get("type") == "BPE" and not model.get("byte_fallback"):
@@ -117,7 +121,6 @@ def pre_tokenizer(tok, spec: dict) -> str:
 def _gpt2(writer, folder: Path, vocab_size: int, spec: dict) -> dict:
     """llama.cpp's converter's ``get_vocab_base`` and ``_set_vocab_gpt2``."""
     import gguf
-    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(folder))
     vocab = tok.get_vocab()
@@ -173,11 +176,11 @@ def _llama_hf(writer, folder: Path, vocab_size: int) -> dict:
         types.append(kind)
     if len(tokens) != vocab_size:
         raise ModelError(f"{folder}: the tokenizer has {len(tokens)} tokens, the model's vocabulary {vocab_size}")
-    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_model(GGUF_SPM_TOKENIZER)
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
     writer.add_token_types(types)
     gguf.SpecialVocab(folder, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
-    return {"source": "tokenizer.json (llama.cpp's converter's rules)", "model": "llama", "pre": "default",
+    return {"source": "tokenizer.json (llama.cpp's converter's rules)", "model": GGUF_SPM_TOKENIZER, "pre": "default",
             "tokens": len(tokens)}

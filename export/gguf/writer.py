@@ -13,6 +13,7 @@ is where small models lose most. ``q4_k_m`` is written at F16 and rounded by lla
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from safetensors import safe_open
 from bdlora.base.errors import ModelError
 from bdlora.base.reporter import SILENT, Reporter
 from bdlora.export.gguf.layout import CHUNK_BYTES, GgufLayout, Planned, rope_parameters
+from bdlora.models.families import GGUF_ROPE_PAIRS, family
 from bdlora.models.integrity import check_safetensors, tensor_files
 
 FILE_TYPE = {"f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0", "q4_k_m": "MOSTLY_Q4_K_M"}
@@ -70,7 +72,7 @@ class FolderTensors:
 
 def permuted(w: np.ndarray, heads: int) -> np.ndarray:
     """HF's query/key rows (each head's first half of the rotary dimensions, then its second) in llama.cpp's order
-    for a ``ROPE_NORM`` architecture (consecutive pairs): the converter's ``LlamaModel.permute``."""
+    for a ``GGUF_ROPE_PAIRS`` architecture (consecutive pairs): the converter's ``LlamaModel.permute``."""
     return (w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
 
 
@@ -143,10 +145,10 @@ def hyperparameters(writer, layout: GgufLayout, quant: str) -> None:
     if cfg.get("head_dim") is not None or layout.per_layer:  # deci: the head size is not hidden / heads of layer 0
         writer.add_key_length(layout.head_dim)
         writer.add_value_length(layout.head_dim)
-    if layout.arch in ("llama", "deci"):
+    if layout.arch in GGUF_ROPE_PAIRS:
         writer.add_vocab_size(int(cfg["vocab_size"]))
         writer.add_rope_dimension_count(layout.head_dim)
-    if layout.arch == "gemma3":
+    if layout.arch == family(layout.family).gguf_arch and family(layout.family).anatomy.per_layer_attention:
         if cfg.get("final_logit_softcapping"):
             writer.add_final_logit_softcapping(float(cfg["final_logit_softcapping"]))
         if cfg.get("sliding_window_pattern") != 1 and cfg.get("sliding_window"):
@@ -161,6 +163,7 @@ def write_gguf(path: Path, folder: Path, layout: GgufLayout, plan: list[Planned]
     keys); returns {tensor: type} counts and the bytes written."""
     import gguf
 
+    logging.getLogger("gguf").setLevel(logging.WARNING)  # its writer prints every file's plan at INFO
     writer = gguf.GGUFWriter(None, layout.arch)
     writer.add_name(name)
     hyperparameters(writer, layout, quant)
