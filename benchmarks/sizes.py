@@ -16,6 +16,9 @@ run (a machine's speed varies up to 2x from day to day). Commands (``--commands`
     serve-loadtest bdlora serve export-int4's folder (--runtime genai), then loadtest --concurrency 1,4 against it
                    (8 requests of 32 tokens each; the server and the load generator are one process tree)
     export-onnx    bdlora export onnx (fp32, validated against PyTorch)
+    gguf-q4_0, gguf-q4_k_m, gguf-q8_0   bdlora export gguf at that quant, unchecked (--no-validate: the file's
+                   writing alone; q4_k_m writes f16 and rounds it with llama.cpp's quantizer, the [llamacpp] extra)
+    gguf-q4_0-checked   the same, checked in llama.cpp against PyTorch (--quality-tokens as given)
     plan           bdlora plan --model CKPT --forms channels,groups --speedup 1.25 --precision int4
     one-shot       bdlora compress CKPT --one-shot --forms channels,groups --speedup 1.25 --precision int4
     ship           bdlora ship CKPT --schemes rtn --speedups 1.25 (a student, the draft, their exports and the
@@ -70,6 +73,11 @@ def commands(ckpt: Path, work: Path, quality_tokens: int) -> dict[str, list[str]
         "serve-loadtest": ["bash", "-c", SERVE.format(bd=shlex.join(bd), folder=shlex.quote(str(work / "bdlora-int4")),
                                                        port=PORT)],
         "export-onnx": [*bd, "export", "onnx", str(ckpt), "--out", str(work / "bdlora-onnx")],
+        **{f"gguf-{q}": [*bd, "export", "gguf", str(ckpt), "--quant", q, "--no-validate", "--out",
+                         str(work / f"gguf-{q}")] for q in ("q4_0", "q4_k_m", "q8_0")},
+        "gguf-q4_0-checked": [*bd, "export", "gguf", str(ckpt), "--quant", "q4_0", *(
+            ["--quality-tokens", str(quality_tokens)] if quality_tokens else []), "--out",
+            str(work / "gguf-q4_0-checked")],
         "eval-ppl": [*bd, "eval", str(ckpt), "--ppl", "--data", "builtin", "--seq-len", "512", "--tokens", "4096",
                      "--domains", "", "--report", str(work / "eval.json"), "--force"],
         "plan": [*bd, "plan", "--model", str(ckpt), "--allocation", "quality", *one_shot, "--json"],

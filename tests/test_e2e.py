@@ -46,6 +46,7 @@ def test_console_chain_train_compress_export_bench_eval(tiny_env, tmp_path):
         [*train_args(tiny_env, runs / "r1-budgeted"), "--method", "budgeted", "--budget", "0.4", "--max-steps", "8"],
         ["compress", "--runs-dir", str(runs), "--eps-lr", "0.7", "--json"],
         ["export", "onnx", "--runs-dir", str(runs), "--quantize", "int8"],
+        ["export", "gguf", "--runs-dir", str(runs), "--merge-lowrank", "--quant", "q8_0", "--quality-tokens", "256"],
         ["bench", "--runs-dir", str(runs), "--batch-sizes", "1", "--seq-lens", "16", "--decode-tokens", "4",
          "--repeats", "1", "--warmup", "0"],
         ["eval", "--runs-dir", str(runs), "--tasks", "capitalize", "--examples", "2", "--seeds", "1", "--tokens",
@@ -63,6 +64,8 @@ def test_console_chain_train_compress_export_bench_eval(tiny_env, tmp_path):
     assert report["modules_total"] == 14  # the 2-layer student (of 4) x 7 projections
     export = json.loads((runs / "r1-budgeted.compressed.onnx" / "export.json").read_text())
     assert export["validation"]["max_abs_diff"] <= 1e-4
+    gguf = json.loads((runs / "r1-budgeted.compressed.gguf-q8_0" / "export.json").read_text())
+    assert gguf["architecture"] in ("llama", "deci") and gguf["structure"]["layers"] == 2
     bench = json.loads((runs / "r1-budgeted.compressed.bench" / "bench.json").read_text())
     assert bench["results"]
     doc = json.loads((runs / "r1-budgeted.compressed.eval.json").read_text())

@@ -207,15 +207,23 @@ def test_a_vocab_head_and_a_gemma3_student_are_refused():
 def test_the_pre_tokenizer_is_named_as_llama_cpp_names_it(tiny_env):
     """By the hash of how the tokenizer splits llama.cpp's check text; a plain ByteLevel one (the builtin and test
     tokenizers, GPT-2's regex) is gpt-2; anything else is refused rather than guessed."""
+    from tokenizers import pre_tokenizers
+
     from bdlora.export.gguf import vocab
     from bdlora.export.gguf.pretokenizers import PRE_TOKENIZERS
 
     tok = tiny_env["tokenizer"]
-    spec = json.loads((tiny_env["teacher"] / "tokenizer.json").read_text())
-    assert vocab.pre_tokenizer(tok, spec) == "gpt-2"
+    assert vocab.pre_tokenizer(tok) == "gpt-2"
     assert PRE_TOKENIZERS["855059429035d75a914d1eda9f10a876752e281a054a7a3d421ef0533e5b6249"] == "smollm"
+    qwen = next(r for r, n in vocab.SPLITS.items() if n == "qwen2")
+    other = tok.__class__(tokenizer_object=tok.backend_tokenizer.__class__.from_str(tok.backend_tokenizer.to_str()))
+    other.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(__import__("tokenizers").Regex(qwen), "isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    assert vocab.pre_tokenizer(other) == "qwen2"  # a Qwen2 regex over a vocabulary the hash table does not know
+    other.backend_tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
     with pytest.raises(Exception, match="is not one llama.cpp implements"):
-        vocab.pre_tokenizer(tok, {"pre_tokenizer": {"type": "Metaspace"}})
+        vocab.pre_tokenizer(other)
 
 
 def test_llama3_rotary_factors_are_the_converters():
@@ -305,3 +313,50 @@ def test_llama_cpps_own_server_answers_a_completion_from_a_students_file(student
     finally:
         proc.kill()
         proc.wait()
+
+
+def _families(tiny_env, root):
+    """A tiny Qwen2 with q/k/v biases (rotated otherwise than Llama's, in llama.cpp's own qwen2 architecture) and a
+    Gemma 3 with perturbed norms (1 + w in llama.cpp), each a folder with the tiny tokenizer."""
+    from test_gemma3 import _perturbed, gemma3_config
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen2Config, Qwen2ForCausalLM
+
+    tok = tiny_env["tokenizer"]
+    torch.manual_seed(2)
+    qwen = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=128, tie_word_embeddings=True,
+                                        eos_token_id=tok.eos_token_id))
+    with torch.no_grad():
+        for layer in qwen.model.layers:
+            for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                m.bias.normal_(0, 0.1)
+    qwen.save_pretrained(root / "qwen2")
+    cfg = gemma3_config(len(tok), eos_token_id=tok.eos_token_id, max_position_embeddings=128,
+                        query_pre_attn_scalar=16)  # the head size: the scale llama.cpp's gemma3 uses
+    cfg.pop("model_type")
+    torch.manual_seed(3)
+    _perturbed(Gemma3ForCausalLM(Gemma3TextConfig(**cfg))).save_pretrained(root / "gemma3")
+    for name in ("qwen2", "gemma3"):
+        tok.save_pretrained(root / name)
+    return root
+
+
+@needs_llama_cpp
+def test_qwen2_and_gemma3_run_in_llama_cpp_as_in_pytorch(tiny_env, tmp_path):
+    """Qwen2 in llama.cpp's qwen2 and, pruned, in deci (its biases permuted with its rows into llama.cpp's rotary
+    order), Gemma 3 in gemma3: each file's f16 logits are PyTorch's."""
+    root = _families(tiny_env, tmp_path)
+    r = CliRunner().invoke(app, shot_args({**tiny_env, "teacher": root / "qwen2"}, root / "qwen2-student",
+                                          "--mac-ratio", "1.6", "--forms", "channels,groups"))
+    assert r.exit_code == 0, r.output
+    for name, arch in (("qwen2", "qwen2"), ("qwen2-student", "deci"), ("gemma3", "gemma3")):
+        info = export_gguf_folder(root / name, tmp_path / f"{name}.gguf", GgufExportSettings(quant="f16",
+                                                                                          quality_tokens=256))
+        assert info["architecture"] == arch
+        v = info["validation"]
+        assert v["logits"]["max_abs_diff"] <= v["logits"]["tolerance"] and v["logits"]["argmax_agreement"] > 0.99
+        assert abs(v["quality"]["ppl_change"]) < 0.01, (name, v["quality"])
+    cfg = json.loads((root / "gemma3" / "config.json").read_text())
+    with pytest.raises(Exception, match="query_pre_attn_scalar 24: llama.cpp's gemma3 scales queries by 1/sqrt"):
+        layout.plan_layout({**cfg, "query_pre_attn_scalar": 24}, {})

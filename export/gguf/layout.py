@@ -31,6 +31,7 @@ from bdlora.models.families import GGUF_PER_LAYER, GGUF_ROPE_PAIRS, base_type, f
 
 QUANTS = ("f16", "q8_0", "q4_0", "q4_k_m")
 NUMPY_QUANTS = ("f16", "q8_0", "q4_0")  # written by the gguf package; q4_k_m by llama.cpp's own quantizer
+GEMMA3_27B_LAYERS = 62  # llama.cpp's gemma3 scales queries by hidden / heads at this depth, by the head size otherwise
 CHUNK_BYTES = 64 << 20  # fp32 rows produced, rounded and written at a time (a 128k vocabulary's embedding at 8B)
 
 
@@ -106,6 +107,12 @@ def plan_layout(config: dict, tensors: dict[str, tuple[int, ...]], merge_lowrank
     heads, hidden = int(config["num_attention_heads"]), int(config["hidden_size"])
     head_dim = int(config.get("head_dim") or hidden // heads)
     kv = int(config.get("num_key_value_heads") or heads)
+    scalar = config.get("query_pre_attn_scalar")
+    if fam.anatomy.per_layer_attention and scalar is not None:  # Gemma 3: llama.cpp fixes the query scale
+        runs = hidden / heads if int(config["num_hidden_layers"]) == GEMMA3_27B_LAYERS else head_dim
+        if float(scalar) != float(runs):
+            raise UsageError(f"query_pre_attn_scalar {scalar}: llama.cpp's gemma3 scales queries by 1/sqrt({runs:g}) "
+                             "for a model of this depth and reads no key for it; this model would run otherwise there")
     layers, lowrank = [], []
     for i in range(int(config["num_hidden_layers"])):
         q, _, lq = _module_shapes(tensors, f"model.layers.{i}.self_attn.q_proj")

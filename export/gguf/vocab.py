@@ -105,15 +105,33 @@ def _copied(writer, path: Path, vocab_size: int) -> dict:
             "pre": found.get(gguf.Keys.Tokenizer.PRE), "tokens": tokens}
 
 
-def pre_tokenizer(tok, spec: dict) -> str:
+# The split regexes of tokenizer.json that llama.cpp's pre-tokenizers implement (its llama-vocab.cpp gives each
+# "original regex from tokenizer.json"), for a tokenizer whose vocabulary is not one the hash table knows (a model's
+# own, smaller one): Qwen2's (digits one by one) and Llama 3's (digits in threes).
+SPLITS = {
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|"
+    "\\s+(?!\\S)|\\s+": "qwen2",
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+    "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+": "llama-bpe",
+}
+
+
+def pre_tokenizer(tok) -> str:
     """llama.cpp's name of ``tok``'s pre-tokenizer: by the hash of how it splits ``CHECK_TEXT`` (its converter's
-    rule), else ``gpt-2`` for a plain ``ByteLevel`` pre-tokenizer (GPT-2's regex), else refused."""
+    rule), else by what the loaded tokenizer runs (its backend's pre-tokenizer, not tokenizer.json's: transformers
+    gives a Qwen2 folder Qwen2's own regex whatever its file says): a plain ``ByteLevel`` is GPT-2's regex
+    (``gpt-2``), a ``Split`` of a regex in ``SPLITS`` then ``ByteLevel`` that one; anything else refused."""
     digest = sha256(str(tok.encode(CHECK_TEXT)).encode()).hexdigest()
     if digest in PRE_TOKENIZERS:
         return PRE_TOKENIZERS[digest]
-    pre = spec.get("pre_tokenizer") or {}
+    pre = json.loads(tok.backend_tokenizer.to_str()).get("pre_tokenizer") or {}
     if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space", False):
         return "gpt-2"
+    steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else None
+    if steps and len(steps) == 2 and steps[0].get("type") == "Split" and steps[1].get("type") == "ByteLevel":
+        regex = (steps[0].get("pattern") or {}).get("Regex")
+        if regex in SPLITS and steps[0].get("behavior") == "Isolated" and not steps[1].get("use_regex", True):
+            return SPLITS[regex]
     raise ModelError(f"the tokenizer's pre-tokenizer (llama.cpp's hash {digest[:16]}...) is not one llama.cpp "
                      "implements; its convert_hf_to_gguf_update.py adds new ones")
 
@@ -127,7 +145,7 @@ def _gpt2(writer, folder: Path, vocab_size: int, spec: dict) -> dict:
     if max(vocab.values()) >= vocab_size:
         raise ModelError(f"{folder}: the tokenizer has ids up to {max(vocab.values())}, beyond the model's "
                          f"vocabulary of {vocab_size}")
-    pre = pre_tokenizer(tok, spec)
+    pre = pre_tokenizer(tok)
     reverse = {i: t for t, i in vocab.items()}
     added, decoder = tok.get_added_vocab(), tok.added_tokens_decoder
     tokens, types = [], []

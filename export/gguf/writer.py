@@ -153,6 +153,9 @@ def hyperparameters(writer, layout: GgufLayout, quant: str) -> None:
             writer.add_final_logit_softcapping(float(cfg["final_logit_softcapping"]))
         if cfg.get("sliding_window_pattern") != 1 and cfg.get("sliding_window"):
             writer.add_sliding_window(int(cfg["sliding_window"]))
+            kinds = cfg.get("layer_types")
+            if isinstance(kinds, list) and len(kinds) == len(layout.layers):  # which layers slide, as the model says
+                writer.add_sliding_window_pattern([k == "sliding_attention" for k in kinds])  # (llama.cpp: 5 in 6)
     writer.add_file_type(getattr(gguf.LlamaFileType, FILE_TYPE[quant]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
