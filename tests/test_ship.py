@@ -13,7 +13,7 @@ from bdlora.base.threads import ThreadPool, from_options
 from bdlora.cli import app
 from bdlora.ship.config import ShipConfig
 from bdlora.ship.recommend import recommend
-from bdlora.ship.run import start
+from bdlora.ship.run import record, start
 
 
 @pytest.mark.parametrize("field,value,needle", [
@@ -142,6 +142,8 @@ def test_student_quant_needs_a_rounded_precision():
 def test_a_ship_folder_resumes_only_the_settings_it_holds(tmp_path):
     folder = tmp_path / "ship"
     assert start("builtin", ShipConfig(), folder) is False
+    assert not folder.exists()  # a check writes nothing: the record comes once every check has passed
+    record("builtin", ShipConfig(), folder)
     assert start("builtin", ShipConfig(), folder) is True
     with pytest.raises(UsageError, match=r"--speedups '1.25,1.5' \(given '1.3'\)"):
         start("builtin", ShipConfig(speedups="1.3"), folder)

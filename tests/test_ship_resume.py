@@ -161,7 +161,7 @@ def test_settings_a_step_would_trip_on_are_refused_by_the_config(kw, needle):
     ({"eval_data": "builtin", "data": "builtin"}, "--eval-data builtin: builtin is in --data builtin"),
     ({"heal_steps": 2, "heal_seq_len": 4096}, "--heal-seq-len 4096: above the teacher's context of 128"),
 ])
-def test_settings_are_checked_against_the_teacher_before_the_first_step(tiny_env, tmp_path, kw, needle):
+def test_settings_are_checked_against_the_teacher_before_the_first_step(tiny_env, tmp_path, monkeypatch, kw, needle):
     """Case 7: --seq-len 100000 and the data pair train refuses failed at bench or train after earlier steps ran."""
     def runner(*a):
         raise AssertionError("no step may run")
@@ -170,7 +170,19 @@ def test_settings_are_checked_against_the_teacher_before_the_first_step(tiny_env
         cfg = from_options(ShipConfig, {**CFG, "data": str(tiny_env["corpus"]), **kw})
         ship_run.run_ship(str(tiny_env["teacher"]), cfg, tmp_path / "ship", runner=runner)
     assert needle in str(e.value)
-    assert not (tmp_path / "ship" / STEPS_FILE).exists()
+    assert not (tmp_path / "ship").exists()  # issue 89, case 2: a refusal left ship.json, refusing the rerun
+    if "seq_len" in kw:  # the corrected rerun proceeds to its first step (the reach check is tested below)
+        monkeypatch.setattr(ship_run, "check_reach", lambda *a: None)
+        cfg = from_options(ShipConfig, {**CFG, "data": str(tiny_env["corpus"])})
+
+        class FirstStep(Exception):
+            pass
+
+        def first(*a):
+            raise FirstStep
+
+        with pytest.raises(FirstStep):
+            ship_run.run_ship(str(tiny_env["teacher"]), cfg, tmp_path / "ship", runner=first)
 
 
 @pytest.mark.slow

@@ -74,8 +74,10 @@ class Step:
 
 
 def start(model: str, cfg: ShipConfig, folder: Path) -> bool:
-    """Record the model and options in DIR/ship.json, or check a rerun asks for what the folder holds (an option
-    added since it was written holds its default). True when the folder was already started (a resume)."""
+    """Check a rerun asks for what DIR/ship.json holds (an option added since it was written holds its default), or
+    that a new folder is free; nothing is written (``record`` writes it once every check before the first step has
+    passed: a refused ship left a ship.json that refused the corrected rerun). True when the folder was already
+    started (a resume)."""
     record = {"model": model, "options": flat(cfg)}
     path = folder / SHIP_OPTIONS
     if path.is_file():
@@ -93,9 +95,13 @@ def start(model: str, cfg: ShipConfig, folder: Path) -> bool:
         return True
     if folder.exists() and any(folder.iterdir()):
         raise UsageError(f"--out {folder}: exists and is not empty and is not a ship folder (choose a new folder)")
-    folder.mkdir(parents=True, exist_ok=True)
-    write_json(path, {"schema_version": SCHEMA_VERSION, **record})
     return False
+
+
+def record(model: str, cfg: ShipConfig, folder: Path) -> None:
+    """DIR/ship.json: the model and options a rerun must repeat to resume."""
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json(folder / SHIP_OPTIONS, {"schema_version": SCHEMA_VERSION, "model": model, "options": flat(cfg)})
 
 
 def run_step(step: Step, folder: Path, reporter: Reporter) -> None:
@@ -258,6 +264,8 @@ def run_ship(model: str, cfg: ShipConfig, folder: Path, reporter: Reporter = SIL
     made_names = [s.name for s in student_steps(model, cfg, folder, None)]
     if not all(name in ledger.steps for name in made_names):  # a speed-up no step has reached yet
         check_reach(model, cfg, reporter.stage)
+    if not resumed:
+        record(model, cfg, folder)
     ran: dict[str, float] = {}  # the steps this invocation ran, and their seconds
 
     def do(steps: list[Step]) -> None:
