@@ -95,3 +95,20 @@ def test_a_damaged_index_is_one_line(tiny_env, tmp_path, damage, needle):
     r = CliRunner().invoke(app, ["export", "genai", str(folder), "--streaming", "on", "--no-validate", "--out",
                                  str(tmp_path / "g")])
     assert needle in _one_line(r) and not (tmp_path / "g").exists()
+
+
+@pytest.mark.parametrize("argv", [["bench", "--threads", "512"], ["export", "genai", "--threads", "513"],
+                                  ["compress", "builtin", "--one-shot", "--threads", "512"],
+                                  ["export", "gguf", "--quant", "q5"]])
+def test_a_bad_flag_is_refused_before_torch_loads(argv):
+    """Case 7: bench, export genai and compress --one-shot imported torch and onnxruntime before checking their
+    flags (13-30 s to refuse a typo on a busy machine); each now refuses it in one line without loading torch."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "bdlora.cli", *argv], capture_output=True,
+                       text=True, timeout=120)
+    errors = [ln for ln in r.stderr.splitlines() if not ln.startswith("import time:")]
+    assert r.returncode == 2 and len(errors) == 1 and errors[0].startswith("error: --"), r.stderr[-500:]
+    imported = {ln.rsplit("|", 1)[-1].strip() for ln in r.stderr.splitlines() if ln.startswith("import time:")}
+    assert "torch" not in imported and "onnxruntime" not in imported

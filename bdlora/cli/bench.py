@@ -65,11 +65,11 @@ def bench(
     """Time the compressed model against its dense and LoRA forms under onnxruntime (modules and whole model,
     prefill and decode; --runtime genai: in onnxruntime-genai beside its builder's dense model), beside the MAC
     limits; writes bench.json, bench.md and bench.png into --out (default MODEL_DIR.bench)."""
+    _check_own_options(model_config, budget, layers, lora_rank)  # every flag checked before the heavy imports: a
+    cfg = _bench_config(opts)  # bad one is refused in a second, not after torch and onnxruntime load (13-30 s busy)
+    _check_mode(cfg, model_config)
     from bdlora.bench.run import run_bench
 
-    _check_own_options(model_config, budget, layers, lora_rank)
-    cfg = _bench_config(opts)
-    _check_mode(cfg, model_config)
     if json_path:
         check_out_file(json_path, force=force)
     lazy = cfg.runtime == "genai" and not cfg.peers  # no PyTorch or builder row needs the weights at once

@@ -297,12 +297,12 @@ def _folder_report(folder: str, other: str | None = None) -> tuple[dict, dict, s
 
 
 def _one_shot(source, shot: dict, out_dir, force: bool, runs_dir: str, cache_dir, evaluate: bool, reporter):
-    from bdlora.compress.oneshot import compress_one_shot
-
     if not source:
         raise UsageError("--one-shot: name the pretrained model to compress (a folder, a .gguf file, a preset such "
                          "as smollm2-135m or gemma3-270m, or a hub id)")
     cfg = from_options(OneShotConfig, {k: v for k, v in shot.items() if v is not None}).validate()
+    from bdlora.compress.oneshot import compress_one_shot  # after the checks: a bad flag is refused at once
+
     out_path = Path(out_dir) if out_dir else one_shot_out(source, cfg.ratio, runs_dir, cfg.precision,
                                                           named_forms(cfg.forms), cfg.speedup is not None, cfg.quant)
     cache = Path(cache_dir).expanduser() if cache_dir else None

@@ -114,10 +114,10 @@ def export_genai(
     buffer, fused RMSNorm, each projection in its dense or low-rank form; validated against PyTorch (logits, greedy
     generation, tokenizer; quantised: perplexity change). --out defaults to MODEL_DIR.genai (-int8, -int4 for those
     precisions)."""
+    settings = from_options(GenaiExportSettings, given(opts))
+    settings.check(Checks()).done()  # before the exporter's imports (torch, onnx): a bad flag is refused at once
     from bdlora.export.genai import export_genai_folder
 
-    settings = from_options(GenaiExportSettings, given(opts))
-    settings.check(Checks()).done()
     rep = RichReporter(err if json_out else out)
     suffix = settings.suffix
     if named := _named_source(model_dir, out_dir, f".genai{suffix}", rep):
@@ -148,10 +148,10 @@ def export_gguf(
     it, a student of pruned blocks as llama.cpp's deci architecture (per-layer heads and MLP widths), written one
     tensor at a time; checked in llama.cpp (tokenizer, logits, held-out perplexity against PyTorch) with the
     [llamacpp] extra. --out defaults to MODEL_DIR.gguf-QUANT."""
+    settings = from_options(GgufExportSettings, given(opts))
+    settings.check(Checks()).done()  # before the exporter's imports (torch): a bad flag is refused at once
     from bdlora.export.gguf import export_gguf_folder
 
-    settings = from_options(GgufExportSettings, given(opts))
-    settings.check(Checks()).done()
     rep = RichReporter(err if json_out else out)
     if named := _named_source(model_dir, out_dir, f".gguf-{settings.quant}", rep):
         src, dst = named

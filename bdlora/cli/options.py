@@ -41,9 +41,10 @@ COMMON = {
         "and the peers' too unless --teacher-quant); compress, plan and train time that scheme's node layout "
         "(affine's 4-bit MatMuls read block means and hold 3% more columns), and with --forms bits its grid "
         "measures each projection's rounding error."),
-    "threads": "onnxruntime intra-op threads of what this command runs or times (default: this machine's usable "
-               "cores); export genai writes it into genai_config.json (0: none, onnxruntime-genai then runs one "
-               f"thread). At most {MAX_GENAI_THREADS}.",
+    "threads": "Threads of what this command runs or times, from 1 to this machine's usable cores (default: all of "
+               "them; more than it has would be timed and cached as if real). One exception: export genai writes "
+               "the count into genai_config.json for the machine that will run the folder, so it takes 0 (none "
+               f"written: onnxruntime-genai then runs one thread) to {MAX_GENAI_THREADS} whatever this machine has.",
     "forms": "The structures the allocation chooses among, comma-separated: lowrank (a projection as a rank-r pair), "
              "channels (an MLP keeping fewer intermediate channels: gate, up and down as narrower dense products, "
              "down refitted to the kept channels), groups (an attention block keeping fewer key/value heads with "
