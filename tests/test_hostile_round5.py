@@ -112,3 +112,18 @@ def test_a_bad_flag_is_refused_before_torch_loads(argv):
     assert r.returncode == 2 and len(errors) == 1 and errors[0].startswith("error: --"), r.stderr[-500:]
     imported = {ln.rsplit("|", 1)[-1].strip() for ln in r.stderr.splitlines() if ln.startswith("import time:")}
     assert "torch" not in imported and "onnxruntime" not in imported
+
+
+@pytest.mark.parametrize("where", ["rope_parameters", "rope_scaling"])
+def test_a_negative_rotary_factor_is_refused_like_a_negative_base(tiny_env, tmp_path, where):
+    """Case 5: rope_parameters.factor -4.0 was exported (a 2 GB folder, rc 0) where a NaN or 0 rope_theta is
+    refused; every rotary number is held to the same rule."""
+    folder = tmp_path / "bad"
+    shutil.copytree(tiny_env["teacher"], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg[where] = {"rope_type": "linear", "rope_theta": 10000.0, "factor": -4.0}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    for streaming in ("on", "off"):
+        r = CliRunner().invoke(app, ["export", "onnx", str(folder), "--streaming", streaming, "--no-validate",
+                                     "--out", str(tmp_path / "o")])
+        assert f"{where}.factor -4.0 (must be a positive number)" in _one_line(r) and not (tmp_path / "o").exists()

@@ -287,17 +287,29 @@ def check_declared_sizes(folder: Path, cfg: dict, shapes: dict[str, tuple[int, .
                          "these weights")
 
 
+# the rotary settings that scale frequencies or positions: each a positive finite number where given (transformers
+# 5.x rope_parameters, 4.x rope_scaling); a factor of -4.0 was exported without a word
+ROPE_NUMBERS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+                "attention_factor", "beta_fast", "beta_slow")
+
+
 def _rope_thetas(cfg: dict):
-    """Every rope_theta the config declares: top level, in rope_parameters, or per attention type in it (Gemma 3)."""
+    """Every rotary number the config declares (``ROPE_NUMBERS``): top level, in rope_parameters or rope_scaling,
+    or per attention type in rope_parameters (Gemma 3)."""
     if "rope_theta" in cfg:
         yield "rope_theta", cfg["rope_theta"]
-    rp = cfg.get("rope_parameters")
-    if isinstance(rp, dict):
-        if "rope_theta" in rp:
-            yield "rope_parameters.rope_theta", rp["rope_theta"]
+    for key in ("rope_parameters", "rope_scaling"):
+        rp = cfg.get(key)
+        if not isinstance(rp, dict):
+            continue
+        for name in ROPE_NUMBERS:
+            if name in rp and not isinstance(rp[name], list) and rp[name] is not None:
+                yield f"{key}.{name}", rp[name]
         for kind, sub in rp.items():
-            if isinstance(sub, dict) and "rope_theta" in sub:
-                yield f"rope_parameters.{kind}.rope_theta", sub["rope_theta"]
+            if isinstance(sub, dict):
+                for name in ROPE_NUMBERS:
+                    if name in sub and not isinstance(sub[name], list) and sub[name] is not None:
+                        yield f"{key}.{kind}.{name}", sub[name]
 
 
 def _positive_number(v) -> bool:
