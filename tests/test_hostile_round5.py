@@ -127,3 +127,54 @@ def test_a_negative_rotary_factor_is_refused_like_a_negative_base(tiny_env, tmp_
         r = CliRunner().invoke(app, ["export", "onnx", str(folder), "--streaming", streaming, "--no-validate",
                                      "--out", str(tmp_path / "o")])
         assert f"{where}.factor -4.0 (must be a positive number)" in _one_line(r) and not (tmp_path / "o").exists()
+
+
+def _rewritten(src, dst, drop=(), values=None):
+    """The GGUF file ``src`` copied to ``dst`` without the keys ``drop`` and with ``values`` set (the tensors as they
+    are): a file a user edited, or one another tool wrote short."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in drop or name == "general.architecture":
+            continue
+        kind = gguf.GGUFValueType(field.types[0])
+        value = (values or {}).get(name, field.contents())
+        sub = gguf.GGUFValueType(field.types[-1]) if kind == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(name, value, kind, sub_type=sub)
+    for t in reader.tensors:
+        w.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_env, tmp_path_factory):
+    from bdlora.export.gguf import export_gguf_folder
+    from bdlora.export.settings import GgufExportSettings
+
+    out = tmp_path_factory.mktemp("gguf") / "t"
+    export_gguf_folder(tiny_env["teacher"], out, GgufExportSettings(quant="f16", validate=False))
+    return out / "model.gguf"
+
+
+@pytest.mark.parametrize("edit,needle", [
+    ({"drop": ("tokenizer.ggml.merges",)}, "its tokenizer (gpt2) lacks tokenizer.ggml.merges"),
+    ({"values": {"tokenizer.ggml.model": "llama"}}, "its tokenizer (llama) lacks tokenizer.ggml.scores"),
+    ({"values": {"llama.attention.head_count": 8}},
+     "declares llama.attention.head_count 8 but the tensors hold 4"),
+    ({"values": {"llama.attention.head_count": 8}, "drop": ("llama.rope.dimension_count",
+                                                            "llama.attention.key_length")},
+     "declares llama.attention.head_count 8 and llama.attention.head_count_kv 2, but the tensors hold 32 query"),
+])
+def test_a_damaged_gguf_teacher_names_what_is_wrong(tiny_gguf, tmp_path, edit, needle):
+    """Case 8: a GGUF without token scores was "could not convert this GGUF file ('scores')", and one whose
+    head_count lied was said to lie about head_count_kv."""
+    bad = _rewritten(tiny_gguf, tmp_path / "bad.gguf", **edit)
+    r = CliRunner().invoke(app, ["export", "onnx", str(bad), "--no-validate", "--out", str(tmp_path / "o")])
+    assert needle in _one_line(r) and not (tmp_path / "o").exists()

@@ -27,6 +27,7 @@ from bdlora.base.errors import ModelError
 from bdlora.base.io import atomic_dir, write_json
 from bdlora.base.runs import CONFIG
 from bdlora.data.tokens import default_cache_dir
+from bdlora.models.families import GGUF_SPM_TOKENIZER
 from bdlora.models.integrity import sha256
 
 
@@ -117,6 +118,11 @@ def hub_error(spec: str, what: str, e: Exception) -> ModelError:
                       f"({', '.join(PRESETS)})")
 
 
+# what transformers reads of a GGUF tokenizer, by tokenizer.ggml.model (a file lacking one was a KeyError: 'scores')
+TOKENIZER_KEYS = {"gpt2": ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"),
+                  GGUF_SPM_TOKENIZER: ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")}
+
+
 def check_gguf(path: Path) -> None:
     """The sizes a GGUF file's metadata declares (layers, hidden, MLP, heads, vocabulary) against the shapes of the
     tensors it holds, read from its header with the ``gguf`` package (nothing is loaded): transformers builds the
@@ -132,6 +138,11 @@ def check_gguf(path: Path) -> None:
     except Exception as e:  # noqa: BLE001 - a damaged file: one line, whatever the parser raised
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"{path}: could not convert this GGUF file (not a readable GGUF: {msg[:160]})") from None
+    kind = fields.get("tokenizer.ggml.model")
+    lacks = [key for key in TOKENIZER_KEYS.get(kind, ("tokenizer.ggml.tokens",)) if key not in fields]
+    if lacks:
+        raise ModelError(f"{path}: its tokenizer ({kind or 'no tokenizer.ggml.model'}) lacks {', '.join(lacks)}; "
+                         "the file was edited or damaged, or carries no tokenizer (transformers needs one)")
     arch = fields.get("general.architecture")
     embed, q, k, gate = (tensors.get(n) for n in ("token_embd.weight", "blk.0.attn_q.weight", "blk.0.attn_k.weight",
                                                   "blk.0.ffn_gate.weight"))
@@ -145,8 +156,15 @@ def check_gguf(path: Path) -> None:
     if bad:
         raise ModelError(f"{path}: metadata {arch}.{', '.join(bad)}: must be positive integers")
     blocks = {n.split(".")[1] for n in tensors if n.startswith("blk.")}
-    heads = declared["attention.head_count"]
-    head_dim = fields.get(f"{arch}.attention.key_length") or (embed[0] // heads if heads else None)
+    heads, kv = declared["attention.head_count"], declared["attention.head_count_kv"]
+    # the head size from a key that states it, not from the head count under test (derived from a lying head_count
+    # it made the head_count_kv look wrong)
+    head_dim = fields.get(f"{arch}.attention.key_length") or fields.get(f"{arch}.rope.dimension_count")
+    if not head_dim and q and k and heads and kv and q[1] * kv != k[1] * heads:
+        raise ModelError(f"{path}: its metadata declares {arch}.attention.head_count {heads:,} and "
+                         f"{arch}.attention.head_count_kv {kv:,}, but the tensors hold {q[1]:,} query and {k[1]:,} "
+                         "key rows, which no one head size divides so: one of the two was edited or damaged")
+    head_dim = head_dim or (embed[0] // heads if heads else None)
     held = {"embedding_length": embed[0], "vocab_size": embed[1], "block_count": len(blocks),
             "feed_forward_length": gate[1] if gate else None,
             "attention.head_count": q[1] // head_dim if q and head_dim else None,
