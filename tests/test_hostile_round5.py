@@ -178,3 +178,18 @@ def test_a_damaged_gguf_teacher_names_what_is_wrong(tiny_gguf, tmp_path, edit, n
     bad = _rewritten(tiny_gguf, tmp_path / "bad.gguf", **edit)
     r = CliRunner().invoke(app, ["export", "onnx", str(bad), "--no-validate", "--out", str(tmp_path / "o")])
     assert needle in _one_line(r) and not (tmp_path / "o").exists()
+
+
+def test_the_memory_bound_is_what_is_free_not_the_total():
+    """Case 3: Llama-405B's largest graph (about 23 GiB) passed against a 24 GiB machine's total with other work
+    resident; the bound is MemAvailable."""
+    import os
+
+    from bdlora.compress.bounds import machine_memory
+
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    free = machine_memory()
+    assert 0 < free <= total
+    block = bytearray(256 << 20)  # resident now: what is free shrinks with it
+    block[:: 4096] = b"x" * len(block[:: 4096])
+    assert machine_memory() < free + (64 << 20)

@@ -7,6 +7,7 @@ covers it) declaring layer 1e9 had plan build a 137-layer graph. Standard librar
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from bdlora.base.errors import ModelError, shown
 from bdlora.models.integrity import OPTIONAL_SIZES, declared_sizes, implied_parameters
@@ -85,7 +86,15 @@ GRAPH_COPIES = 3  # a timed projection: its fp32 tensor, its serialised graph an
 
 
 def machine_memory() -> int:
-    """Bytes of memory this machine has (its physical pages)."""
+    """Bytes of memory this machine has free now (``MemAvailable``: free pages and the caches the kernel would give
+    back), else its physical pages where that cannot be read: against the total, Llama-405B's largest graph (about
+    23 GiB) passed on a 24 GiB machine with other work resident, and was still being timed minutes later."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -103,5 +112,5 @@ def check_fits(sizes: dict[str, int], where: str, whole: bool) -> None:
         need, what = biggest * FP32 * GRAPH_COPIES, f"its largest matrix ({biggest:,} weights) timed as a graph"
     have = machine_memory()
     if need > have:
-        raise ModelError(f"{where}: {what} needs about {need / 2**30:,.0f} GiB, more than this machine's "
-                         f"{have / 2**30:,.0f} GiB (give a model that fits)")
+        raise ModelError(f"{where}: {what} needs about {need / 2**30:,.0f} GiB, more than the {have / 2**30:,.0f} "
+                         "GiB this machine has free (give a model that fits, or free memory)")
