@@ -185,11 +185,11 @@ def test_the_memory_bound_is_what_is_free_not_the_total():
     resident; the bound is MemAvailable."""
     import os
 
+    import psutil
+
     from bdlora.compress.bounds import machine_memory
 
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     free = machine_memory()
-    assert 0 < free <= total
-    block = bytearray(256 << 20)  # resident now: what is free shrinks with it
-    block[:: 4096] = b"x" * len(block[:: 4096])
-    assert machine_memory() < free + (64 << 20)
+    assert 0 < free < total - (64 << 20)  # this process alone holds more than 64 MB: free is not the total
+    assert abs(free - psutil.virtual_memory().available) < (256 << 20)
