@@ -178,14 +178,14 @@ def _hand_tables(cache, teacher, unclean: bool):
 
 
 def test_plan_refuses_only_on_clean_times(tiny_env, tmp_path, monkeypatch):
-    """plan --speedup 50 on cleanly measured tables: exit 2, one line naming the cached files. The same tables marked
+    """plan --speedup 4 on cleanly measured tables: exit 2, one line naming the cached files. The same tables marked
     unclean on a busy machine: exit 0, the structure allocated at the reach, the report says so."""
     from conftest import genai_teacher
 
     teacher = tmp_path / "teacher"
     genai_teacher(tiny_env["tokenizer"], teacher, seed=3, layers=4)
     argv = ["plan", "--model", str(teacher), "--allocation", "quality", "--forms", "channels,groups,layers",
-            "--speedup", "50", "--precision", "int4", "--threads", "1", "--data", str(tiny_env["corpus"]),
+            "--speedup", "4", "--precision", "int4", "--threads", "1", "--data", str(tiny_env["corpus"]),
             "--calib-tokens", "256", "--json"]
     for unclean in (False, True):
         cache = tmp_path / f"cache-{unclean}"
@@ -194,13 +194,13 @@ def test_plan_refuses_only_on_clean_times(tiny_env, tmp_path, monkeypatch):
         _busy(monkeypatch, 1.6 if unclean else 0.0)
         res = CliRunner().invoke(app, argv)
         if not unclean:
-            assert res.exit_code == 2 and "--speedup 50: beyond reach" in res.output, res.output
+            assert res.exit_code == 2 and "--speedup 4: beyond reach" in res.output, res.output
             assert "delete them to measure again" in res.output and str(cache / "latency") in res.output
             continue
         assert res.exit_code == 0, res.output
         cost = json.loads(res.stdout)["provenance"]["allocation_cost"]
         assert cost["measured_clean"] is False and "by times measured unclean" in cost["unmet"]
-        assert cost["predicted_decode_speedup"] < 50 and "allocated at" in res.stderr
+        assert cost["predicted_decode_speedup"] < 4 and "allocated at" in res.stderr
 
 
 @pytest.mark.slow
@@ -231,7 +231,7 @@ def test_ship_goes_on_past_a_reach_it_could_not_measure_cleanly(tiny_env, tmp_pa
                                                      "pass"]) for _ in range(2)]
     try:
         time.sleep(0.5)
-        cfg = from_options(ShipConfig, {**CFG, "data": str(tiny_env["corpus"]), "speedups": "50", "seq_len": 64})
+        cfg = from_options(ShipConfig, {**CFG, "data": str(tiny_env["corpus"]), "speedups": "4", "seq_len": 64})
         seen = []
         rep = type("R", (), {"stage": lambda self, m: seen.append(m), "count": lambda self, *a: None})()
         with pytest.raises(FirstStep):
@@ -241,5 +241,5 @@ def test_ship_goes_on_past_a_reach_it_could_not_measure_cleanly(tiny_env, tmp_pa
             p.kill()
             p.wait()
     assert len(ran) == 1
-    said = "--speedups rounded by rtn: --speedup 50: the cheapest form of every layer is predicted at"
+    said = "--speedups rounded by rtn: --speedup 4: the cheapest form of every layer is predicted at"
     assert any(m.startswith(said) and "measured unclean" in m and m.endswith("; going on") for m in seen), seen

@@ -193,3 +193,37 @@ def test_the_memory_bound_is_what_is_free_not_the_total():
     free = machine_memory()
     assert 0 < free < total - (64 << 20)  # this process alone holds more than 64 MB: free is not the total
     assert abs(free - psutil.virtual_memory().available) < (256 << 20)
+
+
+def test_a_speedup_beyond_any_structure_is_refused_from_the_shapes_alone(tiny_env, tmp_path, monkeypatch):
+    """Case 4: ship --speedups 1e9 was still in plan's reach check at 90 s (calibrating, timing). A target beyond
+    what the forms' cheapest structure does in MACs is refused from the teacher's shapes before any of that, in ship
+    and in the one-shot (a MAC ratio exactly, a whole-step speed-up past twice the MAC ceiling)."""
+    from bdlora.base.threads import from_options
+    from bdlora.forms import CHANNEL_FLOOR, reach_problem
+    from bdlora.forms.channels import CHANNEL_STEP
+    from bdlora.ship import run as ship_run
+    from bdlora.ship.config import ShipConfig
+
+    assert CHANNEL_FLOOR == CHANNEL_STEP
+    cfg = json.loads((tiny_env["teacher"] / "config.json").read_text())
+    assert reach_problem(cfg, "channels,groups", speedup=1.25) is None
+    said = reach_problem(cfg, "channels,groups", speedup=1e9)
+    assert said.startswith("--speedup 1e+09: beyond any structure of --forms channels,groups on this model")
+    assert reach_problem(cfg, "lowrank,layers", mac_ratio=1000.0) and not reach_problem(cfg, "layers", mac_ratio=3.9)
+
+    def runner(*a):
+        raise AssertionError("no step may run")
+
+    spawned = []
+    monkeypatch.setattr("bdlora.ship.preflight.spawn", lambda argv: spawned.append(argv))
+    ship = from_options(ShipConfig, {"data": str(tiny_env["corpus"]), "speedups": "1e9", "draft_speedup": 0.0,
+                                     "schemes": "rtn", "seq_len": 32, "threads": 1, "eval_data": "none"})
+    with pytest.raises(Exception, match=r"--speedups: --speedup 1e\+09: beyond any structure"):
+        ship_run.run_ship(str(tiny_env["teacher"]), ship, tmp_path / "ship", runner=runner)
+    assert not spawned and not (tmp_path / "ship").exists()
+    from test_oneshot import shot_args
+
+    r = CliRunner().invoke(app, shot_args(tiny_env, tmp_path / "s", "--forms", "channels", "--mac-ratio", "50"))
+    said = _one_line(r)
+    assert "--mac-ratio 50: beyond any structure of --forms channels" in said and "calibrating" not in said

@@ -70,6 +70,10 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
                                                                  for n, m in mods.items()], mods,
                          int(getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads),
                          model.config.to_dict())
+    problem = registry.reach_problem(ctx.config, cfg.forms, cfg.mac_ratio if cfg.speedup is None else None,
+                                     cfg.speedup)
+    if problem:  # before any table is timed or any token calibrated
+        raise UsageError(problem)
     steps = [step(name) for name in registry.ALLOCATED_FORMS if ctx.has(name)]
     for st in steps:
         st.pricing(ctx)

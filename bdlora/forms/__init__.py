@@ -330,6 +330,47 @@ def form_names(forms: str) -> tuple[str, ...]:
     return tuple(f.strip() for f in forms.split(","))
 
 
+REACH_MARGIN = 2.0  # a whole-step --speedup this far past the MAC ceiling of the forms' cheapest structure cannot be
+# measured (a step's fixed and per-layer time only lowers the reach of its projections' MACs)
+CHANNEL_FLOOR = 32  # the narrowest MLP the channels form keeps (forms.channels.CHANNEL_STEP)
+
+
+def reach_problem(config: dict, forms: str, mac_ratio: float | None = None, speedup: float | None = None) -> \
+        str | None:
+    """Why a target cannot be reached by any structure of ``forms`` on the model of ``config``, from its shapes
+    alone (before any calibration or timing), or None: ``mac_ratio`` above the projections' MAC ratio of the
+    cheapest structure (every layer at its forms' cheapest: rank-1 pairs, the narrowest MLP, one key/value group;
+    with ``layers``, one layer kept), ``speedup`` above ``REACH_MARGIN`` times the same ratio counted with the LM
+    head (``ship --speedups 1e9`` calibrated and timed for minutes before the allocation refused it)."""
+    names = set(form_names(forms))
+    h, inter, layers = int(config["hidden_size"]), int(config["intermediate_size"]), int(config["num_hidden_layers"])
+    heads = int(config["num_attention_heads"])
+    kv = int(config.get("num_key_value_heads") or heads)
+    d = int(config.get("head_dim") or h // heads)
+    vocab = int(config["vocab_size"])
+    attn = 2 * h * heads * d + 2 * h * kv * d
+    mlp = 3 * h * inter
+    cheap_attn, cheap_mlp = attn, mlp
+    if LOWRANK.name in names:  # every projection a rank-1 pair: its K + N
+        cheap_attn = min(cheap_attn, 2 * (h + heads * d) + 2 * (h + kv * d))
+        cheap_mlp = min(cheap_mlp, 3 * (h + inter))
+    if CHANNELS.name in names:
+        cheap_mlp = min(cheap_mlp, 3 * h * min(inter, CHANNEL_FLOOR))
+    if GROUPS.name in names:
+        cheap_attn = min(cheap_attn, 2 * h * (heads // kv) * d + 2 * h * d)
+    kept = 1 if "layers" in names else layers
+    head = h * (1 if VOCAB.name in names else vocab)
+    projections = layers * (attn + mlp) / (kept * (cheap_attn + cheap_mlp))
+    whole = (layers * (attn + mlp) + h * vocab) / (kept * (cheap_attn + cheap_mlp) + head)
+    if mac_ratio is not None and mac_ratio > projections * (1 + 1e-9):
+        return (f"--mac-ratio {mac_ratio:g}: beyond any structure of --forms {forms} on this model (its cheapest "
+                f"gives {projections:.2f}x fewer projection MACs)")
+    if speedup is not None and speedup > REACH_MARGIN * whole:
+        return (f"--speedup {speedup:g}: beyond any structure of --forms {forms} on this model (its cheapest does "
+                f"{whole:.2f}x fewer MACs per token, and a decode step's time falls less than its MACs)")
+    return None
+
+
 def forms_problem(forms) -> str | None:
     """Why ``--forms`` is not a comma-separated set of ``ALLOCATED_FORMS`` (None when it is)."""
     names = list(form_names(forms)) if isinstance(forms, str) else None

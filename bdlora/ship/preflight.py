@@ -12,12 +12,14 @@ from pathlib import Path
 
 from bdlora.base.argv import flags
 from bdlora.base.errors import Checks, DataError, UsageError
+from bdlora.base.io import read_json
 from bdlora.base.runs import CONFIG
 from bdlora.base.schemes import SCHEMES
 from bdlora.bench.config import NO_DOMAIN
 from bdlora.compress.config import OneShotConfig
 from bdlora.data.corpora import shared_corpus
 from bdlora.export.defaults import MAX_CONTEXT
+from bdlora.forms import reach_problem
 from bdlora.models.budgeted.config import ALLOCATIONS
 from bdlora.models.runtime import DecoderShape
 from bdlora.ship.config import DRAFT_FORMS, ShipConfig
@@ -85,10 +87,17 @@ def reach_quants(cfg: ShipConfig) -> list[str | None]:
     return list(by_nodes.values()) or [None]
 
 
-def check_reach(model: str, cfg: ShipConfig, stage=lambda msg: None) -> None:
+def check_reach(model: str, cfg: ShipConfig, stage=lambda msg: None, source: str | None = None) -> None:
     """Each ``reach_checks`` plan run, for every scheme of ``reach_quants``, as its own process (as a step is: its
     memory returned, and it ends with ship); a refusal (a speed-up beyond reach) raised as one line naming the
     option and the scheme."""
+    config = read_json(Path(source) / CONFIG) if source and (Path(source) / CONFIG).is_file() else None
+    targets = [("--speedups", cfg.forms, max(cfg.speedup_list())) if cfg.speedup_list() else None,
+               ("--draft-speedup", DRAFT_FORMS, cfg.draft_speedup) if cfg.draft_speedup else None]
+    for option, forms, speedup in [t for t in targets if t] if config else ():
+        problem = reach_problem(config, forms, speedup=float(speedup))
+        if problem:  # from the teacher's shapes alone: no plan process calibrates and times for minutes first
+            raise UsageError(f"{option}: {problem}")
     for quant in reach_quants(cfg):
         for option, argv in reach_checks(model, cfg, quant):
             stage(f"checking {option} with `bdlora {' '.join(argv[:-1])}`")

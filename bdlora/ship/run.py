@@ -263,7 +263,7 @@ def run_ship(model: str, cfg: ShipConfig, folder: Path, reporter: Reporter = SIL
     ledger = Ledger.open(folder, source)
     made_names = [s.name for s in student_steps(model, cfg, folder, None)]
     if not all(name in ledger.steps for name in made_names):  # a speed-up no step has reached yet
-        check_reach(model, cfg, reporter.stage)
+        check_reach(model, cfg, reporter.stage, source)
     if not resumed:
         record(model, cfg, folder)
     ran: dict[str, float] = {}  # the steps this invocation ran, and their seconds
