@@ -27,6 +27,8 @@ from bdlora.base.threads import ThreadPool
 from bdlora.forms import declared_head_bits
 
 HEAD_BITS = 8  # the LM head's bits in an int4 graph when neither --head-bits nor the folder says
+# --quality-tokens: 1 scored one block and 99,999,999,999 ran for as long as the slice lasted, neither refused
+MIN_QUALITY_TOKENS, MAX_QUALITY_TOKENS = 16, 1 << 20
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,9 @@ class GenaiExportSettings:
             c.require(not self.int8_share or self.scheme.calibrated,
                       f"--int8-share {self.int8_share}: is chosen by a calibrated scheme's measured errors (give "
                       f"--quant {', '.join(s.name for s in SCHEMES.values() if s.calibrated)})")
-        if c.integer("quality_tokens", self.quality_tokens, lo=1):
+        if c.integer("quality_tokens", self.quality_tokens, lo=MIN_QUALITY_TOKENS, hi=MAX_QUALITY_TOKENS,
+                     what=" (held-out tokens: at least a block's worth to mean anything, at most what a check "
+                          "finishes in hours at 8B)"):
             c.require(self.quality_tokens is None or rounded(self.precision),
                       f"--quality-tokens {self.quality_tokens}: scores a rounded graph against fp32; --precision "
                       f"{self.precision} rounds nothing")
@@ -150,13 +154,12 @@ class GgufExportSettings:
     pool: ThreadPool = ThreadPool()
     """--threads: llama.cpp's threads in the checks (default: this machine's usable cores)."""
     validate: bool = True
-    """Load the file in llama.cpp ([llamacpp] extra) and check its tokenizer, logits and held-out perplexity
-    against PyTorch before it is published (without the extra: its structure only, read back with the gguf
-    package)."""
+    """Check the folder against PyTorch before it is published."""  # export genai's words: in llama.cpp itself
+    # with the [llamacpp] extra (tokenizer, logits, held-out perplexity), else its structure read back
 
     def check(self, c: Checks) -> Checks:
         c.choice("quant", self.quant, GGUF_QUANTS)
-        c.integer("quality_tokens", self.quality_tokens, lo=16, hi=1 << 20)
+        c.integer("quality_tokens", self.quality_tokens, lo=MIN_QUALITY_TOKENS, hi=MAX_QUALITY_TOKENS)
         c.require(isinstance(self.max_ppl_change, int | float) and 0 <= self.max_ppl_change < float("inf"),
                   f"--max-ppl-change {self.max_ppl_change}: must be a finite fraction >= 0 (0.1 = 10%)")
         self.pool.check(c)

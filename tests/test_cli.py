@@ -236,8 +236,9 @@ DECLARED_ONCE = ("--runs-dir", "--force", "--json", "--report", "--out", "--prec
 # Other options that two commands give different help or defaults, each for its own meaning there (--max-tokens is a
 # generation's length in generate, a request's limit in serve, a request's ask in loadtest; --teacher is a model in
 # train, a switch in bench): the count may only fall, so an option a second command copies gets the first's wording
-# or a reason here.
-DIFFERING = 43
+# or a reason here. --max-ppl-change: export genai's bounds a rounded graph against the fp32 graph, export gguf's a
+# llama.cpp file of any type against PyTorch.
+DIFFERING = 44
 
 
 def test_an_option_many_commands_take_reads_the_same_in_each():

@@ -227,3 +227,13 @@ def test_a_speedup_beyond_any_structure_is_refused_from_the_shapes_alone(tiny_en
     r = CliRunner().invoke(app, shot_args(tiny_env, tmp_path / "s", "--forms", "channels", "--mac-ratio", "50"))
     said = _one_line(r)
     assert "--mac-ratio 50: beyond any structure of --forms channels" in said and "calibrating" not in said
+
+
+@pytest.mark.parametrize("tokens", ["1", "99999999999"])
+def test_quality_tokens_out_of_bounds_are_refused_before_the_model_loads(tiny_env, tmp_path, tokens):
+    """Case 6: --quality-tokens 1 and 99999999999 were taken and worked on (90 s and more at 1B)."""
+    r = CliRunner().invoke(app, ["export", "genai", str(tiny_env["teacher"]), "--precision", "int4",
+                                 "--quality-tokens", tokens, "--out", str(tmp_path / "g")])
+    said = _one_line(r)
+    assert f"--quality-tokens {tokens}: must be in [16, 1,048,576]" in said and "loading" not in said
+    assert not (tmp_path / "g").exists()

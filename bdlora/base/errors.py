@@ -129,9 +129,14 @@ class Checks:
             raise ConfigError(self.problems)
 
 
+def _num(v) -> str:
+    """A bound as a user reads it: integers whole (1048576, not 1.04858e+06), other numbers short."""
+    return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else f"{v:g}"
+
+
 def _bounds(lo, hi, lo_open: bool, hi_open: bool) -> str:
     if lo is not None and hi is not None:
-        return f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+        return f"in {'(' if lo_open else '['}{_num(lo)}, {_num(hi)}{')' if hi_open else ']'}"
     if lo is not None:
         return f"{'>' if lo_open else '>='} {lo:g}"
     if hi is not None:

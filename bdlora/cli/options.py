@@ -40,7 +40,8 @@ COMMON = {
         f"{s.name}: {s.summary}" for s in SCHEMES.values()) + ". bench rounds every folder with it (the teacher's "
         "and the peers' too unless --teacher-quant); compress, plan and train time that scheme's node layout "
         "(affine's 4-bit MatMuls read block means and hold 3% more columns), and with --forms bits its grid "
-        "measures each projection's rounding error."),
+        "measures each projection's rounding error. export gguf: llama.cpp's type instead (f16, q8_0 or q4_0 "
+        "written here; q4_k_m by llama.cpp's quantizer, the [llamacpp] extra; default q8_0)."),
     "threads": "Threads of what this command runs or times, from 1 to this machine's usable cores (default: all of "
                "them; more than it has would be timed and cached as if real). One exception: export genai writes "
                "the count into genai_config.json for the machine that will run the folder, so it takes 0 (none "
