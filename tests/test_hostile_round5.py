@@ -235,5 +235,5 @@ def test_quality_tokens_out_of_bounds_are_refused_before_the_model_loads(tiny_en
     r = CliRunner().invoke(app, ["export", "genai", str(tiny_env["teacher"]), "--precision", "int4",
                                  "--quality-tokens", tokens, "--out", str(tmp_path / "g")])
     said = _one_line(r)
-    assert f"--quality-tokens {tokens}: must be in [16, 1,048,576]" in said and "loading" not in said
+    assert f"--quality-tokens {tokens}: must be in [16, 1048576]" in said and "loading" not in said
     assert not (tmp_path / "g").exists()

@@ -131,7 +131,7 @@ class Checks:
 
 def _num(v) -> str:
     """A bound as a user reads it: integers whole (1048576, not 1.04858e+06), other numbers short."""
-    return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else f"{v:g}"
+    return str(v) if isinstance(v, int) and not isinstance(v, bool) else f"{v:g}"
 
 
 def _bounds(lo, hi, lo_open: bool, hi_open: bool) -> str:

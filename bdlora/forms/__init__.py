@@ -343,6 +343,8 @@ def reach_problem(config: dict, forms: str, mac_ratio: float | None = None, spee
     with ``layers``, one layer kept), ``speedup`` above ``REACH_MARGIN`` times the same ratio counted with the LM
     head (``ship --speedups 1e9`` calibrated and timed for minutes before the allocation refused it)."""
     names = set(form_names(forms))
+    if not names <= {LOWRANK.name, CHANNELS.name, GROUPS.name, VOCAB.name, "layers", "bits"}:
+        return None  # a form this bound does not know may reach anything: its allocation decides
     h, inter, layers = int(config["hidden_size"]), int(config["intermediate_size"]), int(config["num_hidden_layers"])
     heads = int(config["num_attention_heads"])
     kv = int(config.get("num_key_value_heads") or heads)

@@ -13,5 +13,9 @@ from pathlib import Path
 
 CHECK_TEXT = '\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) ✅ 🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ ------======= нещо на Български \'\'\'\'\'\'```````""""......!!!!!!?????? I\'ve been \'told he\'s there, \'RE you sure? \'M not sure I\'ll make it, \'D you like some tea? We\'Ve a\'lL'  # noqa: E501 - the exact string llama.cpp hashes
 
-PRE_TOKENIZERS: dict[str, str] = json.loads((Path(__file__).parent / "pretokenizers.json").read_text())[
-    "pre_tokenizers"]
+_TABLE = json.loads((Path(__file__).parent / "pretokenizers.json").read_text())
+PRE_TOKENIZERS: dict[str, str] = _TABLE["pre_tokenizers"]
+# The split regexes of tokenizer.json that llama.cpp's pre-tokenizers implement (its llama-vocab.cpp gives each
+# "original regex from tokenizer.json"), for a tokenizer whose vocabulary is not one the hash table knows (a model's
+# own, smaller one): Qwen2's (digits one by one) and Llama 3's (digits in threes).
+SPLITS: dict[str, str] = _TABLE["splits"]

@@ -31,7 +31,7 @@ from transformers import AutoTokenizer
 from bdlora.base.errors import ModelError
 from bdlora.base.io import read_json
 from bdlora.base.runs import TOKENIZER_JSON
-from bdlora.export.gguf.pretokenizers import CHECK_TEXT, PRE_TOKENIZERS
+from bdlora.export.gguf.pretokenizers import CHECK_TEXT, PRE_TOKENIZERS, SPLITS
 from bdlora.models.families import GGUF_SPM_TOKENIZER
 from bdlora.models.integrity import tokenizer_digests
 from bdlora.models.sources import GGUF_TOKENIZER
@@ -103,17 +103,6 @@ def _copied(writer, path: Path, vocab_size: int) -> dict:
     found = {e["key"]: e["value"] for e in keys}
     return {"source": f"the GGUF file's own ({path.name})", "model": found.get(gguf.Keys.Tokenizer.MODEL),
             "pre": found.get(gguf.Keys.Tokenizer.PRE), "tokens": tokens}
-
-
-# The split regexes of tokenizer.json that llama.cpp's pre-tokenizers implement (its llama-vocab.cpp gives each
-# "original regex from tokenizer.json"), for a tokenizer whose vocabulary is not one the hash table knows (a model's
-# own, smaller one): Qwen2's (digits one by one) and Llama 3's (digits in threes).
-SPLITS = {
-    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|"
-    "\\s+(?!\\S)|\\s+": "qwen2",
-    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
-    "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+": "llama-bpe",
-}
 
 
 def pre_tokenizer(tok) -> str:
