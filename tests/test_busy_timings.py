@@ -203,7 +203,7 @@ def test_plan_refuses_only_on_clean_times(tiny_env, tmp_path, monkeypatch):
         assert cost["predicted_decode_speedup"] < 4 and "allocated at" in res.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.full  # its two busy loops slow the README's test command's other worker for its 8 s: CI's -m full runs it
 def test_ship_goes_on_past_a_reach_it_could_not_measure_cleanly(tiny_env, tmp_path, monkeypatch):
     """ship's reach check (a real plan process) on tables measured unclean, with two busy loops beside it (so the
     plan process finds the machine busy and reuses them): no refusal, a line saying why, and the first step runs."""
