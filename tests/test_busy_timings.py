@@ -1,7 +1,7 @@
 """Timings that survive a busy machine (issue 89, item 2): a decode step's overhead timed beside two busy processes
 fitted 748 us of fixed time (0-87 quiet), was cached, and made ``ship`` refuse a speed-up the model reaches on every
 later run. Each measurement a decision rests on (the latency tables, the whole step's overhead, the verification
-curve) is the minimum of interleaved repeats, checked for consistency, taken with the other processes' load watched
+curve) is the median of interleaved repeats, checked for consistency, taken with the other processes' load watched
 and cached with that load; an unclean one is reused only while the machine is busy, measured again by a quiet run,
 and never the ground of a refusal: plan and compress allocate at the reach instead and say so, ship goes on."""
 
@@ -44,7 +44,8 @@ def test_the_step_timings_must_agree_with_each_other(monkeypatch):
         _rows(1.0, 1.6, 2.0), 2, 4)[1]
     assert "repeats of the lo, hi, half graph(s) are not within 1.5x" in whole.step_times(
         _rows(1.0, 1.6, 1.4, spread=2.0), 2, 4)[1]
-    assert whole.step_times(_rows(1.0, 1.6, 1.4, spread=1.1), 2, 4)[1] is None  # the minimum, not the median
+    ms, why = whole.step_times(_rows(1.0, 1.6, 1.4, spread=1.1), 2, 4)  # the median, within 1.5x of the fastest
+    assert why is None and ms == pytest.approx({"lo": 1.1, "hi": 1.76, "half": 1.54})
 
 
 class StepTimer:

@@ -4,8 +4,8 @@ curve; ``export.genai.latency``, ``bench.whole``, ``bench.verify``).
 
 A machine shared with other jobs (a compiler, a second test worker) slows some repeats of a timing, or all of them:
 the decode step's overhead fitted beside two busy processes came out at 748 us where a quiet machine measures 0-87,
-and once cached it made ``ship`` refuse a speed-up the model reaches, for good. So a timing is taken as the minimum
-of interleaved repeats (other work only ever adds time), the other processes' load is read before and averaged over
+and once cached it made ``ship`` refuse a speed-up the model reaches, for good. So a timing's repeats are interleaved
+(a spell of other work falls on every variant alike), the other processes' load is read before and averaged over
 the whole measurement (``LoadWatch``: ``/proc/stat``'s busy time less this process's and its children's), and the
 repeats must agree (``agree``). A measurement that fails either is *unclean*: the run that took it uses it, the cache
 keeps it marked so with the load it was measured under, a later run reuses it only while the machine is busy too

@@ -6,7 +6,7 @@ which bounds what a draft can buy.
 A random dense model of the target's config (full depth, built without weights, ``bench.whole._dense_model``) is
 exported by this toolkit at the precision (scheme layout and head bits as ``bench.whole``), and timed in its own
 process (``python -m bdlora.bench.verify SPEC OUT``): after a ``CONTEXT``-token prompt, each width's call of random
-tokens then a rollback, widths interleaved, the minimum of its repeats per width. Cached beside the latency table
+tokens then a rollback, widths interleaved, the median of its repeats per width. Cached beside the latency table
 with the machine's other load while it was timed: a curve timed busy, or whose repeats disagree, is marked unclean and
 measured again by a quiet run (``latency.reusable``).
 """
@@ -43,7 +43,7 @@ from bdlora.models.runtime import DecoderShape
 from bdlora.speculative.decoders import DecoderFactory
 from bdlora.speculative.predict import speculative_speedup
 
-VERIFY_VERSION = 2  # 2: the minimum of each width's repeats, the load recorded
+VERIFY_VERSION = 3  # 3: the median of each width's repeats, checked, the load recorded
 REPEATS, WARMUP = 15, 3
 
 
@@ -83,7 +83,7 @@ def verify_curve(config: dict, precision: str, threads: int, cache: Path, quant:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     times = {int(w): v for w, v in res["ms"].items()}
-    ms = {w: float(np.min(times[w])) for w in sorted(times)}
+    ms = {w: float(np.median(times[w])) for w in sorted(times)}
     shares = {w: ms[w] / ms[1] for w in sorted(ms)}
     spread = [str(w) for w in sorted(times) if not load.agree(times[w])]
     unclean = (f"timed with {watch.load.said()}" if not watch.load.quiet else

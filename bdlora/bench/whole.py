@@ -26,7 +26,8 @@ that scales with the MLP width ``W``), so ``a + m = (t_hi - t_lo) / (hi - lo) - 
 ``m`` at most ``a + m``: on a tiny model the timing noise can exceed them); a removed layer saves its
 ``P + a + m``. The fit is cached per shapes, precision, node layout, threads, head bits, onnxruntime version and
 CPU beside the latency table. The graphs are timed in a separate process, interleaved (``bench.genai.time_genai``),
-each at the minimum of its repeats; the timings must agree with each other (``step_times``: else timed once more)
+each at the median of its repeats (``latency``'s docstring says why not the minimum); the timings must agree with
+each other (``step_times``: else timed once more)
 and are taken with the machine's other load watched. The cache records that load: a fit timed on a busy machine or
 from contradicting timings is marked unclean, reused only while the machine is busy, measured again by a quiet run,
 and never the ground of a refusal (``latency`` module docstring).
@@ -69,7 +70,7 @@ from bdlora.models.lazy import empty
 
 CONTEXT = 128  # tokens in the cache when the step is timed (bench's default decode shape: batch 1 after 128)
 STEPS, REPEATS, WARMUP = 32, 15, 3  # decode tokens per timing, timed repeats, untimed ones
-OVERHEAD_VERSION = 4  # 4: the minimum of interleaved repeats, checked, the load recorded
+OVERHEAD_VERSION = 5  # 5: the median of interleaved repeats, checked, the load recorded (4: minima)
 
 
 @dataclass
@@ -215,12 +216,12 @@ HALF_SLOWER = 1.05  # the half-width graph may time this much above the full one
 
 
 def step_times(rows: list[dict], lo: int, hi: int) -> tuple[dict[str, float], str | None]:
-    """({graph: its decode ms/token, the minimum of its interleaved repeats}, why they contradict each other or
+    """({graph: its decode ms/token, the median of its interleaved repeats}, why they contradict each other or
     None): each graph's repeats must agree (``latency.agree``), ``hi`` layers must cost more than ``lo``, and the
     half-width MLPs no more than the full ones (beside another job a 4-layer graph timed 1.13 ms against 1.03 for 2
     layers, which fitted 748 us of fixed time where a quiet machine measures 0-87)."""
     raw = {r["variant"]: r["ms"] for r in rows}
-    ms = {k: float(np.min(v)) for k, v in raw.items()}
+    ms = {k: float(np.median(v)) for k, v in raw.items()}
     spread = [k for k, v in raw.items() if not load.agree(v)]
     if spread:
         return ms, f"the repeats of the {', '.join(spread)} graph(s) are not within {load.AGREE:g}x of their fastest"
