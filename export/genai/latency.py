@@ -10,11 +10,12 @@ node layout of the scheme the export rounds with, ``Scheme.layout``: with block 
 ``[x, block means of x]`` through its own AveragePool and Concat and carries K/32 more columns), at the deployed
 thread count, in a graph of ``C`` independent copies with distinct random weights (so the weights
 stream from memory as a model's do, not from a warm cache) timed against a graph of one copy:
-``(t_C - t_1) / (C - 1)`` is the form's time with the per-call overhead cancelled, the two graphs run interleaved and
-each at the median of its repeats. Not the minimum: at Llama-3.2-1B shapes tables of minima (a lucky run whose
-weights stayed in this machine's large last-level cache) predicted a 1.25x channels,groups student 1.23x whose
-int4 graph decoded 1.09x faster, tables of medians 1.12x; a model's decode streams its weights from memory, as the
-typical run does. Other processes are kept out by the checks below, not by the statistic. Weight values do not change
+``(t_C - t_1) / (C - 1)`` is the form's time with the per-call overhead cancelled, each graph timed alone at the
+median of its repeats. Neither the minimum nor interleaving the two graphs: at Llama-3.2-1B shapes tables of minima
+(a lucky run whose weights stayed in this machine's large last-level cache) predicted a 1.25x channels,groups student
+1.23x whose int4 graph decoded 1.09x faster, and alternating the two graphs' sessions (each evicting the other)
+priced the dense model's step at 63 ms where it decodes at 40 (the medians of graphs timed alone: 38.8 ms, the
+student 1.12x). Other processes are kept out by the checks below, not by the statistic. Weight values do not change
 the time
 of these kernels, so random bytes stand in for them.
 
@@ -54,7 +55,7 @@ BITS = {name: PRECISIONS[name].bits for name in ROUNDED}  # the weight bits of e
 STREAM_BYTES = 48 << 20  # weight bytes per measured graph: beyond the last-level cache of most CPUs
 MAX_COPIES, MIN_COPIES = 64, 4
 REPEATS, WARMUP = 25, 5
-TABLE_VERSION = 3  # 3: the median of interleaved repeats, checked, the load recorded (2: minima, see above)
+TABLE_VERSION = 3  # 3: medians, each graph alone, checked, the load recorded (2: minima of interleaved runs)
 
 
 def cpu_name() -> str:
@@ -144,21 +145,23 @@ def _run_us(sess: ort.InferenceSession, feed: dict) -> float:
     return (time.perf_counter() - t) * 1e6
 
 
+def _repeats_us(proto: onnx.ModelProto, k: int, threads: int) -> list[float]:
+    """Every timed repeat (microseconds) of one graph, run alone after its warm-up."""
+    sess = _session(proto, threads)
+    value = np.random.default_rng(1).standard_normal(k, dtype=np.float32)
+    feed = {i.name: value.reshape(i.shape) for i in sess.get_inputs()}
+    for _ in range(WARMUP):
+        sess.run(None, feed)
+    return [_run_us(sess, feed) for _ in range(REPEATS)]
+
+
 def measure_form(k: int, n: int, rank: int, precision: str, threads: int, layout: str = "nbits") -> tuple[float, bool]:
     """(decode-time microseconds of one instance of a form in ``layout``, whether its repeats agree): the graphs of
-    one and of ``copies`` instances timed interleaved, each at the median of its repeats (see the module
-    docstring). The repeats agree (``agree``) and the copies cost more than one."""
+    one and of ``copies`` instances, each timed alone at the median of its repeats (see the module docstring). The
+    repeats agree (``load.agree``) and the copies cost more than one."""
     copies = int(min(MAX_COPIES, max(MIN_COPIES, math.ceil(STREAM_BYTES / form_bytes(k, n, rank, precision)))))
-    sessions = [_session(form_graph(k, n, rank, precision, c, layout=layout), threads) for c in (1, copies)]
-    value = np.random.default_rng(1).standard_normal(k, dtype=np.float32)
-    feeds = [{i.name: value.reshape(i.shape) for i in sess.get_inputs()} for sess in sessions]
-    for _ in range(WARMUP):
-        for sess, feed in zip(sessions, feeds):
-            sess.run(None, feed)
-    one, many = [], []
-    for _ in range(REPEATS):  # interleaved: a busy spell slows both, not one of the pair
-        one.append(_run_us(sessions[0], feeds[0]))
-        many.append(_run_us(sessions[1], feeds[1]))
+    one = _repeats_us(form_graph(k, n, rank, precision, 1, layout=layout), k, threads)
+    many = _repeats_us(form_graph(k, n, rank, precision, copies, layout=layout), k, threads)
     consistent = load.agree(one) and load.agree(many) and np.median(many) > np.median(one)
     return max(float(np.median(many) - np.median(one)) / (copies - 1), 1e-3), consistent
 
@@ -381,8 +384,8 @@ def latency_table(shapes: list[ModuleShape], precision: str, threads: int, cache
     needed += [(k, n, 0) for k, n in dict.fromkeys(dense) if (k, n, 0) not in needed]
     stale = [f for f in needed if _key(*f) in unclean]
     if stale and load.Load(load.others_busy(), None).quiet:  # measured busy before, quiet now: those times go
-        reporter.stage(f"{path}: {len(stale)} form(s) were measured on a busy machine; measuring them again now "
-                       "that it is quiet")
+        reporter.stage(f"{path}: {len(stale)} form(s) were measured unclean (on a busy machine, or with repeats "
+                       "that disagreed); measuring them again now that it is quiet")
         for f in stale:
             del table.us[_key(*f)]
             unclean.discard(_key(*f))
