@@ -34,6 +34,8 @@ import numpy as np
 import onnxruntime_genai as og
 from benchtables import named_folders, publish  # the script beside this one
 
+from bdlora.export.genai.config import SPIN_OFF  # what export genai --no-spin writes
+
 OWN = "own"
 
 
@@ -42,7 +44,6 @@ def busy_loop() -> None:  # a core kept busy
         pass
 
 
-SPIN_OFF = {"session.intra_op.allow_spinning": "0"}  # a string: onnxruntime-genai passes it as a config entry
 
 
 def view(folder: Path, threads: str, root: Path, spin: bool = True) -> Path:

@@ -607,3 +607,27 @@ def test_quantised_export_stores_the_embedding_once(family, shared):
         ids = np.arange(start, start + 32)[None]
         rows = run_decoder(sess, ids, np.ones_like(ids), None, empty_past(shape, 1))[-1][0]
         assert np.abs(rows - table_rows[start : start + 32]).max() <= step  # each row: the table's, rounded
+
+
+def test_no_spin_writes_the_threads_to_sleep_and_onnxruntime_genai_takes_it(tiny_env, tmp_path):
+    """export genai --no-spin: genai_config.json's session options carry onnxruntime's allow_spinning entry as a
+    string (onnxruntime-genai passes unknown string options to onnxruntime; a number is refused), and the folder
+    loads and generates."""
+    import onnxruntime_genai as og
+
+    from conftest import genai_teacher
+
+    genai_teacher(tiny_env["tokenizer"], tmp_path / "t")
+    tiny_env["tokenizer"].save_pretrained(tmp_path / "t")
+    r = CliRunner().invoke(app, ["export", "genai", str(tmp_path / "t"), "--no-spin", "--no-validate", "--threads",
+                                 "1", "--out", str(tmp_path / "g")])
+    assert r.exit_code == 0, r.output
+    options = json.loads((tmp_path / "g" / "genai_config.json").read_text())["model"]["decoder"]["session_options"]
+    assert options["session.intra_op.allow_spinning"] == "0" and options["intra_op_num_threads"] == 1
+    model = og.Model(str(tmp_path / "g"))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=8)
+    gen = og.Generator(model, params)
+    gen.append_tokens([[1, 2, 3]])
+    gen.generate_next_token()
+    assert len(gen.get_sequence(0)) == 4

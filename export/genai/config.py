@@ -17,11 +17,16 @@ def base_type_of(config) -> str:
     return (getattr(config, "bdlora", None) or {}).get("base_model_type", config.model_type)
 
 
+SPIN_OFF = {"session.intra_op.allow_spinning": "0"}  # a string: onnxruntime-genai passes an unknown string option to
+# onnxruntime as a session config entry (a number or an object is refused)
+
+
 def genai_config(config, base_type: str, context_length: int, filename: str = MODEL_ONNX,
-                 threads: int | None = None) -> dict:
+                 threads: int | None = None, spin: bool = True) -> dict:
     """The config onnxruntime-genai reads for ``config`` (a transformers config of the base family ``base_type``).
     ``past_present_share_buffer``: past and present are one (batch, kv_heads, max_length, head_dim) buffer that
-    GroupQueryAttention writes in place, so no cache is copied between steps."""
+    GroupQueryAttention writes in place, so no cache is copied between steps. ``spin`` False: the intra-op threads
+    sleep between calls (``SPIN_OFF``) instead of spinning."""
     genai_type = family(base_type).genai_type
     if genai_type is None:
         raise ValueError(f"model type {base_type!r}: onnxruntime-genai export supports {', '.join(genai_families())}")
@@ -31,6 +36,8 @@ def genai_config(config, base_type: str, context_length: int, filename: str = MO
     session_options: dict = {"log_id": "onnxruntime-genai", "provider_options": []}
     if threads:
         session_options["intra_op_num_threads"] = int(threads)
+    if not spin:
+        session_options.update(SPIN_OFF)
     pad = config.pad_token_id if config.pad_token_id is not None else _ids(eos)
     if isinstance(pad, list):
         pad = pad[0]

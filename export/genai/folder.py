@@ -100,7 +100,8 @@ def _beside_graph(model, tok, folder: Path, settings: GenaiExportSettings, repor
     length, the graph's metadata)."""
     settings, cfg = settings.resolved(model.config), model.config
     ctx = context_length_of(cfg, settings.context_length)
-    write_json(folder / GENAI_CONFIG, genai_config(cfg, base_type_of(cfg), ctx, threads=settings.pool.threads or None))
+    write_json(folder / GENAI_CONFIG, genai_config(cfg, base_type_of(cfg), ctx, threads=settings.pool.threads or None,
+                                                   spin=settings.spin))
     write_model_files(folder, model, tok, report)
     rows = module_table(model)
     return settings, ctx, metadata_props(rows, metadata_summary(model, rows, report))
