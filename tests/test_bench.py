@@ -131,7 +131,10 @@ def test_cli_bench_synthetic_and_bad_input(tmp_path, tiny_model, tiny_env):
                         (["--icl"], "--icl: the ICL of the front's rows needs --runtime genai or both (not ort)"),
                         (["--icl", "--runtime", "genai"], "--icl: synthetic mode (--model-config) has random weights"),
                         (["--icl-examples", "0"], "--icl-examples 0: must be"),
-                        (["--head-bits", "6"], "--head-bits 6: unknown (allowed: 4, 8)")]:
+                        (["--head-bits", "6"], "--head-bits 6: unknown (allowed: 4, 8)"),
+                        (["--runtime", "genai,vllm"], "--runtime 'vllm': unknown (allowed: ort, genai, llamacpp,"),
+                        (["--gguf-quants", "q5_k"], "--gguf-quants 'q5_k': unknown (allowed: f16, q8_0, q4_0,"),
+                        (["--gguf-quants", "q8_0,q8_0"], "--gguf-quants q8_0,q8_0: q8_0 given twice")]:
         r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "x"), *bad])
         assert r.exit_code == 2 and needle in r.stderr, (bad, r.output)
         assert not (tmp_path / "x").exists()  # refused before anything is written
@@ -140,6 +143,23 @@ def test_cli_bench_synthetic_and_bad_input(tmp_path, tiny_model, tiny_env):
     (folder / "compression.json").unlink()
     r = CliRunner().invoke(app, ["bench", str(folder), "--out", str(tmp_path / "y")])
     assert r.exit_code == 2 and "no compression.json" in r.stderr
+
+
+def test_runtimes_are_named_alone_together_or_by_alias_and_llama_cpp_needs_a_folder(tmp_path):
+    """--runtime: ort, genai, llamacpp, comma-separated, or both (ort,genai) / all; llama.cpp's rows are GGUF files
+    of a folder, so synthetic mode refuses them in one line (or, without llama-cpp-python, names the extra)."""
+    from bdlora.bench.config import BenchConfig, llama_cpp_here
+
+    assert BenchConfig(runtime="both").runtimes == ("ort", "genai")
+    assert BenchConfig(runtime="all").runtimes == ("ort", "genai", "llamacpp")
+    assert BenchConfig(runtime="llamacpp, genai").runtimes == ("genai", "llamacpp")
+    assert BenchConfig(runtime="llamacpp").deployed and not BenchConfig(runtime="ort").deployed
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY))
+    r = CliRunner().invoke(app, ["bench", "--model-config", str(cfg), "--budget", "0.5", "--runtime", "genai,llamacpp",
+                                 "--out", str(tmp_path / "x")])
+    needle = "synthetic mode (--model-config) has none" if llama_cpp_here() else 'pip install -e ".[llamacpp]"'
+    assert r.exit_code == 2 and needle in r.stderr and not (tmp_path / "x").exists()
 
 
 def test_a_speed_up_above_its_mac_limit_is_marked_as_noise_with_the_repeats_it_needs():

@@ -309,7 +309,7 @@ def test_bench_genai_on_a_compressed_folder_and_bad_options(mixed_folder, tmp_pa
     assert lean["results"][0]["mac_ratio_vs_dense"] == pytest.approx(
         next(x for x in doc["results"] if x["variant"] == "compressed")["mac_ratio_vs_dense"])
     assert "no builder row of the model's dense form" in lean["genai_notes"]["builder"]
-    for args, needle in ((["--runtime", "tvm"], "--runtime 'tvm': unknown (allowed: ort, genai, both)"),
+    for args, needle in ((["--runtime", "tvm"], "--runtime 'tvm': unknown (allowed: ort, genai, llamacpp, both, all)"),
                          (["--no-own-forms"], "--no-own-forms: leaves the dense and LoRA rows out of the genai bench"),
                          (["--genai-precisions", "fp32,int3"], "--genai-precisions 'int3': unknown"),
                          (["--runtime", "genai", "--provider", "cuda"], "--provider")):

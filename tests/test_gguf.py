@@ -360,3 +360,67 @@ def test_qwen2_and_gemma3_run_in_llama_cpp_as_in_pytorch(tiny_env, tmp_path):
     cfg = json.loads((root / "gemma3" / "config.json").read_text())
     with pytest.raises(Exception, match="query_pre_attn_scalar 24: llama.cpp's gemma3 scales queries by 1/sqrt"):
         layout.plan_layout({**cfg, "query_pre_attn_scalar": 24}, {})
+
+
+@needs_llama_cpp
+def test_bench_times_each_folders_gguf_beside_its_genai_folder_and_scores_it_in_llama_cpp(tiny_env, tmp_path,
+                                                                                            monkeypatch):
+    """bench --runtime genai,llamacpp: the student's and the teacher's GGUF files timed in the same run as their
+    genai folders (batch 1), scored in llama.cpp on the same held-out blocks: at q8_0 within 1% of the fp32 graph's
+    perplexity, each compared with the teacher's GGUF of its type on the front."""
+    from conftest import genai_teacher
+
+    monkeypatch.setenv("BDLORA_CACHE", str(tiny_env["cache"]))
+    genai_teacher(tiny_env["tokenizer"], tmp_path / "teacher", seed=3, layers=4)  # head dim 16, as genai needs
+    student = _one_shot({**tiny_env, "teacher": tmp_path / "teacher"}, tmp_path / "student", "1.5")
+    out = tmp_path / "bench"
+    r = CliRunner().invoke(app, ["bench", str(student), "--runtime", "genai,llamacpp", "--genai-precisions", "fp32",
+                                 "--gguf-quants", "q8_0", "--scope", "model", "--batch-sizes", "1", "--seq-lens", "16",
+                                 "--decode-tokens", "4", "--repeats", "2", "--warmup", "0", "--no-peers",
+                                 "--no-own-forms", "--quality-tokens", "512", "--eval-data", "none", "--threads", "1",
+                                 "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((out / "bench.json").read_text())
+    timed = {(x["scope"], x["variant"], x["phase"]) for x in doc["results"]}
+    for name in ("compressed-gguf-q8_0", "teacher-gguf-q8_0"):
+        assert {("llamacpp", name, "prefill"), ("llamacpp", name, "decode")} <= timed
+    assert {("genai", "compressed", "decode"), ("genai", "teacher", "decode")} <= timed
+    front = {p["name"]: p for p in doc["front"]}
+    for model, fp32 in (("compressed", "compressed"), ("teacher", "teacher")):
+        assert front[f"{model}-gguf-q8_0"]["ppl"] == pytest.approx(front[fp32]["ppl"], rel=0.01)
+    assert front["compressed-gguf-q8_0"]["vs_teacher"] == "teacher-gguf-q8_0"
+    md = (out / "bench.md").read_text()
+    assert "llama.cpp (llama-cpp-python" in md and "onnxruntime-genai and llama.cpp" in md
+
+
+@needs_llama_cpp
+def test_ship_recommends_per_runtime_with_llama_cpps_rows(tiny_env, tmp_path, monkeypatch):
+    """ship --gguf q8_0: the teacher's GGUF and the student's beside their genai folders in the one bench; the
+    recommendation answers in each runtime against the teacher there, and overall against the teacher's fastest
+    export, naming the runtime; a GGUF answer's commands end in export gguf and llama.cpp's server."""
+    from test_latency import _hand_table, _tiny_shapes
+
+    from conftest import genai_teacher
+
+    teacher = tmp_path / "teacher"
+    genai_teacher(tiny_env["tokenizer"], teacher, seed=3, layers=4)
+    _hand_table(tmp_path / "cache", _tiny_shapes(teacher), (), threads=1, teacher=teacher)
+    monkeypatch.setenv("BDLORA_CACHE", str(tmp_path / "cache"))
+    args = ["ship", str(teacher), "--data", str(tiny_env["corpus"]), "--eval-data", "none", "--schemes", "rtn",
+            "--speedups", "1.2", "--draft-speedup", "0", "--threads", "1", "--repeats", "1", "--decode-tokens", "4",
+            "--quality-tokens", "256", "--seq-len", "64", "--gguf", "q8_0", "--out", str(tmp_path / "ship"), "--json"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert {r["row"] for r in doc["rows"]} == {"teacher-int4", "compressed-int4", "teacher-gguf-q8_0",
+                                               "compressed-gguf-q8_0"}
+    assert set(doc["by_runtime"]) == {"genai", "llamacpp"}
+    assert doc["by_runtime"]["llamacpp"]["teacher"]["row"] == "teacher-gguf-q8_0"
+    fastest = min((r for r in doc["rows"] if r["name"] == "teacher"), key=lambda r: r["ms"])
+    assert doc["reference"]["row"] == fastest["row"]
+    for a in doc["answers"]:
+        assert a["runtime"] in ("genai", "llamacpp")
+    gguf_row = next(r for r in doc["rows"] if r["row"] == "compressed-gguf-q8_0")
+    assert "export gguf" in gguf_row["commands"][-2] and "llama_cpp.server" in gguf_row["commands"][-1]
+    md = (tmp_path / "ship" / "recommendation.md").read_text()
+    assert "In llama.cpp, against the teacher's teacher-gguf-q8_0" in md and "In onnxruntime-genai" in md

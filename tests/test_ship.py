@@ -3,6 +3,7 @@ and the whole command on a tiny teacher, run twice (the second run redoes nothin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -89,7 +90,8 @@ def test_every_step_is_a_command_line_its_command_parses(tmp_path):
     from bdlora.ship.preflight import reach_checks
     from bdlora.ship.run import bench_step, heal_steps, student_steps, teacher_steps
 
-    cfg = ShipConfig(pool=ThreadPool(2), heal_steps=3, eval_data="prose", quality_tokens=512, schemes="rtn,affine")
+    cfg = ShipConfig(pool=ThreadPool(2), heal_steps=3, eval_data="prose", quality_tokens=512, schemes="rtn,affine",
+                     gguf="none")
     for name in ("teacher", "student-1.25", "student-1.5", "draft"):
         write_json(tmp_path / name / "config.json", {"num_hidden_layers": 4, **SHAPE})
     made = ["student-1.25", "student-1.5", "draft"]
@@ -122,6 +124,11 @@ def test_every_step_is_a_command_line_its_command_parses(tmp_path):
                               "--peer", f"{d}/healed-dense", "--quant", "affine", "--teacher-quant", "affine",
                               "--speculative", "--no-fixed-widths", "--eval-data", "prose",
                               "--quality-tokens", "512"]
+    with_gguf = bench_step(dataclasses.replace(cfg, gguf="q4_k_m"), tmp_path, made, "affine", "affine").argv
+    assert with_gguf[2:7] == ["--runtime", "genai,llamacpp", "--genai-precisions", "int4", "--gguf-quants"]
+    assert with_gguf[7] == "q4_k_m"
+    cmd, args = _command_of(with_gguf)
+    cmd.make_context("bdlora", list(args))
 
 
 def test_a_flag_no_settings_field_has_is_refused_when_the_line_is_built():
@@ -202,6 +209,37 @@ def test_the_teachers_own_export_when_nothing_beats_it(tmp_path):
     assert "**the teacher's own export**: nothing beats it" in (tmp_path / "recommendation.md").read_text()
 
 
+def test_with_llama_cpps_rows_each_runtime_is_answered_and_overall_against_the_fastest_teacher(tmp_path):
+    """The teacher's genai int4 (10 ms) and its Q4_K_M GGUF (12 ms) each answer their own runtime's tolerances; the
+    overall answer is against the faster of them (genai), and picks llama.cpp's student where it is fastest within
+    the tolerance there; the GGUF answer's commands export the folder with export gguf and serve it in llama.cpp."""
+    _bench(tmp_path, [("teacher-int4", 10.0, 20.0, 50.0), ("student-1.25-int4", 8.0, 20.5, 51.0),
+                      ("teacher-gguf-q4_k_m", 12.0, 19.8, 49.5), ("student-1.25-gguf-q4_k_m", 7.5, 20.1, 50.2),
+                      ("compressed-gguf-q4_k_m", 4.0, 60.0, 200.0)])
+    cfg = ShipConfig(tolerances="0,1,5", draft_speedup=0)
+    r = recommend(tmp_path, cfg, COMMANDS, "affine", {}, TEACHER, "D/teacher-affine", "T")
+    assert r["reference"]["row"] == "teacher-int4"
+    assert [(a["row"], a["runtime"]) for a in r["answers"]] == [
+        ("teacher-int4", "genai"), ("student-1.25-gguf-q4_k_m", "llamacpp"), ("student-1.25-gguf-q4_k_m", "llamacpp")]
+    assert r["answers"][1]["speedup"] == pytest.approx(10 / 7.5)
+    llama = r["by_runtime"]["llamacpp"]["answers"]
+    assert [a["row"] for a in llama] == ["teacher-gguf-q4_k_m", "teacher-gguf-q4_k_m", "student-1.25-gguf-q4_k_m"]
+    assert llama[2]["speedup"] == pytest.approx(12 / 7.5)  # +1.5% over the teacher's GGUF: within 5%, not 1%
+    assert llama[2]["ppl_vs_teacher"] == pytest.approx(20.1 / 19.8 - 1)
+    assert [a["row"] for a in r["by_runtime"]["genai"]["answers"]] == ["teacher-int4", "teacher-int4",
+                                                                       "student-1.25-int4"]
+    cmds = r["answers"][1]["commands"]
+    assert cmds[0] == COMMANDS["student-1.25"]
+    assert cmds[1] == (f"bdlora export gguf {tmp_path}/student-1.25 --quant q4_k_m --merge-lowrank --out "
+                       f"{tmp_path}/student-1.25.gguf-q4_k_m")
+    assert cmds[-1].startswith("python -m llama_cpp.server --model ") and cmds[-1].endswith("model.gguf")
+    teacher_gguf = next(row for row in r["rows"] if row["row"] == "teacher-gguf-q4_k_m")
+    assert teacher_gguf["commands"][0].startswith("bdlora export gguf T --quant q4_k_m")
+    md = (tmp_path / "recommendation.md").read_text()
+    assert "In llama.cpp, against the teacher's teacher-gguf-q4_k_m (12.00 ms/token)" in md
+    assert "| +1% | student-1.25 in llama.cpp (Q4_K_M) | llama.cpp | 1.33x |" in md
+
+
 @pytest.mark.slow
 def test_ship_runs_every_step_then_resumes_without_redoing_any(tiny_env, tmp_path, monkeypatch):
     """A tiny genai-shaped teacher (hand-made latency tables: nothing timed for the allocation), one student, no
@@ -216,7 +254,7 @@ def test_ship_runs_every_step_then_resumes_without_redoing_any(tiny_env, tmp_pat
     monkeypatch.setenv("BDLORA_CACHE", str(tmp_path / "cache"))
     args = ["ship", str(teacher), "--data", str(tiny_env["corpus"]), "--eval-data", "none", "--schemes", "rtn",
             "--speedups", "1.2", "--draft-speedup", "0", "--threads", "1", "--repeats", "1", "--decode-tokens", "4",
-            "--quality-tokens", "256", "--seq-len", "64", "--out", str(tmp_path / "ship"), "--json"]
+            "--quality-tokens", "256", "--seq-len", "64", "--gguf", "none", "--out", str(tmp_path / "ship"), "--json"]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     first = json.loads(res.stdout)

@@ -38,6 +38,7 @@ COMPRESSED, ONNX, HF, BENCH, EVAL, GENAI = ".compressed", ".onnx", ".hf", ".benc
 CONFIG = "config.json"  # a run's options ({"config": ...}), or a model / export folder's transformers config
 GENAI_CONFIG = "genai_config.json"  # what onnxruntime-genai reads beside its graph
 EXPORT_MARKER = "export.json"  # written last by export onnx / export genai
+MODEL_GGUF = "model.gguf"  # the file of an `export gguf` folder (beside its export.json and Modelfile)
 BENCH_JSON = "bench.json"  # written last by bench
 SWEEP_OPTIONS = "sweep.json"  # a sweep's options: its resume contract
 # bdlora ship's model and options (its resume contract); its answer, written last; as a table; as a picture
@@ -382,10 +383,20 @@ def one_shot_out(source: str, mac_ratio: float, runs_dir: str | os.PathLike = RU
     return Path(runs_dir) / f"{name}.oneshot-{''.join(t + '-' for t in tags)}{mac_ratio:g}x{COMPRESSED}"
 
 
+GGUF = "gguf-"  # a llama.cpp row's precision: gguf-q4_k_m (``gguf_precision``)
+
+
+def gguf_precision(quant: str) -> str:
+    """The front's precision of a GGUF file of ``quant`` (q4_k_m -> gguf-q4_k_m): its rows are compared with the
+    teacher's GGUF of the same type, as genai rows with the teacher's export at their precision."""
+    return GGUF + quant
+
+
 def row_name(model: str, precision: str) -> str:
     """The genai bench's name of ``model``'s row at ``precision`` and of its folder (``genai-`` before it):
-    ``compressed``, ``compressed-int4``, ``peer-NAME-int4`` (fp32: none; ``bench.front.precision_of`` reads it)."""
-    return f"{model}-{precision}" if rounded(precision) else model
+    ``compressed``, ``compressed-int4``, ``peer-NAME-int4``, a llama.cpp row ``compressed-gguf-q4_k_m`` (fp32: none;
+    ``bench.front.precision_of`` reads it)."""
+    return f"{model}-{precision}" if rounded(precision) or precision.startswith(GGUF) else model
 
 
 def eval_json(source: str | os.PathLike) -> Path:

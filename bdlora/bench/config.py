@@ -4,6 +4,7 @@ asked which providers it has when a provider is checked)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass, field
 
 from bdlora.base.errors import Checks, UsageError, flag
@@ -11,13 +12,15 @@ from bdlora.base.schemes import METHODS as QUANT_METHODS
 from bdlora.base.schemes import SCHEMES, mixed, rounded
 from bdlora.base.threads import ThreadPool
 from bdlora.export.settings import DEFAULT as GENAI
-from bdlora.export.settings import GenaiExportSettings
+from bdlora.export.settings import GGUF_QUANTS, GenaiExportSettings
 from bdlora.train.config import GENAI_PRECISIONS
 
 NO_DOMAIN = "none"  # --eval-data none: the front has no second domain
 
 SCOPES = ("modules", "model", "both")
-RUNTIMES = ("ort", "genai", "both")
+RUNTIMES = ("ort", "genai", "llamacpp")  # --runtime takes any of them, comma-separated, or an alias
+ALIASES = {"both": ("ort", "genai"), "all": RUNTIMES}
+DEPLOYED = ("genai", "llamacpp")  # the runtimes users deploy in: their rows make the quality/speed front
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 # The fields of export genai's settings that bench takes as its own options (the rest are each row's: its precision,
 # or the bench's: no validation against PyTorch, the bench scores every folder itself).
@@ -50,9 +53,14 @@ class BenchConfig:
     """Model scope: every variant's norms and rotary as onnxruntime's fused contrib ops (export onnx --optimize)."""
     runtime: str = "ort"
     """ort (our ONNX graphs, InferenceSession), genai (bdlora export genai folders driven by og.Generator, beside
-    onnxruntime-genai's own builder) or both."""
+    onnxruntime-genai's own builder), llamacpp (bdlora export gguf files in llama.cpp, batch 1; the [llamacpp]
+    extra), several comma-separated (genai,llamacpp: timed interleaved in one process, on one front), both (ort,genai)
+    or all."""
     genai_precisions: list[str] = field(default_factory=lambda: ["fp32", "int8", "int4"])
     """genai runtime: precisions of every variant (fp32, int8, int4; MatMulNBits)."""
+    gguf_quants: list[str] = field(default_factory=lambda: ["q8_0", "q4_0", "q4_k_m"])
+    """llamacpp runtime: the GGUF types every folder is exported at (f16, q8_0, q4_0, q4_k_m; low-rank modules
+    multiplied out, as export gguf --merge-lowrank does)."""
     peers: bool = True
     """genai runtime: also time the dense model (and the teacher) converted by onnxruntime-genai's own builder (fp32,
     int4)."""
@@ -111,7 +119,7 @@ class BenchConfig:
         c.integer("decode_tokens", self.decode_tokens, lo=1)
         self.pool.check(c)
         c.choice("provider", self.provider, tuple(PROVIDERS))
-        c.choice("runtime", self.runtime, RUNTIMES)
+        self._check_runtimes(c)
         c.require(bool(self.genai_precisions), "--genai-precisions: empty list; give at least one of "
                   + ", ".join(GENAI_PRECISIONS))
         for p in self.genai_precisions:
@@ -131,12 +139,12 @@ class BenchConfig:
                   f"or --teacher-quant {', '.join(s.name for s in SCHEMES.values() if s.calibrated)})")
         c.text("eval_data", self.eval_data)
         c.integer("icl_examples", self.icl_examples, lo=1)
-        c.require(not self.icl or self.runtime in ("genai", "both"),
+        c.require(not self.icl or "genai" in self.runtimes,
                   f"--icl: the ICL of the front's rows needs --runtime genai or both (not {self.runtime})")
-        c.require(not self.speculative or self.runtime in ("genai", "both"),
+        c.require(not self.speculative or "genai" in self.runtimes,
                   f"--speculative: times the teacher's genai export speculating (--runtime genai or both, not "
                   f"{self.runtime})")
-        c.require(self.own_forms or self.runtime == "genai",
+        c.require(self.own_forms or "ort" not in self.runtimes,
                   f"--no-own-forms: leaves the dense and LoRA rows out of the genai bench (--runtime genai, not "
                   f"{self.runtime}: the ort scopes are measured against them)")
         c.require(self.fixed_widths or self.speculative, "--no-fixed-widths: is about --speculative's timings (give "
@@ -144,11 +152,39 @@ class BenchConfig:
         c.require(not self.speculative or self.quality_tokens != 0,
                   "--speculative: its prompts are the front's held-out text; --quality-tokens 0 scores none (give a "
                   "positive count)")
-        c.require(self.runtime == "ort" or self.provider == "cpu",
-                  f"--runtime {self.runtime}: the genai bench runs on cpu (--provider {self.provider})")
+        c.require(not self.deployed or self.provider == "cpu",
+                  f"--runtime {self.runtime}: the genai and llama.cpp benches run on cpu (--provider {self.provider})")
         c.done()
         provider_name(self.provider)
         return self
+
+    def _check_runtimes(self, c: Checks) -> None:
+        """--runtime's names, and llama.cpp's: the binding installed, --gguf-quants each one of export gguf's."""
+        parts = [p.strip() for p in str(self.runtime).split(",")]
+        for part in parts:
+            c.choice("runtime", part, (*RUNTIMES, *ALIASES))
+        c.require("llamacpp" not in self.runtimes or llama_cpp_here(),
+                  f"--runtime {self.runtime}: llama.cpp's rows need llama-cpp-python (pip install -e \".[llamacpp]\", "
+                  "built from the registry's source package)")
+        c.require(bool(self.gguf_quants), "--gguf-quants: empty list; give at least one of " + ", ".join(GGUF_QUANTS))
+        for q in self.gguf_quants:
+            c.choice("gguf_quants", q, GGUF_QUANTS)
+        twice = sorted({q for q in self.gguf_quants if self.gguf_quants.count(q) > 1})
+        c.require(not twice, f"--gguf-quants {','.join(map(str, self.gguf_quants))}: {', '.join(map(str, twice))} "
+                             "given twice (each type is one file)")
+
+    @property
+    def runtimes(self) -> tuple[str, ...]:
+        """--runtime as the runtimes it names, in ``RUNTIMES`` order (unknown names left to ``validate``)."""
+        named = set()
+        for part in str(self.runtime).split(","):
+            named.update(ALIASES.get(part.strip(), (part.strip(),)))
+        return tuple(r for r in RUNTIMES if r in named)
+
+    @property
+    def deployed(self) -> bool:
+        """Whether any runtime users deploy in is benched (genai, llamacpp): the quality/speed front is built."""
+        return any(r in DEPLOYED for r in self.runtimes)
 
     def quant_of(self, model: str) -> str:
         """How ``model``'s int8/int4 weights are rounded (a front row's model: "teacher", "compressed", an --also, a
@@ -172,6 +208,11 @@ class BenchConfig:
     def calibrated(self) -> bool:
         """Whether any folder of the run rounds against measured inputs."""
         return any(SCHEMES[q].calibrated for q in (self.rounding.quant, self.teacher_quant) if q is not None)
+
+
+def llama_cpp_here() -> bool:
+    """Whether llama-cpp-python is installed (found, not imported: a bad flag is refused in a second)."""
+    return importlib.util.find_spec("llama_cpp") is not None
 
 
 def provider_name(provider: str) -> str:

@@ -12,8 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from bdlora.base.io import atomic_path
-from bdlora.base.runs import row_name
+from bdlora.base.runs import GGUF, row_name
 from bdlora.base.schemes import DEFAULT_SCHEME, FLOAT, PRECISIONS, rounded, scheme
+
+DEPLOYED = ("genai", "llamacpp")  # the scopes of rows on the front (bench.config.DEPLOYED)
 
 
 def dominance(points: list[dict], key: str = "ppl", mark: str = "") -> list[dict]:
@@ -36,7 +38,7 @@ def dominance(points: list[dict], key: str = "ppl", mark: str = "") -> list[dict
 def front_points(results: list[dict], quality: dict[str, dict], batch: int = 1, seq: int | None = None) -> list[dict]:
     """One point per genai variant: its decode ms per token at ``batch`` after a ``seq``-token prompt (default: the
     shortest timed) and its held-out perplexity (``quality[variant]["ppl"]``, None when not scored)."""
-    rows = [r for r in results if r["scope"] == "genai" and r["phase"] == "decode" and r["batch"] == batch]
+    rows = [r for r in results if r["scope"] in DEPLOYED and r["phase"] == "decode" and r["batch"] == batch]
     if not rows:
         return []
     seq = seq if seq is not None else min(r["seq"] for r in rows)
@@ -51,9 +53,17 @@ def front_points(results: list[dict], quality: dict[str, dict], batch: int = 1, 
 
 
 def precision_of(name: str) -> str:
-    """``compressed-int4`` -> int4; ``teacher`` / ``other`` -> fp32 (the variant naming of the genai bench)."""
-    tail = name.rsplit("-", 1)[-1]
+    """``compressed-int4`` -> int4; ``teacher-gguf-q4_k_m`` -> gguf-q4_k_m; ``teacher`` / ``other`` -> fp32 (the
+    variant naming of the genai bench)."""
+    head, _, tail = name.rpartition("-")
+    if head.endswith("-" + GGUF.rstrip("-")) or head == GGUF.rstrip("-"):
+        return GGUF + tail
     return tail if tail in PRECISIONS else FLOAT
+
+
+def runtime_of(name: str) -> str:
+    """The runtime a front row runs in: llamacpp (a GGUF row) or genai."""
+    return "llamacpp" if precision_of(name).startswith(GGUF) else "genai"
 
 
 PEER = "peer-"  # the prefix of a healed dense peer's rows (bench --peer FOLDER)
@@ -91,7 +101,9 @@ def markdown(points: list[dict], reference: str | None, unseen: str | None = Non
     icl = any("icl" in p for p in points)
     two = any(p.get("ppl_unseen") is not None for p in points)
     peer = any("vs_peer" in p for p in points)
-    lines = ["", f"Quality/speed front (onnxruntime-genai, decode at batch {points[0]['batch']} after a "
+    runtimes = " and ".join(dict.fromkeys(
+        "llama.cpp" if runtime_of(p["name"]) == "llamacpp" else "onnxruntime-genai" for p in points))
+    lines = ["", f"Quality/speed front ({runtimes}, decode at batch {points[0]['batch']} after a "
                  f"{points[0]['seq']}-token prompt; held-out perplexity of each graph"
                  + (f", and on {unseen}, a corpus no row was calibrated or healed on" if two else "")
                  + ("; ICL composite % ± std over seeds, on each row's plain-layout twin" if icl else "") + "):", "",

@@ -195,12 +195,15 @@ def score_folders(folders: dict[str, Path], shapes: dict[str, DecoderShape], blo
 
 
 def time_genai(folders: dict[str, Path], shapes: list, repeats: int, warmup: int, decode_tokens: int, vocab: int,
-               work: Path, reporter: Reporter = SILENT) -> list[dict]:
-    """Time every folder through og.Generator in a separate process; raw per-repeat ms per (variant, shape)."""
-    spec = {"folders": {k: str(v) for k, v in folders.items()}, "shapes": shapes, "repeats": repeats,
-            "warmup": warmup, "decode_tokens": decode_tokens, "vocab": vocab}
+               work: Path, reporter: Reporter = SILENT, ggufs: dict[str, Path] | None = None,
+               threads: int | None = None) -> list[dict]:
+    """Time every folder through og.Generator, and every GGUF file (``ggufs``) in llama.cpp on ``threads`` threads,
+    interleaved in one separate process; raw per-repeat ms per (variant, shape)."""
+    spec = {"folders": {k: str(v) for k, v in folders.items()}, "gguf": {k: str(v) for k, v in (ggufs or {}).items()},
+            "threads": threads, "shapes": shapes, "repeats": repeats, "warmup": warmup,
+            "decode_tokens": decode_tokens, "vocab": vocab}
     res = run_timing_process("bdlora.bench.genai_worker", spec, "genai", work,
-                             lambda line: line.startswith("genai "), reporter, what="genai timing")
+                             lambda line: line.startswith("genai "), reporter, what="genai and llama.cpp timing")
     return res["times"]
 
 
@@ -218,6 +221,8 @@ class Deployment:
     # and healed dense peers (bench --peer: ``peer-NAME``, rounded as the teacher)
     unseen: tuple[str, object] | None = None  # (corpus, its held-out blocks): the second domain every row is scored on
     words: list[str] | None = None  # --icl: the probes' word list, from the held-out documents of the same corpus
+    folders: dict[str, Path] = field(default_factory=dict)  # each front model's folder by row name (compressed,
+    # teacher, an --also's, peer-NAME): what --runtime llamacpp exports as GGUF files
 
 
 def unseen_data(eval_data: str | None, settings: dict, vocab_size: int) -> str | None:
@@ -237,6 +242,7 @@ def deployment_for(model_dir: Path, report: dict, tok, model: nn.Module, cfg, re
     blocks and (``--quant gptq``) the calibration blocks of a compressed folder's quality/speed front (``cfg``:
     the ``BenchConfig``)."""
     deploy, shape = Deployment(), DecoderShape.of(model.config)
+    deploy.folders["compressed"] = Path(model_dir)
     settings = data_settings(model_dir, report)
     if cfg.teacher:
         spec = settings.get("teacher") or (report.get("provenance") or {}).get("teacher")
@@ -248,11 +254,13 @@ def deployment_for(model_dir: Path, report: dict, tok, model: nn.Module, cfg, re
             reporter.stage(f"loading the teacher {folder}")
             deploy.teacher, _, _ = load_model_folder(folder)
             deploy.teacher_dir = folder
+            deploy.folders["teacher"] = Path(folder)
     for flag, folders, prefix in (("--also", also, ""), ("--peer", peers, PEER)):
         for other in folders:
             name = prefix + Path(other).name.removesuffix(".compressed")
             reporter.stage(f"loading {other} (as {name})")
             deploy.others[name], other_tok, _ = load_model_folder(other)
+            deploy.folders[name] = Path(other)
             if other_tok.get_vocab() != tok.get_vocab():
                 raise UsageError(f"{flag} {other}: its tokenizer is not {model_dir}'s (the front compares one slice)")
     tokens = cfg.quality_tokens

@@ -1,10 +1,15 @@
-"""The genai timing process of ``bdlora bench --runtime genai``: ``python -m bdlora.bench.genai_worker SPEC OUT``.
+"""The timing process of ``bdlora bench --runtime genai`` and ``llamacpp``: ``python -m bdlora.bench.genai_worker
+SPEC OUT``.
 
-Loads every folder with ``og.Model`` and times, per shape, interleaved round-robin (the order rotating every
-repeat, each job after a pause that lets the previous model's threads park, see ``SETTLE_S``): prefill =
-``append_tokens`` of a (batch, seq) prompt into a fresh generator; decode = after a prompt of ``seq`` tokens,
-``decode_tokens`` calls of ``generate_next_token``, reported per token. Only the timed calls are
-inside the clock (generator construction and the decode prompt are not). Needs onnxruntime-genai and numpy only.
+Loads every folder with ``og.Model`` and every GGUF file in llama.cpp (llama-cpp-python, ``n_threads`` as the genai
+folders' intra-op threads, its weights repacked as llama.cpp does by default except where that crashed,
+``export.gguf.llamacpp.repacks``) and times, per shape, interleaved round-robin (the order rotating every repeat,
+each job after a pause that lets the previous model's threads park, see ``SETTLE_S``): prefill = ``append_tokens``
+of a (batch, seq) prompt into a fresh generator (llama.cpp: ``eval`` of the prompt into an emptied context);
+decode = after a prompt of ``seq`` tokens, ``decode_tokens`` greedy steps (``generate_next_token``; llama.cpp: the
+argmax of the last logits, then ``eval`` of that token), reported per token. Only the timed calls are inside the
+clock (generator construction and the decode prompt are not). A GGUF row is timed at batch 1 only (llama.cpp's
+binding decodes one sequence). Needs onnxruntime-genai and numpy (and llama-cpp-python for GGUF files).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -41,16 +47,50 @@ def _job(og, model, phase: str, batch: int, seq: int, steps: int, ids):
     return run
 
 
-def main(argv: list[str]) -> int:
-    import onnxruntime_genai as og
+def _gguf_job(llm, phase: str, steps: int, ids):
+    prompt = [int(t) for t in ids[0]]
 
+    def run() -> float:
+        llm.reset()
+        if phase == "prefill":
+            t0 = time.perf_counter()
+            llm.eval(prompt)
+            return (time.perf_counter() - t0) * 1e3
+        llm.eval(prompt)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        return (time.perf_counter() - t0) * 1e3 / steps
+
+    return run
+
+
+def gguf_models(spec: dict) -> dict:
+    """Every GGUF file of ``spec`` in llama.cpp, its context long enough for the longest shape's prompt and steps."""
+    if not spec.get("gguf"):
+        return {}
+    from bdlora.export.gguf.llamacpp import LlamaCpp, repacks
+
+    context = max(s for _, _, s in spec["shapes"]) + spec["decode_tokens"] + 8
+    repack = repacks()
+    return {k: LlamaCpp().load(Path(v), spec["threads"], context, repack=repack, logits_all=False)
+            for k, v in spec["gguf"].items()}
+
+
+def main(argv: list[str]) -> int:
     spec = json.loads(open(argv[0]).read())
+    og = None
+    if spec["folders"]:
+        import onnxruntime_genai as og
     models = {k: og.Model(v) for k, v in spec["folders"].items()}
+    ggufs = gguf_models(spec)
     rng = np.random.default_rng(0)
     out = []
     for phase, b, s in spec["shapes"]:
         ids = rng.integers(0, spec["vocab"], (b, s)).astype(np.int32)
         jobs = {k: _job(og, m, phase, b, s, spec["decode_tokens"], ids) for k, m in models.items()}
+        if b == 1:
+            jobs.update({k: _gguf_job(m, phase, spec["decode_tokens"], ids) for k, m in ggufs.items()})
         names = list(jobs)
         times = {k: [] for k in names}
         for r in range(spec["warmup"] + spec["repeats"]):
@@ -62,8 +102,15 @@ def main(argv: list[str]) -> int:
                     times[k].append(ms)
         out += [{"variant": k, "phase": phase, "batch": b, "seq": s, "ms": v} for k, v in times.items()]
         print(f"genai {phase} {b}x{s}", file=sys.stderr, flush=True)
+    versions = {"og": og.__version__} if og is not None else {}
+    if ggufs:
+        import llama_cpp
+
+        versions["llama_cpp_python"] = llama_cpp.__version__
+    for m in ggufs.values():
+        m.close()
     with open(argv[1], "w") as f:
-        json.dump({"times": out, "og": og.__version__}, f)
+        json.dump({"times": out, **versions}, f)
     return 0
 
 

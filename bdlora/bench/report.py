@@ -45,7 +45,7 @@ def markdown(doc: dict) -> str:
     front = front_markdown(doc.get("front") or [], "teacher", doc.get("unseen_data"))
     if doc.get("prediction"):
         front += ["", prediction_line(doc["prediction"])]
-    return "\n".join(lines + genai_markdown(doc, idx) + front + noise_lines(doc)) + "\n"
+    return "\n".join(lines + genai_markdown(doc, idx) + llamacpp_markdown(doc, idx) + front + noise_lines(doc)) + "\n"
 
 
 def noise_mark(r: dict) -> str:
@@ -72,7 +72,7 @@ def genai_markdown(doc: dict, idx: dict) -> list[str]:
     """The genai runtime's table: per shape, the builder's dense, ours, LoRA and compressed, at each precision."""
     rows = [r for r in doc["results"] if r["scope"] == "genai" and r["variant"].startswith("compressed")]
     if not rows:
-        return []
+        return [] if any(r["scope"] == "llamacpp" for r in doc["results"]) else notes_markdown(doc)
     lines = ["", "onnxruntime-genai (og.Generator; decode in ms per token): every variant through `bdlora export "
              "genai`, beside the same dense model converted by onnxruntime-genai's own builder.", "",
              "| precision | phase | batch x seq | builder dense ms | our dense ms | lora ms | compressed ms (p10-p90) "
@@ -91,9 +91,34 @@ def genai_markdown(doc: dict, idx: dict) -> list[str]:
         lines.append(f"| {precision} | {r['phase']} | {shape} | {_ms(b)} | {_ms(d)} | {_ms(lo)} | "
                      f"{r['median_ms']:.3f} ({r['p10_ms']:.3f}-{r['p90_ms']:.3f}) | {vs_b} | {vs_d} | "
                      f"{r['mac_ratio_vs_dense']:.2f}x | {frac} |")
+    return lines + notes_markdown(doc)
+
+
+def notes_markdown(doc: dict) -> list[str]:
+    lines = []
     for key, why in (doc.get("genai_notes") or {}).items():
         lines += ["", f"{key}: {why}"]
     return lines
+
+
+def llamacpp_markdown(doc: dict, idx: dict) -> list[str]:
+    """llama.cpp's table: every GGUF row per shape, beside the teacher's GGUF of the same type."""
+    rows = [r for r in doc["results"] if r["scope"] == "llamacpp"]
+    if not rows:
+        return []
+    lines = ["", "llama.cpp (llama-cpp-python; every folder through `bdlora export gguf`, batch 1; decode in ms per "
+             "token), timed interleaved with the rows above:", "",
+             "| row | phase | batch x seq | ms (p10-p90) | vs the teacher's GGUF of its type |",
+             "|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["phase"], r["seq"], r["variant"])):
+        quant = r["variant"].rpartition("-gguf-")[2]
+        ref = idx.get(("llamacpp", f"teacher-gguf-{quant}", r["phase"], r["batch"], r["seq"]))
+        shape = f"{r['batch']}x{r['seq']}" if r["phase"] == "prefill" else f"{r['batch']}x1 (cache {r['seq']})"
+        vs = f"{ref['median_ms'] / r['median_ms']:.2f}x" if ref and ref is not r else "-"
+        lines.append(f"| {r['variant']} | {r['phase']} | {shape} | {r['median_ms']:.3f} ({r['p10_ms']:.3f}-"
+                     f"{r['p90_ms']:.3f}) | {vs} |")
+    has_genai = any(r["scope"] == "genai" and r["variant"].startswith("compressed") for r in doc["results"])
+    return lines + ([] if has_genai else notes_markdown(doc))
 
 
 def plot(doc: dict, path: Path) -> None:

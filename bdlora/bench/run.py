@@ -36,6 +36,7 @@ from bdlora.bench.config import BenchConfig, provider_name
 from bdlora.bench.front import front_points, predicted_vs_measured
 from bdlora.bench.front import plot as plot_front
 from bdlora.bench.genai import Deployment, export_variants, score_folders, time_genai
+from bdlora.bench.gguf import export_ggufs, score_ggufs
 from bdlora.bench.icl import icl_of_rows
 from bdlora.bench.launch import run_timing_process
 from bdlora.bench.report import markdown, plot
@@ -182,6 +183,8 @@ def add_ratios(results: list[dict], macs: dict) -> None:
     replaced modules; genai rows also compare with onnxruntime-genai's own builder at the same precision."""
     index = {(r["scope"], r["variant"], r["phase"], r["batch"], r["seq"]): r for r in results}
     for r in results:
+        if r["scope"] == "llamacpp":  # compared on the front with the teacher's GGUF of its type, not by MACs
+            continue
         key = (r["scope"], r["phase"], r["batch"], r["seq"])
         name, precision = _base(r["variant"])
         if name not in macs["modules"] and name != "builder":  # the teacher's exports and other students (--also)
@@ -224,25 +227,35 @@ def add_ratios(results: list[dict], macs: dict) -> None:
 
 def bench_genai(models: dict[str, nn.Module], tokenizer, workdir: Path, cfg: BenchConfig, threads: int,
                 reporter: Reporter = SILENT, deploy: Deployment | None = None) -> tuple[list[dict], dict, dict]:
-    """Every variant timed in onnxruntime-genai; with ``deploy`` (the teacher and the held-out slice) the teacher's
-    own exports beside them and every folder's held-out perplexity: (rows, notes, quality by variant)."""
+    """Every variant timed in onnxruntime-genai (and, --runtime llamacpp, every front folder's GGUF in llama.cpp,
+    interleaved with them); with ``deploy`` (the teacher and the held-out slice) the teacher's own exports beside
+    them and every folder's held-out perplexity: (rows, notes, quality by variant)."""
     deploy = deploy or Deployment()
     models = {**models, **deploy.others, **({"teacher": deploy.teacher} if deploy.teacher is not None else {})}
-    folders, notes = export_variants(models, tokenizer, cfg.genai_precisions, workdir, threads, cfg.peers, reporter,
-                                     teacher=deploy.teacher_dir, settings=cfg.settings_for,
-                                     calibration=deploy.calibration)
+    genai = "genai" in cfg.runtimes
+    folders, notes = export_variants(models if genai else {}, tokenizer, cfg.genai_precisions, workdir, threads,
+                                     cfg.peers and genai, reporter, teacher=deploy.teacher_dir,
+                                     settings=cfg.settings_for, calibration=deploy.calibration)
+    ggufs: dict[str, Path] = {}
+    if "llamacpp" in cfg.runtimes:
+        ggufs, more = export_ggufs(deploy.folders, cfg.gguf_quants, workdir, threads, reporter)
+        notes.update(more)
     shapes = [[phase, b, s] for b in cfg.batch_sizes for s in cfg.seq_lens for phase in ("prefill", "decode")]
     vocab = DecoderShape.of(next(iter(models.values())).config).vocab_size
-    times = time_genai(folders, shapes, cfg.repeats, cfg.warmup, cfg.decode_tokens, vocab, workdir, reporter)
+    times = time_genai(folders, shapes, cfg.repeats, cfg.warmup, cfg.decode_tokens, vocab, workdir, reporter, ggufs,
+                       threads) if folders or ggufs else []
     quality = {}
     if deploy.heldout is not None:
         owner = {row_name(n, p): n for n in models for p in cfg.genai_precisions}
         owner.update({k: "teacher" if k.startswith("teacher-builder") else "dense" for k in folders if k not in owner})
         dims = {k: DecoderShape.of(models[owner[k]].config) for k in folders}
         quality = score_folders(folders, dims, deploy.heldout, reporter)
+        quality.update(score_ggufs(ggufs, deploy.heldout, threads, reporter))
         if deploy.unseen is not None:  # the same graphs on a corpus none of them was fitted to
             corpus, blocks = deploy.unseen
-            for key, q in score_folders(folders, dims, blocks, reporter).items():
+            unseen = score_folders(folders, dims, blocks, reporter)
+            unseen.update(score_ggufs(ggufs, blocks, threads, reporter))
+            for key, q in unseen.items():
                 quality[key].update(ppl_unseen=q["ppl"], unseen_data=corpus, unseen_tokens=q["tokens"])
     spec = {}
     if cfg.speculative and deploy.teacher is not None and deploy.heldout is not None:
@@ -256,7 +269,8 @@ def bench_genai(models: dict[str, nn.Module], tokenizer, workdir: Path, cfg: Ben
                           cfg.settings_for, deploy.calibration, reporter)
         for key, figures in icl.items():
             quality.setdefault(key, {}).update(figures)
-    rows = _rows("genai", times)
+    rows = _rows("genai", [t for t in times if t["variant"] not in ggufs])
+    rows += _rows("llamacpp", [t for t in times if t["variant"] in ggufs])
     for p, doc in spec.items():
         rows += front_rows(rows, doc["summary"], p)
     if spec:
@@ -284,6 +298,13 @@ def speculate(folders: dict, cfg: BenchConfig, deploy: Deployment, tokenizer, th
     return out
 
 
+def deployed_pool(cfg: BenchConfig, threads: int) -> str:
+    """How the genai and llama.cpp rows were timed, for the report's title."""
+    names = {"genai": "onnxruntime-genai", "llamacpp": "llama.cpp"}
+    return ", ".join(names[r] for r in cfg.runtimes if r in names) + (f", {threads} intra-op threads per model "
+                                                                       "(separate timing process)")
+
+
 def benched_models(model: nn.Module, lora_rank: int, own_forms: bool = True) -> dict[str, nn.Module]:
     """The variants a bench times: ``model`` ("compressed") and, with ``own_forms``, its dense and LoRA forms
     (--no-own-forms leaves them out: genai runtime only, ``BenchConfig.validate``)."""
@@ -306,15 +327,15 @@ def run_bench(model: nn.Module, lora_rank: int, cfg: BenchConfig, out: Path, rep
         work = tmp / "graphs"
         work.mkdir()
         results, notes = [], {}
-        ort_runtime = cfg.runtime in ("ort", "both")
+        ort_runtime = "ort" in cfg.runtimes
         if ort_runtime and cfg.scope in ("modules", "both"):
             rows, pool = bench_modules(models, work, cfg, threads, reporter)
             results += rows
         quality: dict = {}
-        if cfg.runtime in ("genai", "both"):
+        if cfg.deployed:
             rows, notes, quality = bench_genai(models, tokenizer, work, cfg, threads, reporter, deploy)
             results += rows
-            pool = pool or f"onnxruntime-genai, {threads} intra-op threads per model (separate timing process)"
+            pool = pool or deployed_pool(cfg, threads)
         if ort_runtime and cfg.scope in ("model", "both"):
             with_floor = {**models, "floor": floor_variant(model)}
             rows, pool = bench_model(with_floor, work, cfg, threads, reporter)

@@ -63,8 +63,9 @@ def bench(
     **opts,
 ):
     """Time the compressed model against its dense and LoRA forms under onnxruntime (modules and whole model,
-    prefill and decode; --runtime genai: in onnxruntime-genai beside its builder's dense model), beside the MAC
-    limits; writes bench.json, bench.md and bench.png into --out (default MODEL_DIR.bench)."""
+    prefill and decode; --runtime genai: in onnxruntime-genai beside its builder's dense model; llamacpp: as GGUF
+    files in llama.cpp beside the teacher's), beside the MAC limits; writes bench.json, bench.md and bench.png into
+    --out (default MODEL_DIR.bench)."""
     _check_own_options(model_config, budget, layers, lora_rank)  # every flag checked before the heavy imports: a
     cfg = _bench_config(opts)  # bad one is refused in a second, not after torch and onnxruntime load (13-30 s busy)
     _check_mode(cfg, model_config)
@@ -72,14 +73,14 @@ def bench(
 
     if json_path:
         check_out_file(json_path, force=force)
-    lazy = cfg.runtime == "genai" and not cfg.peers  # no PyTorch or builder row needs the weights at once
+    lazy = "ort" not in cfg.runtimes and not cfg.peers  # no PyTorch or builder row needs the weights at once
     target = (synthetic_target(model_config, budget, layers, lora_rank, out_dir, runs_dir, lazy) if model_config
               else compressed_target(model_dir, lora_rank, out_dir, runs_dir))
     _not_itself(target, peer, also)
     check_out_dir(target.out, force, target.inputs)
     rep = RichReporter(out)
     deploy = None
-    if cfg.runtime != "ort" and target.source is not None:  # the teacher and the slices of the quality/speed front
+    if cfg.deployed and target.source is not None:  # the teacher and the slices of the quality/speed front
         from bdlora.bench.genai import deployment_for
 
         deploy = deployment_for(target.source.path, target.report, target.tokenizer, target.model, cfg, rep,
@@ -109,6 +110,10 @@ def _check_mode(cfg: BenchConfig, model_config) -> None:
     if cfg.speculative and model_config:
         raise UsageError("--speculative: synthetic mode (--model-config) has no teacher and no text to speculate on; "
                          "give a compressed folder (a draft of a teacher)")
+    if "llamacpp" in cfg.runtimes and model_config:
+        raise UsageError(f"--runtime {cfg.runtime}: llama.cpp's rows are `bdlora export gguf` files of a folder, and "
+                         "synthetic mode (--model-config) has none; give a compressed folder, or time a synthetic "
+                         "checkpoint's GGUF with benchmarks/decode.py")
     if cfg.eval_data not in (None, NO_DOMAIN):  # a bad corpus is refused at once
         check_spec(cfg.eval_data, "--eval-data")
 
@@ -118,7 +123,8 @@ def _bench_config(opts: dict) -> BenchConfig:
     rounding = from_options(GenaiExportSettings, given({k: opts.pop(k) for k in ROUNDING}))  # export genai's, as given
     opts.update(batch_sizes=int_list(opts["batch_sizes"], "--batch-sizes"),
                 seq_lens=int_list(opts["seq_lens"], "--seq-lens"),
-                genai_precisions=str_list(opts["genai_precisions"]) or [])
+                genai_precisions=str_list(opts["genai_precisions"]) or [],
+                gguf_quants=str_list(opts["gguf_quants"]) or [])
     return from_options(BenchConfig, {**opts, "rounding": rounding}).validate()
 
 

@@ -4,7 +4,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from bdlora.base.schemes import rounded
-from bdlora.bench.front import front_mark, prediction_line, same_precision_cell, vs_reference
+from bdlora.bench.front import front_mark, prediction_line, runtime_of, same_precision_cell, vs_reference
 from bdlora.bench.report import noise_lines
 from bdlora.cli.app import out
 
@@ -262,9 +262,12 @@ def bench(doc: dict) -> None:
                   if "fraction_of_limit" in r else "-",
                   x(r, "speedup_vs_lora"), x(r, "speedup_vs_builder"),
                   f"{100 * r['share_outside_modules']:.0f}%" if "share_outside_modules" in r else "-")
-    out.print(t)
+    if t.row_count:
+        out.print(t)
     for r in doc["results"]:
         name, _, precision = r["variant"].partition("-")
+        if r["scope"] == "llamacpp":
+            continue  # on the front (and in bench.md's llama.cpp table), against the teacher's GGUF of its type
         if name == "compressed" and precision:
             shape = f"{r['batch']}x{r['seq']}" if r["phase"] == "prefill" else f"{r['batch']}x1 @{r['seq']}"
             out.print(f"{r['scope']} {precision} compressed {r['phase']} {shape}: {r['median_ms']:.3f} ms, "
@@ -321,7 +324,9 @@ def front(points: list[dict]) -> None:
     ref = next((p for p in points if p["name"] == "teacher"), None)
     two = any(p.get("ppl_unseen") is not None for p in points)
     peer = any("vs_peer" in p for p in points)
-    t = Table(title=f"quality/speed front (onnxruntime-genai, decode at batch {points[0]['batch']} after "
+    runtimes = " and ".join(dict.fromkeys(
+        "llama.cpp" if runtime_of(p["name"]) == "llamacpp" else "onnxruntime-genai" for p in points))
+    t = Table(title=f"quality/speed front ({runtimes}, decode at batch {points[0]['batch']} after "
                     f"{points[0]['seq']} tokens)")
     cols = ["variant", "ms/token", "ppl", *(["unseen ppl"] if two else []), "speed vs teacher", "ppl vs teacher",
             "vs teacher, same precision", *(["vs healed dense peer"] if peer else []), "front"]

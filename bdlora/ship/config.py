@@ -8,11 +8,16 @@ from dataclasses import dataclass
 from bdlora.base.errors import Checks, flag, shown
 from bdlora.base.schemes import METHODS, rounded
 from bdlora.base.threads import ThreadPool
+from bdlora.bench.config import llama_cpp_here
+from bdlora.export.settings import GGUF_QUANTS
 from bdlora.forms import VOCAB, check_forms
 from bdlora.train.config import GENAI_PRECISIONS
 from bdlora.train.stopping import parse_duration
 
 DRAFT_FORMS = "layers,channels,vocab"  # the draft: fewer layers, narrower MLPs, a head over frequent tokens
+NO_GGUF = "none"  # --gguf none: no llama.cpp rows
+# The GGUF type llama.cpp users pick at each precision: int4 -> Q4_K_M (llama.cpp's and Ollama's usual 4-bit file)
+GGUF_OF = {"int4": "q4_k_m", "int8": "q8_0", "fp32": "f16"}
 
 
 def numbers(text: str, name: str, c: Checks, lo: float, integer: bool = False) -> list[float]:
@@ -79,6 +84,10 @@ class ShipConfig:
     """Tokens decoded per decode measurement."""
     seq_len: int = 128
     """Prompt tokens before the timed decode (bench --seq-lens)."""
+    gguf: str | None = None
+    """llama.cpp's rows: the GGUF type the teacher and every student are also exported at (bdlora export gguf) and
+    timed at in llama.cpp, interleaved with the genai rows, and recommended per runtime (default where
+    llama-cpp-python is installed: --precision's, int4 q4_k_m, int8 q8_0, fp32 f16; none: no llama.cpp rows)."""
     pool: ThreadPool = ThreadPool()
     """--threads: of every measurement."""
 
@@ -119,6 +128,10 @@ class ShipConfig:
         c.integer("decode_tokens", self.decode_tokens, lo=1)
         c.integer("seq_len", self.seq_len, lo=1)
         self.pool.check(c)
+        if self.gguf is not None and c.choice("gguf", self.gguf, (*GGUF_QUANTS, NO_GGUF)):
+            c.require(self.gguf == NO_GGUF or llama_cpp_here(),
+                      f"--gguf {self.gguf}: llama.cpp's rows need llama-cpp-python (pip install -e \".[llamacpp]\"), "
+                      "or leave --gguf out")
         c.text("data", self.data)
         c.text("eval_data", self.eval_data)
         return c
@@ -131,6 +144,13 @@ class ShipConfig:
     @property
     def rounded(self) -> bool:
         return rounded(self.precision)
+
+    def gguf_quant(self) -> str | None:
+        """The GGUF type of llama.cpp's rows, or None: none asked, or by default where llama-cpp-python is not
+        installed."""
+        if self.gguf == NO_GGUF or (self.gguf is None and not llama_cpp_here()):
+            return None
+        return self.gguf or GGUF_OF[self.precision]
 
     def scheme_list(self) -> list[str]:
         return [s.strip() for s in self.schemes.split(",")] if self.rounded else []

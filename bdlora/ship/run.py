@@ -231,13 +231,17 @@ def peer_step_count(cfg: ShipConfig, folder: Path, made: list[str]) -> int:
 def bench_step(cfg: ShipConfig, folder: Path, made: list[str], teacher_quant: str | None,
                quant: str | None) -> Step:
     """One bench of every folder: the draft (when there is one) as the bench's own model, so that it speculates
-    for the teacher's export beside prompt lookup; the others with --also; the healed dense teacher as --peer. The
+    for the teacher's export beside prompt lookup; the others with --also; the healed dense teacher as --peer; with
+    --gguf (by default where llama-cpp-python is installed) each of them and the teacher also as a GGUF file in
+    llama.cpp. The
     bench model's own dense and LoRA forms are left out (--no-own-forms): ship recommends none of them, and at 1B
     they were two teacher-sized folders exported, timed and scored on both domains."""
     names = [f"healed-{n}" if cfg.heals else n for n in made]
     first, others = names[-1] if cfg.draft_speedup else names[0], names[:-1] if cfg.draft_speedup else names[1:]
+    gguf = cfg.gguf_quant()  # llama.cpp's rows beside the genai ones, timed interleaved in the same run
     argv = ["bench", str(folder / first), *flags(
-        BenchConfig, runtime="genai", genai_precisions=[cfg.precision], scope="model", batch_sizes=[1],
+        BenchConfig, runtime="genai,llamacpp" if gguf else "genai", genai_precisions=[cfg.precision],
+        gguf_quants=[gguf] if gguf else None, scope="model", batch_sizes=[1],
         seq_lens=[cfg.seq_len], decode_tokens=cfg.decode_tokens, repeats=cfg.repeats, peers=False, own_forms=False),
         OUT, str(folder / BENCH), *flags(BenchConfig, threads=cfg.pool.threads)]
     for other in others:
@@ -306,7 +310,7 @@ def run_ship(model: str, cfg: ShipConfig, folder: Path, reporter: Reporter = SIL
     teacher = chosen[0].command() if chosen else "bdlora " + shlex.join(teacher_export(model, cfg, teacher_quant, out,
                                                                                          threads=False))
     result = recommend(folder, cfg, {s.name: s.command() for s in [*made_steps, *heal, bench]}, teacher_quant,
-                       scheme_ppl, teacher, out)
+                       scheme_ppl, teacher, out, source)
     result["steps_run_seconds"] = ran
     write_json(folder / SHIP_RESULT, result)
     return result

@@ -16,7 +16,7 @@ from bdlora.base.errors import Checks, ModelError, UsageError
 from bdlora.base.io import atomic_dir, read_json, write_json
 from bdlora.base.outputs import check_out_dir, free_space
 from bdlora.base.reporter import SILENT, Reporter
-from bdlora.base.runs import CONFIG, EXPORT_MARKER, ModelDir
+from bdlora.base.runs import CONFIG, EXPORT_MARKER, MODEL_GGUF, ModelDir
 from bdlora.base.threads import flat
 from bdlora.data.tokens import default_cache_dir
 from bdlora.eval.reference import teacher_folder
@@ -26,7 +26,6 @@ from bdlora.export.gguf.writer import nbytes, qtype_of, write_gguf
 from bdlora.export.settings import GgufExportSettings
 from bdlora.models.integrity import check_loadable, folder_tensors, sha256
 
-MODEL_GGUF = "model.gguf"
 MODELFILE = "Modelfile"
 
 

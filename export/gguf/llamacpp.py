@@ -158,18 +158,34 @@ def logit_check(llm, ref, quant: str) -> dict:
     return out
 
 
-def quality_check(llm, ref, max_change: float, quant: str, reporter: Reporter = SILENT) -> dict:
-    blocks = ref.blocks
-    nll_gguf, n = 0.0, 0
+def blocks_nll(llm, blocks, reporter: Reporter = SILENT) -> tuple[float, int]:
+    """(summed next-token NLL, positions) of every block in llama.cpp, each from an emptied context: the positions
+    ``models.runtime.score_blocks`` and PyTorch's ``mean_nll`` score, so the figures compare."""
+    total, n = 0.0, 0
     reporter.count(0, len(blocks), "blocks")
     for i in range(len(blocks)):
         ids = blocks.get([i])[0]
         logits = eval_logits(llm, ids).astype(np.float64)
-        logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(
-            -1, keepdims=True)
-        nll_gguf -= float(logp[np.arange(len(ids) - 1), ids[1:]].sum())
+        top = logits.max(-1, keepdims=True)
+        logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+        total -= float(logp[np.arange(len(ids) - 1), ids[1:]].sum())
         n += len(ids) - 1
         reporter.count(1, len(blocks), "blocks")
+    return total, n
+
+
+def perplexity(path: Path, blocks, threads: int | None, reporter: Reporter = SILENT) -> dict:
+    """The held-out perplexity of the GGUF file at ``path`` in llama.cpp on ``blocks`` (bench's front rows)."""
+    llm = LlamaCpp().load(path, threads, max(CONTEXT, blocks.seq_len + 1))
+    try:
+        nll, n = blocks_nll(llm, blocks, reporter)
+    finally:
+        llm.close()
+    return {"ppl": math.exp(nll / max(n, 1)), "tokens": len(blocks) * blocks.seq_len}
+
+
+def quality_check(llm, ref, max_change: float, quant: str, reporter: Reporter = SILENT) -> dict:
+    nll_gguf, n = blocks_nll(llm, ref.blocks, reporter)
     ppl_gguf = math.exp(nll_gguf / max(n, 1))
     ppl_torch = math.exp(ref.nll())
     change = ppl_gguf / ppl_torch - 1
