@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
+from test_oneshot import shot_args
 from typer.testing import CliRunner
 
 from bdlora.cli import app
@@ -348,3 +349,34 @@ def test_a_pruned_folder_heals_as_a_student_and_compresses_to_the_same_sites(tin
     r = CliRunner().invoke(app, train_args(tiny_env, tmp_path / "run2", "--method", "kd-lora", "--student-init",
                                            str(tmp_path / "low"), "--max-steps", "2"))
     assert r.exit_code == 2 and "low-rank pairs" in r.stderr and "--forms channels" in r.stderr, r.output
+
+
+def test_width_multiple_keeps_every_pruned_input_on_its_grid(tiny_env, tmp_path):
+    """compress --one-shot --width-multiple 64 (256 for llama.cpp's K-quants): every kept MLP width and every kept
+    attention width (o's input: kept heads x head size) a multiple of it, so a K-quant rounds each row whole; the
+    grid functions offer only those widths; a value off the int4 block is refused in one line."""
+    from bdlora.forms.groups import GroupOrder, group_options
+    from conftest import genai_teacher
+
+    shapes = [ModuleShape("m.down_proj", 1024, 64), ModuleShape("m.up_proj", 64, 1024)]
+    order = channel_order(torch.randn(64, 1024, dtype=torch.float64), torch.eye(1024, dtype=torch.float64), None)
+    assert [k for k, _, _ in site_options(shapes, order, mac_cost, 256)] == [256, 512, 768]
+    assert {k for k, _ in probe_shapes(shapes, 256)} | {n for _, n in probe_shapes(shapes, 256)} <= {64, 256, 512, 768}
+    attn = [ModuleShape("a.o_proj", 8 * 3 * 128, 3072)]
+    groups = GroupOrder(np.arange(8), np.zeros(9), 128, 3)  # 8 groups of 3 heads of 128 (Llama-3.2-3B): 384 each
+    assert [k for k, _, _ in group_options(attn, groups, mac_cost, 256)] == [2, 4, 6]
+    assert [k for k, _, _ in group_options(attn, groups, mac_cost)] == list(range(1, 8))
+
+    genai_teacher(tiny_env["tokenizer"], tmp_path / "t", seed=1, layers=2)  # MLP 128, 2 groups of 2 heads of 16
+    env = {**tiny_env, "teacher": tmp_path / "t"}
+    r = CliRunner().invoke(app, shot_args(env, tmp_path / "s", "--mac-ratio", "1.3", "--forms", "channels,groups",
+                                          "--width-multiple", "64"))
+    assert r.exit_code == 0, r.output
+    weights = load_file(str(tmp_path / "s" / "model.safetensors"))
+    downs = [w.shape[1] for k, w in weights.items() if k.endswith("down_proj.weight")]
+    os_ = [w.shape[1] for k, w in weights.items() if k.endswith("o_proj.weight")]
+    assert all(d % 64 == 0 for d in downs) and min(downs) == 64  # pruned, on the grid
+    assert os_ == [64, 64]  # one group is 32 columns of o: off a 64 grid, so no block keeps fewer
+    r = CliRunner().invoke(app, shot_args(env, tmp_path / "x", "--mac-ratio", "1.3", "--width-multiple", "48"))
+    assert r.exit_code == 2 and "--width-multiple 48: must be a multiple of 32" in r.stderr
+    assert not (tmp_path / "x").exists()

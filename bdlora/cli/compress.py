@@ -31,8 +31,8 @@ from bdlora.train.plan import plan as run_plan
 PLAN_FIELDS = ("budget", "rank", "eps_lr", "eps_zero", "svd_max_rank", "decay_start", "decay_end", "retention_ema")
 
 
-PLAN_FORMS = ("forms", "speedup", "streaming")  # with --model and --allocation quality: the one-shot structure over
-# any forms, its source read one layer at a time past 2 GiB of fp32 weights
+PLAN_FORMS = ("forms", "speedup", "streaming", "width_multiple")  # with --model and --allocation quality: the
+# one-shot structure over any forms, its source read one layer at a time past 2 GiB of fp32 weights
 
 
 SPECULATIVE_HELP = ("With FOLDER (a draft, e.g. compress --one-shot --forms layers,channels,vocab) and --precision: "

@@ -12,7 +12,7 @@ from bdlora.base.outputs import DEFAULT_STREAMING, STREAMING
 from bdlora.base.schemes import GENAI_PRECISIONS, quant_problem
 from bdlora.base.threads import ThreadPool
 from bdlora.data.documents import BUILTIN
-from bdlora.forms import ONE_SHOT_FORMS, check_forms, form_names
+from bdlora.forms import ONE_SHOT_FORMS, WIDTH_MULTIPLE, check_forms, form_names
 
 CALIB_TOKENS = 8192  # training-split tokens the whitened start and the quality allocation are measured on
 EVAL_TOKENS = 8192  # held-out tokens of a one-shot compression's before/after perplexity
@@ -69,6 +69,11 @@ class OneShotConfig:
     fp32 weights. The same numbers either way."""
     pool: ThreadPool = ThreadPool()
     """--threads: with --precision, the thread count the decode times are measured at (what export genai writes)."""
+    width_multiple: int | None = None
+    """Every width a pruned block keeps as a projection's input (an MLP's kept channels, an attention block's kept
+    heads times their size) a multiple of this (default 32, the int4 block): 256 for llama.cpp's K-quants, whose
+    rows must be whole 256-blocks (export gguf --quant q4_k_m: a row that is not falls back to Q5_0 or Q8_0, larger
+    and slower)."""
 
     def validate(self) -> OneShotConfig:
         c = Checks()
@@ -90,6 +95,10 @@ class OneShotConfig:
             c.choice("precision", self.precision, GENAI_PRECISIONS)
         quant_problem(c, self.quant, self.precision)
         self.pool.check(c)
+        if c.integer("width_multiple", self.width_multiple, lo=WIDTH_MULTIPLE, hi=1 << 16):
+            c.require(self.width_multiple is None or self.width_multiple % WIDTH_MULTIPLE == 0,
+                      f"--width-multiple {self.width_multiple}: must be a multiple of {WIDTH_MULTIPLE} (the int4 "
+                      "block; 256 for llama.cpp's K-quants)")
         c.choice("streaming", self.streaming, STREAMING)
         c.text("data", self.data)
         check_forms(c, self.forms, self.precision, self.speedup)
@@ -97,6 +106,11 @@ class OneShotConfig:
         c.require(isinstance(self.correct, bool), f"--correct {shown(self.correct)}: must be true or false")
         c.done()
         return self
+
+    @property
+    def widths(self) -> int:
+        """The multiple every kept input width is on (``width_multiple``, default the int4 block)."""
+        return self.width_multiple or WIDTH_MULTIPLE
 
     @property
     def ratio(self) -> float:

@@ -332,7 +332,8 @@ def form_names(forms: str) -> tuple[str, ...]:
 
 REACH_MARGIN = 2.0  # a whole-step --speedup this far past the MAC ceiling of the forms' cheapest structure cannot be
 # measured (a step's fixed and per-layer time only lowers the reach of its projections' MACs)
-CHANNEL_FLOOR = 32  # the narrowest MLP the channels form keeps (forms.channels.CHANNEL_STEP)
+WIDTH_MULTIPLE = 32  # kept input widths are multiples of the int4 block by default (one-shot --width-multiple)
+CHANNEL_FLOOR = WIDTH_MULTIPLE  # the narrowest MLP the channels form keeps (forms.channels.CHANNEL_STEP)
 
 
 def reach_problem(config: dict, forms: str, mac_ratio: float | None = None, speedup: float | None = None) -> \

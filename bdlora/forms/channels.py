@@ -30,13 +30,14 @@ import numpy as np
 import torch
 
 from bdlora.compress.allocate import Cost, Option
-from bdlora.forms import MLP_PROJECTIONS
+from bdlora.forms import MLP_PROJECTIONS, WIDTH_MULTIPLE
 from bdlora.forms.context import BaseStep, Choice, OneShotContext
 from bdlora.forms.lowrank import damped, output_weights
 from bdlora.models.budgeted.layer import DeployedModule
 from bdlora.models.costs import ModuleShape, prune_decision
 
-CHANNEL_STEP = 32  # kept widths are multiples of the int4 block (MatMulNBits' block size along K)
+CHANNEL_STEP = WIDTH_MULTIPLE  # kept widths are multiples of the int4 block (MatMulNBits' block size along K), or
+# of one-shot's --width-multiple (256: llama.cpp's K-quant rows)
 REFIT_DAMPING = 1e-2  # of the kept channels' mean Gram diagonal (GPTQ's percdamp): a ridge on the refit
 
 
@@ -81,21 +82,22 @@ def keep_grid(width: int, step: int = CHANNEL_STEP) -> list[int]:
     return list(range(step, width, step))
 
 
-def site_options(shapes: list[ModuleShape], order: ChannelOrder, cost: Cost) -> list[Option]:
-    """(keep, cost of the three narrower dense products, error) of every kept width of one MLP site."""
+def site_options(shapes: list[ModuleShape], order: ChannelOrder, cost: Cost, step: int = CHANNEL_STEP) -> list[Option]:
+    """(keep, cost of the three narrower dense products, error) of every kept width of one MLP site (multiples of
+    ``step``)."""
     return [(k, sum(cost(s.narrowed(k), 0) for s in shapes), float(order.error[order.width - k]))
-            for k in keep_grid(order.width)]
+            for k in keep_grid(order.width, step)]
 
 
-def probe_shapes(shapes: list[ModuleShape]) -> list[tuple[int, int]]:
+def probe_shapes(shapes: list[ModuleShape], step: int = CHANNEL_STEP) -> list[tuple[int, int]]:
     """(K, N) of the narrower dense products a measured table times so that any kept width interpolates between
-    measurements: a quarter, a half and three quarters of each MLP's width, on the channel grid."""
+    measurements: a quarter, a half and three quarters of each MLP's width, on the channel grid (``step``)."""
     out = []
     for s in shapes:
         if s.name.endswith("down_proj"):
             width, hidden = s.in_features, s.out_features
             for q in (4, 2, 4 / 3):
-                k = max(CHANNEL_STEP, int(width / q) // CHANNEL_STEP * CHANNEL_STEP)
+                k = max(step, int(width / q) // step * step)
                 out += [(hidden, k), (k, hidden)]
     return list(dict.fromkeys(out))
 
@@ -131,7 +133,7 @@ class ChannelsStep(BaseStep):
     per_layer = True
 
     def pricing(self, ctx: OneShotContext) -> None:
-        ctx.probes += probe_shapes(ctx.shapes)
+        ctx.probes += probe_shapes(ctx.shapes, ctx.cfg.widths)
 
     def offer(self, ctx: OneShotContext) -> None:
         ctx.reporter.stage("ranking every MLP's channels by loss-weighted activation energy")
@@ -140,7 +142,7 @@ class ChannelsStep(BaseStep):
                 site = n.rsplit(".", 1)[0]
                 order = ctx.own(self.name)[site] = channel_order(m.weight, ctx.calib.gram(n), ctx.calib.fisher[n])
                 ctx.offer(site, [Choice(self.name, c, e, keep=k) for k, c, e in site_options(
-                    [s for s in ctx.shapes if s.name.startswith(site + ".")], order, ctx.cost)])
+                    [s for s in ctx.shapes if s.name.startswith(site + ".")], order, ctx.cost, ctx.cfg.widths)])
 
     def deploy(self, ctx: OneShotContext, alloc) -> dict:
         out = {}

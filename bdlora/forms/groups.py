@@ -72,11 +72,16 @@ def group_order(o_proj: torch.Tensor, gram: torch.Tensor, fisher: torch.Tensor |
     return GroupOrder(order.cpu().numpy(), error.cpu().numpy(), head_dim, width // head_dim)
 
 
-def group_options(shapes: list[ModuleShape], order: GroupOrder, cost: Cost) -> list[Option]:
+def group_options(shapes: list[ModuleShape], order: GroupOrder, cost: Cost, multiple: int | None = None) -> \
+        list[Option]:
     """(keep, cost of the four narrower dense products, error) of every kept number of groups of one attention site
-    (1 to all but one)."""
+    (1 to all but one; with ``multiple``, only those whose o projection's input, the kept heads times their size, is
+    a multiple of it: one-shot --width-multiple)."""
+    keeps = range(1, order.groups)
+    if multiple is not None:  # o's input columns: the kept groups times their query heads times the head size
+        keeps = [k for k in keeps if (k * order.ratio * order.head_dim) % multiple == 0]
     return [(k, sum(cost(s.grouped(k, order.groups), 0) for s in shapes), float(order.error[order.groups - k]))
-            for k in range(1, order.groups)]
+            for k in keeps]
 
 
 def probe_shapes(shapes: list[ModuleShape], kv_heads: int) -> list[tuple[int, int]]:
@@ -133,7 +138,8 @@ class GroupsStep(BaseStep):
                 order = ctx.own(self.name)[site] = group_order(m.weight, ctx.calib.gram(n), ctx.calib.fisher[n],
                                                                ctx.kv, hd)
                 ctx.offer(site, [Choice(self.name, c, e, keep=k) for k, c, e in group_options(
-                    [s for s in ctx.shapes if s.name.startswith(site + ".")], order, ctx.cost)])
+                    [s for s in ctx.shapes if s.name.startswith(site + ".")], order, ctx.cost,
+                    ctx.cfg.width_multiple)])
 
     def deploy(self, ctx: OneShotContext, alloc) -> dict:
         out = {}

@@ -10,7 +10,7 @@ from bdlora.base.schemes import METHODS, rounded
 from bdlora.base.threads import ThreadPool
 from bdlora.bench.config import llama_cpp_here
 from bdlora.export.settings import GGUF_QUANTS
-from bdlora.forms import VOCAB, check_forms
+from bdlora.forms import VOCAB, WIDTH_MULTIPLE, check_forms
 from bdlora.train.config import GENAI_PRECISIONS
 from bdlora.train.stopping import parse_duration
 
@@ -84,6 +84,11 @@ class ShipConfig:
     """Tokens decoded per decode measurement."""
     seq_len: int = 128
     """Prompt tokens before the timed decode (bench --seq-lens)."""
+    width_multiple: int | None = None
+    """Every width a pruned block keeps as a projection's input (an MLP's kept channels, an attention block's kept
+    heads times their size) a multiple of this (default 32, the int4 block): 256 for llama.cpp's K-quants, whose
+    rows must be whole 256-blocks (export gguf --quant q4_k_m: a row that is not falls back to Q5_0 or Q8_0, larger
+    and slower)."""  # ship: the students' (compress --one-shot --width-multiple); the draft keeps the default grid
     gguf: str | None = None
     """llama.cpp's rows: the GGUF type the teacher and every student are also exported at (bdlora export gguf) and
     timed at in llama.cpp, interleaved with the genai rows, and recommended per runtime (default where
@@ -128,6 +133,10 @@ class ShipConfig:
         c.integer("decode_tokens", self.decode_tokens, lo=1)
         c.integer("seq_len", self.seq_len, lo=1)
         self.pool.check(c)
+        if c.integer("width_multiple", self.width_multiple, lo=WIDTH_MULTIPLE, hi=1 << 16):
+            c.require(self.width_multiple is None or self.width_multiple % WIDTH_MULTIPLE == 0,
+                      f"--width-multiple {self.width_multiple}: must be a multiple of {WIDTH_MULTIPLE} (the int4 "
+                      "block; 256 for llama.cpp's K-quants)")
         if self.gguf is not None and c.choice("gguf", self.gguf, (*GGUF_QUANTS, NO_GGUF)):
             c.require(self.gguf == NO_GGUF or llama_cpp_here(),
                       f"--gguf {self.gguf}: llama.cpp's rows need llama-cpp-python (pip install -e \".[llamacpp]\"), "

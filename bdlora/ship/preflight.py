@@ -55,11 +55,14 @@ def check_settings(cfg: ShipConfig, source: str) -> None:
     c.done()
 
 
-def plan_argv(model: str, cfg: ShipConfig, forms: str, speedup: float, quant: str | None) -> list[str]:
-    """The ``bdlora plan`` line that allocates what a student's one-shot would (nothing written)."""
+def plan_argv(model: str, cfg: ShipConfig, forms: str, speedup: float, quant: str | None,
+              student: bool = True) -> list[str]:
+    """The ``bdlora plan`` line that allocates what a student's one-shot (``student`` False: the draft's) would
+    (nothing written)."""
     return ["plan", "--model", model, "--allocation", QUALITY, *flags(
         OneShotConfig, forms=forms, speedup=float(speedup), precision=cfg.precision, data=cfg.data, quant=quant,
-        threads=cfg.pool.threads, calib_tokens=REACH_TOKENS), "--json"]
+        threads=cfg.pool.threads, calib_tokens=REACH_TOKENS,
+        width_multiple=cfg.width_multiple if student else None), "--json"]
 
 
 def reach_checks(model: str, cfg: ShipConfig, quant: str | None) -> list[tuple[str, list[str]]]:
@@ -68,7 +71,7 @@ def reach_checks(model: str, cfg: ShipConfig, quant: str | None) -> list[tuple[s
     if cfg.speedup_list():
         checks.append(("--speedups", plan_argv(model, cfg, cfg.forms, max(cfg.speedup_list()), quant)))
     if cfg.draft_speedup:
-        checks.append(("--draft-speedup", plan_argv(model, cfg, DRAFT_FORMS, cfg.draft_speedup, quant)))
+        checks.append(("--draft-speedup", plan_argv(model, cfg, DRAFT_FORMS, cfg.draft_speedup, quant, False)))
     return checks
 
 

@@ -200,14 +200,11 @@ def markdown(r: dict) -> str:
     lines = [f"# Which folder to ship ({r['precision']})", "",
              f"The teacher's own {r['precision']} export (rounded by {r['teacher_scheme'] or 'nothing'}): "
              f"{r['teacher']['ms']:.2f} ms/token at batch 1, held-out perplexity {r['teacher']['ppl']:.2f}"
-             + (f", {unseen} {r['teacher']['ppl_unseen']:.2f}" if unseen else "") + ". Tolerances are perplexity over "
-             "it on every domain."]
-    if runtimes:
-        lines[-1] = lines[-1].replace("Tolerances are perplexity over it", "")
-        lines[-1] += (f" Its fastest export in any runtime is {ref['row']} in {RUNTIME_NAMES[ref['runtime']]} "
-                      f"({ref['ms']:.2f} ms/token, perplexity {ref['ppl']:.2f}): the answers below are against it, "
-                      "with perplexity tolerances over it on every domain, and then per runtime against the teacher "
-                      "in that runtime.")
+             + (f", {unseen} {r['teacher']['ppl_unseen']:.2f}" if unseen else "") + ". " + (
+                 f"Its fastest export in any runtime is {ref['row']} in {RUNTIME_NAMES[ref['runtime']]} "
+                 f"({ref['ms']:.2f} ms/token, perplexity {ref['ppl']:.2f}): the answers below are against it, with "
+                 "perplexity tolerances over it on every domain, and then per runtime against the teacher in that "
+                 "runtime." if runtimes else "Tolerances are perplexity over it on every domain.")]
     lines += [""] + _answer_lines(r["answers"], unseen, runtimes, f"the teacher's {ref['row']}")
     for rt, part in (r.get("by_runtime") or {}).items():
         lines += ["", f"In {RUNTIME_NAMES[rt]}, against the teacher's {part['teacher']['row']} "

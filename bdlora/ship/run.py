@@ -178,19 +178,20 @@ def chosen_scheme(cfg: ShipConfig, folder: Path) -> tuple[str | None, dict[str, 
     return min(ppl, key=lambda q: (ppl[q], schemes.index(q))), ppl
 
 
-def one_shot(model: str, cfg: ShipConfig, quant: str | None, forms: str, speedup: float, out: Path) -> list[str]:
-    """The ``compress --one-shot`` line of a student (or the draft) of ``model`` (its evaluation left to the
-    bench)."""
+def one_shot(model: str, cfg: ShipConfig, quant: str | None, forms: str, speedup: float, out: Path,
+             student: bool = True) -> list[str]:
+    """The ``compress --one-shot`` line of a student (or, ``student`` False, the draft) of ``model`` (its evaluation
+    left to the bench)."""
     return ["compress", model, ONE_SHOT, *flags(OneShotConfig, precision=cfg.precision, data=cfg.data), NO_EVAL,
-            *flags(OneShotConfig, quant=quant, threads=cfg.pool.threads, forms=forms, speedup=float(speedup)), OUT,
-            str(out)]
+            *flags(OneShotConfig, quant=quant, threads=cfg.pool.threads, forms=forms, speedup=float(speedup),
+                   width_multiple=cfg.width_multiple if student else None), OUT, str(out)]
 
 
 def student_steps(model: str, cfg: ShipConfig, folder: Path, quant: str | None) -> list[Step]:
     steps = [Step(f"student-{s:g}", one_shot(model, cfg, quant, cfg.forms, s, folder / f"student-{s:g}"),
                   COMPRESSED_MARKER, f"a student predicted {s:g}x faster ({cfg.forms})") for s in cfg.speedup_list()]
     if cfg.draft_speedup:
-        steps.append(Step(DRAFT, one_shot(model, cfg, quant, DRAFT_FORMS, cfg.draft_speedup, folder / DRAFT),
+        steps.append(Step(DRAFT, one_shot(model, cfg, quant, DRAFT_FORMS, cfg.draft_speedup, folder / DRAFT, False),
                           COMPRESSED_MARKER, f"the teacher's draft, predicted {cfg.draft_speedup:g}x faster"))
     return steps
 
