@@ -129,6 +129,11 @@ def test_every_step_is_a_command_line_its_command_parses(tmp_path):
     assert with_gguf[7] == "q4_k_m"
     cmd, args = _command_of(with_gguf)
     cmd.make_context("bdlora", list(args))
+    wide = student_steps("t", dataclasses.replace(cfg, width_multiple=256), tmp_path, "affine")
+    assert wide[0].argv[-4:] == ["--width-multiple", "256", "--out", f"{d}/student-1.25"]
+    assert "--width-multiple" not in wide[-1].argv  # the draft keeps the default grid
+    assert reach_checks("t", dataclasses.replace(cfg, width_multiple=256), "affine")[0][1][-3:-1] == [
+        "--width-multiple", "256"]
 
 
 def test_a_flag_no_settings_field_has_is_refused_when_the_line_is_built():
