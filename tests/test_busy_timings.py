@@ -244,3 +244,20 @@ def test_ship_goes_on_past_a_reach_it_could_not_measure_cleanly(tiny_env, tmp_pa
     assert len(ran) == 1
     said = "--speedups rounded by rtn: --speedup 4: the cheapest form of every layer is predicted at"
     assert any(m.startswith(said) and "measured unclean" in m and m.endswith("; going on") for m in seen), seen
+
+
+def test_a_cached_fit_is_fitted_again_against_the_table_it_is_used_with(tmp_path, monkeypatch):
+    """The graphs' times are cached, their projections' cost is the table's at use: SmolLM2's fit made against a
+    table timed beside another job kept 0 us per layer after the table was measured again quiet (3,120 us of
+    projections, a 7.3 ms step predicted as projections alone)."""
+    _busy(monkeypatch, 0.1)
+    timer = StepTimer(monkeypatch, _rows(0.28, 0.45, 0.41))
+    first = _overhead(tmp_path)
+    cheaper = _table()
+    cheaper.us = {k: v / 2 for k, v in cheaper.us.items()}
+    again = whole.decode_overhead(CONFIG, cheaper, "int4", 1, tmp_path)
+    full, half = int(CONFIG["intermediate_size"]), whole.half_width(CONFIG)
+    want = whole.fit(0.28, 0.45, 0.41, first.timings_ms["lo"][0], first.timings_ms["hi"][0],
+                     whole._layer_projections(CONFIG, cheaper, full), whole._layer_projections(CONFIG, cheaper, half))
+    assert timer.calls == 1 and (again.fixed, again.per_layer, again.per_width) == pytest.approx(want)
+    assert again.per_layer > first.per_layer  # less of each layer's time is its projections'

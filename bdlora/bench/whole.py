@@ -40,7 +40,7 @@ import json
 import math
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -169,14 +169,14 @@ def decode_overhead(config: dict, table, precision: str, threads: int, cache: Pa
     from the cache or measured."""
     timed = scheme(table.scheme).timed_as(precision)
     path = overhead_path(cache, config, precision, threads, head_bits, timed.layout(precision))
+    full, half = int(config["intermediate_size"]), half_width(config)
     if path.is_file():
         cached = read_overhead(path)
         if cached is not None and load.reusable(cached.unclean, path, reporter):
-            return cached
+            return refitted(cached, config, table, full, half)
         if cached is None:
             reporter.stage(f"{path}: damaged (not three finite, non-negative times), measuring again")
     hi, lo = depths(config, precision)
-    full, half = int(config["intermediate_size"]), half_width(config)
     graphs = {"lo": (lo, full), "hi": (hi, full), "half": (hi, half)}
     settings = GenaiExportSettings(quant=timed.name, head_bits=head_bits, context_length=CONTEXT + STEPS + 8,
                                    pool=ThreadPool(threads), validate=False).at(precision)  # at fp32: no scheme
@@ -210,6 +210,21 @@ def decode_overhead(config: dict, table, precision: str, threads: int, cache: Pa
     write_json(path, {k: v for k, v in asdict(out).items() if k != "path"})
     out.path = str(path)
     return out
+
+
+def refitted(cached: Overhead, config: dict, table, full: int, half: int) -> Overhead:
+    """A cached fit fitted again from its own graph timings against ``table``'s projections: the graphs' times are
+    the cache's, what their projections cost is the table's now (SmolLM2's fit, made against a table timed beside
+    another job and measured again quiet, had kept a layer's rest at 0 us: the busy projections had exceeded the
+    whole graphs' time; fitted against the quiet table, 141 us)."""
+    t = cached.timings_ms
+    try:
+        (lo, t_lo), (hi, t_hi), (_, _, t_half) = t["lo"], t["hi"], t["half"]
+    except (KeyError, TypeError, ValueError):
+        return cached
+    fixed, per_layer, per_width = fit(t_lo, t_hi, t_half, int(lo), int(hi), _layer_projections(config, table, full),
+                                      _layer_projections(config, table, half))
+    return replace(cached, fixed=fixed, per_layer=per_layer, per_width=per_width)
 
 
 HALF_SLOWER = 1.05  # the half-width graph may time this much above the full one before the timings contradict
