@@ -107,6 +107,9 @@ def test_budgeted_moves_the_allocated_projections_to_low_rank_beside_fixed_prune
     (("--method", "kd-lora", "--forms", "channels", "--mac-ratio", "1.3", "--student-init", "x"), "is a structure"),
     (("--method", "kd-lora", "--forms", "bits", "--mac-ratio", "1.3"), "give --precision int4"),
     (("--method", "kd-lora", "--forms", "pruned", "--mac-ratio", "1.3"), "--forms 'pruned': allowed lowrank"),
+    (("--method", "kd-lora", "--width-multiple", "256"), "--width-multiple 256: is the grid of a --forms start's"),
+    (("--method", "kd-lora", "--forms", "channels", "--mac-ratio", "1.3", "--width-multiple", "100"),
+     "--width-multiple 100: must be a multiple of 32"),
 ])
 def test_forms_refusals_are_one_line_and_write_nothing(tiny_env, tmp_path, extra, needle):
     r = CliRunner().invoke(app, train_args(tiny_env, tmp_path / "run", "--max-steps", "2", *extra))
@@ -163,3 +166,21 @@ def test_a_resumed_forms_run_reads_its_structure_and_ends_bit_identical(tiny_env
     assert_same_tensors(tmp_path / "a", tmp_path / "b", ("student/model.safetensors",
                                                          "student/adapter/adapter_model.safetensors",
                                                          "structure/model.safetensors"))
+
+
+def test_width_multiple_shapes_the_start_as_the_one_shot_with_the_same_options(tiny_env, tmp_path):
+    """train --forms channels --width-multiple 64: the start's kept MLP widths are those of compress --one-shot with
+    the same options, every one on the 64 grid (the one code path, ``one_shot_options``)."""
+    from conftest import genai_teacher
+
+    genai_teacher(tiny_env["tokenizer"], tmp_path / "t", seed=1, layers=2)  # MLP 128: the grid is 64 alone
+    env = {**tiny_env, "teacher": tmp_path / "t"}
+    opts = ("--forms", "channels", "--mac-ratio", "1.3", "--width-multiple", "64")
+    assert shot(env, tmp_path / "shot", *opts).exit_code == 0
+    r = CliRunner().invoke(app, train_args(env, tmp_path / "run", "--method", "kd-lora", "--student-layers", "2",
+                                           "--max-steps", "1", *CALIB, *opts))
+    assert r.exit_code == 0, r.output
+    declared = modules(tmp_path / "run" / "structure")
+    assert declared == modules(tmp_path / "shot")
+    widths = [v["keep"] for k, v in declared.items() if k.endswith(".mlp")]
+    assert widths and all(w % 64 == 0 for w in widths)

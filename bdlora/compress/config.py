@@ -12,7 +12,7 @@ from bdlora.base.outputs import DEFAULT_STREAMING, STREAMING
 from bdlora.base.schemes import GENAI_PRECISIONS, quant_problem
 from bdlora.base.threads import ThreadPool
 from bdlora.data.documents import BUILTIN
-from bdlora.forms import ONE_SHOT_FORMS, WIDTH_MULTIPLE, check_forms, form_names
+from bdlora.forms import ONE_SHOT_FORMS, WIDTH_MULTIPLE, check_forms, check_width_multiple, form_names
 
 CALIB_TOKENS = 8192  # training-split tokens the whitened start and the quality allocation are measured on
 EVAL_TOKENS = 8192  # held-out tokens of a one-shot compression's before/after perplexity
@@ -95,10 +95,7 @@ class OneShotConfig:
             c.choice("precision", self.precision, GENAI_PRECISIONS)
         quant_problem(c, self.quant, self.precision)
         self.pool.check(c)
-        if c.integer("width_multiple", self.width_multiple, lo=WIDTH_MULTIPLE, hi=1 << 16):
-            c.require(self.width_multiple is None or self.width_multiple % WIDTH_MULTIPLE == 0,
-                      f"--width-multiple {self.width_multiple}: must be a multiple of {WIDTH_MULTIPLE} (the int4 "
-                      "block; 256 for llama.cpp's K-quants)")
+        check_width_multiple(c, self.width_multiple)
         c.choice("streaming", self.streaming, STREAMING)
         c.text("data", self.data)
         check_forms(c, self.forms, self.precision, self.speedup)

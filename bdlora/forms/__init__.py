@@ -333,6 +333,15 @@ def form_names(forms: str) -> tuple[str, ...]:
 REACH_MARGIN = 2.0  # a whole-step --speedup this far past the MAC ceiling of the forms' cheapest structure cannot be
 # measured (a step's fixed and per-layer time only lowers the reach of its projections' MACs)
 WIDTH_MULTIPLE = 32  # kept input widths are multiples of the int4 block by default (one-shot --width-multiple)
+
+
+def check_width_multiple(c, value) -> None:
+    """--width-multiple (one-shot, plan, train, ship): None, or a multiple of the int4 block up to 65,536; each
+    problem added to ``c`` (an ``errors.Checks``)."""
+    if value is not None and c.integer("width_multiple", value, lo=WIDTH_MULTIPLE, hi=1 << 16):
+        c.require(value % WIDTH_MULTIPLE == 0, f"--width-multiple {value}: must be a multiple of {WIDTH_MULTIPLE} "
+                                               "(the int4 block; 256 for llama.cpp's K-quants)")
+
 CHANNEL_FLOOR = WIDTH_MULTIPLE  # the narrowest MLP the channels form keeps (forms.channels.CHANNEL_STEP)
 
 

@@ -10,7 +10,7 @@ from bdlora.base.schemes import METHODS, rounded
 from bdlora.base.threads import ThreadPool
 from bdlora.bench.config import llama_cpp_here
 from bdlora.export.settings import GGUF_QUANTS
-from bdlora.forms import VOCAB, WIDTH_MULTIPLE, check_forms
+from bdlora.forms import VOCAB, check_forms, check_width_multiple
 from bdlora.train.config import GENAI_PRECISIONS
 from bdlora.train.stopping import parse_duration
 
@@ -133,10 +133,7 @@ class ShipConfig:
         c.integer("decode_tokens", self.decode_tokens, lo=1)
         c.integer("seq_len", self.seq_len, lo=1)
         self.pool.check(c)
-        if c.integer("width_multiple", self.width_multiple, lo=WIDTH_MULTIPLE, hi=1 << 16):
-            c.require(self.width_multiple is None or self.width_multiple % WIDTH_MULTIPLE == 0,
-                      f"--width-multiple {self.width_multiple}: must be a multiple of {WIDTH_MULTIPLE} (the int4 "
-                      "block; 256 for llama.cpp's K-quants)")
+        check_width_multiple(c, self.width_multiple)
         if self.gguf is not None and c.choice("gguf", self.gguf, (*GGUF_QUANTS, NO_GGUF)):
             c.require(self.gguf == NO_GGUF or llama_cpp_here(),
                       f"--gguf {self.gguf}: llama.cpp's rows need llama-cpp-python (pip install -e \".[llamacpp]\"), "

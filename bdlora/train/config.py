@@ -137,6 +137,11 @@ class TrainConfig:
     speedup: float | None = None
     """With --forms and --precision, instead of --mac-ratio: the predicted whole decode speed-up over the student's
     dense export at that precision (attention, norms and the LM head priced beside the projections)."""
+    width_multiple: int | None = None
+    """Every width a pruned block keeps as a projection's input (an MLP's kept channels, an attention block's kept
+    heads times their size) a multiple of this (default 32, the int4 block): 256 for llama.cpp's K-quants, whose
+    rows must be whole 256-blocks (export gguf --quant q4_k_m: a row that is not falls back to Q5_0 or Q8_0, larger
+    and slower)."""
     calib_tokens: int | None = None
     """Training-split tokens the whitened init and the quality allocation are measured on (a default is cut to the
     whole split when that is smaller)."""

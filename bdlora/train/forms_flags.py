@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from bdlora.base.errors import shown
-from bdlora.forms import LOWRANK, VOCAB, check_forms
+from bdlora.forms import LOWRANK, VOCAB, check_forms, check_width_multiple
 
 
 def train_forms_problems(c, cfg) -> None:
@@ -13,6 +13,10 @@ def train_forms_problems(c, cfg) -> None:
     if cfg.speedup is not None:
         c.require(cfg.forms is not None and cfg.precision is not None and cfg.mac_ratio is None,
                   f"--speedup {shown(cfg.speedup)}: with --forms F and --precision P, instead of --mac-ratio")
+    c.require(cfg.width_multiple is None or cfg.structured,
+              f"--width-multiple {shown(cfg.width_multiple)}: is the grid of a --forms start's pruned widths; give "
+              "--forms channels,groups (or leave it out)")
+    check_width_multiple(c, cfg.width_multiple)
     if cfg.forms is None:
         return
     names = check_forms(c, cfg.forms, cfg.precision, cfg.speedup)

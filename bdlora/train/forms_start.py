@@ -56,7 +56,7 @@ def one_shot_options(cfg: TrainConfig) -> OneShotConfig:
     """The ``compress --one-shot`` options a run's ``--forms`` start stands for."""
     return OneShotConfig(mac_ratio=cfg.mac_ratio, speedup=cfg.speedup, calib_tokens=cfg.calib_tokens,
                          data=cfg.data, calib_data=cfg.calib_data, seq_len=cfg.seq_len, precision=cfg.precision,
-                         forms=cfg.forms, quant=cfg.quant)
+                         forms=cfg.forms, quant=cfg.quant, width_multiple=cfg.width_multiple)
 
 
 def structure(student, blocks, cfg: TrainConfig, reporter: Reporter = SILENT, cost_model=None) -> Structure:
