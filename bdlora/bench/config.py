@@ -11,6 +11,7 @@ from bdlora.base.errors import Checks, UsageError, flag
 from bdlora.base.schemes import METHODS as QUANT_METHODS
 from bdlora.base.schemes import SCHEMES, mixed, rounded
 from bdlora.base.threads import ThreadPool
+from bdlora.bench.front import DEPLOYED
 from bdlora.export.settings import DEFAULT as GENAI
 from bdlora.export.settings import GGUF_QUANTS, GenaiExportSettings
 from bdlora.train.config import GENAI_PRECISIONS
@@ -20,7 +21,6 @@ NO_DOMAIN = "none"  # --eval-data none: the front has no second domain
 SCOPES = ("modules", "model", "both")
 RUNTIMES = ("ort", "genai", "llamacpp")  # --runtime takes any of them, comma-separated, or an alias
 ALIASES = {"both": ("ort", "genai"), "all": RUNTIMES}
-DEPLOYED = ("genai", "llamacpp")  # the runtimes users deploy in: their rows make the quality/speed front
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 # The fields of export genai's settings that bench takes as its own options (the rest are each row's: its precision,
 # or the bench's: no validation against PyTorch, the bench scores every folder itself).

@@ -15,7 +15,8 @@ from bdlora.base.io import atomic_path
 from bdlora.base.runs import GGUF, row_name
 from bdlora.base.schemes import DEFAULT_SCHEME, FLOAT, PRECISIONS, rounded, scheme
 
-DEPLOYED = ("genai", "llamacpp")  # the scopes of rows on the front (bench.config.DEPLOYED)
+DEPLOYED = ("genai", "llamacpp")  # the runtimes users deploy in: their rows (by scope) make the front
+RUNTIME_NAMES = {"genai": "onnxruntime-genai", "llamacpp": "llama.cpp"}  # as a report names them
 
 
 def dominance(points: list[dict], key: str = "ppl", mark: str = "") -> list[dict]:
@@ -56,7 +57,7 @@ def precision_of(name: str) -> str:
     """``compressed-int4`` -> int4; ``teacher-gguf-q4_k_m`` -> gguf-q4_k_m; ``teacher`` / ``other`` -> fp32 (the
     variant naming of the genai bench)."""
     head, _, tail = name.rpartition("-")
-    if head.endswith("-" + GGUF.rstrip("-")) or head == GGUF.rstrip("-"):
+    if head.rpartition("-")[2] == GGUF.rstrip("-"):  # teacher-gguf-q4_k_m
         return GGUF + tail
     return tail if tail in PRECISIONS else FLOAT
 
@@ -64,6 +65,11 @@ def precision_of(name: str) -> str:
 def runtime_of(name: str) -> str:
     """The runtime a front row runs in: llamacpp (a GGUF row) or genai."""
     return "llamacpp" if precision_of(name).startswith(GGUF) else "genai"
+
+
+def runtimes_named(points: list[dict]) -> str:
+    """The runtimes of the front's ``points``, named as a report names them: "onnxruntime-genai and llama.cpp"."""
+    return " and ".join(dict.fromkeys(RUNTIME_NAMES[runtime_of(p["name"])] for p in points))
 
 
 PEER = "peer-"  # the prefix of a healed dense peer's rows (bench --peer FOLDER)
@@ -101,9 +107,7 @@ def markdown(points: list[dict], reference: str | None, unseen: str | None = Non
     icl = any("icl" in p for p in points)
     two = any(p.get("ppl_unseen") is not None for p in points)
     peer = any("vs_peer" in p for p in points)
-    runtimes = " and ".join(dict.fromkeys(
-        "llama.cpp" if runtime_of(p["name"]) == "llamacpp" else "onnxruntime-genai" for p in points))
-    lines = ["", f"Quality/speed front ({runtimes}, decode at batch {points[0]['batch']} after a "
+    lines = ["", f"Quality/speed front ({runtimes_named(points)}, decode at batch {points[0]['batch']} after a "
                  f"{points[0]['seq']}-token prompt; held-out perplexity of each graph"
                  + (f", and on {unseen}, a corpus no row was calibrated or healed on" if two else "")
                  + ("; ICL composite % ± std over seeds, on each row's plain-layout twin" if icl else "") + "):", "",

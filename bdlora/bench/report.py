@@ -9,7 +9,7 @@ import numpy as np
 from bdlora.base.io import atomic_path
 from bdlora.base.runs import row_name
 from bdlora.bench.front import markdown as front_markdown
-from bdlora.bench.front import prediction_line
+from bdlora.bench.front import precision_of, prediction_line
 
 
 def markdown(doc: dict) -> str:
@@ -111,8 +111,7 @@ def llamacpp_markdown(doc: dict, idx: dict) -> list[str]:
              "| row | phase | batch x seq | ms (p10-p90) | vs the teacher's GGUF of its type |",
              "|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["phase"], r["seq"], r["variant"])):
-        quant = r["variant"].rpartition("-gguf-")[2]
-        ref = idx.get(("llamacpp", f"teacher-gguf-{quant}", r["phase"], r["batch"], r["seq"]))
+        ref = idx.get(("llamacpp", row_name("teacher", precision_of(r["variant"])), r["phase"], r["batch"], r["seq"]))
         shape = f"{r['batch']}x{r['seq']}" if r["phase"] == "prefill" else f"{r['batch']}x1 (cache {r['seq']})"
         vs = f"{ref['median_ms'] / r['median_ms']:.2f}x" if ref and ref is not r else "-"
         lines.append(f"| {r['variant']} | {r['phase']} | {shape} | {r['median_ms']:.3f} ({r['p10_ms']:.3f}-"

@@ -33,7 +33,7 @@ from bdlora.base.runs import BENCH_JSON, row_name
 from bdlora.base.schemes import rounded
 from bdlora.base.threads import flat
 from bdlora.bench.config import BenchConfig, provider_name
-from bdlora.bench.front import front_points, predicted_vs_measured
+from bdlora.bench.front import RUNTIME_NAMES, front_points, predicted_vs_measured
 from bdlora.bench.front import plot as plot_front
 from bdlora.bench.genai import Deployment, export_variants, score_folders, time_genai
 from bdlora.bench.gguf import export_ggufs, score_ggufs
@@ -300,9 +300,8 @@ def speculate(folders: dict, cfg: BenchConfig, deploy: Deployment, tokenizer, th
 
 def deployed_pool(cfg: BenchConfig, threads: int) -> str:
     """How the genai and llama.cpp rows were timed, for the report's title."""
-    names = {"genai": "onnxruntime-genai", "llamacpp": "llama.cpp"}
-    return ", ".join(names[r] for r in cfg.runtimes if r in names) + (f", {threads} intra-op threads per model "
-                                                                       "(separate timing process)")
+    return ", ".join(RUNTIME_NAMES[r] for r in cfg.runtimes if r in RUNTIME_NAMES) + (
+        f", {threads} intra-op threads per model (separate timing process)")
 
 
 def benched_models(model: nn.Module, lora_rank: int, own_forms: bool = True) -> dict[str, nn.Module]:

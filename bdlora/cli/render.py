@@ -4,7 +4,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from bdlora.base.schemes import rounded
-from bdlora.bench.front import front_mark, prediction_line, runtime_of, same_precision_cell, vs_reference
+from bdlora.bench.front import front_mark, prediction_line, runtimes_named, same_precision_cell, vs_reference
 from bdlora.bench.report import noise_lines
 from bdlora.cli.app import out
 
@@ -324,9 +324,7 @@ def front(points: list[dict]) -> None:
     ref = next((p for p in points if p["name"] == "teacher"), None)
     two = any(p.get("ppl_unseen") is not None for p in points)
     peer = any("vs_peer" in p for p in points)
-    runtimes = " and ".join(dict.fromkeys(
-        "llama.cpp" if runtime_of(p["name"]) == "llamacpp" else "onnxruntime-genai" for p in points))
-    t = Table(title=f"quality/speed front ({runtimes}, decode at batch {points[0]['batch']} after "
+    t = Table(title=f"quality/speed front ({runtimes_named(points)}, decode at batch {points[0]['batch']} after "
                     f"{points[0]['seq']} tokens)")
     cols = ["variant", "ms/token", "ppl", *(["unseen ppl"] if two else []), "speed vs teacher", "ppl vs teacher",
             "vs teacher, same precision", *(["vs healed dense peer"] if peer else []), "front"]

@@ -16,7 +16,7 @@ from pathlib import Path
 from bdlora.base.argv import flags
 from bdlora.base.io import atomic_path, write_text
 from bdlora.base.runs import BENCH_JSON, GGUF, MODEL_GGUF, SHIP_PLOT, SHIP_REPORT, BenchDir
-from bdlora.bench.front import precision_of, runtime_of
+from bdlora.bench.front import RUNTIME_NAMES, precision_of, runtime_of
 from bdlora.export.settings import GenaiExportSettings
 
 TEACHER, LOOKUP, SPEC_DRAFT, PEER = "teacher", "spec-lookup", "spec-draft", "peer-"
@@ -29,9 +29,6 @@ def _source(row: str, precision: str) -> str | None:
     """The front row's name without its precision suffix (None: a row of another precision)."""
     suffix = f"-{precision}"
     return row[: -len(suffix)] if row.endswith(suffix) else None
-
-
-RUNTIME_NAMES = {"genai": "onnxruntime-genai", "llamacpp": "llama.cpp"}
 
 
 def exported(folder: Path, name: str, precision: str) -> Path:
@@ -105,10 +102,10 @@ def _rows(bench: dict, bench_model: str, precision: str) -> list[dict]:
     rows = []
     for r in bench["front"]:
         runtime = runtime_of(r["name"])
-        name = _source(r["name"], precision if runtime == "genai" else precision_of(r["name"]))
+        prec = precision if runtime == "genai" else precision_of(r["name"])
+        name = _source(r["name"], prec)
         if name is None or name in OWN_FORMS:
             continue
-        prec = precision if runtime == "genai" else precision_of(r["name"])
         shown = f"{bench_model}-{prec}" if name == "compressed" else r["name"]  # the folder's own name
         rows.append({"row": r["name"], "shown": shown, "name": name, "runtime": runtime, "precision": prec,
                      "ms": r["ms"], "ppl": r["ppl"], "ppl_unseen": r.get("ppl_unseen")})
