@@ -28,41 +28,45 @@ import numpy as np
 SETTLE_S = 0.05
 
 
-def _job(og, model, phase: str, batch: int, seq: int, steps: int, ids):
+def _clocked(phase: str, steps: int, fresh, feed, step):
+    """One timed job: ``fresh()`` starts an empty sequence (outside the clock), ``feed(state)`` appends the prompt,
+    ``step(state)`` decodes one token. Prefill times ``feed`` alone; decode times ``steps`` steps after it, per token
+    (the prompt outside the clock)."""
+
     def run() -> float:
+        state = fresh()
+        if phase == "prefill":
+            t0 = time.perf_counter()
+            feed(state)
+            return (time.perf_counter() - t0) * 1e3
+        feed(state)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step(state)
+        return (time.perf_counter() - t0) * 1e3 / steps
+
+    return run
+
+
+def _job(og, model, phase: str, batch: int, seq: int, steps: int, ids):
+    def fresh():
         params = og.GeneratorParams(model)
         params.set_search_options(max_length=seq + (steps if phase == "decode" else 0) + 1, batch_size=batch,
                                   do_sample=False, min_length=0)
-        gen = og.Generator(model, params)
-        if phase == "prefill":
-            t0 = time.perf_counter()
-            gen.append_tokens(ids)
-            return (time.perf_counter() - t0) * 1e3
-        gen.append_tokens(ids)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            gen.generate_next_token()
-        return (time.perf_counter() - t0) * 1e3 / steps
+        return og.Generator(model, params)
 
-    return run
+    return _clocked(phase, steps, fresh, lambda gen: gen.append_tokens(ids), lambda gen: gen.generate_next_token())
 
 
 def _gguf_job(llm, phase: str, steps: int, ids):
-    prompt = [int(t) for t in ids[0]]
+    tokens = [int(t) for t in ids[0]]
 
-    def run() -> float:
+    def fresh():
         llm.reset()
-        if phase == "prefill":
-            t0 = time.perf_counter()
-            llm.eval(prompt)
-            return (time.perf_counter() - t0) * 1e3
-        llm.eval(prompt)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
-        return (time.perf_counter() - t0) * 1e3 / steps
+        return llm
 
-    return run
+    return _clocked(phase, steps, fresh, lambda m: m.eval(tokens),
+                    lambda m: m.eval([int(np.argmax(m.scores[m.n_tokens - 1]))]))
 
 
 def gguf_models(spec: dict) -> dict:
