@@ -398,18 +398,9 @@ def test_ship_recommends_per_runtime_with_llama_cpps_rows(tiny_env, tmp_path, mo
     """ship --gguf q8_0: the teacher's GGUF and the student's beside their genai folders in the one bench; the
     recommendation answers in each runtime against the teacher there, and overall against the teacher's fastest
     export, naming the runtime; a GGUF answer's commands end in export gguf and llama.cpp's server."""
-    from test_latency import _hand_table, _tiny_shapes
+    from test_ship import tiny_ship_args
 
-    from conftest import genai_teacher
-
-    teacher = tmp_path / "teacher"
-    genai_teacher(tiny_env["tokenizer"], teacher, seed=3, layers=4)
-    _hand_table(tmp_path / "cache", _tiny_shapes(teacher), (), threads=1, teacher=teacher)
-    monkeypatch.setenv("BDLORA_CACHE", str(tmp_path / "cache"))
-    args = ["ship", str(teacher), "--data", str(tiny_env["corpus"]), "--eval-data", "none", "--schemes", "rtn",
-            "--speedups", "1.2", "--draft-speedup", "0", "--threads", "1", "--repeats", "1", "--decode-tokens", "4",
-            "--quality-tokens", "256", "--seq-len", "64", "--gguf", "q8_0", "--out", str(tmp_path / "ship"), "--json"]
-    res = CliRunner().invoke(app, args)
+    res = CliRunner().invoke(app, tiny_ship_args(tiny_env, tmp_path, monkeypatch, "q8_0"))
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert {r["row"] for r in doc["rows"]} == {"teacher-int4", "compressed-int4", "teacher-gguf-q8_0",

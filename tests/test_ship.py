@@ -245,10 +245,9 @@ def test_with_llama_cpps_rows_each_runtime_is_answered_and_overall_against_the_f
     assert "| +1% | student-1.25 in llama.cpp (Q4_K_M) | llama.cpp | 1.33x |" in md
 
 
-@pytest.mark.slow
-def test_ship_runs_every_step_then_resumes_without_redoing_any(tiny_env, tmp_path, monkeypatch):
-    """A tiny genai-shaped teacher (hand-made latency tables: nothing timed for the allocation), one student, no
-    draft: the teacher's export, the student, one bench, the recommendation; the same command again runs no step."""
+def tiny_ship_args(tiny_env, tmp_path, monkeypatch, gguf: str) -> list[str]:
+    """The ship line of a tiny genai-shaped teacher (hand-made latency tables: nothing timed for the allocation), one
+    student at 1.2x, no draft, llama.cpp's rows at ``gguf`` (none: without them)."""
     from test_latency import _hand_table, _tiny_shapes
 
     from conftest import genai_teacher
@@ -257,9 +256,16 @@ def test_ship_runs_every_step_then_resumes_without_redoing_any(tiny_env, tmp_pat
     genai_teacher(tiny_env["tokenizer"], teacher, seed=3, layers=4)
     _hand_table(tmp_path / "cache", _tiny_shapes(teacher), (), threads=1, teacher=teacher)
     monkeypatch.setenv("BDLORA_CACHE", str(tmp_path / "cache"))
-    args = ["ship", str(teacher), "--data", str(tiny_env["corpus"]), "--eval-data", "none", "--schemes", "rtn",
+    return ["ship", str(teacher), "--data", str(tiny_env["corpus"]), "--eval-data", "none", "--schemes", "rtn",
             "--speedups", "1.2", "--draft-speedup", "0", "--threads", "1", "--repeats", "1", "--decode-tokens", "4",
-            "--quality-tokens", "256", "--seq-len", "64", "--gguf", "none", "--out", str(tmp_path / "ship"), "--json"]
+            "--quality-tokens", "256", "--seq-len", "64", "--gguf", gguf, "--out", str(tmp_path / "ship"), "--json"]
+
+
+@pytest.mark.slow
+def test_ship_runs_every_step_then_resumes_without_redoing_any(tiny_env, tmp_path, monkeypatch):
+    """A tiny genai-shaped teacher (hand-made latency tables: nothing timed for the allocation), one student, no
+    draft: the teacher's export, the student, one bench, the recommendation; the same command again runs no step."""
+    args = tiny_ship_args(tiny_env, tmp_path, monkeypatch, "none")
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     first = json.loads(res.stdout)
