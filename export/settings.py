@@ -141,6 +141,8 @@ DEFAULT = GenaiExportSettings()
 
 GGUF_QUANTS = ("f16", "q8_0", "q4_0", "q4_k_m")  # export.gguf.layout.QUANTS: the torch-free CLI reads them here
 GGUF_PPL_CHANGE = 0.10
+# The GGUF type llama.cpp users pick at each precision: int4 -> Q4_K_M (llama.cpp's and Ollama's usual 4-bit file)
+GGUF_OF = {"int4": "q4_k_m", "int8": "q8_0", "fp32": "f16"}
 
 
 @dataclass(frozen=True)

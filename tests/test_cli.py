@@ -237,8 +237,9 @@ DECLARED_ONCE = ("--runs-dir", "--force", "--json", "--report", "--out", "--prec
 # generation's length in generate, a request's limit in serve, a request's ask in loadtest; --teacher is a model in
 # train, a switch in bench): the count may only fall, so an option a second command copies gets the first's wording
 # or a reason here. --max-ppl-change: export genai's bounds a rounded graph against the fp32 graph, export gguf's a
-# llama.cpp file of any type against PyTorch.
-DIFFERING = 44
+# llama.cpp file of any type against PyTorch. --gguf: the GGUF type in both, ship's also "none" (no llama.cpp rows)
+# and its rows timed beside genai's, plan's the type its --runtime llamacpp prediction is timed at.
+DIFFERING = 45
 
 
 def test_an_option_many_commands_take_reads_the_same_in_each():

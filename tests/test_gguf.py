@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -415,3 +416,91 @@ def test_ship_recommends_per_runtime_with_llama_cpps_rows(tiny_env, tmp_path, mo
     assert "export gguf" in gguf_row["commands"][-2] and "llama_cpp.server" in gguf_row["commands"][-1]
     md = (tmp_path / "ship" / "recommendation.md").read_text()
     assert "In llama.cpp, against the teacher's teacher-gguf-q8_0" in md and "In onnxruntime-genai" in md
+
+
+# --- plan --runtime llamacpp: the structure's decode step timed in llama.cpp (bench.llamacpp_step) ---------------
+
+
+@pytest.mark.parametrize("which", ["student", "shallow"])
+def test_a_planned_structure_is_the_folder_llama_cpp_would_be_given(tiny_env, request, which):
+    """From the report alone (no weights), each layer's heads, key/value heads and MLP width and the tensors of the
+    folder holding them: exactly the compressed folder's tensor names and shapes, removed layers dropped."""
+    from bdlora.bench.llamacpp_step import structure, tensors_of
+    from bdlora.models.integrity import folder_tensors
+
+    folder = request.getfixturevalue(which)
+    teacher = json.loads((tiny_env["teacher"] / "config.json").read_text())
+    report = json.loads((folder / "compression.json").read_text())
+    layers = structure(teacher, report["modules"])
+    assert len(layers) == teacher["num_hidden_layers"]
+    kept = [s for s in layers if s is not None]
+    assert len(kept) == json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    assert {k: tuple(v) for k, v in folder_tensors(folder).items()} == tensors_of(teacher, layers)
+
+
+def test_a_zero_weight_file_has_the_exports_tensors_and_only_zeros(shallow, tmp_path):
+    """The stand-in file of a structure holds what ``export gguf`` writes for the real folder (every tensor's name,
+    shape and type), with zero weights, ones in the norms and the stand-in vocabulary's size."""
+    from bdlora.bench.llamacpp_step import stand_in_vocab
+    from bdlora.export.gguf.folder import planned
+
+    settings = GgufExportSettings(quant="q8_0", validate=False)
+    export_gguf_folder(shallow, tmp_path / "real", settings)
+    lay, plan, _, config = planned(shallow, settings)
+    writer.write_zero_gguf(tmp_path / "zero.gguf", lay, plan, "q8_0", "zero", stand_in_vocab(config["vocab_size"]))
+    _, real = _read(tmp_path / "real" / "model.gguf")
+    keys, zero = _read(tmp_path / "zero.gguf")
+    assert {k: (tuple(t.shape), t.tensor_type.name) for k, t in zero.items()} == \
+           {k: (tuple(t.shape), t.tensor_type.name) for k, t in real.items()}
+    assert keys["general.architecture"] == "deci"
+    for name, t in zero.items():
+        data = np.asarray(t.data)
+        assert (data == 1).all() if name.endswith("norm.weight") else not data.any(), name
+    import gguf
+
+    r = gguf.GGUFReader(str(tmp_path / "zero.gguf"))
+    assert len(r.fields["tokenizer.ggml.tokens"].data) == config["vocab_size"]
+
+
+def test_plan_for_llama_cpp_refuses_what_it_cannot_hold_in_one_line(tiny_env, tmp_path):
+    """A low-rank student has no llama.cpp form: refused before anything is written or timed (llama.cpp need not be
+    here to say so); a --gguf without --runtime llamacpp and --runtime llamacpp without --precision likewise."""
+    shot = tmp_path / "lr"
+    assert CliRunner().invoke(app, shot_args(tiny_env, shot, "--mac-ratio", "1.3", "--forms", "lowrank")).exit_code == 0
+    for argv, needle in (([str(shot), "--precision", "int4", "--runtime", "llamacpp"], "no llama.cpp form"),
+                         ([str(shot), "--gguf", "q4_0"], "add --runtime llamacpp"),
+                         ([str(shot), "--runtime", "llamacpp"], "add --precision int4"),
+                         ([str(shot), "--precision", "int4", "--runtime", "llamacpp", "--gguf", "q5_k"], "q5_k")):
+        r = CliRunner().invoke(app, ["plan", *argv])
+        assert r.exit_code == 2 and needle in r.output and "Traceback" not in r.output, (argv, r.output)
+
+
+@pytest.mark.skipif(HAS_LLAMA_CPP, reason="the refusal of a machine without llama-cpp-python")
+def test_plan_for_llama_cpp_without_it_names_the_extra(student):
+    r = CliRunner().invoke(app, ["plan", str(student), "--precision", "int4", "--runtime", "llamacpp"])
+    assert r.exit_code == 2 and ".[llamacpp]" in r.output
+
+
+@needs_llama_cpp
+def test_plan_predicts_a_students_step_in_llama_cpp_and_caches_it(shallow, tmp_path, monkeypatch):
+    """plan --runtime llamacpp times the teacher's shapes (llama) and the student's (deci, its removed layers gone)
+    in llama.cpp at the --gguf type and predicts their ratio; a second plan reads the cached times."""
+    monkeypatch.setenv("BDLORA_CACHE", str(tmp_path / "cache"))
+    argv = ["plan", str(shallow), "--precision", "int4", "--runtime", "llamacpp", "--gguf", "q8_0", "--threads", "1",
+            "--json"]
+    r = CliRunner().invoke(app, argv)
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout[r.stdout.index("{"):])["deployed"]
+    kept = json.loads((shallow / "config.json").read_text())["num_hidden_layers"]
+    assert d["runtime"] == "llamacpp" and d["precision"] == "q8_0" and d["threads"] == 1
+    assert d["files"]["teacher"]["arch"] == "llama" and d["files"]["student"]["arch"] == "deci"
+    assert d["decode_layers"] == kept < d["teacher_layers"] == 4
+    assert d["files"]["student"]["bytes"] < d["files"]["teacher"]["bytes"]
+    assert 0 < d["decode_us"] and 0 < d["decode_us_teacher"]
+    assert d["predicted_decode_speedup"] == pytest.approx(d["decode_us_teacher"] / d["decode_us"])
+    cached = Path(d["cache"])
+    assert cached.is_file()
+    stamp = cached.stat().st_mtime_ns
+    again = CliRunner().invoke(app, argv)
+    assert again.exit_code == 0 and cached.stat().st_mtime_ns == stamp
+    assert json.loads(again.stdout[again.stdout.index("{"):])["deployed"]["decode_us"] == d["decode_us"]

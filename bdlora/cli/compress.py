@@ -18,6 +18,7 @@ from bdlora.cli.progress import RichReporter
 from bdlora.compress.bounds import DEEPER, check_fits, check_report_provenance, check_shape_config
 from bdlora.compress.config import CALIB_TOKENS, OneShotConfig
 from bdlora.data.tokens import default_cache_dir
+from bdlora.export.settings import GGUF_OF, GGUF_QUANTS
 from bdlora.forms import LOWRANK, REMOVED, declared_head_bits, declared_head_keep, forms_problem, named_forms
 from bdlora.models import sources
 from bdlora.models.arch import check_lora_rank, layer_of
@@ -33,6 +34,16 @@ PLAN_FIELDS = ("budget", "rank", "eps_lr", "eps_zero", "svd_max_rank", "decay_st
 
 PLAN_FORMS = ("forms", "speedup", "streaming", "width_multiple")  # with --model and --allocation quality: the
 # one-shot structure over any forms, its source read one layer at a time past 2 GiB of fp32 weights
+
+
+DEPLOYED_PANEL = "--precision: the deployed decode step"
+PLAN_RUNTIMES = ("genai", "llamacpp")  # where plan --precision predicts the step: onnxruntime-genai, or llama.cpp
+RUNTIME_HELP = ("With --precision: the runtime whose decode step is predicted: genai (onnxruntime-genai, each form "
+                "priced from a table measured here) or llamacpp (llama.cpp, the --gguf file of the teacher's shapes "
+                "and of the planned structure timed in llama.cpp itself; the [llamacpp] extra; --forms "
+                "channels,groups,layers).")
+GGUF_HELP = ("--runtime llamacpp: the GGUF type (f16, q8_0, q4_0, q4_k_m; default: --precision's, int4 q4_k_m, int8 "
+             "q8_0, fp32 f16).")
 
 
 SPECULATIVE_HELP = ("With FOLDER (a draft, e.g. compress --one-shot --forms layers,channels,vocab) and --precision: "
@@ -68,6 +79,9 @@ def plan(
     precision: Precision = None,
     threads: Threads = None,
     quant: Quant = None,
+    runtime: Annotated[str, typer.Option(help=RUNTIME_HELP, rich_help_panel=DEPLOYED_PANEL)] = PLAN_RUNTIMES[0],
+    gguf: Annotated[Optional[str], typer.Option(help=GGUF_HELP, show_default=False,
+                                                rich_help_panel=DEPLOYED_PANEL)] = None,
     speculative: Annotated[bool, typer.Option(help=SPECULATIVE_HELP)] = False,
     json_out: Json = False,
     **opts,
@@ -78,6 +92,7 @@ def plan(
     With --precision, each form's decode time measured here and the whole decode step predicted."""
 
     rank, shot = opts.pop("lora_rank"), {k: opts.pop(k) for k in PLAN_FORMS}
+    _check_runtime(runtime, gguf, precision, speculative)
     _check_plan(opts, rank, model_config or folder, model, allocation, mac_ratio, calib_tokens, layers, steps,
                 precision, threads, quant, shot)
     if folder is not None:
@@ -90,15 +105,26 @@ def plan(
         report, config, title = _planned(model_config, model, allocation, rank, layers, mac_ratio, calib_tokens,
                                          calib_data or data, steps, opts, json_out)
     if precision:
-        check_fits(check_shape_config(config, "the model's config"), f"plan --precision {precision}", whole=False)
-        report["deployed"] = _deployed_prediction(report, precision, threads, RichReporter(err if json_out else out),
-                                                  config, quant)
-        report["predicted_decode_speedup"] = report["deployed"]["predicted_decode_speedup"]
-        if speculative:
-            report["speculative"] = _speculative(folder, report, precision, threads, quant, json_out)
-        title += (f"; {report['deployed']['predicted_projection_speedup']:.2f}x less projection decode time at "
-                  f"{precision}, {report['predicted_decode_speedup']:.2f}x faster whole decode")
+        title = _predicted(report, config, title, folder, precision, threads, quant, runtime, gguf, speculative,
+                           RichReporter(err if json_out else out), json_out)
     _show(report, title, json_out)
+
+
+def _predicted(report: dict, config: dict, title: str, folder, precision: str, threads, quant, runtime: str, gguf,
+               speculative: bool, reporter, json_out: bool) -> str:
+    """plan --precision: the structure's decode step in ``runtime`` added to ``report``; the title saying it."""
+    check_fits(check_shape_config(config, "the model's config"), f"plan --precision {precision}", whole=False)
+    if runtime == "llamacpp":
+        report["deployed"] = _llamacpp_prediction(report, config, gguf or GGUF_OF[precision], threads, reporter)
+        report["predicted_decode_speedup"] = report["deployed"]["predicted_decode_speedup"]
+        return (f"{title}; {report['predicted_decode_speedup']:.2f}x faster decode in llama.cpp at "
+                f"{report['deployed']['precision']}")
+    report["deployed"] = _deployed_prediction(report, precision, threads, reporter, config, quant)
+    report["predicted_decode_speedup"] = report["deployed"]["predicted_decode_speedup"]
+    if speculative:
+        report["speculative"] = _speculative(folder, report, precision, threads, quant, json_out)
+    return (f"{title}; {report['deployed']['predicted_projection_speedup']:.2f}x less projection decode time at "
+            f"{precision}, {report['predicted_decode_speedup']:.2f}x faster whole decode")
 
 
 def _show(report: dict, title: str, json_out: bool) -> None:
@@ -106,10 +132,34 @@ def _show(report: dict, title: str, json_out: bool) -> None:
         print(json.dumps(report, indent=2))
         return
     render.compression_report(report, title=title)
-    if report.get("deployed"):
+    if report.get("deployed", {}).get("runtime") == "llamacpp":
+        render.llamacpp_step(report["deployed"])
+    elif report.get("deployed"):
         render.latency_forms(report["deployed"])
     if report.get("speculative"):
         render.speculative_prediction(report["speculative"])
+
+
+def _check_runtime(runtime: str, gguf: str | None, precision: str | None, speculative: bool) -> None:
+    c = Checks()
+    c.choice("runtime", runtime, PLAN_RUNTIMES)
+    if gguf is not None:
+        c.require(runtime == "llamacpp", f"--gguf {gguf}: the GGUF type of --runtime llamacpp; add --runtime llamacpp")
+        c.choice("gguf", gguf, GGUF_QUANTS)
+    if runtime == "llamacpp":
+        c.require(precision is not None, "--runtime llamacpp: predicts the decode step at a precision; add --precision "
+                  "int4 (llama.cpp's q4_k_m; --gguf picks another type)")
+        c.require(not speculative, "--runtime llamacpp: --speculative predicts onnxruntime-genai's drafted decoding; "
+                  "drop one of them")
+    c.done()
+
+
+def _llamacpp_prediction(report: dict, config: dict, quant: str, threads: int | None, reporter) -> dict:
+    """The planned structure's decode step in llama.cpp at the GGUF type ``quant`` against the teacher's
+    (``bench.llamacpp_step``: both written as export gguf would, with zero weights, and timed in llama.cpp)."""
+    from bdlora.bench.llamacpp_step import predict
+
+    return predict(config, report["modules"], quant, threads or usable_cores(), default_cache_dir(), reporter)
 
 
 def _speculative(folder, report: dict, precision: str, threads, quant, json_out: bool) -> dict:

@@ -99,6 +99,19 @@ def latency_forms(doc: dict) -> None:
                   f"{', '.join(doc['lowrank_slower_than_dense'])}[/]")
 
 
+def llamacpp_step(doc: dict) -> None:
+    """``plan --runtime llamacpp``'s prediction: the teacher's and the structure's decode step timed in llama.cpp."""
+    files = doc["files"]
+    out.print(f"decode step in llama.cpp at {doc['precision']}, {doc['threads']} thread(s), batch 1 after "
+              f"{doc['context']} tokens: {doc['decode_us_teacher'] / 1000:.2f} ms for the dense model "
+              f"({files['teacher']['arch']}, {files['teacher']['bytes'] / 2**20:,.0f} MiB) -> "
+              f"{doc['decode_us'] / 1000:.2f} ms ({files['student']['arch']}, {doc['decode_layers']} of "
+              f"{doc['teacher_layers']} layers, {files['student']['bytes'] / 2**20:,.0f} MiB): "
+              f"[bold]{doc['predicted_decode_speedup']:.2f}x[/] predicted")
+    if doc.get("measurement"):
+        out.print(f"[yellow]measured unclean: {doc['measurement']}[/]")
+
+
 def compression_report(report: dict, title: str) -> None:
     """The SPEC 6.4 table: one row per module, then the totals (shared by plan and compress)."""
     t = Table(title=title)

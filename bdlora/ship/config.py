@@ -9,15 +9,13 @@ from bdlora.base.errors import Checks, flag, shown
 from bdlora.base.schemes import METHODS, rounded
 from bdlora.base.threads import ThreadPool
 from bdlora.bench.config import llama_cpp_here
-from bdlora.export.settings import GGUF_QUANTS
+from bdlora.export.settings import GGUF_OF, GGUF_QUANTS
 from bdlora.forms import VOCAB, check_forms, check_width_multiple
 from bdlora.train.config import GENAI_PRECISIONS
 from bdlora.train.stopping import parse_duration
 
 DRAFT_FORMS = "layers,channels,vocab"  # the draft: fewer layers, narrower MLPs, a head over frequent tokens
 NO_GGUF = "none"  # --gguf none: no llama.cpp rows
-# The GGUF type llama.cpp users pick at each precision: int4 -> Q4_K_M (llama.cpp's and Ollama's usual 4-bit file)
-GGUF_OF = {"int4": "q4_k_m", "int8": "q8_0", "fp32": "f16"}
 
 
 def numbers(text: str, name: str, c: Checks, lo: float, integer: bool = False) -> list[float]:

@@ -53,7 +53,9 @@ class LlamaCpp:
     def quantize(self, src: Path, dst: Path, quant: str, threads: int) -> dict:
         """``src`` (F16) rounded into ``dst`` by llama.cpp's ``llama_model_quantize`` at ``quant``."""
         import llama_cpp
+        from llama_cpp._logger import set_verbose
 
+        set_verbose(False)  # its errors only: not a line per tensor
         ftype = {"q4_k_m": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, "q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0,
                  "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}[quant]
         params = llama_cpp.llama_model_quantize_default_params()

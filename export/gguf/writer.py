@@ -160,10 +160,9 @@ def hyperparameters(writer, layout: GgufLayout, quant: str) -> None:
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
-def write_gguf(path: Path, folder: Path, layout: GgufLayout, plan: list[Planned], quant: str, name: str,
-               add_vocab, reporter: Reporter = SILENT) -> dict:
-    """``plan`` of ``folder`` written to ``path`` as a ``quant`` GGUF (``add_vocab(writer)`` adds the tokenizer's
-    keys); returns {tensor: type} counts and the bytes written."""
+def _begin(path: Path, layout: GgufLayout, plan: list[Planned], quant: str, name: str, add_vocab):
+    """(writer, {tensor: type}, the vocabulary's summary): the header, keys and tensor table of ``plan`` written to
+    ``path``; the tensors' bytes follow."""
     import gguf
 
     logging.getLogger("gguf").setLevel(logging.WARNING)  # its writer prints every file's plan at INFO
@@ -181,19 +180,56 @@ def write_gguf(path: Path, folder: Path, layout: GgufLayout, plan: list[Planned]
         else:
             writer.add_tensor_info(p.name, gguf.quant_shape_to_byte_shape(p.shape, qt), np.dtype(np.uint8),
                                    nbytes(p.shape, qt), raw_dtype=qt)
-    src = FolderTensors(folder)
     writer.write_header_to_file(path)
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
+    return writer, types, vocab
+
+
+def _summary(path: Path, plan: list[Planned], types: dict, vocab: dict) -> dict:
+    counts: dict[str, int] = {}
+    for qt in types.values():
+        counts[qt.name] = counts.get(qt.name, 0) + 1
+    return {"tensors": len(plan), "types": counts, "bytes": path.stat().st_size, "vocab": vocab}
+
+
+def write_gguf(path: Path, folder: Path, layout: GgufLayout, plan: list[Planned], quant: str, name: str,
+               add_vocab, reporter: Reporter = SILENT) -> dict:
+    """``plan`` of ``folder`` written to ``path`` as a ``quant`` GGUF (``add_vocab(writer)`` adds the tokenizer's
+    keys); returns {tensor: type} counts and the bytes written."""
+    writer, types, vocab = _begin(path, layout, plan, quant, name, add_vocab)
+    src = FolderTensors(folder)
     reporter.count(0, len(plan), "tensors")
     for p in plan:
         _write_tensor(writer, (rounded(c, types[p.name]) for c in chunks(src, p)))
         reporter.count(1, len(plan), "tensors")
     writer.close()
-    counts: dict[str, int] = {}
-    for qt in types.values():
-        counts[qt.name] = counts.get(qt.name, 0) + 1
-    return {"tensors": len(plan), "types": counts, "bytes": path.stat().st_size, "vocab": vocab}
+    return _summary(path, plan, types, vocab)
+
+
+def write_zero_gguf(path: Path, layout: GgufLayout, plan: list[Planned], quant: str, name: str, add_vocab) -> dict:
+    """``plan`` written to ``path`` as a ``quant`` GGUF whose weights are all zero, as a sparse file (nothing of a
+    projection is written: the file's holes read as zeros, which every GGML type decodes to zero, its block scales
+    being zero): a stand-in of a model's shapes for timing llama.cpp's kernels, whose speed does not depend on the
+    values (``bench.llamacpp_step``). Vectors (norms) are ones and computed tensors (rotary factors) their values, so
+    nothing divides by zero."""
+    import gguf
+
+    writer, types, vocab = _begin(path, layout, plan, quant, name, add_vocab)
+    fout = writer.fout[0]
+    for p in plan:
+        qt = types[p.name]
+        if p.value or len(p.shape) == 1:
+            _write_tensor(writer, [np.asarray(p.value, np.float32) if p.value else np.ones(p.shape, np.float32)])
+            continue
+        info = writer.tensors[0].pop(p.name)
+        writer.write_padding(fout, fout.tell())
+        fout.seek(info.nbytes, 1)  # a hole of zeros
+        writer.write_padding(fout, info.nbytes)
+        writer.state = gguf.gguf_writer.WriterState.WEIGHTS
+    fout.truncate(fout.tell())  # the last hole, if the file ends in one
+    writer.close()
+    return _summary(path, plan, types, vocab)
 
 
 def _write_tensor(writer, parts) -> None:
