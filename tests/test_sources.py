@@ -43,7 +43,7 @@ def write_gguf(model, tokenizer, path, **declare):
     state = json.loads(tokenizer.backend_tokenizer.to_str())
     merges = [m if isinstance(m, str) else " ".join(m) for m in state["model"]["merges"]]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre(declare.get("pre", "default"))
     w.add_token_list(tokens)
     w.add_token_types([3 if t == "<|endoftext|>" else 1 for t in tokens])
     w.add_token_merges(merges)
@@ -110,6 +110,24 @@ def test_a_gguf_teacher_loads_with_the_original_logits(tiny_env, tiny_gguf, tmp_
     mtime = (folder / "model.safetensors").stat().st_mtime_ns
     load_teacher(str(path), tmp_path / "cache")  # materialised once: the cached folder is reused
     assert (folder / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_a_gguf_naming_smollms_pre_tokenizer_splits_digits_as_llama_cpp_does(tiny_env, tiny_gguf, tmp_path):
+    """transformers converts every byte-level GGUF tokenizer with GPT-2's split alone; a file naming llama.cpp's
+    ``smollm`` pre-tokenizer (SmolLM2's: digits one by one) gets it back, and source.json says so; a ``default``
+    one is left as converted."""
+    from bdlora.models.teacher import load_teacher
+
+    model, plain = tiny_gguf
+    smollm = write_gguf(model, tiny_env["tokenizer"], tmp_path / "smollm.F32.gguf", pre="smollm")
+    text = "year  2024, page 17"
+    _, tok, folder = load_teacher(str(smollm), tmp_path / "cache")
+    pieces = [p for p, _ in tok.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)]
+    assert [p for p in pieces if p.strip("Ġ").isdigit()] == ["2", "0", "2", "4", "1", "7"], pieces
+    assert json.loads((folder / "source.json").read_text())["pre_tokenizer"].startswith("smollm")
+    _, tok, folder = load_teacher(str(plain), tmp_path / "cache")
+    pieces = [p for p, _ in tok.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)]
+    assert "Ġ2024" in pieces and "pre_tokenizer" not in json.loads((folder / "source.json").read_text())
 
 
 def test_teacher_command_and_training_from_a_gguf(tiny_env, tiny_gguf, tmp_path):
