@@ -124,10 +124,35 @@ def test_a_gguf_naming_smollms_pre_tokenizer_splits_digits_as_llama_cpp_does(tin
     _, tok, folder = load_teacher(str(smollm), tmp_path / "cache")
     pieces = [p for p, _ in tok.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)]
     assert [p for p in pieces if p.strip("Ġ").isdigit()] == ["2", "0", "2", "4", "1", "7"], pieces
-    assert json.loads((folder / "source.json").read_text())["pre_tokenizer"].startswith("smollm")
+    assert json.loads((folder / "source.json").read_text())["tokenizer_rules"] == ["pre-tokenizer smollm (llama.cpp's "
+                                                                                  "name)"]
     _, tok, folder = load_teacher(str(plain), tmp_path / "cache")
     pieces = [p for p, _ in tok.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)]
-    assert "Ġ2024" in pieces and "pre_tokenizer" not in json.loads((folder / "source.json").read_text())
+    assert "Ġ2024" in pieces and "tokenizer_rules" not in json.loads((folder / "source.json").read_text())
+
+
+def test_a_sentencepiece_vocabularys_user_defined_pieces_match_whole_longest_first():
+    """Gemma 3's runs of spaces are user-defined pieces (token type 4), which SentencePiece (and llama.cpp) match
+    whole, longest first, before any merge; converted as BPE pieces, five spaces came out as four and one. Given
+    back as added tokens, they match as SentencePiece matches them, with the same ids."""
+    from tokenizers import Tokenizer, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    from bdlora.models.families import GGUF_SPM_TOKENIZER
+    from bdlora.models.sources import USER_DEFINED, own_tokenizer_rules
+
+    pieces = ["\u2581" * n for n in range(1, 6)] + ["a"]
+    bpe = models.BPE({p: i for i, p in enumerate(pieces)}, [("\u2581", "\u2581"), ("\u2581" * 2, "\u2581" * 2),
+                                                            ("\u2581" * 2, "\u2581")])
+    raw = Tokenizer(bpe)
+    raw.normalizer = normalizers.Replace(" ", "\u2581")
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw)
+    assert tok("     a")["input_ids"] == [3, 0, 5]  # BPE's merges: four spaces, then one
+    keys = {"keys": [{"key": "tokenizer.ggml.model", "value": GGUF_SPM_TOKENIZER},
+                     {"key": "tokenizer.ggml.token_type", "value": [1] + [USER_DEFINED] * 4 + [1]}]}
+    assert own_tokenizer_rules(tok, keys) == ["4 user-defined pieces matched whole, as SentencePiece matches them"]
+    assert tok("     a")["input_ids"] == [4, 5] and tok("  a")["input_ids"] == [1, 5]
+    assert len(tok) == len(pieces) and own_tokenizer_rules(tok, {"keys": []}) == []
 
 
 def test_teacher_command_and_training_from_a_gguf(tiny_env, tiny_gguf, tmp_path):

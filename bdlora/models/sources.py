@@ -175,24 +175,42 @@ def check_gguf(path: Path) -> None:
         raise ModelError(f"{path}: its metadata declares {'; '.join(wrong[:3])}: the file was edited or damaged")
 
 
-# llama.cpp's pre-tokenizers (``tokenizer.ggml.pre``) that transformers' GGUF conversion does not reproduce (it splits
-# every byte-level BPE with GPT-2's regex alone), as the model's own tokenizer.json spells them. smollm: SmolLM2's
-# (digits one by one, then GPT-2's split); converted without it, 17 of 1,000 held-out lines (spaces before a digit)
-# came out as other ids than llama.cpp's and SmolLM2's own tokenizer give them, with it all 1,000 agree.
+# What transformers' GGUF conversion of a tokenizer loses, given back after it (``own_tokenizer_rules``), each
+# measured as llama.cpp's tokens of 1,000 held-out lines against the folder's:
+# - llama.cpp's pre-tokenizers (``tokenizer.ggml.pre``) it does not reproduce (it splits every byte-level BPE with
+#   GPT-2's regex alone), as the model's own tokenizer.json spells them. smollm: SmolLM2's (digits one by one, then
+#   GPT-2's split): 983 agreed without it (the others: spaces before a digit), 1,000 with it;
+# - a SentencePiece vocabulary's user-defined pieces (token type 4: Gemma 3's runs of spaces, tabs and newlines),
+#   which SentencePiece matches whole, longest first, before any merge; converted as ordinary BPE pieces, a run of 35
+#   spaces came out 16 + 19 where SentencePiece and llama.cpp give 31 + 4. Given as added tokens (matched the same
+#   way, their ids unchanged): Gemma 3 270M 993 -> 1,000.
 OWN_PRE_TOKENIZERS = ("smollm",)
+USER_DEFINED = 4  # llama.cpp's LLAMA_TOKEN_TYPE_USER_DEFINED (gguf.TokenType.USER_DEFINED)
 
 
-def own_pre_tokenizer(tok, keys: dict) -> str | None:
-    """Give ``tok`` (converted by transformers from a GGUF whose tokenizer keys are ``keys``) the pre-tokenizer its
-    file names where the conversion lacks it (``OWN_PRE_TOKENIZERS``); the name given, or None."""
+def own_tokenizer_rules(tok, keys: dict) -> list[str]:
+    """Give ``tok`` (converted by transformers from a GGUF whose tokenizer keys are ``keys``) what its file says and
+    the conversion lost (the comment above); what was given, in words."""
+    from tokenizers import AddedToken
     from tokenizers import pre_tokenizers as pt
 
-    pre = next((k.get("value") for k in keys.get("keys") or [] if k.get("key") == "tokenizer.ggml.pre"), None)
-    if pre not in OWN_PRE_TOKENIZERS:
-        return None
-    tok.backend_tokenizer.pre_tokenizer = pt.Sequence([
-        pt.Digits(individual_digits=True), pt.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
-    return pre
+    values = {k.get("key"): k.get("value") for k in keys.get("keys") or [] if isinstance(k, dict)}
+    said = []
+    pre = values.get("tokenizer.ggml.pre")
+    if pre in OWN_PRE_TOKENIZERS:
+        tok.backend_tokenizer.pre_tokenizer = pt.Sequence([
+            pt.Digits(individual_digits=True), pt.ByteLevel(add_prefix_space=False, trim_offsets=True,
+                                                            use_regex=True)])
+        said.append(f"pre-tokenizer {pre} (llama.cpp's name)")
+    types = values.get("tokenizer.ggml.token_type") or []
+    if values.get("tokenizer.ggml.model") == GGUF_SPM_TOKENIZER and USER_DEFINED in types:
+        added = set(tok.get_added_vocab())
+        pieces = [p for i, t in enumerate(types) if t == USER_DEFINED and i < len(tok)
+                  for p in [tok.convert_ids_to_tokens(i)] if p is not None and p not in added]
+        if pieces:
+            tok.backend_tokenizer.add_tokens([AddedToken(p, normalized=True, special=False) for p in pieces])
+            said.append(f"{len(pieces)} user-defined pieces matched whole, as SentencePiece matches them")
+    return said
 
 
 def materialise_gguf(gguf: Path, cache_dir: Path, source: dict, stage, key: str | None = None) -> Path:
@@ -220,14 +238,13 @@ def materialise_gguf(gguf: Path, cache_dir: Path, source: dict, stage, key: str 
     model = plain_copy(model)
     model.config.name_or_path = source.get("hub_id", gguf.name)
     keys = tokenizer_keys(gguf)
-    pre = own_pre_tokenizer(tok, keys)
+    given = own_tokenizer_rules(tok, keys)
     with atomic_dir(dst) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         write_json(tmp / GGUF_TOKENIZER, keys)
         write_json(tmp / SOURCE_FILE, {**source, "gguf_file": gguf.name, "gguf_sha256": digest,
-                                       **({"pre_tokenizer": f"{pre} (llama.cpp's name), set after transformers' "
-                                                            "conversion"} if pre else {}),
+                                       **({"tokenizer_rules": given} if given else {}),
                                        "parameters": sum(p.numel() for p in model.parameters()),
                                        "dequantised_to": "float32"})
     return dst

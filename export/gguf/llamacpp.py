@@ -5,11 +5,10 @@ The checks load the file as a user's llama.cpp would (``Llama``, memory-mapped) 
 
 - the tokenizer: llama.cpp's tokens of ``TOKENIZER_LINES`` held-out lines against the Hugging Face tokenizer's,
   refused below ``TOKENIZER_AGREEMENT`` of them identical (a wrong pre-tokenizer or merge table turns most lines into
-  other ids), every line that differs counted and the first shown. SmolLM2's folder, made by transformers from its
-  GGUF, split with GPT-2's regex alone until ``models.sources.own_pre_tokenizer`` gave it llama.cpp's ``smollm``
-  split (digits one by one, SmolLM2's own): 983 of 1,000 held-out lines agreed, now 1,000. Gemma 3 270M: 993; the 7
-  others are runs of 20-35 spaces, which llama.cpp's SentencePiece tokenizer and transformers' BPE conversion of the
-  same vocabulary cut into other whitespace pieces;
+  other ids), every line that differs counted and the first shown. A preset's folder, made by transformers from its
+  GGUF, agreed on 983 (SmolLM2: GPT-2's split without its digits one by one) and 993 (Gemma 3: its runs of spaces
+  merged as BPE pieces, not matched whole as SentencePiece matches user-defined pieces) of 1,000 held-out lines
+  until ``models.sources.own_tokenizer_rules`` gave back what the conversion lost: both now 1,000;
 - the logits of ``LOGIT_PROMPTS`` held-out prompts: at f16 within ``F16_TOLERANCE`` of the largest logit (f16
   weights round each product's inputs at 2^-11, and llama.cpp accumulates in its own order), every file reporting
   its largest difference and its argmax agreement;
