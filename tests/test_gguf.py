@@ -466,7 +466,8 @@ def test_plan_for_llama_cpp_refuses_what_it_cannot_hold_in_one_line(tiny_env, tm
     """A low-rank student has no llama.cpp form: refused before anything is written or timed (llama.cpp need not be
     here to say so); a --gguf without --runtime llamacpp and --runtime llamacpp without --precision likewise."""
     shot = tmp_path / "lr"
-    assert CliRunner().invoke(app, shot_args(tiny_env, shot, "--mac-ratio", "1.3", "--forms", "lowrank")).exit_code == 0
+    made = CliRunner().invoke(app, shot_args(tiny_env, shot, "--mac-ratio", "1.3", "--forms", "lowrank"))
+    assert made.exit_code == 0, made.output
     for argv, needle in (([str(shot), "--precision", "int4", "--runtime", "llamacpp"], "no llama.cpp form"),
                          ([str(shot), "--gguf", "q4_0"], "add --runtime llamacpp"),
                          ([str(shot), "--runtime", "llamacpp"], "add --precision int4"),

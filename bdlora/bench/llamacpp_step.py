@@ -65,15 +65,16 @@ def structure(config: dict, modules: list[dict]) -> list[LayerShape | None]:
     ffn = int(config["intermediate_size"])
     lowrank = [m["name"] for m in modules if m.get("form") == LOWRANK.name]
     if lowrank:
-        raise UsageError(f"--runtime llamacpp: {len(lowrank)} low-rank module(s) (e.g. {lowrank[0]}) have no llama.cpp "
-                         "form; plan a student of --forms channels,groups,layers")
+        raise UsageError(f"--runtime llamacpp: {len(lowrank)} low-rank module(s) (e.g. {lowrank[0]}) have no "
+                         "llama.cpp form; plan a student of --forms channels,groups,layers")
     if any(m.get("form") == VOCAB.name for m in modules):
-        raise UsageError("--runtime llamacpp: the LM head keeps fewer tokens (--forms vocab); llama.cpp's embedding and "
-                         "output share one vocabulary")
+        raise UsageError("--runtime llamacpp: the LM head keeps fewer tokens (--forms vocab); llama.cpp's embedding "
+                         "and output share one vocabulary")
     wide = [m["name"] for m in modules if m.get("bits")]
     if wide:
-        raise UsageError(f"--runtime llamacpp: {len(wide)} projection(s) kept at 8 bits (--forms bits, e.g. {wide[0]}): "
-                         "export gguf writes one type per file; plan a student of --forms channels,groups,layers")
+        raise UsageError(f"--runtime llamacpp: {len(wide)} projection(s) kept at 8 bits (--forms bits, e.g. "
+                         f"{wide[0]}): export gguf writes one type per file; plan a student of --forms "
+                         "channels,groups,layers")
     layers: dict[int, list[dict]] = {}
     for m in modules:
         parts = m["name"].split(".")
@@ -208,7 +209,8 @@ def _read(path: Path) -> StepTimes | None:
     return out if ok else None
 
 
-def _timed(files: dict[str, Path], vocab: int, threads: int, work: Path, reporter: Reporter) -> tuple[dict, str | None]:
+def _timed(files: dict[str, Path], vocab: int, threads: int, work: Path,
+           reporter: Reporter) -> tuple[dict, str | None]:
     """({file: decode ms/token, the median of its repeats}, why the repeats disagree or None)."""
     rows = time_genai({}, [["decode", 1, CONTEXT]], REPEATS, WARMUP, STEPS, vocab, work, reporter, ggufs=files,
                       threads=threads)
@@ -264,8 +266,8 @@ def predict(config: dict, modules: list[dict], quant: str, threads: int, cache: 
     layers = structure(config, modules)
     full = dense(config)
     if not family(config["model_type"], "model_type", loaded=False).gguf_per_layer and any(s != full for s in layers):
-        raise UsageError(f"--runtime llamacpp: a {base_type(str(config['model_type']))} student with pruned blocks has "
-                         "no llama.cpp form (deci is Llama's layer); plan a Llama, Mistral or Qwen2 student")
+        raise UsageError(f"--runtime llamacpp: a {base_type(str(config['model_type']))} student with pruned blocks "
+                         "has no llama.cpp form (deci is Llama's layer); plan a Llama, Mistral or Qwen2 student")
     kept = sum(s is not None for s in layers)
     plan_layout(with_layers(config, kept), tensors_of(config, layers))  # its refusals before anything is timed
     if int(config["vocab_size"]) < MIN_VOCAB:

@@ -218,7 +218,6 @@ def write_zero_gguf(path: Path, layout: GgufLayout, plan: list[Planned], quant: 
     writer, types, vocab = _begin(path, layout, plan, quant, name, add_vocab)
     fout = writer.fout[0]
     for p in plan:
-        qt = types[p.name]
         if p.value or len(p.shape) == 1:
             _write_tensor(writer, [np.asarray(p.value, np.float32) if p.value else np.ones(p.shape, np.float32)])
             continue
