@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bdlora.base.io import write_json
+from bdlora.base.io import sha256, write_json
 from bdlora.base.runs import CONFIG, ModelDir
-from bdlora.models.integrity import CONFIG_KEY, TOKENIZER_KEY, sha256, tokenizer_digests
+from bdlora.models.integrity import CONFIG_KEY, TOKENIZER_KEY, tokenizer_digests
 
 
 def write_model_files(folder: Path, model, tokenizer, report: dict | None) -> None:

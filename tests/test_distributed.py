@@ -233,7 +233,7 @@ def _edit_checkpoint(run, edit_tensors=None, **state):
     """Edit step-00000004 as a user could (checksums recomputed, so only the contents say what is wrong)."""
     from safetensors.torch import load_file, save_file
 
-    from bdlora.train.checkpoint import sha256
+    from bdlora.base.io import sha256
 
     ckpt = run / "checkpoints" / "step-00000004"
     if edit_tensors is not None:

@@ -147,8 +147,7 @@ def test_a_model_whose_tokenizer_starts_with_bos_sees_it_at_the_start_of_every_b
 
     from bdlora.data.blocks import DocumentBlocks, PackedBlocks
     from bdlora.data.documents import Corpus
-    from bdlora.data.tokens import tokenize_corpus
-    from bdlora.models.tokenizer import bos_first
+    from bdlora.data.tokens import bos_first, tokenize_corpus
 
     stream = np.arange(100)
     b = PackedBlocks(stream, 10, bos=7)

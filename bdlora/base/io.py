@@ -282,3 +282,12 @@ def _json_default(o: Any):
     if hasattr(o, "item"):
         return o.item()
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def sha256(path: Path, chunk: int = 1 << 20) -> str:
+    """The hex SHA-256 of the file at ``path``, read ``chunk`` bytes at a time."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

@@ -29,11 +29,10 @@ import numpy as np
 import torch
 
 from bdlora.base.errors import DataError
-from bdlora.base.io import atomic_dir, write_json
+from bdlora.base.io import atomic_dir, sha256, write_json
 from bdlora.base.reporter import SILENT, Reporter
 from bdlora.base.runs import CONFIG, CORPUS_FILE, TEACHER_SAMPLES
 from bdlora.data import runtime_samples
-from bdlora.models.integrity import sha256
 from bdlora.models.teacher import load_teacher, teacher_folder
 
 GEN_VERSION = 1

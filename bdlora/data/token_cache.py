@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bdlora.base.io import sha256
 from bdlora.base.runs import CORPUS_META
-from bdlora.models.integrity import sha256
 
 SPLITS = ("train", "val")
 DIGESTS = "sha256"  # in meta.json: {split: the SHA-256 of SPLIT.bin}

@@ -9,7 +9,6 @@ or be republished by ``export hf`` as if it were whole.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import struct
@@ -17,6 +16,7 @@ from pathlib import Path
 
 from bdlora import forms
 from bdlora.base.errors import ModelError, shown
+from bdlora.base.io import sha256
 from bdlora.base.runs import CONFIG, ModelDir
 from bdlora.models.arch import SUPPORTED_FAMILIES, unsupported
 from bdlora.models.families import BDLORA_PREFIX
@@ -28,14 +28,6 @@ TOKENIZER_KEY = "tokenizer_sha256"  # in compression.json and export.json: {file
 # or sentencepiece model). tokenizer_config.json is left out: a chat template added there changes no id.
 TOKENIZER_IDENTITY = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model", "spiece.model")
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own bound on the JSON header
-
-
-def sha256(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 WEIGHT_INDEX = "model.safetensors.index.json"  # a sharded checkpoint's map of tensor -> file (transformers')

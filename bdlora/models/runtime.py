@@ -16,9 +16,10 @@ from typing import ClassVar
 import numpy as np
 
 from bdlora.base.errors import ModelError, UsageError
+from bdlora.base.io import sha256
 from bdlora.base.runs import CONFIG, EXPORT_MARKER, GENAI_CONFIG, MODEL_ONNX, TOKENIZER_CONFIG, TOKENIZER_JSON
 from bdlora.forms import GROUPS
-from bdlora.models.integrity import CONFIG_KEY, TOKENIZER_KEY, check_tokenizer, sha256
+from bdlora.models.integrity import CONFIG_KEY, TOKENIZER_KEY, check_tokenizer
 from bdlora.models.scoring import score_logits
 from bdlora.models.tokenizer import TextTokenizer, check_vocabulary
 

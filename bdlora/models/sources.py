@@ -24,11 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bdlora.base.errors import ModelError
-from bdlora.base.io import atomic_dir, write_json
+from bdlora.base.io import atomic_dir, sha256, write_json
 from bdlora.base.runs import CONFIG
 from bdlora.data.tokens import default_cache_dir
 from bdlora.models.families import GGUF_SPM_TOKENIZER
-from bdlora.models.integrity import sha256
 
 
 @dataclass(frozen=True)

@@ -152,22 +152,3 @@ def _content(tok) -> str | None:
     if isinstance(tok, dict):
         return tok.get("content")
     return tok if isinstance(tok, str) else None
-
-
-def bos_first(tokenizer) -> int | None:
-    """The BOS id the tokenizer starts every encoded text with, or None when it adds none (SmolLM2's, the builtin
-    teacher's). A model whose tokenizer adds one was trained with it at position 0 and is scored and trained that way
-    (``PackedBlocks(bos=...)``): Gemma 3 270M's held-out perplexity on the builtin corpus in blocks of 128 is 20.9
-    with it and 160.7 without (512: 12.6 and 29.4)."""
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is None:
-        return None
-    ids = tokenizer("a")["input_ids"]
-    return int(bos) if ids and ids[0] == bos else None
-
-
-def encode_prompt(tokenizer, text: str, bos: int | None) -> list[int]:
-    """``text``'s tokens as the model reads a sequence: after ``bos`` when its tokenizer starts every text with one
-    (``data.bos_first``: Gemma's), its special tokens otherwise left out."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return [bos, *ids] if bos is not None else ids

@@ -23,9 +23,9 @@ from pathlib import Path
 
 from bdlora import SCHEMA_VERSION
 from bdlora.base.errors import BdloraError, RunDirError, UsageError
-from bdlora.base.io import read_json, write_json
+from bdlora.base.io import read_json, sha256, write_json
 from bdlora.base.runs import BENCH_JSON, EXPORT_MARKER, MODEL_ONNX, BenchDir, ModelDir, RunDir
-from bdlora.models.integrity import check_model_folder, check_safetensors, sha256
+from bdlora.models.integrity import check_model_folder, check_safetensors
 from bdlora.models.runtime import check_onnx_dir
 
 STEPS_FILE = "steps.json"  # in the ship folder: every finished step's record

@@ -12,7 +12,6 @@ checkpoint and stops, so an interrupted run loses nothing and never saves a half
 from __future__ import annotations
 
 import ast
-import hashlib
 import json
 import random
 import re
@@ -26,7 +25,7 @@ import numpy as np
 import torch
 
 from bdlora.base.errors import RunDirError, Terminated, UsageError, flag
-from bdlora.base.io import atomic_dir, load_tensors, read_json, save_tensors, write_json, write_text
+from bdlora.base.io import atomic_dir, load_tensors, read_json, save_tensors, sha256, write_json, write_text
 from bdlora.base.runs import CKPT_OPTIMIZER, CKPT_RNG, CKPT_STATE, CKPT_TRAINABLE, CONFIG, RunDir
 from bdlora.train.config import TrainConfig, resolve_path
 
@@ -61,14 +60,6 @@ def _set_rng_state(tensors: dict, meta: dict) -> None:
     random.setstate(ast.literal_eval(meta["python"]))
     n = meta["numpy"]
     np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), *n[2:]))
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, scheduler, method, extra: dict,

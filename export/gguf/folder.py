@@ -13,7 +13,7 @@ from pathlib import Path
 
 from bdlora import SCHEMA_VERSION
 from bdlora.base.errors import Checks, ModelError, UsageError
-from bdlora.base.io import atomic_dir, read_json, write_json
+from bdlora.base.io import atomic_dir, read_json, sha256, write_json
 from bdlora.base.outputs import check_out_dir, free_space
 from bdlora.base.reporter import SILENT, Reporter
 from bdlora.base.runs import CONFIG, EXPORT_MARKER, MODEL_GGUF, ModelDir
@@ -24,7 +24,7 @@ from bdlora.export.gguf import llamacpp, vocab
 from bdlora.export.gguf.layout import GgufLayout, Planned, plan_layout, tensor_plan
 from bdlora.export.gguf.writer import nbytes, qtype_of, write_gguf
 from bdlora.export.settings import GgufExportSettings
-from bdlora.models.integrity import check_loadable, folder_tensors, sha256
+from bdlora.models.integrity import check_loadable, folder_tensors
 
 MODELFILE = "Modelfile"
 
