@@ -33,9 +33,9 @@ import time
 
 import numpy as np
 
-from bdlora.base.errors import usable_cores
 from bdlora.base.memory import release_freed_memory
 from bdlora.base.runs import all_logits_graph
+from bdlora.base.threads import ThreadPool
 from bdlora.serve.engine import Engine
 from bdlora.serve.fair import reserved_slots
 from bdlora.serve.sequence import Request, Sequence
@@ -162,7 +162,7 @@ class GenaiEngine(Engine):
         # this server's thread count (default: the usable cores) over the folder's session options, so a folder
         # exported on another machine, or without a count (onnxruntime-genai then runs it on ONE thread, measured
         # 1.4-1.6x slower on 2 cores), uses this machine's cores
-        self.intra_op_threads = threads or usable_cores()
+        self.intra_op_threads = ThreadPool(threads).count
         # the folder's model.onnx computes each row's last position only (what generation reads); proposals are
         # verified on every position's logits (its twin), and a prompt echoed with logprobs is scored on them too
         scoring = all_logits_graph(self.dir)

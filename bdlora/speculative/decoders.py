@@ -20,8 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bdlora.base.errors import ModelError, usable_cores
+from bdlora.base.errors import ModelError
 from bdlora.base.runs import EXPORT_MARKER, GENAI_CONFIG, MODEL_ONNX, all_logits_graph
+from bdlora.base.threads import ThreadPool
 from bdlora.models.integrity import TOKENIZER_KEY, tokenizer_digests
 from bdlora.models.runtime import DecoderShape, check_onnx_dir, empty_past, run_bound, session
 
@@ -104,7 +105,7 @@ def genai_model(og, folder: Path, threads: int | None = None, filename: str | No
     """An ``og.Model`` of ``folder`` on ``threads`` intra-op threads (default: the usable cores) without the CPU
     memory arena (as ``bdlora serve`` runs it), its graph ``filename`` when another than the folder's own."""
     config = og.Config(str(folder))
-    decoder: dict = {"session_options": {"intra_op_num_threads": threads or usable_cores(),
+    decoder: dict = {"session_options": {"intra_op_num_threads": ThreadPool(threads).count,
                                          "enable_cpu_mem_arena": False}}
     if filename:
         decoder["filename"] = filename
@@ -134,7 +135,7 @@ class DecoderFactory:
             decoder = json.loads((self.folder / GENAI_CONFIG).read_text())["model"]["decoder"]
             self.all_rows = not last_row_only(self.folder / (filename or decoder.get("filename", MODEL_ONNX)))
         else:
-            self.sess = session(self.folder / onnx_file, threads=threads or usable_cores())
+            self.sess = session(self.folder / onnx_file, threads=ThreadPool(threads).count)
             self.all_rows = True
 
     @classmethod
