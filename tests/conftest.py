@@ -302,14 +302,15 @@ def allocate_with(shapes, energy: dict, ratio: float, step: int | None = None, c
     ``layers`` each layer's removal error, ``wide`` (8-bit time, error given back) per projection, ``head`` the LM
     head's (8-bit time, 4-bit time, error added) and ``vocab`` its [(tokens kept, 8-bit time, error)] (bits and
     vocab)."""
-    from bdlora.compress.allocate import RANK_STEP, Pricing, allocate, mac_cost
+    from bdlora.compress.allocate import Pricing, allocate
+    from bdlora.compress.forms.bits import NARROW_BITS
+    from bdlora.compress.forms.bits import STEP as BITS
+    from bdlora.compress.forms.layers import STEP as LAYERS
+    from bdlora.compress.forms.lowrank import rank_choices
+    from bdlora.compress.forms.vocab import STEP as VOCAB
+    from bdlora.compress.pricing import RANK_STEP, mac_cost
     from bdlora.forms import CHANNELS, GROUPS, HEAD, WIDE_BITS
-    from bdlora.forms.bits import NARROW_BITS
-    from bdlora.forms.bits import STEP as BITS
     from bdlora.forms.context import Choice
-    from bdlora.forms.layers import STEP as LAYERS
-    from bdlora.forms.lowrank import rank_choices
-    from bdlora.forms.vocab import STEP as VOCAB
 
     cost = cost or mac_cost
     offers: dict = {}

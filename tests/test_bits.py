@@ -19,8 +19,8 @@ import bdlora.export.genai.latency as lat
 from bdlora.base.io import write_json
 from bdlora.cli import app
 from bdlora.compress.calibrate import calibrate
+from bdlora.compress.forms.lowrank import FISHER_DAMPING
 from bdlora.export.genai.quantize import quantize_nbits, rtn_rounded
-from bdlora.forms.lowrank import FISHER_DAMPING
 from bdlora.models.arch import projection_modules
 from bdlora.models.costs import ModuleShape
 from conftest import allocate_with

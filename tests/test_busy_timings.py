@@ -132,7 +132,7 @@ def test_a_refusal_on_clean_times_names_them_and_unclean_times_refuse_nothing():
     times measured unclean: no refusal; the allocation is made at the reach (less the buckets' margin) and says so."""
     import numpy as np
 
-    from bdlora.forms.lowrank import rank_offers
+    from bdlora.compress.forms.lowrank import rank_offers
 
     offers = rank_offers(SHAPES, {s.name: np.ones(64) for s in SHAPES}, _cost)
     clean = Pricing(_cost, "int4 microsecond", measured="/c/latency/int4-t2-x.json")

@@ -16,9 +16,10 @@ from test_oneshot import shot_args
 from typer.testing import CliRunner
 
 from bdlora.cli import app
-from bdlora.compress.allocate import knapsack, mac_cost
-from bdlora.forms.channels import channel_order, keep_grid, probe_shapes, prune, site_options
-from bdlora.forms.lowrank import FISHER_DAMPING, damped
+from bdlora.compress.allocate import knapsack
+from bdlora.compress.forms.channels import channel_order, keep_grid, probe_shapes, prune, site_options
+from bdlora.compress.forms.lowrank import FISHER_DAMPING, damped
+from bdlora.compress.pricing import mac_cost
 from bdlora.models.costs import ModuleShape
 from conftest import allocate_with
 
@@ -355,7 +356,7 @@ def test_width_multiple_keeps_every_pruned_input_on_its_grid(tiny_env, tmp_path)
     """compress --one-shot --width-multiple 64 (256 for llama.cpp's K-quants): every kept MLP width and every kept
     attention width (o's input: kept heads x head size) a multiple of it, so a K-quant rounds each row whole; the
     grid functions offer only those widths; a value off the int4 block is refused in one line."""
-    from bdlora.forms.groups import GroupOrder, group_options
+    from bdlora.compress.forms.groups import GroupOrder, group_options
     from conftest import genai_teacher
 
     shapes = [ModuleShape("m.down_proj", 1024, 64), ModuleShape("m.up_proj", 64, 1024)]

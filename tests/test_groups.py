@@ -18,9 +18,9 @@ from test_channels import _serves_its_greedy_generation, benched, healed_and_com
 from typer.testing import CliRunner
 
 from bdlora.cli import app
-from bdlora.compress.allocate import mac_cost
-from bdlora.forms.groups import group_options, group_order, probe_shapes, prune
-from bdlora.forms.lowrank import FISHER_DAMPING, damped
+from bdlora.compress.forms.groups import group_options, group_order, probe_shapes, prune
+from bdlora.compress.forms.lowrank import FISHER_DAMPING, damped
+from bdlora.compress.pricing import mac_cost
 from bdlora.models.costs import ModuleShape
 from conftest import allocate_with
 

@@ -22,10 +22,10 @@ import bdlora.export.genai.latency as lat
 from bdlora.base.io import read_json, write_json
 from bdlora.cli import app
 from bdlora.compress.allocate import Allocation
+from bdlora.compress.forms.lowrank import FISHER_DAMPING
 from bdlora.export.genai.quantize import rtn_rounded
 from bdlora.export.settings import GenaiExportSettings
 from bdlora.forms import HEAD, HEAD_BITS
-from bdlora.forms.lowrank import FISHER_DAMPING
 from conftest import allocate_with
 
 HEAD_X = 10.0  # the hand-made int8 head costs this many times its int4 time (so buying 4 bits pays at once)

@@ -200,8 +200,8 @@ def test_a_speedup_beyond_any_structure_is_refused_from_the_shapes_alone(tiny_en
     what the forms' cheapest structure does in MACs is refused from the teacher's shapes before any of that, in ship
     and in the one-shot (a MAC ratio exactly, a whole-step speed-up past twice the MAC ceiling)."""
     from bdlora.base.threads import from_options
+    from bdlora.compress.forms.channels import CHANNEL_STEP
     from bdlora.forms import CHANNEL_FLOOR, reach_problem
-    from bdlora.forms.channels import CHANNEL_STEP
     from bdlora.ship import run as ship_run
     from bdlora.ship.config import ShipConfig
 

@@ -17,7 +17,8 @@ import bdlora.export.genai.latency as lat
 from bdlora.base import load
 from bdlora.base.io import write_json
 from bdlora.cli import app
-from bdlora.compress.allocate import BUCKETS, options
+from bdlora.compress.allocate import BUCKETS
+from bdlora.compress.pricing import options
 from bdlora.models.costs import ModuleShape
 from conftest import allocate_with
 
@@ -214,7 +215,7 @@ def _hand_table(cache, shapes, slow_pairs: tuple[tuple[int, int], ...], threads=
         from test_whole_decode import hand_overhead
         from transformers import AutoConfig
 
-        from bdlora.forms.groups import site_probes
+        from bdlora.compress.forms.groups import site_probes
 
         config = AutoConfig.from_pretrained(teacher).to_dict()
         hidden, half = config["hidden_size"], half_width(config)

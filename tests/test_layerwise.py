@@ -140,7 +140,7 @@ def test_a_shared_build_is_the_copied_one_without_the_copies(tiny_model):
     """The one-shot builds its folder's model on the source's own tensors (``share``): the same state dict as the
     copying build, bit for bit, no parameter left on the meta device, and the dense projections' storage the
     source's."""
-    from bdlora.forms.lowrank import factored
+    from bdlora.compress.forms.lowrank import factored
     from bdlora.models.arch import projection_modules
     from bdlora.models.budgeted.model import build_deployed_model
     from bdlora.models.costs import ModuleShape

@@ -6,9 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bdlora.compress.allocate import BUCKETS, break_even, options
+from bdlora.compress.allocate import BUCKETS
 from bdlora.compress.calibrate import calibrate, calibration_blocks, input_group
-from bdlora.forms.lowrank import factors, spectrum
+from bdlora.compress.forms.lowrank import factors, spectrum
+from bdlora.compress.pricing import break_even, options
 from bdlora.models.costs import ModuleShape
 from conftest import allocate_with
 
@@ -179,7 +180,7 @@ def test_factors_do_not_depend_on_the_sign_an_eigensolver_returns(seed, shape, r
     """Issue 89: the same one-shot gave opposite factors on machines with and without AVX-512 (an eigenvector is
     unique only up to its sign). Each direction's sign is fixed (``column_signs``): a spectrum whose basis columns
     were negated gives the same factors, every column's largest entry is positive, and the product is unchanged."""
-    from bdlora.forms.lowrank import Spectrum
+    from bdlora.compress.forms.lowrank import Spectrum
     from bdlora.models.budgeted.layer import column_signs
 
     w, x = _data(*shape, seed=seed)

@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 from bdlora.cli import app
 from bdlora.compress.allocate import knapsack
 from bdlora.compress.calibrate import calibrate
-from bdlora.forms.layers import removal_errors, renumbered
-from bdlora.forms.lowrank import FISHER_DAMPING
+from bdlora.compress.forms.layers import removal_errors, renumbered
+from bdlora.compress.forms.lowrank import FISHER_DAMPING
 from bdlora.models.costs import ModuleShape
 from bdlora.models.depth import take_layers
 from conftest import allocate_with

@@ -96,7 +96,7 @@ def test_compression_cases_1_and_3_stay_exact_on_the_residual_form(student_and_s
 def test_compression_case_2_is_the_truncated_svd_of_the_residual():
     """SVD case on the residual form: the deployed pair differs from the trained module by at most the first
     discarded singular value of d (W - B A), exactly as on the paper's form (SPEC 6.2)."""
-    from bdlora.forms.lowrank import factors, spectrum
+    from bdlora.compress.forms.lowrank import factors, spectrum
     from bdlora.models.budgeted.layer import GatedLoRALinear
 
     torch.manual_seed(0)
@@ -146,7 +146,7 @@ def test_plain_svd_start_is_worse_on_real_inputs_than_whitened(student_and_start
     """On the calibration tokens, every module's whitened factors approximate it at least as well as plain SVD
     of the same rank (in the activation norm)."""
     from bdlora.compress.calibrate import calibrate, calibration_blocks
-    from bdlora.forms.lowrank import factors, spectrum
+    from bdlora.compress.forms.lowrank import factors, spectrum
 
     student, _ = student_and_start
     calib = calibrate(student, calibration_blocks(blocks, 512), fisher=False)

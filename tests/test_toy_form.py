@@ -1,23 +1,22 @@
-"""Issue 77: adding an allocated form touches only its own module and the registry line. A toy form, ``halves`` (an
-up projection may ship as its own weight halved, priced at half its MACs: meaningless as compression, a probe of the
-plumbing), is added here as a module and one line of the registry; the one-shot's structure offers its choices to the
-one knapsack, which takes them without knowing the form, and the form deploys what was chosen from its own
-decisions. Nothing in compress/ names it."""
+"""Issues 77 and 90: adding an allocated form touches only its own module, the registry line and the table line. A
+toy form, ``halves`` (an up projection may ship as its own weight halved, priced at half its MACs: meaningless as
+compression, a probe of the plumbing), is added here as a module (the class below), its name in the registry and its
+step in the one table of steps (``compress.forms.STEPS``); the one-shot's structure offers its choices to the one
+knapsack, which takes them without knowing the form, and the form deploys what was chosen from its own decisions.
+Nothing else in compress/ names it."""
 
 from __future__ import annotations
-
-import sys
-import types
 
 import numpy as np
 import torch
 
 from bdlora import forms as registry
 from bdlora.compress.config import OneShotConfig
+from bdlora.compress.forms import STEPS
+from bdlora.compress.forms.lowrank import factored
 from bdlora.compress.oneshot import one_shot_structure
 from bdlora.data.blocks import PackedBlocks
 from bdlora.forms.context import BaseStep, Choice
-from bdlora.forms.lowrank import factored
 
 TOY = "halves"
 
@@ -42,11 +41,9 @@ class HalvesStep(BaseStep):
         return out
 
 
-def test_a_toy_form_touches_only_its_module_and_the_registry_line(tiny_model, monkeypatch):
-    module = types.ModuleType(f"bdlora.forms.{TOY}")
-    module.STEP = HalvesStep()
-    monkeypatch.setitem(sys.modules, module.__name__, module)  # its module
+def test_a_toy_form_touches_only_its_module_the_registry_line_and_the_table_line(tiny_model, monkeypatch):
     monkeypatch.setattr(registry, "ALLOCATED_FORMS", (*registry.ALLOCATED_FORMS, TOY))  # the registry line
+    monkeypatch.setitem(STEPS, TOY, HalvesStep())  # the table line (its module: the class above)
 
     layers = tiny_model.config.num_hidden_layers
     ups = [f"model.layers.{i}.mlp.up_proj" for i in range(layers)]

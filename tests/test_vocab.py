@@ -60,7 +60,7 @@ def draft(tiny_env, tmp_path_factory):
     """A one-shot draft of a genai-shaped teacher (vocabulary 320) with --forms layers,vocab --speedup 1.6 at int4,
     against hand-made tables where the 8-bit head dominates the step (``head_tables``) and a head keeping K tokens
     costs K / 320 of it."""
-    import bdlora.forms.vocab as vocab
+    import bdlora.compress.forms.vocab as vocab
     from conftest import genai_teacher
 
     root = tmp_path_factory.mktemp("vocab")
@@ -154,8 +154,8 @@ def test_only_vocabularies_holding_most_of_the_teachers_choices_are_offered():
     the probability outside it, summed over the tokens; the source's full head comes first at no error."""
     from types import SimpleNamespace
 
+    from bdlora.compress.forms.vocab import MIN_COVERAGE, STEP
     from bdlora.forms.context import OneShotContext
-    from bdlora.forms.vocab import MIN_COVERAGE, STEP
 
     vocab = 128
     mass = np.zeros(vocab)

@@ -144,8 +144,8 @@ def test_the_whole_step_budget_prices_each_layers_rest():
 def test_a_narrower_mlp_carries_its_share_of_the_rest():
     """An MLP site's options carry the width-scaled part of its layer's rest: keeping 128 of 256 channels costs
     half of it. With m = 4,000 the site alone can meet 1.25x of the whole step by channels."""
-    from bdlora.compress.allocate import mac_cost
-    from bdlora.forms.channels import site_options
+    from bdlora.compress.forms.channels import site_options
+    from bdlora.compress.pricing import mac_cost
     from conftest import allocate_with
 
     mlp = [ModuleShape("model.layers.0.mlp.gate_proj", 64, 256), ModuleShape("model.layers.0.mlp.up_proj", 64, 256),

@@ -52,6 +52,8 @@ from bdlora.base.reporter import SILENT, Reporter
 from bdlora.base.schemes import DEFAULT_SCHEME, PRECISIONS, WIDE, mixed, scheme
 from bdlora.base.threads import ThreadPool
 from bdlora.bench.genai import _stand_in_tokenizer, time_genai
+from bdlora.compress.forms.bits import head_shape
+from bdlora.compress.forms.channels import CHANNEL_STEP
 from bdlora.deployed.modeling_bdlora import BDLORA_CLASSES
 from bdlora.export.genai.folder import deployment
 from bdlora.export.genai.latency import (
@@ -60,8 +62,6 @@ from bdlora.export.genai.latency import (
     latency_table,
 )
 from bdlora.export.settings import GenaiExportSettings
-from bdlora.forms.bits import head_shape
-from bdlora.forms.channels import CHANNEL_STEP
 from bdlora.models.arch import layer_of
 from bdlora.models.costs import Deployed, ModuleShape, shapes_from_config
 from bdlora.models.families import base_type, with_layers

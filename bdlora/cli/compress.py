@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from bdlora.base.errors import Checks, UsageError, flag, usable_cores
+from bdlora.base.errors import Checks, UsageError, flag
 from bdlora.base.runs import RUNS_DIR, ModelDir, RunDir, one_shot_out
 from bdlora.base.schemes import DEFAULT_SCHEME, mixed, quant_problem
 from bdlora.base.threads import ThreadPool, from_options
@@ -147,8 +147,8 @@ def _check_runtime(runtime: str, gguf: str | None, precision: str | None, specul
         c.require(runtime == "llamacpp", f"--gguf {gguf}: the GGUF type of --runtime llamacpp; add --runtime llamacpp")
         c.choice("gguf", gguf, GGUF_QUANTS)
     if runtime == "llamacpp":
-        c.require(precision is not None, "--runtime llamacpp: predicts the decode step at a precision; add --precision "
-                  "int4 (llama.cpp's q4_k_m; --gguf picks another type)")
+        c.require(precision is not None, "--runtime llamacpp: predicts the decode step at a precision; add "
+                  "--precision int4 (llama.cpp's q4_k_m; --gguf picks another type)")
         c.require(not speculative, "--runtime llamacpp: --speculative predicts onnxruntime-genai's drafted decoding; "
                   "drop one of them")
     c.done()
@@ -159,7 +159,7 @@ def _llamacpp_prediction(report: dict, config: dict, quant: str, threads: int | 
     (``bench.llamacpp_step``: both written as export gguf would, with zero weights, and timed in llama.cpp)."""
     from bdlora.bench.llamacpp_step import predict
 
-    return predict(config, report["modules"], quant, threads or usable_cores(), default_cache_dir(), reporter)
+    return predict(config, report["modules"], quant, ThreadPool(threads).count, default_cache_dir(), reporter)
 
 
 def _speculative(folder, report: dict, precision: str, threads, quant, json_out: bool) -> dict:
@@ -175,7 +175,7 @@ def _speculative(folder, report: dict, precision: str, threads, quant, json_out:
         return table.prediction(shapes)["decode_us"]
 
     return predict_speculative(Path(folder), report, report["deployed"]["decode_us"], teacher_step, precision,
-                               threads or usable_cores(), default_cache_dir(), quant or DEFAULT_SCHEME,
+                               ThreadPool(threads).count, default_cache_dir(), quant or DEFAULT_SCHEME,
                                reporter=reporter)
 
 
@@ -300,7 +300,7 @@ def _deployed_prediction(report: dict, precision: str, threads: int | None, repo
     """The planned structure's decode time at ``precision`` from the measured table of its forms (low-rank pairs,
     MLPs keeping fewer channels, attention blocks keeping fewer groups, removed layers, projections kept at 8 bits):
     its projections, and the whole step against the dense model of ``config`` (``bench.whole``)."""
-    from bdlora.forms.groups import site_probes
+    from bdlora.compress.forms.groups import site_probes
 
     mods = report["modules"]
     shapes = [ModuleShape(m["name"], m["in_features"], m["out_features"]) for m in mods]
@@ -369,5 +369,5 @@ def cost_model(precision: str | None, threads: int | None, cache: Path | None, r
         return None
     from bdlora.bench.whole import MeasuredCosts
 
-    return MeasuredCosts(precision, threads or usable_cores(), cache or default_cache_dir(), reporter,
+    return MeasuredCosts(precision, ThreadPool(threads).count, cache or default_cache_dir(), reporter,
                          quant or DEFAULT_SCHEME)

@@ -24,47 +24,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bdlora.base.errors import UsageError
+from bdlora.compress.pricing import Cost, Option, mac_cost
 from bdlora.forms import HEAD, WIDE_BITS
 from bdlora.forms.context import Choice
 from bdlora.models.arch import layer_of
 from bdlora.models.costs import Deployed, ModuleShape
-
-RANK_STEP = 8  # ranks above 8 are multiples of 8 (GEMM kernels run them at full speed; the search stays small)
-
-
-def break_even(shape: ModuleShape) -> int:
-    """The smallest rank whose pair costs at least the dense product (SPEC 6.3's "never slower than dense")."""
-    i, o = shape.in_features, shape.out_features
-    return -(-i * o // (i + o))
-
-
-def rank_grid(limit: int, step: int = RANK_STEP) -> list[int]:
-    """Candidate ranks below ``limit``: 1, 2, 4, ... up to ``step``, then multiples of ``step``."""
-    small = [1 << k for k in range(step.bit_length()) if (1 << k) < step]
-    return [r for r in small + list(range(step, limit, step)) if r < limit]
-
-
-Cost = Callable[[ModuleShape, int], float]  # (module, rank; 0 = dense) -> what the budget counts
-
-
-def mac_cost(shape: ModuleShape, rank: int) -> float:
-    return float(shape.lora_cost(rank) if rank else shape.dense_cost)
-
-
-def options(shape: ModuleShape, energy: np.ndarray, step: int = RANK_STEP,
-            cost: Cost = mac_cost) -> list[tuple[int, float, float]]:
-    """(rank, cost, error) of every form of one module: dense (rank 0, error 0) and each rank of ``rank_grid``
-    below break-even, within the spectrum and cheaper than dense by ``cost`` (with a measured cost a pair may not pay
-    at any rank: the module then stays dense); ``energy`` is the per-component error (descending importance)."""
-    w = np.clip(np.asarray(energy, dtype=np.float64), 0.0, None)
-    tail = np.concatenate([np.cumsum(w[::-1])[::-1], [0.0]])  # tail[r] = error at rank r
-    dense = cost(shape, 0)
-    out = [(0, dense, 0.0)]
-    for r in rank_grid(min(break_even(shape), len(w) + 1), step):
-        c = cost(shape, r)
-        if c < dense:
-            out.append((r, c, float(tail[r])))
-    return out
 
 
 @dataclass
@@ -154,7 +118,6 @@ class BeyondReach(UsageError):
 REACH_MARGIN = 0.02  # an unclean target beyond reach is allocated this far below the reach (the buckets' rounding)
 BUCKETS = 1 << 16  # the MAC budget's resolution in the allocation (module costs are rounded up to 1/65536 of it)
 
-Option = tuple[object, float, float]  # (what is chosen, its cost, its error)
 
 
 Group = tuple[int, int, float, float]  # items[start:stop] replaced together by one alternative of (cost, error)

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from bdlora.base.errors import DataError, ModelError
+from bdlora.compress.forms.lowrank import FISHER_DAMPING
 from bdlora.forms import HEAD  # the LM head's key in ``Calibration.rounding`` (``calibrate(..., head=True)``)
-from bdlora.forms.lowrank import FISHER_DAMPING
 from bdlora.models.arch import projection_modules
 from bdlora.models.sequential import gram_hook
 

@@ -14,7 +14,6 @@ the same corpus, whose settings the report keeps, so ``eval`` scores the same sl
 from __future__ import annotations
 
 import copy
-import importlib
 import time
 from pathlib import Path
 
@@ -29,6 +28,9 @@ from bdlora.compress.allocate import MACS, Pricing
 from bdlora.compress.calibrate import calibration_blocks
 from bdlora.compress.config import OneShotConfig
 from bdlora.compress.correct import correct_sequential
+from bdlora.compress.forms import STEPS
+from bdlora.compress.forms.layers import renumbered
+from bdlora.compress.forms.lowrank import factored
 from bdlora.compress.layerwise import GramStore, calibrate_layers
 from bdlora.compress.start import (
     allocate_by,
@@ -42,8 +44,6 @@ from bdlora.data.selfgen import TeacherSource
 from bdlora.deployed.folder import save_model_folder
 from bdlora.forms import HEAD, REMOVED
 from bdlora.forms.context import OneShotContext
-from bdlora.forms.layers import renumbered
-from bdlora.forms.lowrank import factored
 from bdlora.models.arch import projection_modules, set_module
 from bdlora.models.budgeted.model import build_deployed_model
 from bdlora.models.costs import CostModel, ModuleShape, compression_report, removed_decision
@@ -137,12 +137,11 @@ def calibrate_layers_with_progress(model, blocks, reporter: Reporter = SILENT, *
 
 
 def step(name: str):
-    """What allocated form ``name`` does in the one-shot (``forms.<name>.STEP``, a ``forms.context.Step``): the one
-    place a form's name leads to its behaviour (PEFT's dispatch of tuner variants). Loaded here, in compression's
-    layer, where the forms' modules sit; the registry (``bdlora.forms``) names them and stays below."""
-    if name not in registry.ALLOCATED_FORMS:  # read from the registry when called: a form added there is known here
+    """What allocated form ``name`` does in the one-shot (``compress.forms.STEPS``, a ``forms.context.Step``): the
+    one place a form's name leads to its behaviour (PEFT's dispatch of tuner variants)."""
+    if name not in registry.ALLOCATED_FORMS or name not in STEPS:  # read when called: a form added is known here
         raise ValueError(f"form {name!r}: allocated forms are {', '.join(registry.ALLOCATED_FORMS)}")
-    return importlib.import_module(f"bdlora.forms.{name}").STEP
+    return STEPS[name]
 
 
 def pricing(model, table, cfg: OneShotConfig) -> Pricing:

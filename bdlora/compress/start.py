@@ -24,9 +24,10 @@ import torch
 
 from bdlora.base.io import load_tensors, read_json, save_tensors, write_json
 from bdlora.base.reporter import SILENT, Reporter
-from bdlora.compress.allocate import MACS, Allocation, Pricing, allocate, break_even, greedy_targets, mac_cost
+from bdlora.compress.allocate import MACS, Allocation, Pricing, allocate, greedy_targets
 from bdlora.compress.calibrate import calibrate, calibration_blocks
-from bdlora.forms.lowrank import factors, gram_root, rank_offers, spectrum
+from bdlora.compress.forms.lowrank import factors, gram_root, rank_offers, spectrum
+from bdlora.compress.pricing import break_even, mac_cost
 from bdlora.models.arch import projection_modules
 from bdlora.models.budgeted.config import BudgetedConfig
 from bdlora.models.costs import ModuleShape, compression_report, decide_module

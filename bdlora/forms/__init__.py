@@ -23,12 +23,13 @@ from bdlora.base.schemes import MIXED, mixed
 
 ALLOCATED_FORMS = ("lowrank", "channels", "groups", "layers", "bits", "vocab")  # what --forms may name: a
 # projection's, an MLP's, an attention block's, a whole decoder layer's form, a projection's width at int4, or the
-# LM head's vocabulary (a draft's: the teacher verifies every token); each is a module of this package with the
-# one-shot's step (``step``). ONE_SHOT_FORMS: what ``compress --one-shot`` chooses among unless --forms says otherwise:
-# a low-rank pair or an MLP keeping fewer channels (dense: the runtime's best kernel at every precision). SmolLM2-135M
-# at --mac-ratio 1.2 (8,192 calibration tokens of builtin:1,prose:1, 8,192 held-out each; teacher 17.86 / 11.32 /
-# 52.62): lowrank alone 23.53 builtin / 12.58 prose / 104.07 fortunes, channels alone 23.61 / 12.70 / 105.61,
-# both 20.74 / 12.64 / 83.02 (16 MLPs narrower, 50 pairs). Groups and layers were never chosen at that budget.
+# LM head's vocabulary (a draft's: the teacher verifies every token); each is a module of ``bdlora.compress.forms``
+# with the one-shot's step, found by its line in that package's ``STEPS``. ONE_SHOT_FORMS: what ``compress
+# --one-shot`` chooses among unless --forms says otherwise: a low-rank pair or an MLP keeping fewer channels (dense:
+# the runtime's best kernel at every precision). SmolLM2-135M at --mac-ratio 1.2 (8,192 calibration tokens of
+# builtin:1,prose:1, 8,192 held-out each; teacher 17.86 / 11.32 / 52.62): lowrank alone 23.53 builtin / 12.58 prose /
+# 104.07 fortunes, channels alone 23.61 / 12.70 / 105.61, both 20.74 / 12.64 / 83.02 (16 MLPs narrower, 50 pairs).
+# Groups and layers were never chosen at that budget.
 ONE_SHOT_FORMS = "lowrank,channels"
 
 WIDE_BITS = 8  # ``"bits": 8`` on a projection: it ships at 8 bits in an int4 export (chosen by ``--forms bits``)

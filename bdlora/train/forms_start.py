@@ -27,11 +27,11 @@ from bdlora.base.reporter import SILENT, Reporter
 from bdlora.base.runs import ModelDir, RunDir
 from bdlora.compress.allocate import Allocation
 from bdlora.compress.config import OneShotConfig
+from bdlora.compress.forms.layers import renumbered
+from bdlora.compress.forms.lowrank import factored
 from bdlora.compress.oneshot import one_shot_structure
 from bdlora.compress.start import LowRankStart, capped_rank, compute_start, shapes_of
 from bdlora.deployed.folder import save_model_folder
-from bdlora.forms.layers import renumbered
-from bdlora.forms.lowrank import factored
 from bdlora.models.arch import projection_modules
 from bdlora.models.budgeted.model import build_deployed_model
 from bdlora.models.costs import ModuleShape, compression_report

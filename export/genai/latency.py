@@ -44,7 +44,7 @@ from bdlora.base.errors import UsageError, usable_cores
 from bdlora.base.io import read_json, write_json
 from bdlora.base.reporter import SILENT, Reporter
 from bdlora.base.schemes import DEFAULT_SCHEME, PRECISIONS, ROUNDED, rounded, scheme
-from bdlora.compress.allocate import break_even
+from bdlora.compress.pricing import break_even
 from bdlora.export.genai.affine import augment_nodes
 from bdlora.export.genai.gptq import BLOCK_SIZE, nbits_node
 from bdlora.export.genai.quantize import scheme_rounded

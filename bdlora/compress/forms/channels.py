@@ -29,10 +29,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from bdlora.compress.allocate import Cost, Option
+from bdlora.compress.forms.lowrank import damped, output_weights
+from bdlora.compress.pricing import Cost, Option
 from bdlora.forms import MLP_PROJECTIONS, WIDTH_MULTIPLE
 from bdlora.forms.context import BaseStep, Choice, OneShotContext
-from bdlora.forms.lowrank import damped, output_weights
 from bdlora.models.budgeted.layer import DeployedModule
 from bdlora.models.costs import ModuleShape, prune_decision
 

@@ -20,8 +20,8 @@ which go with it: a removed layer saves more decode time than it is priced at.
 
 from __future__ import annotations
 
+from bdlora.compress.forms.lowrank import output_weights
 from bdlora.forms.context import BaseStep, Choice, OneShotContext
-from bdlora.forms.lowrank import output_weights
 
 
 def layer_prefix(index: int) -> str:

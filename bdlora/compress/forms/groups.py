@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from bdlora.compress.allocate import Cost, Option
+from bdlora.compress.forms.channels import drop_products, refit_columns
+from bdlora.compress.forms.channels import probe_shapes as channel_probes
+from bdlora.compress.pricing import Cost, Option
 from bdlora.forms import ATTENTION_PROJECTIONS
-from bdlora.forms.channels import drop_products, refit_columns
-from bdlora.forms.channels import probe_shapes as channel_probes
 from bdlora.forms.context import BaseStep, Choice, OneShotContext
 from bdlora.models.budgeted.layer import DeployedModule
 from bdlora.models.costs import ModuleShape, prune_decision

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bdlora.compress.allocate import RANK_STEP, mac_cost, options
+from bdlora.compress.pricing import RANK_STEP, mac_cost, options
 from bdlora.forms import LOWRANK
 from bdlora.forms.context import BaseStep, Choice, OneShotContext
 from bdlora.models.budgeted.layer import DeployedModule, column_signs
