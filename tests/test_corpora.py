@@ -84,7 +84,8 @@ def test_weights_are_normalised():
 
 
 def test_teacher_samples_are_cached_and_a_pure_function_of_the_seed(tiny_env, tmp_path):
-    from bdlora.data.selfgen import TeacherSource, samples_dir
+    from bdlora.data.selfgen import samples_dir
+    from bdlora.models.teacher import TeacherSource
 
     cache = tmp_path / "cache"
     src = TeacherSource(tiny_env["teacher"])
@@ -127,7 +128,8 @@ def test_teacher_samples_are_cached_and_a_pure_function_of_the_seed(tiny_env, tm
 def test_teacher_samples_in_a_mixture_continue_prefixes_of_its_other_corpora(tiny_env, tmp_path):
     """Issue 68 item 1: in a mixture, every other prompt is a prefix of another corpus's training split, which the
     teacher continues; never of its held-out split; keyed apart from the same samples without prefixes."""
-    from bdlora.data.selfgen import PREFIX_POOL, PREFIX_TOKENS, TeacherSource, draw_prefixes
+    from bdlora.data.selfgen import PREFIX_POOL, PREFIX_TOKENS, draw_prefixes
+    from bdlora.models.teacher import TeacherSource
     from conftest import make_corpus
 
     cache, tok = tmp_path / "cache", tiny_env["tokenizer"]

@@ -102,6 +102,7 @@ def test_teacher_text_in_a_reweighted_mixture_is_generated_once(tiny_env, tmp_pa
     other parts' prefixes); a run from before prefixes reads its own, without them."""
     from bdlora.base.runs import RunDir
     from bdlora.data.corpora import settings_tokens
+    from bdlora.models.teacher import recorded_teacher
 
     cache = tmp_path / "cache"
     data = f"{tiny_env['corpus']}:1,{digits}:1,teacher:400:1"
@@ -114,10 +115,12 @@ def test_teacher_text_in_a_reweighted_mixture_is_generated_once(tiny_env, tmp_pa
     assert meta["prefix_sources"] == [str(tiny_env["corpus"]), str(digits)]
     run = RunDir(tmp_path / "r")
     assert run.facts().samples_prefixes and run.data_settings()["samples_prefixes"]
-    settings_tokens(run.data_settings(), tiny_env["tokenizer"])  # the run's corpus again: nothing new sampled
+    recorded = run.data_settings()
+    settings_tokens(recorded, tiny_env["tokenizer"], teacher=recorded_teacher(recorded))  # the run's corpus again:
+    # nothing new sampled
     assert sorted((cache / "corpora").glob("teacher-*")) == made
     old = {**run.data_settings(), "samples_prefixes": False}  # as a run written before prefixes records it
-    settings_tokens(old, tiny_env["tokenizer"])
+    settings_tokens(old, tiny_env["tokenizer"], teacher=recorded_teacher(old))
     plain = [f for f in (cache / "corpora").glob("teacher-*") if f not in made]
     assert len(plain) == 1 and json.loads((plain[0] / "corpus.json").read_text())["prefix_sources"] == []
 

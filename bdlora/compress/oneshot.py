@@ -40,7 +40,6 @@ from bdlora.compress.start import (
 from bdlora.compress.streamed import TensorStore, folder_values, made, narrowed, sections, spill
 from bdlora.data.blocks import PackedBlocks, scored_blocks
 from bdlora.data.corpora import SAMPLES_PREFIXES, check_spec, default_heldout, general_calib_data, load_tokens
-from bdlora.data.selfgen import TeacherSource
 from bdlora.deployed.folder import save_model_folder
 from bdlora.forms import HEAD, REMOVED
 from bdlora.forms.context import OneShotContext
@@ -51,7 +50,7 @@ from bdlora.models.depth import take_layers
 from bdlora.models.lazy import SOURCE, is_lazy
 from bdlora.models.perplexity import perplexity
 from bdlora.models.stream import streamed, streams
-from bdlora.models.teacher import load_teacher
+from bdlora.models.teacher import TeacherSource, load_teacher
 
 
 def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Reporter = SILENT,

@@ -184,8 +184,8 @@ def other_domains(domains: str | None, data: str, vocab_size: int) -> list[str]:
 def open_corpus(spec: str, cache_dir: Path | None = None, what: str = "--data", teacher=None, seed: int = 0,
                 reporter: Reporter = SILENT, prefixes=None) -> Corpus:
     """The documents of one (non-mixture) spec: prose and teacher samples are materialised into the cache first.
-    ``teacher``: a ``selfgen.TeacherSource`` (needed for ``teacher:N``); ``prefixes``: ``selfgen.Prefixes`` half
-    its prompts continue."""
+    ``teacher``: a ``selfgen.Teacher`` (``models.teacher.TeacherSource``, needed for ``teacher:N``); ``prefixes``:
+    ``selfgen.Prefixes`` half its prompts continue."""
     cache = Path(cache_dir or default_cache_dir())
     n = teacher_tokens(spec)
     if spec == PROSE:
@@ -318,25 +318,20 @@ def mix(parts: list[TokenizedCorpus], weights: list[float], specs: list[str], ca
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def settings_tokens(settings: dict, tokenizer, what: str = "--data") -> TokenizedCorpus:
+def settings_tokens(settings: dict, tokenizer, what: str = "--data", teacher=None) -> TokenizedCorpus:
     """The tokens of the corpus a run (or a one-shot compression) recorded in ``settings`` (``RunDir.data_settings``
-    or a compression's ``data_settings``: data, heldout_fraction, cache_dir, seed, and ``source_path``, the teacher
-    checkpoint that ``teacher:N`` samples came from); the builtin corpus when none is recorded."""
-    from bdlora.data.selfgen import TeacherSource
-
+    or a compression's ``data_settings``: data, heldout_fraction, cache_dir, seed); the builtin corpus when none is
+    recorded. ``teacher``: the teacher ``teacher:N`` samples came from (``models.teacher.recorded_teacher(settings)``,
+    a ``selfgen.Teacher``), needed only when the corpus holds such samples."""
     cache = Path(settings["cache_dir"]).expanduser() if settings.get("cache_dir") else None
-    path = settings.get("source_path")
-    runtime = settings.get("samples_runtime")  # the genai folder the samples were generated through (key of the cache)
-    teacher = TeacherSource(Path(path) if path and Path(path).is_dir() else None, spec=settings.get("teacher"),
-                            cache=cache, runtime=Path(runtime) if runtime else None)
     return load_tokens(settings.get("data") or BUILTIN, tokenizer, settings.get("heldout_fraction"), cache, what,
                        teacher=teacher, seed=int(settings.get("seed") or 0),
                        prefixes=bool(settings.get(SAMPLES_PREFIXES)))
 
 
-def heldout_blocks(run_config: dict, tokenizer) -> PackedBlocks:  # run_config: RunDir.data_settings()
+def heldout_blocks(run_config: dict, tokenizer, teacher=None) -> PackedBlocks:  # run_config: RunDir.data_settings()
     """The held-out blocks a run was scored on (same corpus, split, sequence length and token count), from the
-    tokenised-corpus cache (re-tokenised if the cache was cleared)."""
-    data = settings_tokens(run_config, tokenizer)
+    tokenised-corpus cache (re-tokenised if the cache was cleared); ``teacher`` as ``settings_tokens``'s."""
+    data = settings_tokens(run_config, tokenizer, teacher=teacher)
     return scored_blocks(data.tokens("val"), run_config["seq_len"], run_config["eval_tokens"],
                          f"the run's corpus ({run_config.get('data') or BUILTIN})", bos=data.bos)

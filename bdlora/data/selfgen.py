@@ -22,8 +22,9 @@ import hashlib
 import json
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -31,9 +32,8 @@ import torch
 from bdlora.base.errors import DataError
 from bdlora.base.io import atomic_dir, sha256, write_json
 from bdlora.base.reporter import SILENT, Reporter
-from bdlora.base.runs import CONFIG, CORPUS_FILE, TEACHER_SAMPLES
+from bdlora.base.runs import CORPUS_FILE, TEACHER_SAMPLES
 from bdlora.data import runtime_samples
-from bdlora.models.teacher import load_teacher, teacher_folder
 
 GEN_VERSION = 1
 TEMPERATURES = (0.7, 0.9, 1.1)
@@ -67,45 +67,18 @@ PATTERNS = (  # few-shot prompts in the shapes of ICL tasks: the model continues
 WORDS = ("cold", "bright", "happy", "open", "early", "heavy", "quiet", "strong", "fast", "deep", "soft", "young")
 
 
-@dataclass
-class TeacherSource:
-    """The teacher a ``teacher:N`` corpus is sampled from: its folder (whose weights key the cache) and, when
-    already loaded, the model and tokenizer (loaded from the folder only if samples must be generated)."""
+class Teacher(Protocol):
+    """The teacher a ``teacher:N`` corpus is sampled from (``models.teacher.TeacherSource``): its folder, whose
+    weights key the cache, their fingerprint, the model and tokenizer (loaded only when samples must be generated),
+    and the onnxruntime-genai folder the samples are generated through, if any."""
 
-    path: Path | None
-    model: object | None = None
-    tokenizer: object | None = None
-    spec: str | None = None  # resolved to ``path`` (builtin, preset, .gguf...) only when the samples are needed
-    cache: Path | None = None
-    runtime: Path | None = None  # the teacher's onnxruntime-genai folder the samples are generated through
-    _fingerprint: str | None = field(default=None, repr=False)
+    runtime: Path | None
 
-    def folder(self) -> Path:
-        if self.path is None:
-            if not self.spec:
-                raise DataError("teacher:N: the model these samples came from is not recorded; give --data a corpus")
-            self.path = teacher_folder(self.spec, self.cache)
-        return Path(self.path)
+    def folder(self) -> Path: ...
 
-    def fingerprint(self) -> str:
-        """SHA-256 over the folder's config.json and weight files (streamed)."""
-        if self._fingerprint is None:
-            folder = self.folder()
-            files = [folder / CONFIG, *sorted(folder.glob("*.safetensors"))]
-            h = hashlib.sha256()
-            for f in files:
-                if f.is_file():
-                    h.update(f.name.encode() + b"\0")
-                    with open(f, "rb") as fh:
-                        for chunk in iter(lambda: fh.read(1 << 22), b""):
-                            h.update(chunk)
-            self._fingerprint = h.hexdigest()
-        return self._fingerprint
+    def fingerprint(self) -> str: ...
 
-    def load(self):
-        if self.model is None or self.tokenizer is None:
-            self.model, self.tokenizer, _ = load_teacher(str(self.folder()), self.cache)
-        return self.model, self.tokenizer
+    def load(self) -> tuple: ...
 
 
 @dataclass(frozen=True)
@@ -137,7 +110,7 @@ def draw_prefixes(streams: dict[str, np.ndarray], seed: int) -> Prefixes | None:
     return Prefixes(tuple(usable), tuple(pool[i] for i in rng.permutation(len(pool))))
 
 
-def samples_dir(teacher: TeacherSource, n_tokens: int, seed: int, cache: Path,
+def samples_dir(teacher: Teacher, n_tokens: int, seed: int, cache: Path,
                 reporter: Reporter = SILENT, prefixes: Prefixes | None = None) -> Path:
     """The cached folder of ``n_tokens`` teacher samples for ``seed`` (generated now if absent); ``prefixes``: half
     the prompts continue them (``draw_prefixes``)."""

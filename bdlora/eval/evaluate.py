@@ -272,7 +272,9 @@ def evaluate_target(path: str | Path, ecfg: EvalConfig, device: str = "cpu", rep
                  "model_type": _get(lm.config, "model_type"), "data": settings}
     if ecfg.ppl:
         reporter.stage(f"perplexity over {settings['eval_tokens']:,} held-out tokens of {settings['data']}")
-        corpus_tokens = settings_tokens(settings, tok)
+        from bdlora.models.teacher import recorded_teacher  # torch and transformers: eval imports without them
+
+        corpus_tokens = settings_tokens(settings, tok, teacher=recorded_teacher(settings))
         blocks = scored_blocks(corpus_tokens.tokens("val"), settings["seq_len"], settings["eval_tokens"],
                                f"--data {settings['data']}", bos=corpus_tokens.bos)
         doc["ppl"] = _score(lm, blocks)

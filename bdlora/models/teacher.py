@@ -13,7 +13,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -28,9 +28,9 @@ from transformers import (
 )
 
 from bdlora import SCHEMA_VERSION
-from bdlora.base.errors import ModelError, UsageError
+from bdlora.base.errors import DataError, ModelError, UsageError
 from bdlora.base.io import atomic_dir, write_json
-from bdlora.base.runs import TEACHER_JSON, ModelDir
+from bdlora.base.runs import CONFIG, TEACHER_JSON, ModelDir
 from bdlora.data.blocks import BlockSampler, PackedBlocks
 from bdlora.data.documents import BUILTIN, Corpus, is_heldout
 from bdlora.data.tokens import default_cache_dir, tokenize_corpus
@@ -305,3 +305,56 @@ def describe_pretrained(spec: str, cache_dir: Path | None = None, on_stage=None,
                             "data": data, "bos_first": tokens.bos is not None,
                             "version": HELDOUT_VERSION})  # the parameter count is source.json's
     return {**(sources.source_note(path) or {}), **json.loads(report.read_text()), "path": str(path)}
+
+
+@dataclass
+class TeacherSource:
+    """The teacher a ``teacher:N`` corpus is sampled from: its folder (whose weights key the cache) and, when
+    already loaded, the model and tokenizer (loaded from the folder only if samples must be generated)."""
+
+    path: Path | None
+    model: object | None = None
+    tokenizer: object | None = None
+    spec: str | None = None  # resolved to ``path`` (builtin, preset, .gguf...) only when the samples are needed
+    cache: Path | None = None
+    runtime: Path | None = None  # the teacher's onnxruntime-genai folder the samples are generated through
+    _fingerprint: str | None = field(default=None, repr=False)
+
+    def folder(self) -> Path:
+        if self.path is None:
+            if not self.spec:
+                raise DataError("teacher:N: the model these samples came from is not recorded; give --data a corpus")
+            self.path = teacher_folder(self.spec, self.cache)
+        return Path(self.path)
+
+    def fingerprint(self) -> str:
+        """SHA-256 over the folder's config.json and weight files (streamed)."""
+        if self._fingerprint is None:
+            folder = self.folder()
+            files = [folder / CONFIG, *sorted(folder.glob("*.safetensors"))]
+            h = hashlib.sha256()
+            for f in files:
+                if f.is_file():
+                    h.update(f.name.encode() + b"\0")
+                    with open(f, "rb") as fh:
+                        for chunk in iter(lambda: fh.read(1 << 22), b""):
+                            h.update(chunk)
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
+
+    def load(self):
+        if self.model is None or self.tokenizer is None:
+            self.model, self.tokenizer, _ = load_teacher(str(self.folder()), self.cache)
+        return self.model, self.tokenizer
+
+
+def recorded_teacher(settings: dict) -> TeacherSource:
+    """The teacher a run's (or a one-shot's) recorded ``teacher:N`` samples came from (``settings``: its
+    ``data_settings``: ``source_path``, the teacher checkpoint, or ``teacher``, its spec; ``samples_runtime``, the
+    genai folder the samples were generated through, which keys their cache), for ``data.corpora.settings_tokens``;
+    resolved and loaded only if the samples are needed."""
+    cache = Path(settings["cache_dir"]).expanduser() if settings.get("cache_dir") else None
+    path = settings.get("source_path")
+    runtime = settings.get("samples_runtime")
+    return TeacherSource(Path(path) if path and Path(path).is_dir() else None, spec=settings.get("teacher"),
+                         cache=cache, runtime=Path(runtime) if runtime else None)

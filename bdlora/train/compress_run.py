@@ -20,6 +20,7 @@ from bdlora.deployed.folder import save_model_folder
 from bdlora.models.budgeted.config import BudgetedConfig
 from bdlora.models.load import load_run_student
 from bdlora.models.perplexity import perplexity
+from bdlora.models.teacher import recorded_teacher
 from bdlora.train.methods import METHOD_CLASSES
 
 
@@ -50,7 +51,8 @@ def compress_run(run: RunDir | str | Path, cfg: BudgetedConfig, out: str | Path 
                   provenance=provenance)
     if evaluate:
         reporter.stage("scoring the held-out slice (uncompressed vs compressed)")
-        blocks = heldout_blocks(provenance["data_settings"], tok)
+        blocks = heldout_blocks(provenance["data_settings"], tok,
+                                        teacher=recorded_teacher(provenance["data_settings"]))
         report["eval"] = {"student_val_ppl": perplexity(model, blocks), "compressed_val_ppl":
                           perplexity(compressed, blocks), "tokens": len(blocks) * blocks.seq_len}
     reporter.stage(f"writing {out}")

@@ -25,10 +25,9 @@ from bdlora.base.reporter import SILENT, Reporter
 from bdlora.base.runs import FAILED, RunDir, RunFacts
 from bdlora.compress.start import LowRankStart
 from bdlora.data.blocks import BlockSampler
-from bdlora.data.selfgen import TeacherSource
 from bdlora.data.tokens import default_cache_dir
 from bdlora.models.perplexity import perplexity
-from bdlora.models.teacher import load_teacher
+from bdlora.models.teacher import TeacherSource, load_teacher
 from bdlora.train import distributed as D
 from bdlora.train import forms_start, stopping
 from bdlora.train.budgeted.start import needed

@@ -18,10 +18,9 @@ from bdlora.compress.calibrate import check_calib_tokens
 from bdlora.data.blocks import DocumentBlocks, PackedBlocks, scored_blocks, training_blocks
 from bdlora.data.corpora import check_spec, default_heldout, general_calib_data, load_parts, load_tokens, one_corpus
 from bdlora.data.runtime_samples import check_folder
-from bdlora.data.selfgen import TeacherSource
 from bdlora.forms import LOWRANK
 from bdlora.models.arch import check_lora_rank
-from bdlora.models.teacher import load_teacher
+from bdlora.models.teacher import TeacherSource, load_teacher
 from bdlora.train import distributed as D
 from bdlora.train.budgeted.start import needed
 from bdlora.train.config import BUILTIN, TrainConfig, resolve_defaults

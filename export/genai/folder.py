@@ -43,6 +43,7 @@ from bdlora.models.lazy import SOURCE, is_lazy, materialized
 from bdlora.models.load import load_model_folder
 from bdlora.models.runtime import DecoderShape, session
 from bdlora.models.stream import PARITY_LAYERS, PARITY_VOCAB, lazy_folder_model, score_streamed, streamed, streams
+from bdlora.models.teacher import recorded_teacher
 
 QUALITY_TOKENS = 32768  # held-out tokens scored with the fp32 and quantised graphs when no training run is known
 STREAM_QUALITY_TOKENS = 512  # a streamed export's default: each token costs a PyTorch forward of the whole model
@@ -371,7 +372,7 @@ def data_settings(model_dir: Path, report: dict | None) -> dict:
 
 def corpus_blocks(settings: dict, tok, split: str, seq_len: int, tokens: int) -> PackedBlocks:
     """The first ``tokens`` of ``split`` of the corpus in ``settings`` (the builtin corpus when none), packed."""
-    data = settings_tokens(settings, tok)
+    data = settings_tokens(settings, tok, teacher=recorded_teacher(settings))
     return scored_blocks(data.tokens(split), seq_len, tokens,
                          f"the model's corpus ({settings.get('data') or BUILTIN})",
                          "held-out slice" if split == "val" else "training split", bos=data.bos)
@@ -396,7 +397,7 @@ def _quality_blocks(settings: dict | None, tok, shape):
     settings), else the first ``QUALITY_TOKENS`` of the builtin corpus's held-out slice in blocks of 128 tokens."""
 
     if settings is not None:
-        return heldout_blocks(settings, tok)
+        return heldout_blocks(settings, tok, teacher=recorded_teacher(settings))
     corpus = Corpus(BUILTIN)
     data = tokenize_corpus(corpus, tok, corpus.default_heldout_fraction, None)
     return PackedBlocks(data.tokens("val"), min(128, shape.max_positions), max_tokens=QUALITY_TOKENS, bos=data.bos)

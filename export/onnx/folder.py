@@ -25,6 +25,7 @@ from bdlora.export.preflight import check_export_inputs
 from bdlora.models.load import load_model_folder
 from bdlora.models.runtime import DecoderShape, session
 from bdlora.models.stream import PARITY_LAYERS, PARITY_VOCAB, cut_checked, lazy_folder_model, streams
+from bdlora.models.teacher import recorded_teacher
 
 QUANTIZE = ("int8",)
 FUSED_OPS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "RotaryEmbedding")
@@ -112,7 +113,7 @@ def _quantize(tmp: Path, model, tok, report: dict | None, model_dir: Path, info:
     if settings is None:
         return out
 
-    blocks = heldout_blocks(settings, tok)
+    blocks = heldout_blocks(settings, tok, teacher=recorded_teacher(settings))
     reporter.stage("scoring the held-out slice with fp32 and int8 graphs")
     return {**out, **quantized_quality(session(tmp / MODEL_ONNX), session(tmp / MODEL_INT8_ONNX),
                                        DecoderShape.of(model.config), blocks)}
