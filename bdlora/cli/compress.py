@@ -354,7 +354,7 @@ def _one_shot(source, shot: dict, out_dir, force: bool, runs_dir: str, cache_dir
     from bdlora.compress.oneshot import compress_one_shot  # after the checks: a bad flag is refused at once
 
     out_path = Path(out_dir) if out_dir else one_shot_out(source, cfg.ratio, runs_dir, cfg.precision,
-                                                          named_forms(cfg.forms), cfg.speedup is not None, cfg.quant)
+                                                          named_forms(cfg.forms), cfg.whole_step, cfg.quant)
     cache = Path(cache_dir).expanduser() if cache_dir else None
     return compress_one_shot(source, cfg, out_path, force=force, evaluate=evaluate, cache_dir=cache,
                              reporter=reporter, cost_model=cost_model(cfg.precision, cfg.pool.threads, cache, reporter,

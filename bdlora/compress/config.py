@@ -75,6 +75,12 @@ class OneShotConfig:
     rows must be whole 256-blocks (export gguf --quant q4_k_m: a row that is not falls back to Q5_0 or Q8_0, larger
     and slower)."""
 
+    @property
+    def whole_step(self) -> bool:
+        """Whether the budget is the whole decode step (``--speedup``, its time measured at ``--precision``) rather
+        than the projections' MACs (``--mac-ratio``): the one place this is decided."""
+        return self.speedup is not None
+
     def validate(self) -> OneShotConfig:
         c = Checks()
         if self.mac_ratio is None and self.speedup is None:

@@ -69,7 +69,7 @@ def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Report
                                                                  for n, m in mods.items()], mods,
                          int(getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads),
                          model.config.to_dict())
-    problem = registry.reach_problem(ctx.config, cfg.forms, cfg.mac_ratio if cfg.speedup is None else None,
+    problem = registry.reach_problem(ctx.config, cfg.forms, None if cfg.whole_step else cfg.mac_ratio,
                                      cfg.speedup)
     if problem:  # before any table is timed or any token calibrated
         raise UsageError(problem)
@@ -148,7 +148,7 @@ def pricing(model, table, cfg: OneShotConfig) -> Pricing:
     ``cfg.precision``, and with ``cfg.speedup`` the whole step around the projections (``whole_step``)."""
     if table is None:
         return MACS
-    rest, fixed = whole_step(model, table) if cfg.speedup is not None else ({}, 0.0)
+    rest, fixed = whole_step(model, table) if cfg.whole_step else ({}, 0.0)
     return table_pricing(table, cfg.precision, rest, fixed)
 
 
@@ -293,10 +293,10 @@ def _compressed(loaded: tuple, source: str, cfg: OneShotConfig, out: Path, cache
                 "source_path": str(path), "heldout_fraction": heldout, "seq_len": seq,
                 "eval_tokens": cfg.eval_tokens, "cache_dir": str(cache_dir) if cache_dir else None,
                 SAMPLES_PREFIXES: True, "origin": "the --one-shot options"}
-    dial = f"{cfg.mac_ratio:g}x" if cfg.speedup is None else f"{cfg.speedup:g}x decode"
+    dial = f"{cfg.speedup:g}x decode" if cfg.whole_step else f"{cfg.mac_ratio:g}x"
     provenance = {"name": f"{Path(str(path)).name} one-shot {dial}", "method": "one-shot",
                   "teacher": source, "source_path": str(path), "mac_ratio": cfg.mac_ratio, "calib_tokens": tokens,
-                  **({"speedup": cfg.speedup} if cfg.speedup is not None else {}),
+                  **({"speedup": cfg.speedup} if cfg.whole_step else {}),
                   "lora_init": "whitened", "allocation": "quality", "correct": cfg.correct, "data_settings": settings,
                   **facts, **({"correction": correction} if correction else {})}
     base = model
