@@ -475,11 +475,11 @@ def test_export_genai_options_are_the_settings_fields():
     import typer.main
 
     from bdlora.base.argv import fields_of
+    from bdlora.base.settings import field_docs
     from bdlora.base.threads import ThreadPool
     from bdlora.cli import app
     from bdlora.cli.options import COMMON
     from bdlora.export.settings import DEFAULT, GenaiExportSettings
-    from bdlora.train.config import field_docs
 
     cmd = typer.main.get_command(app).commands["export"].commands["genai"]
     params = {p.name: p for p in cmd.params}
@@ -505,11 +505,11 @@ def test_bench_takes_its_rounding_options_from_export_genais_settings():
 
     import typer.main
 
+    from bdlora.base.settings import field_docs
     from bdlora.bench.config import ROUNDING, BenchConfig
     from bdlora.cli import app
     from bdlora.cli.options import COMMON
     from bdlora.export.settings import DEFAULT, GenaiExportSettings
-    from bdlora.train.config import field_docs
 
     assert not {f.name for f in dataclasses.fields(BenchConfig)} & set(ROUNDING)
     assert BenchConfig().rounding == DEFAULT
@@ -568,6 +568,7 @@ def test_the_cost_model_has_a_typed_home(tmp_path):
 def test_per_teacher_defaults_have_one_home():
     """The per-teacher defaults ``--help`` shows are written from the dicts that resolve them, and no option's
     docstring repeats one (a changed default is one edit, and --help follows it)."""
+    from bdlora.base.settings import field_docs
     from bdlora.train.config import (
         BUILTIN_DEFAULTS,
         DEFAULT_LR,
@@ -576,7 +577,6 @@ def test_per_teacher_defaults_have_one_home():
         TrainConfig,
         _shown,
         defaults_help,
-        field_docs,
     )
 
     notes, docs = defaults_help(), field_docs(TrainConfig)
@@ -626,9 +626,8 @@ def test_no_precision_name_is_compared_outside_the_precision_table():
 
 
 def test_the_precision_table():
-    from bdlora.base.schemes import FLOAT, MIXED, PRECISIONS, ROUNDED, SCHEMES, mixed, rounded
+    from bdlora.base.schemes import FLOAT, GENAI_PRECISIONS, MIXED, PRECISIONS, ROUNDED, SCHEMES, mixed, rounded
     from bdlora.export.genai import latency, quantize
-    from bdlora.train.config import GENAI_PRECISIONS
 
     assert GENAI_PRECISIONS == ("fp32", "int8", "int4") and FLOAT == "fp32" and MIXED == "int4"
     assert ROUNDED == ("int8", "int4") and quantize.BITS == latency.BITS == {"int8": 8, "int4": 4}

@@ -8,13 +8,12 @@ import importlib.util
 from dataclasses import dataclass, field
 
 from bdlora.base.errors import Checks, UsageError, flag
+from bdlora.base.schemes import GENAI_PRECISIONS, SCHEMES, mixed, rounded
 from bdlora.base.schemes import METHODS as QUANT_METHODS
-from bdlora.base.schemes import SCHEMES, mixed, rounded
 from bdlora.base.threads import ThreadPool
 from bdlora.bench.front import DEPLOYED
 from bdlora.export.settings import DEFAULT as GENAI
 from bdlora.export.settings import GGUF_QUANTS, GenaiExportSettings
-from bdlora.train.config import GENAI_PRECISIONS
 
 NO_DOMAIN = "none"  # --eval-data none: the front has no second domain
 

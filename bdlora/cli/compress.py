@@ -9,7 +9,7 @@ from rich.markup import escape
 
 from bdlora.base.errors import Checks, UsageError, flag
 from bdlora.base.runs import RUNS_DIR, ModelDir, RunDir, one_shot_out
-from bdlora.base.schemes import DEFAULT_SCHEME, mixed, quant_problem
+from bdlora.base.schemes import DEFAULT_SCHEME, GENAI_PRECISIONS, mixed, quant_problem
 from bdlora.base.threads import ThreadPool, from_options
 from bdlora.cli import render
 from bdlora.cli.app import command, err, out
@@ -17,6 +17,7 @@ from bdlora.cli.options import Force, Json, Out, Precision, Quant, RunsDir, Thre
 from bdlora.cli.progress import RichReporter
 from bdlora.compress.bounds import DEEPER, check_fits, check_report_provenance, check_shape_config
 from bdlora.compress.config import CALIB_TOKENS, OneShotConfig
+from bdlora.data.documents import BUILTIN
 from bdlora.data.tokens import default_cache_dir
 from bdlora.export.settings import GGUF_OF, GGUF_QUANTS
 from bdlora.forms import LOWRANK, REMOVED, declared_head_bits, declared_head_keep, forms_problem, named_forms
@@ -25,7 +26,6 @@ from bdlora.models.arch import check_lora_rank, layer_of
 from bdlora.models.budgeted.config import ALLOCATIONS, THRESHOLDS, BudgetedConfig
 from bdlora.models.costs import Deployed, ModuleShape, shapes_from_config
 from bdlora.models.integrity import check_model_folder
-from bdlora.train.config import BUILTIN, GENAI_PRECISIONS
 from bdlora.train.plan import DEFAULT_PLAN_STEPS, read_model_config
 from bdlora.train.plan import plan as run_plan
 

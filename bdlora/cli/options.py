@@ -15,8 +15,8 @@ from bdlora.base.argv import embedded, fields_of
 from bdlora.base.errors import UsageError, flag
 from bdlora.base.runs import RUNS_DIR
 from bdlora.base.schemes import SCHEMES
+from bdlora.base.settings import field_docs
 from bdlora.base.threads import MAX_GENAI_THREADS
-from bdlora.train.config import field_docs
 
 # Options many commands take, declared once: one wording and one default wherever they appear (tests/test_cli.py
 # holds every command to it). A command composes them (``runs_dir: RunsDir = RUNS_DIR``, ``json_out: Json = False``,

@@ -13,12 +13,14 @@ from rich.markup import escape
 from bdlora.base.errors import UsageError
 from bdlora.base.reporter import SILENT
 from bdlora.base.runs import TEACHER_JSON, RunDir
+from bdlora.base.settings import field_docs
 from bdlora.cli import render
 from bdlora.cli.app import command, err, out
 from bdlora.cli.compress import cost_model
 from bdlora.cli.options import TRAIN_PANELS, Force, Json, from_dataclass
 from bdlora.cli.progress import RichReporter
-from bdlora.train.config import BUILTIN, TrainConfig, defaults_help, field_docs, merge
+from bdlora.data.documents import BUILTIN
+from bdlora.train.config import TrainConfig, defaults_help, merge
 from bdlora.train.option_files import load_yaml
 
 H = field_docs(TrainConfig)

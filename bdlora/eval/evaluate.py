@@ -18,12 +18,13 @@ from bdlora.base.reporter import SILENT, Reporter
 from bdlora.base.runs import MODEL_ONNX
 from bdlora.data.blocks import PackedBlocks, scored_blocks
 from bdlora.data.corpora import SAMPLES_PREFIXES, default_heldout, load_tokens, other_domains, settings_tokens
+from bdlora.data.documents import BUILTIN
 from bdlora.data.tokens import bos_first, encode_prompt
 from bdlora.eval.icl import TASKS, corpus_word_list, is_correct, summarise, task_examples
 from bdlora.eval.targets import load_eval_target
 from bdlora.models.runtime import DecoderShape, left_padded
 from bdlora.models.scoring import log_normaliser
-from bdlora.train.config import BUILTIN, BUILTIN_DEFAULTS, REAL_DEFAULTS
+from bdlora.train.config import BUILTIN_DEFAULTS, REAL_DEFAULTS
 
 
 @dataclass

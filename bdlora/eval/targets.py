@@ -15,6 +15,7 @@ from bdlora.base.outputs import DEFAULT_STREAMING
 from bdlora.base.provenance import recorded_data_settings
 from bdlora.base.runs import CONFIG, MODEL_ONNX, TEACHER_JSON, ModelDir, OnnxDir, RunDir
 from bdlora.data.blocks import PackedBlocks
+from bdlora.data.documents import BUILTIN
 from bdlora.models import sources
 from bdlora.models.runtime import (
     DecoderShape,
@@ -27,7 +28,6 @@ from bdlora.models.runtime import (
     session,
 )
 from bdlora.models.tokenizer import TextTokenizer
-from bdlora.train.config import BUILTIN
 
 
 class OrtLM:

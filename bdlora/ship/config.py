@@ -6,12 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bdlora.base.errors import Checks, flag, shown
-from bdlora.base.schemes import METHODS, rounded
+from bdlora.base.schemes import GENAI_PRECISIONS, METHODS, rounded
 from bdlora.base.threads import ThreadPool
 from bdlora.bench.config import llama_cpp_here
 from bdlora.export.settings import GGUF_OF, GGUF_QUANTS
 from bdlora.forms import VOCAB, check_forms, check_width_multiple
-from bdlora.train.config import GENAI_PRECISIONS
 from bdlora.train.stopping import parse_duration
 
 DRAFT_FORMS = "layers,channels,vocab"  # the draft: fewer layers, narrower MLPs, a head over frequent tokens

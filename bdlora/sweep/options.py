@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from bdlora.base.errors import Checks, UsageError
 from bdlora.base.method_table import GATED, METHOD_TABLE, method_of
 from bdlora.compress.config import OneShotConfig
+from bdlora.data.documents import BUILTIN
 from bdlora.models.budgeted.config import DEFAULTS as BUDGETED
 from bdlora.models.budgeted.config import BudgetedConfig
 from bdlora.sweep.vary import check_axes, grid, label
-from bdlora.train.config import BUILTIN, BUILTIN_DEFAULTS, REAL_DEFAULTS, TrainConfig
+from bdlora.train.config import BUILTIN_DEFAULTS, REAL_DEFAULTS, TrainConfig
 
 BASELINES = tuple(m.name for m in METHOD_TABLE.values() if not m.gated)
 

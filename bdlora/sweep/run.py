@@ -34,6 +34,7 @@ from bdlora.base.runs import BENCH, COMPRESSED, EVAL, SWEEP_OPTIONS, BenchDir, M
 from bdlora.bench.config import BenchConfig
 from bdlora.bench.run import run_bench
 from bdlora.compress.oneshot import compress_one_shot
+from bdlora.data.documents import BUILTIN
 from bdlora.eval.evaluate import EvalConfig, evaluate_target
 from bdlora.models import sources
 from bdlora.models.load import load_model_folder
@@ -44,7 +45,7 @@ from bdlora.sweep.paper import teacher_label, write_paper_outputs
 from bdlora.sweep.report import icl_fields, markdown, member_row, plot_pareto
 from bdlora.train.checkpoint import latest_checkpoint
 from bdlora.train.compress_run import compress_run
-from bdlora.train.config import BUILTIN, TrainConfig, resolve_defaults
+from bdlora.train.config import TrainConfig, resolve_defaults
 from bdlora.train.loop import train
 
 

@@ -10,9 +10,7 @@ their defaults from ``BudgetedConfig``.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ from bdlora.base.errors import Checks, shown
 from bdlora.base.method_table import GATED, METHODS, Method, method_of
 from bdlora.base.schemes import GENAI_PRECISIONS, quant_problem
 from bdlora.compress.config import CALIB_TOKENS
+from bdlora.data.documents import BUILTIN
 from bdlora.forms import LOWRANK
 from bdlora.models.budgeted.config import ALLOCATIONS, LORA_INITS, BudgetedConfig
 from bdlora.models.budgeted.config import DEFAULTS as BUDGETED
@@ -31,7 +30,6 @@ DEVICES = ("auto", "cpu", "cuda")
 LAYER_SELECTIONS = ("first", "middle", "last", "mixed", "scratch")
 PACKINGS = ("pack", "truncate")
 AUTOCASTS = ("bf16", "fp32")
-BUILTIN = "builtin"
 
 
 @dataclass
@@ -320,13 +318,6 @@ OPTION_NAMES = tuple(f.name for f in fields(TrainConfig) if f.name != "defaulted
 
 
 RUN_LENGTH = ("max_steps", "tokens", "time_budget")  # each alone says how long a run trains
-
-
-def field_docs(cls) -> dict[str, str]:
-    """The docstring under each field of a dataclass, read from its source (so help text and code never diverge)."""
-    body = ast.parse(inspect.getsource(cls)).body[0].body
-    return {a.target.id: b.value.value for a, b in zip(body, body[1:])
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
 
 
 def merge(yaml_values: dict[str, Any], cli_values: dict[str, Any]) -> TrainConfig:

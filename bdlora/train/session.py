@@ -17,13 +17,14 @@ from bdlora.base.runs import RunFacts
 from bdlora.compress.calibrate import check_calib_tokens
 from bdlora.data.blocks import DocumentBlocks, PackedBlocks, scored_blocks, training_blocks
 from bdlora.data.corpora import check_spec, default_heldout, general_calib_data, load_parts, load_tokens, one_corpus
+from bdlora.data.documents import BUILTIN
 from bdlora.data.runtime_samples import check_folder
 from bdlora.forms import LOWRANK
 from bdlora.models.arch import check_lora_rank
 from bdlora.models.teacher import TeacherSource, load_teacher
 from bdlora.train import distributed as D
 from bdlora.train.budgeted.start import needed
-from bdlora.train.config import BUILTIN, TrainConfig, resolve_defaults
+from bdlora.train.config import TrainConfig, resolve_defaults
 from bdlora.train.reweight import SLICE_BLOCKS, Reweighter
 from bdlora.train.student import build_student, check_same_vocabulary
 
