@@ -30,9 +30,10 @@ import numpy as np
 import torch
 
 from bdlora.compress.forms.lowrank import damped, output_weights
+from bdlora.compress.forms.pruned import PrunedBlockStep
 from bdlora.compress.pricing import Cost, Option
 from bdlora.forms import MLP_PROJECTIONS, WIDTH_MULTIPLE
-from bdlora.forms.context import BaseStep, Choice, OneShotContext
+from bdlora.forms.context import OneShotContext
 from bdlora.models.budgeted.layer import DeployedModule
 from bdlora.models.costs import ModuleShape, prune_decision
 
@@ -125,31 +126,25 @@ def refit_columns(w: torch.Tensor, gram: torch.Tensor, kept: torch.Tensor) -> to
 # --- the one-shot's step (``forms.context``) --------------------------------------------------------------------
 
 
-class ChannelsStep(BaseStep):
+class ChannelsStep(PrunedBlockStep):
     """Each MLP may keep fewer intermediate channels: its options are the kept widths of the channel grid, each at
     its three narrower dense products' cost and the exact error of dropping the least important channels."""
 
     name = "channels"
-    per_layer = True
+    ranked_by = "down_proj"
+    ranking = "ranking every MLP's channels by loss-weighted activation energy"
 
     def pricing(self, ctx: OneShotContext) -> None:
         ctx.probes += probe_shapes(ctx.shapes, ctx.cfg.widths)
 
-    def offer(self, ctx: OneShotContext) -> None:
-        ctx.reporter.stage("ranking every MLP's channels by loss-weighted activation energy")
-        for n, m in ctx.mods.items():
-            if n.endswith("down_proj"):
-                site = n.rsplit(".", 1)[0]
-                order = ctx.own(self.name)[site] = channel_order(m.weight, ctx.calib.gram(n), ctx.calib.fisher[n])
-                ctx.offer(site, [Choice(self.name, c, e, keep=k) for k, c, e in site_options(
-                    [s for s in ctx.shapes if s.name.startswith(site + ".")], order, ctx.cost, ctx.cfg.widths)])
+    def order(self, ctx: OneShotContext, name: str, module) -> ChannelOrder:
+        return channel_order(module.weight, ctx.calib.gram(name), ctx.calib.fisher[name])
 
-    def deploy(self, ctx: OneShotContext, alloc) -> dict:
-        out = {}
-        for site, choice in alloc.by(self.name).items():
-            out.update(pruned_site(site, choice.keep, ctx.mods, ctx.own(self.name)[site],
-                                   ctx.calib.gram(f"{site}.down_proj")))
-        return out
+    def options(self, ctx: OneShotContext, shapes: list, order: ChannelOrder) -> list[tuple[int, float, float]]:
+        return site_options(shapes, order, ctx.cost, ctx.cfg.widths)
+
+    def pruned(self, site: str, keep: int, mods: dict, order: ChannelOrder, gram) -> dict:
+        return pruned_site(site, keep, mods, order, gram)
 
 
 def pruned_site(site: str, keep: int, mods: dict, order: ChannelOrder, gram) -> dict:

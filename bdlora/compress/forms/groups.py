@@ -28,9 +28,10 @@ import torch
 
 from bdlora.compress.forms.channels import drop_products, refit_columns
 from bdlora.compress.forms.channels import probe_shapes as channel_probes
+from bdlora.compress.forms.pruned import PrunedBlockStep
 from bdlora.compress.pricing import Cost, Option
 from bdlora.forms import ATTENTION_PROJECTIONS
-from bdlora.forms.context import BaseStep, Choice, OneShotContext
+from bdlora.forms.context import OneShotContext
 from bdlora.models.budgeted.layer import DeployedModule
 from bdlora.models.costs import ModuleShape, prune_decision
 
@@ -117,36 +118,29 @@ def prune(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, gr
 # --- the one-shot's step (``forms.context``) --------------------------------------------------------------------
 
 
-class GroupsStep(BaseStep):
+class GroupsStep(PrunedBlockStep):
     """Each attention block may keep fewer key/value groups (with their query heads): its options are 1 to all but
     one group, each at its four narrower dense products' cost and the exact error of dropping the others."""
 
     name = "groups"
-    per_layer = True
+    ranked_by = "o_proj"
+    ranking = "ranking every attention block's key/value groups by loss-weighted output energy"
 
     def pricing(self, ctx: OneShotContext) -> None:
         ctx.probes += probe_shapes(ctx.shapes, ctx.kv)
 
-    def offer(self, ctx: OneShotContext) -> None:
-        if ctx.kv <= 1:
-            return
-        ctx.reporter.stage("ranking every attention block's key/value groups by loss-weighted output energy")
-        hd = ctx.model.model.layers[0].self_attn.head_dim
-        for n, m in ctx.mods.items():
-            if n.endswith("o_proj"):
-                site = n.rsplit(".", 1)[0]
-                order = ctx.own(self.name)[site] = group_order(m.weight, ctx.calib.gram(n), ctx.calib.fisher[n],
-                                                               ctx.kv, hd)
-                ctx.offer(site, [Choice(self.name, c, e, keep=k) for k, c, e in group_options(
-                    [s for s in ctx.shapes if s.name.startswith(site + ".")], order, ctx.cost,
-                    ctx.cfg.width_multiple)])
+    def prunes(self, ctx: OneShotContext) -> bool:
+        return ctx.kv > 1
 
-    def deploy(self, ctx: OneShotContext, alloc) -> dict:
-        out = {}
-        for site, choice in alloc.by(self.name).items():
-            out.update(pruned_attention(site, choice.keep, ctx.mods, ctx.own(self.name)[site],
-                                        ctx.calib.gram(f"{site}.o_proj")))
-        return out
+    def order(self, ctx: OneShotContext, name: str, module) -> GroupOrder:
+        hd = ctx.model.model.layers[0].self_attn.head_dim
+        return group_order(module.weight, ctx.calib.gram(name), ctx.calib.fisher[name], ctx.kv, hd)
+
+    def options(self, ctx: OneShotContext, shapes: list, order: GroupOrder) -> list[tuple[int, float, float]]:
+        return group_options(shapes, order, ctx.cost, ctx.cfg.width_multiple)
+
+    def pruned(self, site: str, keep: int, mods: dict, order: GroupOrder, gram) -> dict:
+        return pruned_attention(site, keep, mods, order, gram)
 
 
 def pruned_attention(site: str, keep: int, mods: dict, order: GroupOrder, gram) -> dict:
