@@ -631,3 +631,74 @@ def test_no_spin_writes_the_threads_to_sleep_and_onnxruntime_genai_takes_it(tiny
     gen.append_tokens([[1, 2, 3]])
     gen.generate_next_token()
     assert len(gen.get_sequence(0)) == 4
+
+
+def _spm_folder(tmp_path, unigram: bool = False) -> tuple[Path, object]:
+    """A SentencePiece-style tokenizer (spaces normalised to ▁, decoded back) whose runs of ▁ are also added tokens
+    with normalized=True, as ``own_tokenizer_rules`` gives Gemma 3's user-defined pieces, saved as a genai folder
+    would hold it (tokenizer files, a genai_config.json)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    from bdlora.base.io import write_json
+    from bdlora.export.genai.config import base_type_of, genai_config
+
+    s = "\u2581"
+    pieces = ["<pad>", "<eos>", "<bos>", "<unk>"] + [s * n for n in range(1, 6)] + list("abcdefx")
+    if unigram:
+        model = models.Unigram([(p, -float(len(p) == 1)) for p in pieces], unk_id=3, byte_fallback=False)
+    else:
+        model = models.BPE({p: i for i, p in enumerate(pieces)}, [(s, s), (s * 2, s * 2), (s * 2, s), (s * 4, s)],
+                           unk_token="<unk>", fuse_unk=True)
+    raw = Tokenizer(model)
+    raw.normalizer = normalizers.Replace(" ", s)
+    raw.decoder = decoders.Sequence([decoders.Replace(s, " "), decoders.Fuse()])
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                  unk_token="<unk>")
+    tok.backend_tokenizer.add_tokens([AddedToken(s * n, normalized=True, special=False) for n in range(2, 6)]
+                                     + [AddedToken("<new>", normalized=False, special=False)])
+    folder = tmp_path / ("unigram" if unigram else "bpe")
+    tok.save_pretrained(folder)
+    conf = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**conf, "tokenizer_class": "GemmaTokenizer"}))
+    cfg = LlamaConfig(vocab_size=len(pieces) + 1, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, intermediate_size=32, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    write_json(folder / "genai_config.json", genai_config(cfg, base_type_of(cfg), 64))
+    return folder, tok
+
+
+def test_a_genai_folder_keeps_user_defined_pieces_as_vocabulary_pieces_onnxruntime_genai_decodes(tmp_path):
+    """onnxruntime-genai (ort-extensions) decodes an added token literally and never matches a normalized one, so
+    Gemma 3's runs of spaces, added tokens for SentencePiece's matching, decoded as '▁▁def' (the CI failure of
+    test_gemma3_preset_through_the_chain). The genai folder drops each such entry whose content is the vocabulary's
+    piece of the same id: the runtime then decodes every id of the model's tokenizer to its text, and onnxruntime-
+    genai and the tokenizers library (which serve and eval read a genai folder with) encode alike."""
+    import onnxruntime_genai as og
+    from tokenizers import Tokenizer
+
+    from bdlora.export.genai.tokenizer import readable_by_genai
+
+    folder, tok = _spm_folder(tmp_path)
+    assert tok("     a", add_special_tokens=False)["input_ids"] == [8, 9]  # the added ▁▁▁▁▁, matched whole
+    assert readable_by_genai(folder) == {
+        "dropped_added_tokens": 4, "id_range": [5, 8],
+        "why": "onnxruntime-genai never matches normalized added tokens and decodes added tokens literally; each is "
+               "kept as the vocabulary piece of the same id"}
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    kept = {t["content"] for t in spec["added_tokens"]}
+    assert {"<pad>", "<eos>", "<bos>", "<unk>", "<new>"} <= kept and not any(c.startswith("\u2581") for c in kept)
+    assert readable_by_genai(folder) is None  # nothing left to drop: the file is not rewritten
+    runtime, fast = og.Tokenizer(og.Config(str(folder))), Tokenizer.from_file(str(folder / "tokenizer.json"))
+    for text in ["     a", "  a b", "ab  cx", "x     ", "a  b   c    d     e      f"]:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert runtime.decode(np.array(ids, dtype=np.int32)) == tok.decode(ids) == text
+        assert [int(i) for i in runtime.encode(text)] == fast.encode(text, add_special_tokens=False).ids
+
+
+def test_a_unigram_vocabularys_added_pieces_are_dropped_the_same_way(tmp_path):
+    """A Unigram vocabulary (a list of [piece, score]) is matched by id as a BPE one (a dict) is."""
+    from bdlora.export.genai.tokenizer import readable_by_genai
+
+    folder, _ = _spm_folder(tmp_path, unigram=True)
+    assert readable_by_genai(folder)["id_range"] == [5, 8]
+    assert readable_by_genai(tmp_path / "nowhere") is None

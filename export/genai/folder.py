@@ -35,6 +35,7 @@ from bdlora.export.genai.logits import split_head
 from bdlora.export.genai.pieces import score_in_pieces
 from bdlora.export.genai.quantize import describe, quantize_nbits
 from bdlora.export.genai.stream import CalibratedInputs, ExternalData, Rounding, StreamingBuilder, save_streamed
+from bdlora.export.genai.tokenizer import readable_by_genai
 from bdlora.export.onnx.metadata import metadata_props, metadata_summary, module_table, set_metadata
 from bdlora.export.onnx.validate import ExportValidationError, quality_figures, quantized_quality
 from bdlora.export.preflight import check_export_inputs
@@ -76,7 +77,7 @@ def write_genai_files(model, tok, folder: Path, settings: GenaiExportSettings, r
     (one model exported at several precisions is calibrated once), filled in when empty. Returns what was written
     (nodes, quantisation)."""
 
-    settings, ctx, meta = _beside_graph(model, tok, folder, settings, report)
+    settings, ctx, meta, fitted = _beside_graph(model, tok, folder, settings, report)
     precision, cfg = settings.precision, model.config
     proto = build_decoder(model, DecoderLayout.genai(ctx))
     set_metadata(proto, meta)
@@ -92,20 +93,23 @@ def write_genai_files(model, tok, folder: Path, settings: GenaiExportSettings, r
         save_graph(qproto, folder / MODEL_ONNX)
     else:
         save_graph(proto, folder / MODEL_ONNX)
-    return {**info, **_split_head(folder)}
+    return {**info, **fitted, **_split_head(folder)}
 
 
 def _beside_graph(model, tok, folder: Path, settings: GenaiExportSettings, report: dict | None):
     """What a genai folder holds beside its graph (genai_config.json, config, tokenizer, compression.json), written;
     returns (``settings`` for this model: the LM head at the bits its folder declares unless told, the context
-    length, the graph's metadata)."""
+    length, the graph's metadata, what the tokenizer lost to be read by onnxruntime-genai: ``tokenizer.
+    readable_by_genai``)."""
     settings, cfg = settings.resolved(model.config), model.config
     ctx = context_length_of(cfg, settings.context_length)
     write_json(folder / GENAI_CONFIG, genai_config(cfg, base_type_of(cfg), ctx, threads=settings.pool.threads or None,
                                                    spin=settings.spin))
     write_model_files(folder, model, tok, report)
+    fitted = readable_by_genai(folder)
     rows = module_table(model)
-    return settings, ctx, metadata_props(rows, metadata_summary(model, rows, report))
+    return settings, ctx, metadata_props(rows, metadata_summary(model, rows, report)), \
+        ({"tokenizer": fitted} if fitted else {})
 
 
 def _split_head(folder: Path) -> dict:
@@ -121,7 +125,7 @@ def write_streamed_genai_files(model, tok, folder: Path, settings: GenaiExportSe
     checks parity on a model cut to a few layers, ``validate.cut_parity``, and the quality against PyTorch read one
     layer at a time). A calibrated scheme rounds each part against its inputs on ``calibration`` (packed blocks),
     measured one layer at a time (``stream.CalibratedInputs``)."""
-    settings, ctx, meta = _beside_graph(model, tok, folder, settings, report)
+    settings, ctx, meta, fitted = _beside_graph(model, tok, folder, settings, report)
     precision, cfg = settings.precision, model.config
     rounds = PRECISIONS[precision].rounded
     layout = DecoderLayout.genai(ctx)
@@ -150,7 +154,7 @@ def write_streamed_genai_files(model, tok, folder: Path, settings: GenaiExportSe
         save_streamed(proto, folder / MODEL_ONNX)
     finally:
         data.close()
-    return {**info, **_split_head(folder)}
+    return {**info, **fitted, **_split_head(folder)}
 
 
 def _table_of(model):
