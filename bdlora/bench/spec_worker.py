@@ -19,14 +19,14 @@ import numpy as np
 from bdlora.speculative.decoders import DecoderFactory, stop_ids_of
 from bdlora.speculative.loop import SpecStats, Speculator
 from bdlora.speculative.policy import Costs, KPolicy
-from bdlora.speculative.proposers import DraftProposer, PromptLookup, new_proposer
+from bdlora.speculative.proposers import DraftProposer, PromptLookup, new_proposer, speculation_length
 
 SETTLE_S = 0.05  # as the genai timing process: let the previous model's threads park before a timed run
 
 
 def run_one(factory, proposer, policy, prompt: list[int], n: int, stops) -> tuple[list[int], float, float, SpecStats]:
     """(tokens, seconds with the prefill, seconds after it, stats) of ``n`` greedy tokens after ``prompt``."""
-    sp = Speculator(factory.new(len(prompt) + n + policy.max_k + 2), proposer, policy, stops)
+    sp = Speculator(factory.new(speculation_length(len(prompt), n, policy.max_k)), proposer, policy, stops)
     t0 = time.perf_counter()
     row = sp.prefill(prompt)
     t1 = time.perf_counter()
@@ -68,7 +68,8 @@ def main(argv: list[str]) -> int:
             for prompt in prompts:
                 reference = None
                 for name, kind, k in configurations(spec):
-                    proposer = new_proposer(kind, spec["ngram"], draft, len(prompt) + spec["new_tokens"] + 18,
+                    proposer = new_proposer(kind, spec["ngram"], draft,
+                                            speculation_length(len(prompt), spec["new_tokens"], spec["max_k"]),
                                             draft_stops)
                     policy = KPolicy(spec["max_k"], costs[kind], fixed=k)
                     time.sleep(SETTLE_S)

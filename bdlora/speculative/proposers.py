@@ -110,6 +110,15 @@ class PromptLookup:
 PROPOSERS = (DraftProposer.name, PromptLookup.name)  # the one spelling of each proposer, everywhere
 
 
+def speculation_length(prompt: int, new_tokens: int, max_k: int, limit: int | None = None) -> int:
+    """Positions the target's and the draft's decoders hold for ``new_tokens`` after a ``prompt``-token prompt (the
+    one formula, for ``generate`` and ``bench``; a server's come from its cache): a round may run ``max_k`` proposals
+    past the last token kept, and the verified step and its bonus token take two more; at most ``limit`` (the
+    model's positions)."""
+    n = prompt + new_tokens + max_k + 2
+    return n if limit is None else min(limit, n)
+
+
 def new_proposer(kind: str | None, ngram: int, draft=None, max_length: int = 0, stop_ids=()):
     """The proposer ``kind`` names (``PROPOSERS``; None: no speculation, no proposer), the one place one is built
     for ``generate``, ``serve`` and ``bench``: the ``draft`` factory's decoder for ``max_length`` tokens, never fed

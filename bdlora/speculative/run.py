@@ -15,7 +15,7 @@ from bdlora.speculative.config import SpeculationConfig
 from bdlora.speculative.decoders import DecoderFactory, check_draft, opened, stop_ids_of
 from bdlora.speculative.loop import Speculator, generate
 from bdlora.speculative.policy import Costs, KPolicy
-from bdlora.speculative.proposers import new_proposer
+from bdlora.speculative.proposers import new_proposer, speculation_length
 
 
 @dataclass
@@ -68,7 +68,7 @@ def prompt_ids(tok: TextTokenizer, prompt: str, chat: bool) -> list[int]:
 
 def _one(target, proposer, spec: SpeculationConfig, cfg: GenerateConfig, ids: list[int], eos, stop_ids,
          costs: Costs) -> dict:
-    max_length = min(target.shape.max_positions, len(ids) + cfg.max_tokens + spec.max_k + 2)
+    max_length = speculation_length(len(ids), cfg.max_tokens, spec.max_k, target.shape.max_positions)
     if len(ids) + 1 > target.shape.max_positions:
         raise UsageError(f"--prompt: {len(ids):,} tokens, the model takes {target.shape.max_positions:,} positions")
     policy = KPolicy(spec.max_k, costs, fixed=spec.max_k if spec.fixed_k else None)
@@ -91,7 +91,7 @@ def generate_text(folder: str | Path, prompt: str, cfg: GenerateConfig, spec: Sp
     ids = prompt_ids(tok, prompt, cfg.chat)
     eos = tok.eos_token_id
     stops = stop_ids_of(target, eos)
-    max_length = min(target.shape.max_positions, len(ids) + cfg.max_tokens + spec.max_k + 2)
+    max_length = speculation_length(len(ids), cfg.max_tokens, spec.max_k, target.shape.max_positions)
     draft_stops = stop_ids_of(draft, eos) if draft else stops
     costs = Costs()
     runs = {}
