@@ -17,7 +17,7 @@ from pathlib import Path
 from bdlora import forms
 from bdlora.base.errors import ModelError, shown
 from bdlora.base.io import sha256
-from bdlora.base.runs import CONFIG, ModelDir
+from bdlora.base.runs import CONFIG, TOKENIZER_JSON, ModelDir
 from bdlora.models.arch import SUPPORTED_FAMILIES, unsupported
 from bdlora.models.families import BDLORA_PREFIX
 
@@ -26,7 +26,7 @@ CONFIG_KEY = "config_sha256"  # in export.json: config.json as exported (the gra
 TOKENIZER_KEY = "tokenizer_sha256"  # in compression.json and export.json: {file name: hex digest}
 # The files that decide which ids a text becomes (the fast tokenizer's one file, or a slow one's vocabulary, merges
 # or sentencepiece model). tokenizer_config.json is left out: a chat template added there changes no id.
-TOKENIZER_IDENTITY = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model", "spiece.model")
+TOKENIZER_IDENTITY = (TOKENIZER_JSON, "vocab.json", "merges.txt", "tokenizer.model", "spiece.model")
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own bound on the JSON header
 
 

@@ -21,8 +21,7 @@ import json
 from pathlib import Path
 
 from bdlora.base.io import write_json
-
-TOKENIZER_JSON = "tokenizer.json"
+from bdlora.base.runs import TOKENIZER_JSON
 
 
 def readable_by_genai(folder: Path) -> dict | None:
