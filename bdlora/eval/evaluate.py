@@ -24,7 +24,7 @@ from bdlora.eval.icl import TASKS, corpus_word_list, is_correct, summarise, task
 from bdlora.eval.targets import load_eval_target
 from bdlora.models.runtime import DecoderShape, left_padded
 from bdlora.models.scoring import log_normaliser
-from bdlora.train.config import BUILTIN_DEFAULTS, REAL_DEFAULTS
+from bdlora.train.defaults import teacher_defaults
 
 
 @dataclass
@@ -239,7 +239,7 @@ def eval_data(run_cfg: dict | None, config, ecfg: EvalConfig) -> dict:
     src = origin if run_cfg and "seq_len" in cfg else "defaults"
     d = ecfg.data or cfg.get("data") or BUILTIN
     builtin = (cfg.get("teacher") or (BUILTIN if d == BUILTIN else None)) == BUILTIN
-    defaults = BUILTIN_DEFAULTS if builtin else REAL_DEFAULTS
+    defaults = teacher_defaults(builtin)
     heldout = ecfg.heldout_fraction
     if heldout is None and not ecfg.data:
         heldout = cfg.get("heldout_fraction")

@@ -12,7 +12,8 @@ from bdlora.data.documents import BUILTIN
 from bdlora.models.budgeted.config import DEFAULTS as BUDGETED
 from bdlora.models.budgeted.config import BudgetedConfig
 from bdlora.sweep.vary import check_axes, grid, label
-from bdlora.train.config import BUILTIN_DEFAULTS, REAL_DEFAULTS, TrainConfig
+from bdlora.train.config import TrainConfig, resolve_defaults
+from bdlora.train.defaults import teacher_defaults
 
 BASELINES = tuple(m.name for m in METHOD_TABLE.values() if not m.gated)
 
@@ -109,7 +110,7 @@ class SweepOptions:
         """A one-shot member's compression: the sweep's teacher, corpus, split and evaluation slice."""
 
         t = self.train
-        defaults = BUILTIN_DEFAULTS if t.get("teacher", BUILTIN) == BUILTIN else REAL_DEFAULTS
+        defaults = teacher_defaults(t.get("teacher", BUILTIN) == BUILTIN)
         return OneShotConfig(mac_ratio=m.compress_settings["mac_ratio"], data=t.get("data") or BUILTIN,
                              calib_tokens=t.get("calib_tokens") or defaults["calib_tokens"],
                              heldout_fraction=t.get("heldout_fraction"),
@@ -125,6 +126,11 @@ class SweepOptions:
         if m.budget is not None:
             values["budget"] = m.budget
         return TrainConfig(**values)
+
+    def lora_rank(self, m: Member) -> int:
+        """The LoRA rank a member's options resolve to (its LoRA baseline's), trained or not."""
+        builtin = (self.train.get("teacher") or BUILTIN) == BUILTIN
+        return resolve_defaults(self.train_config(m), builtin_teacher=builtin).lora_rank
 
     def validate(self) -> SweepOptions:
         """Every member's options checked like the flags before anything runs (a bad grid point fails at once,

@@ -45,7 +45,6 @@ from bdlora.sweep.paper import teacher_label, write_paper_outputs
 from bdlora.sweep.report import icl_fields, markdown, member_row, plot_pareto
 from bdlora.train.checkpoint import latest_checkpoint
 from bdlora.train.compress_run import compress_run
-from bdlora.train.config import TrainConfig, resolve_defaults
 from bdlora.train.loop import train
 
 
@@ -114,7 +113,7 @@ def _trained_member(m: Member, opts: SweepOptions, sweep: SweepDir, reporter: Re
     if run.finished():
         rep.stage(f"train: done ({run.path})")
     elif run.started() and latest_checkpoint(run.path) is not None:
-        train(TrainConfig(), reporter, resume=run.path)
+        train(None, reporter, resume=run.path)
     else:
         if run.path.exists():  # started but no checkpoint yet: nothing to keep, start the member again
             shutil.rmtree(run.path)
@@ -139,7 +138,7 @@ def _one_shot_member(m: Member, opts: SweepOptions, sweep: SweepDir, reporter: R
     else:
         compress_one_shot(teacher, opts.one_shot_config(m), model_dir.path, force=model_dir.path.exists(),
                           cache_dir=cache, reporter=rep)
-    rank = resolve_defaults(opts.train_config(m), builtin_teacher=teacher == BUILTIN).lora_rank
+    rank = opts.lora_rank(m)
     summary = {"student_val_ppl": model_dir.report()["eval"]["student_val_ppl"], "train_seconds": 0.0}  # no training
     return model_dir, summary, rank
 

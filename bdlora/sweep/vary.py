@@ -18,8 +18,7 @@ from pathlib import Path
 
 from bdlora.base.errors import UsageError
 from bdlora.models.budgeted.config import BudgetedConfig
-from bdlora.train.config import OPTION_NAMES
-from bdlora.train.option_files import TYPE_WORDS, yaml_type
+from bdlora.train.option_files import TYPE_WORDS, is_option, yaml_type
 
 COMPRESS_OPTIONS = ("eps_lr", "gate_threshold", "svd_max_rank")  # compress-time only: no retraining
 # Options a grid may not vary, and what to use instead: one sweep measures one teacher on one held-out split.
@@ -37,7 +36,7 @@ def _option(name: str, spec: str) -> str:
     key = name.strip().lstrip("-").replace("-", "_")
     if key in FIXED:
         raise UsageError(f"--vary {spec}: {key} cannot vary inside a sweep (use {FIXED[key]})")
-    if key not in OPTION_NAMES and key not in COMPRESS_OPTIONS:
+    if not is_option(key) and key not in COMPRESS_OPTIONS:
         raise UsageError(f"--vary {spec}: unknown option {name.strip()!r} (any `bdlora train` option, or a compress "
                          f"threshold: {', '.join(COMPRESS_OPTIONS)})")
     return key

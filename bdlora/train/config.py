@@ -18,11 +18,11 @@ from typing import Any
 from bdlora.base.errors import Checks, shown
 from bdlora.base.method_table import GATED, METHODS, Method, method_of
 from bdlora.base.schemes import GENAI_PRECISIONS, quant_problem
-from bdlora.compress.config import CALIB_TOKENS
 from bdlora.data.documents import BUILTIN
 from bdlora.forms import LOWRANK
 from bdlora.models.budgeted.config import ALLOCATIONS, LORA_INITS, BudgetedConfig
 from bdlora.models.budgeted.config import DEFAULTS as BUDGETED
+from bdlora.train.defaults import BUILTIN_DEFAULTS, REAL_DEFAULTS, teacher_defaults
 from bdlora.train.forms_flags import train_forms_problems
 from bdlora.train.stopping import stopping_problems
 
@@ -255,16 +255,6 @@ class TrainConfig:
         return self
 
 
-# Defaults for the embedded default teacher (4.5M parameters, 4 layers, hidden 256): the paper's rank 128 / alpha 256
-# and 1024-token sequences would dwarf a hidden size of 256, so rank and alpha keep the paper's alpha/r = 2 at r = 16.
-BUILTIN_DEFAULTS = {"seq_len": 128, "max_steps": 600, "lora_rank": 16, "lora_alpha": 32.0,
-                    "eval_every": 100, "eval_tokens": 32768, "batch_size": 16, "lora_init": "whitened",
-                    "allocation": "quality", "calib_tokens": CALIB_TOKENS}
-# Real teachers: the paper's rank 128 / alpha 256, 1024-token sequences and lr 3e-4, but a first-run budget (1000
-# steps of 8 x 1024 tokens, 1,048,576 validation tokens), not the paper's 2.55B tokens: that is recipes/paper.yaml.
-REAL_DEFAULTS = {"batch_size": 8, "seq_len": 1024, "max_steps": 1000, "lora_rank": BUDGETED.rank,
-                 "lora_alpha": BUDGETED.alpha, "eval_every": 200, "eval_tokens": 1 << 20, "lora_init": "whitened",
-                 "allocation": "quality", "calib_tokens": CALIB_TOKENS}
 
 # The objective: the paper's (tau 3, lambda 0.8 over the full vocabulary) for every run. Logit-only forward KL at tau 1
 # (Minitron's healing loss, --temperature 1 --kd-weight 1) was measured as the default for healing a structure and
@@ -342,7 +332,7 @@ def resolve_path(value: str | None) -> str | None:
 
 def resolve_defaults(cfg: TrainConfig, builtin_teacher: bool) -> TrainConfig:
     """Fill the per-teacher defaults (see BUILTIN_DEFAULTS / REAL_DEFAULTS) and store local paths absolute."""
-    defaults = {**(BUILTIN_DEFAULTS if builtin_teacher else REAL_DEFAULTS),
+    defaults = {**teacher_defaults(builtin_teacher),
                 **OBJECTIVE_DEFAULTS["heal" if cfg.structured else "paper"]}
     values = dataclasses.asdict(cfg)
     defaulted = []

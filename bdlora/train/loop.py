@@ -99,9 +99,10 @@ class Run:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def train(cfg: TrainConfig, reporter: Reporter | None = None, resume: str | Path | None = None,
+def train(cfg: TrainConfig | None, reporter: Reporter | None = None, resume: str | Path | None = None,
           overrides: dict | None = None, cost_model=None) -> dict:
-    """Run (or continue) a distillation run; returns the summary dict (also written to ``summary.json``).
+    """Run (or, with ``resume``, continue: ``cfg`` is then the run's own and may be None) a distillation run; returns
+    the summary dict (also written to ``summary.json``).
     ``cost_model``: with ``--precision``, the measured decode time the start is allocated by (a
     ``models.costs.CostModel``: the CLI passes ``bench.whole.MeasuredCosts``, which the core does not import).
 

@@ -50,6 +50,11 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
+def is_option(name: str) -> bool:
+    """Whether ``name`` is a ``bdlora train`` option (a TrainConfig field an option file or a sweep grid may set)."""
+    return name in OPTION_NAMES
+
+
 def yaml_type(name: str):
     """The scalar type of a TrainConfig field (None for lists and anything else YAML may spell freely)."""
 
