@@ -38,6 +38,10 @@ class ThreadPool:
         """The threads to run with: as given, else this machine's usable cores."""
         return usable_cores() if self.threads is None else self.threads
 
+    def resolved(self) -> ThreadPool:
+        """This pool with "this machine's usable cores" (None) made a number, as a record of what ran states it."""
+        return self if self.threads is not None else ThreadPool(self.count)
+
 
 def from_options(cls, values: dict):
     """``cls`` from a command's flat options: a name that is a field of an embedded dataclass (``threads``, the

@@ -4,6 +4,7 @@ writes), plus the search defaults it generates with (greedy, the model's EOS).""
 from __future__ import annotations
 
 from bdlora.base.runs import MODEL_ONNX
+from bdlora.base.threads import ThreadPool
 from bdlora.models.families import family, genai_families
 from bdlora.models.runtime import DecoderSignature as Sig
 
@@ -22,11 +23,12 @@ SPIN_OFF = {"session.intra_op.allow_spinning": "0"}  # a string: onnxruntime-gen
 
 
 def genai_config(config, base_type: str, context_length: int, filename: str = MODEL_ONNX,
-                 threads: int | None = None, spin: bool = True) -> dict:
+                 pool: ThreadPool = ThreadPool(0), spin: bool = True) -> dict:
     """The config onnxruntime-genai reads for ``config`` (a transformers config of the base family ``base_type``).
     ``past_present_share_buffer``: past and present are one (batch, kv_heads, max_length, head_dim) buffer that
-    GroupQueryAttention writes in place, so no cache is copied between steps. ``spin`` False: the intra-op threads
-    sleep between calls (``SPIN_OFF``) instead of spinning."""
+    GroupQueryAttention writes in place, so no cache is copied between steps. ``pool``: the intra-op threads the
+    folder asks for (0 or None: none written, the runtime's own choice). ``spin`` False: the intra-op threads sleep
+    between calls (``SPIN_OFF``) instead of spinning."""
     genai_type = family(base_type).genai_type
     if genai_type is None:
         raise ValueError(f"model type {base_type!r}: onnxruntime-genai export supports {', '.join(genai_families())}")
@@ -34,8 +36,8 @@ def genai_config(config, base_type: str, context_length: int, filename: str = MO
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
     eos = config.eos_token_id if config.eos_token_id is not None else 0
     session_options: dict = {"log_id": "onnxruntime-genai", "provider_options": []}
-    if threads:
-        session_options["intra_op_num_threads"] = int(threads)
+    if pool.threads:
+        session_options["intra_op_num_threads"] = int(pool.threads)
     if not spin:
         session_options.update(SPIN_OFF)
     pad = config.pad_token_id if config.pad_token_id is not None else _ids(eos)

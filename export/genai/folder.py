@@ -18,7 +18,7 @@ from bdlora.base.provenance import recorded_data_settings
 from bdlora.base.reporter import SILENT, Reporter
 from bdlora.base.runs import ALL_LOGITS_ONNX, GENAI_CONFIG, MODEL_ONNX, OnnxDir
 from bdlora.base.schemes import FLOAT, PRECISIONS
-from bdlora.base.threads import ThreadPool, flat
+from bdlora.base.threads import flat
 from bdlora.data.blocks import PackedBlocks, scored_blocks
 from bdlora.data.corpora import heldout_blocks, settings_tokens
 from bdlora.data.documents import BUILTIN, Corpus
@@ -103,8 +103,8 @@ def _beside_graph(model, tok, folder: Path, settings: GenaiExportSettings, repor
     readable_by_genai``)."""
     settings, cfg = settings.resolved(model.config), model.config
     ctx = context_length_of(cfg, settings.context_length)
-    write_json(folder / GENAI_CONFIG, genai_config(cfg, base_type_of(cfg), ctx, threads=settings.pool.threads or None,
-                                                   spin=settings.spin))
+    write_json(folder / GENAI_CONFIG,
+               genai_config(cfg, base_type_of(cfg), ctx, pool=settings.pool, spin=settings.spin))
     write_model_files(folder, model, tok, report)
     fitted = readable_by_genai(folder)
     rows = module_table(model)
@@ -241,7 +241,6 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, settings: GenaiE
     ``settings`` say (``threads`` None: this machine's usable cores; 0 leaves them out, and onnxruntime-genai then
     runs the folder on one thread; ``streaming``: whether the model is read and written one layer at a time)."""
     settings.check(Checks()).done()
-    threads = settings.pool.count
     model_dir, out = Path(model_dir), Path(out)
     check_out_dir(out, force, (model_dir,))
     rounds = PRECISIONS[settings.precision]
@@ -253,10 +252,10 @@ def export_genai_folder(model_dir: str | Path, out: str | Path, settings: GenaiE
     with timed(seconds, "load"):
         model, tok, report = lazy_folder_model(model_dir) if stream else load_model_folder(model_dir)
     ctx = context_length_of(model.config, settings.context_length)
-    settings = replace(settings.resolved(model.config), pool=ThreadPool(threads), context_length=ctx)
+    settings = replace(settings.resolved(model.config), pool=settings.pool.resolved(), context_length=ctx)
     precision = settings.precision
     info: dict = {"schema_version": SCHEMA_VERSION, "runtime": "onnxruntime-genai", "source": str(model_dir.resolve()),
-                  "precision": precision, "context_length": ctx, "intra_op_threads": threads or None,
+                  "precision": precision, "context_length": ctx, "intra_op_threads": settings.pool.threads or None,
                   "streamed": stream, "settings": flat(settings),
                   "summary": metadata_summary(model, module_table(model), report)}
     with atomic_dir(out) as tmp:
