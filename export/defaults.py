@@ -1,6 +1,6 @@
 """Defaults of the exporters, in a module that imports nothing (so the torch-free CLI shows them in ``--help``
 and the exporters read the same values). ``export genai``'s own (precision, rounding, head bits...) are the fields
-of ``bdlora.export.settings.GenaiExportSettings``."""
+of ``bdlora.export.settings.GenaiExportConfig``."""
 
 DEFAULT_OPSET = 17  # ONNX opset of `export onnx`
 MIN_OPSET = 14  # the plain layout's ops (Split/Unsqueeze/ReduceSum with input axes, LessOrEqual) need >= 13

@@ -1,4 +1,4 @@
-"""``GenaiExportSettings``: how a model becomes an onnxruntime-genai folder (precision, rounding scheme, LM head bits,
+"""``GenaiExportConfig``: how a model becomes an onnxruntime-genai folder (precision, rounding scheme, LM head bits,
 8-bit share, calibration, context, threads, the quality gate), every default in one place. ``bdlora export genai``
 builds one from its flags, ``export_genai_folder`` and ``write_genai_files`` take it, and
 ``BenchConfig.settings_for`` derives one for every folder the bench writes (from the bench's flags, per model and
@@ -23,6 +23,7 @@ from bdlora.base.schemes import (
     mixed,
     rounded,
 )
+from bdlora.base.settings import Settings
 from bdlora.base.threads import ThreadPool
 from bdlora.forms import declared_head_bits
 
@@ -32,7 +33,7 @@ MIN_QUALITY_TOKENS, MAX_QUALITY_TOKENS = 16, 1 << 20
 
 
 @dataclass(frozen=True)
-class GenaiExportSettings:
+class GenaiExportConfig(Settings):
     precision: str = FLOAT
     """fp32, int8 or int4 (MatMulNBits, block 32; int4 keeps the LM head at --head-bits)."""
     quant: str = DEFAULT_SCHEME
@@ -76,7 +77,7 @@ class GenaiExportSettings:
         """Whether this export rounds against measured inputs (a calibrated scheme at int8/int4)."""
         return rounded(self.precision) and self.scheme.calibrated
 
-    def at(self, precision: str, **changes) -> GenaiExportSettings:
+    def at(self, precision: str, **changes) -> GenaiExportConfig:
         """The same settings at another precision (options that do nothing there back at their defaults)."""
         if not rounded(precision):
             changes = {"quant": DEFAULT.quant, **changes}
@@ -84,7 +85,7 @@ class GenaiExportSettings:
             changes = {"head_bits": DEFAULT.head_bits, "int8_share": DEFAULT.int8_share, **changes}
         return replace(self, precision=precision, **changes)
 
-    def resolved(self, config) -> GenaiExportSettings:
+    def resolved(self, config) -> GenaiExportConfig:
         """These settings for one model (``config``: its config object or dict): ``head_bits`` None becomes the
         width its folder declares for the LM head at int4, else ``HEAD_BITS``."""
         if self.head_bits is not None:
@@ -136,7 +137,7 @@ class GenaiExportSettings:
         return c
 
 
-DEFAULT = GenaiExportSettings()
+DEFAULT = GenaiExportConfig()
 
 
 GGUF_QUANTS = ("f16", "q8_0", "q4_0", "q4_k_m")  # export.gguf.layout.QUANTS: the torch-free CLI reads them here
@@ -146,7 +147,7 @@ GGUF_OF = {"int4": "q4_k_m", "int8": "q8_0", "fp32": "f16"}
 
 
 @dataclass(frozen=True)
-class GgufExportSettings:
+class GgufExportConfig(Settings):
     quant: str = "q8_0"
     """f16, q8_0 or q4_0 (written by the gguf package), or q4_k_m (rounded by llama.cpp's own quantizer: the
     [llamacpp] extra)."""

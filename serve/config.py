@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from bdlora.base.errors import Checks
 from bdlora.base.runs import MODEL_ONNX
+from bdlora.base.settings import Settings
 from bdlora.base.threads import ThreadPool
 from bdlora.speculative.config import SpeculationConfig
 
@@ -16,7 +17,7 @@ DEFAULT_DRAIN_SECONDS = 30  # on SIGTERM/SIGINT: seconds in-flight requests get 
 
 
 @dataclass
-class ServeConfig:
+class ServeConfig(Settings):
     onnx_dir: str
     """A `bdlora export onnx` folder."""
     model_name: str
@@ -57,8 +58,7 @@ class ServeConfig:
     speculation: SpeculationConfig | None = None
     """--draft / --prompt-lookup: how a sequence running alone is continued speculatively (None: never)."""
 
-    def validate(self) -> ServeConfig:
-        c = Checks()
+    def check(self, c: Checks) -> Checks:
         for name in ("max_batch", "max_tokens", "max_waiting", "max_prompt_tokens", "max_request_bytes"):
             c.integer(name, getattr(self, name), lo=1)
         c.integer("max_prompts", self.max_prompts, lo=1, hi=self.max_waiting)
@@ -71,5 +71,4 @@ class ServeConfig:
             self.speculation.check(c)
         if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
             c.add("--api-key: must be a non-empty string without surrounding spaces")
-        c.done()
-        return self
+        return c

@@ -21,7 +21,7 @@ from bdlora.export.decoder import DecoderLayout, build_decoder
 from bdlora.export.genai import export_genai_folder
 from bdlora.export.genai.validate import GENAI_SHAPES, graph_parity
 from bdlora.export.onnx.validate import TOLERANCE, ExportValidationError
-from bdlora.export.settings import GenaiExportSettings
+from bdlora.export.settings import GenaiExportConfig
 from bdlora.models.load import load_model_folder
 from bdlora.models.runtime import DecoderSignature, session
 from conftest import compressed_student
@@ -87,7 +87,7 @@ def test_the_genai_graph_and_its_config_follow_the_decoder_signature(mixed_folde
     and genai_config.json's templates name exactly the graph's cache inputs and outputs."""
     folder, _ = mixed_folder
     out = tmp_path / "g"
-    export_genai_folder(folder, out, GenaiExportSettings(validate=False))
+    export_genai_folder(folder, out, GenaiExportConfig(validate=False))
     graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
     sig = DecoderSignature(2, position_ids=False)
     assert [i.name for i in graph.input] == sig.inputs and [o.name for o in graph.output] == sig.outputs
@@ -138,7 +138,7 @@ def test_export_folder_generates_like_torch(mixed_folder):
 @pytest.mark.parametrize("precision,bits", [("int8", 8), ("int4", 4)])
 def test_quantized_export_reports_quality(mixed_folder, precision, bits):
     folder, root = mixed_folder
-    info = export_genai_folder(folder, root / precision, GenaiExportSettings(precision))
+    info = export_genai_folder(folder, root / precision, GenaiExportConfig(precision))
     q, quant = info["validation"]["quality"], info["quantization"]
     assert quant["op"] == "MatMulNBits" and quant["lm_head_bits"] == 8 and quant["matmuls_fp32"] == 0
     assert quant["matmuls_quantized"] == sum(1 for n in onnx.load(str(root / precision / "model.onnx"),
@@ -156,12 +156,12 @@ def test_the_quality_check_scores_as_many_tokens_as_asked_and_says_so(mixed_fold
     """Issue 76: 256 blocks through both graphs ran past 22 minutes at 1B; --quality-tokens bounds the check to the
     first blocks of the same slice, and export.json records how many were scored."""
     folder, root = mixed_folder
-    whole = export_genai_folder(folder, root / "q-all", GenaiExportSettings("int4"))["validation"]["quality"]
-    cut = export_genai_folder(folder, root / "q-cut", GenaiExportSettings("int4", quality_tokens=256))
+    whole = export_genai_folder(folder, root / "q-all", GenaiExportConfig("int4"))["validation"]["quality"]
+    cut = export_genai_folder(folder, root / "q-cut", GenaiExportConfig("int4", quality_tokens=256))
     q = cut["validation"]["quality"]
     assert whole["tokens"] > 256 and q["tokens"] == 256 and cut["settings"]["quality_tokens"] == 256
     with pytest.raises(ConfigError, match="--quality-tokens 256: scores a rounded graph against fp32"):
-        GenaiExportSettings("fp32", quality_tokens=256).check(Checks()).done()
+        GenaiExportConfig("fp32", quality_tokens=256).check(Checks()).done()
 
 
 def test_quality_threshold_refuses_and_writes_nothing(tiny_env, tmp_path):
@@ -227,7 +227,7 @@ def test_generator_divergence_beyond_a_tie_is_an_error(mixed_folder, tmp_path):
     from bdlora.models.load import load_model_folder
 
     folder, root = mixed_folder
-    export_genai_folder(folder, tmp_path / "g", GenaiExportSettings(validate=False))
+    export_genai_folder(folder, tmp_path / "g", GenaiExportConfig(validate=False))
     model, tok, _ = load_model_folder(folder)
     with torch.no_grad():
         model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight))
@@ -474,13 +474,13 @@ def test_the_plain_twin_of_a_quantised_genai_graph_computes_the_same_logits(mixe
     folder, _ = mixed_folder
     model, _, _ = load_model_folder(folder)
     shape = DecoderShape.of(model.config)
-    genai, _ = rounded(build_decoder(model, DecoderLayout.genai(64)), GenaiExportSettings("int4", quant, head_bits),
+    genai, _ = rounded(build_decoder(model, DecoderLayout.genai(64)), GenaiExportConfig("int4", quant, head_bits),
                        shape, tied=tied_head(model.config))
-    twin = plain_graph(model, GenaiExportSettings("int4", quant, head_bits))
+    twin = plain_graph(model, GenaiExportConfig("int4", quant, head_bits))
     for proto in (genai, twin):  # bench --head-bits: the LM head at those bits in both layouts
         head = next(n for n in proto.graph.node if n.op_type == "MatMulNBits" and n.name.startswith(LM_HEAD))
         assert next(a.i for a in head.attribute if a.name == "bits") == head_bits
-    fp32 = plain_graph(model, GenaiExportSettings())
+    fp32 = plain_graph(model, GenaiExportConfig())
     sessions = [ort.InferenceSession(p.SerializeToString(), providers=["CPUExecutionProvider"])
                 for p in (genai, twin, fp32)]
     ids = np.random.default_rng(3).integers(0, shape.vocab_size, (1, 7))
@@ -506,7 +506,7 @@ def test_bench_teacher_quant_rounds_the_teachers_folders_its_own_way(mixed_folde
 
     folder, _ = mixed_folder
     model, tok, _ = load_model_folder(folder)
-    gptq = GenaiExportSettings(quant="gptq")
+    gptq = GenaiExportConfig(quant="gptq")
     cfg = BenchConfig(rounding=gptq, teacher_quant="affine")
     assert (cfg.quant_of("teacher"), cfg.quant_of("compressed"), BenchConfig(rounding=gptq).quant_of("teacher")) == \
         ("affine", "gptq", "gptq")
@@ -533,7 +533,7 @@ def test_a_foreign_tokenizer_in_a_genai_folder_is_refused_by_every_reader(mixed_
 
     folder, _ = mixed_folder
     out = tmp_path / "g"
-    export_genai_folder(folder, out, GenaiExportSettings(validate=False))
+    export_genai_folder(folder, out, GenaiExportConfig(validate=False))
     check_onnx_dir(out, "model.onnx", "genai")  # its own tokenizer passes
     put_foreign_tokenizer(out, tiny_env["corpus"])
     with pytest.raises(ModelError, match="its tokenizer \\(tokenizer.json\\) differs from the one recorded in "
@@ -544,7 +544,7 @@ def test_a_foreign_tokenizer_in_a_genai_folder_is_refused_by_every_reader(mixed_
 
 
 def test_one_settings_object_checks_every_option_and_says_every_problem_at_once():
-    """GenaiExportSettings is what export genai builds and the bench holds: every bad value and every option that
+    """GenaiExportConfig is what export genai builds and the bench holds: every bad value and every option that
     does nothing at its precision refused together; the bench derives each row's settings from its own flags (the
     teacher rounded its way, --int8-share only where a calibrated scheme chooses it)."""
     from bdlora.base.errors import Checks, ConfigError
@@ -552,16 +552,16 @@ def test_one_settings_object_checks_every_option_and_says_every_problem_at_once(
     from bdlora.export.settings import DEFAULT
 
     with pytest.raises(ConfigError) as e:
-        GenaiExportSettings("int8", "rtn", head_bits=4, int8_share=0.2, pool=ThreadPool(513), max_ppl_change=-1).check(
+        GenaiExportConfig("int8", "rtn", head_bits=4, int8_share=0.2, pool=ThreadPool(513), max_ppl_change=-1).check(
             Checks()).done()
     problems = e.value.problems
     assert len(problems) == 4 and problems[0].startswith("--head-bits 4: sets the LM head's bits of an int4 graph")
     assert any(p.startswith("--int8-share 0.2: is chosen by a calibrated scheme") for p in problems)
     assert any(p.startswith("--threads 513: must be") for p in problems)
     assert any(p.startswith("--max-ppl-change -1: must be a finite fraction") for p in problems)
-    assert GenaiExportSettings("int4", "gptq").suffix == "-int4-gptq" and DEFAULT.suffix == ""
-    assert GenaiExportSettings("int4", "gptq", 4, 0.1).at("fp32") == DEFAULT
-    cfg = BenchConfig(runtime="genai", rounding=GenaiExportSettings(quant="gptq", head_bits=4, int8_share=0.1),
+    assert GenaiExportConfig("int4", "gptq").suffix == "-int4-gptq" and DEFAULT.suffix == ""
+    assert GenaiExportConfig("int4", "gptq", 4, 0.1).at("fp32") == DEFAULT
+    cfg = BenchConfig(runtime="genai", rounding=GenaiExportConfig(quant="gptq", head_bits=4, int8_share=0.1),
                       teacher_quant="affine").validate()
     student, teacher = cfg.settings_for("compressed", "int4"), cfg.settings_for("teacher", "int4")
     assert (student.quant, student.head_bits, student.int8_share, student.validate) == ("gptq", 4, 0.1, False)
@@ -569,7 +569,7 @@ def test_one_settings_object_checks_every_option_and_says_every_problem_at_once(
     int8 = cfg.settings_for("compressed", "int8")  # the head's width is each model's (8 at int8, whatever it says)
     assert int8.head_bits is None and int8.resolved({"bdlora_head_bits": 4}).head_bits == 8
     assert cfg.settings_for("teacher", "fp32") == \
-        GenaiExportSettings(validate=False)
+        GenaiExportConfig(validate=False)
     r = CliRunner().invoke(app, ["bench", "--runtime", "genai", "--int8-share", "0.1"])
     assert r.exit_code == 2 and "--int8-share 0.1: is chosen by a calibrated scheme" in r.output
 
@@ -589,7 +589,7 @@ def test_quantised_export_stores_the_embedding_once(family, shared):
     model, _ = synthetic_model(_config(family, vocab_size=256), 0.6, None, rank=8)
     shape = DecoderShape.of(model.config)
     proto = build_decoder(model, DecoderLayout.genai(64))
-    once, info = rounded(proto, GenaiExportSettings("int4").resolved(model.config), shape, tied=shared)
+    once, info = rounded(proto, GenaiExportConfig("int4").resolved(model.config), shape, tied=shared)
     table, _ = quantize_nbits(proto, "int4")
     assert TABLE not in {t.name for t in once.graph.initializer} and TABLE in {t.name for t in table.graph.initializer}
     (gbq,) = [n for n in once.graph.node if n.op_type == "GatherBlockQuantized"]

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from bdlora.cli import app
 from bdlora.export.gguf import export_gguf_folder, layout, writer
-from bdlora.export.settings import GgufExportSettings
+from bdlora.export.settings import GgufExportConfig
 
 HAS_LLAMA_CPP = __import__("importlib").util.find_spec("llama_cpp") is not None
 # the [llamacpp] CI leg sets BDLORA_REQUIRE_LLAMACPP=1: there a missing llama-cpp-python fails these tests
@@ -65,7 +65,7 @@ def test_a_teacher_is_read_back_by_transformers_gguf_loader(tiny_env, tmp_path, 
     its type (f16: 2^-11 of each weight), and every tensor has the type the converter's rules give it."""
     from transformers import AutoModelForCausalLM
 
-    info = export_gguf_folder(tiny_env["teacher"], tmp_path / "g", GgufExportSettings(quant=quant, validate=False))
+    info = export_gguf_folder(tiny_env["teacher"], tmp_path / "g", GgufExportConfig(quant=quant, validate=False))
     assert info["architecture"] == "llama" and info["structure"]["tensors"] == info["file"]["tensors"]
     keys, tensors = _read(tmp_path / "g" / "model.gguf")
     assert keys["general.architecture"] == "llama" and keys["llama.block_count"] == 4
@@ -93,7 +93,7 @@ def test_a_student_of_pruned_blocks_is_deci_with_per_layer_shapes(request, tmp_p
     from safetensors.torch import load_file
 
     student = request.getfixturevalue(which)
-    info = export_gguf_folder(student, tmp_path / "g", GgufExportSettings(quant="f16", validate=False))
+    info = export_gguf_folder(student, tmp_path / "g", GgufExportConfig(quant="f16", validate=False))
     cfg = json.loads((student / "config.json").read_text())
     weights = load_file(str(student / "model.safetensors"))
     n = cfg["num_hidden_layers"]
@@ -120,7 +120,7 @@ def test_a_student_of_pruned_blocks_is_deci_with_per_layer_shapes(request, tmp_p
 
 def test_chunks_write_the_same_bytes(tiny_env, tmp_path, monkeypatch):
     """A tensor written in row chunks (an 8B embedding never whole in fp32) is byte for byte the one written whole."""
-    export_gguf_folder(tiny_env["teacher"], tmp_path / "whole", GgufExportSettings(quant="q4_0", validate=False))
+    export_gguf_folder(tiny_env["teacher"], tmp_path / "whole", GgufExportConfig(quant="q4_0", validate=False))
     seen = []
     real = writer.chunks
 
@@ -131,7 +131,7 @@ def test_chunks_write_the_same_bytes(tiny_env, tmp_path, monkeypatch):
 
     monkeypatch.setattr(writer, "CHUNK_BYTES", 32 * 4 * 4)  # four rows of 32 columns
     monkeypatch.setattr(writer, "chunks", spy)
-    export_gguf_folder(tiny_env["teacher"], tmp_path / "rows", GgufExportSettings(quant="q4_0", validate=False))
+    export_gguf_folder(tiny_env["teacher"], tmp_path / "rows", GgufExportConfig(quant="q4_0", validate=False))
     assert len(seen) > 3 * 21 and min(seen) <= 32 * 4 * 4  # the tensors were written in row chunks
     a, b = ((tmp_path / d / "model.gguf").read_bytes() for d in ("whole", "rows"))
     assert a == b
@@ -243,7 +243,7 @@ def test_llama_cpp_runs_the_file_as_pytorch_runs_the_model(tiny_env, student, tm
     """llama.cpp loads the file: its tokens of held-out lines are the tokenizer's, its logits PyTorch's (f16 within
     the stated tolerance), its held-out perplexity within --max-ppl-change of PyTorch's."""
     src = tiny_env["teacher"] if which == "teacher" else student
-    info = export_gguf_folder(src, tmp_path / "g", GgufExportSettings(quant=quant, quality_tokens=512))
+    info = export_gguf_folder(src, tmp_path / "g", GgufExportConfig(quant=quant, quality_tokens=512))
     v = info["validation"]
     assert v["tokenizer"]["identical"] == v["tokenizer"]["lines"] > 0 and v["tokenizer"]["differ"] == []
     assert v["logits"]["argmax_agreement"] > (0.99 if quant == "f16" else 0.8)
@@ -260,7 +260,7 @@ def test_the_decode_benchmark_times_gguf_files_beside_genai_folders(tiny_env, tm
     from pathlib import Path
 
     from bdlora.export.genai import export_genai_folder
-    from bdlora.export.settings import GenaiExportSettings
+    from bdlora.export.settings import GenaiExportConfig
     from conftest import genai_teacher
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -268,8 +268,8 @@ def test_the_decode_benchmark_times_gguf_files_beside_genai_folders(tiny_env, tm
 
     genai_teacher(tiny_env["tokenizer"], tmp_path / "t")
     tiny_env["tokenizer"].save_pretrained(tmp_path / "t")
-    export_genai_folder(tmp_path / "t", tmp_path / "g", GenaiExportSettings("int4", validate=False))
-    export_gguf_folder(tmp_path / "t", tmp_path / "q", GgufExportSettings(quant="q4_0", validate=False))
+    export_genai_folder(tmp_path / "t", tmp_path / "g", GenaiExportConfig("int4", validate=False))
+    export_gguf_folder(tmp_path / "t", tmp_path / "q", GgufExportConfig(quant="q4_0", validate=False))
     decode.main(["--folders", f"genai={tmp_path / 'g'},llama={tmp_path / 'q'}", "--threads", "1", "--prompt", "8",
                  "--tokens", "4", "--repeats", "2", "--out", str(tmp_path / "d.md")])
     rows = [r.split("|")[1:-1] for r in (tmp_path / "d.md").read_text().splitlines()[2:]]
@@ -290,7 +290,7 @@ def test_llama_cpps_own_server_answers_a_completion_from_a_students_file(student
     from conftest import free_port
 
     pytest.importorskip("llama_cpp.server.app", reason="needs llama-cpp-python[server]")
-    export_gguf_folder(student, tmp_path / "g", GgufExportSettings(quant="f16", validate=False))
+    export_gguf_folder(student, tmp_path / "g", GgufExportConfig(quant="f16", validate=False))
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(tmp_path / "g" / "model.gguf"),
                              "--port", str(port), "--n_ctx", "128"], stdout=subprocess.PIPE,
@@ -352,7 +352,7 @@ def test_qwen2_and_gemma3_run_in_llama_cpp_as_in_pytorch(tiny_env, tmp_path):
                                           "--mac-ratio", "1.6", "--forms", "channels,groups"))
     assert r.exit_code == 0, r.output
     for name, arch in (("qwen2", "qwen2"), ("qwen2-student", "deci"), ("gemma3", "gemma3")):
-        info = export_gguf_folder(root / name, tmp_path / f"{name}.gguf", GgufExportSettings(quant="f16",
+        info = export_gguf_folder(root / name, tmp_path / f"{name}.gguf", GgufExportConfig(quant="f16",
                                                                                           quality_tokens=256))
         assert info["architecture"] == arch
         v = info["validation"]
@@ -444,7 +444,7 @@ def test_a_zero_weight_file_has_the_exports_tensors_and_only_zeros(shallow, tmp_
     from bdlora.bench.llamacpp_step import stand_in_vocab
     from bdlora.export.gguf.folder import planned
 
-    settings = GgufExportSettings(quant="q8_0", validate=False)
+    settings = GgufExportConfig(quant="q8_0", validate=False)
     export_gguf_folder(shallow, tmp_path / "real", settings)
     lay, plan, _, config = planned(shallow, settings)
     writer.write_zero_gguf(tmp_path / "zero.gguf", lay, plan, "q8_0", "zero", stand_in_vocab(config["vocab_size"]))

@@ -24,7 +24,7 @@ from bdlora.cli import app
 from bdlora.compress.allocate import Allocation
 from bdlora.compress.forms.lowrank import FISHER_DAMPING
 from bdlora.export.genai.quantize import rtn_rounded
-from bdlora.export.settings import GenaiExportSettings
+from bdlora.export.settings import GenaiExportConfig
 from bdlora.forms import HEAD, HEAD_BITS
 from conftest import allocate_with
 
@@ -90,10 +90,10 @@ def test_the_allocation_buys_the_4_bit_head_where_it_costs_least_error():
 
 
 def test_an_export_takes_the_declared_head_width_unless_told():
-    s = GenaiExportSettings("int4")
+    s = GenaiExportConfig("int4")
     assert s.resolved({HEAD_BITS: 4}).head_bits == 4 and s.resolved({}).head_bits == 8
-    assert GenaiExportSettings("int4", head_bits=8).resolved({HEAD_BITS: 4}).head_bits == 8  # --head-bits wins
-    assert GenaiExportSettings("int8").resolved({HEAD_BITS: 4}).head_bits == 8  # every MatMul is 8 bits at int8
+    assert GenaiExportConfig("int4", head_bits=8).resolved({HEAD_BITS: 4}).head_bits == 8  # --head-bits wins
+    assert GenaiExportConfig("int8").resolved({HEAD_BITS: 4}).head_bits == 8  # every MatMul is 8 bits at int8
 
 
 def head_tables(cache, teacher, threads: int = 1) -> dict:

@@ -156,10 +156,10 @@ def _rewritten(src, dst, drop=(), values=None):
 @pytest.fixture(scope="module")
 def tiny_gguf(tiny_env, tmp_path_factory):
     from bdlora.export.gguf import export_gguf_folder
-    from bdlora.export.settings import GgufExportSettings
+    from bdlora.export.settings import GgufExportConfig
 
     out = tmp_path_factory.mktemp("gguf") / "t"
-    export_gguf_folder(tiny_env["teacher"], out, GgufExportSettings(quant="f16", validate=False))
+    export_gguf_folder(tiny_env["teacher"], out, GgufExportConfig(quant="f16", validate=False))
     return out / "model.gguf"
 
 

@@ -16,7 +16,7 @@ from bdlora.export.genai import export_genai_folder
 from bdlora.export.genai.pieces import LAYER, Pieces, first_call_feeds, score_in_pieces, split
 from bdlora.export.genai.validate import PROMPTS, greedy_in_pieces, structure
 from bdlora.export.onnx.validate import ExportValidationError
-from bdlora.export.settings import GenaiExportSettings
+from bdlora.export.settings import GenaiExportConfig
 from bdlora.models.runtime import DecoderShape, run_decoder, score_blocks, session
 from conftest import genai_teacher
 
@@ -26,7 +26,7 @@ def folder(tiny_env, tmp_path_factory):
     """A tiny 3-layer teacher exported to int4 (its head at 8 bits), streamed as a large model is."""
     root = tmp_path_factory.mktemp("pieces")
     genai_teacher(tiny_env["tokenizer"], root / "teacher", layers=3)
-    export_genai_folder(root / "teacher", root / "int4", GenaiExportSettings("int4", streaming="on",
+    export_genai_folder(root / "teacher", root / "int4", GenaiExportConfig("int4", streaming="on",
                                                                              max_ppl_change=10.0))
     return root / "int4"
 
@@ -110,7 +110,7 @@ def test_greedy_in_pieces_holds_the_graph_to_pytorchs_tokens(tiny_env, tmp_path)
     for another model's."""
     tok = tiny_env["tokenizer"]
     genai_teacher(tok, tmp_path / "teacher", layers=3)
-    export_genai_folder(tmp_path / "teacher", tmp_path / "fp32", GenaiExportSettings("fp32", streaming="on",
+    export_genai_folder(tmp_path / "teacher", tmp_path / "fp32", GenaiExportConfig("fp32", streaming="on",
                                                                                     validate=False))
     out = greedy_in_pieces(tmp_path / "fp32", genai_teacher(tok, layers=3), tok, n=6)
     assert out["new_tokens"] == 6 and len(out["prompts"]) == len(PROMPTS) and out["all_identical"]

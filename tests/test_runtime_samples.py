@@ -22,13 +22,13 @@ CHAT = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}
 def exported(tiny_env, tmp_path_factory):
     """A 2-layer genai-shaped teacher, its fp32 onnxruntime-genai export, and a chat tokenizer for it."""
     from bdlora.export.genai import export_genai_folder
-    from bdlora.export.settings import GenaiExportSettings
+    from bdlora.export.settings import GenaiExportConfig
 
     root = tmp_path_factory.mktemp("samples")
     tok = copy.deepcopy(tiny_env["tokenizer"])
     tok.chat_template = CHAT
     model = genai_teacher(tok, root / "teacher")
-    export_genai_folder(root / "teacher", root / "teacher.genai", GenaiExportSettings(precision="fp32",
+    export_genai_folder(root / "teacher", root / "teacher.genai", GenaiExportConfig(precision="fp32",
                                                                                      validate=False))
     return {"root": root, "model": model, "tok": tok, "folder": root / "teacher.genai"}
 

@@ -41,7 +41,7 @@ def served_model(request, tiny_env, tmp_path_factory):
     from bdlora.deployed.folder import save_model_folder
     from bdlora.export.genai import export_genai_folder
     from bdlora.export.onnx import export_onnx_folder
-    from bdlora.export.settings import GenaiExportSettings
+    from bdlora.export.settings import GenaiExportConfig
     from bdlora.models.runtime import DecoderShape, run_decoder, session
     from conftest import compressed_student, tiny_config
 
@@ -57,7 +57,7 @@ def served_model(request, tiny_env, tmp_path_factory):
     if runtime == "ort":
         export_onnx_folder(folder, served, run_validation=False)
     else:
-        export_genai_folder(folder, served, GenaiExportSettings(validate=False))
+        export_genai_folder(folder, served, GenaiExportConfig(validate=False))
     sess = session(served / all_logits_graph(served))  # a genai folder: its every-position twin
     shape = DecoderShape.of(model.config)
     kv, hd = shape.kv_heads, shape.head_dim

@@ -184,7 +184,7 @@ def pair(tiny_env, tmp_path_factory):
     onnxruntime."""
     from bdlora.export.genai import export_genai_folder
     from bdlora.export.onnx import export_onnx_folder
-    from bdlora.export.settings import GenaiExportSettings
+    from bdlora.export.settings import GenaiExportConfig
 
     root = tmp_path_factory.mktemp("spec")
     tok = tiny_env["tokenizer"]
@@ -198,7 +198,7 @@ def pair(tiny_env, tmp_path_factory):
     tok.save_pretrained(root / "draft")
     out = {"tok": tok, "root": root}
     for name in ("teacher", "draft"):
-        export_genai_folder(root / name, root / f"{name}.genai", GenaiExportSettings(precision="fp32",
+        export_genai_folder(root / name, root / f"{name}.genai", GenaiExportConfig(precision="fp32",
                                                                                        validate=False))
         export_onnx_folder(root / name, root / f"{name}.onnx", run_validation=False)
         out[name] = root / name
@@ -460,11 +460,11 @@ def test_a_draft_with_a_shorter_context_is_refused_before_serving_or_generating(
     """Issue 78 case 5: a draft exported with --context-length 64 beside a 128-position teacher started, and 29 of
     70 requests got HTTP 500 "max_length (166) cannot be greater than model context_length (64)"."""
     from bdlora.export.genai import export_genai_folder
-    from bdlora.export.settings import GenaiExportSettings
+    from bdlora.export.settings import GenaiExportConfig
 
     root = pair["root"]
     short = tmp_path / "short.genai"
-    export_genai_folder(root / "draft", short, GenaiExportSettings(precision="fp32", validate=False,
+    export_genai_folder(root / "draft", short, GenaiExportConfig(precision="fp32", validate=False,
                                                                    context_length=64))
     for argv in (["generate", str(root / "teacher.genai"), "--prompt", "alpha"],
                  ["serve", str(root / "teacher.genai"), "--runtime", "genai", "--port", "0"]):

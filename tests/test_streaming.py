@@ -29,7 +29,7 @@ from bdlora.export.genai.stream import CalibratedInputs
 from bdlora.export.genai.validate import last_rows, runtime_last_position
 from bdlora.export.onnx import export_onnx_folder
 from bdlora.export.onnx.validate import ExportValidationError
-from bdlora.export.settings import GenaiExportSettings
+from bdlora.export.settings import GenaiExportConfig
 from bdlora.models.lazy import is_lazy
 from bdlora.models.load import load_model_folder
 from bdlora.models.runtime import DecoderShape, empty_past, run_decoder, session
@@ -96,9 +96,9 @@ def folders(tiny_env, tmp_path_factory):
 def test_a_streamed_export_is_the_in_memory_export(folders, tmp_path, monkeypatch, name, precision, quant):
     src = folders / name
     monkeypatch.setattr(pieces, "PIECE_BYTES", 1)  # the held-out check's graph run one layer per piece
-    held = export_genai_folder(src, tmp_path / "held", GenaiExportSettings(precision, quant, streaming="off",
+    held = export_genai_folder(src, tmp_path / "held", GenaiExportConfig(precision, quant, streaming="off",
                                                                            max_ppl_change=10.0))
-    streamed_ = export_genai_folder(src, tmp_path / "streamed", GenaiExportSettings(precision, quant, streaming="on",
+    streamed_ = export_genai_folder(src, tmp_path / "streamed", GenaiExportConfig(precision, quant, streaming="on",
                                                                                     max_ppl_change=10.0))
     assert not held["streamed"] and streamed_["streamed"]
     _same_graph(tmp_path / "held", tmp_path / "streamed")
@@ -122,7 +122,7 @@ def test_a_streamed_export_is_the_in_memory_export(folders, tmp_path, monkeypatc
         assert v["quality"]["rounded_graph"] == "in pieces"
         # the streamed reference is PyTorch's fp32 model, the in-memory one its fp32 graph: the same figure; the
         # rounded graph in pieces is the whole graph, to the last bit
-        held512 = export_genai_folder(src, tmp_path / "held512", GenaiExportSettings(
+        held512 = export_genai_folder(src, tmp_path / "held512", GenaiExportConfig(
             precision, quant, streaming="off", quality_tokens=512, max_ppl_change=10.0))["validation"]["quality"]
         assert v["quality"]["val_ppl_fp32"] == pytest.approx(held512["val_ppl_fp32"], rel=1e-4)
         assert v["quality"]["val_ppl_quantized"] == held512["val_ppl_quantized"]
@@ -136,7 +136,7 @@ def test_a_streamed_export_is_the_in_memory_export(folders, tmp_path, monkeypatc
 def test_the_runtimes_last_position_check_fails_on_a_different_logit(folders, tmp_path):
     """``runtime_last_position`` compares what onnxruntime-genai gives with the all-logits graph's rows: exact on the
     folder as written, refused once one logit of one row moves by 1e-3."""
-    export_genai_folder(folders / "mistral", tmp_path / "o", GenaiExportSettings("int4", streaming="on",
+    export_genai_folder(folders / "mistral", tmp_path / "o", GenaiExportConfig("int4", streaming="on",
                                                                                  max_ppl_change=10.0))
     shape = DecoderShape.from_folder(tmp_path / "o")
     rows = last_rows(session(tmp_path / "o" / "model_all_logits.onnx"), shape)
@@ -218,10 +218,10 @@ def test_a_lazy_models_forward_is_the_loaded_models(folders):
 
 def test_what_the_streamed_path_cannot_read_is_refused_in_one_line(folders, tmp_path):
     with pytest.raises(ConfigError, match="--streaming on: --int8-share 0.1 ranks every MatMul's rounding error"):
-        export_genai_folder(folders / "mistral", tmp_path / "g", GenaiExportSettings("int4", "gptq", streaming="on",
+        export_genai_folder(folders / "mistral", tmp_path / "g", GenaiExportConfig("int4", "gptq", streaming="on",
                                                                                       int8_share=0.1))
     with pytest.raises(ConfigError, match="--streaming .sometimes.: unknown \\(allowed: auto, on, off\\)"):
-        export_genai_folder(folders / "mistral", tmp_path / "g", GenaiExportSettings(streaming="sometimes"))
+        export_genai_folder(folders / "mistral", tmp_path / "g", GenaiExportConfig(streaming="sometimes"))
     renamed = tmp_path / "renamed"
     renamed.mkdir()
     for f in (folders / "mistral").iterdir():
@@ -230,7 +230,7 @@ def test_what_the_streamed_path_cannot_read_is_refused_in_one_line(folders, tmp_
     weights["model.layers.0.mlp.up_proj.weight"][0, 0] = float("nan")
     save_file(weights, renamed / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelError, match="model.layers.0.mlp.up_proj.weight holds NaN or infinity"):
-        export_genai_folder(renamed, tmp_path / "nan", GenaiExportSettings("int4", streaming="on"))
+        export_genai_folder(renamed, tmp_path / "nan", GenaiExportConfig("int4", streaming="on"))
     assert not (tmp_path / "nan").exists()
     weights["base.layers.0.mlp.up_proj.weight"] = weights.pop("model.layers.0.mlp.up_proj.weight")
     save_file(weights, renamed / "model.safetensors", metadata={"format": "pt"})
@@ -242,7 +242,7 @@ def test_what_the_streamed_path_cannot_read_is_refused_in_one_line(folders, tmp_
 def test_gptq_read_one_layer_at_a_time_measures_the_inputs_the_whole_graph_measures(folders, tmp_path, name):
     """Every weight MatMul's input Gram matrix, carried up the lazy model one layer per part (as the streamed
     export rounds), equals the one the in-memory GPTQ measures on the whole fp32 graph under onnxruntime."""
-    export_genai_folder(folders / name, tmp_path / "g", GenaiExportSettings("fp32", streaming="off", validate=False))
+    export_genai_folder(folders / name, tmp_path / "g", GenaiExportConfig("fp32", streaming="off", validate=False))
     proto = onnx.load(str(tmp_path / "g" / "model_all_logits.onnx"))  # as rounded: every position's head
     shape = DecoderShape.of(json.loads((folders / name / "config.json").read_text()))
     blocks = PackedBlocks(np.random.default_rng(0).integers(0, shape.vocab_size, 5 * 16), 16)
@@ -271,7 +271,7 @@ def test_a_streamed_gptq_export_rounds_as_the_in_memory_one(folders, tmp_path, n
     measured one layer off would move them by far more)."""
     runs = {}
     for mode in ("off", "on"):
-        runs[mode] = export_genai_folder(folders / name, tmp_path / mode, GenaiExportSettings(
+        runs[mode] = export_genai_folder(folders / name, tmp_path / mode, GenaiExportConfig(
             "int4", "gptq", streaming=mode, calib_tokens=512, max_ppl_change=10))
     (na, ia), (nb, ib) = _graph(tmp_path / "off"), _graph(tmp_path / "on")
     assert [n[:4] for n in na] == [n[:4] for n in nb] and ia.keys() == ib.keys()
@@ -323,10 +323,10 @@ def test_slices_of_columns_and_rows_change_nothing(folders, tmp_path, monkeypatc
     import bdlora.export.genai.stream as stream
 
     src = folders / "mistral"
-    export_genai_folder(src, tmp_path / "held", GenaiExportSettings("int4", quant, streaming="off", validate=False))
+    export_genai_folder(src, tmp_path / "held", GenaiExportConfig("int4", quant, streaming="off", validate=False))
     monkeypatch.setattr(stream, "COLUMNS", 24)
     monkeypatch.setattr(embedding, "ROWS", 37)
-    export_genai_folder(src, tmp_path / "streamed", GenaiExportSettings("int4", quant, streaming="on",
+    export_genai_folder(src, tmp_path / "streamed", GenaiExportConfig("int4", quant, streaming="on",
                                                                         validate=False))
     _same_graph(tmp_path / "held", tmp_path / "streamed")
 
@@ -346,8 +346,8 @@ def test_a_real_width_checkpoint_streams_to_the_in_memory_graph(tiny_env, tmp_pa
     subprocess.run([sys.executable, str(script), "llama-3.2-1b", "--layers", "2", "--tokenizer", str(tok), "--out",
                     str(ckpt)], check=True, capture_output=True, timeout=600)
     settings = {"max_ppl_change": 10.0, "quality_tokens": 256}
-    held = export_genai_folder(ckpt, tmp_path / "held", GenaiExportSettings("int4", streaming="off", **settings))
-    streamed_ = export_genai_folder(ckpt, tmp_path / "streamed", GenaiExportSettings("int4", streaming="on",
+    held = export_genai_folder(ckpt, tmp_path / "held", GenaiExportConfig("int4", streaming="off", **settings))
+    streamed_ = export_genai_folder(ckpt, tmp_path / "streamed", GenaiExportConfig("int4", streaming="on",
                                                                                     **settings))
     assert not held["streamed"] and streamed_["streamed"] == (streamed_["settings"]["streaming"] == "on")
     _same_graph(tmp_path / "held", tmp_path / "streamed")
@@ -386,7 +386,7 @@ def test_the_decode_and_verify_benchmarks_run_on_a_genai_folder(folders, tmp_pat
     import verify_cost
 
     folder = tmp_path / "g"
-    export_genai_folder(folders / "mistral", folder, GenaiExportSettings("int4", validate=False))
+    export_genai_folder(folders / "mistral", folder, GenaiExportConfig("int4", validate=False))
     before = (folder / "genai_config.json").read_text()
     decode.main(["--folders", f"a={folder},b={folder}", "--threads", "1,own", "--prompt", "8", "--tokens", "4",
                  "--repeats", "2", "--out", str(tmp_path / "d.md")])
@@ -447,7 +447,7 @@ def test_a_synthetic_timing_model_is_written_one_layer_at_a_time_as_in_memory(tm
     config = {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "max_position_embeddings": 64, "tie_word_embeddings": False, "rope_theta": 10000.0}
-    settings = GenaiExportSettings(context_length=64, validate=False).at(precision)
+    settings = GenaiExportConfig(context_length=64, validate=False).at(precision)
     model = _dense_model(config, 2, 96)  # an MLP narrowed to 96 channels, as the probes narrow it
     assert is_lazy(model)
     deployment(model, _stand_in_tokenizer(), tmp_path / "streamed", settings)

@@ -468,7 +468,7 @@ def test_no_default_is_spelled_in_the_cli():
 
 
 def test_export_genai_options_are_the_settings_fields():
-    """``export genai``'s options are generated from ``GenaiExportSettings`` (they were restated by hand, and the
+    """``export genai``'s options are generated from ``GenaiExportConfig`` (they were restated by hand, and the
     --int8-share help had drifted from the field's): one option per field, its help the field's docstring, its
     default the field's; --no-validate still works."""
 
@@ -479,11 +479,11 @@ def test_export_genai_options_are_the_settings_fields():
     from bdlora.base.threads import ThreadPool
     from bdlora.cli import app
     from bdlora.cli.options import COMMON
-    from bdlora.export.settings import DEFAULT, GenaiExportSettings
+    from bdlora.export.settings import DEFAULT, GenaiExportConfig
 
     cmd = typer.main.get_command(app).commands["export"].commands["genai"]
     params = {p.name: p for p in cmd.params}
-    leaves = fields_of(GenaiExportSettings)  # its own fields and its pool's (--threads)
+    leaves = fields_of(GenaiExportConfig)  # its own fields and its pool's (--threads)
     assert leaves["threads"] is ThreadPool and "pool" not in params
     for name, owner in leaves.items():
         p = params[name]
@@ -498,9 +498,9 @@ def test_export_genai_options_are_the_settings_fields():
 
 
 def test_bench_takes_its_rounding_options_from_export_genais_settings():
-    """bench re-declared --quant, --head-bits and --int8-share beside GenaiExportSettings (help and defaults
+    """bench re-declared --quant, --head-bits and --int8-share beside GenaiExportConfig (help and defaults
     restated): they are now that dataclass's fields (help = its docstring first, default = its default), held as one
-    GenaiExportSettings in BenchConfig.rounding, which declares none of them itself."""
+    GenaiExportConfig in BenchConfig.rounding, which declares none of them itself."""
     import dataclasses
 
     import typer.main
@@ -509,12 +509,12 @@ def test_bench_takes_its_rounding_options_from_export_genais_settings():
     from bdlora.bench.config import ROUNDING, BenchConfig
     from bdlora.cli import app
     from bdlora.cli.options import COMMON
-    from bdlora.export.settings import DEFAULT, GenaiExportSettings
+    from bdlora.export.settings import DEFAULT, GenaiExportConfig
 
     assert not {f.name for f in dataclasses.fields(BenchConfig)} & set(ROUNDING)
     assert BenchConfig().rounding == DEFAULT
     params = {p.name: p for p in typer.main.get_command(app).commands["bench"].params}
-    docs = field_docs(GenaiExportSettings)
+    docs = field_docs(GenaiExportConfig)
     for name in ROUNDING:
         if name in COMMON:  # --quant: the one wording every command gives it
             assert params[name].help == COMMON[name] and params[name].default is None, name

@@ -93,7 +93,7 @@ def test_reference_rows_are_the_teacher_and_the_student_init_when_they_differ(ti
 
     from bdlora.base.io import write_json
     from bdlora.base.runs import SweepDir
-    from bdlora.sweep.options import SweepOptions
+    from bdlora.sweep.options import SweepConfig
     from bdlora.sweep.report import markdown
     from bdlora.sweep.run import _eval_teacher
 
@@ -107,7 +107,7 @@ def test_reference_rows_are_the_teacher_and_the_student_init_when_they_differ(ti
     cfg = {"teacher": str(tiny_env["teacher"]), "student_init": str(init), "data": str(tiny_env["corpus"]),
            "seq_len": 32, "eval_tokens": 256, "heldout_fraction": 0.1, "cache_dir": str(tiny_env["cache"])}
     write_json(sweep.path / "kd-lora" / "config.json", {"config": cfg})
-    opts = SweepOptions(budgets=[], baselines=["kd-lora"], train={}, eval_examples=1, eval_seeds=1)
+    opts = SweepConfig(budgets=[], baselines=["kd-lora"], train={}, eval_examples=1, eval_seeds=1)
     ref = _eval_teacher(opts, sweep, [{"name": "kd-lora"}], Reporter())
     assert ref["student_init"]["source"] == str(init)
     assert ref["student_init"]["val_ppl"] != pytest.approx(ref["val_ppl"])

@@ -12,13 +12,13 @@ from bdlora.base.io import read_json, write_json
 from bdlora.base.threads import MAX_GENAI_THREADS, ThreadPool, flat, from_options
 from bdlora.bench.config import BenchConfig
 from bdlora.compress.config import OneShotConfig
-from bdlora.export.settings import GenaiExportSettings
+from bdlora.export.settings import GenaiExportConfig
 from bdlora.serve.config import ServeConfig
 from bdlora.ship.config import ShipConfig
 from bdlora.speculative.run import GenerateConfig
 
-SETTINGS = (OneShotConfig, GenaiExportSettings, BenchConfig, GenerateConfig, ServeConfig, ShipConfig)
-COMMANDS = {("compress",): OneShotConfig, ("export", "genai"): GenaiExportSettings, ("bench",): BenchConfig,
+SETTINGS = (OneShotConfig, GenaiExportConfig, BenchConfig, GenerateConfig, ServeConfig, ShipConfig)
+COMMANDS = {("compress",): OneShotConfig, ("export", "genai"): GenaiExportConfig, ("bench",): BenchConfig,
             ("generate",): GenerateConfig, ("serve",): ServeConfig, ("ship",): ShipConfig}
 
 
@@ -28,7 +28,7 @@ def test_threads_is_declared_once_and_embedded_in_every_settings_dataclass():
         assert "threads" not in own and embedded(cls)["pool"] is ThreadPool, cls.__name__
         assert fields_of(cls)["threads"] is ThreadPool, cls.__name__
     # bench's rounding is export genai's settings, pool and all: bench's --threads is its own pool's
-    assert embedded(BenchConfig) == {"pool": ThreadPool, "rounding": GenaiExportSettings}
+    assert embedded(BenchConfig) == {"pool": ThreadPool, "rounding": GenaiExportConfig}
 
 
 @pytest.mark.parametrize("path", list(COMMANDS))
@@ -50,12 +50,12 @@ def test_from_options_routes_threads_into_the_pool_and_flat_writes_it_back():
     assert flat(cfg)["threads"] == 2 and "pool" not in flat(cfg)
     assert flat(cfg) == {**flat(ShipConfig()), "threads": 2, "speedups": "1.3"}
     # a pool given whole is taken as it is; bench's rounding keeps its own (default) pool
-    bench = from_options(BenchConfig, {"threads": 1, "rounding": GenaiExportSettings(quant="gptq")})
+    bench = from_options(BenchConfig, {"threads": 1, "rounding": GenaiExportConfig(quant="gptq")})
     assert bench.pool.threads == 1 and bench.rounding.pool.threads is None and bench.rounding.quant == "gptq"
     with pytest.raises(TypeError, match="thread"):
         from_options(ShipConfig, {"thread": 2})
     # a command that runs another spells the pool's field as the flag it is
-    assert flags(GenaiExportSettings, threads=3) == ["--threads", "3"]
+    assert flags(GenaiExportConfig, threads=3) == ["--threads", "3"]
 
 
 def test_the_pool_counts_and_checks_as_each_command_needs():
@@ -63,10 +63,10 @@ def test_the_pool_counts_and_checks_as_each_command_needs():
     with pytest.raises(ConfigError, match=f"--threads {usable_cores() + 1}: must be"):
         GenerateConfig(pool=ThreadPool(usable_cores() + 1)).check(Checks()).done()
     # export genai writes the count for the machine the folder runs on: 0 (none) up to MAX_GENAI_THREADS
-    GenaiExportSettings(pool=ThreadPool(0)).check(Checks()).done()
-    GenaiExportSettings(pool=ThreadPool(MAX_GENAI_THREADS)).check(Checks()).done()
+    GenaiExportConfig(pool=ThreadPool(0)).check(Checks()).done()
+    GenaiExportConfig(pool=ThreadPool(MAX_GENAI_THREADS)).check(Checks()).done()
     with pytest.raises(ConfigError, match=f"--threads {MAX_GENAI_THREADS + 1}: must be in"):
-        GenaiExportSettings(pool=ThreadPool(MAX_GENAI_THREADS + 1)).check(Checks()).done()
+        GenaiExportConfig(pool=ThreadPool(MAX_GENAI_THREADS + 1)).check(Checks()).done()
 
 
 def test_a_ship_folder_written_with_flat_threads_resumes(tmp_path):

@@ -112,16 +112,16 @@ def test_the_draft_exports_by_its_head_form_and_drafts_for_the_teacher(draft, ti
     """export genai validates the scattered head against PyTorch (and its last-position twin); as a draft it
     proposes kept tokens only, and the speculative output is the teacher's greedy output."""
     from bdlora.export.genai import export_genai_folder
-    from bdlora.export.settings import GenaiExportSettings
+    from bdlora.export.settings import GenaiExportConfig
     from bdlora.speculative.decoders import DecoderFactory
     from bdlora.speculative.loop import Speculator, generate
     from bdlora.speculative.policy import KPolicy
     from bdlora.speculative.proposers import DraftProposer
 
     root, _ = draft
-    info = export_genai_folder(root / "d", root / "d.genai", GenaiExportSettings(precision="fp32"))
+    info = export_genai_folder(root / "d", root / "d.genai", GenaiExportConfig(precision="fp32"))
     assert info["validation"]["parity"]["max_abs_diff"] <= 1e-4
-    export_genai_folder(root / "teacher", root / "t.genai", GenaiExportSettings(precision="fp32", validate=False))
+    export_genai_folder(root / "teacher", root / "t.genai", GenaiExportConfig(precision="fp32", validate=False))
     target, d = DecoderFactory.verifying(root / "t.genai"), DecoderFactory(root / "d.genai")
     ids = tiny_env["tokenizer"]("alpha beta gamma")["input_ids"]
     plain = Speculator(target.new(64), None, KPolicy(1))

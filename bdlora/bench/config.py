@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 from bdlora.base.errors import Checks, UsageError, flag
 from bdlora.base.schemes import GENAI_PRECISIONS, SCHEMES, mixed, rounded
 from bdlora.base.schemes import METHODS as QUANT_METHODS
+from bdlora.base.settings import Settings
 from bdlora.base.threads import ThreadPool
 from bdlora.bench.front import DEPLOYED
 from bdlora.export.settings import DEFAULT as GENAI
-from bdlora.export.settings import GGUF_QUANTS, GenaiExportSettings
+from bdlora.export.settings import GGUF_QUANTS, GenaiExportConfig
 
 NO_DOMAIN = "none"  # --eval-data none: the front has no second domain
 
@@ -27,7 +28,7 @@ ROUNDING = ("quant", "head_bits", "int8_share")
 
 
 @dataclass
-class BenchConfig:
+class BenchConfig(Settings):
     scope: str = "both"
     """modules (replaced projections only), model (whole decoder) or both."""
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
@@ -75,7 +76,7 @@ class BenchConfig:
     """genai runtime: held-out tokens each folder's perplexity is measured on (default: as many as the model's run
     reported its perplexity on, at most 32768, so the front's figures are the run's; 8192 when it has no run; 0: no
     perplexity, no front)."""
-    rounding: GenaiExportSettings = GENAI
+    rounding: GenaiExportConfig = GENAI
     """genai runtime: how every int8/int4 folder is rounded: export genai's own settings (``--quant``,
     ``--head-bits``, ``--int8-share``; ``ROUNDING``), for the student and, unless --teacher-quant says otherwise,
     the teacher; each row's precision is its own (``settings_for``)."""
@@ -100,9 +101,8 @@ class BenchConfig:
     the adaptive policy, to show what each width buys; --no-fixed-widths times the adaptive draft and lookup alone
     (the front's rows, and ship's: at 1B the fixed widths were 5 of the 8 timed configurations)."""
 
-    def validate(self, max_positions: int | None = None) -> BenchConfig:
+    def check(self, c: Checks, max_positions: int | None = None) -> Checks:
         """Every problem at once; with ``max_positions``, sequence lengths are bounded by the model's context."""
-        c = Checks()
         c.choice("scope", self.scope, SCOPES)
         for name, values in (("batch_sizes", self.batch_sizes), ("seq_lens", self.seq_lens)):
             c.require(bool(values), f"{flag(name)}: empty list; give at least one value")
@@ -153,7 +153,12 @@ class BenchConfig:
                   "positive count)")
         c.require(not self.deployed or self.provider == "cpu",
                   f"--runtime {self.runtime}: the genai and llama.cpp benches run on cpu (--provider {self.provider})")
-        c.done()
+        return c
+
+    def validate(self, max_positions: int | None = None) -> BenchConfig:
+        """Every problem at once (``check``), then the provider looked up; with ``max_positions``, sequence lengths
+        are bounded by the model's context."""
+        self.check(Checks(), max_positions).done()
         provider_name(self.provider)
         return self
 
@@ -191,7 +196,7 @@ class BenchConfig:
         reference = model == "teacher" or model.startswith("peer-")
         return self.teacher_quant if reference and self.teacher_quant else self.rounding.quant
 
-    def settings_for(self, model: str, precision: str, **changes) -> GenaiExportSettings:
+    def settings_for(self, model: str, precision: str, **changes) -> GenaiExportConfig:
         """How the bench exports ``model`` at ``precision`` (what ``export genai`` would be given; the bench times
         and scores its folders itself, so none validates against PyTorch)."""
         quant = self.quant_of(model)

@@ -134,7 +134,7 @@ def export_variants(models: dict[str, nn.Module], tok, precisions: list[str], wo
     """Every variant at every precision as a genai folder, plus the builder's peer folders; (folders, notes).
     ``models`` may hold "teacher" (the model the student came from; ``teacher`` its HF folder, which the builder
     converts as a user would: ``teacher-builder-<precision>``). ``settings`` (model name, precision -> its
-    ``GenaiExportSettings``) and ``calibration`` (the blocks a calibrated scheme rounds against): how each folder is
+    ``GenaiExportConfig``) and ``calibration`` (the blocks a calibrated scheme rounds against): how each folder is
     written (``export.genai.folder.deployment``)."""
 
     folders: dict[str, Path] = {}

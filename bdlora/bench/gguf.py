@@ -17,7 +17,7 @@ from bdlora.base.runs import MODEL_GGUF, gguf_precision, row_name
 from bdlora.base.threads import ThreadPool
 from bdlora.export.gguf.folder import export_gguf_folder
 from bdlora.export.gguf.llamacpp import perplexity
-from bdlora.export.settings import GgufExportSettings
+from bdlora.export.settings import GgufExportConfig
 
 
 def export_ggufs(sources: dict[str, Path], quants: list[str], work: Path, threads: int,
@@ -30,7 +30,7 @@ def export_ggufs(sources: dict[str, Path], quants: list[str], work: Path, thread
         for quant in quants:
             key = row_name(name, gguf_precision(quant))
             reporter.stage(f"exporting {key}: bdlora export gguf {folder.name} --quant {quant} --merge-lowrank")
-            settings = GgufExportSettings(quant=quant, merge_lowrank=True, validate=False, pool=ThreadPool(threads))
+            settings = GgufExportConfig(quant=quant, merge_lowrank=True, validate=False, pool=ThreadPool(threads))
             out = work / key
             try:
                 info = export_gguf_folder(folder, out, settings, reporter=reporter)

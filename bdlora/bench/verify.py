@@ -36,7 +36,7 @@ from bdlora.bench.whole import CONTEXT, _dense_model, shape_key
 from bdlora.eval.reference import teacher_folder
 from bdlora.export.genai.folder import deployment, heldout_for
 from bdlora.export.genai.latency import TABLE_VERSION, cpu_name
-from bdlora.export.settings import GenaiExportSettings
+from bdlora.export.settings import GenaiExportConfig
 from bdlora.models.load import load_model_folder
 from bdlora.models.perplexity import agreement
 from bdlora.models.runtime import DecoderShape
@@ -67,7 +67,7 @@ def verify_curve(config: dict, precision: str, threads: int, cache: Path, quant:
                 return shares
         else:
             reporter.stage(f"{path}: damaged, measuring again")
-    settings = GenaiExportSettings(quant=timed.name, context_length=CONTEXT + widths + 8, pool=ThreadPool(threads),
+    settings = GenaiExportConfig(quant=timed.name, context_length=CONTEXT + widths + 8, pool=ThreadPool(threads),
                                    validate=False).at(precision)
     work = Path(tempfile.mkdtemp(prefix="bdlora-verify-"))
     try:

@@ -61,7 +61,7 @@ from bdlora.export.genai.latency import (
     cpu_name,
     latency_table,
 )
-from bdlora.export.settings import GenaiExportSettings
+from bdlora.export.settings import GenaiExportConfig
 from bdlora.models.arch import layer_of
 from bdlora.models.costs import Deployed, ModuleShape, shapes_from_config
 from bdlora.models.families import base_type, with_layers
@@ -178,7 +178,7 @@ def decode_overhead(config: dict, table, precision: str, threads: int, cache: Pa
             reporter.stage(f"{path}: damaged (not three finite, non-negative times), measuring again")
     hi, lo = depths(config, precision)
     graphs = {"lo": (lo, full), "hi": (hi, full), "half": (hi, half)}
-    settings = GenaiExportSettings(quant=timed.name, head_bits=head_bits, context_length=CONTEXT + STEPS + 8,
+    settings = GenaiExportConfig(quant=timed.name, head_bits=head_bits, context_length=CONTEXT + STEPS + 8,
                                    pool=ThreadPool(threads), validate=False).at(precision)  # at fp32: no scheme
     work = Path(tempfile.mkdtemp(prefix="bdlora-overhead-"))
     try:

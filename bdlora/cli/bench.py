@@ -18,7 +18,7 @@ from bdlora.cli.app import command, out
 from bdlora.cli.options import Force, Out, Report, RunsDir, from_dataclass, given, int_list, str_list
 from bdlora.cli.progress import RichReporter
 from bdlora.data.corpora import check_spec
-from bdlora.export.settings import GenaiExportSettings
+from bdlora.export.settings import GenaiExportConfig
 
 SYNTHETIC = "Synthetic mode (--model-config: the structure plan predicts, random weights)"
 BENCH_PANELS = {  # bench --help: what and how wide is benched stays in the main panel
@@ -33,7 +33,7 @@ ROUNDING_NOTES = {  # export genai's help of each, then what it means across a b
 
 
 @command(options=from_dataclass(BenchConfig, skip=("opt_level", "rounding"), defaults=True, panels=BENCH_PANELS)
-         + from_dataclass(GenaiExportSettings, names=ROUNDING, defaults=True, notes=ROUNDING_NOTES,
+         + from_dataclass(GenaiExportConfig, names=ROUNDING, defaults=True, notes=ROUNDING_NOTES,
                           panels={"Quality and rounding": ("head_bits", "int8_share")}))
 def bench(
     model_dir: Annotated[Optional[str], typer.Argument(help="A `bdlora compress` output (default: the latest).")]
@@ -120,7 +120,7 @@ def _check_mode(cfg: BenchConfig, model_config) -> None:
 
 def _bench_config(opts: dict) -> BenchConfig:
     """The options as a checked BenchConfig: lists parsed, export genai's rounding settings held as one object."""
-    rounding = from_options(GenaiExportSettings, given({k: opts.pop(k) for k in ROUNDING}))  # export genai's, as given
+    rounding = from_options(GenaiExportConfig, given({k: opts.pop(k) for k in ROUNDING}))  # export genai's, as given
     opts.update(batch_sizes=int_list(opts["batch_sizes"], "--batch-sizes"),
                 seq_lens=int_list(opts["seq_lens"], "--seq-lens"),
                 genai_precisions=str_list(opts["genai_precisions"]) or [],

@@ -34,7 +34,7 @@ from bdlora.sweep.options import (
     DEFAULT_BENCH_BATCH_SIZES,
     DEFAULT_BENCH_SEQ_LENS,
     DEFAULT_BUDGETS,
-    SweepOptions,
+    SweepConfig,
 )
 from bdlora.sweep.paper import OUTPUTS, merge_sweeps
 from bdlora.sweep.report import markdown
@@ -107,15 +107,15 @@ def sweep(
         help="Ablation grid axis, repeatable: OPTION=V1,V2 (any train option, or the compress thresholds eps_lr, "
              "gate_threshold, svd_max_rank: re-compressed, not retrained); OPT1,OPT2=A1:B1,A2:B2 varies options "
              "together. Every method runs at every point of the product of all axes.")] = None,
-    eps_lr: Annotated[float, _member("compress --eps-lr of every budgeted member.")] = SweepOptions.eps_lr,
-    examples: Annotated[int, _member("ICL query prompts per task and seed.")] = SweepOptions.eval_examples,
-    seeds: Annotated[int, _member("ICL demonstration seeds.")] = SweepOptions.eval_seeds,
+    eps_lr: Annotated[float, _member("compress --eps-lr of every budgeted member.")] = SweepConfig.eps_lr,
+    examples: Annotated[int, _member("ICL query prompts per task and seed.")] = SweepConfig.eval_examples,
+    seeds: Annotated[int, _member("ICL demonstration seeds.")] = SweepConfig.eval_seeds,
     bench: Annotated[bool, typer.Option(help="Bench each compressed member (onnxruntime, CPU).")] = True,
     bench_batch_sizes: Annotated[str, _member("bench --batch-sizes.")] = ",".join(map(str, DEFAULT_BENCH_BATCH_SIZES)),
     bench_seq_lens: Annotated[str, _member("bench --seq-lens.")] = ",".join(map(str, DEFAULT_BENCH_SEQ_LENS)),
-    bench_repeats: Annotated[int, _member("bench --repeats.")] = SweepOptions.bench_repeats,
+    bench_repeats: Annotated[int, _member("bench --repeats.")] = SweepConfig.bench_repeats,
     front: Annotated[bool, typer.Option(help="Then the family and the teacher's own exports (fp32/int8/int4) in one "
-                                             "onnxruntime-genai run: one quality/speed front.")] = SweepOptions.front,
+                                             "onnxruntime-genai run: one quality/speed front.")] = SweepConfig.front,
     out_dir: Out = None,
     runs_dir: RunsDir = RUNS_DIR,
     resume: Annotated[Optional[str], typer.Option(help="Finish an interrupted sweep folder (its stored options are "
@@ -136,7 +136,7 @@ def sweep(
         cfg = merge(load_yaml(config) if config else {}, {**opts, "runs_dir": runs_dir}).validate()
         train_opts = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("method", "budget", "out",
                                                                                    "defaulted")}
-        sopts = SweepOptions(budgets=float_list(budgets, "--budgets"), baselines=str_list(baselines) or [],
+        sopts = SweepConfig(budgets=float_list(budgets, "--budgets"), baselines=str_list(baselines) or [],
                              train=train_opts, eps_lr=eps_lr, eval_examples=examples, eval_seeds=seeds, bench=bench,
                              bench_batch_sizes=int_list(bench_batch_sizes, "--bench-batch-sizes"),
                              bench_seq_lens=int_list(bench_seq_lens, "--bench-seq-lens"), bench_repeats=bench_repeats,

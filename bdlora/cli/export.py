@@ -18,7 +18,7 @@ from bdlora.cli.progress import RichReporter
 from bdlora.data.documents import BUILTIN
 from bdlora.export.defaults import DEFAULT_OPSET
 from bdlora.export.hf import export_hf as run_export
-from bdlora.export.settings import GenaiExportSettings, GgufExportSettings
+from bdlora.export.settings import GenaiExportConfig, GgufExportConfig
 from bdlora.models import sources
 
 
@@ -99,7 +99,7 @@ def export_onnx(
     render.onnx_export(info, dst)
 
 
-@command(export_app, "genai", options=from_dataclass(GenaiExportSettings, defaults=True))
+@command(export_app, "genai", options=from_dataclass(GenaiExportConfig, defaults=True))
 def export_genai(
     model_dir: Annotated[Optional[str], typer.Argument(help="Model folder: a `bdlora compress` output (default: the "
                                                             "latest), any HF folder of a family bdlora adapts, a "
@@ -114,7 +114,7 @@ def export_genai(
     buffer, fused RMSNorm, each projection in its dense or low-rank form; validated against PyTorch (logits, greedy
     generation, tokenizer; quantised: perplexity change). --out defaults to MODEL_DIR.genai (-int8, -int4 for those
     precisions)."""
-    settings = from_options(GenaiExportSettings, given(opts))
+    settings = from_options(GenaiExportConfig, given(opts))
     settings.check(Checks()).done()  # before the exporter's imports (torch, onnx): a bad flag is refused at once
     from bdlora.export.genai import export_genai_folder
 
@@ -132,7 +132,7 @@ def export_genai(
     render.genai_export(info, dst)
 
 
-@command(export_app, "gguf", options=from_dataclass(GgufExportSettings, defaults=True))
+@command(export_app, "gguf", options=from_dataclass(GgufExportConfig, defaults=True))
 def export_gguf(
     model_dir: Annotated[Optional[str], typer.Argument(help="Model folder: a `bdlora compress` output of the "
                                                             "channels, groups and layers forms (default: the latest), "
@@ -148,7 +148,7 @@ def export_gguf(
     it, a student of pruned blocks as llama.cpp's deci architecture (per-layer heads and MLP widths), written one
     tensor at a time; checked in llama.cpp (tokenizer, logits, held-out perplexity against PyTorch) with the
     [llamacpp] extra. --out defaults to MODEL_DIR.gguf-QUANT."""
-    settings = from_options(GgufExportSettings, given(opts))
+    settings = from_options(GgufExportConfig, given(opts))
     settings.check(Checks()).done()  # before the exporter's imports (torch): a bad flag is refused at once
     from bdlora.export.gguf import export_gguf_folder
 

@@ -7,7 +7,6 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from bdlora.base.errors import Checks
 from bdlora.base.outputs import check_resumable_out
 from bdlora.base.runs import RUNS_DIR, SHIP_PLOT, SHIP_REPORT, SHIP_RESULT
 from bdlora.base.threads import from_options
@@ -42,7 +41,7 @@ def ship(
     rebuild it, or "the teacher's own export" when nothing beats it. Each step is its own bdlora command, its output
     and log kept under --out (default RUNS_DIR/ship-MODEL-PRECISION); running the same command again resumes."""
     cfg = from_options(ShipConfig, given(opts))
-    cfg.check(Checks()).done()
+    cfg.validate()
     name = Path(model).name.removesuffix(".gguf") if ("/" in model or model.endswith(".gguf")) else model
     folder = Path(out_dir) if out_dir else Path(runs_dir) / f"ship-{name}-{cfg.precision}"
     check_resumable_out(folder)

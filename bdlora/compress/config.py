@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from bdlora.base.errors import Checks, shown
 from bdlora.base.outputs import DEFAULT_STREAMING, STREAMING
 from bdlora.base.schemes import GENAI_PRECISIONS, quant_problem
+from bdlora.base.settings import Settings
 from bdlora.base.threads import ThreadPool
 from bdlora.data.documents import BUILTIN
 from bdlora.forms import ONE_SHOT_FORMS, WIDTH_MULTIPLE, check_forms, check_width_multiple, form_names
@@ -19,7 +20,7 @@ EVAL_TOKENS = 8192  # held-out tokens of a one-shot compression's before/after p
 
 
 @dataclass
-class OneShotConfig:
+class OneShotConfig(Settings):
     mac_ratio: float | None = None
     """Projection-MAC speed-up of the compressed model vs the source's dense projections (e.g. 1.5)."""
     speedup: float | None = None
@@ -81,8 +82,7 @@ class OneShotConfig:
         than the projections' MACs (``--mac-ratio``): the one place this is decided."""
         return self.speedup is not None
 
-    def validate(self) -> OneShotConfig:
-        c = Checks()
+    def check(self, c: Checks) -> Checks:
         if self.mac_ratio is None and self.speedup is None:
             c.add("--mac-ratio: --one-shot needs the projection-MAC speed-up to compress to (e.g. --mac-ratio 1.5; "
                   "or with --precision, --speedup S: the whole decode speed-up)")
@@ -107,8 +107,7 @@ class OneShotConfig:
         check_forms(c, self.forms, self.precision, self.speedup)
         c.text("calib_data", self.calib_data)
         c.require(isinstance(self.correct, bool), f"--correct {shown(self.correct)}: must be true or false")
-        c.done()
-        return self
+        return c
 
     @property
     def widths(self) -> int:

@@ -16,6 +16,7 @@ from bdlora.base.errors import Checks, DataError
 from bdlora.base.outputs import DEFAULT_STREAMING, STREAMING
 from bdlora.base.reporter import SILENT, Reporter
 from bdlora.base.runs import MODEL_ONNX
+from bdlora.base.settings import Settings
 from bdlora.data.blocks import PackedBlocks, scored_blocks
 from bdlora.data.corpora import SAMPLES_PREFIXES, default_heldout, load_tokens, other_domains, settings_tokens
 from bdlora.data.documents import BUILTIN
@@ -28,7 +29,7 @@ from bdlora.train.defaults import teacher_defaults
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(Settings):
     """What ``bdlora eval`` measures, and on which data (``None``: the run's own settings, else the defaults)."""
 
     ppl: bool = True
@@ -63,8 +64,7 @@ class EvalConfig:
     copy in memory; each generated ICL token then reads the weights once); off holds it in fp32; auto: on past 2
     GiB of fp32 weights."""
 
-    def validate(self) -> EvalConfig:
-        c = Checks()
+    def check(self, c: Checks) -> Checks:
         for name in ("shots", "seeds", "examples", "batch_size"):
             c.integer(name, getattr(self, name), lo=1)
         c.integer("shots", self.shots, hi=64, what=" (at most 64 demonstrations)")
@@ -77,8 +77,7 @@ class EvalConfig:
             c.require(not bad, f"--tasks {','.join(bad)}: unknown (allowed: {', '.join(TASKS)})")
         c.choice("streaming", self.streaming, STREAMING)
         c.require(self.ppl or self.icl, "nothing to evaluate: --ppl and --icl both off")
-        c.done()
-        return self
+        return c
 
 
 def newline_token_ids(tokenizer) -> set[int]:

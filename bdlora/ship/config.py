@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from bdlora.base.errors import Checks, flag, shown
 from bdlora.base.schemes import GENAI_PRECISIONS, METHODS, rounded
+from bdlora.base.settings import Settings
 from bdlora.base.threads import ThreadPool
 from bdlora.bench.config import llama_cpp_here
 from bdlora.export.settings import GGUF_OF, GGUF_QUANTS
@@ -37,7 +38,7 @@ def numbers(text: str, name: str, c: Checks, lo: float, integer: bool = False) -
 
 
 @dataclass
-class ShipConfig:
+class ShipConfig(Settings):
     """Which folder to ship: the teacher's best export at --precision against students of it, side by side."""
 
     data: str = "builtin"

@@ -17,7 +17,7 @@ from bdlora.base.argv import flags
 from bdlora.base.io import atomic_path, write_text
 from bdlora.base.runs import BENCH_JSON, GGUF, MODEL_GGUF, SHIP_PLOT, SHIP_REPORT, BenchDir
 from bdlora.bench.front import RUNTIME_NAMES, precision_of, runtime_of
-from bdlora.export.settings import GenaiExportSettings
+from bdlora.export.settings import GenaiExportConfig
 
 TEACHER, LOOKUP, SPEC_DRAFT, PEER = "teacher", "spec-lookup", "spec-draft", "peer-"
 BENCH = "bench"  # the ship step (and folder) that benches every folder
@@ -44,7 +44,7 @@ def _gguf(source: str | Path, out: Path, precision: str) -> str:
 
 
 def _exported(folder: Path, name: str, cfg, quant: str | None) -> str:
-    rounding = flags(GenaiExportSettings, precision=cfg.precision, quant=quant)
+    rounding = flags(GenaiExportConfig, precision=cfg.precision, quant=quant)
     return "bdlora " + shlex.join(["export", "genai", str(folder / name), *rounding, "--out",
                                    str(exported(folder, name, cfg.precision))])
 

@@ -38,7 +38,7 @@ from bdlora.base.threads import flat
 from bdlora.bench.config import BenchConfig
 from bdlora.compress.config import OneShotConfig
 from bdlora.data.documents import BUILTIN
-from bdlora.export.settings import GenaiExportSettings
+from bdlora.export.settings import GenaiExportConfig
 from bdlora.models.runtime import DecoderShape
 from bdlora.models.sources import resolve
 from bdlora.ship.config import DRAFT_FORMS, ShipConfig
@@ -146,8 +146,8 @@ def teacher_export(model: str, cfg: ShipConfig, quant: str | None, out: Path, th
                    **more) -> list[str]:
     """The ``export genai`` line of the teacher at --precision rounded by ``quant`` (None: the default), ``more``
     of its settings; with ``threads``, ship's --threads."""
-    return ["export", "genai", model, *flags(GenaiExportSettings, precision=cfg.precision, quant=quant, **more), OUT,
-            str(out), *flags(GenaiExportSettings, threads=cfg.pool.threads if threads else None)]
+    return ["export", "genai", model, *flags(GenaiExportConfig, precision=cfg.precision, quant=quant, **more), OUT,
+            str(out), *flags(GenaiExportConfig, threads=cfg.pool.threads if threads else None)]
 
 
 def teacher_folder(model: str, reporter: Reporter) -> str:

@@ -6,11 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bdlora.base.errors import Checks
+from bdlora.base.settings import Settings
 from bdlora.speculative.proposers import DraftProposer, PromptLookup
 
 
 @dataclass
-class SpeculationConfig:
+class SpeculationConfig(Settings):
     """How tokens are proposed for the target to verify (shared by ``generate``, ``serve`` and ``bench``)."""
 
     draft: str | None = None

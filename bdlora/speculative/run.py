@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bdlora.base.errors import Checks, UsageError
+from bdlora.base.settings import Settings
 from bdlora.base.threads import ThreadPool
 from bdlora.models.tokenizer import TextTokenizer
 from bdlora.speculative.config import SpeculationConfig
@@ -19,7 +20,7 @@ from bdlora.speculative.proposers import new_proposer, speculation_length
 
 
 @dataclass
-class GenerateConfig:
+class GenerateConfig(Settings):
     """One generation: the prompt and how it is continued."""
 
     max_tokens: int = 128

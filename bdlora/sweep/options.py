@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from bdlora.base.errors import Checks, UsageError
 from bdlora.base.method_table import GATED, METHOD_TABLE, method_of
+from bdlora.base.settings import Settings
 from bdlora.compress.config import OneShotConfig
 from bdlora.data.documents import BUILTIN
 from bdlora.models.budgeted.config import DEFAULTS as BUDGETED
@@ -81,7 +82,7 @@ DEFAULT_BENCH_BATCH_SIZES, DEFAULT_BENCH_SEQ_LENS = (1,), (128,)  # `sweep --ben
 
 
 @dataclass
-class SweepOptions:
+class SweepConfig(Settings):
     budgets: list[float]
     baselines: list[str]
     train: dict  # TrainConfig fields shared by every member (method/budget/out set per member)
@@ -132,9 +133,16 @@ class SweepOptions:
         builtin = (self.train.get("teacher") or BUILTIN) == BUILTIN
         return resolve_defaults(self.train_config(m), builtin_teacher=builtin).lora_rank
 
-    def validate(self) -> SweepOptions:
+    def check(self, c: Checks) -> Checks:
+        """The sweep's own values (each member's are checked by ``validate``, member by member)."""
+        for name in ("eval_examples", "eval_seeds", "bench_repeats", "bench_decode_tokens"):
+            c.integer(name, getattr(self, name), lo=1)
+        BudgetedConfig(eps_lr=self.eps_lr).check_thresholds(c)
+        return c
+
+    def validate(self) -> SweepConfig:
         """Every member's options checked like the flags before anything runs (a bad grid point fails at once,
-        not after the members before it have trained)."""
+        not after the members before it have trained), then the sweep's own (``check``)."""
         for m in self.members():
             if m.method == "one-shot":
                 self.one_shot_config(m).validate()
@@ -146,9 +154,4 @@ class SweepOptions:
                 if not self.vary:
                     raise
                 raise UsageError(f"--vary member {m.name}: {str(e).splitlines()[0]}") from None
-        c = Checks()
-        for name in ("eval_examples", "eval_seeds", "bench_repeats", "bench_decode_tokens"):
-            c.integer(name, getattr(self, name), lo=1)
-        BudgetedConfig(eps_lr=self.eps_lr).check_thresholds(c)
-        c.done()
-        return self
+        return super().validate()

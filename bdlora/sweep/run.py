@@ -40,7 +40,7 @@ from bdlora.models import sources
 from bdlora.models.load import load_model_folder
 from bdlora.models.teacher import builtin_teacher_dir
 from bdlora.sweep.front import bench_front
-from bdlora.sweep.options import Member, SweepOptions
+from bdlora.sweep.options import Member, SweepConfig
 from bdlora.sweep.paper import teacher_label, write_paper_outputs
 from bdlora.sweep.report import icl_fields, markdown, member_row, plot_pareto
 from bdlora.train.checkpoint import latest_checkpoint
@@ -48,12 +48,12 @@ from bdlora.train.compress_run import compress_run
 from bdlora.train.loop import train
 
 
-def run_sweep(opts: SweepOptions | None, sweep: SweepDir, reporter: Reporter = SILENT, resume: bool = False) -> dict:
+def run_sweep(opts: SweepConfig | None, sweep: SweepDir, reporter: Reporter = SILENT, resume: bool = False) -> dict:
     """Run (or finish) every member; returns the results document (also written as sweep.md / results.json)."""
     if resume:
         if not sweep.started():
             raise RunDirError(f"--resume {sweep.path}: not a sweep folder (no sweep.json)")
-        opts = SweepOptions(**sweep.read(SWEEP_OPTIONS)["options"])
+        opts = SweepConfig(**sweep.read(SWEEP_OPTIONS)["options"])
     else:
         opts.validate()
         sweep.path.mkdir(parents=True, exist_ok=True)
@@ -91,7 +91,7 @@ class _Indented:
         return getattr(self.r, name)
 
 
-def _run_member(m: Member, opts: SweepOptions, sweep: SweepDir, reporter: Reporter) -> dict:
+def _run_member(m: Member, opts: SweepConfig, sweep: SweepDir, reporter: Reporter) -> dict:
     """Produce the member's compressed folder (trained and compressed, or compressed in one shot), then evaluate it
     the one way every member is evaluated; each step is skipped when its output is already there (resume)."""
     rep = _Indented(reporter)
@@ -107,7 +107,7 @@ def _run_member(m: Member, opts: SweepOptions, sweep: SweepDir, reporter: Report
     return member_row(m, summary, model_dir.report(), read_json(eval_path), bench)
 
 
-def _trained_member(m: Member, opts: SweepOptions, sweep: SweepDir, reporter: Reporter, rep: Reporter):
+def _trained_member(m: Member, opts: SweepConfig, sweep: SweepDir, reporter: Reporter, rep: Reporter):
     """(compressed folder, training summary, LoRA rank) of a member that trains: train (or resume), compress."""
     run = sweep.member(m.run)
     if run.finished():
@@ -127,7 +127,7 @@ def _trained_member(m: Member, opts: SweepOptions, sweep: SweepDir, reporter: Re
     return model_dir, run.summary(), run.config()["lora_rank"]
 
 
-def _one_shot_member(m: Member, opts: SweepOptions, sweep: SweepDir, reporter: Reporter, rep: Reporter):
+def _one_shot_member(m: Member, opts: SweepConfig, sweep: SweepDir, reporter: Reporter, rep: Reporter):
     """(compressed folder, summary, LoRA rank) of a member without training: the teacher compressed by ``compress
     --one-shot`` to the member's ratio."""
     model_dir = ModelDir(sweep.path / f"{m.name}{COMPRESSED}")
@@ -143,7 +143,7 @@ def _one_shot_member(m: Member, opts: SweepOptions, sweep: SweepDir, reporter: R
     return model_dir, summary, rank
 
 
-def _bench_member(m: Member, opts: SweepOptions, sweep: SweepDir, model_dir: ModelDir, lora_rank: int,
+def _bench_member(m: Member, opts: SweepConfig, sweep: SweepDir, model_dir: ModelDir, lora_rank: int,
                   rep: Reporter) -> dict:
     bench_dir = sweep.path / f"{m.name}{BENCH}"
     if (bench_dir / BenchDir.MARKER).exists():
@@ -158,7 +158,7 @@ def _bench_member(m: Member, opts: SweepOptions, sweep: SweepDir, model_dir: Mod
     return read_json(bench_dir / BenchDir.MARKER)
 
 
-def _eval_teacher(opts: SweepOptions, sweep: SweepDir, rows: list[dict], reporter: Reporter) -> dict | None:
+def _eval_teacher(opts: SweepConfig, sweep: SweepDir, rows: list[dict], reporter: Reporter) -> dict | None:
     """The teacher's reference row, and (when the students were initialised from another checkpoint) the
     init model's: the paper's Figure 2 draws its dashed line at the init model, not the teacher."""
     if not rows:
@@ -175,7 +175,7 @@ def _eval_teacher(opts: SweepOptions, sweep: SweepDir, rows: list[dict], reporte
     return ref
 
 
-def _eval_reference(spec: str, name: str, cfg: dict, opts: SweepOptions, sweep: SweepDir, reporter: Reporter) -> dict:
+def _eval_reference(spec: str, name: str, cfg: dict, opts: SweepConfig, sweep: SweepDir, reporter: Reporter) -> dict:
     path = sweep.path / f"{name}{EVAL}"
     if not path.exists():
         cache = Path(cfg["cache_dir"]).expanduser() if cfg.get("cache_dir") else None

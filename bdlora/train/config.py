@@ -18,6 +18,7 @@ from typing import Any
 from bdlora.base.errors import Checks, shown
 from bdlora.base.method_table import GATED, METHODS, Method, method_of
 from bdlora.base.schemes import GENAI_PRECISIONS, quant_problem
+from bdlora.base.settings import Settings
 from bdlora.data.documents import BUILTIN
 from bdlora.forms import LOWRANK
 from bdlora.models.budgeted.config import ALLOCATIONS, LORA_INITS, BudgetedConfig
@@ -33,7 +34,7 @@ AUTOCASTS = ("bf16", "fp32")
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Settings):
     method: str = GATED
     """kd-full (all weights), kd-lora (PEFT LoRA, dense frozen) or budgeted (gated LoRA + budget controller)."""
     teacher: str = BUILTIN
@@ -205,10 +206,9 @@ class TrainConfig:
         """The cache folder given by --cache-dir (user-expanded), or None for the default one."""
         return Path(self.cache_dir).expanduser() if self.cache_dir else None
 
-    def validate(self) -> TrainConfig:
+    def check(self, c: Checks) -> Checks:
         """Every problem of the user-facing options at once, as one ConfigError (values from YAML included, so a
         ``"0.4"`` string or a ``true`` batch size is refused like a bad flag)."""
-        c = Checks()
         c.choice("method", self.method, METHODS)
         c.choice("layer_selection", self.layer_selection, LAYER_SELECTIONS)
         c.choice("packing", self.packing, PACKINGS)
@@ -251,8 +251,7 @@ class TrainConfig:
         c.require(isinstance(self.measure_step_time, bool),
                   f"--measure-step-time {shown(self.measure_step_time)}: must be true or false")
         self.budgeted().check(c)
-        c.done()
-        return self
+        return c
 
 
 

@@ -39,7 +39,7 @@ from bdlora.export.genai.tokenizer import readable_by_genai
 from bdlora.export.onnx.metadata import metadata_props, metadata_summary, module_table, set_metadata
 from bdlora.export.onnx.validate import ExportValidationError, quality_figures, quantized_quality
 from bdlora.export.preflight import check_export_inputs
-from bdlora.export.settings import GenaiExportSettings
+from bdlora.export.settings import GenaiExportConfig
 from bdlora.models.lazy import SOURCE, is_lazy, materialized
 from bdlora.models.load import load_model_folder
 from bdlora.models.runtime import DecoderShape, session
@@ -66,7 +66,7 @@ def context_length_of(config, context_length: int | None) -> int:
     return ctx
 
 
-def write_genai_files(model, tok, folder: Path, settings: GenaiExportSettings, report: dict | None = None,
+def write_genai_files(model, tok, folder: Path, settings: GenaiExportConfig, report: dict | None = None,
                       fp32_path: Path | None = None, calibration=None, grams: dict | None = None,
                       reporter: Reporter = SILENT) -> dict:
     """Write the genai files of ``model`` into the existing ``folder`` as ``settings`` say: the graph as model.onnx
@@ -96,7 +96,7 @@ def write_genai_files(model, tok, folder: Path, settings: GenaiExportSettings, r
     return {**info, **fitted, **_split_head(folder)}
 
 
-def _beside_graph(model, tok, folder: Path, settings: GenaiExportSettings, report: dict | None):
+def _beside_graph(model, tok, folder: Path, settings: GenaiExportConfig, report: dict | None):
     """What a genai folder holds beside its graph (genai_config.json, config, tokenizer, compression.json), written;
     returns (``settings`` for this model: the LM head at the bits its folder declares unless told, the context
     length, the graph's metadata, what the tokenizer lost to be read by onnxruntime-genai: ``tokenizer.
@@ -118,7 +118,7 @@ def _split_head(folder: Path) -> dict:
     return {"logits": {MODEL_ONNX: "each row's last position", ALL_LOGITS_ONNX: "every position"}}
 
 
-def write_streamed_genai_files(model, tok, folder: Path, settings: GenaiExportSettings, report: dict | None = None,
+def write_streamed_genai_files(model, tok, folder: Path, settings: GenaiExportConfig, report: dict | None = None,
                                reporter: Reporter = SILENT, calibration=None) -> dict:
     """``write_genai_files`` for a lazy model (``bdlora.models.stream``): each part emitted, rounded and written to
     model.onnx.data in turn (``export.genai.stream``); no fp32 reference graph (the validation of a streamed export
@@ -174,7 +174,7 @@ def tied_head(config) -> bool:
     return bool(getattr(config, "tie_word_embeddings", False))
 
 
-def rounded(proto, settings: GenaiExportSettings, shape: DecoderShape, calibration=None, grams: dict | None = None,
+def rounded(proto, settings: GenaiExportConfig, shape: DecoderShape, calibration=None, grams: dict | None = None,
             reporter: Reporter = SILENT, in_place: bool = False, tied: bool = False):
     """(the fp32 decoder ``proto`` rounded as ``settings`` say, what was done): a calibrated scheme first measures
     every MatMul's input Gram matrix on ``calibration`` (unless ``grams`` already holds them: one model rounded at
@@ -199,7 +199,7 @@ def rounded(proto, settings: GenaiExportSettings, shape: DecoderShape, calibrati
 LAYOUTS = ("genai", "plain")
 
 
-def deployment(model, tok, folder: Path, settings: GenaiExportSettings, layout: str = "genai", calibration=None,
+def deployment(model, tok, folder: Path, settings: GenaiExportConfig, layout: str = "genai", calibration=None,
                grams: dict | None = None, proto=None, reporter: Reporter = SILENT) -> Path:
     """``model`` written as it deploys under ``settings`` (precision, scheme, head bits, 8-bit share, context,
     threads) into ``folder`` (made if missing); the one writer behind ``export genai``, the bench's rows, its ICL
@@ -222,7 +222,7 @@ def deployment(model, tok, folder: Path, settings: GenaiExportSettings, layout: 
     return folder / MODEL_ONNX
 
 
-def plain_graph(model, settings: GenaiExportSettings, calibration=None, grams: dict | None = None, proto=None):
+def plain_graph(model, settings: GenaiExportConfig, calibration=None, grams: dict | None = None, proto=None):
     """``model``'s decoder in the plain layout, rounded as ``write_genai_files`` rounds its genai graph with the same
     ``settings`` (``grams``: filled on the first calibrated call and reused; ``proto``: the model's fp32 plain graph
     when already emitted, which the quantisers copy, never change)."""
@@ -235,7 +235,7 @@ def plain_graph(model, settings: GenaiExportSettings, calibration=None, grams: d
                    tied=tied_head(model.config))[0]
 
 
-def export_genai_folder(model_dir: str | Path, out: str | Path, settings: GenaiExportSettings = GenaiExportSettings(),
+def export_genai_folder(model_dir: str | Path, out: str | Path, settings: GenaiExportConfig = GenaiExportConfig(),
                         force: bool = False, reporter: Reporter = SILENT) -> dict:
     """Export ``model_dir`` (a compressed student or any folder of a family the table has) for onnxruntime-genai as
     ``settings`` say (``threads`` None: this machine's usable cores; 0 leaves them out, and onnxruntime-genai then
@@ -296,7 +296,7 @@ def timed(seconds: dict, what: str):
     seconds[what] = time.time() - t0
 
 
-def _validate(tmp: Path, model, tok, report, model_dir: Path, settings: GenaiExportSettings, reporter: Reporter,
+def _validate(tmp: Path, model, tok, report, model_dir: Path, settings: GenaiExportConfig, reporter: Reporter,
               stream: bool = False) -> dict:
     seconds: dict[str, float] = {}
     out: dict = {"seconds": seconds}
@@ -337,7 +337,7 @@ def _validate(tmp: Path, model, tok, report, model_dir: Path, settings: GenaiExp
     return out
 
 
-def _quality(tmp: Path, model, tok, report, model_dir: Path, settings: GenaiExportSettings, reporter: Reporter,
+def _quality(tmp: Path, model, tok, report, model_dir: Path, settings: GenaiExportConfig, reporter: Reporter,
              fp32, seconds: dict) -> dict:
     """The rounded graph's held-out perplexity against fp32's: the fp32 graph's (``fp32``, a session) or, streamed
     (``fp32`` None), PyTorch's one layer at a time against the rounded graph's run in pieces (``pieces``: one piece's

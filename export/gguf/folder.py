@@ -23,7 +23,7 @@ from bdlora.eval.reference import teacher_folder
 from bdlora.export.gguf import llamacpp, vocab
 from bdlora.export.gguf.layout import GgufLayout, Planned, plan_layout, tensor_plan
 from bdlora.export.gguf.writer import nbytes, qtype_of, write_gguf
-from bdlora.export.settings import GgufExportSettings
+from bdlora.export.settings import GgufExportConfig
 from bdlora.models.integrity import check_loadable, folder_tensors
 
 MODELFILE = "Modelfile"
@@ -37,7 +37,7 @@ def teacher_of(model_dir: Path) -> Path | None:
     return folder
 
 
-def planned(model_dir: Path, settings: GgufExportSettings) -> tuple[GgufLayout, list[Planned], Path | None, dict]:
+def planned(model_dir: Path, settings: GgufExportConfig) -> tuple[GgufLayout, list[Planned], Path | None, dict]:
     """(layout, tensor plan, teacher folder, config) of ``model_dir``, every refusal raised before a byte is
     written."""
     check_loadable(model_dir)
@@ -49,7 +49,7 @@ def planned(model_dir: Path, settings: GgufExportSettings) -> tuple[GgufLayout, 
     return layout, tensor_plan(layout, tensors, rows), teacher, config
 
 
-def export_gguf_folder(model_dir: str | Path, out: str | Path, settings: GgufExportSettings = GgufExportSettings(),
+def export_gguf_folder(model_dir: str | Path, out: str | Path, settings: GgufExportConfig = GgufExportConfig(),
                        force: bool = False, reporter: Reporter = SILENT) -> dict:
     """Export ``model_dir`` (a teacher of a family with a llama.cpp architecture, or a student of the channels,
     groups and layers forms) as a GGUF file for llama.cpp at ``settings.quant``."""

@@ -9,10 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from bdlora.base.errors import Checks
+from bdlora.base.settings import Settings
 
 
 @dataclass
-class BudgetedConfig:
+class BudgetedConfig(Settings):
     rank: int = 128
     """LoRA rank r_max of every gated module (paper: 128)."""
     alpha: float = 256.0
@@ -38,7 +39,7 @@ class BudgetedConfig:
     svd_max_rank: int = 128
     """compress: r_dense_max, the SVD rank at d = eps-lr (k = round(r_dense_max d / eps_lr))."""
 
-    def check(self, c: Checks) -> None:
+    def check(self, c: Checks) -> Checks:
         """Add every problem of these settings to ``c`` (``validate`` raises them)."""
         c.integer("lora_rank", self.rank, lo=1)
         c.number("lora_alpha", self.alpha, lo=0.0, lo_open=True)
@@ -50,6 +51,7 @@ class BudgetedConfig:
                       f"{self.decay_end}: the decay must start before it ends")
         c.number("retention_ema", self.retention_ema, 0.0, 1.0, hi_open=True)
         self.check_thresholds(c)
+        return c
 
     def check_thresholds(self, c: Checks) -> None:
         """The compression thresholds alone (``compress`` takes only these)."""
@@ -60,12 +62,6 @@ class BudgetedConfig:
                       "threshold must be below the SVD threshold")
         c.number("gate_threshold", self.gate_threshold, 0.0, 1.0, lo_open=True, hi_open=True)
         c.integer("svd_max_rank", self.svd_max_rank, lo=1)
-
-    def validate(self) -> BudgetedConfig:
-        c = Checks()
-        self.check(c)
-        c.done()
-        return self
 
     def validate_thresholds(self) -> BudgetedConfig:
         c = Checks()
