@@ -119,9 +119,9 @@ class ShipConfig(Settings):
         c.integer("heal_steps", self.heal_steps, lo=0)
         if self.heal_time_budget is not None and c.text("heal_time_budget", self.heal_time_budget):
             try:
-                parse_duration(self.heal_time_budget)
+                parse_duration(self.heal_time_budget, "heal_time_budget")
             except ValueError as e:
-                c.add(str(e).replace("--time-budget", "--heal-time-budget", 1))
+                c.add(str(e))
             c.require(not self.heal_steps, f"--heal-time-budget {self.heal_time_budget}: sets each heal's steps "
                                            f"itself; drop --heal-steps {self.heal_steps}")
         c.integer("heal_batch_size", self.heal_batch_size, lo=1)

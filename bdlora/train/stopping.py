@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bdlora.base.errors import DataError, RunDirError, TrainingError
+from bdlora.base.errors import DataError, RunDirError, TrainingError, flag
 from bdlora.base.io import atomic_dir, load_tensors, read_json, save_tensors, write_json
 from bdlora.data.corpora import shared_corpus
 
@@ -62,16 +62,17 @@ def now() -> float:
     return time.monotonic()
 
 
-def parse_duration(text: str | None) -> float | None:
-    """Seconds of ``--time-budget``: ``90s``, ``60m``, ``1.5h`` or a plain number of seconds; None for None."""
+def parse_duration(text: str | None, name: str = "time_budget") -> float | None:
+    """Seconds of ``--time-budget`` (or the option ``name``, e.g. ship's heal_time_budget): ``90s``, ``60m``,
+    ``1.5h`` or a plain number of seconds; None for None."""
     if text is None:
         return None
     m = _DURATION.match(str(text))
     if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"--time-budget {text}: a positive duration such as 90s, 60m or 1.5h")
+        raise ValueError(f"{flag(name)} {text}: a positive duration such as 90s, 60m or 1.5h")
     seconds = float(m.group(1)) * _UNITS[m.group(2) or "s"]
     if not MIN_BUDGET <= seconds <= MAX_BUDGET:
-        raise ValueError(f"--time-budget {text}: a duration from {MIN_BUDGET:g}s (loading the teacher, its text and "
+        raise ValueError(f"{flag(name)} {text}: a duration from {MIN_BUDGET:g}s (loading the teacher, its text and "
                          f"the calibration come first) to {MAX_BUDGET // 3600:g}h")
     return seconds
 
