@@ -269,3 +269,13 @@ def test_a_common_option_has_one_declaration():
             hand = re.findall(r'typer\.Option\("(--(?:json|report|out|precision|quant|threads|forms|runs-dir|force))"',
                               path.read_text())
             assert not hand, (path.name, hand)
+
+
+@pytest.mark.parametrize("argv,text", [
+    (["export", "gguf", "--help"], "[llamacpp]"), (["export", "onnx", "--help"], "[optimum]"),
+    (["bench", "--help"], "[llamacpp]"), (["plan", "--help"], "[llamacpp]"), (["compress", "--help"], "[llamacpp]"),
+])
+def test_help_keeps_bracketed_words(argv, text):
+    """Help is written as plain text: typer reads it as rich markup, where "the [llamacpp] extra" lost its name."""
+    r = CliRunner().invoke(app, argv, env={"COLUMNS": "200"})
+    assert r.exit_code == 0 and text in r.output, r.output

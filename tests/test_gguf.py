@@ -505,3 +505,12 @@ def test_plan_predicts_a_students_step_in_llama_cpp_and_caches_it(shallow, tmp_p
     again = CliRunner().invoke(app, argv)
     assert again.exit_code == 0 and cached.stat().st_mtime_ns == stamp
     assert json.loads(again.stdout[again.stdout.index("{"):])["deployed"]["decode_us"] == d["decode_us"]
+
+
+@pytest.mark.skipif(HAS_LLAMA_CPP, reason="without llama-cpp-python only")
+def test_the_table_names_the_extra_that_would_check_the_file(tiny_env, tmp_path):
+    """Without llama-cpp-python the file is written unchecked, and the table says how to get the checks: with the
+    extra's name, which rich read as a style tag and dropped ("pip install -e ".""), the hint was unusable."""
+    r = CliRunner().invoke(app, ["export", "gguf", str(tiny_env["teacher"]), "--out", str(tmp_path / "g")])
+    assert r.exit_code == 0, r.output
+    assert 'pip install -e ".[llamacpp]"' in " ".join(r.output.replace("│", " ").split())

@@ -96,6 +96,12 @@ def fail(message: str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
+def plain_help(text: str | None) -> str | None:
+    """Help text as written: typer reads it as rich markup, where "the [llamacpp] extra" lost its bracketed name
+    (a style tag to rich); text already escaped (a backslash before a bracket) is kept as it is."""
+    return text if not text or "\\[" in text else escape(text)
+
+
 def command(target: typer.Typer = app, name: str | None = None, options=()):
     """Register ``fn`` as a command with the error contract above. ``options`` are extra ``inspect.Parameter``s
     (typically generated from a config dataclass, see ``options``) appended to ``fn``'s own, which then receives
@@ -131,6 +137,11 @@ def command(target: typer.Typer = app, name: str | None = None, options=()):
 
         sig = inspect.signature(fn)
         own = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        wrapper.__doc__ = plain_help(fn.__doc__)
+        for p in [*own, *options]:
+            for info in (p.default, *getattr(p.annotation, "__metadata__", ())):
+                if getattr(info, "help", None):
+                    info.help = plain_help(info.help)
         # typer reads this signature (inspect stops unwrapping at __signature__) and resolves fn's own annotations
         # through __wrapped__; the generated options carry real annotation objects
         wrapper.__signature__ = sig.replace(parameters=own + list(options))

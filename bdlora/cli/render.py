@@ -233,7 +233,7 @@ def gguf_export(info: dict, dst) -> None:
         t.add_row("low-rank modules multiplied out", str(len(info["merged_lowrank"])))
     v = info.get("validation") or {}
     if "skipped" in v:
-        t.add_row("llama.cpp checks", f"not run: {v['skipped']}")
+        t.add_row("llama.cpp checks", f"not run: {escape(v['skipped'])}")
     if "tokenizer" in v:
         k = v["tokenizer"]
         t.add_row("llama.cpp tokenisation vs HF", f"{k['identical']:,} of {k['lines']:,} lines identical"
