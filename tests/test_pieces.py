@@ -27,7 +27,7 @@ def folder(tiny_env, tmp_path_factory):
     root = tmp_path_factory.mktemp("pieces")
     genai_teacher(tiny_env["tokenizer"], root / "teacher", layers=3)
     export_genai_folder(root / "teacher", root / "int4", GenaiExportConfig("int4", streaming="on",
-                                                                             max_ppl_change=10.0))
+                                                                           max_ppl_change=10.0))
     return root / "int4"
 
 

@@ -465,7 +465,7 @@ def test_a_draft_with_a_shorter_context_is_refused_before_serving_or_generating(
     root = pair["root"]
     short = tmp_path / "short.genai"
     export_genai_folder(root / "draft", short, GenaiExportConfig(precision="fp32", validate=False,
-                                                                   context_length=64))
+                                                                 context_length=64))
     for argv in (["generate", str(root / "teacher.genai"), "--prompt", "alpha"],
                  ["serve", str(root / "teacher.genai"), "--runtime", "genai", "--port", "0"]):
         r = CliRunner().invoke(app, [*argv, "--draft", str(short)])

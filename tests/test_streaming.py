@@ -97,9 +97,9 @@ def test_a_streamed_export_is_the_in_memory_export(folders, tmp_path, monkeypatc
     src = folders / name
     monkeypatch.setattr(pieces, "PIECE_BYTES", 1)  # the held-out check's graph run one layer per piece
     held = export_genai_folder(src, tmp_path / "held", GenaiExportConfig(precision, quant, streaming="off",
-                                                                           max_ppl_change=10.0))
+                                                                         max_ppl_change=10.0))
     streamed_ = export_genai_folder(src, tmp_path / "streamed", GenaiExportConfig(precision, quant, streaming="on",
-                                                                                    max_ppl_change=10.0))
+                                                                                  max_ppl_change=10.0))
     assert not held["streamed"] and streamed_["streamed"]
     _same_graph(tmp_path / "held", tmp_path / "streamed")
     vocab = DecoderShape.from_folder(tmp_path / "held").vocab_size
@@ -137,7 +137,7 @@ def test_the_runtimes_last_position_check_fails_on_a_different_logit(folders, tm
     """``runtime_last_position`` compares what onnxruntime-genai gives with the all-logits graph's rows: exact on the
     folder as written, refused once one logit of one row moves by 1e-3."""
     export_genai_folder(folders / "mistral", tmp_path / "o", GenaiExportConfig("int4", streaming="on",
-                                                                                 max_ppl_change=10.0))
+                                                                               max_ppl_change=10.0))
     shape = DecoderShape.from_folder(tmp_path / "o")
     rows = last_rows(session(tmp_path / "o" / "model_all_logits.onnx"), shape)
     assert [len(ids) for ids, _, _ in rows] == [8, 4, 6] and rows[0][1].shape == (shape.vocab_size,)
@@ -327,7 +327,7 @@ def test_slices_of_columns_and_rows_change_nothing(folders, tmp_path, monkeypatc
     monkeypatch.setattr(stream, "COLUMNS", 24)
     monkeypatch.setattr(embedding, "ROWS", 37)
     export_genai_folder(src, tmp_path / "streamed", GenaiExportConfig("int4", quant, streaming="on",
-                                                                        validate=False))
+                                                                      validate=False))
     _same_graph(tmp_path / "held", tmp_path / "streamed")
 
 

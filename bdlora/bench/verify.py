@@ -68,7 +68,7 @@ def verify_curve(config: dict, precision: str, threads: int, cache: Path, quant:
         else:
             reporter.stage(f"{path}: damaged, measuring again")
     settings = GenaiExportConfig(quant=timed.name, context_length=CONTEXT + widths + 8, pool=ThreadPool(threads),
-                                   validate=False).at(precision)
+                                 validate=False).at(precision)
     work = Path(tempfile.mkdtemp(prefix="bdlora-verify-"))
     try:
         reporter.stage(f"exporting a synthetic {config['num_hidden_layers']}-layer graph at {precision} to time "

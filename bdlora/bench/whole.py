@@ -179,7 +179,7 @@ def decode_overhead(config: dict, table, precision: str, threads: int, cache: Pa
     hi, lo = depths(config, precision)
     graphs = {"lo": (lo, full), "hi": (hi, full), "half": (hi, half)}
     settings = GenaiExportConfig(quant=timed.name, head_bits=head_bits, context_length=CONTEXT + STEPS + 8,
-                                   pool=ThreadPool(threads), validate=False).at(precision)  # at fp32: no scheme
+                                 pool=ThreadPool(threads), validate=False).at(precision)  # at fp32: no scheme
     work = Path(tempfile.mkdtemp(prefix="bdlora-overhead-"))
     try:
         folders = {}

@@ -137,11 +137,11 @@ def sweep(
         train_opts = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("method", "budget", "out",
                                                                                    "defaulted")}
         sopts = SweepConfig(budgets=float_list(budgets, "--budgets"), baselines=str_list(baselines) or [],
-                             train=train_opts, eps_lr=eps_lr, eval_examples=examples, eval_seeds=seeds, bench=bench,
-                             bench_batch_sizes=int_list(bench_batch_sizes, "--bench-batch-sizes"),
-                             bench_seq_lens=int_list(bench_seq_lens, "--bench-seq-lens"), bench_repeats=bench_repeats,
-                             vary=[parse_axis(v) for v in vary or []], one_shot=float_list(one_shot, "--one-shot"),
-                             front=front)
+                            train=train_opts, eps_lr=eps_lr, eval_examples=examples, eval_seeds=seeds, bench=bench,
+                            bench_batch_sizes=int_list(bench_batch_sizes, "--bench-batch-sizes"),
+                            bench_seq_lens=int_list(bench_seq_lens, "--bench-seq-lens"), bench_repeats=bench_repeats,
+                            vary=[parse_axis(v) for v in vary or []], one_shot=float_list(one_shot, "--one-shot"),
+                            front=front)
         if out_dir:
             check_new_out(out_dir)
         doc = run_sweep(sopts.validate(), SweepDir.new(runs_dir, out_dir), rep)

@@ -111,7 +111,7 @@ class SweepConfig(Settings):
         """A one-shot member's compression: the sweep's teacher, corpus, split and evaluation slice."""
 
         t = self.train
-        defaults = teacher_defaults(t.get("teacher", BUILTIN) == BUILTIN)
+        defaults = teacher_defaults(self.teacher == BUILTIN)
         return OneShotConfig(mac_ratio=m.compress_settings["mac_ratio"], data=t.get("data") or BUILTIN,
                              calib_tokens=t.get("calib_tokens") or defaults["calib_tokens"],
                              heldout_fraction=t.get("heldout_fraction"),
@@ -128,10 +128,14 @@ class SweepConfig(Settings):
             values["budget"] = m.budget
         return TrainConfig(**values)
 
+    @property
+    def teacher(self) -> str:
+        """The teacher every member is made from (the embedded default unless the train options name one)."""
+        return self.train.get("teacher") or BUILTIN
+
     def lora_rank(self, m: Member) -> int:
         """The LoRA rank a member's options resolve to (its LoRA baseline's), trained or not."""
-        builtin = (self.train.get("teacher") or BUILTIN) == BUILTIN
-        return resolve_defaults(self.train_config(m), builtin_teacher=builtin).lora_rank
+        return resolve_defaults(self.train_config(m), builtin_teacher=self.teacher == BUILTIN).lora_rank
 
     def check(self, c: Checks) -> Checks:
         """The sweep's own values (each member's are checked by ``validate``, member by member)."""

@@ -131,12 +131,11 @@ def _one_shot_member(m: Member, opts: SweepConfig, sweep: SweepDir, reporter: Re
     """(compressed folder, summary, LoRA rank) of a member without training: the teacher compressed by ``compress
     --one-shot`` to the member's ratio."""
     model_dir = ModelDir(sweep.path / f"{m.name}{COMPRESSED}")
-    teacher = opts.train.get("teacher") or BUILTIN
     cache = Path(opts.train["cache_dir"]).expanduser() if opts.train.get("cache_dir") else None
     if model_dir.finished():
         rep.stage("compress --one-shot: done")
     else:
-        compress_one_shot(teacher, opts.one_shot_config(m), model_dir.path, force=model_dir.path.exists(),
+        compress_one_shot(opts.teacher, opts.one_shot_config(m), model_dir.path, force=model_dir.path.exists(),
                           cache_dir=cache, reporter=rep)
     rank = opts.lora_rank(m)
     summary = {"student_val_ppl": model_dir.report()["eval"]["student_val_ppl"], "train_seconds": 0.0}  # no training

@@ -254,7 +254,6 @@ class TrainConfig(Settings):
         return c
 
 
-
 # The objective: the paper's (tau 3, lambda 0.8 over the full vocabulary) for every run. Logit-only forward KL at tau 1
 # (Minitron's healing loss, --temperature 1 --kd-weight 1) was measured as the default for healing a structure and
 # lost: SmolLM2 channels,groups 1.2x, kd-lora 150 steps of builtin:1,prose:1, mixture 20.39 against 18.42 and fortunes
