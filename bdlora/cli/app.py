@@ -20,6 +20,7 @@ from typer.core import TyperGroup
 
 from bdlora.base.errors import BdloraError, Terminated
 from bdlora.base.io import NotAFileError, release_claims
+from bdlora.cli import settings_file
 
 
 def quiet_transformers() -> None:
@@ -105,11 +106,13 @@ def plain_help(text: str | None) -> str | None:
 def command(target: typer.Typer = app, name: str | None = None, options=()):
     """Register ``fn`` as a command with the error contract above. ``options`` are extra ``inspect.Parameter``s
     (typically generated from a config dataclass, see ``options``) appended to ``fn``'s own, which then receives
-    them as keyword arguments (``**opts``)."""
+    them as keyword arguments (``**opts``); every command also takes the hidden ``--settings-file``
+    (``cli.settings_file``)."""
 
     def deco(fn):
         @functools.wraps(fn)
         def wrapper(**kwargs):
+            kwargs.pop(settings_file.NAME, None)  # read by its callback, into click's defaults
             try:
                 fn(**kwargs)  # returns nothing: an int from the app means an exit code (OneLineErrors)
             except BdloraError as e:
@@ -144,7 +147,7 @@ def command(target: typer.Typer = app, name: str | None = None, options=()):
                     info.help = plain_help(info.help)
         # typer reads this signature (inspect stops unwrapping at __signature__) and resolves fn's own annotations
         # through __wrapped__; the generated options carry real annotation objects
-        wrapper.__signature__ = sig.replace(parameters=own + list(options))
+        wrapper.__signature__ = sig.replace(parameters=own + list(options) + [settings_file.parameter()])
         target.command(name)(wrapper)
         return fn
 
