@@ -211,6 +211,7 @@ def test_ship_goes_on_past_a_reach_it_could_not_measure_cleanly(tiny_env, tmp_pa
     from test_ship_resume import CFG
 
     from bdlora.base.threads import from_options
+    from bdlora.cli.spell import spell
     from bdlora.ship import run as ship_run
     from bdlora.ship.config import ShipConfig
     from conftest import genai_teacher
@@ -236,7 +237,7 @@ def test_ship_goes_on_past_a_reach_it_could_not_measure_cleanly(tiny_env, tmp_pa
         seen = []
         rep = type("R", (), {"stage": lambda self, m: seen.append(m), "count": lambda self, *a: None})()
         with pytest.raises(FirstStep):
-            ship_run.run_ship(str(teacher), cfg, tmp_path / "ship", rep, runner=runner)
+            ship_run.run_ship(str(teacher), cfg, tmp_path / "ship", spell, rep, runner=runner)
     finally:
         for p in loops:
             p.kill()

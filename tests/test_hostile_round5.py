@@ -200,6 +200,7 @@ def test_a_speedup_beyond_any_structure_is_refused_from_the_shapes_alone(tiny_en
     what the forms' cheapest structure does in MACs is refused from the teacher's shapes before any of that, in ship
     and in the one-shot (a MAC ratio exactly, a whole-step speed-up past twice the MAC ceiling)."""
     from bdlora.base.threads import from_options
+    from bdlora.cli.spell import spell
     from bdlora.compress.forms.channels import CHANNEL_STEP
     from bdlora.forms import CHANNEL_FLOOR, reach_problem
     from bdlora.ship import run as ship_run
@@ -220,7 +221,7 @@ def test_a_speedup_beyond_any_structure_is_refused_from_the_shapes_alone(tiny_en
     ship = from_options(ShipConfig, {"data": str(tiny_env["corpus"]), "speedups": "1e9", "draft_speedup": 0.0,
                                      "schemes": "rtn", "seq_len": 32, "threads": 1, "eval_data": "none"})
     with pytest.raises(Exception, match=r"--speedups: --speedup 1e\+09: beyond any structure"):
-        ship_run.run_ship(str(tiny_env["teacher"]), ship, tmp_path / "ship", runner=runner)
+        ship_run.run_ship(str(tiny_env["teacher"]), ship, tmp_path / "ship", spell, runner=runner)
     assert not spawned and not (tmp_path / "ship").exists()
     from test_oneshot import shot_args
 

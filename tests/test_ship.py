@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from bdlora.base.errors import Checks, ConfigError, UsageError
 from bdlora.base.threads import ThreadPool, from_options
 from bdlora.cli import app
+from bdlora.cli.spell import spell
 from bdlora.ship.config import ShipConfig
 from bdlora.ship.recommend import recommend
 from bdlora.ship.run import record, start
@@ -54,18 +55,17 @@ def test_under_a_heal_time_budget_the_peer_gets_the_most_steps_any_candidate_too
         write_json(tmp_path / name / "config.json", {"num_hidden_layers": layers, **SHAPE})
     steps = heal_steps("smollm2-135m", str(tmp_path / "teacher"), cfg, tmp_path, made)
     assert [s.name for s in steps] == ["heal-student-1.25", "healed-student-1.25", "heal-draft", "healed-draft"]
-    heal = steps[0].argv
-    assert heal[heal.index("--time-budget") + 1] == "20m" and "--max-steps" not in heal
-    assert heal[heal.index("--student-layers") + 1] == "30" and steps[2].argv[steps[2].argv.index("--method") + 1] \
-        == "kd-full"
+    heal = steps[0].invocation.values
+    assert heal["time_budget"] == "20m" and "max_steps" not in heal
+    assert heal["student_layers"] == "30" and steps[2].invocation.values["method"] == "kd-full"
     for name, taken in (("student-1.25", 212), ("draft", 348)):
         write_json(tmp_path / f"heal-{name}" / "summary.json", {"steps": taken})
     assert peer_step_count(cfg, tmp_path, made) == 348
     peer = heal_steps("smollm2-135m", str(tmp_path / "teacher"), cfg, tmp_path, made, peer_steps=348)
     assert [s.name for s in peer] == ["heal-dense", "healed-dense"]
-    argv = peer[0].argv
-    assert argv[argv.index("--max-steps") + 1] == "348" and "--time-budget" not in argv
-    assert "--student-init" not in argv and argv[argv.index("--data") + 1] == "builtin:1,prose:1"
+    values = peer[0].invocation.values
+    assert values["max_steps"] == "348" and "time_budget" not in values
+    assert "student_init" not in values and values["data"] == "builtin:1,prose:1"
     assert peer_step_count(ShipConfig(heal_steps=7), tmp_path, made) == 7
 
 
@@ -82,10 +82,11 @@ def _command_of(argv: list[str]):
     return cmd, argv
 
 
-def test_every_step_is_a_command_line_its_command_parses(tmp_path):
-    """Each step's flags are generated from its command's settings dataclass (a renamed field fails when the step
-    is built): every step line of a ship with every option set parses under the real command, and the lines are
-    the ones a ship folder written before records (so it resumes instead of redoing them)."""
+def test_every_step_is_a_settings_file_its_command_reads(tmp_path):
+    """Each step's settings are generated from its command's settings dataclass (a renamed field fails when the step
+    is built): every step's settings file of a ship with every option set is read by the real command, as is the
+    line it is spelled as for people; those lines are the ones a ship folder written before settings files records
+    (so it resumes instead of redoing them)."""
     from bdlora.base.io import write_json
     from bdlora.ship.preflight import reach_checks
     from bdlora.ship.run import bench_step, heal_steps, student_steps, teacher_steps
@@ -99,51 +100,57 @@ def test_every_step_is_a_command_line_its_command_parses(tmp_path):
              *heal_steps("t", str(tmp_path / "teacher"), cfg, tmp_path, made),
              *heal_steps("t", str(tmp_path / "teacher"), cfg, tmp_path, made, peer_steps=3),
              bench_step(cfg, tmp_path, made, "affine", "affine")]
-    lines = [s.argv for s in steps] + [argv for _, argv in reach_checks("t", cfg, "affine")]
-    assert len(lines) == 2 + 3 + 8 + 1 + 2
-    for argv in lines:
-        cmd, args = _command_of(argv)
-        cmd.make_context("bdlora", list(args))  # an unknown flag or a bad value: refused
+    invocations = [s.invocation for s in steps] + [plan for _, plan in reach_checks("t", cfg, "affine")]
+    assert len(invocations) == 2 + 3 + 8 + 1 + 2
+    for i, inv in enumerate(invocations):
+        cmd, args = _command_of(spell(inv))
+        by_line = cmd.make_context(inv.command[-1], list(args)).params  # an unknown flag or a bad value: refused
+        write_json(tmp_path / f"{i}.json", inv.to_json())
+        by_file = cmd.make_context(inv.command[-1], ["--settings-file", str(tmp_path / f"{i}.json")]).params
+        assert {**by_file, "settings_file": None} == by_line, inv
     with pytest.raises(Exception, match="--speed-up") as refused:  # typer's own click: its NoSuchOption
         _command_of(["compress", "t", "--speed-up", "2"])[0].make_context("bdlora", ["t", "--speed-up", "2"])
     assert type(refused.value).__name__ == "NoSuchOption"
     d = str(tmp_path)
-    assert steps[0].argv == ["export", "genai", "t", "--precision", "int4", "--quant", "rtn", "--max-ppl-change",
-                             "1000", "--out", f"{d}/teacher-rtn", "--threads", "2"]
-    assert steps[2].argv == ["compress", "t", "--one-shot", "--precision", "int4", "--data", "builtin", "--no-eval",
-                             "--quant", "affine", "--threads", "2", "--forms", "channels,groups", "--speedup", "1.25",
-                             "--out", f"{d}/student-1.25"]
-    assert steps[5].argv == ["train", "--teacher", "t", "--student-init", f"{d}/student-1.25", "--student-layers", "4",
-                             "--method", "kd-lora", "--data", "builtin", "--max-steps", "3", "--batch-size", "4",
-                             "--seq-len", "128", "--out", f"{d}/heal-student-1.25"]
-    assert steps[-1].argv == ["bench", f"{d}/healed-draft", "--runtime", "genai", "--genai-precisions", "int4",
-                              "--scope", "model", "--batch-sizes", "1", "--seq-lens", "128", "--decode-tokens", "64",
-                              "--repeats", "10", "--no-peers", "--no-own-forms", "--out", f"{d}/bench",
-                              "--threads", "2",
-                              "--also", f"{d}/healed-student-1.25", "--also", f"{d}/healed-student-1.5",
-                              "--peer", f"{d}/healed-dense", "--quant", "affine", "--teacher-quant", "affine",
-                              "--speculative", "--no-fixed-widths", "--eval-data", "prose",
-                              "--quality-tokens", "512"]
-    with_gguf = bench_step(dataclasses.replace(cfg, gguf="q4_k_m"), tmp_path, made, "affine", "affine").argv
+    argv = [spell(s.invocation) for s in steps]
+    assert argv[0] == ["export", "genai", "t", "--precision", "int4", "--quant", "rtn", "--max-ppl-change",
+                       "1000", "--out", f"{d}/teacher-rtn", "--threads", "2"]
+    assert argv[2] == ["compress", "t", "--one-shot", "--precision", "int4", "--data", "builtin", "--no-eval",
+                       "--quant", "affine", "--threads", "2", "--forms", "channels,groups", "--speedup", "1.25",
+                       "--out", f"{d}/student-1.25"]
+    assert argv[5] == ["train", "--teacher", "t", "--student-init", f"{d}/student-1.25", "--student-layers", "4",
+                       "--method", "kd-lora", "--data", "builtin", "--max-steps", "3", "--batch-size", "4",
+                       "--seq-len", "128", "--out", f"{d}/heal-student-1.25"]
+    assert argv[-1] == ["bench", f"{d}/healed-draft", "--runtime", "genai", "--genai-precisions", "int4",
+                        "--scope", "model", "--batch-sizes", "1", "--seq-lens", "128", "--decode-tokens", "64",
+                        "--repeats", "10", "--no-peers", "--no-own-forms", "--out", f"{d}/bench",
+                        "--threads", "2",
+                        "--also", f"{d}/healed-student-1.25", "--also", f"{d}/healed-student-1.5",
+                        "--peer", f"{d}/healed-dense", "--quant", "affine", "--teacher-quant", "affine",
+                        "--speculative", "--no-fixed-widths", "--eval-data", "prose",
+                        "--quality-tokens", "512"]
+    with_gguf = spell(bench_step(dataclasses.replace(cfg, gguf="q4_k_m"), tmp_path, made, "affine", "affine")
+                      .invocation)
     assert with_gguf[2:7] == ["--runtime", "genai,llamacpp", "--genai-precisions", "int4", "--gguf-quants"]
     assert with_gguf[7] == "q4_k_m"
     cmd, args = _command_of(with_gguf)
     cmd.make_context("bdlora", list(args))
     wide = student_steps("t", dataclasses.replace(cfg, width_multiple=256), tmp_path, "affine")
-    assert wide[0].argv[-4:] == ["--width-multiple", "256", "--out", f"{d}/student-1.25"]
-    assert "--width-multiple" not in wide[-1].argv  # the draft keeps the default grid
-    assert reach_checks("t", dataclasses.replace(cfg, width_multiple=256), "affine")[0][1][-3:-1] == [
+    assert spell(wide[0].invocation)[-4:] == ["--width-multiple", "256", "--out", f"{d}/student-1.25"]
+    assert "width_multiple" not in wide[-1].invocation.values  # the draft keeps the default grid
+    assert spell(reach_checks("t", dataclasses.replace(cfg, width_multiple=256), "affine")[0][1])[-3:-1] == [
         "--width-multiple", "256"]
 
 
-def test_a_flag_no_settings_field_has_is_refused_when_the_line_is_built():
-    from bdlora.base.argv import flags
+def test_a_setting_no_settings_field_has_is_refused_when_the_step_is_built():
+    from bdlora.base.argv import option_values
     from bdlora.compress.config import OneShotConfig
 
-    assert flags(OneShotConfig, speedup=1.5, threads=None, forms="channels") == ["--speedup", "1.5", "--forms",
-                                                                              "channels"]
+    assert option_values(OneShotConfig, speedup=1.5, threads=None, forms="channels", width_multiple=256,
+                         correct=False) == {"speedup": "1.5", "forms": "channels", "width_multiple": "256",
+                                            "correct": False}
     with pytest.raises(TypeError, match="--speed-up"):
-        flags(OneShotConfig, speed_up=1.5)
+        option_values(OneShotConfig, speed_up=1.5)
 
 
 def test_student_quant_needs_a_rounded_precision():
@@ -192,7 +199,8 @@ def test_each_tolerance_gets_the_fastest_row_within_it_on_every_domain(tmp_path)
                       ("student-1.25-int4", 7.0, 20.8, 65.0), ("dense-int4", 1.0, 19.0, 49.0),
                       ("teacher-int8", 5.0, 19.0, 49.0)], identical={"lookup": False, "draft": True})
     cfg = ShipConfig(tolerances="0,5,40")
-    r = recommend(tmp_path, cfg, COMMANDS, "affine", {"rtn": 21.0, "affine": 20.0}, TEACHER, "D/teacher-affine")
+    r = recommend(tmp_path, cfg, COMMANDS, "affine", {"rtn": 21.0, "affine": 20.0}, TEACHER, "D/teacher-affine", None,
+                  spell)
     assert [a["row"] for a in r["answers"]] == ["spec-lookup-int4", "spec-lookup-int4", "student-1.25-int4"]
     assert r["answers"][0]["speedup"] == pytest.approx(10 / 8)
     assert "not token-identical to plain decoding" in r["answers"][0]["what"]  # as benched, not assumed
@@ -209,7 +217,8 @@ def test_each_tolerance_gets_the_fastest_row_within_it_on_every_domain(tmp_path)
 def test_the_teachers_own_export_when_nothing_beats_it(tmp_path):
     _bench(tmp_path, [("teacher-int4", 10.0, 20.0, 50.0), ("spec-lookup-int4", 11.0, 20.0, 50.0),
                       ("student-1.25-int4", 9.0, 25.0, 60.0)])
-    r = recommend(tmp_path, ShipConfig(tolerances="0,10"), COMMANDS, "affine", {}, TEACHER, "D/teacher-affine")
+    r = recommend(tmp_path, ShipConfig(tolerances="0,10"), COMMANDS, "affine", {}, TEACHER, "D/teacher-affine", None,
+                  spell)
     assert all(a["teacher_own"] and a["speedup"] == 1.0 for a in r["answers"])
     assert "**the teacher's own export**: nothing beats it" in (tmp_path / "recommendation.md").read_text()
 
@@ -222,7 +231,7 @@ def test_with_llama_cpps_rows_each_runtime_is_answered_and_overall_against_the_f
                       ("teacher-gguf-q4_k_m", 12.0, 19.8, 49.5), ("student-1.25-gguf-q4_k_m", 7.5, 20.1, 50.2),
                       ("compressed-gguf-q4_k_m", 4.0, 60.0, 200.0)])
     cfg = ShipConfig(tolerances="0,1,5", draft_speedup=0)
-    r = recommend(tmp_path, cfg, COMMANDS, "affine", {}, TEACHER, "D/teacher-affine", "T")
+    r = recommend(tmp_path, cfg, COMMANDS, "affine", {}, TEACHER, "D/teacher-affine", "T", spell)
     assert r["reference"]["row"] == "teacher-int4"
     assert [(a["row"], a["runtime"]) for a in r["answers"]] == [
         ("teacher-int4", "genai"), ("student-1.25-gguf-q4_k_m", "llamacpp"), ("student-1.25-gguf-q4_k_m", "llamacpp")]

@@ -19,8 +19,10 @@ import time
 
 import pytest
 
+from bdlora.base.argv import Invocation
 from bdlora.base.errors import ConfigError, UsageError
 from bdlora.base.threads import from_options
+from bdlora.cli.spell import spell
 from bdlora.ship import run as ship_run
 from bdlora.ship.config import ShipConfig
 from bdlora.ship.steps import STEPS_FILE
@@ -67,7 +69,7 @@ def ship(tiny_env, tmp_path, monkeypatch):
     def again(**kw):
         runner.ran.clear()
         cfg = from_options(ShipConfig, {**CFG, "data": str(tiny_env["corpus"]), **kw})
-        return ship_run.run_ship(str(tiny_env["teacher"]), cfg, folder, runner=runner)
+        return ship_run.run_ship(str(tiny_env["teacher"]), cfg, folder, spell, runner=runner)
 
     first = again()
     assert runner.ran == ["student-1.2", "bench"] and first["steps_run_seconds"].keys() == {"student-1.2", "bench"}
@@ -81,6 +83,31 @@ def test_an_untouched_ship_is_verified_and_kept_whole(ship):
     assert record["bench"]["reads"]["student-1.2"] == record["student-1.2"]["output"]
     again()
     assert runner.ran == []
+
+
+def test_a_ledger_written_before_settings_files_resumes(ship):
+    """steps.json of a ship run before steps were given settings files records each step's command line: a step whose
+    line is the one its settings spell is kept (and recorded anew), one whose line differs is made again."""
+    folder, runner, again = ship
+    path = folder / STEPS_FILE
+    ledger = json.loads(path.read_text())
+    for step in ledger["steps"].values():
+        values = step.pop("invocation")
+        step["command"] = spell(Invocation(tuple(values["command"]), values["values"]))
+    student = ledger["steps"]["student-1.2"]["command"]
+    assert student[0] == "compress" and student[2] == "--one-shot" and student[-2:] == ["--out", str(folder /
+                                                                                                  "student-1.2")]
+    path.write_text(json.dumps(ledger))
+    again()
+    assert runner.ran == []
+    assert all("invocation" in s for s in json.loads(path.read_text())["steps"].values())
+    ledger = json.loads(path.read_text())
+    old = ledger["steps"]["bench"].pop("invocation")
+    ledger["steps"]["bench"]["command"] = [*spell(Invocation(tuple(old["command"]), old["values"])),
+                                           "--repeats", "3"]
+    path.write_text(json.dumps(ledger))
+    again()
+    assert runner.ran == ["bench"]
 
 
 def test_a_student_with_truncated_weights_is_made_again_and_so_is_the_bench(ship):
@@ -168,7 +195,7 @@ def test_settings_are_checked_against_the_teacher_before_the_first_step(tiny_env
 
     with pytest.raises(ConfigError) as e:
         cfg = from_options(ShipConfig, {**CFG, "data": str(tiny_env["corpus"]), **kw})
-        ship_run.run_ship(str(tiny_env["teacher"]), cfg, tmp_path / "ship", runner=runner)
+        ship_run.run_ship(str(tiny_env["teacher"]), cfg, tmp_path / "ship", spell, runner=runner)
     assert needle in str(e.value)
     assert not (tmp_path / "ship").exists()  # issue 89, case 2: a refusal left ship.json, refusing the rerun
     if "seq_len" in kw:  # the corrected rerun proceeds to its first step (the reach check is tested below)
@@ -182,7 +209,7 @@ def test_settings_are_checked_against_the_teacher_before_the_first_step(tiny_env
             raise FirstStep
 
         with pytest.raises(FirstStep):
-            ship_run.run_ship(str(tiny_env["teacher"]), cfg, tmp_path / "ship", runner=first)
+            ship_run.run_ship(str(tiny_env["teacher"]), cfg, tmp_path / "ship", spell, runner=first)
 
 
 @pytest.mark.slow
@@ -204,7 +231,7 @@ def test_a_speedup_beyond_reach_is_refused_by_plan_before_any_step(tiny_env, tmp
     with pytest.raises(UsageError, match=r"--speedups: plan refuses it rounded by rtn before any step runs "
                                          r"\(--speedup 4: beyond reach; the cheapest form of every layer gives "
                                          r"[0-9.]+x less decode time"):
-        ship_run.run_ship(str(teacher), cfg, tmp_path / "ship", runner=runner)
+        ship_run.run_ship(str(teacher), cfg, tmp_path / "ship", spell, runner=runner)
 
 
 @pytest.mark.parametrize("start", [
@@ -250,7 +277,8 @@ def test_the_rebuild_commands_name_each_step_once_in_the_users_words(ship, tiny_
     teacher = next(r for r in result["rows"] if r["row"] == "teacher-int4")["commands"][0]
     assert teacher.startswith(f"bdlora export genai {tiny_env['teacher']} --precision int4 --quant rtn")
     cfg = ShipConfig(schemes="rtn,affine")
-    assert [s.argv[:3] for s in ship_run.teacher_steps("builtin", cfg, folder)] == [["export", "genai", "builtin"]] * 2
+    assert [spell(s.invocation)[:3] for s in ship_run.teacher_steps("builtin", cfg, folder)] == [
+        ["export", "genai", "builtin"]] * 2
 
 
 def test_reach_is_checked_for_every_scheme_a_student_may_be_rounded_by():
@@ -266,4 +294,4 @@ def test_reach_is_checked_for_every_scheme_a_student_may_be_rounded_by():
     assert reach_quants(ShipConfig(precision="fp32")) == [None]
     lines = reach_checks("builtin", ShipConfig(speedups="1.1,1.3", draft_speedup=3.0), "affine")
     assert [o for o, _ in lines] == ["--speedups", "--draft-speedup"]
-    assert lines[0][1][lines[0][1].index("--speedup") + 1] == "1.3" and "--quant" in lines[1][1]
+    assert lines[0][1].values["speedup"] == "1.3" and lines[1][1].values["quant"] == "affine"

@@ -494,7 +494,8 @@ def test_export_genai_options_are_the_settings_fields():
         assert " ".join(p.help.split()).startswith(" ".join(field_docs(owner)[name].split())), name
         assert p.default == getattr(DEFAULT, name), name
     assert "--no-validate" in params["validate"].secondary_opts
-    assert set(params) - set(leaves) == {"model_dir", "out_dir", "force", "runs_dir", "json_out"}
+    # beside them its own arguments, and the hidden --settings-file every command takes (cli.settings_file)
+    assert set(params) - set(leaves) == {"model_dir", "out_dir", "force", "runs_dir", "json_out", "settings_file"}
 
 
 def test_bench_takes_its_rounding_options_from_export_genais_settings():

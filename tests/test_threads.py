@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import typer.main
 
-from bdlora.base.argv import embedded, fields_of, flags
+from bdlora.base.argv import embedded, fields_of, option_values
 from bdlora.base.errors import Checks, ConfigError, UsageError, usable_cores
 from bdlora.base.io import read_json, write_json
 from bdlora.base.threads import MAX_GENAI_THREADS, ThreadPool, flat, from_options
@@ -54,8 +54,8 @@ def test_from_options_routes_threads_into_the_pool_and_flat_writes_it_back():
     assert bench.pool.threads == 1 and bench.rounding.pool.threads is None and bench.rounding.quant == "gptq"
     with pytest.raises(TypeError, match="thread"):
         from_options(ShipConfig, {"thread": 2})
-    # a command that runs another spells the pool's field as the flag it is
-    assert flags(GenaiExportConfig, threads=3) == ["--threads", "3"]
+    # a command that runs another gives the pool's field as the option it is
+    assert option_values(GenaiExportConfig, threads=3) == {"threads": "3"}
 
 
 def test_the_pool_counts_and_checks_as_each_command_needs():

@@ -13,6 +13,7 @@ from bdlora.base.threads import from_options
 from bdlora.cli.app import command, err, out
 from bdlora.cli.options import Json, Out, RunsDir, from_dataclass, given
 from bdlora.cli.progress import RichReporter
+from bdlora.cli.spell import spell
 from bdlora.data.documents import BUILTIN
 from bdlora.ship.config import ShipConfig
 from bdlora.ship.run import run_ship
@@ -45,7 +46,7 @@ def ship(
     name = Path(model).name.removesuffix(".gguf") if ("/" in model or model.endswith(".gguf")) else model
     folder = Path(out_dir) if out_dir else Path(runs_dir) / f"ship-{name}-{cfg.precision}"
     check_resumable_out(folder)
-    result = run_ship(model, cfg, folder, RichReporter(err))
+    result = run_ship(model, cfg, folder, spell, RichReporter(err))
     if json_out:
         out.print_json(json.dumps(result))
         return

@@ -7,12 +7,14 @@ when a larger one is)."""
 from __future__ import annotations
 
 import json
+import shlex
 import sys
+import tempfile
 from pathlib import Path
 
-from bdlora.base.argv import flags
-from bdlora.base.errors import Checks, DataError, UsageError
-from bdlora.base.io import read_json
+from bdlora.base.argv import Invocation, option_values
+from bdlora.base.errors import Checks, DataError, UsageError, flag
+from bdlora.base.io import read_json, write_json
 from bdlora.base.runs import CONFIG
 from bdlora.base.schemes import SCHEMES
 from bdlora.bench.config import NO_DOMAIN
@@ -55,23 +57,24 @@ def check_settings(cfg: ShipConfig, source: str) -> None:
     c.done()
 
 
-def plan_argv(model: str, cfg: ShipConfig, forms: str, speedup: float, quant: str | None,
-              student: bool = True) -> list[str]:
-    """The ``bdlora plan`` line that allocates what a student's one-shot (``student`` False: the draft's) would
-    (nothing written)."""
-    return ["plan", "--model", model, "--allocation", QUALITY, *flags(
+def plan_invocation(model: str, cfg: ShipConfig, forms: str, speedup: float, quant: str | None,
+                    student: bool = True) -> Invocation:
+    """The ``bdlora plan`` that allocates what a student's one-shot (``student`` False: the draft's) would (nothing
+    written; its report as JSON)."""
+    return Invocation(("plan",), {"model": model, "allocation": QUALITY, **option_values(
         OneShotConfig, forms=forms, speedup=float(speedup), precision=cfg.precision, data=cfg.data, quant=quant,
         threads=cfg.pool.threads, calib_tokens=REACH_TOKENS,
-        width_multiple=cfg.width_multiple if student else None), "--json"]
+        width_multiple=cfg.width_multiple if student else None), "json_out": True})
 
 
-def reach_checks(model: str, cfg: ShipConfig, quant: str | None) -> list[tuple[str, list[str]]]:
-    """(the option, its plan line) for the largest student speed-up and the draft's."""
+def reach_checks(model: str, cfg: ShipConfig, quant: str | None) -> list[tuple[str, Invocation]]:
+    """(the option, its plan) for the largest student speed-up and the draft's."""
     checks = []
     if cfg.speedup_list():
-        checks.append(("--speedups", plan_argv(model, cfg, cfg.forms, max(cfg.speedup_list()), quant)))
+        checks.append((flag("speedups"), plan_invocation(model, cfg, cfg.forms, max(cfg.speedup_list()), quant)))
     if cfg.draft_speedup:
-        checks.append(("--draft-speedup", plan_argv(model, cfg, DRAFT_FORMS, cfg.draft_speedup, quant, False)))
+        checks.append((flag("draft_speedup"),
+                       plan_invocation(model, cfg, DRAFT_FORMS, cfg.draft_speedup, quant, False)))
     return checks
 
 
@@ -90,24 +93,29 @@ def reach_quants(cfg: ShipConfig) -> list[str | None]:
     return list(by_nodes.values()) or [None]
 
 
-def check_reach(model: str, cfg: ShipConfig, stage=lambda msg: None, source: str | None = None) -> None:
-    """Each ``reach_checks`` plan run, for every scheme of ``reach_quants``, as its own process (as a step is: its
-    memory returned, and it ends with ship); a refusal (a speed-up beyond reach) raised as one line naming the
-    option and the scheme."""
+def check_reach(model: str, cfg: ShipConfig, spell, stage=lambda msg: None, source: str | None = None) -> None:
+    """Each ``reach_checks`` plan run, for every scheme of ``reach_quants``, as its own process given its settings
+    file (as a step is: its memory returned, and it ends with ship); a refusal (a speed-up beyond reach) raised as
+    one line naming the option and the scheme. ``spell``: a plan as the line a person types (shown)."""
     config = read_json(Path(source) / CONFIG) if source and (Path(source) / CONFIG).is_file() else None
-    targets = [("--speedups", cfg.forms, max(cfg.speedup_list())) if cfg.speedup_list() else None,
-               ("--draft-speedup", DRAFT_FORMS, cfg.draft_speedup) if cfg.draft_speedup else None]
+    targets = [(flag("speedups"), cfg.forms, max(cfg.speedup_list())) if cfg.speedup_list() else None,
+               (flag("draft_speedup"), DRAFT_FORMS, cfg.draft_speedup) if cfg.draft_speedup else None]
     for option, forms, speedup in [t for t in targets if t] if config else ():
         problem = reach_problem(config, forms, speedup=float(speedup))
         if problem:  # from the teacher's shapes alone: no plan process calibrates and times for minutes first
             raise UsageError(f"{option}: {problem}")
     for quant in reach_quants(cfg):
-        for option, argv in reach_checks(model, cfg, quant):
-            stage(f"checking {option} with `bdlora {' '.join(argv[:-1])}`")
-            proc = spawn([sys.executable, "-m", "bdlora.cli", *argv])
-            text = proc.stdout.read()
+        for option, plan in reach_checks(model, cfg, quant):
+            quiet = Invocation(plan.command, {k: v for k, v in plan.values.items() if k != "json_out"})
+            stage(f"checking {option} with `bdlora {shlex.join(spell(quiet))}`")
+            with tempfile.TemporaryDirectory(prefix="bdlora-reach-") as tmp:
+                settings = Path(tmp) / "plan.json"
+                write_json(settings, plan.to_json())
+                proc = spawn([sys.executable, "-m", "bdlora.cli", *plan.file_argv(settings)])
+                text = proc.stdout.read()
+                code = proc.wait()
             rounding = f" rounded by {quant}" if quant else ""
-            if proc.wait() != 0:
+            if code != 0:
                 said = next((t for t in reversed(text.splitlines()) if t.startswith("error:")), text.strip()[-300:])
                 raise UsageError(f"{option}: plan refuses it{rounding} before any step runs "
                                  f"({said.removeprefix('error:').strip()}); give a speed-up it reaches")

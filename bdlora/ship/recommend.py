@@ -13,11 +13,11 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from bdlora.base.argv import flags
+from bdlora.base.argv import Invocation, option_values
 from bdlora.base.io import atomic_path, write_text
 from bdlora.base.runs import BENCH_JSON, GGUF, MODEL_GGUF, SHIP_PLOT, SHIP_REPORT, BenchDir
 from bdlora.bench.front import RUNTIME_NAMES, precision_of, runtime_of
-from bdlora.export.settings import GenaiExportConfig
+from bdlora.export.settings import GenaiExportConfig, GgufExportConfig
 
 TEACHER, LOOKUP, SPEC_DRAFT, PEER = "teacher", "spec-lookup", "spec-draft", "peer-"
 BENCH = "bench"  # the ship step (and folder) that benches every folder
@@ -38,15 +38,21 @@ def exported(folder: Path, name: str, precision: str) -> Path:
     return folder / f"{name}.genai-{precision}"
 
 
-def _gguf(source: str | Path, out: Path, precision: str) -> str:
-    return "bdlora " + shlex.join(["export", "gguf", str(source), "--quant", precision.removeprefix(GGUF),
-                                   "--merge-lowrank", "--out", str(out)])
+def _gguf(source: str | Path, out: Path, precision: str) -> Invocation:
+    return Invocation(("export", "gguf"), {
+        "model_dir": str(source), **option_values(GgufExportConfig, quant=precision.removeprefix(GGUF),
+                                                  merge_lowrank=True), "out_dir": str(out)})
 
 
-def _exported(folder: Path, name: str, cfg, quant: str | None) -> str:
-    rounding = flags(GenaiExportConfig, precision=cfg.precision, quant=quant)
-    return "bdlora " + shlex.join(["export", "genai", str(folder / name), *rounding, "--out",
-                                   str(exported(folder, name, cfg.precision))])
+def _exported(folder: Path, name: str, cfg, quant: str | None) -> Invocation:
+    return Invocation(("export", "genai"), {
+        "model_dir": str(folder / name), **option_values(GenaiExportConfig, precision=cfg.precision, quant=quant),
+        "out_dir": str(exported(folder, name, cfg.precision))})
+
+
+def _served(export: str, **speculation) -> Invocation:
+    """``bdlora serve`` of a genai folder, ``speculation`` its speculative options (prompt_lookup, draft)."""
+    return Invocation(("serve",), {"onnx_dir": export, "runtime": "genai", **speculation})
 
 
 def verified(identical: bool | None) -> str:
@@ -62,13 +68,18 @@ def verified(identical: bool | None) -> str:
 
 
 def row_commands(name: str, bench_model: str, folder: Path, cfg, commands: dict[str, str], teacher: str,
-                 quant: str | None, identical: bool | None = None, export: str = "", gguf: str | None = None,
+                 quant: str | None, spell, identical: bool | None = None, export: str = "", gguf: str | None = None,
                  teacher_dir: str | Path | None = None) -> tuple[str, list[str]]:
     """(what ships, the commands that rebuild it) of a front row named ``name`` (without its precision);
-    ``teacher``: the command that writes the teacher's export, into folder ``export``; ``identical``: a
-    speculative row's tokens against plain decoding, as benched; ``gguf`` (a llama.cpp row's precision,
-    gguf-q4_k_m): the file ``export gguf`` writes, run in llama.cpp (``teacher_dir``: the teacher's folder)."""
+    ``teacher``: the command that writes the teacher's export, into folder ``export``; ``spell``: a bdlora
+    ``Invocation`` as the line a person types; ``identical``: a speculative row's tokens against plain decoding, as
+    benched; ``gguf`` (a llama.cpp row's precision, gguf-q4_k_m): the file ``export gguf`` writes, run in llama.cpp
+    (``teacher_dir``: the teacher's folder)."""
     export = str(export)
+
+    def line(inv: Invocation) -> str:
+        return "bdlora " + shlex.join(spell(inv))
+
     if gguf is not None:
         own = {TEACHER: None, "compressed": bench_model}.get(name, name.removeprefix(PEER))
         made = (own or "").removeprefix("healed-")
@@ -78,22 +89,21 @@ def row_commands(name: str, bench_model: str, folder: Path, cfg, commands: dict[
         what = "the teacher's own GGUF" if own is None else (
             f"the dense teacher healed as the students were ({own})" if name.startswith(PEER) else own)
         return f"{what} in llama.cpp ({gguf.removeprefix(GGUF).upper()})", [
-            *steps, _gguf(teacher_dir if own is None else folder / own, out, gguf), serve]
+            *steps, line(_gguf(teacher_dir if own is None else folder / own, out, gguf)), serve]
     if name == TEACHER:
         return "the teacher's own export", [teacher]
     if name == LOOKUP:
         return f"the teacher's export, speculating with prompt lookup ({verified(identical)})", [
-            teacher, f"bdlora serve {shlex.quote(export)} --runtime genai --prompt-lookup"]
+            teacher, line(_served(export, prompt_lookup=True))]
     own = bench_model if name == "compressed" else name.removeprefix(PEER)
     made = own.removeprefix("healed-")  # the folder a healed one started from (itself when not healed)
     steps = [commands[s] for s in dict.fromkeys((made, f"heal-{made}", own)) if s in commands]
     if name == SPEC_DRAFT:
         return f"the teacher's export with the draft ({verified(identical)})", [
-            teacher, *steps, _exported(folder, own, cfg, quant),
-            f"bdlora serve {shlex.quote(export)} --runtime genai --draft "
-            f"{shlex.quote(str(exported(folder, own, cfg.precision)))}"]
+            teacher, *steps, line(_exported(folder, own, cfg, quant)),
+            line(_served(export, draft=str(exported(folder, own, cfg.precision))))]
     what = f"the dense teacher healed as the students were ({own})" if name.startswith(PEER) else own
-    return what, [*steps, _exported(folder, own, cfg, quant)]
+    return what, [*steps, line(_exported(folder, own, cfg, quant))]
 
 
 def _rows(bench: dict, bench_model: str, precision: str) -> list[dict]:
@@ -128,10 +138,11 @@ def _answers(rows: list[dict], ref: dict, domains: list[str], tolerances: list[f
 
 
 def recommend(folder: Path, cfg, commands: dict[str, str], teacher_quant: str | None, scheme_ppl: dict[str, float],
-              teacher: str, teacher_out: str | Path, teacher_dir: str | Path | None = None) -> dict:
+              teacher: str, teacher_out: str | Path, teacher_dir: str | Path | None, spell) -> dict:
     """The answers and every row (``commands``: each step's command line by name; ``teacher``: the command that
     exports the teacher's row, into ``teacher_out``; ``teacher_dir``: the teacher's folder, which llama.cpp's row is
-    exported from), written to recommendation.md and ship.png; returned for recommendation.json."""
+    exported from; ``spell``: an ``Invocation`` as its command line), written to recommendation.md and ship.png;
+    returned for recommendation.json."""
     bench = BenchDir(folder / BENCH).report()
     bench_model = Path(shlex.split(commands[BENCH])[2]).name
     rows = _rows(bench, bench_model, cfg.precision)
@@ -151,7 +162,7 @@ def recommend(folder: Path, cfg, commands: dict[str, str], teacher_quant: str | 
             r[f"{d}_vs_teacher"] = r[d] / own[d] - 1 if r[d] is not None and own[d] else None
             r[f"{d}_vs_teacher_overall"] = r[d] / overall[d] - 1 if r[d] is not None and overall[d] else None
         r["what"], r["commands"] = row_commands(
-            r["name"], bench_model, folder, cfg, commands, teacher, cfg.student_quant or teacher_quant,
+            r["name"], bench_model, folder, cfg, commands, teacher, cfg.student_quant or teacher_quant, spell,
             r.get("identical"), teacher_out, r["precision"] if r["runtime"] == "llamacpp" else None, teacher_dir)
     tolerances = cfg.tolerance_list()
     unseen = bench.get("unseen_data")

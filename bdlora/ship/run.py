@@ -12,6 +12,8 @@ already whole, so running the same command again resumes instead of redoing:
                                   fair peer; under a time budget, the most steps any candidate took)
     DIR/bench/                    bench --runtime genai: every folder, the teacher's export, prompt lookup and the
                                   draft speculating for the teacher, on both domains, in one run
+    DIR/settings/STEP.json        each step's command and settings (``base.argv.Invocation``), which it reads with
+                                  --settings-file: ship spells no other command's flags
     DIR/logs/STEP.log             each step's whole output
     DIR/recommendation.{md,json}, DIR/ship.png   written last (``bdlora.ship.recommend``)
 """
@@ -24,11 +26,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from bdlora import SCHEMA_VERSION
-from bdlora.base.argv import flags
+from bdlora.base.argv import Invocation, option_values
 from bdlora.base.errors import BdloraError, UsageError
 from bdlora.base.io import read_json, write_json
 from bdlora.base.method_table import ADAPTED, WHOLE
@@ -51,8 +54,7 @@ from bdlora.train.config import TrainConfig
 COMPRESSED_MARKER = ModelDir.MARKER  # written last by compress
 RUN_MARKER = RunDir.MARKER  # written last by train
 DRAFT, LOGS, DENSE = "draft", "logs", "dense"
-# The few flags a step gives that are its command's own arguments, not fields of its settings dataclass
-OUT, ONE_SHOT, NO_EVAL, ALSO, PEER = "--out", "--one-shot", "--no-eval", "--also", "--peer"
+SETTINGS = "settings"  # DIR/settings/STEP.json: the settings file each step's command reads (``Invocation``)
 HEAL_FIELDS = ("teacher", "student_init", "student_layers", "method", "data", "max_steps", "time_budget", "batch_size",
                "seq_len", "out")  # a heal's train options, in the order its command line gives them
 
@@ -61,16 +63,21 @@ class StepFailed(BdloraError):
     """A step's command exited non-zero: its last lines and its log are named; what earlier steps wrote is kept."""
 
 
+Spell = Callable[[Invocation], list[str]]  # an invocation as the command line a person types (``cli.settings_file``)
+
+
 @dataclass
 class Step:
-    name: str  # its folder under DIR, and its log DIR/logs/NAME.log
-    argv: list[str]  # the bdlora command line, without the program name
+    name: str  # its folder under DIR, its settings DIR/settings/NAME.json and its log DIR/logs/NAME.log
+    invocation: Invocation  # the bdlora command and its parameters, handed to it as a settings file
     marker: str  # the file its command writes last (and what ``steps.verify_output`` checks it by)
     what: str  # one line for the progress display
     reads: tuple[str, ...] = ()  # the earlier steps whose outputs its command reads (beside the teacher)
 
-    def command(self) -> str:
-        return "bdlora " + shlex.join(self.argv)
+
+def shown(inv: Invocation, spell: Spell) -> str:
+    """``inv`` as the line a person would type."""
+    return "bdlora " + shlex.join(spell(inv))
 
 
 def start(model: str, cfg: ShipConfig, folder: Path) -> bool:
@@ -109,10 +116,14 @@ def run_step(step: Step, folder: Path, reporter: Reporter) -> None:
     shown); Ctrl-C or SIGTERM stops it the same way (it removes what it had half-written) and is raised again."""
     log = folder / LOGS / f"{step.name}.log"
     log.parent.mkdir(exist_ok=True)
+    settings = folder / SETTINGS / f"{step.name}.json"
+    settings.parent.mkdir(exist_ok=True)
+    write_json(settings, {"schema_version": SCHEMA_VERSION, **step.invocation.to_json()})
+    argv = step.invocation.file_argv(settings)
     with open(log, "a") as f:
-        f.write(f"$ {step.command()}\n")
+        f.write(f"$ bdlora {shlex.join(argv)}\n")
         f.flush()
-        proc = spawn([sys.executable, "-m", "bdlora.cli", *step.argv])
+        proc = spawn([sys.executable, "-m", "bdlora.cli", *argv])
         tail: list[str] = []
         try:
             for line in proc.stdout:
@@ -143,11 +154,12 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def teacher_export(model: str, cfg: ShipConfig, quant: str | None, out: Path, threads: bool = True,
-                   **more) -> list[str]:
-    """The ``export genai`` line of the teacher at --precision rounded by ``quant`` (None: the default), ``more``
-    of its settings; with ``threads``, ship's --threads."""
-    return ["export", "genai", model, *flags(GenaiExportConfig, precision=cfg.precision, quant=quant, **more), OUT,
-            str(out), *flags(GenaiExportConfig, threads=cfg.pool.threads if threads else None)]
+                   **more) -> Invocation:
+    """``export genai`` of the teacher at --precision rounded by ``quant`` (None: the default), ``more`` of its
+    settings; with ``threads``, ship's --threads."""
+    return Invocation(("export", "genai"), {
+        "model_dir": model, **option_values(GenaiExportConfig, precision=cfg.precision, quant=quant, **more),
+        "out_dir": str(out), **option_values(GenaiExportConfig, threads=cfg.pool.threads if threads else None)})
 
 
 def teacher_folder(model: str, reporter: Reporter) -> str:
@@ -179,12 +191,15 @@ def chosen_scheme(cfg: ShipConfig, folder: Path) -> tuple[str | None, dict[str, 
 
 
 def one_shot(model: str, cfg: ShipConfig, quant: str | None, forms: str, speedup: float, out: Path,
-             student: bool = True) -> list[str]:
-    """The ``compress --one-shot`` line of a student (or, ``student`` False, the draft) of ``model`` (its evaluation
-    left to the bench)."""
-    return ["compress", model, ONE_SHOT, *flags(OneShotConfig, precision=cfg.precision, data=cfg.data), NO_EVAL,
-            *flags(OneShotConfig, quant=quant, threads=cfg.pool.threads, forms=forms, speedup=float(speedup),
-                   width_multiple=cfg.width_multiple if student else None), OUT, str(out)]
+             student: bool = True) -> Invocation:
+    """``compress --one-shot`` of a student (or, ``student`` False, the draft) of ``model`` (its evaluation left to
+    the bench)."""
+    return Invocation(("compress",), {
+        "run_dir": model, "one_shot": True, **option_values(OneShotConfig, precision=cfg.precision, data=cfg.data),
+        "no_eval": True, **option_values(OneShotConfig, quant=quant, threads=cfg.pool.threads, forms=forms,
+                                         speedup=float(speedup),
+                                         width_multiple=cfg.width_multiple if student else None),
+        "out_dir": str(out)})
 
 
 def student_steps(model: str, cfg: ShipConfig, folder: Path, quant: str | None) -> list[Step]:
@@ -212,12 +227,14 @@ def heal_steps(model: str, source: str, cfg: ShipConfig, folder: Path, made: lis
                            student_layers=DecoderShape.from_folder(start or source).layers,
                            max_steps=count or None, time_budget=None if count else cfg.heal_time_budget,
                            batch_size=cfg.heal_batch_size, seq_len=cfg.heal_seq_len, out=str(run))
-        argv = ["train", *flags(TrainConfig, **{f: getattr(heal, f) for f in HEAL_FIELDS})]
+        train = Invocation(("train",), option_values(TrainConfig, **{f: getattr(heal, f) for f in HEAL_FIELDS}))
         length = f"{count} steps" if count else f"time-budget {cfg.heal_time_budget}"
-        steps.append(Step(f"heal-{name}", argv, RUN_MARKER, f"healing {name} ({length} of {method})",
+        steps.append(Step(f"heal-{name}", train, RUN_MARKER, f"healing {name} ({length} of {method})",
                           () if name == DENSE else (name,)))
-        steps.append(Step(f"healed-{name}", ["compress", str(run), NO_EVAL, OUT, str(folder / f"healed-{name}")],
-                          COMPRESSED_MARKER, f"the healed {name} as a folder", (f"heal-{name}",)))
+        healed = Invocation(("compress",), {"run_dir": str(run), "no_eval": True,
+                                            "out_dir": str(folder / f"healed-{name}")})
+        steps.append(Step(f"healed-{name}", healed, COMPRESSED_MARKER, f"the healed {name} as a folder",
+                          (f"heal-{name}",)))
     return steps
 
 
@@ -240,35 +257,36 @@ def bench_step(cfg: ShipConfig, folder: Path, made: list[str], teacher_quant: st
     names = [f"healed-{n}" if cfg.heals else n for n in made]
     first, others = names[-1] if cfg.draft_speedup else names[0], names[:-1] if cfg.draft_speedup else names[1:]
     gguf = cfg.gguf_quant()  # llama.cpp's rows beside the genai ones, timed interleaved in the same run
-    argv = ["bench", str(folder / first), *flags(
-        BenchConfig, runtime="genai,llamacpp" if gguf else "genai", genai_precisions=[cfg.precision],
-        gguf_quants=[gguf] if gguf else None, scope="model", batch_sizes=[1],
-        seq_lens=[cfg.seq_len], decode_tokens=cfg.decode_tokens, repeats=cfg.repeats, peers=False, own_forms=False),
-        OUT, str(folder / BENCH), *flags(BenchConfig, threads=cfg.pool.threads)]
-    for other in others:
-        argv += [ALSO, str(folder / other)]
-    if cfg.heals:
-        argv += [PEER, str(folder / f"healed-{DENSE}")]
-    argv += flags(BenchConfig, quant=quant, teacher_quant=teacher_quant if quant else None,
-                  speculative=bool(cfg.draft_speedup) or None, fixed_widths=False if cfg.draft_speedup else None,
-                  eval_data=cfg.eval_data, quality_tokens=cfg.quality_tokens)
+    bench = Invocation(("bench",), {
+        "model_dir": str(folder / first), **option_values(
+            BenchConfig, runtime="genai,llamacpp" if gguf else "genai", genai_precisions=[cfg.precision],
+            gguf_quants=[gguf] if gguf else None, scope="model", batch_sizes=[1], seq_lens=[cfg.seq_len],
+            decode_tokens=cfg.decode_tokens, repeats=cfg.repeats, peers=False, own_forms=False),
+        "out_dir": str(folder / BENCH), **option_values(BenchConfig, threads=cfg.pool.threads),
+        "also": [str(folder / other) for other in others] or None,
+        "peer": [str(folder / f"healed-{DENSE}")] if cfg.heals else None,
+        **option_values(BenchConfig, quant=quant, teacher_quant=teacher_quant if quant else None,
+                        speculative=bool(cfg.draft_speedup) or None,
+                        fixed_widths=False if cfg.draft_speedup else None, eval_data=cfg.eval_data,
+                        quality_tokens=cfg.quality_tokens)})
     benched = (*names, *([f"healed-{DENSE}"] if cfg.heals else []))
-    return Step(BENCH, argv, BENCH_JSON, "every folder side by side, on both domains", benched)
+    return Step(BENCH, bench, BENCH_JSON, "every folder side by side, on both domains", benched)
 
 
-def run_ship(model: str, cfg: ShipConfig, folder: Path, reporter: Reporter = SILENT, runner=run_step) -> dict:
+def run_ship(model: str, cfg: ShipConfig, folder: Path, spell: Spell, reporter: Reporter = SILENT,
+             runner=run_step) -> dict:
     """Every step (those whose output can be trusted kept: ``steps.Ledger``), then the recommendation; returns it.
-    ``runner`` runs one step."""
+    ``spell``: a step's line as a person types it (shown, and recommended); ``runner`` runs one step."""
     folder = Path(folder)
     resumed = start(model, cfg, folder)
     if resumed:
         reporter.stage(f"resuming {folder}: finished steps are verified and kept")
     source = teacher_folder(model, reporter)
     check_settings(cfg, source)
-    ledger = Ledger.open(folder, source)
+    ledger = Ledger.open(folder, source, spell)
     made_names = [s.name for s in student_steps(model, cfg, folder, None)]
     if not all(name in ledger.steps for name in made_names):  # a speed-up no step has reached yet
-        check_reach(model, cfg, reporter.stage, source)
+        check_reach(model, cfg, spell, reporter.stage, source)
     if not resumed:
         record(model, cfg, folder)
     ran: dict[str, float] = {}  # the steps this invocation ran, and their seconds
@@ -282,7 +300,7 @@ def run_ship(model: str, cfg: ShipConfig, folder: Path, reporter: Reporter = SIL
             if why != "not done":
                 reporter.stage(f"{step.name}: made again: {why}")
             ledger.clear(step)
-            reporter.stage(f"{step.name}: {step.what}\n    {step.command()}")
+            reporter.stage(f"{step.name}: {step.what}\n    {shown(step.invocation, spell)}")
             began = time.monotonic()
             runner(step, folder, reporter)
             ledger.made(step)
@@ -308,10 +326,10 @@ def run_ship(model: str, cfg: ShipConfig, folder: Path, reporter: Reporter = SIL
     do([bench])
     chosen = [s for s in exports if s.name == f"teacher-{teacher_quant}"]
     out = folder / chosen[0].name if chosen else exported(folder, "teacher", cfg.precision)
-    teacher = chosen[0].command() if chosen else "bdlora " + shlex.join(teacher_export(model, cfg, teacher_quant, out,
-                                                                                         threads=False))
-    result = recommend(folder, cfg, {s.name: s.command() for s in [*made_steps, *heal, bench]}, teacher_quant,
-                       scheme_ppl, teacher, out, source)
+    teacher = shown(chosen[0].invocation if chosen else teacher_export(model, cfg, teacher_quant, out, threads=False),
+                    spell)
+    result = recommend(folder, cfg, {s.name: shown(s.invocation, spell) for s in [*made_steps, *heal, bench]},
+                       teacher_quant, scheme_ppl, teacher, out, source, spell)
     result["steps_run_seconds"] = ran
     write_json(folder / SHIP_RESULT, result)
     return result

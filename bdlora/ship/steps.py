@@ -3,8 +3,9 @@
 - its output is whole: the readers' own integrity checks pass (a model folder's recorded weight digests, an export's
   graph, tokenizer and config, a run's summary and student, a bench's JSON), and no file in it changed since the
   step finished (the SHA-256 of every file, recorded then);
-- it was made by the same command line (a step's line holds what earlier steps decided, e.g. the teacher's chosen
-  rounding scheme);
+- it was made by the same command and parameters (its ``Invocation``: they hold what earlier steps decided, e.g. the
+  teacher's chosen rounding scheme); a record written before settings files holds the command line, which is
+  compared with this step's spelled (``cli.settings_file.spell``), so a ship folder written then resumes;
 - nothing it read changed: the outputs of the steps it read (by digest) and the user's teacher (its files' sizes and
   modification times), and none of them was redone by this invocation.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,16 +87,17 @@ def verify_output(path: Path, marker: str) -> None:
 
 @dataclass
 class Ledger:
-    """``DIR/steps.json``: {step: {"command", "reads", "output"}} of every finished step, and this invocation's view:
-    the digest of every output verified or made so far (``now``) and the steps it ran (``redone``)."""
+    """``DIR/steps.json``: {step: {"invocation", "reads", "output"}} of every finished step, and this invocation's
+    view: the digest of every output verified or made so far (``now``) and the steps it ran (``redone``)."""
 
     folder: Path
+    spell: Callable  # an ``Invocation`` as its command line (without the program): how old records are read
     steps: dict[str, dict] = field(default_factory=dict)
     now: dict[str, str] = field(default_factory=dict)
     redone: set[str] = field(default_factory=set)
 
     @classmethod
-    def open(cls, folder: Path, source: str) -> Ledger:
+    def open(cls, folder: Path, source: str, spell: Callable) -> Ledger:
         path = Path(folder) / STEPS_FILE
         steps: dict = {}
         if path.is_file():
@@ -103,7 +106,14 @@ class Ledger:
                 assert isinstance(steps, dict) and all(isinstance(v, dict) for v in steps.values())
             except (ValueError, KeyError, TypeError, AssertionError, UnicodeDecodeError):
                 steps = {}  # damaged: every step is verified afresh and recorded again
-        return cls(Path(folder), steps, {SOURCE: source_fingerprint(source)})
+        return cls(Path(folder), spell, steps, {SOURCE: source_fingerprint(source)})
+
+    def same_command(self, record: dict, step) -> bool:
+        """Whether ``record`` was made by ``step``'s command and parameters: its ``invocation``, or, in a record
+        written before settings files, its command line (``command``) as this step's is spelled."""
+        if "invocation" in record:
+            return record["invocation"] == step.invocation.to_json()
+        return record.get("command") == self.spell(step.invocation)
 
     def reads(self, step) -> dict[str, str]:
         return {name: self.now.get(name, "") for name in (SOURCE, *step.reads)}
@@ -117,7 +127,7 @@ class Ledger:
         if again := [r for r in step.reads if r in self.redone]:
             return f"{', '.join(again)} was made again"
         record = self.steps.get(step.name)
-        if record is not None and record.get("command") != step.argv:
+        if record is not None and not self.same_command(record, step):
             return "its command changed (an earlier step decided otherwise)"
         if record is not None and record.get("reads") != self.reads(step):
             changed = [k for k, v in self.reads(step).items() if (record.get("reads") or {}).get(k) != v]
@@ -130,8 +140,8 @@ class Ledger:
         if record is not None and record.get("output") != digest:
             return "a file in it changed after it finished"
         self.now[step.name] = digest
-        if record is None:  # a folder written before records were kept: whole by the readers' checks; recorded now
-            self.finished(step, digest, redone=False)
+        if record is None or "invocation" not in record:  # written before records (or before settings files) were
+            self.finished(step, digest, redone=False)  # kept: whole by the readers' checks; recorded now
         return None
 
     def clear(self, step) -> None:
@@ -157,7 +167,7 @@ class Ledger:
         self.now[step.name] = digest
         if redone:
             self.redone.add(step.name)
-        self.steps[step.name] = {"command": list(step.argv), "reads": self.reads(step), "output": digest}
+        self.steps[step.name] = {"invocation": step.invocation.to_json(), "reads": self.reads(step), "output": digest}
         self._write()
 
     def _write(self) -> None:
