@@ -511,8 +511,8 @@ def test_bench_teacher_quant_rounds_the_teachers_folders_its_own_way(mixed_folde
     assert (cfg.quant_of("teacher"), cfg.quant_of("compressed"), BenchConfig(rounding=gptq).quant_of("teacher")) == \
         ("affine", "gptq", "gptq")
     calib = PackedBlocks(np.random.default_rng(0).integers(0, model.config.vocab_size, 512), 32)
-    folders, _ = export_variants({"teacher": model, "compressed": model}, tok, ["int4"], tmp_path, 1, False,
-                                 settings=cfg.settings_for, calibration=calib)
+    folders, _ = export_variants({"teacher": model, "compressed": model}, tok, ["int4"], tmp_path, ThreadPool(1),
+                                 False, settings=cfg.settings_for, calibration=calib)
     reads = {}
     for key in ("teacher-int4", "compressed-int4"):
         graph = onnx.load(str(folders[key] / "model.onnx"), load_external_data=False).graph

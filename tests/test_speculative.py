@@ -3,6 +3,7 @@ the k policy, and the loop over both runtimes: greedy output token-identical to 
 and cache rollbacks, sampled output distributed as the target's, a draft of another tokenizer refused."""
 
 import copy
+import dataclasses
 import json
 
 import numpy as np
@@ -495,11 +496,13 @@ def test_the_bench_times_fixed_widths_beside_the_adaptive_policy_unless_told_not
     from bdlora.base.errors import ConfigError
     from bdlora.bench.config import BenchConfig
     from bdlora.bench.spec_worker import configurations
+    from bdlora.bench.specs import SpeculativeTiming
 
-    spec = {"draft": "d", "lookup": True, "ks": [1, 2, 3, 4], "max_k": 4}
+    spec = SpeculativeTiming(target="t", prompts={}, new_tokens=8, max_k=4, threads=1, repeats=1, warmup=0,
+                             draft="d", lookup=True, ks=[1, 2, 3, 4])
     assert [n for n, _, _ in configurations(spec)] == ["plain", "draft-k1", "draft-k2", "draft-k3", "draft-k4",
                                                       "draft", "lookup-k4", "lookup"]
-    assert [(n, k) for n, _, k in configurations({**spec, "ks": []})] == [("plain", 1), ("draft", None),
-                                                                          ("lookup", None)]
+    assert [(n, k) for n, _, k in configurations(dataclasses.replace(spec, ks=[]))] == [
+        ("plain", 1), ("draft", None), ("lookup", None)]
     with pytest.raises(ConfigError, match="--no-fixed-widths: is about --speculative's timings"):
         BenchConfig(fixed_widths=False).validate()

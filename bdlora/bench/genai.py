@@ -30,6 +30,7 @@ from bdlora.base.threads import ThreadPool
 from bdlora.bench.config import NO_DOMAIN, BenchConfig
 from bdlora.bench.front import PEER
 from bdlora.bench.launch import run_timing_process
+from bdlora.bench.specs import GenaiTiming
 from bdlora.data.corpora import GENERAL_VOCABULARY, default_heldout, unseen_corpus
 from bdlora.data.documents import BUILTIN
 from bdlora.data.tokens import default_cache_dir
@@ -128,7 +129,7 @@ def run_builder(hf_folder: Path, out: Path, precision: str, threads: int, cache:
     return None
 
 
-def export_variants(models: dict[str, nn.Module], tok, precisions: list[str], work: Path, threads: int,
+def export_variants(models: dict[str, nn.Module], tok, precisions: list[str], work: Path, pool: ThreadPool,
                     peers: bool, reporter: Reporter = SILENT, teacher: Path | None = None,
                     settings=BenchConfig().settings_for, calibration=None) -> tuple[dict[str, Path], dict]:
     """Every variant at every precision as a genai folder, plus the builder's peer folders; (folders, notes).
@@ -146,7 +147,7 @@ def export_variants(models: dict[str, nn.Module], tok, precisions: list[str], wo
         for p in precisions:
             key = row_name(name, p)
             reporter.stage(f"exporting the {key} genai folder")
-            given = settings(name, p, context_length=ctx, pool=ThreadPool(threads))
+            given = settings(name, p, context_length=ctx, pool=pool)
             shipped = given.resolved(m.config)  # the head at the bits the folder declares, unless --head-bits
             if mixed(p) and given.head_bits is None and shipped.head_bits != HEAD_BITS:
                 notes[key] = (f"LM head at {shipped.head_bits} bits, as the folder declares (--forms bits chose it): "
@@ -172,7 +173,7 @@ def export_variants(models: dict[str, nn.Module], tok, precisions: list[str], wo
             for p in [p for p in precisions if p in BUILDER_PRECISIONS]:
                 key = f"{prefix}-{p}"
                 reporter.stage(f"converting {src.name} with onnxruntime-genai's builder ({p})")
-                failed = run_builder(src, work / f"genai-{key}", p, threads, work / "builder-cache")
+                failed = run_builder(src, work / f"genai-{key}", p, pool.count, work / "builder-cache")
                 if failed:
                     notes[key] = failed
                     reporter.stage(f"{key}: {failed}")
@@ -199,10 +200,10 @@ def time_genai(folders: dict[str, Path], shapes: list, repeats: int, warmup: int
                threads: int | None = None) -> list[dict]:
     """Time every folder through og.Generator, and every GGUF file (``ggufs``) in llama.cpp on ``threads`` threads,
     interleaved in one separate process; raw per-repeat ms per (variant, shape)."""
-    spec = {"folders": {k: str(v) for k, v in folders.items()}, "gguf": {k: str(v) for k, v in (ggufs or {}).items()},
-            "threads": threads, "shapes": shapes, "repeats": repeats, "warmup": warmup,
-            "decode_tokens": decode_tokens, "vocab": vocab}
-    res = run_timing_process("bdlora.bench.genai_worker", spec, "genai", work,
+    spec = GenaiTiming(folders={k: str(v) for k, v in folders.items()}, shapes=shapes, repeats=repeats, warmup=warmup,
+                       decode_tokens=decode_tokens, vocab=vocab, threads=threads,
+                       gguf={k: str(v) for k, v in (ggufs or {}).items()})
+    res = run_timing_process(spec, "genai", work,
                              lambda line: line.startswith("genai "), reporter, what="genai and llama.cpp timing")
     return res["times"]
 

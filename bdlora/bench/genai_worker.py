@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bdlora.bench.specs import GenaiTiming
+
 # Every og.Model has its own onnxruntime thread pool, whose threads spin for a while after each run. Timed right
 # after another model, a job shares the 2 cores with that model's spinning threads: measured on the builtin student
 # (decode ~0.15 ms/token), 4 models interleaved back to back gave 0.42 ms/token (p10-p90 0.26-0.63) for a dense model
@@ -69,40 +71,40 @@ def _gguf_job(llm, phase: str, steps: int, ids):
                     lambda m: m.eval([int(np.argmax(m.scores[m.n_tokens - 1]))]))
 
 
-def gguf_models(spec: dict) -> dict:
+def gguf_models(spec: GenaiTiming) -> dict:
     """Every GGUF file of ``spec`` in llama.cpp, its context long enough for the longest shape's prompt and steps."""
-    if not spec.get("gguf"):
+    if not spec.gguf:
         return {}
     from bdlora.export.gguf.llamacpp import LlamaCpp, repacks
 
-    context = max(s for _, _, s in spec["shapes"]) + spec["decode_tokens"] + 8
+    context = max(s for _, _, s in spec.shapes) + spec.decode_tokens + 8
     repack = repacks()
-    return {k: LlamaCpp().load(Path(v), spec["threads"], context, repack=repack, logits_all=False)
-            for k, v in spec["gguf"].items()}
+    return {k: LlamaCpp().load(Path(v), spec.threads, context, repack=repack, logits_all=False)
+            for k, v in spec.gguf.items()}
 
 
 def main(argv: list[str]) -> int:
-    spec = json.loads(open(argv[0]).read())
+    spec = GenaiTiming.read(argv[0])
     og = None
-    if spec["folders"]:
+    if spec.folders:
         import onnxruntime_genai as og
-    models = {k: og.Model(v) for k, v in spec["folders"].items()}
+    models = {k: og.Model(v) for k, v in spec.folders.items()}
     ggufs = gguf_models(spec)
     rng = np.random.default_rng(0)
     out = []
-    for phase, b, s in spec["shapes"]:
-        ids = rng.integers(0, spec["vocab"], (b, s)).astype(np.int32)
-        jobs = {k: _job(og, m, phase, b, s, spec["decode_tokens"], ids) for k, m in models.items()}
+    for phase, b, s in spec.shapes:
+        ids = rng.integers(0, spec.vocab, (b, s)).astype(np.int32)
+        jobs = {k: _job(og, m, phase, b, s, spec.decode_tokens, ids) for k, m in models.items()}
         if b == 1:
-            jobs.update({k: _gguf_job(m, phase, spec["decode_tokens"], ids) for k, m in ggufs.items()})
+            jobs.update({k: _gguf_job(m, phase, spec.decode_tokens, ids) for k, m in ggufs.items()})
         names = list(jobs)
         times = {k: [] for k in names}
-        for r in range(spec["warmup"] + spec["repeats"]):
+        for r in range(spec.warmup + spec.repeats):
             order = names[r % len(names):] + names[: r % len(names)]
             for k in order:
                 time.sleep(SETTLE_S)  # let the previous model's pool stop spinning (see SETTLE_S)
                 ms = jobs[k]()
-                if r >= spec["warmup"]:
+                if r >= spec.warmup:
                     times[k].append(ms)
         out += [{"variant": k, "phase": phase, "batch": b, "seq": s, "ms": v} for k, v in times.items()]
         print(f"genai {phase} {b}x{s}", file=sys.stderr, flush=True)

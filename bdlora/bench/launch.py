@@ -13,17 +13,18 @@ from pathlib import Path
 from bdlora.base.children import dying_with_this_process
 from bdlora.base.errors import BdloraError
 from bdlora.base.reporter import SILENT, Reporter
+from bdlora.bench.specs import Spec
 
 
-def run_timing_process(module: str, spec: dict, name: str, workdir: Path, is_progress: Callable[[str], bool],
+def run_timing_process(spec: Spec, name: str, workdir: Path, is_progress: Callable[[str], bool],
                        reporter: Reporter = SILENT, what: str = "bench timing") -> dict:
-    """Write ``spec`` to ``workdir/<name>-spec.json``, run ``python -m <module> SPEC OUT`` and return the JSON it
-    wrote to ``workdir/<name>-times.json``. Lines of its stderr for which ``is_progress`` holds are relayed as
-    stages; if it fails, its last lines become the error. An interrupt (Ctrl-C) kills it, and it ends with the
-    command however the command ends (``kill -9`` included): no worker outlives the command."""
+    """Write ``spec`` to ``workdir/<name>-spec.json``, run its worker (``python -m <spec.MODULE> SPEC OUT``) and
+    return the JSON it wrote to ``workdir/<name>-times.json``. Lines of its stderr for which ``is_progress`` holds
+    are relayed as stages; if it fails, its last lines become the error. An interrupt (Ctrl-C) kills it, and it ends
+    with the command however the command ends (``kill -9`` included): no worker outlives the command."""
     spec_path, out_path = workdir / f"{name}-spec.json", workdir / f"{name}-times.json"
-    spec_path.write_text(json.dumps(spec))
-    proc = subprocess.Popen([sys.executable, "-m", module, str(spec_path), str(out_path)],
+    spec_path.write_text(json.dumps(spec.to_json()))
+    proc = subprocess.Popen([sys.executable, "-m", spec.MODULE, str(spec_path), str(out_path)],
                             stderr=subprocess.PIPE, text=True, preexec_fn=dying_with_this_process())
     lines = []
     try:

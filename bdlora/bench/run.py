@@ -40,6 +40,7 @@ from bdlora.bench.gguf import export_ggufs, score_ggufs
 from bdlora.bench.icl import icl_of_rows
 from bdlora.bench.launch import run_timing_process
 from bdlora.bench.report import markdown, plot
+from bdlora.bench.specs import OrtTiming
 from bdlora.bench.speculative import front_rows, prompts_of, speculative_rows, summary
 from bdlora.bench.variants import dense_variant, export_projection_stack, floor_variant, lora_variant
 from bdlora.export.onnx.folder import export_decoder
@@ -89,10 +90,10 @@ def model_macs_per_token(model: nn.Module, context: float, projections: int | No
 def run_worker(kind: str, graphs: dict[str, Path], shapes: list, cfg: BenchConfig, threads: int, dims: dict,
                workdir: Path, reporter: Reporter = SILENT) -> tuple[list[dict], str]:
     """Time ``graphs`` in a separate process (``bench.worker``) with one global onnxruntime thread pool."""
-    spec = {"graphs": {k: str(v) for k, v in graphs.items()}, "kind": kind, "shapes": shapes,
-            "repeats": cfg.repeats, "warmup": cfg.warmup, "threads": threads, "provider": provider_name(cfg.provider),
-            "opt_level": cfg.opt_level, "decode_tokens": cfg.decode_tokens, "dims": dims}
-    res = run_timing_process("bdlora.bench.worker", spec, kind, workdir,
+    spec = OrtTiming(kind=kind, graphs={k: str(v) for k, v in graphs.items()}, shapes=shapes, repeats=cfg.repeats,
+                     warmup=cfg.warmup, threads=threads, provider=provider_name(cfg.provider),
+                     decode_tokens=cfg.decode_tokens, dims=dims, opt_level=cfg.opt_level)
+    res = run_timing_process(spec, kind, workdir,
                              lambda line: not line.startswith((" ", "Traceback")), reporter)
     return res["times"], res["pool"]
 
@@ -233,7 +234,8 @@ def bench_genai(models: dict[str, nn.Module], tokenizer, workdir: Path, cfg: Ben
     deploy = deploy or Deployment()
     models = {**models, **deploy.others, **({"teacher": deploy.teacher} if deploy.teacher is not None else {})}
     genai = "genai" in cfg.runtimes
-    folders, notes = export_variants(models if genai else {}, tokenizer, cfg.genai_precisions, workdir, threads,
+    folders, notes = export_variants(models if genai else {}, tokenizer, cfg.genai_precisions, workdir,
+                                     cfg.pool.resolved(),
                                      cfg.peers and genai, reporter, teacher=deploy.teacher_dir,
                                      settings=cfg.settings_for, calibration=deploy.calibration)
     ggufs: dict[str, Path] = {}

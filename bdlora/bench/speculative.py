@@ -15,6 +15,7 @@ from pathlib import Path
 from bdlora.base.reporter import SILENT, Reporter
 from bdlora.base.runs import row_name
 from bdlora.bench.launch import run_timing_process
+from bdlora.bench.specs import SpeculativeTiming
 
 SPEC_PROMPTS = 4  # prompts per domain
 SPEC_PROMPT_TOKENS = 128  # tokens per prompt (the front's decode context)
@@ -38,11 +39,11 @@ def speculative_rows(target: Path, draft: Path | None, lookup: bool, prompts: di
                      fixed: bool = True) -> dict:
     """The worker's rows and measured costs for ``target`` (a genai folder) with ``draft`` (a genai folder) and/or
     prompt lookup; ``fixed``: also at each fixed proposal width (``SPEC_KS``), beside the adaptive policy."""
-    spec = {"target": str(target), "draft": str(draft) if draft else None, "lookup": lookup, "prompts": prompts,
-            "new_tokens": SPEC_NEW_TOKENS, "max_k": max(SPEC_KS), "ks": list(SPEC_KS) if fixed else [], "ngram": 3,
-            "threads": threads,
-            "repeats": SPEC_REPEATS, "warmup": SPEC_WARMUP, "eos": eos}
-    return run_timing_process("bdlora.bench.spec_worker", spec, f"speculative-{target.name}", work,
+    spec = SpeculativeTiming(target=str(target), prompts=prompts, new_tokens=SPEC_NEW_TOKENS, max_k=max(SPEC_KS),
+                             threads=threads, repeats=SPEC_REPEATS, warmup=SPEC_WARMUP,
+                             draft=str(draft) if draft else None, lookup=lookup,
+                             ks=list(SPEC_KS) if fixed else [], ngram=3, eos=eos)
+    return run_timing_process(spec, f"speculative-{target.name}", work,
                               lambda line: line.startswith("speculative "), reporter, what="speculative timing")
 
 

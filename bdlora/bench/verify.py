@@ -32,6 +32,7 @@ from bdlora.base.schemes import scheme
 from bdlora.base.threads import ThreadPool
 from bdlora.bench.genai import _stand_in_tokenizer
 from bdlora.bench.launch import run_timing_process
+from bdlora.bench.specs import VerifyTiming
 from bdlora.bench.whole import CONTEXT, _dense_model, shape_key
 from bdlora.eval.reference import teacher_folder
 from bdlora.export.genai.folder import deployment, heldout_for
@@ -76,9 +77,8 @@ def verify_curve(config: dict, precision: str, threads: int, cache: Path, quant:
         folder = deployment(_dense_model(config, int(config["num_hidden_layers"]), int(config["intermediate_size"])),
                             _stand_in_tokenizer(), work / "target", settings)
         with load.LoadWatch() as watch:
-            res = run_timing_process("bdlora.bench.verify", {"folder": str(folder), "widths": widths,
-                                                             "threads": threads, "vocab": int(config["vocab_size"])},
-                                     "verify", work, lambda line: line.startswith("verify "), reporter,
+            spec = VerifyTiming(folder=str(folder), widths=widths, threads=threads, vocab=int(config["vocab_size"]))
+            res = run_timing_process(spec, "verify", work, lambda line: line.startswith("verify "), reporter,
                                      what="verification timing")
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -97,16 +97,16 @@ def verify_curve(config: dict, precision: str, threads: int, cache: Path, quant:
 
 
 def main(argv: list[str]) -> int:
-    spec = json.loads(open(argv[0]).read())
-    factory = DecoderFactory.verifying(spec["folder"], spec["threads"])
+    spec = VerifyTiming.read(argv[0])
+    factory = DecoderFactory.verifying(spec.folder, spec.threads)
     rng = np.random.default_rng(0)
-    widths = range(1, spec["widths"] + 1)
+    widths = range(1, spec.widths + 1)
     times: dict[int, list[float]] = {w: [] for w in widths}
-    dec = factory.new(CONTEXT + spec["widths"] + 4)
-    dec.append(rng.integers(1, spec["vocab"], CONTEXT).tolist())
+    dec = factory.new(CONTEXT + spec.widths + 4)
+    dec.append(rng.integers(1, spec.vocab, CONTEXT).tolist())
     for r in range(WARMUP + REPEATS):
         for w in widths:
-            tokens = rng.integers(1, spec["vocab"], w).tolist()
+            tokens = rng.integers(1, spec.vocab, w).tolist()
             time.sleep(0.02)
             t0 = time.perf_counter()
             dec.append(tokens)

@@ -6,8 +6,8 @@ it is process-wide: once set, every later session of that process must opt out o
 timing here keeps that setting away from the caller. Only numpy and onnxruntime are imported (``bdlora`` and
 ``bdlora.bench``, which Python runs first, import nothing heavy: a test checks that torch never loads).
 
-SPEC (JSON): {"graphs": {variant: path}, "kind": "modules"|"model", "shapes": [[phase, batch, seq], ...],
-"repeats", "warmup", "threads", "provider", "opt_level", "decode_tokens", "dims": {...}}
+SPEC: a ``bench.specs.OrtTiming`` as JSON (the graphs by variant, "modules" or "model", the shapes, repeats, threads,
+provider, optimisation level, decode tokens and the model's dimensions).
 OUT (JSON): {"pool": description, "times": [{"variant", "phase", "batch", "seq", "ms": [...]}, ...]}
 """
 
@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from bdlora.bench.specs import OrtTiming
 from bdlora.models.runtime import DecoderSignature, run_bound, session_options
 
 
@@ -37,34 +38,34 @@ def time_interleaved(jobs: dict, repeats: int, warmup: int) -> dict[str, list[fl
     return times
 
 
-def _sessions(spec: dict) -> tuple[dict, str]:
+def _sessions(spec: OrtTiming) -> tuple[dict, str]:
     import onnxruntime as ort
 
-    threads = int(spec["threads"])
+    threads = int(spec.threads)
     ort.set_global_thread_pool_sizes(threads, 1)
     levels = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
               "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
               "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
     sessions = {}
-    for name, path in spec["graphs"].items():
+    for name, path in spec.graphs.items():
         so = session_options(ort)
         so.use_per_session_threads = False  # all sessions share the one global pool
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        so.graph_optimization_level = levels[spec.get("opt_level", "all")]
-        sessions[name] = ort.InferenceSession(path, so, providers=[spec["provider"]])
+        so.graph_optimization_level = levels[spec.opt_level]
+        sessions[name] = ort.InferenceSession(path, so, providers=[spec.provider])
     return sessions, f"one global onnxruntime thread pool of {threads} intra-op threads (separate timing process)"
 
 
-def time_modules(spec: dict, sessions: dict) -> list[dict]:
-    d = spec["dims"]
+def time_modules(spec: OrtTiming, sessions: dict) -> list[dict]:
+    d = spec.dims
     rng = np.random.default_rng(0)
     out = []
     widths = {"x_a": d["hidden"], "x_m": d["hidden"], "x_o": d["q_dim"], "x_d": d["intermediate"]}
-    for phase, b, s in spec["shapes"]:
+    for phase, b, s in spec.shapes:
         n = b * s
         x = {k: rng.standard_normal((n, w), dtype=np.float32) for k, w in widths.items()}
         jobs = {name: _bound_run(sess, stack_feeds(sess, x)) for name, sess in sessions.items()}
-        times = time_interleaved(jobs, spec["repeats"], spec["warmup"])
+        times = time_interleaved(jobs, spec.repeats, spec.warmup)
         out += [{"variant": k, "phase": phase, "batch": b, "seq": s, "ms": v} for k, v in times.items()]
         _progress(f"modules {phase} {b}x{s}")
     return out
@@ -112,15 +113,15 @@ def cache_heads(sess, names: list[str], default: int) -> list[int]:
     return [declared_width(dims[n], default) if n in dims else default for n in names]
 
 
-def time_model(spec: dict, sessions: dict) -> list[dict]:
-    d = spec["dims"]
+def time_model(spec: OrtTiming, sessions: dict) -> list[dict]:
+    d = spec.dims
     layers, kv, hd, vocab = d["layers"], d["kv_heads"], d["head_dim"], d["vocab"]
     names = DecoderSignature(layers).cache_inputs
     heads = {n: cache_heads(sess, names, kv) for n, sess in sessions.items()}
-    steps = int(spec["decode_tokens"])
+    steps = int(spec.decode_tokens)
     rng = np.random.default_rng(0)
     out = []
-    for phase, b, s in spec["shapes"]:
+    for phase, b, s in spec.shapes:
         if phase == "prefill":
             sig = DecoderSignature(layers)
             feeds = {sig.INPUT_IDS: rng.integers(0, vocab, (b, s), dtype=np.int64),
@@ -129,7 +130,7 @@ def time_model(spec: dict, sessions: dict) -> list[dict]:
             jobs = {n: _bound_run(sess, {**feeds, **{c: np.zeros((b, h, 0, hd), np.float32)
                                                      for c, h in zip(sig.cache_inputs, heads[n])}})
                     for n, sess in sessions.items()}
-            times = time_interleaved(jobs, spec["repeats"], spec["warmup"])
+            times = time_interleaved(jobs, spec.repeats, spec.warmup)
         else:  # decode ``steps`` tokens after a cache of ``s`` tokens, feeding each step's cache back
             full = [rng.standard_normal((b, kv, s, hd), dtype=np.float32) for _ in range(2 * layers)]
             pasts = {n: [p if p.shape[1] == h else p[:, :h].copy() for p, h in zip(full, heads[n])] for n in sessions}
@@ -143,7 +144,7 @@ def time_model(spec: dict, sessions: dict) -> list[dict]:
                     tok = logits[:, -1].argmax(-1)[:, None].astype(np.int64)
 
             jobs = {n: (lambda sess=sess, n=n: decode(sess, n)) for n, sess in sessions.items()}
-            times = time_interleaved(jobs, max(1, spec["repeats"] // 2), min(spec["warmup"], 1))
+            times = time_interleaved(jobs, max(1, spec.repeats // 2), min(spec.warmup, 1))
             times = {k: [t / steps for t in v] for k, v in times.items()}  # ms per generated token
         out += [{"variant": k, "phase": phase, "batch": b, "seq": s, "ms": v} for k, v in times.items()]
         _progress(f"model {phase} {b}x{s}")
@@ -155,9 +156,9 @@ def _progress(msg: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    spec = json.loads(open(argv[0]).read())
+    spec = OrtTiming.read(argv[0])
     sessions, pool = _sessions(spec)
-    times = time_modules(spec, sessions) if spec["kind"] == "modules" else time_model(spec, sessions)
+    times = time_modules(spec, sessions) if spec.kind == "modules" else time_model(spec, sessions)
     with open(argv[1], "w") as f:
         json.dump({"pool": pool, "times": times}, f)
     return 0
