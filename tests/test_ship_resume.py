@@ -23,9 +23,9 @@ from bdlora.base.argv import Invocation
 from bdlora.base.errors import ConfigError, UsageError
 from bdlora.base.threads import from_options
 from bdlora.cli.spell import spell
+from bdlora.pipeline.ledger import STEPS_FILE
 from bdlora.ship import run as ship_run
 from bdlora.ship.config import ShipConfig
-from bdlora.ship.steps import STEPS_FILE
 
 CFG = dict(schemes="rtn", speedups="1.2", draft_speedup=0.0, eval_data="none", repeats=1, decode_tokens=4,
            seq_len=32, threads=1)

@@ -123,7 +123,7 @@ def test_the_core_never_imports_the_exporters_or_the_server():
 # compression (a run starts from a one-shot structure, a trained run is compressed), never the reverse; the
 # exporters on them; the bench, sweeps and ship orchestrate those; the server and the CLI come last.
 LAYERS = ((), ("bdlora.compress",), ("bdlora.train", "bdlora.eval"), ("bdlora.export",),
-          ("bdlora.bench", "bdlora.sweep", "bdlora.ship"), ("bdlora.serve", "bdlora.cli"))
+          ("bdlora.bench", "bdlora.pipeline", "bdlora.sweep", "bdlora.ship"), ("bdlora.serve", "bdlora.cli"))
 
 
 def layer_of(module: str) -> int:

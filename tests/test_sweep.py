@@ -324,3 +324,34 @@ def test_sweep_front_puts_the_whole_family_and_the_teachers_exports_on_one_front
     res = CliRunner().invoke(app, ["sweep", "--resume", str(out)])
     assert res.exit_code == 0 and "front: done" in res.output, res.output
     assert (out / "front.bench" / "bench.json").stat().st_mtime_ns == stamp
+
+
+def test_a_sweep_resumes_by_its_ledger_as_ship_does(tiny_env, tmp_path):
+    """sweep's steps are kept by ship's ledger (pipeline.ledger): an untouched sweep keeps every step; a same-size edit
+    in a member's folder (no reader's check sees it; its recorded digest does) makes that member again and its eval,
+    which read it; a sweep folder written before steps.json resumes keeping every whole step and records them."""
+    out = tmp_path / "sweep"
+    res = CliRunner().invoke(app, sweep_args(tiny_env, out, "--budgets", "", "--baselines", "", "--one-shot", "1.5",
+                                             "--no-bench", "--examples", "1", "--seeds", "1"))
+    assert res.exit_code == 0, res.output
+    ledger = json.loads((out / "steps.json").read_text())["steps"]
+    assert set(ledger) == {"one-shot-1.5x.compressed", "one-shot-1.5x.eval.json", "teacher.eval.json"}
+    assert ledger["one-shot-1.5x.eval.json"]["reads"]["one-shot-1.5x.compressed"] == \
+        ledger["one-shot-1.5x.compressed"]["output"]
+
+    def again() -> str:
+        r = CliRunner().invoke(app, ["sweep", "--resume", str(out)])
+        assert r.exit_code == 0, r.output
+        return r.output
+
+    said = again()
+    assert "compress --one-shot: done" in said and "eval: done" in said and "teacher: eval: done" in said
+    f = out / "one-shot-1.5x.compressed" / "generation_config.json"
+    f.write_text(f.read_text().replace("\"use_cache\": true", "\"use_cache\": 1   "))
+    said = again()
+    assert "compress --one-shot: made again: a file in it changed after it finished" in said
+    assert "eval: made again: one-shot-1.5x.compressed was made again" in said and "teacher: eval: done" in said
+    (out / "steps.json").unlink()
+    said = again()
+    assert said.count(": done") == 3 and "made again" not in said
+    assert json.loads((out / "steps.json").read_text())["steps"].keys() == ledger.keys()

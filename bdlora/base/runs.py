@@ -345,6 +345,14 @@ class BenchDir(Artefact):
             raise RunDirError(f"{self.path / self.MARKER}: no front of timed rows; the {self.WHAT} is damaged")
         return doc
 
+    def timed(self) -> dict:
+        """bench.json, refused in one line when it holds no timed rows: neither a front (a deployed bench's) nor
+        results (an onnxruntime bench's, ``--scope modules/model/both``)."""
+        doc = self.read(self.MARKER)
+        if not any(isinstance(doc.get(k), list) and doc[k] for k in ("front", "results")):
+            raise RunDirError(f"{self.path / self.MARKER}: no timed rows; the {self.WHAT} is damaged")
+        return doc
+
 
 class SweepDir(Artefact):
     """``bdlora sweep``'s folder: sweep.json (the options: the resume contract), one RunDir / ModelDir / eval file /

@@ -27,7 +27,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from bdlora import SCHEMA_VERSION
@@ -44,11 +43,13 @@ from bdlora.data.documents import BUILTIN
 from bdlora.export.settings import GenaiExportConfig
 from bdlora.models.runtime import DecoderShape
 from bdlora.models.sources import resolve
+from bdlora.pipeline.ledger import Ledger, Step  # a step: its folder DIR/NAME, settings DIR/settings/NAME.json and
 from bdlora.ship.config import DRAFT_FORMS, ShipConfig
 from bdlora.ship.preflight import check_reach, check_settings
 from bdlora.ship.process import spawn
 from bdlora.ship.recommend import BENCH, exported, recommend
-from bdlora.ship.steps import Ledger
+
+# log DIR/logs/NAME.log
 from bdlora.train.config import TrainConfig
 
 COMPRESSED_MARKER = ModelDir.MARKER  # written last by compress
@@ -64,15 +65,6 @@ class StepFailed(BdloraError):
 
 
 Spell = Callable[[Invocation], list[str]]  # an invocation as the command line a person types (``cli.settings_file``)
-
-
-@dataclass
-class Step:
-    name: str  # its folder under DIR, its settings DIR/settings/NAME.json and its log DIR/logs/NAME.log
-    invocation: Invocation  # the bdlora command and its parameters, handed to it as a settings file
-    marker: str  # the file its command writes last (and what ``steps.verify_output`` checks it by)
-    what: str  # one line for the progress display
-    reads: tuple[str, ...] = ()  # the earlier steps whose outputs its command reads (beside the teacher)
 
 
 def shown(inv: Invocation, spell: Spell) -> str:
@@ -275,7 +267,7 @@ def bench_step(cfg: ShipConfig, folder: Path, made: list[str], teacher_quant: st
 
 def run_ship(model: str, cfg: ShipConfig, folder: Path, spell: Spell, reporter: Reporter = SILENT,
              runner=run_step) -> dict:
-    """Every step (those whose output can be trusted kept: ``steps.Ledger``), then the recommendation; returns it.
+    """Every step (those whose output can be trusted kept: ``Ledger``), then the recommendation; returns it.
     ``spell``: a step's line as a person types it (shown, and recommended); ``runner`` runs one step."""
     folder = Path(folder)
     resumed = start(model, cfg, folder)

@@ -1,22 +1,25 @@
-"""What each ``ship`` step read and wrote, so that a rerun keeps a step only when it can be trusted:
+"""What each step of a pipeline (``ship``'s, ``sweep``'s) read and wrote, so that a rerun keeps a step only when it
+can be trusted:
 
-- its output is whole: the readers' own integrity checks pass (a model folder's recorded weight digests, an export's
-  graph, tokenizer and config, a run's summary and student, a bench's JSON), and no file in it changed since the
-  step finished (the SHA-256 of every file, recorded then);
+- its output (a folder, or one file) is whole: the readers' own integrity checks pass (a model folder's recorded
+  weight digests, an export's graph, tokenizer and config, a run's summary and student, a bench's JSON, an
+  evaluation's figures), and no file in it changed since the step finished (the SHA-256 of every file, recorded
+  then);
 - it was made by the same command and parameters (its ``Invocation``: they hold what earlier steps decided, e.g. the
   teacher's chosen rounding scheme); a record written before settings files holds the command line, which is
   compared with this step's spelled (``cli.settings_file.spell``), so a ship folder written then resumes;
 - nothing it read changed: the outputs of the steps it read (by digest) and the user's teacher (its files' sizes and
   modification times), and none of them was redone by this invocation.
 
-Any other step is redone, its old output removed first (every step folder is ship's own), and so is every step that
-read it. The record is ``DIR/steps.json``, rewritten (atomically) after each step. A step folder, or anything in it,
-that is a symbolic link is refused: ship reads and measures only what it wrote.
+Any other step is redone, its old output removed first (every step's output is the pipeline's own), and so is every
+step that read it. The record is ``DIR/steps.json``, rewritten (atomically) after each step. A step's output, or
+anything in it, that is a symbolic link is refused: a pipeline reads and measures only what it wrote.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from collections.abc import Callable
@@ -24,14 +27,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bdlora import SCHEMA_VERSION
+from bdlora.base.argv import Invocation
 from bdlora.base.errors import BdloraError, RunDirError, UsageError
 from bdlora.base.io import read_json, sha256, write_json
-from bdlora.base.runs import BENCH_JSON, EXPORT_MARKER, MODEL_ONNX, BenchDir, ModelDir, RunDir
+from bdlora.base.runs import BENCH_JSON, EVAL, EXPORT_MARKER, MODEL_ONNX, BenchDir, ModelDir, RunDir
 from bdlora.models.integrity import check_model_folder, check_safetensors
 from bdlora.models.runtime import check_onnx_dir
 
-STEPS_FILE = "steps.json"  # in the ship folder: every finished step's record
+STEPS_FILE = "steps.json"  # in the pipeline's folder: every finished step's record
 SOURCE = "teacher"  # the name of the user's teacher among a step's reads
+
+
+@dataclass
+class Step:
+    """One step of a pipeline: a bdlora command and its settings, what it writes last, and what it reads."""
+
+    name: str  # its name in the ledger (and, unless ``output`` says otherwise, its output under the folder)
+    invocation: Invocation  # the command and its parameters (ship: handed to it as a settings file)
+    marker: str  # the file its command writes last (``verify_output`` checks the output by it; EVAL: the output
+    # is that one file, an evaluation)
+    what: str = ""  # one line for the progress display
+    reads: tuple[str, ...] = ()  # the earlier steps whose outputs it reads (beside the teacher)
+    output: str | None = None  # its output under the folder (default: ``name``)
+
+    @property
+    def out(self) -> str:
+        return self.output or self.name
 
 
 def _links_refused(path: Path, where: str) -> None:
@@ -40,11 +61,19 @@ def _links_refused(path: Path, where: str) -> None:
                          "ship writes itself (remove the link, and ship makes that step again)")
 
 
+def recorded(inv: Invocation) -> dict:
+    """``inv`` as steps.json holds it (a tuple a list, as JSON reads it back), so a record compares equal to the step
+    that made it."""
+    return json.loads(json.dumps(inv.to_json()))
+
+
 def folder_digest(path: Path) -> str:
-    """SHA-256 over every file's path (relative to ``path``) and content, in sorted order; a symbolic link anywhere
-    in it refused (it would make ship read or measure another model)."""
+    """SHA-256 over every file's path (relative to ``path``) and content, in sorted order (a file: its content's); a
+    symbolic link anywhere in it refused (it would make the pipeline read or measure another model)."""
     path = Path(path)
     _links_refused(path, path.parent.name or str(path.parent))
+    if path.is_file():
+        return sha256(path)
     h = hashlib.sha256()
     for p in sorted(path.rglob("*")):
         _links_refused(p, str(path))
@@ -80,7 +109,13 @@ def verify_output(path: Path, marker: str) -> None:
         for f in sorted(run.student_dir.rglob("*.safetensors")):
             check_safetensors(f)
     elif marker == BENCH_JSON:
-        BenchDir(path).report()
+        BenchDir(path).timed()
+    elif marker == EVAL:  # the output is this one file: an evaluation's figures
+        try:
+            figures = read_json(path)["ppl"]
+            assert isinstance(figures, dict)
+        except (ValueError, KeyError, TypeError, AssertionError, OSError):
+            raise RunDirError(f"{path}: not an evaluation (no perplexity figures)") from None
     else:
         raise ValueError(f"no check for a step writing {marker}")
 
@@ -91,13 +126,14 @@ class Ledger:
     view: the digest of every output verified or made so far (``now``) and the steps it ran (``redone``)."""
 
     folder: Path
-    spell: Callable  # an ``Invocation`` as its command line (without the program): how old records are read
+    spell: Callable | None  # an ``Invocation`` as its command line (without the program): how ship's records
+    # written before settings files are read (None: such a record is not this step's)
     steps: dict[str, dict] = field(default_factory=dict)
     now: dict[str, str] = field(default_factory=dict)
     redone: set[str] = field(default_factory=set)
 
     @classmethod
-    def open(cls, folder: Path, source: str, spell: Callable) -> Ledger:
+    def open(cls, folder: Path, source: str, spell: Callable | None = None) -> Ledger:
         path = Path(folder) / STEPS_FILE
         steps: dict = {}
         if path.is_file():
@@ -112,17 +148,17 @@ class Ledger:
         """Whether ``record`` was made by ``step``'s command and parameters: its ``invocation``, or, in a record
         written before settings files, its command line (``command``) as this step's is spelled."""
         if "invocation" in record:
-            return record["invocation"] == step.invocation.to_json()
-        return record.get("command") == self.spell(step.invocation)
+            return record["invocation"] == recorded(step.invocation)
+        return self.spell is not None and record.get("command") == self.spell(step.invocation)
 
     def reads(self, step) -> dict[str, str]:
         return {name: self.now.get(name, "") for name in (SOURCE, *step.reads)}
 
     def stale(self, step) -> str | None:
         """Why ``step`` must be (re)done, or None when its output can be kept (then its digest is in ``now``)."""
-        out = self.folder / step.name
+        out = self.folder / step.out
         _links_refused(out, str(self.folder))
-        if not (out / step.marker).is_file():
+        if not (out.is_file() if step.marker == EVAL else (out / step.marker).is_file()):
             return "not done" if not out.exists() else f"unfinished (no {step.marker})"
         if again := [r for r in step.reads if r in self.redone]:
             return f"{', '.join(again)} was made again"
@@ -145,17 +181,19 @@ class Ledger:
         return None
 
     def clear(self, step) -> None:
-        """Remove what a step left (it is ship's own folder), so its command starts from nothing."""
-        out = self.folder / step.name
+        """Remove what a step left (its output is the pipeline's own), so its command starts from nothing."""
+        out = self.folder / step.out
         _links_refused(out, str(self.folder))
-        if out.exists():
+        if out.is_dir():
             shutil.rmtree(out)
+        elif out.exists():
+            out.unlink()
         self.steps.pop(step.name, None)
         self._write()
 
     def made(self, step) -> None:
         """The step's command finished: its output checked as a rerun would check it, then recorded."""
-        out = self.folder / step.name
+        out = self.folder / step.out
         try:
             verify_output(out, step.marker)
         except BdloraError as e:
@@ -167,8 +205,25 @@ class Ledger:
         self.now[step.name] = digest
         if redone:
             self.redone.add(step.name)
-        self.steps[step.name] = {"invocation": step.invocation.to_json(), "reads": self.reads(step), "output": digest}
+        self.steps[step.name] = {"invocation": recorded(step.invocation), "reads": self.reads(step), "output": digest}
         self._write()
 
     def _write(self) -> None:
         write_json(self.folder / STEPS_FILE, {"schema_version": SCHEMA_VERSION, "steps": self.steps})
+
+
+def do_step(ledger: Ledger, step: Step, rep, make, resumable=lambda: False) -> None:
+    """An in-process pipeline's step (``sweep``'s): ``make`` its output unless the ledger keeps it (whole, unchanged,
+    made by the same settings from what it read then), its stages shown on ``rep`` (a ``Reporter``); its old output
+    removed first, unless ``resumable`` says the step continues from it (a training run from its latest
+    checkpoint)."""
+    why = ledger.stale(step)
+    if why is None:
+        rep.stage(f"{step.what}: done")
+        return
+    if why != "not done":
+        rep.stage(f"{step.what}: made again: {why}")
+    if not (why.startswith("unfinished") and resumable()):
+        ledger.clear(step)
+    make()
+    ledger.made(step)
