@@ -322,7 +322,7 @@ def test_sweep_front_puts_the_whole_family_and_the_teachers_exports_on_one_front
     stamp = (out / "front.bench" / "bench.json").stat().st_mtime_ns
     (out / "results.json").unlink()
     res = CliRunner().invoke(app, ["sweep", "--resume", str(out)])
-    assert res.exit_code == 0 and "front: done" in res.output, res.output
+    assert res.exit_code == 0 and "front.bench: done before, verified and kept" in res.output, res.output
     assert (out / "front.bench" / "bench.json").stat().st_mtime_ns == stamp
 
 
@@ -345,13 +345,16 @@ def test_a_sweep_resumes_by_its_ledger_as_ship_does(tiny_env, tmp_path):
         return r.output
 
     said = again()
-    assert "compress --one-shot: done" in said and "eval: done" in said and "teacher: eval: done" in said
+    kept = ": done before, verified and kept"
+    assert f"one-shot-1.5x.compressed{kept} (compress --one-shot)" in said and f"one-shot-1.5x.eval.json{kept}" in said
+    assert f"teacher.eval.json{kept}" in said
     f = out / "one-shot-1.5x.compressed" / "generation_config.json"
     f.write_text(f.read_text().replace("\"use_cache\": true", "\"use_cache\": 1   "))
     said = again()
-    assert "compress --one-shot: made again: a file in it changed after it finished" in said
-    assert "eval: made again: one-shot-1.5x.compressed was made again" in said and "teacher: eval: done" in said
+    assert "one-shot-1.5x.compressed: made again: a file in it changed after it finished" in said
+    assert "one-shot-1.5x.eval.json: made again: one-shot-1.5x.compressed was made again" in said
+    assert f"teacher.eval.json{kept}" in said
     (out / "steps.json").unlink()
     said = again()
-    assert said.count(": done") == 3 and "made again" not in said
+    assert said.count(kept) == 3 and "made again" not in said
     assert json.loads((out / "steps.json").read_text())["steps"].keys() == ledger.keys()

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -212,18 +213,20 @@ class Ledger:
         write_json(self.folder / STEPS_FILE, {"schema_version": SCHEMA_VERSION, "steps": self.steps})
 
 
-def do_step(ledger: Ledger, step: Step, rep, make, resumable=lambda: False) -> None:
-    """An in-process pipeline's step (``sweep``'s): ``make`` its output unless the ledger keeps it (whole, unchanged,
-    made by the same settings from what it read then), its stages shown on ``rep`` (a ``Reporter``); its old output
-    removed first, unless ``resumable`` says the step continues from it (a training run from its latest
-    checkpoint)."""
+def do_step(ledger: Ledger, step: Step, rep, make, resumable=lambda: False) -> float | None:
+    """One step of any pipeline (``ship``'s, run as a process; ``sweep``'s, in this one): ``make`` its output unless
+    the ledger keeps it (whole, unchanged, made by the same settings from what it read then), why shown on ``rep``
+    (a ``Reporter``); its old output removed first, unless ``resumable`` says the step continues from it (a training
+    run from its latest checkpoint). The seconds ``make`` took, or None when the step was kept."""
     why = ledger.stale(step)
     if why is None:
-        rep.stage(f"{step.what}: done")
-        return
+        rep.stage(f"{step.name}: done before, verified and kept ({step.what})")
+        return None
     if why != "not done":
-        rep.stage(f"{step.what}: made again: {why}")
+        rep.stage(f"{step.name}: made again: {why}")
     if not (why.startswith("unfinished") and resumable()):
         ledger.clear(step)
+    began = time.monotonic()
     make()
     ledger.made(step)
+    return round(time.monotonic() - began, 1)

@@ -25,7 +25,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,7 +42,11 @@ from bdlora.data.documents import BUILTIN
 from bdlora.export.settings import GenaiExportConfig
 from bdlora.models.runtime import DecoderShape
 from bdlora.models.sources import resolve
-from bdlora.pipeline.ledger import Ledger, Step  # a step: its folder DIR/NAME, settings DIR/settings/NAME.json and
+from bdlora.pipeline.ledger import (  # a step: its folder DIR/NAME, settings DIR/settings/NAME.json and
+    Ledger,
+    Step,
+    do_step,
+)
 from bdlora.ship.config import DRAFT_FORMS, ShipConfig
 from bdlora.ship.preflight import check_reach, check_settings
 from bdlora.ship.process import spawn
@@ -285,18 +288,13 @@ def run_ship(model: str, cfg: ShipConfig, folder: Path, spell: Spell, reporter: 
 
     def do(steps: list[Step]) -> None:
         for step in steps:
-            why = ledger.stale(step)
-            if why is None:
-                reporter.stage(f"{step.name}: done before, verified and kept ({step.what})")
-                continue
-            if why != "not done":
-                reporter.stage(f"{step.name}: made again: {why}")
-            ledger.clear(step)
-            reporter.stage(f"{step.name}: {step.what}\n    {shown(step.invocation, spell)}")
-            began = time.monotonic()
-            runner(step, folder, reporter)
-            ledger.made(step)
-            ran[step.name] = round(time.monotonic() - began, 1)
+            def make(step=step) -> None:
+                reporter.stage(f"{step.name}: {step.what}\n    {shown(step.invocation, spell)}")
+                runner(step, folder, reporter)
+
+            seconds = do_step(ledger, step, reporter, make)
+            if seconds is not None:
+                ran[step.name] = seconds
 
     exports = teacher_steps(model, cfg, folder)
     do(exports)
