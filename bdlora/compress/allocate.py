@@ -225,7 +225,7 @@ def is_layer(site: str) -> bool:
 
 
 def allocate(shapes: list[ModuleShape], offers: dict[str, list[Choice]], ratio: float,
-             pricing: Pricing = MACS) -> Allocation:
+             pricing: Pricing = MACS, kv_heads: int = 0) -> Allocation:
     """The choices meeting ``sum cost <= dense total / ratio`` with the least total error (``pricing.cost``: MACs by
     default, or measured decode time), by ``knapsack``, reading each site's ``offers`` (``Choice``) without knowing
     which form made them. A projection chooses between its dense form and its offers; a block (an MLP or an
@@ -234,7 +234,8 @@ def allocate(shapes: list[ModuleShape], offers: dict[str, list[Choice]], ratio: 
     offers (with ``pricing.rest`` only) combine across forms into one more item. The removal order puts the
     projections that leave their dense form first, cheapest error per unit of cost saved first. With
     ``pricing.rest`` the budget is the whole step's, ``(dense + rests + fixed) / ratio - fixed``; a removed layer
-    saves its rest, an MLP keeping k of W channels the k/W share of its width-scaled part. Deterministic."""
+    saves its rest, an MLP keeping k of W channels the k/W share of its width-scaled part (``kv_heads``: the
+    source's key/value heads per layer, what an attention site's kept groups count). Deterministic."""
     rest, fixed = pricing.rest, pricing.fixed
     heads = offers.get(HEAD)
     if heads and not rest:
@@ -273,16 +274,15 @@ def allocate(shapes: list[ModuleShape], offers: dict[str, list[Choice]], ratio: 
                  f"but by times measured unclean ({pricing.unclean}), so nothing is refused on them: allocated at "
                  f"{at:.2f}x, the closest; the bench measures what it gives")
         picked = knapsack(items, total / at - fixed, beyond, groups)
-    alloc = _allocation(members, items, picked, offers, dense)
-    alloc.unmet = unmet
-    return alloc
+    return _allocation(members, items, picked, offers, dense, kv_heads, unmet)
 
 
-def _allocation(members: list, items: list, picked: list[int], offers: dict, dense: dict[str, float]) -> Allocation:
+def _allocation(members: list, items: list, picked: list[int], offers: dict, dense: dict[str, float],
+                kv_heads: int = 0, unmet: str | None = None) -> Allocation:
     """The ``Allocation`` the knapsack's ``picked`` options of ``items`` (who each is: ``members``) make: each
     choice's effect on its site read from the choice, whichever form made it (``dense``: each projection's cost as
     it is, for the removal order)."""
-    a, saved = Allocation({}, []), {}
+    a, saved = Allocation({}, [], kv_heads=kv_heads, unmet=unmet), {}
     for (site, names), o, k in zip(members, items, picked):
         if site == "rest":
             continue

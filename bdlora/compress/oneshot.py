@@ -103,8 +103,7 @@ def _allocated(model, ctx: OneShotContext, steps: list, mods: dict, cfg: OneShot
         for view, part in sections(ctx, st):
             with made(model, part):
                 st.offer(view)
-    alloc = allocate_by(ctx.shapes, ctx.offers, cfg.ratio, pricing(model, ctx.table, cfg), reporter)
-    alloc.kv_heads = ctx.kv
+    alloc = allocate_by(ctx.shapes, ctx.offers, cfg.ratio, pricing(model, ctx.table, cfg), reporter, ctx.kv)
     gone = {s.name for s in ctx.shapes if alloc.gone(s.name)}
     if ctx.table is not None:
         ctx.facts["allocation_cost"] = {"cost": "measured decode time", **ctx.table.prediction(
@@ -304,7 +303,7 @@ def _compressed(loaded: tuple, source: str, cfg: OneShotConfig, out: Path, cache
         kept = [i for i in range(model.config.num_hidden_layers) if i not in removed]
         provenance.update(layer_indices=kept, removed_layers=removed, student_layers=len(kept))
         base, deployed = take_layers(model, kept), renumbered(deployed, kept)
-    compressed = build_deployed_model(base, deployed, provenance, facts.get("head_bits", 0), alloc.head_module,
+    compressed = build_deployed_model(base, deployed, provenance, alloc.head_bits, alloc.head_module,
                                       share=True)  # the source is never changed, nor the compressed model trained
     value = None
     if store is not None:  # its weights: the deploys' from the store, the others the source's files

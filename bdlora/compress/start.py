@@ -94,11 +94,12 @@ def table_pricing(table, precision: str, rest: dict | None = None, fixed: float 
 
 
 def allocate_by(shapes, offers: dict, target: float, pricing: Pricing = MACS,
-                reporter: Reporter = SILENT) -> Allocation:
+                reporter: Reporter = SILENT, kv_heads: int = 0) -> Allocation:
     """The quality allocation for ``target`` among the forms' ``offers`` (``forms.context.Choice`` by site), priced
     by ``pricing`` (MACs, or a measured decode-time table's cost: ``target`` is then the projections' decode-time
-    speed-up, or with ``pricing.rest`` the whole step's), with a stage line naming what is traded. Shared by the
-    training start and ``compress --one-shot``."""
+    speed-up, or with ``pricing.rest`` the whole step's), with a stage line naming what is traded (``kv_heads``: the
+    source's key/value heads per layer, what an attention site's kept groups count). Shared by the training start
+    and ``compress --one-shot``."""
     forms = sorted({c.form for cs in offers.values() for c in cs})
     what = f"loss-weighted {', '.join(forms) or 'no'} error"
     if pricing.cost is not mac_cost:
@@ -106,7 +107,7 @@ def allocate_by(shapes, offers: dict, target: float, pricing: Pricing = MACS,
         reporter.stage(f"allocating {target:.2f}x less {scope} decode time ({pricing.unit}s) by {what}")
     else:
         reporter.stage(f"allocating {target:.2f}x fewer projection MACs by {what}")
-    alloc = allocate(shapes, offers, target, pricing)
+    alloc = allocate(shapes, offers, target, pricing, kv_heads)
     if alloc.unmet:
         reporter.stage(alloc.unmet)
     return alloc
