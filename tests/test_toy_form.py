@@ -53,7 +53,8 @@ def test_a_toy_form_touches_only_its_module_the_registry_line_and_the_table_line
     ratio = total / (total - 0.75 * macs[ups[0]])
     cfg = OneShotConfig(mac_ratio=ratio, forms=f"{TOY}", calib_tokens=256).validate()
     tokens = np.random.default_rng(0).integers(0, tiny_model.config.vocab_size, 4096)
-    decisions, deployed, _, _, alloc = one_shot_structure(tiny_model, PackedBlocks(tokens, 32), cfg)
+    shot = one_shot_structure(tiny_model, PackedBlocks(tokens, 32), cfg)
+    decisions, deployed, alloc = shot.decisions, shot.deployed, shot.allocation
 
     assert set(alloc.by(TOY)) == set(ups[:2]) and all(c.form == TOY for c in alloc.by(TOY).values())
     assert alloc.errors[ups[0]] == 1e-6 and not any(alloc.ranks.values()) and alloc.order == []

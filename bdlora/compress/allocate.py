@@ -48,7 +48,6 @@ class Allocation:
     head_bits: int = 0  # the LM head's bits in an int4 export where the allocation chose them (``--forms bits
     # --speedup``: 4 or 8); 0: not chosen (the export's default, 8)
     head_keep: int = 0  # the tokens the LM head keeps (``--forms vocab``: a draft's head); 0: all of them
-    head_module: dict | None = field(default=None, repr=False, compare=False)  # that head's declaration and tensors
     unmet: str | None = None  # the target was beyond the reach of costs measured unclean: what was allocated instead
     chosen: dict = field(default_factory=dict, repr=False, compare=False)  # site -> the Choices taken there (not
     # recorded: what each form deploys from, ``by``)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,7 +25,7 @@ from bdlora import forms as registry
 from bdlora.base.errors import UsageError
 from bdlora.base.outputs import check_out_dir, free_space
 from bdlora.base.reporter import SILENT, Reporter
-from bdlora.compress.allocate import MACS, Pricing
+from bdlora.compress.allocate import MACS, Allocation, Pricing
 from bdlora.compress.calibrate import calibration_blocks
 from bdlora.compress.config import OneShotConfig
 from bdlora.compress.correct import correct_sequential
@@ -53,9 +54,24 @@ from bdlora.models.stream import streamed, streams
 from bdlora.models.teacher import TeacherSource, load_teacher
 
 
+@dataclass
+class OneShotStructure:
+    """What a one-shot allocation deploys: each projection's decision, the modules built ({name: DeployedModule};
+    those of removed layers have a decision and nothing built), the calibration tokens, the facts the forms record
+    (for the provenance), the allocation, and the LM head in a form's own shape when one was chosen (``--forms
+    vocab``: its declaration and tensors, built into the folder and not recorded in the allocation)."""
+
+    decisions: list
+    deployed: dict
+    tokens: int
+    facts: dict
+    allocation: Allocation
+    head: dict | None = None
+
+
 def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Reporter = SILENT,
-                       cost_model: CostModel | None = None, store: TensorStore | None = None):
-    """(decisions, {name: DeployedModule}, calibration tokens, facts, the allocation) of ``model`` at
+                       cost_model: CostModel | None = None, store: TensorStore | None = None) -> OneShotStructure:
+    """The ``OneShotStructure`` of ``model`` at
     ``cfg.mac_ratio`` (or ``cfg.speedup``): each chosen form (``cfg.forms``, in ``ALLOCATED_FORMS`` order) says what
     the cost table and the calibration must measure, offers its candidates, and deploys what the one knapsack chose
     (``forms.context``); the modules of removed layers have decisions but nothing deployed. ``cost_model``
@@ -123,8 +139,7 @@ def _allocated(model, ctx: OneShotContext, steps: list, mods: dict, cfg: OneShot
         st.finish(ctx, alloc, deployed)
     decisions = [removed_decision(s, has_bias=mods[s.name].bias is not None) if s.name in gone
                  else deployed[s.name].decision for s in ctx.shapes]
-    alloc.head_module = built.get(HEAD)  # the head in a form's own shape: built into the folder, not recorded
-    return decisions, deployed, ctx.calib.tokens, ctx.facts, alloc
+    return OneShotStructure(decisions, deployed, ctx.calib.tokens, ctx.facts, alloc, built.get(HEAD))
 
 
 def calibrate_layers_with_progress(model, blocks, reporter: Reporter = SILENT, **options):
@@ -240,7 +255,8 @@ def forms_plan(source: str, cfg: OneShotConfig, cache_dir: Path | None = None, r
     factored), reported as compress reports it and not written; with ``cost_model``, its allocation cost and
     prediction in ``provenance.allocation_cost``."""
     model, _, _, train_blocks, _, _ = load_source(source, cfg, cache_dir, reporter, "--model")
-    decisions, _, tokens, facts, _ = one_shot_structure(model, train_blocks, cfg, reporter, cost_model)
+    shot = one_shot_structure(model, train_blocks, cfg, reporter, cost_model)
+    decisions, tokens, facts = shot.decisions, shot.tokens, shot.facts
     report = compression_report(decisions, None, {}, baseline="source")
     report.update(source="plan --allocation quality --forms", provenance={
         "teacher": source, "forms": cfg.forms, "mac_ratio": cfg.mac_ratio, "speedup": cfg.speedup,
@@ -281,8 +297,8 @@ def _compressed(loaded: tuple, source: str, cfg: OneShotConfig, out: Path, cache
     model, its scores, its folder (a lazy source's written one tensor at a time from ``store`` and its files)."""
     model, tok, path, train_blocks, val_blocks, heldout = loaded
     seq = train_blocks.seq_len
-    decisions, deployed, tokens, facts, alloc = one_shot_structure(model, train_blocks, cfg, reporter, cost_model,
-                                                                   store)
+    shot = one_shot_structure(model, train_blocks, cfg, reporter, cost_model, store)
+    decisions, deployed, tokens, facts, alloc = shot.decisions, shot.deployed, shot.tokens, shot.facts, shot.allocation
     removed = sorted({int(d.name.split(".")[2]) for d in decisions if d.case == REMOVED.name})
     correction = None
     if cfg.correct:  # on the same calibration blocks (drawn with a fixed seed)
@@ -303,7 +319,7 @@ def _compressed(loaded: tuple, source: str, cfg: OneShotConfig, out: Path, cache
         kept = [i for i in range(model.config.num_hidden_layers) if i not in removed]
         provenance.update(layer_indices=kept, removed_layers=removed, student_layers=len(kept))
         base, deployed = take_layers(model, kept), renumbered(deployed, kept)
-    compressed = build_deployed_model(base, deployed, provenance, alloc.head_bits, alloc.head_module,
+    compressed = build_deployed_model(base, deployed, provenance, alloc.head_bits, shot.head,
                                       share=True)  # the source is never changed, nor the compressed model trained
     value = None
     if store is not None:  # its weights: the deploys' from the store, the others the source's files

@@ -64,7 +64,8 @@ def structure(student, blocks, cfg: TrainConfig, reporter: Reporter = SILENT, co
     calibrated on ``blocks``; the student is not modified."""
     ocfg = one_shot_options(cfg)
     reporter.stage(f"the start: one allocation over --forms {cfg.forms}")
-    decisions, deployed, tokens, facts, alloc = one_shot_structure(student, blocks, ocfg, reporter, cost_model)
+    shot = one_shot_structure(student, blocks, ocfg, reporter, cost_model)
+    decisions, deployed, tokens, facts, alloc = shot.decisions, shot.deployed, shot.tokens, shot.facts, shot.allocation
     mods = dict(projection_modules(student))
     pairs = {}
     for name, dep in list(deployed.items()):
