@@ -257,3 +257,32 @@ def test_gemma3_preset_through_the_chain(tmp_path, cache_env):
     assert export["validation"]["max_abs_diff"] <= export["validation"]["tolerance"] < 0.1
     genai = json.loads((tmp_path / "g.genai" / "export.json").read_text())
     assert genai["validation"]["quality"]["ppl_change"] <= 0.10
+
+
+def test_a_stop_while_a_new_run_is_written_is_taken_once_it_is_whole():
+    """stops_deferred: a SIGTERM inside the block runs no handler there (nothing is interrupted mid-write or mid-read);
+    on leaving it, the handler that was in place takes it (the CLI's raises Terminated: exit 143); a SIGINT the same,
+    as KeyboardInterrupt."""
+    code = """
+import os, signal
+from bdlora.base.errors import Terminated
+from bdlora.train.checkpoint import stops_deferred
+def stop(signum, frame):
+    raise Terminated("terminated (SIGTERM)")
+signal.signal(signal.SIGTERM, stop)
+for sig, kind in ((signal.SIGTERM, Terminated), (signal.SIGINT, KeyboardInterrupt)):
+    done = []
+    try:
+        with stops_deferred():
+            os.kill(os.getpid(), sig)
+            for _ in range(1000):
+                done.append(len(done))  # bytecodes run: a handler would have run by now
+            print("inside", len(done))
+    except kind as e:
+        print("after", type(e).__name__, len(done))
+    assert signal.getsignal(signal.SIGTERM) is stop
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:4] == ["inside 1000", "after Terminated 1000", "inside 1000",
+                                        "after KeyboardInterrupt 1000"], r.stdout

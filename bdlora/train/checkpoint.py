@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import random
 import re
 import shutil
 import signal
 import threading
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -193,6 +195,32 @@ def truncate_jsonl(path: Path, max_step: int, on_warning=None) -> None:
         if isinstance(rec, dict) and rec.get("step", 0) <= max_step:
             keep.append(line)
     write_text(path, "".join(line + "\n" for line in keep))
+
+
+@contextmanager
+def stops_deferred():
+    """SIGINT and SIGTERM held while a new run's folder is written and read back (its config, structure and low-rank
+    start): one arriving meanwhile is taken as the handler before would have taken it (the CLI's: exit 130 or 143,
+    the unstarted run removed) once that is done, so a stop never lands inside a write or a read (under load a
+    SIGTERM there surfaced as "its low-rank start does not load"). Only in the main thread (elsewhere no handler
+    runs)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    old = {sig: signal.signal(sig, lambda signum, frame: got.append(signum)) for sig in (signal.SIGINT,
+                                                                                         signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        if got:
+            handler = old[got[0]]
+            if callable(handler):
+                handler(got[0], None)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), got[0])
 
 
 class StopRequest:

@@ -39,6 +39,7 @@ from bdlora.train.checkpoint import (
     remove_stale,
     resume_config,
     save_checkpoint,
+    stops_deferred,
     truncate_jsonl,
 )
 from bdlora.train.config import TrainConfig
@@ -161,16 +162,17 @@ def setup(cfg: TrainConfig, rep: Reporter, resume: RunDir | None, env: D.DistEnv
     if resume is None and env.is_main:  # before the run directory exists: a bad target writes nothing
         shaped, start = forms_start.run_start(cfg, sess.student, sess.calibration_source, rep, cost_model,
                                               has_start)
-    run_dir = resume if resume is not None else _new_run_dir(cfg, sess.facts, env, made)
-    if shaped is not None:
-        forms_start.save(shaped, sess.tokenizer, run_dir)
-    if start is not None:
-        start.save(*run_dir.lora_start)
-    D.barrier(env)
-    if cfg.structured:  # every process (and a resumed run) trains the structure read back from the run directory
-        _load_structure(sess, run_dir, write=resume is None and env.is_main)
-    if has_start:  # every process (and a resumed run) reads the same stored factors
-        start = _read_start(run_dir)
+    with stops_deferred():  # a stop is taken once the new folder is whole and read back, never inside a write
+        run_dir = resume if resume is not None else _new_run_dir(cfg, sess.facts, env, made)
+        if shaped is not None:
+            forms_start.save(shaped, sess.tokenizer, run_dir)
+        if start is not None:
+            start.save(*run_dir.lora_start)
+        D.barrier(env)
+        if cfg.structured:  # every process (and a resumed run) trains the structure read back from the run directory
+            _load_structure(sess, run_dir, write=resume is None and env.is_main)
+        if has_start:  # every process (and a resumed run) reads the same stored factors
+            start = _read_start(run_dir)
     torch.manual_seed(cfg.seed)
     method = METHOD_CLASSES[cfg.method](cfg)
     model = method.wrap(sess.student, start).to(device)
