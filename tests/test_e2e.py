@@ -262,7 +262,7 @@ def test_gemma3_preset_through_the_chain(tmp_path, cache_env):
 def test_a_stop_while_a_new_run_is_written_is_taken_once_it_is_whole():
     """stops_deferred: a SIGTERM inside the block runs no handler there (nothing is interrupted mid-write or mid-read);
     on leaving it, the handler that was in place takes it (the CLI's raises Terminated: exit 143); a SIGINT the same,
-    as KeyboardInterrupt."""
+    as KeyboardInterrupt (an ignored one stays ignored)."""
     code = """
 import os, signal
 from bdlora.base.errors import Terminated
@@ -270,6 +270,7 @@ from bdlora.train.checkpoint import stops_deferred
 def stop(signum, frame):
     raise Terminated("terminated (SIGTERM)")
 signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a pytest-xdist worker's children inherit SIGINT ignored
 for sig, kind in ((signal.SIGTERM, Terminated), (signal.SIGINT, KeyboardInterrupt)):
     done = []
     try:
