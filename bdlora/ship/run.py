@@ -42,23 +42,18 @@ from bdlora.data.documents import BUILTIN
 from bdlora.export.settings import GenaiExportConfig
 from bdlora.models.runtime import DecoderShape
 from bdlora.models.sources import resolve
-from bdlora.pipeline.ledger import (  # a step: its folder DIR/NAME, settings DIR/settings/NAME.json and
-    Ledger,
-    Step,
-    do_step,
-)
+from bdlora.pipeline.ledger import Ledger, Step, do_step
 from bdlora.ship.config import DRAFT_FORMS, ShipConfig
 from bdlora.ship.preflight import check_reach, check_settings
 from bdlora.ship.process import spawn
 from bdlora.ship.recommend import BENCH, exported, recommend
-
-# log DIR/logs/NAME.log
 from bdlora.train.config import TrainConfig
 
 COMPRESSED_MARKER = ModelDir.MARKER  # written last by compress
 RUN_MARKER = RunDir.MARKER  # written last by train
 DRAFT, LOGS, DENSE = "draft", "logs", "dense"
-SETTINGS = "settings"  # DIR/settings/STEP.json: the settings file each step's command reads (``Invocation``)
+SETTINGS = "settings"  # DIR/settings/STEP.json: the settings file each step's command reads (``Invocation``); a
+# step's output is DIR/STEP and its log DIR/logs/STEP.log
 HEAL_FIELDS = ("teacher", "student_init", "student_layers", "method", "data", "max_steps", "time_budget", "batch_size",
                "seq_len", "out")  # a heal's train options, in the order its command line gives them
 
