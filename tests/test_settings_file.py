@@ -82,3 +82,11 @@ def test_spelling_refuses_a_parameter_the_command_lacks():
         spell(Invocation(("export", "gguf"), {"precision": "int4"}))
     with pytest.raises(UsageError, match="no command `bdlora export tflite`"):
         spell(Invocation(("export", "tflite"), {}))
+
+
+def test_a_file_for_a_command_of_the_same_last_word_elsewhere_is_refused(tmp_path):
+    """Under the program, the file's words must be the command's own: ["x", "genai"] is not `bdlora export genai`."""
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"command": ["x", "genai"], "values": {}}))
+    r = CliRunner().invoke(app, ["export", "genai", "--settings-file", str(path)])
+    assert r.exit_code == 2 and "written for `bdlora x genai`, not `bdlora export genai`" in r.output, r.output

@@ -40,7 +40,7 @@ def _load(ctx: typer.Context, value: Optional[str]) -> Optional[str]:
     except ValueError as e:
         raise typer.BadParameter(f"{value}: {e}", param_hint=f"'{SETTINGS_FILE}'") from None
     here = _words(ctx)
-    if inv.command[-len(here):] != here:
+    if inv.command != here and not (ctx.parent is None and inv.command[-1:] == here):  # alone: its last word
         raise typer.BadParameter(f"{value}: written for `bdlora {' '.join(inv.command)}`, not `bdlora "
                                  f"{' '.join(here)}`", param_hint=f"'{SETTINGS_FILE}'")
     names = {p.name for p in ctx.command.params} - {NAME}
