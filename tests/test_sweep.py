@@ -329,7 +329,8 @@ def test_sweep_front_puts_the_whole_family_and_the_teachers_exports_on_one_front
 def test_a_sweep_resumes_by_its_ledger_as_ship_does(tiny_env, tmp_path):
     """sweep's steps are kept by ship's ledger (pipeline.ledger): an untouched sweep keeps every step; a same-size edit
     in a member's folder (no reader's check sees it; its recorded digest does) makes that member again and its eval,
-    which read it; a sweep folder written before steps.json resumes keeping every whole step and records them."""
+    which read it; a sweep folder written before steps.json resumes keeping every whole step and records them; a torn
+    evaluation is made again alone."""
     out = tmp_path / "sweep"
     res = CliRunner().invoke(app, sweep_args(tiny_env, out, "--budgets", "", "--baselines", "", "--one-shot", "1.5",
                                              "--no-bench", "--examples", "1", "--seeds", "1"))
@@ -358,3 +359,6 @@ def test_a_sweep_resumes_by_its_ledger_as_ship_does(tiny_env, tmp_path):
     said = again()
     assert said.count(kept) == 3 and "made again" not in said
     assert json.loads((out / "steps.json").read_text())["steps"].keys() == ledger.keys()
+    (out / "one-shot-1.5x.eval.json").write_text("{")  # a torn evaluation: made again, nothing else
+    said = again()
+    assert "one-shot-1.5x.eval.json: made again: damaged" in said and said.count(kept) == 2
