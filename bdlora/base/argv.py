@@ -9,6 +9,8 @@ library only (and ``errors.flag``, the one spelling of a field as a flag)."""
 from __future__ import annotations
 
 import dataclasses
+import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from bdlora.base.errors import flag
@@ -70,7 +72,7 @@ class Invocation:
     gives it (text; a switch a boolean; a repeated option or argument a list of texts): what a command that runs
     another one hands it (``ship``'s steps, its reach checks), written as a file the child reads with
     ``--settings-file`` and checks once, as it checks its command line; the CLI spells it as that command line for
-    people (``cli.settings_file.spell``). No other command's flag is written out by the one that runs it."""
+    people (``cli.spell``). No other command's flag is written out by the one that runs it."""
 
     command: tuple[str, ...]  # ("compress",), ("export", "genai")
     values: dict = dataclasses.field(default_factory=dict)
@@ -103,3 +105,11 @@ class Invocation:
     def file_argv(self, path) -> list[str]:
         """The argv (without the program) that runs this invocation from its settings file at ``path``."""
         return [*self.command, SETTINGS_FILE, str(path)]
+
+
+Spell = Callable[[Invocation], list[str]]  # an invocation as the argv a person types (no program; ``cli.spell``)
+
+
+def shown(inv: Invocation, spell: Spell) -> str:
+    """``inv`` as the line a person would type (``spell``: the CLI's spelling of its parameters as flags)."""
+    return "bdlora " + shlex.join(spell(inv))

@@ -7,7 +7,7 @@ can be trusted:
   then);
 - it was made by the same command and parameters (its ``Invocation``: they hold what earlier steps decided, e.g. the
   teacher's chosen rounding scheme); a record written before settings files holds the command line, which is
-  compared with this step's spelled (``cli.settings_file.spell``), so a ship folder written then resumes;
+  compared with this step's spelled (``cli.spell``), so a ship folder written then resumes;
 - nothing it read changed: the outputs of the steps it read (by digest) and the user's teacher (its files' sizes and
   modification times), and none of them was redone by this invocation.
 
@@ -23,12 +23,11 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from bdlora import SCHEMA_VERSION
-from bdlora.base.argv import Invocation
+from bdlora.base.argv import Invocation, Spell
 from bdlora.base.errors import BdloraError, RunDirError, UsageError
 from bdlora.base.io import read_json, sha256, write_json
 from bdlora.base.runs import BENCH_JSON, EVAL, EXPORT_MARKER, MODEL_ONNX, BenchDir, ModelDir, RunDir
@@ -128,14 +127,14 @@ class Ledger:
     view: the digest of every output verified or made so far (``now``) and the steps it ran (``redone``)."""
 
     folder: Path
-    spell: Callable | None  # an ``Invocation`` as its command line (without the program): how ship's records
+    spell: Spell | None  # an ``Invocation`` as its command line (without the program): how ship's records
     # written before settings files are read (None: such a record is not this step's)
     steps: dict[str, dict] = field(default_factory=dict)
     now: dict[str, str] = field(default_factory=dict)
     redone: set[str] = field(default_factory=set)
 
     @classmethod
-    def open(cls, folder: Path, source: str, spell: Callable | None = None) -> Ledger:
+    def open(cls, folder: Path, source: str, spell: Spell | None = None) -> Ledger:
         path = Path(folder) / STEPS_FILE
         steps: dict = {}
         if path.is_file():

@@ -7,12 +7,11 @@ when a larger one is)."""
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 import tempfile
 from pathlib import Path
 
-from bdlora.base.argv import Invocation, option_values
+from bdlora.base.argv import Invocation, option_values, shown
 from bdlora.base.errors import Checks, DataError, UsageError, flag
 from bdlora.base.io import read_json, write_json
 from bdlora.base.runs import CONFIG
@@ -107,7 +106,7 @@ def check_reach(model: str, cfg: ShipConfig, spell, stage=lambda msg: None, sour
     for quant in reach_quants(cfg):
         for option, plan in reach_checks(model, cfg, quant):
             quiet = Invocation(plan.command, {k: v for k, v in plan.values.items() if k != "json_out"})
-            stage(f"checking {option} with `bdlora {shlex.join(spell(quiet))}`")
+            stage(f"checking {option} with `{shown(quiet, spell)}`")
             with tempfile.TemporaryDirectory(prefix="bdlora-reach-") as tmp:
                 settings = Path(tmp) / "plan.json"
                 write_json(settings, plan.to_json())

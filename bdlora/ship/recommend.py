@@ -13,7 +13,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from bdlora.base.argv import Invocation, option_values
+from bdlora.base.argv import Invocation, option_values, shown
 from bdlora.base.io import atomic_path, write_text
 from bdlora.base.runs import BENCH_JSON, GGUF, MODEL_GGUF, SHIP_PLOT, SHIP_REPORT, BenchDir
 from bdlora.bench.front import RUNTIME_NAMES, precision_of, runtime_of
@@ -78,7 +78,7 @@ def row_commands(name: str, bench_model: str, folder: Path, cfg, commands: dict[
     export = str(export)
 
     def line(inv: Invocation) -> str:
-        return "bdlora " + shlex.join(spell(inv))
+        return shown(inv, spell)
 
     if gguf is not None:
         own = {TEACHER: None, "compressed": bench_model}.get(name, name.removeprefix(PEER))

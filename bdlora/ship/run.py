@@ -25,11 +25,10 @@ import shlex
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from bdlora import SCHEMA_VERSION
-from bdlora.base.argv import Invocation, option_values
+from bdlora.base.argv import Invocation, Spell, option_values, shown
 from bdlora.base.errors import BdloraError, UsageError
 from bdlora.base.io import read_json, write_json
 from bdlora.base.method_table import ADAPTED, WHOLE
@@ -60,14 +59,6 @@ HEAL_FIELDS = ("teacher", "student_init", "student_layers", "method", "data", "m
 
 class StepFailed(BdloraError):
     """A step's command exited non-zero: its last lines and its log are named; what earlier steps wrote is kept."""
-
-
-Spell = Callable[[Invocation], list[str]]  # an invocation as the command line a person types (``cli.settings_file``)
-
-
-def shown(inv: Invocation, spell: Spell) -> str:
-    """``inv`` as the line a person would type."""
-    return "bdlora " + shlex.join(spell(inv))
 
 
 def start(model: str, cfg: ShipConfig, folder: Path) -> bool:

@@ -119,13 +119,16 @@ def _trained_member(m: Member, opts: SweepConfig, sweep: SweepDir, ledger: Ledge
     cfg = opts.train_config(m, out=str(run.path))
     train_step = Step(m.run, Invocation(("train",), flat(cfg)), RunDir.MARKER, f"train ({run.path})")
 
+    def resumable() -> bool:  # an interrupted run continues from its latest checkpoint
+        return run.started() and latest_checkpoint(run.path) is not None
+
     def trained() -> None:
-        if run.started() and latest_checkpoint(run.path) is not None:
+        if resumable():
             train(None, rep, resume=run.path)
         else:
             train(cfg, rep)
 
-    do_step(ledger, train_step, rep, trained, lambda: run.started() and latest_checkpoint(run.path) is not None)
+    do_step(ledger, train_step, rep, trained, resumable)
     model_dir = ModelDir(sweep.path / f"{m.name}{COMPRESSED}")
     thresholds = opts.thresholds(m, run.config().get("eps_zero"))
     step = Step(model_dir.path.name, Invocation(("compress",), {"run_dir": str(run.path), **flat(thresholds)}),
