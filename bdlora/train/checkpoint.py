@@ -200,27 +200,16 @@ def truncate_jsonl(path: Path, max_step: int, on_warning=None) -> None:
 @contextmanager
 def stops_deferred():
     """SIGINT and SIGTERM held while a new run's folder is written and read back (its config, structure and low-rank
-    start): one arriving meanwhile is taken as the handler before would have taken it (the CLI's: exit 130 or 143,
-    the unstarted run removed) once that is done, so a stop never lands inside a write or a read (under load a
-    SIGTERM there surfaced as "its low-rank start does not load"). Only in the main thread (elsewhere no handler
-    runs)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    got: list[int] = []
-    old = {sig: signal.signal(sig, lambda signum, frame: got.append(signum)) for sig in (signal.SIGINT,
-                                                                                         signal.SIGTERM)}
+    start): a ``StopRequest`` over that window, the stop it records handed, once the window ends, to the handler that
+    was in place (the CLI's: exit 130 or 143, the unstarted run removed), so a stop never lands inside a write or a
+    read (under load a SIGTERM there surfaced as "its low-rank start does not load"); a second signal stops at once,
+    as in training."""
+    stop = StopRequest()
     try:
         yield
     finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-        if got:
-            handler = old[got[0]]
-            if callable(handler):
-                handler(got[0], None)
-            elif handler == signal.SIG_DFL:
-                os.kill(os.getpid(), got[0])
+        stop.restore()
+        stop.deliver()
 
 
 class StopRequest:
@@ -242,6 +231,18 @@ class StopRequest:
     def restore(self):
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
+
+    def deliver(self):
+        """The stop recorded (if any) to the handler that was in place before: called, or, where that was the
+        system's default, the signal sent again."""
+        if not self.requested:
+            return
+        sig = signal.Signals[self.requested]
+        handler = self._old.get(sig)
+        if callable(handler):
+            handler(sig, None)
+        elif handler == signal.SIG_DFL:
+            os.kill(os.getpid(), sig)
 
 
 def drop_unstarted(run_dir) -> str:
