@@ -57,8 +57,8 @@ class Step:
 
 def _links_refused(path: Path, where: str) -> None:
     if path.is_symlink():
-        raise UsageError(f"{path}: is a symbolic link (to {os.readlink(path)}); {where} holds only the folders "
-                         "ship writes itself (remove the link, and ship makes that step again)")
+        raise UsageError(f"{path}: is a symbolic link (to {os.readlink(path)}); {where} holds only what bdlora "
+                         "wrote there itself (remove the link, and that step is made again)")
 
 
 def recorded(inv: Invocation) -> dict:
