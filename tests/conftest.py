@@ -328,6 +328,4 @@ def allocate_with(shapes, energy: dict, ratio: float, step: int | None = None, c
                                                                                bits=NARROW_BITS)]
     if vocab:
         offers.setdefault(HEAD, []).extend(Choice(VOCAB.name, c, e, keep=k) for k, c, e in vocab)
-    alloc = allocate(shapes, offers, ratio, Pricing(cost, unit_name, rest or {}, fixed))
-    alloc.kv_heads = kv_heads
-    return alloc
+    return allocate(shapes, offers, ratio, Pricing(cost, unit_name, rest or {}, fixed), kv_heads)

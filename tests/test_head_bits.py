@@ -77,11 +77,16 @@ def test_the_allocation_buys_the_4_bit_head_where_it_costs_least_error():
     energy = {s.name: np.ones(32) for s in LAYERS3}
     rest = {f"model.layers.{i}": (1000.0, 0.0) for i in range(3)}
     cheap = allocate_with(LAYERS3, energy, 1.05, rest=rest, fixed=2000.0, head=(1500.0, 800.0, 1.0))
-    assert cheap.head_bits == 4 and not any(cheap.ranks.values()) and cheap.errors[HEAD] == 1.0
+    assert cheap.head == (0, 4) and not any(cheap.ranks.values()) and cheap.errors[HEAD] == 1.0
     dear = allocate_with(LAYERS3, energy, 1.05, rest=rest, fixed=2000.0, head=(1500.0, 800.0, 1e6))
-    assert dear.head_bits == 8 and sum(r > 0 for r in dear.ranks.values()) == 1 and dear.errors[HEAD] == 0.0
-    assert Allocation.from_json(cheap.to_json()) == cheap
-    assert allocate_with(LAYERS3, energy, 1.05, rest=rest, fixed=2000.0).head_bits == 0  # not offered: not chosen
+    assert dear.head == (0, 8) and sum(r > 0 for r in dear.ranks.values()) == 1 and dear.errors[HEAD] == 0.0
+    back = Allocation.from_json(cheap.to_json())
+    assert back == cheap and back.head == cheap.head and back.bits == cheap.bits
+    # a start recorded before the head was read from the choices (its fields head_bits and head_keep) reads back
+    before = {k: v for k, v in cheap.to_json().items() if k not in ("bits", "head")} | {"wide": [], "head_bits": 4,
+                                                                                      "head_keep": 0}
+    assert Allocation.from_json(before).head == (0, 4) and Allocation.from_json(before) == cheap
+    assert allocate_with(LAYERS3, energy, 1.05, rest=rest, fixed=2000.0).head == (0, 0)  # not offered: not chosen
     with pytest.raises(ValueError, match="whole decode step"):
         allocate_with(LAYERS3, energy, 1.05, head=(1500.0, 800.0, 1.0))
     # 14,216 / (cheapest) with the head at 4 bits: the line counts the head's saving

@@ -50,9 +50,9 @@ def test_the_head_options_are_the_product_of_its_widths_and_kept_vocabularies():
     rest = {f"model.layers.{i}": (1000.0, 0.0) for i in range(3)}
     vocab = [(0, 1500.0, 0.0), (64, 400.0, 3.0), (32, 200.0, 50.0)]
     a = allocate_with(LAYERS3, energy, 1.05, rest=rest, fixed=2000.0, vocab=vocab)
-    assert a.head_keep == 64 and a.head_bits == 0 and a.errors[HEAD] == 3.0  # saves 1,100 of 677 needed
+    assert a.head == (64, 0) and a.errors[HEAD] == 3.0  # saves 1,100 of 677 needed
     b = allocate_with(LAYERS3, energy, 1.12, rest=rest, fixed=2000.0, vocab=vocab)  # 1,523 to save
-    assert b.head_keep == 64 and any(b.ranks.values())  # 64 tokens and a pair (error 3 + 31) beat 32 tokens (50)
+    assert b.head.keep == 64 and any(b.ranks.values())  # 64 tokens and a pair (error 3 + 31) beat 32 tokens (50)
 
 
 @pytest.fixture(scope="module")

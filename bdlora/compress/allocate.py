@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -31,26 +32,32 @@ from bdlora.models.arch import layer_of
 from bdlora.models.costs import Deployed, ModuleShape
 
 
+class Head(NamedTuple):
+    """What the allocation chose at the LM head, read from the choices taken there whichever forms offered them:
+    the tokens it keeps (0: all of them) and its bits in an int4 export (0: not chosen, the export's default)."""
+
+    keep: int = 0
+    bits: int = 0
+
+
 @dataclass
 class Allocation:
     """Per-module ranks (0: stays dense), the order modules leave their dense form in (the controller's removal
     score: position in ``order``), the predicted error of each chosen form, and the MLP sites that keep fewer
     channels (``keep``: site -> channels; their projections are at rank 0, dense at the narrower width) and the
-    decoder layers removed (``removed``: ``model.layers.N``; their projections are at rank 0 and cost nothing)."""
+    decoder layers removed (``removed``: ``model.layers.N``; their projections are at rank 0 and cost nothing).
+    What the choices taken do beyond ranks, widths and removals (a projection's bits, the LM head's kept tokens and
+    bits) is read from them (``chosen``, ``bits``, ``head``), never set by form; each form deploys its own
+    (``by``) and returns its own record of it (``forms.context.Step.deploy``)."""
 
     ranks: dict[str, int]
     order: list[str]
     errors: dict[str, float] = field(default_factory=dict)
     keep: dict[str, int] = field(default_factory=dict)
     removed: list[str] = field(default_factory=list)
-    wide: list[str] = field(default_factory=list)  # projections kept at 8 bits in an int4 export (``--forms bits``)
     kv_heads: int = 0  # the source's key/value heads per layer (an attention site's ``keep`` counts groups of them)
-    head_bits: int = 0  # the LM head's bits in an int4 export where the allocation chose them (``--forms bits
-    # --speedup``: 4 or 8); 0: not chosen (the export's default, 8)
-    head_keep: int = 0  # the tokens the LM head keeps (``--forms vocab``: a draft's head); 0: all of them
     unmet: str | None = None  # the target was beyond the reach of costs measured unclean: what was allocated instead
-    chosen: dict = field(default_factory=dict, repr=False, compare=False)  # site -> the Choices taken there (not
-    # recorded: what each form deploys from, ``by``)
+    chosen: dict = field(default_factory=dict, repr=False, compare=False)  # site -> the Choices taken there
 
     def by(self, form: str) -> dict:
         """Site -> the choice form ``form`` offered there and the knapsack took (what the form deploys)."""
@@ -58,8 +65,15 @@ class Allocation:
 
     @property
     def bits(self) -> dict[str, int]:
-        """Projection -> its bits where wider than the export's precision (``LatencyTable.prediction``'s)."""
-        return {n: WIDE_BITS for n in self.wide}
+        """Projection -> its bits where a choice taken sets them (wider than the export's precision:
+        ``LatencyTable.prediction``'s), whichever form offered it."""
+        return {site: c.bits for site, cs in self.chosen.items() if site != HEAD for c in cs if c.bits}
+
+    @property
+    def head(self) -> Head:
+        """The LM head as the choices taken there leave it (``Head()``: as it is)."""
+        taken = self.chosen.get(HEAD, ())
+        return Head(max((c.keep for c in taken), default=0), max((c.bits for c in taken), default=0))
 
     def gone(self, name: str) -> bool:
         """Whether projection ``name`` goes with its removed layer."""
@@ -72,8 +86,9 @@ class Allocation:
 
     def deployed(self, shapes: list[ModuleShape]) -> Deployed:
         """``shapes`` as this allocation deploys them (what a cost model prices)."""
-        return Deployed({s.name: (self.shape(s), self.ranks.get(s.name, 0), WIDE_BITS if s.name in self.wide else 0)
-                         for s in shapes if not self.gone(s.name)}, self.head_keep, self.head_bits)
+        bits, head = self.bits, self.head
+        return Deployed({s.name: (self.shape(s), self.ranks.get(s.name, 0), bits.get(s.name, 0))
+                         for s in shapes if not self.gone(s.name)}, head.keep, head.bits)
 
     def macs(self, shapes: list[ModuleShape]) -> int:
         return sum(s.lora_cost(self.ranks[s.name]) if self.ranks.get(s.name) else self.shape(s).dense_cost
@@ -93,17 +108,26 @@ class Allocation:
         return [float(pos.get(n, len(pos) + i)) for i, n in enumerate(names)]
 
     def to_json(self) -> dict:
+        """What a run's low-rank start records (``lora_start.json``): the ranks, the order, the errors, the structure,
+        and what the choices taken set beyond them (``bits``, ``head``; read back as those choices)."""
+        head = self.head
         return {"ranks": self.ranks, "order": self.order, "errors": self.errors, "keep": self.keep,
-                "removed": self.removed, "wide": self.wide, "kv_heads": self.kv_heads, "head_bits": self.head_bits,
-                "head_keep": self.head_keep}
+                "removed": self.removed, "kv_heads": self.kv_heads, "bits": self.bits,
+                **({"head": head._asdict()} if head != Head() else {})}
 
     @classmethod
     def from_json(cls, doc: dict) -> Allocation:
+        """An allocation written by ``to_json``, or before it (its fields ``wide``, ``head_bits`` and ``head_keep``
+        read back as the choices they stood for)."""
+        bits = doc.get("bits") or dict.fromkeys(doc.get("wide") or (), WIDE_BITS)
+        head = doc.get("head") or {"keep": doc.get("head_keep") or 0, "bits": doc.get("head_bits") or 0}
+        chosen = {n: [Choice("", 0.0, 0.0, bits=int(b))] for n, b in bits.items()}
+        if head["keep"] or head["bits"]:
+            chosen[HEAD] = [Choice("", 0.0, 0.0, keep=int(head["keep"]), bits=int(head["bits"]))]
         return cls({k: int(v) for k, v in doc["ranks"].items()}, list(doc["order"]),
                    {k: float(v) for k, v in doc.get("errors", {}).items()},
                    {k: int(v) for k, v in (doc.get("keep") or {}).items()}, list(doc.get("removed") or ()),
-                   list(doc.get("wide") or ()), int(doc.get("kv_heads") or 0), int(doc.get("head_bits") or 0),
-                   int(doc.get("head_keep") or 0))
+                   int(doc.get("kv_heads") or 0), chosen=chosen)
 
 
 class BeyondReach(UsageError):
@@ -296,8 +320,6 @@ def _allocation(members: list, items: list, picked: list[int], offers: dict, den
         chosen, _, e = o[k]
         if site == "head":
             a.errors[HEAD], a.chosen[HEAD] = e, list(chosen)
-            a.head_keep = max(c.keep for c in chosen)
-            a.head_bits = max(c.bits for c in chosen) if any(c.bits for c in offers[HEAD]) else 0
         elif isinstance(chosen, Choice):  # the block keeps chosen.keep channels or key/value groups
             a.keep[site], a.errors[site], a.chosen[site] = chosen.keep, e, [chosen]
             a.ranks.update({n: 0 for n in names})
@@ -306,8 +328,6 @@ def _allocation(members: list, items: list, picked: list[int], offers: dict, den
                 a.ranks[n], a.errors[n] = c.rank, c.error
                 if c.form:
                     a.chosen[n] = [c]
-                if c.bits:
-                    a.wide.append(n)
                 if c.rank:
                     saved[n] = dense[n] - c.cost
     a.order = sorted((n for n, r in a.ranks.items() if r), key=lambda n: (a.errors[n] / saved[n], n))

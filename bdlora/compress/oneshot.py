@@ -58,8 +58,9 @@ from bdlora.models.teacher import TeacherSource, load_teacher
 class OneShotStructure:
     """What a one-shot allocation deploys: each projection's decision, the modules built ({name: DeployedModule};
     those of removed layers have a decision and nothing built), the calibration tokens, the facts the forms record
-    (for the provenance), the allocation, and the LM head in a form's own shape when one was chosen (``--forms
-    vocab``: its declaration and tensors, built into the folder and not recorded in the allocation)."""
+    (for the provenance), the allocation, and the LM head's deployment record where a form chose it, each form's
+    part from its own ``deploy`` (``--forms vocab``: ``spec``, its declaration, and ``state``, its tensors; ``--forms
+    bits``: ``bits``, its width in an int4 export), which ``build_deployed_model`` builds into the folder."""
 
     decisions: list
     deployed: dict
@@ -129,17 +130,20 @@ def _allocated(model, ctx: OneShotContext, steps: list, mods: dict, cfg: OneShot
     built = {}
     if is_lazy(model):
         reporter.stage("building the chosen forms one decoder layer at a time (each built tensor to the temp folder)")
+    head: dict = {}  # the LM head's record, each form's part of it (vocab's tensors, bits' width) merged
     for st in steps:
         for view, part in sections(ctx, st):
             with made(model, part):
-                built.update(spill(st.deploy(view, narrowed(alloc, part)), store))
+                record = spill(st.deploy(view, narrowed(alloc, part)), store)
+                head.update(record.pop(HEAD, {}))
+                built.update(record)
     deployed = {s.name: built.get(s.name) or factored(s, mods[s.name], 0, {}, share=True) for s in ctx.shapes
                 if s.name not in gone}
     for st in steps:
         st.finish(ctx, alloc, deployed)
     decisions = [removed_decision(s, has_bias=mods[s.name].bias is not None) if s.name in gone
                  else deployed[s.name].decision for s in ctx.shapes]
-    return OneShotStructure(decisions, deployed, ctx.calib.tokens, ctx.facts, alloc, built.get(HEAD))
+    return OneShotStructure(decisions, deployed, ctx.calib.tokens, ctx.facts, alloc, head or None)
 
 
 def calibrate_layers_with_progress(model, blocks, reporter: Reporter = SILENT, **options):
@@ -319,7 +323,7 @@ def _compressed(loaded: tuple, source: str, cfg: OneShotConfig, out: Path, cache
         kept = [i for i in range(model.config.num_hidden_layers) if i not in removed]
         provenance.update(layer_indices=kept, removed_layers=removed, student_layers=len(kept))
         base, deployed = take_layers(model, kept), renumbered(deployed, kept)
-    compressed = build_deployed_model(base, deployed, provenance, alloc.head_bits, shot.head,
+    compressed = build_deployed_model(base, deployed, provenance, shot.head,
                                       share=True)  # the source is never changed, nor the compressed model trained
     value = None
     if store is not None:  # its weights: the deploys' from the store, the others the source's files

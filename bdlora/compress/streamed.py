@@ -106,17 +106,18 @@ def narrowed(alloc, part: dict | None):
 
 
 def spill(built: dict, store: TensorStore | None) -> dict:
-    """``built`` (a deploy's {projection: DeployedModule}, and the head's {"spec", "state"}) with every real tensor
+    """``built`` (a deploy's {projection: DeployedModule}, and its record of the head: ``OneShotStructure.head``) with every real tensor
     moved to ``store`` under its name in the compressed model's state dict (before any renumbering) and a meta
     tensor of its shape left in its place; as it is without a store."""
     if store is None:
         return built
     out = {}
     for name, dep in built.items():
-        if name == HEAD:
-            real = {k: t for k, t in dep["state"].items() if not t.is_meta}
-            store.put(real)
-            out[name] = {**dep, "state": {k: t.to("meta") for k, t in dep["state"].items()}}
+        if name == HEAD:  # the head's record: its tensors (a form of its own) and what it declares
+            if "state" in dep:
+                store.put({k: t for k, t in dep["state"].items() if not t.is_meta})
+                dep = {**dep, "state": {k: t.to("meta") for k, t in dep["state"].items()}}
+            out[name] = dep
             continue
         store.put({k: t for k, t in dep.state(name).items() if not t.is_meta})
         for f in TENSOR_FIELDS:

@@ -86,7 +86,7 @@ def structure(student, blocks, cfg: TrainConfig, reporter: Reporter = SILENT, co
     report = compression_report(decisions, None, {}, baseline="source")
     report.update(source="train --forms", provenance=provenance)
     allocation = Allocation({n: int(a.shape[0]) for n, (a, _) in pairs.items()}, order) if pairs else None
-    return Structure(build_deployed_model(base, deployed, provenance, alloc.head_bits), pairs, allocation,
+    return Structure(build_deployed_model(base, deployed, provenance, shot.head), pairs, allocation,
                      report)
 
 

@@ -81,17 +81,24 @@ class BitsStep(BaseStep):
             ctx.offer(HEAD, [Choice(self.name, eight, 0.0, bits=WIDE_BITS), Choice(self.name, four, added,
                                                                                    bits=NARROW_BITS)])
 
+    def deploy(self, ctx: OneShotContext, alloc) -> dict:
+        """Its record of the LM head (its bits, where it chose them); the projections' bits are set in ``finish``,
+        on whichever form deployed them."""
+        choice = alloc.by(self.name).get(HEAD)
+        return {HEAD: {"bits": choice.bits}} if choice else {}
+
     def finish(self, ctx: OneShotContext, alloc, deployed: dict) -> None:
         mine, own = alloc.by(self.name), ctx.own(self.name)
         for name, dep in deployed.items():
             dep.decision.bits = mine[name].bits if name in mine else 0
         head = own.get("head")
+        bits = mine[HEAD].bits if HEAD in mine else 0
         ctx.facts["rounding"] = {
             "scheme": ctx.table.scheme, "error_given_back_at_8_bits": {n: g for n, (_, g) in own["wide"].items()},
             **({"lm_head": {"us_at_8_bits": head[0], "us_at_4_bits": head[1], "error_added_at_4_bits": head[2],
-                            "bits": alloc.head_bits}} if head else {})}
+                            "bits": bits}} if head else {})}
         if head:
-            ctx.facts["head_bits"] = alloc.head_bits
+            ctx.facts["head_bits"] = bits
 
 
 STEP = BitsStep()

@@ -104,15 +104,16 @@ def load_budgeted(student_dir: Path, model: nn.Module) -> nn.Module:
     return model
 
 
-def build_deployed_model(base: nn.Module, deployed: dict[str, DeployedModule], provenance: dict, head_bits: int = 0,
+def build_deployed_model(base: nn.Module, deployed: dict[str, DeployedModule], provenance: dict,
                          head: dict | None = None, share: bool = False):
-    """The bdlora HF architecture holding the ``deployed`` projections and every other weight of ``base``;
-    ``head_bits`` (4 or 8): the LM head's width in an int4 export, declared in its config (``forms.HEAD_BITS``; 0:
-    what ``base`` declares, if anything: a student started from such a folder keeps it, as it keeps a pruned
-    width); ``head``: the LM head in another form, ``{"spec": its declaration, "state": its tensors}`` (a draft's
-    ``forms.VOCAB``; the embedding is then untied from it). ``share``: the model holds ``base``'s and ``deployed``'s
-    tensors themselves (built on the meta device and assigned: no random initialisation, no copy), for a caller that
-    trains neither (the one-shot); otherwise its own copies."""
+    """The bdlora HF architecture holding the ``deployed`` projections and every other weight of ``base``; ``head``:
+    the LM head's deployment record (``compress.oneshot.OneShotStructure.head``): ``spec`` and ``state``, the head in
+    another form, its declaration and tensors (a draft's ``forms.VOCAB``; the embedding is then untied from it), and
+    ``bits`` (4 or 8), its width in an int4 export, declared in its config (``forms.HEAD_BITS``; without it, what
+    ``base`` declares, if anything: a student started from such a folder keeps it, as it keeps a pruned width).
+    ``share``: the model holds ``base``'s and ``deployed``'s tensors themselves (built on the meta device and
+    assigned: no random initialisation, no copy), for a caller that trains neither (the one-shot); otherwise its own
+    copies."""
 
     family = table_family(base_type(base.config.model_type), "base model_type").model_type
     cfg_cls, model_cls = BDLORA_CLASSES[family]
@@ -121,7 +122,8 @@ def build_deployed_model(base: nn.Module, deployed: dict[str, DeployedModule], p
     # (keyed by the deployed names: a one-shot above a removed layer is renumbered, its decisions are not)
     modules.update({**narrow_sites(base), **{n.rsplit(".", 1)[0]: spec for n, c in deployed.items()
                                             for spec in site_forms([c.decision]).values()}})
-    if head is not None:
+    head = head or {}
+    if "spec" in head:
         modules[forms.HEAD] = head["spec"]
     config = cfg_cls(bdlora_modules=modules,
                      bdlora={"base_model_type": family, **provenance}, **_base_config_dict(base.config))
@@ -130,13 +132,13 @@ def build_deployed_model(base: nn.Module, deployed: dict[str, DeployedModule], p
     config.auto_map = {"AutoConfig": f"modeling_bdlora.{cfg_cls.__name__}",
                        "AutoModelForCausalLM": f"modeling_bdlora.{model_cls.__name__}"}
     config.architectures = [model_cls.__name__]
-    if head_bits:
-        setattr(config, forms.HEAD_BITS, int(head_bits))
+    if head.get("bits"):
+        setattr(config, forms.HEAD_BITS, int(head["bits"]))
     model = empty(lambda: model_cls(config)) if share else model_cls(config)
     state = {k: v for k, v in dense_state_dict(base).items() if not any(k.startswith(n + ".") for n in deployed)}
     for n, c in deployed.items():
         state.update(c.state(n))
-    if head is not None:
+    if "state" in head:
         state = {k: v for k, v in state.items() if not k.startswith(forms.HEAD + ".")} | head["state"]
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
