@@ -143,13 +143,14 @@ def test_speedup_allocates_the_start_for_the_whole_decode_step(tiny_env, tmp_pat
 def test_a_resumed_forms_run_reads_its_structure_and_ends_bit_identical(tiny_env, tmp_path, monkeypatch):
     """A --forms run stopped after a checkpoint resumes from the structure it saved (never recomputed) and
     ends with the same weights as the run that was not stopped; its layers stay the structure's."""
+    from bdlora.forms.dials import TrainDials
     from bdlora.train.config import TrainConfig
     from bdlora.train.loop import train
 
     common = dict(teacher=str(tiny_env["teacher"]), data=str(tiny_env["corpus"]), cache_dir=str(tiny_env["cache"]),
                   seq_len=32, batch_size=4, eval_tokens=512, heldout_fraction=0.1, lr=3e-3, max_steps=6,
-                  eval_every=6, save_every=2, calib_tokens=512, method="kd-lora", student_layers=4, forms="layers",
-                  mac_ratio=1.3, lora_rank=4, lora_alpha=8.0,
+                  eval_every=6, save_every=2, calib_tokens=512, method="kd-lora", student_layers=4,
+                  dials=TrainDials(forms="layers", mac_ratio=1.3), lora_rank=4, lora_alpha=8.0,
                   measure_step_time=False)
     full = train(TrainConfig(out=str(tmp_path / "a"), **common))
 

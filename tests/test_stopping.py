@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from bdlora.base.errors import UsageError
 from bdlora.cli import app
 from bdlora.data.documents import DEFAULT_HELDOUT_FRACTION, is_heldout
+from bdlora.forms.dials import TrainDials
 from bdlora.train import stopping
 from bdlora.train.config import OBJECTIVE_DEFAULTS, TrainConfig, resolve_defaults
 from bdlora.train.distill import DistillationLoss
@@ -241,15 +242,18 @@ def test_a_time_budget_flag_replaces_a_recipes_step_count():
 # --------------------------------------------------------------------------------------------------------------------
 
 
+CHANNELS_13 = TrainDials(forms="channels", mac_ratio=1.3)
+
+
 def test_a_structure_heals_with_embeddings_frozen_and_the_paper_keeps_its_own():
     """The measured default objective (the paper's KL at tau 3 with 0.2 cross-entropy, for both) and the healing
     default of a frozen head; explicit flags win either way."""
-    heal = resolve_defaults(TrainConfig(method="kd-full", forms="channels", mac_ratio=1.3), builtin_teacher=True)
+    heal = resolve_defaults(TrainConfig(method="kd-full", dials=CHANNELS_13), builtin_teacher=True)
     paper = resolve_defaults(TrainConfig(method="kd-full"), builtin_teacher=True)
     assert (heal.temperature, heal.kd_weight, heal.freeze_embeddings) == (3.0, 0.8, True)
     assert (paper.temperature, paper.kd_weight, paper.freeze_embeddings) == (3.0, 0.8, False)
     assert "freeze_embeddings" in heal.defaulted
-    mine = resolve_defaults(TrainConfig(method="kd-full", forms="channels", mac_ratio=1.3, kd_weight=1.0,
+    mine = resolve_defaults(TrainConfig(method="kd-full", dials=CHANNELS_13, kd_weight=1.0,
                                         temperature=1.0, freeze_embeddings=False), builtin_teacher=True)
     assert (mine.temperature, mine.kd_weight, mine.freeze_embeddings) == (1.0, 1.0, False)
     assert OBJECTIVE_DEFAULTS["heal"].keys() == OBJECTIVE_DEFAULTS["paper"].keys()

@@ -528,10 +528,9 @@ def test_the_widest_commands_show_the_common_options_first():
     """train listed 60 options in one panel, bench 33, sweep 37, plan 22, ship 20, serve 19, eval 17: what most runs
     set stays first, the rest under named panels (every field a panel names exists: a renamed one is refused, not
     dropped)."""
-    import dataclasses
-
     import typer.main
 
+    from bdlora.base.argv import fields_of
     from bdlora.cli import app
     from bdlora.cli.options import TRAIN_PANELS, from_dataclass
     from bdlora.train.config import TrainConfig
@@ -544,7 +543,7 @@ def test_the_widest_commands_show_the_common_options_first():
         assert len(main) <= most < len(options), (name, main)
     train = {p.name: getattr(p, "rich_help_panel", None) for p in commands["train"].params}
     assert train["method"] is None and train["forms"] is None and train["budget"] in TRAIN_PANELS
-    assert {n for names in TRAIN_PANELS.values() for n in names} <= {f.name for f in dataclasses.fields(TrainConfig)}
+    assert {n for names in TRAIN_PANELS.values() for n in names} <= set(fields_of(TrainConfig))  # the dials' too
     with pytest.raises(ValueError, match="panels name fields TrainConfig lacks: lr_peak"):
         from_dataclass(TrainConfig, panels={"Other": ("lr_peak",)})
 

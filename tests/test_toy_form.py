@@ -17,6 +17,7 @@ from bdlora.compress.forms.lowrank import factored
 from bdlora.compress.oneshot import one_shot_structure
 from bdlora.data.blocks import PackedBlocks
 from bdlora.forms.context import BaseStep, Choice
+from bdlora.forms.dials import Dials
 
 TOY = "halves"
 
@@ -51,7 +52,7 @@ def test_a_toy_form_touches_only_its_module_the_registry_line_and_the_table_line
     total = sum(macs.values())
     # more than one halving's saving and less than two's: the two up projections of least error go (no other form)
     ratio = total / (total - 0.75 * macs[ups[0]])
-    cfg = OneShotConfig(mac_ratio=ratio, forms=f"{TOY}", calib_tokens=256).validate()
+    cfg = OneShotConfig(dials=Dials(mac_ratio=ratio, forms=TOY), calib_tokens=256).validate()
     tokens = np.random.default_rng(0).integers(0, tiny_model.config.vocab_size, 4096)
     shot = one_shot_structure(tiny_model, PackedBlocks(tokens, 32), cfg)
     decisions, deployed, alloc = shot.decisions, shot.deployed, shot.allocation

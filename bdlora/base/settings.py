@@ -11,10 +11,17 @@ from bdlora.base.errors import Checks
 
 
 def field_docs(cls) -> dict[str, str]:
-    """The docstring under each field of a dataclass, read from its source (so help text and code never diverge)."""
-    body = ast.parse(inspect.getsource(cls)).body[0].body
-    return {a.target.id: b.value.value for a, b in zip(body, body[1:])
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
+    """The docstring under each field of a dataclass, read from its source (so help text and code never diverge);
+    a field declared again in a subclass (``forms.dials.TrainDials``, train's wording of a dial) takes the
+    subclass's."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if "__dataclass_fields__" not in vars(klass):
+            continue
+        body = ast.parse(inspect.getsource(klass)).body[0].body
+        docs.update({a.target.id: b.value.value for a, b in zip(body, body[1:]) if isinstance(a, ast.AnnAssign)
+                     and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)})
+    return docs
 
 
 class Settings:

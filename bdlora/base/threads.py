@@ -45,18 +45,23 @@ class ThreadPool:
 
 def from_options(cls, values: dict):
     """``cls`` from a command's flat options: a name that is a field of an embedded dataclass (``threads``, the
-    ``pool``'s) goes into that dataclass, the rest to ``cls`` itself; an embedded dataclass given whole is taken as
-    it is. An unknown name is ``cls``'s own ``TypeError``, as a misspelt keyword always was."""
-    own = {f.name for f in dataclasses.fields(cls)}
+    ``pool``'s; ``forms``, the ``dials``') goes into that dataclass, whose fields not given keep ``cls``'s default
+    for it (one-shot's ``Dials(forms=lowrank,channels)``), the rest to ``cls`` itself; an embedded dataclass given
+    whole is taken as it is. An unknown name is ``cls``'s own ``TypeError``, as a misspelt keyword always was."""
+    own = {f.name: f for f in dataclasses.fields(cls)}
     values = dict(values)
     for name, inner in embedded(cls).items():
         if name in values:
             continue
-        mine = {f.name for f in dataclasses.fields(inner)} - own
+        mine = {f.name for f in dataclasses.fields(inner)} - set(own)
         picked = {k: values.pop(k) for k in list(values) if k in mine}
         if picked:
-            values[name] = from_options(inner, picked)
+            values[name] = dataclasses.replace(_default(own[name]), **picked)
     return cls(**values)
+
+
+def _default(f: dataclasses.Field):
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
 def flat(obj) -> dict:

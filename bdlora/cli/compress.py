@@ -32,6 +32,10 @@ from bdlora.train.plan import plan as run_plan
 PLAN_FIELDS = ("budget", "rank", "eps_lr", "eps_zero", "svd_max_rank", "decay_start", "decay_end", "retention_ema")
 
 
+# --help's order of the one-shot's options: its dial first, then what it calibrates and scores on, then the
+# dials that refine the allocation (they are one embedded ``Dials`` in OneShotConfig, shown where they always were)
+ONE_SHOT_ORDER = ("mac_ratio", "speedup", "calib_tokens", "data", "calib_data", "heldout_fraction", "seq_len",
+                  "eval_tokens", "correct", "precision", "forms", "quant", "streaming", "threads", "width_multiple")
 PLAN_FORMS = ("forms", "speedup", "streaming", "width_multiple")  # with --model and --allocation quality: the
 # one-shot structure over any forms, its source read one layer at a time past 2 GiB of fp32 weights
 
@@ -54,6 +58,7 @@ SPECULATIVE_HELP = ("With FOLDER (a draft, e.g. compress --one-shot --forms laye
 @command(options=from_dataclass(BudgetedConfig, names=PLAN_FIELDS, rename={"rank": "lora_rank"}, defaults=True,
                                 panel="The paper's rule (--model-config): budget, rank, schedule, thresholds")
          + from_dataclass(OneShotConfig, names=PLAN_FORMS, panel="--model --allocation quality over any forms",
+                          order=ONE_SHOT_ORDER,
                           notes={"forms": "plan: the structure compress --one-shot would write (nothing written)."}))
 def plan(
     folder: Annotated[Optional[str], typer.Argument(help="A compressed folder (compress's output): its own structure "
@@ -227,20 +232,21 @@ def _forms_plan(model: str, shot: dict, json_out: bool, **options) -> tuple[dict
 
     cfg = from_options(OneShotConfig, {**options, **{k: v for k, v in shot.items() if v is not None}}).validate()
     reporter = RichReporter(err if json_out else out)
+    d = cfg.dials
     report, config = forms_plan(model, cfg, reporter=reporter,
-                                cost_model=cost_model(cfg.precision, cfg.pool.threads, None, reporter, cfg.quant))
-    return report, config, f"plan --forms {cfg.forms}: {report['speedup_vs_dense']:.2f}x fewer projection MACs"
+                                cost_model=cost_model(d.precision, cfg.pool.threads, None, reporter, d.quant))
+    return report, config, f"plan --forms {d.forms}: {report['speedup_vs_dense']:.2f}x fewer projection MACs"
 
 
 def _quality_plan(model, rank, layers, mac_ratio, calib_tokens, data, opts, json_out) -> dict:
     from bdlora.train.budgeted.start import quality_plan
 
     rank = check_lora_rank(rank, read_model_config(_resolved(model)))
-    cfg = OneShotConfig(mac_ratio=mac_ratio, calib_tokens=calib_tokens, data=data)
+    cfg = from_options(OneShotConfig, {"mac_ratio": mac_ratio, "calib_tokens": calib_tokens, "data": data})
     return quality_plan(model, cfg, layers, rank, opts["budget"], reporter=RichReporter(err if json_out else out))
 
 
-ONE_SHOT = from_dataclass(OneShotConfig, panel="--one-shot (a pretrained model, no training)")
+ONE_SHOT = from_dataclass(OneShotConfig, panel="--one-shot (a pretrained model, no training)", order=ONE_SHOT_ORDER)
 ONE_SHOT_FIELDS = tuple(p.name for p in ONE_SHOT)
 
 
@@ -353,12 +359,13 @@ def _one_shot(source, shot: dict, out_dir, force: bool, runs_dir: str, cache_dir
     cfg = from_options(OneShotConfig, {k: v for k, v in shot.items() if v is not None}).validate()
     from bdlora.compress.oneshot import compress_one_shot  # after the checks: a bad flag is refused at once
 
-    out_path = Path(out_dir) if out_dir else one_shot_out(source, cfg.ratio, runs_dir, cfg.precision,
-                                                          named_forms(cfg.forms), cfg.whole_step, cfg.quant)
+    d = cfg.dials
+    out_path = Path(out_dir) if out_dir else one_shot_out(source, d.ratio, runs_dir, d.precision,
+                                                          named_forms(d.forms), d.whole_step, d.quant)
     cache = Path(cache_dir).expanduser() if cache_dir else None
     return compress_one_shot(source, cfg, out_path, force=force, evaluate=evaluate, cache_dir=cache,
-                             reporter=reporter, cost_model=cost_model(cfg.precision, cfg.pool.threads, cache, reporter,
-                                                                      cfg.quant))
+                             reporter=reporter, cost_model=cost_model(d.precision, cfg.pool.threads, cache, reporter,
+                                                                      d.quant))
 
 
 def cost_model(precision: str | None, threads: int | None, cache: Path | None, reporter, quant: str | None = None):

@@ -1,6 +1,5 @@
 """``bdlora eval`` (perplexity and ICL probes of one model) and ``bdlora sweep`` (a whole budget family)."""
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Annotated, Optional
@@ -12,6 +11,7 @@ from bdlora.base.errors import UsageError, flag
 from bdlora.base.io import write_json
 from bdlora.base.outputs import check_new_out, check_out_file
 from bdlora.base.runs import PAPER_MAIN, RUNS_DIR, ModelDir, SweepDir, eval_json
+from bdlora.base.threads import flat
 from bdlora.cli import render
 from bdlora.cli.app import command, err, out
 from bdlora.cli.options import (
@@ -134,8 +134,7 @@ def sweep(
         doc = run_sweep(None, SweepDir(resume), rep, resume=True)
     else:
         cfg = merge(load_yaml(config) if config else {}, {**opts, "runs_dir": runs_dir}).validate()
-        train_opts = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("method", "budget", "out",
-                                                                                   "defaulted")}
+        train_opts = {k: v for k, v in flat(cfg).items() if k not in ("method", "budget", "out", "defaulted")}
         sopts = SweepConfig(budgets=float_list(budgets, "--budgets"), baselines=str_list(baselines) or [],
                             train=train_opts, eps_lr=eps_lr, eval_examples=examples, eval_seeds=seeds, bench=bench,
                             bench_batch_sizes=int_list(bench_batch_sizes, "--bench-batch-sizes"),

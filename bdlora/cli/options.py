@@ -104,7 +104,8 @@ def _base_type(tp):
 
 def from_dataclass(cls, names=None, skip=(), rename: dict | None = None, defaults: bool = False,
                    panel: str | None = None, notes: dict[str, str] | None = None,
-                   panels: dict[str, tuple[str, ...]] | None = None) -> list[inspect.Parameter]:
+                   panels: dict[str, tuple[str, ...]] | None = None,
+                   order: tuple[str, ...] = ()) -> list[inspect.Parameter]:
     """One keyword option per field of ``cls`` (``names`` or all but ``skip``), ``--field-name`` with the field's
     docstring as help, followed by its entry in ``notes`` (e.g. per-teacher defaults). With ``defaults`` the
     option's default is the field's (shown in --help); otherwise None, meaning "not given" (so YAML values and
@@ -112,7 +113,9 @@ def from_dataclass(cls, names=None, skip=(), rename: dict | None = None, default
     ``panel``, None: the main one), so the options most runs set come first. A field named as a ``COMMON`` option
     takes its one wording and no default (None: the caller drops it, so the field's default applies). A field that
     embeds a settings dataclass (``pool``: ``--threads``) gives that dataclass's options, filtered the same way; the
-    command builds its dataclass with ``base.threads.from_options``, which routes them back."""
+    command builds its dataclass with ``base.threads.from_options``, which routes them back. ``order``: the options
+    --help shows first, in this order (an embedded dataclass's fields among the holder's: one-shot's dials), the rest
+    after them as declared."""
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     rename = rename or {}
@@ -143,6 +146,12 @@ def from_dataclass(cls, names=None, skip=(), rename: dict | None = None, default
         option = typer.Option(decl, help=text, rich_help_panel=where.get(f.name, panel))
         annotation = Annotated[tp if defaults and default is not None else Optional[tp], option]
         params.append(inspect.Parameter(opt, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation))
+    if order:
+        unknown = sorted(set(order) - set(fields_of(cls)))
+        if unknown:  # a renamed field would silently move to the end
+            raise ValueError(f"order names fields {cls.__name__} lacks: {', '.join(unknown)}")
+        # stable: the options not named stay as declared, after those named
+        params.sort(key=lambda p: order.index(p.name) if p.name in order else len(order))
     return params
 
 

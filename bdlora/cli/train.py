@@ -99,7 +99,7 @@ def train(
     cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else None
     summary = run_train(cfg, rep, resume=resume,
                         overrides={k: v for k, v in opts.items() if v is not None} if resume else None,
-                        cost_model=cost_model(cfg.precision, None, cache, rep or SILENT, cfg.quant))
+                        cost_model=cost_model(cfg.dials.precision, None, cache, rep or SILENT, cfg.dials.quant))
     if not rank0:
         return
     if json_out:

@@ -72,22 +72,21 @@ class OneShotStructure:
 
 def one_shot_structure(model, train_blocks, cfg: OneShotConfig, reporter: Reporter = SILENT,
                        cost_model: CostModel | None = None, store: TensorStore | None = None) -> OneShotStructure:
-    """The ``OneShotStructure`` of ``model`` at
-    ``cfg.mac_ratio`` (or ``cfg.speedup``): each chosen form (``cfg.forms``, in ``ALLOCATED_FORMS`` order) says what
-    the cost table and the calibration must measure, offers its candidates, and deploys what the one knapsack chose
-    (``forms.context``); the modules of removed layers have decisions but nothing deployed. ``cost_model``
-    (``models.costs.CostModel``, the measured decode time the CLI passes in; its table given the model's config
-    predicts the whole decode step): allocate by that cost instead of MACs. ``facts``,
-    for the provenance: what the allocation predicts at that cost (``allocation_cost``) and what each form records.
-    A lazy ``model`` (``models.stream``) is worked on one decoder layer at a time (``compress.streamed``): every
-    tensor a form builds goes to ``store`` (a temp one when None) and its module holds a meta tensor."""
+    """The ``OneShotStructure`` of ``model`` at ``cfg.dials.mac_ratio`` (or ``speedup``): each chosen form (the dials'
+    ``forms``, in ``ALLOCATED_FORMS`` order) says what the cost table and the calibration must measure, offers its
+    candidates, and deploys what the one knapsack chose (``forms.context``); the modules of removed layers have
+    decisions but nothing deployed. ``cost_model`` (``models.costs.CostModel``, the measured decode time the CLI passes
+    in; its table given the model's config predicts the whole decode step): allocate by that cost instead of MACs.
+    ``facts``, for the provenance: what the allocation predicts at that cost (``allocation_cost``) and what each form
+    records. A lazy ``model`` (``models.stream``) is worked on one decoder layer at a time (``compress.streamed``):
+    every tensor a form builds goes to ``store`` (a temp one when None) and its module holds a meta tensor."""
     mods = dict(projection_modules(model))
-    ctx = OneShotContext(model, cfg, reporter, cfg.form_names, [ModuleShape(n, m.in_features, m.out_features)
-                                                                 for n, m in mods.items()], mods,
+    d = cfg.dials
+    ctx = OneShotContext(model, cfg, reporter, d.form_names, [ModuleShape(n, m.in_features, m.out_features)
+                                                              for n, m in mods.items()], mods,
                          int(getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads),
                          model.config.to_dict())
-    problem = registry.reach_problem(ctx.config, cfg.forms, None if cfg.whole_step else cfg.mac_ratio,
-                                     cfg.speedup)
+    problem = registry.reach_problem(ctx.config, d.forms, None if d.whole_step else d.mac_ratio, d.speedup)
     if problem:  # before any table is timed or any token calibrated
         raise UsageError(problem)
     steps = [step(name) for name in registry.ALLOCATED_FORMS if ctx.has(name)]
@@ -120,7 +119,7 @@ def _allocated(model, ctx: OneShotContext, steps: list, mods: dict, cfg: OneShot
         for view, part in sections(ctx, st):
             with made(model, part):
                 st.offer(view)
-    alloc = allocate_by(ctx.shapes, ctx.offers, cfg.ratio, pricing(model, ctx.table, cfg), reporter, ctx.kv)
+    alloc = allocate_by(ctx.shapes, ctx.offers, cfg.dials.ratio, pricing(model, ctx.table, cfg), reporter, ctx.kv)
     gone = {s.name for s in ctx.shapes if alloc.gone(s.name)}
     if ctx.table is not None:
         ctx.facts["allocation_cost"] = {"cost": "measured decode time", **ctx.table.prediction(
@@ -163,11 +162,11 @@ def step(name: str):
 
 def pricing(model, table, cfg: OneShotConfig) -> Pricing:
     """What the one-shot's budget counts: MACs without a table; with one, each form's measured decode time at
-    ``cfg.precision``, and with ``cfg.speedup`` the whole step around the projections (``whole_step``)."""
+    ``cfg.dials.precision``, and with ``cfg.dials.speedup`` the whole step around the projections (``whole_step``)."""
     if table is None:
         return MACS
-    rest, fixed = whole_step(model, table) if cfg.whole_step else ({}, 0.0)
-    return table_pricing(table, cfg.precision, rest, fixed)
+    rest, fixed = whole_step(model, table) if cfg.dials.whole_step else ({}, 0.0)
+    return table_pricing(table, cfg.dials.precision, rest, fixed)
 
 
 def whole_step(model, table) -> tuple[dict, float]:
@@ -255,7 +254,7 @@ def load_source(source: str, cfg: OneShotConfig, cache_dir: Path | None, reporte
 def forms_plan(source: str, cfg: OneShotConfig, cache_dir: Path | None = None, reporter: Reporter = SILENT,
                cost_model=None) -> tuple[dict, dict]:
     """``plan --model SOURCE --allocation quality --forms F``: (report, the source's config) of the structure
-    ``compress --one-shot`` with the same options would write (calibrated, allocated among ``cfg.forms``,
+    ``compress --one-shot`` with the same options would write (calibrated, allocated among ``cfg.dials.forms``,
     factored), reported as compress reports it and not written; with ``cost_model``, its allocation cost and
     prediction in ``provenance.allocation_cost``."""
     model, _, _, train_blocks, _, _ = load_source(source, cfg, cache_dir, reporter, "--model")
@@ -263,7 +262,7 @@ def forms_plan(source: str, cfg: OneShotConfig, cache_dir: Path | None = None, r
     decisions, tokens, facts = shot.decisions, shot.tokens, shot.facts
     report = compression_report(decisions, None, {}, baseline="source")
     report.update(source="plan --allocation quality --forms", provenance={
-        "teacher": source, "forms": cfg.forms, "mac_ratio": cfg.mac_ratio, "speedup": cfg.speedup,
+        "teacher": source, "forms": cfg.dials.forms, "mac_ratio": cfg.dials.mac_ratio, "speedup": cfg.dials.speedup,
         "calib_data": cfg.calib_data or cfg.data, "calib_tokens": tokens, **facts})
     return report, model.config.to_dict()
 
@@ -271,13 +270,13 @@ def forms_plan(source: str, cfg: OneShotConfig, cache_dir: Path | None = None, r
 def compress_one_shot(source: str, cfg: OneShotConfig, out: str | Path, force: bool = False,
                       cache_dir: Path | None = None, evaluate: bool = True,
                       reporter: Reporter = SILENT, cost_model=None) -> tuple[dict, Path]:
-    """Compress a pretrained ``source`` (anything ``--teacher`` takes) to ``cfg.mac_ratio`` (or ``cfg.speedup``);
+    """Compress a pretrained ``source`` (anything ``--teacher`` takes) to ``cfg.dials.mac_ratio`` (or ``speedup``);
     returns (report, folder). The source is never modified. ``cost_model``: see ``one_shot_structure``
-    (``cfg.precision``)."""
+    (``cfg.dials.precision``)."""
 
     cfg.validate()
-    if cfg.precision and cost_model is None:
-        raise UsageError(f"--precision {cfg.precision}: needs the measured decode time (pass a CostModel, "
+    if cfg.dials.precision and cost_model is None:
+        raise UsageError(f"--precision {cfg.dials.precision}: needs the measured decode time (pass a CostModel, "
                          "bench.whole.MeasuredCosts, as the CLI does)")
     out = Path(out)
     check_out_dir(out, force)
@@ -302,7 +301,7 @@ def _compressed(loaded: tuple, source: str, cfg: OneShotConfig, out: Path, cache
     model, tok, path, train_blocks, val_blocks, heldout = loaded
     seq = train_blocks.seq_len
     shot = one_shot_structure(model, train_blocks, cfg, reporter, cost_model, store)
-    decisions, deployed, tokens, facts, alloc = shot.decisions, shot.deployed, shot.tokens, shot.facts, shot.allocation
+    decisions, deployed, tokens, facts = shot.decisions, shot.deployed, shot.tokens, shot.facts
     removed = sorted({int(d.name.split(".")[2]) for d in decisions if d.case == REMOVED.name})
     correction = None
     if cfg.correct:  # on the same calibration blocks (drawn with a fixed seed)
@@ -312,10 +311,11 @@ def _compressed(loaded: tuple, source: str, cfg: OneShotConfig, out: Path, cache
                 "source_path": str(path), "heldout_fraction": heldout, "seq_len": seq,
                 "eval_tokens": cfg.eval_tokens, "cache_dir": str(cache_dir) if cache_dir else None,
                 SAMPLES_PREFIXES: True, "origin": "the --one-shot options"}
-    dial = f"{cfg.speedup:g}x decode" if cfg.whole_step else f"{cfg.mac_ratio:g}x"
+    d = cfg.dials
+    dial = f"{d.speedup:g}x decode" if d.whole_step else f"{d.mac_ratio:g}x"
     provenance = {"name": f"{Path(str(path)).name} one-shot {dial}", "method": "one-shot",
-                  "teacher": source, "source_path": str(path), "mac_ratio": cfg.mac_ratio, "calib_tokens": tokens,
-                  **({"speedup": cfg.speedup} if cfg.whole_step else {}),
+                  "teacher": source, "source_path": str(path), "mac_ratio": d.mac_ratio, "calib_tokens": tokens,
+                  **({"speedup": d.speedup} if d.whole_step else {}),
                   "lora_init": "whitened", "allocation": "quality", "correct": cfg.correct, "data_settings": settings,
                   **facts, **({"correction": correction} if correction else {})}
     base = model

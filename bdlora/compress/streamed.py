@@ -106,9 +106,9 @@ def narrowed(alloc, part: dict | None):
 
 
 def spill(built: dict, store: TensorStore | None) -> dict:
-    """``built`` (a deploy's {projection: DeployedModule}, and its record of the head: ``OneShotStructure.head``) with every real tensor
-    moved to ``store`` under its name in the compressed model's state dict (before any renumbering) and a meta
-    tensor of its shape left in its place; as it is without a store."""
+    """``built`` (a deploy's {projection: DeployedModule}, and its record of the head: ``OneShotStructure.head``) with
+    every real tensor moved to ``store`` under its name in the compressed model's state dict (before any renumbering)
+    and a meta tensor of its shape left in its place; as it is without a store."""
     if store is None:
         return built
     out = {}

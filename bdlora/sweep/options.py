@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from bdlora.base.argv import fields_of
 from bdlora.base.errors import Checks, UsageError
 from bdlora.base.method_table import GATED, METHOD_TABLE, method_of
 from bdlora.base.settings import Settings
+from bdlora.base.threads import from_options
 from bdlora.compress.config import OneShotConfig
 from bdlora.data.documents import BUILTIN
 from bdlora.models.budgeted.config import DEFAULTS as BUDGETED
@@ -112,21 +114,21 @@ class SweepConfig(Settings):
 
         t = self.train
         defaults = teacher_defaults(self.teacher == BUILTIN)
-        return OneShotConfig(mac_ratio=m.compress_settings["mac_ratio"], data=t.get("data") or BUILTIN,
-                             calib_tokens=t.get("calib_tokens") or defaults["calib_tokens"],
-                             heldout_fraction=t.get("heldout_fraction"),
-                             seq_len=t.get("seq_len") or defaults["seq_len"],
-                             eval_tokens=t.get("eval_tokens") or defaults["eval_tokens"])
+        return from_options(OneShotConfig, {
+            "mac_ratio": m.compress_settings["mac_ratio"], "data": t.get("data") or BUILTIN,
+            "calib_tokens": t.get("calib_tokens") or defaults["calib_tokens"],
+            "heldout_fraction": t.get("heldout_fraction"), "seq_len": t.get("seq_len") or defaults["seq_len"],
+            "eval_tokens": t.get("eval_tokens") or defaults["eval_tokens"]})
 
     def train_config(self, m: Member, out: str | None = None):
         """The training options of a member: the shared ones, its grid point, its method and budget."""
 
-        values = {k: v for k, v in self.train.items() if k in TrainConfig.__dataclass_fields__ and k != "defaulted"}
+        values = {k: v for k, v in self.train.items() if k in fields_of(TrainConfig) and k != "defaulted"}
         values.update(m.train_settings)
         values.update(method=m.method, out=out)
         if m.budget is not None:
             values["budget"] = m.budget
-        return TrainConfig(**values)
+        return from_options(TrainConfig, values)
 
     @property
     def teacher(self) -> str:

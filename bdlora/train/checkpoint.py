@@ -26,9 +26,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bdlora.base.argv import fields_of
 from bdlora.base.errors import RunDirError, Terminated, UsageError, flag
 from bdlora.base.io import atomic_dir, load_tensors, read_json, save_tensors, sha256, write_json, write_text
 from bdlora.base.runs import CKPT_OPTIMIZER, CKPT_RNG, CKPT_STATE, CKPT_TRAINABLE, CONFIG, RunDir
+from bdlora.base.threads import from_options
 from bdlora.train.config import TrainConfig, resolve_path
 
 STATE_KEYS = ("step", "param_groups", "scheduler", "method", "rng", "files")
@@ -264,7 +266,7 @@ def resume_config(run: RunDir, overrides: dict | None = None) -> TrainConfig:
     refused (a different method, model or data would silently make a different run)."""
     run.require_resumable()
     stored = run.config()
-    values = {k: v for k, v in stored.items() if k in TrainConfig.__dataclass_fields__}
+    values = {k: v for k, v in stored.items() if k in fields_of(TrainConfig)}
     for k, v in (overrides or {}).items():
         if k == "out" and v is not None and Path(v).resolve() != run.path.resolve():
             raise UsageError(f"--out {v}: a resumed run continues in its own folder {run.path}; drop --out")
@@ -278,7 +280,7 @@ def resume_config(run: RunDir, overrides: dict | None = None) -> TrainConfig:
                              f"it (start a new run; changeable on resume: "
                              f"{', '.join(flag(m) for m in RESUME_MUTABLE)})")
     try:
-        cfg = TrainConfig(**values)
+        cfg = from_options(TrainConfig, values)
     except TypeError as e:
         raise RunDirError(f"{run.path / CONFIG}: not a bdlora training config ({e})") from None
     return cfg

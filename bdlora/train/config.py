@@ -10,17 +10,18 @@ their defaults from ``BudgetedConfig``.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bdlora.base.argv import fields_of
 from bdlora.base.errors import Checks, shown
 from bdlora.base.method_table import GATED, METHODS, Method, method_of
-from bdlora.base.schemes import GENAI_PRECISIONS, quant_problem
 from bdlora.base.settings import Settings
+from bdlora.base.threads import flat, from_options
 from bdlora.data.documents import BUILTIN
 from bdlora.forms import LOWRANK
+from bdlora.forms.dials import TrainDials
 from bdlora.models.budgeted.config import ALLOCATIONS, LORA_INITS, BudgetedConfig
 from bdlora.models.budgeted.config import DEFAULTS as BUDGETED
 from bdlora.train.defaults import BUILTIN_DEFAULTS, REAL_DEFAULTS, teacher_defaults
@@ -118,29 +119,10 @@ class TrainConfig(Settings):
     """Which dense paths the budget removes (budgeted): cost (the paper: cheapest first, one --lora-rank for all) or
     quality (per-module ranks where the Fisher-weighted truncation error per MAC saved is least). The paper recipe
     pins cost."""
-    mac_ratio: float | None = None
-    """With --allocation quality: the deployed projection-MAC speed-up to allocate for (default: the one the
-    paper's rule gives at --budget and --lora-rank, so both rules compare at equal MACs)."""
-    precision: str | None = None
-    """With --allocation quality: allocate by measured decode time at this precision (fp32, int8, int4: the genai
-    exporter's nodes timed in onnxruntime on this machine, cached) instead of MACs; --mac-ratio is then the
-    projection decode-time speed-up, and a low-rank pair no faster than its dense product there is never chosen."""
-    quant: str | None = None
-    """With --precision int8 or int4: the scheme export genai will round with (rtn, gptq, affine; default rtn),
-    whose node layout is what is timed."""
-    forms: str | None = None
-    """The structures the start allocates among, as compress --one-shot's --forms (lowrank, channels, groups, layers,
-    bits). Beyond lowrank (or with --speedup) the student starts as the structure a one-shot with these options
-    writes of its layers, and the run heals it: budgeted (--allocation quality) moves the projections it makes low
-    rank through the budget schedule; kd-lora and kd-full heal a structure without lowrank."""
-    speedup: float | None = None
-    """With --forms and --precision, instead of --mac-ratio: the predicted whole decode speed-up over the student's
-    dense export at that precision (attention, norms and the LM head priced beside the projections)."""
-    width_multiple: int | None = None
-    """Every width a pruned block keeps as a projection's input (an MLP's kept channels, an attention block's kept
-    heads times their size) a multiple of this (default 32, the int4 block): 256 for llama.cpp's K-quants, whose
-    rows must be whole 256-blocks (export gguf --quant q4_k_m: a row that is not falls back to Q5_0 or Q8_0, larger
-    and slower)."""
+    dials: TrainDials = TrainDials()
+    """--mac-ratio (with --allocation quality), --precision, --quant, --forms (the structure the student starts
+    as), --speedup, --width-multiple: what the start's allocation is given (``forms.dials.Dials``, shared with
+    compress --one-shot)."""
     calib_tokens: int | None = None
     """Training-split tokens the whitened init and the quality allocation are measured on (a default is cut to the
     whole split when that is smaller)."""
@@ -193,7 +175,7 @@ class TrainConfig(Settings):
     @property
     def structured(self) -> bool:
         """Whether the student starts as a one-shot structure (``--forms`` beyond lowrank, or ``--speedup``)."""
-        return self.forms not in (None, LOWRANK.name) or self.speedup is not None
+        return self.dials.forms not in (None, LOWRANK.name) or self.dials.whole_step
 
     def budgeted(self) -> BudgetedConfig:
         """The Budgeted LoRA settings of this run (rank and alpha resolved)."""
@@ -219,15 +201,13 @@ class TrainConfig(Settings):
             c.choice("lora_init", self.lora_init, LORA_INITS)
         if self.allocation is not None:
             c.choice("allocation", self.allocation, ALLOCATIONS)
-        c.number("mac_ratio", self.mac_ratio, lo=1.0)
-        c.number("speedup", self.speedup, lo=1.0)
-        if self.precision is not None:
-            c.choice("precision", self.precision, GENAI_PRECISIONS)
+        d = self.dials
+        d.check(c)
+        if d.precision is not None:
             c.require(self.structured or (self.traits.gated and self.allocation != "cost"
-                                          and self.mac_ratio is not None),
-                      f"--precision {self.precision}: allocates a budgeted student's start by decode time; give "
+                                          and d.mac_ratio is not None),
+                      f"--precision {d.precision}: allocates a budgeted student's start by decode time; give "
                       "--method budgeted --allocation quality --mac-ratio R (or --forms F)")
-        quant_problem(c, self.quant, self.precision)
         train_forms_problems(c, self)
         for name in ("teacher", "data", "samples_runtime", "calib_data", "student_init", "out", "runs_dir",
                      "cache_dir"):
@@ -302,7 +282,7 @@ def default_lr(builtin_teacher: bool, method: str, lora_init: str | None) -> flo
     return DEFAULT_LR[("builtin" if builtin_teacher else "real", start)]
 
 
-OPTION_NAMES = tuple(f.name for f in fields(TrainConfig) if f.name != "defaulted")
+OPTION_NAMES = tuple(n for n in fields_of(TrainConfig) if n != "defaulted")  # the dials' fields, not `dials`
 
 
 RUN_LENGTH = ("max_steps", "tokens", "time_budget")  # each alone says how long a run trains
@@ -316,7 +296,7 @@ def merge(yaml_values: dict[str, Any], cli_values: dict[str, Any]) -> TrainConfi
     if any(k in given for k in RUN_LENGTH):
         yaml_values = {k: v for k, v in yaml_values.items() if k not in RUN_LENGTH}
     values = {**yaml_values, **given}
-    return TrainConfig(**values)
+    return from_options(TrainConfig, values)
 
 
 def resolve_path(value: str | None) -> str | None:
@@ -332,7 +312,7 @@ def resolve_defaults(cfg: TrainConfig, builtin_teacher: bool) -> TrainConfig:
     """Fill the per-teacher defaults (see BUILTIN_DEFAULTS / REAL_DEFAULTS) and store local paths absolute."""
     defaults = {**teacher_defaults(builtin_teacher),
                 **OBJECTIVE_DEFAULTS["heal" if cfg.structured else "paper"]}
-    values = dataclasses.asdict(cfg)
+    values = flat(cfg)
     defaulted = []
     for k, v in defaults.items():
         if values.get(k) is None and not (k == "max_steps" and values.get("tokens") is not None):
@@ -346,4 +326,4 @@ def resolve_defaults(cfg: TrainConfig, builtin_teacher: bool) -> TrainConfig:
     if values["cache_dir"]:
         values["cache_dir"] = str(Path(values["cache_dir"]).expanduser().resolve())
     values["defaulted"] = tuple(defaulted)
-    return TrainConfig(**values)
+    return from_options(TrainConfig, values)

@@ -18,7 +18,7 @@ with it:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -32,6 +32,7 @@ from bdlora.compress.forms.lowrank import factored
 from bdlora.compress.oneshot import one_shot_structure
 from bdlora.compress.start import LowRankStart, capped_rank, compute_start, shapes_of
 from bdlora.deployed.folder import save_model_folder
+from bdlora.forms.dials import Dials
 from bdlora.models.arch import projection_modules
 from bdlora.models.budgeted.model import build_deployed_model
 from bdlora.models.costs import ModuleShape, compression_report
@@ -53,17 +54,17 @@ class Structure:
 
 
 def one_shot_options(cfg: TrainConfig) -> OneShotConfig:
-    """The ``compress --one-shot`` options a run's ``--forms`` start stands for."""
-    return OneShotConfig(mac_ratio=cfg.mac_ratio, speedup=cfg.speedup, calib_tokens=cfg.calib_tokens,
-                         data=cfg.data, calib_data=cfg.calib_data, seq_len=cfg.seq_len, precision=cfg.precision,
-                         forms=cfg.forms, quant=cfg.quant, width_multiple=cfg.width_multiple)
+    """The ``compress --one-shot`` options a run's ``--forms`` start stands for: its dials as they are (the one
+    ``Dials``, train's wording of it), calibrated on the run's data."""
+    return OneShotConfig(dials=Dials(**asdict(cfg.dials)), calib_tokens=cfg.calib_tokens, data=cfg.data,
+                         calib_data=cfg.calib_data, seq_len=cfg.seq_len)
 
 
 def structure(student, blocks, cfg: TrainConfig, reporter: Reporter = SILENT, cost_model=None) -> Structure:
-    """The one-shot structure of ``student`` over ``cfg.forms`` at ``cfg.mac_ratio`` (or ``cfg.speedup``),
+    """The one-shot structure of ``student`` over its dials' forms at their ``mac_ratio`` (or ``speedup``),
     calibrated on ``blocks``; the student is not modified."""
     ocfg = one_shot_options(cfg)
-    reporter.stage(f"the start: one allocation over --forms {cfg.forms}")
+    reporter.stage(f"the start: one allocation over --forms {cfg.dials.forms}")
     shot = one_shot_structure(student, blocks, ocfg, reporter, cost_model)
     decisions, deployed, tokens, facts, alloc = shot.decisions, shot.deployed, shot.tokens, shot.facts, shot.allocation
     mods = dict(projection_modules(student))
@@ -79,8 +80,8 @@ def structure(student, blocks, cfg: TrainConfig, reporter: Reporter = SILENT, co
     if len(kept) < depth:
         base, deployed, pairs = take_layers(student, kept), renumbered(deployed, kept), renumbered(pairs, kept)
     order = [n for n in renumbered(dict.fromkeys(alloc.order), kept) if n in pairs]
-    provenance = {"name": f"train --forms {cfg.forms} start", "method": "one-shot", "forms": cfg.forms,
-                  "mac_ratio": cfg.mac_ratio, "speedup": cfg.speedup, "calib_tokens": tokens,
+    provenance = {"name": f"train --forms {cfg.dials.forms} start", "method": "one-shot", "forms": cfg.dials.forms,
+                  "mac_ratio": cfg.dials.mac_ratio, "speedup": cfg.dials.speedup, "calib_tokens": tokens,
                   "calib_data": cfg.calib_data or cfg.data, "student_layers_kept": kept,
                   "low_rank_in_training": sorted(pairs), **facts}
     report = compression_report(decisions, None, {}, baseline="source")
@@ -112,8 +113,9 @@ def run_start(cfg: TrainConfig, student, blocks, rep: Reporter, cost_model, has_
     """(the ``--forms`` structure or None, the low-rank start or None) of a new run's ``student``, calibrated on
     ``blocks`` (``has_start``: whether the method has a low-rank start, ``train.budgeted.start.needed``)."""
     if not cfg.structured:
-        return None, compute_start(student, cfg.lora_init, cfg.allocation, cfg.lora_rank, cfg.budget, cfg.mac_ratio,
-                                   blocks, cfg.calib_tokens, rep, cost_model, cfg.precision) if has_start else None
+        d = cfg.dials
+        return None, compute_start(student, cfg.lora_init, cfg.allocation, cfg.lora_rank, cfg.budget, d.mac_ratio,
+                                   blocks, cfg.calib_tokens, rep, cost_model, d.precision) if has_start else None
     shaped = structure(student, blocks, cfg, rep, cost_model)
     if cfg.traits.gated:
         return shaped, gated_start(shaped, cfg.lora_rank)

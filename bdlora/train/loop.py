@@ -23,6 +23,7 @@ from bdlora.base.io import release, write_json
 from bdlora.base.outputs import check_new_out
 from bdlora.base.reporter import SILENT, Reporter
 from bdlora.base.runs import FAILED, RunDir, RunFacts
+from bdlora.base.threads import flat
 from bdlora.compress.start import LowRankStart
 from bdlora.data.blocks import BlockSampler
 from bdlora.data.tokens import default_cache_dir
@@ -120,8 +121,8 @@ def train(cfg: TrainConfig | None, reporter: Reporter | None = None, resume: str
             raise UsageError(f"--resume {run_dir.path}: the run was trained on {stored_world} process(es), this "
                              f"launch has {env.world_size}; resume with the same number so the global batch and "
                              "data order stay the same")
-    if cfg.precision and cost_model is None and resume is None:  # before any teacher or corpus is loaded
-        raise UsageError(f"--precision {cfg.precision}: the decode-time table is built by `bdlora train`; this "
+    if cfg.dials.precision and cost_model is None and resume is None:  # before any teacher or corpus is loaded
+        raise UsageError(f"--precision {cfg.dials.precision}: the decode-time table is built by `bdlora train`; this "
                          "caller passed none")
     dist_device = D.init(env, cfg.device)
     run = None
@@ -250,7 +251,7 @@ def _read_start(run_dir: RunDir) -> LowRankStart:
 
 def _write_config(run_dir: RunDir, cfg: TrainConfig, facts: RunFacts) -> None:
     write_json(run_dir.config_file, {"schema_version": SCHEMA_VERSION, "bdlora_version": __version__,
-                                     "config": dataclasses.asdict(cfg), "run": dataclasses.asdict(facts)})
+                                     "config": flat(cfg), "run": dataclasses.asdict(facts)})
 
 
 def _resume(run: Run, run_dir: RunDir) -> None:

@@ -64,19 +64,19 @@ class BitsStep(BaseStep):
 
     def pricing(self, ctx: OneShotContext) -> None:
         ctx.table_options["wide"] = True
-        if ctx.cfg.whole_step:  # the LM head's width is bought against the whole step only
+        if ctx.cfg.dials.whole_step:  # the LM head's width is bought against the whole step only
             ctx.table_options["head"] = True
 
     def calibration(self, ctx: OneShotContext) -> None:
         ctx.calibration["rounded"] = ctx.table.rounded
-        ctx.calibration["head"] = ctx.cfg.whole_step
+        ctx.calibration["head"] = ctx.cfg.dials.whole_step
 
     def offer(self, ctx: OneShotContext) -> None:
         own = ctx.own(self.name)
         own["wide"] = wide_options(ctx.shapes, ctx.calib, ctx.table)
         for name, (time, given_back) in own["wide"].items():
             ctx.offer(name, [Choice(self.name, time, -given_back, bits=WIDE_BITS)])
-        if ctx.cfg.whole_step:
+        if ctx.cfg.dials.whole_step:
             eight, four, added = own["head"] = head_option(ctx.config, ctx.calib, ctx.table)
             ctx.offer(HEAD, [Choice(self.name, eight, 0.0, bits=WIDE_BITS), Choice(self.name, four, added,
                                                                                    bits=NARROW_BITS)])

@@ -135,13 +135,13 @@ class ChannelsStep(PrunedBlockStep):
     ranking = "ranking every MLP's channels by loss-weighted activation energy"
 
     def pricing(self, ctx: OneShotContext) -> None:
-        ctx.probes += probe_shapes(ctx.shapes, ctx.cfg.widths)
+        ctx.probes += probe_shapes(ctx.shapes, ctx.cfg.dials.widths)
 
     def order(self, ctx: OneShotContext, name: str, module) -> ChannelOrder:
         return channel_order(module.weight, ctx.calib.gram(name), ctx.calib.fisher[name])
 
     def options(self, ctx: OneShotContext, shapes: list, order: ChannelOrder) -> list[tuple[int, float, float]]:
-        return site_options(shapes, order, ctx.cost, ctx.cfg.widths)
+        return site_options(shapes, order, ctx.cost, ctx.cfg.dials.widths)
 
     def pruned(self, site: str, keep: int, mods: dict, order: ChannelOrder, gram) -> dict:
         return pruned_site(site, keep, mods, order, gram)

@@ -137,7 +137,7 @@ class GroupsStep(PrunedBlockStep):
         return group_order(module.weight, ctx.calib.gram(name), ctx.calib.fisher[name], ctx.kv, hd)
 
     def options(self, ctx: OneShotContext, shapes: list, order: GroupOrder) -> list[tuple[int, float, float]]:
-        return group_options(shapes, order, ctx.cost, ctx.cfg.width_multiple)
+        return group_options(shapes, order, ctx.cost, ctx.cfg.dials.width_multiple)
 
     def pruned(self, site: str, keep: int, mods: dict, order: GroupOrder, gram) -> dict:
         return pruned_attention(site, keep, mods, order, gram)

@@ -58,7 +58,7 @@ def quality_plan(source: str, cfg: OneShotConfig, layers: int | None, rank: int,
     None: the paper's rule at ``budget`` and ``rank``."""
     model, _, _, train_blocks, _, _ = load_source(source, cfg, cache_dir, reporter, "--model")
     student = build_student(model, layers, "mixed")[0] if layers else model
-    start = compute_start(student, "whitened", "quality", rank, budget, cfg.mac_ratio, train_blocks,
+    start = compute_start(student, "whitened", "quality", rank, budget, cfg.dials.mac_ratio, train_blocks,
                           cfg.calib_tokens, reporter)
     report = structure_report(start, shapes_of(student), budget)
     report["source"] = "plan --allocation quality"
