@@ -67,12 +67,33 @@ def _start_order(item) -> int:
     return len(LONGEST) + (0 if "slow" in item.keywords else 1)
 
 
+# tests/test_serve.py's cases of the server's own layer (HTTP parsing, its refusals, its time limits, admission,
+# authentication, serialisation, the load-test client): the same code in front of either engine, so the README's test
+# command runs them on the onnxruntime engine and pytest -m full (CI runs it) on onnxruntime-genai's too; the
+# engine's own cases (generation, batching, cancellation, shutdown, a dead engine) run on both in either
+SERVER_LAYER = ("test_echo_with_logprobs_at_scale_is_whole_and_leaves_the_server_answering",
+                "test_idle_and_trickling_clients_are_cut_off_and_never_block_others",
+                "test_prompts_per_request_are_capped_and_admitted_as_one_decision",
+                "test_oversize_prompts_are_refused_before_tokenising_and_never_stall_others",
+                "test_api_key_guards_the_api_and_leaves_health_open",
+                "test_malformed_requests_get_the_openai_error_shape_and_are_counted",
+                "test_bad_input_gets_4xx_with_an_openai_error_body_and_the_server_keeps_serving",
+                "test_hostile_sampling_fields_are_refused_and_the_engine_keeps_serving",
+                "test_loadtest_command_against_the_server",
+                "test_streaming_loadtest_reports_ttft_and_inter_token_latency")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
     """The longest tests, then the other end-to-end tests (``slow``), run first, so under pytest-xdist the longest
     ones start at once on their own workers while the other tests fill the rest (collected in file order, the
     builtin teacher's build started late and alone: 15.5 minutes). Tests marked ``optimum`` need the [optimum]
     extra (its own CI leg). Without it they skip, unless BDLORA_REQUIRE_OPTIMUM=1 (set by that leg): then they run,
-    and a missing extra fails them."""
+    and a missing extra fails them. The server layer's cases on the genai engine are ``full`` (``SERVER_LAYER``)."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if item.originalname in SERVER_LAYER and params.get("served_model") == "genai":
+            item.add_marker(pytest.mark.full)
     items.sort(key=_start_order)  # stable: the order within each kind is kept
     if _has_optimum():
         return

@@ -200,7 +200,7 @@ def test_each_tolerance_gets_the_fastest_row_within_it_on_every_domain(tmp_path)
                       ("teacher-int8", 5.0, 19.0, 49.0)], identical={"lookup": False, "draft": True})
     cfg = ShipConfig(tolerances="0,5,40")
     r = recommend(tmp_path, cfg, COMMANDS, "affine", {"rtn": 21.0, "affine": 20.0}, TEACHER, "D/teacher-affine", None,
-                  spell)
+                  spell, "draft")
     assert [a["row"] for a in r["answers"]] == ["spec-lookup-int4", "spec-lookup-int4", "student-1.25-int4"]
     assert r["answers"][0]["speedup"] == pytest.approx(10 / 8)
     assert "not token-identical to plain decoding" in r["answers"][0]["what"]  # as benched, not assumed
@@ -218,7 +218,7 @@ def test_the_teachers_own_export_when_nothing_beats_it(tmp_path):
     _bench(tmp_path, [("teacher-int4", 10.0, 20.0, 50.0), ("spec-lookup-int4", 11.0, 20.0, 50.0),
                       ("student-1.25-int4", 9.0, 25.0, 60.0)])
     r = recommend(tmp_path, ShipConfig(tolerances="0,10"), COMMANDS, "affine", {}, TEACHER, "D/teacher-affine", None,
-                  spell)
+                  spell, "draft")
     assert all(a["teacher_own"] and a["speedup"] == 1.0 for a in r["answers"])
     assert "**the teacher's own export**: nothing beats it" in (tmp_path / "recommendation.md").read_text()
 
@@ -231,7 +231,7 @@ def test_with_llama_cpps_rows_each_runtime_is_answered_and_overall_against_the_f
                       ("teacher-gguf-q4_k_m", 12.0, 19.8, 49.5), ("student-1.25-gguf-q4_k_m", 7.5, 20.1, 50.2),
                       ("compressed-gguf-q4_k_m", 4.0, 60.0, 200.0)])
     cfg = ShipConfig(tolerances="0,1,5", draft_speedup=0)
-    r = recommend(tmp_path, cfg, COMMANDS, "affine", {}, TEACHER, "D/teacher-affine", "T", spell)
+    r = recommend(tmp_path, cfg, COMMANDS, "affine", {}, TEACHER, "D/teacher-affine", "T", spell, "draft")
     assert r["reference"]["row"] == "teacher-int4"
     assert [(a["row"], a["runtime"]) for a in r["answers"]] == [
         ("teacher-int4", "genai"), ("student-1.25-gguf-q4_k_m", "llamacpp"), ("student-1.25-gguf-q4_k_m", "llamacpp")]

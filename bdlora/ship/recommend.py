@@ -138,13 +138,13 @@ def _answers(rows: list[dict], ref: dict, domains: list[str], tolerances: list[f
 
 
 def recommend(folder: Path, cfg, commands: dict[str, str], teacher_quant: str | None, scheme_ppl: dict[str, float],
-              teacher: str, teacher_out: str | Path, teacher_dir: str | Path | None, spell) -> dict:
-    """The answers and every row (``commands``: each step's command line by name; ``teacher``: the command that
+              teacher: str, teacher_out: str | Path, teacher_dir: str | Path | None, spell, bench_model: str) -> dict:
+    """The answers and every row (``commands``: each step's command line by name; ``bench_model``: the name of the
+    folder the bench step benched, whose rows are named "compressed"; ``teacher``: the command that
     exports the teacher's row, into ``teacher_out``; ``teacher_dir``: the teacher's folder, which llama.cpp's row is
     exported from; ``spell``: an ``Invocation`` as its command line), written to recommendation.md and ship.png;
     returned for recommendation.json."""
     bench = BenchDir(folder / BENCH).report()
-    bench_model = Path(shlex.split(commands[BENCH])[2]).name
     rows = _rows(bench, bench_model, cfg.precision)
     refs = {r["runtime"]: r for r in rows if r["name"] == TEACHER}
     if "genai" not in refs:

@@ -305,7 +305,8 @@ def run_ship(model: str, cfg: ShipConfig, folder: Path, spell: Spell, reporter: 
     teacher = shown(chosen[0].invocation if chosen else teacher_export(model, cfg, teacher_quant, out, threads=False),
                     spell)
     result = recommend(folder, cfg, {s.name: shown(s.invocation, spell) for s in [*made_steps, *heal, bench]},
-                       teacher_quant, scheme_ppl, teacher, out, source, spell)
+                       teacher_quant, scheme_ppl, teacher, out, source, spell,
+                       Path(bench.invocation.values["model_dir"]).name)
     result["steps_run_seconds"] = ran
     write_json(folder / SHIP_RESULT, result)
     return result
