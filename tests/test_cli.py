@@ -279,3 +279,16 @@ def test_help_keeps_bracketed_words(argv, text):
     """Help is written as plain text: typer reads it as rich markup, where "the [llamacpp] extra" lost its name."""
     r = CliRunner().invoke(app, argv, env={"COLUMNS": "200"})
     assert r.exit_code == 0 and text in r.output, r.output
+
+
+def test_train_refuses_a_bad_option_before_it_imports_the_training_stack():
+    """`bdlora train --method nope` imported the training loop (torch, every model family: 6 s) before checking its
+    options; it is refused first, in a process that never imports the loop."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from typer.testing import CliRunner; from bdlora.cli import app; "
+            "r = CliRunner().invoke(app, ['train', '--method', 'nope', '--lr', '-1']); "
+            "print(r.exit_code, 'bdlora.train.loop' in sys.modules, r.output.count('--lr -1'))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.stdout.split() == ["2", "False", "1"], res.stdout + res.stderr
