@@ -16,14 +16,19 @@ from dataclasses import dataclass
 from bdlora.base.errors import flag
 
 
+def field_default(f: dataclasses.Field):
+    """A dataclass field's default (its factory's value), or None where it has none."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+
+
 def embedded(cls) -> dict[str, type]:
     """The fields of ``cls`` that hold a settings dataclass of their own (by their default: bench's ``rounding``,
     every command's ``pool``), each with that dataclass."""
     out = {}
     for f in dataclasses.fields(cls):
-        inner = f.default if f.default is not dataclasses.MISSING else None
-        if inner is None and f.default_factory is not dataclasses.MISSING:
-            inner = f.default_factory()
+        inner = field_default(f)
         if dataclasses.is_dataclass(inner):
             out[f.name] = type(inner)
     return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from bdlora.base.argv import embedded
+from bdlora.base.argv import embedded, field_default
 from bdlora.base.errors import Checks, usable_cores
 
 # `export genai --threads`: the intra-op thread count a folder asks for, written for the machine it will run on, so not
@@ -56,12 +56,8 @@ def from_options(cls, values: dict):
         mine = {f.name for f in dataclasses.fields(inner)} - set(own)
         picked = {k: values.pop(k) for k in list(values) if k in mine}
         if picked:
-            values[name] = dataclasses.replace(_default(own[name]), **picked)
+            values[name] = dataclasses.replace(field_default(own[name]), **picked)
     return cls(**values)
-
-
-def _default(f: dataclasses.Field):
-    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
 def flat(obj) -> dict:

@@ -3,7 +3,6 @@ dataclass field and the docstring under it) and the CLI never repeats either."""
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import typing
 from typing import Annotated, Optional
@@ -11,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from bdlora.base.argv import embedded, fields_of
+from bdlora.base.argv import embedded, field_default, fields_of
 from bdlora.base.errors import UsageError, flag
 from bdlora.base.runs import RUNS_DIR
 from bdlora.base.schemes import SCHEMES
@@ -135,7 +134,7 @@ def from_dataclass(cls, names=None, skip=(), rename: dict | None = None, default
             continue
         opt = rename.get(f.name, f.name)
         tp = _base_type(hints[f.name])
-        default = _default(f) if defaults else None
+        default = field_default(f) if defaults else None
         if isinstance(default, list):
             default = ",".join(map(str, default))
         dashed = opt.replace("_", "-")
@@ -159,12 +158,6 @@ def given(opts: dict) -> dict:
     """The options given on the command line (a common option left out arrives as None: its field's default then
     applies)."""
     return {k: v for k, v in opts.items() if v is not None}
-
-
-def _default(f: dataclasses.Field):
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
 
 
 def int_list(value: str, flag: str) -> list[int]:

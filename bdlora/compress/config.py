@@ -52,7 +52,7 @@ class OneShotConfig(Settings):
 
     def check(self, c: Checks) -> Checks:
         d = self.dials
-        if d.mac_ratio is None and d.speedup is None:
+        if d.ratio is None:
             c.add("--mac-ratio: --one-shot needs the projection-MAC speed-up to compress to (e.g. --mac-ratio 1.5; "
                   "or with --precision, --speedup S: the whole decode speed-up)")
         if d.mac_ratio is not None and d.speedup is not None:

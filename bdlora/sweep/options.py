@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from bdlora.base.argv import fields_of
 from bdlora.base.errors import Checks, UsageError
 from bdlora.base.method_table import GATED, METHOD_TABLE, method_of
 from bdlora.base.settings import Settings
@@ -15,7 +14,7 @@ from bdlora.data.documents import BUILTIN
 from bdlora.models.budgeted.config import DEFAULTS as BUDGETED
 from bdlora.models.budgeted.config import BudgetedConfig
 from bdlora.sweep.vary import check_axes, grid, label
-from bdlora.train.config import TrainConfig, resolve_defaults
+from bdlora.train.config import OPTION_NAMES, TrainConfig, resolve_defaults
 from bdlora.train.defaults import teacher_defaults
 
 BASELINES = tuple(m.name for m in METHOD_TABLE.values() if not m.gated)
@@ -123,7 +122,7 @@ class SweepConfig(Settings):
     def train_config(self, m: Member, out: str | None = None):
         """The training options of a member: the shared ones, its grid point, its method and budget."""
 
-        values = {k: v for k, v in self.train.items() if k in fields_of(TrainConfig) and k != "defaulted"}
+        values = {k: v for k, v in self.train.items() if k in OPTION_NAMES}
         values.update(m.train_settings)
         values.update(method=m.method, out=out)
         if m.budget is not None:

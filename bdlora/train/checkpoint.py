@@ -266,7 +266,8 @@ def resume_config(run: RunDir, overrides: dict | None = None) -> TrainConfig:
     refused (a different method, model or data would silently make a different run)."""
     run.require_resumable()
     stored = run.config()
-    values = {k: v for k, v in stored.items() if k in fields_of(TrainConfig)}
+    known = fields_of(TrainConfig)  # the dials' fields too, as a run's config.json holds them
+    values = {k: v for k, v in stored.items() if k in known}
     for k, v in (overrides or {}).items():
         if k == "out" and v is not None and Path(v).resolve() != run.path.resolve():
             raise UsageError(f"--out {v}: a resumed run continues in its own folder {run.path}; drop --out")

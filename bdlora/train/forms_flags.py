@@ -33,7 +33,7 @@ def train_forms_problems(c, cfg) -> None:
     c.require(not cfg.traits.gated or cfg.lora_init in (None, "whitened"),
               f"--forms {d.forms}: the start's low-rank paths are the one-shot's whitened factors; --lora-init "
               f"{cfg.lora_init} cannot start them (drop it, or give whitened)")
-    c.require(d.forms == LOWRANK.name or d.mac_ratio is not None or d.speedup is not None,
+    c.require(d.forms == LOWRANK.name or d.ratio is not None,
               f"--forms {d.forms}: needs the dial the start allocates for: --mac-ratio R (or --precision P "
               "--speedup S)")
     c.require(not (cfg.structured and cfg.student_init),
